@@ -1,0 +1,69 @@
+"""Putting the micro-batches' outputs back into the model's output, and splitting gradients back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fxpipe.microbatch import gather_leaf
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """A leaf of the output structure that is a value of the graph (an input, or a stage output)."""
+
+    name: str
+    is_input: bool
+
+
+class Gathered:
+    """The outputs of every micro-batch, concatenated along dim 0.
+
+    `tensors` are the gathered tensors in a fixed order; `rebuild(tensors)` puts (autograd's
+    versions of) them into the model's output structure; `route(grads)` splits their gradients
+    into per-micro-batch gradients of each value.
+    """
+
+    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], inputs: dict[str, Any]) -> None:
+        self.template = template
+        self.values: dict[str, tuple[list[Any], Any]] = {}
+        self.tensors: list[torch.Tensor] = []
+        self.slots: list[tuple[str, int, list[int]]] = []  # value, leaf index, micro-batch sizes
+        refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
+        for ref in dict.fromkeys(refs):
+            if ref.is_input:
+                self.values[ref.name] = tree_flatten(inputs[ref.name])
+                continue
+            flats = [tree_flatten(mb[ref.name]) for mb in per_micro_batch]
+            leaves = []
+            for k in range(len(flats[0][0])):
+                parts = [flat[0][k] for flat in flats]
+                leaf = gather_leaf(parts)
+                if isinstance(leaf, torch.Tensor):
+                    self.tensors.append(leaf)
+                    self.slots.append((ref.name, k, [p.shape[0] for p in parts]))
+                leaves.append(leaf)
+            self.values[ref.name] = (leaves, flats[0][1])
+        self.micro_batches = len(per_micro_batch)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        values = {name: list(leaves) for name, (leaves, _) in self.values.items()}
+        for (name, k, _), tensor in zip(self.slots, tensors):
+            values[name][k] = tensor
+        built = {name: tree_unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
+        return tree_map(lambda leaf: built[leaf.name] if isinstance(leaf, ValueRef) else leaf, self.template)
+
+    def route(self, grads: Sequence[Optional[torch.Tensor]]) -> list[dict[str, Any]]:
+        per_value: list[dict[str, list[Optional[torch.Tensor]]]] = [{} for _ in range(self.micro_batches)]
+        for (name, k, sizes), grad in zip(self.slots, grads):
+            if grad is None:
+                continue
+            pieces = grad.split(sizes) if self.micro_batches > 1 else [grad]
+            for i, piece in enumerate(pieces):
+                leaves = per_value[i].setdefault(name, [None] * len(self.values[name][0]))
+                leaves[k] = piece if leaves[k] is None else leaves[k] + piece
+        return [
+            {name: tree_unflatten(leaves, self.values[name][1]) for name, leaves in mb.items()} for mb in per_value
+        ]

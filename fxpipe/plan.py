@@ -1,0 +1,90 @@
+"""The plan: which nodes run on which device, and which values travel between stages."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fxpipe.passes.edges import ACTIVATION, INPUT, OUTPUT, SKIP, Edge
+
+__all__ = ["Edge", "Plan", "StagePlan"]
+
+
+@dataclass
+class StagePlan:
+    """One stage: its device, its nodes in order, what it receives and what it sends on."""
+
+    index: int
+    device: str
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    param_bytes: int
+    size: int = 0
+
+
+@dataclass
+class Plan:
+    """The contract between the passes and the runtime: small, printable, serialisable."""
+
+    stages: list[StagePlan]
+    edges: list[Edge]
+    chunks: int
+    checkpoint: str
+    notes: list[str] = field(default_factory=list)
+
+    def edges_of_kind(self, kind: str) -> list[Edge]:
+        return [e for e in self.edges if e.kind == kind]
+
+    @property
+    def skip_edges(self) -> list[Edge]:
+        """The stash/pop edges: values that jump over at least one stage."""
+        return self.edges_of_kind(SKIP)
+
+    def _bytes(self, stage: int, kinds: tuple[str, ...], incoming: bool) -> int:
+        return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
+
+    def summary(self) -> str:
+        """A table a person reads: one row per stage."""
+        header = ("stage", "device", "nodes", "params", "in: act", "in: skip", "out: act", "out: skip")
+        rows = [header]
+        for s in self.stages:
+            rows.append(
+                (
+                    str(s.index),
+                    s.device,
+                    str(len(s.nodes)),
+                    _human(s.param_bytes),
+                    _human(self._bytes(s.index, (ACTIVATION, INPUT), True)),
+                    _human(self._bytes(s.index, (SKIP,), True)),
+                    _human(self._bytes(s.index, (ACTIVATION, OUTPUT), False)),
+                    _human(self._bytes(s.index, (SKIP,), False)),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in self.skip_edges) or "none"
+        footer = f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  stash/pop edges: {skips}"
+        return "\n".join([*lines, footer, *self.notes])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, dicts, strings, numbers) for JSON and for comparing plans."""
+        data = asdict(self)
+        for edge in data["edges"]:
+            edge["dtype"] = str(edge["dtype"])
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)

@@ -1,0 +1,42 @@
+"""Which parameters, buffers and constant tensors each node of a graph reads, by qualified name."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+
+def fetch_attr(root: nn.Module, target: str) -> Any:
+    """The object at a dotted path below `root`, with an error that names the missing part."""
+    obj: Any = root
+    for i, part in enumerate(target.split(".")):
+        if not hasattr(obj, part):
+            raise AttributeError(f"{type(root).__name__} has no attribute {'.'.join(target.split('.')[: i + 1])!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
+    """The state a node reads: a called module's parameters and buffers, or the tensors of the
+    `get_attr` nodes it takes as arguments; keyed by qualified name."""
+    if node.op == "call_module":
+        module = fetch_attr(gm, str(node.target))
+        state = dict(module.named_parameters(prefix=str(node.target), remove_duplicate=False))
+        state.update(module.named_buffers(prefix=str(node.target), remove_duplicate=False))
+        return state
+    if node.op not in ("call_function", "call_method"):
+        return {}
+    found = {}
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            value = fetch_attr(gm, str(arg.target))
+            if isinstance(value, torch.Tensor):
+                found[str(arg.target)] = value
+    return found
+
+
+def parameters_of(gm: fx.GraphModule, node: fx.Node) -> list[torch.Tensor]:
+    """The tensors of `tensors_read`, without names."""
+    return list(tensors_read(gm, node).values())

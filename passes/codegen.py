@@ -1,0 +1,187 @@
+"""Stage generation: one GraphModule per stage, taking what it receives and returning what it sends.
+
+A tensor that several stages read (tied weights, a shared buffer) is not read from a module
+attribute inside the stage: it becomes a trailing input, so that the runtime can hand each stage
+its own copy on its own device and sum the copies' gradients into the one `Parameter`.
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.passes.attrs import fetch_attr, tensors_read
+from fxpipe.passes.edges import Edge, stage_inputs, stage_outputs
+
+# Ops that return a view of their first argument: an in-place op on such a view writes the input.
+_VIEW_METHODS = {
+    "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "flatten",
+    "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "t", "unfold", "chunk", "split",
+    "as_strided", "diagonal", "contiguous",
+}  # fmt: skip
+_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.flatten, torch.reshape, torch.narrow,
+                   torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.permute}  # fmt: skip
+_NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
+
+
+@dataclass
+class StageCode:
+    """A generated stage: `module(*inputs, *shared)` returns the tuple `outputs`."""
+
+    module: fx.GraphModule
+    inputs: list[str]
+    outputs: list[str]
+    shared: list[str]
+
+
+def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+    """Call `module` with some of its parameters or buffers replaced by `state` for this call."""
+    return torch.func.functional_call(module, state, args, kwargs)
+
+
+def _mutates_first_arg(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
+    if node.op == "call_module":
+        return bool(getattr(fetch_attr(gm, str(node.target)), "inplace", False))
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        return (
+            bool(node.kwargs.get("inplace", False))
+            or node.target is operator.setitem
+            or (name.endswith("_") and not name.startswith("_"))
+        )
+    return False
+
+
+def _view_root(node: fx.Node) -> fx.Node:
+    """Follow view-producing ops back to the tensor whose memory they share."""
+    while node.args and isinstance(node.args[0], fx.Node) and (
+        (node.op == "call_method" and node.target in _VIEW_METHODS)
+        or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
+    ):
+        node = node.args[0]
+    return node
+
+
+def mutated_inputs(gm: fx.GraphModule, run: Sequence[fx.Node], inputs: Sequence[str]) -> set[str]:
+    """Stage inputs that the stage writes in place (say, a ReLU(inplace=True) on a received value).
+
+    They are cloned on entry: a received value is an autograd leaf, and a checkpointed stage must
+    find its saved inputs unchanged when it recomputes.
+    """
+    found = set()
+    for node in run:
+        if _mutates_first_arg(gm, node) and node.args and isinstance(node.args[0], fx.Node):
+            root = _view_root(node.args[0])
+            if root.name in inputs:
+                found.add(root.name)
+    return found
+
+
+def shared_tensors(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
+    """Tensors read by more than one stage, keyed by `id`, with the first name they are read by."""
+    names: dict[int, str] = {}
+    readers: dict[int, set[int]] = {}
+    for index, run in enumerate(runs):
+        for node in run:
+            for name, tensor in tensors_read(gm, node).items():
+                names.setdefault(id(tensor), name)
+                readers.setdefault(id(tensor), set()).add(index)
+    return {key: names[key] for key, stages in readers.items() if len(stages) > 1}
+
+
+def _placeholder_name(name: str) -> str:
+    return "shared_" + re.sub(r"\W", "_", name)
+
+
+class _StageBuilder:
+    """Copies one stage's nodes into a fresh graph, resolving attributes against `owner`."""
+
+    def __init__(self, gm: fx.GraphModule, owner: nn.Module, shared: dict[int, str]) -> None:
+        self.gm, self.owner, self.shared = gm, owner, shared
+        self.graph = fx.Graph()
+        self.env: dict[str, fx.Node] = {}
+        self.attrs: dict[str, Any] = {}
+        self.shared_inputs: dict[str, fx.Node] = {}
+
+    def resolve(self, target: str) -> Any:
+        try:
+            return fetch_attr(self.owner, target)
+        except AttributeError:
+            return fetch_attr(self.gm, target)
+
+    def attribute(self, node: fx.Node) -> fx.Node:
+        value = self.resolve(str(node.target))
+        if isinstance(value, torch.Tensor) and id(value) in self.shared:
+            return self.shared_inputs[self.shared[id(value)]]
+        if node.name not in self.env:
+            self.attrs[str(node.target)] = value
+            self.env[node.name] = self.graph.get_attr(str(node.target))
+        return self.env[node.name]
+
+    def arg(self, node: fx.Node) -> fx.Node:
+        return self.attribute(node) if node.op == "get_attr" else self.env[node.name]
+
+    def copy(self, node: fx.Node) -> None:
+        state = tensors_read(self.gm, node) if node.op == "call_module" else {}
+        tied = {name: t for name, t in state.items() if id(t) in self.shared}
+        if not tied:
+            if node.op == "call_module":
+                self.attrs[str(node.target)] = self.resolve(str(node.target))
+            self.env[node.name] = self.graph.node_copy(node, self.arg)
+            return
+        # A module whose state other stages read too: call a private structural copy of it
+        # (so two stage threads never swap attributes of one module object) with that state
+        # passed in.
+        module = self.resolve(str(node.target))
+        memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+        private = "tied_" + re.sub(r"\W", "_", str(node.target))
+        self.attrs[private] = copy.deepcopy(module, memo)
+        local = {name[len(str(node.target)) + 1 :]: self.shared_inputs[self.shared[id(t)]] for name, t in tied.items()}
+        args = fx.map_arg(node.args, self.arg)
+        kwargs = fx.map_arg(node.kwargs, self.arg)
+        target = self.graph.get_attr(private)
+        self.env[node.name] = self.graph.call_function(call_with_state, (target, local, *args), kwargs)
+        self.env[node.name].name = node.name
+
+
+def _stage_shared(gm: fx.GraphModule, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:
+    found = {shared[id(t)]: None for node in run for t in tensors_read(gm, node).values() if id(t) in shared}
+    return list(found)
+
+
+def generate_stages(
+    gm: fx.GraphModule,
+    runs: Sequence[Sequence[fx.Node]],
+    edges: Sequence[Edge],
+    owner: nn.Module | None = None,
+) -> list[StageCode]:
+    """One `GraphModule` per run of nodes; attributes are resolved against `owner` (the user's
+    model, whose modules and tensors the stages share) and then against `gm`."""
+    shared = shared_tensors(gm, runs)
+    codes = []
+    for index, run in enumerate(runs):
+        builder = _StageBuilder(gm, owner if owner is not None else gm, shared)
+        inputs, outputs = stage_inputs(edges, index), stage_outputs(edges, index)
+        for name in inputs:
+            builder.env[name] = builder.graph.placeholder(name)
+        names = _stage_shared(gm, run, shared)
+        for name in names:
+            builder.shared_inputs[name] = builder.graph.placeholder(_placeholder_name(name))
+        for name in sorted(mutated_inputs(gm, run, inputs), key=inputs.index):
+            builder.env[name] = builder.graph.call_method("clone", (builder.env[name],))
+        for node in run:
+            builder.copy(node)
+        builder.graph.output(tuple(builder.env[name] for name in outputs))
+        module = fx.GraphModule(builder.attrs, builder.graph, f"Stage{index}")
+        codes.append(StageCode(module=module, inputs=inputs, outputs=outputs, shared=names))
+    return codes
+

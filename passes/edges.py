@@ -1,0 +1,89 @@
+"""Cross-stage edges: which values travel from which stage to which, and how.
+
+Stage -1 stands for the caller (the pipeline's inputs) and stage n for the gathered output. A
+value travels straight from the stage that makes it to every stage that uses it:
+
+    stage:    0 ────▶ 1 ────▶ 2 ────▶ 3          activation: to the next stage
+              └───────────────▶ 2                skip (stash at 0, pop at 2): never relayed by 1
+              └───────────────────────▶ 3        the same value, again straight to its user
+
+so stage 1 neither receives nor forwards what it does not use, and in backward the gradients
+that come back from stages 2 and 3 are summed at stage 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch.fx as fx
+
+from fxpipe.passes.linearize import COMPUTE_OPS
+
+CALLER = -1
+
+INPUT, ACTIVATION, SKIP, OUTPUT = "input", "activation", "skip", "output"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One value sent from stage `src` to stage `dst`, once per micro-batch."""
+
+    value: str
+    src: int
+    dst: int
+    kind: str
+    shape: Any
+    dtype: Any
+    nbytes: int
+
+
+def _kind(src: int, dst: int, sink: int) -> str:
+    if src == CALLER:
+        return INPUT
+    if dst == sink:
+        return OUTPUT
+    return ACTIVATION if dst == src + 1 else SKIP
+
+
+def _stage_of(node: fx.Node, sink: int) -> int:
+    if node.op == "output":
+        return sink
+    if node.op == "placeholder":
+        return CALLER
+    return int(node.meta["stage"])
+
+
+def find_edges(gm: fx.GraphModule, stages: int) -> list[Edge]:
+    """Every (value, consumer stage) pair that crosses a stage boundary, in graph order.
+
+    Needs `node.meta["stage"]` from `partition`; stage `stages` is the pipeline's output.
+    """
+    edges = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and node.op not in COMPUTE_OPS:
+            continue
+        src = _stage_of(node, stages)
+        consumers = sorted({_stage_of(user, stages) for user in node.users} - {src})
+        for dst in consumers:
+            edges.append(
+                Edge(
+                    value=node.name,
+                    src=src,
+                    dst=dst,
+                    kind=_kind(src, dst, stages),
+                    shape=node.meta.get("shape"),
+                    dtype=node.meta.get("dtype"),
+                    nbytes=int(node.meta.get("bytes", 0)),
+                )
+            )
+    return edges
+
+
+def stage_inputs(edges: Sequence[Edge], stage: int) -> list[str]:
+    """The values `stage` receives, in graph order."""
+    return [e.value for e in edges if e.dst == stage]
+
+
+def stage_outputs(edges: Sequence[Edge], stage: int) -> list[str]:
+    """The values `stage` sends on, each once, in graph order."""
+    return list(dict.fromkeys(e.value for e in edges if e.src == stage))

@@ -1,0 +1,88 @@
+"""Tracing a model into a torch.fx graph, with errors that point at the line to fix."""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+LeafSpec = Union[str, type]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+class TraceError(RuntimeError):
+    """The model could not be traced; the message names the module, the line and the fix."""
+
+
+class _Tracer(fx.Tracer):
+    """A tracer that keeps chosen modules opaque and remembers which module it is inside."""
+
+    def __init__(self, leaf_modules: Iterable[LeafSpec]) -> None:
+        super().__init__()
+        self.leaf_names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}
+        self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+        self.failed_in: Optional[str] = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        node.meta["scope"] = self.scope.module_path
+        return node
+
+    def call_module(
+        self,
+        m: nn.Module,
+        forward: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module: the first to see the error
+                self.failed_in = self.path_of_module(m)
+            raise
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost stack frame outside torch: the model's own line that tracing tripped on."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    if not frames:
+        return "an unknown line"
+    frame = frames[-1]
+    return f"{frame.filename}:{frame.lineno} ({frame.line})"
+
+
+def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphModule:
+    """Trace `model` symbolically; `leaf_modules` (types or qualified names) stay opaque calls.
+
+    A `GraphModule` is returned as it is: it was traced already.
+    """
+    if isinstance(model, fx.GraphModule):
+        return model
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, not {type(model).__name__}")
+    tracer = _Tracer(leaf_modules)
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:
+        where = tracer.failed_in
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
+            f"  - in module: {where or 'the root module'}\n"
+            f"  - at: {_user_frame(error)}\n"
+            "How to fix: "
+            + (f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
+               "instead of traced, or " if where else "")
+            + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
+        ) from error
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
