@@ -48,7 +48,7 @@ class Run:
 
     def backward(self) -> list[Optional[torch.Tensor]]:
         assert self.gathered is not None
-        grads = self.output_grads or [None] * len(self.gathered.tensors)
+        grads = self.output_grads or [None] * len(self.gathered.slots)
         input_grads = self.step.backward(self.gathered.route(grads))
         self.finish()
         result = []

@@ -8,6 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.checkpoint import CHECKPOINT_MODES
+from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import annotate_costs
 from fxpipe.passes.edges import find_edges
@@ -77,6 +78,11 @@ def place_state(owner: nn.Module, gm: fx.GraphModule, runs: Sequence[Sequence[fx
                     _place(owner, gm, name, tensor, device)
 
 
+def _module_path(node: fx.Node) -> str:
+    scope = str(node.meta.get("scope", ""))
+    return scope or (str(node.target) if node.op == "call_module" else "")
+
+
 def compile_pipeline(
     model: nn.Module,
     example: Any,
@@ -106,6 +112,8 @@ def compile_pipeline(
     """
     parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance)
     example_args = example if isinstance(example, tuple) else (example,)
+    if batch_size_of(list(example_args)) == 0:
+        raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
     gm = trace(model, leaf_modules)
     propagate_shapes(gm, example_args)
     annotate_costs(gm)
@@ -123,6 +131,7 @@ def compile_pipeline(
                 outputs=list(dict.fromkeys(e.value for e in edges if e.src == index)),
                 param_bytes=sum(int(node.meta.get("param_bytes", 0)) for node in run),
                 size=sum(int(node.meta.get("size", 0)) for node in run),
+                modules=[_module_path(node) for node in run],
             )
             for index, (run, device) in enumerate(zip(runs, parsed))
         ],

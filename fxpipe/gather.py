@@ -22,8 +22,10 @@ class Gathered:
     """The outputs of every micro-batch, concatenated along dim 0.
 
     `tensors` are the gathered tensors in a fixed order; `rebuild(tensors)` puts (autograd's
-    versions of) them into the model's output structure; `route(grads)` splits their gradients
-    into per-micro-batch gradients of each value.
+    versions of) them into the model's output structure, once, and lets go of them (autograd's
+    nodes hold this object: holding their outputs too would make a cycle through C++ that the
+    garbage collector cannot see); `route(grads)` splits their gradients into per-micro-batch
+    gradients of each value.
     """
 
     def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], inputs: dict[str, Any]) -> None:
@@ -53,6 +55,8 @@ class Gathered:
         for (name, k, _), tensor in zip(self.slots, tensors):
             values[name][k] = tensor
         built = {name: tree_unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
+        self.tensors = []
+        self.values = {name: ([None] * len(leaves), spec) for name, (leaves, spec) in self.values.items()}
         return tree_map(lambda leaf: built[leaf.name] if isinstance(leaf, ValueRef) else leaf, self.template)
 
     def route(self, grads: Sequence[Optional[torch.Tensor]]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ class StagePlan:
     outputs: list[str]
     param_bytes: int
     size: int = 0
+    modules: list[str] = field(default_factory=list)  # the module path of each node
 
 
 @dataclass
@@ -54,11 +55,11 @@ class Plan:
                     str(s.index),
                     s.device,
                     str(len(s.nodes)),
-                    _human(s.param_bytes),
-                    _human(self._bytes(s.index, (ACTIVATION, INPUT), True)),
-                    _human(self._bytes(s.index, (SKIP,), True)),
-                    _human(self._bytes(s.index, (ACTIVATION, OUTPUT), False)),
-                    _human(self._bytes(s.index, (SKIP,), False)),
+                    human_bytes(s.param_bytes),
+                    human_bytes(self._bytes(s.index, (ACTIVATION, INPUT), True)),
+                    human_bytes(self._bytes(s.index, (SKIP,), True)),
+                    human_bytes(self._bytes(s.index, (ACTIVATION, OUTPUT), False)),
+                    human_bytes(self._bytes(s.index, (SKIP,), False)),
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -82,9 +83,10 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, default=str)
 
 
-def _human(n: int) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return str(n)

@@ -1,0 +1,388 @@
+"""Pipeline overhead and efficiency on CPU: fxpipe and torchgpipe against the plain model, side by side."""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
+REEXECUTED = "FXPIPE_BENCH_REEXECUTED"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ensure_malloc_env() -> bool:
+    """Re-execute this process with glibc's malloc thresholds pinned, unless they are set already.
+
+    glibc reads them once, at start-up, so they cannot be set from inside. Returns whether this
+    process is the re-executed one.
+    """
+    if all(os.environ.get(name) == value for name, value in MALLOC_ENV.items()):
+        return os.environ.pop(REEXECUTED, None) == "1"
+    env = {**os.environ, **MALLOC_ENV, REEXECUTED: "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("unreachable")
+
+
+Step = Callable[[], None]
+
+
+# -- options --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sizes:
+    mlp_layers: int
+    mlp_width: int
+    mlp_batch: int
+    small_batch: int
+    unet_batch: int
+    unet_image: int
+    chunks: int
+
+
+FULL = Sizes(mlp_layers=16, mlp_width=512, mlp_batch=2048, small_batch=256, unet_batch=64, unet_image=32, chunks=8)
+QUICK = Sizes(mlp_layers=8, mlp_width=128, mlp_batch=512, small_batch=128, unet_batch=16, unet_image=16, chunks=8)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds of every contender (default 9; 2 with --quick)")
+    p.add_argument("--steps-per-block", type=int, default=None, help="steps per timed block (default 3; 1 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 2; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run in under 30 s")
+    args = p.parse_args(argv)
+    args.sizes = QUICK if args.quick else FULL
+    for name, full, quick in (("repeats", 9, 2), ("steps_per_block", 3, 1), ("warmup", 2, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+# -- contenders -----------------------------------------------------------------------------
+@dataclass
+class Contender:
+    name: str
+    step: Step
+    times: list[float] = field(default_factory=list)  # seconds per step, one entry per timed block
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+
+def training_step(model: nn.Module, inputs: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    """Forward and backward, no optimizer; gradients are dropped first, as zero_grad() does."""
+    params = list(model.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        loss_fn(model(inputs)).backward()
+
+    return step
+
+
+def forward_step(model: nn.Module, inputs: torch.Tensor) -> Step:
+    """The forward alone, recording the graph as a recompute does: F in the recompute bound."""
+
+    def step() -> None:
+        with torch.enable_grad():
+            model(inputs)
+
+    return step
+
+
+def sequential_micro_batches_step(model: nn.Module, inputs: torch.Tensor, chunks: int, loss_fn: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    """The plain model over the micro-batches one after another, on one thread: the kernel cost
+    of small micro-batches, without any pipeline."""
+    params = list(model.parameters())
+    pieces = inputs.chunk(chunks)
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        for piece in pieces:
+            loss_fn(model(piece)).backward()
+
+    return step
+
+
+def mean_square(output: torch.Tensor) -> torch.Tensor:
+    return output.square().mean()
+
+
+def measure(contenders: Sequence[Contender], repeats: int, steps_per_block: int, warmup: int) -> None:
+    """Warm every contender up, then time blocks of steps round-robin, rotating who goes first."""
+    for contender in contenders:
+        for _ in range(warmup):
+            contender.step()
+    for round_index in range(repeats):
+        shift = round_index % len(contenders)
+        for contender in [*contenders[shift:], *contenders[:shift]]:
+            start = time.perf_counter()
+            for _ in range(steps_per_block):
+                contender.step()
+            contender.times.append((time.perf_counter() - start) / steps_per_block)
+
+
+# -- the libraries --------------------------------------------------------------------------
+def fxpipe_pipeline(model: nn.Module, example: torch.Tensor, stages: int, chunks: int, checkpoint: str) -> nn.Module:
+    from fxpipe import compile_pipeline
+
+    return compile_pipeline(copy.deepcopy(model), example, devices=["cpu"] * stages, chunks=chunks, checkpoint=checkpoint)
+
+
+def load_torchgpipe() -> tuple[Optional[Any], str]:
+    """torchgpipe's GPipe class, or None and why not. 0.0.7 needs no shim on torch 2.13 so far."""
+    try:
+        import torchgpipe
+        from torchgpipe import GPipe
+    except Exception as error:  # noqa: BLE001 - any import failure means "not runnable"
+        return None, f"import failed: {type(error).__name__}: {error}"
+    return GPipe, f"torchgpipe {torchgpipe.__version__}"
+
+
+def torchgpipe_pipeline(gpipe: Any, model: nn.Sequential, stages: int, chunks: int, checkpoint: str) -> nn.Module:
+    per_stage, extra = divmod(len(model), stages)
+    balance = [per_stage + (1 if s < extra else 0) for s in range(stages)]
+    return gpipe(copy.deepcopy(model), balance=balance, devices=["cpu"] * stages, chunks=chunks, checkpoint=checkpoint)
+
+
+def smoke_test(step: Step) -> Optional[str]:
+    """Run one step; the reason it failed, or None."""
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 - reported in the table instead
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+# -- the models -----------------------------------------------------------------------------
+class MLP(nn.Module):
+    """Linear+ReLU layers. fxpipe gets this wrapper: it fails on a bare nn.Sequential, whose forward
+    argument `input` becomes the graph placeholder `input_1` (KeyError: 'input_1' in Step.forward)."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            blocks += [nn.Linear(width, width), nn.ReLU()]
+        self.layers = nn.Sequential(*blocks)  # what torchgpipe gets
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+# -- the table ------------------------------------------------------------------------------
+@dataclass
+class Row:
+    model: str
+    library: str
+    configuration: str
+    metric: str
+    median: Optional[float] = None
+    best: Optional[float] = None
+    target: str = ""
+    bound: str = ""
+    milliseconds: str = ""
+    note: str = ""
+
+    def cells(self) -> list[str]:
+        if self.median is None or self.best is None:
+            values = [self.note, ""]
+        else:
+            values = [f"{self.median:.3f}", f"{self.best:.3f}"]
+        return [self.model, self.library, self.configuration, self.metric, *values, self.target, self.bound, self.milliseconds]
+
+
+HEADER = ["model", "library", "configuration", "metric", "median", "min", "target", "bound", "ms/step median (min)"]
+
+
+def milliseconds(*contenders: Contender) -> str:
+    return " / ".join(f"{c.median * 1e3:.1f} ({c.best * 1e3:.1f})" for c in contenders)
+
+
+def overhead_row(model: str, library: str, plain: Contender, pipe: Contender) -> Row:
+    """T(pipe) / T(plain) for one stage, one micro-batch."""
+    return Row(
+        model, library, "1 stage, chunks 1, 'never'", "T(pipe)/T(plain)",
+        pipe.median / plain.median, pipe.best / plain.best, "<= 1.03", "1.00", milliseconds(plain, pipe),
+    )
+
+
+def efficiency_row(model: str, library: str, configuration: str, plain: Contender, pipe: Contender, stages: int, target: str, bound: float) -> Row:
+    """E = T(plain, one thread) / (n x T(pipeline))."""
+    return Row(
+        model, library, configuration, f"E = T(plain)/({stages}T(pipe))",
+        plain.median / (stages * pipe.median), plain.best / (stages * pipe.best), target, f"{bound:.2f}", milliseconds(plain, pipe),
+    )
+
+
+def gpipe_bound(chunks: int, stages: int) -> float:
+    return chunks / (chunks + stages - 1)
+
+
+def recompute_bound(chunks: int, stages: int, plain: Contender, forward: Contender) -> float:
+    """The GPipe bound times (F + B) / (F + B + F (m-1)/m): 'except_last' recomputes m-1 of m."""
+    step, f = plain.median, forward.median
+    return gpipe_bound(chunks, stages) * step / (step + f * (chunks - 1) / chunks)
+
+
+def not_runnable_row(model: str, configuration: str, reason: str) -> Row:
+    return Row(model, "torchgpipe", configuration, "", note=f"torchgpipe: not runnable ({reason})")
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    lines = [HEADER, ["---"] * len(HEADER), *[row.cells() for row in rows]]
+    for line in lines:
+        print("| " + " | ".join(line) + " |")
+
+
+# -- the benchmarks -------------------------------------------------------------------------
+EVEN = "2 stages, chunks {chunks}, {checkpoint!r}"
+
+
+def bench_mlp(args: argparse.Namespace) -> list[Row]:
+    s: Sizes = args.sizes
+    torch.manual_seed(0)
+    model = MLP(s.mlp_layers, s.mlp_width)
+    x = torch.randn(s.mlp_batch, s.mlp_width)
+    small = torch.randn(s.small_batch, s.mlp_width)
+    name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.mlp_batch}"
+
+    plain = Contender("plain", training_step(model, x, mean_square))
+    forward = Contender("plain forward", forward_step(model, x))
+    fx = {
+        key: Contender(f"fxpipe {key}", training_step(fxpipe_pipeline(model, x, *key), x, mean_square))
+        for key in [(1, 1, "never"), (2, s.chunks, "never"), (2, s.chunks, "except_last")]
+    }
+    small_plain = Contender("plain small", training_step(model, small, mean_square))
+    small_sequential = Contender("plain small, sequential micro-batches", sequential_micro_batches_step(model, small, s.chunks, mean_square))
+    small_fx = Contender("fxpipe small", training_step(fxpipe_pipeline(model, small, 2, s.chunks, "never"), small, mean_square))
+
+    gpipe, gpipe_status = load_torchgpipe()
+    tg: dict[tuple[int, int, str], Contender] = {}
+    tg_failures: dict[tuple[int, int, str], str] = {}
+    for key in fx:
+        if gpipe is None:
+            tg_failures[key] = gpipe_status
+            continue
+        try:
+            step = training_step(torchgpipe_pipeline(gpipe, model.layers, *key), x, mean_square)
+            reason = smoke_test(step)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            reason = f"{type(error).__name__}: {error}"
+        if reason is None:
+            tg[key] = Contender(f"torchgpipe {key}", step)
+        else:
+            tg_failures[key] = reason
+
+    contenders = [plain, forward, *fx.values(), *tg.values(), small_plain, small_sequential, small_fx]
+    measure(contenders, args.repeats, args.steps_per_block, args.warmup)
+
+    rows = []
+    for library, runs in (("fxpipe", fx), ("torchgpipe", tg)):
+        for key in fx:
+            stages, chunks, checkpoint = key
+            if key not in runs:
+                configuration = "1 stage, chunks 1, 'never'" if stages == 1 else EVEN.format(chunks=chunks, checkpoint=checkpoint)
+                rows.append(not_runnable_row(name, configuration, tg_failures[key]))
+            elif stages == 1:
+                rows.append(overhead_row(name, library, plain, runs[key]))
+            elif checkpoint == "never":
+                rows.append(efficiency_row(name, library, EVEN.format(chunks=chunks, checkpoint=checkpoint), plain, runs[key], 2, ">= 0.80", gpipe_bound(chunks, 2)))
+            else:
+                bound = recompute_bound(chunks, 2, plain, forward)
+                rows.append(efficiency_row(name, library, EVEN.format(chunks=chunks, checkpoint=checkpoint), plain, runs[key], 2, "", bound))
+
+    small_name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.small_batch}"
+    rows.append(efficiency_row(small_name, "fxpipe", f"2 stages, chunks {s.chunks} ({s.small_batch // s.chunks} rows), 'never'", small_plain, small_fx, 2, "", gpipe_bound(s.chunks, 2)))
+    rows.append(Row(
+        small_name, "(none)", f"plain, {s.chunks} micro-batches of {s.small_batch // s.chunks} rows in turn, one thread",
+        "T(micro-batched)/T(plain)", small_sequential.median / small_plain.median, small_sequential.best / small_plain.best,
+        "", "", milliseconds(small_plain, small_sequential),
+    ))
+    return rows
+
+
+def bench_unet(args: argparse.Namespace) -> list[Row]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from unet import loss_fn, make_batch, make_model
+
+    s: Sizes = args.sizes
+    torch.manual_seed(0)
+    model = make_model()
+    x, y = make_batch(s.unet_batch, size=s.unet_image)
+    name = f"U-Net (examples/unet.py), batch {s.unet_batch}, {s.unet_image}x{s.unet_image}"
+
+    def loss(output: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, y)
+
+    plain = Contender("plain", training_step(model, x, loss))
+    forward = Contender("plain forward", forward_step(model, x))
+    fx = {
+        key: Contender(f"fxpipe {key}", training_step(fxpipe_pipeline(model, x, *key), x, loss))
+        for key in [(1, 1, "never"), (2, s.chunks, "never"), (2, s.chunks, "except_last")]
+    }
+    measure([plain, forward, *fx.values()], args.repeats, args.steps_per_block, args.warmup)
+
+    never, except_last = fx[(2, s.chunks, "never")], fx[(2, s.chunks, "except_last")]
+    return [
+        overhead_row(name, "fxpipe", plain, fx[(1, 1, "never")]),
+        efficiency_row(name, "fxpipe", EVEN.format(chunks=s.chunks, checkpoint="never"), plain, never, 2, ">= 0.80", gpipe_bound(s.chunks, 2)),
+        efficiency_row(name, "fxpipe", EVEN.format(chunks=s.chunks, checkpoint="except_last"), plain, except_last, 2, "", recompute_bound(s.chunks, 2, plain, forward)),
+    ]
+
+
+# -- main -----------------------------------------------------------------------------------
+def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
+    env = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+    print("# fxpipe overhead and pipeline efficiency on CPU\n")
+    print(f"command: `{env} {shlex.join(sys.orig_argv)}`")
+    if reexecuted:
+        print(f"re-executed itself with {env} (glibc reads them at start-up; set for every contender alike)")
+    s: Sizes = args.sizes
+    print(
+        f"settings: repeats={args.repeats}, steps per block={args.steps_per_block}, warm-up steps={args.warmup}, "
+        f"quick={args.quick}; MLP {s.mlp_layers} x Linear({s.mlp_width})+ReLU, batch {s.mlp_batch} (small: {s.small_batch}); "
+        f"U-Net batch {s.unet_batch} of {s.unet_image}x{s.unet_image}; chunks {s.chunks}"
+    )
+    print(
+        f"torch {torch.__version__}, intra-op threads per thread={torch.get_num_threads()}, cores={os.cpu_count()}, "
+        f"load average at start={os.getloadavg()[0]:.2f}"
+    )
+    print(
+        "method: a step is forward + backward of a mean loss, no optimizer; contenders run round-robin in this "
+        "process (rotating who goes first), each timed in blocks of steps; median and min over the blocks. "
+        "Each pipeline stage runs on its own worker thread; 'devices' are ['cpu', 'cpu'].\n"
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    reexecuted = ensure_malloc_env()
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    print_settings(args, reexecuted)
+    rows = bench_mlp(args) + bench_unet(args)
+    print_table(rows)
+    print(
+        f"\nbound: m/(m+n-1) for 'never'; for 'except_last' that times (F+B)/(F+B+F(m-1)/m), F the measured "
+        f"forward and F+B the plain step. load average at end={os.getloadavg()[0]:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

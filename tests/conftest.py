@@ -1,0 +1,58 @@
+"""Shared helpers: the example models, a fan-out model, and gradient comparison."""
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+
+def example_module(name: str) -> Any:
+    return importlib.import_module(name)
+
+
+class FanOut(nn.Module):
+    """`a` feeds three later layers: cut in 4 stages, it is a skip to each of stages 2 and 3."""
+
+    def __init__(self, width: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.tanh(self.layers[0](x))
+        b = torch.tanh(self.layers[1](a))
+        c = torch.tanh(self.layers[2](b))
+        d = torch.tanh(self.layers[3](c)) + a
+        e = torch.tanh(self.layers[4](d))
+        f = torch.tanh(self.layers[5](e)) * a
+        g = torch.tanh(self.layers[6](f)) + b
+        return self.layers[7](g) + a
+
+
+def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10) -> None:
+    """Every parameter's gradient in the pipeline equals the reference's, by name."""
+    ref = dict(reference.named_parameters())
+    names = [name for name, _ in pipe.named_parameters()]
+    assert names == list(ref), "parameter names differ from the plain model's"
+    for name, param in pipe.named_parameters():
+        expected = ref[name].grad
+        assert param.grad is not None, f"{name}: no gradient"
+        torch.testing.assert_close(param.grad.cpu(), expected, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def twin(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The model in float64, and an independent copy for reference."""
+    model = model.double()
+    return model, copy.deepcopy(model)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,127 @@
+"""Bad input gets one clear error that names the problem and the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FanOut
+from fxpipe import PartitionError, PlacementError, TraceError, compile_pipeline
+
+X = torch.randn(4, 6)
+
+
+class Nest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(6, 6), nn.ReLU())
+        self.second = nn.Sequential(nn.Linear(6, 6), nn.ReLU())
+        self.third = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.third(self.second(self.first(x)))
+
+
+def test_empty_devices() -> None:
+    with pytest.raises(ValueError, match="devices is empty"):
+        compile_pipeline(FanOut(), X, [])
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5])
+def test_chunks_below_one(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks must be a whole number of micro-batches, at least 1"):
+        compile_pipeline(FanOut(), X, ["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_unknown_checkpoint_mode() -> None:
+    with pytest.raises(ValueError, match="checkpoint must be one of 'always', 'except_last', 'never' \\(got 'sometimes'\\)"):
+        compile_pipeline(FanOut(), X, ["cpu"], checkpoint="sometimes")
+
+
+def test_all_argument_problems_are_listed_together() -> None:
+    with pytest.raises(ValueError) as info:
+        compile_pipeline(FanOut(), X, [], chunks=0, checkpoint="bad")
+    message = str(info.value)
+    assert "devices is empty" in message and "chunks must" in message and "checkpoint must" in message
+
+
+def test_split_point_that_is_not_a_module() -> None:
+    with pytest.raises(PartitionError, match="split point 'fourth' is not a module that runs in the traced graph"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], split_points=["fourth"])
+
+
+def test_split_points_out_of_order() -> None:
+    with pytest.raises(PartitionError, match="split points are out of order"):
+        compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["third", "second"])
+
+
+def test_split_points_cut_where_the_modules_begin() -> None:
+    pipe = compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["second", "third"])
+    assert [stage.nodes for stage in pipe.plan.stages] == [["first_0", "first_1"], ["second_0", "second_1"], ["third"]]
+
+
+def test_more_stages_than_nodes() -> None:
+    with pytest.raises(PartitionError, match="6 stages but the graph has only 5 nodes to place"):
+        compile_pipeline(Nest(), X, ["cpu"] * 6)
+
+
+def test_balance_that_does_not_sum_to_the_node_count() -> None:
+    with pytest.raises(PartitionError, match="balance sums to 4 but the graph has 5 nodes to place"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], balance=[2, 2])
+
+
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) * 2
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return x
+        return -x
+
+
+def test_untraceable_model_names_the_module_the_line_and_the_fix() -> None:
+    with pytest.raises(TraceError) as info:
+        compile_pipeline(Untraceable(), X, ["cpu"])
+    message = str(info.value)
+    assert "in module: gate" in message
+    assert "test_errors.py" in message and "if x.sum() > 0:" in message
+    assert "leaf_modules=['gate']" in message
+    pipe = compile_pipeline(Untraceable(), X, ["cpu"], leaf_modules=["gate"])
+    torch.testing.assert_close(pipe(X), Untraceable()(X))
+
+
+def test_empty_batch() -> None:
+    with pytest.raises(ValueError, match="the example batch is empty"):
+        compile_pipeline(FanOut(), torch.randn(0, 6), ["cpu"])
+    pipe = compile_pipeline(FanOut(), X, ["cpu"])
+    with pytest.raises(ValueError, match="the input batch is empty"):
+        pipe(torch.randn(0, 6))
+
+
+@pytest.mark.parametrize("move", [lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu"), torch.float64), lambda p: p.cpu(), lambda p: p.cuda()])
+def test_moving_a_pipeline_is_refused(move: object) -> None:
+    pipe = compile_pipeline(FanOut(), X, ["cpu", "cpu"])
+    with pytest.raises(PlacementError, match="placement is managed"):
+        move(pipe)  # type: ignore[operator]
+    assert pipe.to(torch.float64) is pipe
+
+
+def test_calling_with_wrong_arguments() -> None:
+    pipe = compile_pipeline(FanOut(), X, ["cpu"])
+    with pytest.raises(TypeError, match="the pipeline takes the traced model's arguments"):
+        pipe(X, X)
+
+
+def test_second_backward_through_one_step() -> None:
+    pipe = compile_pipeline(FanOut(), X, ["cpu", "cpu"])
+    loss = pipe(X).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph is not supported"):
+        loss.backward()

@@ -1,0 +1,237 @@
+"""The runtime: failures, threads, memory, state dicts, odd batches, nested inputs and dropout."""
+from __future__ import annotations
+
+import copy
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FanOut, assert_grads_equal, example_module, twin
+from fxpipe import StageError, compile_pipeline
+
+
+class Bomb(nn.Module):
+    """A layer that raises on its `fuse`-th call while armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.armed, self.fuse, self.calls = False, 3, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        if self.armed and call == self.fuse:
+            raise ValueError("boom")
+        return self.linear(x)
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.bomb, self.d = nn.Linear(4, 4), nn.Linear(4, 4), Bomb(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.bomb(self.b(self.a(x)).relu()).relu())
+
+
+def _chain_pipeline(checkpoint: str = "never") -> tuple[Chain, nn.Module, torch.Tensor]:
+    model = Chain()
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=checkpoint, balance=[2, 1, 3], leaf_modules=[Bomb])
+    assert "bomb" in pipe.plan.stages[2].nodes
+    return model, pipe, x
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_exception_in_stage_2_micro_batch_3_reaches_the_caller(phase: str) -> None:
+    model, pipe, x = _chain_pipeline("always")
+    model.bomb.calls, model.bomb.armed = 0, True
+    # Forward calls the bomb for micro-batches 0..3; with 'always', backward recomputes 3, 2, 1, 0.
+    model.bomb.fuse = 3 if phase == "forward" else 4
+    with pytest.raises(StageError, match=f"stage 2 failed on micro-batch 3 in {phase}: ValueError: boom") as info:
+        pipe(x).sum().backward()
+    assert (info.value.stage, info.value.micro_batch, info.value.phase) == (2, 3, phase)
+    assert isinstance(info.value.__cause__, ValueError)
+    model.bomb.armed = False
+    reference = copy.deepcopy(model)
+    for p in pipe.parameters():
+        p.grad = None
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-6)
+
+
+def _worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("fxpipe-stage")]
+
+
+def test_no_worker_thread_outlives_the_pipeline() -> None:
+    gc.collect()
+    before = set(_worker_threads())
+    _, pipe, x = _chain_pipeline()
+    pipe(x).sum().backward()
+    assert len(set(_worker_threads()) - before) == 3
+    del pipe
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while set(_worker_threads()) - before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not set(_worker_threads()) - before
+
+
+class Spy(nn.Module):
+    """Keeps a weak reference to everything it returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.outputs: list[weakref.ref] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        self.outputs.append(weakref.ref(y))
+        return y
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_no_activation_outlives_its_step(mode: str) -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.spy, self.b = nn.Linear(4, 4), Spy(), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(self.spy(h)) + h
+
+    model = Model()
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=mode, leaf_modules=[Spy])
+    for _ in range(2):
+        model.spy.outputs.clear()
+        loss = pipe(x).sum()
+        loss.backward()
+        del loss
+        gc.collect()
+        assert model.spy.outputs and all(ref() is None for ref in model.spy.outputs)
+
+
+def test_state_dict_round_trip() -> None:
+    unet = example_module("unet")
+    model = unet.make_model(base=4)
+    plain = unet.make_model(base=4)
+    x, _ = unet.make_batch(4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    assert list(pipe.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(pipe.state_dict())
+    torch.testing.assert_close(plain(x), pipe(x), rtol=0, atol=0)
+    fresh = unet.make_model(base=4)
+    pipe.load_state_dict(fresh.state_dict())
+    torch.testing.assert_close(pipe(x), fresh(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch,chunks", [(5, 8), (10, 4), (1, 3), (7, 7)])
+def test_uneven_and_small_batches(batch: int, chunks: int) -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(batch, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, torch.randn(4, 6, dtype=torch.float64), ["cpu"] * 3, chunks=chunks)
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+    micro_batches = {i for phase, i, *_ in pipe.last_timeline}
+    assert len(micro_batches) == min(batch, chunks)
+
+
+class Nested(nn.Module):
+    """Takes a tensor, a shared (unbatched) tensor and a dict; returns a dict with a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g, self.h = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor, extra: dict[str, torch.Tensor]) -> dict[str, object]:
+        a = torch.tanh(self.f(x * scale))
+        b = torch.tanh(self.g(a + extra["y"]))
+        c = self.h(b) * extra["z"]
+        return {"c": c, "pair": (a, b)}
+
+
+def test_tuple_and_dict_inputs_and_outputs() -> None:
+    model, reference = twin(Nested())
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    scale = torch.rand(4, dtype=torch.float64, requires_grad=True)
+    extra = {"y": torch.randn(6, 4, dtype=torch.float64), "z": torch.randn(6, 1, dtype=torch.float64)}
+    pipe = compile_pipeline(model, (x, scale, extra), ["cpu"] * 3, chunks=3, checkpoint="except_last")
+    out = pipe(x, scale, extra=extra)
+    x_ref, scale_ref = x.detach().clone().requires_grad_(), scale.detach().clone().requires_grad_()
+    expected = reference(x_ref, scale_ref, extra)
+    assert set(out) == {"c", "pair"} and isinstance(out["pair"], tuple)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    (out["c"].sum() + out["pair"][0].sum() * 2).backward()
+    (expected["c"].sum() + expected["pair"][0].sum() * 2).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(scale.grad, scale_ref.grad, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+def _dropout_step(mode: str, seed: int, stages: int = 3) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gpt = example_module("gpt")
+    torch.manual_seed(1)
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.3).double()
+    x, y = gpt.make_batch(8)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4, checkpoint=mode)
+    torch.manual_seed(seed)
+    out = pipe(x)
+    gpt.loss_fn(out, y).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+
+def test_dropout_is_replayed_exactly_under_recompute() -> None:
+    out_never, grads_never = _dropout_step("never", seed=7)
+    for mode in ("always", "except_last"):
+        out, grads = _dropout_step(mode, seed=7)
+        assert torch.equal(out, out_never), mode
+        for name, grad in grads.items():
+            assert torch.equal(grad, grads_never[name]), f"{mode}: {name}"
+
+
+def test_dropout_is_reproducible_and_seeded() -> None:
+    first, grads = _dropout_step("except_last", seed=3)
+    again, grads_again = _dropout_step("except_last", seed=3)
+    other, _ = _dropout_step("except_last", seed=4)
+    assert torch.equal(first, again)
+    assert all(torch.equal(grads[n], grads_again[n]) for n in grads)
+    assert not torch.equal(first, other)
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.3).double()
+    x, _ = gpt.make_batch(8)
+    assert not torch.equal(first, model.eval()(x)), "dropout did not act"
+
+
+def test_dtype_casts_are_allowed_and_rebuild_the_stages() -> None:
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16)
+    reference = copy.deepcopy(model).double()
+    x, _ = gpt.make_batch(4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    pipe.double()
+    out = pipe(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    assert all(buffer.dtype == torch.float64 for _, buffer in pipe.named_buffers())
+
+
+def test_frozen_model_and_plain_input_run_without_autograd() -> None:
+    model = FanOut().requires_grad_(False)
+    x = torch.randn(4, 6)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    out = pipe(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, model(x))
