@@ -12,6 +12,7 @@ from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import annotate_costs
 from fxpipe.passes.edges import find_edges
+from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import linearize
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
@@ -114,7 +115,7 @@ def compile_pipeline(
     example_args = example if isinstance(example, tuple) else (example,)
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
-    gm = trace(model, leaf_modules)
+    gm = redirect_reads_after_writes(trace(model, leaf_modules))
     propagate_shapes(gm, example_args)
     annotate_costs(gm)
     order = linearize(gm)

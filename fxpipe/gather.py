@@ -12,10 +12,11 @@ from fxpipe.microbatch import gather_leaf
 
 @dataclass(frozen=True)
 class ValueRef:
-    """A leaf of the output structure that is a value of the graph (an input, or a stage output)."""
+    """A leaf of the output structure that is a value of the graph: a stage's output (gathered
+    from the micro-batches), or a value `given` whole (an input, a module attribute)."""
 
     name: str
-    is_input: bool
+    given: bool
 
 
 class Gathered:
@@ -28,15 +29,15 @@ class Gathered:
     gradients of each value.
     """
 
-    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], inputs: dict[str, Any]) -> None:
+    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], given: dict[str, Any]) -> None:
         self.template = template
         self.values: dict[str, tuple[list[Any], Any]] = {}
         self.tensors: list[torch.Tensor] = []
         self.slots: list[tuple[str, int, list[int]]] = []  # value, leaf index, micro-batch sizes
         refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
         for ref in dict.fromkeys(refs):
-            if ref.is_input:
-                self.values[ref.name] = tree_flatten(inputs[ref.name])
+            if ref.given:
+                self.values[ref.name] = tree_flatten(given[ref.name])
                 continue
             flats = [tree_flatten(mb[ref.name]) for mb in per_micro_batch]
             leaves = []

@@ -59,9 +59,7 @@ class Pipeline(nn.Module):
         self.last_timeline: list[tuple[str, int, int, float, float]] = []
         self._signature = inspect.signature(graph.forward)
         output = next(n for n in graph.graph.nodes if n.op == "output")
-        self._template = tree_map(
-            lambda n: ValueRef(n.name, n.op == "placeholder") if isinstance(n, fx.Node) else n, output.args[0]
-        )
+        self._template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, output.args[0])
         self._workers = Workers(self.devices)
         self._workers.bind(self)
         self._build()
@@ -149,13 +147,18 @@ class Pipeline(nn.Module):
         self.last_timeline = step.timeline
 
         def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-            return Gathered(self._template, per_micro_batch, values)
+            return Gathered(self._template, per_micro_batch, self._given(values))
 
         if not grad:
             gathered = gather(step.forward())
             return gathered.rebuild(gathered.tensors)
         run = Run(step, input_slots, gather, lambda: self._reduce_shared(shared))
         return run_with_autograd(run)
+
+    def _given(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Output values not made by a stage: inputs, and attributes returned as they are."""
+        attrs = [leaf.name for leaf in tree_flatten(self._template)[0] if isinstance(leaf, ValueRef) and leaf.given]
+        return {name: values[name] if name in values else fetch_attr(self._owner, name) for name in attrs}
 
     def _input_slots(self, values: dict[str, Any], batch: Optional[int]) -> list[InputSlot]:
         slots = []
@@ -212,6 +215,12 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+
+def _ref(node: fx.Node) -> ValueRef:
+    if node.op == "get_attr":
+        return ValueRef(str(node.target), given=True)
+    return ValueRef(node.name, given=node.op == "placeholder")
 
 
 def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:

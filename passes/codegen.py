@@ -7,7 +7,6 @@ its own copy on its own device and sum the copies' gradients into the one `Param
 from __future__ import annotations
 
 import copy
-import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -18,17 +17,7 @@ from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.edges import Edge, stage_inputs, stage_outputs
-
-# Ops that return a view of their first argument: an in-place op on such a view writes the input.
-_VIEW_METHODS = {
-    "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "flatten",
-    "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "t", "unfold", "chunk", "split",
-    "as_strided", "diagonal", "contiguous",
-}  # fmt: skip
-_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.flatten, torch.reshape, torch.narrow,
-                   torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.permute}  # fmt: skip
-_NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
-
+from fxpipe.passes.inplace import mutated_inputs
 
 @dataclass
 class StageCode:
@@ -43,47 +32,6 @@ class StageCode:
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
     """Call `module` with some of its parameters or buffers replaced by `state` for this call."""
     return torch.func.functional_call(module, state, args, kwargs)
-
-
-def _mutates_first_arg(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_method":
-        name = str(node.target)
-        return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
-    if node.op == "call_module":
-        return bool(getattr(fetch_attr(gm, str(node.target)), "inplace", False))
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return (
-            bool(node.kwargs.get("inplace", False))
-            or node.target is operator.setitem
-            or (name.endswith("_") and not name.startswith("_"))
-        )
-    return False
-
-
-def _view_root(node: fx.Node) -> fx.Node:
-    """Follow view-producing ops back to the tensor whose memory they share."""
-    while node.args and isinstance(node.args[0], fx.Node) and (
-        (node.op == "call_method" and node.target in _VIEW_METHODS)
-        or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
-    ):
-        node = node.args[0]
-    return node
-
-
-def mutated_inputs(gm: fx.GraphModule, run: Sequence[fx.Node], inputs: Sequence[str]) -> set[str]:
-    """Stage inputs that the stage writes in place (say, a ReLU(inplace=True) on a received value).
-
-    They are cloned on entry: a received value is an autograd leaf, and a checkpointed stage must
-    find its saved inputs unchanged when it recomputes.
-    """
-    found = set()
-    for node in run:
-        if _mutates_first_arg(gm, node) and node.args and isinstance(node.args[0], fx.Node):
-            root = _view_root(node.args[0])
-            if root.name in inputs:
-                found.add(root.name)
-    return found
 
 
 def shared_tensors(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:

@@ -1,6 +1,7 @@
 """Tracing a model into a torch.fx graph, with errors that point at the line to fix."""
 from __future__ import annotations
 
+import copy
 import os
 import traceback
 from typing import Any, Callable, Iterable, Optional, Union
@@ -64,10 +65,10 @@ def _user_frame(error: BaseException) -> str:
 def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphModule:
     """Trace `model` symbolically; `leaf_modules` (types or qualified names) stay opaque calls.
 
-    A `GraphModule` is returned as it is: it was traced already.
+    A `GraphModule` was traced already: it is copied (the passes annotate and rewrite graphs).
     """
     if isinstance(model, fx.GraphModule):
-        return model
+        return fx.GraphModule(model, copy.deepcopy(model.graph), type(model).__name__)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, not {type(model).__name__}")
     tracer = _Tracer(leaf_modules)
