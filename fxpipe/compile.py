@@ -11,12 +11,14 @@ from fxpipe.checkpoint import CHECKPOINT_MODES
 from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import annotate_costs
+from fxpipe.frontend import to_graph
+from fxpipe.passes.devices import pin_devices
 from fxpipe.passes.edges import find_edges
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import linearize
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.trace import LeafSpec, trace
+from fxpipe.passes.trace import LeafSpec
 from fxpipe.pipeline import Pipeline
 from fxpipe.plan import Plan, StagePlan
 
@@ -115,12 +117,14 @@ def compile_pipeline(
     example_args = example if isinstance(example, tuple) else (example,)
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
-    gm = redirect_reads_after_writes(trace(model, leaf_modules))
-    propagate_shapes(gm, example_args)
+    traced = to_graph(model, example_args, leaf_modules, chunks)
+    gm = redirect_reads_after_writes(traced.graph)
+    propagate_shapes(gm, tuple(traced.bind(example_args, {}).values()))
     annotate_costs(gm)
     order = linearize(gm)
     runs = partition(order, len(parsed), split_points=split_points, balance=balance)
     edges = find_edges(gm, len(parsed))
+    pin_devices(gm, parsed)
     place_state(model, gm, runs, parsed)
     plan = Plan(
         stages=[
@@ -139,5 +143,6 @@ def compile_pipeline(
         edges=edges,
         chunks=chunks,
         checkpoint=checkpoint,
+        notes=[traced.note] if traced.note else [],
     )
-    return Pipeline(model, gm, runs, edges, plan, parsed)
+    return Pipeline(model, gm, traced.bind, runs, edges, plan, parsed)

@@ -1,7 +1,6 @@
 """The Pipeline module: the model's own parameters, run stage by stage over micro-batches."""
 from __future__ import annotations
 
-import inspect
 from typing import Any, Optional, Sequence
 
 import torch
@@ -11,6 +10,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd
 from fxpipe.checkpoint import checkpoint_stop
+from fxpipe.frontend import Binder
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.microbatch import batch_size_of, is_batched, scatter, split_sizes
 from fxpipe.passes.attrs import fetch_attr
@@ -38,6 +38,7 @@ class Pipeline(nn.Module):
         self,
         model: nn.Module,
         graph: fx.GraphModule,
+        bind: Binder,
         runs: Sequence[Sequence[fx.Node]],
         edges: Sequence[Edge],
         plan: Plan,
@@ -57,7 +58,7 @@ class Pipeline(nn.Module):
         self.chunks = plan.chunks
         self.checkpoint = plan.checkpoint
         self.last_timeline: list[tuple[str, int, int, float, float]] = []
-        self._signature = inspect.signature(graph.forward)
+        self._bind = bind
         output = next(n for n in graph.graph.nodes if n.op == "output")
         self._template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, output.args[0])
         self._workers = Workers(self.devices)
@@ -112,14 +113,6 @@ class Pipeline(nn.Module):
                 param.grad += total
 
     # -- running ---------------------------------------------------------------------------
-    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"the pipeline takes the traced model's arguments {self._signature}: {error}") from None
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self._bind(args, kwargs)
         batch = batch_size_of(list(values.values()))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import traceback
 from typing import Any, Callable, Iterable, Optional, Union
@@ -71,6 +72,16 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphMo
         return fx.GraphModule(model, copy.deepcopy(model.graph), type(model).__name__)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, not {type(model).__name__}")
+    variadic = [
+        p.name for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    ]
+    if variadic:
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: its forward takes *{'/**'.join(variadic)}, "
+            "and a symbolic trace needs each input named.\n"
+            "How to fix: name the forward's arguments, or let torch.export capture it."
+        )
     tracer = _Tracer(leaf_modules)
     try:
         graph = tracer.trace(model)

@@ -1,0 +1,87 @@
+"""The torch.export front end, for models that torch.fx cannot trace symbolically."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.export import Dim
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from fxpipe.passes.attrs import fetch_attr
+
+_PREFIX = "model."
+
+
+class _Flat(nn.Module):
+    """The model called with its inputs as flat leaves, so any signature exports alike."""
+
+    def __init__(self, model: nn.Module, spec: TreeSpec) -> None:
+        super().__init__()
+        self.model, self.spec = model, spec
+
+    def forward(self, *leaves: Any) -> Any:
+        args, kwargs = tree_unflatten(list(leaves), self.spec)
+        return self.model(*args, **kwargs)
+
+
+def _dynamic_batch(leaves: list[Any]) -> tuple[Any, ...]:
+    """Dim 0 of every batched tensor may vary: micro-batches are smaller than the example."""
+    sizes = [t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
+    batch = sizes[0] if sizes else None
+    return tuple(
+        {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else None
+        for t in leaves
+    )
+
+
+def _strip(target: str) -> str:
+    return target[len(_PREFIX) :] if target.startswith(_PREFIX) else target
+
+
+def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, TreeSpec]:
+    """Export `model` and return its graph over the flat input leaves, with attribute targets
+    named as in `model` (so that they resolve to the model's own parameters), and the input spec.
+
+    The graph's placeholders are the leaves of `(args, kwargs)` in `tree_flatten` order; its
+    output has the model's output structure.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    program = torch.export.export(
+        _Flat(model, spec), tuple(leaves), dynamic_shapes={"leaves": _dynamic_batch(leaves)}, strict=False
+    )
+    exported = program.module()
+    graph = exported.graph
+    attrs: dict[str, Any] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_module" and not node.users:  # the input guards: not needed per stage
+            graph.erase_node(node)
+        elif node.op == "get_attr":
+            if not node.users:
+                graph.erase_node(node)
+                continue
+            target = _strip(str(node.target))
+            try:
+                attrs[target] = fetch_attr(model, target)
+            except AttributeError:
+                target = str(node.target)
+                attrs[target] = fetch_attr(exported, target)
+            node.target = target
+        stack = node.meta.get("nn_module_stack") or {}
+        paths = [path for path, _ in stack.values() if path.startswith(_PREFIX)]
+        node.meta["scope"] = _strip(paths[-1]) if paths else ""
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = (tree_unflatten(list(output.args[0]), exported._out_spec),)
+    graph._codegen = fx.graph.CodeGen()
+    gm = fx.GraphModule(attrs, graph, type(model).__name__)
+    return gm, spec
+
+
+def batch_is_specialized(gm: fx.GraphModule) -> bool:
+    """Whether export fixed the batch size (a model that reshapes to the example's batch, say)."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
+            return isinstance(value.shape[0], int)
+    return False
