@@ -49,7 +49,7 @@ class Sizes:
     chunks: int
 
 
-FULL = Sizes(mlp_layers=16, mlp_width=512, mlp_batch=2048, small_batch=256, unet_batch=64, unet_image=32, chunks=8)
+FULL = Sizes(mlp_layers=16, mlp_width=512, mlp_batch=2048, small_batch=256, unet_batch=128, unet_image=32, chunks=8)
 QUICK = Sizes(mlp_layers=8, mlp_width=128, mlp_batch=512, small_batch=128, unet_batch=16, unet_image=16, chunks=8)
 
 
@@ -277,6 +277,7 @@ def bench_mlp(args: argparse.Namespace) -> list[Row]:
         key: Contender(f"fxpipe {key}", training_step(fxpipe_pipeline(model, x, *key), x, mean_square))
         for key in [(1, 1, "never"), (2, s.chunks, "never"), (2, s.chunks, "except_last")]
     }
+    sequential = Contender("plain, sequential micro-batches", sequential_micro_batches_step(model, x, s.chunks, mean_square))
     small_plain = Contender("plain small", training_step(model, small, mean_square))
     small_sequential = Contender("plain small, sequential micro-batches", sequential_micro_batches_step(model, small, s.chunks, mean_square))
     small_fx = Contender("fxpipe small", training_step(fxpipe_pipeline(model, small, 2, s.chunks, "never"), small, mean_square))
@@ -298,7 +299,7 @@ def bench_mlp(args: argparse.Namespace) -> list[Row]:
         else:
             tg_failures[key] = reason
 
-    contenders = [plain, forward, *fx.values(), *tg.values(), small_plain, small_sequential, small_fx]
+    contenders = [plain, forward, *fx.values(), *tg.values(), sequential, small_plain, small_sequential, small_fx]
     measure(contenders, args.repeats, args.steps_per_block, args.warmup)
 
     rows = []
@@ -316,6 +317,7 @@ def bench_mlp(args: argparse.Namespace) -> list[Row]:
                 bound = recompute_bound(chunks, 2, plain, forward)
                 rows.append(efficiency_row(name, library, EVEN.format(chunks=chunks, checkpoint=checkpoint), plain, runs[key], 2, "", bound))
 
+    rows.append(micro_batched_row(name, f"{s.chunks} micro-batches of {s.mlp_batch // s.chunks} rows", plain, sequential))
     small_name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.small_batch}"
     rows.append(efficiency_row(small_name, "fxpipe", f"2 stages, chunks {s.chunks} ({s.small_batch // s.chunks} rows), 'never'", small_plain, small_fx, 2, "", gpipe_bound(s.chunks, 2)))
     rows.append(micro_batched_row(small_name, f"{s.chunks} micro-batches of {s.small_batch // s.chunks} rows", small_plain, small_sequential))

@@ -7,15 +7,16 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.checkpoint import CHECKPOINT_MODES
+from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from fxpipe.frontend import to_graph
 from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
-from fxpipe.passes.costs import annotate_costs
-from fxpipe.frontend import to_graph
+from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.devices import pin_devices
 from fxpipe.passes.edges import find_edges
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import linearize
+from fxpipe.passes.objective import CutModel
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.trace import LeafSpec
@@ -43,6 +44,8 @@ def _check_arguments(
         problems.append(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} (got {checkpoint!r})")
     if split_points is not None and balance is not None:
         problems.append("split_points and balance were both given: give one of them")
+    if isinstance(balance, str) and balance not in BALANCE_MODES:
+        problems.append(f"balance must be one of {', '.join(map(repr, BALANCE_MODES))} or a node count per stage (got {balance!r})")
     if problems:
         raise ValueError("compile_pipeline got bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     return parsed
@@ -86,48 +89,50 @@ def _module_path(node: fx.Node) -> str:
     return scope or (str(node.target) if node.op == "call_module" else "")
 
 
-def compile_pipeline(
-    model: nn.Module,
-    example: Any,
-    devices: Sequence[Device],
+def _caps(device_memory: Union[None, float, Sequence[float]], stages: int) -> Optional[list[float]]:
+    if device_memory is None:
+        return None
+    if isinstance(device_memory, (int, float)):
+        return [float(device_memory)] * stages
+    caps = [float(m) for m in device_memory]
+    if len(caps) != stages:
+        raise ValueError(f"device_memory has {len(caps)} entries for {stages} devices: give one per device, or one number")
+    return caps
+
+
+def _cut(
+    gm: fx.GraphModule,
+    order: list[fx.Node],
+    devices: list[torch.device],
+    example: tuple[Any, ...],
     *,
-    chunks: int = 1,
-    checkpoint: str = "except_last",
-    split_points: Optional[Sequence[str]] = None,
-    balance: Optional[Sequence[int]] = None,
-    leaf_modules: Iterable[LeafSpec] = (),
-) -> Pipeline:
-    """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
+    split_points: Optional[Sequence[str]],
+    balance: Union[None, str, Sequence[int]],
+    costs: dict[str, Any],
+    caps: Optional[list[float]],
+) -> list[list[fx.Node]]:
+    """The stages: by split points, by node counts, or the best cut under a balance mode."""
+    if split_points is not None:
+        return partition(order, len(devices), split_points=split_points)
+    if balance is not None and not isinstance(balance, str):
+        return partition(order, len(devices), balance=balance)
+    mode = balance or "memory"
+    if mode == "time":
+        profile_times(gm, example, devices[0])
+    return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps)
 
-    Args:
-        model: an `nn.Module`, or a `torch.fx.GraphModule` traced already.
-        example: one input batch as the model takes it: a tensor, or a tuple of positional args.
-        devices: one device per stage; repeats are allowed (`["cpu", "cpu"]`).
-        chunks: micro-batches per batch.
-        checkpoint: 'always', 'except_last' or 'never': which micro-batches drop their
-            activations in forward and recompute them in backward.
-        split_points: qualified module names where stages 1, 2, ... begin.
-        balance: the number of graph nodes per stage.
-        leaf_modules: module types or qualified names to keep whole instead of tracing into.
 
-    With neither `split_points` nor `balance`, the stages are as equal as possible in parameter
-    plus activation bytes.
-    """
-    parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance)
-    example_args = example if isinstance(example, tuple) else (example,)
-    if batch_size_of(list(example_args)) == 0:
-        raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
-    traced = to_graph(model, example_args, leaf_modules, chunks)
-    gm = redirect_reads_after_writes(traced.graph)
-    propagate_shapes(gm, tuple(traced.bind(example_args, {}).values()))
-    annotate_costs(gm)
-    order = linearize(gm)
-    runs = partition(order, len(parsed), split_points=split_points, balance=balance)
-    edges = find_edges(gm, len(parsed))
-    pin_devices(gm, parsed)
-    place_state(model, gm, runs, parsed)
-    plan = Plan(
-        stages=[
+def _report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
+    """Predicted seconds: measured where measured, else from FLOPs."""
+    mode = "time" if all("time" in n.meta for n in order) else "flops"
+    return cut_model(order, mode, **costs)
+
+
+def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: list[Any], report: CutModel, memory: CutModel) -> list[StagePlan]:
+    plans, start = [], 0
+    for index, (run, device) in enumerate(zip(runs, devices)):
+        end = start + len(run)
+        plans.append(
             StagePlan(
                 index=index,
                 device=str(device),
@@ -137,12 +142,85 @@ def compile_pipeline(
                 param_bytes=sum(int(node.meta.get("param_bytes", 0)) for node in run),
                 size=sum(int(node.meta.get("size", 0)) for node in run),
                 modules=[_module_path(node) for node in run],
+                flops=sum(int(node.meta.get("flops", 0)) for node in run),
+                time=report.time(start, end),
+                memory=int(memory.memory(start, end)),
             )
-            for index, (run, device) in enumerate(zip(runs, parsed))
-        ],
+        )
+        start = end
+    return plans
+
+
+def compile_pipeline(
+    model: nn.Module,
+    example: Any,
+    devices: Sequence[Device],
+    *,
+    chunks: int = 1,
+    checkpoint: str = "except_last",
+    split_points: Optional[Sequence[str]] = None,
+    balance: Union[None, str, Sequence[int]] = None,
+    leaf_modules: Iterable[LeafSpec] = (),
+    device_memory: Union[None, float, Sequence[float]] = None,
+    param_scale: float = 4.0,
+    bandwidth: Optional[float] = None,
+    flop_rate: Optional[float] = None,
+) -> Pipeline:
+    """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
+
+    Args:
+        model: an `nn.Module`, or a `torch.fx.GraphModule` traced already. Models torch.fx
+            cannot trace go through torch.export.
+        example: one input batch as the model takes it: a tensor, or a tuple of positional args.
+        devices: one device per stage; repeats are allowed (`["cpu", "cpu"]`).
+        chunks: micro-batches per batch.
+        checkpoint: 'always', 'except_last' or 'never': which micro-batches drop their
+            activations in forward and recompute them in backward.
+        split_points: qualified module names where stages 1, 2, ... begin.
+        balance: a node count per stage, or what to balance: 'memory' (the default: parameters,
+            gradients and optimizer state, plus activations in flight), 'params', 'flops', or
+            'time' (measures every node's forward and backward on `devices[0]`).
+        leaf_modules: module types or qualified names to keep whole instead of tracing into.
+        device_memory: bytes each device may hold (one number, or one per device).
+        param_scale: bytes held per parameter byte: 4 for weights, gradients and Adam's state.
+        bandwidth: bytes per second between devices, for the time to receive a stage's inputs
+            ('time' and 'flops'); by default free between CPU devices, else 12e9.
+        flop_rate: FLOPs per second, to turn FLOPs into time ('flops'); by default 5e10 on CPU
+            devices, else 1e13.
+
+    The automatic modes find the cut of the linear order with the least predicted pipeline time
+    `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
+    """
+    parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance)
+    example_args = example if isinstance(example, tuple) else (example,)
+    if batch_size_of(list(example_args)) == 0:
+        raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
+    traced = to_graph(model, example_args, leaf_modules, chunks)
+    gm = redirect_reads_after_writes(traced.graph)
+    inputs = tuple(traced.bind(example_args, {}).values())
+    propagate_shapes(gm, inputs)
+    annotate_costs(gm)
+    order = linearize(gm)
+    on_cpu = all(d.type == "cpu" for d in parsed)
+    costs = dict(
+        chunks=chunks,
+        checkpointed=checkpoint_stop(checkpoint, chunks),
+        param_scale=param_scale,
+        bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
+        flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
+    )
+    caps = _caps(device_memory, len(parsed))
+    runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps)
+    edges = find_edges(gm, len(parsed))
+    pin_devices(gm, parsed)
+    place_state(model, gm, runs, parsed)
+    report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
+    plan = Plan(
+        stages=_stage_plans(runs, parsed, edges, report, memory),
         edges=edges,
         chunks=chunks,
         checkpoint=checkpoint,
+        balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
         notes=[traced.note] if traced.note else [],
     )
     return Pipeline(model, gm, traced.bind, runs, edges, plan, parsed)

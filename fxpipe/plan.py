@@ -22,6 +22,9 @@ class StagePlan:
     param_bytes: int
     size: int = 0
     modules: list[str] = field(default_factory=list)  # the module path of each node
+    flops: int = 0  # forward
+    time: float = 0.0  # predicted forward + backward seconds per batch, receiving included
+    memory: int = 0  # predicted bytes held: parameters (scaled) and activations in flight
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Plan:
     edges: list[Edge]
     chunks: int
     checkpoint: str
+    balance: str = "memory"
     notes: list[str] = field(default_factory=list)
 
     def edges_of_kind(self, kind: str) -> list[Edge]:
@@ -45,9 +49,22 @@ class Plan:
     def _bytes(self, stage: int, kinds: tuple[str, ...], incoming: bool) -> int:
         return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
 
+    def predicted_time(self) -> float:
+        """Seconds per batch by the GPipe model: `sum(t_i) + (chunks - 1) * max(t_i)` over
+        per-micro-batch stage times."""
+        times = [s.time / self.chunks for s in self.stages]
+        return sum(times) + (self.chunks - 1) * max(times)
+
+    def predicted_bubble(self) -> float:
+        """The share of device time spent idle, from the predicted stage times."""
+        busy = sum(s.time for s in self.stages)
+        total = len(self.stages) * self.predicted_time()
+        return 1 - busy / total if total > 0 else 0.0
+
     def summary(self) -> str:
         """A table a person reads: one row per stage."""
-        header = ("stage", "device", "nodes", "params", "in: act", "in: skip", "out: act", "out: skip")
+        header = ("stage", "device", "nodes", "params", "GFLOP", "time ms", "memory",
+                  "in: act", "in: skip", "out: act", "out: skip")  # fmt: skip
         rows = [header]
         for s in self.stages:
             rows.append(
@@ -56,6 +73,9 @@ class Plan:
                     s.device,
                     str(len(s.nodes)),
                     human_bytes(s.param_bytes),
+                    f"{s.flops / 1e9:.3f}",
+                    f"{s.time * 1e3:.3g}",
+                    human_bytes(s.memory),
                     human_bytes(self._bytes(s.index, (ACTIVATION, INPUT), True)),
                     human_bytes(self._bytes(s.index, (SKIP,), True)),
                     human_bytes(self._bytes(s.index, (ACTIVATION, OUTPUT), False)),
@@ -66,7 +86,11 @@ class Plan:
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in self.skip_edges) or "none"
-        footer = f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  stash/pop edges: {skips}"
+        footer = (
+            f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  "
+            f"predicted: {self.predicted_time() * 1e3:.3g} ms per batch, bubble {self.predicted_bubble():.0%}\n"
+            f"stash/pop edges: {skips}"
+        )
         return "\n".join([*lines, footer, *self.notes])
 
     def __str__(self) -> str:

@@ -125,6 +125,8 @@ class Step:
         self.sink = len(stages)
         self.mailbox = Mailbox()
         self.saved: dict[tuple[int, int], _Saved] = {}
+        # (phase, micro-batch, stage, start, end): forward from inputs in hand to outputs made,
+        # backward from the start of the recompute to the end of the stage's backward.
         self.timeline: list[tuple[str, int, int, float, float]] = []
         self.backward_done = False
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
@@ -138,14 +140,12 @@ class Step:
 
         def task(i: int, j: int) -> Callable[[], None]:
             def run() -> None:
-                start = time.perf_counter()
                 try:
                     body(i, j)
                     error = None
                 except BaseException as e:  # noqa: BLE001 - handed to the caller thread
                     error = e
                     self.mailbox.abort()
-                self.timeline.append((phase, i, j, start, time.perf_counter()))
                 done.put((i, j, error))
 
             return run
@@ -224,6 +224,7 @@ class Step:
     def _forward_task(self, i: int, j: int) -> None:
         stage = self.stages[j]
         inputs = self.mailbox.take([("fwd", j, i, name) for name in stage.inputs])  # (1)
+        start = time.perf_counter()
         randomness = self.randomness[j]
         checkpointed = self.grad and i < self.checkpoint_stop
         if checkpointed:
@@ -235,6 +236,7 @@ class Step:
                 outputs = self._call(stage, i, inputs, randomness)
             if self.grad:
                 self.saved[(i, j)] = _Saved(inputs, outputs, randomness)
+        self.timeline.append(("forward", i, j, start, time.perf_counter()))
         wants = _floating if checkpointed else _requires_grad
         for name, value in zip(stage.outputs, outputs):  # (3)
             for dst in stage.consumers[name]:
@@ -244,6 +246,7 @@ class Step:
     def _backward_task(self, i: int, j: int) -> None:
         stage = self.stages[j]
         saved = self.saved.pop((i, j))
+        start = time.perf_counter()
         outputs = saved.outputs
         if outputs is None:  # (5)
             with torch.enable_grad(), recomputing():
@@ -258,6 +261,7 @@ class Step:
             grads.append(total)
         _stage_backward(outputs, grads)  # (6)
         del outputs, grads
+        self.timeline.append(("backward", i, j, start, time.perf_counter()))
         for name, value in zip(stage.inputs, saved.inputs):  # (7)
             src = stage.sources[name]
             device = self.stages[src].device if src != CALLER else self.input_devices[name]

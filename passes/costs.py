@@ -1,16 +1,25 @@
-"""Cost model: what each node weighs, from the facts that shape propagation recorded."""
+"""Cost model: what each node weighs (bytes, FLOPs, measured time), and the cut model built on it."""
 from __future__ import annotations
 
+import statistics
+import time
+from typing import Any, Callable, Optional, Sequence
+
+import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.attrs import parameters_of
+from fxpipe.passes.objective import CutModel, crossing_values
+
+BALANCE_MODES = ("time", "flops", "params", "memory")
 
 
 def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
     """Set `param_bytes` (the parameters a node is first to use) and `size` on each node.
 
-    `size` = parameter bytes + output activation bytes: what a stage made of these nodes holds,
-    the default balancing weight.
+    `size` = parameter bytes + output activation bytes. FLOPs and bytes come from
+    `propagate_shapes`; measured times from `profile_times`.
     """
     seen: set[int] = set()
     for node in gm.graph.nodes:
@@ -19,3 +28,97 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
         node.meta["param_bytes"] = sum(p.numel() * p.element_size() for p in fresh)
         node.meta["size"] = node.meta["param_bytes"] + node.meta.get("bytes", 0)
     return gm
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _leafy(value: Any) -> Any:
+    """Inputs as fresh leaves, floating ones requiring grad, so backward stops at the node."""
+    return tree_map(
+        lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, value
+    )
+
+
+def _time_node(run: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median seconds of one forward plus backward of a node."""
+    samples = []
+    for repeat in range(warmup + repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        out = run()
+        grads = [(t, torch.ones_like(t)) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if grads:
+            torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
+        _synchronize(device)
+        if repeat >= warmup:
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class _Profiler(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, device: torch.device, warmup: int, repeats: int) -> None:
+        super().__init__(gm)
+        self.device, self.warmup, self.repeats = device, warmup, repeats
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op not in ("call_module", "call_function", "call_method"):
+            return super().run_node(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        run = lambda: getattr(self, n.op)(n.target, _leafy(args), _leafy(kwargs))  # noqa: E731
+        with torch.enable_grad():
+            n.meta["time"] = _time_node(run, self.device, self.warmup, self.repeats)
+        with torch.no_grad():
+            return getattr(self, n.op)(n.target, args, kwargs)
+
+
+def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> fx.GraphModule:
+    """Measure each node's forward plus backward time on `device` (median of `repeats` after
+    `warmup`), into `node.meta["time"]` in seconds. The graph and the example must be there."""
+    _Profiler(gm, device, warmup, repeats).run(*example)
+    return gm
+
+
+def node_weights(order: Sequence[fx.Node], mode: str, *, param_scale: float, kept: float, flop_rate: float) -> list[float]:
+    """What each node weighs in the objective: seconds ('time', and 'flops' at `flop_rate`, counted
+    forward plus backward as three forwards), or bytes ('params', 'memory')."""
+    if mode == "time":
+        missing = [n.name for n in order if "time" not in n.meta]
+        if missing:
+            raise ValueError(f"balance='time' needs measured times; {len(missing)} nodes have none (run profile_times)")
+        return [float(n.meta["time"]) for n in order]
+    if mode == "flops":
+        return [3.0 * float(n.meta.get("flops", 0)) / flop_rate for n in order]
+    if mode == "params":
+        return [float(n.meta.get("param_bytes", 0)) for n in order]
+    return [param_scale * n.meta.get("param_bytes", 0) + kept * n.meta.get("bytes", 0) for n in order]
+
+
+def cut_model(
+    order: Sequence[fx.Node],
+    mode: str,
+    *,
+    chunks: int,
+    checkpointed: int,
+    param_scale: float = 4.0,
+    bandwidth: Optional[float] = None,
+    flop_rate: float = 1e12,
+) -> CutModel:
+    """The cost model of cutting `order` for a balance mode.
+
+    Receiving costs (bytes over `bandwidth`) are part of a stage's time in the modes measured in
+    seconds, 'time' and 'flops'; 'params' and 'memory' balance bytes alone.
+    """
+    kept = (chunks - checkpointed + (1 if checkpointed else 0)) / chunks
+    return CutModel(
+        times=node_weights(order, mode, param_scale=param_scale, kept=kept, flop_rate=flop_rate),
+        params=[float(n.meta.get("param_bytes", 0)) for n in order],
+        activations=[float(n.meta.get("bytes", 0)) for n in order],
+        values=crossing_values(order),
+        bandwidth=bandwidth if mode in ("time", "flops") else None,
+        chunks=chunks,
+        checkpointed=checkpointed,
+        param_scale=param_scale,
+    )

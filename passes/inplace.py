@@ -29,7 +29,7 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.flatten, torch.resha
 _NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
 
 
-def _mutates_first_arg(gm: fx.GraphModule, node: fx.Node) -> bool:
+def writes_first_argument(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
@@ -63,7 +63,7 @@ def mutated_inputs(gm: fx.GraphModule, run: Sequence[fx.Node], inputs: Sequence[
     """
     found = set()
     for node in run:
-        if _mutates_first_arg(gm, node) and node.args and isinstance(node.args[0], fx.Node):
+        if writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node):
             root = _view_root(node.args[0])
             if root.name in inputs:
                 found.add(root.name)
@@ -79,7 +79,7 @@ def redirect_reads_after_writes(gm: fx.GraphModule) -> fx.GraphModule:
     """
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     for writer in list(gm.graph.nodes):
-        if writer.target is operator.setitem or not _mutates_first_arg(gm, writer):
+        if writer.target is operator.setitem or not writes_first_argument(gm, writer):
             continue
         if not writer.args or not isinstance(writer.args[0], fx.Node):
             continue

@@ -3,9 +3,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import Optional, Sequence
 
 import torch.fx as fx
+
+from fxpipe.passes.objective import CrossingValue, CutModel
+
+# Above this many nodes, the exact search runs over this many runs of nodes of about equal time.
+UNITS = 192
 
 
 class PartitionError(ValueError):
@@ -114,17 +120,135 @@ def _fill(cuts: list[int], length: int, stages: int) -> list[int]:
     return cuts
 
 
+def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = None) -> list[int]:
+    """The cut of `model`'s order into `stages` non-empty runs with the least pipeline time,
+    `sum(t_i) + (chunks - 1) * max(t_i)`, whose stages fit `caps` (bytes per stage); ties go to
+    the smaller bottleneck.
+
+    When a stage's time is the sum of its nodes' and nothing caps memory, the sum is the same for
+    every cut and the bottleneck alone decides: `min_max_cuts` finds it. Otherwise an exact search
+    over (bottleneck, sum) pairs runs on the order, or on `UNITS` runs of it for larger graphs.
+    """
+    if len(model) < stages:
+        _fail([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer devices.")
+    if caps is None and model.additive():
+        return min_max_cuts(model.times, stages)
+    coarse, bounds = coarsen(model, UNITS)
+    cuts = _pareto_cuts(coarse, stages, list(caps) if caps is not None else [math.inf] * stages)
+    if cuts is None:
+        _fail(_infeasible(model, stages, caps or []), "How to fix: use more devices, or raise device_memory.")
+    return [bounds[c] for c in cuts or []]
+
+
+Front = list[tuple[float, float, int, int]]  # (bottleneck, sum, previous end, index in its front)
+
+
+def _pareto(candidates: Front) -> Front:
+    kept: Front = []
+    for candidate in sorted(candidates, key=lambda c: (c[0], c[1])):
+        if not kept or candidate[1] < kept[-1][1]:
+            kept.append(candidate)
+    return kept
+
+
+def _pareto_cuts(model: CutModel, stages: int, caps: list[float]) -> Optional[list[int]]:
+    """Dynamic programme over (stages used, end position), keeping every cut that no other beats
+    on both the bottleneck and the sum: the optimum of any objective rising in both is among them."""
+    n, chunks = len(model), model.chunks
+    capped = any(math.isfinite(cap) for cap in caps)
+    # A cut of the order by bottleneck alone bounds the optimum from above; a partial cut whose
+    # objective cannot fall below that bound, whatever follows, is dropped (it cannot win).
+    guess = min_max_cuts(model.times, stages)
+    bound = model.pipeline_time(guess) if not capped else math.inf
+    fronts: list[dict[int, Front]] = [{0: [(0.0, 0.0, -1, -1)]}] + [{} for _ in range(stages)]
+    for k in range(1, stages + 1):
+        for end in range(k, n - (stages - k) + 1):
+            rest = model.compute(end, n)
+            candidates = []
+            for start, front in fronts[k - 1].items():
+                if start >= end or (capped and model.memory(start, end) > caps[k - 1]):
+                    continue
+                t = model.time(start, end)
+                # The front is sorted by bottleneck, rising, and sum, falling: its first entry has
+                # the least bottleneck and its last the least sum.
+                if front[-1][1] + t + rest + (chunks - 1) * max(front[0][0], t) > bound * (1 + 1e-9):
+                    continue
+                for i, (m, s, _, _) in enumerate(front):
+                    top, total = max(m, t), s + t
+                    if total + rest + (chunks - 1) * top <= bound * (1 + 1e-9):
+                        candidates.append((top, total, start, i))
+            if candidates:
+                fronts[k][end] = _pareto(candidates)
+    final = fronts[stages].get(n)
+    if not final:
+        return None
+    chunks = model.chunks
+    index = min(range(len(final)), key=lambda i: (final[i][1] + (chunks - 1) * final[i][0], final[i][0]))
+    cuts, end = [], n
+    for k in range(stages, 0, -1):
+        _, _, start, previous = fronts[k][end][index]
+        cuts.append(start)
+        end, index = start, previous
+    return sorted(cuts)[1:]
+
+
+def coarsen(model: CutModel, units: int) -> tuple[CutModel, list[int]]:
+    """`model` over at most `units` runs of consecutive positions of about equal time, and the
+    positions where the runs begin (plus the end)."""
+    n = len(model)
+    if n <= units:
+        return model, list(range(n + 1))
+    prefix = [0.0, *itertools.accumulate(t + 1e-12 for t in model.times)]
+    total = prefix[-1]
+    bounds = sorted({0, n, *(bisect.bisect_left(prefix, total * k / units) for k in range(1, units))})
+
+    def unit(position: int) -> int:
+        return bisect.bisect_right(bounds, position) - 1 if position >= 0 else -1
+
+    def summed(prefix_sums: list[float]) -> list[float]:
+        return [prefix_sums[b] - prefix_sums[a] for a, b in zip(bounds, bounds[1:])]
+
+    values = []
+    for value in model.values:
+        producer = unit(value.producer)
+        consumers = sorted({unit(c) for c in value.consumers} - {producer})
+        if consumers:
+            values.append(CrossingValue(producer, consumers, value.nbytes))
+    coarse = CutModel(
+        summed(model.prefix_times), summed(model.prefix_params), summed(model.prefix_activations), values,
+        model.bandwidth, model.chunks, model.checkpointed, model.param_scale,
+    )  # fmt: skip
+    return coarse, bounds
+
+
+def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str]:
+    """Why no cut fits: the node that alone exceeds the memory, or how many devices would do."""
+    cap = min(caps) if caps else math.inf
+    for position in range(len(model)):
+        if model.memory(position, position + 1) > cap:
+            return [f"node {position} alone needs {model.memory(position, position + 1):.0f} bytes, more than {cap:.0f}"]
+    count, start = 0, 0
+    while start < len(model):
+        end = start + 1
+        while end < len(model) and model.memory(start, end + 1) <= cap:
+            end += 1
+        count, start = count + 1, end
+    return [f"no cut into {stages} stages fits {cap:.0f} bytes per device; about {count} devices of that size would"]
+
+
 def partition(
     order: Sequence[fx.Node],
     stages: int,
     *,
     split_points: Optional[Sequence[str]] = None,
     balance: Optional[Sequence[int]] = None,
+    model: Optional[CutModel] = None,
+    caps: Optional[Sequence[float]] = None,
 ) -> list[list[fx.Node]]:
     """Cut the linear order into `stages` runs and write each node's stage into `node.meta`.
 
-    By `split_points` (module names), by `balance` (node counts), or else so that the largest
-    stage `size` (parameter plus activation bytes, from `annotate_costs`) is the least possible.
+    By `split_points` (module names), by `balance` (node counts), or else by `best_cuts` on the
+    cost `model` (by default: each node weighs its `size`, parameter plus activation bytes).
     """
     if len(order) < stages:
         _fail(
@@ -138,7 +262,8 @@ def partition(
     elif balance is not None:
         cuts = cuts_from_balance(order, balance, stages)
     else:
-        cuts = min_max_cuts([node.meta.get("size", 1) for node in order], stages)
+        model = model or CutModel([float(node.meta.get("size", 1)) for node in order], [0.0] * len(order), [0.0] * len(order), [])
+        cuts = best_cuts(model, stages, caps)
     bounds = [0, *cuts, len(order)]
     runs = [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
     for index, run in enumerate(runs):

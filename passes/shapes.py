@@ -1,4 +1,5 @@
-"""Shape propagation: what each node produces (shape, dtype, bytes), from one example input."""
+"""Shape propagation: what each node produces (shape, dtype, bytes) and its forward FLOPs, from one
+example input."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,6 +8,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def _describe(value: Any) -> dict[str, Any]:
@@ -25,14 +27,16 @@ class _Recorder(fx.Interpreter):
     """Runs the graph and writes a description of each node's value into `node.meta`."""
 
     def run_node(self, n: fx.Node) -> Any:
-        value = super().run_node(n)
+        with FlopCounterMode(display=False) as counter:
+            value = super().run_node(n)
         if n.op != "output":
-            n.meta.update(_describe(value))
+            n.meta.update(_describe(value), flops=counter.get_total_flops())
         return value
 
 
 def propagate_shapes(gm: fx.GraphModule, example: tuple[Any, ...]) -> fx.GraphModule:
-    """Annotate every node with `shape`, `dtype` and `bytes` of what it produces.
+    """Annotate every node with `shape`, `dtype` and `bytes` of what it produces, and `flops`
+    (forward, as `torch.utils.flop_counter` counts them).
 
     Runs on fake tensors (no compute, no memory); a graph that fake tensors cannot run (a leaf
     module with data-dependent output shapes, say) is run once for real on the example.

@@ -1,0 +1,106 @@
+"""The cost of a cut: each stage's time and memory, and the pipeline time a partition minimises.
+
+A stage is a run [s, e) of the linear order. Its time is its nodes' time plus the time to receive
+what crosses into it: every value made before s and used in [s, e), activation or stash/pop alike,
+once (bytes / bandwidth). Its memory is its parameters (times `param_scale`, for gradients and
+optimizer state) plus the activations it holds in flight for the chosen chunks and checkpointing.
+The pipeline's time is `sum(t_i) + (chunks - 1) * max(t_i)` (fill and drain, then the slowest
+stage sets the pace).
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch.fx as fx
+
+
+@dataclass
+class CrossingValue:
+    """A value by the positions that make and use it (-1: the caller's input)."""
+
+    producer: int
+    consumers: list[int]
+    nbytes: int
+
+
+@dataclass
+class CutModel:
+    """Per-position costs of a linear order, and the values that cross between positions."""
+
+    times: list[float]
+    params: list[float]
+    activations: list[float]
+    values: list[CrossingValue]
+    bandwidth: Optional[float] = None  # bytes per unit of time; None: receiving is free
+    chunks: int = 1
+    checkpointed: int = 0  # how many micro-batches drop their activations
+    param_scale: float = 1.0
+    prefix_times: list[float] = field(init=False, repr=False)
+    prefix_params: list[float] = field(init=False, repr=False)
+    prefix_activations: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prefix_times = [0.0, *itertools.accumulate(self.times)]
+        self.prefix_params = [0.0, *itertools.accumulate(self.params)]
+        self.prefix_activations = [0.0, *itertools.accumulate(self.activations)]
+        self._received: dict[int, list[float]] = {}
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def received(self, s: int, e: int) -> float:
+        """Bytes that a stage [s, e) receives: values made before s and used in [s, e)."""
+        if s not in self._received:
+            row = [0.0] * (len(self) + 1)
+            for value in self.values:
+                if value.producer < s:
+                    i = bisect.bisect_left(value.consumers, s)
+                    if i < len(value.consumers) and value.consumers[i] < len(self):
+                        row[value.consumers[i] + 1] += value.nbytes
+            self._received[s] = list(itertools.accumulate(row))
+        return self._received[s][e]
+
+    def compute(self, s: int, e: int) -> float:
+        return self.prefix_times[e] - self.prefix_times[s]
+
+    def time(self, s: int, e: int) -> float:
+        if self.bandwidth is None:
+            return self.compute(s, e)
+        return self.compute(s, e) + self.received(s, e) / self.bandwidth
+
+    def memory(self, s: int, e: int) -> float:
+        """Parameters (scaled) plus inputs of every micro-batch, plus the full activations of the
+        micro-batches that are not checkpointed and of one being recomputed."""
+        params = self.param_scale * (self.prefix_params[e] - self.prefix_params[s])
+        per_micro_batch = (self.prefix_activations[e] - self.prefix_activations[s]) / self.chunks
+        kept = self.chunks - self.checkpointed + (1 if self.checkpointed else 0)
+        return params + self.received(s, e) + kept * per_micro_batch
+
+    def pipeline_time(self, cuts: Sequence[int]) -> float:
+        times = self.stage_times(cuts)
+        return sum(times) + (self.chunks - 1) * max(times)
+
+    def stage_times(self, cuts: Sequence[int]) -> list[float]:
+        bounds = [0, *cuts, len(self)]
+        return [self.time(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def additive(self) -> bool:
+        """Whether a stage's time is the plain sum of its nodes' times (nothing to receive)."""
+        return self.bandwidth is None
+
+
+def crossing_values(order: Sequence[fx.Node]) -> list[CrossingValue]:
+    """Every value a node of `order` (or the caller) makes and some later node of `order` uses."""
+    position = {node: i for i, node in enumerate(order)}
+    values = []
+    producers = {n for node in order for n in node.all_input_nodes if n.op == "placeholder"}
+    for node in [*producers, *order]:
+        consumers = sorted(
+            position[user] if user in position else len(order) for user in node.users if user.op != "get_attr"
+        )
+        if consumers:
+            values.append(CrossingValue(position.get(node, -1), consumers, int(node.meta.get("bytes", 0))))
+    return values
