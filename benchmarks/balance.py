@@ -1,0 +1,494 @@
+"""Stage balance on CPU: fxpipe's predicted against measured stage times, and how evenly each way of cutting splits the work."""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
+REEXECUTED = "FXPIPE_BENCH_REEXECUTED"
+ROOT = Path(__file__).resolve().parent.parent
+IMBALANCE_TARGET = 1.10  # measured max/mean at 4 stages, balance='time', U-Net and GPT
+COMPILE_TARGET_S = 2.0  # compile_pipeline of a 48-block GPT, balance='flops'
+PARTITION_TARGET_S = 0.5  # best_cuts on 100,000 positions, receiving costs, 8 stages
+
+
+def ensure_malloc_env() -> bool:
+    """Re-execute this process with glibc's malloc thresholds pinned, unless they are set already.
+
+    glibc reads them once, at start-up, so they cannot be set from inside. Returns whether this
+    process is the re-executed one.
+    """
+    if all(os.environ.get(name) == value for name, value in MALLOC_ENV.items()):
+        return os.environ.pop(REEXECUTED, None) == "1"
+    env = {**os.environ, **MALLOC_ENV, REEXECUTED: "1"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    raise AssertionError("unreachable")
+
+
+# -- options --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sizes:
+    unet_batch: int
+    unet_image: int
+    resnet_batch: int
+    resnet_image: int
+    resnet_blocks: int  # residual blocks per resolution (3 resolutions)
+    gpt_batch: int
+    gpt_layers: int
+    gpt_width: int
+    gpt_seq: int
+    big_gpt_layers: int  # for the compile-time target
+    positions: int  # for the partitioner target
+    gpipe_timeout: float  # seconds torchgpipe's balance_by_time profiles for
+    chunks: int = 8
+
+
+FULL = Sizes(unet_batch=48, unet_image=32, resnet_batch=64, resnet_image=16, resnet_blocks=2,
+             gpt_batch=32, gpt_layers=8, gpt_width=64, gpt_seq=32, big_gpt_layers=48,
+             positions=100_000, gpipe_timeout=1.0)  # fmt: skip
+QUICK = Sizes(unet_batch=8, unet_image=16, resnet_batch=16, resnet_image=16, resnet_blocks=1,
+              gpt_batch=8, gpt_layers=4, gpt_width=32, gpt_seq=16, big_gpt_layers=48,
+              positions=100_000, gpipe_timeout=0.2)  # fmt: skip
+STAGE_COUNTS = (2, 4)
+FXPIPE_MODES = ("time", "flops", "params", "memory")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--repeats", type=int, default=None, help="timed runs of every stage (default 9; 3 with --quick)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs of every stage first (default 2; 1 with --quick)")
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run in under 60 s")
+    args = p.parse_args(argv)
+    args.sizes = QUICK if args.quick else FULL
+    for name, full, quick in (("repeats", 9, 3), ("warmup", 2, 1)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+# -- one stage alone ------------------------------------------------------------------------
+def _leafy(value: Any) -> Any:
+    """Fresh leaves, floating ones requiring grad, as a stage receives them in the pipeline."""
+    return tree_map(lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _backward_ones(outputs: Any) -> None:
+    tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if tensors:
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+
+@dataclass
+class Probe:
+    """One stage run alone on its captured full-batch inputs: forward plus backward."""
+
+    module: nn.Module
+    inputs: list[Any]
+    samples: list[float] = field(default_factory=list)
+
+    def once(self) -> float:
+        leaves = _leafy(self.inputs)
+        for param in self.module.parameters():
+            param.grad = None
+        start = time.perf_counter()
+        _backward_ones(self.module(*leaves))
+        return time.perf_counter() - start
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0
+
+
+def measure(probes: Sequence[Probe], warmup: int, repeats: int) -> None:
+    """Warm every stage up, then time them in rounds, each in a new shuffled order, so that load
+    from elsewhere on the machine falls on every contender alike."""
+    for probe in probes:
+        for _ in range(warmup):
+            probe.once()
+    order = list(probes)
+    for round_index in range(repeats):
+        random.Random(round_index).shuffle(order)
+        for probe in order:
+            probe.samples.append(probe.once())
+
+
+# -- splits ---------------------------------------------------------------------------------
+@dataclass
+class Split:
+    """A cut of one model into stages, by one method, and its stages ready to time."""
+
+    method: str
+    probes: list[Probe]
+    sizes: list[int]  # nodes (fxpipe) or layers (torchgpipe) per stage
+    predicted: Optional[list[float]] = None  # seconds per stage, fxpipe's plan
+    compile_s: float = 0.0
+    note: str = ""
+    pipe: Any = None  # fxpipe's Pipeline, for its plan and profiled graph
+
+    @property
+    def measured(self) -> list[float]:
+        return [probe.median for probe in self.probes]
+
+    @property
+    def imbalance(self) -> float:
+        return max_over_mean(self.measured)
+
+
+def max_over_mean(values: Sequence[float]) -> float:
+    return max(values) / statistics.fmean(values)
+
+
+def unavailable(method: str, reason: str) -> Split:
+    return Split(method, [], [], note=reason)
+
+
+def fxpipe_stage_inputs(pipe: Any, example: tuple[Any, ...]) -> list[list[Any]]:
+    """Each stage's inputs for the full example batch: the stages run once, in order."""
+    env = dict(pipe._bind(example, {}))
+    captured = []
+    with torch.no_grad():
+        for code, module, shared in zip(pipe._codes, pipe.stages, pipe._shared(False)):
+            args = [*(env[name] for name in code.inputs), *shared]
+            captured.append(args)
+            env.update(zip(code.outputs, module(*args)))
+    return captured
+
+
+def fxpipe_split(case: Case, stages: int, balance: str, chunks: int) -> Split:
+    from fxpipe import compile_pipeline
+
+    model = copy.deepcopy(case.model)
+    start = time.perf_counter()
+    pipe = compile_pipeline(model, case.example, ["cpu"] * stages, chunks=chunks, balance=balance)
+    compile_s = time.perf_counter() - start
+    probes = [Probe(module, inputs) for module, inputs in zip(pipe.stages, fxpipe_stage_inputs(pipe, (case.example,)))]
+    split = Split(
+        f"fxpipe {balance}", probes, [len(s.nodes) for s in pipe.plan.stages],
+        predicted=[s.time for s in pipe.plan.stages], compile_s=compile_s, pipe=pipe,
+    )  # fmt: skip
+    pipe.close()
+    return split
+
+
+def load_balance_by_time() -> tuple[Optional[Callable[..., list[int]]], str]:
+    """torchgpipe's balance_by_time, or None and why not. 0.0.7 runs on torch 2.13 unshimmed."""
+    try:
+        import torchgpipe
+        from torchgpipe.balance import balance_by_time
+    except Exception as error:  # noqa: BLE001 - any import failure means "not runnable"
+        return None, f"import failed: {type(error).__name__}: {error}"
+    return balance_by_time, f"torchgpipe {torchgpipe.__version__}"
+
+
+def torchgpipe_split(case: Case, stages: int, timeout: float) -> Split:
+    """Cut the model's flattened Sequential form by torchgpipe's `balance_by_time`."""
+    method = "torchgpipe balance_by_time"
+    if case.sequential is None:
+        return unavailable(method, f"n/a: {case.why_not}")
+    balance_by_time, status = load_balance_by_time()
+    if balance_by_time is None:
+        return unavailable(method, f"n/a ({status})")
+    sequential = copy.deepcopy(case.sequential)
+    try:
+        start = time.perf_counter()
+        balance = balance_by_time(stages, sequential, case.example, timeout=timeout, device="cpu")
+        compile_s = time.perf_counter() - start
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        return unavailable(method, f"n/a ({type(error).__name__}: {error})")
+    layers = list(sequential)
+    bounds = [0, *itertools.accumulate(balance)]
+    parts = [nn.Sequential(*layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    inputs, x = [], case.example
+    with torch.no_grad():
+        for part in parts:
+            inputs.append([x])
+            x = part(x)
+    note = "empty stage" if 0 in balance else ""
+    return Split(method, [Probe(p, i) for p, i in zip(parts, inputs)], list(balance), compile_s=compile_s, note=note)
+
+
+# -- the models -----------------------------------------------------------------------------
+@dataclass
+class Case:
+    name: str
+    model: nn.Module
+    example: torch.Tensor
+    sequential: Optional[nn.Sequential]  # the flattened form torchgpipe takes
+    why_not: str = ""
+
+
+class GPTEmbedding(nn.Module):
+    """The GPT's token and position embeddings, as the first layer of its Sequential form."""
+
+    def __init__(self, gpt: nn.Module) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+def unet_case(s: Sizes) -> Case:
+    from unet import make_batch, make_model
+
+    torch.manual_seed(0)
+    x, _ = make_batch(s.unet_batch, size=s.unet_image)
+    name = f"U-Net base 8, batch {s.unet_batch}, {s.unet_image}x{s.unet_image}"
+    return Case(name, make_model(), x, None, why_not="not a Sequential (skip connections)")
+
+
+def resnet_case(s: Sizes) -> Case:
+    from resnet import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model(blocks_per_stage=s.resnet_blocks)
+    x, _ = make_batch(s.resnet_batch, size=s.resnet_image)
+    sequential = nn.Sequential(model.stem, *model.blocks, nn.Sequential(model.pool, nn.Flatten(1), model.fc))
+    name = f"ResNet {3 * s.resnet_blocks} blocks, batch {s.resnet_batch}, {s.resnet_image}x{s.resnet_image}"
+    return Case(name, model, x, sequential)
+
+
+def gpt_case(s: Sizes) -> Case:
+    from gpt import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model(n_layer=s.gpt_layers, n_embd=s.gpt_width, block_size=s.gpt_seq)
+    x, _ = make_batch(s.gpt_batch, seq_len=s.gpt_seq)
+    sequential = nn.Sequential(GPTEmbedding(model), *model.blocks, nn.Sequential(model.ln_f, model.head))
+    name = f"GPT {s.gpt_layers} blocks x {s.gpt_width}, batch {s.gpt_batch} x {s.gpt_seq} tokens"
+    return Case(name, model, x, sequential)
+
+
+# -- the targets on compile and partition time ---------------------------------------------
+def first_and_median(setup: Callable[[], Any], run: Callable[[Any], Any], repeats: int) -> tuple[float, float]:
+    """Seconds of `run(setup())`, `setup` untimed: (first call, median of `repeats` calls after it)."""
+    samples = []
+    for _ in range(repeats + 1):
+        prepared = setup()
+        start = time.perf_counter()
+        run(prepared)
+        samples.append(time.perf_counter() - start)
+    return samples[0], statistics.median(samples[1:])
+
+
+def compile_seconds(s: Sizes, stages: int, repeats: int) -> tuple[float, float]:
+    """compile_pipeline of a big GPT with balance='flops': every pass, no profiling."""
+    from fxpipe import compile_pipeline
+    from gpt import make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model(n_layer=s.big_gpt_layers)
+    x, _ = make_batch(s.gpt_batch)
+
+    def run(fresh: nn.Module) -> None:
+        compile_pipeline(fresh, x, ["cpu"] * stages, chunks=s.chunks, balance="flops").close()
+
+    return first_and_median(lambda: copy.deepcopy(model), run, repeats)
+
+
+def random_cut_model(positions: int, seed: int = 0) -> Any:
+    """A chain of `positions` nodes of random time, each sending its output to the next, one in
+    twenty also to a random later one (a skip); receiving is charged at a finite bandwidth."""
+    from fxpipe.passes.objective import CrossingValue, CutModel
+
+    rng = random.Random(seed)
+    values = []
+    for i in range(positions):
+        consumers = [i + 1] if i + 1 < positions else [positions]
+        if rng.random() < 0.05:
+            consumers.append(min(positions, i + rng.randint(2, 2000)))
+        values.append(CrossingValue(i, sorted(set(consumers)), rng.randint(1_000, 1_000_000)))
+    return CutModel(
+        times=[rng.uniform(1e-5, 1e-3) for _ in range(positions)],
+        params=[float(rng.randint(0, 1_000_000)) for _ in range(positions)],
+        activations=[float(rng.randint(1_000, 1_000_000)) for _ in range(positions)],
+        values=values, bandwidth=1e9, chunks=8, checkpointed=7, param_scale=4.0,
+    )  # fmt: skip
+
+
+def partition_seconds(positions: int, stages: int, repeats: int) -> tuple[float, float, str]:
+    """best_cuts alone, on a fresh model every time (its caches start empty)."""
+    from fxpipe.passes.partition import best_cuts
+
+    cuts: list[int] = []
+
+    def run(model: Any) -> None:
+        cuts[:] = best_cuts(model, stages)
+
+    first, median = first_and_median(lambda: random_cut_model(positions), run, repeats)
+    times = random_cut_model(positions).stage_times(cuts)
+    return first, median, f"predicted stage max/mean {max_over_mean(times):.3f}"
+
+
+# -- tables ---------------------------------------------------------------------------------
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    for line in [header, ["---"] * len(header), *rows]:
+        print("| " + " | ".join(line) + " |")
+    print()
+
+
+def ms(values: Sequence[float]) -> str:
+    return " / ".join(f"{v * 1e3:.1f}" for v in values)
+
+
+def ratios(measured: Sequence[float], predicted: Sequence[float]) -> str:
+    return " / ".join(f"{m / p:.2f}" if p > 0 else "-" for m, p in zip(measured, predicted))
+
+
+def imbalance_target(case: Case, stages: int) -> Optional[float]:
+    return IMBALANCE_TARGET if stages == 4 and not case.name.startswith("ResNet") else None
+
+
+def pass_fail(ok: bool) -> str:
+    return "pass" if ok else "**fail**"
+
+
+def largest_node(split: Split) -> str:
+    """The node with the most profiled time, against the mean predicted stage: how coarse the grain is."""
+    nodes = [n for n in split.pipe._graph.graph.nodes if "time" in n.meta]
+    node = max(nodes, key=lambda n: n.meta["time"])
+    share = node.meta["time"] / statistics.fmean(split.predicted or [1.0])
+    return f"{node.name} {node.meta['time'] * 1e3:.1f} ms ({share:.0%} of a mean stage)"
+
+
+def time_table(results: Sequence[tuple[Case, int, dict[str, Split]]]) -> None:
+    print("## 1. fxpipe balance='time': predicted against measured stage times\n")
+    header = ["model", "stages", "nodes per stage", "predicted ms per stage", "measured ms per stage",
+              "measured / predicted", "largest node", "predicted max/mean", "measured max/mean", "target", "pass"]  # fmt: skip
+    rows = []
+    for case, stages, splits in results:
+        split = splits["fxpipe time"]
+        assert split.predicted is not None
+        target = imbalance_target(case, stages)
+        rows.append([
+            case.name, str(stages), " / ".join(map(str, split.sizes)), ms(split.predicted), ms(split.measured),
+            ratios(split.measured, split.predicted), largest_node(split), f"{max_over_mean(split.predicted):.3f}", f"{split.imbalance:.3f}",
+            f"<= {target:.2f}" if target else "", pass_fail(split.imbalance <= target) if target else "",
+        ])  # fmt: skip
+    print_table(header, rows)
+
+
+def imbalance_table(results: Sequence[tuple[Case, int, dict[str, Split]]]) -> None:
+    print("## 2. Measured imbalance (max/mean of measured stage times) by how the cut was chosen\n")
+    methods = [f"fxpipe {mode}" for mode in FXPIPE_MODES] + ["torchgpipe balance_by_time"]
+    header = ["model", "stages", *(m.replace("fxpipe memory", "fxpipe memory (default)") for m in methods)]
+    rows = []
+    for case, stages, splits in results:
+        cells = []
+        for method in methods:
+            split = splits[method]
+            cells.append(split.note if not split.probes else f"{split.imbalance:.3f}" + (f" ({split.note})" if split.note else ""))
+        rows.append([case.name, str(stages), *cells])
+    print_table(header, rows)
+
+
+def detail_table(results: Sequence[tuple[Case, int, dict[str, Split]]]) -> None:
+    print("## 3. Every cut: nodes (fxpipe) or layers (torchgpipe) and measured ms per stage\n")
+    header = ["model", "stages", "method", "nodes or layers per stage", "measured ms per stage", "max/mean", "cut chosen in s"]
+    rows = []
+    for case, stages, splits in results:
+        for split in splits.values():
+            if split.probes:
+                rows.append([case.name, str(stages), split.method, " / ".join(map(str, split.sizes)),
+                             ms(split.measured), f"{split.imbalance:.3f}", f"{split.compile_s:.2f}"])  # fmt: skip
+    print_table(header, rows)
+
+
+def targets_table(results: Sequence[tuple[Case, int, dict[str, Split]]], args: argparse.Namespace) -> None:
+    print("## 4. Targets\n")
+    s: Sizes = args.sizes
+    rows = []
+    for case, stages, splits in results:
+        target = imbalance_target(case, stages)
+        if target:
+            value = splits["fxpipe time"].imbalance
+            rows.append([f"measured max/mean, {case.name}, {stages} stages, balance='time'", f"{value:.3f}", f"<= {target:.2f}", pass_fail(value <= target)])
+    for stages in (4, 8):
+        first, median = compile_seconds(s, stages, repeats=3)
+        rows.append([
+            f"compile_pipeline, GPT {s.big_gpt_layers} blocks x 64, batch {s.gpt_batch} x 16, {stages} stages, "
+            f"balance='flops' (first call {first:.2f} s)", f"{median:.2f} s", f"<= {COMPILE_TARGET_S:.1f} s", pass_fail(median <= COMPILE_TARGET_S),
+        ])  # fmt: skip
+    first, median, quality = partition_seconds(s.positions, 8, repeats=3)
+    rows.append([
+        f"best_cuts, CutModel of {s.positions:,} random positions with skips, bandwidth 1e9, 8 stages "
+        f"(first call {first:.2f} s; {quality})", f"{median:.2f} s", f"<= {PARTITION_TARGET_S:.1f} s", pass_fail(median <= PARTITION_TARGET_S),
+    ])  # fmt: skip
+    print_table(["target", "measured (median)", "limit", "pass"], rows)
+
+
+# -- main -----------------------------------------------------------------------------------
+def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
+    env = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+    print("# fxpipe stage balance on CPU\n")
+    print(f"command: `{env} {shlex.join(sys.orig_argv)}`  ")
+    if reexecuted:
+        print(f"re-executed itself with {env} (glibc reads them at start-up)  ")
+    s: Sizes = args.sizes
+    print(
+        f"settings: quick={args.quick}, warm-up runs per stage={args.warmup}, timed runs per stage={args.repeats}, "
+        f"stages {' and '.join(map(str, STAGE_COUNTS))}, chunks {s.chunks}, checkpoint 'except_last', devices 'cpu' x stages; "
+        f"torchgpipe balance_by_time timeout {s.gpipe_timeout} s  "
+    )
+    print(
+        f"torch {torch.__version__}, torch threads={torch.get_num_threads()}, cores={os.cpu_count()}, "
+        f"load average at start={os.getloadavg()[0]:.2f}  "
+    )
+    print(
+        "method: every cut's stages are captured once on the full example batch (the stages run in order), then "
+        "each stage alone is timed: forward plus torch.autograd.backward of its outputs with ones, inputs as fresh "
+        "leaves; all stages of all cuts of one model run in rounds, in a new random order each round; median per stage. "
+        "Imbalance = max/mean of a cut's measured stage times. Predicted = plan.stages[k].time (balance='time': "
+        "the sum of the per-node forward+backward times profiled at compile).\n"
+    )
+
+
+def run_model(case: Case, args: argparse.Namespace) -> list[tuple[Case, int, dict[str, Split]]]:
+    s: Sizes = args.sizes
+    results = []
+    for stages in STAGE_COUNTS:
+        splits = {f"fxpipe {mode}": fxpipe_split(case, stages, mode, s.chunks) for mode in FXPIPE_MODES}
+        gpipe = torchgpipe_split(case, stages, s.gpipe_timeout)
+        splits[gpipe.method] = gpipe
+        results.append((case, stages, splits))
+    probes = [probe for _, _, splits in results for split in splits.values() for probe in split.probes]
+    measure(probes, args.warmup, args.repeats)
+    print(f"<!-- measured {case.name} at {time.strftime('%H:%M:%S')}, load average {os.getloadavg()[0]:.2f} -->", flush=True)
+    return results
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    reexecuted = ensure_malloc_env()
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(ROOT / "examples"))
+    print_settings(args, reexecuted)
+    results = []
+    for make_case in (unet_case, resnet_case, gpt_case):
+        results += run_model(make_case(args.sizes), args)
+    print()
+    time_table(results)
+    imbalance_table(results)
+    detail_table(results)
+    targets_table(results, args)
+    print(f"load average at end={os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
