@@ -133,8 +133,15 @@ def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = No
         _fail([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer devices.")
     if caps is None and model.additive():
         return min_max_cuts(model.times, stages)
-    coarse, bounds = coarsen(model, UNITS)
-    cuts = _pareto_cuts(coarse, stages, list(caps) if caps is not None else [math.inf] * stages)
+    limits = list(caps) if caps is not None else [math.inf] * stages
+    units = UNITS
+    while True:
+        coarse, bounds = coarsen(model, units)
+        cuts = _pareto_cuts(coarse, stages, limits)
+        # A cap may need a cut inside a run of nodes: search finer before calling it impossible.
+        if cuts is not None or len(coarse) == len(model):
+            break
+        units *= 2
     if cuts is None:
         _fail(_infeasible(model, stages, caps or []), "How to fix: use more devices, or raise device_memory.")
     return [bounds[c] for c in cuts or []]
@@ -182,8 +189,11 @@ def _pareto_cuts(model: CutModel, stages: int, caps: list[float]) -> Optional[li
     final = fronts[stages].get(n)
     if not final:
         return None
-    chunks = model.chunks
-    index = min(range(len(final)), key=lambda i: (final[i][1] + (chunks - 1) * final[i][0], final[i][0]))
+    # The least objective, to a relative 1e-9 (sums of the same numbers in another order differ in
+    # the last bits); among those, the least bottleneck.
+    objective = [s + (chunks - 1) * m for m, s, _, _ in final]
+    least = min(objective)
+    index = min((i for i in range(len(final)) if objective[i] <= least + 1e-9 * abs(least)), key=lambda i: final[i][0])
     cuts, end = [], n
     for k in range(stages, 0, -1):
         _, _, start, previous = fronts[k][end][index]
