@@ -1,6 +1,7 @@
 """Cost model: what each node weighs (bytes, FLOPs, measured time), and the cut model built on it."""
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -10,6 +11,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.attrs import parameters_of
+from fxpipe.passes.inplace import writes_first_argument
 from fxpipe.passes.objective import CutModel, crossing_values
 
 BALANCE_MODES = ("time", "flops", "params", "memory")
@@ -42,42 +44,68 @@ def _leafy(value: Any) -> Any:
     )
 
 
-def _time_node(run: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    """Median seconds of one forward plus backward of a node."""
-    samples = []
-    for repeat in range(warmup + repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        out = run()
-        grads = [(t, torch.ones_like(t)) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if grads:
-            torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
-        _synchronize(device)
-        if repeat >= warmup:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def _once(run: Callable[[], Any], device: torch.device) -> float:
+    """Seconds of one forward plus backward (with gradients of ones) of `run`."""
+    _synchronize(device)
+    start = time.perf_counter()
+    out = run()
+    grads = [(t, torch.ones_like(t)) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grads:
+        torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
-class _Profiler(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, device: torch.device, warmup: int, repeats: int) -> None:
+class _Capture(fx.Interpreter):
+    """Runs the graph once and keeps, for every compute node, how to run it again on its inputs."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
-        self.device, self.warmup, self.repeats = device, warmup, repeats
+        self.runs: dict[fx.Node, Callable[[], Any]] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op not in ("call_module", "call_function", "call_method"):
-            return super().run_node(n)
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        run = lambda: getattr(self, n.op)(n.target, _leafy(args), _leafy(kwargs))  # noqa: E731
-        with torch.enable_grad():
-            n.meta["time"] = _time_node(run, self.device, self.warmup, self.repeats)
+        if n.op in ("call_module", "call_function", "call_method"):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            call, writes = getattr(self, n.op), writes_first_argument(self.module, n)
+
+            def run() -> Any:
+                leaves = _leafy(args)
+                if writes and leaves and isinstance(leaves[0], torch.Tensor):
+                    leaves = (leaves[0].clone(), *leaves[1:])  # an autograd leaf cannot be written in place
+                return call(n.target, leaves, _leafy(kwargs))
+
+            self.runs[n] = run
         with torch.no_grad():
-            return getattr(self, n.op)(n.target, args, kwargs)
+            return super().run_node(n)
 
 
-def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> fx.GraphModule:
-    """Measure each node's forward plus backward time on `device` (median of `repeats` after
-    `warmup`), into `node.meta["time"]` in seconds. The graph and the example must be there."""
-    _Profiler(gm, device, warmup, repeats).run(*example)
+def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int = 2, repeats: int = 7) -> fx.GraphModule:
+    """Measure each node's forward plus backward time on `device` into `node.meta["time"]`
+    (seconds). The graph and the example must be on `device`.
+
+    Nodes are timed in rounds, every node once per round in a new shuffled order, and each takes
+    the median over rounds: a change of machine load during profiling then touches all nodes
+    alike, instead of making one region of the graph look slow. The fixed cost of timing a node
+    (leaves, gradients of ones, a call into autograd), measured on a no-op, is taken off.
+    """
+    capture = _Capture(gm)
+    capture.run(*example)
+    nodes = list(capture.runs)
+    probe = torch.zeros(1, device=device, requires_grad=True)
+    runs: dict[Any, Callable[[], Any]] = {**capture.runs, None: lambda: probe * 1}
+    samples: dict[Any, list[float]] = {key: [] for key in runs}
+    shuffle = random.Random(0).shuffle
+    with torch.enable_grad():
+        for round_ in range(warmup + repeats):
+            order = list(runs)
+            shuffle(order)
+            for key in order:
+                seconds = _once(runs[key], device)
+                if round_ >= warmup:
+                    samples[key].append(seconds)
+    overhead = statistics.median(samples[None])
+    for node in nodes:
+        node.meta["time"] = max(statistics.median(samples[node]) - overhead, 0.0)
     return gm
 
 

@@ -53,6 +53,10 @@ class CutModel:
 
     def received(self, s: int, e: int) -> float:
         """Bytes that a stage [s, e) receives: values made before s and used in [s, e)."""
+        return self.received_from(s)[e]
+
+    def received_from(self, s: int) -> list[float]:
+        """`received(s, e)` for every end e (cached per start)."""
         if s not in self._received:
             row = [0.0] * (len(self) + 1)
             for value in self.values:
@@ -61,7 +65,7 @@ class CutModel:
                     if i < len(value.consumers) and value.consumers[i] < len(self):
                         row[value.consumers[i] + 1] += value.nbytes
             self._received[s] = list(itertools.accumulate(row))
-        return self._received[s][e]
+        return self._received[s]
 
     def compute(self, s: int, e: int) -> float:
         return self.prefix_times[e] - self.prefix_times[s]

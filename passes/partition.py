@@ -152,7 +152,7 @@ Front = list[tuple[float, float, int, int]]  # (bottleneck, sum, previous end, i
 
 def _pareto(candidates: Front) -> Front:
     kept: Front = []
-    for candidate in sorted(candidates, key=lambda c: (c[0], c[1])):
+    for candidate in sorted(candidates):  # by bottleneck, then sum, then the earlier start
         if not kept or candidate[1] < kept[-1][1]:
             kept.append(candidate)
     return kept
@@ -167,25 +167,30 @@ def _pareto_cuts(model: CutModel, stages: int, caps: list[float]) -> Optional[li
     # objective cannot fall below that bound, whatever follows, is dropped (it cannot win).
     guess = min_max_cuts(model.times, stages)
     bound = model.pipeline_time(guess) if not capped else math.inf
+    limit = bound * (1 + 1e-9)
+    prefix, bandwidth = model.prefix_times, model.bandwidth
     fronts: list[dict[int, Front]] = [{0: [(0.0, 0.0, -1, -1)]}] + [{} for _ in range(stages)]
     for k in range(1, stages + 1):
-        for end in range(k, n - (stages - k) + 1):
-            rest = model.compute(end, n)
-            candidates = []
-            for start, front in fronts[k - 1].items():
-                if start >= end or (capped and model.memory(start, end) > caps[k - 1]):
-                    continue
-                t = model.time(start, end)
-                # The front is sorted by bottleneck, rising, and sum, falling: its first entry has
-                # the least bottleneck and its last the least sum.
-                if front[-1][1] + t + rest + (chunks - 1) * max(front[0][0], t) > bound * (1 + 1e-9):
-                    continue
+        candidates: dict[int, Front] = {}
+        for start, front in fronts[k - 1].items():
+            received = model.received_from(start)
+            # The front is sorted by bottleneck, rising, and sum, falling: its first entry has the
+            # least bottleneck and its last the least sum.
+            least_top, least_sum = front[0][0], front[-1][1]
+            for end in range(max(start + 1, k), n - (stages - k) + 1):
+                t = prefix[end] - prefix[start] + (received[end] / bandwidth if bandwidth else 0.0)
+                rest = prefix[n] - prefix[end]
+                # Both tests only get worse as the stage grows: stop at the first that fails.
+                if capped and model.memory(start, end) > caps[k - 1]:
+                    break
+                if least_sum + t + rest + (chunks - 1) * max(least_top, t) > limit:
+                    break
+                found = candidates.setdefault(end, [])
                 for i, (m, s, _, _) in enumerate(front):
                     top, total = max(m, t), s + t
-                    if total + rest + (chunks - 1) * top <= bound * (1 + 1e-9):
-                        candidates.append((top, total, start, i))
-            if candidates:
-                fronts[k][end] = _pareto(candidates)
+                    if total + rest + (chunks - 1) * top <= limit:
+                        found.append((top, total, start, i))
+        fronts[k] = {end: _pareto(found) for end, found in sorted(candidates.items()) if found}
     final = fronts[stages].get(n)
     if not final:
         return None
@@ -212,16 +217,20 @@ def coarsen(model: CutModel, units: int) -> tuple[CutModel, list[int]]:
     total = prefix[-1]
     bounds = sorted({0, n, *(bisect.bisect_left(prefix, total * k / units) for k in range(1, units))})
 
-    def unit(position: int) -> int:
-        return bisect.bisect_right(bounds, position) - 1 if position >= 0 else -1
+    unit = [u for u, (a, b) in enumerate(zip(bounds, bounds[1:])) for _ in range(b - a)]
+    unit.append(len(bounds) - 1)  # the output, after the last run
 
     def summed(prefix_sums: list[float]) -> list[float]:
         return [prefix_sums[b] - prefix_sums[a] for a, b in zip(bounds, bounds[1:])]
 
     values = []
     for value in model.values:
-        producer = unit(value.producer)
-        consumers = sorted({unit(c) for c in value.consumers} - {producer})
+        producer = unit[value.producer] if value.producer >= 0 else -1
+        if len(value.consumers) == 1:
+            consumers = [unit[value.consumers[0]]]
+        else:
+            consumers = sorted({unit[c] for c in value.consumers})
+        consumers = [c for c in consumers if c != producer]
         if consumers:
             values.append(CrossingValue(producer, consumers, value.nbytes))
     coarse = CutModel(

@@ -2,10 +2,12 @@
 example input."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
@@ -40,6 +42,13 @@ def _describe(value: Any) -> dict[str, Any]:
 
 
 _FLOP_WORDS = ("mm", "matmul", "linear", "conv", "einsum", "attention", "addbmm", "tensordot", "bilinear")
+_MATMULS = {"matmul", "mm", "bmm", "linear"}
+# Built-in modules that run matmuls inside; the other built-ins are elementwise, norms, pools,
+# lookups (or Linear and convolutions, counted from shapes).
+_COMPOSITE_MODULES = (
+    nn.MultiheadAttention, nn.RNNBase, nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
+    nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.Bilinear,
+)  # fmt: skip
 
 
 class _Recorder(fx.Interpreter):
@@ -79,9 +88,10 @@ class _Recorder(fx.Interpreter):
         return torch.func.functional_call(module, state, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        if not self.may_count(n):
+        flops = self.known_flops(n)
+        if flops is not None:
             value = super().run_node(n)
-            flops = 0
+            flops = flops(value)
         else:
             with FlopCount() as counter:
                 value = super().run_node(n)
@@ -90,17 +100,31 @@ class _Recorder(fx.Interpreter):
             n.meta.update(_describe(value), flops=flops)
         return value
 
-    def may_count(self, n: fx.Node) -> bool:
-        """Whether a node can run an op that has a FLOP formula (matmuls, convolutions,
-        attention): counting costs a Python dispatch per op, so the rest are passed by."""
+    def known_flops(self, n: fx.Node) -> Optional[Callable[[Any], int]]:
+        """FLOPs of the common matmul and convolution nodes straight from shapes, and none for
+        nodes that cannot run such ops; None where only counting the ops will tell (a custom
+        module, attention). Counting costs a Python dispatch per op, and its first use imports
+        the compiler stack."""
+        args = fx.map_arg(n.args, lambda a: self.env[a])
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if n.op == "call_module":
             module = self.fetch_attr(str(n.target))
+            if isinstance(module, nn.Linear):
+                return lambda out: 2 * out.numel() * module.in_features
+            if isinstance(module, nn.modules.conv._ConvTransposeNd) and first is not None:
+                per_input = module.out_channels // module.groups * math.prod(module.kernel_size)
+                return lambda out: 2 * first.numel() * per_input
+            if isinstance(module, nn.modules.conv._ConvNd):
+                per_output = module.in_channels // module.groups * math.prod(module.kernel_size)
+                return lambda out: 2 * out.numel() * per_output
             built_in = type(module).__module__.startswith("torch.nn.")
-            return not built_in or any(p.dim() >= 2 for p in module.parameters())
+            return None if not built_in or isinstance(module, _COMPOSITE_MODULES) else lambda out: 0
         if n.op in ("call_function", "call_method"):
             name = getattr(n.target, "__name__", str(n.target))
-            return any(word in name for word in _FLOP_WORDS)
-        return False
+            if name in _MATMULS and first is not None:
+                return lambda out: 2 * out.numel() * first.shape[-1]
+            return None if any(word in name for word in _FLOP_WORDS) else lambda out: 0
+        return lambda out: 0
 
 
 # Below this many parameter bytes (all on the CPU), one real forward of the example is faster than
