@@ -35,6 +35,7 @@ def ensure_malloc_env() -> bool:
 
 
 Step = Callable[[], None]
+Key = tuple[int, int, str]  # stages, chunks, checkpoint
 
 
 # -- options --------------------------------------------------------------------------------
@@ -72,6 +73,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 class Contender:
     name: str
     step: Step
+    detail: str = ""  # how the pipeline was cut, for the table
     times: list[float] = field(default_factory=list)  # seconds per step, one entry per timed block
 
     @property
@@ -139,10 +141,18 @@ def measure(contenders: Sequence[Contender], repeats: int, steps_per_block: int,
 
 
 # -- the libraries --------------------------------------------------------------------------
-def fxpipe_pipeline(model: nn.Module, example: torch.Tensor, stages: int, chunks: int, checkpoint: str) -> nn.Module:
+def fxpipe_pipeline(model: nn.Module, example: torch.Tensor, stages: int, chunks: int, checkpoint: str, **options: Any) -> nn.Module:
     from fxpipe import compile_pipeline
 
-    return compile_pipeline(copy.deepcopy(model), example, devices=["cpu"] * stages, chunks=chunks, checkpoint=checkpoint)
+    devices = ["cpu"] * stages
+    return compile_pipeline(copy.deepcopy(model), example, devices=devices, chunks=chunks, checkpoint=checkpoint, **options)
+
+
+def fxpipe_contender(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[torch.Tensor], torch.Tensor], key: Key, **options: Any) -> Contender:
+    pipe = fxpipe_pipeline(model, x, *key, **options)
+    nodes = "+".join(str(len(stage.nodes)) for stage in pipe.plan.stages)
+    detail = f" ({nodes} nodes{''.join(f', {k}={v!r}' for k, v in options.items())})" if key[0] > 1 else ""
+    return Contender(f"fxpipe {key}", training_step(pipe, x, loss_fn), detail)
 
 
 def load_torchgpipe() -> tuple[Optional[Any], str]:
@@ -171,19 +181,11 @@ def smoke_test(step: Step) -> Optional[str]:
 
 
 # -- the models -----------------------------------------------------------------------------
-class MLP(nn.Module):
-    """Linear+ReLU layers. fxpipe gets this wrapper: it fails on a bare nn.Sequential, whose forward
-    argument `input` becomes the graph placeholder `input_1` (KeyError: 'input_1' in Step.forward)."""
-
-    def __init__(self, layers: int, width: int) -> None:
-        super().__init__()
-        blocks: list[nn.Module] = []
-        for _ in range(layers):
-            blocks += [nn.Linear(width, width), nn.ReLU()]
-        self.layers = nn.Sequential(*blocks)  # what torchgpipe gets
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
+def make_mlp(layers: int, width: int) -> nn.Sequential:
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
 
 
 # -- the table ------------------------------------------------------------------------------
@@ -249,10 +251,6 @@ def recompute_bound(chunks: int, stages: int, plain: Contender, forward: Contend
     return gpipe_bound(chunks, stages) * step / (step + f * (chunks - 1) / chunks)
 
 
-def not_runnable_row(model: str, configuration: str, reason: str) -> Row:
-    return Row(model, "torchgpipe", configuration, "", note=f"torchgpipe: not runnable ({reason})")
-
-
 def print_table(rows: Sequence[Row]) -> None:
     lines = [HEADER, ["---"] * len(HEADER), *[row.cells() for row in rows]]
     for line in lines:
@@ -260,66 +258,82 @@ def print_table(rows: Sequence[Row]) -> None:
 
 
 # -- the benchmarks -------------------------------------------------------------------------
-EVEN = "2 stages, chunks {chunks}, {checkpoint!r}"
+def configurations(chunks: int) -> list[Key]:
+    return [(1, 1, "never"), (2, chunks, "never"), (2, chunks, "except_last")]
+
+
+def describe(key: Key) -> str:
+    stages, chunks, checkpoint = key
+    return f"{stages} stage{'s' if stages > 1 else ''}, chunks {chunks}, {checkpoint!r}"
+
+
+def pipeline_rows(name: str, library: str, runs: dict[Key, Contender], failures: dict[Key, str], plain: Contender, forward: Contender, keys: Sequence[Key]) -> list[Row]:
+    """Rows 1-3 for one library on one model: overhead, efficiency, efficiency with recompute."""
+    rows = []
+    for key in keys:
+        stages, chunks, checkpoint = key
+        if key not in runs:
+            rows.append(Row(name, library, describe(key), "", note=f"{library}: not runnable ({failures[key]})"))
+        elif stages == 1:
+            rows.append(overhead_row(name, library, plain, runs[key]))
+        elif checkpoint == "never":
+            rows.append(efficiency_row(name, library, describe(key) + runs[key].detail, plain, runs[key], stages, ">= 0.80", gpipe_bound(chunks, stages)))
+        else:
+            bound = recompute_bound(chunks, stages, plain, forward)
+            rows.append(efficiency_row(name, library, describe(key) + runs[key].detail, plain, runs[key], stages, "", bound))
+    return rows
+
+
+def torchgpipe_contenders(layers: nn.Sequential, x: torch.Tensor, keys: Sequence[Key]) -> tuple[dict[Key, Contender], dict[Key, str]]:
+    """A contender per configuration that builds and runs one step; the reason for the others."""
+    gpipe, status = load_torchgpipe()
+    runs: dict[Key, Contender] = {}
+    failures: dict[Key, str] = {}
+    for key in keys:
+        if gpipe is None:
+            failures[key] = status
+            continue
+        try:
+            step = training_step(torchgpipe_pipeline(gpipe, layers, *key), x, mean_square)
+            reason = smoke_test(step)
+        except Exception as error:  # noqa: BLE001 - reported in the table
+            reason = f"{type(error).__name__}: {error}"
+        if reason is None:
+            runs[key] = Contender(f"torchgpipe {key}", step)
+        else:
+            failures[key] = reason
+    return runs, failures
 
 
 def bench_mlp(args: argparse.Namespace) -> list[Row]:
     s: Sizes = args.sizes
     torch.manual_seed(0)
-    model = MLP(s.mlp_layers, s.mlp_width)
+    model = make_mlp(s.mlp_layers, s.mlp_width)
     x = torch.randn(s.mlp_batch, s.mlp_width)
     small = torch.randn(s.small_batch, s.mlp_width)
     name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.mlp_batch}"
+    small_name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.small_batch}"
+    keys = configurations(s.chunks)
 
     plain = Contender("plain", training_step(model, x, mean_square))
     forward = Contender("plain forward", forward_step(model, x))
-    fx = {
-        key: Contender(f"fxpipe {key}", training_step(fxpipe_pipeline(model, x, *key), x, mean_square))
-        for key in [(1, 1, "never"), (2, s.chunks, "never"), (2, s.chunks, "except_last")]
-    }
-    sequential = Contender("plain, sequential micro-batches", sequential_micro_batches_step(model, x, s.chunks, mean_square))
-    small_plain = Contender("plain small", training_step(model, small, mean_square))
-    small_sequential = Contender("plain small, sequential micro-batches", sequential_micro_batches_step(model, small, s.chunks, mean_square))
-    small_fx = Contender("fxpipe small", training_step(fxpipe_pipeline(model, small, 2, s.chunks, "never"), small, mean_square))
+    fx = {key: fxpipe_contender(model, x, mean_square, key) for key in keys}
+    tg, tg_failures = torchgpipe_contenders(model, x, keys)
+    sequential = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, s.chunks, mean_square))
+    small_plain = Contender("plain, small batch", training_step(model, small, mean_square))
+    small_fx = fxpipe_contender(model, small, mean_square, (2, s.chunks, "never"))
+    small_sequential = Contender("plain, small micro-batches in turn", sequential_micro_batches_step(model, small, s.chunks, mean_square))
 
-    gpipe, gpipe_status = load_torchgpipe()
-    tg: dict[tuple[int, int, str], Contender] = {}
-    tg_failures: dict[tuple[int, int, str], str] = {}
-    for key in fx:
-        if gpipe is None:
-            tg_failures[key] = gpipe_status
-            continue
-        try:
-            step = training_step(torchgpipe_pipeline(gpipe, model.layers, *key), x, mean_square)
-            reason = smoke_test(step)
-        except Exception as error:  # noqa: BLE001 - reported in the table
-            reason = f"{type(error).__name__}: {error}"
-        if reason is None:
-            tg[key] = Contender(f"torchgpipe {key}", step)
-        else:
-            tg_failures[key] = reason
-
-    contenders = [plain, forward, *fx.values(), *tg.values(), sequential, small_plain, small_sequential, small_fx]
+    contenders = [plain, forward, *fx.values(), *tg.values(), sequential, small_plain, small_fx, small_sequential]
     measure(contenders, args.repeats, args.steps_per_block, args.warmup)
 
-    rows = []
-    for library, runs in (("fxpipe", fx), ("torchgpipe", tg)):
-        for key in fx:
-            stages, chunks, checkpoint = key
-            if key not in runs:
-                configuration = "1 stage, chunks 1, 'never'" if stages == 1 else EVEN.format(chunks=chunks, checkpoint=checkpoint)
-                rows.append(not_runnable_row(name, configuration, tg_failures[key]))
-            elif stages == 1:
-                rows.append(overhead_row(name, library, plain, runs[key]))
-            elif checkpoint == "never":
-                rows.append(efficiency_row(name, library, EVEN.format(chunks=chunks, checkpoint=checkpoint), plain, runs[key], 2, ">= 0.80", gpipe_bound(chunks, 2)))
-            else:
-                bound = recompute_bound(chunks, 2, plain, forward)
-                rows.append(efficiency_row(name, library, EVEN.format(chunks=chunks, checkpoint=checkpoint), plain, runs[key], 2, "", bound))
-
+    rows = pipeline_rows(name, "fxpipe", fx, {}, plain, forward, keys)
+    rows += pipeline_rows(name, "torchgpipe", tg, tg_failures, plain, forward, keys)
     rows.append(micro_batched_row(name, f"{s.chunks} micro-batches of {s.mlp_batch // s.chunks} rows", plain, sequential))
-    small_name = f"MLP {s.mlp_layers}x{s.mlp_width}, batch {s.small_batch}"
-    rows.append(efficiency_row(small_name, "fxpipe", f"2 stages, chunks {s.chunks} ({s.small_batch // s.chunks} rows), 'never'", small_plain, small_fx, 2, "", gpipe_bound(s.chunks, 2)))
+    rows.append(efficiency_row(
+        small_name, "fxpipe", f"2 stages, chunks {s.chunks} ({s.small_batch // s.chunks} rows), 'never'{small_fx.detail}",
+        small_plain, small_fx, 2, "", gpipe_bound(s.chunks, 2),
+    ))
     rows.append(micro_batched_row(small_name, f"{s.chunks} micro-batches of {s.small_batch // s.chunks} rows", small_plain, small_sequential))
     return rows
 
@@ -333,6 +347,7 @@ def bench_unet(args: argparse.Namespace) -> list[Row]:
     model = make_model()
     x, y = make_batch(s.unet_batch, size=s.unet_image)
     name = f"U-Net (examples/unet.py), batch {s.unet_batch}, {s.unet_image}x{s.unet_image}"
+    keys = configurations(s.chunks)
 
     def loss(output: torch.Tensor) -> torch.Tensor:
         # y[:len(output)] is y itself, except for the micro-batched reference, where any rows time the same.
@@ -340,20 +355,20 @@ def bench_unet(args: argparse.Namespace) -> list[Row]:
 
     plain = Contender("plain", training_step(model, x, loss))
     forward = Contender("plain forward", forward_step(model, x))
-    fx = {
-        key: Contender(f"fxpipe {key}", training_step(fxpipe_pipeline(model, x, *key), x, loss))
-        for key in [(1, 1, "never"), (2, s.chunks, "never"), (2, s.chunks, "except_last")]
-    }
-    sequential = Contender("plain, sequential micro-batches", sequential_micro_batches_step(model, x, s.chunks, loss))
-    measure([plain, forward, *fx.values(), sequential], args.repeats, args.steps_per_block, args.warmup)
+    fx = {key: fxpipe_contender(model, x, loss, key) for key in keys}
+    by_time = (2, s.chunks, "never")
+    try:  # an extra row: the default cut balances memory; this one balances measured time
+        timed: dict[Key, Contender] = {by_time: fxpipe_contender(model, x, loss, by_time, balance="time")}
+        timed_failure: dict[Key, str] = {}
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        timed, timed_failure = {}, {by_time: f"balance='time': {type(error).__name__}: {error}"}
+    sequential = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, s.chunks, loss))
+    measure([plain, forward, *fx.values(), *timed.values(), sequential], args.repeats, args.steps_per_block, args.warmup)
 
-    never, except_last = fx[(2, s.chunks, "never")], fx[(2, s.chunks, "except_last")]
-    return [
-        overhead_row(name, "fxpipe", plain, fx[(1, 1, "never")]),
-        efficiency_row(name, "fxpipe", EVEN.format(chunks=s.chunks, checkpoint="never"), plain, never, 2, ">= 0.80", gpipe_bound(s.chunks, 2)),
-        efficiency_row(name, "fxpipe", EVEN.format(chunks=s.chunks, checkpoint="except_last"), plain, except_last, 2, "", recompute_bound(s.chunks, 2, plain, forward)),
-        micro_batched_row(name, f"{s.chunks} micro-batches of {s.unet_batch // s.chunks} images", plain, sequential),
-    ]
+    rows = pipeline_rows(name, "fxpipe", fx, {}, plain, forward, keys)
+    rows += pipeline_rows(name, "fxpipe", timed, timed_failure, plain, forward, [by_time])
+    rows.append(micro_batched_row(name, f"{s.chunks} micro-batches of {s.unet_batch // s.chunks} images", plain, sequential))
+    return rows
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -371,7 +386,7 @@ def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
     )
     print(
         f"torch {torch.__version__}, intra-op threads per thread={torch.get_num_threads()}, cores={os.cpu_count()}, "
-        f"load average at start={os.getloadavg()[0]:.2f}"
+        f"{load_torchgpipe()[1]}, load average at start={os.getloadavg()[0]:.2f}"
     )
     print(
         "method: a step is forward + backward of a mean loss, no optimizer; contenders run round-robin in this "
