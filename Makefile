@@ -30,6 +30,7 @@ test: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/balance.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
