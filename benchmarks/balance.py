@@ -22,26 +22,12 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
-REEXECUTED = "FXPIPE_BENCH_REEXECUTED"
+from environment import MALLOC_ENV, ensure_malloc_env
+
 ROOT = Path(__file__).resolve().parent.parent
 IMBALANCE_TARGET = 1.10  # measured max/mean at 4 stages, balance='time', U-Net and GPT
 COMPILE_TARGET_S = 2.0  # compile_pipeline of a 48-block GPT, balance='flops'
 PARTITION_TARGET_S = 0.5  # best_cuts on 100,000 positions, receiving costs, 8 stages
-
-
-def ensure_malloc_env() -> bool:
-    """Re-execute this process with glibc's malloc thresholds pinned, unless they are set already.
-
-    glibc reads them once, at start-up, so they cannot be set from inside. Returns whether this
-    process is the re-executed one.
-    """
-    if all(os.environ.get(name) == value for name, value in MALLOC_ENV.items()):
-        return os.environ.pop(REEXECUTED, None) == "1"
-    env = {**os.environ, **MALLOC_ENV, REEXECUTED: "1"}
-    sys.stdout.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-    raise AssertionError("unreachable")
 
 
 # -- options --------------------------------------------------------------------------------

@@ -1,12 +1,10 @@
 """Train a small GroupNorm ResNet to classify noisy shapes through an fxpipe pipeline."""
-import argparse
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-from fxpipe import compile_pipeline
+from training import train
 
 
 def norm(channels: int) -> nn.GroupNorm:
@@ -78,43 +76,9 @@ def loss_fn(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, targets)
 
 
-def default_devices() -> list[str]:
-    n = torch.cuda.device_count()
-    return [f"cuda:{i}" for i in range(n)] if n >= 2 else ["cpu", "cpu"]
-
-
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--checkpoint", default="except_last")
-    p.add_argument("--devices", nargs="+", default=default_devices())
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--svg", default="resnet.svg")
-    args = p.parse_args(argv)
-    devices = [d for arg in args.devices for d in arg.split()]  # also accept one quoted list
-
     torch.manual_seed(0)
-    model = make_model()
-    example, _ = make_batch(args.batch)
-    pipe = compile_pipeline(model, example, devices, chunks=args.chunks, checkpoint=args.checkpoint)
-    opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
-
-    losses: list[float] = []
-    bar = tqdm(range(args.steps))
-    for step in bar:
-        x, y = make_batch(args.batch, seed=step + 1)
-        out = pipe(x.to(devices[0]))
-        loss = loss_fn(out, y.to(out.device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    pipe.to_svg(args.svg)
-    print(f"wrote {args.svg}")
+    train(__doc__, make_model(), make_batch, loss_fn, steps=60, lr=1e-3, svg="resnet.svg", argv=argv)
 
 
 if __name__ == "__main__":
