@@ -65,4 +65,11 @@ def gather_grads(parts: Sequence[Optional[torch.Tensor]], like: Sequence[torch.T
 
 def map_tensors(fn: Any, value: Any) -> Any:
     """Apply `fn` to every tensor in a nested value, leaving everything else as it is."""
+    if isinstance(value, torch.Tensor):  # the common case, without a pytree walk
+        return fn(value)
     return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def leaves_of(value: Any) -> list[Any]:
+    """The leaves of a nested value (a tensor is its own only leaf)."""
+    return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]

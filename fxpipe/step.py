@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.checkpoint import checkpointing, recomputing
 from fxpipe.devices import Parcel, send
-from fxpipe.microbatch import map_tensors
+from fxpipe.microbatch import leaves_of, map_tensors
 from fxpipe.randomness import TaskRandomness, task_seed
 from fxpipe.schedule import clock_cycles
 from fxpipe.worker import Workers
@@ -285,6 +285,8 @@ def _add(a: Any, b: Any) -> Any:
         return b
     if b is None:
         return a
+    if isinstance(a, torch.Tensor):
+        return a + b
     left, spec = tree_flatten(a)
     right, _ = tree_flatten(b)
     return tree_unflatten([x if y is None else y if x is None else x + y for x, y in zip(left, right)], spec)
@@ -295,8 +297,7 @@ def _stage_backward(outputs: Sequence[Any], grads: Sequence[Any]) -> None:
     for output, grad in zip(outputs, grads):
         if grad is None:
             continue
-        out_leaves, _ = tree_flatten(output)
-        grad_leaves, _ = tree_flatten(grad)
+        out_leaves, grad_leaves = leaves_of(output), leaves_of(grad)
         for t, g in zip(out_leaves, grad_leaves):
             if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
                 tensors.append(t)
