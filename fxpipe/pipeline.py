@@ -34,6 +34,13 @@ class Pipeline(nn.Module):
     of the first stage that uses them, under the model's own names.
     """
 
+    # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own.
+    _owner: nn.Module
+    _graph: fx.GraphModule
+    _runs: list[Sequence[fx.Node]]
+    _edges: list[Edge]
+    _codes: list[StageCode]
+
     def __init__(
         self,
         model: nn.Module,

@@ -62,7 +62,7 @@ class StageRuntime:
     random_free: set[Hashable] = field(default_factory=set)  # training-mode keys seen drawing nothing
 
     def mode_key(self) -> Hashable:
-        modules = getattr(self.module, "modules", lambda: [])()
+        modules: Sequence[Any] = list(getattr(self.module, "modules", lambda: [])())
         return tuple(m.training for m in modules)
 
 

@@ -72,7 +72,9 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         paths = [path for path, _ in stack.values() if path.startswith(_PREFIX)]
         node.meta["scope"] = _strip(paths[-1]) if paths else ""
     output = next(n for n in graph.nodes if n.op == "output")
-    output.args = (tree_unflatten(list(output.args[0]), exported._out_spec),)
+    out_spec = exported._out_spec
+    assert out_spec is not None, "an exported module knows its output structure"
+    output.args = (tree_unflatten(list(output.args[0]), out_spec),)
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
     return gm, spec

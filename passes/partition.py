@@ -76,7 +76,8 @@ def min_max_cuts(weights: Sequence[float], stages: int) -> list[int]:
     prefix = [0.0, *itertools.accumulate(float(w) for w in weights)]
 
     def greedy(limit: float) -> Optional[list[int]]:
-        cuts, start = [], 0
+        cuts: list[int] = []
+        start = 0
         while start < len(weights):
             end = bisect.bisect_right(prefix, prefix[start] + limit, lo=start + 1) - 1
             if end <= start or len(cuts) == stages:

@@ -88,10 +88,10 @@ class _Recorder(fx.Interpreter):
         return torch.func.functional_call(module, state, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
-        flops = self.known_flops(n)
-        if flops is not None:
+        formula = self.known_flops(n)
+        if formula is not None:
             value = super().run_node(n)
-            flops = flops(value)
+            flops = formula(value)
         else:
             with FlopCount() as counter:
                 value = super().run_node(n)
