@@ -8,7 +8,6 @@ import itertools
 import os
 import random
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from environment import MALLOC_ENV, ensure_malloc_env
+from environment import command_lines, ensure_malloc_env
 
 ROOT = Path(__file__).resolve().parent.parent
 IMBALANCE_TARGET = 1.10  # measured max/mean at 4 stages, balance='time', U-Net and GPT
@@ -579,11 +578,9 @@ def targets_table(results: Sequence[tuple[Case, int, dict[str, Split]]], args: a
 
 # -- main -----------------------------------------------------------------------------------
 def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
-    env = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     print("# fxpipe stage balance on CPU\n")
-    print(f"command: `{env} {shlex.join(sys.orig_argv)}`  ")
-    if reexecuted:
-        print(f"re-executed itself with {env} (glibc reads them at start-up)  ")
+    for line in command_lines(reexecuted, "glibc reads them at start-up"):
+        print(f"{line}  ")
     s: Sizes = args.sizes
     print(
         f"settings: quick={args.quick}, warm-up runs per stage={args.warmup}, timed runs per stage={args.repeats}, "

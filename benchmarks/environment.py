@@ -2,10 +2,20 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1000000000", "MALLOC_TRIM_THRESHOLD_": "1000000000"}
 REEXECUTED = "FXPIPE_BENCH_REEXECUTED"
+
+
+def command_lines(reexecuted: bool, why: str) -> list[str]:
+    """The command that reproduces this run, and whether the process re-executed itself."""
+    env = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
+    lines = [f"command: `{env} {shlex.join(sys.orig_argv)}`"]
+    if reexecuted:
+        lines.append(f"re-executed itself with {env} ({why})")
+    return lines
 
 
 def ensure_malloc_env() -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
 import statistics
 import sys
 import time
@@ -15,7 +14,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from environment import MALLOC_ENV, ensure_malloc_env
+from environment import command_lines, ensure_malloc_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -359,11 +358,9 @@ def bench_unet(args: argparse.Namespace) -> list[Row]:
 
 # -- main -----------------------------------------------------------------------------------
 def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
-    env = " ".join(f"{k}={v}" for k, v in MALLOC_ENV.items())
     print("# fxpipe overhead and pipeline efficiency on CPU\n")
-    print(f"command: `{env} {shlex.join(sys.orig_argv)}`")
-    if reexecuted:
-        print(f"re-executed itself with {env} (glibc reads them at start-up; set for every contender alike)")
+    for line in command_lines(reexecuted, "glibc reads them at start-up; set for every contender alike"):
+        print(line)
     s: Sizes = args.sizes
     print(
         f"settings: repeats={args.repeats}, steps per block={args.steps_per_block}, warm-up steps={args.warmup}, "

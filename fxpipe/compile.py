@@ -13,7 +13,7 @@ from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.devices import pin_devices
-from fxpipe.passes.edges import find_edges
+from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import linearize
 from fxpipe.passes.objective import CutModel
@@ -137,8 +137,8 @@ def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: 
                 index=index,
                 device=str(device),
                 nodes=[node.name for node in run],
-                inputs=list(dict.fromkeys(e.value for e in edges if e.dst == index)),
-                outputs=list(dict.fromkeys(e.value for e in edges if e.src == index)),
+                inputs=stage_inputs(edges, index),
+                outputs=stage_outputs(edges, index),
                 param_bytes=sum(int(node.meta.get("param_bytes", 0)) for node in run),
                 size=sum(int(node.meta.get("size", 0)) for node in run),
                 modules=[_module_path(node) for node in run],

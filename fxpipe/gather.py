@@ -68,7 +68,7 @@ class Gathered:
             pieces = grad.split(sizes) if self.micro_batches > 1 else [grad]
             for i, piece in enumerate(pieces):
                 leaves = per_value[i].setdefault(name, [None] * len(self.values[name][0]))
-                leaves[k] = piece if leaves[k] is None else leaves[k] + piece
+                leaves[k] = piece  # each (value, leaf) is one slot: refs were deduplicated
         return [
             {name: tree_unflatten(leaves, self.values[name][1]) for name, leaves in mb.items()} for mb in per_value
         ]
