@@ -153,7 +153,7 @@ def fxpipe_stage_inputs(pipe: Any, example: tuple[Any, ...]) -> list[list[Any]]:
     env = dict(pipe._bind(example, {}))
     captured = []
     with torch.no_grad():
-        for code, module, shared in zip(pipe._codes, pipe.stages, pipe._shared(False)):
+        for code, module, shared in zip(pipe.program().codes, pipe.stages, pipe._shared(pipe.program(), False)):
             args = [*(env[name] for name in code.inputs), *shared]
             captured.append(args)
             env.update(zip(code.outputs, module(*args)))
@@ -432,7 +432,7 @@ def diagnose(case: Case, stages: int, args: argparse.Namespace) -> list[list[str
     from fxpipe.passes.partition import min_max_cuts
 
     base = fxpipe_split(case, stages, "time", args.sizes.chunks)
-    gm = base.pipe._graph
+    gm = base.pipe.program().graph
     order = [name for stage in base.pipe.plan.stages for name in stage.nodes]
     example = tuple(base.pipe._bind((case.example,), {}).values())
     methods = {"back to back (fxpipe's profile_times)": back_to_back_profile, "interleaved rounds": interleaved_profile}
@@ -491,7 +491,7 @@ def pass_fail(ok: bool) -> str:
 
 def largest_node(split: Split) -> str:
     """The node with the most profiled time, against the mean predicted stage: how coarse the grain is."""
-    nodes = [n for n in split.pipe._graph.graph.nodes if "time" in n.meta]
+    nodes = [n for n in split.pipe.program().graph.graph.nodes if "time" in n.meta]
     node = max(nodes, key=lambda n: n.meta["time"])
     share = node.meta["time"] / statistics.fmean(split.predicted or [1.0])
     return f"{node.name} {node.meta['time'] * 1e3:.1f} ms ({share:.0%} of a mean stage)"
@@ -515,9 +515,9 @@ def time_table(results: Sequence[tuple[Case, int, dict[str, Split]]]) -> None:
     for case, stages, splits in results:
         split = splits["fxpipe time"]
         if case.identical_blocks:
-            profile = {n.name: n.meta["time"] for n in split.pipe._graph.graph.nodes if "time" in n.meta}
+            profile = {n.name: n.meta["time"] for n in split.pipe.program().graph.graph.nodes if "time" in n.meta}
             print(f"Profile repeatability, {case.name}, {stages} stages: its identical blocks were profiled "
-                  f"max/min = {block_spread(split.pipe._graph, profile):.2f} apart.  ")
+                  f"max/min = {block_spread(split.pipe.program().graph, profile):.2f} apart.  ")
     print()
 
 

@@ -1,12 +1,14 @@
 """The pipeline as autograd sees it: two Functions around a step, so backward runs on the workers.
 
-    inputs ─▶ [_Forward] ─▶ token (CPU, empty) ─▶ [_Outputs] ─▶ outputs ─▶ loss
+    inputs, parameters ─▶ [_Forward] ─▶ token (CPU, empty) ─▶ [_Outputs] ─▶ outputs ─▶ loss
 
 `loss.backward()` reaches `_Outputs` first, which only stores the output gradients: on CUDA it runs
 on the autograd engine's thread for the outputs' device, and must not block it, because the stage
 workers' own backward calls need that thread. It hands a CPU gradient to `_Forward`, whose backward
 therefore runs on the caller's thread and drives the backward schedule on the stage workers.
-Parameter gradients land in `.grad` from the stages' own backward calls.
+The parameters are inputs of `_Forward`, and their gradients its gradients: autograd routes them
+as it would in the plain model, into `.grad` for `loss.backward()`, to the caller for
+`torch.autograd.grad`, nowhere for `backward(inputs=[x])`, through the parameters' hooks.
 """
 from __future__ import annotations
 
@@ -22,24 +24,28 @@ from fxpipe.step import Step
 
 
 class InputSlot:
-    """An input tensor that requires grad: which value and leaf it is, and whether it was split."""
+    """An input tensor that requires grad: which value and leaf it is, and the dim it was split
+    along (None: whole, in every micro-batch)."""
 
-    def __init__(self, name: str, index: int, tensor: torch.Tensor, split: bool) -> None:
-        self.name, self.index, self.tensor, self.split = name, index, tensor, split
+    def __init__(self, name: str, index: int, tensor: torch.Tensor, dim: Optional[int]) -> None:
+        self.name, self.index, self.tensor, self.dim = name, index, tensor, dim
 
 
 class Run:
-    """One call of the pipeline with autograd: its step, the inputs that want gradients, and the
-    outputs once gathered."""
+    """One call of the pipeline with autograd: its step, the inputs and parameters that want
+    gradients, and the outputs once gathered. `parameter_grads()` gives the step's gradient of
+    each parameter, in the order of `parameters`."""
 
     def __init__(
         self,
         step: Step,
         inputs: Sequence[InputSlot],
+        parameters: Sequence[torch.Tensor],
         gather: Callable[[list[dict[str, Any]]], Gathered],
-        finish: Callable[[], None],
+        parameter_grads: Callable[[], list[Optional[torch.Tensor]]],
     ) -> None:
-        self.step, self.inputs, self.gather, self.finish = step, list(inputs), gather, finish
+        self.step, self.inputs, self.parameters, self.gather = step, list(inputs), list(parameters), gather
+        self.parameter_grads = parameter_grads
         self.gathered: Optional[Gathered] = None
         self.output_grads: Optional[Sequence[Optional[torch.Tensor]]] = None
 
@@ -48,16 +54,21 @@ class Run:
 
     def backward(self) -> list[Optional[torch.Tensor]]:
         assert self.gathered is not None
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a Pipeline cannot make its gradients differentiable (backward with create_graph=True, "
+                "or torch.autograd.grad(..., create_graph=True)).\nHow to fix: compute higher-order "
+                "gradients with the plain model."
+            )
         grads = self.output_grads or [None] * len(self.gathered.slots)
         input_grads = self.step.backward(self.gathered.route(grads))
-        self.finish()
         result = []
         for slot in self.inputs:
             parts = [_leaf(g.get(slot.name), slot.index) for g in input_grads]
             pieces = [_leaf(mb[slot.name], slot.index) for mb in self.step.micro_batches]
-            grad = gather_grads(parts, pieces, slot.split)
+            grad = gather_grads(parts, pieces, slot.dim)
             result.append(grad.to(slot.tensor.device) if grad is not None else None)
-        return result
+        return [*result, *self.parameter_grads()]
 
 
 def _leaf(value: Any, index: int) -> Any:
@@ -66,7 +77,7 @@ def _leaf(value: Any, index: int) -> Any:
 
 class _Forward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: FunctionCtx, run: Run, phony: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: FunctionCtx, run: Run, phony: torch.Tensor, *inputs_and_parameters: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         run.forward()
         ctx.run = run  # type: ignore[attr-defined]
         return phony.new_empty(0)
@@ -97,7 +108,7 @@ class _Outputs(torch.autograd.Function):
 def run_with_autograd(run: Run) -> Any:
     """Run the step inside the two Functions; returns the model's output structure."""
     phony = torch.empty(0, requires_grad=True)
-    token = _Forward.apply(run, phony, *[slot.tensor for slot in run.inputs])
+    token = _Forward.apply(run, phony, *[slot.tensor for slot in run.inputs], *run.parameters)
     assert run.gathered is not None
     tensors = _Outputs.apply(run, token) if run.gathered.tensors else ()
     return run.gathered.rebuild(tensors)

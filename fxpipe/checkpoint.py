@@ -5,6 +5,9 @@ import threading
 from contextlib import contextmanager
 from typing import ContextManager, Iterator
 
+import torch
+from torch import nn
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 _state = threading.local()
@@ -45,3 +48,23 @@ def checkpoint_stop(mode: str, micro_batches: int) -> int:
     so recomputing it would buy no memory.
     """
     return {"always": micro_batches, "except_last": micro_batches - 1, "never": 0}[mode]
+
+
+@contextmanager
+def swapped_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run `module` with some buffers (by qualified name) replaced, and put the originals back.
+
+    A recompute runs on the buffers as its forward saw them, and what it writes to them (running
+    statistics, counters) goes to these copies: the model's buffers are updated once, in forward.
+    """
+    owners = []
+    for name, tensor in buffers.items():
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        owners.append((owner, attr, owner._buffers[attr]))
+        owner._buffers[attr] = tensor
+    try:
+        yield
+    finally:
+        for owner, attr, original in owners:
+            owner._buffers[attr] = original

@@ -20,7 +20,8 @@ from fxpipe.passes.objective import CutModel
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.trace import LeafSpec
-from fxpipe.pipeline import Pipeline
+from fxpipe.passes.modes import follow_stages
+from fxpipe.pipeline import ChunkSpec, Pipeline, Program
 from fxpipe.plan import Plan, StagePlan
 
 Device = Union[str, int, torch.device]
@@ -165,6 +166,7 @@ def compile_pipeline(
     param_scale: float = 4.0,
     bandwidth: Optional[float] = None,
     flop_rate: Optional[float] = None,
+    chunk_spec: Optional[ChunkSpec] = None,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -187,6 +189,9 @@ def compile_pipeline(
             ('time' and 'flops'); by default free between CPU devices, else 12e9.
         flop_rate: FLOPs per second, to turn FLOPs into time ('flops'); by default 5e10 on CPU
             devices, else 1e13.
+        chunk_spec: how to split named arguments of the model's forward into micro-batches:
+            `{"mask": None}` passes `mask` whole to every micro-batch, `{"x": 1}` splits `x` along
+            dim 1. Unnamed arguments are split along dim 0 when their dim 0 is the batch size.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
@@ -223,4 +228,30 @@ def compile_pipeline(
         balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
         notes=[traced.note] if traced.note else [],
     )
-    return Pipeline(model, gm, traced.bind, runs, edges, plan, parsed)
+    _check_outputs(gm, chunks)
+    programs = {True: Program(gm, [list(run) for run in runs], edges)}
+    eval_graph = getattr(traced, "eval_graph", None)
+    programs[False] = programs[True] if eval_graph is None else _eval_program(eval_graph, gm, inputs, parsed)
+    return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec)
+
+
+def _eval_program(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Program:
+    """The eval-mode graph, cut like the training graph (see passes/modes.py)."""
+    graph = redirect_reads_after_writes(graph)
+    propagate_shapes(graph, inputs)
+    runs = follow_stages(graph, train, len(devices))
+    edges = find_edges(graph, len(devices))
+    pin_devices(graph, devices)
+    return Program(graph, runs, edges)
+
+
+def _check_outputs(gm: fx.GraphModule, chunks: int) -> None:
+    """A 0-dim output (a loss) cannot be concatenated from micro-batches."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    scalars = [n.name for n in output.all_input_nodes if n.meta.get("shape") == ()]
+    if chunks > 1 and scalars:
+        raise ValueError(
+            f"the model returns a 0-dim tensor ({', '.join(scalars)}: a loss?), and outputs are "
+            f"concatenated from the {chunks} micro-batches along dim 0.\nHow to fix: return "
+            "per-sample values and reduce them outside the pipeline, or use chunks=1."
+        )

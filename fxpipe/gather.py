@@ -29,7 +29,7 @@ class Gathered:
     gradients of each value.
     """
 
-    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], given: dict[str, Any]) -> None:
+    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], given: dict[str, Any], sizes: Sequence[int]) -> None:
         self.template = template
         self.values: dict[str, tuple[list[Any], Any]] = {}
         self.tensors: list[torch.Tensor] = []
@@ -43,7 +43,7 @@ class Gathered:
             leaves = []
             for k in range(len(flats[0][0])):
                 parts = [flat[0][k] for flat in flats]
-                leaf = gather_leaf(parts)
+                leaf = gather_leaf(parts, sizes)
                 if isinstance(leaf, torch.Tensor):
                     self.tensors.append(leaf)
                     self.slots.append((ref.name, k, [p.shape[0] for p in parts]))

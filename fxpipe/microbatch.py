@@ -7,15 +7,33 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
+# How the caller asked to split particular input tensors, by `id`: along a dim, or None (whole).
+Dims = dict[int, Optional[int]]
+
+
 def is_batched(value: Any, batch_size: int) -> bool:
     """A tensor is split across micro-batches when its first dimension is the batch."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
 
 
-def batch_size_of(values: Sequence[Any]) -> Optional[int]:
-    """The size of dim 0 of the first tensor (with a dim 0) among the inputs."""
+def split_dim(t: torch.Tensor, batch_size: int, dims: Dims) -> Optional[int]:
+    """The dim `t` is split along: as the caller asked, else 0 when dim 0 is the batch."""
+    if id(t) in dims:
+        return dims[id(t)]
+    return 0 if is_batched(t, batch_size) else None
+
+
+def batch_size_of(values: Sequence[Any], dims: Optional[Dims] = None) -> Optional[int]:
+    """The batch size: the size of the first input tensor along the dim it is split along
+    (dim 0 unless `dims` says otherwise; tensors kept whole do not count)."""
+    dims = dims or {}
     leaves, _ = tree_flatten(list(values))
-    return next((t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    for t in leaves:
+        if isinstance(t, torch.Tensor):
+            dim = dims.get(id(t), 0 if t.dim() > 0 else None)
+            if dim is not None:
+                return t.shape[dim]
+    return None
 
 
 def split_sizes(batch_size: int, chunks: int) -> list[int]:
@@ -25,38 +43,58 @@ def split_sizes(batch_size: int, chunks: int) -> list[int]:
     return [s for s in sizes if s > 0]
 
 
-def scatter(value: Any, sizes: Sequence[int], batch_size: int) -> list[Any]:
+def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None) -> list[Any]:
     """One copy of `value` per micro-batch; batched tensors are split, the rest is shared."""
     leaves, spec = tree_flatten(value)
-    pieces = [t.split(list(sizes)) if is_batched(t, batch_size) else [t] * len(sizes) for t in leaves]
+    pieces = []
+    for t in leaves:
+        dim = split_dim(t, batch_size, dims or {}) if isinstance(t, torch.Tensor) else None
+        if dim is not None and t.shape[dim] != batch_size:
+            raise ValueError(
+                f"an input split along dim {dim} has size {t.shape[dim]} there, but the batch is "
+                f"{batch_size}.\nHow to fix: give every split input the same batch size, or keep "
+                "this one whole (chunk_spec={name: None})."
+            )
+        pieces.append(t.split(list(sizes), dim) if dim is not None else [t] * len(sizes))
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 
-def gather_leaf(parts: Sequence[Any]) -> Any:
-    """Put one output back together: tensors are concatenated along dim 0."""
+def gather_leaf(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
+    """Put one output back together: tensors are concatenated along dim 0, which must be the
+    micro-batch's; with one micro-batch the output is as it is."""
     first = parts[0]
     if not isinstance(first, torch.Tensor):
         return first
+    if len(parts) == 1:
+        return first.detach()
     if first.dim() == 0:
         raise ValueError(
-            "a stage output gathered from the micro-batches is a 0-dim tensor (a loss or a scalar?): "
-            "outputs are concatenated along dim 0.\nHow to fix: return per-sample values and reduce "
+            "the model returns a 0-dim tensor (a loss or a scalar?), and outputs are concatenated "
+            "from the micro-batches along dim 0.\nHow to fix: return per-sample values and reduce "
             "them outside the pipeline, or use chunks=1."
         )
-    return torch.cat(list(parts)) if len(parts) > 1 else first.detach()
+    shapes = [tuple(p.shape) for p in parts]
+    if any(p.shape[0] != size for p, size in zip(parts, sizes)):
+        raise ValueError(
+            f"the model returns a tensor whose dim 0 is not the batch (micro-batches of {list(sizes)} "
+            f"gave shapes {shapes}), so the micro-batches' outputs cannot be concatenated into the "
+            "plain model's.\nHow to fix: return per-sample values (batch first) and reduce them "
+            "outside the pipeline, or use chunks=1."
+        )
+    return torch.cat(list(parts))
 
 
-def gather_grads(parts: Sequence[Optional[torch.Tensor]], like: Sequence[torch.Tensor], split: bool) -> Optional[torch.Tensor]:
+def gather_grads(parts: Sequence[Optional[torch.Tensor]], like: Sequence[torch.Tensor], dim: Optional[int]) -> Optional[torch.Tensor]:
     """The gradient of one input from the gradients of its micro-batch pieces.
 
-    A split input's gradient is the concatenation; a shared one's is the sum. A piece that got
-    no gradient counts as zeros.
+    A split input's gradient is the concatenation along its split `dim`; a whole one's is the
+    sum. A piece that got no gradient counts as zeros.
     """
     if all(p is None for p in parts):
         return None
     filled = [p if p is not None else torch.zeros_like(piece) for p, piece in zip(parts, like)]
-    if split:
-        return torch.cat(filled)
+    if dim is not None:
+        return torch.cat(filled, dim)
     total = filled[0].clone()
     for p in filled[1:]:
         total += p

@@ -1,6 +1,9 @@
 """The Pipeline module: the model's own parameters, run stage by stage over micro-batches."""
 from __future__ import annotations
 
+import copy
+import inspect
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
@@ -10,20 +13,48 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd
 from fxpipe.checkpoint import checkpoint_stop
+from fxpipe.context import CallerContext
 from fxpipe.frontend import Binder
 from fxpipe.gather import Gathered, ValueRef
-from fxpipe.microbatch import batch_size_of, is_batched, scatter, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.edges import Edge
+from fxpipe.passes.random_ops import random_sources
+from fxpipe.passes.state import aliases_state, writable_buffers
 from fxpipe.plan import Plan
 from fxpipe.randomness import draw_step_seed
 from fxpipe.step import StageRuntime, Step
 from fxpipe.worker import Workers
 
+ChunkSpec = dict[str, Optional[int]]
+
 
 class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
+
+
+@dataclass
+class Program:
+    """One graph of the model cut into stages, and its generated stages. A model whose forward
+    reads `self.training` has one per mode."""
+
+    graph: fx.GraphModule
+    runs: list[list[fx.Node]]
+    edges: list[Edge]
+    codes: list[StageCode] = field(default_factory=list)
+    runtimes: list[StageRuntime] = field(default_factory=list)
+    template: Any = None
+
+    def __post_init__(self) -> None:
+        output = next(n for n in self.graph.graph.nodes if n.op == "output")
+        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, output.args[0])
+
+    def copy(self, memo: dict[int, Any]) -> "Program":
+        """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
+        graph = copy.deepcopy(self.graph, memo)
+        nodes = {node.name: node for node in graph.graph.nodes}
+        return Program(graph, [[nodes[n.name] for n in run] for run in self.runs], list(self.edges))
 
 
 class Pipeline(nn.Module):
@@ -34,107 +65,156 @@ class Pipeline(nn.Module):
     of the first stage that uses them, under the model's own names.
     """
 
-    # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own.
+    # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own
+    # and no name of the model's can clash with the pipeline's own attributes.
     _owner: nn.Module
-    _graph: fx.GraphModule
-    _runs: list[Sequence[fx.Node]]
-    _edges: list[Edge]
-    _codes: list[StageCode]
+    _programs: dict[bool, Program]
+    plan: Plan
+    stages: list[fx.GraphModule]
+    devices: list[torch.device]
+    chunks: int
+    checkpoint: str
 
     def __init__(
         self,
         model: nn.Module,
-        graph: fx.GraphModule,
+        programs: dict[bool, Program],
         bind: Binder,
-        runs: Sequence[Sequence[fx.Node]],
-        edges: Sequence[Edge],
         plan: Plan,
         devices: Sequence[torch.device],
+        chunk_spec: Optional[ChunkSpec] = None,
     ) -> None:
         super().__init__()
-        for name, child in model.named_children():
-            self.add_module(name, child)
-        for name, param in model.named_parameters(recurse=False):
-            self.register_parameter(name, param)
-        for name, buffer in model.named_buffers(recurse=False):
-            self.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
-        # Held outside the module tree, so that state_dict() keys stay the model's own.
-        self.__dict__.update(_owner=model, _graph=graph, _runs=list(runs), _edges=list(edges))
-        self.plan = plan
-        self.devices = list(devices)
-        self.chunks = plan.chunks
-        self.checkpoint = plan.checkpoint
-        self.last_timeline: list[tuple[str, int, int, float, float]] = []
-        self._bind = bind
-        output = next(n for n in graph.graph.nodes if n.op == "output")
-        self._template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, output.args[0])
-        self._workers = Workers(self.devices)
+        # Straight into the module's tables: a child called `stages` or `plan` is the model's.
+        self._modules.update(model.named_children())
+        self._parameters.update(model.named_parameters(recurse=False))
+        self._buffers.update(model.named_buffers(recurse=False))
+        self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+        self.training = model.training
+        own = dict(
+            _owner=model, _programs=programs, _bind=bind, plan=plan, devices=list(devices),
+            chunks=plan.chunks, checkpoint=plan.checkpoint, last_timeline=[], _closed=False,
+            _chunk_spec=dict(chunk_spec or {}), _signature=_signature(model),
+        )  # fmt: skip
+        self.__dict__.update(own)
+        self.__dict__["_workers"] = Workers(self.devices)
         self._workers.bind(self)
         self._build()
 
     # -- stages ----------------------------------------------------------------------------
     def _build(self) -> None:
         """(Re)generate the stage modules; after a dtype cast they must see the new buffers."""
-        codes = generate_stages(self._graph, self._runs, self._edges, self._owner)
-        self.__dict__["_codes"] = codes
-        self.stages: list[fx.GraphModule] = [code.module for code in codes]
-        self._runtimes = [self._runtime(index, code) for index, code in enumerate(codes)]
+        for program in {id(p): p for p in self._programs.values()}.values():
+            program.codes = generate_stages(program.graph, program.runs, program.edges, self._owner)
+            program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
+        self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
 
-    def _runtime(self, index: int, code: StageCode) -> StageRuntime:
-        sources = {e.value: e.src for e in self._edges if e.dst == index}
+    def program(self, training: bool = True) -> Program:
+        """The graph, its cut and the generated stages that run in training (or eval) mode."""
+        return self._programs[training]
+
+    def _runtime(self, program: Program, index: int) -> StageRuntime:
+        code = program.codes[index]
+        sources = {e.value: e.src for e in program.edges if e.dst == index}
         consumers: dict[str, list[int]] = {name: [] for name in code.outputs}
-        for e in self._edges:
+        for e in program.edges:
             if e.src == index:
                 consumers[e.value].append(e.dst)
-        return StageRuntime(index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers)
+        shared = {id(self._resolve(name)) for name in code.shared}
+        random = random_sources(program.graph, program.runs[index])
+        nodes = {node.name: node for node in program.runs[index]}
+        return StageRuntime(
+            index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers,
+            params=[p for p in code.module.parameters() if id(p) not in shared],
+            random_always=random.always,
+            random_modules=[fetch_attr(program.graph, name) for name in random.modules],
+            writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),
+            state_outputs={name for name in code.outputs if aliases_state(program.graph, nodes[name])},
+        )  # fmt: skip
 
-    def _shared(self, grad: bool) -> list[list[torch.Tensor]]:
+    def _resolve(self, name: str) -> Any:
+        try:
+            return fetch_attr(self._owner, name)
+        except AttributeError:
+            return fetch_attr(self._programs[True].graph, name)
+
+    def _program(self) -> Program:
+        """The program for the modules' training flags now."""
+        train, evaluate = self._programs[True], self._programs[False]
+        if train is evaluate:
+            return train
+        flags = {self.training, *(m.training for m in self._owner.modules())}
+        if len(flags) > 1:
+            raise RuntimeError(
+                "the model's forward reads `self.training` (its graph differs between train and eval "
+                "mode), and its modules are now in mixed modes, a graph that was not compiled.\n"
+                "How to fix: put the whole pipeline in one mode (pipe.train() or pipe.eval()), or "
+                "compile the model in the mixed mode you need."
+            )
+        return self._programs[flags.pop()]
+
+    def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""
         shared = []
-        for code, device in zip(self._codes, self.devices):
+        for code, device in zip(program.codes, self.devices):
             copies = []
             for name in code.shared:
-                tensor = fetch_attr(self._owner, name)
+                tensor = self._resolve(name)
                 if isinstance(tensor, nn.Parameter):
-                    copy = tensor.detach().to(device)  # on the owner's device: a new leaf, same memory
-                    copies.append(copy.requires_grad_() if grad and tensor.requires_grad else copy)
+                    copy_ = tensor.detach().to(device)  # on the owner's device: a new leaf, same memory
+                    copies.append(copy_.requires_grad_() if grad and tensor.requires_grad else copy_)
                 else:
                     copies.append(tensor.to(device))  # a buffer on its own device is the buffer itself
             shared.append(copies)
         return shared
 
-    def _reduce_shared(self, shared: list[list[torch.Tensor]]) -> None:
-        """Sum the copies' gradients into the one Parameter, in stage order (deterministic)."""
-        totals: dict[str, torch.Tensor] = {}
-        for code, copies in zip(self._codes, shared):
-            for name, copy in zip(code.shared, copies):
-                if copy.grad is not None:
-                    param = fetch_attr(self._owner, name)
-                    grad = copy.grad.to(param.device)
-                    totals[name] = grad if name not in totals else totals[name] + grad
-        for name, total in totals.items():
-            param = fetch_attr(self._owner, name)
-            if param.grad is None:
-                param.grad = total
-            else:
-                param.grad += total
+    def _parameters_read(self, program: Program) -> list[nn.Parameter]:
+        """The parameters that require grad and that some stage of `program` reads, once each."""
+        found: dict[int, nn.Parameter] = {}
+        for runtime, code in zip(program.runtimes, program.codes):
+            for p in [*runtime.params, *(self._resolve(name) for name in code.shared)]:
+                if isinstance(p, nn.Parameter) and p.requires_grad:
+                    found.setdefault(id(p), p)
+        return list(found.values())
+
+    @staticmethod
+    def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter], resolve: Any) -> list[Optional[torch.Tensor]]:
+        """The step's gradient of each of `params`: its own stage's sum over micro-batches, plus
+        the sums of other stages' copies, added in stage order (deterministic)."""
+        totals: dict[int, torch.Tensor] = {}
+        for runtime, sums in zip(program.runtimes, step.param_grads):
+            for p, grad in zip(runtime.params, sums.totals):
+                if grad is not None:
+                    totals[id(p)] = grad
+        for code, sums in zip(program.codes, step.shared_grads):
+            for name, grad in zip(code.shared, sums.totals):
+                if grad is not None:
+                    param = resolve(name)
+                    grad = grad.to(param.device)
+                    totals[id(param)] = totals[id(param)] + grad if id(param) in totals else grad
+        return [totals.get(id(p)) for p in params]
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
+        program = self._program()
         values = self._bind(args, kwargs)
-        batch = batch_size_of(list(values.values()))
+        dims = self._dims(args, kwargs)
+        batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
             raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
-        pieces = {name: scatter(value, sizes, batch or 0) for name, value in values.items()}
+        pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
         micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
-        input_slots = self._input_slots(values, batch)
-        grad = torch.is_grad_enabled() and (
-            bool(input_slots) or any(p.requires_grad for p in self.parameters())
-        )
-        shared = self._shared(grad)
+        context = CallerContext.capture()
+        input_slots = self._input_slots(values, batch, dims)
+        grad_mode = torch.is_grad_enabled() and not context.inference
+        params = self._parameters_read(program) if grad_mode else []
+        grad = grad_mode and bool(input_slots or params)
+        shared = self._shared(program, grad)
         step = Step(
-            self._runtimes,
+            program.runtimes,
             self._workers,
             micro_batches,
             grad=grad,
@@ -143,30 +223,75 @@ class Pipeline(nn.Module):
             shared=shared,
             output_device=self.devices[-1],
             input_devices=_devices_of(values),
+            context=context,
         )
-        self.last_timeline = step.timeline
+        self.__dict__["last_timeline"] = step.timeline
 
         def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-            return Gathered(self._template, per_micro_batch, self._given(values))
+            return Gathered(program.template, per_micro_batch, self._given(program, values), sizes)
 
         if not grad:
             gathered = gather(step.forward())
             return gathered.rebuild(gathered.tensors)
-        run = Run(step, input_slots, gather, lambda: self._reduce_shared(shared))
+        resolve = self._resolve
+        run = Run(step, input_slots, params, gather, lambda: self._parameter_grads(program, step, params, resolve))
         return run_with_autograd(run)
 
-    def _given(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Output values not made by a stage: inputs, and attributes returned as they are."""
-        attrs = [leaf.name for leaf in tree_flatten(self._template)[0] if isinstance(leaf, ValueRef) and leaf.given]
-        return {name: values[name] if name in values else fetch_attr(self._owner, name) for name in attrs}
+    def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
+        """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
+        if not self._chunk_spec or self._signature is None:
+            return {}
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return {}
+        dims: Dims = {}
+        for name, dim in self._chunk_spec.items():
+            for leaf in tree_flatten(bound.get(name))[0]:
+                if isinstance(leaf, torch.Tensor):
+                    dims[id(leaf)] = dim
+        return dims
 
-    def _input_slots(self, values: dict[str, Any], batch: Optional[int]) -> list[InputSlot]:
+    def _given(self, program: Program, values: dict[str, Any]) -> dict[str, Any]:
+        """Output values not made by a stage: inputs, and attributes returned as they are."""
+        leaves = tree_flatten(program.template)[0]
+        attrs = [leaf.name for leaf in leaves if isinstance(leaf, ValueRef) and leaf.given]
+        return {name: values[name] if name in values else self._resolve(name) for name in attrs}
+
+    def _input_slots(self, values: dict[str, Any], batch: Optional[int], dims: Dims) -> list[InputSlot]:
         slots = []
         for name, value in values.items():
             for index, leaf in enumerate(tree_flatten(value)[0]):
                 if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    slots.append(InputSlot(name, index, leaf, batch is not None and is_batched(leaf, batch)))
+                    dim = split_dim(leaf, batch, dims) if batch is not None else None
+                    slots.append(InputSlot(name, index, leaf, dim))
         return slots
+
+    # -- modes, copies, lifetime -------------------------------------------------------------
+    def train(self, mode: bool = True) -> "Pipeline":
+        self._owner.training = mode  # the model's own forward reads its flag too
+        return super().train(mode)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
+        """A pipeline on a deep copy of the model, with its own stage workers."""
+        owner = copy.deepcopy(self._owner, memo)
+        programs = {id(p): p.copy(memo) for p in self._programs.values()}
+        copied = {mode: programs[id(p)] for mode, p in self._programs.items()}
+        pipe = Pipeline(owner, copied, self._bind, copy.deepcopy(self.plan), self.devices, self._chunk_spec)
+        return pipe.train(self.training)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a Pipeline cannot be pickled: it holds stage threads and generated code.\n"
+            "How to fix: save pipe.state_dict() (its keys are the model's own), and load it into the "
+            "plain model, or into a pipeline compiled again."
+        )
+
+    def close(self) -> None:
+        """Stop the stage workers now (they stop anyway when the pipeline is garbage-collected);
+        the pipeline cannot run afterwards."""
+        self.__dict__["_closed"] = True
+        self._workers.close()
 
     # -- placement is managed ----------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]
@@ -183,7 +308,8 @@ class Pipeline(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         super()._apply(fn, recurse)
-        if "_codes" in self.__dict__:
+        if "_programs" in self.__dict__:
+            self._owner._buffers.update(self._buffers)  # the model's own, cast: its new objects
             self._build()
         return self
 
@@ -201,10 +327,6 @@ class Pipeline(nn.Module):
     def _repr_svg_(self) -> str:
         return self.to_svg()
 
-    def close(self) -> None:
-        """Stop the stage workers now (they stop anyway when the pipeline is garbage-collected)."""
-        self._workers.close()
-
     def extra_repr(self) -> str:
         devices = ", ".join(str(d) for d in self.devices)
         return f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, checkpoint={self.checkpoint!r}"
@@ -215,6 +337,13 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+
+def _signature(model: nn.Module) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
 
 
 def _ref(node: fx.Node) -> ValueRef:

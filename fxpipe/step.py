@@ -10,30 +10,42 @@ Forward, for stage j and micro-batch i:
 
 Backward, in reverse order:
 
-    (5) recompute if checkpointed ──▶ (4) take output gradients ──▶ (6) stage backward
+    (5) recompute if checkpointed ──▶ (4) take output gradients ──▶ (6) stage gradients
         (with the forward's random        (summed over consumers)        ──▶ (7) send input
-         stream, before the gradients                                          gradients back
-         arrive)
+         stream and buffers, before                                            gradients back
+         the gradients arrive)
+
+Stage gradients are computed with `torch.autograd.grad`, never into `.grad`: parameter gradients
+are summed per step and handed to autograd as the gradients of the pipeline's inputs, so that
+only what the caller asked for receives them.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.checkpoint import checkpointing, recomputing
+from fxpipe.checkpoint import checkpointing, recomputing, swapped_buffers
+from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
+from fxpipe.passes.random_ops import draws_now
 from fxpipe.randomness import TaskRandomness, task_seed
 from fxpipe.schedule import clock_cycles
 from fxpipe.worker import Workers
 
 CALLER = -1
+
+# Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
+# Tests set a bound, so that a deadlock fails in seconds.
+WAIT_TIMEOUT: Optional[float] = None
 
 
 class StageError(RuntimeError):
@@ -45,7 +57,7 @@ class StageError(RuntimeError):
 
 
 class _Aborted(Exception):
-    """Another task failed; this one stops waiting."""
+    """Another task failed, or the caller gave up; this one stops waiting."""
 
 
 @dataclass
@@ -59,11 +71,17 @@ class StageRuntime:
     outputs: list[str]
     sources: dict[str, int]  # input value -> producing stage (CALLER for the pipeline's inputs)
     consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
-    random_free: set[Hashable] = field(default_factory=set)  # training-mode keys seen drawing nothing
+    params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
+    random_always: bool = False
+    random_modules: list[nn.Module] = field(default_factory=list)
+    writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
+    # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
+    # later stage sees the value of this micro-batch, not of one written since.
+    state_outputs: set[str] = field(default_factory=set)
 
-    def mode_key(self) -> Hashable:
-        modules: Sequence[Any] = list(getattr(self.module, "modules", lambda: [])())
-        return tuple(m.training for m in modules)
+    def draws(self) -> bool:
+        """Whether a call now may draw random numbers (read once per step)."""
+        return self.random_always or draws_now(self.random_modules)
 
 
 class Mailbox:
@@ -81,9 +99,12 @@ class Mailbox:
 
     def take(self, keys: Sequence[Hashable]) -> list[Any]:
         with self.cond:
-            self.cond.wait_for(lambda: self.aborted or all(k in self.items for k in keys))
+            ready = self.cond.wait_for(lambda: self.aborted or all(k in self.items for k in keys), WAIT_TIMEOUT)
             if self.aborted:
                 raise _Aborted()
+            if not ready:
+                missing = [k for k in keys if k not in self.items]
+                raise TimeoutError(f"waited {WAIT_TIMEOUT} s for {missing}: the pipeline is stuck")
             parcels = [self.items.pop(k) for k in keys]
         return [p.open() for p in parcels]
 
@@ -98,7 +119,26 @@ class Mailbox:
 class _Saved:
     inputs: list[Any]
     outputs: Optional[tuple[Any, ...]]  # None when checkpointed: recomputed in backward
-    randomness: bool
+    buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
+
+
+class _Sum:
+    """Gradients summed over micro-batches; the first is kept as it is, later ones added."""
+
+    def __init__(self, size: int) -> None:
+        self.totals: list[Optional[torch.Tensor]] = [None] * size
+        self.owned = [False] * size
+
+    def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:
+            return
+        total = self.totals[index]
+        if total is None:
+            self.totals[index] = grad
+        elif self.owned[index]:
+            total.add_(grad)
+        else:
+            self.totals[index], self.owned[index] = total + grad, True
 
 
 class Step:
@@ -116,12 +156,14 @@ class Step:
         shared: Sequence[list[torch.Tensor]],
         output_device: torch.device,
         input_devices: dict[str, torch.device],
+        context: CallerContext,
     ) -> None:
         self.stages, self.workers = stages, workers
         self.micro_batches = micro_batches
         self.grad, self.checkpoint_stop, self.seed = grad, checkpoint_stop, seed
         self.shared = shared
         self.output_device, self.input_devices = output_device, input_devices
+        self.context = context
         self.sink = len(stages)
         self.mailbox = Mailbox()
         self.saved: dict[tuple[int, int], _Saved] = {}
@@ -129,10 +171,11 @@ class Step:
         # backward from the start of the recompute to the end of the stage's backward.
         self.timeline: list[tuple[str, int, int, float, float]] = []
         self.backward_done = False
+        self.cancelled = False
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
-        keys = [stage.mode_key() for stage in stages]
-        self.randomness = [key not in stage.random_free for key, stage in zip(keys, stages)]
-        self.mode_keys = keys
+        self.randomness = [stage.draws() for stage in stages]
+        self.param_grads = [_Sum(len(stage.params)) for stage in stages]
+        self.shared_grads = [_Sum(len(copies)) for copies in shared]
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, tasks: list[tuple[int, int]], body: Callable[[int, int], None], phase: str) -> None:
@@ -140,9 +183,11 @@ class Step:
 
         def task(i: int, j: int) -> Callable[[], None]:
             def run() -> None:
+                error: Optional[BaseException] = None
                 try:
+                    if self.cancelled:
+                        raise _Aborted()
                     body(i, j)
-                    error = None
                 except BaseException as e:  # noqa: BLE001 - handed to the caller thread
                     error = e
                     self.mailbox.abort()
@@ -153,14 +198,46 @@ class Step:
         for i, j in tasks:
             self.workers.submit(j, task(i, j))
         errors = {}
-        for _ in tasks:
-            i, j, error = done.get()
-            if error is not None and not isinstance(error, _Aborted):
-                errors[(i, j)] = error
+        try:
+            for _ in tasks:
+                i, j, error = self._next(done)
+                if error is not None and not isinstance(error, _Aborted):
+                    errors[(i, j)] = error
+        except BaseException:
+            self.cancel(done, len(tasks))
+            raise
         if errors:
             (i, j), error = min(errors.items(), key=lambda item: tasks.index(item[0]))
             self.saved.clear()
             raise StageError(j, i, phase, error) from error
+
+    @staticmethod
+    def _next(done: "queue.SimpleQueue[tuple[int, int, Optional[BaseException]]]") -> tuple[int, int, Optional[BaseException]]:
+        """The next finished task; waits in short slices, so that Ctrl-C reaches the caller."""
+        waited = 0.0
+        while True:
+            try:
+                return done.get(timeout=0.1)
+            except queue.Empty:
+                waited += 0.1
+                if WAIT_TIMEOUT is not None and waited > WAIT_TIMEOUT:
+                    raise TimeoutError(f"no pipeline task finished in {WAIT_TIMEOUT} s: the pipeline is stuck") from None
+
+    def cancel(self, done: Optional["queue.SimpleQueue[Any]"] = None, pending: int = 0) -> None:
+        """Stop this step: queued tasks do nothing, waiting ones stop waiting, and nothing it
+        computed is kept. Waits (bounded) for the tasks still running."""
+        self.cancelled = True
+        self.mailbox.abort()
+        self.saved.clear()
+        if done is None:
+            return
+        deadline = time.monotonic() + (WAIT_TIMEOUT or 60.0)
+        while pending and time.monotonic() < deadline:
+            try:
+                done.get(timeout=0.1)
+                pending -= 1
+            except queue.Empty:
+                continue
 
     def forward(self) -> list[dict[str, Any]]:
         """Run every forward task; returns, per micro-batch, the values bound for the output."""
@@ -210,35 +287,38 @@ class Step:
         leaf = self.grad and dst != self.sink
         self.mailbox.put(("fwd", dst, i, name), send(value, device, wants if leaf else None))
 
-    def _call(self, stage: StageRuntime, i: int, inputs: list[Any], randomness: bool) -> tuple[Any, ...]:
+    def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self.shared[stage.index]]
-        if not randomness:
-            return stage.module(*args)
-        mode = TaskRandomness(task_seed(self.seed, i, stage.index))
-        with mode:
-            outputs = stage.module(*args)
-        if not mode.drew:
-            stage.random_free.add(self.mode_keys[stage.index])
-        return outputs
+        if self.context.plain and not self.randomness[stage.index] and buffers is None:
+            return stage.module.forward(*args)  # type: ignore[attr-defined]
+        with ExitStack() as stack:
+            self.context.enter(stack)
+            if self.randomness[stage.index]:
+                stack.enter_context(TaskRandomness(task_seed(self.seed, i, stage.index)))
+            if buffers is not None:
+                stack.enter_context(swapped_buffers(stage.module, buffers))  # type: ignore[arg-type]
+            return stage.module.forward(*args)  # type: ignore[attr-defined]
 
     def _forward_task(self, i: int, j: int) -> None:
         stage = self.stages[j]
         inputs = self.mailbox.take([("fwd", j, i, name) for name in stage.inputs])  # (1)
         start = time.perf_counter()
-        randomness = self.randomness[j]
         checkpointed = self.grad and i < self.checkpoint_stop
         if checkpointed:
+            buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
             with torch.no_grad(), checkpointing():  # (2)
-                outputs = self._call(stage, i, inputs, randomness)
-            self.saved[(i, j)] = _Saved(inputs, None, randomness)
+                outputs = self._call(stage, i, inputs)
+            self.saved[(i, j)] = _Saved(inputs, None, buffers)
         else:
             with torch.set_grad_enabled(self.grad):
-                outputs = self._call(stage, i, inputs, randomness)
+                outputs = self._call(stage, i, inputs)
             if self.grad:
-                self.saved[(i, j)] = _Saved(inputs, outputs, randomness)
+                self.saved[(i, j)] = _Saved(inputs, outputs)
         self.timeline.append(("forward", i, j, start, time.perf_counter()))
         wants = _floating if checkpointed else _requires_grad
         for name, value in zip(stage.outputs, outputs):  # (3)
+            if name in stage.state_outputs:
+                value = map_tensors(torch.clone, value)
             for dst in stage.consumers[name]:
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, wants)
@@ -250,7 +330,7 @@ class Step:
         outputs = saved.outputs
         if outputs is None:  # (5)
             with torch.enable_grad(), recomputing():
-                outputs = self._call(stage, i, saved.inputs, saved.randomness)
+                outputs = self._call(stage, i, saved.inputs, saved.buffers)
         keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name]]
         received = iter(self.mailbox.take(keys))  # (4)
         grads = []
@@ -259,14 +339,35 @@ class Step:
             for _ in stage.consumers[name]:
                 total = _add(total, next(received))
             grads.append(total)
-        _stage_backward(outputs, grads)  # (6)
+        input_grads = self._stage_gradients(stage, saved.inputs, outputs, grads)  # (6)
         del outputs, grads
         self.timeline.append(("backward", i, j, start, time.perf_counter()))
-        for name, value in zip(stage.inputs, saved.inputs):  # (7)
+        for name, grad in zip(stage.inputs, input_grads):  # (7)
             src = stage.sources[name]
             device = self.stages[src].device if src != CALLER else self.input_devices[name]
-            grad = map_tensors(lambda t: t.grad, value)
             self.mailbox.put(("bwd", src, i, name, j), send(grad, device))
+
+    def _stage_gradients(self, stage: StageRuntime, inputs: list[Any], outputs: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
+        """Gradients of the stage's inputs (returned, shaped like them), of its own parameters
+        and of its copies of shared tensors (summed into the step's totals)."""
+        tensors, grad_tensors = _differentiable(outputs, grads)
+        flat_inputs = [tree_flatten(value) for value in inputs]
+        leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        params = [p for p in stage.params if p.requires_grad]
+        copies = [c for c in self.shared[stage.index] if c.requires_grad]
+        wanted = [*leaves, *params, *copies]
+        results: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
+        if tensors and wanted:
+            results = torch.autograd.grad(tensors, wanted, grad_tensors, allow_unused=True)
+        by_id = {id(t): g for t, g in zip(wanted, results)}
+        for index, p in enumerate(stage.params):
+            self.param_grads[stage.index].add(index, by_id.get(id(p)))
+        for index, c in enumerate(self.shared[stage.index]):
+            self.shared_grads[stage.index].add(index, by_id.get(id(c)))
+        return [
+            tree_unflatten([by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
+            for leaves_, spec in flat_inputs
+        ]
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
@@ -292,15 +393,14 @@ def _add(a: Any, b: Any) -> Any:
     return tree_unflatten([x if y is None else y if x is None else x + y for x, y in zip(left, right)], spec)
 
 
-def _stage_backward(outputs: Sequence[Any], grads: Sequence[Any]) -> None:
+def _differentiable(outputs: Sequence[Any], grads: Sequence[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The (output, gradient) pairs that autograd can take: outputs that require grad and got one."""
     tensors, grad_tensors = [], []
     for output, grad in zip(outputs, grads):
         if grad is None:
             continue
-        out_leaves, grad_leaves = leaves_of(output), leaves_of(grad)
-        for t, g in zip(out_leaves, grad_leaves):
+        for t, g in zip(leaves_of(output), leaves_of(grad)):
             if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
                 tensors.append(t)
                 grad_tensors.append(g)
-    if tensors:
-        torch.autograd.backward(tensors, grad_tensors)
+    return tensors, grad_tensors

@@ -23,6 +23,10 @@ class TraceError(RuntimeError):
 class _Tracer(fx.Tracer):
     """A tracer that keeps chosen modules opaque and remembers which module it is inside."""
 
+    # Buffers read in forward become graph nodes, not values of the trace: a write to one
+    # (`self.count.add_(1)`) is then part of the graph, and a read sees the live buffer.
+    proxy_buffer_attributes = True
+
     def __init__(self, leaf_modules: Iterable[LeafSpec]) -> None:
         super().__init__()
         self.leaf_names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}

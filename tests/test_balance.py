@@ -421,9 +421,9 @@ def compile_example(name: str, stages: int, **kwargs: Any) -> Pipeline:
 def assert_plan_covers(pipe: Pipeline) -> None:
     """Every stage has nodes; together, in stage order, they are the graph's compute nodes in a topological order."""
     assert all(stage.nodes for stage in pipe.plan.stages)
-    by_name = {n.name: n for n in pipe._graph.graph.nodes}
+    by_name = {n.name: n for n in pipe.program().graph.graph.nodes}
     order = [by_name[name] for stage in pipe.plan.stages for name in stage.nodes]
-    assert_topological(order, traced_order(pipe._graph))
+    assert_topological(order, traced_order(pipe.program().graph))
 
 
 @pytest.mark.parametrize("stages", [2, 4])

@@ -79,7 +79,7 @@ def test_exported_device_constants_follow_the_stage() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipeline(ShapeBranch(), torch.randn(4, 32), ["cpu"] * 2)
-    devices = [n.kwargs["device"] for n in pipe._graph.graph.nodes if "device" in n.kwargs]
+    devices = [n.kwargs["device"] for n in pipe.program().graph.graph.nodes if "device" in n.kwargs]
     assert devices and all(isinstance(d, torch.device) for d in devices)
 
 

@@ -1,0 +1,56 @@
+"""The caller's thread-local state, captured at a call and applied on the stage workers.
+
+Autocast, grad mode, inference mode and anomaly detection are per thread in PyTorch: a stage
+worker would otherwise run every forward in float32, with grad on, whatever the caller chose.
+A checkpointed micro-batch recomputes under the state its forward ran under.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Autocast:
+    device_type: str
+    dtype: torch.dtype
+    cache_enabled: bool
+
+
+@dataclass(frozen=True)
+class CallerContext:
+    """What a stage must run under to compute what the caller's thread would."""
+
+    autocast: tuple[Autocast, ...]
+    inference: bool
+    anomaly: Optional[bool]  # None: off; else whether it checks for NaN too
+
+    @staticmethod
+    def capture() -> "CallerContext":
+        cache = torch.is_autocast_cache_enabled()
+        autocast = tuple(
+            Autocast(device, torch.get_autocast_dtype(device), cache)
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        )
+        anomaly = torch.is_anomaly_check_nan_enabled() if torch.is_anomaly_enabled() else None
+        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly)
+
+    def enter(self, stack: ExitStack) -> None:
+        """Enter this state on the current thread, for as long as `stack` is open."""
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        if self.anomaly is not None:
+            stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=self.anomaly))
+        for cast in self.autocast:
+            stack.enter_context(torch.autocast(cast.device_type, cast.dtype, cache_enabled=cast.cache_enabled))
+
+    @property
+    def plain(self) -> bool:
+        """Nothing to enter: the common case, kept free of any context manager."""
+        return not self.autocast and not self.inference and self.anomaly is None

@@ -1,0 +1,147 @@
+"""Which nodes of a graph may draw random numbers: decided from the graph, not by watching ops.
+
+A node is one of three things:
+
+    never random   Linear, add, a dropout with p=0 or training=False written into the graph
+    random if      a dropout module (or a module holding one): while training with p > 0,
+                   read when the stage runs, so a rate changed between steps takes effect
+    always random  rand*, bernoulli, a dropout whose p or training flag is a value, a module or
+                   function the graph does not show the inside of
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe.passes.attrs import fetch_attr
+
+# Functions whose randomness depends on a probability and a training flag:
+# (probability argument: name, position, default), (training flag: name, position, default).
+_GATED: dict[Any, tuple[tuple[str, int, float], tuple[str, int, bool]]] = {
+    F.dropout: (("p", 1, 0.5), ("training", 2, True)),
+    F.dropout1d: (("p", 1, 0.5), ("training", 2, True)),
+    F.dropout2d: (("p", 1, 0.5), ("training", 2, True)),
+    F.dropout3d: (("p", 1, 0.5), ("training", 2, True)),
+    F.alpha_dropout: (("p", 1, 0.5), ("training", 2, False)),
+    F.feature_alpha_dropout: (("p", 1, 0.5), ("training", 2, False)),
+    torch.dropout: (("p", 1, 0.5), ("train", 2, True)),
+    torch.alpha_dropout: (("p", 1, 0.5), ("train", 2, True)),
+    torch.feature_dropout: (("p", 1, 0.5), ("train", 2, True)),
+    F.scaled_dot_product_attention: (("dropout_p", 4, 0.0), ("", -1, True)),
+    F.rrelu: (("", -1, 1.0), ("training", 3, False)),
+}
+_RANDOM_FUNCTIONS = {
+    torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
+    torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.randperm, F.gumbel_softmax,
+}  # fmt: skip
+_RANDOM_METHODS = {
+    "bernoulli", "bernoulli_", "multinomial", "uniform_", "normal_", "exponential_", "random_",
+    "cauchy_", "log_normal_", "geometric_",
+}  # fmt: skip
+_DETERMINISTIC_MODULES = ("torch", "_operator", "operator", "math", "builtins", "fxpipe")
+_PROBABILITY_ARGS = ("p", "dropout_p", "dropout")
+_TRAINING_ARGS = ("train", "training")
+
+
+@dataclass
+class RandomSources:
+    """What decides whether a stage draws random numbers when it runs."""
+
+    always: bool = False
+    modules: list[str] = field(default_factory=list)  # qualified names of dropout-holding modules
+
+
+def _argument(node: fx.Node, name: str, position: int, default: Any) -> Any:
+    if name and name in node.kwargs:
+        return node.kwargs[name]
+    if 0 <= position < len(node.args):
+        return node.args[position]
+    return default
+
+
+def _gated_by_constants(probability: Any, training: Any) -> bool:
+    """Random unless a constant says otherwise: p == 0 or training is False."""
+    if isinstance(training, bool) and not training:
+        return False
+    return not (isinstance(probability, (int, float)) and probability == 0)
+
+
+def _overload_is_random(node: fx.Node) -> bool:
+    op = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    arguments = list(op._schema.arguments)  # type: ignore[union-attr]
+    probability, training = None, None
+    for position, argument in enumerate(arguments):
+        if argument.name in _PROBABILITY_ARGS:
+            probability = _argument(node, argument.name, position, argument.default_value)
+        if argument.name in _TRAINING_ARGS:
+            training = _argument(node, argument.name, position, argument.default_value)
+    if probability is None and training is None:
+        return True  # rand, bernoulli, randperm...
+    return _gated_by_constants(probability, training)
+
+
+def _function_is_random(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _overload_is_random(node) if isinstance(target, torch._ops.OpOverload) else True
+    if target in _GATED:
+        (p_name, p_at, p_default), (t_name, t_at, t_default) = _GATED[target]
+        return _gated_by_constants(_argument(node, p_name, p_at, p_default), _argument(node, t_name, t_at, t_default))
+    if target in _RANDOM_FUNCTIONS:
+        return True
+    module = (getattr(target, "__module__", None) or "").split(".")[0]
+    return target is not operator.getitem and module not in _DETERMINISTIC_MODULES
+
+
+def _holds_dropout(module: nn.Module) -> bool:
+    return any(isinstance(m, _DROPOUTS) or _dropout_rate(m) is not None for m in module.modules())
+
+
+def _dropout_rate(module: nn.Module) -> Optional[float]:
+    """The `dropout` rate of built-in modules that apply one themselves (RNNs, attention)."""
+    rate = getattr(module, "dropout", None)
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
+_DROPOUTS = (nn.modules.dropout._DropoutNd,)
+
+
+def _built_in(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn.")
+
+
+def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSources:
+    """What may make these nodes draw random numbers (a stage's nodes, say)."""
+    sources = RandomSources()
+    for node in nodes:
+        if node.op == "call_function" and _function_is_random(node):
+            sources.always = True
+        elif node.op == "call_method" and str(node.target) in _RANDOM_METHODS:
+            sources.always = True
+        elif node.op == "call_module":
+            module = fetch_attr(gm, str(node.target))
+            if not _built_in(module):
+                sources.always = True  # called whole: its inside is not in the graph
+            elif _holds_dropout(module):
+                sources.modules.append(str(node.target))
+    return sources
+
+
+def draws_now(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of these dropout-holding modules draws when called now: training, rate > 0."""
+    for module in modules:
+        for m in module.modules():
+            if not m.training:
+                continue
+            rate = m.p if isinstance(m, _DROPOUTS) else _dropout_rate(m)
+            if rate:
+                return True
+    return False

@@ -1,0 +1,61 @@
+"""Which buffers a run of nodes may write in forward: what a recompute must not write again."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.inplace import _view_root, writes_first_argument
+
+
+def _writes_its_buffers(module: nn.Module) -> bool:
+    """Norms keep running statistics; a module called whole may write anything it holds."""
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return module.track_running_stats
+    return not type(module).__module__.startswith("torch.nn.")
+
+
+def writable_buffer_names(gm: fx.GraphModule, run: Sequence[fx.Node]) -> list[str]:
+    """Qualified names of the buffers that `run` may write: those of the modules it calls that
+    keep running statistics or are called whole, and attributes it writes in place."""
+    names: dict[str, None] = {}
+    for node in run:
+        if node.op == "call_module":
+            module = fetch_attr(gm, str(node.target))
+            if _writes_its_buffers(module):
+                names.update((name, None) for name, _ in module.named_buffers(prefix=str(node.target)))
+        elif writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node):
+            root = _view_root(node.args[0])
+            if root.op == "get_attr":
+                names[str(root.target)] = None
+    return list(names)
+
+
+def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, torch.Tensor]:
+    """`writable_buffer_names` that are buffers of the generated `stage`, by name in it."""
+    found = {}
+    for name in writable_buffer_names(gm, run):
+        try:
+            found[name] = stage.get_buffer(name)
+        except AttributeError:
+            continue  # read through a shared copy, not held by the stage
+    return found
+
+
+def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node`'s value is a parameter or buffer of the model, or a view of one, through
+    views and in-place writes (`self.count.add_(1)` is the buffer itself)."""
+    seen = set()
+    while node not in seen:
+        seen.add(node)
+        root = _view_root(node)
+        if root.op == "get_attr":
+            return True
+        if writes_first_argument(gm, root) and root.args and isinstance(root.args[0], fx.Node):
+            node = root.args[0]
+            continue
+        return False
+    return False
