@@ -21,6 +21,7 @@ from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
+from fxpipe.passes.state import state_write_spans
 from fxpipe.pipeline import ChunkSpec, Pipeline, Program
 from fxpipe.plan import Plan, StagePlan
 
@@ -113,14 +114,15 @@ def _cut(
     caps: Optional[list[float]],
 ) -> list[list[fx.Node]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode."""
+    together = state_write_spans(gm, order)
     if split_points is not None:
-        return partition(order, len(devices), split_points=split_points)
+        return partition(order, len(devices), split_points=split_points, together=together)
     if balance is not None and not isinstance(balance, str):
-        return partition(order, len(devices), balance=balance)
+        return partition(order, len(devices), balance=balance, together=together)
     mode = balance or "memory"
     if mode == "time":
         profile_times(gm, example, devices[0])
-    return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps)
+    return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
 
 
 def _report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
@@ -167,6 +169,7 @@ def compile_pipeline(
     bandwidth: Optional[float] = None,
     flop_rate: Optional[float] = None,
     chunk_spec: Optional[ChunkSpec] = None,
+    deferred_batch_norm: bool = False,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -192,6 +195,9 @@ def compile_pipeline(
         chunk_spec: how to split named arguments of the model's forward into micro-batches:
             `{"mask": None}` passes `mask` whole to every micro-batch, `{"x": 1}` splits `x` along
             dim 1. Unnamed arguments are split along dim 0 when their dim 0 is the batch size.
+        deferred_batch_norm: BatchNorm layers normalise each micro-batch on its own (as in any
+            GPipe), and their running statistics are updated once per step from the whole
+            batch, as the plain model's would be on it.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
@@ -232,7 +238,7 @@ def compile_pipeline(
     programs = {True: Program(gm, [list(run) for run in runs], edges)}
     eval_graph = getattr(traced, "eval_graph", None)
     programs[False] = programs[True] if eval_graph is None else _eval_program(eval_graph, gm, inputs, parsed)
-    return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec)
+    return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec, deferred_batch_norm)
 
 
 def _eval_program(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Program:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd
+from fxpipe.batchnorm import BatchStatistics, defer_batch_norm
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.frontend import Binder
@@ -83,6 +84,7 @@ class Pipeline(nn.Module):
         plan: Plan,
         devices: Sequence[torch.device],
         chunk_spec: Optional[ChunkSpec] = None,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         # Straight into the module's tables: a child called `stages` or `plan` is the model's.
@@ -95,6 +97,7 @@ class Pipeline(nn.Module):
             _owner=model, _programs=programs, _bind=bind, plan=plan, devices=list(devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, last_timeline=[], _closed=False,
             _chunk_spec=dict(chunk_spec or {}), _signature=_signature(model),
+            _deferred_batch_norm=deferred_batch_norm,
         )  # fmt: skip
         self.__dict__.update(own)
         self.__dict__["_workers"] = Workers(self.devices)
@@ -106,6 +109,9 @@ class Pipeline(nn.Module):
         """(Re)generate the stage modules; after a dtype cast they must see the new buffers."""
         for program in {id(p): p for p in self._programs.values()}.values():
             program.codes = generate_stages(program.graph, program.runs, program.edges, self._owner)
+            if self._deferred_batch_norm:
+                for code in program.codes:
+                    defer_batch_norm(code.module)
             program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
         self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
 
@@ -224,6 +230,7 @@ class Pipeline(nn.Module):
             output_device=self.devices[-1],
             input_devices=_devices_of(values),
             context=context,
+            batch_stats=BatchStatistics() if self._deferred_batch_norm and self.training else None,
         )
         self.__dict__["last_timeline"] = step.timeline
 
@@ -277,7 +284,9 @@ class Pipeline(nn.Module):
         owner = copy.deepcopy(self._owner, memo)
         programs = {id(p): p.copy(memo) for p in self._programs.values()}
         copied = {mode: programs[id(p)] for mode, p in self._programs.items()}
-        pipe = Pipeline(owner, copied, self._bind, copy.deepcopy(self.plan), self.devices, self._chunk_spec)
+        pipe = Pipeline(
+            owner, copied, self._bind, copy.deepcopy(self.plan), self.devices, self._chunk_spec, self._deferred_batch_norm
+        )
         return pipe.train(self.training)
 
     def __reduce_ex__(self, protocol: Any) -> Any:

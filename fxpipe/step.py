@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.checkpoint import checkpointing, recomputing, swapped_buffers
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
@@ -157,13 +158,14 @@ class Step:
         output_device: torch.device,
         input_devices: dict[str, torch.device],
         context: CallerContext,
+        batch_stats: Optional[BatchStatistics] = None,
     ) -> None:
         self.stages, self.workers = stages, workers
         self.micro_batches = micro_batches
         self.grad, self.checkpoint_stop, self.seed = grad, checkpoint_stop, seed
         self.shared = shared
         self.output_device, self.input_devices = output_device, input_devices
-        self.context = context
+        self.context, self.batch_stats = context, batch_stats
         self.sink = len(stages)
         self.mailbox = Mailbox()
         self.saved: dict[tuple[int, int], _Saved] = {}
@@ -247,6 +249,8 @@ class Step:
                     if stage.sources[name] == CALLER:
                         self._post_forward(stage.index, i, name, batch[name], stage.device, _requires_grad)
         self._run(self.order, self._forward_task, "forward")
+        if self.batch_stats is not None:
+            self.batch_stats.commit()
         names = [name for s in self.stages for name, dsts in s.consumers.items() if self.sink in dsts]
         return [
             dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
@@ -306,11 +310,11 @@ class Step:
         checkpointed = self.grad and i < self.checkpoint_stop
         if checkpointed:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
-            with torch.no_grad(), checkpointing():  # (2)
+            with torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
                 outputs = self._call(stage, i, inputs)
             self.saved[(i, j)] = _Saved(inputs, None, buffers)
         else:
-            with torch.set_grad_enabled(self.grad):
+            with torch.set_grad_enabled(self.grad), collecting(self.batch_stats):
                 outputs = self._call(stage, i, inputs)
             if self.grad:
                 self.saved[(i, j)] = _Saved(inputs, outputs)

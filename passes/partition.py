@@ -218,6 +218,11 @@ def coarsen(model: CutModel, units: int) -> tuple[CutModel, list[int]]:
     total = prefix[-1]
     bounds = sorted({0, n, *(bisect.bisect_left(prefix, total * k / units) for k in range(1, units))})
 
+    return coarsen_at(model, bounds), bounds
+
+
+def coarsen_at(model: CutModel, bounds: Sequence[int]) -> CutModel:
+    """`model` over the runs of positions between consecutive `bounds` (0 and the end included)."""
     unit = [u for u, (a, b) in enumerate(zip(bounds, bounds[1:])) for _ in range(b - a)]
     unit.append(len(bounds) - 1)  # the output, after the last run
 
@@ -227,18 +232,13 @@ def coarsen(model: CutModel, units: int) -> tuple[CutModel, list[int]]:
     values = []
     for value in model.values:
         producer = unit[value.producer] if value.producer >= 0 else -1
-        if len(value.consumers) == 1:
-            consumers = [unit[value.consumers[0]]]
-        else:
-            consumers = sorted({unit[c] for c in value.consumers})
-        consumers = [c for c in consumers if c != producer]
+        consumers = [c for c in sorted({unit[c] for c in value.consumers}) if c != producer]
         if consumers:
             values.append(CrossingValue(producer, consumers, value.nbytes))
-    coarse = CutModel(
+    return CutModel(
         summed(model.prefix_times), summed(model.prefix_params), summed(model.prefix_activations), values,
         model.bandwidth, model.chunks, model.checkpointed, model.param_scale,
     )  # fmt: skip
-    return coarse, bounds
 
 
 def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str]:
@@ -256,6 +256,34 @@ def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str
     return [f"no cut into {stages} stages fits {cap:.0f} bytes per device; about {count} devices of that size would"]
 
 
+def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[float]], together: dict[str, tuple[int, int]]) -> list[int]:
+    """`best_cuts` with no cut inside a span of `together`."""
+    inside = {c for first, last in together.values() for c in range(first + 1, last + 1)}
+    if not inside:
+        return best_cuts(model, stages, caps)
+    bounds = [c for c in range(len(model) + 1) if c not in inside]
+    if len(bounds) - 1 < stages:
+        _fail(
+            [f"{stages} stages, but only {len(bounds) - 1} runs of nodes keep each written buffer's updates in one stage"],
+            "How to fix: use fewer devices.",
+        )
+    cuts = best_cuts(coarsen_at(model, bounds), stages, caps)
+    return [bounds[c] for c in cuts]
+
+
+def _check_together(order: Sequence[fx.Node], cuts: Sequence[int], together: dict[str, tuple[int, int]]) -> None:
+    problems = []
+    for name, (first, last) in together.items():
+        split = [c for c in cuts if first < c <= last]
+        if split:
+            problems.append(
+                f"the buffer {name!r} is written in place by {order[first].name} and {order[last].name}, and a "
+                f"stage begins between them (at {order[split[0]].name}): its updates would interleave the "
+                "micro-batches unlike the plain model"
+            )
+    _fail(problems, "How to fix: choose split points or node counts that keep each buffer's writes in one stage.")
+
+
 def partition(
     order: Sequence[fx.Node],
     stages: int,
@@ -264,12 +292,15 @@ def partition(
     balance: Optional[Sequence[int]] = None,
     model: Optional[CutModel] = None,
     caps: Optional[Sequence[float]] = None,
+    together: Optional[dict[str, tuple[int, int]]] = None,
 ) -> list[list[fx.Node]]:
     """Cut the linear order into `stages` runs and write each node's stage into `node.meta`.
 
     By `split_points` (module names), by `balance` (node counts), or else by `best_cuts` on the
     cost `model` (by default: each node weighs its `size`, parameter plus activation bytes).
+    `together` names spans of positions [first, last] that must not be cut (one buffer's writes).
     """
+    together = together or {}
     if len(order) < stages:
         _fail(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],
@@ -283,7 +314,8 @@ def partition(
         cuts = cuts_from_balance(order, balance, stages)
     else:
         model = model or CutModel([float(node.meta.get("size", 1)) for node in order], [0.0] * len(order), [0.0] * len(order), [])
-        cuts = best_cuts(model, stages, caps)
+        cuts = _best_cuts_keeping(model, stages, caps, together)
+    _check_together(order, cuts, together)
     bounds = [0, *cuts, len(order)]
     runs = [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
     for index, run in enumerate(runs):

@@ -48,14 +48,33 @@ def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node
 def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node`'s value is a parameter or buffer of the model, or a view of one, through
     views and in-place writes (`self.count.add_(1)` is the buffer itself)."""
+    return _state_root(gm, node) is not None
+
+
+def _state_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+    """The `get_attr` node whose tensor `node` is, through views and in-place writes, if any."""
     seen = set()
     while node not in seen:
         seen.add(node)
         root = _view_root(node)
         if root.op == "get_attr":
-            return True
-        if writes_first_argument(gm, root) and root.args and isinstance(root.args[0], fx.Node):
-            node = root.args[0]
+            return root
+        if not (writes_first_argument(gm, root) and root.args and isinstance(root.args[0], fx.Node)):
+            return None
+        node = root.args[0]
+    return None
+
+
+def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
+    """For each attribute written in place in forward, the first and last position in `order`
+    of its writes. A stage boundary inside a span would split one buffer's updates across two
+    stages, which then interleave micro-batches differently from the plain model."""
+    spans: dict[str, tuple[int, int]] = {}
+    for position, node in enumerate(order):
+        if not (writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node)):
             continue
-        return False
-    return False
+        root = _state_root(gm, node.args[0])
+        if root is not None:
+            first, _ = spans.get(str(root.target), (position, position))
+            spans[str(root.target)] = (first, position)
+    return spans
