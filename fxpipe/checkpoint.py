@@ -51,20 +51,24 @@ def checkpoint_stop(mode: str, micro_batches: int) -> int:
 
 
 @contextmanager
-def swapped_buffers(module: nn.Module, buffers: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Run `module` with some buffers (by qualified name) replaced, and put the originals back.
+def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Run `module` with some parameters or buffers (by qualified name) replaced, and put the
+    originals back.
 
-    A recompute runs on the buffers as its forward saw them, and what it writes to them (running
-    statistics, counters) goes to these copies: the model's buffers are updated once, in forward.
+    A recompute runs on the buffers as its forward saw them, so that what it writes to them
+    (running statistics, counters) goes to copies: the model's buffers are updated once, in
+    forward. A stage runs on per-step views of its parameters, so that its gradients stop there
+    instead of reaching the parameters' `.grad` and hooks.
     """
-    owners = []
-    for name, tensor in buffers.items():
+    swaps = []
+    for name, tensor in tensors.items():
         path, _, attr = name.rpartition(".")
         owner = module.get_submodule(path)
-        owners.append((owner, attr, owner._buffers[attr]))
-        owner._buffers[attr] = tensor
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        swaps.append((table, attr, table[attr]))
+        table[attr] = tensor  # type: ignore[assignment]
     try:
         yield
     finally:
-        for owner, attr, original in owners:
-            owner._buffers[attr] = original
+        for table, attr, original in reversed(swaps):
+            table[attr] = original  # type: ignore[assignment]

@@ -127,11 +127,16 @@ class Pipeline(nn.Module):
             if e.src == index:
                 consumers[e.value].append(e.dst)
         shared = {id(self._resolve(name)) for name in code.shared}
+        params = [p for p in code.module.parameters() if id(p) not in shared]
+        paths: dict[int, list[str]] = {}
+        for name, p in code.module.named_parameters(remove_duplicate=False):
+            paths.setdefault(id(p), []).append(name)
         random = random_sources(program.graph, program.runs[index])
         nodes = {node.name: node for node in program.runs[index]}
         return StageRuntime(
             index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers,
-            params=[p for p in code.module.parameters() if id(p) not in shared],
+            params=params,
+            param_paths=[paths[id(p)] for p in params],
             random_always=random.always,
             random_modules=[fetch_attr(program.graph, name) for name in random.modules],
             writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),

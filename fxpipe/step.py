@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
-from fxpipe.checkpoint import checkpointing, recomputing, swapped_buffers
+from fxpipe.checkpoint import checkpointing, recomputing, swapped_state
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
@@ -73,6 +73,7 @@ class StageRuntime:
     sources: dict[str, int]  # input value -> producing stage (CALLER for the pipeline's inputs)
     consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
     params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
+    param_paths: list[list[str]] = field(default_factory=list)  # each one's names in `module`
     random_always: bool = False
     random_modules: list[nn.Module] = field(default_factory=list)
     writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
@@ -177,6 +178,7 @@ class Step:
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
         self.randomness = [stage.draws() for stage in stages]
         self.param_grads = [_Sum(len(stage.params)) for stage in stages]
+        self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.shared_grads = [_Sum(len(copies)) for copies in shared]
 
     # -- driving ---------------------------------------------------------------------------
@@ -291,16 +293,30 @@ class Step:
         leaf = self.grad and dst != self.sink
         self.mailbox.put(("fwd", dst, i, name), send(value, device, wants if leaf else None))
 
+    def _param_views(self, stage: StageRuntime) -> dict[str, torch.Tensor]:
+        """The stage's parameters as views made once per step, by name in the stage: gradients
+        are taken with respect to them, so autograd never reaches the parameters themselves
+        (their `.grad` and hooks are the pipeline Function's to feed)."""
+        if not self.grad or not stage.params:
+            return {}
+        views = self.aliases[stage.index]
+        if views is None:
+            with torch.enable_grad():
+                views = [p.view_as(p) if p.requires_grad else p for p in stage.params]
+            self.aliases[stage.index] = views
+        return {path: view for view, paths in zip(views, stage.param_paths) for path in paths}
+
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self.shared[stage.index]]
-        if self.context.plain and not self.randomness[stage.index] and buffers is None:
+        swaps = {**self._param_views(stage), **(buffers or {})}
+        if self.context.plain and not self.randomness[stage.index] and not swaps:
             return stage.module.forward(*args)  # type: ignore[attr-defined]
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
                 stack.enter_context(TaskRandomness(task_seed(self.seed, i, stage.index)))
-            if buffers is not None:
-                stack.enter_context(swapped_buffers(stage.module, buffers))  # type: ignore[arg-type]
+            if swaps:
+                stack.enter_context(swapped_state(stage.module, swaps))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]
 
     def _forward_task(self, i: int, j: int) -> None:
@@ -357,15 +373,15 @@ class Step:
         tensors, grad_tensors = _differentiable(outputs, grads)
         flat_inputs = [tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        params = [p for p in stage.params if p.requires_grad]
+        params = [v for v in self.aliases[stage.index] or () if v.requires_grad]
         copies = [c for c in self.shared[stage.index] if c.requires_grad]
         wanted = [*leaves, *params, *copies]
         results: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
         if tensors and wanted:
             results = torch.autograd.grad(tensors, wanted, grad_tensors, allow_unused=True)
         by_id = {id(t): g for t, g in zip(wanted, results)}
-        for index, p in enumerate(stage.params):
-            self.param_grads[stage.index].add(index, by_id.get(id(p)))
+        for index, view in enumerate(self.aliases[stage.index] or ()):
+            self.param_grads[stage.index].add(index, by_id.get(id(view)))
         for index, c in enumerate(self.shared[stage.index]):
             self.shared_grads[stage.index].add(index, by_id.get(id(c)))
         return [

@@ -1,0 +1,168 @@
+"""Every way a caller runs a model: train and eval, no_grad and inference mode, autocast,
+autograd.grad, backward(inputs=...), hooks, accumulation, and two forwards before one backward."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import FanOut, assert_grads_equal, twin
+from fxpipe import compile_pipeline
+
+MODES = ("always", "except_last", "never")
+
+
+class Branchy(nn.Module):
+    """Reads `self.training` in forward: a Python branch and a functional dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.training:
+            h = h * 2
+        h = F.dropout(torch.tanh(self.b(h)), 0.5, self.training)
+        return self.c(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eval_mode_runs_the_eval_graph(mode: str) -> None:
+    model, reference = twin(Branchy())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=mode)
+    pipe.eval()
+    reference.eval()
+    assert not model.training
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+    pipe.train()
+    torch.manual_seed(0)
+    trained = pipe(x)
+    assert not torch.allclose(trained, out), "train mode must drop and double again"
+    with pytest.raises(RuntimeError, match="mixed modes"):
+        model.a.eval()
+        pipe(x)
+
+
+def test_no_grad_and_inference_mode() -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    with torch.inference_mode():
+        out = pipe(x)
+        assert out.is_inference()
+        torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str) -> None:
+    model = FanOut(width=16)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=mode)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(x)
+        expected = reference(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    expected.float().sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        # bfloat16 rounds differently on 2-row micro-batches than on the batch: a few ulps
+        assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm(), name
+
+
+def test_autograd_grad_on_inputs_leaves_parameters_alone() -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=3)
+    (grad,) = torch.autograd.grad(pipe(x).pow(2).sum(), x)
+    (expected,) = torch.autograd.grad(reference(x).pow(2).sum(), x)
+    torch.testing.assert_close(grad, expected, rtol=0, atol=1e-10)
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe(x).sum().backward(inputs=[x])
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_gradient_penalty_then_backward_gives_the_plain_gradients() -> None:
+    """A gradient penalty computed with autograd.grad, then loss.backward(): .grad holds only
+    the second."""
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    for net in (pipe, reference):
+        torch.autograd.grad(net(x).sum(), x)
+        net(x).pow(2).mean().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_autograd_grad_on_parameters_does_not_touch_dot_grad() -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
+    grads = torch.autograd.grad(pipe(x).pow(2).sum(), list(pipe.parameters()))
+    expected = torch.autograd.grad(reference(x).pow(2).sum(), list(reference.parameters()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_parameter_hooks_fire_once_with_the_full_gradient() -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
+    seen: dict[str, list[torch.Tensor]] = {"pipe": [], "plain": []}
+    model.layers[0].weight.register_hook(lambda g: seen["pipe"].append(g.clone()))
+    reference.layers[0].weight.register_hook(lambda g: seen["plain"].append(g.clone()))
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert len(seen["pipe"]) == len(seen["plain"]) == 1
+    torch.testing.assert_close(seen["pipe"][0], seen["plain"][0], rtol=0, atol=1e-10)
+
+
+def test_create_graph_is_refused_clearly() -> None:
+    model = FanOut().double()
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_forwards_then_one_backward_and_accumulation(mode: str) -> None:
+    model, reference = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=3, checkpoint=mode)
+    (pipe(x).sum() + pipe(y).pow(2).sum()).backward()
+    (reference(x).sum() + reference(y).pow(2).sum()).backward()
+    pipe(y).sum().backward()
+    reference(y).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_anomaly_mode_reaches_the_stages() -> None:
+    class Sqrt(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.sqrt(self.a(x) - 100))
+
+    x = torch.randn(4, 4)
+    pipe = compile_pipeline(Sqrt(), x, ["cpu"] * 2, chunks=2, checkpoint="never")
+    with torch.autograd.set_detect_anomaly(True):
+        with pytest.raises(Exception, match="nan|NaN"):
+            pipe(x).sum().backward()
