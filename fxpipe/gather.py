@@ -46,7 +46,7 @@ class Gathered:
                 leaf = gather_leaf(parts, sizes)
                 if isinstance(leaf, torch.Tensor):
                     self.tensors.append(leaf)
-                    self.slots.append((ref.name, k, [p.shape[0] for p in parts]))
+                    self.slots.append((ref.name, k, list(sizes)))
                 leaves.append(leaf)
             self.values[ref.name] = (leaves, flats[0][1])
         self.micro_batches = len(per_micro_batch)

@@ -1,0 +1,255 @@
+"""A pipeline's life: closing, Ctrl-C in the middle of a step, copies, pickling, names the model
+shares with the pipeline, scalar outputs, inputs kept whole, and errors of two stages at once."""
+from __future__ import annotations
+
+import _thread
+import copy
+import io
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import FanOut, assert_grads_equal, twin
+from fxpipe import StageError, compile_pipeline
+
+
+def test_a_closed_pipeline_refuses_to_run() -> None:
+    pipe = compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2)
+    pipe.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe(torch.randn(4, 6))
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        time.sleep(0.2)
+        return grad
+
+
+class Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+class WithSlow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.slow, self.b = nn.Linear(6, 6), Slow(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.slow(torch.tanh(self.a(x))))
+
+
+def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind() -> None:
+    model, reference = twin(WithSlow())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, leaf_modules=[Slow], balance=[2, 2])
+    loss = pipe(x).sum()
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        loss.backward()
+    timer.join()
+    time.sleep(1.0)  # what an abandoned step would still add, it would have added by now
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_deepcopy_gives_an_independent_pipeline_with_its_own_workers() -> None:
+    model, reference = twin(FanOut())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
+    twin_pipe = copy.deepcopy(pipe)
+    assert twin_pipe._workers is not pipe._workers
+    assert all(a is not b for a, b in zip(twin_pipe.parameters(), pipe.parameters()))
+    with torch.no_grad():
+        next(twin_pipe.parameters()).add_(1)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    twin_pipe(x).sum().backward()
+    assert all(p.grad is None for p in pipe.parameters())
+    assert list(twin_pipe.state_dict()) == list(reference.state_dict())
+
+
+def test_pickling_says_to_save_the_state_dict() -> None:
+    pipe = compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2)
+    with pytest.raises(TypeError, match="state_dict"):
+        pickle.dumps(pipe)
+    with pytest.raises(TypeError, match="state_dict"):
+        torch.save(pipe, io.BytesIO())
+
+
+class Clashing(nn.Module):
+    """Children named like the pipeline's own attributes (timm's ConvNeXt has `stages`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.plan = nn.Linear(4, 4)
+        self.devices = nn.Linear(4, 4)
+        self.chunks = nn.Linear(4, 4)
+        self.checkpoint = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint(self.chunks(self.devices(self.plan(self.stages(x)))))
+
+
+def test_a_model_may_name_its_children_like_the_pipeline_attributes() -> None:
+    model, reference = twin(Clashing())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    assert list(pipe.state_dict()) == list(reference.state_dict())
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert len(pipe.stages) == 3 and pipe.chunks == 2
+
+
+class Loss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).pow(2).mean()
+
+
+def test_a_model_returning_a_loss_works_with_one_chunk_and_is_refused_with_more() -> None:
+    model, reference = twin(Loss())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=1)
+    loss = pipe(x)
+    assert loss.dim() == 0
+    loss.backward()
+    reference(x).backward()
+    assert_grads_equal(pipe, reference)
+    with pytest.raises(ValueError, match="0-dim tensor.*chunks=1"):
+        compile_pipeline(Loss().double(), x, ["cpu"] * 2, chunks=2)
+
+
+class Reducing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).mean(0, keepdim=True).expand(5, 4)
+
+
+def test_an_output_whose_dim_0_is_not_the_batch_is_refused() -> None:
+    pipe = compile_pipeline(Reducing(), torch.randn(6, 4), ["cpu"], chunks=2)
+    with pytest.raises(ValueError, match="dim 0 is not the batch"):
+        pipe(torch.randn(6, 4))
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * mask.sum(0))
+
+
+def test_chunk_spec_keeps_an_input_whole_that_looks_batched() -> None:
+    model, reference = twin(Masked())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    mask = torch.rand(4, 4, dtype=torch.float64, requires_grad=True)  # dim 0 equals the batch
+    pipe = compile_pipeline(model, (x, mask), ["cpu"] * 2, chunks=2, chunk_spec={"mask": None})
+    out = pipe(x, mask)
+    mask_ref = mask.detach().clone().requires_grad_()
+    expected = reference(x, mask_ref)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(mask.grad, mask_ref.grad, rtol=0, atol=1e-10)
+    assert_grads_equal(pipe, reference)
+
+
+class Transposed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x.transpose(0, 1))
+
+
+def test_chunk_spec_splits_along_another_dim() -> None:
+    model, reference = twin(Transposed())
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)  # batch along dim 1
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=3, chunk_spec={"x": 1})
+    out = pipe(x)
+    assert out.shape == (6, 4)
+    x_ref = x.detach().clone().requires_grad_()
+    torch.testing.assert_close(out, reference(x_ref), rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    reference(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-10)
+
+
+class Bomb(nn.Module):
+    """Raises on the `fuse`-th call while armed; the earlier stage waits a little first, so that
+    the later stage's error is the first one raised."""
+
+    def __init__(self, tag: int, fuse: int) -> None:
+        super().__init__()
+        self.tag, self.fuse, self.linear = tag, fuse, nn.Linear(4, 4)
+        self.armed, self.calls = False, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        if self.armed and call == self.fuse:
+            time.sleep(0.1 * (1 - self.tag))
+            raise ValueError(f"boom {self.tag}")
+        return self.linear(x)
+
+
+class TwoBombs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Bomb(0, fuse=1), Bomb(1, fuse=0)
+
+    def arm(self, armed: bool) -> None:
+        for bomb in (self.first, self.second):
+            bomb.armed, bomb.calls = armed, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_when_two_stages_fail_in_one_tick_the_first_in_schedule_order_is_reported() -> None:
+    """Micro-batch 1 fails on stage 0 at tick 1; micro-batch 0 fails on stage 1 at tick 1 too.
+    The report names stage 0, whichever thread raised first."""
+    model = TwoBombs()
+    x = torch.randn(3, 4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=3, leaf_modules=[Bomb], balance=[2, 1])
+    model.arm(True)
+    with pytest.raises(StageError, match="boom 0") as info:
+        pipe(x)
+    model.arm(False)
+    assert (info.value.stage, info.value.micro_batch) == (0, 1)
+    torch.testing.assert_close(pipe(x), model(x))
+
+
+def test_a_stage_error_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    model = TwoBombs()
+    x = torch.randn(2, 4)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=[Bomb], balance=[2, 1])
+    model.arm(True)
+    with pytest.raises(StageError):
+        pipe(x)
+    model.arm(False)
+    assert capfd.readouterr().err == ""
