@@ -202,13 +202,15 @@ class Step:
         for i, j in tasks:
             self.workers.submit(j, task(i, j))
         errors = {}
+        pending = len(tasks)
         try:
-            for _ in tasks:
+            while pending:
                 i, j, error = self._next(done)
+                pending -= 1
                 if error is not None and not isinstance(error, _Aborted):
                     errors[(i, j)] = error
-        except BaseException:
-            self.cancel(done, len(tasks))
+        except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
+            self.cancel(done, pending)
             raise
         if errors:
             (i, j), error = min(errors.items(), key=lambda item: tasks.index(item[0]))
