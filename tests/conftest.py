@@ -56,3 +56,11 @@ def twin(model: nn.Module) -> tuple[nn.Module, nn.Module]:
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _bounded_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hang in the runtime fails its test in seconds, not at the suite's timeout."""
+    import fxpipe.step
+
+    monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 30.0)

@@ -253,3 +253,19 @@ def test_a_stage_error_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None
         pipe(x)
     model.arm(False)
     assert capfd.readouterr().err == ""
+
+
+def test_a_stuck_pipeline_fails_within_the_wait_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task whose input never comes (an edge lost, say) is reported, not waited on forever."""
+    import fxpipe.step
+
+    monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 0.5)
+    model = FanOut()
+    pipe = compile_pipeline(model, torch.randn(4, 6), ["cpu"] * 3, chunks=2)
+    runtime = pipe.program().runtimes[0]
+    lost = next(name for name, consumers in runtime.consumers.items() if 1 in consumers)
+    monkeypatch.setitem(runtime.consumers, lost, [c for c in runtime.consumers[lost] if c != 1])
+    start = time.monotonic()
+    with pytest.raises(StageError, match="stuck"):
+        pipe(torch.randn(4, 6))
+    assert time.monotonic() - start < 5
