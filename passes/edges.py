@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
+from fxpipe.passes.inplace import check_writes_across_stages
 from fxpipe.passes.linearize import COMPUTE_OPS
 
 CALLER = -1
@@ -57,7 +58,9 @@ def find_edges(gm: fx.GraphModule, stages: int) -> list[Edge]:
     """Every (value, consumer stage) pair that crosses a stage boundary, in graph order.
 
     Needs `node.meta["stage"]` from `partition`; stage `stages` is the pipeline's output.
+    In-place writes that no edge can carry are refused here, at compile time.
     """
+    check_writes_across_stages(gm)
     edges = []
     for node in gm.graph.nodes:
         if node.op != "placeholder" and node.op not in COMPUTE_OPS:

@@ -1,17 +1,26 @@
-"""In-place writes: which ops write their first argument, and what later readers must see.
+"""In-place writes: which ops write a tensor they are given, and what later readers must see.
 
     a = f(x)                          a = f(x)
     b = relu_(a)        ─────▶        b = relu_(a)
     c = g(a)                          c = g(b)      # the reader after the write reads the writer
 
-Within one stage the two graphs do the same thing (`b` is `a`). Across stages they do not: stage
-boundaries copy values, so a stage that received `a` from its producer would never see another
-stage's write. Reading the writer's result instead carries the write along the edges.
+    h = f(x)                          h = f(x)
+    v = h[:, :4]                      v = h[:, :4]
+    w = v.mul_(2)       ─────▶        w = v.mul_(2)
+    y = g(h)                          h_written = written(h, w)   # h, once w has run
+                                      y = g(h_written)
+
+Within one stage the graphs do the same thing (`b` is `a`, `h_written` is `h`). Across stages they
+do not: stage boundaries copy values, so a stage that received `a` (or `h`) from its producer
+would never see another stage's write. Reading the writer's result instead carries the write
+along the edges, from the stage that made it. Writes are found from the op's schema where it has
+one (the aten ops of torch.export graphs, `aten.fill_.Scalar`), else from the `name_` convention.
 """
 from __future__ import annotations
 
 import operator
-from typing import Sequence
+import re
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -22,70 +31,296 @@ from fxpipe.passes.attrs import fetch_attr
 _VIEW_METHODS = {
     "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "flatten",
     "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "t", "unfold", "chunk", "split",
-    "as_strided", "diagonal", "contiguous",
+    "as_strided", "diagonal", "contiguous", "detach", "unbind", "movedim", "swapaxes", "T", "mT",
 }  # fmt: skip
 _VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.flatten, torch.reshape, torch.narrow,
-                   torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.permute}  # fmt: skip
+                   torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.permute,
+                   torch.select, torch.unbind, torch.movedim, torch.t, torch.detach}  # fmt: skip
 _NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
 
 
+def written(value: torch.Tensor, write: Any) -> torch.Tensor:
+    """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls
+    this depends on the write, so a later stage receives `value` from the stage that wrote it."""
+    return value
+
+
+# -- what an op writes, and what it returns a view of ---------------------------------------------
+def _schemas(target: Any) -> list[Any]:
+    """The schemas of an aten op: one for an `OpOverload`, every overload's for a packet."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, name)._schema for name in target.overloads()]
+    return []
+
+
+def _written_positions(schema: Any) -> list[tuple[int, str]]:
+    """(position, name) of the arguments an op's schema marks as written (`Tensor(a!)`)."""
+    return [
+        (i, arg.name) for i, arg in enumerate(schema.arguments)
+        if arg.alias_info is not None and arg.alias_info.is_write
+    ]  # fmt: skip
+
+
+def _schema_writes_first(target: Any) -> Optional[bool]:
+    """Whether every overload of an aten op writes its first argument; None without a schema."""
+    schemas = _schemas(target)
+    if not schemas:
+        return None
+    return all(any(i == 0 for i, _ in _written_positions(s)) for s in schemas)
+
+
+def _schema_is_view(target: Any) -> bool:
+    """An aten op whose result aliases its first argument without writing it (`aten.slice`)."""
+    schemas = _schemas(target)
+
+    def view(schema: Any) -> bool:
+        first = schema.arguments[0].alias_info if schema.arguments else None
+        ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        return first is not None and not first.is_write and ret is not None and not ret.is_write
+
+    return bool(schemas) and all(view(s) for s in schemas)
+
+
 def writes_first_argument(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node` writes its first argument in place (and, but for `setitem`, returns it)."""
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
     if node.op == "call_module":
         return bool(getattr(fetch_attr(gm, str(node.target)), "inplace", False))
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
-        return (
-            bool(node.kwargs.get("inplace", False))
-            or node.target is operator.setitem
-            or (name.endswith("_") and not name.startswith("_"))
-        )
-    return False
+    if node.op != "call_function":
+        return False
+    if node.target is operator.setitem or bool(node.kwargs.get("inplace", False)):
+        return True
+    by_schema = _schema_writes_first(node.target)
+    if by_schema is not None:
+        return by_schema
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
+
+
+def written_value(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
+    """The value `node` writes in place: its first argument, or the `out=` tensor."""
+    if writes_first_argument(gm, node):
+        first = node.args[0] if node.args else None
+        return first if isinstance(first, fx.Node) else None
+    out = node.kwargs.get("out")
+    if isinstance(out, fx.Node):
+        return out
+    for schema in _schemas(node.target) if node.op == "call_function" else []:
+        for i, name in _written_positions(schema):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            if isinstance(value, fx.Node):
+                return value
+    return None
+
+
+def _basic_index(index: Any) -> bool:
+    """`h[index]` is a view when the index is ints, slices, None and Ellipsis (not a tensor)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether `node` returns a view of (or a tuple of views of) its first argument."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    if node.op == "call_method":
+        return str(node.target) in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return len(node.args) > 1 and _basic_index(node.args[1])
+    return node.target in _VIEW_FUNCTIONS or _schema_is_view(node.target)
 
 
 def _view_root(node: fx.Node) -> fx.Node:
     """Follow view-producing ops back to the tensor whose memory they share."""
-    while node.args and isinstance(node.args[0], fx.Node) and (
-        (node.op == "call_method" and node.target in _VIEW_METHODS)
-        or (node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
-    ):
-        node = node.args[0]
+    while is_view(node):
+        first = node.args[0]
+        assert isinstance(first, fx.Node)
+        node = first
+    return node
+
+
+def _stage_local_root(node: fx.Node, run: set[fx.Node]) -> fx.Node:
+    """`_view_root`, stopping at the first value the run does not make (a value it receives)."""
+    while node in run and is_view(node):
+        first = node.args[0]
+        assert isinstance(first, fx.Node)
+        node = first
     return node
 
 
 def mutated_inputs(gm: fx.GraphModule, run: Sequence[fx.Node], inputs: Sequence[str]) -> set[str]:
-    """Stage inputs that the stage writes in place (say, a ReLU(inplace=True) on a received value).
+    """Stage inputs that the stage writes in place (say, a ReLU(inplace=True) on a received value,
+    or `h[:, :4].mul_(2)` on a received `h`).
 
-    They are cloned on entry: a received value is an autograd leaf, and a checkpointed stage must
-    find its saved inputs unchanged when it recomputes.
+    They are cloned on entry: a received value is an autograd leaf, the stage that sent it may
+    still need it (for its backward, or another stage may read the same tensor), and a
+    checkpointed stage must find its saved inputs unchanged when it recomputes.
     """
-    found = set()
+    nodes, found = set(run), set()
     for node in run:
-        if writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node):
-            root = _view_root(node.args[0])
+        target = written_value(gm, node)
+        if target is not None:
+            root = _stage_local_root(target, nodes)
             if root.name in inputs:
                 found.add(root.name)
     return found
 
 
+# -- readers after a write read what the write left -----------------------------------------------
+def _redirect(old: fx.Node, new: fx.Node, writer: fx.Node, position: dict[fx.Node, float]) -> None:
+    """Readers of `old` that come after `writer` read `new` instead."""
+    for reader in list(old.users):
+        if reader is not writer and reader is not new and position[reader] > position[writer]:
+            reader.replace_input_with(old, new)
+
+
+def _views_of(root: fx.Node) -> list[fx.Node]:
+    """Every view of `root`, through chains of views, in graph order."""
+    found, frontier = [], [root]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if is_view(user) and user.args[0] is node and user not in found:
+                found.append(user)
+                frontier.append(user)
+    return found
+
+
+def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: fx.Node, position: dict[fx.Node, float]) -> None:
+    """A view of `root` made before the write and read after it: the reader gets the same view
+    made again from `after`, so that it sees the write whichever stage it runs in."""
+    remade: dict[fx.Node, fx.Node] = {root: after}
+    for view in sorted(_views_of(root), key=position.__getitem__):
+        if position[view] > position[writer] or view is writer.args[0]:
+            continue
+        late = [r for r in view.users if position[r] > position[writer] and r is not writer]
+        if not late:
+            continue
+        base = remade.get(view.args[0], view.args[0])  # type: ignore[arg-type]
+        with graph.inserting_before(min(late, key=position.__getitem__)):
+            copy = graph.node_copy(view, lambda n: base if n is view.args[0] else n)
+        position[copy] = min(position[r] for r in late) - 0.25
+        remade[view] = copy
+        for reader in late:
+            reader.replace_input_with(view, copy)
+
 
 def redirect_reads_after_writes(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make every reader of a value that comes after an in-place write to it read the write's result.
+    """Make every reader that comes after an in-place write read what the write left.
 
-    Writes through a view of the value (`x[0].add_(1)`) and `setitem` (which returns None) are
-    left as they are.
+    A direct write (`relu_(a)`, `aten.fill_(a, 1)`) returns the tensor it writes: later readers
+    of `a` read the writer. A write through a view (`h[:, :4].mul_(2)`, `aten.slice` then
+    `aten.mul_`) or one that returns nothing (`h[0] = 1`) gets a `written(h, write)` node right
+    after it, which later readers of `h` read; views of `h` made before the write and read after
+    it are made again from that node. Writes through views of parameters and buffers are left to
+    the state passes (passes/state.py), which keep them in one stage.
     """
-    position = {node: i for i, node in enumerate(gm.graph.nodes)}
-    for writer in list(gm.graph.nodes):
-        if writer.target is operator.setitem or not writes_first_argument(gm, writer):
+    graph = gm.graph
+    position = {node: float(i) for i, node in enumerate(graph.nodes)}
+    for writer in list(graph.nodes):
+        target = written_value(gm, writer)
+        if target is None:
             continue
-        if not writer.args or not isinstance(writer.args[0], fx.Node):
+        root = _view_root(target)
+        returns_target = writer.target is not operator.setitem
+        if returns_target:
+            _redirect(target, writer, writer, position)
+        if target is root and returns_target:
+            after = writer
+        elif root.op == "get_attr":
             continue
-        written = writer.args[0]
-        for reader in list(written.users):
-            if reader is not writer and position[reader] > position[writer]:
-                reader.replace_input_with(written, writer)
+        else:
+            with graph.inserting_after(writer):
+                after = graph.call_function(written, (root, writer))
+            after._rename(f"{root.name}_written")
+            position[after] = position[writer] + 0.5
+            _redirect(root, after, writer, position)
+        if root.op != "get_attr":
+            _rebase_stale_views(graph, root, after, writer, position)
     gm.recompile()
     return gm
+
+
+# -- what cannot be made right across stages --------------------------------------------------------
+class InplaceError(ValueError):
+    """An in-place write that no cut of stages can run as the plain model does."""
+
+
+def _where(node: fx.Node) -> str:
+    """The model's source line of `node`, from its stack trace, else its module."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)', node.stack_trace or "")
+    if frames:
+        path, line, code = frames[-1]
+        return f"{path}:{line}: {code.strip()}"
+    scope = node.meta.get("scope") or (node.target if node.op == "call_module" else "")
+    return f"in {scope!r}" if scope else "in the model's forward"
+
+
+def _describe(node: fx.Node) -> str:
+    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+    return f"`{node.name}` ({op}, {_where(node)})"
+
+
+def _stage(node: fx.Node) -> int:
+    return int(node.meta.get("stage", -1))
+
+
+def _write_problems(gm: fx.GraphModule, writer: fx.Node, target: fx.Node, position: dict[fx.Node, int]) -> list[str]:
+    problems, view = [], target
+    while is_view(view):
+        if _stage(view) != _stage(writer):
+            problems.append(
+                f"{_describe(writer)} in stage {_stage(writer)} writes through the view `{view.name}` "
+                f"made in stage {_stage(view)}: the stage boundary falls between the view and the write"
+            )
+            break
+        view = view.args[0]  # type: ignore[assignment]
+    root = _view_root(target)
+    for reader in root.users:
+        if position[reader] < position[writer] and _stage(reader) > _stage(writer):
+            problems.append(
+                f"{_describe(writer)} in stage {_stage(writer)} writes `{root.name}`, which "
+                f"`{reader.name}` in the later stage {_stage(reader)} reads as it was before the write"
+            )
+    return problems
+
+
+def check_writes_across_stages(gm: fx.GraphModule) -> None:
+    """Refuse, at compile time, in-place writes whose stages would compute something else than
+    the plain model: a write cut off from the view it writes through or from the `written` node
+    after it, a value read by a later stage as it was before the write, and one parameter or
+    buffer written by two stages. Needs `node.meta["stage"]`."""
+    problems: list[str] = []
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    state_writers: dict[str, set[int]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is written and isinstance(node.args[1], fx.Node):
+            write = node.args[1]
+            if _stage(write) != _stage(node):
+                problems.append(
+                    f"{_describe(write)} runs in stage {_stage(write)}, and the stage boundary falls "
+                    f"right after it: stage {_stage(node)} could not see what it wrote"
+                )
+        target = written_value(gm, node) if node.op in ("call_function", "call_method", "call_module") else None
+        if target is None:
+            continue
+        if _view_root(target).op == "get_attr":
+            state_writers.setdefault(str(_view_root(target).target), set()).add(_stage(node))
+        problems += _write_problems(gm, node, target, position)
+    for name, stages in state_writers.items():
+        if len(stages) > 1:
+            problems.append(f"the parameter or buffer {name!r} is written in place by stages {sorted(stages)}")
+    if problems:
+        raise InplaceError(
+            "cannot run these in-place writes across stages as the model does:\n"
+            + "\n".join(f"  - {p}" for p in dict.fromkeys(problems))
+            + "\nHow to fix: move the cut (balance=[...] or split_points=[...]) so that each write, the "
+            "views it writes through and the node after it are in one stage, or write the value out "
+            "of place (`h = h * scale` instead of `h[:, :4].mul_(2)`, `torch.where`, `torch.cat`)."
+        )

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.inplace import writes_first_argument
+from fxpipe.passes.inplace import written_value
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")
 
@@ -69,10 +69,11 @@ def linearize(gm: fx.GraphModule) -> list[fx.Node]:
     attributes are read in every stage that uses them, and the output is gathered at the end.
     Of the traced order (which follows the model's forward and keeps a module's nodes together)
     and a greedy order that closes open values early, the one with fewer `open_bytes` is taken;
-    a graph that writes tensors in place keeps the traced order, which its reads rely on.
+    a graph that writes tensors in place (`relu_`, `aten.fill_.Scalar`, `out=`) keeps the traced
+    order, which its reads rely on: a read before a write has no edge to the write that says so.
     """
     traced = [node for node in gm.graph.nodes if node.op in COMPUTE_OPS]
-    if any(writes_first_argument(gm, node) for node in traced):
+    if any(written_value(gm, node) is not None for node in traced):
         return traced
     greedy = _greedy(gm, traced)
     return greedy if open_bytes(greedy) < open_bytes(traced) else traced

@@ -1,0 +1,228 @@
+"""In-place writes: aten ops recognised by their schema, reads that keep their place before a
+write, and writes through views that reach later stages as the plain model's do, or a refusal."""
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from conftest import assert_grads_equal, twin
+from fxpipe import Pipeline, compile_pipeline
+from fxpipe.passes.inplace import InplaceError, is_view, writes_first_argument, written_value
+
+MODES = ("always", "except_last", "never")
+WIDTH = 6
+aten = torch.ops.aten
+
+
+def x64(batch: int = 6) -> torch.Tensor:
+    return torch.randn(batch, WIDTH, dtype=torch.float64)
+
+
+def compiled(model: nn.Module, stages: int, **kwargs: Any) -> tuple[Pipeline, nn.Module]:
+    """A float64 pipeline of `model` on CPU stages and an untouched float64 copy."""
+    model, reference = twin(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, x64(), ["cpu"] * stages, **kwargs)
+    return pipe, reference
+
+
+def assert_same_everywhere(pipe: Pipeline, reference: nn.Module) -> None:
+    """Equal outputs in eval mode, under no_grad, and equal outputs and gradients in training."""
+    x = x64()
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+    pipe.train(), reference.train()
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+# -- 1. which ops write, which return views ---------------------------------------------------------
+def _call(target: Callable[..., Any], *args: Any) -> tuple[fx.GraphModule, fx.Node]:
+    graph = fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    node = graph.call_function(target, tuple(x if a == "x" else y if a == "y" else a for a in args))
+    graph.output(node)
+    return fx.GraphModule({}, graph), node
+
+
+@pytest.mark.parametrize(
+    "target,args",
+    [
+        (aten.fill_.Tensor, ("x", "y")),
+        (aten.fill_.Scalar, ("x", 1.0)),
+        (aten.add_.Tensor, ("x", "y")),
+        (aten.relu_.default, ("x",)),
+        (aten.copy_.default, ("x", "y")),
+        (aten.index_put_.default, ("x", ["y"], "y")),
+        (aten.mul_, ("x", 2.0)),  # a packet: every overload writes `self`
+    ],
+)
+def test_aten_inplace_ops_write_their_first_argument(target: Any, args: tuple[Any, ...]) -> None:
+    gm, node = _call(target, *args)
+    assert writes_first_argument(gm, node)
+    assert written_value(gm, node) is node.args[0]
+    assert not is_view(node)
+
+
+@pytest.mark.parametrize(
+    "target,args",
+    [(aten.add.Tensor, ("x", "y")), (aten.clone.default, ("x",)), (aten._unsafe_view.default, ("x", [6]))],
+)
+def test_aten_out_of_place_ops_write_nothing(target: Any, args: tuple[Any, ...]) -> None:
+    gm, node = _call(target, *args)
+    assert not writes_first_argument(gm, node) and written_value(gm, node) is None and not is_view(node)
+
+
+def test_out_argument_is_written() -> None:
+    gm, node = _call(torch.add, "x", "y")
+    node.kwargs = {"out": node.args[0]}
+    assert written_value(gm, node) is node.args[0] and not writes_first_argument(gm, node)
+
+
+@pytest.mark.parametrize(
+    "target,args",
+    [
+        (aten.slice.Tensor, ("x", 1, 0, 2)),
+        (aten.select.int, ("x", 1, 0)),
+        (aten.view.default, ("x", [-1])),
+        (aten.t.default, ("x",)),
+        (aten.split.Tensor, ("x", 2)),
+        (operator.getitem, ("x", (slice(None), slice(0, 2)))),
+    ],
+)
+def test_view_ops_are_views(target: Any, args: tuple[Any, ...]) -> None:
+    assert is_view(_call(target, *args)[1])
+
+
+def test_getitem_with_a_tensor_index_is_a_copy() -> None:
+    assert not is_view(_call(operator.getitem, "x", "y")[1])
+
+
+# -- 2. a read before a write keeps its place ------------------------------------------------------
+class ReadBeforeWrite(nn.Module):
+    """`wide` reads `h` before `h` is doubled in place. Through torch.export (`*args`) the write is
+    `aten.mul_.Tensor`; the greedy order runs it before `wide`, which opens more bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        h = self.l0(args[0])
+        wide = h.repeat(1, 4)
+        h.mul_(2)
+        return self.l1(h) + wide[:, :WIDTH]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_read_before_inplace_write_keeps_its_place(stages: int) -> None:
+    pipe, reference = compiled(ReadBeforeWrite(), stages, chunks=2)
+    assert "torch.export" in pipe.plan.notes[0]
+    assert_same_everywhere(pipe, reference)
+
+
+# -- 3. writes through views, across stages ------------------------------------------------------
+class Scale(nn.Module):
+    """Doubles the first two features of `h` in place, through a view."""
+
+    def forward(self, h: torch.Tensor) -> None:
+        h[:, :2].mul_(2)
+
+
+class ViewWrite(nn.Module):
+    """`h` is made in `l0`, written through a view in `scale`, read by `l1` and, as a skip, by the
+    last stage: with split_points at scale, l1 and l2 neither reader is in the writer's stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2 = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x) * 1.5  # not tanh: its backward needs its output unwritten
+        self.scale(h)
+        return self.l2(torch.tanh(self.l1(h))) * h
+
+
+class ViewWriteExported(ViewWrite):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # torch.fx cannot name *args
+        return super().forward(args[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("model", [ViewWrite, ViewWriteExported])
+def test_write_through_view_reaches_later_stages(model: Callable[[], nn.Module], mode: str) -> None:
+    pipe, reference = compiled(model(), 4, chunks=3, checkpoint=mode, split_points=["scale", "l1", "l2"])
+    assert_same_everywhere(pipe, reference)
+
+
+class StaleView(nn.Module):
+    """`t` is a view of `h` taken before the write and read after it, in a later stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x) * 1.5  # not tanh: its backward needs its output unwritten
+        t = h.t()
+        self.scale(h)
+        return self.l1(t.t())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_view_taken_before_write_sees_it(mode: str) -> None:
+    pipe, reference = compiled(StaleView(), 3, chunks=2, checkpoint=mode, split_points=["scale", "l1"])
+    assert_same_everywhere(pipe, reference)
+
+
+class Zero(nn.Module):
+    """`h[:, 0] = 0` returns nothing (through torch.export: `aten.select` then `aten.fill_`)."""
+
+    def forward(self, h: torch.Tensor) -> None:
+        h[:, 0] = 0.0
+
+
+class SetItem(nn.Module):
+    """`h` is made in stage 0, zeroed in part in stage 1, read in stage 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.zero = Zero()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l0(x) * 1.5
+        self.zero(h)
+        return self.l1(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_setitem_reaches_later_stage(mode: str) -> None:
+    pipe, reference = compiled(SetItem(), 3, chunks=2, checkpoint=mode, split_points=["zero", "l1"])
+    assert_same_everywhere(pipe, reference)
+
+
+# -- 4. what cannot run across stages is refused ----------------------------------------------------
+def test_cut_between_view_and_write_is_refused() -> None:
+    # ViewWriteExported in order: linear, mul, slice, slice, mul_, written, ...: cut after one slice.
+    with pytest.raises(InplaceError, match=r"(?s)mul_.*test_inplace\.py:\d+: h\[:, :2\]\.mul_\(2\).*How to fix"):
+        compiled(ViewWriteExported(), 2, balance=[3, 7])
+
+
+def test_cut_between_write_and_what_follows_is_refused() -> None:
+    with pytest.raises(InplaceError, match=r"(?s)`mul_`.*boundary falls right after it.*How to fix"):
+        compiled(ViewWriteExported(), 2, balance=[5, 5])
