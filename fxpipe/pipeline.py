@@ -87,10 +87,11 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
-        # Straight into the module's tables: a child called `stages` or `plan` is the model's.
-        self._modules.update(model.named_children())
-        self._parameters.update(model.named_parameters(recurse=False))
-        self._buffers.update(model.named_buffers(recurse=False))
+        # Straight into the module's tables: a child called `stages` or `plan` is the model's,
+        # and an alias (`self.p1 = self.p0`) keeps its name, as in the model's state dict.
+        self._modules.update(model._modules)
+        self._parameters.update(model._parameters)
+        self._buffers.update(model._buffers)
         self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
         self.training = model.training
         own = dict(

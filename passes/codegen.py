@@ -91,7 +91,8 @@ class _StageBuilder:
         # passed in.
         module = self.resolve(str(node.target))
         memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
-        private = "tied_" + re.sub(r"\W", "_", str(node.target))
+        # Held under the module's own name, so the stage's parameter names are the model's.
+        private = str(node.target)
         self.attrs[private] = copy.deepcopy(module, memo)
         local = {name[len(str(node.target)) + 1 :]: self.shared_inputs[self.shared[id(t)]] for name, t in tied.items()}
         args = fx.map_arg(node.args, self.arg)
