@@ -273,15 +273,14 @@ def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[flo
 
 def _check_together(order: Sequence[fx.Node], cuts: Sequence[int], together: dict[str, tuple[int, int]]) -> None:
     problems = []
-    for name, (first, last) in together.items():
+    for what, (first, last) in together.items():
         split = [c for c in cuts if first < c <= last]
         if split:
             problems.append(
-                f"the buffer {name!r} is written in place by {order[first].name} and {order[last].name}, and a "
-                f"stage begins between them (at {order[split[0]].name}): its updates would interleave the "
-                "micro-batches unlike the plain model"
+                f"{what} runs from {order[first].name} to {order[last].name}, and a stage begins between "
+                f"them (at {order[split[0]].name}): split across stages it would not compute what the model does"
             )
-    _fail(problems, "How to fix: choose split points or node counts that keep each buffer's writes in one stage.")
+    _fail(problems, "How to fix: choose split points or node counts that keep each of these in one stage.")
 
 
 def partition(
@@ -298,7 +297,8 @@ def partition(
 
     By `split_points` (module names), by `balance` (node counts), or else by `best_cuts` on the
     cost `model` (by default: each node weighs its `size`, parameter plus activation bytes).
-    `together` names spans of positions [first, last] that must not be cut (one buffer's writes).
+    `together` names spans of positions [first, last] that must not be cut (one buffer's writes,
+    say), each by what it holds.
     """
     together = together or {}
     if len(order) < stages:

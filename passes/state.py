@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr
-from fxpipe.passes.inplace import _view_root, writes_first_argument
+from fxpipe.passes.inplace import _view_root, is_view, writes_first_argument, written, written_value
 
 
 def _writes_its_buffers(module: nn.Module) -> bool:
@@ -66,8 +66,8 @@ def _state_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
 
 
 def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
-    """For each attribute written in place in forward, the first and last position in `order`
-    of its writes. A stage boundary inside a span would split one buffer's updates across two
+    """For each buffer written in place in forward, the first and last position in `order` of
+    its writes. A stage boundary inside a span would split one buffer's updates across two
     stages, which then interleave micro-batches differently from the plain model."""
     spans: dict[str, tuple[int, int]] = {}
     for position, node in enumerate(order):
@@ -75,6 +75,27 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
             continue
         root = _state_root(gm, node.args[0])
         if root is not None:
-            first, _ = spans.get(str(root.target), (position, position))
-            spans[str(root.target)] = (first, position)
+            key = f"the buffer {str(root.target)!r}"
+            first, _ = spans.get(key, (position, position))
+            spans[key] = (first, position)
+    return spans
+
+
+def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
+    """For each in-place write through a view, the positions from the first view it writes
+    through to the `written` node that carries the write on: one stage must run them all."""
+    position = {node: i for i, node in enumerate(order)}
+    spans = {}
+    for node in order:
+        target = written_value(gm, node)
+        if target is None:
+            continue
+        chain = [node, *(user for user in node.users if user.target is written)]
+        view = target
+        while is_view(view) and isinstance(view.args[0], fx.Node):
+            chain.append(view)
+            view = view.args[0]
+        places = [position[n] for n in chain if n in position]
+        if len(places) > 1:
+            spans[f"the in-place write `{node.name}`"] = (min(places), max(places))
     return spans

@@ -226,3 +226,12 @@ def test_cut_between_view_and_write_is_refused() -> None:
 def test_cut_between_write_and_what_follows_is_refused() -> None:
     with pytest.raises(InplaceError, match=r"(?s)`mul_`.*boundary falls right after it.*How to fix"):
         compiled(ViewWriteExported(), 2, balance=[5, 5])
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+@pytest.mark.parametrize("balance", ["memory", "flops", "params"])
+def test_automatic_cuts_keep_a_write_through_a_view_in_one_stage(stages: int, balance: str) -> None:
+    """The automatic balance never puts a boundary between a view, the write through it and
+    the node that carries the write on, so it never trips the refusal above."""
+    pipe, reference = compiled(ViewWriteExported(), stages, chunks=2, balance=balance)
+    assert_same_everywhere(pipe, reference)
