@@ -142,6 +142,7 @@ class Pipeline(nn.Module):
             random_modules=[fetch_attr(program.graph, name) for name in random.modules],
             writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),
             state_outputs={name for name in code.outputs if aliases_state(program.graph, nodes[name])},
+            written=code.written,
         )  # fmt: skip
 
     def _resolve(self, name: str) -> Any:
@@ -217,6 +218,8 @@ class Pipeline(nn.Module):
         if batch == 0:
             raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
+        if len(sizes) > 1:
+            self._check_written_inputs(program, values, batch, dims)
         pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
         micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
         context = CallerContext.capture()
@@ -264,6 +267,21 @@ class Pipeline(nn.Module):
                 if isinstance(leaf, torch.Tensor):
                     dims[id(leaf)] = dim
         return dims
+
+    @staticmethod
+    def _check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:
+        """An input written in place must be split: each micro-batch then writes its own slice,
+        as the plain model writes the batch. One passed whole would be written once per
+        micro-batch."""
+        for runtime in program.runtimes:
+            for name in runtime.written:
+                leaves = [t for t in tree_flatten(values.get(name))[0] if isinstance(t, torch.Tensor)]
+                if batch is None or any(split_dim(t, batch, dims) is None for t in leaves):
+                    raise ValueError(
+                        f"the model writes its input {name!r} in place, and that input is not split "
+                        "into micro-batches: every micro-batch would write it again.\nHow to fix: use "
+                        "chunks=1, or write a copy of the input in the model."
+                    )
 
     def _given(self, program: Program, values: dict[str, Any]) -> dict[str, Any]:
         """Output values not made by a stage: inputs, and attributes returned as they are."""

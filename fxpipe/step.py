@@ -37,6 +37,7 @@ from fxpipe.checkpoint import checkpointing, recomputing, swapped_state
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
+from fxpipe.passes.codegen import clone_tree
 from fxpipe.passes.random_ops import draws_now
 from fxpipe.randomness import TaskRandomness, task_seed
 from fxpipe.schedule import clock_cycles
@@ -80,6 +81,9 @@ class StageRuntime:
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)
+    # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
+    # caller's tensor gets the final value, as the plain model writes it.
+    written: list[str] = field(default_factory=list)
 
     def draws(self) -> bool:
         """Whether a call now may draw random numbers (read once per step)."""
@@ -330,12 +334,15 @@ class Step:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
             with torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
                 outputs = self._call(stage, i, inputs)
-            self.saved[(i, j)] = _Saved(inputs, None, buffers)
+            # The caller's tensors are about to be written: the recompute needs them as they were.
+            kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
+            self.saved[(i, j)] = _Saved(kept, None, buffers)
         else:
             with torch.set_grad_enabled(self.grad), collecting(self.batch_stats):
                 outputs = self._call(stage, i, inputs)
             if self.grad:
                 self.saved[(i, j)] = _Saved(inputs, outputs)
+        outputs = self._write_back(stage, i, outputs)
         self.timeline.append(("forward", i, j, start, time.perf_counter()))
         wants = _floating if checkpointed else _requires_grad
         for name, value in zip(stage.outputs, outputs):  # (3)
@@ -345,6 +352,18 @@ class Step:
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, wants)
 
+    def _write_back(self, stage: StageRuntime, i: int, results: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Copy what the stage wrote into its inputs from the caller back into the caller's
+        tensors (this micro-batch's slice of them); returns the stage's outputs proper."""
+        outputs, written = results[: len(stage.outputs)], results[len(stage.outputs) :]
+        for name, value in zip(stage.written, written):
+            if stage.sources[name] == CALLER:
+                with torch.no_grad():
+                    for target, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value)):
+                        if isinstance(target, torch.Tensor) and target is not final:
+                            target.copy_(final)
+        return outputs
+
     def _backward_task(self, i: int, j: int) -> None:
         stage = self.stages[j]
         saved = self.saved.pop((i, j))
@@ -352,7 +371,7 @@ class Step:
         outputs = saved.outputs
         if outputs is None:  # (5)
             with torch.enable_grad(), recomputing():
-                outputs = self._call(stage, i, saved.inputs, saved.buffers)
+                outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name]]
         received = iter(self.mailbox.take(keys))  # (4)
         grads = []

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.edges import Edge, stage_inputs, stage_outputs
@@ -21,12 +22,21 @@ from fxpipe.passes.inplace import mutated_inputs
 
 @dataclass
 class StageCode:
-    """A generated stage: `module(*inputs, *shared)` returns the tuple `outputs`."""
+    """A generated stage: `module(*inputs, *shared)` returns the tuple `outputs`, followed by
+    the final values of the `written` inputs (those it writes in place, on copies)."""
 
     module: fx.GraphModule
     inputs: list[str]
     outputs: list[str]
     shared: list[str]
+    written: list[str]
+
+
+def clone_tree(value: Any) -> Any:
+    """A copy of every tensor in a (nested) value: a stage's own copy of an input it writes."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -125,12 +135,14 @@ def generate_stages(
         names = _stage_shared(gm, run, shared)
         for name in names:
             builder.shared_inputs[name] = builder.graph.placeholder(_placeholder_name(name))
-        for name in sorted(mutated_inputs(gm, run, inputs), key=inputs.index):
-            builder.env[name] = builder.graph.call_method("clone", (builder.env[name],))
+        written = sorted(mutated_inputs(gm, run, inputs), key=inputs.index)
+        for name in written:
+            builder.env[name] = builder.graph.call_function(clone_tree, (builder.env[name],))
+        copies = [builder.env[name] for name in written]
         for node in run:
             builder.copy(node)
-        builder.graph.output(tuple(builder.env[name] for name in outputs))
+        builder.graph.output((*(builder.env[name] for name in outputs), *copies))
         module = fx.GraphModule(builder.attrs, builder.graph, f"Stage{index}")
-        codes.append(StageCode(module=module, inputs=inputs, outputs=outputs, shared=names))
+        codes.append(StageCode(module=module, inputs=inputs, outputs=outputs, shared=names, written=written))
     return codes
 

@@ -269,3 +269,39 @@ def test_a_stuck_pipeline_fails_within_the_wait_bound(monkeypatch: pytest.Monkey
     with pytest.raises(StageError, match="stuck"):
         pipe(torch.randn(4, 6))
     assert time.monotonic() - start < 5
+
+
+class WritesItsInput(nn.Module):
+    """Writes a part of a tuple input in place (pipelining's `test_tuple_inplace` shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        foo, bar = pair
+        h = torch.tanh(self.a(foo))
+        bar.add_(1)
+        return self.b(h) * bar
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_an_input_written_in_place_is_written_as_the_plain_model_writes_it(stages: int, mode: str) -> None:
+    model, reference = twin(WritesItsInput())
+    foo, bar = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    foo_ref, bar_ref = foo.clone(), bar.clone()
+    pipe = compile_pipeline(model, ((foo.clone(), bar.clone()),), ["cpu"] * stages, chunks=2, checkpoint=mode)
+    out = pipe((foo, bar))
+    expected = reference((foo_ref, bar_ref))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(bar, bar_ref, rtol=0, atol=0)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_an_input_written_in_place_and_passed_whole_is_refused() -> None:
+    pipe = compile_pipeline(WritesItsInput(), ((torch.randn(6, 4), torch.randn(6, 4)),), ["cpu"], chunks=2)
+    with pytest.raises(ValueError, match="writes its input 'pair' in place"):
+        pipe((torch.randn(6, 4), torch.randn(4)))
