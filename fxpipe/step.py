@@ -333,16 +333,17 @@ class Step:
         if checkpointed:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
             with torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
-                outputs = self._call(stage, i, inputs)
+                results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
             self.saved[(i, j)] = _Saved(kept, None, buffers)
+            outputs = self._write_back(stage, i, results)
         else:
             with torch.set_grad_enabled(self.grad), collecting(self.batch_stats):
-                outputs = self._call(stage, i, inputs)
+                results = self._call(stage, i, inputs)
+            outputs = self._write_back(stage, i, results)
             if self.grad:
                 self.saved[(i, j)] = _Saved(inputs, outputs)
-        outputs = self._write_back(stage, i, outputs)
         self.timeline.append(("forward", i, j, start, time.perf_counter()))
         wants = _floating if checkpointed else _requires_grad
         for name, value in zip(stage.outputs, outputs):  # (3)

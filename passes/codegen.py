@@ -17,13 +17,14 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fxpipe.passes.attrs import fetch_attr, tensors_read
-from fxpipe.passes.edges import Edge, stage_inputs, stage_outputs
+from fxpipe.passes.edges import CALLER, Edge, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import mutated_inputs
 
 @dataclass
 class StageCode:
     """A generated stage: `module(*inputs, *shared)` returns the tuple `outputs`, followed by
-    the final values of the `written` inputs (those it writes in place, on copies)."""
+    the final values of the `written` inputs (the pipeline's inputs it writes in place, on its
+    own copies, for the runtime to copy back into the caller's tensors)."""
 
     module: fx.GraphModule
     inputs: list[str]
@@ -135,9 +136,11 @@ def generate_stages(
         names = _stage_shared(gm, run, shared)
         for name in names:
             builder.shared_inputs[name] = builder.graph.placeholder(_placeholder_name(name))
-        written = sorted(mutated_inputs(gm, run, inputs), key=inputs.index)
-        for name in written:
+        mutated = sorted(mutated_inputs(gm, run, inputs), key=inputs.index)
+        for name in mutated:
             builder.env[name] = builder.graph.call_function(clone_tree, (builder.env[name],))
+        from_caller = {e.value for e in edges if e.dst == index and e.src == CALLER}
+        written = [name for name in mutated if name in from_caller]
         copies = [builder.env[name] for name in written]
         for node in run:
             builder.copy(node)
