@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -49,7 +50,7 @@ class Program:
 
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
-        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, output.args[0])
+        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, _mutable(output.args[0]))
 
     def copy(self, memo: dict[int, Any]) -> "Program":
         """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
@@ -370,6 +371,17 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+
+def _mutable(value: Any) -> Any:
+    """fx's immutable dicts and lists in an output as the plain dicts and lists the model made."""
+    if type(value) in (dict, immutable_dict):
+        return {key: _mutable(v) for key, v in value.items()}
+    if type(value) in (list, immutable_list):
+        return [_mutable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_mutable(v) for v in value)
+    return value
 
 
 def _signature(model: nn.Module) -> Optional[inspect.Signature]:

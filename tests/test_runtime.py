@@ -235,3 +235,26 @@ def test_frozen_model_and_plain_input_run_without_autograd() -> None:
     out = pipe(x)
     assert not out.requires_grad
     torch.testing.assert_close(out, model(x))
+
+
+class Containers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.g = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        a = self.f(x)
+        b = self.g(torch.tanh(a))
+        return {"a": a, "pair": [a, b], "inner": {"b": b}, "t": (b,)}
+
+
+def test_outputs_have_the_plain_model_containers() -> None:
+    """Dicts and lists come back as dict and list (not fx's immutable ones), and can be edited."""
+    model, reference = twin(Containers())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out = compile_pipeline(model, x, ["cpu"] * 2, chunks=3)(x)
+    expected = reference(x)
+    assert type(out) is dict and type(out["pair"]) is list and type(out["inner"]) is dict and type(out["t"]) is tuple
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out["loss"] = out["a"].sum()
+    out["pair"].append(None)
