@@ -1,7 +1,8 @@
 """compile_pipeline: from a model and an example input to a Pipeline, through the passes."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence, Union
+import functools
+from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -19,6 +20,7 @@ from fxpipe.passes.linearize import linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
+from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans
@@ -26,28 +28,75 @@ from fxpipe.pipeline import ChunkSpec, Pipeline, Program
 from fxpipe.plan import Plan, StagePlan
 
 Device = Union[str, int, torch.device]
+_STAGE_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
+    """The device, or the problem with it and its fix."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return None, f"{device!r} is not a device: write one like 'cpu' or 'cuda:0'"
+    if parsed.type not in _STAGE_DEVICE_TYPES:
+        return None, f"{device!r}: stages run on 'cpu' and 'cuda' devices only; {parsed.type!r} cannot run one"
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        return None, f"{device!r}: CUDA is not available on this machine; use 'cpu' devices"
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        return None, f"{device!r}: this machine has {count} CUDA device{'s' * (count != 1)} (cuda:0 to cuda:{count - 1})"
+    return parsed, None
+
+
+def _listed(devices: Any) -> Optional[list[Any]]:
+    """The devices as a list, or None when `devices` is not a list of them (one device, say)."""
+    if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Iterable):
+        return None
+    return list(devices)
+
+
+def _device_problems(devices: Any, listed: Optional[list[Any]]) -> tuple[list[torch.device], list[str]]:
+    if listed is None:
+        example = [str(devices)] if isinstance(devices, (str, int, torch.device)) else ["cpu", "cpu"]
+        return [], [f"devices must be a list with one device per stage, e.g. devices={example!r} (got {devices!r})"]
+    if not listed:
+        return [], ["devices is empty: give one device per stage, e.g. devices=['cpu', 'cpu']"]
+    found = [_parse_device(device) for device in listed]
+    return [d for d, _ in found if d is not None], [p for _, p in found if p is not None]
+
+
+def _balance_problems(balance: Any) -> list[str]:
+    modes = ", ".join(map(repr, BALANCE_MODES))
+    if balance is None or (isinstance(balance, str) and balance in BALANCE_MODES):
+        return []
+    counts = not isinstance(balance, (str, bytes)) and isinstance(balance, Sequence)
+    if not counts or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in balance):
+        return [f"balance must be one of {modes}, or a list of node counts per stage, each at least 1 (got {balance!r})"]
+    return []  # how many, and their sum, the partition checks against the graph
+
+
+def _split_point_problems(split_points: Any, balance: Any) -> list[str]:
+    if split_points is None:
+        return []
+    if balance is not None:
+        return ["split_points and balance were both given: give one of them"]
+    names = not isinstance(split_points, str) and isinstance(split_points, Sequence)
+    if not names or not all(isinstance(p, str) for p in split_points):
+        return [f"split_points must be a list of module names where stages 1, 2, ... begin, e.g. ['blocks.4'] (got {split_points!r})"]
+    return []  # how many, and whether they name modules, the partition checks against the graph
 
 
 def _check_arguments(
     devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any
 ) -> list[torch.device]:
-    problems = []
-    parsed = []
-    if not devices:
-        problems.append("devices is empty: give one device per stage, e.g. devices=['cpu', 'cpu']")
-    for device in devices or ():
-        try:
-            parsed.append(torch.device(device))
-        except (RuntimeError, TypeError):
-            problems.append(f"{device!r} is not a device")
+    """The devices parsed; or one ValueError that lists every bad argument with its fix."""
+    listed = _listed(devices)
+    parsed, problems = _device_problems(devices, listed)
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         problems.append(f"chunks must be a whole number of micro-batches, at least 1 (got {chunks!r})")
     if checkpoint not in CHECKPOINT_MODES:
         problems.append(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} (got {checkpoint!r})")
-    if split_points is not None and balance is not None:
-        problems.append("split_points and balance were both given: give one of them")
-    if isinstance(balance, str) and balance not in BALANCE_MODES:
-        problems.append(f"balance must be one of {', '.join(map(repr, BALANCE_MODES))} or a node count per stage (got {balance!r})")
+    problems += _split_point_problems(split_points, balance)
+    problems += _balance_problems(balance)
     if problems:
         raise ValueError("compile_pipeline got bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     return parsed
@@ -154,6 +203,26 @@ def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: 
     return plans
 
 
+P = ParamSpec("P")
+
+
+def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, Pipeline]:
+    """Compiling runs the model (checks, shapes, timing). Each pass puts back what it changed;
+    this puts back anything one missed, even when compiling fails: parameter values, buffers,
+    `.grad`, `training` flags and the random states. A tensor placement moved keeps its device."""
+
+    @functools.wraps(compile)
+    def compile_and_restore(*args: P.args, **kwargs: P.kwargs) -> Pipeline:
+        model = kwargs["model"] if "model" in kwargs else args[0] if args else None
+        if not isinstance(model, nn.Module):
+            return compile(*args, **kwargs)
+        with preserved(model):
+            return compile(*args, **kwargs)
+
+    return compile_and_restore
+
+
+@_leaves_the_model_as_it_was
 def compile_pipeline(
     model: nn.Module,
     example: Any,

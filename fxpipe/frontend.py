@@ -1,28 +1,39 @@
-"""Front ends: from a model to a graph, by torch.fx or, when fx fails, by torch.export."""
+"""Front ends: from a model to checked graphs, by torch.fx or, when fx fails, by torch.export."""
 from __future__ import annotations
 
 import inspect
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from fxpipe.passes.export import batch_is_specialized, export_graph
+from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
+from fxpipe.passes.validate import check_graph, first_line
 
 Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
+T = TypeVar("T")
 
 
 @dataclass
 class Traced:
-    """A graph, how a call's arguments map onto its placeholders, and how it was made."""
+    """A graph, how a call's arguments map onto its placeholders, and how it was made.
+
+    `graph` was traced in training mode. `eval_graph` was traced in eval mode, and is None when
+    its code is the same as `graph`'s (no Python branch on `self.training`): then `graph` serves
+    both modes. Both take the same arguments (`bind`), and both read the model's own parameters
+    and buffers (the same objects).
+    """
 
     graph: fx.GraphModule
     bind: Binder
     note: Optional[str] = None
+    eval_graph: Optional[fx.GraphModule] = None
 
 
 def signature_binder(gm: fx.GraphModule) -> Binder:
@@ -59,36 +70,115 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     return bind
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+class _Rejected(Exception):
+    """A front end's graph cannot be used: `detail` for the error, `summary` for a warning."""
+
+    def __init__(self, detail: str, summary: Optional[str] = None) -> None:
+        super().__init__(detail)
+        self.detail, self.summary = detail, summary or detail
 
 
-def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int) -> Traced:
-    """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons."""
-    leaves = list(leaf_modules)
+@contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """The model in training (or eval) mode: as it is when it is in that mode already (modules
+    set apart keep their flags), else as `model.train(training)` sets it; flags restored after."""
+    flags = [(module, module.training) for module in model.modules()]
+    if model.training != training:
+        model.train(training)
     try:
-        gm = trace(model, leaves)
-        return Traced(gm, signature_binder(gm))
-    except TraceError as fx_error:
-        reason = _first_line(fx_error.__cause__ or fx_error)
-        try:
-            gm, spec = export_graph(model, example, {})
-        except Exception as export_error:
-            raise TraceError(
-                f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
-                f"torch.fx: {fx_error}\n"
-                f"torch.export: {_first_line(export_error)}\n"
-                "How to fix: keep the module with data-dependent control flow whole with "
-                "leaf_modules=[...], or write the branch as tensor operations (torch.where) or "
-                "with torch.cond."
-            ) from export_error
-    if chunks > 1 and batch_is_specialized(gm):
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def _in_both_modes(model: nn.Module, make: Callable[[], T]) -> dict[bool, T]:
+    """`make()` in training mode (key True) and in eval mode (False): `self.training` branches
+    are decided while tracing."""
+    made = {}
+    for training in (True, False):
+        with _mode(model, training):
+            made[training] = make()
+    return made
+
+
+def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], bind: Binder) -> Optional[str]:
+    """What goes wrong when each graph runs in its mode next to the model, or None."""
+    inputs = tuple(bind(example, {}).values())
+    for training, gm in graphs.items():
+        if not training and gm.code == graphs[True].code:
+            continue  # the same code as the training graph, checked already
+        with _mode(model, training):
+            problem = check_graph(model, gm, example, inputs)
+        if problem is not None:
+            return f"its graph (traced in {'training' if training else 'eval'} mode) {problem}"
+    return None
+
+
+def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder) -> Traced:
+    same = graphs[False].code == graphs[True].code
+    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False])
+
+
+def _by_fx(model: nn.Module, example: tuple[Any, ...], leaves: list[LeafSpec]) -> Traced:
+    try:
+        graphs = _in_both_modes(model, lambda: trace(model, leaves))
+    except TraceError as error:
+        raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
+    bind = signature_binder(graphs[True])
+    if _check(model, graphs, example, bind) is None:
+        return _traced(graphs, bind)
+    # Again with source lines, which tracing records only for messages (it is slow).
+    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True))
+    raise _Rejected(_check(model, lined, example, bind) or "its graph computes otherwise than the model")
+
+
+def _by_export(model: nn.Module, example: tuple[Any, ...], chunks: int) -> Traced:
+    try:
+        exported = _in_both_modes(model, lambda: export_graph(model, example, {}))
+    except Exception as error:
+        raise _Rejected(first_line(error)) from error
+    graphs = {training: gm for training, (gm, _) in exported.items()}
+    if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
         raise TraceError(
             f"torch.export fixed the batch size of {type(model).__name__} to the example's, so "
             f"micro-batches of other sizes cannot run.\nHow to fix: use chunks=1, or avoid shapes "
             "that depend on the batch size in the model."
         )
-    note = f"torch.fx could not trace {type(model).__name__} ({reason}); used torch.export"
-    warnings.warn(note, stacklevel=3)
-    return Traced(gm, leaf_binder(gm, spec), note)
+    bind = leaf_binder(graphs[True], exported[True][1])
+    problem = _check(model, graphs, example, bind)
+    if problem is not None:
+        raise _Rejected(problem)
+    return _traced(graphs, bind)
+
+
+def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int) -> Traced:
+    """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
+
+    Each graph is traced in training and in eval mode, and checked against the model on the
+    example (passes/validate.py): a graph that computes otherwise counts as a failure of its front
+    end. The model's state and the random states are left as they were.
+    """
+    leaves = list(leaf_modules)
+    if isinstance(model, fx.GraphModule) or not isinstance(model, nn.Module):
+        gm = trace(model, leaves)  # traced already: the graph is the model
+        return Traced(gm, signature_binder(gm))
+    with preserved(model):
+        try:
+            return _by_fx(model, example, leaves)
+        except _Rejected as rejected:
+            fx_failure = rejected
+        try:
+            traced = _by_export(model, example, chunks)
+        except _Rejected as export_failure:
+            raise TraceError(
+                f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
+                f"torch.fx: {fx_failure.detail}\n"
+                f"torch.export: {export_failure.detail}\n"
+                "How to fix: keep the module with data-dependent control flow (or with checks that "
+                "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
+                "or write the branch as tensor operations (torch.where) or with torch.cond."
+            ) from export_failure.__cause__
+    traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
+    warnings.warn(traced.note, stacklevel=4)  # the caller of compile_pipeline (through its wrapper)
+    return traced

@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from fxpipe.passes.attrs import parameters_of
 from fxpipe.passes.inplace import writes_first_argument
 from fxpipe.passes.objective import CutModel, crossing_values
+from fxpipe.passes.snapshot import preserved
 
 BALANCE_MODES = ("time", "flops", "params", "memory")
 
@@ -37,11 +38,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _leafy(value: Any) -> Any:
-    """Inputs as fresh leaves, floating ones requiring grad, so backward stops at the node."""
-    return tree_map(
-        lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t, value
-    )
+def _leafy(value: Any, buffers: set[int]) -> Any:
+    """Inputs as fresh leaves, floating ones requiring grad, so backward stops at the node; not
+    the buffers read as arguments (running statistics, in an exported graph), as in the model."""
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.detach().requires_grad_(t.is_floating_point() and id(t) not in buffers)
+
+    return tree_map(leaf, value)
 
 
 def _once(run: Callable[[], Any], device: torch.device) -> float:
@@ -62,6 +68,7 @@ class _Capture(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule) -> None:
         super().__init__(gm)
         self.runs: dict[fx.Node, Callable[[], Any]] = {}
+        self.buffers = {id(b) for b in gm.buffers()}
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op in ("call_module", "call_function", "call_method"):
@@ -69,10 +76,10 @@ class _Capture(fx.Interpreter):
             call, writes = getattr(self, n.op), writes_first_argument(self.module, n)
 
             def run() -> Any:
-                leaves = _leafy(args)
+                leaves = _leafy(args, self.buffers)
                 if writes and leaves and isinstance(leaves[0], torch.Tensor):
                     leaves = (leaves[0].clone(), *leaves[1:])  # an autograd leaf cannot be written in place
-                return call(n.target, leaves, _leafy(kwargs))
+                return call(n.target, leaves, _leafy(kwargs, self.buffers))
 
             self.runs[n] = run
         with torch.no_grad():
@@ -86,11 +93,22 @@ def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.devi
     Nodes are timed in rounds, every node once per round in a new shuffled order, and each takes
     the median over rounds: a change of machine load during profiling then touches all nodes
     alike, instead of making one region of the graph look slow. The fixed cost of timing a node
-    (leaves, gradients of ones, a call into autograd), measured on a no-op, is taken off.
+    (leaves, gradients of ones, a call into autograd), measured on a no-op, is taken off. The
+    graph's state, gradients and the random states are left as they were.
     """
+    # Every run updates running statistics, draws random numbers and adds into `.grad`.
+    with preserved(gm):
+        samples = _time_rounds(gm, example, device, warmup, repeats)
+    overhead = statistics.median(samples.pop(None))
+    for node, times in samples.items():
+        node.meta["time"] = max(statistics.median(times) - overhead, 0.0)
+    return gm
+
+
+def _time_rounds(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int, repeats: int) -> dict[Any, list[float]]:
+    """Seconds of each node's runs after `warmup` rounds, keyed by node (None: the no-op)."""
     capture = _Capture(gm)
     capture.run(*example)
-    nodes = list(capture.runs)
     probe = torch.zeros(1, device=device, requires_grad=True)
     runs: dict[Any, Callable[[], Any]] = {**capture.runs, None: lambda: probe * 1}
     samples: dict[Any, list[float]] = {key: [] for key in runs}
@@ -103,10 +121,7 @@ def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.devi
                 seconds = _once(runs[key], device)
                 if round_ >= warmup:
                     samples[key].append(seconds)
-    overhead = statistics.median(samples[None])
-    for node in nodes:
-        node.meta["time"] = max(statistics.median(samples[node]) - overhead, 0.0)
-    return gm
+    return samples
 
 
 def node_weights(order: Sequence[fx.Node], mode: str, *, param_scale: float, kept: float, flop_rate: float) -> list[float]:

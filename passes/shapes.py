@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fxpipe.passes.snapshot import preserved
+
 
 class FlopCount(TorchDispatchMode):
     """Counts FLOPs with torch.utils.flop_counter's formulas, without its per-module tracking."""
@@ -143,17 +145,18 @@ def propagate_shapes(gm: fx.GraphModule, example: tuple[Any, ...], on_meta: Opti
 
     On the meta device nothing is computed or allocated; by default a model under
     `REAL_RUN_LIMIT` bytes on the CPU runs once for real instead (faster), as does a graph that
-    cannot run on the meta device (a leaf module that reads values, say).
+    cannot run on the meta device (a leaf module that reads values, say). The graph's state
+    and the random states are left as they were.
     """
     if on_meta is None:
         on_meta = not _small_on_cpu(gm, example)
-    if on_meta:
-        try:
-            with torch.no_grad():
+    # A real run updates running statistics and draws random numbers: the model must not see it.
+    with preserved(gm), torch.no_grad():
+        if on_meta:
+            try:
                 _Recorder(gm, on_meta=True).run(*example)
-            return gm
-        except Exception:
-            pass
-    with torch.no_grad():
+                return gm
+            except Exception:
+                pass
         _Recorder(gm, on_meta=False).run(*example)
     return gm

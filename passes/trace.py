@@ -67,8 +67,10 @@ def _user_frame(error: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno} ({frame.line})"
 
 
-def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphModule:
+def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines: bool = False) -> fx.GraphModule:
     """Trace `model` symbolically; `leaf_modules` (types or qualified names) stay opaque calls.
+    `record_lines` keeps each node's stack trace (`node.stack_trace`), which makes tracing
+    several times slower: it is for error messages.
 
     A `GraphModule` was traced already: it is copied (the passes annotate and rewrite graphs).
     """
@@ -87,6 +89,7 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = ()) -> fx.GraphMo
             "How to fix: name the forward's arguments, or let torch.export capture it."
         )
     tracer = _Tracer(leaf_modules)
+    tracer.record_stack_traces = record_lines
     try:
         graph = tracer.trace(model)
     except Exception as error:

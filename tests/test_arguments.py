@@ -1,0 +1,89 @@
+"""Bad arguments to compile_pipeline: one ValueError, every problem with its fix, before the model runs."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe import compile_pipeline
+
+X = torch.randn(4, 6)
+
+
+class NeverRun(nn.Module):
+    """Arguments are checked before the model is traced or run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the model ran before its arguments were checked")
+
+
+def _message(**kwargs: Any) -> str:
+    kwargs.setdefault("devices", ["cpu"])
+    with pytest.raises(ValueError) as info:
+        compile_pipeline(NeverRun(), X, **kwargs)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("devices", ["cpu", torch.device("cpu")])
+def test_one_device_instead_of_a_list(devices: Any) -> None:
+    message = _message(devices=devices)
+    assert "devices must be a list with one device per stage, e.g. devices=['cpu']" in message
+    assert "'c' is not a device" not in message
+
+
+def test_a_device_that_is_not_one() -> None:
+    assert "'gpu0' is not a device: write one like 'cpu' or 'cuda:0'" in _message(devices=["cpu", "gpu0"])
+
+
+def test_a_device_type_that_cannot_run_a_stage() -> None:
+    message = _message(devices=["cpu", "meta"])
+    assert "'meta': stages run on 'cpu' and 'cuda' devices only; 'meta' cannot run one" in message
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 7, reason="this machine has a cuda:7")
+def test_a_cuda_device_this_machine_lacks() -> None:
+    message = _message(devices=["cuda:7"])
+    if torch.cuda.is_available():
+        assert f"'cuda:7': this machine has {torch.cuda.device_count()} CUDA device" in message
+    else:
+        assert "'cuda:7': CUDA is not available on this machine; use 'cpu' devices" in message
+
+
+def test_a_cuda_index_past_the_device_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    message = _message(devices=["cuda:1", "cuda:2"])
+    assert "'cuda:2': this machine has 2 CUDA devices (cuda:0 to cuda:1)" in message
+    assert "'cuda:1'" not in message
+
+
+@pytest.mark.parametrize("balance", [{"a": 1}, "fast", [2, 0], [1.5, 2], [True, 1], 3])
+def test_balance_that_is_neither_a_mode_nor_node_counts(balance: Any) -> None:
+    message = _message(devices=["cpu", "cpu"], balance=balance)
+    assert "balance must be one of 'time', 'flops', 'params', 'memory', or a list of node counts per stage, each at least 1" in message
+    assert f"(got {balance!r})" in message
+
+
+@pytest.mark.parametrize("split_points", ["a", [1]])
+def test_split_points_that_are_not_module_names(split_points: Any) -> None:
+    message = _message(devices=["cpu", "cpu"], split_points=split_points)
+    assert "split_points must be a list of module names where stages 1, 2, ... begin, e.g. ['blocks.4']" in message
+
+
+def test_every_problem_is_listed_in_one_message() -> None:
+    message = _message(devices=["cpu", "meta", "cuda:7", "nonsense"], chunks=0, checkpoint="bad", balance={"a": 1})
+    problems = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 6, message
+    assert "'meta': stages run on" in message and "'cuda:7':" in message and "'nonsense' is not a device" in message
+    assert "chunks must" in message and "checkpoint must" in message and "balance must" in message
+
+
+def test_one_device_string_is_listed_with_the_other_problems() -> None:
+    message = _message(devices="cpu", chunks=0, split_points="a")
+    assert "devices must be a list" in message and "chunks must" in message and "split_points must" in message

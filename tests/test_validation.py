@@ -1,0 +1,183 @@
+"""Traced graphs are checked against the model, in both modes, and compiling leaves the model as it was."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import assert_grads_equal, twin
+from fxpipe import TraceError, compile_pipeline
+from fxpipe.frontend import to_graph
+
+
+class DroppedSkip(nn.Module):
+    """torch.jit.isinstance is False for an fx proxy: torch.fx traces it without the skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if torch.jit.isinstance(x, torch.Tensor):
+            h = h + x
+        return self.c(torch.tanh(self.b(h)))
+
+
+class DroppedSkipAndValueBranch(nn.Module):
+    """torch.fx drops the block; torch.export enters it and cannot branch on a value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if torch.jit.isinstance(x, torch.Tensor):
+            h = h + x
+            if x.sum() > 0:
+                h = h * 2
+        return self.b(h)
+
+
+class DroppedCount(nn.Module):
+    """The output is right under torch.fx, but the buffer write is lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.isinstance(x, torch.Tensor):
+            self.count.add_(1)
+        return self.a(x)
+
+
+def test_a_graph_that_drops_a_skip_is_replaced_by_the_exported_one() -> None:
+    model, reference = twin(DroppedSkip())
+    x = torch.randn(6, 8, dtype=torch.float64)
+    match = r"torch.fx could not trace DroppedSkip \(its graph \(traced in training mode\) computes otherwise than the model: first difference at node b .*; used torch.export"
+    with pytest.warns(UserWarning, match=match):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=3)
+    assert any("first difference at node b" in note for note in pipe.plan.notes)
+    for _ in range(2):  # two training steps
+        out, expected = pipe(x), reference(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        assert_grads_equal(pipe, reference)
+        for module in (pipe, reference):
+            torch.optim.SGD(module.parameters(), lr=0.1).step()
+            module.zero_grad()
+
+
+def test_buffer_updates_are_checked_too() -> None:
+    model = DroppedCount().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"buffer count is updated otherwise than by the model"):
+        pipe = compile_pipeline(model, x, ["cpu"])
+    assert int(model.count) == 0
+    pipe(x)
+    assert int(model.count) == 1
+
+
+def test_when_every_front_end_fails_the_error_names_the_first_difference() -> None:
+    with pytest.raises(TraceError) as info:
+        compile_pipeline(DroppedSkipAndValueBranch().double(), torch.randn(4, 8, dtype=torch.float64).abs(), ["cpu"])
+    message = str(info.value)
+    assert "neither torch.fx nor torch.export can capture DroppedSkipAndValueBranch" in message
+    fx_line = next(line for line in message.splitlines() if line.startswith("torch.fx:"))
+    assert "its graph (traced in training mode) computes otherwise than the model" in fx_line
+    assert "first difference at node b (module b, " in fx_line
+    assert "test_validation.py" in fx_line and "(return self.b(h))" in fx_line
+    assert "max abs difference" in fx_line
+    assert "torch.export:" in message and "How to fix" in message
+
+
+class Frozen(nn.Module):
+    """BatchNorm (one of them frozen in eval mode), dropout, and a parameter left without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm, self.frozen = nn.BatchNorm1d(8), nn.BatchNorm1d(8)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(torch.relu(self.a(x))))
+        return self.c(self.frozen(torch.relu(self.b(h))))
+
+
+class FrozenExported(Frozen):
+    """The same, through torch.export (a forward with *args)."""
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return super().forward(args[0])
+
+
+def _state(model: nn.Module) -> dict[str, Any]:
+    return {
+        "state": copy.deepcopy(model.state_dict()),
+        "grads": {name: (p.grad, None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()},
+        "training": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+@pytest.mark.parametrize("model_type", [Frozen, FrozenExported])
+@pytest.mark.parametrize("balance", ["memory", "time"])
+def test_compiling_leaves_the_model_as_it_was(model_type: type, balance: str) -> None:
+    model = model_type().double()
+    model.frozen.eval()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_()
+    model.a.weight.grad = torch.randn_like(model.a.weight)
+    model.c.bias.grad = torch.randn_like(model.c.bias)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    before = _state(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, balance=balance)
+    after = _state(model)
+    for name, value in before["state"].items():
+        assert torch.equal(after["state"][name], value), name
+    for name, (grad, values) in before["grads"].items():
+        now, now_values = after["grads"][name]
+        assert now is grad, f"{name}: .grad was replaced"
+        assert (values is None and now_values is None) or torch.equal(now_values, values), name
+    assert after["training"] == before["training"]
+    assert torch.equal(after["rng"], before["rng"])
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.training:
+            h = h * 2
+        return F.dropout(h, 0.5, self.training)
+
+
+@pytest.mark.parametrize("mode", [True, False])
+def test_a_training_branch_gives_an_eval_graph(mode: bool) -> None:
+    model = TrainingBranch().double().train(mode)
+    traced = to_graph(model, (torch.randn(4, 8, dtype=torch.float64),), [], 1)
+    assert traced.eval_graph is not None
+    assert "mul" in traced.graph.code and "training = True" in traced.graph.code
+    assert "mul" not in traced.eval_graph.code and "training = False" in traced.eval_graph.code
+    assert traced.eval_graph.a is model.a and traced.graph.a is model.a
+    assert model.training is mode
+
+
+def test_a_model_without_training_branches_has_one_graph() -> None:
+    traced = to_graph(Frozen().double(), (torch.randn(4, 8, dtype=torch.float64),), [], 1)
+    assert traced.eval_graph is None
