@@ -25,7 +25,7 @@ from fxpipe.passes.edges import Edge
 from fxpipe.passes.random_ops import random_sources
 from fxpipe.passes.state import aliases_state, writable_buffers
 from fxpipe.plan import Plan
-from fxpipe.randomness import draw_step_seed
+from fxpipe.randomness import draw_from_task_streams, draw_step_seed
 from fxpipe.step import StageRuntime, Step
 from fxpipe.worker import Workers
 
@@ -111,8 +111,9 @@ class Pipeline(nn.Module):
         """(Re)generate the stage modules; after a dtype cast they must see the new buffers."""
         for program in {id(p): p for p in self._programs.values()}.values():
             program.codes = generate_stages(program.graph, program.runs, program.edges, self._owner)
-            if self._deferred_batch_norm:
-                for code in program.codes:
+            for code in program.codes:
+                draw_from_task_streams(code.module)
+                if self._deferred_batch_norm:
                     defer_batch_norm(code.module)
             program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
         self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
@@ -134,6 +135,7 @@ class Pipeline(nn.Module):
         for name, p in code.module.named_parameters(remove_duplicate=False):
             paths.setdefault(id(p), []).append(name)
         random = random_sources(program.graph, program.runs[index])
+        hidden = random_sources(code.module, list(code.module.graph.nodes))
         nodes = {node.name: node for node in program.runs[index]}
         return StageRuntime(
             index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers,
@@ -141,6 +143,8 @@ class Pipeline(nn.Module):
             param_paths=[paths[id(p)] for p in params],
             random_always=random.always,
             random_modules=[fetch_attr(program.graph, name) for name in random.modules],
+            hidden_always=hidden.always,
+            hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
             writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),
             state_outputs={name for name in code.outputs if aliases_state(program.graph, nodes[name])},
             written=code.written,

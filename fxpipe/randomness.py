@@ -1,22 +1,35 @@
 """Random streams per (step, micro-batch, stage) task, so dropout is reproducible and replayable.
 
 All CPU stage threads share one default generator: the order in which concurrent tasks draw from
-it would be a race. Inside a task, every random op (an aten op tagged `nondeterministic_seeded`)
-draws instead from a generator of the task's own, seeded from the step's seed and the task's
-coordinates. The recompute of a checkpointed task reseeds the same way and gets the same masks.
+it would be a race. Each task has a stream of its own instead, one generator per device, seeded
+from the step's seed and the task's coordinates; the recompute of a checkpointed task reseeds the
+same way and gets the same masks.
+
+The random ops a stage's graph shows (`nn.Dropout`, `F.dropout`, `torch.rand*`, `x.bernoulli_()`,
+...) are rewritten to take their generator from the task's stream: no Python runs for the other
+ops. A random op hidden from the graph (inside a module called whole, attention with dropout, an
+exported aten op) makes its stage run under `TaskRandomness`, a dispatch mode that hands every
+random aten op the stream's generator.
 """
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from fxpipe.passes.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS
 
 _MASK = (1 << 64) - 1
 # Guards the swap of a device's default generator, for random ops that take no generator.
 _SWAP_LOCK = threading.Lock()
+_local = threading.local()
 
 
 def task_seed(step_seed: int, micro_batch: int, stage: int) -> int:
@@ -33,6 +46,62 @@ def draw_step_seed() -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
 
 
+class TaskStream:
+    """The random stream of one task: a generator per device, made on first use."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device not in self.generators:
+            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self.generators[device]
+
+
+@contextmanager
+def task_stream(stream: TaskStream) -> Iterator[None]:
+    """Random ops rewritten by `draw_from_task_streams` draw from `stream` on this thread."""
+    previous = getattr(_local, "stream", None)
+    _local.stream = stream
+    try:
+        yield
+    finally:
+        _local.stream = previous
+
+
+def _generator(device: torch.device) -> Optional[torch.Generator]:
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    return stream.generator(device) if stream is not None else None
+
+
+# -- the rewritten random ops ----------------------------------------------------------------------
+def _dropout(x: torch.Tensor, p: float, inplace: bool, generator: torch.Generator) -> torch.Tensor:
+    if p == 1:
+        return x.mul_(0) if inplace else x * 0
+    mask = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    mask.mul_(1 / (1 - p))
+    return x.mul_(mask) if inplace else x * mask
+
+
+def dropout_module(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`, with the mask drawn from the task's stream."""
+    generator = _generator(x.device)
+    if not module.training or module.p == 0 or generator is None:
+        return module(x)
+    return _dropout(x, module.p, module.inplace, generator)
+
+
+def dropout_function(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+    """`F.dropout`, with the mask drawn from the task's stream."""
+    generator = _generator(x.device)
+    if not training or p == 0 or generator is None:
+        return F.dropout(x, p, training, inplace)
+    return _dropout(x, p, inplace, generator)
+
+
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     if kwargs.get("device") is not None:
         return torch.device(kwargs["device"])
@@ -40,32 +109,62 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     return next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _default_generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
+def with_generator(name: str, *args: Any, **kwargs: Any) -> Any:
+    """`torch.<name>(*args, **kwargs)` (`rand`, `bernoulli`...) drawing from the task's stream."""
+    function = getattr(torch, name)
+    generator = _generator(_device_of(args, kwargs))
+    return function(*args, **kwargs) if generator is None else function(*args, generator=generator, **kwargs)
+
+
+def method_with_generator(name: str, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`self.<name>(*args, **kwargs)` (`bernoulli_`, `uniform_`...) drawing from the task's stream."""
+    generator = _generator(self.device)
+    method = getattr(self, name)
+    return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
+
+
+def _torch_name(target: Any) -> Optional[str]:
+    """The name of a `torch.rand*`-like function, which takes a `generator=`."""
+    name = getattr(target, "__name__", "")
+    return name if target in RANDOM_FUNCTIONS and getattr(torch, name, None) is target else None
+
+
+def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite the random ops that can take a generator to take the task stream's."""
+    graph = stage.graph
+    for node in list(graph.nodes):
+        replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
+        if node.op == "call_module" and type(stage.get_submodule(str(node.target))) is nn.Dropout:
+            with graph.inserting_before(node):
+                replacement = (dropout_module, (graph.get_attr(str(node.target)), *node.args))
+        elif node.op == "call_function" and node.target is F.dropout:
+            replacement = (dropout_function, node.args)
+        elif node.op == "call_function" and _torch_name(node.target) and "generator" not in node.kwargs:
+            replacement = (with_generator, (_torch_name(node.target), *node.args))
+        elif node.op == "call_method" and node.target in RANDOM_METHODS and "generator" not in node.kwargs:
+            replacement = (method_with_generator, (node.target, *node.args))
+        if replacement is None:
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(replacement[0], replacement[1], dict(node.kwargs))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    stage.recompile()
+    return stage
 
 
 class TaskRandomness(TorchDispatchMode):
-    """Within this mode, random ops draw from generators seeded by `seed`, one per device."""
+    """Within this mode, random ops draw from the generators of a task's stream."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, stream: TaskStream) -> None:
         super().__init__()
-        self.seed = seed
-        self.generators: dict[torch.device, torch.Generator] = {}
-        self.drew = False
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[device]
+        self.stream = stream
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
-        self.drew = True
-        own = self.generator(_device_of(args, kwargs))
+        own = self.stream.generator(_device_of(args, kwargs))
         if any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments):
             return func(*args, **kwargs, generator=own)
         # No generator argument (native_dropout, say): swap the device's default generator.
@@ -79,3 +178,9 @@ class TaskRandomness(TorchDispatchMode):
             finally:
                 default.set_state(saved)
         return result
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator

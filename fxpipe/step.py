@@ -39,7 +39,7 @@ from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
 from fxpipe.passes.codegen import clone_tree
 from fxpipe.passes.random_ops import draws_now
-from fxpipe.randomness import TaskRandomness, task_seed
+from fxpipe.randomness import TaskRandomness, TaskStream, task_seed, task_stream
 from fxpipe.schedule import clock_cycles
 from fxpipe.worker import Workers
 
@@ -75,8 +75,10 @@ class StageRuntime:
     consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
     params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
     param_paths: list[list[str]] = field(default_factory=list)  # each one's names in `module`
-    random_always: bool = False
-    random_modules: list[nn.Module] = field(default_factory=list)
+    random_always: bool = False  # some node always draws
+    random_modules: list[nn.Module] = field(default_factory=list)  # dropout-holding, by their flags
+    hidden_always: bool = False  # the same, for random ops the stage's code cannot hand a generator
+    hidden_modules: list[nn.Module] = field(default_factory=list)
     writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
@@ -88,6 +90,10 @@ class StageRuntime:
     def draws(self) -> bool:
         """Whether a call now may draw random numbers (read once per step)."""
         return self.random_always or draws_now(self.random_modules)
+
+    def draws_hidden(self) -> bool:
+        """Whether a call now may draw through an op that needs the dispatch mode."""
+        return self.hidden_always or draws_now(self.hidden_modules)
 
 
 class Mailbox:
@@ -181,6 +187,7 @@ class Step:
         self.cancelled = False
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
         self.randomness = [stage.draws() for stage in stages]
+        self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         self.param_grads = [_Sum(len(stage.params)) for stage in stages]
         self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.shared_grads = [_Sum(len(copies)) for copies in shared]
@@ -320,7 +327,10 @@ class Step:
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
-                stack.enter_context(TaskRandomness(task_seed(self.seed, i, stage.index)))
+                stream = TaskStream(task_seed(self.seed, i, stage.index))
+                stack.enter_context(task_stream(stream))
+                if self.hidden_randomness[stage.index]:
+                    stack.enter_context(TaskRandomness(stream))
             if swaps:
                 stack.enter_context(swapped_state(stage.module, swaps))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]

@@ -36,11 +36,11 @@ _GATED: dict[Any, tuple[tuple[str, int, float], tuple[str, int, bool]]] = {
     F.scaled_dot_product_attention: (("dropout_p", 4, 0.0), ("", -1, True)),
     F.rrelu: (("", -1, 1.0), ("training", 3, False)),
 }
-_RANDOM_FUNCTIONS = {
+RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.randperm, F.gumbel_softmax,
 }  # fmt: skip
-_RANDOM_METHODS = {
+RANDOM_METHODS = {
     "bernoulli", "bernoulli_", "multinomial", "uniform_", "normal_", "exponential_", "random_",
     "cauchy_", "log_normal_", "geometric_",
 }  # fmt: skip
@@ -95,7 +95,7 @@ def _function_is_random(node: fx.Node) -> bool:
     if target in _GATED:
         (p_name, p_at, p_default), (t_name, t_at, t_default) = _GATED[target]
         return _gated_by_constants(_argument(node, p_name, p_at, p_default), _argument(node, t_name, t_at, t_default))
-    if target in _RANDOM_FUNCTIONS:
+    if target in RANDOM_FUNCTIONS:
         return True
     module = (getattr(target, "__module__", None) or "").split(".")[0]
     return target is not operator.getitem and module not in _DETERMINISTIC_MODULES
@@ -124,7 +124,7 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
     for node in nodes:
         if node.op == "call_function" and _function_is_random(node):
             sources.always = True
-        elif node.op == "call_method" and str(node.target) in _RANDOM_METHODS:
+        elif node.op == "call_method" and str(node.target) in RANDOM_METHODS:
             sources.always = True
         elif node.op == "call_module":
             module = fetch_attr(gm, str(node.target))

@@ -1,0 +1,82 @@
+"""Random ops draw from the task's own stream: replayed exactly by the recompute, different per
+micro-batch, and without a Python hook on every op where the graph shows them."""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe import compile_pipeline
+
+
+class Draws(nn.Module):
+    """Each random op the graph can show: a dropout module, F.dropout, torch.rand_like and a
+    tensor method drawing in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.a(x)))
+        h = F.dropout(torch.tanh(self.b(h)), 0.4, self.training)
+        h = torch.tanh(self.c(h)) * torch.rand_like(h)
+        noise = torch.empty_like(h).bernoulli_(0.5)
+        return self.d(h + noise)
+
+
+class Attention(nn.Module):
+    """Attention with dropout: the op draws inside, where no generator can be handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).unsqueeze(1)
+        return self.out(F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).squeeze(1))
+
+
+def _step(make: Callable[[], nn.Module], mode: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, checkpoint=mode, balance=None)
+    torch.manual_seed(seed)
+    out = pipe(x)
+    out.pow(2).sum().backward()
+    return out.detach(), [p.grad.clone() for p in pipe.parameters()]
+
+
+@pytest.mark.parametrize("make", [Draws, Attention])
+def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
+    out, grads = _step(make, "never", seed=5)
+    for mode in ("always", "except_last"):
+        other, other_grads = _step(make, mode, seed=5)
+        assert torch.equal(out, other), mode
+        assert all(torch.equal(g, h) for g, h in zip(grads, other_grads)), mode
+    assert not torch.equal(out, _step(make, "never", seed=6)[0]), "the step's seed must matter"
+
+
+def test_ops_the_graph_shows_need_no_dispatch_mode() -> None:
+    x = torch.randn(4, 8)
+    shown = compile_pipeline(Draws(), x, ["cpu"] * 2, balance=None)
+    assert all(r.draws() and not r.draws_hidden() for r in shown.program().runtimes)
+    assert "dropout_module" in shown.stages[0].code
+    hidden = compile_pipeline(Attention(), x, ["cpu"], balance=None)
+    assert hidden.program().runtimes[0].draws_hidden()
+
+
+def test_a_stage_without_random_ops_draws_nothing() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), nn.Linear(4, 4), nn.Dropout(0.5))
+    pipe = compile_pipeline(model, torch.randn(4, 4), ["cpu"] * 2, balance=[2, 2])
+    first, second = pipe.program().runtimes
+    assert not first.draws() and second.draws()
+    model[1].p = 0.2
+    assert first.draws()
+    model.eval()
+    assert not first.draws() and not second.draws()
