@@ -23,7 +23,7 @@ from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
-from fxpipe.passes.state import state_write_spans
+from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.pipeline import ChunkSpec, Pipeline, Program
 from fxpipe.plan import Plan, StagePlan
 
@@ -171,6 +171,9 @@ def _cut(
     mode = balance or "memory"
     if mode == "time":
         profile_times(gm, example, devices[0])
+    # An automatic cut also avoids the writes through views that no cut can carry; a cut the
+    # caller chose is checked by the edges pass, whose error names the line.
+    together.update(view_write_spans(gm, order))
     return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
 
 
