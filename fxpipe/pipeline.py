@@ -71,6 +71,13 @@ class Pipeline(nn.Module):
     # and no name of the model's can clash with the pipeline's own attributes.
     _owner: nn.Module
     _programs: dict[bool, Program]
+    _bind: Binder
+    _workers: Workers
+    _signature: Optional[inspect.Signature]
+    _chunk_spec: ChunkSpec
+    _deferred_batch_norm: bool
+    _closed: bool
+    last_timeline: list[tuple[str, int, int, float, float]]
     plan: Plan
     stages: list[fx.GraphModule]
     devices: list[torch.device]
