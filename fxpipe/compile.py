@@ -282,6 +282,7 @@ def compile_pipeline(
     gm = redirect_reads_after_writes(traced.graph)
     inputs = tuple(traced.bind(example_args, {}).values())
     propagate_shapes(gm, inputs)
+    _check_outputs(gm, chunks)
     annotate_costs(gm)
     order = linearize(gm)
     on_cpu = all(d.type == "cpu" for d in parsed)
@@ -296,7 +297,9 @@ def compile_pipeline(
     runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps)
     edges = find_edges(gm, len(parsed))
     pin_devices(gm, parsed)
-    place_state(model, gm, runs, parsed)
+    programs = {True: Program(gm, [list(run) for run in runs], edges)}
+    programs[False] = programs[True] if traced.eval_graph is None else _eval_program(traced.eval_graph, gm, inputs, parsed)
+    place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
     report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
     plan = Plan(
         stages=_stage_plans(runs, parsed, edges, report, memory),
@@ -306,10 +309,6 @@ def compile_pipeline(
         balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
         notes=[traced.note] if traced.note else [],
     )
-    _check_outputs(gm, chunks)
-    programs = {True: Program(gm, [list(run) for run in runs], edges)}
-    eval_graph = getattr(traced, "eval_graph", None)
-    programs[False] = programs[True] if eval_graph is None else _eval_program(eval_graph, gm, inputs, parsed)
     return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec, deferred_batch_norm)
 
 
