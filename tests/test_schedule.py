@@ -109,3 +109,34 @@ def test_eval_and_no_grad_checkpoint_nothing(context: str) -> None:
             out = pipe(x)
         assert not out.requires_grad
     assert model.a.calls == [(False, False)] * 4
+
+
+class Tagger(nn.Module):
+    """Records, per call, which micro-batch it saw (by the tag in column 0) and in which pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls: list[tuple[int, bool, bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append((int(x[0, 0]), is_checkpointing(), is_recomputing()))
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("mode,checkpointed", [("always", {0, 1, 2, 3}), ("except_last", {0, 1, 2}), ("never", set())])
+def test_the_first_micro_batches_are_checkpointed_by_index(mode: str, checkpointed: set[int]) -> None:
+    """'except_last' checkpoints micro-batches 0..m-2 and keeps the last: its backward comes
+    first, so keeping another one instead would hold memory for longer and save nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), Tagger())
+    x = torch.randn(10, 4)
+    x[:, 0] = torch.cat([torch.full((len(p),), float(i)) for i, p in enumerate(torch.tensor_split(x, 4))])
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, checkpoint=mode, leaf_modules=[Tagger], balance=[1, 1])
+    model[0].weight.data = torch.eye(4)
+    model[0].bias.data.zero_()
+    model[1].calls.clear()
+    pipe(x).sum().backward()
+    forward = {i for i, saving, recomputing in model[1].calls if saving}
+    recomputed = {i for i, saving, recomputing in model[1].calls if recomputing}
+    assert forward == recomputed == checkpointed
+    assert {i for i, saving, recomputing in model[1].calls if not saving and not recomputing} == {0, 1, 2, 3} - checkpointed
