@@ -11,7 +11,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
 from fxpipe.passes.export import batch_is_specialized, export_graph
+from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
 from fxpipe.passes.validate import check_graph, first_line
@@ -134,10 +136,19 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], leaves: list[LeafSpec]) -
 
 
 def _by_export(model: nn.Module, example: tuple[Any, ...], chunks: int) -> Traced:
+    functions: list[type] = []
     try:
-        exported = _in_both_modes(model, lambda: export_graph(model, example, {}))
+        with functions_applied(functions):
+            exported = _in_both_modes(model, lambda: export_graph(model, example, {}))
     except Exception as error:
         raise _Rejected(first_line(error)) from error
+    if functions:
+        names = ", ".join(sorted({f.__qualname__ for f in functions}))
+        raise _Rejected(
+            f"it inlines the forward of the autograd Function {names}, which would lose its backward; "
+            "keep the module that applies it whole with leaf_modules=[...], or make the model "
+            "traceable by torch.fx, which keeps the Function's call"
+        )
     graphs = {training: gm for training, (gm, _) in exported.items()}
     if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
         raise TraceError(
@@ -152,6 +163,17 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], chunks: int) -> Trace
     return _traced(graphs, bind)
 
 
+def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str]) -> None:
+    """Attributes the model's forward assigned while tracing and checking are put back; those
+    outside the modules the graph calls whole would never be assigned by the pipeline."""
+    graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
+    wholes = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
+    try:
+        refuse_assignments(changed, wholes)
+    except AssignmentError as error:
+        raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
+
+
 def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int) -> Traced:
     """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
 
@@ -163,22 +185,29 @@ def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[
     if isinstance(model, fx.GraphModule) or not isinstance(model, nn.Module):
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
-    with preserved(model):
-        try:
-            return _by_fx(model, example, leaves)
-        except _Rejected as rejected:
-            fx_failure = rejected
-        try:
-            traced = _by_export(model, example, chunks)
-        except _Rejected as export_failure:
-            raise TraceError(
-                f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
-                f"torch.fx: {fx_failure.detail}\n"
-                f"torch.export: {export_failure.detail}\n"
-                "How to fix: keep the module with data-dependent control flow (or with checks that "
-                "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
-                "or write the branch as tensor operations (torch.where) or with torch.cond."
-            ) from export_failure.__cause__
+    with preserved(model), assignments_recorded(model) as changed:
+        traced = _front_ends(model, example, leaves, chunks)
+    _refuse_lost_assignments(model, traced, changed)
+    return traced
+
+
+def _front_ends(model: nn.Module, example: tuple[Any, ...], leaves: list[LeafSpec], chunks: int) -> Traced:
+    """torch.fx, then torch.export; one error with both reasons when both fail."""
+    try:
+        return _by_fx(model, example, leaves)
+    except _Rejected as rejected:
+        fx_failure = rejected
+    try:
+        traced = _by_export(model, example, chunks)
+    except _Rejected as export_failure:
+        raise TraceError(
+            f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
+            f"torch.fx: {fx_failure.detail}\n"
+            f"torch.export: {export_failure.detail}\n"
+            "How to fix: keep the module with data-dependent control flow (or with checks that "
+            "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
+            "or write the branch as tensor operations (torch.where) or with torch.cond."
+        ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
-    warnings.warn(traced.note, stacklevel=4)  # the caller of compile_pipeline (through its wrapper)
+    warnings.warn(traced.note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
     return traced

@@ -11,6 +11,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.passes.assignments import AssignmentError, assignments_refused
+from fxpipe.passes.functions import functions_as_calls
+
 LeafSpec = Union[str, type]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -91,7 +94,10 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     tracer = _Tracer(leaf_modules)
     tracer.record_stack_traces = record_lines
     try:
-        graph = tracer.trace(model)
+        with functions_as_calls(), assignments_refused(model):
+            graph = tracer.trace(model)
+    except AssignmentError as error:
+        raise TraceError(str(error)) from error
     except Exception as error:
         where = tracer.failed_in
         raise TraceError(

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -107,3 +108,99 @@ def test_a_graph_module_from_any_tracer_is_accepted() -> None:
     pipe = compile_pipeline(gm, x, ["cpu"] * 2, chunks=2)
     torch.testing.assert_close(pipe(x), reference.b(torch.relu(reference.a(x))), rtol=0, atol=1e-12)
     assert list(pipe.state_dict()) == list(gm.state_dict())
+
+
+class Tripled(torch.autograd.Function):
+    """Its backward is not autograd's of its forward: the gradient is tripled."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * 3
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds in forward; passes the gradient on in backward (autograd of round gives zero)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.detach().round()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad
+
+
+class WithFunctions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = Tripled.apply(torch.tanh(self.a(x)))
+        return self.c(StraightThrough.apply(self.b(h) * 4))
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_custom_autograd_functions_keep_their_backward(mode: str) -> None:
+    model, reference = twin(WithFunctions())
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2, checkpoint=mode)
+    out, expected = pipe(x), reference(x_ref)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-10)
+
+
+class FunctionsThroughExport(WithFunctions):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # torch.fx cannot name *args
+        return super().forward(args[0])
+
+
+def test_export_refuses_a_custom_function_by_name() -> None:
+    with pytest.raises(TraceError, match="(?s)autograd Function .*StraightThrough.*Tripled|Tripled.*StraightThrough"):
+        compile_pipeline(FunctionsThroughExport(), torch.randn(4, 4), ["cpu"] * 2)
+
+
+class Remembers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = torch.relu(self.a(x))
+        return self.b(self.hidden)
+
+
+def test_attributes_assigned_in_forward_are_refused_and_leave_no_trace() -> None:
+    model = Remembers()
+    with pytest.raises(TraceError, match="assigns 'hidden'"):
+        compile_pipeline(model, torch.randn(4, 4), ["cpu"] * 2)
+    assert not hasattr(model, "hidden")
+
+
+class ReadsBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("cval", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offset = self.cval.clone() * 2
+        return self.b(torch.tanh(self.a(x)) + offset)
+
+
+def test_buffers_read_through_ops_are_read_live() -> None:
+    model, reference = twin(ReadsBuffer())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert not any("_tensor_constant" in name for stage in pipe.stages for name, _ in stage.named_buffers())
+    reference.cval.normal_()
+    pipe.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)

@@ -1,0 +1,80 @@
+"""Custom autograd Functions while tracing: kept as one call, so their own backward runs.
+
+torch.fx would trace through `MyFn.apply(x)` into its forward, and autograd of that forward would
+replace the Function's backward (a straight-through estimator would lose its gradient). While
+tracing, `Function.apply` on a traced value records one call of `apply_<MyFn>` instead. Through
+torch.export, whose tracing always inlines the forward, `functions_applied` lists the Functions
+met, so that the front end can refuse the graph by name.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+_Function = torch.autograd.function.Function
+_original_apply = _Function.__dict__["apply"].__func__
+_appliers: dict[type, Callable[..., Any]] = {}
+_patch_lock = threading.Lock()
+
+
+def applier(function: type) -> Callable[..., Any]:
+    """One function per autograd Function class, that applies it: a graph node's target."""
+    if function not in _appliers:
+
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+
+        apply.__name__ = apply.__qualname__ = f"apply_{function.__name__}"
+        apply.__module__ = __name__
+        _appliers[function] = apply
+    return _appliers[function]
+
+
+def _proxy_in(args: Any) -> Optional[fx.Proxy]:
+    return next((leaf for leaf in tree_flatten(args)[0] if isinstance(leaf, fx.Proxy)), None)
+
+
+@contextmanager
+def _patched_apply(replacement: Callable[..., Any]) -> Iterator[None]:
+    with _patch_lock:
+        _Function.apply = classmethod(replacement)  # type: ignore[assignment, method-assign]
+        try:
+            yield
+        finally:
+            _Function.apply = classmethod(_original_apply)  # type: ignore[assignment, method-assign]
+
+
+@contextmanager
+def functions_as_calls() -> Iterator[None]:
+    """While this is open, applying a Function to an fx proxy records one call node."""
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        proxy = _proxy_in((args, kwargs))
+        if proxy is None:
+            return _original_apply(cls, *args, **kwargs)
+        return proxy.tracer.create_proxy("call_function", applier(cls), args, kwargs)
+
+    with _patched_apply(apply):
+        yield
+
+
+@contextmanager
+def functions_applied(seen: list[type]) -> Iterator[None]:
+    """While this is open, every Function applied to a tensor that requires grad is listed in
+    `seen` (torch.export runs the model with its own tensors and inlines the forward)."""
+
+    tracing = threading.get_ident()
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        differentiable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
+        if differentiable and threading.get_ident() == tracing:  # not another pipeline's workers
+            seen.append(cls)
+        return _original_apply(cls, *args, **kwargs)
+
+    with _patched_apply(apply):
+        yield
