@@ -242,6 +242,7 @@ def compile_pipeline(
     flop_rate: Optional[float] = None,
     chunk_spec: Optional[ChunkSpec] = None,
     deferred_batch_norm: bool = False,
+    example_kwargs: Optional[dict[str, Any]] = None,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -249,6 +250,7 @@ def compile_pipeline(
         model: an `nn.Module`, or a `torch.fx.GraphModule` traced already. Models torch.fx
             cannot trace go through torch.export.
         example: one input batch as the model takes it: a tensor, or a tuple of positional args.
+        example_kwargs: keyword arguments of the example call, if the model takes some.
         devices: one device per stage; repeats are allowed (`["cpu", "cpu"]`).
         chunks: micro-batches per batch.
         checkpoint: 'always', 'except_last' or 'never': which micro-batches drop their
@@ -278,9 +280,10 @@ def compile_pipeline(
     example_args = example if isinstance(example, tuple) else (example,)
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
-    traced = to_graph(model, example_args, leaf_modules, chunks)
+    example_kwargs = dict(example_kwargs or {})
+    traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
     gm = redirect_reads_after_writes(traced.graph)
-    inputs = tuple(traced.bind(example_args, {}).values())
+    inputs = tuple(traced.bind(example_args, example_kwargs).values())
     propagate_shapes(gm, inputs)
     _check_outputs(gm, chunks)
     annotate_costs(gm)

@@ -38,10 +38,11 @@ class Traced:
     eval_graph: Optional[fx.GraphModule] = None
 
 
-def signature_binder(gm: fx.GraphModule) -> Binder:
-    """Arguments bound by the traced forward's signature (defaults applied), keyed by the
-    placeholder nodes' names (an argument called `input` is the node `input_1`)."""
-    signature = inspect.signature(gm.forward)
+def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
+    """Arguments bound by the model's forward signature (its defaults applied: a tensor default
+    is not in the traced code), keyed by the placeholder nodes' names (an argument called
+    `input` is the node `input_1`)."""
+    signature = inspect.signature((model if model is not None else gm).forward)
     names = {str(node.target): node.name for node in gm.graph.nodes if node.op == "placeholder"}
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -104,14 +105,14 @@ def _in_both_modes(model: nn.Module, make: Callable[[], T]) -> dict[bool, T]:
     return made
 
 
-def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], bind: Binder) -> Optional[str]:
+def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder) -> Optional[str]:
     """What goes wrong when each graph runs in its mode next to the model, or None."""
-    inputs = tuple(bind(example, {}).values())
+    inputs = tuple(bind(example, kwargs).values())
     for training, gm in graphs.items():
         if not training and gm.code == graphs[True].code:
             continue  # the same code as the training graph, checked already
         with _mode(model, training):
-            problem = check_graph(model, gm, example, inputs)
+            problem = check_graph(model, gm, example, inputs, kwargs)
         if problem is not None:
             return f"its graph (traced in {'training' if training else 'eval'} mode) {problem}"
     return None
@@ -122,24 +123,24 @@ def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder) -> Traced:
     return Traced(graphs[True], bind, eval_graph=None if same else graphs[False])
 
 
-def _by_fx(model: nn.Module, example: tuple[Any, ...], leaves: list[LeafSpec]) -> Traced:
+def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
         graphs = _in_both_modes(model, lambda: trace(model, leaves))
     except TraceError as error:
         raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
-    bind = signature_binder(graphs[True])
-    if _check(model, graphs, example, bind) is None:
+    bind = signature_binder(graphs[True], model)
+    if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind)
     # Again with source lines, which tracing records only for messages (it is slow).
     lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True))
-    raise _Rejected(_check(model, lined, example, bind) or "its graph computes otherwise than the model")
+    raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
 
 
-def _by_export(model: nn.Module, example: tuple[Any, ...], chunks: int) -> Traced:
+def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> Traced:
     functions: list[type] = []
     try:
         with functions_applied(functions):
-            exported = _in_both_modes(model, lambda: export_graph(model, example, {}))
+            exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
         raise _Rejected(first_line(error)) from error
     if functions:
@@ -157,7 +158,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], chunks: int) -> Trace
             "that depend on the batch size in the model."
         )
     bind = leaf_binder(graphs[True], exported[True][1])
-    problem = _check(model, graphs, example, bind)
+    problem = _check(model, graphs, example, kwargs, bind)
     if problem is not None:
         raise _Rejected(problem)
     return _traced(graphs, bind)
@@ -174,7 +175,9 @@ def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str
         raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
 
 
-def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int) -> Traced:
+def to_graph(
+    model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None
+) -> Traced:
     """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
 
     Each graph is traced in training and in eval mode, and checked against the model on the
@@ -185,20 +188,21 @@ def to_graph(model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[
     if isinstance(model, fx.GraphModule) or not isinstance(model, nn.Module):
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
+    kwargs = kwargs or {}
     with preserved(model), assignments_recorded(model) as changed:
-        traced = _front_ends(model, example, leaves, chunks)
+        traced = _front_ends(model, example, kwargs, leaves, chunks)
     _refuse_lost_assignments(model, traced, changed)
     return traced
 
 
-def _front_ends(model: nn.Module, example: tuple[Any, ...], leaves: list[LeafSpec], chunks: int) -> Traced:
+def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int) -> Traced:
     """torch.fx, then torch.export; one error with both reasons when both fail."""
     try:
-        return _by_fx(model, example, leaves)
+        return _by_fx(model, example, kwargs, leaves)
     except _Rejected as rejected:
         fx_failure = rejected
     try:
-        traced = _by_export(model, example, chunks)
+        traced = _by_export(model, example, kwargs, chunks)
     except _Rejected as export_failure:
         raise TraceError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"

@@ -109,5 +109,20 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
                "instead of traced, or " if where else "")
             + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
         ) from error
+    _drop_tensor_defaults(graph)
     name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
+    try:
+        return fx.GraphModule(tracer.root, graph, name)
+    except Exception as error:
+        raise TraceError(f"torch.fx traced {name}, but its graph does not compile: {type(error).__name__}: {error}") from error
+
+
+def _drop_tensor_defaults(graph: fx.Graph) -> None:
+    """A tensor default of a forward argument (`mask=torch.zeros(1)`) cannot be written into
+    generated code; the pipeline applies the model's own defaults when it binds a call."""
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.all_input_nodes:  # the default is a graph value
+            node.args = ()
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)

@@ -25,9 +25,12 @@ _LOW_PRECISION = (1e-2, 1e-3)
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
 
 
-def check_graph(model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], inputs: tuple[Any, ...]) -> Optional[str]:
-    """None when `gm` computes what `model` computes on `example` in the model's present mode;
-    else what differs. `inputs` are `example` as `gm`'s placeholders take them.
+def check_graph(
+    model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], inputs: tuple[Any, ...], kwargs: Optional[dict[str, Any]] = None
+) -> Optional[str]:
+    """None when `gm` computes what `model` computes on `example` (and keyword arguments
+    `kwargs`) in the model's present mode; else what differs. `inputs` are the example as `gm`'s
+    placeholders take them.
 
     Where the model is small enough to run whole (as the shape pass does) both run from the same
     state and random state, and outputs and buffers are compared; a larger one only has to run.
@@ -36,7 +39,8 @@ def check_graph(model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], 
     with preserved(model) as state, torch.no_grad():
         if not _small_on_cpu(gm, inputs):
             return _runs(gm, inputs)
-        expected = model(*_detached(example))  # copies: either may write its inputs in place
+        kwargs = kwargs or {}
+        expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
         expected_buffers = _buffers(model)
         state.restore()
         try:
@@ -47,7 +51,7 @@ def check_graph(model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], 
         problem = _compare(got, expected) or _compare_buffers(_buffers(model), expected_buffers)
         if problem is None:
             return None
-        return f"computes otherwise than the model: {_locate(model, gm, example, inputs, state)}{problem}"
+        return f"computes otherwise than the model: {_locate(model, gm, example, kwargs, inputs, state)}{problem}"
 
 
 def _runs(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> Optional[str]:
@@ -117,10 +121,12 @@ def _compare_buffers(got: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 # -- where the first difference is ------------------------------------------------------------
 
 
-def _locate(model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], inputs: tuple[Any, ...], state: Snapshot) -> str:
+def _locate(
+    model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], kwargs: dict[str, Any], inputs: tuple[Any, ...], state: Snapshot
+) -> str:
     """'first difference at node n (module m, file:line): ' or '' when no module's output tells."""
     state.restore()
-    eager = _module_outputs(model, _detached(example))
+    eager = _module_outputs(model, _detached(example), _detached(kwargs))
     state.restore()
     values = _node_values(gm, _detached(inputs))
     for node, path in _module_ends(gm):
@@ -137,7 +143,7 @@ def _detached(value: Any) -> Any:
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
 
 
-def _module_outputs(model: nn.Module, example: tuple[Any, ...]) -> dict[str, list[Any]]:
+def _module_outputs(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, list[Any]]:
     """What every submodule returned in an eager run, by qualified name, call by call."""
     paths: dict[int, list[str]] = defaultdict(list)
     for path, module in model.named_modules(remove_duplicate=False):
@@ -151,7 +157,7 @@ def _module_outputs(model: nn.Module, example: tuple[Any, ...]) -> dict[str, lis
 
     handles = [m.register_forward_hook(record) for _, m in model.named_modules() if id(m) in paths]
     try:
-        model(*example)
+        model(*example, **kwargs)
     finally:
         for handle in handles:
             handle.remove()

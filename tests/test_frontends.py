@@ -1,6 +1,7 @@
 """Models torch.fx cannot trace go through torch.export, and train with the plain model's gradients."""
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -204,3 +205,40 @@ def test_buffers_read_through_ops_are_read_live() -> None:
     reference.cval.normal_()
     pipe.load_state_dict(reference.state_dict())
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class TensorDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor = torch.zeros(1, dtype=torch.float64), scale: float = 2.0) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) + mask) * scale
+
+
+def test_tensor_defaults_and_keyword_inputs() -> None:
+    model, reference = twin(TensorDefault())
+    x, mask = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(pipe(x, mask=mask), reference(x, mask=mask), rtol=0, atol=1e-12)
+    torch.testing.assert_close(pipe(x, mask, scale=3.0), reference(x, mask, scale=3.0), rtol=0, atol=1e-12)
+    keyed = compile_pipeline(copy.deepcopy(reference), x, ["cpu"] * 2, chunks=3, example_kwargs={"mask": mask})
+    out, expected = keyed(x, mask=mask), reference(x, mask=mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(keyed, reference)
+
+
+class KeywordOnly(VarArgs):
+    """torch.fx cannot trace **kwargs: the export front end takes the example's keywords."""
+
+
+def test_keyword_inputs_through_export() -> None:
+    model, reference = twin(KeywordOnly())
+    x, scale = torch.randn(6, 8, dtype=torch.float64), torch.rand(6, 1, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, example_kwargs={"scale": scale})
+    torch.testing.assert_close(pipe(x, scale=scale), reference(x, scale=scale), rtol=0, atol=1e-12)
