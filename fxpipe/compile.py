@@ -16,7 +16,7 @@ from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profil
 from fxpipe.passes.devices import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import redirect_reads_after_writes
-from fxpipe.passes.linearize import linearize
+from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.partition import partition
 from fxpipe.passes.shapes import propagate_shapes
@@ -287,7 +287,8 @@ def compile_pipeline(
     propagate_shapes(gm, inputs)
     _check_outputs(gm, chunks)
     annotate_costs(gm)
-    order = linearize(gm)
+    # Split points name modules in the order the forward runs them: cut that order.
+    order = linearize(gm) if split_points is None else [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
     on_cpu = all(d.type == "cpu" for d in parsed)
     costs = dict(
         chunks=chunks,

@@ -29,7 +29,9 @@ class Gathered:
     gradients of each value.
     """
 
-    def __init__(self, template: Any, per_micro_batch: Sequence[dict[str, Any]], given: dict[str, Any], sizes: Sequence[int]) -> None:
+    def __init__(
+        self, template: Any, per_micro_batch: Sequence[dict[str, Any]], given: dict[str, Any], sizes: Sequence[int], checked: bool = True
+    ) -> None:
         self.template = template
         self.values: dict[str, tuple[list[Any], Any]] = {}
         self.tensors: list[torch.Tensor] = []
@@ -43,10 +45,10 @@ class Gathered:
             leaves = []
             for k in range(len(flats[0][0])):
                 parts = [flat[0][k] for flat in flats]
-                leaf = gather_leaf(parts, sizes)
+                leaf = gather_leaf(parts, sizes if checked else None)
                 if isinstance(leaf, torch.Tensor):
                     self.tensors.append(leaf)
-                    self.slots.append((ref.name, k, list(sizes)))
+                    self.slots.append((ref.name, k, [p.shape[0] if p.dim() else 1 for p in parts]))
                 leaves.append(leaf)
             self.values[ref.name] = (leaves, flats[0][1])
         self.micro_batches = len(per_micro_batch)

@@ -44,24 +44,35 @@ def split_sizes(batch_size: int, chunks: int) -> list[int]:
 
 
 def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None) -> list[Any]:
-    """One copy of `value` per micro-batch; batched tensors are split, the rest is shared."""
+    """One copy of `value` per micro-batch; batched tensors are split, the rest is shared.
+
+    A tensor split by the batch rule is cut into `sizes`; one the caller named a dim for is cut
+    into as many even pieces along it (`torch.tensor_split`), whatever its size there.
+    """
+    dims = dims or {}
     leaves, spec = tree_flatten(value)
     pieces = []
     for t in leaves:
-        dim = split_dim(t, batch_size, dims or {}) if isinstance(t, torch.Tensor) else None
-        if dim is not None and t.shape[dim] != batch_size:
+        dim = split_dim(t, batch_size, dims) if isinstance(t, torch.Tensor) else None
+        if dim is None:
+            pieces.append([t] * len(sizes))
+        elif id(t) not in dims:
+            pieces.append(t.split(list(sizes)))
+        elif t.shape[dim] < len(sizes):
             raise ValueError(
-                f"an input split along dim {dim} has size {t.shape[dim]} there, but the batch is "
-                f"{batch_size}.\nHow to fix: give every split input the same batch size, or keep "
-                "this one whole (chunk_spec={name: None})."
+                f"an input split along dim {dim} has size {t.shape[dim]} there, fewer than the "
+                f"{len(sizes)} micro-batches.\nHow to fix: use fewer chunks, or keep it whole "
+                "(chunk_spec={name: None})."
             )
-        pieces.append(t.split(list(sizes), dim) if dim is not None else [t] * len(sizes))
+        else:
+            pieces.append(torch.tensor_split(t, len(sizes), dim))
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 
-def gather_leaf(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
+def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
     """Put one output back together: tensors are concatenated along dim 0, which must be the
-    micro-batch's; with one micro-batch the output is as it is."""
+    micro-batch's (unless `sizes` is None: the caller split inputs by a chunk spec, and outputs
+    follow its sizes); with one micro-batch the output is as it is."""
     first = parts[0]
     if not isinstance(first, torch.Tensor):
         return first
@@ -74,7 +85,7 @@ def gather_leaf(parts: Sequence[Any], sizes: Sequence[int]) -> Any:
             "them outside the pipeline, or use chunks=1."
         )
     shapes = [tuple(p.shape) for p in parts]
-    if any(p.shape[0] != size for p, size in zip(parts, sizes)):
+    if sizes is not None and any(p.shape[0] != size for p, size in zip(parts, sizes)):
         raise ValueError(
             f"the model returns a tensor whose dim 0 is not the batch (micro-batches of {list(sizes)} "
             f"gave shapes {shapes}), so the micro-batches' outputs cannot be concatenated into the "

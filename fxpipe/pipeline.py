@@ -256,7 +256,8 @@ class Pipeline(nn.Module):
         self.__dict__["last_timeline"] = step.timeline
 
         def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-            return Gathered(program.template, per_micro_batch, self._given(program, values), sizes)
+            by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
+            return Gathered(program.template, per_micro_batch, self._given(program, values), sizes, not by_spec)
 
         if not grad:
             gathered = gather(step.forward())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
+import torch
 from torch import nn
 
 
@@ -31,12 +32,25 @@ def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
     finally:
         for path, (module, values) in before.items():
             for name, value in _public(module).items():
-                if name not in values or values[name] is not value:
+                if name not in values or _changed(values[name], value):
                     changed.append(f"{path}.{name}" if path else name)
                     if name in values:
                         setattr(module, name, values[name])
                     else:
                         delattr(module, name)
+
+
+def _changed(before: Any, after: Any) -> bool:
+    """A new object that is not an equal plain value (torch.export swaps some attributes, such
+    as a LayerNorm's `normalized_shape`, for equal copies)."""
+    if before is after:
+        return False
+    if isinstance(before, torch.Tensor) or isinstance(after, torch.Tensor):
+        return True
+    try:
+        return bool(before != after)
+    except Exception:  # noqa: BLE001 - a value that cannot say whether it is equal counts as changed
+        return True
 
 
 def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = ()) -> None:
