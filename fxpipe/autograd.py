@@ -46,6 +46,7 @@ class Run:
     ) -> None:
         self.step, self.inputs, self.parameters, self.gather = step, list(inputs), list(parameters), gather
         self.parameter_grads = parameter_grads
+        self.differentiable: Callable[[str], bool] = lambda name: True  # by output value
         self.gathered: Optional[Gathered] = None
         self.output_grads: Optional[Sequence[Optional[torch.Tensor]]] = None
 
@@ -95,7 +96,11 @@ class _Outputs(torch.autograd.Function):
         ctx.run = run  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         tensors = run.gathered.tensors
-        ctx.mark_non_differentiable(*[t for t in tensors if not (t.is_floating_point() or t.is_complex())])
+        fixed = [
+            t for t, (name, _, _) in zip(tensors, run.gathered.slots)
+            if not (t.is_floating_point() or t.is_complex()) or not run.differentiable(name)
+        ]  # fmt: skip
+        ctx.mark_non_differentiable(*fixed)
         return tuple(tensors)
 
     @staticmethod

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import ContextManager, Iterator
+from typing import ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -72,3 +72,19 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
     finally:
         for table, attr, original in reversed(swaps):
             table[attr] = original  # type: ignore[assignment]
+
+
+@contextmanager
+def attributes_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """A recompute leaves the attributes a module's forward assigns (`self.hidden = h`) as the
+    forwards left them: the last micro-batch's, as in the plain model."""
+    saved = [(module, dict(vars(module))) for module in modules]
+    try:
+        yield
+    finally:
+        for module, before in saved:
+            for name in [n for n in vars(module) if not n.startswith("_") and n not in before]:
+                delattr(module, name)
+            for name, value in before.items():
+                if not name.startswith("_") and vars(module).get(name) is not value:
+                    setattr(module, name, value)

@@ -18,7 +18,8 @@ from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
-from fxpipe.passes.partition import partition
+from fxpipe.passes.markers import cuts_from_markers, is_split
+from fxpipe.passes.partition import PartitionError, cuts_from_split_points, partition
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
@@ -164,6 +165,15 @@ def _cut(
 ) -> list[list[fx.Node]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode."""
     together = state_write_spans(gm, order)
+    marks = cuts_from_markers(order)
+    if marks:
+        if balance is not None:
+            raise PartitionError(
+                f"cannot partition the graph:\n  - the model marks {len(marks)} stage boundaries with "
+                f"pipe_split(), and balance={balance!r} chooses another cut\nHow to fix: give one of them."
+            )
+        named = cuts_from_split_points(order, split_points, len(split_points) + 1) if split_points else []
+        return partition(order, len(devices), cuts=[*marks, *named], together=together)
     if split_points is not None:
         return partition(order, len(devices), split_points=split_points, together=together)
     if balance is not None and not isinstance(balance, str):
@@ -287,8 +297,10 @@ def compile_pipeline(
     propagate_shapes(gm, inputs)
     _check_outputs(gm, chunks)
     annotate_costs(gm)
-    # Split points name modules in the order the forward runs them: cut that order.
-    order = linearize(gm) if split_points is None else [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
+    traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    chosen = split_points is not None or any(is_split(n) for n in traced_order)
+    order = traced_order if chosen else linearize(gm)
     on_cpu = all(d.type == "cpu" for d in parsed)
     costs = dict(
         chunks=chunks,

@@ -123,11 +123,22 @@ def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder) -> Traced:
     return Traced(graphs[True], bind, eval_graph=None if same else graphs[False])
 
 
+def _assigning_modules(error: TraceError) -> list[str]:
+    """The submodules whose forward assigned attributes while traced (none if the root did)."""
+    cause = error.__cause__
+    modules = cause.modules if isinstance(cause, AssignmentError) else []
+    return [] if "" in modules else modules
+
+
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
         graphs = _in_both_modes(model, lambda: trace(model, leaves))
     except TraceError as error:
-        raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
+        # A submodule that stores attributes in forward is called whole: its assignments run.
+        wholes = _assigning_modules(error)
+        if not wholes:
+            raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
+        return _by_fx(model, example, kwargs, [*leaves, *wholes])
     bind = signature_binder(graphs[True], model)
     if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind)

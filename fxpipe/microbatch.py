@@ -51,7 +51,7 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
     """
     dims = dims or {}
     leaves, spec = tree_flatten(value)
-    pieces = []
+    pieces: list[Sequence[Any]] = []
     for t in leaves:
         dim = split_dim(t, batch_size, dims) if isinstance(t, torch.Tensor) else None
         if dim is None:

@@ -23,6 +23,7 @@ from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.edges import Edge
 from fxpipe.passes.random_ops import random_sources
+from fxpipe.passes.sources import Sources, output_sources
 from fxpipe.passes.state import aliases_state, writable_buffers
 from fxpipe.plan import Plan
 from fxpipe.randomness import draw_from_task_streams, draw_step_seed
@@ -47,10 +48,12 @@ class Program:
     codes: list[StageCode] = field(default_factory=list)
     runtimes: list[StageRuntime] = field(default_factory=list)
     template: Any = None
+    sources: dict[str, Sources] = field(default_factory=dict)  # of each output value
 
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
         self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, _mutable(output.args[0]))
+        self.sources = output_sources(self.graph)
 
     def copy(self, memo: dict[int, Any]) -> "Program":
         """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
@@ -155,6 +158,7 @@ class Pipeline(nn.Module):
             writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),
             state_outputs={name for name in code.outputs if aliases_state(program.graph, nodes[name])},
             written=code.written,
+            whole_modules=_called_whole(code.module),
         )  # fmt: skip
 
     def _resolve(self, name: str) -> Any:
@@ -264,7 +268,19 @@ class Pipeline(nn.Module):
             return gathered.rebuild(gathered.tensors)
         resolve = self._resolve
         run = Run(step, input_slots, params, gather, lambda: self._parameter_grads(program, step, params, resolve))
+        run.differentiable = lambda name: self._differentiable(program, values, name)
         return run_with_autograd(run)
+
+    def _differentiable(self, program: Program, values: dict[str, Any], name: str) -> bool:
+        """Whether the output value `name` requires grad: it depends on an input or a parameter
+        that does (a constant made in forward does not)."""
+        sources = program.sources.get(name)
+        if sources is None:
+            return True
+        inputs = (leaf for n in sources.inputs for leaf in tree_flatten(values.get(n))[0])
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return True
+        return any(getattr(self._resolve(p), "requires_grad", True) for p in sources.params)
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
@@ -383,6 +399,12 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+
+def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
+    """The modules a stage calls whole that are not PyTorch's own (whose forwards assign nothing)."""
+    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
+    return list({id(m): m for m in modules if not type(m).__module__.startswith("torch.")}.values())
 
 
 def _mutable(value: Any) -> Any:

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
-from fxpipe.checkpoint import checkpointing, recomputing, swapped_state
+from fxpipe.checkpoint import attributes_kept, checkpointing, recomputing, swapped_state
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
@@ -83,6 +83,7 @@ class StageRuntime:
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)
+    whole_modules: list[nn.Module] = field(default_factory=list)  # called whole: their forward runs
     # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
     # caller's tensor gets the final value, as the plain model writes it.
     written: list[str] = field(default_factory=list)
@@ -381,7 +382,7 @@ class Step:
         start = time.perf_counter()
         outputs = saved.outputs
         if outputs is None:  # (5)
-            with torch.enable_grad(), recomputing():
+            with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules):
                 outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name]]
         received = iter(self.mailbox.take(keys))  # (4)

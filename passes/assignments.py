@@ -14,7 +14,12 @@ from torch import nn
 
 
 class AssignmentError(RuntimeError):
-    """The forward assigns module attributes, which a pipeline cannot keep up to date."""
+    """The forward assigns module attributes, which a pipeline cannot keep up to date;
+    `modules` are the paths of the modules whose attributes were assigned ('' for the root)."""
+
+    def __init__(self, message: str, modules: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.modules = sorted(set(modules))
 
 
 def _public(module: nn.Module) -> dict[str, Any]:
@@ -63,7 +68,8 @@ def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = ())
             f"the model's forward assigns {', '.join(repr(name) for name in lost)}: a pipeline runs the "
             "forward as generated stages, which cannot keep such an attribute up to date.\n"
             "How to fix: return the value from forward instead of storing it on the module, or keep "
-            "the module that stores it whole (leaf_modules=[...])."
+            "the module that stores it whole (leaf_modules=[...]).",
+            [name.rpartition(".")[0] for name in lost],
         )
 
 

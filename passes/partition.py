@@ -53,6 +53,21 @@ def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str]
     return cuts
 
 
+def _checked_cuts(order: Sequence[fx.Node], cuts: Sequence[int], stages: int) -> list[int]:
+    """Cuts given as positions (pipe_split marks, with split points): one fewer than the stages,
+    and no stage empty."""
+    cuts = sorted(set(cuts))
+    problems = []
+    if len(cuts) != stages - 1:
+        problems.append(f"the marks and split points make {len(cuts) + 1} stages, but {stages} devices were given")
+    bounds = [0, *cuts, len(order)]
+    empty = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b <= a]
+    if empty:
+        problems.append(f"stage {empty[0]} would be empty: two marks with nothing between them, or one at an end")
+    _fail(problems, "How to fix: give one device per stage, and put pipe_split() between the layers of two stages.")
+    return cuts
+
+
 def cuts_from_balance(order: Sequence[fx.Node], balance: Sequence[int], stages: int) -> list[int]:
     """Indices into `order` where stages 1.. begin, from a node count per stage."""
     problems = []
@@ -292,6 +307,7 @@ def partition(
     model: Optional[CutModel] = None,
     caps: Optional[Sequence[float]] = None,
     together: Optional[dict[str, tuple[int, int]]] = None,
+    cuts: Optional[Sequence[int]] = None,
 ) -> list[list[fx.Node]]:
     """Cut the linear order into `stages` runs and write each node's stage into `node.meta`.
 
@@ -308,7 +324,9 @@ def partition(
         )
     if split_points is not None and balance is not None:
         _fail(["both split_points and balance were given"], "How to fix: give one of them.")
-    if split_points is not None:
+    if cuts is not None:
+        cuts = _checked_cuts(order, cuts, stages)
+    elif split_points is not None:
         cuts = cuts_from_split_points(order, split_points, stages)
     elif balance is not None:
         cuts = cuts_from_balance(order, balance, stages)

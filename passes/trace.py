@@ -13,6 +13,7 @@ from torch import nn
 
 from fxpipe.passes.assignments import AssignmentError, assignments_refused
 from fxpipe.passes.functions import functions_as_calls
+from fxpipe.passes.markers import marking
 
 LeafSpec = Union[str, type]
 
@@ -94,7 +95,7 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     tracer = _Tracer(leaf_modules)
     tracer.record_stack_traces = record_lines
     try:
-        with functions_as_calls(), assignments_refused(model):
+        with functions_as_calls(), assignments_refused(model), marking(tracer):
             graph = tracer.trace(model)
     except AssignmentError as error:
         raise TraceError(str(error)) from error

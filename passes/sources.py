@@ -1,0 +1,52 @@
+"""What each output of a graph is computed from: the inputs and the parameters it depends on,
+through tensors (a size or a dtype read from an input carries no gradient). Needs the shape pass.
+
+An output that depends on no input and no parameter that requires grad (a constant, a mask made
+from shapes) does not require grad in the plain model, and must not in the pipeline either.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.passes.attrs import fetch_attr
+
+
+@dataclass
+class Sources:
+    """Placeholder names and parameters (by qualified name) a value depends on."""
+
+    inputs: set[str] = field(default_factory=set)
+    params: set[str] = field(default_factory=set)
+
+
+def _own(gm: fx.GraphModule, node: fx.Node) -> Sources:
+    if node.op == "placeholder":
+        return Sources(inputs={node.name})
+    if node.op == "get_attr" and isinstance(fetch_attr(gm, str(node.target)), nn.Parameter):
+        return Sources(params={str(node.target)})
+    if node.op == "call_module":
+        module = fetch_attr(gm, str(node.target))
+        return Sources(params={f"{node.target}.{name}" for name, _ in module.named_parameters()})
+    return Sources()
+
+
+def output_sources(gm: fx.GraphModule) -> dict[str, Sources]:
+    """For every value the output node reads, by node name, what it is computed from."""
+    sources: dict[fx.Node, Sources] = {}
+    for node in gm.graph.nodes:
+        if node.op != "output" and node.meta.get("dtype") == ():
+            sources[node] = Sources()  # no tensor in it (x.shape, x.dtype): no gradient flows through
+            continue
+        own, parents = _own(gm, node), [sources[p] for p in node.all_input_nodes]
+        if not own.inputs and not own.params and len(parents) == 1:
+            sources[node] = parents[0]  # shared, never changed: a chain of ops costs no copies
+            continue
+        for parent in parents:
+            own.inputs |= parent.inputs
+            own.params |= parent.params
+        sources[node] = own
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return {node.name: sources[node] for node in output.all_input_nodes}
