@@ -15,6 +15,7 @@ from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.devices import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
+from fxpipe.passes.export import shapes_note
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
@@ -323,7 +324,7 @@ def compile_pipeline(
         chunks=chunks,
         checkpoint=checkpoint,
         balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
-        notes=[traced.note] if traced.note else [],
+        notes=[traced.note, shapes_note(gm)] if traced.note else ["input shapes: every dim dynamic (torch.fx)"],
     )
     return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec, deferred_batch_norm)
 

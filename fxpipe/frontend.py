@@ -7,12 +7,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
+import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
-from fxpipe.passes.export import batch_is_specialized, export_graph
+from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
@@ -57,8 +58,10 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
 
 
 def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
-    """Arguments flattened into leaves, as the exported graph takes them."""
+    """Arguments flattened into leaves, as the exported graph takes them; a call whose shapes
+    differ where export fixed them is refused before any stage runs."""
     names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+    fixed = fixed_dims(gm)
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         leaves, called = tree_flatten((args, kwargs))
@@ -68,9 +71,26 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
                 f"  - example: {spec}\n  - call:    {called}\n"
                 "How to fix: call it with the same positional and keyword arguments as the example."
             )
+        _check_fixed(leaves, fixed)
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]]) -> None:
+    wrong = [
+        f"input {index} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
+        f"the graph was made for {size}"
+        for index, dim, size in fixed
+        if isinstance(leaves[index], torch.Tensor) and leaves[index].dim() > dim and leaves[index].shape[dim] != size
+    ]
+    if wrong:
+        raise ValueError(
+            "torch.export fixed these input sizes to the example's (the model's Python code depends on "
+            "them), and this call differs:\n" + "\n".join(f"  - {w}" for w in wrong) + "\nHow to fix: "
+            "compile a pipeline for these shapes, or write the size-dependent code with tensor "
+            "operations so that export keeps the size dynamic."
+        )
 
 
 class _Rejected(Exception):

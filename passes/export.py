@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import Dim
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from fxpipe.passes.attrs import fetch_attr
@@ -26,14 +27,10 @@ class _Flat(nn.Module):
         return self.model(*args, **kwargs)
 
 
-def _dynamic_batch(leaves: list[Any]) -> tuple[Any, ...]:
-    """Dim 0 of every batched tensor may vary: micro-batches are smaller than the example."""
-    sizes = [t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0]
-    batch = sizes[0] if sizes else None
-    return tuple(
-        {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch else None
-        for t in leaves
-    )
+def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
+    """Every dim of every tensor may vary (micro-batches are smaller than the example, sequence
+    lengths change from step to step); torch.export fixes those the model ties to a size."""
+    return tuple({d: Dim.AUTO for d in range(t.dim())} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in leaves)
 
 
 def _strip(target: str) -> str:
@@ -49,7 +46,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     leaves, spec = tree_flatten((args, kwargs))
     program = torch.export.export(
-        _Flat(model, spec), tuple(leaves), dynamic_shapes={"leaves": _dynamic_batch(leaves)}, strict=False
+        _Flat(model, spec), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False
     )
     exported = program.module()
     graph = exported.graph
@@ -85,5 +82,26 @@ def batch_is_specialized(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
-            return isinstance(value.shape[0], int)
+            return is_concrete_int(value.shape[0])
     return False
+
+
+def fixed_dims(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
+    """(input leaf, dim, size) for every input dim that torch.export fixed to the example's size:
+    a call with another size there would run a graph made for other shapes."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = []
+    for index, node in enumerate(placeholders):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            fixed += [(index, dim, int(size)) for dim, size in enumerate(value.shape) if is_concrete_int(size)]
+    return fixed
+
+
+def shapes_note(gm: fx.GraphModule) -> str:
+    """A line for the plan: which input dims the exported graph fixed; the rest are dynamic."""
+    fixed = fixed_dims(gm)
+    if not fixed:
+        return "input shapes: every dim dynamic"
+    listed = ", ".join(f"input {index} dim {dim} = {size}" for index, dim, size in fixed)
+    return f"input shapes: fixed by torch.export at {listed}; every other dim dynamic"

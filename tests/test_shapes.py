@@ -1,0 +1,85 @@
+"""Graphs stay general in every dim the model allows: another sequence length runs exactly, and
+a call whose shapes break what the graph assumed is refused before any stage runs."""
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import assert_grads_equal, example_module, twin
+from fxpipe import compile_pipeline
+
+
+def quietly(*args: object, **kwargs: object) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        return compile_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+
+
+class Attention(nn.Module):
+    """Reads the sequence length from its input and reshapes by it; forward(*args) so that
+    torch.export captures it, with every input dim marked dynamic."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        y = (F.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(b, t, c)
+        return self.out(y)
+
+
+class Looping(nn.Module):
+    """A Python loop over a size: torch.export unrolls it for the example's length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        total = h[:, 0]
+        for i in range(h.shape[1] - 1):
+            total = total + h[:, i + 1]
+        return self.b(total)
+
+
+@pytest.mark.parametrize("length", [5, 12, 20])
+def test_exported_graph_runs_at_other_sequence_lengths(length: int) -> None:
+    model, reference = twin(Attention())
+    pipe = quietly(model, torch.randn(4, 12, 8, dtype=torch.float64), ["cpu"] * 3, chunks=2)
+    assert "every other dim dynamic" in pipe.plan.summary() or "every dim dynamic" in pipe.plan.summary()
+    x = torch.randn(6, length, 8, dtype=torch.float64)
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_a_size_the_graph_fixed_is_refused_before_running() -> None:
+    model = Looping().double()
+    pipe = quietly(model, torch.randn(4, 12, 4, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    assert "input 0 dim 1 = 12" in pipe.plan.summary()
+    x = torch.randn(4, 12, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="dim 1 is 20, the graph was made for 12"):
+        pipe(torch.randn(4, 20, 4, dtype=torch.float64))
+
+
+def test_fx_graphs_read_sizes_from_their_inputs() -> None:
+    gpt = example_module("gpt")
+    model, reference = twin(gpt.make_model(n_layer=2, n_embd=16))
+    pipe = compile_pipeline(model, gpt.make_batch(4, seq_len=8)[0], ["cpu"] * 3, chunks=2)
+    assert "every dim dynamic (torch.fx)" in pipe.plan.summary()
+    for length in (3, 16, 31):
+        x, _ = gpt.make_batch(6, seq_len=length)
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
