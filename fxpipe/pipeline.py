@@ -52,7 +52,8 @@ class Program:
 
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
-        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, _mutable(output.args[0]))
+        returned = _mutable(output.args[0], output.meta.get("containers"))
+        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
         self.sources = output_sources(self.graph)
 
     def copy(self, memo: dict[int, Any]) -> "Program":
@@ -407,14 +408,16 @@ def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
     return list({id(m): m for m in modules if not type(m).__module__.startswith("torch.")}.values())
 
 
-def _mutable(value: Any) -> Any:
-    """fx's immutable dicts and lists in an output as the plain dicts and lists the model made."""
+def _mutable(value: Any, containers: Any = None) -> Any:
+    """fx's immutable dicts and lists in an output as the containers the model made: the types
+    the tracer recorded (`containers`, an OrderedDict say), else plain dicts and lists."""
+    kind, inner = containers if isinstance(containers, tuple) else (None, None)
     if type(value) in (dict, immutable_dict):
-        return {key: _mutable(v) for key, v in value.items()}
-    if type(value) in (list, immutable_list):
-        return [_mutable(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_mutable(v) for v in value)
+        items = {key: _mutable(v, inner.get(key) if isinstance(inner, dict) else None) for key, v in value.items()}
+        return kind(items) if kind is not None and issubclass(kind, dict) else items
+    if type(value) in (list, immutable_list, tuple):
+        parts = [_mutable(v, inner[i] if isinstance(inner, list) and i < len(inner) else None) for i, v in enumerate(value)]
+        return tuple(parts) if type(value) is tuple else parts
     return value
 
 

@@ -36,6 +36,7 @@ class _Tracer(fx.Tracer):
         self.leaf_names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}
         self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
         self.failed_in: Optional[str] = None
+        self.depth, self.returned = 0, None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
@@ -45,7 +46,19 @@ class _Tracer(fx.Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         node.meta["scope"] = self.scope.module_path
+        if node.op == "output":
+            node.meta["containers"] = _containers(self.returned)
         return node
+
+    def create_arg(self, a: Any) -> Any:
+        # The first call of a nesting is the whole value; for the output, the model's own return.
+        if self.depth == 0:
+            self.returned = a
+        self.depth += 1
+        try:
+            return super().create_arg(a)
+        finally:
+            self.depth -= 1
 
     def call_module(
         self,
@@ -60,6 +73,16 @@ class _Tracer(fx.Tracer):
             if self.failed_in is None:  # the innermost module: the first to see the error
                 self.failed_in = self.path_of_module(m)
             raise
+
+
+def _containers(value: Any) -> Any:
+    """The container types of a returned value (fx keeps dicts and lists as its own immutable
+    kinds): an OrderedDict stays an OrderedDict. Leaves are None."""
+    if isinstance(value, dict):
+        return (type(value), {key: _containers(v) for key, v in value.items()})
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return (type(value), [_containers(v) for v in value])
+    return None
 
 
 def _user_frame(error: BaseException) -> str:

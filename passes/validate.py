@@ -98,9 +98,19 @@ def _leaf_difference(got: Any, expected: Any) -> Optional[str]:
     return f"max abs difference {difference.max().item():.3g}"
 
 
+def _plain(value: Any) -> Any:
+    """Dict and list kinds as plain dicts and lists: generated code returns plain ones, and the
+    pipeline gives the model's own kinds back (from what the tracer recorded)."""
+    if isinstance(value, dict) and type(value).__module__ in ("collections", "builtins", "torch.fx.immutable_collections"):
+        return {key: _plain(v) for key, v in value.items()}
+    if type(value) in (list, tuple) or type(value).__module__ == "torch.fx.immutable_collections":
+        return type(value)(_plain(v) for v in value) if type(value) is tuple else [_plain(v) for v in value]
+    return value
+
+
 def _compare(got: Any, expected: Any) -> Optional[str]:
-    got_leaves, got_spec = tree_flatten_with_path(got)
-    expected_leaves, expected_spec = tree_flatten_with_path(expected)
+    got_leaves, got_spec = tree_flatten_with_path(_plain(got))
+    expected_leaves, expected_spec = tree_flatten_with_path(_plain(expected))
     if got_spec != expected_spec:
         return "the output has another structure than the model's"
     for (path, value), (_, reference) in zip(got_leaves, expected_leaves):

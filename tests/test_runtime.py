@@ -1,6 +1,7 @@
 """The runtime: failures, threads, memory, state dicts, odd batches, nested inputs and dropout."""
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import threading
@@ -245,16 +246,18 @@ class Containers(nn.Module):
     def forward(self, x: torch.Tensor) -> dict[str, object]:
         a = self.f(x)
         b = self.g(torch.tanh(a))
-        return {"a": a, "pair": [a, b], "inner": {"b": b}, "t": (b,)}
+        return {"a": a, "pair": [a, b], "inner": collections.OrderedDict(b=b), "t": (b,)}
 
 
 def test_outputs_have_the_plain_model_containers() -> None:
-    """Dicts and lists come back as dict and list (not fx's immutable ones), and can be edited."""
+    """Dicts, OrderedDicts and lists come back as the model made them (not fx's immutable
+    ones), and can be edited."""
     model, reference = twin(Containers())
     x = torch.randn(6, 4, dtype=torch.float64)
     out = compile_pipeline(model, x, ["cpu"] * 2, chunks=3)(x)
     expected = reference(x)
-    assert type(out) is dict and type(out["pair"]) is list and type(out["inner"]) is dict and type(out["t"]) is tuple
+    assert type(out) is dict and type(out["pair"]) is list and type(out["t"]) is tuple
+    assert type(out["inner"]) is collections.OrderedDict
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     out["loss"] = out["a"].sum()
     out["pair"].append(None)
