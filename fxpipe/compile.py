@@ -46,6 +46,9 @@ def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
     if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         return None, f"{device!r}: this machine has {count} CUDA device{'s' * (count != 1)} (cuda:0 to cuda:{count - 1})"
+    if parsed.type == "cuda" and parsed.index is None:
+        # "cuda" is the current device: one name per device in the plan, its summary and pictures.
+        parsed = torch.device("cuda", torch.cuda.current_device())
     return parsed, None
 
 

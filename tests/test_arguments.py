@@ -87,3 +87,14 @@ def test_every_problem_is_listed_in_one_message() -> None:
 def test_one_device_string_is_listed_with_the_other_problems() -> None:
     message = _message(devices="cpu", chunks=0, split_points="a")
     assert "devices must be a list" in message and "chunks must" in message and "split_points must" in message
+
+
+def test_cuda_without_an_index_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'cuda', torch.device('cuda') and 'cuda:0' name one device: the plan shows 'cuda:0'."""
+    from fxpipe.compile import _parse_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    named = [_parse_device(d)[0] for d in ("cuda", torch.device("cuda"), "cuda:1")]
+    assert named == [torch.device("cuda", 1)] * 3
