@@ -356,6 +356,52 @@ def bench_unet(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+class TinyBlock(nn.Module):
+    """A pre-norm transformer block with SDPA, small enough that a micro-batch is launch-bound."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+def per_task_row(name: str, sequential: Contender, pipe: Contender, chunks: int) -> Row:
+    """What a pipeline adds per task (a forward or a backward of one micro-batch on one stage)
+    over the plain model run on the same micro-batches in turn, in microseconds."""
+    tasks = 2 * chunks
+    return Row(
+        name, "fxpipe", f"1 stage, chunks {chunks}, 'never'", "us per task over plain in turn",
+        (pipe.median - sequential.median) / tasks * 1e6, (pipe.best - sequential.best) / tasks * 1e6,
+        "<= 30", "", milliseconds(sequential, pipe),
+    )
+
+
+def bench_tasks(args: argparse.Namespace) -> list[Row]:
+    """Launch-bound workloads: the runtime's own cost per task, not the kernels'."""
+    torch.manual_seed(0)
+    chunks = args.sizes.chunks
+    workloads = [
+        ("small MLP 4x64, batch 64", make_mlp(4, 64), torch.randn(64, 64)),
+        ("transformer block 64 (SDPA), batch 16 x 16", TinyBlock(), torch.randn(16, 16, 64)),
+    ]
+    rows = []
+    for name, model, x in workloads:
+        sequential = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, chunks, mean_square))
+        pipe = fxpipe_contender(model, x, mean_square, (1, chunks, "never"))
+        measure([sequential, pipe], args.repeats * 3, args.steps_per_block * 10, args.warmup)
+        rows.append(per_task_row(name, sequential, pipe, chunks))
+    return rows
+
+
 # -- main -----------------------------------------------------------------------------------
 def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
     print("# fxpipe overhead and pipeline efficiency on CPU\n")
@@ -383,7 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     print_settings(args, reexecuted)
-    rows = bench_mlp(args) + bench_unet(args)
+    rows = bench_mlp(args) + bench_unet(args) + bench_tasks(args)
     print_table(rows)
     print(
         f"\nbound: m/(m+n-1) for 'never'; for 'except_last' that times (F+B)/(F+B+F(m-1)/m), F the measured "

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -60,18 +60,31 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
     forward. A stage runs on per-step views of its parameters, so that its gradients stop there
     instead of reaching the parameters' `.grad` and hooks.
     """
-    swaps = []
-    for name, tensor in tensors.items():
-        path, _, attr = name.rpartition(".")
-        owner = module.get_submodule(path)
-        table = owner._parameters if attr in owner._parameters else owner._buffers
-        swaps.append((table, attr, table[attr]))
-        table[attr] = tensor  # type: ignore[assignment]
+    with swapped_slots([(*slot_of(module, name), tensor) for name, tensor in tensors.items()]):
+        yield
+
+
+Slot = tuple[dict[str, Any], str]  # a module's parameter or buffer table, and a name in it
+
+
+def slot_of(module: nn.Module, name: str) -> Slot:
+    """Where the parameter or buffer `name` (qualified, below `module`) is held."""
+    path, _, attr = name.rpartition(".")
+    owner = module.get_submodule(path)
+    return (owner._parameters if attr in owner._parameters else owner._buffers), attr
+
+
+@contextmanager
+def swapped_slots(swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> Iterator[None]:
+    """`swapped_state` on slots found already (a stage finds its parameters' once)."""
+    originals = [table[attr] for table, attr, _ in swaps]
+    for table, attr, tensor in swaps:
+        table[attr] = tensor
     try:
         yield
     finally:
-        for table, attr, original in reversed(swaps):
-            table[attr] = original  # type: ignore[assignment]
+        for (table, attr, _), original in zip(reversed(swaps), reversed(originals)):
+            table[attr] = original
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd
 from fxpipe.batchnorm import BatchStatistics, defer_batch_norm
-from fxpipe.checkpoint import checkpoint_stop
+from fxpipe.checkpoint import checkpoint_stop, slot_of
 from fxpipe.context import CallerContext
 from fxpipe.frontend import Binder
 from fxpipe.gather import Gathered, ValueRef
@@ -151,7 +151,7 @@ class Pipeline(nn.Module):
         return StageRuntime(
             index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers,
             params=params,
-            param_paths=[paths[id(p)] for p in params],
+            param_slots=[[slot_of(code.module, path) for path in paths[id(p)]] for p in params],
             random_always=random.always,
             random_modules=[fetch_attr(program.graph, name) for name in random.modules],
             hidden_always=hidden.always,

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
-from fxpipe.checkpoint import attributes_kept, checkpointing, recomputing, swapped_state
+from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
 from fxpipe.microbatch import leaves_of, map_tensors
@@ -74,7 +74,7 @@ class StageRuntime:
     sources: dict[str, int]  # input value -> producing stage (CALLER for the pipeline's inputs)
     consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
     params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
-    param_paths: list[list[str]] = field(default_factory=list)  # each one's names in `module`
+    param_slots: list[list[Slot]] = field(default_factory=list)  # where each is held in `module`
     random_always: bool = False  # some node always draws
     random_modules: list[nn.Module] = field(default_factory=list)  # dropout-holding, by their flags
     hidden_always: bool = False  # the same, for random ops the stage's code cannot hand a generator
@@ -191,6 +191,7 @@ class Step:
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         self.param_grads = [_Sum(len(stage.params)) for stage in stages]
         self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
+        self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_grads = [_Sum(len(copies)) for copies in shared]
 
     # -- driving ---------------------------------------------------------------------------
@@ -307,23 +308,24 @@ class Step:
         leaf = self.grad and dst != self.sink
         self.mailbox.put(("fwd", dst, i, name), send(value, device, wants if leaf else None))
 
-    def _param_views(self, stage: StageRuntime) -> dict[str, torch.Tensor]:
-        """The stage's parameters as views made once per step, by name in the stage: gradients
-        are taken with respect to them, so autograd never reaches the parameters themselves
-        (their `.grad` and hooks are the pipeline Function's to feed)."""
+    def _param_views(self, stage: StageRuntime) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+        """The stage's parameters as views made once per step, with the slots they go into:
+        gradients are taken with respect to the views, so autograd never reaches the parameters
+        themselves (their `.grad` and hooks are the pipeline Function's to feed)."""
         if not self.grad or not stage.params:
-            return {}
-        views = self.aliases[stage.index]
-        if views is None:
+            return []
+        swaps = self.view_swaps[stage.index]
+        if swaps is None:
             with torch.enable_grad():
                 views = [p.view_as(p) if p.requires_grad else p for p in stage.params]
-            self.aliases[stage.index] = views
-        return {path: view for view, paths in zip(views, stage.param_paths) for path in paths}
+            swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
+            self.aliases[stage.index], self.view_swaps[stage.index] = views, swaps
+        return swaps
 
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self.shared[stage.index]]
-        swaps = {**self._param_views(stage), **(buffers or {})}
-        if self.context.plain and not self.randomness[stage.index] and not swaps:
+        views = self._param_views(stage)
+        if self.context.plain and not self.randomness[stage.index] and not views and buffers is None:
             return stage.module.forward(*args)  # type: ignore[attr-defined]
         with ExitStack() as stack:
             self.context.enter(stack)
@@ -332,8 +334,10 @@ class Step:
                 stack.enter_context(task_stream(stream))
                 if self.hidden_randomness[stage.index]:
                     stack.enter_context(TaskRandomness(stream))
-            if swaps:
-                stack.enter_context(swapped_state(stage.module, swaps))  # type: ignore[arg-type]
+            if views:
+                stack.enter_context(swapped_slots(views))
+            if buffers is not None:
+                stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]
 
     def _forward_task(self, i: int, j: int) -> None:
