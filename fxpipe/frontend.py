@@ -167,13 +167,23 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
 
 
+def _cache_hint(model: nn.Module, error: Exception) -> str:
+    """A language model returning its key/value cache: say how to turn the cache off."""
+    if "Cache" not in str(error) or not getattr(getattr(model, "config", None), "use_cache", False):
+        return ""
+    return (
+        " (the model returns its key/value cache: a pipeline cannot carry it; compile the model with "
+        "model.config.use_cache = False, or with use_cache=False in example_kwargs)"
+    )
+
+
 def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> Traced:
     functions: list[type] = []
     try:
         with functions_applied(functions):
             exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
-        raise _Rejected(first_line(error)) from error
+        raise _Rejected(first_line(error) + _cache_hint(model, error)) from error
     if functions:
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
         raise _Rejected(

@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd
 from fxpipe.batchnorm import BatchStatistics, defer_batch_norm
@@ -53,6 +53,8 @@ class Program:
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
         returned = _mutable(output.args[0], output.meta.get("containers"))
+        if "out_spec" in output.meta:  # exported: the output's structure as the model returned it
+            returned = tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"])
         self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
         self.sources = output_sources(self.graph)
 

@@ -72,6 +72,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     out_spec = exported._out_spec
     assert out_spec is not None, "an exported module knows its output structure"
     output.args = (tree_unflatten(list(output.args[0]), out_spec),)
+    output.meta["out_spec"] = out_spec  # fx turns any dict into its own: the model's kind is here
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
     return gm, spec

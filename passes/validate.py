@@ -101,7 +101,7 @@ def _leaf_difference(got: Any, expected: Any) -> Optional[str]:
 def _plain(value: Any) -> Any:
     """Dict and list kinds as plain dicts and lists: generated code returns plain ones, and the
     pipeline gives the model's own kinds back (from what the tracer recorded)."""
-    if isinstance(value, dict) and type(value).__module__ in ("collections", "builtins", "torch.fx.immutable_collections"):
+    if isinstance(value, dict):  # OrderedDict, fx's immutable dict, a library's output record
         return {key: _plain(v) for key, v in value.items()}
     if type(value) in (list, tuple) or type(value).__module__ == "torch.fx.immutable_collections":
         return type(value)(_plain(v) for v in value) if type(value) is tuple else [_plain(v) for v in value]

@@ -1,0 +1,76 @@
+"""Hugging Face language models, made from small configs: exact at every sequence length."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import assert_grads_equal
+from fxpipe import compile_pipeline
+
+transformers = pytest.importorskip("transformers")  # a test dependency: installed by `make test`
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertModel(config)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=64, vocab_size=64, max_position_embeddings=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def first(output: Any) -> torch.Tensor:
+    return output["logits"] if "logits" in output else output["last_hidden_state"]
+
+
+def loss(output: Any) -> torch.Tensor:
+    return sum(value.pow(2).mean() for value in output.values() if isinstance(value, torch.Tensor))  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("make", [gpt2, bert, llama], ids=["gpt2", "bert", "llama"])
+def test_language_model_at_every_sequence_length(make: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(0)
+    model = make().double()
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2, chunks=2)
+    for length in (12, 20, 5):
+        ids = torch.randint(0, 64, (4, length))
+        out, expected = pipe(ids), reference(ids)
+        assert type(out) is type(expected)
+        torch.testing.assert_close(first(out), first(expected), rtol=0, atol=1e-9)
+        loss(out).backward()
+        loss(expected).backward()
+        assert_grads_equal(pipe, reference, tol=1e-9)
+
+
+def test_a_model_that_returns_its_cache_says_to_turn_it_off() -> None:
+    model = gpt2().eval()
+    model.config.use_cache = True
+    with pytest.raises(Exception, match="use_cache = False"):
+        compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2)
+    pipe = compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2, example_kwargs={"use_cache": False})
+    ids = torch.randint(0, 64, (4, 9))
+    torch.testing.assert_close(pipe(ids, use_cache=False)["logits"], model(ids, use_cache=False)["logits"])
