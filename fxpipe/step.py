@@ -193,6 +193,7 @@ class Step:
         self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_grads = [_Sum(len(copies)) for copies in shared]
+        self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, tasks: list[tuple[int, int]], body: Callable[[int, int], None], phase: str) -> None:
@@ -322,8 +323,19 @@ class Step:
             self.aliases[stage.index], self.view_swaps[stage.index] = views, swaps
         return swaps
 
+    def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
+        """Views of the stage's copies of shared parameters, made once per step: like its own
+        parameters, the stage never reads a leaf that requires grad, so autocast casts every
+        use alike (it caches casts of such leaves only) and a recompute matches its forward."""
+        views = self.shared_views[stage.index]
+        if views is None:
+            with torch.enable_grad():
+                views = [c.view_as(c) if c.requires_grad else c for c in self.shared[stage.index]]
+            self.shared_views[stage.index] = views
+        return views
+
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
-        args = [*inputs, *self.shared[stage.index]]
+        args = [*inputs, *self._shared_views(stage)]
         views = self._param_views(stage)
         if self.context.plain and not self.randomness[stage.index] and not views and buffers is None:
             return stage.module.forward(*args)  # type: ignore[attr-defined]
