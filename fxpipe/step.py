@@ -21,7 +21,6 @@ only what the caller asked for receives them.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from contextlib import ExitStack
@@ -41,7 +40,7 @@ from fxpipe.passes.codegen import clone_tree
 from fxpipe.passes.random_ops import draws_now
 from fxpipe.randomness import TaskRandomness, TaskStream, task_seed, task_stream
 from fxpipe.schedule import clock_cycles
-from fxpipe.worker import Workers
+from fxpipe.worker import TaskGroup, Workers
 
 CALLER = -1
 
@@ -197,7 +196,7 @@ class Step:
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, tasks: list[tuple[int, int]], body: Callable[[int, int], None], phase: str) -> None:
-        done: queue.SimpleQueue[tuple[int, int, Optional[BaseException]]] = queue.SimpleQueue()
+        group = TaskGroup(len(tasks))
 
         def task(i: int, j: int) -> Callable[[], None]:
             def run() -> None:
@@ -209,55 +208,30 @@ class Step:
                 except BaseException as e:  # noqa: BLE001 - handed to the caller thread
                     error = e
                     self.mailbox.abort()
-                done.put((i, j, error))
+                group.finish((i, j), None if isinstance(error, _Aborted) else error)
 
             return run
 
         for i, j in tasks:
             self.workers.submit(j, task(i, j))
-        errors = {}
-        pending = len(tasks)
         try:
-            while pending:
-                i, j, error = self._next(done)
-                pending -= 1
-                if error is not None and not isinstance(error, _Aborted):
-                    errors[(i, j)] = error
+            group.wait(WAIT_TIMEOUT)
         except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
-            self.cancel(done, pending)
+            self.cancel(group)
             raise
-        if errors:
-            (i, j), error = min(errors.items(), key=lambda item: tasks.index(item[0]))
+        if group.errors:
+            (i, j), error = min(group.errors.items(), key=lambda item: tasks.index(item[0]))
             self.saved.clear()
             raise StageError(j, i, phase, error) from error
 
-    @staticmethod
-    def _next(done: "queue.SimpleQueue[tuple[int, int, Optional[BaseException]]]") -> tuple[int, int, Optional[BaseException]]:
-        """The next finished task; waits in short slices, so that Ctrl-C reaches the caller."""
-        waited = 0.0
-        while True:
-            try:
-                return done.get(timeout=0.1)
-            except queue.Empty:
-                waited += 0.1
-                if WAIT_TIMEOUT is not None and waited > WAIT_TIMEOUT:
-                    raise TimeoutError(f"no pipeline task finished in {WAIT_TIMEOUT} s: the pipeline is stuck") from None
-
-    def cancel(self, done: Optional["queue.SimpleQueue[Any]"] = None, pending: int = 0) -> None:
+    def cancel(self, group: Optional[TaskGroup] = None) -> None:
         """Stop this step: queued tasks do nothing, waiting ones stop waiting, and nothing it
         computed is kept. Waits (bounded) for the tasks still running."""
         self.cancelled = True
         self.mailbox.abort()
         self.saved.clear()
-        if done is None:
-            return
-        deadline = time.monotonic() + (WAIT_TIMEOUT or 60.0)
-        while pending and time.monotonic() < deadline:
-            try:
-                done.get(timeout=0.1)
-                pending -= 1
-            except queue.Empty:
-                continue
+        if group is not None:
+            group.finished.wait(WAIT_TIMEOUT or 60.0)
 
     def forward(self) -> list[dict[str, Any]]:
         """Run every forward task; returns, per micro-batch, the values bound for the output."""

@@ -37,6 +37,11 @@ OP_KINDS = (
     "tied",  # two Linear layers sharing one weight (two ops of this kind)
     "twice",  # one module called at two places (two ops of this kind)
     "training_branch",  # if self.training: ... else: ...
+    "function",  # a custom autograd Function whose backward is not autograd's of its forward
+    "aliases",  # a parameter and a module each held under two names
+    "buffer_read",  # a buffer read through an op (clone), not only passed to a module
+    "dict_output",  # the model returns a dict
+    "tensor_default",  # a forward argument with a tensor default
 )
 
 FEATURES = (
@@ -53,6 +58,11 @@ FEATURES = (
     "tied_weights",
     "module_twice",
     "training_branch",
+    "function",
+    "aliases",
+    "buffer_read",
+    "dict_output",
+    "tensor_default",
     "mixed",
 )
 
@@ -70,6 +80,11 @@ FEATURE_OPS = {
     "tied_weights": ("tied",),
     "module_twice": ("twice",),
     "training_branch": ("training_branch",),
+    "function": ("function",),
+    "aliases": ("aliases",),
+    "buffer_read": ("buffer_read",),
+    "dict_output": ("dict_output",),
+    "tensor_default": ("tensor_default",),
     "mixed": tuple(k for k in OP_KINDS if k != "linear"),
 }
 
@@ -99,6 +114,18 @@ class Spec:
     @property
     def stateful(self) -> bool:
         return self.has("batchnorm", "buffer_count", "running_mean")
+
+
+class Doubled(torch.autograd.Function):
+    """Identity in forward; doubles the gradient in backward (autograd of the forward would not)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * 2
 
 
 # -- the source of a model -----------------------------------------------------------------------
@@ -187,6 +214,21 @@ def source(spec: Spec, name: str = "Model") -> str:
                 "    y = torch.sigmoid(y) - 0.5",
                 f"v{k} = torch.tanh(y)",
             ]
+        elif kind == "function":
+            init.append(f"self.l{k} = nn.Linear({w}, {w})")
+            body.append(f"v{k} = Doubled.apply(torch.tanh(self.l{k}(h)))")
+        elif kind == "aliases":
+            init += [
+                f"self.p{k} = nn.Parameter(torch.randn({w}, {w}) * 0.3)", f"self.q{k} = self.p{k}",
+                f"self.l{k} = nn.Linear({w}, {w})", f"self.m{k} = self.l{k}",
+            ]  # fmt: skip
+            body.append(f"v{k} = torch.tanh(self.m{k}(h @ self.p{k}) + h @ self.q{k}.t())")
+        elif kind == "buffer_read":
+            init += [f"self.l{k} = nn.Linear({w}, {w})", f'self.register_buffer("c{k}", torch.randn({w}))']
+            body.append(f"v{k} = torch.tanh(self.l{k}(h) + self.c{k}.clone() * 0.5)")
+        elif kind in ("dict_output", "tensor_default"):
+            init.append(f"self.l{k} = nn.Linear({w}, {w})")
+            body.append(f"v{k} = torch.tanh(self.l{k}(h) + bias)" if kind == "tensor_default" else f"v{k} = torch.tanh(self.l{k}(h))")
         else:
             raise ValueError(kind)
     n = len(spec.ops)
@@ -195,7 +237,9 @@ def source(spec: Spec, name: str = "Model") -> str:
     body.append(f"out = self.head({' + '.join(f'v{j}' for j in unused)})")
     if late:
         body.append(f"out = out - {' - '.join(late)}")
-    if spec.returns:
+    if spec.has("dict_output"):
+        body.append(f"return {{'out': out, {', '.join(f'{chr(39)}v{j}{chr(39)}: v{j}' for j in spec.returns)}}}")
+    elif spec.returns:
         body.append(f"return out, {', '.join(f'v{j}' for j in spec.returns)}")
     else:
         body.append("return out")
@@ -203,7 +247,8 @@ def source(spec: Spec, name: str = "Model") -> str:
     return (
         f"class {name}(nn.Module):\n"
         f"    def __init__(self, p={spec.p}):\n" + "".join(f"{ind}{line}\n" for line in init) + "\n"
-        "    def forward(self, x):\n" + "".join(f"{ind}{line}\n" for line in body)
+        + ("    def forward(self, x, bias=torch.full((1,), 0.1)):\n" if spec.has("tensor_default") else "    def forward(self, x):\n")
+        + "".join(f"{ind}{line}\n" for line in body)
     )
 
 
@@ -216,7 +261,7 @@ def model_class(spec: Spec) -> type:
     _counter[0] += 1
     filename = f"<fxpipe-dag-{_counter[0]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "F": torch.nn.functional}
+    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "F": torch.nn.functional, "Doubled": Doubled}
     exec(compile(src, filename, "exec"), namespace)
     return namespace["Model"]
 
@@ -229,6 +274,9 @@ def make_model(spec: Spec, p: Optional[float], seed: int, dtype: torch.dtype) ->
 
 # -- running a use -------------------------------------------------------------------------------
 def as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
+    if isinstance(out, dict):
+        assert type(out) is dict, f"a {type(out).__name__} instead of the model's dict"
+        return tuple(out.values())
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
