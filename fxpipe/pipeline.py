@@ -214,12 +214,12 @@ class Pipeline(nn.Module):
         """The step's gradient of each of `params`: its own stage's sum over micro-batches, plus
         the sums of other stages' copies, added in stage order (deterministic)."""
         totals: dict[int, torch.Tensor] = {}
-        for runtime, sums in zip(program.runtimes, step.param_grads):
-            for p, grad in zip(runtime.params, sums.totals):
+        for index, runtime in enumerate(program.runtimes):
+            for p, grad in zip(runtime.params, step.parameter_grads(index)):
                 if grad is not None:
                     totals[id(p)] = grad
-        for code, sums in zip(program.codes, step.shared_grads):
-            for name, grad in zip(code.shared, sums.totals):
+        for index, code in enumerate(program.codes):
+            for name, grad in zip(code.shared, step.shared_grads(index)):
                 if grad is not None:
                     param = resolve(name)
                     grad = grad.to(param.device)

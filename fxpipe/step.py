@@ -134,25 +134,6 @@ class _Saved:
     buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
 
 
-class _Sum:
-    """Gradients summed over micro-batches; the first is kept as it is, later ones added."""
-
-    def __init__(self, size: int) -> None:
-        self.totals: list[Optional[torch.Tensor]] = [None] * size
-        self.owned = [False] * size
-
-    def add(self, index: int, grad: Optional[torch.Tensor]) -> None:
-        if grad is None:
-            return
-        total = self.totals[index]
-        if total is None:
-            self.totals[index] = grad
-        elif self.owned[index]:
-            total.add_(grad)
-        else:
-            self.totals[index], self.owned[index] = total + grad, True
-
-
 class Step:
     """The state of one call of the pipeline, from forward to the end of backward."""
 
@@ -188,10 +169,8 @@ class Step:
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
-        self.param_grads = [_Sum(len(stage.params)) for stage in stages]
         self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
-        self.shared_grads = [_Sum(len(copies)) for copies in shared]
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
 
     # -- driving ---------------------------------------------------------------------------
@@ -292,7 +271,7 @@ class Step:
         swaps = self.view_swaps[stage.index]
         if swaps is None:
             with torch.enable_grad():
-                views = [p.view_as(p) if p.requires_grad else p for p in stage.params]
+                views = [_retaining(p.view_as(p)) if p.requires_grad else p for p in stage.params]
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
             self.aliases[stage.index], self.view_swaps[stage.index] = views, swaps
         return swaps
@@ -391,26 +370,35 @@ class Step:
             self.mailbox.put(("bwd", src, i, name, j), send(grad, device))
 
     def _stage_gradients(self, stage: StageRuntime, inputs: list[Any], outputs: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
-        """Gradients of the stage's inputs (returned, shaped like them), of its own parameters
-        and of its copies of shared tensors (summed into the step's totals)."""
+        """Gradients of the stage's inputs (returned, shaped like them); those of its parameter
+        views and shared copies accumulate in their `.grad` over the step's micro-batches, added
+        by autograd as each is made (while it is still in cache)."""
         tensors, grad_tensors = _differentiable(outputs, grads)
         flat_inputs = [tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         params = [v for v in self.aliases[stage.index] or () if v.requires_grad]
         copies = [c for c in self.shared[stage.index] if c.requires_grad]
         wanted = [*leaves, *params, *copies]
-        results: Sequence[Optional[torch.Tensor]] = [None] * len(wanted)
         if tensors and wanted:
-            results = torch.autograd.grad(tensors, wanted, grad_tensors, allow_unused=True)
-        by_id = {id(t): g for t, g in zip(wanted, results)}
-        for index, view in enumerate(self.aliases[stage.index] or ()):
-            self.param_grads[stage.index].add(index, by_id.get(id(view)))
-        for index, c in enumerate(self.shared[stage.index]):
-            self.shared_grads[stage.index].add(index, by_id.get(id(c)))
+            torch.autograd.backward(tensors, grad_tensors, inputs=wanted)
         return [
-            tree_unflatten([by_id.get(id(t)) if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
+            tree_unflatten([t.grad if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
             for leaves_, spec in flat_inputs
         ]
+
+    def parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
+        """The step's gradient of each of the stage's own parameters (None: none reached it)."""
+        views = self.aliases[stage]
+        return [v.grad for v in views] if views is not None else [None] * len(self.stages[stage].params)
+
+    def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
+        """The step's gradient of the stage's copy of each shared tensor."""
+        return [c.grad if c.requires_grad else None for c in self.shared[stage]]
+
+
+def _retaining(view: torch.Tensor) -> torch.Tensor:
+    view.retain_grad()  # its gradient accumulates in `.grad`, as a leaf's would
+    return view
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
