@@ -15,9 +15,10 @@ Backward, in reverse order:
          stream and buffers, before                                            gradients back
          the gradients arrive)
 
-Stage gradients are computed with `torch.autograd.grad`, never into `.grad`: parameter gradients
-are summed per step and handed to autograd as the gradients of the pipeline's inputs, so that
-only what the caller asked for receives them.
+A stage runs on views of its parameters made once per step, and its backward accumulates into
+those views' `.grad`, never into the parameters': the step's sums are handed to autograd as the
+gradients of the pipeline Function's inputs, so that only what the caller asked for receives
+them, and each parameter's hooks fire once.
 """
 from __future__ import annotations
 
