@@ -15,8 +15,8 @@ Backward, in reverse order:
          stream and buffers, before                                            gradients back
          the gradients arrive)
 
-A stage runs on views of its parameters made once per step, and its backward accumulates into
-those views' `.grad`, never into the parameters': the step's sums are handed to autograd as the
+A stage runs on leaves that alias its parameters, made once per step, and its backward
+accumulates into those leaves' `.grad`, never into the parameters': the step's sums are handed to autograd as the
 gradients of the pipeline Function's inputs, so that only what the caller asked for receives
 them, and each parameter's hooks fire once.
 """
@@ -264,17 +264,20 @@ class Step:
         self.mailbox.put(("fwd", dst, i, name), send(value, device, wants if leaf else None))
 
     def _param_views(self, stage: StageRuntime) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
-        """The stage's parameters as views made once per step, with the slots they go into:
-        gradients are taken with respect to the views, so autograd never reaches the parameters
-        themselves (their `.grad` and hooks are the pipeline Function's to feed)."""
+        """The stage's parameters for this step, with the slots they go into: a leaf per
+        parameter (same memory), whose `.grad` autograd accumulates in place, as each gradient
+        is made; the stage reads a view of it, so autocast casts every use alike (it caches casts
+        of leaves only) and a recompute matches its forward. Autograd never reaches the
+        parameters themselves: their `.grad` and hooks are the pipeline Function's to feed."""
         if not self.grad or not stage.params:
             return []
         swaps = self.view_swaps[stage.index]
         if swaps is None:
             with torch.enable_grad():
-                views = [_retaining(p.view_as(p)) if p.requires_grad else p for p in stage.params]
+                leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
+                views = [leaf.view_as(leaf) if leaf.requires_grad else leaf for leaf in leaves]
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
-            self.aliases[stage.index], self.view_swaps[stage.index] = views, swaps
+            self.aliases[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
 
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
@@ -395,11 +398,6 @@ class Step:
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""
         return [c.grad if c.requires_grad else None for c in self.shared[stage]]
-
-
-def _retaining(view: torch.Tensor) -> torch.Tensor:
-    view.retain_grad()  # its gradient accumulates in `.grad`, as a leaf's would
-    return view
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
