@@ -61,16 +61,16 @@ def send(value: Any, device: torch.device, requires_grad: Optional[Callable[[tor
 
     `requires_grad(t)` says whether the leaf made from `t` requires grad (default: never).
     """
-    if value is None:
-        return Parcel(None, device, [])
-    if isinstance(value, torch.Tensor) and value.device == device:  # the common case, kept short
-        out = value.detach()
-        return Parcel(out.requires_grad_() if requires_grad is not None and requires_grad(value) else out, device, [])
     streams: dict[torch.device, Any] = {}
 
     def move(t: torch.Tensor) -> torch.Tensor:
         out = t.detach() if t.device == device else _copy(t, device, streams)
         return out.requires_grad_() if requires_grad is not None and requires_grad(t) else out
+
+    if value is None:
+        return Parcel(None, device, [])
+    if isinstance(value, torch.Tensor) and value.device == device:  # the common case: no copy, no event
+        return Parcel(move(value), device, [])
 
     with torch.no_grad():
         result = map_tensors(move, value)

@@ -49,6 +49,9 @@ class Program:
     runtimes: list[StageRuntime] = field(default_factory=list)
     template: Any = None
     sources: dict[str, Sources] = field(default_factory=dict)  # of each output value
+    # Resolved when the stages are built (again after a dtype cast), not on every call:
+    parameters: list[nn.Parameter] = field(default_factory=list)  # every one a stage reads, once
+    output_params: dict[str, list[Any]] = field(default_factory=dict)  # what each output depends on
 
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
@@ -129,6 +132,8 @@ class Pipeline(nn.Module):
                 if self._deferred_batch_norm:
                     defer_batch_norm(code.module)
             program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
+            program.parameters = self._parameters_read(program)
+            program.output_params = {name: [self._resolve(p) for p in s.params] for name, s in program.sources.items()}
         self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
 
     def program(self, training: bool = True) -> Program:
@@ -201,11 +206,11 @@ class Pipeline(nn.Module):
         return shared
 
     def _parameters_read(self, program: Program) -> list[nn.Parameter]:
-        """The parameters that require grad and that some stage of `program` reads, once each."""
+        """The parameters that some stage of `program` reads, once each."""
         found: dict[int, nn.Parameter] = {}
         for runtime, code in zip(program.runtimes, program.codes):
             for p in [*runtime.params, *(self._resolve(name) for name in code.shared)]:
-                if isinstance(p, nn.Parameter) and p.requires_grad:
+                if isinstance(p, nn.Parameter):
                     found.setdefault(id(p), p)
         return list(found.values())
 
@@ -244,7 +249,7 @@ class Pipeline(nn.Module):
         context = CallerContext.capture()
         input_slots = self._input_slots(values, batch, dims)
         grad_mode = torch.is_grad_enabled() and not context.inference
-        params = self._parameters_read(program) if grad_mode else []
+        params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
         shared = self._shared(program, grad)
         step = Step(
@@ -271,10 +276,11 @@ class Pipeline(nn.Module):
             return gathered.rebuild(gathered.tensors)
         resolve = self._resolve
         run = Run(step, input_slots, params, gather, lambda: self._parameter_grads(program, step, params, resolve))
-        run.differentiable = lambda name: self._differentiable(program, values, name)
+        run.differentiable = lambda name: Pipeline._differentiable(program, values, name)
         return run_with_autograd(run)
 
-    def _differentiable(self, program: Program, values: dict[str, Any], name: str) -> bool:
+    @staticmethod
+    def _differentiable(program: Program, values: dict[str, Any], name: str) -> bool:
         """Whether the output value `name` requires grad: it depends on an input or a parameter
         that does (a constant made in forward does not)."""
         sources = program.sources.get(name)
@@ -283,7 +289,7 @@ class Pipeline(nn.Module):
         inputs = (leaf for n in sources.inputs for leaf in tree_flatten(values.get(n))[0])
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             return True
-        return any(getattr(self._resolve(p), "requires_grad", True) for p in sources.params)
+        return any(getattr(p, "requires_grad", True) for p in program.output_params[name])
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""

@@ -170,7 +170,7 @@ class Step:
         self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
-        self.aliases: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
+        self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
 
@@ -277,7 +277,7 @@ class Step:
                 leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
                 views = [leaf.view_as(leaf) if leaf.requires_grad else leaf for leaf in leaves]
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
-            self.aliases[stage.index], self.view_swaps[stage.index] = leaves, swaps
+            self.param_leaves[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
 
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
@@ -380,7 +380,7 @@ class Step:
         tensors, grad_tensors = _differentiable(outputs, grads)
         flat_inputs = [tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        params = [v for v in self.aliases[stage.index] or () if v.requires_grad]
+        params = [leaf for leaf in self.param_leaves[stage.index] or () if leaf.requires_grad]
         copies = [c for c in self.shared[stage.index] if c.requires_grad]
         wanted = [*leaves, *params, *copies]
         if tensors and wanted:
@@ -392,8 +392,8 @@ class Step:
 
     def parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of each of the stage's own parameters (None: none reached it)."""
-        views = self.aliases[stage]
-        return [v.grad for v in views] if views is not None else [None] * len(self.stages[stage].params)
+        leaves = self.param_leaves[stage]
+        return [leaf.grad for leaf in leaves] if leaves is not None else [None] * len(self.stages[stage].params)
 
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""
