@@ -20,7 +20,7 @@ from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.markers import cuts_from_markers, is_split
-from fxpipe.passes.partition import PartitionError, cuts_from_split_points, partition
+from fxpipe.passes.partition import cuts_from_split_points, partition, refuse
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
@@ -172,9 +172,9 @@ def _cut(
     marks = cuts_from_markers(order)
     if marks:
         if balance is not None:
-            raise PartitionError(
-                f"cannot partition the graph:\n  - the model marks {len(marks)} stage boundaries with "
-                f"pipe_split(), and balance={balance!r} chooses another cut\nHow to fix: give one of them."
+            refuse(
+                [f"the model marks {len(marks)} stage boundaries with pipe_split(), and balance={balance!r} chooses another cut"],
+                "How to fix: give one of them.",
             )
         named = cuts_from_split_points(order, split_points, len(split_points) + 1) if split_points else []
         return partition(order, len(devices), cuts=[*marks, *named], together=together)

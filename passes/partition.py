@@ -18,7 +18,8 @@ class PartitionError(ValueError):
     """The requested cut is impossible; the message lists every problem and the fix."""
 
 
-def _fail(problems: list[str], fix: str) -> None:
+def refuse(problems: list[str], fix: str) -> None:
+    """Raise one PartitionError listing every problem, with the fix (nothing when none)."""
     if problems:
         raise PartitionError("cannot partition the graph:\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{fix}")
 
@@ -49,7 +50,7 @@ def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str]
     if not problems and any(b <= a for a, b in zip(cuts, cuts[1:])):
         starts = ", ".join(f"{n!r} at node {c}" for n, c in zip(split_points, cuts))
         problems.append(f"split points are out of order ({starts}); list them in the order the model runs them")
-    _fail(problems, "How to fix: name, in forward order, the module at which each stage after the first begins.")
+    refuse(problems, "How to fix: name, in forward order, the module at which each stage after the first begins.")
     return cuts
 
 
@@ -64,7 +65,7 @@ def _checked_cuts(order: Sequence[fx.Node], cuts: Sequence[int], stages: int) ->
     empty = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b <= a]
     if empty:
         problems.append(f"stage {empty[0]} would be empty: two marks with nothing between them, or one at an end")
-    _fail(problems, "How to fix: give one device per stage, and put pipe_split() between the layers of two stages.")
+    refuse(problems, "How to fix: give one device per stage, and put pipe_split() between the layers of two stages.")
     return cuts
 
 
@@ -77,7 +78,7 @@ def cuts_from_balance(order: Sequence[fx.Node], balance: Sequence[int], stages: 
         problems.append(f"balance {list(balance)} has an entry below 1; every stage needs a node")
     if sum(balance) != len(order):
         problems.append(f"balance sums to {sum(balance)} but the graph has {len(order)} nodes to place")
-    _fail(problems, "How to fix: give one positive node count per device, adding up to the node count.")
+    refuse(problems, "How to fix: give one positive node count per device, adding up to the node count.")
     return list(itertools.accumulate(balance))[:-1]
 
 
@@ -146,7 +147,7 @@ def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = No
     over (bottleneck, sum) pairs runs on the order, or on `UNITS` runs of it for larger graphs.
     """
     if len(model) < stages:
-        _fail([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer devices.")
+        refuse([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer devices.")
     if caps is None and model.additive():
         return min_max_cuts(model.times, stages)
     limits = list(caps) if caps is not None else [math.inf] * stages
@@ -159,7 +160,7 @@ def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = No
             break
         units *= 2
     if cuts is None:
-        _fail(_infeasible(model, stages, caps or []), "How to fix: use more devices, or raise device_memory.")
+        refuse(_infeasible(model, stages, caps or []), "How to fix: use more devices, or raise device_memory.")
     return [bounds[c] for c in cuts or []]
 
 
@@ -278,7 +279,7 @@ def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[flo
         return best_cuts(model, stages, caps)
     bounds = [c for c in range(len(model) + 1) if c not in inside]
     if len(bounds) - 1 < stages:
-        _fail(
+        refuse(
             [f"{stages} stages, but only {len(bounds) - 1} runs of nodes keep each written buffer's updates in one stage"],
             "How to fix: use fewer devices.",
         )
@@ -295,7 +296,7 @@ def _check_together(order: Sequence[fx.Node], cuts: Sequence[int], together: dic
                 f"{what} runs from {order[first].name} to {order[last].name}, and a stage begins between "
                 f"them (at {order[split[0]].name}): split across stages it would not compute what the model does"
             )
-    _fail(problems, "How to fix: choose split points or node counts that keep each of these in one stage.")
+    refuse(problems, "How to fix: choose split points or node counts that keep each of these in one stage.")
 
 
 def partition(
@@ -318,12 +319,12 @@ def partition(
     """
     together = together or {}
     if len(order) < stages:
-        _fail(
+        refuse(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],
             "How to fix: use fewer devices, or trace at a finer grain (fewer leaf_modules).",
         )
     if split_points is not None and balance is not None:
-        _fail(["both split_points and balance were given"], "How to fix: give one of them.")
+        refuse(["both split_points and balance were given"], "How to fix: give one of them.")
     if cuts is not None:
         cuts = _checked_cuts(order, cuts, stages)
     elif split_points is not None:
