@@ -63,13 +63,18 @@ class Run:
             )
         grads = self.output_grads or [None] * len(self.gathered.slots)
         input_grads = self.step.backward(self.gathered.route(grads))
-        result = []
-        for slot in self.inputs:
-            parts = [_leaf(g.get(slot.name), slot.index) for g in input_grads]
-            pieces = [_leaf(mb[slot.name], slot.index) for mb in self.step.micro_batches]
-            grad = gather_grads(parts, pieces, slot.dim)
-            result.append(grad.to(slot.tensor.device) if grad is not None else None)
-        return [*result, *self.parameter_grads()]
+        return [*whole_input_grads(self.inputs, self.step.micro_batches, input_grads), *self.parameter_grads()]
+
+
+def whole_input_grads(slots: Sequence[InputSlot], micro_batches: Sequence[dict[str, Any]], input_grads: Sequence[dict[str, Any]]) -> list[Optional[torch.Tensor]]:
+    """The gradient of each input slot, put together from its micro-batch pieces' gradients."""
+    result = []
+    for slot in slots:
+        parts = [_leaf(g.get(slot.name), slot.index) for g in input_grads]
+        pieces = [_leaf(mb[slot.name], slot.index) for mb in micro_batches]
+        grad = gather_grads(parts, pieces, slot.dim)
+        result.append(grad.to(slot.tensor.device) if grad is not None else None)
+    return result
 
 
 def _leaf(value: Any, index: int) -> Any:

@@ -28,6 +28,7 @@ from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.pipeline import ChunkSpec, Pipeline, Program
 from fxpipe.plan import Plan, StagePlan
+from fxpipe.schedule import SCHEDULES
 
 Device = Union[str, int, torch.device]
 _STAGE_DEVICE_TYPES = ("cpu", "cuda")
@@ -90,8 +91,22 @@ def _split_point_problems(split_points: Any, balance: Any) -> list[str]:
     return []  # how many, and whether they name modules, the partition checks against the graph
 
 
+def _schedule_problems(schedule: Any, stages_per_device: Any, chunks: Any, devices: int) -> list[str]:
+    if schedule not in SCHEDULES:
+        return [f"schedule must be one of {', '.join(map(repr, SCHEDULES))} (got {schedule!r})"]
+    if not isinstance(stages_per_device, int) or isinstance(stages_per_device, bool) or stages_per_device < 1:
+        return [f"stages_per_device must be a whole number, at least 1 (got {stages_per_device!r})"]
+    if stages_per_device > 1 and schedule != "interleaved-1f1b":
+        return [f"stages_per_device={stages_per_device} places several stages on each device, which only "
+                f"schedule='interleaved-1f1b' runs (got schedule={schedule!r})"]  # fmt: skip
+    if schedule == "interleaved-1f1b" and isinstance(chunks, int) and devices and chunks % devices:
+        return [f"interleaved-1f1b needs chunks to be a multiple of the device count, {devices} (got chunks={chunks})"]
+    return []
+
+
 def _check_arguments(
-    devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any
+    devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any,
+    schedule: Any = "gpipe", stages_per_device: Any = 1,
 ) -> list[torch.device]:
     """The devices parsed; or one ValueError that lists every bad argument with its fix."""
     listed = _listed(devices)
@@ -102,6 +117,7 @@ def _check_arguments(
         problems.append(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} (got {checkpoint!r})")
     problems += _split_point_problems(split_points, balance)
     problems += _balance_problems(balance)
+    problems += _schedule_problems(schedule, stages_per_device, chunks, len(parsed))
     if problems:
         raise ValueError("compile_pipeline got bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     return parsed
@@ -209,7 +225,7 @@ def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: 
                 inputs=stage_inputs(edges, index),
                 outputs=stage_outputs(edges, index),
                 param_bytes=sum(int(node.meta.get("param_bytes", 0)) for node in run),
-                size=sum(int(node.meta.get("size", 0)) for node in run),
+                activation_bytes=int(report.prefix_activations[end] - report.prefix_activations[start]),
                 modules=[_module_path(node) for node in run],
                 flops=sum(int(node.meta.get("flops", 0)) for node in run),
                 time=report.time(start, end),
@@ -257,6 +273,8 @@ def compile_pipeline(
     chunk_spec: Optional[ChunkSpec] = None,
     deferred_batch_norm: bool = False,
     example_kwargs: Optional[dict[str, Any]] = None,
+    schedule: str = "gpipe",
+    stages_per_device: int = 1,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -286,11 +304,17 @@ def compile_pipeline(
         deferred_batch_norm: BatchNorm layers normalise each micro-batch on its own (as in any
             GPipe), and their running statistics are updated once per step from the whole
             batch, as the plain model's would be on it.
+        schedule: what `pipe.train_step` runs: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'
+            (fxpipe/schedule.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
+        stages_per_device: with 'interleaved-1f1b', the model is cut into this many stages per
+            device, placed round-robin: stage s on `devices[s % len(devices)]`.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
     """
-    parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance)
+    parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance, schedule, stages_per_device)
+    ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
+    parsed = [parsed[r] for r in ranks]
     example_args = example if isinstance(example, tuple) else (example,)
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
@@ -299,7 +323,6 @@ def compile_pipeline(
     gm = redirect_reads_after_writes(traced.graph)
     inputs = tuple(traced.bind(example_args, example_kwargs).values())
     propagate_shapes(gm, inputs)
-    _check_outputs(gm, chunks)
     annotate_costs(gm)
     # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
     traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
@@ -328,6 +351,8 @@ def compile_pipeline(
         checkpoint=checkpoint,
         balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
         notes=[traced.note, shapes_note(gm)] if traced.note else ["input shapes: every dim dynamic (torch.fx)"],
+        schedule=schedule,
+        ranks=ranks,
     )
     return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec, deferred_batch_norm)
 
@@ -340,15 +365,3 @@ def _eval_program(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[An
     edges = find_edges(graph, len(devices))
     pin_devices(graph, devices)
     return Program(graph, runs, edges)
-
-
-def _check_outputs(gm: fx.GraphModule, chunks: int) -> None:
-    """A 0-dim output (a loss) cannot be concatenated from micro-batches."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
-    scalars = [n.name for n in output.all_input_nodes if n.meta.get("shape") == ()]
-    if chunks > 1 and scalars:
-        raise ValueError(
-            f"the model returns a 0-dim tensor ({', '.join(scalars)}: a loss?), and outputs are "
-            f"concatenated from the {chunks} micro-batches along dim 0.\nHow to fix: return "
-            "per-sample values and reduce them outside the pipeline, or use chunks=1."
-        )

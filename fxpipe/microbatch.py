@@ -81,8 +81,9 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
     if first.dim() == 0:
         raise ValueError(
             "the model returns a 0-dim tensor (a loss or a scalar?), and outputs are concatenated "
-            "from the micro-batches along dim 0.\nHow to fix: return per-sample values and reduce "
-            "them outside the pipeline, or use chunks=1."
+            "from the micro-batches along dim 0.\nHow to fix: train with pipe.train_step(...), which "
+            "combines the micro-batches' losses; or return per-sample values and reduce them outside "
+            "the pipeline; or use chunks=1."
         )
     shapes = [tuple(p.shape) for p in parts]
     if sizes is not None and any(p.shape[0] != size for p, size in zip(parts, sizes)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -12,7 +12,7 @@ from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.autograd import InputSlot, Run, run_with_autograd
+from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.batchnorm import BatchStatistics, defer_batch_norm
 from fxpipe.checkpoint import checkpoint_stop, slot_of
 from fxpipe.context import CallerContext
@@ -27,7 +27,9 @@ from fxpipe.passes.sources import Sources, output_sources
 from fxpipe.passes.state import aliases_state, writable_buffers
 from fxpipe.plan import Plan
 from fxpipe.randomness import draw_from_task_streams, draw_step_seed
+from fxpipe.schedule import Layout, Schedule, make_schedule
 from fxpipe.step import StageRuntime, Step
+from fxpipe.timeline import Record, Timeline
 from fxpipe.worker import Workers
 
 ChunkSpec = dict[str, Optional[int]]
@@ -52,6 +54,7 @@ class Program:
     # Resolved when the stages are built (again after a dtype cast), not on every call:
     parameters: list[nn.Parameter] = field(default_factory=list)  # every one a stage reads, once
     output_params: dict[str, list[Any]] = field(default_factory=dict)  # what each output depends on
+    layout: Optional[Layout] = None  # what a schedule needs of the stages
 
     def __post_init__(self) -> None:
         output = next(n for n in self.graph.graph.nodes if n.op == "output")
@@ -86,7 +89,10 @@ class Pipeline(nn.Module):
     _chunk_spec: ChunkSpec
     _deferred_batch_norm: bool
     _closed: bool
-    last_timeline: list[tuple[str, int, int, float, float]]
+    _ranks: list[int]  # the worker of each stage
+    _losses_checked: set[tuple[int, str]]
+    last_timeline: list[Record]  # what the last call ran (see `timeline()`)
+    last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     plan: Plan
     stages: list[fx.GraphModule]
     devices: list[torch.device]
@@ -113,12 +119,14 @@ class Pipeline(nn.Module):
         self.training = model.training
         own = dict(
             _owner=model, _programs=programs, _bind=bind, plan=plan, devices=list(devices),
-            chunks=plan.chunks, checkpoint=plan.checkpoint, last_timeline=[], _closed=False,
+            chunks=plan.chunks, checkpoint=plan.checkpoint, last_timeline=[], last_most_alive=[], _closed=False, _losses_checked=set(),
             _chunk_spec=dict(chunk_spec or {}), _signature=_signature(model),
             _deferred_batch_norm=deferred_batch_norm,
         )  # fmt: skip
         self.__dict__.update(own)
-        self.__dict__["_workers"] = Workers(self.devices)
+        ranks = plan.ranks or list(range(len(self.devices)))
+        self.__dict__["_ranks"] = ranks
+        self.__dict__["_workers"] = Workers([self.devices[ranks.index(r)] for r in range(max(ranks) + 1)])
         self._workers.bind(self)
         self._build()
 
@@ -134,6 +142,7 @@ class Pipeline(nn.Module):
             program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
             program.parameters = self._parameters_read(program)
             program.output_params = {name: [self._resolve(p) for p in s.params] for name, s in program.sources.items()}
+            program.layout = Layout.of(program.edges, self._ranks)
         self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
 
     def program(self, training: bool = True) -> Program:
@@ -233,6 +242,92 @@ class Pipeline(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        call = self._prepare(args, kwargs)
+        step = self._step(call, "gpipe", loss=None)
+        if not call.grad:
+            gathered = call.gather(step.forward())
+            return gathered.rebuild(gathered.tensors)
+        program, params, resolve = call.program, call.params, self._resolve
+        run = Run(step, call.input_slots, params, call.gather, lambda: self._parameter_grads(program, step, params, resolve))
+        run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
+        return run_with_autograd(run)
+
+    def train_step(
+        self,
+        *args: Any,
+        target: Any = None,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
+        reduction: str = "mean",
+        return_outputs: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """Forward, loss and backward of one batch under the compiled schedule; the parameters'
+        (and inputs') gradients accumulate into `.grad` as `loss_fn(model(*args), target)
+        .backward()` would put them there.
+
+        Each micro-batch's loss is `loss_fn(output, target piece)`; they are combined as the loss
+        of the whole batch: weighted by micro-batch size for a mean-reduced loss (`reduction=
+        "mean"`), summed for a sum-reduced one (`"sum"`). The first step with a loss function
+        checks the combination against the loss of the whole batch. Without `loss_fn` the model's
+        output is its loss (a 0-dim tensor, or an output with a `loss` field).
+
+        Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
+        `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
+        """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+        call = self._prepare(args, kwargs)
+        targets = _split_target(target, call)
+        weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
+        program = call.program
+
+        def micro_batch_loss(i: int, values: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+            output = _rebuild(program.template, values, self._given(program, call.micro_batches[i]))
+            loss = loss_fn(output, targets[i]) if loss_fn is not None else _own_loss(output)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {_describe(loss)}")
+            scaled = loss * weights[i]
+            return scaled.detach(), _value_grads(scaled, values) if call.grad else {}
+
+        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
+        input_grads = step.train()
+        losses = [step.losses[i] for i in range(len(call.sizes))]
+        total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
+        outputs = None
+        if return_outputs or (loss_fn is not None and len(call.sizes) > 1 and (id(loss_fn), reduction) not in self._losses_checked):
+            gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
+            outputs = gathered.rebuild(gathered.tensors)
+            if loss_fn is not None and (id(loss_fn), reduction) not in self._losses_checked:
+                _check_combined_loss(loss_fn, outputs, target, total, reduction)
+                self._losses_checked.add((id(loss_fn), reduction))
+        if call.grad:
+            self._accumulate(call, step, input_grads)
+        return (total, outputs) if return_outputs else total
+
+    def _accumulate(self, call: "_Call", step: Step, input_grads: list[dict[str, Any]]) -> None:
+        """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
+        of leaves (through their hooks), on through the graph of inputs that are not leaves."""
+        grads = [
+            *whole_input_grads(call.input_slots, call.micro_batches, input_grads),
+            *self._parameter_grads(call.program, step, call.params, self._resolve),
+        ]
+        pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+    def schedule(self, micro_batches: Optional[int] = None) -> Schedule:
+        """The checked action lists `train_step` runs in training mode on `micro_batches`
+        (by default `chunks`); print it to see each worker's order."""
+        m = micro_batches or self.chunks
+        layout = self._programs[True].layout
+        assert layout is not None
+        return make_schedule(self.plan.schedule, layout, m, checkpoint_stop(self.checkpoint, m))
+
+    def timeline(self) -> Timeline:
+        """What the last call ran: per action its stage, micro-batch, kind, worker, start and end."""
+        return Timeline(list(self.last_timeline), len(self._workers.queues))
+
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         program = self._program()
@@ -251,33 +346,37 @@ class Pipeline(nn.Module):
         grad_mode = torch.is_grad_enabled() and not context.inference
         params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
-        shared = self._shared(program, grad)
+        by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
+        given = self._given(program, values)
+
+        def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
+            return Gathered(program.template, per_micro_batch, given, sizes, not by_spec)
+
+        return _Call(program, values, batch, dims, sizes, micro_batches, context, input_slots, params, grad, gather)
+
+    def _step(self, call: "_Call", schedule: str, loss: Any) -> Step:
+        program = call.program
+        assert program.layout is not None
+        stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         step = Step(
             program.runtimes,
             self._workers,
-            micro_batches,
-            grad=grad,
-            checkpoint_stop=checkpoint_stop(self.checkpoint, len(sizes)) if self.training else 0,
+            call.micro_batches,
+            grad=call.grad,
+            checkpoint_stop=stop,
             seed=draw_step_seed(),
-            shared=shared,
+            shared=self._shared(program, call.grad),
             output_device=self.devices[-1],
-            input_devices=_devices_of(values),
-            context=context,
+            input_devices=_devices_of(call.values),
+            context=call.context,
+            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None),
+            layout=program.layout,
             batch_stats=BatchStatistics() if self._deferred_batch_norm and self.training else None,
+            loss=loss,
+            loss_stage=program.layout.loss_stage,
         )
-        self.__dict__["last_timeline"] = step.timeline
-
-        def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-            by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
-            return Gathered(program.template, per_micro_batch, self._given(program, values), sizes, not by_spec)
-
-        if not grad:
-            gathered = gather(step.forward())
-            return gathered.rebuild(gathered.tensors)
-        resolve = self._resolve
-        run = Run(step, input_slots, params, gather, lambda: self._parameter_grads(program, step, params, resolve))
-        run.differentiable = lambda name: Pipeline._differentiable(program, values, name)
-        return run_with_autograd(run)
+        self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
+        return step
 
     @staticmethod
     def _differentiable(program: Program, values: dict[str, Any], name: str) -> bool:
@@ -448,3 +547,88 @@ def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:
         leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
         devices[name] = leaves[0].device if leaves else torch.device("cpu")
     return devices
+
+
+@dataclass
+class _Call:
+    """One call's inputs, split, and what it asks of autograd."""
+
+    program: Program
+    values: dict[str, Any]
+    batch: Optional[int]
+    dims: Dims
+    sizes: list[int]
+    micro_batches: list[dict[str, Any]]
+    context: CallerContext
+    input_slots: list[InputSlot]
+    params: list[nn.Parameter]
+    grad: bool
+    gather: Callable[[list[dict[str, Any]]], Gathered]
+
+
+def _split_target(target: Any, call: _Call) -> list[Any]:
+    """The target's piece for each micro-batch: split along dim 0 like the inputs."""
+    if target is None or len(call.sizes) == 1:
+        return [target] * len(call.sizes)
+    leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != call.batch for t in leaves):
+        shapes = [tuple(t.shape) for t in leaves]
+        raise ValueError(
+            f"the target must be split into micro-batches like the inputs, along dim 0 of size {call.batch}; "
+            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, batch first."
+        )
+    return scatter(target, call.sizes, call.batch or 0)
+
+
+def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
+    """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
+    return tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template)
+
+
+def _own_loss(output: Any) -> Any:
+    """The loss a model returns itself: the output, its `loss` field or key."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "
+            f"with a `loss` field), and this one returns {_describe(output)}.\nHow to fix: pass "
+            "loss_fn=..., and target=... if it takes one."
+        )
+    return loss
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def _value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+    """The gradient of `loss` with respect to each output value (trees like the values)."""
+    flat = {name: tree_flatten(value) for name, value in values.items()}
+    wanted = [t for leaves, _ in flat.values() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not loss.requires_grad or not wanted:
+        return {}
+    grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    out = {}
+    for name, (leaves, spec) in flat.items():
+        out[name] = tree_unflatten([next(grads) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves], spec)
+    return out
+
+
+def _check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
+    """The micro-batches' losses, combined, must be the loss of the whole batch."""
+    with torch.no_grad():
+        whole = loss_fn(outputs, target)
+    whole = whole.detach().to(total.device, total.dtype)
+    if not torch.allclose(total, whole, rtol=1e-4, atol=1e-6 * max(1.0, float(whole.abs()))):
+        other = "sum" if reduction == "mean" else "mean"
+        raise ValueError(
+            f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
+            f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
+            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples; a loss that is "
+            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches: "
+            "use pipe(x) and loss.backward(). No gradient was accumulated."
+        )

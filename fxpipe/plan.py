@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
+from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.passes.edges import ACTIVATION, INPUT, OUTPUT, SKIP, Edge
+from fxpipe.schedule import Layout, make_schedule
+from fxpipe.simulate import Prediction, StageCosts, simulate
 
 __all__ = ["Edge", "Plan", "StagePlan"]
 
@@ -20,11 +23,11 @@ class StagePlan:
     inputs: list[str]
     outputs: list[str]
     param_bytes: int
-    size: int = 0
     modules: list[str] = field(default_factory=list)  # the module path of each node
     flops: int = 0  # forward
     time: float = 0.0  # predicted forward + backward seconds per batch, receiving included
     memory: int = 0  # predicted bytes held: parameters (scaled) and activations in flight
+    activation_bytes: int = 0  # what the stage's nodes make, per batch (held until backward)
 
 
 @dataclass
@@ -37,6 +40,8 @@ class Plan:
     checkpoint: str
     balance: str = "memory"
     notes: list[str] = field(default_factory=list)
+    schedule: str = "gpipe"  # what train_step runs; pipe(x) + backward() runs GPipe
+    ranks: list[int] = field(default_factory=list)  # the worker (device slot) of each stage
 
     def edges_of_kind(self, kind: str) -> list[Edge]:
         return [e for e in self.edges if e.kind == kind]
@@ -49,17 +54,34 @@ class Plan:
     def _bytes(self, stage: int, kinds: tuple[str, ...], incoming: bool) -> int:
         return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
 
+    def layout(self) -> Layout:
+        """What a schedule needs of this plan: each stage's worker, the links between stages."""
+        return Layout.of(self.edges, self.ranks or range(len(self.stages)))
+
+    def prediction(self, schedule: Optional[str] = None) -> Prediction:
+        """The simulated timeline of one training step under `schedule` (the plan's own by
+        default), from the predicted stage times: a forward is a third of a stage's time, a
+        backward the rest; a micro-batch's activations are the stage's over `chunks`."""
+        name = schedule or self.schedule
+        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+        sched = make_schedule(name, self.layout(), self.chunks, checkpointed)
+        costs = [
+            StageCosts(
+                forward=s.time / 3 / self.chunks, backward=2 * s.time / 3 / self.chunks,
+                activation_bytes=s.activation_bytes / self.chunks,
+                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
+            )
+            for s in self.stages
+        ]  # fmt: skip
+        return simulate(sched, self.layout(), costs, checkpointed)
+
     def predicted_time(self) -> float:
-        """Seconds per batch by the GPipe model: `sum(t_i) + (chunks - 1) * max(t_i)` over
-        per-micro-batch stage times."""
-        times = [s.time / self.chunks for s in self.stages]
-        return sum(times) + (self.chunks - 1) * max(times)
+        """Seconds per batch of the plan's schedule, simulated from the predicted stage times."""
+        return self.prediction().timeline.makespan
 
     def predicted_bubble(self) -> float:
-        """The share of device time spent idle, from the predicted stage times."""
-        busy = sum(s.time for s in self.stages)
-        total = len(self.stages) * self.predicted_time()
-        return 1 - busy / total if total > 0 else 0.0
+        """The share of device time spent idle under the plan's schedule."""
+        return self.prediction().timeline.bubble()
 
     def summary(self) -> str:
         """A table a person reads: one row per stage."""
@@ -86,9 +108,12 @@ class Plan:
         lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in self.skip_edges) or "none"
+        predicted = self.prediction()
+        peaks = ", ".join(human_bytes(predicted.peak_bytes.get(s.index, 0)) for s in self.stages)
         footer = (
-            f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  "
-            f"predicted: {self.predicted_time() * 1e3:.3g} ms per batch, bubble {self.predicted_bubble():.0%}\n"
+            f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
+            f"predicted: {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
+            f"predicted peak activations per stage: {peaks}\n"
             f"stash/pop edges: {skips}"
         )
         return "\n".join([*lines, footer, *self.notes])

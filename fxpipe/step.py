@@ -1,24 +1,23 @@
-"""One pipeline step: the forward schedule, the backward schedule, and the values between them.
+"""One pipeline step: the executor that runs a schedule's actions, and the values between them.
 
-A task is one (micro-batch, stage) pair. The caller thread hands each stage's worker its tasks in
-clock-cycle order; a task waits in the mailbox for what it receives, runs, and posts what it sends.
-Forward, for stage j and micro-batch i:
+Each worker runs its list of actions (fxpipe/schedule.py) in order; an action waits in the
+mailbox for what it receives, runs, and posts what it sends. For stage j and micro-batch i:
 
-    (1) take inputs ──▶ (2) run stage ──▶ (3) send outputs to each consumer's device
-                          │ checkpointed: under no_grad, inputs kept for (5)
-                          │ otherwise:    under enable_grad, graph kept for (6)
+    F  (1) take inputs ──▶ (2) run stage ──▶ (3) send outputs to each consumer's device
+                             │ checkpointed: under no_grad, inputs kept for R
+                             │ otherwise:    under enable_grad, graph kept for B (or I and W)
+       at the loss stage of a train step: the micro-batch's loss, and its output gradients sent
+    R  (5) recompute a checkpointed forward, with its random stream and buffers
+    B  (4) take output gradients (summed over consumers) ──▶ (6) stage gradients ──▶ (7) send
+           input gradients back
+    I  (4), then the input gradients alone, sent at once; the graph is kept
+    W  the weights' gradients from what I kept
 
-Backward, in reverse order:
-
-    (5) recompute if checkpointed ──▶ (4) take output gradients ──▶ (6) stage gradients
-        (with the forward's random        (summed over consumers)        ──▶ (7) send input
-         stream and buffers, before                                            gradients back
-         the gradients arrive)
-
-A stage runs on leaves that alias its parameters, made once per step, and its backward
-accumulates into those leaves' `.grad`, never into the parameters': the step's sums are handed to autograd as the
-gradients of the pipeline Function's inputs, so that only what the caller asked for receives
-them, and each parameter's hooks fire once.
+`pipe(x)` runs GPipe's forwards, and `loss.backward()` the rest of its lists. A stage runs on
+leaves that alias its parameters, made once per step; its backward accumulates into those
+leaves' `.grad`, never into the parameters': the step's sums are handed to autograd as the
+gradients of the pipeline Function's inputs (or, in a train step, of the parameters), so that
+only what the caller asked for receives them, and each parameter's hooks fire once.
 """
 from __future__ import annotations
 
@@ -40,7 +39,10 @@ from fxpipe.microbatch import leaves_of, map_tensors
 from fxpipe.passes.codegen import clone_tree
 from fxpipe.passes.random_ops import draws_now
 from fxpipe.randomness import TaskRandomness, TaskStream, task_seed, task_stream
-from fxpipe.schedule import clock_cycles
+from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
+from fxpipe.simulate import StageCosts, simulate
+from fxpipe.timeline import Record
+from fxpipe.weight_grad import PendingWeights, backward_inputs
 from fxpipe.worker import TaskGroup, Workers
 
 CALLER = -1
@@ -60,6 +62,13 @@ class StageError(RuntimeError):
 
 class _Aborted(Exception):
     """Another task failed, or the caller gave up; this one stops waiting."""
+
+
+class _LossError(Exception):
+    """The loss function raised (the cause)."""
+
+
+_PHASES = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward", INPUT_GRAD: "backward", WEIGHT_GRAD: "backward"}
 
 
 @dataclass
@@ -133,6 +142,12 @@ class _Saved:
     inputs: list[Any]
     outputs: Optional[tuple[Any, ...]]  # None when checkpointed: recomputed in backward
     buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
+    pending: Optional[PendingWeights] = None  # between I and W: what W starts from
+
+
+# The loss of one micro-batch, given its index and its output values as leaves: the loss
+# (detached, weighted for the batch), and the gradient of each output value.
+LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
 class Step:
@@ -151,9 +166,17 @@ class Step:
         output_device: torch.device,
         input_devices: dict[str, torch.device],
         context: CallerContext,
+        schedule: Schedule,
+        layout: Layout,
         batch_stats: Optional[BatchStatistics] = None,
+        loss: Optional[LossFn] = None,
+        loss_stage: int = -1,
     ) -> None:
         self.stages, self.workers = stages, workers
+        self.schedule, self.layout = schedule, layout
+        self.loss, self.loss_stage = loss, loss_stage
+        self.losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, dict[str, Any]] = {}  # per micro-batch, detached (train steps)
         self.micro_batches = micro_batches
         self.grad, self.checkpoint_stop, self.seed = grad, checkpoint_stop, seed
         self.shared = shared
@@ -162,12 +185,13 @@ class Step:
         self.sink = len(stages)
         self.mailbox = Mailbox()
         self.saved: dict[tuple[int, int], _Saved] = {}
-        # (phase, micro-batch, stage, start, end): forward from inputs in hand to outputs made,
-        # backward from the start of the recompute to the end of the stage's backward.
-        self.timeline: list[tuple[str, int, int, float, float]] = []
+        # Per action run: from its inputs in hand to its outputs made.
+        self.timeline: list[Record] = []
+        self.alive = [0] * len(stages)  # micro-batches each stage holds now (F to the end of B or W)
+        self.most_alive = [0] * len(stages)
         self.backward_done = False
         self.cancelled = False
-        self.order = [pair for tick in clock_cycles(len(micro_batches), len(stages)) for pair in tick]
+        self._turns: Optional[dict[tuple[str, int, int], float]] = None
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
@@ -175,34 +199,56 @@ class Step:
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
 
     # -- driving ---------------------------------------------------------------------------
-    def _run(self, tasks: list[tuple[int, int]], body: Callable[[int, int], None], phase: str) -> None:
-        group = TaskGroup(len(tasks))
+    def _run(self, actions: Sequence[Sequence[Action]]) -> None:
+        """Hand each worker its actions, in order, and wait for all of them."""
+        flat = [a for acts in actions for a in acts]
+        group = TaskGroup(len(flat))
+        bodies: dict[str, Callable[[int, int], tuple[float, float]]] = {
+            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
+            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
+        }  # fmt: skip
 
-        def task(i: int, j: int) -> Callable[[], None]:
+        def task(action: Action) -> Callable[[], None]:
+            body = bodies[action.kind]
+
             def run() -> None:
                 error: Optional[BaseException] = None
                 try:
-                    if self.cancelled:
+                    if self.cancelled or self.mailbox.aborted:  # what it needs may never have been made
                         raise _Aborted()
-                    body(i, j)
+                    start, end = body(action.micro_batch, action.stage)
+                    rank = self.layout.ranks[action.stage]
+                    self.timeline.append(Record(action.kind, action.stage, action.micro_batch, rank, start, end))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller thread
                     error = e
                     self.mailbox.abort()
-                group.finish((i, j), None if isinstance(error, _Aborted) else error)
+                group.finish(action, None if isinstance(error, _Aborted) else error)
 
             return run
 
-        for i, j in tasks:
-            self.workers.submit(j, task(i, j))
+        for rank, acts in enumerate(actions):
+            for action in acts:
+                self.workers.submit(rank, task(action))
         try:
             group.wait(WAIT_TIMEOUT)
         except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
             self.cancel(group)
             raise
         if group.errors:
-            (i, j), error = min(group.errors.items(), key=lambda item: tasks.index(item[0]))
+            action, error = min(group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
-            raise StageError(j, i, phase, error) from error
+            phase = "loss" if isinstance(error, _LossError) else _PHASES[action.kind]
+            cause = error.__cause__ if isinstance(error, _LossError) and error.__cause__ is not None else error
+            raise StageError(action.stage, action.micro_batch, phase, cause) from cause
+
+    def _turn(self, action: Action) -> tuple[float, int]:
+        """When an action runs in the schedule with unit costs, then its stage: of two failures,
+        the one reported is the first by this order, whichever thread raised first (for GPipe,
+        the clock-cycle order)."""
+        if self._turns is None:
+            timeline = simulate(self.schedule, self.layout, [StageCosts(1.0, 1.0)] * len(self.stages), self.checkpoint_stop).timeline
+            self._turns = {(r.kind, r.stage, r.micro_batch): r.start for r in timeline.records}
+        return self._turns[(action.kind, action.stage, action.micro_batch)], action.stage
 
     def cancel(self, group: Optional[TaskGroup] = None) -> None:
         """Stop this step: queued tasks do nothing, waiting ones stop waiting, and nothing it
@@ -213,25 +259,41 @@ class Step:
         if group is not None:
             group.finished.wait(WAIT_TIMEOUT or 60.0)
 
-    def forward(self) -> list[dict[str, Any]]:
-        """Run every forward task; returns, per micro-batch, the values bound for the output."""
+    def _post_inputs(self) -> None:
         for i, batch in enumerate(self.micro_batches):
             for stage in self.stages:
                 for name in stage.inputs:
                     if stage.sources[name] == CALLER:
                         self._post_forward(stage.index, i, name, batch[name], stage.device, _requires_grad)
-        self._run(self.order, self._forward_task, "forward")
+
+    def forward(self) -> list[dict[str, Any]]:
+        """Run the schedule's leading forwards; returns, per micro-batch, the output values."""
+        self._post_inputs()
+        self._run(self.schedule.forward_part())
         if self.batch_stats is not None:
             self.batch_stats.commit()
-        names = [name for s in self.stages for name, dsts in s.consumers.items() if self.sink in dsts]
+        names = self._output_names()
         return [
             dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
             for i in range(len(self.micro_batches))
         ]
 
+    def train(self) -> list[dict[str, Any]]:
+        """Run the whole schedule, the loss of each micro-batch computed in the pipeline; returns,
+        per micro-batch, the gradients of the pipeline's inputs (when grad is on)."""
+        self._post_inputs()
+        self._run(self.schedule.actions if self.grad else self.schedule.forward_part())
+        if self.batch_stats is not None:
+            self.batch_stats.commit()
+        self.backward_done = True
+        return [self._input_grads(i) for i in range(len(self.micro_batches))] if self.grad else []
+
+    def _output_names(self) -> list[str]:
+        return [name for s in self.stages for name, dsts in s.consumers.items() if self.sink in dsts]
+
     def backward(self, output_grads: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Run every backward task, given per micro-batch the gradients of the output values;
-        returns, per micro-batch, the gradients of the pipeline's inputs."""
+        """Run the rest of the schedule, given per micro-batch the gradients of the output
+        values; returns, per micro-batch, the gradients of the pipeline's inputs."""
         if self.backward_done:
             raise RuntimeError(
                 "backward through this pipeline step ran already and its saved state is freed.\n"
@@ -239,13 +301,15 @@ class Step:
             )
         self.backward_done = True
         for i, grads in enumerate(output_grads):
-            for stage in self.stages:
-                for name, dsts in stage.consumers.items():
-                    if self.sink in dsts:
-                        parcel = send(grads.get(name), stage.device)
-                        self.mailbox.put(("bwd", stage.index, i, name, self.sink), parcel)
-        self._run(self.order[::-1], self._backward_task, "backward")
+            self._post_output_grads(i, grads)
+        self._run(self.schedule.rest())
         return [self._input_grads(i) for i in range(len(self.micro_batches))]
+
+    def _post_output_grads(self, i: int, grads: dict[str, Any]) -> None:
+        for stage in self.stages:
+            for name, dsts in stage.consumers.items():
+                if self.sink in dsts:
+                    self.mailbox.put(("bwd", stage.index, i, name, self.sink), send(grads.get(name), stage.device))
 
     def _input_grads(self, i: int) -> dict[str, Any]:
         grads: dict[str, Any] = {}
@@ -260,7 +324,7 @@ class Step:
     def _post_forward(
         self, dst: int, i: int, name: str, value: Any, device: torch.device, wants: Callable[[torch.Tensor], bool]
     ) -> None:
-        leaf = self.grad and dst != self.sink
+        leaf = self.grad and (dst != self.sink or self.loss is not None)
         self.mailbox.put(("fwd", dst, i, name), send(value, device, wants if leaf else None))
 
     def _param_views(self, stage: StageRuntime) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
@@ -309,7 +373,9 @@ class Step:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]
 
-    def _forward_task(self, i: int, j: int) -> None:
+    # Each task returns when its work started (after what it waits for was in hand) and ended
+    # (before it sends what it made: a receiver may start at once).
+    def _forward_task(self, i: int, j: int) -> tuple[float, float]:
         stage = self.stages[j]
         inputs = self.mailbox.take([("fwd", j, i, name) for name in stage.inputs])  # (1)
         start = time.perf_counter()
@@ -320,22 +386,52 @@ class Step:
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
-            self.saved[(i, j)] = _Saved(kept, None, buffers)
+            self._keep(i, j, _Saved(kept, None, buffers))
             outputs = self._write_back(stage, i, results)
         else:
             with torch.set_grad_enabled(self.grad), collecting(self.batch_stats):
                 results = self._call(stage, i, inputs)
             outputs = self._write_back(stage, i, results)
             if self.grad:
-                self.saved[(i, j)] = _Saved(inputs, outputs)
-        self.timeline.append(("forward", i, j, start, time.perf_counter()))
+                self._keep(i, j, _Saved(inputs, outputs))
         wants = _floating if checkpointed else _requires_grad
+        end = time.perf_counter()
         for name, value in zip(stage.outputs, outputs):  # (3)
             if name in stage.state_outputs:
                 value = map_tensors(torch.clone, value)
             for dst in stage.consumers[name]:
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, wants)
+        if self.loss is not None and j == self.loss_stage:
+            self._loss_task(i)  # its gradients go to stages that wait for them
+            end = time.perf_counter()
+        return start, end
+
+    def _keep(self, i: int, j: int, saved: _Saved) -> None:
+        self.saved[(i, j)] = saved
+        self.alive[j] += 1
+        self.most_alive[j] = max(self.most_alive[j], self.alive[j])
+
+    def _release(self, i: int, j: int) -> _Saved:
+        self.alive[j] -= 1
+        return self.saved.pop((i, j))
+
+    def _loss_task(self, i: int) -> None:
+        """The micro-batch's loss, once all its outputs are in: the gradients of the outputs go
+        back to the stages that made them."""
+        names = self._output_names()
+        values = dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
+        assert self.loss is not None
+        try:
+            with torch.set_grad_enabled(self.grad), ExitStack() as stack:
+                self.context.enter(stack)
+                loss, grads = self.loss(i, values)
+        except Exception as e:
+            raise _LossError() from e
+        self.losses[i] = loss
+        self.outputs[i] = {name: map_tensors(torch.Tensor.detach, v) for name, v in values.items()}
+        if self.grad:
+            self._post_output_grads(i, grads)
 
     def _write_back(self, stage: StageRuntime, i: int, results: tuple[Any, ...]) -> tuple[Any, ...]:
         """Copy what the stage wrote into its inputs from the caller back into the caller's
@@ -349,46 +445,91 @@ class Step:
                             target.copy_(final)
         return outputs
 
-    def _backward_task(self, i: int, j: int) -> None:
-        stage = self.stages[j]
-        saved = self.saved.pop((i, j))
+    def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
-        outputs = saved.outputs
-        if outputs is None:  # (5)
-            with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules):
-                outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
+        stage, saved = self.stages[j], self.saved[(i, j)]
+        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules):
+            saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
+        saved.buffers = None
+        return start, time.perf_counter()
+
+    def _output_grads(self, i: int, j: int) -> list[Any]:  # (4)
+        stage = self.stages[j]
         keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name]]
-        received = iter(self.mailbox.take(keys))  # (4)
+        received = iter(self.mailbox.take(keys))
         grads = []
         for name in stage.outputs:
             total = None
             for _ in stage.consumers[name]:
                 total = _add(total, next(received))
             grads.append(total)
-        input_grads = self._stage_gradients(stage, saved.inputs, outputs, grads)  # (6)
-        del outputs, grads
-        self.timeline.append(("backward", i, j, start, time.perf_counter()))
-        for name, grad in zip(stage.inputs, input_grads):  # (7)
+        return grads
+
+    def _backward_task(self, i: int, j: int) -> tuple[float, float]:
+        grads = self._output_grads(i, j)
+        start = time.perf_counter()
+        stage, saved = self.stages[j], self._release(i, j)
+        assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
+        tensors, grad_tensors = _differentiable(saved.outputs, grads)
+        saved.outputs = None
+        input_grads, _ = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors)  # (6)
+        del tensors, grad_tensors, grads
+        end = time.perf_counter()
+        self._send_input_grads(stage, i, input_grads)  # (7)
+        return start, end
+
+    def _input_grad_task(self, i: int, j: int) -> tuple[float, float]:
+        """I: the gradients of the stage's inputs only, sent at once; what the weights' gradients
+        need stays in `pending` for W."""
+        grads = self._output_grads(i, j)
+        start = time.perf_counter()
+        stage, saved = self.stages[j], self.saved[(i, j)]
+        assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
+        tensors, grad_tensors = _differentiable(saved.outputs, grads)
+        saved.outputs = None
+        input_grads, saved.pending = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=True)
+        del tensors, grad_tensors
+        end = time.perf_counter()
+        self._send_input_grads(stage, i, input_grads)
+        return start, end
+
+    def _weight_grad_task(self, i: int, j: int) -> tuple[float, float]:
+        """W: the gradients of the stage's parameters and shared copies, from what I kept."""
+        start = time.perf_counter()
+        stage, saved = self.stages[j], self._release(i, j)
+        assert saved.pending is not None
+        saved.pending.run()
+        return start, time.perf_counter()
+
+    def _send_input_grads(self, stage: StageRuntime, i: int, input_grads: list[Any]) -> None:
+        for name, grad in zip(stage.inputs, input_grads):
             src = stage.sources[name]
             device = self.stages[src].device if src != CALLER else self.input_devices[name]
-            self.mailbox.put(("bwd", src, i, name, j), send(grad, device))
+            self.mailbox.put(("bwd", src, i, name, stage.index), send(grad, device))
 
-    def _stage_gradients(self, stage: StageRuntime, inputs: list[Any], outputs: Sequence[Any], grads: Sequence[Any]) -> list[Any]:
-        """Gradients of the stage's inputs (returned, shaped like them); those of its parameter
+    def _weights(self, stage: StageRuntime) -> list[torch.Tensor]:
+        params = [leaf for leaf in self.param_leaves[stage.index] or () if leaf.requires_grad]
+        return [*params, *(c for c in self.shared[stage.index] if c.requires_grad)]
+
+    def _stage_gradients(
+        self, stage: StageRuntime, inputs: list[Any], tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor], split: bool = False
+    ) -> tuple[list[Any], Optional[PendingWeights]]:
+        """Gradients of the stage's inputs (returned, shaped like them). Those of its parameter
         views and shared copies accumulate in their `.grad` over the step's micro-batches, added
-        by autograd as each is made (while it is still in cache)."""
-        tensors, grad_tensors = _differentiable(outputs, grads)
+        by autograd as each is made (while it is still in cache); with `split`, later, by W,
+        from what is returned with the input gradients."""
         flat_inputs = [tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-        params = [leaf for leaf in self.param_leaves[stage.index] or () if leaf.requires_grad]
-        copies = [c for c in self.shared[stage.index] if c.requires_grad]
-        wanted = [*leaves, *params, *copies]
-        if tensors and wanted:
+        pending = None
+        if split:
+            pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
+        elif tensors and (wanted := [*leaves, *self._weights(stage)]):
             torch.autograd.backward(tensors, grad_tensors, inputs=wanted)
-        return [
+        grads = [
             tree_unflatten([t.grad if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
             for leaves_, spec in flat_inputs
         ]
+        return grads, pending
 
     def parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of each of the stage's own parameters (None: none reached it)."""

@@ -67,7 +67,7 @@ class TaskGroup:
 
     def __init__(self, count: int) -> None:
         self.remaining = count
-        self.errors: dict[Any, BaseException] = {}
+        self.errors: dict[Any, BaseException] = {}  # in the order they were raised
         self.lock = threading.Lock()
         self.finished = threading.Event()
         if count == 0:

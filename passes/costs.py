@@ -19,17 +19,13 @@ BALANCE_MODES = ("time", "flops", "params", "memory")
 
 
 def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
-    """Set `param_bytes` (the parameters a node is first to use) and `size` on each node.
-
-    `size` = parameter bytes + output activation bytes. FLOPs and bytes come from
-    `propagate_shapes`; measured times from `profile_times`.
-    """
+    """Set `param_bytes` (the parameters a node is first to use) on each node. FLOPs and bytes
+    come from `propagate_shapes`; measured times from `profile_times`."""
     seen: set[int] = set()
     for node in gm.graph.nodes:
         fresh = [p for p in parameters_of(gm, node) if id(p) not in seen]
         seen.update(id(p) for p in fresh)
         node.meta["param_bytes"] = sum(p.numel() * p.element_size() for p in fresh)
-        node.meta["size"] = node.meta["param_bytes"] + node.meta.get("bytes", 0)
     return gm
 
 

@@ -332,7 +332,7 @@ def partition(
     elif balance is not None:
         cuts = cuts_from_balance(order, balance, stages)
     else:
-        model = model or CutModel([float(node.meta.get("size", 1)) for node in order], [0.0] * len(order), [0.0] * len(order), [])
+        model = model or CutModel([_weight(node) for node in order], [0.0] * len(order), [0.0] * len(order), [])
         cuts = _best_cuts_keeping(model, stages, caps, together)
     _check_together(order, cuts, together)
     bounds = [0, *cuts, len(order)]
@@ -341,3 +341,10 @@ def partition(
         for node in run:
             node.meta["stage"] = index
     return runs
+
+
+def _weight(node: fx.Node) -> float:
+    """What a node weighs without a cost model: its parameters and output bytes (1 if unknown)."""
+    if "param_bytes" not in node.meta:
+        return 1.0
+    return float(node.meta["param_bytes"] + node.meta.get("bytes", 0))

@@ -21,7 +21,7 @@ from fxpipe.passes.objective import CrossingValue, CutModel
 from fxpipe.passes.partition import UNITS, best_cuts, min_max_cuts
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.trace import trace
-from fxpipe.plan import Plan, StagePlan, human_bytes
+from fxpipe.plan import Edge, Plan, StagePlan, human_bytes
 
 Cut = tuple[int, ...]
 
@@ -517,14 +517,18 @@ def test_predicted_bubble_follows_the_stage_times() -> None:
     plan = compile_example("resnet", 4, balance="flops").plan
     times = [s.time for s in plan.stages]
     assert len(set(times)) > 1
-    assert plan.predicted_bubble() == pytest.approx(1 - sum(times) / (len(times) * plan.predicted_time()), rel=1e-12)
+    # Busy: every stage's forward and backward, plus a recompute (a forward, a third of a stage's
+    # time) for each checkpointed micro-batch ('except_last': all but one).
+    busy = sum(times) * (1 + (plan.chunks - 1) / (3 * plan.chunks))
+    assert plan.predicted_bubble() == pytest.approx(1 - busy / (len(times) * plan.predicted_time()), rel=1e-12)
 
 
 @pytest.mark.parametrize("stages, chunks", [(2, 1), (2, 4), (4, 8), (3, 5)])
 def test_equal_stages_bubble(stages: int, chunks: int) -> None:
+    chain = [Edge(f"v{i}", i - 1, i, "activation", (4,), torch.float32, 16) for i in range(stages + 1)]
     plan = Plan(
         stages=[StagePlan(i, "cpu", [f"n{i}"], [], [], 0, time=0.3) for i in range(stages)],
-        edges=[],
+        edges=chain,  # from the caller (-1) through every stage to the output (`stages`)
         chunks=chunks,
         checkpoint="never",
     )

@@ -126,7 +126,7 @@ class Loss(nn.Module):
         return self.b(torch.tanh(self.a(x))).pow(2).mean()
 
 
-def test_a_model_returning_a_loss_works_with_one_chunk_and_is_refused_with_more() -> None:
+def test_a_model_returning_a_loss_works_with_one_chunk_and_in_train_step_with_more() -> None:
     model, reference = twin(Loss())
     x = torch.randn(6, 4, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=1)
@@ -135,8 +135,15 @@ def test_a_model_returning_a_loss_works_with_one_chunk_and_is_refused_with_more(
     loss.backward()
     reference(x).backward()
     assert_grads_equal(pipe, reference)
-    with pytest.raises(ValueError, match="(?s)0-dim tensor.*chunks=1"):
-        compile_pipeline(Loss().double(), x, ["cpu"] * 2, chunks=2)
+    model, reference = twin(Loss())
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=3)
+    with pytest.raises(ValueError, match="(?s)0-dim tensor.*train_step.*chunks=1"):
+        pipe(x)
+    loss = pipe.train_step(x)  # the model's loss is a mean over samples: micro-batches weighted by size
+    expected = reference(x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
 
 
 class Reducing(nn.Module):

@@ -35,7 +35,7 @@ import torch
 from hypothesis import HealthCheck, event, given, note, reject, settings
 from hypothesis import strategies as st
 
-from dag_models import FEATURE_OPS, FEATURES, MODES, USES, Case, NotACase, Op, Refused, Spec, check, reproducer
+from dag_models import FEATURE_OPS, FEATURES, MODES, SCHEDULES, USES, Case, NotACase, Op, Refused, Spec, check, reproducer
 
 # 14 features x 6 uses = 84 cases; the file runs in about 2-3 minutes on 2 cores.
 # FXPIPE_PROPERTY_EXAMPLES=50 searches harder (outside CI).
@@ -83,6 +83,7 @@ def cases(draw: Any, feature: str, use: str) -> Case:
         batch=draw(st.integers(max(6, least), 9)),
         seed=draw(st.integers(0, 2**16)),
         batch2=draw(st.one_of(st.just(0), st.integers(max(6, least), 9))),
+        schedule=draw(st.sampled_from(SCHEDULES)) if use == "scheduled" else "gpipe",
     )
 
 

@@ -146,7 +146,7 @@ def test_uneven_and_small_batches(batch: int, chunks: int) -> None:
     out.sum().backward()
     reference(x).sum().backward()
     assert_grads_equal(pipe, reference)
-    micro_batches = {i for phase, i, *_ in pipe.last_timeline}
+    micro_batches = {r.micro_batch for r in pipe.timeline().records}
     assert len(micro_batches) == min(batch, chunks)
 
 

@@ -39,9 +39,9 @@ def test_runtime_follows_the_schedule() -> None:
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=4, checkpoint="except_last")
     pipe(x).sum().backward()
-    timeline = pipe.last_timeline
-    forward = {(i, j): (start, end) for phase, i, j, start, end in timeline if phase == "forward"}
-    backward = {(i, j): (start, end) for phase, i, j, start, end in timeline if phase == "backward"}
+    records = pipe.timeline().records
+    forward = {(r.micro_batch, r.stage): (r.start, r.end) for r in records if r.kind == "F"}
+    backward = {(r.micro_batch, r.stage): (r.start, r.end) for r in records if r.kind == "B"}
     assert set(forward) == set(backward) == {(i, j) for i in range(4) for j in range(4)}
     for j in range(4):
         starts = [forward[(i, j)][0] for i in range(4)]

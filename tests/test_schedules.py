@@ -1,0 +1,180 @@
+"""Schedules as data: the schedule functions, the checker, the simulator, and the executor that
+runs exactly the checked lists; timelines as Chrome traces and Gantt charts."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import FanOut
+from fxpipe import compile_pipeline
+from fxpipe.schedule import BACKWARD, FORWARD, SCHEDULES, Action, Layout, Schedule, make_schedule
+from fxpipe.schedule_check import ScheduleError, check
+from fxpipe.simulate import StageCosts, simulate
+
+
+def chain(stages: int, workers: int = 0) -> Layout:
+    workers = workers or stages
+    return Layout(tuple(s % workers for s in range(stages)), frozenset((s, s + 1) for s in range(stages - 1)), (stages - 1,))
+
+
+@st.composite
+def layouts(draw: Any, one_per_worker: bool = True) -> Layout:
+    """A stage graph whose links go forward: a chain plus skips, outputs from the last stage and
+    perhaps from others."""
+    n = draw(st.integers(1, 5))
+    links = {(s, s + 1) for s in range(n - 1)}
+    links |= {(a, b) for a in range(n) for b in range(a + 2, n) if draw(st.booleans())}
+    outputs = {n - 1} | {s for s in range(n - 1) if draw(st.integers(0, 3)) == 0}
+    return Layout(tuple(range(n)), frozenset(links), tuple(sorted(outputs)))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(layout=layouts(), m=st.integers(1, 9), name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), data=st.data())
+def test_every_schedule_is_complete_and_free_of_deadlock_on_stage_graphs(layout: Layout, m: int, name: str, data: Any) -> None:
+    checkpointed = data.draw(st.integers(0, m))
+    make_schedule.cache_clear()
+    schedule = make_schedule(name, layout, m, checkpointed)  # checks it, or raises
+    check(schedule, layout, checkpointed)
+
+
+@pytest.mark.parametrize("workers,per_worker,m", [(1, 3, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (4, 2, 8), (3, 3, 9)])
+def test_interleaved_schedules_are_valid(workers: int, per_worker: int, m: int) -> None:
+    layout = chain(workers * per_worker, workers)
+    for checkpointed in (0, m - 1, m):
+        check(make_schedule("interleaved-1f1b", layout, m, checkpointed), layout, checkpointed)
+
+
+def _broken(schedule: Schedule, worker: int, acts: list[Action]) -> Schedule:
+    rows = list(schedule.actions)
+    rows[worker] = tuple(acts)
+    return Schedule("edited", tuple(rows), schedule.micro_batches, schedule.loss, schedule.split_backward)
+
+
+def test_the_checker_rejects_a_missing_action() -> None:
+    layout = chain(2)
+    good = make_schedule("1f1b", layout, 3, 0)
+    bad = _broken(good, 1, [a for a in good.actions[1] if a != Action(BACKWARD, 1, 2)])
+    with pytest.raises(ScheduleError, match=r"missing: B2@1"):
+        check(bad, layout, 0)
+
+
+def test_the_checker_rejects_an_action_before_its_input() -> None:
+    layout = chain(2)
+    good = make_schedule("1f1b", layout, 3, 0)
+    acts = list(good.actions[0])  # worker 0: F0 F1 B0 F2 B1 B2 -> B0 first: its gradient needs F0
+    acts.remove(Action(BACKWARD, 0, 0))
+    with pytest.raises(ScheduleError, match=r"deadlock: .*B0@0"):
+        check(_broken(good, 0, [Action(BACKWARD, 0, 0), *acts]), layout, 0)
+
+
+def test_the_checker_rejects_a_cycle_between_workers() -> None:
+    layout = chain(2)
+    good = make_schedule("gpipe", layout, 2, 0)
+    # Worker 1 runs F1 before F0, and worker 0 sends F1 only after its backward of micro-batch 0,
+    # which waits for worker 1's B0, which runs after F1: a cycle.
+    w0 = [Action(FORWARD, 0, 0), Action(BACKWARD, 0, 0), Action(FORWARD, 0, 1), Action(BACKWARD, 0, 1)]
+    w1 = [Action(FORWARD, 1, 1), Action(FORWARD, 1, 0), Action(BACKWARD, 1, 0), Action(BACKWARD, 1, 1)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(_broken(_broken(good, 0, w0), 1, w1), layout, 0)
+
+
+def test_the_checker_rejects_repeats_and_misplaced_actions() -> None:
+    layout = chain(2)
+    good = make_schedule("gpipe", layout, 2, 0)
+    with pytest.raises(ScheduleError) as info:
+        check(_broken(good, 0, [*good.actions[0], Action(FORWARD, 0, 0), Action(FORWARD, 1, 5)]), layout, 0)
+    message = str(info.value)
+    assert "listed more than once: F0@0" in message and "not part of this step: F5@1" in message
+    assert "worker 0 lists actions of other workers' stages: F5@1" in message
+
+
+@pytest.mark.parametrize("n,m", [(2, 1), (2, 4), (4, 8), (3, 5)])
+def test_the_simulated_gpipe_and_1f1b_take_the_textbook_time(n: int, m: int) -> None:
+    layout = chain(n)
+    costs = [StageCosts(forward=1.0, backward=2.0)] * n
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(make_schedule(name, layout, m, 0), layout, costs).timeline
+        assert timeline.makespan == pytest.approx(3.0 * (m + n - 1))
+        assert timeline.bubble() == pytest.approx((n - 1) / (m + n - 1))
+
+
+def test_zero_bubble_is_shorter_and_interleaving_too() -> None:
+    n, m = 4, 8
+    one_f_one_b = simulate(make_schedule("1f1b", chain(n), m, 0), chain(n), [StageCosts(1.0, 2.0)] * n)
+    zb = simulate(make_schedule("zb-h1", chain(n), m, 0), chain(n), [StageCosts(1.0, 2.0)] * n)
+    inter_layout = chain(2 * n, n)
+    inter = simulate(make_schedule("interleaved-1f1b", inter_layout, m, 0), inter_layout, [StageCosts(0.5, 1.0)] * (2 * n))
+    assert zb.timeline.makespan < one_f_one_b.timeline.makespan
+    assert inter.timeline.makespan < one_f_one_b.timeline.makespan
+    assert max(zb.timeline.most_alive().values()) <= n  # ZB-H1 holds no more than 1F1B's first stage
+
+
+def test_the_simulator_counts_transfers_and_held_bytes() -> None:
+    layout = chain(2)
+    costs = [StageCosts(1.0, 2.0, activation_bytes=10.0)] * 2
+    free = simulate(make_schedule("gpipe", layout, 4, 0), layout, costs)
+    slow = simulate(make_schedule("gpipe", layout, 4, 0), layout, costs, transfer={(0, 1): 0.5})
+    assert slow.timeline.makespan == pytest.approx(free.timeline.makespan + 2 * 0.5)  # there and back
+    assert free.peak_bytes == {0: 40.0, 1: 40.0}
+    one_f = simulate(make_schedule("1f1b", layout, 4, 0), layout, costs)
+    assert one_f.peak_bytes == {0: 20.0, 1: 10.0}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_the_executor_runs_exactly_the_checked_lists(name: str) -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    kwargs: dict[str, Any] = dict(stages_per_device=2) if name == "interleaved-1f1b" else {}
+    devices = ["cpu"] * (2 if name == "interleaved-1f1b" else 4)
+    pipe = compile_pipeline(FanOut().double(), x, devices, chunks=4, schedule=name, **kwargs)
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    schedule = pipe.schedule()
+    timeline = pipe.timeline()
+    for rank, acts in enumerate(schedule.actions):
+        assert timeline.order(rank) == [(a.kind, a.stage, a.micro_batch) for a in acts]
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 4), (3, 6), (4, 4), (4, 8)])
+def test_1f1b_holds_at_most_n_minus_j_micro_batches_at_stage_j_and_gpipe_all(stages: int, chunks: int) -> None:
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 6, dtype=torch.float64)
+    for name, expected in (("1f1b", [min(stages - j, chunks) for j in range(stages)]), ("gpipe", [chunks] * stages)):
+        pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * stages, chunks=chunks, checkpoint="never", schedule=name)
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        assert pipe.last_most_alive == expected, name
+        assert pipe.timeline().most_alive() == dict(enumerate(expected)), name
+
+
+def test_timelines_write_chrome_traces_and_gantt_charts(tmp_path: Any) -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * 3, chunks=4, schedule="zb-h1")
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    timeline = pipe.timeline()
+    trace = json.loads(timeline.to_chrome_trace(str(tmp_path / "trace.json")))
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == sum(len(acts) for acts in pipe.schedule().actions)
+    assert {e["tid"] for e in events} == {0, 1, 2}
+    tracks = [e for e in trace["traceEvents"] if e["ph"] == "M"]
+    assert [t["args"]["name"] for t in tracks] == ["worker 0", "worker 1", "worker 2"]
+    assert json.loads((tmp_path / "trace.json").read_text()) == trace
+    svg = timeline.to_svg(str(tmp_path / "gantt.svg"), predicted=pipe.plan.prediction().timeline)
+    root = ET.fromstring(svg)
+    rects = root.findall("{http://www.w3.org/2000/svg}rect")
+    assert len(rects) == 2 * len(events)  # measured and predicted, one box per action
+    assert "predicted" in svg and "bubble" in svg
+
+
+def test_the_plan_summary_reports_the_schedule_prediction() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * 4, chunks=8, schedule="1f1b", checkpoint="never")
+    summary = pipe.plan.summary()
+    prediction = pipe.plan.prediction()
+    assert "schedule='1f1b'" in summary
+    assert f"bubble {prediction.timeline.bubble():.0%}" in summary
+    gpipe = pipe.plan.prediction("gpipe")
+    assert prediction.peak_bytes[0] < gpipe.peak_bytes[0]  # 1F1B holds 4 micro-batches at stage 0, GPipe 8

@@ -1,0 +1,192 @@
+"""`pipe.train_step` under every schedule gives the plain model's loss and gradients, in every mode."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import FanOut, assert_grads_equal, example_module, twin
+from fxpipe import StageError, compile_pipeline
+
+MODES = ("always", "except_last", "never")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+Case = tuple[nn.Module, torch.Tensor, torch.Tensor, Callable[[Any, Any], torch.Tensor]]
+
+
+def _example(name: str, **sizes: Any) -> Case:
+    m = example_module(name)
+    x, y = m.make_batch(8, dtype=torch.float64) if name != "gpt" else m.make_batch(8)
+    return m.make_model(**sizes), x, y, m.loss_fn
+
+
+def _fan_out() -> Case:
+    return FanOut(), torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), F.mse_loss
+
+
+MODELS: dict[str, Callable[[], Case]] = {
+    "unet": lambda: _example("unet", base=4),
+    "resnet": lambda: _example("resnet"),
+    "gpt": lambda: _example("gpt", n_layer=3, n_embd=32),  # its head is tied to the embedding
+    "fan_out": _fan_out,  # one value read by three later stages
+}
+
+
+def compile_with(model: nn.Module, x: Any, schedule: str, **kwargs: Any) -> Any:
+    """Four stages: on four devices, or, interleaved, two stages on each of two devices."""
+    if schedule == "interleaved-1f1b":
+        return compile_pipeline(model, x, ["cpu"] * 2, schedule=schedule, stages_per_device=2, **kwargs)
+    return compile_pipeline(model, x, ["cpu"] * 4, schedule=schedule, **kwargs)
+
+
+@pytest.mark.parametrize("schedule,mode", list(itertools.product(SCHEDULES, MODES)))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_train_step_equals_the_plain_model(name: str, schedule: str, mode: str) -> None:
+    model, x, y, loss_fn = MODELS[name]()
+    model, reference = twin(model)
+    pipe = compile_with(model, x, schedule, chunks=4, checkpoint=mode)
+    loss, out = pipe.train_step(x, target=y, loss_fn=loss_fn, return_outputs=True)
+    expected_out = reference(x)
+    expected = loss_fn(expected_out, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(out, expected_out.detach(), rtol=0, atol=1e-10)
+    assert not loss.requires_grad and not out.requires_grad
+    assert_grads_equal(pipe, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_train_step_and_call_then_backward_agree(schedule: str) -> None:
+    model, x, y, loss_fn = _fan_out()
+    model = model.double()
+    pipe = compile_with(model, x, schedule, chunks=4)
+    loss_fn(pipe(x), y).backward()
+    by_call = {n: p.grad.clone() for n, p in pipe.named_parameters() if p.grad is not None}
+    pipe.zero_grad()
+    pipe.train_step(x, target=y, loss_fn=loss_fn)
+    for name, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, by_call[name], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_accumulate_over_steps_and_the_inputs_get_theirs(schedule: str) -> None:
+    model, reference = twin(FanOut())
+    pipe = compile_with(model, torch.randn(8, 6, dtype=torch.float64), schedule, chunks=4)
+    batches = [torch.randn(8, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    targets = [torch.randn(8, 6, dtype=torch.float64) for _ in range(2)]
+    for x, y in zip(batches, targets):
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    for x, y in zip(batches, targets):
+        x_ref = x.detach().requires_grad_()
+        F.mse_loss(reference(x_ref), y).backward()
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+def test_a_sum_reduced_loss_is_summed_over_micro_batches() -> None:
+    model, reference = twin(FanOut())
+    x, y = torch.randn(7, 6, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=3, schedule="1f1b")
+    loss_fn = lambda out, target: F.mse_loss(out, target, reduction="sum")  # noqa: E731
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn, reduction="sum")
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-10)
+    assert_grads_equal(pipe, reference)
+
+
+def test_a_loss_combined_wrongly_is_refused_and_accumulates_nothing() -> None:
+    model = FanOut().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+    summed = lambda out, target: F.mse_loss(out, target, reduction="sum")  # noqa: E731
+    with pytest.raises(ValueError, match="(?s)not a mean over samples.*reduction='sum'.*No gradient"):
+        pipe.train_step(x, target=y, loss_fn=summed)
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.train_step(x, target=y, loss_fn=summed, reduction="sum")  # and it works as told
+    assert all(p.grad is not None for p in pipe.parameters())
+
+
+class OwnLoss(nn.Module):
+    """Returns its loss, as a language model given labels does: a mean over samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = FanOut()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.body(x), y)}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_model_that_returns_its_loss_needs_no_loss_function(schedule: str) -> None:
+    model, reference = twin(OwnLoss())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y), ["cpu"] * 3, chunks=4, schedule=schedule)
+    loss = pipe.train_step(x, y)
+    expected = reference(x, y)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_under_no_grad_train_step_computes_the_loss_alone(schedule: str) -> None:
+    model, x, y, loss_fn = _fan_out()
+    model, reference = twin(model)
+    pipe = compile_with(model, x, schedule, chunks=4)
+    with torch.no_grad():
+        loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    torch.testing.assert_close(loss, loss_fn(reference(x), y).detach(), rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_parameter_hooks_fire_once_per_step_with_the_whole_gradient() -> None:
+    model, reference = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=4, schedule="zb-h1")
+    seen: list[torch.Tensor] = []
+    model.layers[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(reference(x), y).backward()
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], reference.layers[0].weight.grad, rtol=0, atol=1e-12)
+
+
+def test_a_failing_loss_function_names_the_micro_batch_and_leaves_no_gradient() -> None:
+    model = FanOut().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule="1f1b")
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if out.shape[0] != 2:
+            raise RuntimeError("boom")
+        return F.mse_loss(out, target)
+
+    with pytest.raises(StageError, match="stage 2 failed on micro-batch 1 in loss: RuntimeError: boom"):
+        pipe.train_step(x[:5], target=y[:5], loss_fn=loss_fn)  # micro-batches of 2, 1, 1, 1
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)  # and the pipeline works again
+    assert all(p.grad is not None for p in pipe.parameters())
+
+
+def test_a_target_that_cannot_be_split_is_refused() -> None:
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+    with pytest.raises(ValueError, match="target must be split"):
+        pipe.train_step(x, target=torch.randn(6, 6, dtype=torch.float64), loss_fn=F.mse_loss)
+
+
+def test_schedule_arguments_are_checked() -> None:
+    model, x = FanOut(), torch.randn(8, 6)
+    with pytest.raises(ValueError) as info:
+        compile_pipeline(model, x, ["cpu"] * 2, schedule="pipedream", stages_per_device=0)
+    assert "schedule must be one of 'gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'" in str(info.value)
+    with pytest.raises(ValueError, match="only schedule='interleaved-1f1b' runs"):
+        compile_pipeline(model, x, ["cpu"] * 2, schedule="1f1b", stages_per_device=2)
+    with pytest.raises(ValueError, match="chunks to be a multiple of the device count, 2"):
+        compile_pipeline(model, x, ["cpu"] * 2, chunks=3, schedule="interleaved-1f1b", stages_per_device=2)
