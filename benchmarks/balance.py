@@ -150,13 +150,13 @@ def unavailable(method: str, reason: str) -> Split:
 
 def fxpipe_stage_inputs(pipe: Any, example: tuple[Any, ...]) -> list[list[Any]]:
     """Each stage's inputs for the full example batch: the stages run once, in order."""
-    env = dict(pipe._bind(example, {}))
+    env = pipe.bind(*example)
     captured = []
     with torch.no_grad():
-        for code, module, shared in zip(pipe.program().codes, pipe.stages, pipe._shared(pipe.program(), False)):
-            args = [*(env[name] for name in code.inputs), *shared]
+        for stage, shared in zip(pipe.program().stages, pipe.program().shared):
+            args = [*(env[name] for name in stage.inputs), *shared]  # one device: the tensors themselves
             captured.append(args)
-            env.update(zip(code.outputs, module(*args)))
+            env.update(zip(stage.outputs, stage.module(*args)))
     return captured
 
 
@@ -434,7 +434,7 @@ def diagnose(case: Case, stages: int, args: argparse.Namespace) -> list[list[str
     base = fxpipe_split(case, stages, "time", args.sizes.chunks)
     gm = base.pipe.program().graph
     order = [name for stage in base.pipe.plan.stages for name in stage.nodes]
-    example = tuple(base.pipe._bind((case.example,), {}).values())
+    example = tuple(base.pipe.bind(case.example).values())
     methods = {"back to back (fxpipe's profile_times)": back_to_back_profile, "interleaved rounds": interleaved_profile}
     profiles: dict[str, list[dict[str, float]]] = {kind: [] for kind in methods}
     seconds: dict[str, list[float]] = {kind: [] for kind in methods}

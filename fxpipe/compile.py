@@ -26,7 +26,9 @@ from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
-from fxpipe.pipeline import ChunkSpec, Pipeline, Program
+from fxpipe.build import build_program
+from fxpipe.pipeline import Pipeline
+from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.schedule import SCHEDULES
 
@@ -340,8 +342,8 @@ def compile_pipeline(
     runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps)
     edges = find_edges(gm, len(parsed))
     pin_devices(gm, parsed)
-    programs = {True: Program(gm, [list(run) for run in runs], edges)}
-    programs[False] = programs[True] if traced.eval_graph is None else _eval_program(traced.eval_graph, gm, inputs, parsed)
+    cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
+    cuts[False] = cuts[True] if traced.eval_graph is None else _eval_cut(traced.eval_graph, gm, inputs, parsed)
     place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
     report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
     plan = Plan(
@@ -354,14 +356,16 @@ def compile_pipeline(
         schedule=schedule,
         ranks=ranks,
     )
-    return Pipeline(model, programs, traced.bind, plan, parsed, chunk_spec, deferred_batch_norm)
+    build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
+    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm)
+    return Pipeline(model, compiled)
 
 
-def _eval_program(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Program:
+def _eval_cut(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Cut:
     """The eval-mode graph, cut like the training graph (see passes/modes.py)."""
     graph = redirect_reads_after_writes(graph)
     propagate_shapes(graph, inputs)
     runs = follow_stages(graph, train, len(devices))
     edges = find_edges(graph, len(devices))
     pin_devices(graph, devices)
-    return Program(graph, runs, edges)
+    return Cut(graph, runs, edges)

@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from fxpipe.program import Binder
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
@@ -19,7 +20,6 @@ from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
 from fxpipe.passes.validate import check_graph, first_line
 
-Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
 T = TypeVar("T")
 
 

@@ -123,3 +123,8 @@ def map_tensors(fn: Any, value: Any) -> Any:
 def leaves_of(value: Any) -> list[Any]:
     """The leaves of a nested value (a tensor is its own only leaf)."""
     return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]
+
+
+def clone_tree(value: Any) -> Any:
+    """A copy of every tensor in a (nested) value: a stage's own copy of an input it writes."""
+    return map_tensors(torch.Tensor.clone, value)

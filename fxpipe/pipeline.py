@@ -3,72 +3,34 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
-from fxpipe.batchnorm import BatchStatistics, defer_batch_norm
-from fxpipe.checkpoint import checkpoint_stop, slot_of
+from fxpipe.batchnorm import BatchStatistics
+from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
-from fxpipe.frontend import Binder
 from fxpipe.gather import Gathered, ValueRef
+from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import Dims, batch_size_of, scatter, split_dim, split_sizes
-from fxpipe.passes.attrs import fetch_attr
-from fxpipe.passes.codegen import StageCode, generate_stages
-from fxpipe.passes.edges import Edge
-from fxpipe.passes.random_ops import random_sources
-from fxpipe.passes.sources import Sources, output_sources
-from fxpipe.passes.state import aliases_state, writable_buffers
 from fxpipe.plan import Plan
-from fxpipe.randomness import draw_from_task_streams, draw_step_seed
-from fxpipe.schedule import Layout, Schedule, make_schedule
-from fxpipe.step import StageRuntime, Step
+from fxpipe.program import ChunkSpec, Compiled, Program
+from fxpipe.randomness import draw_step_seed
+from fxpipe.schedule import Schedule, make_schedule
+from fxpipe.step import Step
 from fxpipe.timeline import Record, Timeline
 from fxpipe.worker import Workers
 
-ChunkSpec = dict[str, Optional[int]]
+__all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
 
 class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
-
-
-@dataclass
-class Program:
-    """One graph of the model cut into stages, and its generated stages. A model whose forward
-    reads `self.training` has one per mode."""
-
-    graph: fx.GraphModule
-    runs: list[list[fx.Node]]
-    edges: list[Edge]
-    codes: list[StageCode] = field(default_factory=list)
-    runtimes: list[StageRuntime] = field(default_factory=list)
-    template: Any = None
-    sources: dict[str, Sources] = field(default_factory=dict)  # of each output value
-    # Resolved when the stages are built (again after a dtype cast), not on every call:
-    parameters: list[nn.Parameter] = field(default_factory=list)  # every one a stage reads, once
-    output_params: dict[str, list[Any]] = field(default_factory=dict)  # what each output depends on
-    layout: Optional[Layout] = None  # what a schedule needs of the stages
-
-    def __post_init__(self) -> None:
-        output = next(n for n in self.graph.graph.nodes if n.op == "output")
-        returned = _mutable(output.args[0], output.meta.get("containers"))
-        if "out_spec" in output.meta:  # exported: the output's structure as the model returned it
-            returned = tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"])
-        self.template = tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
-        self.sources = output_sources(self.graph)
-
-    def copy(self, memo: dict[int, Any]) -> "Program":
-        """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
-        graph = copy.deepcopy(self.graph, memo)
-        nodes = {node.name: node for node in graph.graph.nodes}
-        return Program(graph, [[nodes[n.name] for n in run] for run in self.runs], list(self.edges))
 
 
 class Pipeline(nn.Module):
@@ -82,33 +44,23 @@ class Pipeline(nn.Module):
     # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own
     # and no name of the model's can clash with the pipeline's own attributes.
     _owner: nn.Module
+    _compiled: Compiled
     _programs: dict[bool, Program]
-    _bind: Binder
     _workers: Workers
     _signature: Optional[inspect.Signature]
-    _chunk_spec: ChunkSpec
-    _deferred_batch_norm: bool
     _closed: bool
-    _ranks: list[int]  # the worker of each stage
     _losses_checked: set[tuple[int, str]]
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
+    last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
+    measure_memory: bool  # count the bytes autograd saves per stage (costs a hook per saved tensor)
     plan: Plan
     stages: list[fx.GraphModule]
     devices: list[torch.device]
     chunks: int
     checkpoint: str
 
-    def __init__(
-        self,
-        model: nn.Module,
-        programs: dict[bool, Program],
-        bind: Binder,
-        plan: Plan,
-        devices: Sequence[torch.device],
-        chunk_spec: Optional[ChunkSpec] = None,
-        deferred_batch_norm: bool = False,
-    ) -> None:
+    def __init__(self, model: nn.Module, compiled: Compiled) -> None:
         super().__init__()
         # Straight into the module's tables: a child called `stages` or `plan` is the model's,
         # and an alias (`self.p1 = self.p0`) keeps its name, as in the model's state dict.
@@ -117,72 +69,29 @@ class Pipeline(nn.Module):
         self._buffers.update(model._buffers)
         self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
         self.training = model.training
+        plan = compiled.plan
         own = dict(
-            _owner=model, _programs=programs, _bind=bind, plan=plan, devices=list(devices),
-            chunks=plan.chunks, checkpoint=plan.checkpoint, last_timeline=[], last_most_alive=[], _closed=False, _losses_checked=set(),
-            _chunk_spec=dict(chunk_spec or {}), _signature=_signature(model),
-            _deferred_batch_norm=deferred_batch_norm,
+            _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
+            chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
+            last_timeline=[], last_most_alive=[], last_peak_bytes=[], _losses_checked=set(), _signature=_signature(model),
         )  # fmt: skip
         self.__dict__.update(own)
-        ranks = plan.ranks or list(range(len(self.devices)))
-        self.__dict__["_ranks"] = ranks
+        ranks = plan.layout().ranks
         self.__dict__["_workers"] = Workers([self.devices[ranks.index(r)] for r in range(max(ranks) + 1)])
         self._workers.bind(self)
         self._build()
 
     # -- stages ----------------------------------------------------------------------------
     def _build(self) -> None:
-        """(Re)generate the stage modules; after a dtype cast they must see the new buffers."""
-        for program in {id(p): p for p in self._programs.values()}.values():
-            program.codes = generate_stages(program.graph, program.runs, program.edges, self._owner)
-            for code in program.codes:
-                draw_from_task_streams(code.module)
-                if self._deferred_batch_norm:
-                    defer_batch_norm(code.module)
-            program.runtimes = [self._runtime(program, index) for index in range(len(program.codes))]
-            program.parameters = self._parameters_read(program)
-            program.output_params = {name: [self._resolve(p) for p in s.params] for name, s in program.sources.items()}
-            program.layout = Layout.of(program.edges, self._ranks)
-        self.__dict__["stages"] = [code.module for code in self._programs[True].codes]
+        """(Re)build the stages of every mode's cut; after a dtype cast they must see the new buffers."""
+        cuts = self._compiled.cuts
+        built = {id(cut): self._compiled.build(self._owner, cut) for cut in cuts.values()}
+        self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
+        self.__dict__["stages"] = self._programs[True].modules
 
     def program(self, training: bool = True) -> Program:
         """The graph, its cut and the generated stages that run in training (or eval) mode."""
         return self._programs[training]
-
-    def _runtime(self, program: Program, index: int) -> StageRuntime:
-        code = program.codes[index]
-        sources = {e.value: e.src for e in program.edges if e.dst == index}
-        consumers: dict[str, list[int]] = {name: [] for name in code.outputs}
-        for e in program.edges:
-            if e.src == index:
-                consumers[e.value].append(e.dst)
-        shared = {id(self._resolve(name)) for name in code.shared}
-        params = [p for p in code.module.parameters() if id(p) not in shared]
-        paths: dict[int, list[str]] = {}
-        for name, p in code.module.named_parameters(remove_duplicate=False):
-            paths.setdefault(id(p), []).append(name)
-        random = random_sources(program.graph, program.runs[index])
-        hidden = random_sources(code.module, list(code.module.graph.nodes))
-        nodes = {node.name: node for node in program.runs[index]}
-        return StageRuntime(
-            index, self.devices[index], code.module, code.inputs, code.outputs, sources, consumers,
-            params=params,
-            param_slots=[[slot_of(code.module, path) for path in paths[id(p)]] for p in params],
-            random_always=random.always,
-            random_modules=[fetch_attr(program.graph, name) for name in random.modules],
-            hidden_always=hidden.always,
-            hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
-            writable_buffers=writable_buffers(code.module, program.graph, program.runs[index]),
-            state_outputs={name for name in code.outputs if aliases_state(program.graph, nodes[name])},
-            written=code.written,
-            whole_modules=_called_whole(code.module),
-        )  # fmt: skip
-
-    def _resolve(self, name: str) -> Any:
-        try:
-            return fetch_attr(self._owner, name)
-        except AttributeError:
-            return fetch_attr(self._programs[True].graph, name)
 
     def _program(self) -> Program:
         """The program for the modules' training flags now."""
@@ -202,10 +111,9 @@ class Pipeline(nn.Module):
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""
         shared = []
-        for code, device in zip(program.codes, self.devices):
+        for tensors, device in zip(program.shared, self.devices):
             copies = []
-            for name in code.shared:
-                tensor = self._resolve(name)
+            for tensor in tensors:
                 if isinstance(tensor, nn.Parameter):
                     copy_ = tensor.detach().to(device)  # on the owner's device: a new leaf, same memory
                     copies.append(copy_.requires_grad_() if grad and tensor.requires_grad else copy_)
@@ -214,28 +122,18 @@ class Pipeline(nn.Module):
             shared.append(copies)
         return shared
 
-    def _parameters_read(self, program: Program) -> list[nn.Parameter]:
-        """The parameters that some stage of `program` reads, once each."""
-        found: dict[int, nn.Parameter] = {}
-        for runtime, code in zip(program.runtimes, program.codes):
-            for p in [*runtime.params, *(self._resolve(name) for name in code.shared)]:
-                if isinstance(p, nn.Parameter):
-                    found.setdefault(id(p), p)
-        return list(found.values())
-
     @staticmethod
-    def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter], resolve: Any) -> list[Optional[torch.Tensor]]:
+    def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter]) -> list[Optional[torch.Tensor]]:
         """The step's gradient of each of `params`: its own stage's sum over micro-batches, plus
         the sums of other stages' copies, added in stage order (deterministic)."""
         totals: dict[int, torch.Tensor] = {}
-        for index, runtime in enumerate(program.runtimes):
-            for p, grad in zip(runtime.params, step.parameter_grads(index)):
+        for index, stage in enumerate(program.stages):
+            for p, grad in zip(stage.params, step.parameter_grads(index)):
                 if grad is not None:
                     totals[id(p)] = grad
-        for index, code in enumerate(program.codes):
-            for name, grad in zip(code.shared, step.shared_grads(index)):
+        for index, tensors in enumerate(program.shared):
+            for param, grad in zip(tensors, step.shared_grads(index)):
                 if grad is not None:
-                    param = resolve(name)
                     grad = grad.to(param.device)
                     totals[id(param)] = totals[id(param)] + grad if id(param) in totals else grad
         return [totals.get(id(p)) for p in params]
@@ -247,8 +145,8 @@ class Pipeline(nn.Module):
         if not call.grad:
             gathered = call.gather(step.forward())
             return gathered.rebuild(gathered.tensors)
-        program, params, resolve = call.program, call.params, self._resolve
-        run = Run(step, call.input_slots, params, call.gather, lambda: self._parameter_grads(program, step, params, resolve))
+        program, params = call.program, call.params
+        run = Run(step, call.input_slots, params, call.gather, lambda: self._parameter_grads(program, step, params))
         run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
         return run_with_autograd(run)
 
@@ -309,29 +207,31 @@ class Pipeline(nn.Module):
         of leaves (through their hooks), on through the graph of inputs that are not leaves."""
         grads = [
             *whole_input_grads(call.input_slots, call.micro_batches, input_grads),
-            *self._parameter_grads(call.program, step, call.params, self._resolve),
+            *self._parameter_grads(call.program, step, call.params),
         ]
         pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
+    def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The graph's input values, by name, for a call with these arguments."""
+        return self._compiled.bind(args, kwargs)
+
     def schedule(self, micro_batches: Optional[int] = None) -> Schedule:
         """The checked action lists `train_step` runs in training mode on `micro_batches`
         (by default `chunks`); print it to see each worker's order."""
         m = micro_batches or self.chunks
-        layout = self._programs[True].layout
-        assert layout is not None
-        return make_schedule(self.plan.schedule, layout, m, checkpoint_stop(self.checkpoint, m))
+        return make_schedule(self.plan.schedule, self._programs[True].layout, m, checkpoint_stop(self.checkpoint, m))
 
     def timeline(self) -> Timeline:
         """What the last call ran: per action its stage, micro-batch, kind, worker, start and end."""
-        return Timeline(list(self.last_timeline), len(self._workers.queues))
+        return Timeline(list(self.last_timeline), len(self._workers.queues), dict(enumerate(self.last_peak_bytes)))
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         program = self._program()
-        values = self._bind(args, kwargs)
+        values = self._compiled.bind(args, kwargs)
         dims = self._dims(args, kwargs)
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
@@ -356,10 +256,9 @@ class Pipeline(nn.Module):
 
     def _step(self, call: "_Call", schedule: str, loss: Any) -> Step:
         program = call.program
-        assert program.layout is not None
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         step = Step(
-            program.runtimes,
+            program.stages,
             self._workers,
             call.micro_batches,
             grad=call.grad,
@@ -371,35 +270,37 @@ class Pipeline(nn.Module):
             context=call.context,
             schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None),
             layout=program.layout,
-            batch_stats=BatchStatistics() if self._deferred_batch_norm and self.training else None,
+            batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,
             loss_stage=program.layout.loss_stage,
+            meter=ActivationMeter(len(program.stages), program.parameters) if self.measure_memory else None,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
+        self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []
         return step
 
     @staticmethod
     def _differentiable(program: Program, values: dict[str, Any], name: str) -> bool:
         """Whether the output value `name` requires grad: it depends on an input or a parameter
         that does (a constant made in forward does not)."""
-        sources = program.sources.get(name)
-        if sources is None:
+        if name not in program.output_inputs:
             return True
-        inputs = (leaf for n in sources.inputs for leaf in tree_flatten(values.get(n))[0])
+        inputs = (leaf for n in program.output_inputs[name] for leaf in tree_flatten(values.get(n))[0])
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             return True
         return any(getattr(p, "requires_grad", True) for p in program.output_params[name])
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
-        if not self._chunk_spec or self._signature is None:
+        spec = self._compiled.chunk_spec
+        if not spec or self._signature is None:
             return {}
         try:
             bound = self._signature.bind(*args, **kwargs).arguments
         except TypeError:
             return {}
         dims: Dims = {}
-        for name, dim in self._chunk_spec.items():
+        for name, dim in spec.items():
             for leaf in tree_flatten(bound.get(name))[0]:
                 if isinstance(leaf, torch.Tensor):
                     dims[id(leaf)] = dim
@@ -410,8 +311,8 @@ class Pipeline(nn.Module):
         """An input written in place must be split: each micro-batch then writes its own slice,
         as the plain model writes the batch. One passed whole would be written once per
         micro-batch."""
-        for runtime in program.runtimes:
-            for name in runtime.written:
+        for stage in program.stages:
+            for name in stage.written:
                 leaves = [t for t in tree_flatten(values.get(name))[0] if isinstance(t, torch.Tensor)]
                 if batch is None or any(split_dim(t, batch, dims) is None for t in leaves):
                     raise ValueError(
@@ -422,9 +323,7 @@ class Pipeline(nn.Module):
 
     def _given(self, program: Program, values: dict[str, Any]) -> dict[str, Any]:
         """Output values not made by a stage: inputs, and attributes returned as they are."""
-        leaves = tree_flatten(program.template)[0]
-        attrs = [leaf.name for leaf in leaves if isinstance(leaf, ValueRef) and leaf.given]
-        return {name: values[name] if name in values else self._resolve(name) for name in attrs}
+        return {**program.given, **values}
 
     def _input_slots(self, values: dict[str, Any], batch: Optional[int], dims: Dims) -> list[InputSlot]:
         slots = []
@@ -443,12 +342,7 @@ class Pipeline(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers."""
         owner = copy.deepcopy(self._owner, memo)
-        programs = {id(p): p.copy(memo) for p in self._programs.values()}
-        copied = {mode: programs[id(p)] for mode, p in self._programs.items()}
-        pipe = Pipeline(
-            owner, copied, self._bind, copy.deepcopy(self.plan), self.devices, self._chunk_spec, self._deferred_batch_norm
-        )
-        return pipe.train(self.training)
+        return Pipeline(owner, self._compiled.copy(memo)).train(self.training)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -509,36 +403,11 @@ _PLACEMENT_MESSAGE = (
 )
 
 
-def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
-    """The modules a stage calls whole that are not PyTorch's own (whose forwards assign nothing)."""
-    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
-    return list({id(m): m for m in modules if not type(m).__module__.startswith("torch.")}.values())
-
-
-def _mutable(value: Any, containers: Any = None) -> Any:
-    """fx's immutable dicts and lists in an output as the containers the model made: the types
-    the tracer recorded (`containers`, an OrderedDict say), else plain dicts and lists."""
-    kind, inner = containers if isinstance(containers, tuple) else (None, None)
-    if type(value) in (dict, immutable_dict):
-        items = {key: _mutable(v, inner.get(key) if isinstance(inner, dict) else None) for key, v in value.items()}
-        return kind(items) if kind is not None and issubclass(kind, dict) else items
-    if type(value) in (list, immutable_list, tuple):
-        parts = [_mutable(v, inner[i] if isinstance(inner, list) and i < len(inner) else None) for i, v in enumerate(value)]
-        return tuple(parts) if type(value) is tuple else parts
-    return value
-
-
 def _signature(model: nn.Module) -> Optional[inspect.Signature]:
     try:
         return inspect.signature(model.forward)
     except (TypeError, ValueError):
         return None
-
-
-def _ref(node: fx.Node) -> ValueRef:
-    if node.op == "get_attr":
-        return ValueRef(str(node.target), given=True)
-    return ValueRef(node.name, given=node.op == "placeholder")
 
 
 def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:

@@ -6,11 +6,27 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from fxpipe.checkpoint import checkpoint_stop
-from fxpipe.passes.edges import ACTIVATION, INPUT, OUTPUT, SKIP, Edge
 from fxpipe.schedule import Layout, make_schedule
 from fxpipe.simulate import Prediction, StageCosts, simulate
 
-__all__ = ["Edge", "Plan", "StagePlan"]
+__all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]
+
+CALLER = -1  # the stage index of the pipeline's caller: the source of its inputs
+INPUT, ACTIVATION, SKIP, OUTPUT = "input", "activation", "skip", "output"  # kinds of edge
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One value sent from stage `src` to stage `dst`, once per micro-batch (`src` is CALLER
+    for the pipeline's inputs, `dst` the stage count for its output)."""
+
+    value: str
+    src: int
+    dst: int
+    kind: str
+    shape: Any
+    dtype: Any
+    nbytes: int
 
 
 @dataclass

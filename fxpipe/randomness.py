@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.passes.random_ops import RANDOM_FUNCTIONS, RANDOM_METHODS
 
 _MASK = (1 << 64) - 1
 # Guards the swap of a device's default generator, for random ops that take no generator.
@@ -123,36 +121,6 @@ def method_with_generator(name: str, self: torch.Tensor, *args: Any, **kwargs: A
     return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
 
 
-def _torch_name(target: Any) -> Optional[str]:
-    """The name of a `torch.rand*`-like function, which takes a `generator=`."""
-    name = getattr(target, "__name__", "")
-    return name if target in RANDOM_FUNCTIONS and getattr(torch, name, None) is target else None
-
-
-def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite the random ops that can take a generator to take the task stream's."""
-    graph = stage.graph
-    for node in list(graph.nodes):
-        replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
-        if node.op == "call_module" and type(stage.get_submodule(str(node.target))) is nn.Dropout:
-            with graph.inserting_before(node):
-                replacement = (dropout_module, (graph.get_attr(str(node.target)), *node.args))
-        elif node.op == "call_function" and node.target is F.dropout:
-            replacement = (dropout_function, node.args)
-        elif node.op == "call_function" and _torch_name(node.target) and "generator" not in node.kwargs:
-            replacement = (with_generator, (_torch_name(node.target), *node.args))
-        elif node.op == "call_method" and node.target in RANDOM_METHODS and "generator" not in node.kwargs:
-            replacement = (method_with_generator, (node.target, *node.args))
-        if replacement is None:
-            continue
-        with graph.inserting_before(node):
-            call = graph.call_function(replacement[0], replacement[1], dict(node.kwargs))
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-    stage.recompile()
-    return stage
-
-
 class TaskRandomness(TorchDispatchMode):
     """Within this mode, random ops draw from the generators of a task's stream."""
 
@@ -184,3 +152,25 @@ def _default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     return torch.default_generator
+
+
+DROPOUTS = (nn.modules.dropout._DropoutNd,)
+
+
+def dropout_rate(module: nn.Module) -> Optional[float]:
+    """The `dropout` rate of built-in modules that apply one themselves (RNNs, attention)."""
+    rate = getattr(module, "dropout", None)
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
+def draws_now(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of these dropout-holding modules draws when called now: training, rate > 0
+    (read once per step, so that a rate changed between steps takes effect)."""
+    for module in modules:
+        for m in module.modules():
+            if not m.training:
+                continue
+            rate = m.p if isinstance(m, DROPOUTS) else dropout_rate(m)
+            if rate:
+                return True
+    return False

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,17 +35,15 @@ from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext
 from fxpipe.devices import Parcel, send
-from fxpipe.microbatch import leaves_of, map_tensors
-from fxpipe.passes.codegen import clone_tree
-from fxpipe.passes.random_ops import draws_now
-from fxpipe.randomness import TaskRandomness, TaskStream, task_seed, task_stream
+from fxpipe.memory import ActivationMeter
+from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
+from fxpipe.plan import CALLER
+from fxpipe.randomness import TaskRandomness, TaskStream, draws_now, task_seed, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
 from fxpipe.timeline import Record
 from fxpipe.weight_grad import PendingWeights, backward_inputs
 from fxpipe.worker import TaskGroup, Workers
-
-CALLER = -1
 
 # Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
 # Tests set a bound, so that a deadlock fails in seconds.
@@ -171,10 +169,12 @@ class Step:
         batch_stats: Optional[BatchStatistics] = None,
         loss: Optional[LossFn] = None,
         loss_stage: int = -1,
+        meter: Optional[ActivationMeter] = None,
     ) -> None:
         self.stages, self.workers = stages, workers
         self.schedule, self.layout = schedule, layout
         self.loss, self.loss_stage = loss, loss_stage
+        self.meter = meter if grad else None
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, Any]] = {}  # per micro-batch, detached (train steps)
         self.micro_batches = micro_batches
@@ -230,7 +230,8 @@ class Step:
             for action in acts:
                 self.workers.submit(rank, task(action))
         try:
-            group.wait(WAIT_TIMEOUT)
+            # Longer than a task's own wait: a task stuck on a value reports which one.
+            group.wait(None if WAIT_TIMEOUT is None else 2 * WAIT_TIMEOUT)
         except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
             self.cancel(group)
             raise
@@ -387,9 +388,11 @@ class Step:
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
             self._keep(i, j, _Saved(kept, None, buffers))
+            if self.meter is not None:
+                self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
         else:
-            with torch.set_grad_enabled(self.grad), collecting(self.batch_stats):
+            with torch.set_grad_enabled(self.grad), collecting(self.batch_stats), self._metered(i, j):
                 results = self._call(stage, i, inputs)
             outputs = self._write_back(stage, i, results)
             if self.grad:
@@ -414,7 +417,12 @@ class Step:
 
     def _release(self, i: int, j: int) -> _Saved:
         self.alive[j] -= 1
+        if self.meter is not None:
+            self.meter.release(i, j)
         return self.saved.pop((i, j))
+
+    def _metered(self, i: int, j: int) -> ContextManager[None]:
+        return self.meter.saving(i, j) if self.meter is not None else nullcontext()
 
     def _loss_task(self, i: int) -> None:
         """The micro-batch's loss, once all its outputs are in: the gradients of the outputs go
@@ -448,7 +456,7 @@ class Step:
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
-        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules):
+        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules), self._metered(i, j):
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         saved.buffers = None
         return start, time.perf_counter()

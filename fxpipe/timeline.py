@@ -3,7 +3,7 @@ the micro-batches each stage holds, a Chrome trace and a Gantt chart."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 from xml.sax.saxutils import escape
 
@@ -26,6 +26,7 @@ class Record:
 class Timeline:
     records: list[Record]
     workers: int
+    peak_bytes: dict[int, float] = field(default_factory=dict)  # per stage, when measured
 
     @property
     def makespan(self) -> float:
@@ -68,7 +69,7 @@ class Timeline:
         return peaks
 
     def to_dict(self) -> dict[str, object]:
-        return {"workers": self.workers, "records": [asdict(r) for r in self.records]}
+        return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes}
 
     def to_chrome_trace(self, path: Optional[str] = None) -> str:
         """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): one track per worker,

@@ -12,7 +12,7 @@ from typing import Any
 
 import graphviz
 
-from fxpipe.passes.edges import ACTIVATION, INPUT, OUTPUT, SKIP
+from fxpipe.plan import ACTIVATION, INPUT, OUTPUT, SKIP
 from fxpipe.plan import Plan, StagePlan, human_bytes
 
 MAX_BOXES = 12

@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fxpipe.microbatch import clone_tree
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.edges import CALLER, Edge, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import mutated_inputs
@@ -31,13 +32,6 @@ class StageCode:
     outputs: list[str]
     shared: list[str]
     written: list[str]
-
-
-def clone_tree(value: Any) -> Any:
-    """A copy of every tensor in a (nested) value: a stage's own copy of an input it writes."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, value)
 
 
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:

@@ -20,23 +20,9 @@ import torch.fx as fx
 from fxpipe.passes.inplace import check_writes_across_stages
 from fxpipe.passes.linearize import COMPUTE_OPS
 
-CALLER = -1
+from fxpipe.plan import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
 
-INPUT, ACTIVATION, SKIP, OUTPUT = "input", "activation", "skip", "output"
-
-
-@dataclass(frozen=True)
-class Edge:
-    """One value sent from stage `src` to stage `dst`, once per micro-batch."""
-
-    value: str
-    src: int
-    dst: int
-    kind: str
-    shape: Any
-    dtype: Any
-    nbytes: int
-
+__all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "find_edges", "stage_inputs", "stage_outputs"]
 
 def _kind(src: int, dst: int, sink: int) -> str:
     if src == CALLER:

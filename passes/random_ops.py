@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,6 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr
+from fxpipe.randomness import (
+    DROPOUTS,
+    dropout_function,
+    dropout_module,
+    dropout_rate,
+    method_with_generator,
+    with_generator,
+)
 
 # Functions whose randomness depends on a probability and a training flag:
 # (probability argument: name, position, default), (training flag: name, position, default).
@@ -102,16 +110,7 @@ def _function_is_random(node: fx.Node) -> bool:
 
 
 def _holds_dropout(module: nn.Module) -> bool:
-    return any(isinstance(m, _DROPOUTS) or _dropout_rate(m) is not None for m in module.modules())
-
-
-def _dropout_rate(module: nn.Module) -> Optional[float]:
-    """The `dropout` rate of built-in modules that apply one themselves (RNNs, attention)."""
-    rate = getattr(module, "dropout", None)
-    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
-
-
-_DROPOUTS = (nn.modules.dropout._DropoutNd,)
+    return any(isinstance(m, DROPOUTS) or dropout_rate(m) is not None for m in module.modules())
 
 
 def _built_in(module: nn.Module) -> bool:
@@ -135,13 +134,31 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
     return sources
 
 
-def draws_now(modules: Sequence[nn.Module]) -> bool:
-    """Whether any of these dropout-holding modules draws when called now: training, rate > 0."""
-    for module in modules:
-        for m in module.modules():
-            if not m.training:
-                continue
-            rate = m.p if isinstance(m, _DROPOUTS) else _dropout_rate(m)
-            if rate:
-                return True
-    return False
+def _torch_name(target: Any) -> Optional[str]:
+    """The name of a `torch.rand*`-like function, which takes a `generator=`."""
+    name = getattr(target, "__name__", "")
+    return name if target in RANDOM_FUNCTIONS and getattr(torch, name, None) is target else None
+
+
+def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite the random ops that can take a generator to take the task stream's."""
+    graph = stage.graph
+    for node in list(graph.nodes):
+        replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
+        if node.op == "call_module" and type(stage.get_submodule(str(node.target))) is nn.Dropout:
+            with graph.inserting_before(node):
+                replacement = (dropout_module, (graph.get_attr(str(node.target)), *node.args))
+        elif node.op == "call_function" and node.target is F.dropout:
+            replacement = (dropout_function, node.args)
+        elif node.op == "call_function" and _torch_name(node.target) and "generator" not in node.kwargs:
+            replacement = (with_generator, (_torch_name(node.target), *node.args))
+        elif node.op == "call_method" and node.target in RANDOM_METHODS and "generator" not in node.kwargs:
+            replacement = (method_with_generator, (node.target, *node.args))
+        if replacement is None:
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(replacement[0], replacement[1], dict(node.kwargs))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+    stage.recompile()
+    return stage

@@ -269,7 +269,7 @@ def test_a_stuck_pipeline_fails_within_the_wait_bound(monkeypatch: pytest.Monkey
     monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 0.5)
     model = FanOut()
     pipe = compile_pipeline(model, torch.randn(4, 6), ["cpu"] * 3, chunks=2)
-    runtime = pipe.program().runtimes[0]
+    runtime = pipe.program().stages[0]
     lost = next(name for name, consumers in runtime.consumers.items() if 1 in consumers)
     monkeypatch.setitem(runtime.consumers, lost, [c for c in runtime.consumers[lost] if c != 1])
     start = time.monotonic()

@@ -188,7 +188,7 @@ def test_random_dag_invariants(seed: int) -> None:
     nodes = len(linearize(trace(model)))
     stages = rng.randint(1, min(5, nodes))
     pipe, reference = compiled(model, x, random_balance(rng, nodes, stages), chunks=rng.randint(1, 3))
-    gm, runs, codes = pipe.program().graph, pipe.program().runs, pipe.program().codes
+    gm, runs, codes = pipe.program().graph, pipe.program().runs, pipe.program().stages
     output = next(n for n in gm.graph.nodes if n.op == "output")
     for k, (run, code) in enumerate(zip(runs, codes)):
         consumed = {a.name for n in run for a in n.all_input_nodes if a.op != "get_attr" and stage_of(a, stages) != k}
@@ -369,7 +369,7 @@ class InplaceAfterCut(nn.Module):
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_inplace_on_received_value_is_cloned(mode: str) -> None:
     pipe, reference = compiled(InplaceAfterCut(), x64(), [1, 3], chunks=2, checkpoint=mode)
-    assert pipe.program().codes[1].inputs == ["l0"]
+    assert pipe.program().stages[1].inputs == ["l0"]
     assert "clone_tree(l0)" in pipe.stages[1].code
     assert "clone" not in pipe.stages[0].code
     x = x64(6)
@@ -422,7 +422,7 @@ class TiedHead(nn.Module):
 def test_tied_weight_is_shared_and_its_gradient_summed(mode: str) -> None:
     ids = torch.randint(0, 11, (4, 3))
     pipe, reference = compiled(TiedHead(), ids, [2, 2, 2], chunks=2, checkpoint=mode)
-    assert [code.shared for code in pipe.program().codes] == [["emb.weight"], [], ["emb.weight"]]
+    assert [[t is pipe.emb.weight for t in shared] for shared in pipe.program().shared] == [[True], [], [True]]
     assert placeholders(pipe.stages[2])[-1] == "shared_emb_weight"
     tied = [name for name, p in pipe.named_parameters() if p is pipe.emb.weight]
     assert tied == ["emb.weight"] and pipe.head.weight is pipe.emb.weight

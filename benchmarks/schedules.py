@@ -1,0 +1,150 @@
+"""Schedules side by side on CPU cores: efficiency, predicted and measured bubble, activation memory.
+
+For each workload every schedule runs `pipe.train_step` (forward, loss and backward per
+micro-batch), interleaved round-robin with the plain model on one thread. E = T(plain) /
+(n x T(step)), n the number of worker threads (devices). Peak activation memory per stage is
+measured in one extra step with `pipe.measure_memory` on (its hook costs time, so the timed
+steps run without it), and predicted by the plan's simulator.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from environment import command_lines, ensure_malloc_env
+from overhead import ROOT, Contender, make_mlp, measure
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; 2 with --quick)")
+    p.add_argument("--steps-per-block", type=int, default=None, help="steps per timed block (default 2; 1 with --quick)")
+    p.add_argument("--checkpoint", default="never", help="checkpoint mode of every pipeline (default 'never')")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--gantt", default=None, help="write the Gantt chart of the MLP's zb-h1 step here (SVG)")
+    args = p.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    args.steps_per_block = args.steps_per_block or (1 if args.quick else 2)
+    return args
+
+
+def workloads(quick: bool) -> list[Workload]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    from unet import loss_fn as unet_loss, make_batch, make_model
+
+    torch.manual_seed(0)
+    layers, width, batch = (8, 128, 512) if quick else (16, 512, 2048)
+    x = torch.randn(batch, width)
+    mlp = Workload(f"MLP {layers}x{width}, batch {batch}", make_mlp(layers, width), x, torch.randn(batch, width), F.mse_loss)
+    images, size = (16, 16) if quick else (128, 32)
+    ux, uy = make_batch(images, size=size)
+    unet = Workload(f"U-Net (examples/unet.py), batch {images}, {size}x{size}", make_model(), ux, uy, unet_loss)
+    return [mlp, unet]
+
+
+def plain_step(w: Workload) -> Callable[[], None]:
+    params = list(w.model.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        w.loss_fn(w.model(w.x), w.y).backward()
+
+    return step
+
+
+def pipeline(w: Workload, schedule: str, chunks: int, checkpoint: str) -> Any:
+    from fxpipe import compile_pipeline
+
+    kwargs: dict[str, Any] = dict(chunks=chunks, checkpoint=checkpoint, schedule=schedule)
+    if schedule == "interleaved-1f1b":
+        kwargs["stages_per_device"] = 2
+    return compile_pipeline(copy.deepcopy(w.model), w.x, ["cpu", "cpu"], **kwargs)
+
+
+def train_step(pipe: Any, w: Workload) -> Callable[[], None]:
+    params = list(pipe.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        pipe.train_step(w.x, target=w.y, loss_fn=w.loss_fn)
+
+    return step
+
+
+def mib(values: Sequence[float]) -> str:
+    return " / ".join(f"{v / 2**20:.1f}" for v in values)
+
+
+def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
+    plain = Contender("plain", plain_step(w))
+    pipes = {name: pipeline(w, name, args.chunks, args.checkpoint) for name in SCHEDULES}
+    contenders = [plain, *(Contender(name, train_step(pipe, w)) for name, pipe in pipes.items())]
+    measure(contenders, args.repeats, args.steps_per_block, warmup=1)
+    rows = []
+    for contender in contenders[1:]:
+        pipe = pipes[contender.name]
+        measured_bubble = pipe.timeline().bubble()  # of the last timed step
+        pipe.measure_memory = True
+        train_step(pipe, w)()
+        pipe.measure_memory = False
+        predicted = pipe.plan.prediction()
+        stages = len(pipe.plan.stages)
+        rows.append([
+            w.name, contender.name, f"{stages} stages on 2",
+            f"{plain.median / (2 * contender.median):.3f}", f"{plain.best / (2 * contender.best):.3f}",
+            f"{predicted.timeline.bubble():.2f}", f"{measured_bubble:.2f}",
+            mib(pipe.last_peak_bytes), mib([predicted.peak_bytes.get(s, 0) for s in range(stages)]),
+            f"{contender.median * 1e3:.1f}",
+        ])  # fmt: skip
+        if args.gantt and contender.name == "zb-h1" and w is not None and "MLP" in w.name:
+            train_step(pipe, w)()
+            pipe.timeline().to_svg(args.gantt, predicted=predicted.timeline, title=f"measured, {w.name}, zb-h1")
+    return rows
+
+
+HEADER = ["workload", "schedule", "stages", "E median", "E best", "bubble predicted", "bubble measured",
+          "peak activations per stage, MiB (measured)", "(predicted)", "ms/step median"]  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    reexecuted = ensure_malloc_env()
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    for line in command_lines(reexecuted, "steady allocator for every contender"):
+        print(line)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, one thread per worker; chunks {args.chunks}, "
+          f"checkpoint {args.checkpoint!r}; E = T(plain) / (2 x T(step)); GPipe bound m/(m+n-1) = "
+          f"{args.chunks / (args.chunks + 1):.3f}\n")  # fmt: skip
+    rows = [row for w in workloads(args.quick) for row in bench(w, args)]
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    print("| " + " | ".join(h.ljust(n) for h, n in zip(HEADER, widths)) + " |")
+    print("|" + "|".join("-" * (n + 2) for n in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(c.ljust(n) for c, n in zip(row, widths)) + " |")
+    print(f"\nload average at end={os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

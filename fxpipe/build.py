@@ -1,0 +1,135 @@
+"""Building a cut for the runtime: generated stage modules and what each stage's runtime needs.
+
+Runs at compile time, and again when the runtime asks (a dtype cast makes new buffers, a deep
+copy new parameters): the runtime calls it through `Compiled.build` and never reads the graph.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fxpipe.batchnorm import defer_batch_norm
+from fxpipe.checkpoint import slot_of
+from fxpipe.gather import ValueRef
+from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.codegen import StageCode, generate_stages
+from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
+from fxpipe.passes.sources import output_sources
+from fxpipe.passes.state import aliases_state, writable_buffers
+from fxpipe.program import Cut, Program
+from fxpipe.schedule import Layout
+from fxpipe.step import StageRuntime
+
+
+def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool) -> Program:
+    """The stages of `cut` generated on `owner`'s parameters and buffers."""
+    codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
+    for code in codes:
+        draw_from_task_streams(code.module)
+        if deferred_batch_norm:
+            defer_batch_norm(code.module)
+
+    def resolve(name: str) -> Any:
+        try:
+            return fetch_attr(owner, name)
+        except AttributeError:
+            return fetch_attr(cut.graph, name)
+
+    shared = [[resolve(name) for name in code.shared] for code in codes]
+    stages = [_stage(cut, codes, index, devices[index], shared[index]) for index in range(len(codes))]
+    template = _template(cut.graph)
+    refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef) and leaf.given]
+    inputs = {n.name for n in cut.graph.graph.nodes if n.op == "placeholder"}
+    sources = output_sources(cut.graph)
+    return Program(
+        cut=cut,
+        stages=stages,
+        modules=[code.module for code in codes],
+        shared=shared,
+        layout=Layout.of(cut.edges, ranks),
+        template=template,
+        given={ref.name: resolve(ref.name) for ref in refs if ref.name not in inputs},
+        parameters=_parameters_read(stages, shared),
+        output_inputs={name: list(s.inputs) for name, s in sources.items()},
+        output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
+    )
+
+
+def _stage(cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any]) -> StageRuntime:
+    code = codes[index]
+    sources = {e.value: e.src for e in cut.edges if e.dst == index}
+    consumers: dict[str, list[int]] = {name: [] for name in code.outputs}
+    for e in cut.edges:
+        if e.src == index:
+            consumers[e.value].append(e.dst)
+    shared_ids = {id(t) for t in shared}
+    params = [p for p in code.module.parameters() if id(p) not in shared_ids]
+    paths: dict[int, list[str]] = {}
+    for name, p in code.module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+    random = random_sources(cut.graph, cut.runs[index])
+    hidden = random_sources(code.module, list(code.module.graph.nodes))
+    nodes = {node.name: node for node in cut.runs[index]}
+    return StageRuntime(
+        index, device, code.module, code.inputs, code.outputs, sources, consumers,
+        params=params,
+        param_slots=[[slot_of(code.module, path) for path in paths[id(p)]] for p in params],
+        random_always=random.always,
+        random_modules=[fetch_attr(cut.graph, name) for name in random.modules],
+        hidden_always=hidden.always,
+        hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
+        writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
+        state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
+        written=code.written,
+        whole_modules=_called_whole(code.module),
+    )  # fmt: skip
+
+
+def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[Any]]) -> list[nn.Parameter]:
+    """The parameters that some stage reads, once each."""
+    found: dict[int, nn.Parameter] = {}
+    for stage, copies in zip(stages, shared):
+        for p in [*stage.params, *copies]:
+            if isinstance(p, nn.Parameter):
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
+    """The modules a stage calls whole that are not PyTorch's own (whose forwards assign nothing)."""
+    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
+    return list({id(m): m for m in modules if not type(m).__module__.startswith("torch.")}.values())
+
+
+def _template(graph: fx.GraphModule) -> Any:
+    """The output's structure as the model returns it, each graph value a ValueRef."""
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    returned = _mutable(output.args[0], output.meta.get("containers"))
+    if "out_spec" in output.meta:  # exported: the output's structure as the model returned it
+        returned = tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"])
+    return tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
+
+
+def _mutable(value: Any, containers: Any = None) -> Any:
+    """fx's immutable dicts and lists in an output as the containers the model made: the types
+    the tracer recorded (`containers`, an OrderedDict say), else plain dicts and lists."""
+    kind, inner = containers if isinstance(containers, tuple) else (None, None)
+    if type(value) in (dict, immutable_dict):
+        items = {key: _mutable(v, inner.get(key) if isinstance(inner, dict) else None) for key, v in value.items()}
+        return kind(items) if kind is not None and issubclass(kind, dict) else items
+    if type(value) in (list, immutable_list, tuple):
+        parts = [_mutable(v, inner[i] if isinstance(inner, list) and i < len(inner) else None) for i, v in enumerate(value)]
+        return tuple(parts) if type(value) is tuple else parts
+    return value
+
+
+def _ref(node: fx.Node) -> ValueRef:
+    if node.op == "get_attr":
+        return ValueRef(str(node.target), given=True)
+    return ValueRef(node.name, given=node.op == "placeholder")
+

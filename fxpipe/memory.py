@@ -1,0 +1,66 @@
+"""Activation memory as a step holds it: the bytes autograd saves for each live micro-batch, per stage.
+
+A micro-batch's bytes at a stage are counted from its forward (and recompute) until its backward
+(B, or W) releases them; parameters that autograd saves are not activations and are not counted.
+A tensor saved twice (or viewed alike) is counted once.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import torch
+
+
+class ActivationMeter:
+    def __init__(self, stages: int, parameters: Sequence[torch.Tensor]) -> None:
+        self.excluded = {_storage(p) for p in parameters}  # and every view of them
+        self.seen: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        self.held: dict[tuple[int, int], int] = {}
+        self.now = [0] * stages
+        self.peak = [0] * stages
+        self.lock = threading.Lock()
+
+    def add(self, i: int, j: int, tensors: Sequence[Any]) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._count(i, j, t)
+
+    def _count(self, i: int, j: int, t: torch.Tensor) -> None:
+        if t.device.type == "meta" or _storage(t) in self.excluded:
+            return
+        size = t.numel() * t.element_size()
+        key = (t.data_ptr(), size)  # a view counts what it spans: micro-batches are views of the batch
+        with self.lock:
+            seen = self.seen.setdefault((i, j), set())
+            if key in seen:
+                return
+            seen.add(key)
+            self.held[(i, j)] = self.held.get((i, j), 0) + size
+            self.now[j] += size
+            self.peak[j] = max(self.peak[j], self.now[j])
+
+    @contextmanager
+    def saving(self, i: int, j: int) -> Iterator[None]:
+        """Count what autograd saves while the block runs as micro-batch i's at stage j."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            self._count(i, j, t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            yield
+
+    def release(self, i: int, j: int) -> None:
+        with self.lock:
+            self.now[j] -= self.held.pop((i, j), 0)
+            self.seen.pop((i, j), None)
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()

@@ -1,0 +1,90 @@
+"""The compiled record: everything `compile_pipeline` hands the runtime, and nothing it must work out.
+
+    Compiled ── plan            stages, devices, edges (each value's producer and consumers)
+             ── cuts            per mode, the graph cut into runs of nodes (for rebuilding)
+             ── build(model, cut) -> Program: the generated stages on the model's tensors,
+                                   run again after a dtype cast or on a copied model
+             ── bind            the caller's arguments -> the graph's input values
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.plan import Edge, Plan
+from fxpipe.schedule import Layout
+from fxpipe.step import StageRuntime
+
+Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
+ChunkSpec = dict[str, Optional[int]]
+
+
+@dataclass
+class Cut:
+    """One graph of the model, cut into runs of nodes, one per stage, and its edges."""
+
+    graph: fx.GraphModule
+    runs: list[list[fx.Node]]
+    edges: list[Edge]
+
+    def copy(self, memo: dict[int, Any]) -> "Cut":
+        """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
+        graph = copy.deepcopy(self.graph, memo)
+        nodes = {node.name: node for node in graph.graph.nodes}
+        return Cut(graph, [[nodes[n.name] for n in run] for run in self.runs], list(self.edges))
+
+
+@dataclass
+class Program:
+    """A cut built for the runtime: what each stage runs, and what the outputs are made of."""
+
+    cut: Cut
+    stages: list[StageRuntime]
+    modules: list[fx.GraphModule]  # the generated stage modules
+    shared: list[list[Any]]  # per stage, its copies' sources: tensors other stages read too
+    layout: Layout
+    template: Any  # the output's structure, with ValueRefs for the values in it
+    given: dict[str, Any]  # attributes the output returns as they are (resolved)
+    parameters: list[nn.Parameter]  # every one some stage reads, once
+    output_inputs: dict[str, list[str]] = field(default_factory=dict)  # inputs each output depends on
+    output_params: dict[str, list[Any]] = field(default_factory=dict)  # parameters each depends on
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        return self.cut.graph
+
+    @property
+    def runs(self) -> list[list[fx.Node]]:
+        return self.cut.runs
+
+    @property
+    def edges(self) -> list[Edge]:
+        return self.cut.edges
+
+
+Builder = Callable[[nn.Module, Cut], Program]
+
+
+@dataclass
+class Compiled:
+    """The one contract between compile_pipeline and the runtime."""
+
+    plan: Plan
+    cuts: dict[bool, Cut]  # by training mode; one object when the graph does not read the mode
+    bind: Binder
+    build: Builder
+    devices: list[torch.device]  # of each stage
+    chunk_spec: ChunkSpec = field(default_factory=dict)
+    deferred_batch_norm: bool = False
+
+    def copy(self, memo: dict[int, Any]) -> "Compiled":
+        cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
+        return Compiled(
+            copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
+            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm,
+        )  # fmt: skip
