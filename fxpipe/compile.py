@@ -13,14 +13,14 @@ from fxpipe.frontend import to_graph
 from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
-from fxpipe.passes.devices import pin_devices
+from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.export import shapes_note
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.markers import cuts_from_markers, is_split
-from fxpipe.passes.partition import cuts_from_split_points, partition, refuse
+from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
@@ -85,8 +85,8 @@ def _balance_problems(balance: Any) -> list[str]:
 def _split_point_problems(split_points: Any, balance: Any) -> list[str]:
     if split_points is None:
         return []
-    if balance is not None:
-        return ["split_points and balance were both given: give one of them"]
+    if conflicting_options(split_points, balance):
+        return conflicting_options(split_points, balance)
     names = not isinstance(split_points, str) and isinstance(split_points, Sequence)
     if not names or not all(isinstance(p, str) for p in split_points):
         return [f"split_points must be a list of module names where stages 1, 2, ... begin, e.g. ['blocks.4'] (got {split_points!r})"]

@@ -8,13 +8,14 @@ a copy stream, after the producer's stream, and the consumer's stream waits for 
     consumer stream                              └─wait─[compute]
 
 so compute on both devices overlaps with the copy. On the CPU every step is synchronous and a
-value bound for the same device is not copied at all.
+value bound for the same device is not copied at all. Values wait in a `Mailbox` until the task
+that receives them takes them.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Hashable, Optional, Sequence
 
 import torch
 
@@ -89,3 +90,39 @@ def _copy(t: torch.Tensor, device: torch.device, streams: dict[torch.device, Any
     if t.is_cuda:
         t.record_stream(stream)  # the source must outlive the copy, whichever stream frees it
     return out
+
+
+class Aborted(Exception):
+    """Another task failed, or the caller gave up; this one stops waiting."""
+
+
+class Mailbox:
+    """Parcels keyed by (direction, stage, micro-batch, value, ...); `take` waits for its keys."""
+
+    def __init__(self, timeout: Optional[float] = None) -> None:
+        self.timeout = timeout  # seconds `take` waits before it reports a hang; None: forever
+        self.items: dict[Hashable, Parcel] = {}
+        self.cond = threading.Condition()
+        self.aborted = False
+
+    def put(self, key: Hashable, parcel: Parcel) -> None:
+        with self.cond:
+            self.items[key] = parcel
+            self.cond.notify_all()
+
+    def take(self, keys: Sequence[Hashable]) -> list[Any]:
+        with self.cond:
+            ready = self.cond.wait_for(lambda: self.aborted or all(k in self.items for k in keys), self.timeout)
+            if self.aborted:
+                raise Aborted()
+            if not ready:
+                missing = [k for k in keys if k not in self.items]
+                raise TimeoutError(f"waited {self.timeout} s for {missing}: the pipeline is stuck")
+            parcels = [self.items.pop(k) for k in keys]
+        return [p.open() for p in parcels]
+
+    def abort(self) -> None:
+        with self.cond:
+            self.aborted = True
+            self.items.clear()
+            self.cond.notify_all()

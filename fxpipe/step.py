@@ -21,11 +21,10 @@ only what the caller asked for receives them, and each parameter's hooks fire on
 """
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Hashable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext
-from fxpipe.devices import Parcel, send
+from fxpipe.devices import Aborted, Mailbox, send
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
@@ -56,10 +55,6 @@ class StageError(RuntimeError):
     def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException) -> None:
         super().__init__(f"stage {stage} failed on micro-batch {micro_batch} in {phase}: {type(error).__name__}: {error}")
         self.stage, self.micro_batch, self.phase = stage, micro_batch, phase
-
-
-class _Aborted(Exception):
-    """Another task failed, or the caller gave up; this one stops waiting."""
 
 
 class _LossError(Exception):
@@ -102,37 +97,6 @@ class StageRuntime:
     def draws_hidden(self) -> bool:
         """Whether a call now may draw through an op that needs the dispatch mode."""
         return self.hidden_always or draws_now(self.hidden_modules)
-
-
-class Mailbox:
-    """Parcels keyed by (direction, stage, micro-batch, value, ...); `take` waits for its keys."""
-
-    def __init__(self) -> None:
-        self.items: dict[Hashable, Parcel] = {}
-        self.cond = threading.Condition()
-        self.aborted = False
-
-    def put(self, key: Hashable, parcel: Parcel) -> None:
-        with self.cond:
-            self.items[key] = parcel
-            self.cond.notify_all()
-
-    def take(self, keys: Sequence[Hashable]) -> list[Any]:
-        with self.cond:
-            ready = self.cond.wait_for(lambda: self.aborted or all(k in self.items for k in keys), WAIT_TIMEOUT)
-            if self.aborted:
-                raise _Aborted()
-            if not ready:
-                missing = [k for k in keys if k not in self.items]
-                raise TimeoutError(f"waited {WAIT_TIMEOUT} s for {missing}: the pipeline is stuck")
-            parcels = [self.items.pop(k) for k in keys]
-        return [p.open() for p in parcels]
-
-    def abort(self) -> None:
-        with self.cond:
-            self.aborted = True
-            self.items.clear()
-            self.cond.notify_all()
 
 
 @dataclass
@@ -183,7 +147,7 @@ class Step:
         self.output_device, self.input_devices = output_device, input_devices
         self.context, self.batch_stats = context, batch_stats
         self.sink = len(stages)
-        self.mailbox = Mailbox()
+        self.mailbox = Mailbox(WAIT_TIMEOUT)
         self.saved: dict[tuple[int, int], _Saved] = {}
         # Per action run: from its inputs in hand to its outputs made.
         self.timeline: list[Record] = []
@@ -215,14 +179,14 @@ class Step:
                 error: Optional[BaseException] = None
                 try:
                     if self.cancelled or self.mailbox.aborted:  # what it needs may never have been made
-                        raise _Aborted()
+                        raise Aborted()
                     start, end = body(action.micro_batch, action.stage)
                     rank = self.layout.ranks[action.stage]
                     self.timeline.append(Record(action.kind, action.stage, action.micro_batch, rank, start, end))
                 except BaseException as e:  # noqa: BLE001 - handed to the caller thread
                     error = e
                     self.mailbox.abort()
-                group.finish(action, None if isinstance(error, _Aborted) else error)
+                group.finish(action, None if isinstance(error, Aborted) else error)
 
             return run
 
@@ -504,7 +468,7 @@ class Step:
     def _weight_grad_task(self, i: int, j: int) -> tuple[float, float]:
         """W: the gradients of the stage's parameters and shared copies, from what I kept."""
         start = time.perf_counter()
-        stage, saved = self.stages[j], self._release(i, j)
+        saved = self._release(i, j)
         assert saved.pending is not None
         saved.pending.run()
         return start, time.perf_counter()

@@ -7,6 +7,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+COMPUTE_OPS = ("call_module", "call_function", "call_method")  # the nodes that compute a value
+
 
 def fetch_attr(root: nn.Module, target: str) -> Any:
     """The object at a dotted path below `root`, with an error that names the missing part."""
@@ -26,7 +28,7 @@ def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
         state = dict(module.named_parameters(prefix=str(node.target), remove_duplicate=False))
         state.update(module.named_buffers(prefix=str(node.target), remove_duplicate=False))
         return state
-    if node.op not in ("call_function", "call_method"):
+    if node.op not in ("call_function", "call_method"):  # a module's own are its parameters
         return {}
     found = {}
     for arg in node.all_input_nodes:

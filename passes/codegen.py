@@ -14,7 +14,6 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from fxpipe.microbatch import clone_tree
 from fxpipe.passes.attrs import fetch_attr, tensors_read

@@ -12,7 +12,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.passes.attrs import parameters_of
 from fxpipe.passes.inplace import writes_first_argument
-from fxpipe.passes.objective import CutModel, crossing_values
+from fxpipe.passes.linearize import COMPUTE_OPS
+from fxpipe.passes.objective import CutModel, crossing_values, kept_micro_batches
 from fxpipe.passes.snapshot import preserved
 
 BALANCE_MODES = ("time", "flops", "params", "memory")
@@ -67,7 +68,7 @@ class _Capture(fx.Interpreter):
         self.buffers = {id(b) for b in gm.buffers()}
 
     def run_node(self, n: fx.Node) -> Any:
-        if n.op in ("call_module", "call_function", "call_method"):
+        if n.op in COMPUTE_OPS:
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             call, writes = getattr(self, n.op), writes_first_argument(self.module, n)
 
@@ -150,7 +151,7 @@ def cut_model(
     Receiving costs (bytes over `bandwidth`) are part of a stage's time in the modes measured in
     seconds, 'time' and 'flops'; 'params' and 'memory' balance bytes alone.
     """
-    kept = (chunks - checkpointed + (1 if checkpointed else 0)) / chunks
+    kept = kept_micro_batches(chunks, checkpointed) / chunks
     return CutModel(
         times=node_weights(order, mode, param_scale=param_scale, kept=kept, flop_rate=flop_rate),
         params=[float(n.meta.get("param_bytes", 0)) for n in order],

@@ -12,8 +12,7 @@ that come back from stages 2 and 3 are summed at stage 0.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch.fx as fx
 

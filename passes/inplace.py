@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.attrs import COMPUTE_OPS, fetch_attr
 
 # Ops that return a view of their first argument: an in-place op on such a view writes the input.
 _VIEW_METHODS = {
@@ -307,7 +307,7 @@ def check_writes_across_stages(gm: fx.GraphModule) -> None:
                     f"{_describe(write)} runs in stage {_stage(write)}, and the stage boundary falls "
                     f"right after it: stage {_stage(node)} could not see what it wrote"
                 )
-        target = written_value(gm, node) if node.op in ("call_function", "call_method", "call_module") else None
+        target = written_value(gm, node) if node.op in COMPUTE_OPS else None
         if target is None:
             continue
         if _view_root(target).op == "get_attr":

@@ -15,9 +15,11 @@ from typing import Sequence
 
 import torch.fx as fx
 
+from fxpipe.passes.attrs import COMPUTE_OPS
 from fxpipe.passes.inplace import written_value
 
-COMPUTE_OPS = ("call_module", "call_function", "call_method")
+__all__ = ["COMPUTE_OPS", "linearize", "open_bytes"]
+
 
 
 def open_bytes(order: Sequence[fx.Node]) -> int:

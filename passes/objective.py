@@ -80,7 +80,7 @@ class CutModel:
         micro-batches that are not checkpointed and of one being recomputed."""
         params = self.param_scale * (self.prefix_params[e] - self.prefix_params[s])
         per_micro_batch = (self.prefix_activations[e] - self.prefix_activations[s]) / self.chunks
-        kept = self.chunks - self.checkpointed + (1 if self.checkpointed else 0)
+        kept = kept_micro_batches(self.chunks, self.checkpointed)
         return params + self.received(s, e) + kept * per_micro_batch
 
     def pipeline_time(self, cuts: Sequence[int]) -> float:
@@ -94,6 +94,12 @@ class CutModel:
     def additive(self) -> bool:
         """Whether a stage's time is the plain sum of its nodes' times (nothing to receive)."""
         return self.bandwidth is None
+
+
+def kept_micro_batches(chunks: int, checkpointed: int) -> int:
+    """How many micro-batches' activations a stage holds at its peak under GPipe: those not
+    checkpointed, and one being recomputed."""
+    return chunks - checkpointed + (1 if checkpointed else 0)
 
 
 def crossing_values(order: Sequence[fx.Node]) -> list[CrossingValue]:

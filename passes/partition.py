@@ -4,7 +4,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
@@ -323,8 +323,8 @@ def partition(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],
             "How to fix: use fewer devices, or trace at a finer grain (fewer leaf_modules).",
         )
-    if split_points is not None and balance is not None:
-        refuse(["both split_points and balance were given"], "How to fix: give one of them.")
+    if conflicting_options(split_points, balance):
+        refuse(conflicting_options(split_points, balance), "How to fix: give one of them.")
     if cuts is not None:
         cuts = _checked_cuts(order, cuts, stages)
     elif split_points is not None:
@@ -341,6 +341,13 @@ def partition(
         for node in run:
             node.meta["stage"] = index
     return runs
+
+
+def conflicting_options(split_points: Any, balance: Any) -> list[str]:
+    """The cut was asked for twice (a problem for the caller's error list), or nothing."""
+    if split_points is not None and balance is not None:
+        return ["split_points and balance were both given: give one of them"]
+    return []
 
 
 def _weight(node: fx.Node) -> float:

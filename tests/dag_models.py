@@ -12,7 +12,7 @@ import linecache
 import random
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F  # noqa: F401  (used by the generated sources)

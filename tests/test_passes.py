@@ -328,7 +328,7 @@ def test_split_points_through_compile_pipeline() -> None:
         (2, {"balance": [3, 4]}, r"balance sums to 7 but the graph has 8 nodes to place"),
         (3, {"balance": [0, 4, 4]}, r"balance \[0, 4, 4\] has an entry below 1"),
         (2, {"balance": [2, 2, 4]}, r"balance has 3 entries for 2 devices"),
-        (2, {"balance": [4, 4], "split_points": ["b2"]}, r"both split_points and balance were given"),
+        (2, {"balance": [4, 4], "split_points": ["b2"]}, r"split_points and balance were both given"),
         (9, {}, r"9 stages but the graph has only 8 nodes to place"),
     ],
 )
