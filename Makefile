@@ -24,12 +24,15 @@ graphviz:
 demo: setup
 	$(PY) examples/unet.py --svg unet.svg
 
+# The suite, then the types of everything (the library, its tests, benchmarks and examples).
 test: setup
 	$(PY) -m pytest -q
+	$(PY) -m mypy fxpipe passes tests benchmarks examples
 
 bench: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/schedules.py --gantt docs/gantt_zb_h1.svg
 	$(PY) benchmarks/balance.py
 
 clean:

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -22,6 +22,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from environment import command_lines, ensure_malloc_env
+
+if TYPE_CHECKING:
+    from gpt import GPT
 
 ROOT = Path(__file__).resolve().parent.parent
 IMBALANCE_TARGET = 1.10  # measured max/mean at 4 stages, balance='time', U-Net and GPT
@@ -228,7 +231,7 @@ class Case:
 class GPTEmbedding(nn.Module):
     """The GPT's token and position embeddings, as the first layer of its Sequential form."""
 
-    def __init__(self, gpt: nn.Module) -> None:
+    def __init__(self, gpt: GPT) -> None:
         super().__init__()
         self.tok_emb, self.pos_emb, self.drop = gpt.tok_emb, gpt.pos_emb, gpt.drop
 

@@ -9,12 +9,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from environment import command_lines, ensure_malloc_env
+
+if TYPE_CHECKING:
+    from fxpipe import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -126,7 +129,7 @@ def measure(contenders: Sequence[Contender], repeats: int, steps_per_block: int,
 
 
 # -- the libraries --------------------------------------------------------------------------
-def fxpipe_pipeline(model: nn.Module, example: torch.Tensor, stages: int, chunks: int, checkpoint: str, **options: Any) -> nn.Module:
+def fxpipe_pipeline(model: nn.Module, example: torch.Tensor, stages: int, chunks: int, checkpoint: str, **options: Any) -> Pipeline:
     from fxpipe import compile_pipeline
 
     devices = ["cpu"] * stages

@@ -10,6 +10,8 @@ from training import train
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, n_embd: int, n_head: int, block_size: int, dropout: float) -> None:
         super().__init__()
         self.n_head = n_head

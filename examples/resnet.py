@@ -20,7 +20,7 @@ class ResidualBlock(nn.Module):
             nn.Conv2d(cout, cout, 3, padding=1, bias=False), norm(cout),
         )
         if stride == 1 and cin == cout:
-            self.shortcut = nn.Identity()
+            self.shortcut: nn.Module = nn.Identity()
         else:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), norm(cout))
         self.act = nn.ReLU()

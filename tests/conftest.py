@@ -5,7 +5,7 @@ import copy
 import importlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -47,7 +47,16 @@ def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10
         torch.testing.assert_close(param.grad.cpu(), expected, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
-def twin(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+M = TypeVar("M", bound=nn.Module)
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor:
+    """`param.grad`, which a backward through it has set."""
+    assert param.grad is not None
+    return param.grad
+
+
+def twin(model: M) -> tuple[M, M]:
     """The model in float64, and an independent copy for reference."""
     model = model.double()
     return model, copy.deepcopy(model)

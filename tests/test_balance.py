@@ -1,6 +1,7 @@
 """Balancing: best_cuts against brute force, its speed, byte-aware linearization, balance modes and the plan summary."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -352,7 +353,7 @@ BRANCHED: dict[str, Callable[[], nn.Module]] = {
     "unet": TinyUNet,
     # Seeds 2 (six nodes) and 6 are orders where the greedy one is worse than the traced one.
     "dag2_small": lambda: RandomDag(2, size=6),
-    **{f"dag{seed}": (lambda seed=seed: RandomDag(seed)) for seed in range(8)},
+    **{f"dag{seed}": functools.partial(RandomDag, seed) for seed in range(8)},
     "late_wide": LateWide,
 }
 

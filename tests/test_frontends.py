@@ -187,6 +187,8 @@ def test_attributes_assigned_in_forward_are_refused_and_leave_no_trace() -> None
 
 
 class ReadsBuffer(nn.Module):
+    cval: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)

@@ -68,7 +68,8 @@ def test_language_model_at_every_sequence_length(make: Callable[[], nn.Module]) 
 
 def test_a_model_that_returns_its_cache_says_to_turn_it_off() -> None:
     model = gpt2().eval()
-    model.config.use_cache = True
+    config: Any = model.config  # a transformers config (transformers comes from importorskip: untyped here)
+    config.use_cache = True
     with pytest.raises(Exception, match="use_cache = False"):
         compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2)
     pipe = compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2, example_kwargs={"use_cache": False})

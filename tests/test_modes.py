@@ -81,6 +81,7 @@ def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str) -> None:
     expected.float().sum().backward()
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
         # bfloat16 rounds differently on 2-row micro-batches than on the batch: a few ulps
+        assert p.grad is not None and q.grad is not None, name
         assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm(), name
 
 
@@ -124,8 +125,10 @@ def test_parameter_hooks_fire_once_with_the_full_gradient() -> None:
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
     seen: dict[str, list[torch.Tensor]] = {"pipe": [], "plain": []}
-    model.layers[0].weight.register_hook(lambda g: seen["pipe"].append(g.clone()))
-    reference.layers[0].weight.register_hook(lambda g: seen["plain"].append(g.clone()))
+    first, plain_first = model.layers[0], reference.layers[0]
+    assert isinstance(first, nn.Linear) and isinstance(plain_first, nn.Linear)
+    first.weight.register_hook(lambda g: seen["pipe"].append(g.clone()))
+    plain_first.weight.register_hook(lambda g: seen["plain"].append(g.clone()))
     pipe(x).sum().backward()
     reference(x).sum().backward()
     assert len(seen["pipe"]) == len(seen["plain"]) == 1

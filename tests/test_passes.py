@@ -310,8 +310,8 @@ def test_split_point_may_name_a_nested_module() -> None:
 
 
 def test_split_points_through_compile_pipeline() -> None:
-    pipe, reference = twin(Blocks())
-    pipe = compile_pipeline(pipe, x64(), ["cpu"] * 2, split_points=["b2"])
+    model, reference = twin(Blocks())
+    pipe = compile_pipeline(model, x64(), ["cpu"] * 2, split_points=["b2"])
     assert pipe.plan.stages[1].nodes == ["b2_lin", "tanh_2", "b3_lin", "tanh_3"]
     assert pipe.plan.stages[1].modules[0] == "b2.lin"
     assert_same_output(pipe, reference, x64())
@@ -422,6 +422,7 @@ class TiedHead(nn.Module):
 def test_tied_weight_is_shared_and_its_gradient_summed(mode: str) -> None:
     ids = torch.randint(0, 11, (4, 3))
     pipe, reference = compiled(TiedHead(), ids, [2, 2, 2], chunks=2, checkpoint=mode)
+    assert isinstance(pipe.emb, nn.Embedding) and isinstance(pipe.head, nn.Linear)
     assert [[t is pipe.emb.weight for t in shared] for shared in pipe.program().shared] == [[True], [], [True]]
     assert placeholders(pipe.stages[2])[-1] == "shared_emb_weight"
     tied = [name for name, p in pipe.named_parameters() if p is pipe.emb.weight]
@@ -434,6 +435,8 @@ def test_tied_weight_is_shared_and_its_gradient_summed(mode: str) -> None:
 
 
 class ReturnsBuffer(nn.Module):
+    scale: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self) -> None:
         super().__init__()
         self.l0, self.l1 = linears(2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, example_module, twin
+from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, compile_pipeline
 
 
@@ -191,7 +191,7 @@ def _dropout_step(mode: str, seed: int, stages: int = 3) -> tuple[torch.Tensor, 
     torch.manual_seed(seed)
     out = pipe(x)
     gpt.loss_fn(out, y).backward()
-    return out.detach(), {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    return out.detach(), {n: grad_of(p).clone() for n, p in pipe.named_parameters()}
 
 
 def test_dropout_is_replayed_exactly_under_recompute() -> None:

@@ -128,15 +128,16 @@ class Tagger(nn.Module):
 def test_the_first_micro_batches_are_checkpointed_by_index(mode: str, checkpointed: set[int]) -> None:
     """'except_last' checkpoints micro-batches 0..m-2 and keeps the last: its backward comes
     first, so keeping another one instead would hold memory for longer and save nothing."""
-    model = nn.Sequential(nn.Linear(4, 4), Tagger())
+    linear, tagger = nn.Linear(4, 4), Tagger()
+    model = nn.Sequential(linear, tagger)
     x = torch.randn(10, 4)
     x[:, 0] = torch.cat([torch.full((len(p),), float(i)) for i, p in enumerate(torch.tensor_split(x, 4))])
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, checkpoint=mode, leaf_modules=[Tagger], balance=[1, 1])
-    model[0].weight.data = torch.eye(4)
-    model[0].bias.data.zero_()
-    model[1].calls.clear()
+    linear.weight.data = torch.eye(4)
+    linear.bias.data.zero_()
+    tagger.calls.clear()
     pipe(x).sum().backward()
-    forward = {i for i, saving, recomputing in model[1].calls if saving}
-    recomputed = {i for i, saving, recomputing in model[1].calls if recomputing}
+    forward = {i for i, saving, recomputing in tagger.calls if saving}
+    recomputed = {i for i, saving, recomputing in tagger.calls if recomputing}
     assert forward == recomputed == checkpointed
-    assert {i for i, saving, recomputing in model[1].calls if not saving and not recomputing} == {0, 1, 2, 3} - checkpointed
+    assert {i for i, saving, recomputing in tagger.calls if not saving and not recomputing} == {0, 1, 2, 3} - checkpointed

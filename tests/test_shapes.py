@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import assert_grads_equal, example_module, twin
-from fxpipe import compile_pipeline
+from fxpipe import Pipeline, compile_pipeline
 
 
-def quietly(*args: object, **kwargs: object) -> nn.Module:
+def quietly(*args: object, **kwargs: object) -> Pipeline:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
         return compile_pipeline(*args, **kwargs)  # type: ignore[arg-type]

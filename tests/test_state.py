@@ -3,16 +3,18 @@ change: the model's state after a step is the plain model's on the same micro-ba
 from __future__ import annotations
 
 import copy
+from typing import TypeVar
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_grads_equal
-from fxpipe import compile_pipeline
+from conftest import assert_grads_equal, grad_of
+from fxpipe import Pipeline, compile_pipeline
 
 MODES = ("always", "except_last", "never")
+M = TypeVar("M", bound=nn.Module)
 
 
 def in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
@@ -20,7 +22,7 @@ def in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.cat([model(piece) for piece in torch.tensor_split(x, chunks)])
 
 
-def compiled(model: nn.Module, x: torch.Tensor, stages: int, **kwargs: object) -> tuple[nn.Module, nn.Module]:
+def compiled(model: M, x: torch.Tensor, stages: int, **kwargs: object) -> tuple[Pipeline, M]:
     """A pipeline of `model` and an untouched copy, taken before compiling."""
     reference = copy.deepcopy(model)
     pipe = compile_pipeline(model, x, ["cpu"] * stages, **kwargs)  # type: ignore[arg-type]
@@ -36,6 +38,9 @@ def assert_state_equal(model: nn.Module, reference: nn.Module, tol: float = 1e-1
 
 class Counter(nn.Module):
     """Counts its calls in a buffer that a later stage reads, and keeps a running mean."""
+
+    count: torch.Tensor  # buffers, registered in __init__
+    mean: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -88,7 +93,7 @@ def test_batch_norm_statistics_are_updated_once_whatever_the_checkpointing(mode:
         expected = in_turn(reference, x, 4)
         out.sum().backward()
         expected.sum().backward()
-    assert int(pipe.bn1.num_batches_tracked) == int(reference.bn1.num_batches_tracked) == 8
+    assert int(pipe.get_buffer("bn1.num_batches_tracked")) == int(reference.get_buffer("bn1.num_batches_tracked")) == 8
     assert_state_equal(pipe, reference)
     assert_grads_equal(pipe, reference)
     pipe.eval(), reference.eval()
@@ -104,16 +109,18 @@ def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, m
     x = torch.randn(10, 6, dtype=torch.float64) * 3 + 1
     pipe, reference = compiled(model, x, 2, chunks=4, checkpoint=mode, deferred_batch_norm=True)
     full = copy.deepcopy(reference)
+    bn = reference[0]
+    assert isinstance(bn, nn.BatchNorm1d)
     for _ in range(2):
         out = pipe(x)
-        expected = torch.cat([F.batch_norm(p, None, None, reference[0].weight, reference[0].bias, True) for p in torch.tensor_split(x, 4)])
+        expected = torch.cat([F.batch_norm(p, None, None, bn.weight, bn.bias, True) for p in torch.tensor_split(x, 4)])
         expected = reference[1:](expected)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
         out.sum().backward()
         expected.sum().backward()
         full(x)
     assert_grads_equal(pipe, reference)
-    assert int(pipe.get_submodule("0").num_batches_tracked) == 2
+    assert int(pipe.get_buffer("0.num_batches_tracked")) == 2
     assert_state_equal(pipe, full)
     pipe.eval(), full.eval()
     torch.testing.assert_close(pipe(x), full(x), rtol=0, atol=1e-10)
@@ -135,7 +142,7 @@ def _step(pipe: nn.Module, x: torch.Tensor, seed: int) -> tuple[torch.Tensor, li
     torch.manual_seed(seed)
     out = pipe(x)
     out.pow(2).sum().backward()
-    return out.detach(), [p.grad.clone() for p in pipe.parameters()]
+    return out.detach(), [grad_of(p).clone() for p in pipe.parameters()]
 
 
 def test_a_dropout_rate_raised_between_steps_is_replayed_exactly() -> None:

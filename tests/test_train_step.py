@@ -149,11 +149,13 @@ def test_parameter_hooks_fire_once_per_step_with_the_whole_gradient() -> None:
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=4, schedule="zb-h1")
     seen: list[torch.Tensor] = []
-    model.layers[0].weight.register_hook(lambda g: seen.append(g.clone()))
+    first, plain_first = model.layers[0], reference.layers[0]
+    assert isinstance(first, nn.Linear) and isinstance(plain_first, nn.Linear)
+    first.weight.register_hook(lambda g: seen.append(g.clone()))
     pipe.train_step(x, target=y, loss_fn=F.mse_loss)
     F.mse_loss(reference(x), y).backward()
     assert len(seen) == 1
-    torch.testing.assert_close(seen[0], reference.layers[0].weight.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(seen[0], plain_first.weight.grad, rtol=0, atol=1e-12)
 
 
 def test_a_failing_loss_function_names_the_micro_batch_and_leaves_no_gradient() -> None:

@@ -48,6 +48,8 @@ class DroppedSkipAndValueBranch(nn.Module):
 class DroppedCount(nn.Module):
     """The output is right under torch.fx, but the buffer write is lost."""
 
+    count: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)

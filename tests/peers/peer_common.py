@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -14,13 +14,15 @@ from conftest import assert_grads_equal
 ATOL = 1e-9
 CPU2 = ["cpu", "cpu"]
 
+M = TypeVar("M", bound=nn.Module)
+
 
 def cpus(n: int) -> list[str]:
     """`n` CPU stage devices."""
     return ["cpu"] * n
 
 
-def twin64(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def twin64(model: M) -> tuple[M, M]:
     """The model in float64, and an independent copy of it to run plain."""
     model = model.double()
     return model, copy.deepcopy(model)

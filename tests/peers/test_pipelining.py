@@ -309,7 +309,7 @@ def test_split_and_merge_along_dim0() -> None:
     model, reference = twin64(Three())
     model.f2.register_forward_pre_hook(lambda m, a: seen.append((0, 0, a[0].shape[0])))
     example = (x64(4, D), x64(8, D), x64(16, D))
-    spec = {"x0": 0, "x1": 0, "x2": 0}
+    spec: dict[str, int | None] = {"x0": 0, "x1": 0, "x2": 0}
     pipe = compile_pipeline(model, example, ["cpu"], chunks=2, chunk_spec=spec, checkpoint="never")
     seen.clear()
     check_step(pipe, reference, example)
@@ -575,7 +575,9 @@ def test_custom_backward_and_attribute_set_in_forward() -> None:
     check_step(pipe, reference, (x,))
     plain_last(fresh(x).chunk(2)[1])
     for i in range(2):
-        torch.testing.assert_close(model.layers[i].hidden.detach(), plain_last.layers[i].hidden.detach(), rtol=0, atol=ATOL)
+        layer, plain_layer = model.layers[i], plain_last.layers[i]
+        assert isinstance(layer, MLPWithDw) and isinstance(plain_layer, MLPWithDw)
+        torch.testing.assert_close(layer.hidden.detach(), plain_layer.hidden.detach(), rtol=0, atol=ATOL)
 
 
 # -- test_backward.py, test_stage_backward.py ---------------------------------------------------

@@ -228,9 +228,10 @@ def test_no_grad_builds_no_graph() -> None:
 def test_exception_in_a_stage() -> None:
     """Mirrors torchgpipe tests/test_gpipe.py::test_exception: the stage's exception reaches the
     caller (as fxpipe.StageError with the original as its cause)."""
-    model, _ = twin64(nn.Sequential(nn.Linear(1, 1), Armed()))
+    armed = Armed()
+    model, _ = twin64(nn.Sequential(nn.Linear(1, 1), armed))
     pipe = compile_pipeline(model, x64(2, 1), ["cpu"], leaf_modules=[Armed])
-    model[1].armed = True
+    armed.armed = True
     with pytest.raises(StageError) as info:
         pipe(x64(2, 1))
     assert isinstance(info.value.__cause__, Armed.Expected)
@@ -240,10 +241,10 @@ def test_exception_stops_earlier_stages_early() -> None:
     """Mirrors torchgpipe tests/test_gpipe.py::test_exception_early_stop_asap: when the last
     stage fails on the first micro-batch, the slow stage before it does not go on to the
     third."""
-    slow = Slow(0.1)
-    model, _ = twin64(nn.Sequential(nn.Identity(), nn.Linear(1, 1), slow, Armed()))
+    slow, armed = Slow(0.1), Armed()
+    model, _ = twin64(nn.Sequential(nn.Identity(), nn.Linear(1, 1), slow, armed))
     pipe = compile_pipeline(model, x64(3, 1), cpus(4), chunks=3, balance=[1, 1, 1, 1], leaf_modules=[Slow, Armed])
-    model[3].armed = True
+    armed.armed = True
     slow.calls.clear()
     with pytest.raises(StageError):
         pipe(x64(3, 1))
@@ -746,6 +747,7 @@ def test_deferred_batch_norm_in_eval_after_steps() -> None:
     opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
     conv, bn = reference[0], reference[1]
+    assert isinstance(bn, nn.BatchNorm2d)
     for _ in range(3):
         x = tilted()
         pipe(fresh(x)).sum().backward()
