@@ -192,3 +192,48 @@ def test_schedule_arguments_are_checked() -> None:
         compile_pipeline(model, x, ["cpu"] * 2, schedule="1f1b", stages_per_device=2)
     with pytest.raises(ValueError, match="chunks to be a multiple of the device count, 2"):
         compile_pipeline(model, x, ["cpu"] * 2, chunks=3, schedule="interleaved-1f1b", stages_per_device=2)
+
+
+class Dropping(nn.Module):
+    """Dropout between layers: eval mode must not draw, and autocast must reach every stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = FanOut()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(self.drop(x))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_in_eval_mode_train_step_equals_the_plain_model(schedule: str) -> None:
+    model, reference = twin(Dropping())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_with(model, x, schedule, chunks=4)
+    pipe.eval()
+    reference.eval()
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_under_autocast_train_step_casts_as_the_plain_model_does(schedule: str) -> None:
+    model, reference = FanOut(), FanOut()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    pipe = compile_with(model, x, schedule, chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, out = pipe.train_step(x, target=y, loss_fn=F.mse_loss, return_outputs=True)
+        expected_out = reference(x)
+        expected = F.mse_loss(expected_out, y)
+    expected.backward()
+    assert out.dtype == expected_out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected_out.detach(), rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(loss, expected.detach().to(loss.dtype), rtol=2e-2, atol=1e-3)
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-3)
