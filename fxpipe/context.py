@@ -6,9 +6,9 @@ A checkpointed micro-batch recomputes under the state its forward ran under.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -54,3 +54,17 @@ class CallerContext:
     def plain(self) -> bool:
         """Nothing to enter: the common case, kept free of any context manager."""
         return not self.autocast and not self.inference and self.anomaly is None
+
+
+@contextmanager
+def worker_state() -> Iterator[None]:
+    """The thread-local state a stage worker starts with (grad on, no inference mode, no
+    autocast), for tasks run on the caller's own thread: they must compute what a worker would."""
+    with ExitStack() as stack:
+        stack.enter_context(torch.enable_grad())
+        if torch.is_inference_mode_enabled():
+            stack.enter_context(torch.inference_mode(False))
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield

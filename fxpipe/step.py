@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
-from fxpipe.context import CallerContext
-from fxpipe.devices import Aborted, Mailbox, send
+from fxpipe.context import CallerContext, worker_state
+from fxpipe.devices import Aborted, Mailbox, on_device, send
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
@@ -190,21 +190,35 @@ class Step:
 
             return run
 
-        for rank, acts in enumerate(actions):
-            for action in acts:
-                self.workers.submit(rank, task(action))
-        try:
-            # Longer than a task's own wait: a task stuck on a value reports which one.
-            group.wait(None if WAIT_TIMEOUT is None else 2 * WAIT_TIMEOUT)
-        except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
-            self.cancel(group)
-            raise
+        if len(actions) == 1:
+            self._run_inline([task(action) for action in actions[0]], group)
+        else:
+            for rank, acts in enumerate(actions):
+                for action in acts:
+                    self.workers.submit(rank, task(action))
+            try:
+                # Longer than a task's own wait: a task stuck on a value reports which one.
+                group.wait(None if WAIT_TIMEOUT is None else 2 * WAIT_TIMEOUT)
+            except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
+                self.cancel(group)
+                raise
         if group.errors:
             action, error = min(group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
             phase = "loss" if isinstance(error, _LossError) else _PHASES[action.kind]
             cause = error.__cause__ if isinstance(error, _LossError) and error.__cause__ is not None else error
             raise StageError(action.stage, action.micro_batch, phase, cause) from cause
+
+    def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup) -> None:
+        """One worker: nothing to overlap, so the caller's thread runs its list itself, without
+        waking another thread per step (tens of microseconds on an idle core)."""
+        with worker_state(), on_device(self.stages[self.layout.on_rank(0)[0]].device):
+            for run in tasks:
+                run()
+                interrupted = [e for e in group.errors.values() if not isinstance(e, Exception)]
+                if interrupted:  # Ctrl-C: stop the step, and let the caller see it as it is
+                    self.cancel()
+                    raise interrupted[0]
 
     def _turn(self, action: Action) -> tuple[float, int]:
         """When an action runs in the schedule with unit costs, then its stage: of two failures,

@@ -49,10 +49,12 @@ class WithSlow(nn.Module):
         return self.b(self.slow(torch.tanh(self.a(x))))
 
 
-def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind() -> None:
+@pytest.mark.parametrize("stages", [1, 2])  # one worker runs its tasks on the caller's thread
+def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages: int) -> None:
     model, reference = twin(WithSlow())
     x = torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, leaf_modules=[Slow], balance=[2, 2])
+    balance = [4] if stages == 1 else [2, 2]
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4, leaf_modules=[Slow], balance=balance)
     loss = pipe(x).sum()
     timer = threading.Timer(0.3, _thread.interrupt_main)
     timer.start()
