@@ -34,11 +34,13 @@ class PlacementError(RuntimeError):
 
 
 class Pipeline(nn.Module):
-    """A model cut into stages, one per device, run as a GPipe pipeline.
+    """A model cut into stages, run as a pipeline over micro-batches.
 
     Made by `compile_pipeline`. `pipe(*args)` takes what the model takes and returns what it
-    returns, on the last stage's device; its parameters are the model's own, moved to the device
-    of the first stage that uses them, under the model's own names.
+    returns, on the last stage's device, and `loss.backward()` runs GPipe's backward;
+    `pipe.train_step(*args, target=, loss_fn=)` runs forward, loss and backward under the
+    compiled schedule. Its parameters are the model's own, moved to the device of the first
+    stage that uses them, under the model's own names.
     """
 
     # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own

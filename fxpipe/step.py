@@ -210,8 +210,8 @@ class Step:
             raise StageError(action.stage, action.micro_batch, phase, cause) from cause
 
     def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup) -> None:
-        """One worker: nothing to overlap, so the caller's thread runs its list itself, without
-        waking another thread per step (tens of microseconds on an idle core)."""
+        """One worker: nothing to overlap, so the caller's thread runs its list itself, and no
+        other thread is woken."""
         with worker_state(), on_device(self.stages[self.layout.on_rank(0)[0]].device):
             for run in tasks:
                 run()
