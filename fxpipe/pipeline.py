@@ -17,7 +17,7 @@ from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
@@ -195,6 +195,7 @@ class Pipeline(nn.Module):
         total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
         outputs = None
         if return_outputs or (loss_fn is not None and len(call.sizes) > 1 and (id(loss_fn), reduction) not in self._losses_checked):
+            _check_gatherable(step.outputs[0], len(call.sizes))
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
             outputs = gathered.rebuild(gathered.tensors)
             if loss_fn is not None and (id(loss_fn), reduction) not in self._losses_checked:
@@ -468,6 +469,17 @@ def _own_loss(output: Any) -> Any:
             "loss_fn=..., and target=... if it takes one."
         )
     return loss
+
+
+def _check_gatherable(outputs: dict[str, Any], micro_batches: int) -> None:
+    """Outputs returned whole must be concatenated from the micro-batches along dim 0."""
+    scalars = [name for name, v in outputs.items() for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.dim() == 0]
+    if scalars and micro_batches > 1:
+        raise ValueError(
+            f"return_outputs=True concatenates the outputs of the {micro_batches} micro-batches along dim 0, "
+            f"and the model returns a 0-dim value ({', '.join(scalars)}: its loss?).\nHow to fix: use the "
+            "loss train_step returns (return_outputs=False), or chunks=1. No gradient was accumulated."
+        )
 
 
 def _describe(value: Any) -> str:

@@ -133,6 +133,15 @@ def test_a_model_that_returns_its_loss_needs_no_loss_function(schedule: str) -> 
     assert_grads_equal(pipe, reference)
 
 
+def test_outputs_of_a_model_that_returns_its_loss_cannot_be_gathered_and_say_so() -> None:
+    model = OwnLoss().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y), ["cpu"] * 2, chunks=4, schedule="1f1b")
+    with pytest.raises(ValueError, match="(?s)0-dim value .*loss.*No gradient was accumulated"):
+        pipe.train_step(x, y, return_outputs=True)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_under_no_grad_train_step_computes_the_loss_alone(schedule: str) -> None:
     model, x, y, loss_fn = _fan_out()
