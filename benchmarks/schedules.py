@@ -124,6 +124,45 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
+def split_cost(quick: bool, repeats: int = 30) -> str:
+    """B against I + W on one stage alone: 8 Linear+ReLU layers, one micro-batch, one thread."""
+    import statistics
+    import time
+
+    from fxpipe.weight_grad import backward_inputs
+
+    width, rows = (128, 64) if quick else (512, 256)
+    model = make_mlp(8, width)
+    weights = list(model.parameters())
+    x0 = torch.randn(rows, width)
+
+    def whole() -> tuple[float, float]:
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        start = time.perf_counter()
+        torch.autograd.backward([y], [torch.ones_like(y)], inputs=[x, *weights])
+        return time.perf_counter() - start, 0.0
+
+    def split() -> tuple[float, float]:
+        x = x0.clone().requires_grad_()
+        y = model(x)
+        start = time.perf_counter()
+        pending = backward_inputs([y], [torch.ones_like(y)], [x], weights)
+        middle = time.perf_counter()
+        pending.run()
+        return middle - start, time.perf_counter() - middle
+
+    for _ in range(3):
+        whole(), split()
+    b = statistics.median(whole()[0] for _ in range(repeats))
+    i_w = [split() for _ in range(repeats)]
+    i, w = statistics.median(t[0] for t in i_w), statistics.median(t[1] for t in i_w)
+    return (
+        f"split cost, one stage of 8 Linear+ReLU {width} wide at {rows} rows: B {b * 1e3:.2f} ms, "
+        f"I {i * 1e3:.2f} ms + W {w * 1e3:.2f} ms = {(i + w) / b:.3f} x B"
+    )
+
+
 HEADER = ["workload", "schedule", "stages", "E median", "E best", "bubble predicted", "bubble measured",
           "peak activations per stage, MiB (measured)", "(predicted)", "ms/step median"]  # fmt: skip
 
@@ -143,7 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("|" + "|".join("-" * (n + 2) for n in widths) + "|")
     for row in rows:
         print("| " + " | ".join(c.ljust(n) for c, n in zip(row, widths)) + " |")
-    print(f"\nload average at end={os.getloadavg()[0]:.2f}")
+    print("\n" + split_cost(args.quick))
+    print(f"load average at end={os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
