@@ -21,7 +21,8 @@ from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
-from fxpipe.schedule import Schedule, make_schedule
+from fxpipe.schedule import Schedule
+from fxpipe.schedule_check import make_schedule
 from fxpipe.step import Step
 from fxpipe.timeline import Record, Timeline
 from fxpipe.worker import Workers

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from fxpipe.checkpoint import checkpoint_stop
-from fxpipe.schedule import Layout, make_schedule
+from fxpipe.schedule import Layout
+from fxpipe.schedule_check import make_schedule
 from fxpipe.simulate import Prediction, StageCosts, simulate
 
 __all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]

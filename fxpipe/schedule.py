@@ -7,7 +7,8 @@ An action is one stage's work on one micro-batch:
                                W  weight gradient: from what I kept, whenever the worker is free
 
 Stage s runs on worker `layout.ranks[s]`; a worker runs its list in order, and an action waits
-only for the values it receives. `check` (fxpipe/schedule_check.py) proves a list runs to the end.
+only for the values it receives. `make_schedule` (fxpipe/schedule_check.py) makes a named
+schedule and proves it runs to the end.
 For 2 stages and 3 micro-batches (columns are turns, not times):
 
     gpipe  worker 0: F0 F1 F2 .. .. B2 B1 B0       1f1b  worker 0: F0 F1 B0 F2 B1 B2
@@ -16,7 +17,6 @@ For 2 stages and 3 micro-batches (columns are turns, not times):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
@@ -254,22 +254,6 @@ def with_recompute(per_rank: list[list[Action]], checkpointed: int) -> list[list
             row.append(a)
         out.append(row)
     return out
-
-
-@lru_cache(maxsize=64)
-def make_schedule(name: str, layout: Layout, micro_batches: int, checkpointed: int, loss: bool = True) -> Schedule:
-    """The named schedule, checked: `checkpointed` micro-batches (the first ones) recompute.
-    Cached: a pipeline asks for the same few on every step."""
-    from fxpipe.schedule_check import check
-
-    if name not in MAKERS:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    per_rank = with_recompute(MAKERS[name](layout, micro_batches), checkpointed)
-    schedule = Schedule(
-        name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss, split_backward=name == "zb-h1"
-    )
-    check(schedule, layout, checkpointed)
-    return schedule
 
 
 def clock_cycles(micro_batches: int, stages: int) -> Iterator[list[tuple[int, int]]]:

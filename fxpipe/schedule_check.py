@@ -1,4 +1,4 @@
-"""The schedule checker: every action present once, on its stage's worker, and no deadlock.
+"""Checked schedules: every action present once, on its stage's worker, and no deadlock.
 
 Workers run their lists in order and an action waits only for what it receives, so a schedule
 runs to the end exactly when the graph of "runs after" edges has no cycle:
@@ -11,10 +11,24 @@ runs to the end exactly when the graph of "runs after" edges has no cycle:
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 
 import networkx as nx
 
-from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule, needs
+from fxpipe.schedule import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    MAKERS,
+    RECOMPUTE,
+    SCHEDULES,
+    WEIGHT_GRAD,
+    Action,
+    Layout,
+    Schedule,
+    needs,
+    with_recompute,
+)
 
 
 class ScheduleError(ValueError):
@@ -71,3 +85,17 @@ def check(schedule: Schedule, layout: Layout, checkpointed: int) -> None:
             problems.append(f"deadlock: each waits for the next to finish first: {waits}")
     if problems:
         raise ScheduleError(f"schedule {schedule.name!r} is not valid:\n  " + "\n  ".join(problems))
+
+
+@lru_cache(maxsize=64)
+def make_schedule(name: str, layout: Layout, micro_batches: int, checkpointed: int, loss: bool = True) -> Schedule:
+    """The named schedule, checked: `checkpointed` micro-batches (the first ones) recompute.
+    Cached: a pipeline asks for the same few on every step."""
+    if name not in MAKERS:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    per_rank = with_recompute(MAKERS[name](layout, micro_batches), checkpointed)
+    schedule = Schedule(
+        name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss, split_backward=name == "zb-h1"
+    )
+    check(schedule, layout, checkpointed)
+    return schedule

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import FanOut
 from fxpipe import compile_pipeline
-from fxpipe.schedule import BACKWARD, FORWARD, SCHEDULES, Action, Layout, Schedule, make_schedule
-from fxpipe.schedule_check import ScheduleError, check
+from fxpipe.schedule import BACKWARD, FORWARD, SCHEDULES, Action, Layout, Schedule
+from fxpipe.schedule_check import ScheduleError, check, make_schedule
 from fxpipe.simulate import StageCosts, simulate
 
 
