@@ -159,8 +159,32 @@ def split_cost(quick: bool, repeats: int = 30) -> str:
     i, w = statistics.median(t[0] for t in i_w), statistics.median(t[1] for t in i_w)
     return (
         f"split cost, one stage of 8 Linear+ReLU {width} wide at {rows} rows: B {b * 1e3:.2f} ms, "
-        f"I {i * 1e3:.2f} ms + W {w * 1e3:.2f} ms = {(i + w) / b:.3f} x B"
+        f"I {i * 1e3:.2f} ms + W {w * 1e3:.2f} ms = {(i + w) / b:.3f} x B; one W-style autograd call "
+        f"on a tiny graph: {autograd_call_seconds() * 1e6:.1f} us"
     )
+
+
+def autograd_call_seconds(repeats: int = 2000) -> float:
+    """What one `torch.autograd.backward` from a gradient edge to one weight costs, on a graph
+    too small for its kernels to matter: W makes one such call per node it starts from."""
+    import statistics
+    import time
+
+    from torch.autograd.graph import get_gradient_edge
+
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def once() -> float:
+        y = (x @ w.t()).tanh()
+        edge, grad = get_gradient_edge(y), torch.ones_like(y)
+        start = time.perf_counter()
+        torch.autograd.backward([edge], [grad], inputs=[w])
+        return time.perf_counter() - start
+
+    for _ in range(100):
+        once()
+    return statistics.median(once() for _ in range(repeats))
 
 
 HEADER = ["workload", "schedule", "stages", "E median", "E best", "bubble predicted", "bubble measured",
