@@ -72,17 +72,18 @@ class Timeline:
         return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes}
 
     def to_chrome_trace(self, path: Optional[str] = None) -> str:
-        """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): one track per worker,
-        one complete event per action. Written to `path` when given."""
+        """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): one track per stage,
+        grouped by the worker that runs it, one complete event per action. Written to `path`
+        when given."""
         origin = min((r.start for r in self.records), default=0.0)
-        events: list[dict[str, object]] = [
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"worker {rank}"}}
-            for rank in range(self.workers)
-        ]
+        events: list[dict[str, object]] = []
+        for rank, stage in sorted({(r.rank, r.stage) for r in self.records}):
+            events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"worker {rank}"}})
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": f"stage {stage}"}})
         for r in self.records:
             events.append(
                 {
-                    "name": f"{r.kind}{r.micro_batch}", "cat": r.kind, "ph": "X", "pid": 0, "tid": r.rank,
+                    "name": f"{r.kind}{r.micro_batch}", "cat": r.kind, "ph": "X", "pid": r.rank, "tid": r.stage,
                     "ts": (r.start - origin) * 1e6, "dur": (r.end - r.start) * 1e6,
                     "args": {"stage": r.stage, "micro_batch": r.micro_batch},
                 }  # fmt: skip

@@ -150,6 +150,17 @@ def test_1f1b_holds_at_most_n_minus_j_micro_batches_at_stage_j_and_gpipe_all(sta
         assert pipe.timeline().most_alive() == dict(enumerate(expected)), name
 
 
+def test_an_interleaved_trace_has_a_track_per_stage_under_its_worker() -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * 2, chunks=4, schedule="interleaved-1f1b", stages_per_device=2)
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    trace = json.loads(pipe.timeline().to_chrome_trace())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in events} == {(0, 0), (1, 1), (0, 2), (1, 3)}
+    workers = sorted({e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"})
+    assert workers == ["worker 0", "worker 1"]
+
+
 def test_timelines_write_chrome_traces_and_gantt_charts(tmp_path: Any) -> None:
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * 3, chunks=4, schedule="zb-h1")
@@ -158,9 +169,9 @@ def test_timelines_write_chrome_traces_and_gantt_charts(tmp_path: Any) -> None:
     trace = json.loads(timeline.to_chrome_trace(str(tmp_path / "trace.json")))
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(events) == sum(len(acts) for acts in pipe.schedule().actions)
-    assert {e["tid"] for e in events} == {0, 1, 2}
-    tracks = [e for e in trace["traceEvents"] if e["ph"] == "M"]
-    assert [t["args"]["name"] for t in tracks] == ["worker 0", "worker 1", "worker 2"]
+    assert {(e["pid"], e["tid"]) for e in events} == {(0, 0), (1, 1), (2, 2)}  # a track per stage
+    tracks = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert tracks == ["stage 0", "stage 1", "stage 2"]
     assert json.loads((tmp_path / "trace.json").read_text()) == trace
     svg = timeline.to_svg(str(tmp_path / "gantt.svg"), predicted=pipe.plan.prediction().timeline)
     root = ET.fromstring(svg)
