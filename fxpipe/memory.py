@@ -2,7 +2,8 @@
 
 A micro-batch's bytes at a stage are counted from its forward (and recompute) until its backward
 (B, or W) releases them; parameters that autograd saves are not activations and are not counted.
-A tensor saved twice (or viewed alike) is counted once.
+A tensor saved twice (or viewed alike) is counted once. On a CUDA device the allocator's own peak
+over the step is read as well (everything the step allocated there, above what it started with).
 """
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ import torch
 
 
 class ActivationMeter:
-    def __init__(self, stages: int, parameters: Sequence[torch.Tensor]) -> None:
+    def __init__(self, stages: int, parameters: Sequence[torch.Tensor], devices: Sequence[torch.device] = ()) -> None:
         self.excluded = {_storage(p) for p in parameters}  # and every view of them
+        self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+        self.base: dict[torch.device, int] = {}
+        for device in self.cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.base[device] = torch.cuda.memory_allocated(device)
         self.seen: dict[tuple[int, int], set[tuple[int, int]]] = {}
         self.held: dict[tuple[int, int], int] = {}
         self.now = [0] * stages
@@ -51,6 +58,14 @@ class ActivationMeter:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             yield
+
+    def device_peaks(self) -> dict[str, int]:
+        """Per CUDA device, the most bytes the step had allocated there at once, above its start."""
+        peaks = {}
+        for device in self.cuda:
+            torch.cuda.synchronize(device)
+            peaks[str(device)] = torch.cuda.max_memory_allocated(device) - self.base[device]
+        return peaks
 
     def release(self, i: int, j: int) -> None:
         with self.lock:

@@ -56,6 +56,7 @@ class Pipeline(nn.Module):
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
+    last_meter: Optional[ActivationMeter]  # what measured them (it holds no tensors)
     measure_memory: bool  # count the bytes autograd saves per stage (costs a hook per saved tensor)
     plan: Plan
     stages: list[fx.GraphModule]
@@ -76,7 +77,7 @@ class Pipeline(nn.Module):
         own = dict(
             _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
-            last_timeline=[], last_most_alive=[], last_peak_bytes=[], _losses_checked=set(), _signature=_signature(model),
+            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _losses_checked=set(), _signature=_signature(model),
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -228,8 +229,11 @@ class Pipeline(nn.Module):
         return make_schedule(self.plan.schedule, self._programs[True].layout, m, checkpoint_stop(self.checkpoint, m))
 
     def timeline(self) -> Timeline:
-        """What the last call ran: per action its stage, micro-batch, kind, worker, start and end."""
-        return Timeline(list(self.last_timeline), len(self._workers.queues), dict(enumerate(self.last_peak_bytes)))
+        """What the last call ran: per action its stage, micro-batch, kind, worker, start and end.
+        With `measure_memory`, the activation bytes each stage held at most, and per CUDA device
+        the allocator's peak since the call began (read now: ask right after the step)."""
+        peaks = self.last_meter.device_peaks() if self.last_meter is not None else {}
+        return Timeline(list(self.last_timeline), len(self._workers.queues), dict(enumerate(self.last_peak_bytes)), peaks)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
         if self._closed:
@@ -277,10 +281,11 @@ class Pipeline(nn.Module):
             batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,
             loss_stage=program.layout.loss_stage,
-            meter=ActivationMeter(len(program.stages), program.parameters) if self.measure_memory else None,
+            meter=ActivationMeter(len(program.stages), program.parameters, self.devices) if self.measure_memory else None,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []
+        self.__dict__["last_meter"] = step.meter
         return step
 
     @staticmethod

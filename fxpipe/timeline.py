@@ -27,6 +27,7 @@ class Timeline:
     records: list[Record]
     workers: int
     peak_bytes: dict[int, float] = field(default_factory=dict)  # per stage, when measured
+    device_peak_bytes: dict[str, int] = field(default_factory=dict)  # per CUDA device, when measured
 
     @property
     def makespan(self) -> float:
@@ -69,7 +70,7 @@ class Timeline:
         return peaks
 
     def to_dict(self) -> dict[str, object]:
-        return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes}
+        return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes, "device_peak_bytes": self.device_peak_bytes}
 
     def to_chrome_trace(self, path: Optional[str] = None) -> str:
         """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): one track per stage,

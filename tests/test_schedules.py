@@ -189,3 +189,13 @@ def test_the_plan_summary_reports_the_schedule_prediction() -> None:
     assert f"bubble {prediction.timeline.bubble():.0%}" in summary
     gpipe = pipe.plan.prediction("gpipe")
     assert prediction.peak_bytes[0] < gpipe.peak_bytes[0]  # 1F1B holds 4 micro-batches at stage 0, GPipe 8
+
+
+def test_on_cpu_devices_no_device_peak_is_reported_and_stage_peaks_are() -> None:
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(FanOut().double(), x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+    pipe.measure_memory = True
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    timeline = pipe.timeline()
+    assert timeline.device_peak_bytes == {}
+    assert set(timeline.peak_bytes) == {0, 1} and all(b > 0 for b in timeline.peak_bytes.values())
