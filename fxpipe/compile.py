@@ -85,8 +85,9 @@ def _balance_problems(balance: Any) -> list[str]:
 def _split_point_problems(split_points: Any, balance: Any) -> list[str]:
     if split_points is None:
         return []
-    if conflicting_options(split_points, balance):
-        return conflicting_options(split_points, balance)
+    conflicts = conflicting_options(split_points, balance)
+    if conflicts:
+        return conflicts
     names = not isinstance(split_points, str) and isinstance(split_points, Sequence)
     if not names or not all(isinstance(p, str) for p in split_points):
         return [f"split_points must be a list of module names where stages 1, 2, ... begin, e.g. ['blocks.4'] (got {split_points!r})"]

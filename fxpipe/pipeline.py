@@ -196,11 +196,14 @@ class Pipeline(nn.Module):
         losses = [step.losses[i] for i in range(len(call.sizes))]
         total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
         outputs = None
-        if return_outputs or (loss_fn is not None and len(call.sizes) > 1 and (id(loss_fn), reduction) not in self._losses_checked):
+        unchecked = (id(loss_fn), reduction) not in self._losses_checked
+        check = loss_fn is not None and len(call.sizes) > 1 and unchecked  # one micro-batch: nothing to combine
+        if return_outputs or check:
             _check_gatherable(step.outputs[0], len(call.sizes))
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
             outputs = gathered.rebuild(gathered.tensors)
-            if loss_fn is not None and (id(loss_fn), reduction) not in self._losses_checked:
+            if check:
+                assert loss_fn is not None
                 _check_combined_loss(loss_fn, outputs, target, total, reduction)
                 self._losses_checked.add((id(loss_fn), reduction))
         if call.grad:

@@ -81,7 +81,8 @@ class Plan:
         backward the rest; a micro-batch's activations are the stage's over `chunks`."""
         name = schedule or self.schedule
         checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
-        sched = make_schedule(name, self.layout(), self.chunks, checkpointed)
+        layout = self.layout()
+        sched = make_schedule(name, layout, self.chunks, checkpointed)
         costs = [
             StageCosts(
                 forward=s.time / 3 / self.chunks, backward=2 * s.time / 3 / self.chunks,
@@ -90,7 +91,7 @@ class Plan:
             )
             for s in self.stages
         ]  # fmt: skip
-        return simulate(sched, self.layout(), costs, checkpointed)
+        return simulate(sched, layout, costs, checkpointed)
 
     def predicted_time(self) -> float:
         """Seconds per batch of the plan's schedule, simulated from the predicted stage times."""

@@ -17,6 +17,7 @@ For 2 stages and 3 micro-batches (columns are turns, not times):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
@@ -92,10 +93,15 @@ class Schedule:
 
     def forward_part(self) -> tuple[tuple[Action, ...], ...]:
         """The leading forwards of every worker (all of them, for GPipe)."""
-        return tuple(tuple(_leading(acts, FORWARD)) for acts in self.actions)
+        return self._parts[0]
 
     def rest(self) -> tuple[tuple[Action, ...], ...]:
-        return tuple(acts[len(head) :] for acts, head in zip(self.actions, self.forward_part()))
+        return self._parts[1]
+
+    @cached_property
+    def _parts(self) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[Action, ...], ...]]:
+        head = tuple(tuple(_leading(acts, FORWARD)) for acts in self.actions)
+        return head, tuple(acts[len(h) :] for acts, h in zip(self.actions, head))
 
 
 def _leading(actions: tuple[Action, ...], kind: str) -> Iterator[Action]:

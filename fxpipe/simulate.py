@@ -12,7 +12,7 @@ import networkx as nx
 
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedule_check import dependency_graph
-from fxpipe.timeline import Record, Timeline
+from fxpipe.timeline import Record, Timeline, running_peaks
 
 
 @dataclass
@@ -75,11 +75,4 @@ def _peak_bytes(records: list[Record], costs: list[StageCosts], checkpointed: in
                   BACKWARD: (r.end, -c.activation_bytes), WEIGHT_GRAD: (r.end, -c.activation_bytes)}.get(r.kind)  # fmt: skip
         if change is not None:
             events.setdefault(r.stage, []).append(change)
-    peaks = {}
-    for stage, points in events.items():
-        now = peak = 0.0
-        for _, delta in sorted(points, key=lambda p: (p[0], p[1])):
-            now += delta
-            peak = max(peak, now)
-        peaks[stage] = peak
-    return peaks
+    return running_peaks(events)

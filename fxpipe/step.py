@@ -147,6 +147,7 @@ class Step:
         self.output_device, self.input_devices = output_device, input_devices
         self.context, self.batch_stats = context, batch_stats
         self.sink = len(stages)
+        self.output_names = [name for s in stages for name, dsts in s.consumers.items() if self.sink in dsts]
         self.mailbox = Mailbox(WAIT_TIMEOUT)
         self.saved: dict[tuple[int, int], _Saved] = {}
         # Per action run: from its inputs in hand to its outputs made.
@@ -251,7 +252,7 @@ class Step:
         self._run(self.schedule.forward_part())
         if self.batch_stats is not None:
             self.batch_stats.commit()
-        names = self._output_names()
+        names = self.output_names
         return [
             dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
             for i in range(len(self.micro_batches))
@@ -266,9 +267,6 @@ class Step:
             self.batch_stats.commit()
         self.backward_done = True
         return [self._input_grads(i) for i in range(len(self.micro_batches))] if self.grad else []
-
-    def _output_names(self) -> list[str]:
-        return [name for s in self.stages for name, dsts in s.consumers.items() if self.sink in dsts]
 
     def backward(self, output_grads: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run the rest of the schedule, given per micro-batch the gradients of the output
@@ -405,7 +403,7 @@ class Step:
     def _loss_task(self, i: int) -> None:
         """The micro-batch's loss, once all its outputs are in: the gradients of the outputs go
         back to the stages that made them."""
-        names = self._output_names()
+        names = self.output_names
         values = dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
         assert self.loss is not None
         try:
@@ -451,15 +449,22 @@ class Step:
             grads.append(total)
         return grads
 
-    def _backward_task(self, i: int, j: int) -> tuple[float, float]:
+    def _received(self, i: int, j: int, saved: _Saved) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+        """(4) for B and I: the output gradients, once in hand (the action starts then), with the
+        outputs that take one; the stage lets go of its outputs."""
         grads = self._output_grads(i, j)
         start = time.perf_counter()
-        stage, saved = self.stages[j], self._release(i, j)
         assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
         tensors, grad_tensors = _differentiable(saved.outputs, grads)
         saved.outputs = None
+        return start, tensors, grad_tensors
+
+    def _backward_task(self, i: int, j: int) -> tuple[float, float]:
+        stage, saved = self.stages[j], self.saved[(i, j)]
+        start, tensors, grad_tensors = self._received(i, j, saved)
+        self._release(i, j)
         input_grads, _ = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors)  # (6)
-        del tensors, grad_tensors, grads
+        del tensors, grad_tensors
         end = time.perf_counter()
         self._send_input_grads(stage, i, input_grads)  # (7)
         return start, end
@@ -467,12 +472,8 @@ class Step:
     def _input_grad_task(self, i: int, j: int) -> tuple[float, float]:
         """I: the gradients of the stage's inputs only, sent at once; what the weights' gradients
         need stays in `pending` for W."""
-        grads = self._output_grads(i, j)
-        start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
-        assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
-        tensors, grad_tensors = _differentiable(saved.outputs, grads)
-        saved.outputs = None
+        start, tensors, grad_tensors = self._received(i, j, saved)
         input_grads, saved.pending = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=True)
         del tensors, grad_tensors
         end = time.perf_counter()

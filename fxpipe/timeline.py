@@ -53,21 +53,14 @@ class Timeline:
         for r in self.records:
             if r.kind in (BACKWARD, WEIGHT_GRAD):
                 last[(r.stage, r.micro_batch)] = r.end
-        events: dict[int, list[tuple[float, int]]] = {}
+        events: dict[int, list[tuple[float, float]]] = {}
         for r in self.records:
             if r.kind == FORWARD:
                 events.setdefault(r.stage, []).append((r.start, 1))
                 end = last.get((r.stage, r.micro_batch))
                 if end is not None:
                     events[r.stage].append((end, -1))
-        peaks = {}
-        for stage, points in events.items():
-            alive = peak = 0
-            for _, delta in sorted(points, key=lambda p: (p[0], p[1])):  # a release before a take at one time
-                alive += delta
-                peak = max(peak, alive)
-            peaks[stage] = peak
-        return peaks
+        return {stage: int(peak) for stage, peak in running_peaks(events).items()}
 
     def to_dict(self) -> dict[str, object]:
         return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes, "device_peak_bytes": self.device_peak_bytes}
@@ -104,6 +97,19 @@ class Timeline:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(svg)
         return svg
+
+
+def running_peaks(events: dict[int, list[tuple[float, float]]]) -> dict[int, float]:
+    """Per key, the highest a running sum gets: each event is (time, change), taken in time
+    order, a release before a take at the same time."""
+    peaks = {}
+    for key, points in events.items():
+        now = peak = 0.0
+        for _, change in sorted(points):
+            now += change
+            peak = max(peak, now)
+        peaks[key] = peak
+    return peaks
 
 
 def _gantt(charts: Sequence[tuple[str, Timeline]]) -> str:

@@ -323,8 +323,9 @@ def partition(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],
             "How to fix: use fewer devices, or trace at a finer grain (fewer leaf_modules).",
         )
-    if conflicting_options(split_points, balance):
-        refuse(conflicting_options(split_points, balance), "How to fix: give one of them.")
+    conflicts = conflicting_options(split_points, balance)
+    if conflicts:
+        refuse(conflicts, "How to fix: give one of them.")
     if cuts is not None:
         cuts = _checked_cuts(order, cuts, stages)
     elif split_points is not None:
