@@ -52,10 +52,11 @@ def test_eval_mode_runs_the_eval_graph(mode: str) -> None:
         pipe(x)
 
 
-def test_no_grad_and_inference_mode() -> None:
+@pytest.mark.parametrize("stages", [1, 3])  # one worker runs its tasks on the caller's thread
+def test_no_grad_and_inference_mode(stages: int) -> None:
     model, reference = twin(FanOut())
     x = torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4)
     with torch.no_grad():
         out = pipe(x)
     assert not out.requires_grad
@@ -66,12 +67,13 @@ def test_no_grad_and_inference_mode() -> None:
         torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
-def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str) -> None:
+def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str, stages: int) -> None:
     model = FanOut(width=16)
     reference = copy.deepcopy(model)
     x = torch.randn(8, 16)
-    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, checkpoint=mode)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4, checkpoint=mode)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = pipe(x)
         expected = reference(x)
@@ -155,7 +157,8 @@ def test_two_forwards_then_one_backward_and_accumulation(mode: str) -> None:
     assert_grads_equal(pipe, reference)
 
 
-def test_anomaly_mode_reaches_the_stages() -> None:
+@pytest.mark.parametrize("stages", [1, 2])
+def test_anomaly_mode_reaches_the_stages(stages: int) -> None:
     class Sqrt(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -165,7 +168,7 @@ def test_anomaly_mode_reaches_the_stages() -> None:
             return self.b(torch.sqrt(self.a(x) - 100))
 
     x = torch.randn(4, 4)
-    pipe = compile_pipeline(Sqrt(), x, ["cpu"] * 2, chunks=2, checkpoint="never")
+    pipe = compile_pipeline(Sqrt(), x, ["cpu"] * stages, chunks=2, checkpoint="never")
     with torch.autograd.set_detect_anomaly(True):
         with pytest.raises(Exception, match="nan|NaN"):
             pipe(x).sum().backward()
