@@ -246,3 +246,39 @@ def test_under_autocast_train_step_casts_as_the_plain_model_does(schedule: str) 
     for p, q in zip(pipe.parameters(), reference.parameters()):
         assert p.grad is not None and q.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-3)
+
+
+def test_under_inference_mode_train_step_computes_the_loss_alone() -> None:
+    model, x, y, loss_fn = _fan_out()
+    model, reference = twin(model)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule="1f1b")
+    with torch.inference_mode():
+        loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+        expected = loss_fn(reference(x), y)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.bn(self.a(x))))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_deferred_batch_norm_commits_the_whole_batch_statistics_under_every_schedule(schedule: str) -> None:
+    model, reference = twin(Normed())
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 6, dtype=torch.float64)
+    pipe = compile_with(model, x, schedule, chunks=4, deferred_batch_norm=True)
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    reference(x)  # the plain model's statistics of the whole batch
+    bn, plain_bn = model.bn, reference.bn
+    assert bn.running_mean is not None and bn.running_var is not None
+    assert plain_bn.running_mean is not None and plain_bn.running_var is not None
+    torch.testing.assert_close(bn.running_mean, plain_bn.running_mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(bn.running_var, plain_bn.running_var, rtol=0, atol=1e-12)
+    assert bn.num_batches_tracked is not None and plain_bn.num_batches_tracked is not None
+    assert int(bn.num_batches_tracked) == int(plain_bn.num_batches_tracked) == 1
