@@ -27,6 +27,7 @@ from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.build import build_program
+from fxpipe.distributed import RankPlacement, check_same_plan, placement_of
 from fxpipe.pipeline import Pipeline
 from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
@@ -262,8 +263,10 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
 def compile_pipeline(
     model: nn.Module,
     example: Any,
-    devices: Sequence[Device],
+    devices: Optional[Sequence[Device]] = None,
     *,
+    mesh: Any = None,
+    timeout: Optional[float] = None,
     chunks: int = 1,
     checkpoint: str = "except_last",
     split_points: Optional[Sequence[str]] = None,
@@ -287,6 +290,10 @@ def compile_pipeline(
         example: one input batch as the model takes it: a tensor, or a tuple of positional args.
         example_kwargs: keyword arguments of the example call, if the model takes some.
         devices: one device per stage; repeats are allowed (`["cpu", "cpu"]`).
+        mesh: instead of `devices`, to run across processes (under torchrun): a DeviceMesh with
+            a dimension named "pp"; stage s runs on the rank at pp coordinate `s % pp size`, on
+            that rank's device. Every rank calls compile_pipeline with the same model and example.
+        timeout: across processes, seconds a rank waits for another before it raises (default 300).
         chunks: micro-batches per batch.
         checkpoint: 'always', 'except_last' or 'never': which micro-batches drop their
             activations in forward and recompute them in backward.
@@ -315,7 +322,10 @@ def compile_pipeline(
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
     """
-    parsed = _check_arguments(devices, chunks, checkpoint, split_points, balance, schedule, stages_per_device)
+    placement = _placement(devices, mesh, timeout)
+    given = devices if placement is None else [placement.device] * placement.size
+    assert given is not None
+    parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
     example_args = example if isinstance(example, tuple) else (example,)
@@ -358,8 +368,25 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
-    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm)
+    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm, placement)
+    if placement is not None:
+        check_same_plan(plan, placement)
+        for stage in plan.stages:
+            stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"
     return Pipeline(model, compiled)
+
+
+def _placement(devices: Any, mesh: Any, timeout: Any) -> Optional[RankPlacement]:
+    """Across processes when a mesh is given: this rank's place in it."""
+    if (devices is None) == (mesh is None):
+        raise ValueError(
+            "compile_pipeline needs one of devices=[...] (one process, a device per stage) and mesh=... "
+            "(a DeviceMesh with a 'pp' dimension, one process per stage)"
+            + (f", not both (got devices={devices!r})" if mesh is not None else "")
+        )
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds (got {timeout!r})")
+    return None if mesh is None else placement_of(mesh, timeout)
 
 
 def _eval_cut(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Cut:

@@ -1,10 +1,12 @@
 """The Pipeline module: the model's own parameters, run stage by stage over micro-batches."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -13,8 +15,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.batchnorm import BatchStatistics
+from fxpipe.channel import Channel, Failure, PeerLost, RankMailbox, RemoteFailure
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
+from fxpipe.devices import Mailbox
+from fxpipe.distributed import ReplicaFailed, holders, keep_local_state, routes, sync_replicas
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim, split_sizes
@@ -23,7 +28,7 @@ from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
-from fxpipe.step import Step
+from fxpipe.step import StageError, Step
 from fxpipe.timeline import Record, Timeline
 from fxpipe.worker import Workers
 
@@ -50,6 +55,7 @@ class Pipeline(nn.Module):
     _compiled: Compiled
     _programs: dict[bool, Program]
     _workers: Workers
+    _channel: Optional[Channel]  # across processes: this rank's messages to the others
     _signature: Optional[inspect.Signature]
     _closed: bool
     _losses_checked: set[tuple[int, str]]
@@ -81,9 +87,16 @@ class Pipeline(nn.Module):
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
-        self.__dict__["_workers"] = Workers([self.devices[ranks.index(r)] for r in range(max(ranks) + 1)])
+        where = compiled.placement
+        # Across processes each rank runs its own list on the caller's thread: no workers.
+        devices = [self.devices[ranks.index(r)] for r in range(max(ranks) + 1)] if where is None else []
+        self.__dict__["_workers"] = Workers(devices)
         self._workers.bind(self)
+        channel = None if where is None else Channel(where.group, where.ranks, where.me, where.device, where.timeout)
+        self.__dict__["_channel"] = channel
         self._build()
+        if where is not None:
+            keep_local_state(model, list(self._programs.values()), where.me)
 
     # -- stages ----------------------------------------------------------------------------
     def _build(self) -> None:
@@ -115,8 +128,10 @@ class Pipeline(nn.Module):
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""
         shared = []
-        for tensors, device in zip(program.shared, self.devices):
+        for index, (tensors, device) in enumerate(zip(program.shared, self.devices)):
             copies = []
+            if not self._runs_here(program, index):
+                tensors = []  # another rank's stage
             for tensor in tensors:
                 if isinstance(tensor, nn.Parameter):
                     copy_ = tensor.detach().to(device)  # on the owner's device: a new leaf, same memory
@@ -125,6 +140,10 @@ class Pipeline(nn.Module):
                     copies.append(tensor.to(device))  # a buffer on its own device is the buffer itself
             shared.append(copies)
         return shared
+
+    def _runs_here(self, program: Program, stage: int) -> bool:
+        where = self._compiled.placement
+        return where is None or program.layout.ranks[stage] == where.me
 
     @staticmethod
     def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter]) -> list[Optional[torch.Tensor]]:
@@ -145,6 +164,8 @@ class Pipeline(nn.Module):
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         call = self._prepare(args, kwargs)
+        if self._channel is not None:
+            return self._forward_across(call)
         step = self._step(call, "gpipe", loss=None)
         if not call.grad:
             gathered = call.gather(step.forward())
@@ -192,7 +213,19 @@ class Pipeline(nn.Module):
             return scaled.detach(), _value_grads(scaled, values) if call.grad else {}
 
         step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
+        if self._channel is not None:
+            return self._train_across(call, step, loss_fn, target, reduction, return_outputs)
         input_grads = step.train()
+        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+        if call.grad:
+            self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
+        return (total, outputs) if return_outputs else total
+
+    def _loss_and_outputs(
+        self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
+    ) -> tuple[torch.Tensor, Any]:
+        """The batch's loss from the micro-batches' (on the loss stage), and the outputs when asked
+        or when the combination is checked: raises ValueError if it does not match."""
         losses = [step.losses[i] for i in range(len(call.sizes))]
         total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
         outputs = None
@@ -206,17 +239,111 @@ class Pipeline(nn.Module):
                 assert loss_fn is not None
                 _check_combined_loss(loss_fn, outputs, target, total, reduction)
                 self._losses_checked.add((id(loss_fn), reduction))
+        return total, outputs
+
+    # -- across processes ------------------------------------------------------------------------
+    def _forward_across(self, call: "_Call") -> Any:
+        """Forward only; the output on the rank of the last stage, None on the others."""
         if call.grad:
-            self._accumulate(call, step, input_grads)
+            raise RuntimeError(
+                "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
+                "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
+                "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
+            )
+        step = self._step(call, "gpipe", loss=None)
+        with self._together():
+            outputs = step.forward()
+            self._channel.finish()  # type: ignore[union-attr]
+        if not outputs:
+            return None
+        gathered = call.gather(outputs)
+        return gathered.rebuild(gathered.tensors)
+
+    def _train_across(
+        self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
+    ) -> Any:
+        """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
+        same on every rank), tied weights' gradients summed among the ranks that read them."""
+        layout = call.program.layout
+        loss_rank = layout.ranks[layout.loss_stage]
+        channel = self._channel
+        assert channel is not None
+        here = channel.me == loss_rank
+        total, outputs, problem = None, None, None
+        grads: list[Optional[torch.Tensor]] = []
+        where = self._compiled.placement
+        assert where is not None
+        try:
+            with self._together():
+                step.train()
+                if here:
+                    try:
+                        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                    except ValueError as e:  # every rank raises it, after the step ends on all
+                        problem = str(e)
+                grads = self._parameter_grads(call.program, step, call.params) if call.grad else []
+                grads = self._sum_tied(call.program, call.params, grads) if call.grad else []
+                got = channel.finish((total, problem) if here else None)
+        except BaseException:
+            if where.dp_group is not None:  # the replicas must not wait for this one's gradients
+                with contextlib.suppress(Exception):
+                    sync_replicas(where, [None] * (len(call.params) if call.grad else 0), None, 0, True, failed=True)
+            raise
+        if not here:
+            total, problem = got[loss_rank]
+        if where.dp_group is not None:
+            try:
+                grads, total = sync_replicas(where, grads, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
+            except ReplicaFailed:
+                if problem is None:
+                    raise
+        if problem is not None:
+            raise ValueError(problem)
+        if call.grad:
+            self._accumulate(call, [], grads)
         return (total, outputs) if return_outputs else total
 
-    def _accumulate(self, call: "_Call", step: Step, input_grads: list[dict[str, Any]]) -> None:
+    @contextmanager
+    def _together(self) -> Iterator[None]:
+        """A step across processes fails on every rank: what fails here is sent to the others,
+        and a failure heard from another rank is raised here as that rank's StageError."""
+        channel = self._channel
+        assert channel is not None
+        try:
+            yield
+        except StageError as e:
+            channel.fail(Failure(e.rank if e.rank is not None else channel.ranks[channel.me], e.stage, e.micro_batch, e.phase, e.detail))
+            raise
+        except RemoteFailure as e:
+            channel.fail(e.failure)
+            f = e.failure
+            raise StageError(f.stage, f.micro_batch, f.phase, e, rank=f.rank) from e
+        except BaseException as e:
+            channel.fail(Failure(channel.ranks[channel.me], -1, -1, "the end of the step", f"{type(e).__name__}: {e}"))
+            raise
+
+    def _sum_tied(self, program: Program, params: list[nn.Parameter], grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """A parameter several ranks read (a tied embedding, say) gets the sum of every rank's
+        gradient, added in rank order on each of them: the same bits everywhere."""
+        channel = self._channel
+        assert channel is not None
+        me = channel.me
+        tied = [(index, ranks) for index, ranks in enumerate(holders(program, params)) if me in ranks and len(ranks) > 1]
+        for index, ranks in tied:
+            for rank in ranks:
+                if rank != me:
+                    channel.send(rank, ("tied", index), grads[index])
+        summed = list(grads)
+        for index, ranks in tied:
+            parts = [grads[index] if rank == me else channel.take(rank, ("tied", index)) for rank in ranks]
+            present = [g.to(params[index].device) for g in parts if g is not None]
+            summed[index] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+        return summed
+
+    def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
         """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
         of leaves (through their hooks), on through the graph of inputs that are not leaves."""
-        grads = [
-            *whole_input_grads(call.input_slots, call.micro_batches, input_grads),
-            *self._parameter_grads(call.program, step, call.params),
-        ]
+        grads = [*whole_input_grads(call.input_slots, call.micro_batches, input_grads), *param_grads]
         pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
@@ -236,7 +363,8 @@ class Pipeline(nn.Module):
         With `measure_memory`, the activation bytes each stage held at most, and per CUDA device
         the allocator's peak since the call began (read now: ask right after the step)."""
         peaks = self.last_meter.device_peaks() if self.last_meter is not None else {}
-        return Timeline(list(self.last_timeline), len(self._workers.queues), dict(enumerate(self.last_peak_bytes)), peaks)
+        workers = self._programs[True].layout.workers
+        return Timeline(list(self.last_timeline), workers, dict(enumerate(self.last_peak_bytes)), peaks)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
         if self._closed:
@@ -257,6 +385,11 @@ class Pipeline(nn.Module):
         grad_mode = torch.is_grad_enabled() and not context.inference
         params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
+        if self._channel is not None and grad and input_slots:
+            raise ValueError(
+                "across processes, inputs that require grad are not supported: their gradients would be "
+                "made on several ranks.\nHow to fix: pass inputs that do not require grad (x.detach())."
+            )
         by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
         given = self._given(program, values)
 
@@ -268,6 +401,12 @@ class Pipeline(nn.Module):
     def _step(self, call: "_Call", schedule: str, loss: Any) -> Step:
         program = call.program
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
+        mailbox, rank = None, None
+        if self._channel is not None:
+            self._channel.begin()
+            rank, layout = self._channel.me, program.layout
+            home, source = routes(program.stages, layout.ranks, layout.loss_stage, rank)
+            mailbox = RankMailbox(self._channel, Mailbox(self._channel.timeout), home, source)
         step = Step(
             program.stages,
             self._workers,
@@ -285,6 +424,9 @@ class Pipeline(nn.Module):
             loss=loss,
             loss_stage=program.layout.loss_stage,
             meter=ActivationMeter(len(program.stages), program.parameters, self.devices) if self.measure_memory else None,
+            mailbox=mailbox,
+            rank=rank,
+            global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []
@@ -345,6 +487,29 @@ class Pipeline(nn.Module):
                     dim = split_dim(leaf, batch, dims) if batch is not None else None
                     slots.append(InputSlot(name, index, leaf, dim))
         return slots
+
+    # -- across processes: this rank's own parameters and buffers ---------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters; across processes, those of this rank's stages only."""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if not self._elsewhere(p):
+                yield name, p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            if not self._elsewhere(b):
+                yield name, b
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's state under the model's own keys; across processes, this rank's part."""
+        state = super().state_dict(*args, **kwargs)
+        for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
+            del state[key]
+        return state
+
+    def _elsewhere(self, tensor: torch.Tensor) -> bool:
+        """Held by another rank (this one keeps its shape only, on the meta device)."""
+        return self.__dict__.get("_channel") is not None and tensor.device.type == "meta"
 
     # -- modes, copies, lifetime -------------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":

@@ -5,6 +5,7 @@
              ── build(model, cut) -> Program: the generated stages on the model's tensors,
                                    run again after a dtype cast or on a copied model
              ── bind            the caller's arguments -> the graph's input values
+             ── placement       across processes: this rank's coordinate, group and device
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.distributed import RankPlacement
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -81,8 +83,11 @@ class Compiled:
     devices: list[torch.device]  # of each stage
     chunk_spec: ChunkSpec = field(default_factory=dict)
     deferred_batch_norm: bool = False
+    placement: Optional[RankPlacement] = None  # across processes: this rank's place
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
+        if self.placement is not None:
+            raise TypeError("a pipeline across processes cannot be copied: each rank holds its own stages only")
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
+from fxpipe.channel import RemoteFailure
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
@@ -50,11 +51,14 @@ WAIT_TIMEOUT: Optional[float] = None
 
 
 class StageError(RuntimeError):
-    """An exception raised inside a stage; `__cause__` is the original."""
+    """An exception raised inside a stage; `__cause__` is the original. Across processes, `rank`
+    is the rank the stage ran on, and every rank raises the same error."""
 
-    def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException) -> None:
-        super().__init__(f"stage {stage} failed on micro-batch {micro_batch} in {phase}: {type(error).__name__}: {error}")
-        self.stage, self.micro_batch, self.phase = stage, micro_batch, phase
+    def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException, rank: Optional[int] = None) -> None:
+        where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
+        detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}"
+        super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
+        self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 
 
 class _LossError(Exception):
@@ -134,8 +138,15 @@ class Step:
         loss: Optional[LossFn] = None,
         loss_stage: int = -1,
         meter: Optional[ActivationMeter] = None,
+        mailbox: Any = None,
+        rank: Optional[int] = None,
+        global_rank: Optional[int] = None,
     ) -> None:
         self.stages, self.workers = stages, workers
+        # Across processes: this process's worker, whose list alone runs here; `mailbox` sends
+        # what the other ranks' stages receive.
+        self.rank, self.global_rank = rank, global_rank
+        self.local_stages = [s for s in stages if rank is None or layout.ranks[s.index] == rank]
         self.schedule, self.layout = schedule, layout
         self.loss, self.loss_stage = loss, loss_stage
         self.meter = meter if grad else None
@@ -148,7 +159,7 @@ class Step:
         self.context, self.batch_stats = context, batch_stats
         self.sink = len(stages)
         self.output_names = [name for s in stages for name, dsts in s.consumers.items() if self.sink in dsts]
-        self.mailbox = Mailbox(WAIT_TIMEOUT)
+        self.mailbox = mailbox if mailbox is not None else Mailbox(WAIT_TIMEOUT)
         self.saved: dict[tuple[int, int], _Saved] = {}
         # Per action run: from its inputs in hand to its outputs made.
         self.timeline: list[Record] = []
@@ -191,7 +202,10 @@ class Step:
 
             return run
 
-        if len(actions) == 1:
+        if self.rank is not None:
+            group = TaskGroup(len(actions[self.rank]))
+            self._run_inline([task(action) for action in actions[self.rank]], group, self.rank)
+        elif len(actions) == 1:
             self._run_inline([task(action) for action in actions[0]], group)
         else:
             for rank, acts in enumerate(actions):
@@ -206,14 +220,18 @@ class Step:
         if group.errors:
             action, error = min(group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
+            if isinstance(error, RemoteFailure):
+                f = error.failure
+                raise StageError(f.stage, f.micro_batch, f.phase, error, rank=f.rank) from error
             phase = "loss" if isinstance(error, _LossError) else _PHASES[action.kind]
             cause = error.__cause__ if isinstance(error, _LossError) and error.__cause__ is not None else error
-            raise StageError(action.stage, action.micro_batch, phase, cause) from cause
+            raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank) from cause
 
-    def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup) -> None:
+    def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup, rank: int = 0) -> None:
         """One worker: nothing to overlap, so the caller's thread runs its list itself, and no
         other thread is woken."""
-        with worker_state(), on_device(self.stages[self.layout.on_rank(0)[0]].device):
+        local = self.layout.on_rank(rank)
+        with worker_state(), on_device(self.stages[local[0]].device if local else torch.device("cpu")):
             for run in tasks:
                 run()
                 interrupted = [e for e in group.errors.values() if not isinstance(e, Exception)]
@@ -241,7 +259,7 @@ class Step:
 
     def _post_inputs(self) -> None:
         for i, batch in enumerate(self.micro_batches):
-            for stage in self.stages:
+            for stage in self.local_stages:
                 for name in stage.inputs:
                     if stage.sources[name] == CALLER:
                         self._post_forward(stage.index, i, name, batch[name], stage.device, _requires_grad)
@@ -253,6 +271,8 @@ class Step:
         if self.batch_stats is not None:
             self.batch_stats.commit()
         names = self.output_names
+        if self.rank is not None and self.rank != self.layout.ranks[self.layout.loss_stage]:
+            return []  # the outputs are on the rank of the last stage
         return [
             dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
             for i in range(len(self.micro_batches))
@@ -290,7 +310,7 @@ class Step:
 
     def _input_grads(self, i: int) -> dict[str, Any]:
         grads: dict[str, Any] = {}
-        for stage in self.stages:
+        for stage in self.local_stages:
             for name in stage.inputs:
                 if stage.sources[name] == CALLER:
                     (grad,) = self.mailbox.take([("bwd", CALLER, i, name, stage.index)])

@@ -1,0 +1,191 @@
+"""A pipeline across processes: which rank runs which stage, and what each rank keeps.
+
+With `compile_pipeline(model, example, mesh=mesh)`, every rank of the DeviceMesh compiles the
+same plan, and stage s runs on the rank at coordinate `plan.ranks[s]` of the mesh's "pp"
+dimension. Each rank keeps the parameters and buffers of its own stages; the rest are moved to
+the meta device (shapes kept, memory freed). Values travel on fxpipe/channel.py.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpipe.plan import CALLER, Plan
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
+
+
+@dataclass
+class RankPlacement:
+    """This process's place in the pipeline group."""
+
+    group: Any  # the "pp" process group
+    ranks: list[int]  # the global rank at each pipeline coordinate
+    me: int  # this process's pipeline coordinate
+    device: torch.device  # where this rank's stages run
+    timeout: float
+    dp_group: Any = None  # the "dp" process group, when the mesh has one
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
+    """The placement a DeviceMesh with a "pp" dimension (and optionally "dp") gives this process."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names:
+        raise ValueError(
+            f"mesh must be a torch.distributed DeviceMesh with a dimension named 'pp' (got dimensions {names}).\n"
+            "How to fix: init_device_mesh('cpu', (stages,), mesh_dim_names=('pp',)), or ('pp', 'dp') for data "
+            "parallel replicas too."
+        )
+    pp = mesh["pp"] if len(names) > 1 else mesh
+    ranks = [int(r) for r in pp.mesh.flatten().tolist()]
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(mesh.device_type)
+    return RankPlacement(
+        group=mesh.get_group("pp"),
+        ranks=ranks,
+        me=ranks.index(dist.get_rank()),
+        device=device,
+        timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
+        dp_group=mesh.get_group("dp") if "dp" in names else None,
+    )
+
+
+def plan_parts(plan: Plan) -> dict[str, str]:
+    """What every rank's plan must agree on, by part, each as a short digest."""
+    parts = {
+        "options": repr((plan.chunks, plan.checkpoint, plan.schedule, plan.ranks)),
+        "edges": repr([(e.value, e.src, e.dst, e.kind) for e in plan.edges]),
+        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs)) for s in plan.stages},
+    }
+    return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
+
+
+def check_same_plan(plan: Plan, placement: RankPlacement) -> None:
+    """Every rank of the world compiled the same plan; else one error naming what differs."""
+    mine = plan_parts(plan)
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    problems = []
+    for rank, parts in enumerate(every):
+        differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != every[0].get(name))
+        if differ:
+            problems.append(f"rank {rank} differs from rank 0 in: {', '.join(differ)}")
+    if problems:
+        raise RuntimeError(
+            "the ranks compiled different plans:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
+            "How to fix: give every rank the same model, example shapes and arguments; balance='time' "
+            "measures on each rank, so pass balance='flops' or split_points=[...] instead."
+        )
+
+
+Router = Callable[[Hashable], int]
+
+
+def routes(stages: Sequence[Any], stage_ranks: Sequence[int], loss_stage: int, me: int) -> tuple[Router, Router]:
+    """For a step's mailbox keys (fxpipe/step.py): the coordinate of the rank a value is for
+    (`home`) and of the rank that makes it (`source`). The pipeline's inputs are on every rank;
+    its outputs, and the loss, on the rank of the loss stage."""
+    sink = len(stages)
+    output_rank = stage_ranks[loss_stage]
+    makers = {name: s.index for s in stages for name, dsts in s.consumers.items() if sink in dsts}
+
+    def rank_of(stage: int) -> int:
+        return me if stage == CALLER else output_rank if stage == sink else stage_ranks[stage]
+
+    def home(key: Hashable) -> int:
+        assert isinstance(key, tuple)
+        return rank_of(key[1])
+
+    def source(key: Hashable) -> int:
+        assert isinstance(key, tuple)
+        if key[0] == "fwd":
+            dst, name = key[1], key[3]
+            return rank_of(makers[name] if dst == sink else stages[dst].sources[name])
+        return rank_of(key[4])  # a gradient comes from the value's consumer
+
+    return home, source
+
+
+def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None:
+    """Move every parameter and buffer that no stage of this rank reads to the meta device: the
+    tensor objects stay (and their shapes), their memory goes."""
+    kept: set[int] = set()
+    for program in programs:
+        kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
+        for stage, module, shared in zip(program.stages, program.modules, program.shared):
+            if program.layout.ranks[stage.index] != me:
+                continue
+            kept.update(id(t) for t in [*module.parameters(), *module.buffers(), *shared, *stage.writable_buffers.values()])
+    for module in owner.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is None or id(tensor) in kept or tensor.device.type == "meta":
+                    continue
+                torch.utils.swap_tensors(tensor, _on_meta(tensor))
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+
+
+def holders(program: Any, params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """For each parameter, the pipeline coordinates of the ranks whose stages read it."""
+    found: dict[int, set[int]] = {id(p): set() for p in params}
+    for stage, shared in zip(program.stages, program.shared):
+        rank = program.layout.ranks[stage.index]
+        for tensor in [*stage.params, *shared]:
+            if id(tensor) in found:
+                found[id(tensor)].add(rank)
+    return [sorted(found[id(p)]) for p in params]
+
+
+class ReplicaFailed(RuntimeError):
+    """A data-parallel replica of this rank's stages failed its step."""
+
+
+def sync_replicas(
+    where: RankPlacement, grads: list[Optional[torch.Tensor]], loss: Optional[torch.Tensor], size: int, mean: bool, failed: bool
+) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
+    """Gradients and loss of the whole batch, from this rank's and its replicas' (one batch
+    each, on the "dp" dimension): for a mean-reduced loss, each replica's weighted by its batch
+    size; for a sum-reduced one, summed. A replica whose step failed says so, and every replica
+    raises: none waits for a sum that will not come."""
+    group, timeout = where.dp_group, timedelta(seconds=where.timeout)
+    device = where.device
+    weight = float(size) if mean else 1.0
+    present = [g is not None for g in grads]
+    head = torch.tensor([float(failed), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=device)
+    dist.all_reduce(head, group=group, async_op=True).wait(timeout)
+    if head[0] > 0:
+        raise ReplicaFailed(f"{int(head[0])} data-parallel replica(s) of this rank's stages failed this step; see their errors")
+    replicas = dist.get_world_size(group)
+    if any(0 < int(n) < replicas for n in head[3:].tolist()):
+        raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
+    total = float(head[1]) if mean else 1.0
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        if g is not None:
+            buckets.setdefault(g.dtype, []).append(g)
+    summed: dict[int, torch.Tensor] = {}
+    for tensors in buckets.values():
+        flat = torch.cat([t.reshape(-1) * weight for t in tensors])
+        dist.all_reduce(flat, group=group, async_op=True).wait(timeout)
+        flat /= total
+        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+            summed[id(t)] = part.view_as(t)
+    out = [summed[id(g)] if g is not None else None for g in grads]
+    new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)
+    return out, new_loss

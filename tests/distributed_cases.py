@@ -1,0 +1,215 @@
+"""What each rank runs in the multi-process tests: pipelines on a "pp" DeviceMesh, checked on
+the rank against the plain model (float64), each rank checking the parameters it holds."""
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from conftest import FanOut, example_module
+from dag_models import Op, Spec, make_model, mean_loss_of
+from fxpipe import StageError, compile_pipeline
+
+Made = tuple[nn.Module, list[tuple[Any, Any]], Callable[[Any, Any], torch.Tensor]]
+
+
+def _example(name: str, batches: list[dict[str, int]], **sizes: Any) -> Made:
+    m = example_module(name)
+    pairs = [m.make_batch(seed=k, **b) if name == "gpt" else m.make_batch(seed=k, dtype=torch.float64, **b) for k, b in enumerate(batches)]
+    return m.make_model(**sizes).double(), pairs, m.loss_fn
+
+
+def _fan_out() -> Made:
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randn(n, 6, dtype=torch.float64, generator=g), torch.randn(n, 6, dtype=torch.float64, generator=g)) for n in (6, 9)]
+    return FanOut().double(), pairs, F.mse_loss
+
+
+def _random_dag(seed: int) -> Made:
+    """A random graph of tanh(Linear) ops, tied weights, views and in-place writes; every value
+    picks one or two earlier ones, so values skip stages and feed several."""
+    rng = random.Random(seed)
+    n = rng.randint(5, 8)
+    kinds = ["linear", "linear", "tied", "views", "inplace", "function"]
+    ops = [Op(rng.choice(kinds), tuple(sorted({rng.randint(0, i), rng.randint(0, i)})), rng.randint(0, 5)) for i in range(n)]
+    ops[0].kind = ops[-1].kind = "tied"  # the first and last stage share a weight
+    spec = Spec(rng.choice([4, 6]), ops, (rng.randint(1, n),) if rng.random() < 0.5 else ())
+    g = torch.Generator().manual_seed(seed)
+    pairs = [(torch.randn(b, spec.width, dtype=torch.float64, generator=g), None) for b in (6, 7)]
+    return make_model(spec, 0.0, seed, torch.float64), pairs, lambda out, _: mean_loss_of(out)
+
+
+MODELS: dict[str, Callable[[], Made]] = {
+    "unet": lambda: _example("unet", [dict(batch_size=6, size=16), dict(batch_size=9, size=16)], base=4),
+    "gpt": lambda: _example("gpt", [dict(batch_size=6), dict(batch_size=9, seq_len=12)], n_layer=3, n_embd=16),
+    "fan_out": _fan_out,
+    "dag_1": lambda: _random_dag(1),
+    "dag_2": lambda: _random_dag(2),
+}
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    return float((a.detach().cpu() - b.detach().cpu()).abs().max()) if a.numel() else 0.0
+
+
+def train_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    """For each (model, schedule, checkpoint mode): two train steps of different batch sizes (and
+    sequence lengths), gradients accumulated; the loss of each, the forward-only output, and the
+    gradient of each parameter this rank holds, against the plain model's."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    report = []
+    for name, schedule, mode in cases:
+        torch.manual_seed(0)
+        model, batches, loss_fn = MODELS[name]()
+        reference = copy.deepcopy(model)
+        extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
+        pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=world, checkpoint=mode, schedule=schedule, timeout=60, **extra)
+        losses, expected = [], []
+        for x, y in batches:
+            losses.append(float(pipe.train_step(x, target=y, loss_fn=loss_fn)))
+            loss = loss_fn(reference(x), y)
+            loss.backward()
+            expected.append(loss.item())
+        ref = dict(reference.named_parameters())
+        grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            out = pipe(batches[0][0])
+            out_error = None if out is None else max(_max_diff(a, b) for a, b in zip(_tensors(out), _tensors(reference(batches[0][0]))))
+        report.append(dict(
+            case=(name, schedule, mode), losses=losses, expected=expected, grads=grads,
+            names=sorted(n for n, p in ref.items() if p.grad is not None), all_state_keys=sorted(reference.state_dict()),
+            missing=[n for n, p in pipe.named_parameters() if p.grad is None and ref[n].grad is not None],
+            out_error=out_error, state_keys=sorted(pipe.state_dict()),
+        ))  # fmt: skip
+    return report
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, dict):
+        return list(out.values())
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+class FailsAt(nn.Module):
+    """Raises in forward on the micro-batch whose first row is marked (on the stage it is cut into)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h))
+        h = _check(h, x)
+        return self.c(h)
+
+
+@torch.fx.wrap
+def _check(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    if bool((x[:, 0] == 99).any()):
+        raise ValueError("marked row reached the check")
+    return h
+
+
+def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    """A stage raises on micro-batch 2: every rank raises the same StageError, in bounded time;
+    and the next step runs."""
+    import time
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FailsAt().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule=schedule, timeout=20, split_points=["c"] if world == 2 else None)
+    bad = x.clone()
+    bad[4, 0] = 99  # micro-batch 2 of 4
+    start = time.monotonic()
+    try:
+        pipe.train_step(bad, target=torch.zeros(8, 4, dtype=torch.float64), loss_fn=F.mse_loss)
+        error = None
+    except StageError as e:
+        error = (str(e), e.stage, e.micro_batch, e.phase, e.rank)
+    took = time.monotonic() - start
+    ok_loss = float(pipe.train_step(x, target=torch.zeros(8, 4, dtype=torch.float64), loss_fn=F.mse_loss))
+    return dict(error=error, took=took, next_loss=ok_loss)
+
+
+def dying_rank(rank: int, world: int) -> dict[str, Any]:
+    """The last rank exits in the middle of a step: the others raise, naming it."""
+    import os
+    import time
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=20)
+    pipe.train_step(x, target=torch.zeros_like(x), loss_fn=F.mse_loss)
+    dist.barrier()
+    if rank == world - 1:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, target=torch.zeros_like(x), loss_fn=F.mse_loss)
+        return dict(error=None, took=time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        return dict(error=f"{type(e).__name__}: {e}", took=time.monotonic() - start)
+
+
+def mismatched_plans(rank: int, world: int) -> str:
+    """Ranks that compile different models: every rank raises, naming what differs."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    try:
+        compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=["layers.2"] if rank == 0 else ["layers.4"])
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """What one process group cannot do yet is refused on every rank, before anything is sent."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2)
+    errors = []
+    for attempt in (lambda: pipe(x), lambda: pipe.train_step(x.requires_grad_(), target=x.detach(), loss_fn=F.mse_loss)):
+        try:
+            attempt()
+            errors.append("no error")
+        except (RuntimeError, ValueError) as e:
+            errors.append(str(e))
+    x = x.detach()
+    loss = pipe.train_step(x, target=x, loss_fn=F.mse_loss)  # and the pipeline still runs
+    errors.append(f"loss {loss.item():.6f}")
+    return errors
+
+
+def replicated(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:
+    """pp x dp = 2 x 2: each replica trains on its own share of the batch (uneven shares); the
+    loss and every gradient equal the plain model's on the whole batch."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    replica = mesh.get_local_rank("dp")
+    report = []
+    for name, schedule in zip(names, ("1f1b", "zb-h1", "gpipe")):
+        torch.manual_seed(0)
+        model, batches, loss_fn = MODELS[name]()
+        reference = copy.deepcopy(model)
+        x, y = batches[1]  # 9 samples: replica 0 trains on 4, replica 1 on 5
+        share = slice(0, 4) if replica == 0 else slice(4, None)
+        pipe = compile_pipeline(model, x[share], mesh=mesh, chunks=2, schedule=schedule, timeout=60)
+        losses = [pipe.train_step(x[share], target=None if y is None else y[share], loss_fn=loss_fn).item() for _ in range(2)]
+        expected = loss_fn(reference(x), y)
+        (2 * expected).backward()  # two steps, accumulated
+        ref = dict(reference.named_parameters())
+        grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        report.append(dict(case=(name, schedule), losses=losses, expected=expected.item(), grads=grads, names=sorted(ref)))
+    return report

@@ -1,0 +1,131 @@
+"""Across processes (gloo on 127.0.0.1): one stage per rank, every schedule, the plain model's
+loss and gradients; failures on one rank raised on all of them, in bounded time."""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import distributed_cases as cases
+from conftest import FanOut
+from fxpipe import compile_pipeline
+from spawn_ranks import results_of, spawn_ranks
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+MODES = ("always", "except_last", "never")
+TOL = 1e-10
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[list[dict[str, Any]]]:
+    """Every case on one group of three processes (starting processes costs seconds)."""
+    matrix = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
+    matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
+    return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
+
+
+def _reports(three_ranks: list[list[dict[str, Any]]], name: str) -> list[tuple[dict[str, Any], ...]]:
+    return [per_rank for per_rank in zip(*three_ranks) if per_rank[0]["case"][0] == name]
+
+
+@pytest.mark.parametrize("name", ["unet", "gpt", "fan_out", "dag_1", "dag_2"])
+def test_every_schedule_and_mode_gives_the_plain_models_loss_and_gradients(three_ranks: Any, name: str) -> None:
+    reports = _reports(three_ranks, name)
+    assert reports
+    for per_rank in reports:
+        case = per_rank[0]["case"]
+        losses = [r["losses"] for r in per_rank]
+        assert all(loss == losses[0] for loss in losses), f"{case}: ranks returned different losses {losses}"
+        for got, expected in zip(losses[0], per_rank[0]["expected"]):
+            assert abs(got - expected) <= TOL, f"{case}: loss {got} != {expected}"
+        checked: set[str] = set()
+        for rank, report in enumerate(per_rank):
+            assert not report["missing"], f"{case}: rank {rank} has no gradient for {report['missing']}"
+            worst = max(report["grads"].values(), default=0.0)
+            assert worst <= TOL, f"{case}: rank {rank}: gradient differs by {worst}"
+            checked |= set(report["grads"])
+        assert checked == set(per_rank[0]["names"]), f"{case}: no rank holds {set(per_rank[0]['names']) - checked}"
+        outputs = [r["out_error"] for r in per_rank]
+        assert outputs[:-1] == [None] * (len(outputs) - 1) and outputs[-1] is not None and outputs[-1] <= TOL, (case, outputs)
+        keys = [set(r["state_keys"]) for r in per_rank]
+        assert set().union(*keys) == set(per_rank[0]["all_state_keys"]), f"{case}: a state key is on no rank"
+        assert sum(map(len, keys)) < 2 * len(per_rank[0]["all_state_keys"]), f"{case}: ranks hold far more than their part"
+
+
+def test_each_rank_holds_its_own_stages_only(three_ranks: Any) -> None:
+    """State keys are the model's own, split between the ranks; only tied weights are on two."""
+    for per_rank in _reports(three_ranks, "gpt"):
+        keys = [set(r["state_keys"]) for r in per_rank]
+        shared = (keys[0] & keys[1]) | (keys[1] & keys[2]) | (keys[0] & keys[2])
+        assert shared <= {"tok_emb.weight", "head.weight"}, (per_rank[0]["case"], shared)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None:
+    got = results_of(spawn_ranks(cases.failing_step, 2, schedule, timeout=120))
+    errors = [r["error"] for r in got]
+    assert all(e is not None for e in errors), errors
+    assert len({e[0] for e in errors}) == 1, f"ranks raised different errors: {errors}"
+    text, stage, micro_batch, phase, rank = errors[0]
+    assert (micro_batch, phase) == (2, "forward") and "marked row reached the check" in text, text
+    assert f"stage {stage} (rank {rank})" in text
+    assert all(r["took"] < 15 for r in got), [r["took"] for r in got]
+    assert len({r["next_loss"] for r in got}) == 1, "the next step runs, with one loss on every rank"
+
+
+def test_a_rank_that_dies_makes_the_others_raise() -> None:
+    got = spawn_ranks(cases.dying_rank, 2, timeout=120)
+    assert got[1] == ("exited", 3)
+    status, report = got[0]
+    assert status == "ok" and report["error"] is not None, got[0]
+    assert "rank 1" in report["error"] and report["took"] < 15, report
+
+
+def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
+    messages = results_of(spawn_ranks(cases.mismatched_plans, 2, timeout=120))
+    for message in messages:
+        assert "compiled different plans" in message and "stage 0" in message and "How to fix" in message, message
+
+
+def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> None:
+    for errors in results_of(spawn_ranks(cases.refusals, 2, timeout=120)):
+        assert "pipe(x) runs forward only" in errors[0] and "torch.no_grad()" in errors[0], errors[0]
+        assert "inputs that require grad" in errors[1], errors[1]
+        assert errors[2].startswith("loss "), errors[2]
+
+
+def test_devices_or_mesh_one_of_them() -> None:
+    model, x = FanOut(), torch.randn(4, 6)
+    with pytest.raises(ValueError, match="needs one of devices=.*and mesh="):
+        compile_pipeline(model, x)
+
+    class NotPipelined:
+        mesh_dim_names = ("dp",)
+
+    with pytest.raises(ValueError, match="(?s)dimension named .pp.*How to fix"):
+        compile_pipeline(model, x, mesh=NotPipelined())
+    with pytest.raises(ValueError, match="not both"):
+        compile_pipeline(model, x, ["cpu"], mesh=NotPipelined())
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        compile_pipeline(model, x, ["cpu"], timeout=0)
+
+
+
+
+def test_pipeline_times_data_parallel_equals_training_on_the_whole_batch() -> None:
+    got = results_of(spawn_ranks(cases.replicated, 4, ["fan_out", "gpt", "unet"], timeout=300))
+    for per_rank in zip(*got):
+        case = per_rank[0]["case"]
+        for report in per_rank:
+            assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), (case, report["losses"], report["expected"])
+            worst = max(report["grads"].values())
+            assert worst <= TOL, f"{case}: gradient differs by {worst}"
+        # ranks 0 and 2 are the two stages of replica 0 (the mesh is pp-major), 1 and 3 of replica 1
+        for replica in (per_rank[0::2], per_rank[1::2]):
+            held = set().union(*(set(r["grads"]) for r in replica))
+            assert held == set(per_rank[0]["names"]), f"{case}: no rank of a replica holds {set(per_rank[0]['names']) - held}"
