@@ -40,7 +40,12 @@ def train(
     p.add_argument("--devices", nargs="+", default=default_devices())
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--svg", default=svg)
+    p.add_argument("--schedule", default="1f1b", help="what --distributed trains with (pipe.train_step)")
+    p.add_argument("--distributed", action="store_true",
+                   help="one stage per process, under torchrun: gloo on CPUs, NCCL on GPUs")  # fmt: skip
     args = p.parse_args(argv)
+    if args.distributed:
+        return train_distributed(model, make_batch, loss_fn, args)
     devices = [d for arg in args.devices for d in arg.split()]  # also accept one quoted list
 
     example, _ = make_batch(args.batch)
@@ -60,4 +65,41 @@ def train(
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     pipe.to_svg(args.svg)
     print(f"wrote {args.svg}")
+    return losses
+
+
+def train_distributed(model: nn.Module, make_batch: Batch, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], args: argparse.Namespace) -> list[float]:
+    """The same training under torchrun: every rank compiles the same plan on a "pp" DeviceMesh
+    and runs its own stage; every rank gets the same loss, rank 0 prints it."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),), mesh_dim_names=("pp",))
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    example, _ = make_batch(args.batch)
+    pipe = compile_pipeline(model, example, mesh=mesh, chunks=args.chunks, checkpoint=args.checkpoint, schedule=args.schedule)
+    first = dist.get_rank() == 0
+    if first:
+        print(pipe.plan)
+    opt = torch.optim.Adam(pipe.parameters(), lr=args.lr)
+    losses: list[float] = []
+    bar = tqdm(range(args.steps), disable=not first)
+    for step in bar:
+        x, y = make_batch(args.batch, seed=step + 1)
+        opt.zero_grad()
+        loss = pipe.train_step(x.to(device), target=y.to(device), loss_fn=loss_fn)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    if first:
+        print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (the same on every rank)")
+        pipe.to_svg(args.svg)
+        print(f"wrote {args.svg}")
+    dist.destroy_process_group()
     return losses

@@ -1,42 +1,34 @@
 """Values between processes: each rank's messages to another, in the order it sends them.
 
-A rank sends a value as one message on `torch.distributed` point-to-point ops: its header (the
-step, the key, and the value's structure with each tensor's shape, dtype and requires_grad),
-pickled, then each tensor. Shapes are sent with every value, so a step may change the batch
-size or the sequence length. Sends are asynchronous; a rank receives on its own thread, when an
-action needs a value, reading the sender's messages in the order they were sent and keeping the
-ones it does not need yet:
+A rank sends a value as one message on `torch.distributed` point-to-point ops (fxpipe/frames.py:
+a frame with the header and the small tensors, then each large tensor), with every tensor's
+shape and dtype, so a step may change the batch size or the sequence length. Sends are
+asynchronous. A rank receives on its own thread, when an action needs a value, reading the
+sender's messages in the order they were sent and keeping those it does not need yet:
 
-    rank 0 sends   [F0 act]  [F1 act]  [F1 skip]          (each: header, then tensors)
+    rank 0 sends   [F0 act]  [F1 act]  [F1 skip]
     rank 1 takes   F1 skip ──▶ reads F0 act, F1 act (kept), F1 skip (returned)
 
-No thread waits between steps, and NCCL, which ignores tags, sees each pair's messages in one
-order. A rank that fails sends every peer a failure message in place of what it still owed,
-so a peer waiting on it raises, names the failure, and passes it on; a rank that dies closes its
-connections, and its peers' reads fail at once. A read that waits longer than `timeout` fails.
-At the end of a step every rank sends every other a `done` message and reads theirs: no rank
-leaves a step that another has failed.
+so NCCL, which ignores tags, sees each pair's messages in one order too. A rank that fails
+sends every peer a failure message in place of what it still owed: a peer waiting on it raises,
+names the failure, and passes it on. A rank that dies closes its connections, and its peers'
+reads fail at once; a read that waits longer than `timeout` fails. At the end of a step every
+rank sends every other a `done` message and reads theirs: no rank leaves a step another failed.
 """
 from __future__ import annotations
 
-import pickle
+import itertools
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from fxpipe.frames import FRAME, decode, encode, frame_of, open_frame
 
 VALUE, FAILED, DONE = "value", "failed", "done"
-_TAG = 23  # every message of fxpipe's on a pair; the order on the pair does the rest
-
-
-@dataclass(frozen=True)
-class _TensorMeta:
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool
+_channels = itertools.count(1)  # each pipeline's messages under a tag of their own
 
 
 @dataclass(frozen=True)
@@ -70,8 +62,32 @@ class PeerLost(RuntimeError):
     """A rank stopped answering: it died, or waited longer than the timeout."""
 
 
+@dataclass
+class _Posted:
+    """Receives posted for a peer's next message: its frame, and the extras it is expected to have."""
+
+    frame: torch.Tensor
+    frame_work: Any
+    parts: list[tuple[torch.Tensor, Any]]
+
+
 class Channel:
-    """This rank's messages to and from the other ranks of its pipeline group, step by step."""
+    """This rank's messages to and from the other ranks of its pipeline group, step by step.
+
+    A receive is posted before its message is sent, wherever the receiver can know its size:
+    gloo then moves the data as it is sent, while both ranks compute, instead of when the
+    receiver asks. A frame has a fixed size. The extras of the k-th message of a step are
+    expected to have the sizes of the k-th message of the step before (the schedule repeats);
+    after reading a message the receiver posts the next one's frame and expected extras. A
+    sender whose message differs from what the peer expects first sends fillers of the expected
+    sizes, and the envelope says so. After a failed step neither side expects anything. (On
+    gloo; NCCL runs a posted receive as a kernel that holds the pair's stream, so there every
+    receive is posted when its message is read.)
+
+    Every rank makes its pipelines' channels in the same order (compile_pipeline runs on every
+    rank), so the n-th channel of each rank uses the same tag, and one pipeline's posted
+    receives never take another's messages.
+    """
 
     def __init__(self, group: Any, ranks: Sequence[int], me: int, device: torch.device, timeout: float) -> None:
         self.group = group
@@ -79,25 +95,35 @@ class Channel:
         self.me = me  # this rank's pipeline coordinate
         self.device = device
         self.timeout = timeout
+        self.tag = next(_channels)
+        self.early = dist.get_backend(group) == "gloo"  # post receives before their messages
         self.step = 0
         self.kept: dict[int, dict[Hashable, Any]] = {}  # per peer, values read ahead of need
-        self.sending: list[tuple[Any, list[torch.Tensor]]] = []  # works, and what they read
+        self.sending: list[tuple[Any, torch.Tensor]] = []  # works, and the bytes they read
         self.failed_peers: dict[int, Failure] = {}
-        self.bytes_sent = 0
-        self.messages_sent = 0
+        self.failed = False  # this step failed here: expect nothing in the next
+        self.posted: dict[int, _Posted] = {}
+        # Per peer, the extras' sizes of each message of this step, and of the step before.
+        self.sent: dict[int, list[list[int]]] = {}
+        self.sent_before: dict[int, list[list[int]]] = {}
+        self.read: dict[int, list[list[int]]] = {}
+        self.read_before: dict[int, list[list[int]]] = {}
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, peer: int, key: Hashable, value: Any, kind: str = VALUE) -> None:
-        tensors = [t.detach().contiguous() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-        skeleton = tree_map_only(torch.Tensor, lambda t: _TensorMeta(tuple(t.shape), t.dtype, t.requires_grad), value)
-        header = pickle.dumps((self.step, kind, key, skeleton))
-        data = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device)
-        length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        for tensor in (length, data, *tensors):
-            work = dist.isend(tensor, self.ranks[peer], group=self.group, tag=_TAG)
-            self.sending.append((work, [tensor]))
-            self.bytes_sent += tensor.numel() * tensor.element_size()
-        self.messages_sent += 1
+        message = encode(self.step, kind, key, value)
+        sent = self.sent.setdefault(peer, [])
+        expected = _at(self.sent_before.get(peer, []), len(sent)) if self.early else []
+        frame, sizes = frame_of(message, [])
+        fillers = [] if sizes == expected else expected
+        if fillers:
+            frame, sizes = frame_of(message, fillers)
+        sent.append(sizes)
+        header = [torch.frombuffer(bytearray(message.header), dtype=torch.uint8)] if len(sizes) > len(message.extras) else []
+        for part in [frame, *(torch.empty(n, dtype=torch.uint8) for n in fillers), *header, *message.extras]:
+            part = part.to(self.device)
+            work = dist.isend(part, self.ranks[peer], group=self.group, tag=self.tag)
+            self.sending.append((work, part))
 
     def fail(self, failure: Failure) -> None:
         """Tell every peer this step failed here (best effort: a peer may be gone)."""
@@ -106,6 +132,7 @@ class Channel:
                 self.send(peer, ("failed",), failure, FAILED)
             except Exception:  # noqa: BLE001 - the peer is gone; its own peers hear of it
                 pass
+        self.failed = True
 
     # -- receiving ---------------------------------------------------------------------------
     def take(self, peer: int, key: Hashable, what: str = "") -> Any:
@@ -124,34 +151,56 @@ class Channel:
         return kept.pop(key)
 
     def _read(self, peer: int, what: str) -> tuple[int, str, Hashable, Any]:
-        (length,) = self._receive([torch.empty(1, dtype=torch.int64, device=self.device)], peer, what)
-        (data,) = self._receive([torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)], peer, what)
-        step, kind, key, skeleton = pickle.loads(data.cpu().numpy().tobytes())
-        leaves, spec = tree_flatten(skeleton)
-        metas = [m for m in leaves if isinstance(m, _TensorMeta)]
-        tensors = iter(self._receive([torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas], peer, what))
-        leaves = [next(tensors).requires_grad_(m.requires_grad) if isinstance(m, _TensorMeta) else m for m in leaves]
-        return step, kind, key, tree_unflatten(leaves, spec)
+        posted = self.posted.pop(peer, None) or self._post(peer, [])
+        frame = self._wait(posted.frame, posted.frame_work, peer, what).cpu()
+        fillers, sizes, header, body = open_frame(frame)
+        incoming = [*fillers, *sizes]
+        early = [buffer.numel() for buffer, _ in posted.parts]
+        if early != incoming[: len(early)]:
+            raise RuntimeError(f"messages from rank {self.ranks[peer]} are out of step: posted {early}, sent {incoming}")
+        parts = [self._wait(buffer, work, peer, what) for buffer, work in posted.parts]
+        parts += [self._wait(*self._receive(peer, n), peer, what) for n in incoming[len(early) :]]
+        extras = parts[len(fillers) :]
+        if header is None:
+            header, extras = extras[0].cpu().numpy().tobytes(), extras[1:]
+        step, kind, key, value = decode(header, frame, body, extras, self.device)
+        current = step == self.step and kind != FAILED
+        read = self.read.setdefault(peer, [])
+        if current:
+            read.append(sizes)
+        # The next message: the next of this step, or after `done` the first of the next step.
+        after = (read if kind == DONE else self.read_before.get(peer, [])) if current else []
+        if self.early:
+            self.posted[peer] = self._post(peer, _at(after, 0 if kind == DONE else len(read)))
+        return step, kind, key, value
 
-    def _receive(self, buffers: list[torch.Tensor], peer: int, what: str) -> list[torch.Tensor]:
-        for buffer in buffers:
-            try:
-                work = dist.irecv(buffer, self.ranks[peer], group=self.group, tag=_TAG)
-                assert work is not None  # this rank is in the group
-                work.wait(timedelta(seconds=self.timeout))
-            except RuntimeError as e:
-                raise PeerLost(
-                    f"rank {self.ranks[peer]} (pipeline stage rank {peer}) sent nothing this rank could read while it "
-                    f"waited for {what} (timeout {self.timeout:g} s): {e}\nThat rank died or is stuck; see its own "
-                    "output. A slow step needs a longer timeout: compile_pipeline(..., timeout=seconds)."
-                ) from e
-        return buffers
+    def _post(self, peer: int, sizes: list[int]) -> _Posted:
+        frame, work = self._receive(peer, FRAME)
+        return _Posted(frame, work, [self._receive(peer, n) for n in sizes])
+
+    def _receive(self, peer: int, nbytes: int) -> tuple[torch.Tensor, Any]:
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buffer, dist.irecv(buffer, self.ranks[peer], group=self.group, tag=self.tag)
+
+    def _wait(self, buffer: torch.Tensor, work: Any, peer: int, what: str) -> torch.Tensor:
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise PeerLost(
+                f"rank {self.ranks[peer]} (pipeline stage rank {peer}) sent nothing this rank could read while it "
+                f"waited for {what} (timeout {self.timeout:g} s): {e}\nThat rank died or is stuck; see its own "
+                "output. A slow step needs a longer timeout: compile_pipeline(..., timeout=seconds)."
+            ) from e
+        return buffer
 
     # -- steps -------------------------------------------------------------------------------
     def begin(self) -> None:
         self.step += 1
         self.kept.clear()
         self.failed_peers.clear()
+        self.sent_before, self.read_before = ({}, {}) if self.failed else (self.sent, self.read)
+        self.sent, self.read = {}, {}
+        self.failed = False
 
     def finish(self, payload: Any = None) -> dict[int, Any]:
         """End the step with every peer: send `done` (with `payload`) and read theirs; raises
@@ -163,15 +212,19 @@ class Channel:
         return got
 
     def wait_sent(self) -> None:
-        """Every send delivered (their tensors may be freed). After a failed step nothing is
+        """Every send delivered (their bytes may be freed). After a failed step nothing is
         waited for: a peer reads what is left of it, and drops it, in the next step; until then
-        the sends and their tensors are kept, as gloo drops a send whose work is freed."""
+        the sends and their bytes are kept, as gloo drops a send whose work is freed."""
         for work, _ in self.sending:
             work.wait(timedelta(seconds=self.timeout))
         self.sending.clear()
 
     def _peers(self) -> list[int]:
         return [p for p in range(len(self.ranks)) if p != self.me]
+
+
+def _at(history: list[list[int]], index: int) -> list[int]:
+    return history[index] if index < len(history) else []
 
 
 class RankMailbox:

@@ -507,6 +507,22 @@ class Pipeline(nn.Module):
             del state[key]
         return state
 
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """The model's state under its own keys; across processes, this rank takes its part of a
+        whole model's state dict (keys of other ranks' stages are not unexpected)."""
+        if self.__dict__.get("_channel") is None:
+            return super().load_state_dict(state_dict, strict, assign)
+        own, every = set(self.state_dict()), set(super().state_dict())
+        missing = sorted(own - set(state_dict))
+        unexpected = sorted(set(state_dict) - every)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"this rank's part of the state dict does not match: missing keys {missing}, unexpected keys "
+                f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
     def _elsewhere(self, tensor: torch.Tensor) -> bool:
         """Held by another rank (this one keeps its shape only, on the meta device)."""
         return self.__dict__.get("_channel") is not None and tensor.device.type == "meta"

@@ -213,3 +213,81 @@ def replicated(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:
         grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
         report.append(dict(case=(name, schedule), losses=losses, expected=expected.item(), grads=grads, names=sorted(ref)))
     return report
+
+
+def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_path: str, seed: int) -> list[str]:
+    """Load a checkpoint (torch.distributed.checkpoint) into this rank's part of a freshly made
+    model, run it, train a step, save, run again: the outputs go to `out_path`."""
+    import torch.distributed.checkpoint as dcp
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(seed)
+    model, batches, loss_fn = MODELS["gpt"]()
+    x, y = batches[0]
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    state = pipe.state_dict()
+    dcp.load(state, checkpoint_id=load_from)  # in place, into this rank's tensors
+    pipe.load_state_dict(state)
+    with torch.no_grad():
+        loaded = pipe(x)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    pipe.train_step(x, target=y, loss_fn=loss_fn)
+    opt.step()
+    dcp.save(pipe.state_dict(), checkpoint_id=save_to)
+    with torch.no_grad():
+        trained = pipe(x)
+    if trained is not None:
+        torch.save({"loaded": loaded, "trained": trained}, out_path)
+    return sorted(pipe.state_dict())
+
+
+def sample_values() -> dict[str, Any]:
+    """Values a stage may send: every dtype, 0-dim and empty tensors, one too big for a frame,
+    a structure whose header alone is too big for one, and non-tensor leaves."""
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 300, dtype=torch.float64, generator=g)  # 720 KB: sent after the frame
+    return {
+        "floats": (torch.randn(3, 4, generator=g).requires_grad_(), torch.randn(5, dtype=torch.float64, generator=g)),
+        "kinds": [torch.tensor([True, False]), torch.arange(7), torch.randn(4, generator=g).to(torch.bfloat16),
+                  torch.randn(3, dtype=torch.complex64, generator=g), torch.tensor(2.5), torch.empty(0, 3)],
+        "big": big,
+        "strided": big[::7, ::3],
+        "many": {f"k{i}": (i, f"text {i}" * 20, None) for i in range(800)},  # a header of about 140 KB
+        "none": None,
+    }  # fmt: skip
+
+
+def echo(rank: int, world: int) -> list[str]:
+    """Rank 0 sends each sample value on the channel, in two steps; rank 1 takes them out of
+    order and reports what differs."""
+    from fxpipe.channel import Channel
+
+    channel = Channel(dist.group.WORLD, list(range(world)), rank, torch.device("cpu"), 30.0)
+    values = sample_values()
+    problems = []
+    for _ in range(2):
+        channel.begin()
+        if rank == 0:
+            for name, value in values.items():
+                channel.send(1, name, value)
+        else:
+            for name in reversed(list(values)):
+                problems += _differences(name, channel.take(0, name), values[name])
+        channel.finish()
+    return problems
+
+
+def _differences(path: str, got: Any, expected: Any) -> list[str]:
+    if isinstance(expected, torch.Tensor):
+        ok = isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape
+        ok = ok and torch.equal(got, expected.detach()) and got.requires_grad == expected.requires_grad
+        return [] if ok else [f"{path}: {got!r} != {expected!r}"]
+    if isinstance(expected, (tuple, list)):
+        if type(got) is not type(expected) or len(got) != len(expected):
+            return [f"{path}: {type(got).__name__} != {type(expected).__name__}"]
+        return [d for i, (a, b) in enumerate(zip(got, expected)) for d in _differences(f"{path}[{i}]", a, b)]
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or list(got) != list(expected):
+            return [f"{path}: keys differ"]
+        return [d for k in expected for d in _differences(f"{path}.{k}", got[k], expected[k])]
+    return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]

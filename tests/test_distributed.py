@@ -129,3 +129,44 @@ def test_pipeline_times_data_parallel_equals_training_on_the_whole_batch() -> No
         for replica in (per_rank[0::2], per_rank[1::2]):
             held = set().union(*(set(r["grads"]) for r in replica))
             assert held == set(per_rank[0]["names"]), f"{case}: no rank of a replica holds {set(per_rank[0]['names']) - held}"
+
+
+def test_a_checkpoint_moves_between_stage_counts_and_the_plain_model(tmp_path: Any) -> None:
+    """plain model -> 2 stages -> 3 stages -> plain model, through torch.distributed.checkpoint."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(5)
+    model, batches, _ = cases.MODELS["gpt"]()
+    x = batches[0][0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # saving in one process, which torch.distributed notes
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "plain"))
+    with torch.no_grad():
+        expected = model(x)
+    paths = [str(tmp_path / name) for name in ("plain", "two", "three")]
+    keys = results_of(spawn_ranks(cases.checkpoint_round, 2, paths[0], paths[1], str(tmp_path / "two.pt"), 11, timeout=200))
+    assert set(keys[0]) | set(keys[1]) == set(model.state_dict())
+    two = torch.load(tmp_path / "two.pt")
+    torch.testing.assert_close(two["loaded"], expected, rtol=0, atol=TOL)
+    assert (two["trained"] - two["loaded"]).abs().max() > 1e-3, "the training step changed nothing"
+    results_of(spawn_ranks(cases.checkpoint_round, 3, paths[1], paths[2], str(tmp_path / "three.pt"), 12, timeout=200))
+    three = torch.load(tmp_path / "three.pt")
+    torch.testing.assert_close(three["loaded"], two["trained"], rtol=0, atol=TOL)
+    torch.manual_seed(13)
+    plain, _, _ = cases.MODELS["gpt"]()
+    state = plain.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=paths[2])
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), three["trained"], rtol=0, atol=TOL)
+
+
+def test_values_cross_between_ranks_as_they_were_sent() -> None:
+    """Every dtype, 0-dim and empty tensors, strided ones, tensors and headers too big for a frame,
+    taken out of the order they were sent, in two steps."""
+    for problems in results_of(spawn_ranks(cases.echo, 2, timeout=120)):
+        assert problems == []

@@ -1,0 +1,285 @@
+"""Two gloo processes on this machine's cores: fxpipe across processes against
+torch.distributed.pipelining (the same model cut at the same point) and fxpipe's one-process
+engine, with the plain model on one process as the baseline.
+
+Every contender runs in the same two processes, round-robin, each timed block between two
+barriers on rank 0: the two-process contenders run on both ranks, the one-process ones on rank
+0 while rank 1 waits at the barrier. E = T(plain) / (2 x T(step)). The U-Net example is then
+trained over the two processes by fxpipe, and given to pipelining as well.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from environment import command_lines, ensure_malloc_env
+from overhead import ROOT, make_mlp
+
+Step = Callable[[], None]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; 2 with --quick)")
+    p.add_argument("--chunks", type=int, default=8)
+    args = p.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    return args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- contenders: (name, runs on both ranks?, step) ---------------------------------------------
+def drop_grads(params: Sequence[torch.Tensor]) -> None:
+    for p in params:
+        p.grad = None
+
+
+def plain(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
+    params = list(model.parameters())
+
+    def step() -> None:
+        drop_grads(params)
+        F.mse_loss(model(x), y).backward()
+
+    return step
+
+
+def fxpipe_step(pipe: Any, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor] = F.mse_loss) -> Step:
+    params = list(pipe.parameters())
+
+    def step() -> None:
+        drop_grads(params)
+        pipe.train_step(x, target=y, loss_fn=loss_fn)
+
+    return step
+
+
+def pipelining_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, split: str, chunks: int, kind: str, rank: int) -> Step:
+    """torch.distributed.pipelining on the same model, cut where fxpipe cut it."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+
+    pipe = pipeline(model, mb_args=(x.chunk(chunks)[0],), split_spec={split: SplitPoint.BEGINNING})
+    stage = pipe.build_stage(rank, torch.device("cpu"))
+    maker = Schedule1F1B if kind == "1F1B" else ScheduleGPipe
+    schedule = maker(stage, n_microbatches=chunks, loss_fn=F.mse_loss)
+    params = list(stage.submod.parameters())
+
+    def step() -> None:
+        drop_grads(params)
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+
+    return step
+
+
+def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, bool, Step]], str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxpipe import compile_pipeline
+
+    torch.manual_seed(0)
+    layers, width, batch = (8, 128, 512) if args.quick else (16, 512, 2048)
+    model = make_mlp(layers, width)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    found: list[tuple[str, bool, Step]] = [("plain, one process", False, plain(model, x, y))]
+    split = ""
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        pipe = compile_pipeline(copy.deepcopy(model), x, mesh=mesh, chunks=args.chunks, checkpoint="never", schedule=schedule)
+        split = pipe.plan.stages[1].modules[0]
+        found.append((f"fxpipe {schedule}, 2 processes", True, fxpipe_step(pipe, x, y)))
+    for kind in ("GPipe", "1F1B"):
+        found.append((f"pipelining {kind}, 2 processes", True, pipelining_step(copy.deepcopy(model), x, y, split, args.chunks, kind, rank)))
+    if rank == 0:
+        for schedule in ("1f1b", "zb-h1"):
+            pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=args.chunks, checkpoint="never", schedule=schedule)
+            found.append((f"fxpipe {schedule}, one process, 2 threads", False, fxpipe_step(pipe, x, y)))
+    else:  # rank 1 waits at the barriers while rank 0 runs these
+        found += [(f"fxpipe {s}, one process, 2 threads", False, lambda: None) for s in ("1f1b", "zb-h1")]
+    return found, f"MLP {layers}x{width}, batch {batch}, chunks {args.chunks}, cut at {split!r}"
+
+
+def timed(found: list[tuple[str, bool, Step]], rank: int, repeats: int) -> dict[str, list[float]]:
+    """Round-robin blocks, the order rotated each round; each block between two barriers."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in found}
+    for name, both, step in found:  # warm-up
+        if both or rank == 0:
+            step()
+        dist.barrier()
+    for round_index in range(repeats):
+        shift = round_index % len(found)
+        for name, both, step in [*found[shift:], *found[:shift]]:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(2):
+                if both or rank == 0:
+                    step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / 2)
+    return times
+
+
+def message_cost(rank: int, repeats: int = 300) -> tuple[float, float]:
+    """Microseconds per round trip of a small tensor: raw send/recv, and as a channel message
+    (with its header: step, key and shapes)."""
+    from fxpipe.channel import Channel
+
+    group = dist.group.WORLD
+    channel = Channel(group, [0, 1], rank, torch.device("cpu"), 30.0)
+    t = torch.zeros(16)
+
+    def raw() -> None:
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        else:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+
+    def framed() -> None:
+        if rank == 0:
+            channel.send(1, "ping", t)
+            channel.take(1, "pong")
+        else:
+            channel.take(0, "ping")
+            channel.send(0, "pong", t)
+        channel.wait_sent()
+
+    result = []
+    for trip in (raw, framed):
+        for _ in range(20):
+            trip()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            trip()
+        result.append((time.perf_counter() - start) / repeats * 1e6)
+    return result[0], result[1]
+
+
+def unet_over_two(rank: int) -> list[str]:
+    """The U-Net example, trained over two processes by fxpipe; pipelining given the same model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxpipe import compile_pipeline
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from unet import loss_fn, make_batch, make_model
+
+    torch.manual_seed(0)
+    model = make_model()
+    x, y = make_batch(32, size=32)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    pipe = compile_pipeline(copy.deepcopy(model), x, mesh=mesh, chunks=4, schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        losses.append(pipe.train_step(x, target=y, loss_fn=loss_fn).item())
+        opt.step()
+    skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in pipe.plan.skip_edges) or "none"
+    lines = [f"fxpipe 1f1b, 2 processes: U-Net trains, loss {losses[0]:.4f} -> {losses[-1]:.4f} in 5 steps; skips sent stage to stage: {skips}"]
+    dist.barrier()
+    lines.append("pipelining Schedule1F1B on the same U-Net, cut at " + pipelining_on(model, x, y, pipe.plan.stages[1].modules[0], rank, loss_fn))
+    return lines
+
+
+def pipelining_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor, split: str, rank: int, loss_fn: Callable[..., torch.Tensor]) -> str:
+    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+    try:
+        pipe = pipeline(model, mb_args=(x.chunk(4)[0],), split_spec={split: SplitPoint.BEGINNING})
+        stage = pipe.build_stage(rank, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+        schedule.step(x) if rank == 0 else schedule.step(target=y)
+        return f"{split!r}: ran a step"
+    except Exception as e:  # noqa: BLE001 - what it does is the finding
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"{split!r}: {type(e).__name__}: {first[:160]}"
+
+
+def child(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    try:
+        found, workload = contenders(rank, args)
+        times = timed(found, rank, args.repeats)
+        cost = message_cost(rank)
+        unet = unet_over_two(rank)
+        if rank == 0:
+            results.put(("ok", (workload, times, cost, unet)))
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> tuple[str, dict[str, list[float]], tuple[float, float], list[str]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=child, args=(r, port, args, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        status, value = results.get(timeout=1800)
+    except queue.Empty:
+        status, value = "error", "no result in 30 minutes"
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    if status != "ok":
+        raise SystemExit(value)
+    return value  # type: ignore[no-any-return]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    reexecuted = ensure_malloc_env()
+    args = parse_args(argv)
+    for line in command_lines(reexecuted, "steady allocator for every contender"):
+        print(line)
+    workload, times, cost, unet = run(args)
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; {workload}; "
+          f"{args.repeats} rounds; E = T(plain) / (2 x T(step))\n")  # fmt: skip
+    base = times["plain, one process"]
+    print("| contender | E median | E best | ms/step median |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        if name.startswith("plain"):
+            continue
+        e_median = statistics.median(base) / (2 * statistics.median(values))
+        e_best = min(base) / (2 * min(values))
+        print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) * 1e3:.1f} |")
+    print(f"| plain, one process | 0.5 by definition | | {statistics.median(base) * 1e3:.1f} |")
+    print(f"\none small message, round trip: raw send/recv {cost[0]:.0f} us; fxpipe's, with its header (step, key, "
+          f"shapes and dtypes) {cost[1]:.0f} us")  # fmt: skip
+    print("\n" + "\n".join(unet))
+    print(f"load average at end={os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
