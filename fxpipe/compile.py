@@ -7,9 +7,11 @@ from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
+from fxpipe.materialize import is_on_meta
 from fxpipe.microbatch import batch_size_of
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
@@ -128,8 +130,9 @@ def _check_arguments(
 
 
 def _place(owner: nn.Module, gm: fx.GraphModule, name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    """Move one parameter (in place, keeping the object) or buffer to its stage's device."""
-    if tensor.device == device:
+    """Move one parameter (in place, keeping the object) or buffer to its stage's device (one
+    on the meta device is made there when the pipeline is built: fxpipe/materialize.py)."""
+    if tensor.device == device or tensor.is_meta:
         return
     if isinstance(tensor, nn.Parameter):
         tensor.data = tensor.data.to(device)
@@ -332,6 +335,10 @@ def compile_pipeline(
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
     example_kwargs = dict(example_kwargs or {})
+    if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
+        if balance == "time":
+            raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
+        example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
     gm = redirect_reads_after_writes(traced.graph)
     inputs = tuple(traced.bind(example_args, example_kwargs).values())

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.materialize import stage_tensors
 from fxpipe.plan import CALLER, Plan
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
@@ -124,10 +125,9 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None
     kept: set[int] = set()
     for program in programs:
         kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
-        for stage, module, shared in zip(program.stages, program.modules, program.shared):
-            if program.layout.ranks[stage.index] != me:
-                continue
-            kept.update(id(t) for t in [*module.parameters(), *module.buffers(), *shared, *stage.writable_buffers.values()])
+        for index, rank in enumerate(program.layout.ranks):
+            if rank == me:
+                kept.update(id(t) for t in stage_tensors(program, index))
     for module in owner.modules():
         for table in (module._parameters, module._buffers):
             for tensor in table.values():

@@ -21,6 +21,7 @@ from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
 from fxpipe.distributed import ReplicaFailed, holders, keep_local_state, routes, sync_replicas
 from fxpipe.gather import Gathered, ValueRef
+from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim, split_sizes
 from fxpipe.plan import Plan
@@ -97,6 +98,7 @@ class Pipeline(nn.Module):
         self._build()
         if where is not None:
             keep_local_state(model, list(self._programs.values()), where.me)
+        materialize(model, list(self._programs.values()), self._runs_here)
 
     # -- stages ----------------------------------------------------------------------------
     def _build(self) -> None:

@@ -85,7 +85,10 @@ def take_snapshot(module: nn.Module) -> Snapshot:
 
 
 def _put(target: torch.Tensor, values: torch.Tensor) -> None:
-    """Values into `target` on its own device; through `.data`, which leaves its version alone."""
+    """Values into `target` on its own device; through `.data`, which leaves its version alone.
+    A tensor that was on the meta device had no values to put back."""
+    if values.is_meta:
+        return
     if target.shape == values.shape and target.dtype == values.dtype:
         target.data.copy_(values)
     else:

@@ -215,16 +215,23 @@ def replicated(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:
     return report
 
 
-def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_path: str, seed: int) -> list[str]:
+def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_path: str, seed: int, meta: bool = False) -> list[str]:
     """Load a checkpoint (torch.distributed.checkpoint) into this rank's part of a freshly made
-    model, run it, train a step, save, run again: the outputs go to `out_path`."""
+    model (`meta`: built on the meta device, each rank making its own stages only), run it,
+    train a step, save, run again: the outputs go to `out_path`."""
     import torch.distributed.checkpoint as dcp
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(seed)
-    model, batches, loss_fn = MODELS["gpt"]()
+    with torch.device("meta" if meta else "cpu"):
+        model, _, loss_fn = MODELS["gpt"]()
+    _, batches, _ = MODELS["gpt"]()
     x, y = batches[0]
+    held = [t for t in [*model.parameters(), *model.buffers()] if not t.is_meta]
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    if meta:  # nothing was made before compiling; now only this rank's stages are
+        assert not held and all(not t.is_meta for t in [*pipe.parameters(), *pipe.buffers()])
+        assert len(list(pipe.parameters())) < len(list(model.parameters()))
     state = pipe.state_dict()
     dcp.load(state, checkpoint_id=load_from)  # in place, into this rank's tensors
     pipe.load_state_dict(state)

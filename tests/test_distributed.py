@@ -132,7 +132,8 @@ def test_pipeline_times_data_parallel_equals_training_on_the_whole_batch() -> No
 
 
 def test_a_checkpoint_moves_between_stage_counts_and_the_plain_model(tmp_path: Any) -> None:
-    """plain model -> 2 stages -> 3 stages -> plain model, through torch.distributed.checkpoint."""
+    """plain model -> 2 stages -> 3 stages (a model built on the meta device) -> 2 stages, and 3
+    stages -> plain model, through torch.distributed.checkpoint."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -151,9 +152,12 @@ def test_a_checkpoint_moves_between_stage_counts_and_the_plain_model(tmp_path: A
     two = torch.load(tmp_path / "two.pt")
     torch.testing.assert_close(two["loaded"], expected, rtol=0, atol=TOL)
     assert (two["trained"] - two["loaded"]).abs().max() > 1e-3, "the training step changed nothing"
-    results_of(spawn_ranks(cases.checkpoint_round, 3, paths[1], paths[2], str(tmp_path / "three.pt"), 12, timeout=200))
+    results_of(spawn_ranks(cases.checkpoint_round, 3, paths[1], paths[2], str(tmp_path / "three.pt"), 12, True, timeout=200))
     three = torch.load(tmp_path / "three.pt")
     torch.testing.assert_close(three["loaded"], two["trained"], rtol=0, atol=TOL)
+    back = str(tmp_path / "back")  # and from 3 stages to 2
+    results_of(spawn_ranks(cases.checkpoint_round, 2, paths[2], back, str(tmp_path / "back.pt"), 14, timeout=200))
+    torch.testing.assert_close(torch.load(tmp_path / "back.pt")["loaded"], three["trained"], rtol=0, atol=TOL)
     torch.manual_seed(13)
     plain, _, _ = cases.MODELS["gpt"]()
     state = plain.state_dict()

@@ -1,0 +1,87 @@
+"""A model built on the meta device compiles on shapes alone; each stage is made on its device and
+initialised by its modules, or loaded from the plain model's state."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import FanOut, assert_grads_equal, example_module
+from fxpipe import compile_pipeline
+
+
+def test_a_model_on_the_meta_device_is_made_on_its_stage_devices_and_initialised() -> None:
+    with torch.device("meta"):
+        model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    tensors = [*pipe.parameters(), *pipe.buffers()]
+    assert tensors and all(t.device.type == "cpu" and bool(torch.isfinite(t).all()) for t in tensors)
+    assert len({float(p.detach().std()) for p in pipe.parameters() if p.dim() == 2}) > 1, "reset_parameters() ran per module"
+    assert torch.isfinite(pipe(x)).all()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_loaded_with_the_plain_models_state_it_computes_what_the_plain_model_does(schedule: str) -> None:
+    gpt = example_module("gpt")
+    reference = gpt.make_model(n_layer=2, n_embd=16).double()
+    with torch.device("meta"):
+        model = gpt.make_model(n_layer=2, n_embd=16).double()
+    x, y = gpt.make_batch(6)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=3, schedule=schedule)
+    pipe.load_state_dict(reference.state_dict())
+    loss = pipe.train_step(x, target=y, loss_fn=gpt.loss_fn)
+    expected = gpt.loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-10)
+    assert_grads_equal(pipe, reference)
+
+
+class Scaled(nn.Module):
+    """A buffer no reset_parameters() initialises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_what_no_module_initialises_is_nan_and_named() -> None:
+    with torch.device("meta"):
+        model = Scaled()
+    with pytest.warns(UserWarning, match="no reset_parameters\\(\\) initialises scale.*Load a checkpoint"):
+        pipe = compile_pipeline(model, torch.randn(4, 4), ["cpu"])
+    state = pipe.state_dict()
+    assert torch.isnan(state["scale"]).all() and torch.isfinite(state["lin.weight"]).all()
+    pipe.load_state_dict(Scaled().state_dict())
+    assert torch.equal(pipe.state_dict()["scale"], torch.ones(4))
+
+
+def test_balance_by_time_cannot_time_a_model_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = FanOut()
+    with pytest.raises(ValueError, match="meta device cannot run: pass balance='flops'"):
+        compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], balance="time")
+
+
+def test_training_a_loaded_meta_model_matches_the_plain_model_step_by_step() -> None:
+    torch.manual_seed(1)
+    reference = FanOut().double()
+    with torch.device("meta"):
+        model = FanOut().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="1f1b")
+    pipe.load_state_dict(reference.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, reference)]
+    for _ in range(2):
+        for opt in opts:
+            opt.zero_grad()
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        F.mse_loss(reference(x), y).backward()
+        for opt in opts:
+            opt.step()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
