@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -8,16 +8,19 @@ the meta device (shapes kept, memory freed). Values travel on fxpipe/channel.py.
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxpipe.channel import Channel, Failure, RemoteFailure
 from fxpipe.materialize import stage_tensors
 from fxpipe.plan import CALLER, Plan
+from fxpipe.step import StageError, raised_here
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
 
@@ -189,3 +192,38 @@ def sync_replicas(
     out = [summed[id(g)] if g is not None else None for g in grads]
     new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)
     return out, new_loss
+
+
+@contextmanager
+def failing_together(channel: Channel) -> Iterator[None]:
+    """A step across processes fails on every rank: what fails here is sent to the others, and
+    a failure heard from another rank is raised here as that rank's error."""
+    try:
+        yield
+    except StageError as e:
+        rank = e.rank if e.rank is not None else channel.ranks[channel.me]
+        channel.fail(Failure(rank, e.stage, e.micro_batch, e.phase, e.detail))
+        raise
+    except RemoteFailure as e:
+        channel.fail(e.failure)
+        raise raised_here(e.failure) from e
+    except BaseException as e:
+        channel.fail(Failure(channel.ranks[channel.me], -1, -1, "the end of the step", f"{type(e).__name__}: {e}"))
+        raise
+
+
+def sum_tied(channel: Channel, program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+    """A parameter several ranks read (a tied embedding, say) gets the sum of every rank's
+    gradient, added in rank order on each of them: the same bits everywhere."""
+    me = channel.me
+    tied = [(index, ranks) for index, ranks in enumerate(holders(program, params)) if me in ranks and len(ranks) > 1]
+    for index, ranks in tied:
+        for rank in ranks:
+            if rank != me:
+                channel.send(rank, ("tied", index), grads[index])
+    summed = list(grads)
+    for index, ranks in tied:
+        parts = [grads[index] if rank == me else channel.take(rank, ("tied", index)) for rank in ranks]
+        present = [g.to(params[index].device) for g in parts if g is not None]
+        summed[index] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+    return summed

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -15,11 +14,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.batchnorm import BatchStatistics
-from fxpipe.channel import Channel, Failure, PeerLost, RankMailbox, RemoteFailure
+from fxpipe.channel import Channel, RankMailbox
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
-from fxpipe.distributed import ReplicaFailed, holders, keep_local_state, routes, sync_replicas
+from fxpipe.distributed import ReplicaFailed, failing_together, keep_local_state, routes, sum_tied, sync_replicas
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -29,7 +28,7 @@ from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
-from fxpipe.step import StageError, Step
+from fxpipe.step import Step
 from fxpipe.timeline import Record, Timeline
 from fxpipe.worker import Workers
 
@@ -253,9 +252,10 @@ class Pipeline(nn.Module):
                 "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
             )
         step = self._step(call, "gpipe", loss=None)
-        with self._together():
+        assert self._channel is not None
+        with failing_together(self._channel):
             outputs = step.forward()
-            self._channel.finish()  # type: ignore[union-attr]
+            self._channel.finish()
         if not outputs:
             return None
         gathered = call.gather(outputs)
@@ -276,15 +276,15 @@ class Pipeline(nn.Module):
         where = self._compiled.placement
         assert where is not None
         try:
-            with self._together():
+            with failing_together(channel):
                 step.train()
                 if here:
                     try:
                         total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
                     except ValueError as e:  # every rank raises it, after the step ends on all
                         problem = str(e)
-                grads = self._parameter_grads(call.program, step, call.params) if call.grad else []
-                grads = self._sum_tied(call.program, call.params, grads) if call.grad else []
+                if call.grad:
+                    grads = sum_tied(channel, call.program, call.params, self._parameter_grads(call.program, step, call.params))
                 got = channel.finish((total, problem) if here else None)
         except BaseException:
             if where.dp_group is not None:  # the replicas must not wait for this one's gradients
@@ -304,43 +304,6 @@ class Pipeline(nn.Module):
         if call.grad:
             self._accumulate(call, [], grads)
         return (total, outputs) if return_outputs else total
-
-    @contextmanager
-    def _together(self) -> Iterator[None]:
-        """A step across processes fails on every rank: what fails here is sent to the others,
-        and a failure heard from another rank is raised here as that rank's StageError."""
-        channel = self._channel
-        assert channel is not None
-        try:
-            yield
-        except StageError as e:
-            channel.fail(Failure(e.rank if e.rank is not None else channel.ranks[channel.me], e.stage, e.micro_batch, e.phase, e.detail))
-            raise
-        except RemoteFailure as e:
-            channel.fail(e.failure)
-            f = e.failure
-            raise StageError(f.stage, f.micro_batch, f.phase, e, rank=f.rank) from e
-        except BaseException as e:
-            channel.fail(Failure(channel.ranks[channel.me], -1, -1, "the end of the step", f"{type(e).__name__}: {e}"))
-            raise
-
-    def _sum_tied(self, program: Program, params: list[nn.Parameter], grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
-        """A parameter several ranks read (a tied embedding, say) gets the sum of every rank's
-        gradient, added in rank order on each of them: the same bits everywhere."""
-        channel = self._channel
-        assert channel is not None
-        me = channel.me
-        tied = [(index, ranks) for index, ranks in enumerate(holders(program, params)) if me in ranks and len(ranks) > 1]
-        for index, ranks in tied:
-            for rank in ranks:
-                if rank != me:
-                    channel.send(rank, ("tied", index), grads[index])
-        summed = list(grads)
-        for index, ranks in tied:
-            parts = [grads[index] if rank == me else channel.take(rank, ("tied", index)) for rank in ranks]
-            present = [g.to(params[index].device) for g in parts if g is not None]
-            summed[index] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
-        return summed
 
     def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
         """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`

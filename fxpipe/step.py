@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
-from fxpipe.channel import RemoteFailure
+from fxpipe.channel import Failure, RemoteFailure
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
@@ -59,6 +59,14 @@ class StageError(RuntimeError):
         detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
+
+
+def raised_here(failure: Failure) -> Exception:
+    """The error this rank raises for a failure on another: that stage's StageError, or, for a
+    failure outside any stage (a rank lost at the end of a step), a RuntimeError that says so."""
+    if failure.stage < 0:
+        return RuntimeError(failure.describe())
+    return StageError(failure.stage, failure.micro_batch, failure.phase, RemoteFailure(failure), rank=failure.rank)
 
 
 class _LossError(Exception):
@@ -221,8 +229,7 @@ class Step:
             action, error = min(group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
             if isinstance(error, RemoteFailure):
-                f = error.failure
-                raise StageError(f.stage, f.micro_batch, f.phase, error, rank=f.rank) from error
+                raise raised_here(error.failure) from error
             phase = "loss" if isinstance(error, _LossError) else _PHASES[action.kind]
             cause = error.__cause__ if isinstance(error, _LossError) and error.__cause__ is not None else error
             raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank) from cause

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 import distributed_cases as cases
 from conftest import FanOut
