@@ -29,7 +29,7 @@ from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.build import build_program
-from fxpipe.distributed import RankPlacement, check_same_plan, placement_of
+from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, placement_of
 from fxpipe.pipeline import Pipeline
 from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
@@ -189,6 +189,7 @@ def _cut(
     balance: Union[None, str, Sequence[int]],
     costs: dict[str, Any],
     caps: Optional[list[float]],
+    placement: Optional[RankPlacement] = None,
 ) -> list[list[fx.Node]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode."""
     together = state_write_spans(gm, order)
@@ -208,6 +209,8 @@ def _cut(
     mode = balance or "memory"
     if mode == "time":
         profile_times(gm, example, devices[0])
+        if placement is not None:
+            agree_on_times(gm, placement)
     # An automatic cut also avoids the writes through views that no cut can carry; a cut the
     # caller chose is checked by the edges pass, whose error names the line.
     together.update(view_write_spans(gm, order))
@@ -357,7 +360,7 @@ def compile_pipeline(
         flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
     )
     caps = _caps(device_memory, len(parsed))
-    runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps)
+    runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
     edges = find_edges(gm, len(parsed))
     pin_devices(gm, parsed)
     cuts = {True: Cut(gm, [list(run) for run in runs], edges)}

@@ -15,6 +15,7 @@ from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch import nn
 
 from fxpipe.channel import Channel, Failure, RemoteFailure
@@ -66,6 +67,16 @@ def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
     )
 
 
+def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
+    """balance='time' measures on every rank, and rank 0's measures are the ones every rank
+    cuts by: one plan, however the ranks' timings differ."""
+    nodes = [n for n in gm.graph.nodes if "time" in n.meta]
+    times: list[Any] = [[n.meta["time"] for n in nodes]]
+    dist.broadcast_object_list(times, src=0)
+    for node, seconds in zip(nodes, times[0]):
+        node.meta["time"] = seconds
+
+
 def plan_parts(plan: Plan) -> dict[str, str]:
     """What every rank's plan must agree on, by part, each as a short digest."""
     parts = {
@@ -89,8 +100,7 @@ def check_same_plan(plan: Plan, placement: RankPlacement) -> None:
     if problems:
         raise RuntimeError(
             "the ranks compiled different plans:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
-            "How to fix: give every rank the same model, example shapes and arguments; balance='time' "
-            "measures on each rank, so pass balance='flops' or split_points=[...] instead."
+            "How to fix: give every rank the same model, example shapes and arguments."
         )
 
 

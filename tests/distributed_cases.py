@@ -298,3 +298,27 @@ def _differences(path: str, got: Any, expected: Any) -> list[str]:
             return [f"{path}: keys differ"]
         return [d for k in expected for d in _differences(f"{path}.{k}", got[k], expected[k])]
     return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]
+
+
+def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
+    """balance='time' measures on every rank, each its own times (rank 1's skewed on purpose, so
+    that on its own it would cut elsewhere): the ranks still cut alike."""
+    import fxpipe.compile
+
+    measure = fxpipe.compile.profile_times
+
+    def skewed(gm: Any, *args: Any) -> None:
+        measure(gm, *args)
+        for node in gm.graph.nodes:
+            if "time" in node.meta and rank == 1 and "layers_0" in node.name:
+                node.meta["time"] *= 1000.0
+
+    fxpipe.compile.profile_times = skewed
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, balance="time")
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss).item()
+    return [s.nodes for s in pipe.plan.stages], loss, F.mse_loss(reference(x), y).item()

@@ -173,3 +173,10 @@ def test_values_cross_between_ranks_as_they_were_sent() -> None:
     taken out of the order they were sent, in two steps."""
     for problems in results_of(spawn_ranks(cases.echo, 2, timeout=120)):
         assert problems == []
+
+
+def test_balance_by_time_cuts_alike_on_every_rank() -> None:
+    got = results_of(spawn_ranks(cases.timed_plans, 2, timeout=120))
+    assert got[0][0] == got[1][0], "the ranks cut differently"
+    for _, loss, expected in got:
+        assert abs(loss - expected) <= TOL
