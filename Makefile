@@ -34,6 +34,7 @@ bench: setup
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/schedules.py --gantt docs/gantt_zb_h1.svg
 	$(PY) benchmarks/balance.py
+	$(PY) benchmarks/distributed.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -181,7 +181,8 @@ def message_cost(rank: int, repeats: int = 300) -> tuple[float, float]:
 
 
 def unet_over_two(rank: int) -> list[str]:
-    """The U-Net example, trained over two processes by fxpipe; pipelining given the same model."""
+    """The U-Net example over two processes: fxpipe's first gradients against the plain model's,
+    then 5 training steps; pipelining given the same model, cut at the same place."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxpipe import compile_pipeline
@@ -192,33 +193,64 @@ def unet_over_two(rank: int) -> list[str]:
     torch.manual_seed(0)
     model = make_model()
     x, y = make_batch(32, size=32)
+    reference = copy.deepcopy(model)
+    loss_fn(reference(x), y).backward()
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     pipe = compile_pipeline(copy.deepcopy(model), x, mesh=mesh, chunks=4, schedule="1f1b")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
     losses = []
-    for _ in range(5):
+    for step in range(5):
         opt.zero_grad()
         losses.append(pipe.train_step(x, target=y, loss_fn=loss_fn).item())
+        if step == 0:
+            ours = gradient_report(pipe.named_parameters(), expected)
         opt.step()
-    skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in pipe.plan.skip_edges) or "none"
-    lines = [f"fxpipe 1f1b, 2 processes: U-Net trains, loss {losses[0]:.4f} -> {losses[-1]:.4f} in 5 steps; skips sent stage to stage: {skips}"]
+    lines = [f"fxpipe 1f1b, 2 processes: U-Net trains, loss {losses[0]:.4f} -> {losses[-1]:.4f} in 5 steps; first "
+             f"step's gradients against the plain model's: {ours}"]  # fmt: skip
     dist.barrier()
-    lines.append("pipelining Schedule1F1B on the same U-Net, cut at " + pipelining_on(model, x, y, pipe.plan.stages[1].modules[0], rank, loss_fn))
+    split = pipe.plan.stages[1].modules[0]
+    lines.append(f"pipelining Schedule1F1B on the same U-Net, cut at {split!r}: " + pipelining_on(model, x, y, [split], rank, loss_fn, expected))
+    # Four stages, two on each process: now a skip jumps over stages.
+    pipe = compile_pipeline(copy.deepcopy(model), x, mesh=mesh, chunks=4, schedule="interleaved-1f1b", stages_per_device=2)
+    pipe.train_step(x, target=y, loss_fn=loss_fn)
+    skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in pipe.plan.skip_edges) or "none"
+    lines.append(f"fxpipe interleaved-1f1b, 4 stages on 2 processes (skips {skips}): gradients against the plain "
+                 f"model's: {gradient_report(pipe.named_parameters(), expected)}")  # fmt: skip
+    dist.barrier()
+    splits = [stage.modules[0] for stage in pipe.plan.stages[1:]]
+    lines.append(f"pipelining ScheduleInterleaved1F1B, the same 4 stages: " + pipelining_on(model, x, y, splits, rank, loss_fn, expected))
     return lines
 
 
-def pipelining_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor, split: str, rank: int, loss_fn: Callable[..., torch.Tensor]) -> str:
-    from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+def gradient_report(named: Any, expected: dict[str, torch.Tensor]) -> str:
+    """The largest gradient difference from the plain model's over both ranks, by parameter name."""
+    diffs = [float((p.grad - expected[n]).abs().max()) for n, p in named if n in expected and p.grad is not None]
+    totals = torch.tensor([max(diffs, default=0.0), float(len(diffs))], dtype=torch.float64)
+    worst, count = totals[:1].clone(), totals[1:].clone()
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count)
+    return f"max difference {float(worst):.1e} over {int(count)} of {len(expected)} parameters"
+
+
+def pipelining_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor, splits: list[str], rank: int, loss_fn: Callable[..., torch.Tensor], expected: dict[str, torch.Tensor]) -> str:
+    """One step of torch.distributed.pipelining cut at `splits` (a stage per process, or two:
+    interleaved), and its gradients against the plain model's; or the error it raises."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B, SplitPoint, pipeline
 
     try:
-        pipe = pipeline(model, mb_args=(x.chunk(4)[0],), split_spec={split: SplitPoint.BEGINNING})
-        stage = pipe.build_stage(rank, torch.device("cpu"))
-        schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss_fn)
+        pipe = pipeline(copy.deepcopy(model), mb_args=(x.chunk(4)[0],), split_spec={s: SplitPoint.BEGINNING for s in splits})
+        stages: list[Any] = [pipe.build_stage(i, torch.device("cpu")) for i in range(rank, len(splits) + 1, 2)]
+        if len(stages) == 1:
+            schedule: Any = Schedule1F1B(stages[0], n_microbatches=4, loss_fn=loss_fn)
+        else:
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=loss_fn)
         schedule.step(x) if rank == 0 else schedule.step(target=y)
-        return f"{split!r}: ran a step"
+        named = [item for stage in stages for item in stage.submod.named_parameters()]
+        return "ran a step; its gradients against the plain model's: " + gradient_report(named, expected)
     except Exception as e:  # noqa: BLE001 - what it does is the finding
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"{split!r}: {type(e).__name__}: {first[:160]}"
+        return f"{type(e).__name__}: {first[:160]}"
 
 
 def child(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
