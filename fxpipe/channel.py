@@ -76,7 +76,13 @@ class Channel:
 
     A receive is posted before its message is sent, wherever the receiver can know its size:
     gloo then moves the data as it is sent, while both ranks compute, instead of when the
-    receiver asks. A frame has a fixed size. The extras of the k-th message of a step are
+    receiver asks:
+
+        rank 1 reads message k-1 ──▶ posts k: [frame][extras sized as k was in the step before]
+        rank 0 sends message k   ──▶ gloo fills the posted buffers (rank 1 computes meanwhile)
+        rank 1 takes message k   ──▶ in hand
+
+    A frame has a fixed size. The extras of the k-th message of a step are
     expected to have the sizes of the k-th message of the step before (the schedule repeats);
     after reading a message the receiver posts the next one's frame and expected extras. A
     sender whose message differs from what the peer expects first sends fillers of the expected

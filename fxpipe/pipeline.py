@@ -18,7 +18,7 @@ from fxpipe.channel import Channel, RankMailbox
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
-from fxpipe.distributed import ReplicaFailed, failing_together, keep_local_state, routes, sum_tied, sync_replicas
+from fxpipe.distributed import failing_together, keep_local_state, routes, sum_tied
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -26,6 +26,7 @@ from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
+from fxpipe.replicas import ReplicaFailed, sync_replicas
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
 from fxpipe.step import Step
