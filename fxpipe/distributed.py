@@ -133,6 +133,43 @@ def routes(stages: Sequence[Any], stage_ranks: Sequence[int], loss_stage: int, m
     return home, source
 
 
+def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
+    """Each rank trains its own copy of what it holds; refuse, naming every tensor, a plan in
+    which a copy would go stale: a tensor read in eval mode on a rank that does not hold it in
+    training, or a buffer that forward writes and more than one rank reads."""
+    names: dict[int, str] = {}
+    for name, tensor in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), name)
+    readers = {mode: _readers(program) for mode, program in programs.items()}
+    written = {id(b) for program in programs.values() for stage in program.stages for b in stage.writable_buffers.values()}
+    problems = set()
+    for key, ranks in readers[False].items():
+        trained = readers[True].get(key, set())
+        if key in names and ranks - trained:
+            problems.add(f"{names[key]!r} is read on pipeline rank(s) {sorted(ranks - trained)} in eval mode and held on "
+                         f"{sorted(trained)} in training, where it is trained")  # fmt: skip
+    for found in readers.values():
+        for key, ranks in found.items():
+            if key in written and len(ranks) > 1:
+                problems.add(f"buffer {names.get(key, '?')!r} is written in forward and read on pipeline ranks {sorted(ranks)}")
+    if problems:
+        raise ValueError(
+            "this plan cannot run across processes: each rank keeps its own copy of what its stages read, and\n"
+            + "\n".join(f"  - {p}" for p in sorted(problems))
+            + "\nwould go stale on the other ranks.\nHow to fix: cut so that one rank holds each of them "
+            "(split_points=[...]); a forward that branches on self.training is cut once per mode, so for "
+            "inference alone compile the model in eval mode."
+        )
+
+
+def _readers(program: Any) -> dict[int, set[int]]:
+    found: dict[int, set[int]] = {}
+    for index, rank in enumerate(program.layout.ranks):
+        for tensor in stage_tensors(program, index):
+            found.setdefault(id(tensor), set()).add(rank)
+    return found
+
+
 def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None:
     """Move every parameter and buffer that no stage of this rank reads to the meta device: the
     tensor objects stay (and their shapes), their memory goes."""

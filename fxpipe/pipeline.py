@@ -18,7 +18,7 @@ from fxpipe.channel import Channel, RankMailbox
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
-from fxpipe.distributed import failing_together, keep_local_state, routes, sum_tied
+from fxpipe.distributed import check_state_placement, failing_together, keep_local_state, routes, sum_tied
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -97,6 +97,7 @@ class Pipeline(nn.Module):
         self.__dict__["_channel"] = channel
         self._build()
         if where is not None:
+            check_state_placement(model, self._programs)
             keep_local_state(model, list(self._programs.values()), where.me)
         materialize(model, list(self._programs.values()), self._runs_here)
 

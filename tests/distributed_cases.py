@@ -322,3 +322,122 @@ def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, balance="time")
     loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss).item()
     return [s.nodes for s in pipe.plan.stages], loss, F.mse_loss(reference(x), y).item()
+
+
+def feature_spec(feature: str, seed: int) -> Spec:
+    """A random graph with the ops of `feature` (tests/dag_models.py), drawn as the property
+    test draws them, from a seed."""
+    from dag_models import FEATURE_OPS
+
+    rng = random.Random(seed)
+    kinds = FEATURE_OPS[feature]
+    n = rng.randint(4 if feature == "fanout" else 2, 8 if feature == "mixed" else 5)
+    ops = []
+    for i in range(n):
+        first, second = rng.randint(0, i), rng.choice([None, rng.randint(0, i)])
+        picks = (first,) if second is None or second == first else (first, second)
+        ops.append(Op(rng.choice(("linear", *kinds)), picks, rng.randint(0, 5)))
+    if kinds and not any(op.kind in kinds for op in ops):
+        ops[-1].kind = rng.choice(kinds)
+    if feature in ("tied_weights", "module_twice"):
+        ops[0].kind = ops[-1].kind = kinds[0]
+    if feature == "fanout":
+        for op in ops[1:]:
+            if 1 not in op.picks:
+                op.picks = (op.picks[0], 1)
+    return Spec(rng.choice([4, 6, 8]), ops, (rng.randint(1, n),) if rng.random() < 0.5 else ())
+
+
+def dag_features(rank: int, world: int, cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Random graphs with every feature of the property test (dropout at p = 0): two SGD steps
+    through train_step under a drawn schedule and checkpoint mode, against the plain model run
+    on the same micro-batches; per step the loss, the outputs (on the loss rank) and the state
+    (parameters, gradients, buffers) of what this rank holds; then an eval-mode forward."""
+    from dag_models import detach, mean_loss_of, micro_batched
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    report = []
+    for feature, seed in cases:
+        rng = random.Random(seed)
+        spec = feature_spec(feature, seed)
+        schedule = rng.choice(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+        mode = rng.choice(["always", "except_last", "never"])
+        chunks = world * rng.randint(1, 2)
+        batch = 2 * chunks + rng.randint(0, 3)  # BatchNorm needs two rows per micro-batch
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(b, spec.width, generator=g, dtype=torch.float64) for b in (batch, batch + 1)]
+        model = make_model(spec, 0.0, seed, torch.float64)
+        reference = copy.deepcopy(model)
+        extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
+        entry: dict[str, Any] = dict(case=(feature, seed, schedule, mode, chunks), problems=[])
+        try:
+            pipe = compile_pipeline(model, xs[0], mesh=mesh, chunks=chunks, checkpoint=mode, schedule=schedule, timeout=60, **extra)
+        except ValueError as e:
+            if "nodes to place" not in str(e) and "cannot run across processes" not in str(e):
+                raise
+            entry["skipped"] = str(e)
+            report.append(entry)
+            continue
+        for step, x in enumerate(xs):
+            loss, out = pipe.train_step(x, loss_fn=lambda o, _: mean_loss_of(o), return_outputs=True)
+            expected_out = micro_batched(reference, chunks)(x)
+            expected = mean_loss_of(expected_out)
+            expected.backward()
+            entry["problems"] += _compare(f"step {step} loss", loss, expected.detach())
+            if out is not None:
+                entry["problems"] += [p for a, b in zip(detach(out), detach(expected_out)) for p in _compare(f"step {step} out", a, b)]
+            mine, theirs = pipe.state_dict(keep_vars=True), reference.state_dict(keep_vars=True)
+            for name, value in mine.items():
+                entry["problems"] += _compare(f"step {step} {name}", value, theirs[name])
+                grad, ref_grad = getattr(value, "grad", None), getattr(theirs[name], "grad", None)
+                if (grad is None) != (ref_grad is None):
+                    entry["problems"].append(f"step {step} {name}.grad: {grad is None=} {ref_grad is None=}")
+                elif grad is not None and ref_grad is not None:
+                    entry["problems"] += _compare(f"step {step} {name}.grad", grad, ref_grad)
+            for module in (pipe, reference):
+                torch.optim.SGD(module.parameters(), lr=0.1).step()
+                module.zero_grad(set_to_none=True)
+        pipe.eval()  # the eval graph, where the model branches on self.training, cut to follow
+        reference.eval()
+        with torch.no_grad():
+            out = pipe(xs[0])
+            expected_out = micro_batched(reference, chunks)(xs[0])
+        if out is not None:
+            entry["problems"] += [p for a, b in zip(detach(out), detach(expected_out)) for p in _compare("eval out", a, b)]
+        entry["held"] = sorted(pipe.state_dict())
+        report.append(entry)
+    return report
+
+
+def _compare(what: str, got: torch.Tensor, expected: torch.Tensor) -> list[str]:
+    got, expected = got.detach(), expected.detach()
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        return [f"{what}: {tuple(got.shape)} {got.dtype} != {tuple(expected.shape)} {expected.dtype}"]
+    if got.is_floating_point() and not torch.allclose(got, expected, rtol=1e-12, atol=1e-10, equal_nan=True):
+        return [f"{what}: differs by {float((got - expected).abs().max()):.3g}"]
+    if not got.is_floating_point() and not torch.equal(got, expected):
+        return [f"{what}: {got} != {expected}"]
+    return []
+
+
+class Swapped(nn.Module):
+    """Runs l1 then l2 in training, l2 then l1 in eval: cut after l1, l1's weights would be read
+    in eval on the rank that does not train them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return self.l2(torch.tanh(self.l1(x)))
+        return self.l1(torch.tanh(self.l2(x)))
+
+
+def stale_copies(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    try:
+        compile_pipeline(Swapped(), torch.randn(4, 4), mesh=mesh, split_points=["l2"])
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -180,3 +180,25 @@ def test_balance_by_time_cuts_alike_on_every_rank() -> None:
     assert got[0][0] == got[1][0], "the ranks cut differently"
     for _, loss, expected in got:
         assert abs(loss - expected) <= TOL
+
+
+def test_random_graphs_with_every_feature_train_and_evaluate_as_the_plain_model() -> None:
+    """The property test's features (BatchNorm, buffers written in forward, in-place writes
+    through views, training branches, custom Functions, aliases, dict outputs, ...), two seeds
+    each, on three processes under drawn schedules and checkpoint modes: losses, outputs, and
+    every parameter, gradient and buffer each rank holds, then an eval forward."""
+    from dag_models import FEATURES
+
+    matrix = [(feature, seed) for feature in FEATURES for seed in (1, 2)]
+    reports = results_of(spawn_ranks(cases.dag_features, 3, matrix, timeout=400))
+    for per_rank in zip(*reports):
+        case = per_rank[0]["case"]
+        for rank, report in enumerate(per_rank):
+            assert "skipped" not in report or "nodes to place" in report["skipped"], (case, report["skipped"])
+            assert not report["problems"], f"{case} rank {rank}: {report['problems'][:5]}"
+
+
+def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
+    for message in results_of(spawn_ranks(cases.stale_copies, 2, timeout=120)):
+        assert "cannot run across processes" in message and "'l1.weight' is read on pipeline rank(s) [1] in eval mode" in message, message
+        assert "How to fix" in message
