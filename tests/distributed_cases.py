@@ -441,3 +441,42 @@ def stale_copies(rank: int, world: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def dropout_draws(rank: int, world: int, cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """Dropout drawing (p = 0.5) on random graphs: the pipeline across processes draws the masks
+    the one-process pipeline draws on the same cut, forward and recompute alike: the same losses
+    and gradients, step after step."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    from dag_models import mean_loss_of
+
+    report = []
+    for feature, seed in cases:
+        rng = random.Random(seed)
+        spec = feature_spec(feature, seed)
+        schedule, mode = rng.choice(["gpipe", "1f1b", "zb-h1"]), rng.choice(["always", "except_last", "never"])
+        x = torch.randn(2 * world + 1, spec.width, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        across = make_model(spec, 0.5, seed, torch.float64)
+        alone = copy.deepcopy(across)
+        entry: dict[str, Any] = dict(case=(feature, seed, schedule, mode), problems=[])
+        try:
+            pipe = compile_pipeline(across, x, mesh=mesh, chunks=world, checkpoint=mode, schedule=schedule, timeout=60)
+        except ValueError as e:
+            entry["skipped"] = str(e)
+            report.append(entry)
+            continue
+        counts = [len(s.nodes) for s in pipe.plan.stages]
+        single = compile_pipeline(alone, x, ["cpu"] * world, chunks=world, checkpoint=mode, schedule=schedule, balance=counts)
+        for step in range(2):
+            losses = []
+            for p in (pipe, single):
+                torch.manual_seed(100 + step)
+                losses.append(p.train_step(x, loss_fn=lambda o, _: mean_loss_of(o)))
+            entry["problems"] += _compare(f"step {step} loss", losses[0], losses[1])
+            theirs = dict(single.named_parameters())
+            for name, param in pipe.named_parameters():
+                if param.grad is not None:
+                    entry["problems"] += _compare(f"step {step} {name}.grad", param.grad, theirs[name].grad)
+        single.close()
+        report.append(entry)
+    return report

@@ -206,3 +206,11 @@ def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
     for message in results_of(spawn_ranks(cases.stale_copies, 2, timeout=120)):
         assert "cannot run across processes" in message and "'l1.weight' is read on pipeline rank(s) [1] in eval mode" in message, message
         assert "How to fix" in message
+
+
+def test_dropout_draws_the_masks_of_the_one_process_pipeline() -> None:
+    cases_ = [(feature, seed) for feature in ("dropout_module", "dropout_functional", "mixed") for seed in range(1, 1 + SEEDS)]
+    for report in results_of(spawn_ranks(cases.dropout_draws, 3, cases_, timeout=300)):
+        for entry in report:
+            assert "skipped" not in entry or "nodes to place" in entry["skipped"], entry
+            assert not entry["problems"], (entry["case"], entry["problems"][:5])
