@@ -475,8 +475,11 @@ def dropout_draws(rank: int, world: int, cases: list[tuple[str, int]]) -> list[d
             entry["problems"] += _compare(f"step {step} loss", losses[0], losses[1])
             theirs = dict(single.named_parameters())
             for name, param in pipe.named_parameters():
-                if param.grad is not None:
-                    entry["problems"] += _compare(f"step {step} {name}.grad", param.grad, theirs[name].grad)
+                expected = theirs[name].grad
+                if param.grad is not None and expected is not None:
+                    entry["problems"] += _compare(f"step {step} {name}.grad", param.grad, expected)
+                elif (param.grad is None) != (expected is None):
+                    entry["problems"].append(f"step {step} {name}.grad: one of the two is None")
         single.close()
         report.append(entry)
     return report
