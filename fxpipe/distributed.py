@@ -194,13 +194,8 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
 
 def holders(program: Any, params: Sequence[nn.Parameter]) -> list[list[int]]:
     """For each parameter, the pipeline coordinates of the ranks whose stages read it."""
-    found: dict[int, set[int]] = {id(p): set() for p in params}
-    for stage, shared in zip(program.stages, program.shared):
-        rank = program.layout.ranks[stage.index]
-        for tensor in [*stage.params, *shared]:
-            if id(tensor) in found:
-                found[id(tensor)].add(rank)
-    return [sorted(found[id(p)]) for p in params]
+    readers = _readers(program)
+    return [sorted(readers.get(id(p), ())) for p in params]
 
 
 @contextmanager

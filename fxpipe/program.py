@@ -87,7 +87,10 @@ class Compiled:
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
-            raise TypeError("a pipeline across processes cannot be copied: each rank holds its own stages only")
+            raise TypeError(
+                "a pipeline across processes cannot be copied: each rank holds its own stages only.\n"
+                "How to fix: compile_pipeline a copy of the model (on every rank)."
+            )
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
