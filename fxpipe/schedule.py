@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Container, Iterable, Iterator, Sequence
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -86,7 +86,6 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     micro_batches: int
     loss: bool = True
-    split_backward: bool = False  # I and W instead of B
 
     def __str__(self) -> str:
         return "\n".join(f"worker {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
@@ -97,6 +96,11 @@ class Schedule:
 
     def rest(self) -> tuple[tuple[Action, ...], ...]:
         return self._parts[1]
+
+    @cached_property
+    def split(self) -> frozenset[tuple[int, int]]:
+        """The (stage, micro-batch) pairs whose backward is split into I and W (the others run B)."""
+        return frozenset((a.stage, a.micro_batch) for acts in self.actions for a in acts if a.kind == INPUT_GRAD)
 
     @cached_property
     def _parts(self) -> tuple[tuple[tuple[Action, ...], ...], tuple[tuple[Action, ...], ...]]:
@@ -182,6 +186,7 @@ def zb_h1(layout: Layout, m: int) -> list[list[Action]]:
     micro-batches, where 1F1B takes 33."""
     _one_stage_per_worker(layout, "zb-h1")
     n = layout.stages
+    split = {(s, i) for s in range(n) for i in range(m)}  # every backward
     done: dict[Action, int] = {}  # action -> tick it finished
     per_rank: list[list[Action]] = [[] for _ in range(n)]
     next_f, next_i, w_done = [0] * n, [0] * n, [0] * n
@@ -196,7 +201,7 @@ def zb_h1(layout: Layout, m: int) -> list[list[Action]]:
                 candidates.append(Action(FORWARD, s, next_f[s]))
             if w_done[s] < next_i[s]:
                 candidates.append(Action(WEIGHT_GRAD, s, w_done[s]))
-            action = next((a for a in candidates if all(done.get(d, tick) < tick for d in needs(layout, a, True, True))), None)
+            action = next((a for a in candidates if all(done.get(d, tick) < tick for d in needs(layout, a, True, split))), None)
             if action is not None:
                 chosen.append(action)
         for action in chosen:
@@ -226,10 +231,10 @@ MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
 
 
 # -- dependencies ---------------------------------------------------------------------------------
-def needs(layout: Layout, action: Action, loss: bool, split: bool, checkpointed: int = 0) -> list[Action]:
-    """The actions whose values `action` receives (`split`: backwards are I and W, else B;
-    micro-batches below `checkpointed` recompute before their backward): the edges the checker
-    and the simulator add to the workers' own orders."""
+def needs(layout: Layout, action: Action, loss: bool, split: Container[tuple[int, int]], checkpointed: int = 0) -> list[Action]:
+    """The actions whose values `action` receives (the backward of a (stage, micro-batch) pair in
+    `split` is I and W, else B; micro-batches below `checkpointed` recompute before their
+    backward): the edges the checker and the simulator add to the workers' own orders."""
     s, i = action.stage, action.micro_batch
     if action.kind == FORWARD:
         deps = [Action(FORWARD, p, i) for p in layout.producers(s)]
@@ -242,7 +247,7 @@ def needs(layout: Layout, action: Action, loss: bool, split: bool, checkpointed:
         return [Action(INPUT_GRAD, s, i)]
     # B or I: the stage's own activations, and the gradients from every consumer (and the loss)
     deps = [Action(RECOMPUTE if i < checkpointed else FORWARD, s, i)]
-    deps += [Action(INPUT_GRAD if split else BACKWARD, c, i) for c in layout.consumers(s)]
+    deps += [Action(INPUT_GRAD if (c, i) in split else BACKWARD, c, i) for c in layout.consumers(s)]
     if loss and s in layout.output_stages:
         deps.append(Action(FORWARD, layout.loss_stage, i))
     return deps

@@ -35,9 +35,14 @@ class ScheduleError(ValueError):
     """A schedule that would not run to the end, or would not compute the step."""
 
 
-def expected_actions(layout: Layout, micro_batches: int, split: bool, checkpointed: int) -> set[Action]:
-    kinds = [FORWARD, INPUT_GRAD, WEIGHT_GRAD] if split else [FORWARD, BACKWARD]
-    actions = {Action(k, s, i) for s in range(layout.stages) for i in range(micro_batches) for k in kinds}
+def expected_actions(layout: Layout, micro_batches: int, split: frozenset[tuple[int, int]], checkpointed: int) -> set[Action]:
+    """F, and B or (for a pair in `split`) I and W, of every stage and micro-batch; R of each
+    checkpointed one."""
+    actions = set()
+    for s in range(layout.stages):
+        for i in range(micro_batches):
+            kinds = [FORWARD, INPUT_GRAD, WEIGHT_GRAD] if (s, i) in split else [FORWARD, BACKWARD]
+            actions |= {Action(k, s, i) for k in kinds}
     return actions | {Action(RECOMPUTE, s, i) for s in range(layout.stages) for i in range(min(checkpointed, micro_batches))}
 
 
@@ -47,7 +52,7 @@ def dependency_graph(schedule: Schedule, layout: Layout, checkpointed: int) -> "
         graph.add_nodes_from(acts)
         graph.add_edges_from(zip(acts, acts[1:]))
     for action in list(graph.nodes):
-        for dep in needs(layout, action, schedule.loss, schedule.split_backward, checkpointed):
+        for dep in needs(layout, action, schedule.loss, schedule.split, checkpointed):
             if dep in graph:
                 graph.add_edge(dep, action)
     return graph
@@ -58,7 +63,7 @@ def check(schedule: Schedule, layout: Layout, checkpointed: int) -> None:
     cycle of waits (a deadlock) if there is one."""
     problems = []
     listed = Counter(a for acts in schedule.actions for a in acts)
-    wanted = expected_actions(layout, schedule.micro_batches, schedule.split_backward, checkpointed)
+    wanted = expected_actions(layout, schedule.micro_batches, schedule.split, checkpointed)
     if len(schedule.actions) != layout.workers:
         problems.append(f"{len(schedule.actions)} worker lists for {layout.workers} workers")
     missing = sorted(wanted - set(listed), key=str)
@@ -94,8 +99,6 @@ def make_schedule(name: str, layout: Layout, micro_batches: int, checkpointed: i
     if name not in MAKERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     per_rank = with_recompute(MAKERS[name](layout, micro_batches), checkpointed)
-    schedule = Schedule(
-        name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss, split_backward=name == "zb-h1"
-    )
+    schedule = Schedule(name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss)
     check(schedule, layout, checkpointed)
     return schedule

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from conftest import FanOut
 from fxpipe import compile_pipeline
-from fxpipe.schedule import BACKWARD, FORWARD, SCHEDULES, Action, Layout, Schedule
+from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedule_check import ScheduleError, check, make_schedule
 from fxpipe.simulate import StageCosts, simulate
 
@@ -54,7 +54,7 @@ def test_interleaved_schedules_are_valid(workers: int, per_worker: int, m: int) 
 def _broken(schedule: Schedule, worker: int, acts: list[Action]) -> Schedule:
     rows = list(schedule.actions)
     rows[worker] = tuple(acts)
-    return Schedule("edited", tuple(rows), schedule.micro_batches, schedule.loss, schedule.split_backward)
+    return Schedule("edited", tuple(rows), schedule.micro_batches, schedule.loss)
 
 
 def test_the_checker_rejects_a_missing_action() -> None:
@@ -114,6 +114,24 @@ def test_zero_bubble_is_shorter_and_interleaving_too() -> None:
     assert zb.timeline.makespan < one_f_one_b.timeline.makespan
     assert inter.timeline.makespan < one_f_one_b.timeline.makespan
     assert max(zb.timeline.most_alive().values()) <= n  # ZB-H1 holds no more than 1F1B's first stage
+
+
+def test_a_schedule_may_split_some_backwards_and_not_others() -> None:
+    """The checker takes each backward as the schedule lists it: B, or I and W."""
+    layout = chain(2)
+    F_, B_, I_, W_ = FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD
+    w0 = [Action(F_, 0, 0), Action(F_, 0, 1), Action(B_, 0, 0), Action(I_, 0, 1), Action(W_, 0, 1)]
+    w1 = [Action(F_, 1, 0), Action(I_, 1, 0), Action(F_, 1, 1), Action(B_, 1, 1), Action(W_, 1, 0)]
+    mixed = Schedule("mixed", (tuple(w0), tuple(w1)), 2)
+    assert mixed.split == {(0, 1), (1, 0)}
+    check(mixed, layout, 0)
+    assert simulate(mixed, layout, [StageCosts(1.0, 2.0)] * 2).timeline.makespan == pytest.approx(8.0)
+    without_w = Schedule("mixed", (tuple(w0[:-1]), tuple(w1)), 2)
+    with pytest.raises(ScheduleError, match="missing: W1@0"):
+        check(without_w, layout, 0)
+    both = Schedule("mixed", (tuple(w0), (*w1, Action(B_, 1, 0))), 2)
+    with pytest.raises(ScheduleError, match="not part of this step: B0@1"):
+        check(both, layout, 0)
 
 
 def test_the_simulator_counts_transfers_and_held_bytes() -> None:
