@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,16 +87,21 @@ class Channel:
     after reading a message the receiver posts the next one's frame and expected extras. A
     sender whose message differs from what the peer expects first sends fillers of the expected
     sizes, and the envelope says so. After a failed step neither side expects anything. (On
-    gloo; NCCL runs a posted receive as a kernel that holds the pair's stream, so there every
-    receive is posted when its message is read.)
+    gloo; NCCL runs a posted receive as a kernel that holds its stream, so there every receive
+    is posted when its message is read, and each direction of a pair has a group of its own:
+    `directions`, made in fxpipe/distributed.py.)
 
     Every rank makes its pipelines' channels in the same order (compile_pipeline runs on every
     rank), so the n-th channel of each rank uses the same tag, and one pipeline's posted
     receives never take another's messages.
     """
 
-    def __init__(self, group: Any, ranks: Sequence[int], me: int, device: torch.device, timeout: float) -> None:
+    def __init__(
+        self, group: Any, ranks: Sequence[int], me: int, device: torch.device, timeout: float,
+        directions: Optional[dict[tuple[int, int], Any]] = None,
+    ) -> None:
         self.group = group
+        self.directions = directions or {}  # (from, to) -> the group of that direction, if any
         self.ranks = list(ranks)  # the global rank at each pipeline coordinate
         self.me = me  # this rank's pipeline coordinate
         self.device = device
@@ -128,7 +133,7 @@ class Channel:
         header = [torch.frombuffer(bytearray(message.header), dtype=torch.uint8)] if len(sizes) > len(message.extras) else []
         for part in [frame, *(torch.empty(n, dtype=torch.uint8) for n in fillers), *header, *message.extras]:
             part = part.to(self.device)
-            work = dist.isend(part, self.ranks[peer], group=self.group, tag=self.tag)
+            work = dist.isend(part, self.ranks[peer], group=self.directions.get((self.me, peer), self.group), tag=self.tag)
             self.sending.append((work, part))
 
     def fail(self, failure: Failure) -> None:
@@ -186,7 +191,7 @@ class Channel:
 
     def _receive(self, peer: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buffer, dist.irecv(buffer, self.ranks[peer], group=self.group, tag=self.tag)
+        return buffer, dist.irecv(buffer, self.ranks[peer], group=self.directions.get((peer, self.me), self.group), tag=self.tag)
 
     def _wait(self, buffer: torch.Tensor, work: Any, peer: int, what: str) -> torch.Tensor:
         try:

@@ -10,8 +10,9 @@ one rank is raised on all, and tied weights' gradients are summed among the rank
 from __future__ import annotations
 
 import hashlib
+import itertools
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
@@ -25,6 +26,10 @@ from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
+# Values travel on the pipeline group (gloo), or on a group per direction of each pair of ranks
+# (NCCL, where a posted receive holds the pair's stream: rank 0's send of x1 would queue behind
+# its receive of g0, and rank 1's send of g0 behind its receive of x1). None: by the backend.
+DIRECTIONAL: Optional[bool] = None
 
 
 @dataclass
@@ -37,6 +42,7 @@ class RankPlacement:
     device: torch.device  # where this rank's stages run
     timeout: float
     dp_group: Any = None  # the "dp" process group, when the mesh has one
+    directions: dict[tuple[int, int], Any] = field(default_factory=dict)  # (from, to) -> its group
 
     @property
     def size(self) -> int:
@@ -58,14 +64,30 @@ def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(mesh.device_type)
+    group = mesh.get_group("pp")
+    directional = dist.get_backend(group) != "gloo" if DIRECTIONAL is None else DIRECTIONAL
     return RankPlacement(
-        group=mesh.get_group("pp"),
+        group=group,
         ranks=ranks,
         me=ranks.index(dist.get_rank()),
         device=device,
         timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
         dp_group=mesh.get_group("dp") if "dp" in names else None,
+        directions=_direction_groups(mesh.mesh, names.index("pp"), ranks) if directional else {},
     )
+
+
+def _direction_groups(grid: torch.Tensor, axis: int, mine: list[int]) -> dict[tuple[int, int], Any]:
+    """A process group for each direction of each pair of ranks in every pipeline of the mesh
+    (every rank makes every group, in one order, as torch.distributed requires); this rank's
+    own, keyed by (from, to) pipeline coordinates."""
+    own = {}
+    for line in grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist():
+        for a, b in itertools.permutations(range(len(line)), 2):
+            group = dist.new_group([line[a], line[b]])
+            if line == mine:
+                own[(a, b)] = group
+    return own
 
 
 def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:

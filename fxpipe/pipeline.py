@@ -93,7 +93,7 @@ class Pipeline(nn.Module):
         devices = [self.devices[ranks.index(r)] for r in range(max(ranks) + 1)] if where is None else []
         self.__dict__["_workers"] = Workers(devices)
         self._workers.bind(self)
-        channel = None if where is None else Channel(where.group, where.ranks, where.me, where.device, where.timeout)
+        channel = None if where is None else Channel(where.group, where.ranks, where.me, where.device, where.timeout, where.directions)
         self.__dict__["_channel"] = channel
         self._build()
         if where is not None:

@@ -483,3 +483,25 @@ def dropout_draws(rank: int, world: int, cases: list[tuple[str, int]]) -> list[d
         single.close()
         report.append(entry)
     return report
+
+
+def directional(rank: int, world: int) -> list[dict[str, Any]]:
+    """The groups NCCL needs, one per direction of each pair, exercised on gloo: the U-Net and
+    GPT under 1f1b and zb-h1, on a 2 x 2 mesh (so that each pipeline's groups are its own)."""
+    import fxpipe.channel
+    import fxpipe.distributed
+
+    fxpipe.distributed.DIRECTIONAL = True
+    groups: set[int] = set()
+    send = fxpipe.channel.dist.isend
+
+    def counted(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+        groups.add(id(group))
+        return send(tensor, dst, group=group, tag=tag)
+
+    fxpipe.channel.dist.isend = counted  # type: ignore[assignment]
+    try:
+        report = replicated(rank, world, ["gpt", "unet"])
+    finally:
+        fxpipe.channel.dist.isend = send
+    return [dict(entry, send_groups=len(groups)) for entry in report]

@@ -214,3 +214,12 @@ def test_dropout_draws_the_masks_of_the_one_process_pipeline() -> None:
         for entry in report:
             assert "skipped" not in entry or "nodes to place" in entry["skipped"], entry
             assert not entry["problems"], (entry["case"], entry["problems"][:5])
+
+
+def test_a_group_per_direction_as_nccl_needs_gives_the_same_training() -> None:
+    got = results_of(spawn_ranks(cases.directional, 4, timeout=300))
+    for per_rank in zip(*got):
+        for report in per_rank:
+            assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), report["case"]
+            assert max(report["grads"].values()) <= TOL, report["case"]
+            assert report["send_groups"] == 2, "each of the two pipelines sends on a group of its own direction"
