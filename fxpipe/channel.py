@@ -25,7 +25,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fxpipe.frames import FRAME, decode, encode, frame_of, open_frame
+from fxpipe.frames import FRAME, FrameFull, Message, decode, encode, frame_of, open_frame
 
 VALUE, FAILED, DONE = "value", "failed", "done"
 _channels = itertools.count(1)  # each pipeline's messages under a tag of their own
@@ -122,19 +122,28 @@ class Channel:
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, peer: int, key: Hashable, value: Any, kind: str = VALUE) -> None:
-        message = encode(self.step, kind, key, value)
         sent = self.sent.setdefault(peer, [])
         expected = _at(self.sent_before.get(peer, []), len(sent)) if self.early else []
-        frame, sizes = frame_of(message, [])
+        message, frame, sizes = self._framed(kind, key, value, [])
         fillers = [] if sizes == expected else expected
         if fillers:
-            frame, sizes = frame_of(message, fillers)
+            message, frame, sizes = self._framed(kind, key, value, fillers)
         sent.append(sizes)
         header = [torch.frombuffer(bytearray(message.header), dtype=torch.uint8)] if len(sizes) > len(message.extras) else []
         for part in [frame, *(torch.empty(n, dtype=torch.uint8) for n in fillers), *header, *message.extras]:
             part = part.to(self.device)
             work = dist.isend(part, self.ranks[peer], group=self.directions.get((self.me, peer), self.group), tag=self.tag)
             self.sending.append((work, part))
+
+    def _framed(self, kind: str, key: Hashable, value: Any, fillers: list[int]) -> tuple[Message, torch.Tensor, list[int]]:
+        """The message and its frame: small tensors in the frame's body, unless their sizes with
+        the others' leave it no room."""
+        message = encode(self.step, kind, key, value)
+        try:
+            return (message, *frame_of(message, fillers))
+        except FrameFull:
+            message = encode(self.step, kind, key, value, body=False)
+            return (message, *frame_of(message, fillers))
 
     def fail(self, failure: Failure) -> None:
         """Tell every peer this step failed here (best effort: a peer may be gone)."""

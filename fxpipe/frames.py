@@ -25,6 +25,10 @@ _ENVELOPE_ROOM = 512  # of the frame, kept for the envelope when tensors are pla
 _ALIGN = 16  # body offsets: any dtype can view its bytes there
 
 
+class FrameFull(ValueError):
+    """The envelope and the body of a message do not fit in one frame."""
+
+
 @dataclass(frozen=True)
 class _TensorMeta:
     shape: tuple[int, ...]
@@ -46,13 +50,15 @@ class Message:
         return sizes + [t.numel() for t in self.extras]
 
 
-def encode(step: int, kind: str, key: Hashable, value: Any) -> Message:
+def encode(step: int, kind: str, key: Hashable, value: Any, body: bool = True) -> Message:
+    """The message of one value; without `body`, every tensor is an extra (for a value with so
+    many tensors that their sizes leave no room in the frame)."""
     originals = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
     places, inline, extras, end = [], [], [], 0
     for t in originals:
         data = as_bytes(t.detach())
         start = _aligned(end)
-        if start + data.numel() <= FRAME - _ENVELOPE_ROOM:
+        if body and start + data.numel() <= FRAME - _ENVELOPE_ROOM:
             places.append(start)
             inline.append((start, data))
             end = start + data.numel()
@@ -74,7 +80,7 @@ def frame_of(message: Message, fillers: list[int]) -> tuple[torch.Tensor, list[i
         if body + body_end <= FRAME:
             break
     else:
-        raise ValueError(f"a message's envelope ({len(envelope)} bytes) does not fit in a frame of {FRAME}")
+        raise FrameFull(f"a message's envelope ({len(envelope)} bytes) and body ({body_end} bytes) do not fit in a frame of {FRAME}")
     frame = torch.zeros(FRAME, dtype=torch.uint8)
     frame[:8] = torch.tensor([len(envelope)], dtype=torch.int64).view(torch.uint8)
     frame[8 : 8 + len(envelope)] = torch.frombuffer(bytearray(envelope), dtype=torch.uint8)

@@ -260,6 +260,8 @@ def sample_values() -> dict[str, Any]:
         "big": big,
         "strided": big[::7, ::3],
         "many": {f"k{i}": (i, f"text {i}" * 20, None) for i in range(800)},  # a header of about 140 KB
+        # so many large tensors that their sizes and the small ones leave no room in the frame
+        "crowd": ([torch.full((1200,), float(i)) for i in range(400)], [torch.full((20,), float(i)) for i in range(40)]),
         "none": None,
     }  # fmt: skip
 
