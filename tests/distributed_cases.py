@@ -125,6 +125,7 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = FailsAt().double()
+    reference = copy.deepcopy(model)
     x = torch.randn(8, 4, dtype=torch.float64)
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule=schedule, timeout=20, split_points=["c"] if world == 2 else None)
     bad = x.clone()
@@ -137,7 +138,8 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
         error = (str(e), e.stage, e.micro_batch, e.phase, e.rank)
     took = time.monotonic() - start
     ok_loss = float(pipe.train_step(x, target=torch.zeros(8, 4, dtype=torch.float64), loss_fn=F.mse_loss))
-    return dict(error=error, took=took, next_loss=ok_loss)
+    expected = F.mse_loss(reference(x), torch.zeros(8, 4, dtype=torch.float64)).item()
+    return dict(error=error, took=took, next_loss=ok_loss, expected=expected)
 
 
 def dying_rank(rank: int, world: int) -> dict[str, Any]:

@@ -78,6 +78,7 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert f"stage {stage} (rank {rank})" in text
     assert all(r["took"] < 15 for r in got), [r["took"] for r in got]
     assert len({r["next_loss"] for r in got}) == 1, "the next step runs, with one loss on every rank"
+    assert abs(got[0]["next_loss"] - got[0]["expected"]) <= TOL, "the failed step left the model as it was"
 
 
 def test_a_rank_that_dies_makes_the_others_raise() -> None:
