@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import FanOut, example_module
+from conftest import FanOut, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -509,3 +509,38 @@ def directional(rank: int, world: int) -> list[dict[str, Any]]:
     finally:
         fxpipe.channel.dist.isend = send
     return [dict(entry, send_groups=len(groups)) for entry in report]
+
+
+def modes_across(rank: int, world: int) -> dict[str, float]:
+    """The modes a user trains and evaluates in, across processes, each against the plain model:
+    train_step under no_grad (the loss alone), a sum-reduced loss, bfloat16 autocast, and eval."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=60)
+    found: dict[str, float] = {}
+    with torch.no_grad():
+        found["no_grad loss"] = abs(pipe.train_step(x, target=y, loss_fn=F.mse_loss).item() - F.mse_loss(reference(x), y).item())
+    found["no_grad: gradients made"] = float(sum(p.grad is not None for p in pipe.parameters()))
+    summed = lambda out, target: F.mse_loss(out, target, reduction="sum")  # noqa: E731
+    loss = pipe.train_step(x, target=y, loss_fn=summed, reduction="sum")
+    expected = summed(reference(x), y)
+    expected.backward()
+    found["sum loss"] = abs(loss.item() - expected.item())
+    ref = dict(reference.named_parameters())
+    found["sum gradients"] = max(_max_diff(grad_of(p), grad_of(ref[n])) for n, p in pipe.named_parameters())
+    single = FanOut()  # autocast casts float32 work
+    single_pipe = compile_pipeline(copy.deepcopy(single), x.float(), mesh=mesh, chunks=4, schedule="zb-h1", timeout=60)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss, out = single_pipe.train_step(x.float(), target=y.float(), loss_fn=F.mse_loss, return_outputs=True)
+        expected = F.mse_loss(single(x.float()), y.float())
+    found["bf16 loss"] = abs(loss.item() - expected.item()) / max(abs(expected.item()), 1e-6)
+    found["bf16 outputs"] = -1.0 if out is None else float(out.dtype == torch.bfloat16)
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = pipe(x)
+        found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
+    return found

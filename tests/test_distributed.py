@@ -224,3 +224,12 @@ def test_a_group_per_direction_as_nccl_needs_gives_the_same_training() -> None:
             assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), report["case"]
             assert max(report["grads"].values()) <= TOL, report["case"]
             assert report["send_groups"] == 2, "each of the two pipelines sends on a group of its own direction"
+
+
+def test_no_grad_sum_reduction_autocast_and_eval_across_processes() -> None:
+    got = results_of(spawn_ranks(cases.modes_across, 2, timeout=120))
+    for rank, found in enumerate(got):
+        assert found["no_grad loss"] <= TOL and found["no_grad: gradients made"] == 0, found
+        assert found["sum loss"] <= TOL and found["sum gradients"] <= TOL, found
+        assert found["bf16 loss"] <= 2e-2 and found["bf16 outputs"] == (-1.0 if rank == 0 else 1.0), found
+        assert (found["eval out"] == -1.0) if rank == 0 else (0 <= found["eval out"] <= TOL), found
