@@ -21,7 +21,6 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.channel import Channel, Failure, RemoteFailure
-from fxpipe.materialize import stage_tensors
 from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
@@ -162,7 +161,7 @@ def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
     names: dict[int, str] = {}
     for name, tensor in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(tensor), name)
-    readers = {mode: _readers(program) for mode, program in programs.items()}
+    readers = {mode: program.readers for mode, program in programs.items()}
     written = {id(b) for program in programs.values() for stage in program.stages for b in stage.writable_buffers.values()}
     problems = set()
     for key, ranks in readers[False].items():
@@ -184,14 +183,6 @@ def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
         )
 
 
-def _readers(program: Any) -> dict[int, set[int]]:
-    found: dict[int, set[int]] = {}
-    for index, rank in enumerate(program.layout.ranks):
-        for tensor in stage_tensors(program, index):
-            found.setdefault(id(tensor), set()).add(rank)
-    return found
-
-
 def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None:
     """Move every parameter and buffer that no stage of this rank reads to the meta device: the
     tensor objects stay (and their shapes), their memory goes."""
@@ -200,7 +191,7 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None
         kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
         for index, rank in enumerate(program.layout.ranks):
             if rank == me:
-                kept.update(id(t) for t in stage_tensors(program, index))
+                kept.update(id(t) for t in program.stage_tensors(index))
     for module in owner.modules():
         for table in (module._parameters, module._buffers):
             for tensor in table.values():
@@ -216,8 +207,7 @@ def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
 
 def holders(program: Any, params: Sequence[nn.Parameter]) -> list[list[int]]:
     """For each parameter, the pipeline coordinates of the ranks whose stages read it."""
-    readers = _readers(program)
-    return [sorted(readers.get(id(p), ())) for p in params]
+    return [sorted(program.readers.get(id(p), ())) for p in params]
 
 
 @contextmanager

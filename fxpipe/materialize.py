@@ -15,12 +15,6 @@ import torch
 from torch import nn
 
 
-def stage_tensors(program: Any, stage: int) -> list[torch.Tensor]:
-    """The parameters and buffers one stage of a program reads."""
-    module, runtime = program.modules[stage], program.stages[stage]
-    return [*module.parameters(), *module.buffers(), *program.shared[stage], *runtime.writable_buffers.values()]
-
-
 def is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
@@ -33,7 +27,7 @@ def materialize(owner: nn.Module, programs: Sequence[Any], runs_here: Callable[[
         for index, runtime in enumerate(program.stages):
             if not runs_here(program, index):
                 continue
-            for tensor in stage_tensors(program, index):
+            for tensor in program.stage_tensors(index):
                 if tensor.is_meta and id(tensor) not in made:
                     torch.utils.swap_tensors(tensor, _empty_like(tensor, runtime.device))
                     made.add(id(tensor))

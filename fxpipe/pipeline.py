@@ -389,7 +389,6 @@ class Pipeline(nn.Module):
             layout=program.layout,
             batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,
-            loss_stage=program.layout.loss_stage,
             meter=ActivationMeter(len(program.stages), program.parameters, self.devices) if self.measure_memory else None,
             mailbox=mailbox,
             rank=rank,

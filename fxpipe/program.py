@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Optional
 
 import torch
@@ -67,6 +68,22 @@ class Program:
     @property
     def edges(self) -> list[Edge]:
         return self.cut.edges
+
+    def stage_tensors(self, stage: int) -> list[torch.Tensor]:
+        """The parameters and buffers one stage reads."""
+        runtime = self.stages[stage]
+        module = self.modules[stage]
+        return [*module.parameters(), *module.buffers(), *self.shared[stage], *runtime.writable_buffers.values()]
+
+    @cached_property
+    def readers(self) -> dict[int, set[int]]:
+        """By `id`, each tensor some stage reads, and the ranks (worker coordinates) of those
+        stages; worked out once, as a train step across processes asks for it every step."""
+        found: dict[int, set[int]] = {}
+        for index, rank in enumerate(self.layout.ranks):
+            for tensor in self.stage_tensors(index):
+                found.setdefault(id(tensor), set()).add(rank)
+        return found
 
 
 Builder = Callable[[nn.Module, Cut], Program]

@@ -144,7 +144,6 @@ class Step:
         layout: Layout,
         batch_stats: Optional[BatchStatistics] = None,
         loss: Optional[LossFn] = None,
-        loss_stage: int = -1,
         meter: Optional[ActivationMeter] = None,
         mailbox: Any = None,
         rank: Optional[int] = None,
@@ -156,7 +155,7 @@ class Step:
         self.rank, self.global_rank = rank, global_rank
         self.local_stages = [s for s in stages if rank is None or layout.ranks[s.index] == rank]
         self.schedule, self.layout = schedule, layout
-        self.loss, self.loss_stage = loss, loss_stage
+        self.loss = loss
         self.meter = meter if grad else None
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, Any]] = {}  # per micro-batch, detached (train steps)
@@ -185,8 +184,6 @@ class Step:
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:
         """Hand each worker its actions, in order, and wait for all of them."""
-        flat = [a for acts in actions for a in acts]
-        group = TaskGroup(len(flat))
         bodies: dict[str, Callable[[int, int], tuple[float, float]]] = {
             FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
             INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
@@ -210,12 +207,12 @@ class Step:
 
             return run
 
-        if self.rank is not None:
-            group = TaskGroup(len(actions[self.rank]))
-            self._run_inline([task(action) for action in actions[self.rank]], group, self.rank)
-        elif len(actions) == 1:
-            self._run_inline([task(action) for action in actions[0]], group)
+        if self.rank is not None or len(actions) == 1:  # this process runs one list: its own
+            mine = actions[self.rank or 0]
+            group = TaskGroup(len(mine))
+            self._run_inline([task(action) for action in mine], group, self.rank or 0)
         else:
+            group = TaskGroup(sum(map(len, actions)))
             for rank, acts in enumerate(actions):
                 for action in acts:
                     self.workers.submit(rank, task(action))
@@ -408,7 +405,7 @@ class Step:
             for dst in stage.consumers[name]:
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, wants)
-        if self.loss is not None and j == self.loss_stage:
+        if self.loss is not None and j == self.layout.loss_stage:
             self._loss_task(i)  # its gradients go to stages that wait for them
             end = time.perf_counter()
         return start, end
