@@ -27,10 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from bound import stage_work
 from environment import command_lines, ensure_malloc_env
 from overhead import ROOT, make_mlp
 
 Step = Callable[[], None]
+BOUND = "no-dependency bound, 2 processes"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -113,6 +115,8 @@ def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, boo
         found.append((f"fxpipe {schedule}, 2 processes", True, fxpipe_step(pipe, x, y)))
     for kind in ("GPipe", "1F1B"):
         found.append((f"pipelining {kind}, 2 processes", True, pipelining_step(copy.deepcopy(model), x, y, split, args.chunks, kind, rank)))
+    works = stage_work(model, int(split), x, y, args.chunks, F.mse_loss)
+    found.append((BOUND, True, works[rank]))
     if rank == 0:
         for schedule in ("1f1b", "zb-h1"):
             pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=args.chunks, checkpoint="never", schedule=schedule)
@@ -307,6 +311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         e_best = min(base) / (2 * min(values))
         print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) * 1e3:.1f} |")
     print(f"| plain, one process | 0.5 by definition | | {statistics.median(base) * 1e3:.1f} |")
+    print(f"\n{BOUND}: each rank does its stage's work for the step in plain PyTorch, on inputs made "
+          "beforehand, sending nothing (benchmarks/bound.py): no schedule or transport beats it")  # fmt: skip
     print(f"\none small message, round trip: raw send/recv {cost[0]:.0f} us; fxpipe's, with its header (step, key, "
           f"shapes and dtypes) {cost[1]:.0f} us")  # fmt: skip
     print("\n" + "\n".join(unet))

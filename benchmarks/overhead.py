@@ -114,18 +114,21 @@ def mean_square(output: torch.Tensor) -> torch.Tensor:
     return output.square().mean()
 
 
-def measure(contenders: Sequence[Contender], repeats: int, steps_per_block: int, warmup: int) -> None:
-    """Warm every contender up, then time blocks of steps round-robin, rotating who goes first."""
+def measure(
+    contenders: Sequence[Contender], repeats: int, steps_per_block: int, warmup: int, clock: Callable[[], float] = time.perf_counter
+) -> None:
+    """Warm every contender up, then time blocks of steps round-robin, rotating who goes first.
+    `clock` is the wall clock, or `time.thread_time` for work on the caller's thread alone."""
     for contender in contenders:
         for _ in range(warmup):
             contender.step()
     for round_index in range(repeats):
         shift = round_index % len(contenders)
         for contender in [*contenders[shift:], *contenders[:shift]]:
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps_per_block):
                 contender.step()
-            contender.times.append((time.perf_counter() - start) / steps_per_block)
+            contender.times.append((clock() - start) / steps_per_block)
 
 
 # -- the libraries --------------------------------------------------------------------------
@@ -382,7 +385,7 @@ def per_task_row(name: str, sequential: Contender, pipe: Contender, chunks: int)
     over the plain model run on the same micro-batches in turn, in microseconds."""
     tasks = 2 * chunks
     return Row(
-        name, "fxpipe", f"1 stage, chunks {chunks}, 'never'", "us per task over plain in turn",
+        name, "fxpipe", f"1 stage, chunks {chunks}, 'never'", "us per task over plain in turn (CPU time)",
         (pipe.median - sequential.median) / tasks * 1e6, (pipe.best - sequential.best) / tasks * 1e6,
         "<= 30", "", milliseconds(sequential, pipe),
     )
@@ -400,7 +403,9 @@ def bench_tasks(args: argparse.Namespace) -> list[Row]:
     for name, model, x in workloads:
         sequential = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, chunks, mean_square))
         pipe = fxpipe_contender(model, x, mean_square, (1, chunks, "never"))
-        measure([sequential, pipe], args.repeats * 3, args.steps_per_block * 10, args.warmup)
+        # One worker runs its tasks on the caller's thread: its CPU time is the runtime's cost,
+        # and the neighbours' load on this shared machine inflates it less than the wall clock.
+        measure([sequential, pipe], args.repeats * 3, args.steps_per_block * 10, args.warmup, clock=time.thread_time)
         rows.append(per_task_row(name, sequential, pipe, chunks))
     return rows
 

@@ -12,6 +12,7 @@ import argparse
 import copy
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bound import stage_work
 from environment import command_lines, ensure_malloc_env
 from overhead import ROOT, Contender, make_mlp, measure
 
@@ -93,6 +95,23 @@ def train_step(pipe: Any, w: Workload) -> Callable[[], None]:
     return step
 
 
+def unwaited(w: Workload, pipe: Any, chunks: int) -> Optional[Callable[[], None]]:
+    """The no-dependency bound (bound.py) at the cut `pipe` made: the first stage's work on a
+    second thread while the caller does the second's. Only for a Sequential cut in two."""
+    stages = pipe.plan.stages
+    if not isinstance(w.model, nn.Sequential) or len(stages) != 2:
+        return None
+    first, second = stage_work(w.model, int(stages[1].modules[0]), w.x, w.y, chunks, w.loss_fn)
+    helper = ThreadPoolExecutor(1)
+
+    def step() -> None:
+        done = helper.submit(first)
+        second()
+        done.result()
+
+    return step
+
+
 def mib(values: Sequence[float]) -> str:
     return " / ".join(f"{v / 2**20:.1f}" for v in values)
 
@@ -101,9 +120,16 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
     plain = Contender("plain", plain_step(w))
     pipes = {name: pipeline(w, name, args.chunks, args.checkpoint) for name in SCHEDULES}
     contenders = [plain, *(Contender(name, train_step(pipe, w)) for name, pipe in pipes.items())]
+    bound = unwaited(w, pipes["zb-h1"], args.chunks)
+    if bound is not None:
+        contenders.append(Contender(BOUND, bound))
     measure(contenders, args.repeats, args.steps_per_block, warmup=1)
     rows = []
     for contender in contenders[1:]:
+        if contender.name == BOUND:
+            rows.append([w.name, BOUND, "2 on 2", f"{plain.median / (2 * contender.median):.3f}",
+                         f"{plain.best / (2 * contender.best):.3f}", "-", "-", "-", "-", f"{contender.median * 1e3:.1f}"])  # fmt: skip
+            continue
         pipe = pipes[contender.name]
         measured_bubble = pipe.timeline().bubble()  # of the last timed step
         pipe.measure_memory = True
@@ -187,6 +213,7 @@ def autograd_call_seconds(repeats: int = 2000) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
+BOUND = "no-dependency bound"
 HEADER = ["workload", "schedule", "stages", "E median", "E best", "bubble predicted", "bubble measured",
           "peak activations per stage, MiB (measured)", "(predicted)", "ms/step median"]  # fmt: skip
 
@@ -206,7 +233,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print("|" + "|".join("-" * (n + 2) for n in widths) + "|")
     for row in rows:
         print("| " + " | ".join(c.ljust(n) for c, n in zip(row, widths)) + " |")
-    print("\n" + split_cost(args.quick))
+    print(f"\n{BOUND}: each stage's work for the step in plain PyTorch on its own thread, on inputs made "
+          "beforehand (benchmarks/bound.py): what this machine needs for the step's arithmetic on two "
+          "shared cores, at micro-batch size, with no bubble and no schedule")  # fmt: skip
+    print(split_cost(args.quick))
     print(f"load average at end={os.getloadavg()[0]:.2f}")
 
 

@@ -29,6 +29,14 @@ from fxpipe.step import StageRuntime
 def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
+    loose = [name for code in codes for name in _loose_grad_tensors(code.module)]
+    if loose:
+        raise ValueError(
+            "the model reads tensors that require grad but are not parameters: "
+            f"{', '.join(sorted(set(loose)))}.\nA pipeline hands gradients to parameters only, and "
+            "would leave these without theirs.\nHow to fix: register each as an nn.Parameter "
+            "(self.x = nn.Parameter(...)), or, if it is not meant to learn, call .requires_grad_(False)."
+        )
     for code in codes:
         draw_from_task_streams(code.module)
         if deferred_batch_norm:
@@ -98,6 +106,18 @@ def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[A
             if isinstance(p, nn.Parameter):
                 found.setdefault(id(p), p)
     return list(found.values())
+
+
+def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
+    """The stage's tensor attributes and buffers that are autograd leaves requiring grad but
+    not parameters: the plain model's backward would give them a `.grad`."""
+    found = []
+    for prefix, module in stage.named_modules():
+        held = {**{k: v for k, v in vars(module).items() if not k.startswith("_")}, **module._buffers}
+        for name, value in held.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad and value.is_leaf:
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return found
 
 
 def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:

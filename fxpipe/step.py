@@ -331,16 +331,19 @@ class Step:
     def _param_views(self, stage: StageRuntime) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
         """The stage's parameters for this step, with the slots they go into: a leaf per
         parameter (same memory), whose `.grad` autograd accumulates in place, as each gradient
-        is made; the stage reads a view of it, so autocast casts every use alike (it caches casts
-        of leaves only) and a recompute matches its forward. Autograd never reaches the
-        parameters themselves: their `.grad` and hooks are the pipeline Function's to feed."""
+        is made. Under the caller's autocast the stage reads a view of it, so autocast casts every
+        use alike (it caches casts of leaves only, for as long as the caller's region lasts) and a
+        recompute matches its forward; otherwise the leaf itself, as the plain model reads its
+        parameters (a view is one more node per parameter in every backward). Autograd never
+        reaches the parameters themselves: their `.grad` and hooks are the pipeline Function's to
+        feed."""
         if not self.grad or not stage.params:
             return []
         swaps = self.view_swaps[stage.index]
         if swaps is None:
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
-                views = [leaf.view_as(leaf) if leaf.requires_grad else leaf for leaf in leaves]
+                views = [leaf.view_as(leaf) if leaf.requires_grad and self.context.autocast else leaf for leaf in leaves]
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
             self.param_leaves[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
@@ -535,7 +538,10 @@ class Step:
         if split:
             pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
         elif tensors and (wanted := [*leaves, *self._weights(stage)]):
-            torch.autograd.backward(tensors, grad_tensors, inputs=wanted)
+            # Every leaf the stage's graph reaches that requires grad is wanted (compile refuses
+            # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
+            # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
+            torch.autograd.backward(tensors, grad_tensors, inputs=None if all(t.is_leaf for t in leaves) else wanted)
         grads = [
             tree_unflatten([t.grad if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
             for leaves_, spec in flat_inputs

@@ -125,3 +125,28 @@ def test_second_backward_through_one_step() -> None:
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph is not supported"):
         loss.backward()
+
+
+class LooseScale(nn.Module):
+    """A tensor attribute that requires grad but is not a parameter: the plain model's backward
+    gives it a `.grad`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.scale = torch.ones(6, requires_grad=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x) * self.scale)
+
+
+def test_tensor_that_requires_grad_but_is_no_parameter_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"require grad but are not parameters: scale\.\n(.|\n)*How to fix: register each as an nn\.Parameter"):
+        compile_pipeline(LooseScale(), X, ["cpu", "cpu"], chunks=2)
+
+
+def test_the_same_tensor_without_grad_is_a_constant() -> None:
+    model = LooseScale()
+    model.scale.requires_grad_(False)
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
