@@ -211,18 +211,23 @@ def test_chunk_spec_splits_along_another_dim() -> None:
 
 
 class Bomb(nn.Module):
-    """Raises on the `fuse`-th call while armed; the earlier stage waits a little first, so that
-    the later stage's error is the first one raised."""
+    """Raises on the `fuse`-th call while armed. The earlier stage's bomb (tag 0) says when it has
+    gone off and waits a little before raising; the later one's waits for that, then raises at
+    once: both tasks are running, and the later stage's error is the first one raised."""
 
-    def __init__(self, tag: int, fuse: int) -> None:
+    def __init__(self, tag: int, fuse: int, lit: threading.Event) -> None:
         super().__init__()
-        self.tag, self.fuse, self.linear = tag, fuse, nn.Linear(4, 4)
+        self.tag, self.fuse, self.lit, self.linear = tag, fuse, lit, nn.Linear(4, 4)
         self.armed, self.calls = False, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         call, self.calls = self.calls, self.calls + 1
         if self.armed and call == self.fuse:
-            time.sleep(0.1 * (1 - self.tag))
+            if self.tag == 0:
+                self.lit.set()
+                time.sleep(0.1)
+            else:
+                self.lit.wait(5.0)
             raise ValueError(f"boom {self.tag}")
         return self.linear(x)
 
@@ -230,9 +235,11 @@ class Bomb(nn.Module):
 class TwoBombs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.second = Bomb(0, fuse=1), Bomb(1, fuse=0)
+        lit = threading.Event()
+        self.first, self.second = Bomb(0, fuse=1, lit=lit), Bomb(1, fuse=0, lit=lit)
 
     def arm(self, armed: bool) -> None:
+        self.first.lit.clear()
         for bomb in (self.first, self.second):
             bomb.armed, bomb.calls = armed, 0
 
