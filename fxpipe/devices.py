@@ -112,13 +112,15 @@ class Mailbox:
 
     def take(self, keys: Sequence[Hashable]) -> list[Any]:
         with self.cond:
-            ready = self.cond.wait_for(lambda: self.aborted or all(k in self.items for k in keys), self.timeout)
-            if self.aborted:
-                raise Aborted()
-            if not ready:
-                missing = [k for k in keys if k not in self.items]
-                raise TimeoutError(f"waited {self.timeout} s for {missing}: the pipeline is stuck")
-            parcels = [self.items.pop(k) for k in keys]
+            items = self.items
+            if self.aborted or not all(k in items for k in keys):  # else no wait: the common case
+                ready = self.cond.wait_for(lambda: self.aborted or all(k in items for k in keys), self.timeout)
+                if self.aborted:
+                    raise Aborted()
+                if not ready:
+                    missing = [k for k in keys if k not in items]
+                    raise TimeoutError(f"waited {self.timeout} s for {missing}: the pipeline is stuck")
+            parcels = [items.pop(k) for k in keys]
         return [p.open() for p in parcels]
 
     def abort(self) -> None:

@@ -161,6 +161,11 @@ class Step:
         self.outputs: dict[int, dict[str, Any]] = {}  # per micro-batch, detached (train steps)
         self.micro_batches = micro_batches
         self.grad, self.checkpoint_stop, self.seed = grad, checkpoint_stop, seed
+        # Whether any input the caller passed requires grad: if none does, no stage sends the
+        # caller input gradients, and nothing waits for them.
+        self.caller_grads = grad and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for batch in micro_batches for v in batch.values() for t in leaves_of(v)
+        )
         self.shared = shared
         self.output_device, self.input_devices = output_device, input_devices
         self.context, self.batch_stats = context, batch_stats
@@ -314,6 +319,8 @@ class Step:
 
     def _input_grads(self, i: int) -> dict[str, Any]:
         grads: dict[str, Any] = {}
+        if not self.caller_grads:
+            return grads
         for stage in self.local_stages:
             for name in stage.inputs:
                 if stage.sources[name] == CALLER:
@@ -518,6 +525,8 @@ class Step:
     def _send_input_grads(self, stage: StageRuntime, i: int, input_grads: list[Any]) -> None:
         for name, grad in zip(stage.inputs, input_grads):
             src = stage.sources[name]
+            if src == CALLER and not self.caller_grads:
+                continue
             device = self.stages[src].device if src != CALLER else self.input_devices[name]
             self.mailbox.put(("bwd", src, i, name, stage.index), send(grad, device))
 
@@ -532,7 +541,7 @@ class Step:
         views and shared copies accumulate in their `.grad` over the step's micro-batches, added
         by autograd as each is made (while it is still in cache); with `split`, later, by W,
         from what is returned with the input gradients."""
-        flat_inputs = [tree_flatten(value) for value in inputs]
+        flat_inputs = [([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         pending = None
         if split:
@@ -543,7 +552,7 @@ class Step:
             # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
             torch.autograd.backward(tensors, grad_tensors, inputs=None if all(t.is_leaf for t in leaves) else wanted)
         grads = [
-            tree_unflatten([t.grad if isinstance(t, torch.Tensor) else None for t in leaves_], spec)
+            _grad_of(leaves_[0]) if spec is None else tree_unflatten([_grad_of(t) for t in leaves_], spec)
             for leaves_, spec in flat_inputs
         ]
         return grads, pending
@@ -556,6 +565,10 @@ class Step:
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""
         return [c.grad if c.requires_grad else None for c in self.shared[stage]]
+
+
+def _grad_of(t: Any) -> Optional[torch.Tensor]:
+    return t.grad if isinstance(t, torch.Tensor) else None
 
 
 def _requires_grad(t: torch.Tensor) -> bool:
