@@ -20,7 +20,7 @@ from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
-from fxpipe.passes.state import aliases_state, writable_buffers
+from fxpipe.passes.state import aliases_state, has_forward_hooks, writable_buffers
 from fxpipe.program import Cut, Program
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -29,6 +29,8 @@ from fxpipe.step import StageRuntime
 def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
+    _refuse_opaque_values(cut)
+    _refuse_backward_hooks_traced_through(owner, cut.graph)
     loose = [name for code in codes for name in _loose_grad_tensors(code.module)]
     if loose:
         raise ValueError(
@@ -108,6 +110,37 @@ def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[A
     return list(found.values())
 
 
+def _refuse_opaque_values(cut: Cut) -> None:
+    """Values that go between stages or out of the pipeline are split, sent and gathered through
+    pytree: one that keeps tensors where pytree cannot see them would go whole, unsplit and
+    without gradients."""
+    nodes = {n.name: n for n in cut.graph.graph.nodes}
+    found = {f"{e.value} ({', '.join(nodes[e.value].meta['opaque'])})" for e in cut.edges if nodes.get(e.value) is not None and nodes[e.value].meta.get("opaque")}
+    if found:
+        raise ValueError(
+            f"the model passes values that hold tensors pytree cannot see: {', '.join(sorted(found))}.\n"
+            "A pipeline splits, sends and gathers values through torch.utils._pytree.\nHow to fix: "
+            "register the type (torch.export.register_dataclass(T) for a dataclass, "
+            "torch.utils._pytree.register_pytree_node for another class), or return a tuple or dict."
+        )
+
+
+def _refuse_backward_hooks_traced_through(owner: nn.Module, graph: fx.GraphModule) -> None:
+    """A module the trace went through is no call in the stages: its backward hooks would never
+    fire. Those of a module called whole (and of the modules inside it) do."""
+    whole = [str(n.target) for n in graph.graph.nodes if n.op == "call_module"]
+    hooked = [
+        name or "the model itself" for name, m in owner.named_modules()
+        if (m._backward_hooks or m._backward_pre_hooks) and not any(name == w or name.startswith(w + ".") for w in whole)
+    ]  # fmt: skip
+    if hooked:
+        raise ValueError(
+            f"backward hooks on modules that are traced through would never fire: {', '.join(hooked)}.\n"
+            f"How to fix: keep each such module whole (compile_pipeline(..., leaf_modules={[n for n in hooked if n != 'the model itself']!r})), "
+            "or hook a tensor or a parameter instead (tensor.register_hook)."
+        )
+
+
 def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
     """The stage's tensor attributes and buffers that are autograd leaves requiring grad but
     not parameters: the plain model's backward would give them a `.grad`."""
@@ -121,9 +154,11 @@ def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
 
 
 def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
-    """The modules a stage calls whole that are not PyTorch's own (whose forwards assign nothing)."""
+    """The modules a stage calls whole whose forwards may assign attributes: those that are not
+    PyTorch's own, and those with forward hooks (spectral_norm's sets `weight`)."""
     modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
-    return list({id(m): m for m in modules if not type(m).__module__.startswith("torch.")}.values())
+    assigning = [m for m in modules if not type(m).__module__.startswith("torch.") or has_forward_hooks(m)]
+    return list({id(m): m for m in assigning}.values())
 
 
 def _template(graph: fx.GraphModule) -> Any:

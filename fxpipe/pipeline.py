@@ -475,9 +475,13 @@ class Pipeline(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """The model's state under its own keys; across processes, this rank takes its part of a
-        whole model's state dict (keys of other ranks' stages are not unexpected)."""
+        whole model's state dict (keys of other ranks' stages are not unexpected). With `assign`,
+        the stages are built again on the tensors put in place."""
         if self.__dict__.get("_channel") is None:
-            return super().load_state_dict(state_dict, strict, assign)
+            result = super().load_state_dict(state_dict, strict, assign)
+            if assign:
+                self._build()
+            return result
         own, every = set(self.state_dict()), set(super().state_dict())
         missing = sorted(own - set(state_dict))
         unexpected = sorted(set(state_dict) - every)
@@ -487,6 +491,8 @@ class Pipeline(nn.Module):
                 f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
+        if assign:
+            self._build()
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _elsewhere(self, tensor: torch.Tensor) -> bool:

@@ -32,7 +32,8 @@ class FlopCount(TorchDispatchMode):
 
 
 def _describe(value: Any) -> dict[str, Any]:
-    """Shapes, dtypes and total bytes of every tensor in a (nested) value."""
+    """Shapes, dtypes and total bytes of every tensor in a (nested) value; `opaque`, the types in
+    it that hold tensors where pytree cannot see them."""
     leaves, _ = tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     shapes = tree_map(lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None, value)
@@ -40,7 +41,16 @@ def _describe(value: Any) -> dict[str, Any]:
         "shape": shapes,
         "dtype": tensors[0].dtype if len(tensors) == 1 else tuple(t.dtype for t in tensors),
         "bytes": sum(t.numel() * t.element_size() for t in tensors),
+        "opaque": sorted({type(leaf).__name__ for leaf in leaves if _holds_tensors(leaf)}),
     }
+
+
+def _holds_tensors(leaf: Any) -> bool:
+    """A pytree leaf that is no tensor but keeps tensors in its fields (a dataclass not registered
+    with pytree, say): split into micro-batches, sent and gathered, it would go whole."""
+    if isinstance(leaf, (torch.Tensor, nn.Module)) or not hasattr(leaf, "__dict__"):
+        return False
+    return any(isinstance(t, torch.Tensor) for t in tree_flatten(list(vars(leaf).values()))[0])
 
 
 _FLOP_WORDS = ("mm", "matmul", "linear", "conv", "einsum", "attention", "addbmm", "tensordot", "bilinear")

@@ -6,16 +6,26 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.inplace import _view_root, is_view, writes_first_argument, written, written_value
 
 
 def _writes_its_buffers(module: nn.Module) -> bool:
-    """Norms keep running statistics; a module called whole may write anything it holds."""
+    """Norms keep running statistics; a module called whole may write anything it holds, and so
+    may its forward hooks and parametrizations (spectral_norm's power iteration, in either form,
+    updates its vectors in place)."""
+    if has_forward_hooks(module) or parametrize.is_parametrized(module):
+        return True
     if isinstance(module, nn.modules.batchnorm._NormBase):
         return module.track_running_stats
     return not type(module).__module__.startswith("torch.nn.")
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """Whether the module runs hooks of its own around its forward, when called whole."""
+    return bool(module._forward_pre_hooks or module._forward_hooks)
 
 
 def writable_buffer_names(gm: fx.GraphModule, run: Sequence[fx.Node]) -> list[str]:

@@ -1,6 +1,8 @@
 """Bad input gets one clear error that names the problem and the fix."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -150,3 +152,56 @@ def test_the_same_tensor_without_grad_is_a_constant() -> None:
     model.scale.requires_grad_(False)
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+@dataclasses.dataclass
+class Boxed:
+    y: torch.Tensor
+
+
+class ReturnsADataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> Boxed:
+        return Boxed(self.second(torch.tanh(self.first(x))))
+
+
+def test_an_output_that_hides_its_tensors_from_pytree_is_refused() -> None:
+    """An unregistered dataclass would go whole: the first micro-batch's output, no gradients."""
+    with pytest.raises(ValueError, match=r"hold tensors pytree cannot see: boxed \(Boxed\)(.|\n)*How to fix: register the type"):
+        compile_pipeline(ReturnsADataclass(), X, ["cpu", "cpu"], chunks=2)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = Block(), Block(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.a(x)))
+
+
+def test_a_backward_hook_on_a_module_traced_through_is_refused_and_a_whole_module_keeps_it() -> None:
+    model = Blocks()
+    calls: list[int] = []
+
+    def hook(module: nn.Module, grad_in: object, grad_out: object) -> None:
+        calls.append(1)
+
+    model.b.register_full_backward_hook(hook)
+    with pytest.raises(ValueError, match=r"would never fire: b\.\nHow to fix: (.|\n)*leaf_modules=\['b'\]"):
+        compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=["b"])
+    pipe(X).sum().backward()
+    assert len(calls) == 2  # once per micro-batch

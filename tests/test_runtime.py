@@ -261,3 +261,22 @@ def test_outputs_have_the_plain_model_containers() -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     out["loss"] = out["a"].sum()
     out["pair"].append(None)
+
+
+def test_load_state_dict_with_assign_runs_on_the_new_tensors() -> None:
+    """`assign=True` puts new tensor objects in the model: the stages are built on them, and
+    their gradients reach them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    pipe.load_state_dict(new, assign=True)
+    reference = copy.deepcopy(model)
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
