@@ -23,6 +23,7 @@ from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.markers import cuts_from_markers, is_split
 from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
+from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec
@@ -265,6 +266,17 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     return compile_and_restore
 
 
+def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, chunk_spec: Optional[ChunkSpec]) -> None:
+    """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence."""
+    found = sequence_first_calls(gm) if chunks > 1 and not chunk_spec else []
+    if found:
+        raise ValueError(
+            f"these modules take the batch along dim 1 (batch_first=False): {', '.join(found)}, and "
+            "micro-batches split the inputs along dim 0, which for them is the sequence.\nHow to "
+            "fix: build them with batch_first=True and pass batch-first inputs, or use chunks=1."
+        )
+
+
 @_leaves_the_model_as_it_was
 def compile_pipeline(
     model: nn.Module,
@@ -343,6 +355,7 @@ def compile_pipeline(
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
         example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
+    _refuse_sequence_first(traced.graph, chunks, chunk_spec)
     gm = redirect_reads_after_writes(traced.graph)
     inputs = tuple(traced.bind(example_args, example_kwargs).values())
     propagate_shapes(gm, inputs)

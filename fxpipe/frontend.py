@@ -62,6 +62,7 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     differ where export fixed them is refused before any stage runs."""
     names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
     fixed = fixed_dims(gm)
+    guards = gm.meta.get("input_guards")
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         leaves, called = tree_flatten((args, kwargs))
@@ -72,6 +73,8 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
                 "How to fix: call it with the same positional and keyword arguments as the example."
             )
         _check_fixed(leaves, fixed)
+        if guards is not None:
+            _check_guards(guards, leaves)
         return dict(zip(names, leaves))
 
     return bind
@@ -91,6 +94,21 @@ def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]]) -> None:
             "compile a pipeline for these shapes, or write the size-dependent code with tensor "
             "operations so that export keeps the size dynamic."
         )
+
+
+def _check_guards(guards: Any, leaves: list[Any]) -> None:
+    """torch.export's own checks of the call's inputs: the graph holds the example's value of
+    each argument that is not a tensor, and the branches its sizes took."""
+    try:
+        guards(*leaves)
+    except AssertionError as error:
+        raise ValueError(
+            f"torch.export made the graph for calls like the example, and this call differs: {error}.\n"
+            "The exported graph holds the example's value of each argument that is not a tensor, and "
+            "the branches the example's sizes took.\nHow to fix: call it as the example was called, "
+            "compile a pipeline for this call, or make the model traceable by torch.fx, which keeps "
+            "such arguments and branches live."
+        ) from None
 
 
 class _Rejected(Exception):

@@ -75,6 +75,13 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
     follow its sizes); with one micro-batch the output is as it is."""
     first = parts[0]
     if not isinstance(first, torch.Tensor):
+        if any(not _same_constant(p, first) for p in parts[1:]):
+            raise ValueError(
+                f"the model returns a value that is not a tensor and differs between micro-batches "
+                f"({', '.join(repr(p) for p in parts)}: a size of the batch?), and the plain model's "
+                "cannot be made from them.\nHow to fix: return it as a tensor with one entry per "
+                "sample, compute it outside the pipeline, or use chunks=1."
+            )
         return first
     if len(parts) == 1:
         return first.detach()
@@ -94,6 +101,13 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
             "outside the pipeline, or use chunks=1."
         )
     return torch.cat(list(parts))
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # noqa: BLE001 - a value whose == does not give a bool: take it as the same
+        return True
 
 
 def gather_grads(parts: Sequence[Optional[torch.Tensor]], like: Sequence[torch.Tensor], dim: Optional[int]) -> Optional[torch.Tensor]:

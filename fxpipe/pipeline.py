@@ -4,13 +4,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.batchnorm import BatchStatistics
@@ -59,7 +60,7 @@ class Pipeline(nn.Module):
     _channel: Optional[Channel]  # across processes: this rank's messages to the others
     _signature: Optional[inspect.Signature]
     _closed: bool
-    _losses_checked: set[tuple[int, str]]
+    _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
@@ -84,7 +85,7 @@ class Pipeline(nn.Module):
         own = dict(
             _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
-            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _losses_checked=set(), _signature=_signature(model),
+            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _own_loss_warned=False, _signature=_signature(model),
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -193,9 +194,9 @@ class Pipeline(nn.Module):
 
         Each micro-batch's loss is `loss_fn(output, target piece)`; they are combined as the loss
         of the whole batch: weighted by micro-batch size for a mean-reduced loss (`reduction=
-        "mean"`), summed for a sum-reduced one (`"sum"`). The first step with a loss function
-        checks the combination against the loss of the whole batch. Without `loss_fn` the model's
-        output is its loss (a 0-dim tensor, or an output with a `loss` field).
+        "mean"`), summed for a sum-reduced one (`"sum"`). Every step with a loss function checks
+        the combination against the loss of the whole batch. Without `loss_fn` the model's output
+        is its loss (a 0-dim tensor, or an output with a `loss` field), which cannot be checked.
 
         Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
@@ -215,6 +216,15 @@ class Pipeline(nn.Module):
             scaled = loss * weights[i]
             return scaled.detach(), _value_grads(scaled, values) if call.grad else {}
 
+        if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
+            self.__dict__["_own_loss_warned"] = True
+            warnings.warn(
+                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, "
+                "and cannot check that it is one: a mean over a count that varies between micro-batches "
+                "(tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use chunks=1 "
+                "for such a loss.",
+                stacklevel=2,
+            )
         step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
         if self._channel is not None:
             return self._train_across(call, step, loss_fn, target, reduction, return_outputs)
@@ -232,8 +242,9 @@ class Pipeline(nn.Module):
         losses = [step.losses[i] for i in range(len(call.sizes))]
         total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
         outputs = None
-        unchecked = (id(loss_fn), reduction) not in self._losses_checked
-        check = loss_fn is not None and len(call.sizes) > 1 and unchecked  # one micro-batch: nothing to combine
+        # Every step: whether a loss combines over micro-batches can depend on the batch (a mean
+        # over the targets not ignored, whose count differs between micro-batches in some steps).
+        check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
         if return_outputs or check:
             _check_gatherable(step.outputs[0], len(call.sizes))
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
@@ -241,7 +252,6 @@ class Pipeline(nn.Module):
             if check:
                 assert loss_fn is not None
                 _check_combined_loss(loss_fn, outputs, target, total, reduction)
-                self._losses_checked.add((id(loss_fn), reduction))
         return total, outputs
 
     # -- across processes ------------------------------------------------------------------------
@@ -651,16 +661,18 @@ def _describe(value: Any) -> str:
 
 
 def _value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
-    """The gradient of `loss` with respect to each output value (trees like the values)."""
-    flat = {name: tree_flatten(value) for name, value in values.items()}
-    wanted = [t for leaves, _ in flat.values() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not loss.requires_grad or not wanted:
+    """The gradient of `loss` with respect to each output value (trees like the values, whose
+    tensors are fresh leaves). The backward runs through the loss's whole graph, as
+    `loss.backward()` does: a tensor the loss function reads besides the outputs (a learnable
+    temperature, say) gets its gradient too, one micro-batch's share at a time."""
+    if not loss.requires_grad:
         return {}
-    grads = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
-    out = {}
-    for name, (leaves, spec) in flat.items():
-        out[name] = tree_unflatten([next(grads) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in leaves], spec)
-    return out
+    torch.autograd.backward(loss)
+    return {name: tree_map(_grad_of_leaf, value) for name, value in values.items()}
+
+
+def _grad_of_leaf(leaf: Any) -> Any:
+    return leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
 
 
 def _check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
@@ -668,12 +680,13 @@ def _check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: A
     with torch.no_grad():
         whole = loss_fn(outputs, target)
     whole = whole.detach().to(total.device, total.dtype)
-    if not torch.allclose(total, whole, rtol=1e-4, atol=1e-6 * max(1.0, float(whole.abs()))):
+    rtol = 1e-10 if total.dtype == torch.float64 else 1e-4  # what reordering the sums may change
+    if not torch.allclose(total, whole, rtol=rtol, atol=rtol * 1e-2 * max(1.0, float(whole.abs()))):
         other = "sum" if reduction == "mean" else "mean"
         raise ValueError(
             f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
             f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
             f"How to fix: pass reduction={other!r} if the loss is a {other} over samples; a loss that is "
             "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches: "
-            "use pipe(x) and loss.backward(). No gradient was accumulated."
+            "use pipe(x) and loss.backward(). No gradient was accumulated into the model's parameters."
         )

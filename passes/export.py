@@ -51,8 +51,10 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     exported = program.module()
     graph = exported.graph
     attrs: dict[str, Any] = {}
+    guards = None
     for node in list(graph.nodes):
-        if node.op == "call_module" and not node.users:  # the input guards: not needed per stage
+        if node.op == "call_module" and not node.users:  # the input guards: checked once per call, not per stage
+            guards = getattr(exported, str(node.target), None)
             graph.erase_node(node)
         elif node.op == "get_attr":
             if not node.users:
@@ -75,6 +77,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     output.meta["out_spec"] = out_spec  # fx turns any dict into its own: the model's kind is here
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
+    gm.meta["input_guards"] = guards  # export's checks of a call's inputs: the sizes and values it assumed
     return gm, spec
 
 

@@ -1,11 +1,12 @@
 """Tracing a model into a torch.fx graph, with errors that point at the line to fix."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
 import traceback
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -118,27 +119,58 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     tracer = _Tracer(leaf_modules)
     tracer.record_stack_traces = record_lines
     try:
-        with functions_as_calls(), assignments_refused(model), marking(tracer):
+        with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched:
             graph = tracer.trace(model)
     except AssignmentError as error:
         raise TraceError(str(error)) from error
     except Exception as error:
-        where = tracer.failed_in
+        raise _untraceable(model, tracer, error) from error
+    if switched:
         raise TraceError(
-            f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
-            f"  - in module: {where or 'the root module'}\n"
-            f"  - at: {_user_frame(error)}\n"
-            "How to fix: "
-            + (f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
-               "instead of traced, or " if where else "")
-            + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
-        ) from error
+            f"torch.fx cannot trace {type(model).__name__}: its forward switches gradients "
+            f"{'off' if False in switched else 'on'} for a part (torch.no_grad(), torch.set_grad_enabled), "
+            "and a traced graph keeps the operations, not the mode they ran in.\n"
+            "How to fix: use .detach() on what the part must not differentiate, or let torch.export "
+            "capture the model."
+        )
     _drop_tensor_defaults(graph)
     name = type(model).__name__
     try:
         return fx.GraphModule(tracer.root, graph, name)
     except Exception as error:
         raise TraceError(f"torch.fx traced {name}, but its graph does not compile: {type(error).__name__}: {error}") from error
+
+
+def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:
+    where = tracer.failed_in
+    return TraceError(
+        f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
+        f"  - in module: {where or 'the root module'}\n"
+        f"  - at: {_user_frame(error)}\n"
+        "How to fix: "
+        + (f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
+           "instead of traced, or " if where else "")
+        + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
+    )
+
+
+@contextlib.contextmanager
+def _grad_mode_watched() -> Iterator[list[bool]]:
+    """The grad modes the traced forward switched to (`with torch.no_grad():` in it, say): the
+    graph would run those parts with gradients as the caller has them."""
+    switched: list[bool] = []
+    original = torch._C._set_grad_enabled
+
+    def watch(enabled: bool) -> None:
+        if enabled != torch.is_grad_enabled():
+            switched.append(enabled)
+        original(enabled)
+
+    torch._C._set_grad_enabled = watch
+    try:
+        yield switched
+    finally:
+        torch._C._set_grad_enabled = original
 
 
 def _drop_tensor_defaults(graph: fx.Graph) -> None:

@@ -1,6 +1,7 @@
 """Bad input gets one clear error that names the problem and the fix."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -205,3 +206,85 @@ def test_a_backward_hook_on_a_module_traced_through_is_refused_and_a_whole_modul
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=["b"])
     pipe(X).sum().backward()
     assert len(calls) == 2  # once per micro-batch
+
+
+class Flagged(nn.Module):
+    """Keyword arguments torch.fx cannot name: torch.export captures the model, and fixes
+    `scale` to the example's value and the branch on the feature size to the example's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **options: float) -> torch.Tensor:
+        h = self.second(torch.tanh(self.first(x))) * options.get("scale", 1.0)
+        return h * 2 if x.shape[1] > 3 else h
+
+
+def test_an_exported_pipeline_refuses_a_call_unlike_the_example() -> None:
+    model = Flagged().double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, example_kwargs={"scale": 1.0})
+    torch.testing.assert_close(pipe(x, scale=1.0), model(x, scale=1.0), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"torch.export made the graph for calls like the example(.|\n)*How to fix"):
+        pipe(x, scale=3.0)
+
+
+class SwitchesGradOff(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            gate = self.b(h)
+        return self.c(h * gate)
+
+
+def test_no_grad_inside_forward_is_kept() -> None:
+    """torch.fx would keep the operations and lose the mode: the model goes through torch.export."""
+    model = SwitchesGradOff().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="switches gradients off"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert model.b.weight.grad is None and reference.b.weight.grad is None
+    torch.testing.assert_close(model.a.weight.grad, reference.a.weight.grad, rtol=0, atol=1e-12)
+
+
+class SequenceFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out)
+
+
+def test_a_sequence_first_layer_is_refused_when_micro_batches_would_split_its_sequence() -> None:
+    x = torch.randn(5, 4, 6)  # (sequence, batch, features)
+    with pytest.raises(ValueError, match=r"batch_first=False\): rnn \(LSTM\)(.|\n)*How to fix: build them with batch_first=True"):
+        compile_pipeline(SequenceFirst(), x, ["cpu", "cpu"], chunks=2)
+    model = SequenceFirst()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-6)
+
+
+class CountsItsBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.b(self.a(x)), x.shape[0]
+
+
+def test_an_output_that_is_no_tensor_and_differs_between_micro_batches_is_refused() -> None:
+    pipe = compile_pipeline(CountsItsBatch(), X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"not a tensor and differs between micro-batches \(3, 2"):
+        pipe(torch.randn(5, 6))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, example_module, twin
+from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -110,6 +110,48 @@ def test_a_loss_combined_wrongly_is_refused_and_accumulates_nothing() -> None:
     assert all(p.grad is not None for p in pipe.parameters())
 
 
+def _classifier() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    model, reference = twin(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
+    return model, reference, torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
+
+
+def test_every_step_checks_the_combination_a_later_batch_may_break() -> None:
+    """A mean over the targets not ignored combines like a mean over samples only while every
+    micro-batch ignores as many: the first batch passes, a later one does not."""
+    model, _, x, y = _classifier()
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    even, uneven = y.clone(), y.clone()
+    even[[0, 4]], uneven[[0, 1, 2]] = -100, -100
+    pipe.train_step(x, target=even, loss_fn=F.cross_entropy)
+    before = [grad_of(p).clone() for p in pipe.parameters()]
+    with pytest.raises(ValueError, match="(?s)not a mean over samples.*No gradient was accumulated"):
+        pipe.train_step(x, target=uneven, loss_fn=F.cross_entropy)
+    assert all(torch.equal(grad_of(p), b) for p, b in zip(pipe.parameters(), before))
+
+
+def test_in_float64_a_combination_off_by_little_is_refused_too() -> None:
+    model, _, x, y = _classifier()
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    weight = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0001], dtype=torch.float64)
+    with pytest.raises(ValueError, match="not a mean over samples"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=weight))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_tensor_the_loss_function_learns_gets_its_gradient(schedule: str) -> None:
+    """A temperature outside the model, read by the loss: loss.backward() gives it a gradient."""
+    model, reference, x, y = _classifier()
+    temperature, twin_temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64)), nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule=schedule)
+    loss = pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out / temperature, t))
+    expected = F.cross_entropy(reference(x) / twin_temperature, y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert temperature.grad is not None and twin_temperature.grad is not None
+    torch.testing.assert_close(temperature.grad, twin_temperature.grad, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
 class OwnLoss(nn.Module):
     """Returns its loss, as a language model given labels does: a mean over samples."""
 
@@ -126,7 +168,8 @@ def test_a_model_that_returns_its_loss_needs_no_loss_function(schedule: str) -> 
     model, reference = twin(OwnLoss())
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, y), ["cpu"] * 3, chunks=4, schedule=schedule)
-    loss = pipe.train_step(x, y)
+    with pytest.warns(UserWarning, match="cannot check that it is one"):
+        loss = pipe.train_step(x, y)
     expected = reference(x, y)["loss"]
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
