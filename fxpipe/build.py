@@ -115,10 +115,11 @@ def _refuse_opaque_values(cut: Cut) -> None:
     pytree: one that keeps tensors where pytree cannot see them would go whole, unsplit and
     without gradients."""
     nodes = {n.name: n for n in cut.graph.graph.nodes}
-    found = {f"{e.value} ({', '.join(nodes[e.value].meta['opaque'])})" for e in cut.edges if nodes.get(e.value) is not None and nodes[e.value].meta.get("opaque")}
+    opaque = {e.value: nodes[e.value].meta.get("opaque") for e in cut.edges if e.value in nodes}
+    found = sorted(f"{name} ({', '.join(types)})" for name, types in opaque.items() if types)
     if found:
         raise ValueError(
-            f"the model passes values that hold tensors pytree cannot see: {', '.join(sorted(found))}.\n"
+            f"the model passes values that hold tensors pytree cannot see: {', '.join(found)}.\n"
             "A pipeline splits, sends and gathers values through torch.utils._pytree.\nHow to fix: "
             "register the type (torch.export.register_dataclass(T) for a dataclass, "
             "torch.utils._pytree.register_pytree_node for another class), or return a tuple or dict."
