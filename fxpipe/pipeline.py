@@ -162,7 +162,7 @@ class Pipeline(nn.Module):
             for param, grad in zip(tensors, step.shared_grads(index)):
                 if grad is not None:
                     grad = grad.to(param.device)
-                    totals[id(param)] = totals[id(param)] + grad if id(param) in totals else grad
+                    totals[id(param)] = _summed(totals[id(param)], grad) if id(param) in totals else grad
         return [totals.get(id(p)) for p in params]
 
     # -- running ---------------------------------------------------------------------------
@@ -627,6 +627,12 @@ def _split_target(target: Any, call: _Call) -> list[Any]:
 def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
     """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
     return tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template)
+
+
+def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, for a sparse gradient (an embedding's) and a dense one too: torch adds sparse to
+    dense only in that order, and either order gives the same sum."""
+    return b + a if a.is_sparse and not b.is_sparse else a + b
 
 
 def _own_loss(output: Any) -> Any:

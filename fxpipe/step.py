@@ -356,13 +356,13 @@ class Step:
         return swaps
 
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
-        """Views of the stage's copies of shared parameters, made once per step: like its own
-        parameters, the stage never reads a leaf that requires grad, so autocast casts every
-        use alike (it caches casts of such leaves only) and a recompute matches its forward."""
+        """The stage's copies of shared parameters as it reads them, made once per step: like
+        its own parameters, views of them under the caller's autocast (it caches casts of leaves
+        only), else the copies themselves (a view could not pass on a sparse gradient)."""
         views = self.shared_views[stage.index]
         if views is None:
             with torch.enable_grad():
-                views = [c.view_as(c) if c.requires_grad else c for c in self.shared[stage.index]]
+                views = [c.view_as(c) if c.requires_grad and self.context.autocast else c for c in self.shared[stage.index]]
             self.shared_views[stage.index] = views
         return views
 

@@ -325,3 +325,28 @@ def test_deferred_batch_norm_commits_the_whole_batch_statistics_under_every_sche
     torch.testing.assert_close(bn.running_var, plain_bn.running_var, rtol=0, atol=1e-12)
     assert bn.num_batches_tracked is not None and plain_bn.num_batches_tracked is not None
     assert int(bn.num_batches_tracked) == int(plain_bn.num_batches_tracked) == 1
+
+
+class TiedSparse(nn.Module):
+    """An embedding with sparse gradients whose weight is also the output layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.body = nn.Embedding(10, 6, sparse=True), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_sparse_embedding_tied_to_the_output_layer(schedule: str) -> None:
+    """The first stage's copy gets a sparse gradient, the last stage's a dense one: their sum is
+    the plain model's dense gradient."""
+    model, reference = twin(TiedSparse())
+    ids, y = torch.randint(0, 10, (4, 5)), torch.randn(4, 5, 10, dtype=torch.float64)
+    pipe = compile_pipeline(model, ids, ["cpu"] * 2, chunks=2, schedule=schedule)
+    pipe.train_step(ids, target=y, loss_fn=F.mse_loss)
+    F.mse_loss(reference(ids), y).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
