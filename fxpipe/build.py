@@ -67,6 +67,7 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         parameters=_parameters_read(stages, shared),
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
+        traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in _traced_through(owner, cut.graph)],
     )
 
 
@@ -126,14 +127,17 @@ def _refuse_opaque_values(cut: Cut) -> None:
         )
 
 
+def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, nn.Module]]:
+    """The modules the trace went through: neither called whole by the graph nor inside one
+    that is (their hooks ran at compile time, or run inside the whole one's call)."""
+    whole = [str(n.target) for n in graph.graph.nodes if n.op == "call_module"]
+    return [(name, m) for name, m in owner.named_modules() if not any(name == w or name.startswith(w + ".") for w in whole)]
+
+
 def _refuse_backward_hooks_traced_through(owner: nn.Module, graph: fx.GraphModule) -> None:
     """A module the trace went through is no call in the stages: its backward hooks would never
     fire. Those of a module called whole (and of the modules inside it) do."""
-    whole = [str(n.target) for n in graph.graph.nodes if n.op == "call_module"]
-    hooked = [
-        name or "the model itself" for name, m in owner.named_modules()
-        if (m._backward_hooks or m._backward_pre_hooks) and not any(name == w or name.startswith(w + ".") for w in whole)
-    ]  # fmt: skip
+    hooked = [name or "the model itself" for name, m in _traced_through(owner, graph) if m._backward_hooks or m._backward_pre_hooks]
     if hooked:
         raise ValueError(
             f"backward hooks on modules that are traced through would never fire: {', '.join(hooked)}.\n"

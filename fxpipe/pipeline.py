@@ -347,6 +347,14 @@ class Pipeline(nn.Module):
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         program = self._program()
+        changed = program.hooks_changed()
+        if changed:
+            raise RuntimeError(
+                f"forward hooks were added to or removed from {', '.join(n or 'the model itself' for n in changed)} "
+                "since compiling: the trace went through these modules, and their graph holds what their "
+                f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
+                f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
+            )
         values = self._compiled.bind(args, kwargs)
         dims = self._dims(args, kwargs)
         batch = batch_size_of(list(values.values()), dims)

@@ -56,6 +56,13 @@ class Program:
     parameters: list[nn.Parameter]  # every one some stage reads, once
     output_inputs: dict[str, list[str]] = field(default_factory=dict)  # inputs each output depends on
     output_params: dict[str, list[Any]] = field(default_factory=dict)  # parameters each depends on
+    # The modules the trace went through, with how many forward hooks each had then: the graph
+    # holds what those hooks did at compile time.
+    traced_hooks: list[tuple[str, nn.Module, int]] = field(default_factory=list)
+
+    def hooks_changed(self) -> list[str]:
+        """The traced-through modules whose forward hooks were added or removed since."""
+        return [name for name, m, count in self.traced_hooks if len(m._forward_hooks) + len(m._forward_pre_hooks) != count]
 
     @property
     def graph(self) -> fx.GraphModule:

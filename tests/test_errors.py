@@ -288,3 +288,19 @@ def test_an_output_that_is_no_tensor_and_differs_between_micro_batches_is_refuse
     pipe = compile_pipeline(CountsItsBatch(), X, ["cpu", "cpu"], chunks=2)
     with pytest.raises(ValueError, match=r"not a tensor and differs between micro-batches \(3, 2"):
         pipe(torch.randn(5, 6))
+
+
+def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refused() -> None:
+    """The graph holds what a traced-through module's hooks did at compile time; a built-in
+    layer is called whole, and its hooks run on every call."""
+    model = Blocks()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    calls: list[int] = []
+    model.c.register_forward_hook(lambda module, args, out: calls.append(1))
+    pipe(X)
+    assert len(calls) == 2  # once per micro-batch
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match=r"forward hooks were added to or removed from b since compiling(.|\n)*leaf_modules=\['b'\]"):
+        pipe(X)
+    handle.remove()
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
