@@ -30,7 +30,8 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
     """The stages of `cut` generated on `owner`'s parameters and buffers."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
-    _refuse_backward_hooks_traced_through(owner, cut.graph)
+    traced = _traced_through(owner, cut.graph)
+    _refuse_backward_hooks_traced_through(traced)
     loose = [name for code in codes for name in _loose_grad_tensors(code.module)]
     if loose:
         raise ValueError(
@@ -67,7 +68,7 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         parameters=_parameters_read(stages, shared),
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
-        traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in _traced_through(owner, cut.graph)],
+        traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in traced],
     )
 
 
@@ -130,14 +131,19 @@ def _refuse_opaque_values(cut: Cut) -> None:
 def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, nn.Module]]:
     """The modules the trace went through: neither called whole by the graph nor inside one
     that is (their hooks ran at compile time, or run inside the whole one's call)."""
-    whole = [str(n.target) for n in graph.graph.nodes if n.op == "call_module"]
-    return [(name, m) for name, m in owner.named_modules() if not any(name == w or name.startswith(w + ".") for w in whole)]
+    whole = {str(n.target) for n in graph.graph.nodes if n.op == "call_module"}
+
+    def inside_whole(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in whole for k in range(1, len(parts) + 1)) if name else False
+
+    return [(name, m) for name, m in owner.named_modules() if not inside_whole(name)]
 
 
-def _refuse_backward_hooks_traced_through(owner: nn.Module, graph: fx.GraphModule) -> None:
+def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -> None:
     """A module the trace went through is no call in the stages: its backward hooks would never
     fire. Those of a module called whole (and of the modules inside it) do."""
-    hooked = [name or "the model itself" for name, m in _traced_through(owner, graph) if m._backward_hooks or m._backward_pre_hooks]
+    hooked = [name or "the model itself" for name, m in traced if m._backward_hooks or m._backward_pre_hooks]
     if hooked:
         raise ValueError(
             f"backward hooks on modules that are traced through would never fire: {', '.join(hooked)}.\n"

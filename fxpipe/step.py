@@ -350,7 +350,7 @@ class Step:
         if swaps is None:
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
-                views = [leaf.view_as(leaf) if leaf.requires_grad and self.context.autocast else leaf for leaf in leaves]
+                views = [self._as_read(leaf) for leaf in leaves]
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
             self.param_leaves[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
@@ -362,9 +362,14 @@ class Step:
         views = self.shared_views[stage.index]
         if views is None:
             with torch.enable_grad():
-                views = [c.view_as(c) if c.requires_grad and self.context.autocast else c for c in self.shared[stage.index]]
+                views = [self._as_read(c) for c in self.shared[stage.index]]
             self.shared_views[stage.index] = views
         return views
+
+    def _as_read(self, leaf: torch.Tensor) -> torch.Tensor:
+        """What a stage reads for a leaf of its parameters or shared copies: a view of it under
+        the caller's autocast, else the leaf itself (see `_param_views`)."""
+        return leaf.view_as(leaf) if leaf.requires_grad and self.context.autocast else leaf
 
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self._shared_views(stage)]

@@ -5,6 +5,7 @@ import contextlib
 import copy
 import inspect
 import os
+import threading
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -157,12 +158,14 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
 @contextlib.contextmanager
 def _grad_mode_watched() -> Iterator[list[bool]]:
     """The grad modes the traced forward switched to (`with torch.no_grad():` in it, say): the
-    graph would run those parts with gradients as the caller has them."""
+    graph would run those parts with gradients as the caller has them. Only this thread's
+    switches count: another pipeline's workers may run meanwhile."""
     switched: list[bool] = []
     original = torch._C._set_grad_enabled
+    tracing = threading.get_ident()
 
     def watch(enabled: bool) -> None:
-        if enabled != torch.is_grad_enabled():
+        if threading.get_ident() == tracing and enabled != torch.is_grad_enabled():
             switched.append(enabled)
         original(enabled)
 
