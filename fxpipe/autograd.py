@@ -102,7 +102,7 @@ class _Outputs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         tensors = run.gathered.tensors
         fixed = [
-            t for t, (name, _, _) in zip(tensors, run.gathered.slots)
+            t for t, (name, _, _, _) in zip(tensors, run.gathered.slots)
             if not (t.is_floating_point() or t.is_complex()) or not run.differentiable(name)
         ]  # fmt: skip
         ctx.mark_non_differentiable(*fixed)

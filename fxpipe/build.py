@@ -197,5 +197,6 @@ def _mutable(value: Any, containers: Any = None) -> Any:
 def _ref(node: fx.Node) -> ValueRef:
     if node.op == "get_attr":
         return ValueRef(str(node.target), given=True)
-    return ValueRef(node.name, given=node.op == "placeholder")
+    dims = node.meta.get("batch_dims")
+    return ValueRef(node.name, given=node.op == "placeholder", dims=tuple(dims) if dims is not None else None)
 

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map_only
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
 from fxpipe.materialize import is_on_meta
-from fxpipe.microbatch import batch_size_of
+from fxpipe.microbatch import batch_size_of, forward_signature, spec_dims
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.placement import pin_devices
@@ -23,6 +23,7 @@ from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.markers import cuts_from_markers, is_split
 from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
+from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import preserved
@@ -359,6 +360,8 @@ def compile_pipeline(
     gm = redirect_reads_after_writes(traced.graph)
     inputs = tuple(traced.bind(example_args, example_kwargs).values())
     propagate_shapes(gm, inputs)
+    split = spec_dims(forward_signature(model), dict(chunk_spec or {}), example_args, example_kwargs)
+    annotate_batch_dims(gm, inputs, chunks, split)
     annotate_costs(gm)
     # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
     traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
@@ -377,7 +380,10 @@ def compile_pipeline(
     edges = find_edges(gm, len(parsed))
     pin_devices(gm, parsed)
     cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
-    cuts[False] = cuts[True] if traced.eval_graph is None else _eval_cut(traced.eval_graph, gm, inputs, parsed)
+    if traced.eval_graph is not None:
+        cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split))
+    else:
+        cuts[False] = cuts[True]
     place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
     report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
     plan = Plan(
@@ -412,10 +418,13 @@ def _placement(devices: Any, mesh: Any, timeout: Any) -> Optional[RankPlacement]
     return None if mesh is None else placement_of(mesh, timeout)
 
 
-def _eval_cut(graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device]) -> Cut:
+def _eval_cut(
+    graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device], annotate: Callable[[fx.GraphModule], None]
+) -> Cut:
     """The eval-mode graph, cut like the training graph (see passes/modes.py)."""
     graph = redirect_reads_after_writes(graph)
     propagate_shapes(graph, inputs)
+    annotate(graph)
     runs = follow_stages(graph, train, len(devices))
     edges = find_edges(graph, len(devices))
     pin_devices(graph, devices)

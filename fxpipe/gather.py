@@ -7,20 +7,26 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.microbatch import gather_leaf
+from fxpipe.microbatch import BatchDim, gather_leaf, split_along
 
 
 @dataclass(frozen=True)
 class ValueRef:
     """A leaf of the output structure that is a value of the graph: a stage's output (gathered
-    from the micro-batches), or a value `given` whole (an input, a module attribute)."""
+    from the micro-batches), or a value `given` whole (an input, a module attribute). `dims`:
+    where the batch lies in each of its leaves, as compiling found it (None: not known)."""
 
     name: str
     given: bool
+    dims: Optional[tuple[BatchDim, ...]] = None
+
+    def dim(self, leaf: int) -> BatchDim:
+        return self.dims[leaf] if self.dims is not None and leaf < len(self.dims) else None
 
 
 class Gathered:
-    """The outputs of every micro-batch, concatenated along dim 0.
+    """The outputs of every micro-batch, concatenated along their batch dims (dim 0 unless
+    compiling found another).
 
     `tensors` are the gathered tensors in a fixed order; `rebuild(tensors)` puts (autograd's
     versions of) them into the model's output structure, once, and lets go of them (autograd's
@@ -35,7 +41,8 @@ class Gathered:
         self.template = template
         self.values: dict[str, tuple[list[Any], Any]] = {}
         self.tensors: list[torch.Tensor] = []
-        self.slots: list[tuple[str, int, list[int]]] = []  # value, leaf index, micro-batch sizes
+        # value, leaf index, the dim its gradient splits along (None: whole to the first), sizes
+        self.slots: list[tuple[str, int, Optional[int], list[int]]] = []
         refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
         for ref in dict.fromkeys(refs):
             if ref.given:
@@ -45,17 +52,18 @@ class Gathered:
             leaves = []
             for k in range(len(flats[0][0])):
                 parts = [flat[0][k] for flat in flats]
-                leaf = gather_leaf(parts, sizes if checked else None)
+                leaf = gather_leaf(parts, sizes if checked else None, ref.dim(k))
                 if isinstance(leaf, torch.Tensor):
+                    along = split_along(ref.dim(k))
                     self.tensors.append(leaf)
-                    self.slots.append((ref.name, k, [p.shape[0] if p.dim() else 1 for p in parts]))
+                    self.slots.append((ref.name, k, along, [p.shape[along] if p.dim() and along is not None else 1 for p in parts]))
                 leaves.append(leaf)
             self.values[ref.name] = (leaves, flats[0][1])
         self.micro_batches = len(per_micro_batch)
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         values = {name: list(leaves) for name, (leaves, _) in self.values.items()}
-        for (name, k, _), tensor in zip(self.slots, tensors):
+        for (name, k, _, _), tensor in zip(self.slots, tensors):
             values[name][k] = tensor
         built = {name: tree_unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
         self.tensors = []
@@ -64,10 +72,15 @@ class Gathered:
 
     def route(self, grads: Sequence[Optional[torch.Tensor]]) -> list[dict[str, Any]]:
         per_value: list[dict[str, list[Optional[torch.Tensor]]]] = [{} for _ in range(self.micro_batches)]
-        for (name, k, sizes), grad in zip(self.slots, grads):
+        for (name, k, along, sizes), grad in zip(self.slots, grads):
             if grad is None:
                 continue
-            pieces = grad.split(sizes) if self.micro_batches > 1 else [grad]
+            if self.micro_batches == 1:
+                pieces: Sequence[Optional[torch.Tensor]] = [grad]
+            elif along is None:  # returned as the first micro-batch's
+                pieces = [grad] + [None] * (self.micro_batches - 1)
+            else:
+                pieces = grad.split(sizes, along)
             for i, piece in enumerate(pieces):
                 leaves = per_value[i].setdefault(name, [None] * len(self.values[name][0]))
                 leaves[k] = piece  # each (value, leaf) is one slot: refs were deduplicated

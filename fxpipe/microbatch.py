@@ -1,7 +1,8 @@
 """Manipulation of micro-batches: splitting a batch along dim 0 and putting the pieces back."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import inspect
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -9,6 +10,36 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 # How the caller asked to split particular input tensors, by `id`: along a dim, or None (whole).
 Dims = dict[int, Optional[int]]
+
+# Where the batch lies in an output leaf (passes/batch_dims.py): a dim, one of these, or None
+# (not known: the rule of `gather_leaf` decides).
+SAME = "same"  # equal in every micro-batch: the first micro-batch's is returned
+VARIES = "varies"  # made from the whole batch (a loss, x.mean(0)): the micro-batches' cannot be put together
+BatchDim = Union[int, str, None]
+
+
+def forward_signature(model: Any) -> Optional[inspect.Signature]:
+    """The signature of the model's forward, to find arguments by name (None if it has none)."""
+    try:
+        return inspect.signature(model.forward)
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+def spec_dims(signature: Optional[inspect.Signature], spec: dict[str, Optional[int]], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
+    """How to split each input tensor that the chunk spec names, keyed by the tensor's id."""
+    if not spec or signature is None:
+        return {}
+    try:
+        bound = signature.bind(*args, **kwargs).arguments
+    except TypeError:
+        return {}
+    dims: Dims = {}
+    for name, dim in spec.items():
+        for leaf in tree_flatten(bound.get(name))[0]:
+            if isinstance(leaf, torch.Tensor):
+                dims[id(leaf)] = dim
+    return dims
 
 
 def is_batched(value: Any, batch_size: int) -> bool:
@@ -69,10 +100,11 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 
-def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
-    """Put one output back together: tensors are concatenated along dim 0, which must be the
-    micro-batch's (unless `sizes` is None: the caller split inputs by a chunk spec, and outputs
-    follow its sizes); with one micro-batch the output is as it is."""
+def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: BatchDim = None) -> Any:
+    """Put one output back together: along the output's batch `dim` when compiling found it,
+    else along dim 0, which must be the micro-batch's (unless `sizes` is None: the caller split
+    inputs by a chunk spec, and outputs follow its sizes); with one micro-batch the output is as
+    it is."""
     first = parts[0]
     if not isinstance(first, torch.Tensor):
         if any(not _same_constant(p, first) for p in parts[1:]):
@@ -83,8 +115,10 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
                 "sample, compute it outside the pipeline, or use chunks=1."
             )
         return first
-    if len(parts) == 1:
+    if len(parts) == 1 or dim == SAME:
         return first.detach()
+    if isinstance(dim, int):
+        return torch.cat(list(parts), dim)
     if first.dim() == 0:
         raise ValueError(
             "the model returns a 0-dim tensor (a loss or a scalar?), and outputs are concatenated "
@@ -93,6 +127,13 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
             "the pipeline; or use chunks=1."
         )
     shapes = [tuple(p.shape) for p in parts]
+    if dim == VARIES:
+        raise ValueError(
+            f"the model returns a tensor made from the whole batch (not one row per sample: micro-batches "
+            f"gave shapes {shapes}, and compiling saw it differ between them), so the plain model's "
+            "cannot be made from the micro-batches'.\nHow to fix: return per-sample values (batch first) "
+            "and reduce them outside the pipeline, or use chunks=1."
+        )
     if sizes is not None and any(p.shape[0] != size for p, size in zip(parts, sizes)):
         raise ValueError(
             f"the model returns a tensor whose dim 0 is not the batch (micro-batches of {list(sizes)} "
@@ -101,6 +142,14 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]]) -> Any:
             "outside the pipeline, or use chunks=1."
         )
     return torch.cat(list(parts))
+
+
+def split_along(dim: BatchDim) -> Optional[int]:
+    """The dim a gathered output's gradient is split along into the micro-batches' (None: the
+    gradient goes whole to the first micro-batch, whose output was returned)."""
+    if dim == SAME:
+        return None
+    return dim if isinstance(dim, int) else 0
 
 
 def _same_constant(a: Any, b: Any) -> bool:

@@ -23,7 +23,7 @@ from fxpipe.distributed import check_state_placement, failing_together, keep_loc
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, leaves_of, scatter, split_dim, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, forward_signature, leaves_of, scatter, spec_dims, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
@@ -85,7 +85,7 @@ class Pipeline(nn.Module):
         own = dict(
             _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
-            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _own_loss_warned=False, _signature=_signature(model),
+            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -430,19 +430,7 @@ class Pipeline(nn.Module):
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
-        spec = self._compiled.chunk_spec
-        if not spec or self._signature is None:
-            return {}
-        try:
-            bound = self._signature.bind(*args, **kwargs).arguments
-        except TypeError:
-            return {}
-        dims: Dims = {}
-        for name, dim in spec.items():
-            for leaf in tree_flatten(bound.get(name))[0]:
-                if isinstance(leaf, torch.Tensor):
-                    dims[id(leaf)] = dim
-        return dims
+        return spec_dims(self._signature, self._compiled.chunk_spec, args, kwargs)
 
     @staticmethod
     def _check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:
@@ -584,13 +572,6 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
-
-
-def _signature(model: nn.Module) -> Optional[inspect.Signature]:
-    try:
-        return inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None
 
 
 def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:

@@ -486,7 +486,9 @@ def test_leaf_module_makes_it_traceable(leaf: Any) -> None:
     gm = trace(Gated(), leaf_modules=[leaf])
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["pre", "enc.0", "enc.1", "post"]
     model, reference = twin(Gated())
-    pipe = compile_pipeline(model, x64(), ["cpu"] * 3, leaf_modules=[leaf], chunks=2)
+    # An example whose micro-batches take the whole batch's branch (compiling compares them).
+    example = x64().abs() + 5
+    pipe = compile_pipeline(model, example, ["cpu"] * 3, leaf_modules=[leaf], chunks=2)
     for sign in (1, -1):  # both branches, decided per micro-batch inside the leaf
         x = sign * (x64(6).abs() + 5)
         assert_same_output(pipe, reference, x)

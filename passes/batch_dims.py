@@ -1,0 +1,263 @@
+"""Which dim of each output holds the batch, from the graph run on the example and on its micro-batches.
+
+Micro-batches compute what the whole batch does only when every sample is computed on its own.
+The graph runs on the example, then on each of its micro-batches, and each output leaf gets:
+
+    whole (8, 5)   micro-batches (4, 5) (4, 5)   ->  dim 0: concatenated along it
+    whole (5, 8)   micro-batches (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1)
+    whole (3,)     micro-batches (3,) (3,)       ->  SAME, when every micro-batch's equals the whole's
+    whole ()       micro-batches () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
+
+When the concatenation differs from the whole batch's output (`h / x.shape[0]`, `x - x.mean(0)`,
+`torch.cumsum(x, 0)`), compiling is refused, naming the nodes where the difference starts. Random
+ops draw fixed values and BatchNorm uses fixed statistics in these runs: they are per-micro-batch
+by design (README, "Limits worth knowing"). A model too large to run on the CPU at compile time
+runs on the meta device, which gives the dims (not SAME from VARIES) and checks nothing; so does
+a model whose forward writes its buffers, whose micro-batches compute as the plain model would
+on them in turn.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
+
+from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_sizes
+from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.shapes import _Recorder, _small_on_cpu
+from fxpipe.passes.snapshot import preserved
+from fxpipe.passes.state import writable_buffer_names
+from fxpipe.passes.validate import source_line
+
+# Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
+_ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
+_LOW_PRECISION = 5e-2
+_BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit")
+
+
+class _FixedDraws(TorchDispatchMode):
+    """Random ops draw fixed values (a permutation draws none), and BatchNorm normalises by its
+    running statistics: what either does differs between micro-batches by design."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        if name in _BATCH_NORMS:
+            return _batch_norm_by_statistics(func, args, kwargs)
+        if name == "native_dropout":  # kept whole: the values after it still tell
+            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        out = func(*args, **kwargs)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            for t in (out if isinstance(out, (tuple, list)) else [out]):
+                if isinstance(t, torch.Tensor):
+                    _fix(t, name)
+        return out
+
+
+def _fix(t: torch.Tensor, name: str) -> None:
+    """A random op's output as a draw the same in every run: a permutation leaves the order."""
+    if name == "randperm":
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype, device=t.device))
+    else:
+        t.fill_(1 if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool else 0)
+
+
+def _batch_norm_by_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """BatchNorm in eval form: the running statistics, or 0 and 1 where it keeps none."""
+    x, weight, bias = args[:3]
+    stats = func._overloadname != "no_stats"
+    mean, var = args[3:5] if stats else (None, None)
+    eps = args[-1]
+    channels = x.shape[1]
+    mean = mean if mean is not None else torch.zeros(channels, dtype=x.dtype, device=x.device)
+    var = var if var is not None else torch.ones(channels, dtype=x.dtype, device=x.device)
+    return torch.ops.aten.native_batch_norm.default(x, weight, bias, mean, var, False, 0.0, eps)
+
+
+class _Runner(_Recorder):
+    """Runs the graph without writing node.meta, keeping the values of the nodes in `keep`
+    (of every node when it is None)."""
+
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]]) -> None:
+        super().__init__(gm, on_meta)
+        self.keep = keep
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = fx.Interpreter.run_node(self, n)
+        if self.keep is None or n in self.keep:
+            self.values[n] = value
+        return value
+
+
+def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None) -> None:
+    """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
+    returns; raises ValueError when the example's micro-batches compute otherwise than the whole
+    example. Nothing is written when the example makes one micro-batch or the graph cannot run."""
+    dims = dims or {}
+    batch = batch_size_of(list(inputs), dims)
+    sizes = split_sizes(batch, chunks) if batch else []
+    if len(sizes) < 2:
+        return
+    pieces = [scatter(value, sizes, batch or 0, dims) for value in inputs]
+    parts = [tuple(p[i] for p in pieces) for i in range(len(sizes))]
+    real = _small_on_cpu(gm, inputs)
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    try:
+        whole, each = _run(gm, inputs, parts, real, keep=set(returned))
+    except Exception:  # noqa: BLE001 - it cannot run on its micro-batches: the pipeline will say so
+        return
+    compare = real and not _keeps_state(gm)
+    problems, bad = [], set()
+    for node in returned:
+        leaves = [_leaves(e[node]) for e in each]
+        if any(len(p) != len(_leaves(whole[node])) for p in leaves):
+            continue  # another structure per micro-batch: the pipeline will say so
+        found = [_batch_dim(w, [p[k] for p in leaves], compare) for k, w in enumerate(_leaves(whole[node]))]
+        node.meta["batch_dims"] = [dim for dim, _ in found]
+        for (_, why), path in zip(found, _paths(whole[node])):
+            if why:
+                problems.append(f"{node.name}{path}: {why}")
+                bad.add(node)
+    if problems:
+        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad))
+
+
+def _keeps_state(gm: fx.GraphModule) -> bool:
+    """Whether forward writes buffers (BatchNorm's running statistics aside, which these runs do
+    not use): the micro-batches then compute as the plain model run on them in turn, by design
+    (README), and what the whole batch computes is no measure of them."""
+    for name in writable_buffer_names(gm, list(gm.graph.nodes)):
+        owner = fetch_attr(gm, name.rpartition(".")[0]) if "." in name else gm
+        if not isinstance(owner, nn.modules.batchnorm._NormBase):
+            return True
+    return False
+
+
+def _run(
+    gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]
+) -> tuple[dict[fx.Node, Any], list[dict[fx.Node, Any]]]:
+    """The values of the nodes in `keep` (of every node when None) on the whole example and on
+    each micro-batch."""
+    runs = []
+    with preserved(gm), torch.no_grad(), _FixedDraws():
+        for inputs in [whole, *parts]:
+            runner = _Runner(gm, on_meta=not real, keep=keep)
+            runner.run(*_cloned(inputs))
+            runs.append(runner.values)
+    return runs[0], runs[1:]
+
+
+def _cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Copies of tensor inputs: a graph may write its inputs in place."""
+    return tree_map_only(torch.Tensor, torch.Tensor.clone, inputs)
+
+
+def _leaves(value: Any) -> list[Any]:
+    return [leaf for _, leaf in tree_flatten_with_path(value)[0]]
+
+
+def _paths(value: Any) -> list[str]:
+    return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
+
+
+def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, str]:
+    """Where the batch lies in one output leaf, and what is wrong with it ('' if nothing);
+    without `compare`, from the shapes alone."""
+    if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
+        return None, ""
+    if any(p.dim() != whole.dim() for p in parts):
+        return VARIES, ""
+    changed = [d for d in range(whole.dim()) if any(p.shape[d] != whole.shape[d] for p in parts)]
+    if not changed:
+        if not compare:
+            return None, ""
+        return (SAME, "") if all(_difference(p, whole) == 0 for p in parts) else (VARIES, "")
+    if len(changed) > 1 or sum(p.shape[changed[0]] for p in parts) != whole.shape[changed[0]]:
+        return VARIES, ""
+    dim = changed[0]
+    if not compare:
+        return dim, ""
+    off = _difference(torch.cat(parts, dim), whole)
+    return dim, (f"its micro-batches' values, concatenated along dim {dim}, differ from the whole batch's by {off:.3g} "
+                 f"(relative to its largest value)" if off else "")  # fmt: skip
+
+
+def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference relative to the expected value's largest magnitude; 0 within rounding."""
+    if got.shape != expected.shape:
+        return float("inf")
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return 0.0 if torch.equal(got, expected) else 1.0
+    if not expected.numel():
+        return 0.0
+    same = torch.isclose(got, expected, rtol=0, atol=0, equal_nan=True)  # NaN and inf where both have them
+    scale = expected.abs().nan_to_num(0.0, 0.0, 0.0).max().item()
+    off = torch.where(same, 0.0, (got - expected).abs()).nan_to_num(float("inf")).max().item()
+    relative = off / scale if scale > 0 else off
+    return relative if relative > _ROUNDING.get(expected.dtype, _LOW_PRECISION) else 0.0
+
+
+def _mixing_message(
+    gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], chunks: int, problems: list[str], bad: set[fx.Node]
+) -> str:
+    starts = _where_it_starts(gm, whole, parts, bad)
+    return (
+        f"with chunks={chunks} the micro-batches compute otherwise than the whole batch: the model mixes "
+        f"samples along the batch dim, or computes with the batch size.\n"
+        + "".join(f"  - output {p}\n" for p in problems)
+        + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
+        + "How to fix: compute each sample on its own (reduce over other dims than the batch's; "
+        "x.view(x.shape[0], -1) is fine, h / x.shape[0] is not); pass a value that needs the whole batch "
+        "as an input (kept whole with chunk_spec={name: None}); or use chunks=1."
+    )
+
+
+def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], bad: set[fx.Node]) -> list[str]:
+    """The first nodes (up to 3) on a path of disagreeing values to a `bad` output whose
+    micro-batches' values disagree with the whole batch's while their inputs' agree. (A
+    disagreeing value that a later node makes agree again, the batch size given to `view`,
+    starts nothing.)"""
+    try:
+        every, each = _run(gm, whole, parts, real=True, keep=None)
+    except Exception:  # noqa: BLE001 - it ran once already; nothing more to say if not again
+        return []
+    agree = {n: _agrees(every[n], [e[n] for e in each]) for n in every}
+    leading, stack = set(), list(bad)
+    while stack:  # back from the bad outputs, through values that disagree
+        node = stack.pop()
+        if node not in leading:
+            leading.add(node)
+            stack += [i for i in node.all_input_nodes if not agree.get(i, True)]
+    starts = [n for n in gm.graph.nodes if n in leading and all(agree.get(i, True) for i in n.all_input_nodes)]
+    return [_describe(n, every[n], each[0][n]) for n in starts[:3]]
+
+
+def _describe(node: fx.Node, whole: Any, part: Any) -> str:
+    """'name = target(args)', what it was if a number (the batch size, say), and its line."""
+    args = [a.name if isinstance(a, fx.Node) else repr(a) for a in node.args]
+    args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
+    call = f"{args.pop(0)}.{node.target}" if node.op == "call_method" and args else _target(node)
+    text = f"{node.name} = {call}({', '.join(args)})"
+    if isinstance(whole, (int, float)) and not isinstance(whole, bool):
+        text += f", {whole} for the whole batch and {part} for a micro-batch"
+    line = source_line(node)
+    return text if line == "an unknown line" else f"{text} at {line}"
+
+
+def _agrees(whole: Any, parts: list[Any]) -> bool:
+    if isinstance(whole, torch.Tensor):
+        dim, why = _batch_dim(whole, parts, compare=True)
+        return dim != VARIES and not why
+    if isinstance(whole, (int, float, bool)) and not isinstance(whole, torch.SymInt):
+        return all(p == whole for p in parts)
+    return True
+
+
+def _target(node: fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"self.{name}" if node.op == "call_module" else name

@@ -1,0 +1,251 @@
+"""Micro-batches compute what the whole batch does, or compiling refuses; outputs are put back
+together along the dim that holds the batch (passes/batch_dims.py)."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import assert_grads_equal, twin
+from fxpipe import compile_pipeline
+from fxpipe.microbatch import VARIES
+from fxpipe.passes.batch_dims import annotate_batch_dims
+
+X = torch.randn(8, 6, dtype=torch.float64)
+
+
+class Mixer(nn.Module):
+    """Two layers around `mix(h, x)`, which may mix samples along the batch dim."""
+
+    def __init__(self, mix: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.mix = mix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.mix(torch.tanh(self.a(x)), x))
+
+
+MIXING = {
+    "centred over the batch": (lambda h, x: h - h.mean(0), r"mean"),
+    "divided by the batch size": (lambda h, x: h / x.shape[0], r"getitem = getitem\(getattr\w*, 0\), 8 for the whole batch and 4 for a micro-batch"),
+    "a cumulative sum over the batch": (lambda h, x: torch.cumsum(h, 0), r"cumsum"),
+    "positions counted over the batch": (lambda h, x: h + torch.arange(x.shape[0], dtype=h.dtype)[:, None], r"8 for the whole batch and 4 for a micro-batch"),
+    "normalised over the whole tensor": (lambda h, x: h / h.abs().max(), r"max"),
+    "rows in reverse": (lambda h, x: h.flip(0), r"flip"),
+    "centred after dropout": (lambda h, x: F.dropout(h, 0.5, True) - h.mean(0), r"mean"),
+}
+
+
+@pytest.mark.parametrize("case", list(MIXING))
+def test_a_model_that_mixes_samples_is_refused_naming_where(case: str) -> None:
+    mix, where = MIXING[case]
+    with pytest.raises(ValueError, match=r"with chunks=2 the micro-batches compute otherwise than the whole batch(.|\n)*"
+                                         rf"The difference starts at: [^\n]*{where}(.|\n)*How to fix"):  # fmt: skip
+        compile_pipeline(Mixer(mix).double(), X, ["cpu", "cpu"], chunks=2)
+
+
+@pytest.mark.parametrize("case", [case for case in MIXING if "dropout" not in case])
+def test_the_same_model_with_one_micro_batch_is_the_plain_model(case: str) -> None:
+    model, reference = twin(Mixer(MIXING[case][0]))
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=1)
+    torch.testing.assert_close(pipe(X), reference(X), rtol=0, atol=1e-12)
+
+
+def test_a_branch_taken_on_the_whole_batch_is_refused_when_its_micro_batches_take_another() -> None:
+    x = torch.cat([torch.full((4, 6), 3.0), torch.full((4, 6), -1.0)]).double()  # sums: 48; 72 and -24
+    model = Mixer(lambda h, x: torch.where(x.sum() > 0, h, -h)).double()
+    with pytest.raises(ValueError, match=r"The difference starts at: sum_1 = x\.sum\(\)"):
+        compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+
+
+PER_SAMPLE = {
+    "the batch size given to view": lambda h, x: h.view(x.shape[0], 2, 3).flip(1).reshape(x.shape[0], -1),
+    "rows picked by arange over the batch": lambda h, x: h[torch.arange(x.shape[0]), :],
+    "zeros the size of the batch": lambda h, x: h + h.new_zeros(x.shape[0], 6),
+    "a softmax over features": lambda h, x: F.softmax(h, dim=-1),
+}
+
+
+@pytest.mark.parametrize("case", list(PER_SAMPLE))
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad"])
+def test_per_sample_uses_of_the_batch_size_compile_and_match(case: str, mode: str) -> None:
+    model, reference = twin(Mixer(PER_SAMPLE[case]))
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    if mode == "no_grad":
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(X), reference(X), rtol=0, atol=1e-12)
+        return
+    pipe.train(mode == "train")
+    reference.train(mode == "train")
+    pipe(X).pow(2).sum().backward()
+    reference(X).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+class Noisy(nn.Module):
+    """Dropout, random noise per sample and BatchNorm: per micro-batch by design, not refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.drop, self.norm = nn.Dropout(0.3), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.drop(self.a(x)))
+        noise = 0.1 * torch.randn_like(h) if self.training else 0.0
+        return self.b(h + noise + F.dropout(h, 0.2, self.training))
+
+
+def test_random_ops_and_batch_norm_are_not_taken_for_mixing() -> None:
+    model, reference = twin(Noisy())
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(X), reference(X), rtol=0, atol=1e-12)
+
+
+def test_compiling_leaves_the_random_state_and_running_statistics_as_they_were() -> None:
+    model = Noisy().double()
+    statistics = copy.deepcopy(dict(model.named_buffers()))
+    state = torch.get_rng_state()
+    compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    assert torch.equal(torch.get_rng_state(), state)
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, statistics[name]), name
+
+
+class WithTable(nn.Module):
+    """Returns, besides per-sample values, a tensor made from parameters alone whose dim 0
+    happens to be the micro-batch size: it is the same in every micro-batch, not a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.table = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(x))), self.table * self.a.weight[:4, :3]
+
+
+def _loss(out: Any) -> torch.Tensor:
+    return sum(o.pow(2).sum() for o in out)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_an_output_made_from_parameters_alone_is_returned_once(checkpoint: str) -> None:
+    model, reference = twin(WithTable())
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    out, expected = pipe(X), reference(X)
+    assert out[1].shape == (4, 3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    _loss(out).backward()
+    _loss(expected).backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_an_output_made_from_parameters_alone_under_autograd_grad_and_accumulation() -> None:
+    model, reference = twin(WithTable())
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    got = torch.autograd.grad(_loss(pipe(X)), [model.table])[0]
+    expected = torch.autograd.grad(_loss(reference(X)), [reference.table])[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    for _ in range(2):
+        _loss(pipe(X)).backward()
+        _loss(reference(X)).backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_train_step_returns_such_an_output_once() -> None:
+    model, reference = twin(WithTable())
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, schedule="1f1b")
+    y = torch.randn(8, 6, dtype=torch.float64)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[0], target) + out[1].pow(2).mean()
+
+    loss, out = pipe.train_step(X, target=y, loss_fn=loss_fn, return_outputs=True)
+    expected = reference(X)
+    expected_loss = loss_fn(expected, y)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+class TimeFirst(nn.Module):
+    """Takes (time, batch, features): split along dim 1 by chunk_spec."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return {"seq": self.b(h), "last": h[-1]}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_outputs_of_inputs_split_along_dim_1_are_put_together_along_their_batch_dims(schedule: str) -> None:
+    model, reference = twin(TimeFirst())
+    x = torch.randn(5, 8, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1}, schedule=schedule)
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    _loss(out.values()).backward()
+    _loss(expected.values()).backward()
+    assert_grads_equal(pipe, reference)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = None
+    y = torch.randn(8, 3, dtype=torch.float64)
+
+    def loss_fn(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out["last"], target) + out["seq"].pow(2).mean()
+
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected_loss = loss_fn(reference(x), y)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+class Gram(nn.Module):
+    """Returns a (batch, batch) similarity matrix: pairs across micro-batches are never made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h @ h.T
+
+
+def test_an_output_made_across_samples_is_refused_when_called() -> None:
+    pipe = compile_pipeline(Gram().double(), X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"a tensor made from the whole batch(.|\n)*How to fix"):
+        pipe(X)
+
+
+def test_a_model_on_the_meta_device_gets_its_dims_from_shapes() -> None:
+    """A model too large to run at compile time runs on the meta device: nothing is compared,
+    and the dims come from the shapes; an output whose shape does not change is not known."""
+    with torch.device("meta"):
+        gm = torch.fx.symbolic_trace(WithTable())
+        x = torch.randn(8, 6)
+    annotate_batch_dims(gm, (x,), chunks=2)
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    assert [n.meta["batch_dims"] for n in returned] == [[0], [None]]
+
+
+def test_dims_found_on_the_cpu() -> None:
+    gm = torch.fx.symbolic_trace(TimeFirst())
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    x = torch.randn(5, 8, 3)
+    annotate_batch_dims(gm, (x,), chunks=4, dims={id(x): 1})
+    assert {n.name: n.meta["batch_dims"] for n in returned} == {"b": [1], "getitem": [0]}  # the sequence, h[-1]
+    annotate_batch_dims(gm, (x,), chunks=4)  # split along dim 0: the time, so h[-1] is made from the whole
+    assert {n.name: n.meta["batch_dims"] for n in returned} == {"b": [0], "getitem": [VARIES]}
