@@ -338,10 +338,10 @@ class Step:
     def _param_views(self, stage: StageRuntime) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
         """The stage's parameters for this step, with the slots they go into: a leaf per
         parameter (same memory), whose `.grad` autograd accumulates in place, as each gradient
-        is made. Under the caller's autocast the stage reads a view of it, so autocast casts every
+        is made. Under the caller's autocast the stage reads an alias of it, so autocast casts every
         use alike (it caches casts of leaves only, for as long as the caller's region lasts) and a
         recompute matches its forward; otherwise the leaf itself, as the plain model reads its
-        parameters (a view is one more node per parameter in every backward). Autograd never
+        parameters (an alias is one more node per parameter in every backward). Autograd never
         reaches the parameters themselves: their `.grad` and hooks are the pipeline Function's to
         feed."""
         if not self.grad or not stage.params:
@@ -357,8 +357,8 @@ class Step:
 
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
         """The stage's copies of shared parameters as it reads them, made once per step: like
-        its own parameters, views of them under the caller's autocast (it caches casts of leaves
-        only), else the copies themselves (a view could not pass on a sparse gradient)."""
+        its own parameters, aliases of them under the caller's autocast (it caches casts of leaves
+        only), else the copies themselves."""
         views = self.shared_views[stage.index]
         if views is None:
             with torch.enable_grad():
@@ -367,9 +367,10 @@ class Step:
         return views
 
     def _as_read(self, leaf: torch.Tensor) -> torch.Tensor:
-        """What a stage reads for a leaf of its parameters or shared copies: a view of it under
-        the caller's autocast, else the leaf itself (see `_param_views`)."""
-        return leaf.view_as(leaf) if leaf.requires_grad and self.context.autocast else leaf
+        """What a stage reads for a leaf of its parameters or shared copies: an alias of it under
+        the caller's autocast, else the leaf itself (see `_param_views`). An alias's backward
+        passes its gradient on as it is: a sparse one (an embedding's) too."""
+        return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast else leaf
 
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self._shared_views(stage)]

@@ -1,6 +1,7 @@
 """`pipe.train_step` under every schedule gives the plain model's loss and gradients, in every mode."""
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any, Callable
 
@@ -350,3 +351,30 @@ def test_a_sparse_embedding_tied_to_the_output_layer(schedule: str) -> None:
     pipe.train_step(ids, target=y, loss_fn=F.mse_loss)
     F.mse_loss(reference(ids), y).backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["train_step", "pipe(x)"])
+def test_a_sparse_embedding_tied_to_the_output_layer_under_autocast(call: str) -> None:
+    """Under the caller's autocast a stage reads aliases of its leaves, which pass a sparse
+    gradient on as it is."""
+    model = TiedSparse().float()
+    reference = copy.deepcopy(model)
+    ids, y = torch.randint(0, 10, (4, 5)), torch.randn(4, 5, 10)
+    pipe = compile_pipeline(model, ids, ["cpu"] * 2, chunks=2)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.float(), target)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = loss_fn(reference(ids), y)
+        if call == "train_step":
+            loss = pipe.train_step(ids, target=y, loss_fn=loss_fn)
+        else:
+            loss = loss_fn(pipe(ids), y)
+    expected.backward()
+    if call != "train_step":
+        loss.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-2, atol=1e-3)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=2e-2, atol=2e-3, msg=name)  # type: ignore[union-attr]
