@@ -1,16 +1,17 @@
-"""Which dim of each output holds the batch, from the graph run on the example and on its micro-batches.
+"""Which dim of each output holds the batch, from the graph run on the example and on its halves.
 
 Micro-batches compute what the whole batch does only when every sample is computed on its own.
-The graph runs on the example, then on each of its micro-batches, and each output leaf gets:
+The graph runs on the example, then on each half of it (any split tells what the micro-batches'
+would), and each output leaf gets:
 
-    whole (8, 5)   micro-batches (4, 5) (4, 5)   ->  dim 0: concatenated along it
-    whole (5, 8)   micro-batches (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1)
-    whole (3,)     micro-batches (3,) (3,)       ->  SAME, when every micro-batch's equals the whole's
-    whole ()       micro-batches () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
+    whole (8, 5)   halves (4, 5) (4, 5)   ->  dim 0: micro-batches' are concatenated along it
+    whole (5, 8)   halves (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1)
+    whole (3,)     halves (3,) (3,)       ->  SAME, when each half's equals the whole's
+    whole ()       halves () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
 
-When the concatenation differs from the whole batch's output (`h / x.shape[0]`, `x - x.mean(0)`,
+When the concatenation differs from the whole example's output (`h / x.shape[0]`, `x - x.mean(0)`,
 `torch.cumsum(x, 0)`), compiling is refused, naming the nodes where the difference starts. Random
-ops draw fixed values and BatchNorm uses fixed statistics in these runs: they are per-micro-batch
+ops draw fixed values and BatchNorm uses fixed statistics in these runs: they are per micro-batch
 by design (README, "Limits worth knowing"). A model too large to run on the CPU at compile time
 runs on the meta device, which gives the dims (not SAME from VARIES) and checks nothing; so does
 a model whose forward writes its buffers, whose micro-batches compute as the plain model would
@@ -28,6 +29,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_sizes
 from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.state import writable_buffer_names
@@ -80,31 +82,50 @@ def _batch_norm_by_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str
 
 class _Runner(_Recorder):
     """Runs the graph without writing node.meta, keeping the values of the nodes in `keep`
-    (of every node when it is None)."""
+    (of every node when it is None); the nodes in `fixed` run under `_FixedDraws` (a Python
+    call per op: only where it matters)."""
 
-    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]]) -> None:
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node]) -> None:
         super().__init__(gm, on_meta)
-        self.keep = keep
+        self.keep, self.fixed = keep, fixed
         self.values: dict[fx.Node, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
-        value = fx.Interpreter.run_node(self, n)
+        if n in self.fixed:
+            with _FixedDraws():
+                value = fx.Interpreter.run_node(self, n)
+        else:
+            value = fx.Interpreter.run_node(self, n)
         if self.keep is None or n in self.keep:
             self.values[n] = value
         return value
 
 
+def _drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that may draw random numbers or normalise by batch statistics."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        module = fetch_attr(gm, str(node.target)) if node.op == "call_module" else None
+        norms = module is not None and any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
+        if norms or "batch_norm" in str(node.target) or random_sources(gm, [node]) != RandomSources():
+            found.add(node)
+    return found
+
+
 def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None) -> None:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
-    returns; raises ValueError when the example's micro-batches compute otherwise than the whole
-    example. Nothing is written when the example makes one micro-batch or the graph cannot run."""
+    returns; raises ValueError when the example's halves compute otherwise than the whole
+    example. Nothing is written with one micro-batch (`chunks` 1, or one sample), or when the
+    graph cannot run on the halves."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
-    sizes = split_sizes(batch, chunks) if batch else []
-    if len(sizes) < 2:
+    if chunks < 2 or not batch or batch < 2:
         return
-    pieces = [scatter(value, sizes, batch or 0, dims) for value in inputs]
-    parts = [tuple(p[i] for p in pieces) for i in range(len(sizes))]
+    # Two halves tell what `chunks` micro-batches would, for a third of the runs.
+    pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
+    parts = [tuple(p[i] for p in pieces) for i in range(2)]
     real = _small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     try:
@@ -144,9 +165,10 @@ def _run(
     """The values of the nodes in `keep` (of every node when None) on the whole example and on
     each micro-batch."""
     runs = []
-    with preserved(gm), torch.no_grad(), _FixedDraws():
+    fixed = _drawing_or_normalising(gm)
+    with preserved(gm), torch.no_grad():
         for inputs in [whole, *parts]:
-            runner = _Runner(gm, on_meta=not real, keep=keep)
+            runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed)
             runner.run(*_cloned(inputs))
             runs.append(runner.values)
     return runs[0], runs[1:]
@@ -183,7 +205,7 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, s
     if not compare:
         return dim, ""
     off = _difference(torch.cat(parts, dim), whole)
-    return dim, (f"its micro-batches' values, concatenated along dim {dim}, differ from the whole batch's by {off:.3g} "
+    return dim, (f"the halves' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
                  f"(relative to its largest value)" if off else "")  # fmt: skip
 
 
@@ -207,8 +229,9 @@ def _mixing_message(
 ) -> str:
     starts = _where_it_starts(gm, whole, parts, bad)
     return (
-        f"with chunks={chunks} the micro-batches compute otherwise than the whole batch: the model mixes "
-        f"samples along the batch dim, or computes with the batch size.\n"
+        f"with chunks={chunks} the micro-batches would compute otherwise than the whole batch: run on the two "
+        "halves of the example, the model gives other outputs than on the whole example. It mixes samples "
+        "along the batch dim, or computes with the batch size.\n"
         + "".join(f"  - output {p}\n" for p in problems)
         + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
         + "How to fix: compute each sample on its own (reduce over other dims than the batch's; "
@@ -219,7 +242,7 @@ def _mixing_message(
 
 def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], bad: set[fx.Node]) -> list[str]:
     """The first nodes (up to 3) on a path of disagreeing values to a `bad` output whose
-    micro-batches' values disagree with the whole batch's while their inputs' agree. (A
+    halves' values disagree with the whole example's while their inputs' agree. (A
     disagreeing value that a later node makes agree again, the batch size given to `view`,
     starts nothing.)"""
     try:
@@ -244,7 +267,7 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
     call = f"{args.pop(0)}.{node.target}" if node.op == "call_method" and args else _target(node)
     text = f"{node.name} = {call}({', '.join(args)})"
     if isinstance(whole, (int, float)) and not isinstance(whole, bool):
-        text += f", {whole} for the whole batch and {part} for a micro-batch"
+        text += f", {whole} for the whole example and {part} for a half"
     line = source_line(node)
     return text if line == "an unknown line" else f"{text} at {line}"
 

@@ -543,4 +543,39 @@ def modes_across(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         out = pipe(x)
         found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
-    return found
+    return {**found, **_batch_dims_across(mesh)}
+
+
+class TimeFirst(nn.Module):
+    """Takes (time, batch, features); returns the sequence and a tensor of parameters alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(x))), self.b.weight * 2
+
+
+def _batch_dims_across(mesh: Any) -> dict[str, float]:
+    """Outputs put together along their batch dims on the last rank: the sequence along dim 1
+    (chunk_spec), the parameters' tensor once."""
+    torch.manual_seed(0)
+    model = TimeFirst().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(5, 8, 3, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[0][-1], target) + out[1].pow(2).mean()
+
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, chunk_spec={"x": 1}, schedule="1f1b", timeout=60)
+    loss, out = pipe.train_step(x, target=y, loss_fn=loss_fn, return_outputs=True)
+    expected_out = reference(x)
+    expected = loss_fn(expected_out, y)
+    expected.backward()
+    ref = dict(reference.named_parameters())
+    return {
+        "dims loss": abs(loss.item() - expected.item()),
+        "dims gradients": max(_max_diff(grad_of(p), grad_of(ref[n])) for n, p in pipe.named_parameters()),
+        "dims outputs": -1.0 if out is None else max(_max_diff(o, e) for o, e in zip(out, expected_out)),
+    }

@@ -32,9 +32,9 @@ class Mixer(nn.Module):
 
 MIXING = {
     "centred over the batch": (lambda h, x: h - h.mean(0), r"mean"),
-    "divided by the batch size": (lambda h, x: h / x.shape[0], r"getitem = getitem\(getattr\w*, 0\), 8 for the whole batch and 4 for a micro-batch"),
+    "divided by the batch size": (lambda h, x: h / x.shape[0], r"getitem = getitem\(getattr\w*, 0\), 8 for the whole example and 4 for a half"),
     "a cumulative sum over the batch": (lambda h, x: torch.cumsum(h, 0), r"cumsum"),
-    "positions counted over the batch": (lambda h, x: h + torch.arange(x.shape[0], dtype=h.dtype)[:, None], r"8 for the whole batch and 4 for a micro-batch"),
+    "positions counted over the batch": (lambda h, x: h + torch.arange(x.shape[0], dtype=h.dtype)[:, None], r"8 for the whole example and 4 for a half"),
     "normalised over the whole tensor": (lambda h, x: h / h.abs().max(), r"max"),
     "rows in reverse": (lambda h, x: h.flip(0), r"flip"),
     "centred after dropout": (lambda h, x: F.dropout(h, 0.5, True) - h.mean(0), r"mean"),
@@ -44,7 +44,7 @@ MIXING = {
 @pytest.mark.parametrize("case", list(MIXING))
 def test_a_model_that_mixes_samples_is_refused_naming_where(case: str) -> None:
     mix, where = MIXING[case]
-    with pytest.raises(ValueError, match=r"with chunks=2 the micro-batches compute otherwise than the whole batch(.|\n)*"
+    with pytest.raises(ValueError, match=r"with chunks=2 the micro-batches would compute otherwise than the whole batch(.|\n)*"
                                          rf"The difference starts at: [^\n]*{where}(.|\n)*How to fix"):  # fmt: skip
         compile_pipeline(Mixer(mix).double(), X, ["cpu", "cpu"], chunks=2)
 
