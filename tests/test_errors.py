@@ -254,6 +254,17 @@ def test_no_grad_inside_forward_is_kept() -> None:
     reference(x).sum().backward()
     assert model.b.weight.grad is None and reference.b.weight.grad is None
     torch.testing.assert_close(model.a.weight.grad, reference.a.weight.grad, rtol=0, atol=1e-12)
+    y = torch.randn(4, 6, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert model.b.weight.grad is None
+    torch.testing.assert_close(model.a.weight.grad, reference.a.weight.grad, rtol=0, atol=1e-12)
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
 class SequenceFirst(nn.Module):

@@ -280,3 +280,13 @@ def test_load_state_dict_with_assign_runs_on_the_new_tensors() -> None:
     for p, q in zip(pipe.parameters(), reference.parameters()):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    pipe.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
+    reference = copy.deepcopy(model)
+    y = torch.randn(8, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)

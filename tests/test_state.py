@@ -208,3 +208,34 @@ def test_spectral_norm_iterates_once_per_micro_batch_whatever_the_checkpointing(
     assert_grads_equal(pipe, reference, tol=1e-12)
     for got, expected in zip(_power_vectors(pipe), _power_vectors(reference)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("new_style", [False, True], ids=["hook", "parametrization"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_spectral_norm_under_train_step_iterates_once_per_micro_batch(schedule: str, new_style: bool) -> None:
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    pipe, reference = compiled(_spectral(new_style), x, 2, chunks=2, checkpoint="always", balance=[4, 1], schedule=schedule)
+    for _ in range(2):
+        loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        expected = F.mse_loss(in_turn(reference, x, 2), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    for got, want in zip(_power_vectors(pipe), _power_vectors(reference)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("new_style", [False, True], ids=["hook", "parametrization"])
+def test_spectral_norm_in_eval_and_under_no_grad_is_the_plain_model(new_style: bool) -> None:
+    """In eval mode spectral_norm does not iterate: the whole batch and its micro-batches agree."""
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe, reference = compiled(_spectral(new_style), x, 2, chunks=2, balance=[4, 1])
+    pipe.eval()
+    reference.eval()
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    for got, want in zip(_power_vectors(pipe), _power_vectors(reference)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
