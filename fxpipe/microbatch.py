@@ -1,4 +1,4 @@
-"""Manipulation of micro-batches: splitting a batch along dim 0 and putting the pieces back."""
+"""Manipulation of micro-batches: splitting a batch into them and putting their outputs back together."""
 from __future__ import annotations
 
 import inspect
