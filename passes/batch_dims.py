@@ -123,21 +123,21 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     batch = batch_size_of(list(inputs), dims)
     if chunks < 2 or not batch or batch < 2:
         return
-    # Two halves tell what `chunks` micro-batches would, for a third of the runs.
+    # Two halves tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
     pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
     real = _small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     try:
         whole, each = _run(gm, inputs, parts, real, keep=set(returned))
-    except Exception:  # noqa: BLE001 - it cannot run on its micro-batches: the pipeline will say so
+    except Exception:  # noqa: BLE001 - it cannot run on fewer samples: the pipeline will say so
         return
     compare = real and not _keeps_state(gm)
     problems, bad = [], set()
     for node in returned:
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
-            continue  # another structure per micro-batch: the pipeline will say so
+            continue  # another structure per half: the pipeline will say so
         found = [_batch_dim(w, [p[k] for p in leaves], compare) for k, w in enumerate(_leaves(whole[node]))]
         node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
@@ -163,7 +163,7 @@ def _run(
     gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]
 ) -> tuple[dict[fx.Node, Any], list[dict[fx.Node, Any]]]:
     """The values of the nodes in `keep` (of every node when None) on the whole example and on
-    each micro-batch."""
+    each half."""
     runs = []
     fixed = _drawing_or_normalising(gm)
     with preserved(gm), torch.no_grad():
