@@ -21,7 +21,7 @@ from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, writable_buffers
-from fxpipe.program import Cut, Program
+from fxpipe.program import Cut, HeldState, Program
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
 
@@ -69,6 +69,7 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in traced],
+        held=HeldState.of(owner),
     )
 
 

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
 from fxpipe.materialize import is_on_meta
-from fxpipe.microbatch import batch_size_of, forward_signature, spec_dims
+from fxpipe.microbatch import batch_size_of, forward_signature, spec_dims, whole_shapes
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.placement import pin_devices
@@ -278,6 +279,27 @@ def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, chunk_spec: Optional
         )
 
 
+def _refuse_bad_chunk_spec(signature: Optional[inspect.Signature], spec: ChunkSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Every name chunk_spec gives is an argument of forward, and every dim one its tensors have."""
+    if not spec or signature is None:
+        return
+    named = [n for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    problems = [f"{name!r} is not an argument of forward (it takes {', '.join(named) or 'none by name'})"
+                for name in spec if name not in named and not takes_any]  # fmt: skip
+    problems += [f"{name!r}: {dim!r} is not a dim; give a whole number, or None to keep it whole"
+                 for name, dim in spec.items() if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int))]  # fmt: skip
+    if not problems:
+        dims = spec_dims(signature, spec, args, kwargs)
+        for leaf in tree_flatten((args, kwargs))[0]:
+            dim = dims.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            if dim is not None and not -leaf.dim() <= dim < leaf.dim():
+                problems.append(f"dim {dim} of a tensor of shape {tuple(leaf.shape)} does not exist")
+    if problems:
+        raise ValueError("chunk_spec cannot split the inputs:\n" + "\n".join(f"  - {p}" for p in problems)
+                         + "\nHow to fix: name forward's arguments, each with the dim that holds the batch, or None.")
+
+
 @_leaves_the_model_as_it_was
 def compile_pipeline(
     model: nn.Module,
@@ -351,6 +373,7 @@ def compile_pipeline(
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
     example_kwargs = dict(example_kwargs or {})
+    _refuse_bad_chunk_spec(forward_signature(model), dict(chunk_spec or {}), example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
@@ -397,7 +420,8 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
-    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm, placement)
+    whole = whole_shapes(traced.bind(example_args, example_kwargs), split)
+    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm, placement, whole)
     if placement is not None:
         check_same_plan(plan, placement)
         for stage in plan.stages:

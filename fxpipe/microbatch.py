@@ -42,6 +42,39 @@ def spec_dims(signature: Optional[inspect.Signature], spec: dict[str, Optional[i
     return dims
 
 
+# Per input, for each of its leaves: the shape of a tensor the example kept whole, else None.
+WholeShapes = dict[str, tuple[Optional[tuple[int, ...]], ...]]
+
+
+def whole_shapes(values: dict[str, Any], dims: Dims) -> WholeShapes:
+    """For each input, the shapes of its tensor leaves that go whole to every micro-batch."""
+    batch = batch_size_of(list(values.values()), dims)
+    found = {}
+    for name, value in values.items():
+        leaves = tree_flatten(value)[0]
+        found[name] = tuple(
+            tuple(t.shape) if isinstance(t, torch.Tensor) and (batch is None or split_dim(t, batch, dims) is None) else None
+            for t in leaves
+        )
+    return found
+
+
+def kept_whole(values: dict[str, Any], whole: WholeShapes, dims: Dims) -> Dims:
+    """`dims`, with every tensor leaf that the example kept whole, and that has the example's
+    shape, kept whole again: its dim 0 may now equal the batch size by chance (a table of
+    positions, at a batch as long as the sequence)."""
+    found = dict(dims)
+    for name, value in values.items():
+        leaves = tree_flatten(value)[0]
+        shapes = whole.get(name)
+        if shapes is None or len(shapes) != len(leaves):
+            continue  # another structure than the example's: the batch rule decides
+        for leaf, shape in zip(leaves, shapes):
+            if isinstance(leaf, torch.Tensor) and shape == tuple(leaf.shape) and id(leaf) not in found:
+                found[id(leaf)] = None
+    return found
+
+
 def is_batched(value: Any, batch_size: int) -> bool:
     """A tensor is split across micro-batches when its first dimension is the batch."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_size
@@ -107,10 +140,10 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
     it is."""
     first = parts[0]
     if not isinstance(first, torch.Tensor):
-        if any(not _same_constant(p, first) for p in parts[1:]):
+        if dim == VARIES or any(not _same_constant(p, first) for p in parts[1:]):
             raise ValueError(
-                f"the model returns a value that is not a tensor and differs between micro-batches "
-                f"({', '.join(repr(p) for p in parts)}: a size of the batch?), and the plain model's "
+                f"the model returns a value that is not a tensor and depends on the batch (the micro-batches "
+                f"gave {', '.join(repr(p) for p in parts)}: a size of the batch?), and the plain model's "
                 "cannot be made from them.\nHow to fix: return it as a tensor with one entry per "
                 "sample, compute it outside the pipeline, or use chunks=1."
             )

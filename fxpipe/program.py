@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.distributed import RankPlacement
+from fxpipe.microbatch import WholeShapes
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -43,6 +44,31 @@ class Cut:
 
 
 @dataclass
+class HeldState:
+    """The model's submodules, parameters and buffers as the stages were built on them, by the
+    table that held each: a cast of the model itself (`model.double()` puts new buffers in place)
+    or an assignment (`model.w = nn.Parameter(...)`) is seen at the next call."""
+
+    modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
+    tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
+
+    @staticmethod
+    def of(owner: nn.Module) -> "HeldState":
+        modules, tensors = [], []
+        for path, module in owner.named_modules():
+            modules += [(f"{path}.{key}" if path else key, module._modules, key, child) for key, child in module._modules.items()]
+            for table in (module._parameters, module._buffers):
+                tensors += [(table, key, tensor) for key, tensor in table.items()]
+        return HeldState(modules, tensors)
+
+    def modules_replaced(self) -> list[str]:
+        return [name for name, table, key, module in self.modules if table.get(key) is not module]
+
+    def tensors_replaced(self) -> bool:
+        return any(table.get(key) is not tensor for table, key, tensor in self.tensors)
+
+
+@dataclass
 class Program:
     """A cut built for the runtime: what each stage runs, and what the outputs are made of."""
 
@@ -59,6 +85,9 @@ class Program:
     # The modules the trace went through, with how many forward hooks each had then: the graph
     # holds what those hooks did at compile time.
     traced_hooks: list[tuple[str, nn.Module, int]] = field(default_factory=list)
+
+    # Where the model held each submodule, parameter and buffer when the stages were built.
+    held: "HeldState" = field(default_factory=lambda: HeldState([], []))
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose forward hooks were added or removed since."""
@@ -108,6 +137,9 @@ class Compiled:
     chunk_spec: ChunkSpec = field(default_factory=dict)
     deferred_batch_norm: bool = False
     placement: Optional[RankPlacement] = None  # across processes: this rank's place
+    # Per input, the shapes of the example's leaves kept whole: a leaf of the same shape stays
+    # whole when its dim 0 happens to equal a later batch's size.
+    whole_inputs: WholeShapes = field(default_factory=dict)
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -118,5 +150,5 @@ class Compiled:
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
-            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm,
+            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.whole_inputs,
         )  # fmt: skip

@@ -189,7 +189,9 @@ def _paths(value: Any) -> list[str]:
 
 def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, str]:
     """Where the batch lies in one output leaf, and what is wrong with it ('' if nothing);
-    without `compare`, from the shapes alone."""
+    without `compare`, from the shapes alone (a number, made from shapes, is compared always)."""
+    if isinstance(whole, (int, float)) and not isinstance(whole, bool):
+        return (VARIES, "") if any(p != whole for p in parts) else (None, "")  # x.shape[0], say
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
         return None, ""
     if any(p.dim() != whole.dim() for p in parts):

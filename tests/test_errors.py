@@ -297,8 +297,10 @@ class CountsItsBatch(nn.Module):
 
 def test_an_output_that_is_no_tensor_and_differs_between_micro_batches_is_refused() -> None:
     pipe = compile_pipeline(CountsItsBatch(), X, ["cpu", "cpu"], chunks=2)
-    with pytest.raises(ValueError, match=r"not a tensor and differs between micro-batches \(3, 2"):
+    with pytest.raises(ValueError, match=r"not a tensor and depends on the batch \(the micro-batches gave 3, 2"):
         pipe(torch.randn(5, 6))
+    with pytest.raises(ValueError, match=r"not a tensor and depends on the batch \(the micro-batches gave 2, 2"):
+        pipe(X)  # even halves give equal sizes: compiling saw the size differ from the whole batch's
 
 
 def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refused() -> None:
@@ -315,3 +317,22 @@ def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refu
         pipe(X)
     handle.remove()
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * mask)
+
+
+def test_a_chunk_spec_naming_what_forward_does_not_take_is_refused() -> None:
+    example = (X, torch.rand(6))
+    with pytest.raises(ValueError, match=r"'msk' is not an argument of forward \(it takes x, mask\)(.|\n)*How to fix"):
+        compile_pipeline(TwoInputs(), example, ["cpu", "cpu"], chunks=2, chunk_spec={"msk": None})
+    with pytest.raises(ValueError, match=r"dim 5 of a tensor of shape \(4, 6\) does not exist"):
+        compile_pipeline(TwoInputs(), example, ["cpu", "cpu"], chunks=2, chunk_spec={"x": 5})
+    with pytest.raises(ValueError, match=r"'x': 'rows' is not a dim"):
+        compile_pipeline(TwoInputs(), example, ["cpu", "cpu"], chunks=2, chunk_spec={"x": "rows"})  # type: ignore[dict-item]

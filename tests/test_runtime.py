@@ -290,3 +290,97 @@ def test_load_state_dict_with_assign_runs_on_the_new_tensors() -> None:
     for p, q in zip(pipe.parameters(), reference.parameters()):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+class Counts(nn.Module):
+    """Writes a buffer in forward and reads it: the model's own buffer must be the one written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.count: torch.Tensor
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.lin(x) * (self.count * 0.5 + 1)
+
+
+def _in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_cast_of_the_model_itself_after_compiling_is_seen(checkpoint: str) -> None:
+    """`model.double()` puts new buffers in the model: the stages are built again on them, and
+    the buffer the model holds is the one written."""
+    model = nn.Sequential(Counts(), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    model.double()
+    reference.double()
+    x = x.double()
+    for _ in range(2):
+        out, expected = pipe(x), _in_turn(reference, x, 2)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    for (name, got), want in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_parameter_assigned_after_compiling_gets_its_gradient() -> None:
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[2].weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    reference[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    y = torch.randn(8, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+def test_a_module_replaced_after_compiling_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[2] = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 2\.(.|\n)*compile the model again"):
+        pipe(x)
+
+
+class WithPositions(nn.Module):
+    """`pos` holds one row per position, the same for every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x + pos)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_input_the_example_kept_whole_stays_whole_when_its_dim_0_equals_the_batch(schedule: str) -> None:
+    model, reference = twin(WithPositions())
+    example = (torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    pipe = compile_pipeline(model, example, ["cpu", "cpu"], chunks=3, schedule=schedule)
+    x, pos = torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)  # a batch of 3 = the positions
+    out = pipe(x, pos)
+    torch.testing.assert_close(out, reference(x, pos), rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    reference(x, pos).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    y = torch.randn(3, 3, 3, dtype=torch.float64)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = None
+    loss = pipe.train_step(x, pos, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x, pos), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)

@@ -378,3 +378,17 @@ def test_a_sparse_embedding_tied_to_the_output_layer_under_autocast(call: str) -
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=2e-2, atol=2e-3, msg=name)  # type: ignore[union-attr]
+
+
+def test_a_mean_loss_in_bfloat16_passes_the_combination_check() -> None:
+    """The micro-batches' bfloat16 losses, combined, round otherwise than the whole batch's."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = compile_pipeline(model, torch.randn(8, 6), ["cpu", "cpu"], chunks=2, checkpoint="never")
+    pipe.bfloat16()
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(8, 6, generator=g).bfloat16(), torch.randn(8, 3, generator=g).bfloat16()
+        loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        torch.testing.assert_close(loss.float(), F.mse_loss(model(x), y).float(), rtol=3e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="not a mean over samples"):
+        pipe.train_step(x, target=y, loss_fn=lambda o, t: F.mse_loss(o, t, reduction="sum"))
