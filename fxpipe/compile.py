@@ -270,7 +270,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
 
 def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, chunk_spec: Optional[ChunkSpec]) -> None:
     """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence."""
-    found = sequence_first_calls(gm) if chunks > 1 and not chunk_spec else []
+    splits_elsewhere = any(dim not in (None, 0) for dim in (chunk_spec or {}).values())  # {"x": 1}
+    found = sequence_first_calls(gm) if chunks > 1 and not splits_elsewhere else []
     if found:
         raise ValueError(
             f"these modules take the batch along dim 1 (batch_first=False): {', '.join(found)}, and "

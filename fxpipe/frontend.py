@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
@@ -55,6 +55,25 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
         return {names[key]: value for key, value in bound.arguments.items()}
 
     return bind
+
+
+def _none_as_traced(bind: Binder, traced: dict[str, Any]) -> Binder:
+    """`bind`, refusing a call that leaves an argument None where the example gave one, or the
+    reverse: torch.fx traced the model's `if mask is not None` branch as the example took it."""
+    absent = {name for name, value in traced.items() if value is None}
+
+    def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = bind(args, kwargs)
+        differ = sorted(name for name, value in values.items() if (value is None) != (name in absent))
+        if differ:
+            raise TypeError(
+                f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
+                "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
+                "for calls of each kind (with and without the argument), or pass it as the example did."
+            )
+        return values
+
+    return checked
 
 
 def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
@@ -177,7 +196,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         if not wholes:
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
         return _by_fx(model, example, kwargs, [*leaves, *wholes])
-    bind = signature_binder(graphs[True], model)
+    bind = _none_as_traced(signature_binder(graphs[True], model), signature_binder(graphs[True], model)(example, kwargs))
     if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind)
     # Again with source lines, which tracing records only for messages (it is slow).
@@ -195,7 +214,22 @@ def _cache_hint(model: nn.Module, error: Exception) -> str:
     )
 
 
+def _unaliased(example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with a copy in place of each tensor given a second time (`labels=input_ids`):
+    export would make one input of both, and the graph would read one for the other."""
+    seen: set[int] = set()
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.clone()
+        seen.add(id(t))
+        return t
+
+    return tree_map_only(torch.Tensor, once, (example, kwargs))  # type: ignore[no-any-return]
+
+
 def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> Traced:
+    example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
         with functions_applied(functions):

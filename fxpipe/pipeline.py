@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -362,6 +363,12 @@ class Pipeline(nn.Module):
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
+        if threading.current_thread() in self._workers.threads:
+            raise RuntimeError(
+                "the pipeline was called from inside one of its own stages (from a hook on a module it runs, say): "
+                "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
+                "backward, or call the module itself inside the hook."
+            )
         program = self._held_program()
         changed = program.hooks_changed()
         if changed:

@@ -52,12 +52,43 @@ class _FixedDraws(TorchDispatchMode):
             return _batch_norm_by_statistics(func, args, kwargs)
         if name == "native_dropout":  # kept whole: the values after it still tell
             return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
+        if torch.Tag.nondeterministic_seeded in func.tags and _gated(func):
+            positional, named = _ungated(func, args, kwargs)
+            return func(*positional, **named)  # attention with dropout: its output still tells
         out = func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags:
             for t in (out if isinstance(out, (tuple, list)) else [out]):
                 if isinstance(t, torch.Tensor):
                     _fix(t, name)
         return out
+
+
+_PROBABILITIES, _TRAINING = ("dropout_p",), ("train", "training")
+
+
+def _gated(func: Any) -> bool:
+    """An op that draws only for a dropout probability or in training (attention, rrelu)."""
+    return any(a.name in (*_PROBABILITIES, *_TRAINING) for a in func._schema.arguments)
+
+
+def _ungated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The op's arguments with the dropout probability 0 and training off."""
+    positional, named = [], {}
+    for k, argument in enumerate(func._schema.arguments):
+        if k < len(args):
+            value = args[k]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        elif argument.has_default_value():
+            value = argument.default_value
+        else:
+            continue
+        value = 0.0 if argument.name in _PROBABILITIES else False if argument.name in _TRAINING else value
+        if argument.kwarg_only:
+            named[argument.name] = value
+        else:
+            positional.append(value)
+    return positional, named
 
 
 def _fix(t: torch.Tensor, name: str) -> None:
@@ -268,17 +299,22 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
     args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
     call = f"{args.pop(0)}.{node.target}" if node.op == "call_method" and args else _target(node)
     text = f"{node.name} = {call}({', '.join(args)})"
-    if isinstance(whole, (int, float)) and not isinstance(whole, bool):
-        text += f", {whole} for the whole example and {part} for a half"
+    if isinstance(whole, (int, float, tuple)) and not isinstance(whole, bool):  # a size, or a shape
+        shown = tuple(whole) if isinstance(whole, tuple) else whole
+        text += f", {shown} for the whole example and {tuple(part) if isinstance(part, tuple) else part} for a half"
     line = source_line(node)
     return text if line == "an unknown line" else f"{text} at {line}"
 
 
 def _agrees(whole: Any, parts: list[Any]) -> bool:
+    """Whether the halves' values of a node put together give the whole example's, leaf by leaf
+    (a module's tuple of outputs, say)."""
+    if isinstance(whole, (tuple, list)) and all(isinstance(p, type(whole)) and len(p) == len(whole) for p in parts):
+        return all(_agrees(w, [p[k] for p in parts]) for k, w in enumerate(whole))
     if isinstance(whole, torch.Tensor):
         dim, why = _batch_dim(whole, parts, compare=True)
         return dim != VARIES and not why
-    if isinstance(whole, (int, float, bool)) and not isinstance(whole, torch.SymInt):
+    if isinstance(whole, (int, float, bool)):
         return all(p == whole for p in parts)
     return True
 

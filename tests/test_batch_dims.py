@@ -32,9 +32,9 @@ class Mixer(nn.Module):
 
 MIXING = {
     "centred over the batch": (lambda h, x: h - h.mean(0), r"mean"),
-    "divided by the batch size": (lambda h, x: h / x.shape[0], r"getitem = getitem\(getattr\w*, 0\), 8 for the whole example and 4 for a half"),
+    "divided by the batch size": (lambda h, x: h / x.shape[0], r"getattr_1 = getattr\(x, 'shape'\), \(8, 6\) for the whole example and \(4, 6\) for a half"),
     "a cumulative sum over the batch": (lambda h, x: torch.cumsum(h, 0), r"cumsum"),
-    "positions counted over the batch": (lambda h, x: h + torch.arange(x.shape[0], dtype=h.dtype)[:, None], r"8 for the whole example and 4 for a half"),
+    "positions counted over the batch": (lambda h, x: h + torch.arange(x.shape[0], dtype=h.dtype)[:, None], r"\(8, 6\) for the whole example and \(4, 6\) for a half"),
     "normalised over the whole tensor": (lambda h, x: h / h.abs().max(), r"max"),
     "rows in reverse": (lambda h, x: h.flip(0), r"flip"),
     "centred after dropout": (lambda h, x: F.dropout(h, 0.5, True) - h.mean(0), r"mean"),
@@ -249,3 +249,22 @@ def test_dims_found_on_the_cpu() -> None:
     assert {n.name: n.meta["batch_dims"] for n in returned} == {"b": [1], "getitem": [0]}  # the sequence, h[-1]
     annotate_batch_dims(gm, (x,), chunks=4)  # split along dim 0: the time, so h[-1] is made from the whole
     assert {n.name: n.meta["batch_dims"] for n in returned} == {"b": [0], "getitem": [VARIES]}
+
+
+class AttendsAcrossTheBatch(nn.Module):
+    """Attention whose sequence is the batch, in a layer that holds a dropout rate: its kernels
+    are tagged random, and the check runs them without dropout rather than filling them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.attn = nn.MultiheadAttention(8, 2, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).unsqueeze(0)
+        return self.b(self.attn(h, h, h, need_weights=False)[0].squeeze(0))
+
+
+def test_attention_across_the_batch_in_a_layer_with_dropout_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"would compute otherwise than the whole batch(.|\n)*self\.attn"):
+        compile_pipeline(AttendsAcrossTheBatch().double(), X, ["cpu", "cpu"], chunks=2)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -336,3 +337,54 @@ def test_a_chunk_spec_naming_what_forward_does_not_take_is_refused() -> None:
         compile_pipeline(TwoInputs(), example, ["cpu", "cpu"], chunks=2, chunk_spec={"x": 5})
     with pytest.raises(ValueError, match=r"'x': 'rows' is not a dim"):
         compile_pipeline(TwoInputs(), example, ["cpu", "cpu"], chunks=2, chunk_spec={"x": "rows"})  # type: ignore[dict-item]
+
+
+def test_a_sequence_first_layer_is_refused_with_a_chunk_spec_that_splits_nothing_else() -> None:
+    x = torch.randn(5, 4, 6)
+    with pytest.raises(ValueError, match=r"batch_first=False\): rnn \(LSTM\)"):
+        compile_pipeline(SequenceFirst(), x, ["cpu", "cpu"], chunks=2, chunk_spec={"x": 0})
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+def test_an_argument_left_none_where_the_example_gave_one_is_refused() -> None:
+    mask, model = torch.rand(4, 6), Gated()
+    pipe = compile_pipeline(model, (X, mask), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match=r"leaves mask None where the example gave a value(.|\n)*How to fix"):
+        pipe(X)
+
+
+class Reenters(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_call_from_inside_one_of_its_own_stages_is_refused() -> None:
+    model = Reenters()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    seen: list[str] = []
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        try:
+            pipe(X)
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    model.b.register_forward_hook(hook)
+    pipe(X)
+    assert seen and all("called from inside one of its own stages" in s for s in seen)

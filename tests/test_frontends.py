@@ -244,3 +244,24 @@ def test_keyword_inputs_through_export() -> None:
         warnings.simplefilter("ignore")
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, example_kwargs={"scale": scale})
     torch.testing.assert_close(pipe(x, scale=scale), reference(x, scale=scale), rtol=0, atol=1e-12)
+
+
+class TwoArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        x, y = args
+        return self.c(torch.tanh(self.a(x))) - y
+
+
+def test_an_example_that_gives_one_tensor_for_two_arguments_keeps_them_two() -> None:
+    """torch.export makes one input of a tensor given twice (`labels=input_ids`): compiling
+    exports a copy of the second, so the graph reads each argument as given."""
+    model, reference = twin(TwoArgs())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, (x, x), ["cpu", "cpu"], chunks=2)
+    a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(a, b), reference(a, b), rtol=0, atol=1e-12)
