@@ -196,7 +196,8 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         if not wholes:
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
         return _by_fx(model, example, kwargs, [*leaves, *wholes])
-    bind = _none_as_traced(signature_binder(graphs[True], model), signature_binder(graphs[True], model)(example, kwargs))
+    binder = signature_binder(graphs[True], model)
+    bind = _none_as_traced(binder, binder(example, kwargs))
     if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind)
     # Again with source lines, which tracing records only for messages (it is slow).
