@@ -83,12 +83,16 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     fixed = fixed_dims(gm)
     guards = gm.meta.get("input_guards")
 
+    order = list(spec.child(1).context or [])  # the example's keyword arguments, in its order
+
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if set(kwargs) == set(order):  # keywords in another order are the same call
+            kwargs = {key: kwargs[key] for key in order}
         leaves, called = tree_flatten((args, kwargs))
         if called != spec:
             raise TypeError(
                 "the pipeline was exported for arguments shaped like the example, and this call differs:\n"
-                f"  - example: {spec}\n  - call:    {called}\n"
+                f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
                 "How to fix: call it with the same positional and keyword arguments as the example."
             )
         _check_fixed(leaves, fixed)
@@ -97,6 +101,13 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _arguments(spec: TreeSpec) -> str:
+    """'2 positional; keywords mask, labels', and the structure of each, as pytree sees it."""
+    positional, keywords = spec.child(0), spec.child(1)
+    names = ", ".join(map(str, keywords.context or [])) or "none"
+    return f"{positional.num_children} positional, keywords {names} (structure {spec})"
 
 
 def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]]) -> None:

@@ -265,3 +265,22 @@ def test_an_example_that_gives_one_tensor_for_two_arguments_keeps_them_two() -> 
         pipe = compile_pipeline(model, (x, x), ["cpu", "cpu"], chunks=2)
     a, b = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     torch.testing.assert_close(pipe(a, b), reference(a, b), rtol=0, atol=1e-12)
+
+
+class Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(args[0])) * kwargs["m"] + kwargs["n"])
+
+
+def test_keywords_in_another_order_than_the_examples_are_the_same_call() -> None:
+    model, reference = twin(Keywords())
+    x, m, n = (torch.randn(6, 4, dtype=torch.float64) for _ in range(3))
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, (x,), ["cpu", "cpu"], chunks=2, example_kwargs={"m": m, "n": n})
+    torch.testing.assert_close(pipe(x, n=n, m=m), reference(x, m=m, n=n), rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match=r"example: 1 positional, keywords m, n(.|\n)*call: +1 positional, keywords m \("):
+        pipe(x, m=m)
