@@ -83,7 +83,7 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     fixed = fixed_dims(gm)
     guards = gm.meta.get("input_guards")
 
-    order = list(spec.child(1).context or [])  # the example's keyword arguments, in its order
+    order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if set(kwargs) == set(order):  # keywords in another order are the same call
@@ -103,9 +103,14 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     return bind
 
 
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    """A spec's children, by the pytree API of this torch (`children()` replaced an attribute)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
 def _arguments(spec: TreeSpec) -> str:
     """'2 positional; keywords mask, labels', and the structure of each, as pytree sees it."""
-    positional, keywords = spec.child(0), spec.child(1)
+    positional, keywords = _children(spec)
     names = ", ".join(map(str, keywords.context or [])) or "none"
     return f"{positional.num_children} positional, keywords {names} (structure {spec})"
 
