@@ -268,9 +268,9 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     return compile_and_restore
 
 
-def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, chunk_spec: Optional[ChunkSpec]) -> None:
+def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> None:
     """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence."""
-    splits_elsewhere = any(dim not in (None, 0) for dim in (chunk_spec or {}).values())  # {"x": 1}
+    splits_elsewhere = any(dim not in (None, 0) for dim in spec.values())  # {"x": 1}
     found = sequence_first_calls(gm) if chunks > 1 and not splits_elsewhere else []
     if found:
         raise ValueError(
@@ -374,17 +374,19 @@ def compile_pipeline(
     if batch_size_of(list(example_args)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
     example_kwargs = dict(example_kwargs or {})
-    _refuse_bad_chunk_spec(forward_signature(model), dict(chunk_spec or {}), example_args, example_kwargs)
+    signature, spec = forward_signature(model), dict(chunk_spec or {})
+    _refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
         example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
-    _refuse_sequence_first(traced.graph, chunks, chunk_spec)
+    _refuse_sequence_first(traced.graph, chunks, spec)
     gm = redirect_reads_after_writes(traced.graph)
-    inputs = tuple(traced.bind(example_args, example_kwargs).values())
+    bound = traced.bind(example_args, example_kwargs)
+    inputs = tuple(bound.values())
     propagate_shapes(gm, inputs)
-    split = spec_dims(forward_signature(model), dict(chunk_spec or {}), example_args, example_kwargs)
+    split = spec_dims(signature, spec, example_args, example_kwargs)
     annotate_batch_dims(gm, inputs, chunks, split)
     annotate_costs(gm)
     # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
@@ -421,8 +423,7 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
-    whole = whole_shapes(traced.bind(example_args, example_kwargs), split)
-    compiled = Compiled(plan, cuts, traced.bind, build, parsed, dict(chunk_spec or {}), deferred_batch_norm, placement, whole)
+    compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, whole_shapes(bound, split))
     if placement is not None:
         check_same_plan(plan, placement)
         for stage in plan.stages:

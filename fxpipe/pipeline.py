@@ -116,15 +116,24 @@ class Pipeline(nn.Module):
         return self._programs[training]
 
     def _held_program(self) -> Program:
-        """The program for this call: built again when the model holds other tensors than its
-        stages were built on (the model itself cast, a parameter assigned); refused when it holds
-        another module, whose forward the graph may not hold."""
+        """The program for this call, against what the model holds now: built again when it holds
+        other tensors than its stages were built on (the model itself cast, a parameter assigned);
+        refused when it holds another module, or a traced-through module's forward hooks changed,
+        whose forward or hooks the graph may not hold."""
         program = self._program()
         replaced = program.held.modules_replaced()
         if replaced:
             raise RuntimeError(
                 f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
+            )
+        changed = program.hooks_changed()
+        if changed:
+            raise RuntimeError(
+                f"forward hooks were added to or removed from {', '.join(n or 'the model itself' for n in changed)} "
+                "since compiling: the trace went through these modules, and their graph holds what their "
+                f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
+                f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
             )
         if program.held.tensors_replaced():
             self._build()
@@ -370,14 +379,6 @@ class Pipeline(nn.Module):
                 "backward, or call the module itself inside the hook."
             )
         program = self._held_program()
-        changed = program.hooks_changed()
-        if changed:
-            raise RuntimeError(
-                f"forward hooks were added to or removed from {', '.join(n or 'the model itself' for n in changed)} "
-                "since compiling: the trace went through these modules, and their graph holds what their "
-                f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
-                f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
-            )
         values = self._compiled.bind(args, kwargs)
         dims = kept_whole(values, self._compiled.whole_inputs, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)

@@ -50,13 +50,12 @@ class _FixedDraws(TorchDispatchMode):
         name = func._overloadpacket.__name__
         if name in _BATCH_NORMS:
             return _batch_norm_by_statistics(func, args, kwargs)
-        if name == "native_dropout":  # kept whole: the values after it still tell
-            return args[0].clone(), torch.ones_like(args[0], dtype=torch.bool)
-        if torch.Tag.nondeterministic_seeded in func.tags and _gated(func):
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if seeded and _gated(func):  # dropout, attention with dropout: run without, the values still tell
             positional, named = _ungated(func, args, kwargs)
-            return func(*positional, **named)  # attention with dropout: its output still tells
+            return func(*positional, **named)
         out = func(*args, **kwargs)
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if seeded:
             for t in (out if isinstance(out, (tuple, list)) else [out]):
                 if isinstance(t, torch.Tensor):
                     _fix(t, name)
