@@ -101,5 +101,6 @@ def train_distributed(model: nn.Module, make_batch: Batch, loss_fn: Callable[[to
         print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} (the same on every rank)")
         pipe.to_svg(args.svg)
         print(f"wrote {args.svg}")
+    dist.barrier()  # no rank leaves while another still reads the end of the last step
     dist.destroy_process_group()
     return losses

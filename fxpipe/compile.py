@@ -255,7 +255,9 @@ P = ParamSpec("P")
 def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, Pipeline]:
     """Compiling runs the model (checks, shapes, timing). Each pass puts back what it changed;
     this puts back anything one missed, even when compiling fails: parameter values, buffers,
-    `.grad`, `training` flags and the random states. A tensor placement moved keeps its device."""
+    `.grad`, `training` flags and the random states. A tensor placement moved keeps its device.
+    Then, across processes, data-parallel replicas copy replica 0's parameters, which that
+    restore would undo."""
 
     @functools.wraps(compile)
     def compile_and_restore(*args: P.args, **kwargs: P.kwargs) -> Pipeline:
@@ -263,7 +265,9 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
         with preserved(model):
-            return compile(*args, **kwargs)
+            pipe = compile(*args, **kwargs)
+        pipe._join_replicas()
+        return pipe
 
     return compile_and_restore
 

@@ -28,7 +28,7 @@ from fxpipe.microbatch import Dims, batch_size_of, forward_signature, kept_whole
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
-from fxpipe.replicas import ReplicaFailed, sync_replicas
+from fxpipe.replicas import ReplicaFailed, Replicas
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
 from fxpipe.step import Step
@@ -59,6 +59,7 @@ class Pipeline(nn.Module):
     _programs: dict[bool, Program]
     _workers: Workers
     _channel: Optional[Channel]  # across processes: this rank's messages to the others
+    _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
     _signature: Optional[inspect.Signature]
     _closed: bool
     _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
@@ -102,6 +103,14 @@ class Pipeline(nn.Module):
             check_state_placement(model, self._programs)
             keep_local_state(model, list(self._programs.values()), where.me)
         materialize(model, list(self._programs.values()), self._runs_here)
+        self.__dict__["_replicas"] = None
+
+    def _join_replicas(self) -> None:
+        """With a "dp" mesh dimension: wrap this rank's parameters in DDP, which copies replica 0's
+        to the others (compile_pipeline calls this once it has put the model back as it was)."""
+        where = self._compiled.placement
+        if where is not None and where.dp_group is not None:
+            self.__dict__["_replicas"] = Replicas(where, self._held_here(self._programs[True]))
 
     # -- stages ----------------------------------------------------------------------------
     def _build(self) -> None:
@@ -174,6 +183,12 @@ class Pipeline(nn.Module):
     def _runs_here(self, program: Program, stage: int) -> bool:
         where = self._compiled.placement
         return where is None or program.layout.ranks[stage] == where.me
+
+    def _held_here(self, program: Program) -> list[nn.Parameter]:
+        """The parameters this rank's stages read."""
+        where = self._compiled.placement
+        assert where is not None
+        return [p for p in program.parameters if where.me in program.readers.get(id(p), ())]
 
     @staticmethod
     def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter]) -> list[Optional[torch.Tensor]]:
@@ -325,22 +340,28 @@ class Pipeline(nn.Module):
                     grads = sum_tied(channel, call.program, call.params, self._parameter_grads(call.program, step, call.params))
                 got = channel.finish((total, problem) if here else None)
         except BaseException:
-            if where.dp_group is not None:  # the replicas must not wait for this one's gradients
+            if self._replicas is not None:  # the replicas must not wait for this one's gradients
                 with contextlib.suppress(Exception):
-                    sync_replicas(where, [None] * (len(call.params) if call.grad else 0), None, 0, True, failed=True)
+                    self._replicas.agree([False] * (len(call.params) if call.grad else 0), None, 0, True, failed=True)
             raise
         if not here:
             total, problem = got[loss_rank]
-        if where.dp_group is not None:
-            try:
-                grads, total = sync_replicas(where, grads, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
-            except ReplicaFailed:
-                if problem is None:
-                    raise
+        if self._replicas is None:
+            if problem is not None:
+                raise ValueError(problem)
+            if call.grad:
+                self._accumulate(call, [], grads)
+            return (total, outputs) if return_outputs else total
+        present = [g is not None for g in grads]
+        try:
+            scale, total = self._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
+        except ReplicaFailed:
+            if problem is None:
+                raise
         if problem is not None:
             raise ValueError(problem)
         if call.grad:
-            self._accumulate(call, [], grads)
+            self._replicas.accumulate(self._held_here(call.program), call.params, grads, scale)
         return (total, outputs) if return_outputs else total
 
     def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:

@@ -1,12 +1,25 @@
 """Data-parallel replicas of a pipeline ("dp" in the mesh): each trains on its own share of the
-batch, and their gradients and losses are combined as those of the whole batch, once per step."""
+batch, and DistributedDataParallel averages their gradients once per step, weighted so that they
+are those of the whole batch.
+
+A stage's backward runs on fxpipe's own autograd graphs, never through a DDP module's forward,
+so DDP wraps a sink that holds this rank's parameters: its forward returns a zero that autograd
+ties to every parameter with a gradient this step, and its backward hands each parameter that
+gradient, scaled. Autograd's accumulation into `.grad` then fires DDP's hooks as a plain DDP
+backward would:
+
+    step's gradients g ──▶ sink backward: g x scale ──▶ AccumulateGrad (.grad += ...)
+                                                        └──▶ DDP hook: bucket, all-reduce, / replicas
+"""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from fxpipe.distributed import RankPlacement
 
@@ -15,36 +28,78 @@ class ReplicaFailed(RuntimeError):
     """A data-parallel replica of this rank's stages failed its step."""
 
 
-def sync_replicas(
-    where: RankPlacement, grads: list[Optional[torch.Tensor]], loss: Optional[torch.Tensor], size: int, mean: bool, failed: bool
-) -> tuple[list[Optional[torch.Tensor]], Optional[torch.Tensor]]:
-    """Gradients and loss of the whole batch, from this rank's and its replicas' (one batch
-    each, on the "dp" dimension): for a mean-reduced loss, each replica's weighted by its batch
-    size; for a sum-reduced one, summed. A replica whose step failed says so, and every replica
-    raises: none waits for a sum that will not come."""
-    group, timeout = where.dp_group, timedelta(seconds=where.timeout)
-    device = where.device
-    weight = float(size) if mean else 1.0
-    present = [g is not None for g in grads]
-    head = torch.tensor([float(failed), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=device)
-    dist.all_reduce(head, group=group, async_op=True).wait(timeout)
-    if head[0] > 0:
-        raise ReplicaFailed(f"{int(head[0])} data-parallel replica(s) of this rank's stages failed this step; see their errors")
-    replicas = dist.get_world_size(group)
-    if any(0 < int(n) < replicas for n in head[3:].tolist()):
-        raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
-    total = float(head[1]) if mean else 1.0
-    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        if g is not None:
-            buckets.setdefault(g.dtype, []).append(g)
-    summed: dict[int, torch.Tensor] = {}
-    for tensors in buckets.values():
-        flat = torch.cat([t.reshape(-1) * weight for t in tensors])
-        dist.all_reduce(flat, group=group, async_op=True).wait(timeout)
-        flat /= total
-        for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
-            summed[id(t)] = part.view_as(t)
-    out = [summed[id(g)] if g is not None else None for g in grads]
-    new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)
-    return out, new_loss
+class Replicas:
+    """This rank's stages and their replicas on the mesh's "dp" dimension."""
+
+    def __init__(self, where: RankPlacement, params: Sequence[nn.Parameter]) -> None:
+        self.where = where
+        self.size = dist.get_world_size(where.dp_group)
+        self._ddp: Optional[DistributedDataParallel] = None
+        self._held: tuple[tuple[int, bool], ...] = ()
+        self.watch(params)
+
+    def watch(self, params: Sequence[nn.Parameter], present: Optional[Sequence[bool]] = None) -> None:
+        """Wrap in DDP these parameters, less those that require grad but have no gradient this step
+        (`present`, which every replica agreed on); again if that set changed since last time.
+        Like DDP's constructor this is a collective of the replicas, and it copies replica 0's
+        parameters to the others."""
+        present = present if present is not None else [True] * len(params)
+        held = [p for p, has in zip(params, present) if has or not p.requires_grad]
+        key = tuple((id(p), p.requires_grad) for p in held)
+        if key == self._held:
+            return
+        trains = any(p.requires_grad for p in held)
+        self._ddp = DistributedDataParallel(_Sink(held), process_group=self.where.dp_group) if trains else None
+        self._held = key
+
+    def agree(self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: bool) -> tuple[float, Optional[torch.Tensor]]:
+        """What every replica needs before gradients move: whether one failed (then each raises,
+        none waits for gradients that will not come), the whole batch's loss, and the scale of this
+        replica's gradients, its share of the batch for a mean-reduced loss (DDP then divides by
+        the number of replicas)."""
+        weight = float(size) if mean else 1.0
+        head = torch.tensor([float(failed), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=self.where.device)
+        dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
+        if head[0] > 0:
+            raise ReplicaFailed(f"{int(head[0])} data-parallel replica(s) of this rank's stages failed this step; see their errors")
+        if any(0 < int(n) < self.size for n in head[3:].tolist()):
+            raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
+        total = float(head[1]) if mean else 1.0
+        new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)
+        return weight * self.size / total, new_loss
+
+    def accumulate(self, held: Sequence[nn.Parameter], params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], scale: float) -> None:
+        """Add the replicas' weighted mean of `grads` into the `.grad` of `params` (those of `held`
+        that require grad), through DDP; every replica has agreed which have a gradient."""
+        given = {id(p): g * scale for p, g in zip(params, grads) if g is not None}
+        self.watch(held, [id(p) in given for p in held])
+        if self._ddp is None:
+            return
+        with torch.enable_grad():
+            self._ddp(given).backward()
+
+
+class _Sink(nn.Module):
+    """Holds parameters for DDP; its forward ties a zero to those given gradients (see above)."""
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        super().__init__()
+        self.held = nn.ParameterList(params)
+
+    def forward(self, given: dict[int, torch.Tensor]) -> torch.Tensor:
+        params = [p for p in self.held if id(p) in given]
+        return _Feed.apply([given[id(p)] for p in params], *params)
+
+
+class _Feed(torch.autograd.Function):
+    """Forward: a zero. Backward: the given gradients, one per parameter."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: list[torch.Tensor], *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return torch.zeros((), dtype=torch.float64, device=params[0].device if params else None)
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        grads, ctx.grads = ctx.grads, None
+        return (None, *grads)

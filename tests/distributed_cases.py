@@ -579,3 +579,42 @@ def _batch_dims_across(mesh: Any) -> dict[str, float]:
         "dims gradients": max(_max_diff(grad_of(p), grad_of(ref[n])) for n, p in pipe.named_parameters()),
         "dims outputs": -1.0 if out is None else max(_max_diff(o, e) for o, e in zip(out, expected_out)),
     }
+
+
+class _PartlyFrozen(nn.Module):
+    """A trained layer, a frozen one, and a parameter the forward never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+        self.unused = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.frozen(torch.tanh(self.a(x))))
+
+
+def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
+    """One stage, two replicas built from different seeds: DDP makes replica 1 replica 0's copy at
+    compile time, then averages their gradients (uneven shares, a mean and then a sum loss)."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(rank)
+    model = _PartlyFrozen().double()
+    torch.manual_seed(0)
+    reference = _PartlyFrozen().double()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(9, 6, dtype=torch.float64, generator=g), torch.randn(9, 6, dtype=torch.float64, generator=g)
+    share = slice(0, 4) if rank == 0 else slice(4, None)
+    pipe = compile_pipeline(model, x[share], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    ref = dict(reference.named_parameters())
+    start = max(_max_diff(p, ref[n]) for n, p in model.named_parameters() if n != "unused")
+    mean = pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+    total = pipe.train_step(x[share], target=y[share], loss_fn=lambda out, t: F.mse_loss(out, t, reduction="sum"), reduction="sum")
+    expected_mean, expected_sum = F.mse_loss(reference(x), y), F.mse_loss(reference(x), y, reduction="sum")
+    (expected_mean + expected_sum).backward()
+    return dict(
+        start=start,
+        losses=max(abs(mean.item() - expected_mean.item()), abs(total.item() - expected_sum.item())),
+        grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters() if p.requires_grad and n != "unused"),
+        unused=model.unused.grad is None,
+    )

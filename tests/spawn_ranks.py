@@ -31,6 +31,10 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, results: An
         results.put((rank, "ok", fn(rank, world, *args)))
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
         results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    try:  # no rank leaves while another still reads the end of its last step (a dead one is not waited for)
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - best effort: the results are in
+        pass
     finally:
         try:
             dist.destroy_process_group()

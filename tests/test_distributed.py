@@ -235,3 +235,10 @@ def test_no_grad_sum_reduction_autocast_and_eval_across_processes() -> None:
         assert (found["eval out"] == -1.0) if rank == 0 else (0 <= found["eval out"] <= TOL), found
         assert found["dims loss"] <= TOL and found["dims gradients"] <= TOL, found
         assert (found["dims outputs"] == -1.0) if rank == 0 else (0 <= found["dims outputs"] <= TOL), found
+
+
+def test_replicas_start_from_replica_0_and_average_through_ddp() -> None:
+    for found in results_of(spawn_ranks(cases.replicas_through_ddp, 2, timeout=120)):
+        assert found["start"] == 0.0, "DDP copies replica 0's parameters, frozen ones too, to the other at compile time"
+        assert found["losses"] <= TOL and found["grads"] <= TOL, found
+        assert found["unused"], "a parameter no replica reads keeps no gradient"
