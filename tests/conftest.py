@@ -18,6 +18,31 @@ def example_module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+class Counts(nn.Module):
+    """Writes a buffer in forward and reads it: the model's own buffer must be the one written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+        self.count: torch.Tensor
+        self.register_buffer("count", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return self.lin(x) * (self.count * 0.5 + 1)
+
+
+class WithPositions(nn.Module):
+    """`pos` holds one row per position, the same for every sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x + pos)))
+
+
 class FanOut(nn.Module):
     """`a` feeds three later layers: cut in 4 stages, it is a skip to each of stages 2 and 3."""
 

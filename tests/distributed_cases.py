@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import FanOut, example_module, grad_of
+from conftest import Counts, FanOut, WithPositions, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -543,7 +543,40 @@ def modes_across(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         out = pipe(x)
         found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
-    return {**found, **_batch_dims_across(mesh)}
+    return {**found, **_batch_dims_across(mesh), **_changed_across(mesh)}
+
+
+def _changed_across(mesh: Any) -> dict[str, float]:
+    """What changed after compiling, on every rank: the model cast to float64 (the stages are built
+    again), and an input the example kept whole at a batch size equal to its length."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Counts())  # Counts writes a buffer: cast, it is another
+    reference = copy.deepcopy(model).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x.float(), mesh=mesh, chunks=4, schedule="zb-h1", timeout=60)
+    model.double()
+    found = _step_against(pipe, reference, (x,), y, "cast", chunks=4)
+    held = [b for b in model.buffers() if not b.is_meta]  # the count, on the rank that holds it
+    found["cast count"] = max((abs(float(b.sum()) - 4.0) for b in held), default=0.0)
+    model = WithPositions().double()
+    reference = copy.deepcopy(model)
+    example = (torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    pipe = compile_pipeline(model, example, mesh=mesh, chunks=3, schedule="1f1b", timeout=60)
+    args = (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    return {**found, **_step_against(pipe, reference, args, torch.randn(3, 3, 3, dtype=torch.float64), "whole")}
+
+
+def _step_against(pipe: Any, reference: nn.Module, args: tuple[torch.Tensor, ...], y: torch.Tensor, name: str, chunks: int = 1) -> dict[str, float]:
+    """One train step against the plain model (run on the micro-batches in turn if `chunks`)."""
+    loss = pipe.train_step(*args, target=y, loss_fn=F.mse_loss)
+    out = reference(*args) if chunks == 1 else torch.cat([reference(piece) for piece in args[0].tensor_split(chunks)])
+    expected = F.mse_loss(out, y)
+    expected.backward()
+    ref = dict(reference.named_parameters())
+    return {
+        f"{name} loss": abs(loss.item() - expected.item()),
+        f"{name} gradients": max(_max_diff(grad_of(p), grad_of(ref[n])) for n, p in pipe.named_parameters()),
+    }
 
 
 class TimeFirst(nn.Module):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, twin
+from conftest import FanOut, WithPositions, assert_grads_equal, twin
 from fxpipe import compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -172,3 +172,84 @@ def test_anomaly_mode_reaches_the_stages(stages: int) -> None:
     with torch.autograd.set_detect_anomaly(True):
         with pytest.raises(Exception, match="nan|NaN"):
             pipe(x).sum().backward()
+
+
+class _SeqFirst(nn.Module):
+    """Takes (time, batch, features): the batch is along dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _changed_after_compiling(case: str) -> tuple[nn.Module, nn.Module, nn.Module, tuple[torch.Tensor, ...]]:
+    """A pipeline on a model changed after compiling, the plain model changed alike, and a call's
+    arguments: its own dtype cast, a parameter assigned, an input the example kept whole at a
+    batch size equal to its length, outputs with the batch along dim 1."""
+    if case == "cast":
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.BatchNorm1d(6), nn.Linear(6, 3))
+        reference = copy.deepcopy(model).double()
+        pipe = compile_pipeline(model, torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+        model.double()
+        return pipe, model, reference, (torch.randn(8, 6, dtype=torch.float64),)
+    if case == "assigned":
+        model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+        pipe = compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+        model[2].weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        reference[2].weight = nn.Parameter(model[2].weight.detach().clone())
+        return pipe, model, reference, (torch.randn(8, 4, dtype=torch.float64),)
+    if case == "kept whole":
+        model, reference = twin(WithPositions())
+        example = (torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+        pipe = compile_pipeline(model, example, ["cpu", "cpu"], chunks=3)
+        return pipe, model, reference, (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    model, reference = twin(_SeqFirst())
+    pipe = compile_pipeline(model, torch.randn(5, 8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1})
+    return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
+
+
+@pytest.mark.parametrize("case", ["cast", "assigned", "kept whole", "batch along dim 1"])
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "autocast", "after an error"])
+def test_what_changed_after_compiling_in_every_mode(case: str, mode: str) -> None:
+    pipe, model, reference, args = _changed_after_compiling(case)
+    if mode == "eval":
+        pipe.eval()
+        reference.eval()
+    if mode == "after an error":
+        bad = (torch.randn(4, *args[0].shape[1:-1], 7, dtype=torch.float64), *args[1:])  # wrong feature size
+        with pytest.raises(Exception):
+            pipe(*bad)
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = pipe(*args)
+        assert not out.requires_grad
+        assert all(p.grad is None for p in model.parameters())
+        torch.testing.assert_close(out, _in_turn(reference, args, case), rtol=0, atol=1e-12)
+        return
+    if mode == "autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, expected = pipe(*args), _in_turn(reference, args, case)
+        assert out.dtype == expected.dtype
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        out.float().pow(2).sum().backward()
+        expected.float().pow(2).sum().backward()
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            assert p.grad is not None and q.grad is not None, name
+            assert (p.grad - q.grad).norm() <= 5e-2 * q.grad.norm() + 1e-6, name
+        return
+    out, expected = pipe(*args), _in_turn(reference, args, case)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def _in_turn(reference: nn.Module, args: tuple[torch.Tensor, ...], case: str) -> torch.Tensor:
+    """The plain model on the whole batch; on the micro-batches in turn where BatchNorm in
+    training mode makes them differ."""
+    if case == "cast" and reference.training:
+        return torch.cat([reference(piece) for piece in args[0].tensor_split(2)])
+    return reference(*args)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
+from conftest import Counts, FanOut, WithPositions, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, compile_pipeline
 
 
@@ -292,20 +292,6 @@ def test_load_state_dict_with_assign_runs_on_the_new_tensors() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
 
 
-class Counts(nn.Module):
-    """Writes a buffer in forward and reads it: the model's own buffer must be the one written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 8)
-        self.count: torch.Tensor
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(1)
-        return self.lin(x) * (self.count * 0.5 + 1)
-
-
 def _in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
 
@@ -352,17 +338,6 @@ def test_a_module_replaced_after_compiling_is_refused() -> None:
     model[2] = nn.Linear(4, 4)
     with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 2\.(.|\n)*compile the model again"):
         pipe(x)
-
-
-class WithPositions(nn.Module):
-    """`pos` holds one row per position, the same for every sample."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.a(x + pos)))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
