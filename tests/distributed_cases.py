@@ -550,7 +550,7 @@ def _changed_across(mesh: Any) -> dict[str, float]:
     """What changed after compiling, on every rank: the model cast to float64 (the stages are built
     again), and an input the example kept whole at a batch size equal to its length."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Counts())  # Counts writes a buffer: cast, it is another
+    model: nn.Module = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), Counts())  # Counts writes a buffer: cast, it is another
     reference = copy.deepcopy(model).double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
     pipe = compile_pipeline(model, x.float(), mesh=mesh, chunks=4, schedule="zb-h1", timeout=60)

@@ -3,6 +3,7 @@ autograd.grad, backward(inputs=...), hooks, accumulation, and two forwards befor
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -185,36 +186,48 @@ class _SeqFirst(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _changed_after_compiling(case: str) -> tuple[nn.Module, nn.Module, nn.Module, tuple[torch.Tensor, ...]]:
-    """A pipeline on a model changed after compiling, the plain model changed alike, and a call's
-    arguments: its own dtype cast, a parameter assigned, an input the example kept whole at a
-    batch size equal to its length, outputs with the batch along dim 1."""
-    if case == "cast":
-        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.BatchNorm1d(6), nn.Linear(6, 3))
-        reference = copy.deepcopy(model).double()
-        pipe = compile_pipeline(model, torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
-        model.double()
-        return pipe, model, reference, (torch.randn(8, 6, dtype=torch.float64),)
-    if case == "assigned":
-        model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
-        pipe = compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
-        model[2].weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
-        reference[2].weight = nn.Parameter(model[2].weight.detach().clone())
-        return pipe, model, reference, (torch.randn(8, 4, dtype=torch.float64),)
-    if case == "kept whole":
-        model, reference = twin(WithPositions())
-        example = (torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
-        pipe = compile_pipeline(model, example, ["cpu", "cpu"], chunks=3)
-        return pipe, model, reference, (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+Changed = tuple[nn.Module, nn.Module, nn.Module, tuple[torch.Tensor, ...]]
+
+
+def _cast() -> Changed:
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.BatchNorm1d(6), nn.Linear(6, 3))
+    reference = copy.deepcopy(model).double()
+    pipe = compile_pipeline(model, torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+    model.double()
+    return pipe, model, reference, (torch.randn(8, 6, dtype=torch.float64),)
+
+
+def _assigned() -> Changed:
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    pipe = compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    model[2].weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    reference[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    return pipe, model, reference, (torch.randn(8, 4, dtype=torch.float64),)
+
+
+def _kept_whole() -> Changed:
+    model, reference = twin(WithPositions())
+    example = (torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+    pipe = compile_pipeline(model, example, ["cpu", "cpu"], chunks=3)
+    return pipe, model, reference, (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+
+
+def _along_dim_1() -> Changed:
     model, reference = twin(_SeqFirst())
     pipe = compile_pipeline(model, torch.randn(5, 8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1})
     return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
 
 
-@pytest.mark.parametrize("case", ["cast", "assigned", "kept whole", "batch along dim 1"])
+# A pipeline on a model changed after compiling, the plain model changed alike, and a call's
+# arguments: the model's own dtype cast, a parameter assigned, an input the example kept whole
+# at a batch size equal to its length, outputs with the batch along dim 1.
+CHANGED: dict[str, Callable[[], Changed]] = {"cast": _cast, "assigned": _assigned, "kept whole": _kept_whole, "batch along dim 1": _along_dim_1}
+
+
+@pytest.mark.parametrize("case", list(CHANGED))
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "autocast", "after an error"])
 def test_what_changed_after_compiling_in_every_mode(case: str, mode: str) -> None:
-    pipe, model, reference, args = _changed_after_compiling(case)
+    pipe, model, reference, args = CHANGED[case]()
     if mode == "eval":
         pipe.eval()
         reference.eval()
