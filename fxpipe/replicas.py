@@ -35,17 +35,18 @@ class Replicas:
         self.where = where
         self.size = dist.get_world_size(where.dp_group)
         self._ddp: Optional[DistributedDataParallel] = None
-        self._held: tuple[tuple[int, bool], ...] = ()
+        self._held: tuple[tuple[Any, ...], ...] = ()
         self.watch(params)
 
     def watch(self, params: Sequence[nn.Parameter], present: Optional[Sequence[bool]] = None) -> None:
         """Wrap in DDP these parameters, less those that require grad but have no gradient this step
-        (`present`, which every replica agreed on); again if that set changed since last time.
-        Like DDP's constructor this is a collective of the replicas, and it copies replica 0's
-        parameters to the others."""
+        (`present`, which every replica agreed on); again if that set changed since last time, or a
+        parameter's dtype, device or shape did (DDP's buckets are made for them). Like DDP's
+        constructor this is a collective of the replicas, and it copies replica 0's parameters to
+        the others."""
         present = present if present is not None else [True] * len(params)
         held = [p for p, has in zip(params, present) if has or not p.requires_grad]
-        key = tuple((id(p), p.requires_grad) for p in held)
+        key = tuple((id(p), p.requires_grad, p.dtype, p.device, p.shape) for p in held)
         if key == self._held:
             return
         trains = any(p.requires_grad for p in held)

@@ -629,16 +629,18 @@ class _PartlyFrozen(nn.Module):
 
 def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
     """One stage, two replicas built from different seeds: DDP makes replica 1 replica 0's copy at
-    compile time, then averages their gradients (uneven shares, a mean and then a sum loss)."""
+    compile time, then averages their gradients (uneven shares, a mean and then a sum loss), in
+    float64 after the model is cast (DDP's float32 buckets would round them)."""
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(rank)
-    model = _PartlyFrozen().double()
+    model = _PartlyFrozen()
     torch.manual_seed(0)
     reference = _PartlyFrozen().double()
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(9, 6, dtype=torch.float64, generator=g), torch.randn(9, 6, dtype=torch.float64, generator=g)
     share = slice(0, 4) if rank == 0 else slice(4, None)
-    pipe = compile_pipeline(model, x[share], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    pipe = compile_pipeline(model, x[share].float(), mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    model.double()
     ref = dict(reference.named_parameters())
     start = max(_max_diff(p, ref[n]) for n, p in model.named_parameters() if n != "unused")
     mean = pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
