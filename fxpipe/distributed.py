@@ -183,21 +183,41 @@ def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
         )
 
 
+def unread(owner: nn.Module, programs: Sequence[Any]) -> list[torch.Tensor]:
+    """Parameters and buffers that no stage reads, in any mode: a parameter of a branch no mode
+    takes, a buffer forward never reads. The rank at pipeline coordinate 0 holds them, so that
+    they stay in its part of the state dict and nothing of the model is lost."""
+    read: set[int] = set()
+    for program in programs:
+        read.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
+        read.update(program.readers)
+    return [t for t in _state(owner) if id(t) not in read]
+
+
 def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None:
-    """Move every parameter and buffer that no stage of this rank reads to the meta device: the
-    tensor objects stay (and their shapes), their memory goes."""
-    kept: set[int] = set()
+    """Move every parameter and buffer that no stage of this rank reads to the meta device (what
+    no stage reads stays on coordinate 0): the tensor objects stay (and their shapes), their
+    memory goes."""
+    kept: set[int] = {id(t) for t in unread(owner, programs)} if me == 0 else set()
     for program in programs:
         kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
         for index, rank in enumerate(program.layout.ranks):
             if rank == me:
                 kept.update(id(t) for t in program.stage_tensors(index))
+    for tensor in _state(owner):
+        if id(tensor) not in kept and tensor.device.type != "meta":
+            torch.utils.swap_tensors(tensor, _on_meta(tensor))
+
+
+def _state(owner: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of the model, once."""
+    found: dict[int, torch.Tensor] = {}
     for module in owner.modules():
         for table in (module._parameters, module._buffers):
             for tensor in table.values():
-                if tensor is None or id(tensor) in kept or tensor.device.type == "meta":
-                    continue
-                torch.utils.swap_tensors(tensor, _on_meta(tensor))
+                if tensor is not None:
+                    found.setdefault(id(tensor), tensor)
+    return list(found.values())
 
 
 def _on_meta(tensor: torch.Tensor) -> torch.Tensor:

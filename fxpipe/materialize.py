@@ -19,18 +19,19 @@ def is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def materialize(owner: nn.Module, programs: Sequence[Any], runs_here: Callable[[Any, int], bool]) -> None:
-    """Make the meta tensors of every stage that runs here on that stage's device; initialise
-    them with their modules' `reset_parameters()`, or NaN and a warning."""
+def materialize(
+    owner: nn.Module, programs: Sequence[Any], runs_here: Callable[[Any, int], bool], also: Sequence[tuple[torch.Tensor, torch.device]] = ()
+) -> None:
+    """Make the meta tensors of every stage that runs here on that stage's device, and `also`
+    (tensors no stage reads, held here) on theirs; initialise them with their modules'
+    `reset_parameters()`, or NaN and a warning."""
+    wanted = [(t, runtime.device) for program in programs for index, runtime in enumerate(program.stages)
+              if runs_here(program, index) for t in program.stage_tensors(index)]  # fmt: skip
     made: set[int] = set()
-    for program in programs:
-        for index, runtime in enumerate(program.stages):
-            if not runs_here(program, index):
-                continue
-            for tensor in program.stage_tensors(index):
-                if tensor.is_meta and id(tensor) not in made:
-                    torch.utils.swap_tensors(tensor, _empty_like(tensor, runtime.device))
-                    made.add(id(tensor))
+    for tensor, device in [*wanted, *also]:
+        if tensor.is_meta and id(tensor) not in made:
+            torch.utils.swap_tensors(tensor, _empty_like(tensor, device))
+            made.add(id(tensor))
     if not made:
         return
     initialised: set[int] = set()

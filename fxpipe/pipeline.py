@@ -20,7 +20,7 @@ from fxpipe.channel import Channel, RankMailbox
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
-from fxpipe.distributed import check_state_placement, failing_together, keep_local_state, routes, sum_tied
+from fxpipe.distributed import check_state_placement, failing_together, keep_local_state, routes, sum_tied, unread
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -99,10 +99,13 @@ class Pipeline(nn.Module):
         channel = None if where is None else Channel(where.group, where.ranks, where.me, where.device, where.timeout, where.directions)
         self.__dict__["_channel"] = channel
         self._build()
+        programs = list(self._programs.values())
+        also = []
         if where is not None:
             check_state_placement(model, self._programs)
-            keep_local_state(model, list(self._programs.values()), where.me)
-        materialize(model, list(self._programs.values()), self._runs_here)
+            keep_local_state(model, programs, where.me)
+            also = [(t, where.device) for t in unread(model, programs)] if where.me == 0 else []
+        materialize(model, programs, self._runs_here, also)
         self.__dict__["_replicas"] = None
 
     def _join_replicas(self) -> None:

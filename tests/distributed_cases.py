@@ -653,3 +653,38 @@ def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
         grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters() if p.requires_grad and n != "unused"),
         unused=model.unused.grad is None,
     )
+
+
+class _WithUnread(nn.Module):
+    """A parameter and a buffer that forward never reads, beside two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.spare = nn.Parameter(torch.randn(3))
+        self.version: torch.Tensor
+        self.register_buffer("version", torch.tensor([7.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def unread_state(rank: int, world: int) -> dict[str, Any]:
+    """What no stage reads stays on the first rank, with its values, in its part of the state dict."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = _WithUnread()
+    plain = model.state_dict()
+    plain = {k: v.clone() for k, v in plain.items()}
+    pipe = compile_pipeline(model, torch.randn(4, 4), mesh=mesh, chunks=2, timeout=60)
+    state = pipe.state_dict()
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        built_on_meta = _WithUnread()
+    meta_pipe = compile_pipeline(built_on_meta, torch.randn(4, 4), mesh=mesh, chunks=2, timeout=60)
+    return dict(
+        keys=sorted(state),
+        plain_keys=sorted(plain),
+        equal=all(torch.equal(v, plain[k]) for k, v in state.items()),
+        meta_keys=sorted(meta_pipe.state_dict()),
+    )

@@ -244,3 +244,11 @@ def test_replicas_start_from_replica_0_and_average_through_ddp() -> None:
         assert found["start"] == 0.0, "DDP copies replica 0's parameters, frozen ones too, to the other at compile time"
         assert found["losses"] <= TOL and found["grads"] <= TOL, found
         assert found["unused"], "a parameter no replica reads keeps no gradient"
+
+
+def test_what_no_stage_reads_stays_on_the_first_rank() -> None:
+    first, second = results_of(spawn_ranks(cases.unread_state, 2, timeout=120))
+    assert {"spare", "version"} <= set(first["keys"]) and not {"spare", "version"} & set(second["keys"]), (first, second)
+    assert sorted(first["keys"] + second["keys"]) == first["plain_keys"], "every key of the model is on one rank"
+    assert first["equal"] and second["equal"]
+    assert first["meta_keys"] == first["keys"] and second["meta_keys"] == second["keys"], "a model built on meta alike"
