@@ -223,6 +223,22 @@ class Pipeline(nn.Module):
         run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
         return run_with_autograd(run)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Across processes with a "dp" mesh dimension: `train_step`s inside accumulate each
+        replica's own gradients into `.grad`, and the first one after syncs everything accumulated
+        (DistributedDataParallel's `no_sync`, for gradient accumulation). Elsewhere it changes
+        nothing, so one script runs in one process or many."""
+        replicas = self._replicas
+        if replicas is None:
+            yield
+            return
+        before, replicas.syncing = replicas.syncing, False
+        try:
+            yield
+        finally:
+            replicas.syncing = before
+
     def train_step(
         self,
         *args: Any,

@@ -13,6 +13,7 @@ backward would:
 """
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -36,6 +37,7 @@ class Replicas:
         self.size = dist.get_world_size(where.dp_group)
         self._ddp: Optional[DistributedDataParallel] = None
         self._held: tuple[tuple[Any, ...], ...] = ()
+        self.syncing = True  # off inside `Pipeline.no_sync()`
         self.watch(params)
 
     def watch(self, params: Sequence[nn.Parameter], present: Optional[Sequence[bool]] = None) -> None:
@@ -71,12 +73,14 @@ class Replicas:
 
     def accumulate(self, held: Sequence[nn.Parameter], params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], scale: float) -> None:
         """Add the replicas' weighted mean of `grads` into the `.grad` of `params` (those of `held`
-        that require grad), through DDP; every replica has agreed which have a gradient."""
+        that require grad), through DDP; every replica has agreed which have a gradient. When not
+        syncing, add this replica's own, scaled alike: the next synced step's all-reduce averages
+        everything accumulated since, as DDP's `no_sync` does."""
         given = {id(p): g * scale for p, g in zip(params, grads) if g is not None}
         self.watch(held, [id(p) in given for p in held])
         if self._ddp is None:
             return
-        with torch.enable_grad():
+        with torch.enable_grad(), contextlib.nullcontext() if self.syncing else self._ddp.no_sync():
             self._ddp(given).backward()
 
 

@@ -688,3 +688,28 @@ def unread_state(rank: int, world: int) -> dict[str, Any]:
         equal=all(torch.equal(v, plain[k]) for k, v in state.items()),
         meta_keys=sorted(meta_pipe.state_dict()),
     )
+
+
+def accumulated_without_sync(rank: int, world: int) -> dict[str, Any]:
+    """Two steps inside `pipe.no_sync()` and one after, each replica on its own share: the replicas'
+    gradients differ until the last step, which makes them those of the three whole batches."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(7, 4, dtype=torch.float64, generator=g), torch.randn(7, 2, dtype=torch.float64, generator=g)) for _ in range(3)]
+    share = slice(0, 3) if rank == 0 else slice(3, None)
+    pipe = compile_pipeline(model, batches[0][0][share], mesh=mesh, chunks=2, timeout=60)
+    with pipe.no_sync():
+        for x, y in batches[:2]:
+            pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+    unsynced = [p.grad.flatten().tolist() for p in model.parameters() if p.grad is not None]
+    x, y = batches[2]
+    pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+    for x, y in batches:
+        F.mse_loss(reference(x), y).backward()
+    return dict(
+        unsynced=unsynced,
+        grads=max(_max_diff(grad_of(p), grad_of(q)) for p, q in zip(model.parameters(), reference.parameters())),
+    )

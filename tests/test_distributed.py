@@ -252,3 +252,9 @@ def test_what_no_stage_reads_stays_on_the_first_rank() -> None:
     assert sorted(first["keys"] + second["keys"]) == first["plain_keys"], "every key of the model is on one rank"
     assert first["equal"] and second["equal"]
     assert first["meta_keys"] == first["keys"] and second["meta_keys"] == second["keys"], "a model built on meta alike"
+
+
+def test_steps_inside_no_sync_accumulate_and_the_next_step_syncs_them() -> None:
+    first, second = results_of(spawn_ranks(cases.accumulated_without_sync, 2, timeout=120))
+    assert first["unsynced"] != second["unsynced"], "inside no_sync each replica keeps its own gradients"
+    assert first["grads"] <= TOL and second["grads"] <= TOL, (first["grads"], second["grads"])

@@ -392,3 +392,15 @@ def test_a_mean_loss_in_bfloat16_passes_the_combination_check() -> None:
         torch.testing.assert_close(loss.float(), F.mse_loss(model(x), y).float(), rtol=3e-2, atol=1e-2)
     with pytest.raises(ValueError, match="not a mean over samples"):
         pipe.train_step(x, target=y, loss_fn=lambda o, t: F.mse_loss(o, t, reduction="sum"))
+
+
+def test_no_sync_changes_nothing_in_one_process() -> None:
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 2, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule="1f1b")
+    with pipe.no_sync():
+        loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
