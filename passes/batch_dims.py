@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
-from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_sizes
+from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
@@ -159,9 +159,15 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     real = _small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     try:
-        whole, each = _run(gm, inputs, parts, real, keep=set(returned))
-    except Exception:  # noqa: BLE001 - it cannot run on fewer samples: the pipeline will say so
+        (whole,) = _run(gm, [inputs], real, keep=set(returned))
+    except Exception:  # noqa: BLE001 - not even the example runs here (on meta, say): nothing to tell
         return
+    try:
+        each = _run(gm, parts, real, keep=set(returned))
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+        if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
+            return
+        raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
     compare = real and not _keeps_state(gm)
     problems, bad = [], set()
     for node in returned:
@@ -189,19 +195,40 @@ def _keeps_state(gm: fx.GraphModule) -> bool:
     return False
 
 
-def _run(
-    gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]
-) -> tuple[dict[fx.Node, Any], list[dict[fx.Node, Any]]]:
-    """The values of the nodes in `keep` (of every node when None) on the whole example and on
-    each half."""
+def _run(gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]) -> list[dict[fx.Node, Any]]:
+    """The values of the nodes in `keep` (of every node when None) on each of `examples`."""
     runs = []
     fixed = _drawing_or_normalising(gm)
     with preserved(gm), torch.no_grad():
-        for inputs in [whole, *parts]:
+        for inputs in examples:
             runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed)
             runner.run(*_cloned(inputs))
             runs.append(runner.values)
-    return runs[0], runs[1:]
+    return runs
+
+
+def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, chunks: int, dims: Dims, error: Exception) -> str:
+    """The model runs on the whole example and fails on half of it: say so, and name the inputs
+    kept whole that have a dim of the batch's size (an LSTM's initial state holds the batch on
+    dim 1, say), with the chunk_spec that would split them there."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    hints = {}
+    for name, value in zip(names, inputs):
+        if isinstance(value, torch.Tensor) and split_dim(value, batch, dims) is None:
+            at = [d for d in range(value.dim()) if value.shape[d] == batch]
+            if at:
+                hints[name] = at[0]
+    hint = (
+        f"These inputs are passed whole to every micro-batch, and have a dim of the batch's size {batch}: "
+        f"{', '.join(f'{n} {tuple(v.shape)}' for n, v in zip(names, inputs) if n in hints)}. If that dim holds "
+        f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
+    )
+    return (
+        f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
+        f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
+        "How to fix: split every input that holds the batch along its batch dim (chunk_spec={name: dim}), "
+        "or use chunks=1."
+    )
 
 
 def _cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -278,7 +305,7 @@ def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tup
     disagreeing value that a later node makes agree again, the batch size given to `view`,
     starts nothing.)"""
     try:
-        every, each = _run(gm, whole, parts, real=True, keep=None)
+        every, *each = _run(gm, [whole, *parts], real=True, keep=None)
     except Exception:  # noqa: BLE001 - it ran once already; nothing more to say if not again
         return []
     agree = {n: _agrees(every[n], [e[n] for e in each]) for n in every}

@@ -268,3 +268,27 @@ class AttendsAcrossTheBatch(nn.Module):
 def test_attention_across_the_batch_in_a_layer_with_dropout_is_refused() -> None:
     with pytest.raises(ValueError, match=r"would compute otherwise than the whole batch(.|\n)*self\.attn"):
         compile_pipeline(AttendsAcrossTheBatch().double(), X, ["cpu", "cpu"], chunks=2)
+
+
+class _WithState(nn.Module):
+    """An LSTM given its initial state, whose batch is on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.post = nn.LSTM(4, 6, batch_first=True), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor) -> torch.Tensor:
+        return self.post(self.rnn(x, (h0, c0))[0])
+
+
+def test_an_input_with_its_batch_on_another_dim_is_refused_at_compile_time_naming_the_chunk_spec() -> None:
+    model, reference = twin(_WithState())
+    args = (torch.randn(4, 3, 4, dtype=torch.float64), torch.randn(1, 4, 6, dtype=torch.float64), torch.randn(1, 4, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"fails on half of it(.|\n)*h0 \(1, 4, 6\), c0 \(1, 4, 6\)(.|\n)*chunk_spec=\{'h0': 1, 'c0': 1\}"):
+        compile_pipeline(model, args, ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, args, ["cpu", "cpu"], chunks=2, chunk_spec={"h0": 1, "c0": 1})
+    out = pipe(*args)
+    torch.testing.assert_close(out, reference(*args), rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    reference(*args).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
