@@ -709,7 +709,18 @@ def accumulated_without_sync(rank: int, world: int) -> dict[str, Any]:
     pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
     for x, y in batches:
         F.mse_loss(reference(x), y).backward()
+    grads = max(_max_diff(grad_of(p), grad_of(q)) for p, q in zip(model.parameters(), reference.parameters()))
+    before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with torch.no_grad():  # the loss of the whole batch alone, no gradient synced or made
+        no_grad_loss = pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss).item()
+    kept = all(torch.equal(a, grad_of(p)) for a, p in zip(before, model.parameters()))
+    pipe.eval()
+    with torch.no_grad():
+        out = pipe(x[share])
     return dict(
         unsynced=unsynced,
-        grads=max(_max_diff(grad_of(p), grad_of(q)) for p, q in zip(model.parameters(), reference.parameters())),
+        grads=grads,
+        no_grad_loss=abs(no_grad_loss - F.mse_loss(reference(x), y).item()),
+        grads_kept=kept,
+        eval_out=_max_diff(out, reference(x[share])),
     )

@@ -258,3 +258,6 @@ def test_steps_inside_no_sync_accumulate_and_the_next_step_syncs_them() -> None:
     first, second = results_of(spawn_ranks(cases.accumulated_without_sync, 2, timeout=120))
     assert first["unsynced"] != second["unsynced"], "inside no_sync each replica keeps its own gradients"
     assert first["grads"] <= TOL and second["grads"] <= TOL, (first["grads"], second["grads"])
+    for found in (first, second):
+        assert found["no_grad_loss"] <= TOL and found["grads_kept"], found
+        assert found["eval_out"] <= TOL, found
