@@ -199,7 +199,7 @@ class Pipeline(nn.Module):
         the sums of other stages' copies, added in stage order (deterministic)."""
         totals: dict[int, torch.Tensor] = {}
         for index, stage in enumerate(program.stages):
-            for p, grad in zip(stage.params, step.parameter_grads(index)):
+            for p, grad in zip(stage.params, step.take_parameter_grads(index)):
                 if grad is not None:
                     totals[id(p)] = grad
         for index, tensors in enumerate(program.shared):
@@ -389,7 +389,7 @@ class Pipeline(nn.Module):
         grads = [*whole_input_grads(call.input_slots, call.micro_batches, input_grads), *param_grads]
         pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
         if pairs:
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+            torch.autograd.backward([_moved_into_grad(t, g) for t, g in pairs], [g for _, g in pairs])
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The graph's input values, by name, for a call with these arguments."""
@@ -680,6 +680,17 @@ def _split_target(target: Any, call: _Call) -> list[Any]:
 def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
     """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
     return tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template)
+
+
+def _moved_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Where backward starts for `leaf`'s gradient: a view of a leaf, so that autograd hands its
+    `.grad` a fresh view of `grad` that nothing else holds, which it takes as it is; given the
+    leaf itself, it would copy `grad`, which its caller still holds (a whole copy of every
+    gradient at the end of each step). Sparse gradients cannot pass a view's backward."""
+    if not leaf.is_leaf or grad.is_sparse:
+        return leaf
+    with torch.enable_grad():
+        return leaf.view_as(leaf)
 
 
 def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

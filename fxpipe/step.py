@@ -563,10 +563,19 @@ class Step:
         ]
         return grads, pending
 
-    def parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
-        """The step's gradient of each of the stage's own parameters (None: none reached it)."""
+    def take_parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
+        """The step's gradient of each of the stage's own parameters (None: none reached it),
+        handed over: the step's leaves let go of them, so that autograd can move them into the
+        parameters' `.grad` as they are instead of copying them."""
         leaves = self.param_leaves[stage]
-        return [leaf.grad for leaf in leaves] if leaves is not None else [None] * len(self.stages[stage].params)
+        if leaves is None:
+            return [None] * len(self.stages[stage].params)
+        grads = []
+        for leaf in leaves:
+            grads.append(leaf.grad)
+            if leaf.requires_grad:  # the step's own leaf (a frozen parameter is its own leaf)
+                leaf.grad = None
+        return grads
 
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""

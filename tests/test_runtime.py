@@ -7,10 +7,12 @@ import gc
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import Counts, FanOut, WithPositions, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, compile_pipeline
@@ -120,6 +122,39 @@ def test_no_activation_outlives_its_step(mode: str) -> None:
         del loss
         gc.collect()
         assert model.spy.outputs and all(ref() is None for ref in model.spy.outputs)
+
+
+class _NewMemory(TorchDispatchMode):
+    """Counts the ops on this thread that fill new memory of one of `shapes`."""
+
+    def __init__(self, shapes: set[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.shapes = shapes
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in ("copy_", "clone", "empty_strided", "new_empty_strided"):
+            if isinstance(out, torch.Tensor) and tuple(out.shape) in self.shapes:
+                self.ops.append(func.__name__)
+        return out
+
+
+@pytest.mark.parametrize("call", ["train_step", "backward"])
+def test_the_step_gradients_become_grad_without_a_copy(call: str) -> None:
+    # Without care, autograd copies a gradient it is handed while its giver still holds it: a
+    # whole second copy of every stage's gradients at the end of each step.
+    model, reference = twin(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 7)))
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 7, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="zb-h1")
+    with _NewMemory({tuple(p.shape) for p in model.parameters()}) as new_memory:
+        if call == "train_step":
+            pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+        else:
+            torch.nn.functional.mse_loss(pipe(x), y).backward()
+    assert new_memory.ops == []
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    assert_grads_equal(pipe, reference)
 
 
 def test_state_dict_round_trip() -> None:
