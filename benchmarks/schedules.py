@@ -155,12 +155,13 @@ def split_cost(quick: bool, repeats: int = 30) -> str:
     import statistics
     import time
 
-    from fxpipe.weight_grad import backward_inputs
+    from fxpipe.weight_grad import Weights, backward_inputs
 
     width, rows = (128, 64) if quick else (512, 256)
     model = make_mlp(8, width)
     weights = list(model.parameters())
     x0 = torch.randn(rows, width)
+    split_weights = Weights(weights)
 
     def whole() -> tuple[float, float]:
         x = x0.clone().requires_grad_()
@@ -173,7 +174,7 @@ def split_cost(quick: bool, repeats: int = 30) -> str:
         x = x0.clone().requires_grad_()
         y = model(x)
         start = time.perf_counter()
-        pending = backward_inputs([y], [torch.ones_like(y)], [x], weights)
+        pending = backward_inputs([y], [torch.ones_like(y)], [x], split_weights)
         middle = time.perf_counter()
         pending.run()
         return middle - start, time.perf_counter() - middle

@@ -42,7 +42,7 @@ from fxpipe.randomness import TaskRandomness, TaskStream, draws_now, task_seed, 
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
 from fxpipe.timeline import Record
-from fxpipe.weight_grad import PendingWeights, backward_inputs
+from fxpipe.weight_grad import PendingWeights, Weights, backward_inputs
 from fxpipe.worker import TaskGroup, Workers
 
 # Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
@@ -185,6 +185,7 @@ class Step:
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
+        self.weights: list[Optional[Weights]] = [None] * len(stages)
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:
@@ -536,9 +537,15 @@ class Step:
             device = self.stages[src].device if src != CALLER else self.input_devices[name]
             self.mailbox.put(("bwd", src, i, name, stage.index), send(grad, device))
 
-    def _weights(self, stage: StageRuntime) -> list[torch.Tensor]:
-        params = [leaf for leaf in self.param_leaves[stage.index] or () if leaf.requires_grad]
-        return [*params, *(c for c in self.shared[stage.index] if c.requires_grad)]
+    def _weights(self, stage: StageRuntime) -> Weights:
+        """The stage's parameter leaves and shared copies that take gradients, the same over
+        the step (made at its first forward)."""
+        weights = self.weights[stage.index]
+        if weights is None:
+            params = [leaf for leaf in self.param_leaves[stage.index] or () if leaf.requires_grad]
+            weights = Weights([*params, *(c for c in self.shared[stage.index] if c.requires_grad)])
+            self.weights[stage.index] = weights
+        return weights
 
     def _stage_gradients(
         self, stage: StageRuntime, inputs: list[Any], tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor], split: bool = False
@@ -552,7 +559,7 @@ class Step:
         pending = None
         if split:
             pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
-        elif tensors and (wanted := [*leaves, *self._weights(stage)]):
+        elif tensors and (wanted := [*leaves, *self._weights(stage).tensors]):
             # Every leaf the stage's graph reaches that requires grad is wanted (compile refuses
             # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
             # task, only to stop at an input that is not a leaf (a copy kept for a recompute).

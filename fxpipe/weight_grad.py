@@ -14,12 +14,29 @@ backward computes every gradient), which stay correct.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 Node = Any  # torch.autograd.graph.Node
+
+
+class Weights:
+    """A stage's weights over one step, each with a bit, and the autograd node that reaches it.
+    The nodes are looked up once (a few microseconds each) and held: every micro-batch's graph
+    in the step reaches the same ones."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+
+    @cached_property
+    def bits(self) -> dict[Node, int]:
+        return {get_gradient_edge(w).node: 1 << k for k, w in enumerate(self.tensors)}
+
+    def chosen(self, bits: int) -> list[torch.Tensor]:
+        return [w for k, w in enumerate(self.tensors) if bits >> k & 1]
 
 
 @dataclass
@@ -38,7 +55,7 @@ class PendingWeights:
 
 
 def backward_inputs(
-    tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]
+    tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], weights: Weights
 ) -> PendingWeights:
     """I: accumulate the gradients of `inputs` into their `.grad`, and return what W needs to
     give `weights` theirs. Where the split would count a gradient twice (a weight reached both
@@ -48,16 +65,16 @@ def backward_inputs(
         return PendingWeights()
     roots = [get_gradient_edge(t) for t in tensors]
     if not inputs:  # nothing for I to do: W runs the whole backward
-        return PendingWeights([(roots, list(grads), list(weights))]) if weights else PendingWeights()
-    graph = _Graph([edge.node for edge in roots], inputs, weights)
+        return PendingWeights([(roots, list(grads), weights.tensors)]) if weights.tensors else PendingWeights()
+    graph = _Graph([edge.node for edge in roots], {get_gradient_edge(t).node for t in inputs}, weights.bits)
     plan = graph.split()
     if plan is None:
-        torch.autograd.backward(list(tensors), list(grads), inputs=[*inputs, *weights])
+        torch.autograd.backward(list(tensors), list(grads), inputs=[*inputs, *weights.tensors])
         return PendingWeights()
     pending = PendingWeights()
     for edge, grad in zip(roots, grads):  # roots off every input's path: W starts there as they are
         if edge.node not in graph.to_input and graph.reach[edge.node]:
-            pending.parts.append(([edge], [grad], graph.weights_in(graph.reach[edge.node])))
+            pending.parts.append(([edge], [grad], weights.chosen(graph.reach[edge.node])))
     kept: dict[Node, tuple[Optional[torch.Tensor], ...]] = {}
     handles = [node.register_prehook(_keeper(kept, node)) for node in plan]
     try:
@@ -69,7 +86,7 @@ def backward_inputs(
         edges = [GradientEdge(node, k) for k, g in enumerate(node_grads) if g is not None]
         given = [g for g in node_grads if g is not None]
         if edges:
-            pending.parts.append((edges, given, graph.weights_in(plan[node])))
+            pending.parts.append((edges, given, weights.chosen(plan[node])))
     return pending
 
 
@@ -81,21 +98,30 @@ def _keeper(kept: dict[Node, tuple[Optional[torch.Tensor], ...]], node: Node) ->
 
 
 class _Graph:
-    """The backward graph from the roots: which nodes lead to an input, and which weights each
-    leads to (a bit per weight)."""
+    """The backward graph from the roots, in one walk: each node's children, which nodes lead to
+    an input, and which weights each leads to (a bit per weight). It runs once per I, on the
+    critical path of a zero-bubble schedule, so it keeps to plain loops."""
 
-    def __init__(self, roots: Sequence[Node], inputs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor]) -> None:
-        input_nodes = {get_gradient_edge(t).node for t in inputs}
-        self.weights = list(weights)
-        bit = {get_gradient_edge(w).node: 1 << k for k, w in enumerate(weights)}
-        self.children: dict[Node, list[Node]] = {}
-        self.to_input: set[Node] = set()
-        self.reach: dict[Node, int] = {}
-        for node in _post_order(roots, self.children):
-            kids = self.children[node]
-            self.reach[node] = bit.get(node, 0) | _union(self.reach[c] for c in kids)
-            if node in input_nodes or any(c in self.to_input for c in kids):
-                self.to_input.add(node)
+    def __init__(self, roots: Sequence[Node], input_nodes: set[Node], weight_bits: dict[Node, int]) -> None:
+        children: dict[Node, list[Node]] = {}
+        reach: dict[Node, int] = {}
+        to_input: set[Node] = set()
+        stack: list[tuple[Node, bool]] = [(n, False) for n in roots if n is not None]
+        while stack:  # depth first; a node is finished after every node its gradients flow to
+            node, expanded = stack.pop()
+            if expanded:
+                bits, leads_to_input = weight_bits.get(node, 0), node in input_nodes
+                for child in children[node]:
+                    bits |= reach[child]
+                    leads_to_input = leads_to_input or child in to_input
+                reach[node] = bits
+                if leads_to_input:
+                    to_input.add(node)
+            elif node not in children:
+                kids = children[node] = [child for child, _ in node.next_functions if child is not None]
+                stack.append((node, True))
+                stack.extend((child, False) for child in kids if child not in children)
+        self.children, self.reach, self.to_input = children, reach, to_input
 
     def split(self) -> Optional[dict[Node, int]]:
         """The nodes on an input's path with a child off every input's path that leads to a
@@ -103,39 +129,14 @@ class _Graph:
         also be reached through the node's input side (W from there would count it twice)."""
         plan = {}
         for node in self.to_input:
-            kids = self.children[node]
-            weight_side = _union(self.reach[c] for c in kids if c not in self.to_input)
-            if not weight_side:
-                continue
-            if weight_side & _union(self.reach[c] for c in kids if c in self.to_input):
+            weight_side = input_side = 0
+            for child in self.children[node]:
+                if child in self.to_input:
+                    input_side |= self.reach[child]
+                else:
+                    weight_side |= self.reach[child]
+            if weight_side & input_side:
                 return None
-            plan[node] = weight_side
+            if weight_side:
+                plan[node] = weight_side
         return plan
-
-    def weights_in(self, bits: int) -> list[torch.Tensor]:
-        return [w for k, w in enumerate(self.weights) if bits >> k & 1]
-
-
-def _union(bits: Any) -> int:
-    total = 0
-    for b in bits:
-        total |= b
-    return total
-
-
-def _post_order(roots: Sequence[Node], children: dict[Node, list[Node]]) -> list[Node]:
-    """Every node reachable from `roots`, each after all the nodes its gradients flow to;
-    fills `children`."""
-    order: list[Node] = []
-    stack: list[tuple[Node, bool]] = [(n, False) for n in roots if n is not None]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
-            continue
-        if node in children:
-            continue
-        children[node] = [child for child, _ in node.next_functions if child is not None]
-        stack.append((node, True))
-        stack.extend((c, False) for c in children[node] if c not in children)
-    return order
