@@ -750,9 +750,12 @@ def _check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: A
     with torch.no_grad():
         whole = loss_fn(outputs, target)
     whole = whole.detach().to(total.device, total.dtype)
-    # What reordering the sums may change: a few roundings in bfloat16 and float16.
+    # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
+    # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
+    # the caller (or a GradScaler) to see.
     rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
-    if not torch.allclose(total, whole, rtol=rtol, atol=rtol * 1e-2 * max(1.0, float(whole.abs()))):
+    atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
+    if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
         other = "sum" if reduction == "mean" else "mean"
         raise ValueError(
             f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "

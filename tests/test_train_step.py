@@ -404,3 +404,48 @@ def test_no_sync_changes_nothing_in_one_process() -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_nan_loss_is_returned_as_the_plain_model_returns_it(schedule: str) -> None:
+    """A NaN in one sample makes the plain model's loss and gradients NaN: the combination
+    check sees the same NaN in the whole batch's loss, and lets the caller see it too."""
+    model, reference, x, _ = _classifier()
+    y = torch.randn(8, 5, dtype=torch.float64)
+    x[5, 0] = float("nan")
+    pipe = compile_pipeline(model, x.nan_to_num(), ["cpu"] * 2, chunks=4, schedule=schedule)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    assert loss.isnan() and expected.isnan()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(grad_of(p), grad_of(q), rtol=0, atol=1e-12, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("call", ["train_step", "backward"])
+def test_a_grad_scaler_scales_steps_and_skips_the_one_that_overflows(call: str) -> None:
+    """torch.amp.GradScaler as with the plain model: train_step scales inside `loss_fn`,
+    pipe(x) outside; a step whose gradients are not finite is skipped by both alike."""
+    model, reference, x, _ = _classifier()
+    y = torch.randn(8, 5, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+    runs = []
+    for module, pipelined in ((pipe, True), (reference, False)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for bad in (False, True, False):
+            inputs = x.clone()
+            if bad:
+                inputs[3, 1] = float("inf")
+            opt.zero_grad()
+            if pipelined and call == "train_step":
+                pipe.train_step(inputs, target=y, loss_fn=lambda out, t: scaler.scale(F.mse_loss(out, t)))
+            else:
+                scaler.scale(F.mse_loss(module(inputs), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        runs.append((scaler.get_scale(), [p.detach().clone() for p in module.parameters()]))
+    (scale, params), (expected_scale, expected) = runs
+    assert scale == expected_scale == 2.0**11  # grew, halved on the skipped step, grew
+    for p, q in zip(params, expected):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
