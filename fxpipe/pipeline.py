@@ -22,9 +22,10 @@ from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
 from fxpipe.distributed import check_state_placement, failing_together, keep_local_state, routes, sum_tied, unread
 from fxpipe.gather import Gathered, ValueRef
+from fxpipe.losses import check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, forward_signature, kept_whole, leaves_of, scatter, spec_dims, split_dim, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, forward_signature, kept_whole, scatter, spec_dims, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
@@ -264,17 +265,17 @@ class Pipeline(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         call = self._prepare(args, kwargs)
-        targets = _split_target(target, call)
+        targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         program = call.program
 
         def micro_batch_loss(i: int, values: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             output = _rebuild(program.template, values, self._given(program, call.micro_batches[i]))
-            loss = loss_fn(output, targets[i]) if loss_fn is not None else _own_loss(output)
+            loss = loss_fn(output, targets[i]) if loss_fn is not None else own_loss(output)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {_describe(loss)}")
+                raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
             scaled = loss * weights[i]
-            return scaled.detach(), _value_grads(scaled, values) if call.grad else {}
+            return scaled.detach(), value_grads(scaled, values) if call.grad else {}
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
@@ -306,12 +307,12 @@ class Pipeline(nn.Module):
         # over the targets not ignored, whose count differs between micro-batches in some steps).
         check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
         if return_outputs or check:
-            _check_gatherable(step.outputs[0], len(call.sizes))
+            check_gatherable(step.outputs[0], len(call.sizes))
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
             outputs = gathered.rebuild(gathered.tensors)
             if check:
                 assert loss_fn is not None
-                _check_combined_loss(loss_fn, outputs, target, total, reduction)
+                check_combined_loss(loss_fn, outputs, target, total, reduction)
         return total, outputs
 
     # -- across processes ------------------------------------------------------------------------
@@ -663,20 +664,6 @@ class _Call:
     gather: Callable[[list[dict[str, Any]]], Gathered]
 
 
-def _split_target(target: Any, call: _Call) -> list[Any]:
-    """The target's piece for each micro-batch: split along dim 0 like the inputs."""
-    if target is None or len(call.sizes) == 1:
-        return [target] * len(call.sizes)
-    leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
-    if any(t.dim() == 0 or t.shape[0] != call.batch for t in leaves):
-        shapes = [tuple(t.shape) for t in leaves]
-        raise ValueError(
-            f"the target must be split into micro-batches like the inputs, along dim 0 of size {call.batch}; "
-            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, batch first."
-        )
-    return scatter(target, call.sizes, call.batch or 0)
-
-
 def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
     """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
     return tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template)
@@ -697,70 +684,3 @@ def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b, for a sparse gradient (an embedding's) and a dense one too: torch adds sparse to
     dense only in that order, and either order gives the same sum."""
     return b + a if a.is_sparse and not b.is_sparse else a + b
-
-
-def _own_loss(output: Any) -> Any:
-    """The loss a model returns itself: the output, its `loss` field or key."""
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None:
-        raise ValueError(
-            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "
-            f"with a `loss` field), and this one returns {_describe(output)}.\nHow to fix: pass "
-            "loss_fn=..., and target=... if it takes one."
-        )
-    return loss
-
-
-def _check_gatherable(outputs: dict[str, Any], micro_batches: int) -> None:
-    """Outputs returned whole must be concatenated from the micro-batches along dim 0."""
-    scalars = [name for name, v in outputs.items() for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.dim() == 0]
-    if scalars and micro_batches > 1:
-        raise ValueError(
-            f"return_outputs=True concatenates the outputs of the {micro_batches} micro-batches along dim 0, "
-            f"and the model returns a 0-dim value ({', '.join(scalars)}: its loss?).\nHow to fix: use the "
-            "loss train_step returns (return_outputs=False), or chunks=1. No gradient was accumulated."
-        )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
-    """The gradient of `loss` with respect to each output value (trees like the values, whose
-    tensors are fresh leaves). The backward runs through the loss's whole graph, as
-    `loss.backward()` does: a tensor the loss function reads besides the outputs (a learnable
-    temperature, say) gets its gradient too, one micro-batch's share at a time."""
-    if not loss.requires_grad:
-        return {}
-    torch.autograd.backward(loss)
-    return {name: tree_map(_grad_of_leaf, value) for name, value in values.items()}
-
-
-def _grad_of_leaf(leaf: Any) -> Any:
-    return leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
-
-
-def _check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
-    """The micro-batches' losses, combined, must be the loss of the whole batch."""
-    with torch.no_grad():
-        whole = loss_fn(outputs, target)
-    whole = whole.detach().to(total.device, total.dtype)
-    # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
-    # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
-    # the caller (or a GradScaler) to see.
-    rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
-    atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
-    if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
-        other = "sum" if reduction == "mean" else "mean"
-        raise ValueError(
-            f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
-            f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
-            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples; a loss that is "
-            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches: "
-            "use pipe(x) and loss.backward(). No gradient was accumulated into the model's parameters."
-        )

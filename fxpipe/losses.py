@@ -1,0 +1,91 @@
+"""train_step's loss: the target split like the inputs, each micro-batch's loss and the
+gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fxpipe.microbatch import leaves_of, scatter
+
+
+def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[Any]:
+    """The target's piece for each micro-batch: split along dim 0 like the inputs."""
+    if target is None or len(sizes) == 1:
+        return [target] * len(sizes)
+    leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != batch for t in leaves):
+        shapes = [tuple(t.shape) for t in leaves]
+        raise ValueError(
+            f"the target must be split into micro-batches like the inputs, along dim 0 of size {batch}; "
+            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, batch first."
+        )
+    return scatter(target, sizes, batch or 0)
+
+
+def own_loss(output: Any) -> Any:
+    """The loss a model returns itself: the output, its `loss` field or key."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "
+            f"with a `loss` field), and this one returns {describe(output)}.\nHow to fix: pass "
+            "loss_fn=..., and target=... if it takes one."
+        )
+    return loss
+
+
+def check_gatherable(outputs: dict[str, Any], micro_batches: int) -> None:
+    """Outputs returned whole must be concatenated from the micro-batches along dim 0."""
+    scalars = [name for name, v in outputs.items() for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.dim() == 0]
+    if scalars and micro_batches > 1:
+        raise ValueError(
+            f"return_outputs=True concatenates the outputs of the {micro_batches} micro-batches along dim 0, "
+            f"and the model returns a 0-dim value ({', '.join(scalars)}: its loss?).\nHow to fix: use the "
+            "loss train_step returns (return_outputs=False), or chunks=1. No gradient was accumulated."
+        )
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+    """The gradient of `loss` with respect to each output value (trees like the values, whose
+    tensors are fresh leaves). The backward runs through the loss's whole graph, as
+    `loss.backward()` does: a tensor the loss function reads besides the outputs (a learnable
+    temperature, say) gets its gradient too, one micro-batch's share at a time."""
+    if not loss.requires_grad:
+        return {}
+    torch.autograd.backward(loss)
+    return {name: tree_map(_grad_of_leaf, value) for name, value in values.items()}
+
+
+def _grad_of_leaf(leaf: Any) -> Any:
+    return leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+
+
+def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
+    """The micro-batches' losses, combined, must be the loss of the whole batch."""
+    with torch.no_grad():
+        whole = loss_fn(outputs, target)
+    whole = whole.detach().to(total.device, total.dtype)
+    # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
+    # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
+    # the caller (or a GradScaler) to see.
+    rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
+    atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
+    if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
+        other = "sum" if reduction == "mean" else "mean"
+        raise ValueError(
+            f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
+            f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
+            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples; a loss that is "
+            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches: "
+            "use pipe(x) and loss.backward(). No gradient was accumulated into the model's parameters."
+        )
