@@ -60,9 +60,10 @@ def whole_shapes(values: dict[str, Any], dims: Dims) -> WholeShapes:
 
 
 def kept_whole(values: dict[str, Any], whole: WholeShapes, dims: Dims) -> Dims:
-    """`dims`, with every tensor leaf that the example kept whole, and that has the example's
-    shape, kept whole again: its dim 0 may now equal the batch size by chance (a table of
-    positions, at a batch as long as the sequence)."""
+    """`dims`, with every tensor leaf that the example kept whole, and that has as many dims as
+    the example's, kept whole again: its dim 0 may now equal the batch size by chance (a table
+    of positions, or a (T, T) mask, at a batch as long as the sequence; its sizes follow the
+    sequence length, so they need not be the example's)."""
     found = dict(dims)
     for name, value in values.items():
         leaves = tree_flatten(value)[0]
@@ -70,7 +71,7 @@ def kept_whole(values: dict[str, Any], whole: WholeShapes, dims: Dims) -> Dims:
         if shapes is None or len(shapes) != len(leaves):
             continue  # another structure than the example's: the batch rule decides
         for leaf, shape in zip(leaves, shapes):
-            if isinstance(leaf, torch.Tensor) and shape == tuple(leaf.shape) and id(leaf) not in found:
+            if isinstance(leaf, torch.Tensor) and shape is not None and len(shape) == leaf.dim() and id(leaf) not in found:
                 found[id(leaf)] = None
     return found
 

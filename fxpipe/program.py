@@ -137,7 +137,7 @@ class Compiled:
     chunk_spec: ChunkSpec = field(default_factory=dict)
     deferred_batch_norm: bool = False
     placement: Optional[RankPlacement] = None  # across processes: this rank's place
-    # Per input, the shapes of the example's leaves kept whole: a leaf of the same shape stays
+    # Per input, the shapes of the example's leaves kept whole: a leaf with as many dims stays
     # whole when its dim 0 happens to equal a later batch's size.
     whole_inputs: WholeShapes = field(default_factory=dict)
 

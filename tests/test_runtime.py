@@ -375,6 +375,37 @@ def test_a_module_replaced_after_compiling_is_refused() -> None:
         pipe(x)
 
 
+class MaskedMix(nn.Module):
+    """Mixes each sample's positions through a (T, T) mask that the whole batch shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # (B, T, 4), (T, T)
+        return self.b(mask @ torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_a_mask_the_example_kept_whole_stays_whole_at_a_sequence_length_equal_to_the_batch(schedule: str) -> None:
+    model, reference = twin(MaskedMix())
+    mask = lambda t: torch.ones(t, t, dtype=torch.float64).tril()  # noqa: E731
+    pipe = compile_pipeline(model, (torch.randn(4, 6, 4, dtype=torch.float64), mask(6)), ["cpu", "cpu"], chunks=2, schedule=schedule)
+    x, y = torch.randn(5, 5, 4, dtype=torch.float64), torch.randn(5, 5, 3, dtype=torch.float64)  # T = B = 5
+    out = pipe(x, mask(5))
+    torch.testing.assert_close(out, reference(x, mask(5)), rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    reference(x, mask(5)).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    for p in [*model.parameters(), *reference.parameters()]:
+        p.grad = None
+    loss = pipe.train_step(x, mask(5), target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x, mask(5)), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_an_input_the_example_kept_whole_stays_whole_when_its_dim_0_equals_the_batch(schedule: str) -> None:
     model, reference = twin(WithPositions())
