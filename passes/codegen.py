@@ -33,9 +33,29 @@ class StageCode:
     written: list[str]
 
 
+# On a stage's private copy of a model's module: the module it copies.
+_ORIGINAL = "_fxpipe_original"
+_STRUCTURE = ("_parameters", "_buffers", "_modules", _ORIGINAL)
+
+
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-    """Call `module` with some of its parameters or buffers replaced by `state` for this call."""
+    """Call `module`, a stage's private copy of one of the model's modules, with some of its
+    parameters or buffers replaced by `state` for this call, and with every other attribute as
+    the model's module holds it now: its `training` flag after `pipe.eval()`, a dropout rate
+    changed since compiling, its hooks."""
+    original = module.__dict__[_ORIGINAL]
+    for mine, theirs in zip(module.modules(), original.modules()):
+        mine.__dict__.update((key, value) for key, value in theirs.__dict__.items() if key not in _STRUCTURE)
     return torch.func.functional_call(module, state, args, kwargs)
+
+
+def private_copy(module: nn.Module) -> nn.Module:
+    """A structural copy of `module` on its own parameters and buffers (the same tensors), that
+    follows the module's other attributes at every call (`call_with_state`)."""
+    memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
+    copied = copy.deepcopy(module, memo)
+    copied.__dict__[_ORIGINAL] = module  # not a child: the copy's parameters stay its own
+    return copied
 
 
 def shared_tensors(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
@@ -93,11 +113,9 @@ class _StageBuilder:
         # A module whose state other stages read too: call a private structural copy of it
         # (so two stage threads never swap attributes of one module object) with that state
         # passed in.
-        module = self.resolve(str(node.target))
-        memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
         # Held under the module's own name, so the stage's parameter names are the model's.
         private = str(node.target)
-        self.attrs[private] = copy.deepcopy(module, memo)
+        self.attrs[private] = private_copy(self.resolve(private))
         local = {name[len(str(node.target)) + 1 :]: self.shared_inputs[self.shared[id(t)]] for name, t in tied.items()}
         args = fx.map_arg(node.args, self.arg)
         kwargs = fx.map_arg(node.kwargs, self.arg)

@@ -117,6 +117,64 @@ def written_value(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
+def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The values `node` writes in place: `written_value`, or, for a higher-order op that runs a
+    subgraph on its operands (torch.export's `wrap_with_set_grad_enabled` around a `no_grad`
+    region, say), the operands that its subgraph writes."""
+    subgraph, operands = _subgraph_call(gm, node)
+    if subgraph is None:
+        target = written_value(gm, node)
+        return [target] if target is not None else []
+    placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
+    found = []
+    for inner in subgraph.graph.nodes:
+        for target in written_arguments(subgraph, inner):
+            root = _view_root(target)
+            if root in placeholders and placeholders.index(root) < len(operands):
+                operand = operands[placeholders.index(root)]
+                if isinstance(operand, fx.Node) and operand not in found:
+                    found.append(operand)
+    return found
+
+
+def operand_returned(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
+    """For `getitem(call, k)` of a higher-order op's subgraph call: the operand that the
+    subgraph's k-th output is (through views and in-place writes), else None. torch.export's
+    `no_grad` region returns the buffer it wrote: the same tensor, not a copy."""
+    if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return None
+    subgraph, operands = _subgraph_call(gm, node.args[0])
+    index = node.args[1] if len(node.args) > 1 else None
+    if subgraph is None or not isinstance(index, int):
+        return None
+    outputs = next(n for n in subgraph.graph.nodes if n.op == "output").args[0]
+    inner = outputs[index] if isinstance(outputs, (tuple, list)) and index < len(outputs) else None
+    placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
+    seen = set()
+    while isinstance(inner, fx.Node) and inner not in seen:
+        seen.add(inner)
+        if inner in placeholders:
+            position = placeholders.index(inner)
+            operand = operands[position] if position < len(operands) else None
+            return operand if isinstance(operand, fx.Node) else None
+        stepped = inner.args[0] if inner.args and (is_view(inner) or writes_first_argument(subgraph, inner)) else None
+        inner = stepped if isinstance(stepped, fx.Node) else None
+    return None
+
+
+def _subgraph_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Optional[fx.GraphModule], Sequence[Any]]:
+    """For a higher-order op given a subgraph (a `get_attr` of a GraphModule), the subgraph and
+    the operands after it, which its placeholders take in order; else (None, ())."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None, ()
+    for i, arg in enumerate(node.args):
+        if isinstance(arg, fx.Node) and arg.op == "get_attr":
+            value = fetch_attr(gm, str(arg.target))
+            if isinstance(value, fx.GraphModule):
+                return value, node.args[i + 1 :]
+    return None, ()
+
+
 def _basic_index(index: Any) -> bool:
     """`h[index]` is a view when the index is ints, slices, None and Ellipsis (not a tensor)."""
     items = index if isinstance(index, tuple) else (index,)
@@ -164,8 +222,7 @@ def mutated_inputs(gm: fx.GraphModule, run: Sequence[fx.Node], inputs: Sequence[
     """
     nodes, found = set(run), set()
     for node in run:
-        target = written_value(gm, node)
-        if target is not None:
+        for target in written_arguments(gm, node):
             root = _stage_local_root(target, nodes)
             if root.name in inputs:
                 found.add(root.name)

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from fxpipe.passes.attrs import COMPUTE_OPS
-from fxpipe.passes.inplace import written_value
+from fxpipe.passes.inplace import written_arguments
 
 __all__ = ["COMPUTE_OPS", "linearize", "open_bytes"]
 
@@ -75,7 +75,7 @@ def linearize(gm: fx.GraphModule) -> list[fx.Node]:
     order, which its reads rely on: a read before a write has no edge to the write that says so.
     """
     traced = [node for node in gm.graph.nodes if node.op in COMPUTE_OPS]
-    if any(written_value(gm, node) is not None for node in traced):
+    if any(written_arguments(gm, node) for node in traced):
         return traced
     greedy = _greedy(gm, traced)
     return greedy if open_bytes(greedy) < open_bytes(traced) else traced

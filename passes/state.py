@@ -8,8 +8,8 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
 
-from fxpipe.passes.attrs import fetch_attr
-from fxpipe.passes.inplace import _view_root, is_view, writes_first_argument, written, written_value
+from fxpipe.passes.attrs import fetch_attr, tensors_read
+from fxpipe.passes.inplace import _view_root, is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
 
 
 def _writes_its_buffers(module: nn.Module) -> bool:
@@ -37,10 +37,11 @@ def writable_buffer_names(gm: fx.GraphModule, run: Sequence[fx.Node]) -> list[st
             module = fetch_attr(gm, str(node.target))
             if _writes_its_buffers(module):
                 names.update((name, None) for name, _ in module.named_buffers(prefix=str(node.target)))
-        elif writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node):
-            root = _view_root(node.args[0])
-            if root.op == "get_attr":
-                names[str(root.target)] = None
+        else:
+            for target in written_arguments(gm, node):
+                root = _view_root(target)
+                if root.op == "get_attr":
+                    names[str(root.target)] = None
     return list(names)
 
 
@@ -62,33 +63,57 @@ def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 
 def _state_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
-    """The `get_attr` node whose tensor `node` is, through views and in-place writes, if any."""
+    """The `get_attr` node whose tensor `node` is, through views, in-place writes and subgraphs
+    that return an operand, if any."""
     seen = set()
     while node not in seen:
         seen.add(node)
-        root = _view_root(node)
-        if root.op == "get_attr":
-            return root
-        if not (writes_first_argument(gm, root) and root.args and isinstance(root.args[0], fx.Node)):
+        if node.op == "get_attr":
+            return node
+        returned = operand_returned(gm, node)
+        if returned is not None:
+            node = returned
+        elif node.args and isinstance(node.args[0], fx.Node) and (is_view(node) or writes_first_argument(gm, node)):
+            node = node.args[0]
+        else:
             return None
-        node = root.args[0]
     return None
 
 
 def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
-    """For each buffer written in place in forward, the first and last position in `order` of
-    its writes. A stage boundary inside a span would split one buffer's updates across two
-    stages, which then interleave micro-batches differently from the plain model."""
-    spans: dict[str, tuple[int, int]] = {}
+    """For each buffer that forward writes (in place, or by a module called whole that keeps
+    running statistics: a BatchNorm called at several depths), the positions in `order` from its
+    first use to its last write. A stage boundary inside a span would let two stages touch it at
+    once: writes split across stages interleave the micro-batches otherwise than the plain model
+    does, and an earlier stage reading it would race with a later stage's write. Reads after the
+    last write may be anywhere: a later stage gets the value of its own micro-batch."""
+    names: dict[int, str] = {}
+    last_write: dict[int, int] = {}
     for position, node in enumerate(order):
-        if not (writes_first_argument(gm, node) and node.args and isinstance(node.args[0], fx.Node)):
-            continue
-        root = _state_root(gm, node.args[0])
-        if root is not None:
-            key = f"the buffer {str(root.target)!r}"
-            first, _ = spans.get(key, (position, position))
-            spans[key] = (first, position)
-    return spans
+        for name, tensor in _buffers_written(gm, node).items():
+            names.setdefault(id(tensor), name)
+            last_write[id(tensor)] = position
+    first_use: dict[int, int] = {}
+    for position, node in enumerate(order if last_write else []):
+        for tensor in [*tensors_read(gm, node).values(), *_buffers_written(gm, node).values()]:
+            if id(tensor) in last_write:
+                first_use.setdefault(id(tensor), position)
+    return {f"the buffer {names[key]!r}, which forward writes,": (first_use[key], last) for key, last in last_write.items()}
+
+
+def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
+    """The buffers `node` writes in forward, by qualified name: the root of an in-place write, or
+    the buffers of a module called whole that writes them."""
+    if node.op == "call_module":
+        module = fetch_attr(gm, str(node.target))
+        return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
+    found = {}
+    for target in written_arguments(gm, node):
+        root = _state_root(gm, target)
+        value = fetch_attr(gm, str(root.target)) if root is not None else None
+        if root is not None and isinstance(value, torch.Tensor):
+            found[str(root.target)] = value
+    return found
 
 
 def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:

@@ -100,6 +100,109 @@ def test_batch_norm_statistics_are_updated_once_whatever_the_checkpointing(mode:
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
 
 
+class SharedNorm(nn.Module):
+    """One BatchNorm called at three depths: every call updates its running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.a(x)))
+        h = torch.tanh(self.bn(self.b(h)))
+        return self.d(torch.tanh(self.bn(self.c(h))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_norm_called_at_several_depths_keeps_its_calls_in_one_stage(mode: str) -> None:
+    """Its updates in two stages would interleave the micro-batches otherwise than the plain
+    model (and a recompute would write them again): the cut keeps every call in one stage."""
+    x = torch.randn(12, 6, dtype=torch.float64)
+    pipe, reference = compiled(SharedNorm().double(), x, 3, chunks=3, checkpoint=mode)
+    calls = [i for i, stage in enumerate(pipe.plan.stages) if any(n.startswith("bn") for n in stage.nodes)]
+    assert len(calls) == 1, pipe.plan.summary()
+    for _ in range(2):
+        out = pipe(x)
+        expected = in_turn(reference, x, 3)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+        out.sum().backward()
+        expected.sum().backward()
+    assert int(pipe.get_buffer("bn.num_batches_tracked")) == 18
+    assert_state_equal(pipe, reference)
+    assert_grads_equal(pipe, reference)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="(?s)the buffer 'bn.running_mean', which forward writes, runs from bn to bn_2.*keep each of these in one stage"):
+        compile_pipeline(SharedNorm(), x.float(), ["cpu"] * 2, split_points=["b"])
+
+
+class ReadEarlyWriteLate(nn.Module):
+    """Reads a buffer early in forward and writes it late: the next micro-batch's read must see
+    this one's write."""
+
+    acc: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) + self.acc)
+        h = torch.tanh(self.c(torch.tanh(self.b(h))))
+        self.acc.add_(0.1 * h.detach().sum(0))
+        return self.d(h)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_read_before_a_later_write_stays_in_the_writing_stage(mode: str) -> None:
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe, reference = compiled(ReadEarlyWriteLate().double(), x, 2, chunks=4, checkpoint=mode)
+    for _ in range(2):
+        out = pipe(x)
+        expected = in_turn(reference, x, 4)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert_state_equal(pipe, reference)
+    assert_grads_equal(pipe, reference)
+    with pytest.raises(ValueError, match="the buffer 'acc', which forward writes, runs from add to add_, and a stage begins between them"):
+        compile_pipeline(ReadEarlyWriteLate(), x.float(), ["cpu"] * 2, split_points=["c"])
+
+
+class TwiceCalled(nn.Module):
+    """A block kept whole (its dropout inside) and called at two depths: each stage that calls
+    it runs a copy of its own, which must follow the block's mode and rate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5))
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(self.a(x)))
+        return self.b(torch.tanh(self.block(h)))
+
+
+def test_a_module_called_in_two_stages_follows_its_mode_and_rate() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe, reference = compiled(TwiceCalled().double(), x, 2, chunks=2, leaf_modules=["block"], balance=[2, 4])
+    assert [stage.nodes for stage in pipe.plan.stages] == [["a", "block"], ["tanh", "block_1", "tanh_1", "b"]]
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)  # no dropout in eval
+    pipe.train()
+    for dropout in (pipe.get_submodule("block.1"), reference.get_submodule("block.1")):
+        assert isinstance(dropout, nn.Dropout)
+        dropout.p = 0.0  # as the plain model's: a rate changed takes effect
+    out = pipe(x)
+    expected = reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("mode", MODES)
 def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, momentum: float | None) -> None:
@@ -124,6 +227,45 @@ def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, m
     assert_state_equal(pipe, full)
     pipe.eval(), full.eval()
     torch.testing.assert_close(pipe(x), full(x), rtol=0, atol=1e-10)
+
+
+class CountsWithoutGrad(nn.Module):
+    """Counts its calls inside `torch.no_grad()`: torch.export captures the region as a subgraph
+    run by a higher-order op, which writes the buffer."""
+
+    steps: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.steps.add_(1)
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) * self.steps
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_written_inside_a_no_grad_region_is_written_once_per_micro_batch(mode: str) -> None:
+    """A recompute must not write it again, and the check of the example's halves must not
+    mistake the count for samples mixed across the batch."""
+    x = torch.randn(8, 5, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="torch.export"):
+        pipe, reference = compiled(CountsWithoutGrad().double(), x, 2, chunks=1, checkpoint=mode)
+    for _ in range(2):
+        out = pipe(x)
+        expected = reference(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+        out.sum().backward()
+        expected.sum().backward()
+    assert int(pipe.get_buffer("steps")) == 2
+    assert_grads_equal(pipe, reference)
+    with pytest.warns(UserWarning, match="torch.export"):
+        pipe, reference = compiled(CountsWithoutGrad().double(), x, 2, chunks=2, checkpoint=mode)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(reference, x, 2), rtol=0, atol=1e-10)
+    assert int(pipe.get_buffer("steps")) == int(reference.get_buffer("steps")) == 2
 
 
 class Dropping(nn.Module):
