@@ -67,18 +67,18 @@ def backward_inputs(
     if not inputs:  # nothing for I to do: W runs the whole backward
         return PendingWeights([(roots, list(grads), weights.tensors)]) if weights.tensors else PendingWeights()
     graph = _Graph([edge.node for edge in roots], {get_gradient_edge(t).node for t in inputs}, weights.bits)
-    plan = graph.split()
-    if plan is None:
+    split = graph.split()
+    # Roots off every input's path: W starts there as they are.
+    off_path = [(edge, grad, graph.reach[edge.node]) for edge, grad in zip(roots, grads) if edge.node not in graph.to_input]
+    if split is None or any(bits & split[1] for _, _, bits in off_path):
         torch.autograd.backward(list(tensors), list(grads), inputs=[*inputs, *weights.tensors])
         return PendingWeights()
-    pending = PendingWeights()
-    for edge, grad in zip(roots, grads):  # roots off every input's path: W starts there as they are
-        if edge.node not in graph.to_input and graph.reach[edge.node]:
-            pending.parts.append(([edge], [grad], weights.chosen(graph.reach[edge.node])))
+    plan, in_i = split
+    pending = PendingWeights([([edge], [grad], weights.chosen(bits)) for edge, grad, bits in off_path if bits])
     kept: dict[Node, tuple[Optional[torch.Tensor], ...]] = {}
     handles = [node.register_prehook(_keeper(kept, node)) for node in plan]
     try:
-        torch.autograd.backward(list(tensors), list(grads), inputs=list(inputs), retain_graph=True)
+        torch.autograd.backward(list(tensors), list(grads), inputs=[*inputs, *weights.chosen(in_i)], retain_graph=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -95,6 +95,12 @@ def _keeper(kept: dict[Node, tuple[Optional[torch.Tensor], ...]], node: Node) ->
         kept[node] = tuple(grad_outputs)
 
     return hook
+
+
+# Nodes never asked for their weights' gradients alone: GroupNorm's backward kernel crashes the
+# process when its input is channels_last and the input's gradient is not asked for (torch 2.13).
+# I computes their weights' gradients along with the input gradients.
+_WHOLE_IN_I = frozenset({"NativeGroupNormBackward0"})
 
 
 class _Graph:
@@ -123,11 +129,12 @@ class _Graph:
                 stack.extend((child, False) for child in kids if child not in children)
         self.children, self.reach, self.to_input = children, reach, to_input
 
-    def split(self) -> Optional[dict[Node, int]]:
+    def split(self) -> Optional[tuple[dict[Node, int], int]]:
         """The nodes on an input's path with a child off every input's path that leads to a
-        weight, with the weights reached from those children; None if a weight so reached can
-        also be reached through the node's input side (W from there would count it twice)."""
-        plan = {}
+        weight, with the weights reached from those children (W starts at these nodes), and
+        the weights whose gradients I computes itself (those of nodes in `_WHOLE_IN_I`); None
+        if a weight so reached can also be reached another way (it would be counted twice)."""
+        plan, in_i, in_w = {}, 0, 0
         for node in self.to_input:
             weight_side = input_side = 0
             for child in self.children[node]:
@@ -137,6 +144,9 @@ class _Graph:
                     weight_side |= self.reach[child]
             if weight_side & input_side:
                 return None
-            if weight_side:
+            if node.name() in _WHOLE_IN_I:
+                in_i |= weight_side
+            elif weight_side:
                 plan[node] = weight_side
-        return plan
+                in_w |= weight_side
+        return None if in_i & in_w else (plan, in_i)

@@ -449,3 +449,35 @@ def test_a_grad_scaler_scales_steps_and_skips_the_one_that_overflows(call: str) 
     assert scale == expected_scale == 2.0**11  # grew, halved on the skipped step, grew
     for p, q in zip(params, expected):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+class ConvGroupNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.c3 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 4, 1)
+        self.gn = nn.GroupNorm(2, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.c1(x))
+        h = self.gn(self.c2(h)) + h
+        return self.c3(torch.relu(h)).flatten(1)
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])
+def test_zero_bubble_never_asks_group_norm_for_its_weights_alone(memory_format: torch.memory_format) -> None:
+    """GroupNorm's backward kernel crashes the process when asked for its weights' gradients
+    alone on a channels_last input, which is what W would ask: I computes them instead."""
+    model, reference = twin(ConvGroupNorm())
+    for module in (model, reference):
+        for p in module.parameters():
+            if p.dim() == 4:  # the convolutions' weights, as module.to(memory_format=...) lays them out
+                p.data = p.data.contiguous(memory_format=memory_format)
+    x = torch.randn(8, 3, 6, 6, dtype=torch.float64).contiguous(memory_format=memory_format)
+    y = torch.randn(8, 144, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="zb-h1", split_points=["c2"])
+    assert "gn" in pipe.plan.stages[1].nodes
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
