@@ -70,7 +70,19 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in traced],
         held=HeldState.of(owner),
+        unreached=_unreached(owner),
     )
+
+
+def _unreached(owner: nn.Module) -> list[str]:
+    """The tensors in the model's parameter tables that require grad but are not Parameters
+    (swapped in by torch.func.functional_call, say): no gradient of the pipeline reaches them."""
+    return [
+        f"{path}.{key}" if path else key
+        for path, module in owner.named_modules()
+        for key, tensor in module._parameters.items()
+        if tensor is not None and not isinstance(tensor, nn.Parameter) and tensor.requires_grad
+    ]
 
 
 def _stage(cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any]) -> StageRuntime:

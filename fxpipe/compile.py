@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
 from fxpipe.materialize import is_on_meta
-from fxpipe.microbatch import batch_size_of, forward_signature, spec_dims, whole_shapes
+from fxpipe.microbatch import batch_size_of, example_leaves, forward_signature, spec_dims
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.placement import pin_devices
@@ -427,7 +427,7 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
-    compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, whole_shapes(bound, split))
+    compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split))
     if placement is not None:
         check_same_plan(plan, placement)
         for stage in plan.stages:

@@ -38,15 +38,26 @@ def own_loss(output: Any) -> Any:
     return loss
 
 
-def check_gatherable(outputs: dict[str, Any], micro_batches: int) -> None:
-    """Outputs returned whole must be concatenated from the micro-batches along dim 0."""
+def check_gatherable(outputs: dict[str, Any], micro_batches: int, asked: bool) -> None:
+    """The outputs, put together from the micro-batches along dim 0: when `asked` for them
+    (return_outputs=True), or for the check of the loss."""
     scalars = [name for name, v in outputs.items() for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.dim() == 0]
-    if scalars and micro_batches > 1:
+    if not scalars or micro_batches < 2:
+        return
+    if asked:
         raise ValueError(
             f"return_outputs=True concatenates the outputs of the {micro_batches} micro-batches along dim 0, "
             f"and the model returns a 0-dim value ({', '.join(scalars)}: its loss?).\nHow to fix: use the "
             "loss train_step returns (return_outputs=False), or chunks=1. No gradient was accumulated."
         )
+    raise ValueError(
+        f"train_step checks the micro-batches' losses against loss_fn on the whole batch's outputs, put "
+        f"together from the {micro_batches} micro-batches along dim 0, and the model returns a 0-dim value "
+        f"({', '.join(scalars)}): one per micro-batch, which has no whole-batch value to give loss_fn (an "
+        "auxiliary loss over the batch, say).\nHow to fix: chunks=1; or add that value into a loss the "
+        "model returns itself and call train_step without loss_fn (combined over micro-batches as "
+        "their mean or sum, unchecked). No gradient was accumulated."
+    )
 
 
 def describe(value: Any) -> str:

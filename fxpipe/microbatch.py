@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -42,38 +42,56 @@ def spec_dims(signature: Optional[inspect.Signature], spec: dict[str, Optional[i
     return dims
 
 
-# Per input, for each of its leaves: the shape of a tensor the example kept whole, else None.
-WholeShapes = dict[str, tuple[Optional[tuple[int, ...]], ...]]
+# Per input, for each of its leaves as the example gave it: a tensor's number of dims and whether
+# it went whole to every micro-batch; None for what is not a tensor.
+ExampleLeaves = dict[str, tuple[Optional[tuple[int, bool]], ...]]
 
 
-def whole_shapes(values: dict[str, Any], dims: Dims) -> WholeShapes:
-    """For each input, the shapes of its tensor leaves that go whole to every micro-batch."""
+def example_leaves(values: dict[str, Any], dims: Dims) -> ExampleLeaves:
+    """For each input, its tensor leaves' dims and whether they go whole to every micro-batch."""
     batch = batch_size_of(list(values.values()), dims)
     found = {}
     for name, value in values.items():
         leaves = tree_flatten(value)[0]
         found[name] = tuple(
-            tuple(t.shape) if isinstance(t, torch.Tensor) and (batch is None or split_dim(t, batch, dims) is None) else None
+            (t.dim(), batch is None or split_dim(t, batch, dims) is None) if isinstance(t, torch.Tensor) else None
             for t in leaves
         )
     return found
 
 
-def kept_whole(values: dict[str, Any], whole: WholeShapes, dims: Dims) -> Dims:
+def kept_whole(values: dict[str, Any], example: ExampleLeaves, dims: Dims) -> Dims:
     """`dims`, with every tensor leaf that the example kept whole, and that has as many dims as
     the example's, kept whole again: its dim 0 may now equal the batch size by chance (a table
     of positions, or a (T, T) mask, at a batch as long as the sequence; its sizes follow the
     sequence length, so they need not be the example's)."""
     found = dict(dims)
+    for name, leaf, (ndim, whole) in _known_leaves(values, example):
+        if whole and ndim == leaf.dim() and id(leaf) not in found:
+            found[id(leaf)] = None
+    return found
+
+
+def fewer_dims(values: dict[str, Any], example: ExampleLeaves) -> list[str]:
+    """The inputs with a tensor that the example split into micro-batches and that now has fewer
+    dims than the example's: a sample without its batch dim, whose features would be split."""
+    return [
+        f"{name} {tuple(leaf.shape)} (the example's had {ndim} dims)"
+        for name, leaf, (ndim, whole) in _known_leaves(values, example) if not whole and leaf.dim() < ndim
+    ]  # fmt: skip
+
+
+def _known_leaves(values: dict[str, Any], example: ExampleLeaves) -> Iterator[tuple[str, torch.Tensor, tuple[int, bool]]]:
+    """(input name, tensor leaf, what the example's leaf was) where both are tensors, for inputs
+    of the example's structure (another structure: the batch rule decides)."""
     for name, value in values.items():
         leaves = tree_flatten(value)[0]
-        shapes = whole.get(name)
-        if shapes is None or len(shapes) != len(leaves):
-            continue  # another structure than the example's: the batch rule decides
-        for leaf, shape in zip(leaves, shapes):
-            if isinstance(leaf, torch.Tensor) and shape is not None and len(shape) == leaf.dim() and id(leaf) not in found:
-                found[id(leaf)] = None
-    return found
+        known = example.get(name)
+        if known is None or len(known) != len(leaves):
+            continue
+        for leaf, seen in zip(leaves, known):
+            if isinstance(leaf, torch.Tensor) and seen is not None:
+                yield name, leaf, seen
 
 
 def is_batched(value: Any, batch_size: int) -> bool:

@@ -25,7 +25,7 @@ from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, forward_signature, kept_whole, scatter, spec_dims, split_dim, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, scatter, spec_dims, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
@@ -34,6 +34,7 @@ from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
 from fxpipe.step import Step
 from fxpipe.timeline import Record, Timeline
+from fxpipe.transforms import refuse_transforms
 from fxpipe.worker import Workers
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
@@ -307,7 +308,7 @@ class Pipeline(nn.Module):
         # over the targets not ignored, whose count differs between micro-batches in some steps).
         check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
         if return_outputs or check:
-            check_gatherable(step.outputs[0], len(call.sizes))
+            check_gatherable(step.outputs[0], len(call.sizes), asked=return_outputs)
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
             outputs = gathered.rebuild(gathered.tensors)
             if check:
@@ -421,10 +422,17 @@ class Pipeline(nn.Module):
             )
         program = self._held_program()
         values = self._compiled.bind(args, kwargs)
-        dims = kept_whole(values, self._compiled.whole_inputs, self._dims(args, kwargs))
+        dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
             raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
+        unbatched = fewer_dims(values, self._compiled.example_leaves) if self.chunks > 1 else []
+        if unbatched:
+            raise ValueError(
+                f"inputs have fewer dims than the example's, whose batch they split: {', '.join(unbatched)}: "
+                "a sample without its batch dim? Its features would be split as samples.\n"
+                "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
+            )
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
         if len(sizes) > 1:
             self._check_written_inputs(program, values, batch, dims)
@@ -433,6 +441,7 @@ class Pipeline(nn.Module):
         context = CallerContext.capture()
         input_slots = self._input_slots(values, batch, dims)
         grad_mode = torch.is_grad_enabled() and not context.inference
+        refuse_transforms(values, program.unreached, grad_mode)
         params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
         if self._channel is not None and grad and input_slots:

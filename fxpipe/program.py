@@ -19,7 +19,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.distributed import RankPlacement
-from fxpipe.microbatch import WholeShapes
+from fxpipe.microbatch import ExampleLeaves
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -88,6 +88,8 @@ class Program:
 
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
+    # Tensors swapped in for parameters that require grad but are not Parameters, by name.
+    unreached: list[str] = field(default_factory=list)
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose forward hooks were added or removed since."""
@@ -137,9 +139,9 @@ class Compiled:
     chunk_spec: ChunkSpec = field(default_factory=dict)
     deferred_batch_norm: bool = False
     placement: Optional[RankPlacement] = None  # across processes: this rank's place
-    # Per input, the shapes of the example's leaves kept whole: a leaf with as many dims stays
-    # whole when its dim 0 happens to equal a later batch's size.
-    whole_inputs: WholeShapes = field(default_factory=dict)
+    # Per input, the example's tensor leaves: how many dims, and whether kept whole (a leaf with
+    # as many dims stays whole when its dim 0 happens to equal a later batch's size).
+    example_leaves: ExampleLeaves = field(default_factory=dict)
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -150,5 +152,5 @@ class Compiled:
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
-            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.whole_inputs,
+            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
         )  # fmt: skip

@@ -107,13 +107,11 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
         return fx.GraphModule(model, copy.deepcopy(model.graph), type(model).__name__)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module or a torch.fx.GraphModule, not {type(model).__name__}")
-    variadic = [
-        p.name for p in inspect.signature(model.forward).parameters.values()
-        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    ]
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    variadic = [stars[p.kind] + p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in stars]
     if variadic:
         raise TraceError(
-            f"torch.fx cannot trace {type(model).__name__}: its forward takes *{'/**'.join(variadic)}, "
+            f"torch.fx cannot trace {type(model).__name__}: its forward takes {' and '.join(variadic)}, "
             "and a symbolic trace needs each input named.\n"
             "How to fix: name the forward's arguments, or let torch.export capture it."
         )

@@ -379,3 +379,58 @@ def test_a_call_from_inside_one_of_its_own_stages_is_refused() -> None:
     model.layers[7].register_forward_hook(hook)
     pipe(X)
     assert seen and all("called from inside one of its own stages" in s for s in seen)
+
+
+def _transform_case() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    return model, reference, torch.randn(8, 6, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad of functional_call", "jvp", "forward-mode AD", "functional_call with grad"])
+def test_transforms_the_stages_cannot_carry_are_refused(transform: str) -> None:
+    """Each would lose its work in the stages (they run on tensors of their own, on other
+    threads): torch.func.grad gave all-zero gradients, forward-mode AD no tangent."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call
+
+    model, reference, x = _transform_case()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    params = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    calls = {
+        "vmap": lambda: torch.func.vmap(pipe)(x.unsqueeze(0).expand(3, 8, 6)),
+        "grad of functional_call": lambda: torch.func.grad(lambda p: functional_call(pipe, p, (x,)).sum())(params),
+        "jvp": lambda: torch.func.jvp(pipe, (x,), (torch.ones_like(x),)),
+        "functional_call with grad": lambda: functional_call(pipe, {k: v.requires_grad_() for k, v in params.items()}, (x,)),
+    }
+    with pytest.raises(RuntimeError, match="(?s)cannot compute what the plain model would.*How to fix: apply such transforms to the plain model"):
+        if transform == "forward-mode AD":
+            with forward_ad.dual_level():
+                pipe(forward_ad.make_dual(x, torch.ones_like(x)))
+        else:
+            calls[transform]()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # and the next call runs
+
+
+def test_functional_call_with_tensors_that_do_not_require_grad_runs_on_them() -> None:
+    from torch.func import functional_call
+
+    model, reference, x = _transform_case()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    other = {name: torch.randn_like(p) for name, p in reference.named_parameters()}
+    torch.testing.assert_close(functional_call(pipe, other, (x,)), functional_call(reference, other, (x,)), rtol=0, atol=1e-12)
+    with torch.no_grad():
+        wanting = {k: v.clone().requires_grad_() for k, v in other.items()}
+        torch.testing.assert_close(functional_call(pipe, wanting, (x,)), functional_call(reference, other, (x,)), rtol=0, atol=1e-12)
+    out = pipe(x)  # its own parameters again, and their gradients
+    out.sum().backward()
+    reference(x).sum().backward()
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+def test_a_sample_without_its_batch_dim_is_refused_not_split_along_its_features() -> None:
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)), X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"(?s)fewer dims than the example's.*input_1 \(6,\) \(the example's had 2 dims\).*x.unsqueeze\(0\)"):
+        pipe(torch.randn(6))
+    assert pipe(torch.randn(1, 6)).shape == (1, 2)

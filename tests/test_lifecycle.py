@@ -321,4 +321,4 @@ def test_an_input_written_in_place_is_written_as_the_plain_model_writes_it(stage
 def test_an_input_written_in_place_and_passed_whole_is_refused() -> None:
     pipe = compile_pipeline(WritesItsInput(), ((torch.randn(6, 4), torch.randn(6, 4)),), ["cpu"], chunks=2)
     with pytest.raises(ValueError, match="writes its input 'pair' in place"):
-        pipe((torch.randn(6, 4), torch.randn(4)))
+        pipe((torch.randn(6, 4), torch.randn(1, 4)))

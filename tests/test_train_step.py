@@ -186,6 +186,35 @@ def test_outputs_of_a_model_that_returns_its_loss_cannot_be_gathered_and_say_so(
     assert all(p.grad is None for p in pipe.parameters())
 
 
+class WithAuxiliary(nn.Module):
+    """Returns its output and a load-balancing term over the batch (a 0-dim value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.b = nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), self.gate(h).softmax(-1).mean(0).pow(2).sum()
+
+
+def test_a_scalar_beside_the_outputs_says_why_the_loss_check_cannot_use_it() -> None:
+    model = WithAuxiliary().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    loss_fn = lambda out, t: F.mse_loss(out[0], t) + out[1]  # noqa: E731
+    with pytest.raises(ValueError, match="(?s)checks the micro-batches' losses against loss_fn.*0-dim value.*How to fix: chunks=1.*No gradient"):
+        pipe.train_step(x, target=y, loss_fn=loss_fn)
+    assert all(p.grad is None for p in pipe.parameters())
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=1, schedule="1f1b")  # as the fix says
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_under_no_grad_train_step_computes_the_loss_alone(schedule: str) -> None:
     model, x, y, loss_fn = _fan_out()

@@ -1,0 +1,53 @@
+"""What a call may ask that a Pipeline cannot carry through its stages: refused, with the fix.
+
+The stages run on worker threads (or other processes) on tensors of their own, so a transform
+that lives in the caller's tensors or thread would see nothing of them and silently lose its
+work: torch.func's transforms (`vmap`, `grad`, `jvp`, `jacrev`, ...), forward-mode AD's
+tangents, and parameters swapped for plain tensors that require grad (`torch.func.
+functional_call` given such tensors), which autograd would never reach.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+from torch.utils._pytree import tree_flatten
+
+
+def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: bool) -> None:
+    """Raise if the call runs under a torch.func transform, passes tangents of forward-mode AD
+    in its input `values`, or asks for gradients while the model holds `unreached` tensors:
+    swapped in for parameters, requiring grad, and not Parameters."""
+    problems = []
+    if _functorch_active():
+        problems.append(
+            "it runs under a torch.func transform (vmap, grad, jvp, jacrev, ...), which cannot see through "
+            "the stages: they run on tensors of their own, on other threads"
+        )
+    duals = [name for name, value in values.items() if _has_tangent(value)]
+    if duals:
+        problems.append(f"inputs carry tangents of forward-mode AD ({', '.join(duals)}), which the stages would drop")
+    if grad_mode and unreached:
+        problems.append(
+            f"parameters of the model were swapped for tensors that require grad but are not nn.Parameters "
+            f"({', '.join(unreached)}; torch.func.functional_call given such tensors, say): a pipeline hands "
+            "gradients to the model's parameters only"
+        )
+    if problems:
+        raise RuntimeError(
+            "this call of the pipeline cannot compute what the plain model would:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nHow to fix: apply such transforms to the plain model; train the pipeline's own parameters "
+            "(load new values with pipe.load_state_dict, or copy them in under torch.no_grad()); a "
+            "functional_call with tensors that do not require grad (or under torch.no_grad()) runs as it is."
+        )
+
+
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def _has_tangent(value: Any) -> bool:
+    return any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None for t in tree_flatten(value)[0])
