@@ -212,16 +212,27 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     kept whole that have a dim of the batch's size (an LSTM's initial state holds the batch on
     dim 1, say), with the chunk_spec that would split them there."""
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    hints = {}
+    hints: dict[str, Optional[int]] = {}
+    split_too: dict[str, Optional[int]] = {}
     for name, value in zip(names, inputs):
-        if isinstance(value, torch.Tensor) and split_dim(value, batch, dims) is None:
+        if not isinstance(value, torch.Tensor):
+            continue
+        if split_dim(value, batch, dims) is None:
             at = [d for d in range(value.dim()) if value.shape[d] == batch]
             if at:
                 hints[name] = at[0]
+        elif name != next(n for n, v in zip(names, inputs) if isinstance(v, torch.Tensor)):
+            split_too[name] = None  # split for a dim 0 of the batch's size, as the first input is
+    shapes = dict(zip(names, (tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in inputs)))
     hint = (
         f"These inputs are passed whole to every micro-batch, and have a dim of the batch's size {batch}: "
-        f"{', '.join(f'{n} {tuple(v.shape)}' for n, v in zip(names, inputs) if n in hints)}. If that dim holds "
+        f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
+    )
+    hint += (
+        f"These inputs are split along dim 0 as it has the batch's size {batch}: "
+        f"{', '.join(f'{n} {shapes[n]}' for n in split_too)}. One that holds no batch (a mask or a table "
+        f"that every sample shares) goes whole with chunk_spec={split_too!r}.\n" if split_too else ""
     )
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "

@@ -292,3 +292,27 @@ def test_an_input_with_its_batch_on_another_dim_is_refused_at_compile_time_namin
     out.pow(2).sum().backward()
     reference(*args).pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
+
+
+class _MaskedAttention(nn.Module):
+    """Attention over the positions of each sample, under a (T, T) mask every sample shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        return self.o(((h @ h.transpose(1, 2)) / 8 + mask).softmax(-1) @ h)
+
+
+def test_a_shared_mask_split_for_a_length_equal_to_the_batch_is_named_with_the_chunk_spec_that_keeps_it_whole() -> None:
+    model, reference = twin(_MaskedAttention())
+    x = torch.randn(4, 4, 8, dtype=torch.float64)  # as many positions as samples
+    mask = torch.zeros(4, 4, dtype=torch.float64).masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
+    with pytest.raises(ValueError, match=r"fails on half of it(.|\n)*split along dim 0(.|\n)*mask \(4, 4\)(.|\n)*chunk_spec=\{'mask': None\}"):
+        compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2, chunk_spec={"mask": None})
+    out = pipe(x, mask)
+    torch.testing.assert_close(out, reference(x, mask), rtol=0, atol=1e-12)
+
