@@ -222,6 +222,13 @@ class Channel:
         self.sent, self.read = {}, {}
         self.failed = False
 
+    def exchange(self, what: str, value: Any) -> dict[int, Any]:
+        """Send `value` to every peer and read theirs: each peer's value, by coordinate; raises
+        RemoteFailure if a peer failed instead."""
+        for peer in self._peers():
+            self.send(peer, (what, self.me), value)
+        return {peer: self.take(peer, (what, peer), f"the {what} of rank {self.ranks[peer]}") for peer in self._peers()}
+
     def finish(self, payload: Any = None) -> dict[int, Any]:
         """End the step with every peer: send `done` (with `payload`) and read theirs; raises
         RemoteFailure if a peer failed. Returns each peer's payload."""

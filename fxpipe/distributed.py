@@ -231,9 +231,10 @@ def holders(program: Any, params: Sequence[nn.Parameter]) -> list[list[int]]:
 
 
 @contextmanager
-def failing_together(channel: Channel) -> Iterator[None]:
+def failing_together(channel: Channel, phase: str = "the end of the step") -> Iterator[None]:
     """A step across processes fails on every rank: what fails here is sent to the others, and
-    a failure heard from another rank is raised here as that rank's error."""
+    a failure heard from another rank is raised here as that rank's error. `phase` names where
+    an error that is not a stage's own was raised."""
     try:
         yield
     except StageError as e:
@@ -244,7 +245,7 @@ def failing_together(channel: Channel) -> Iterator[None]:
         channel.fail(e.failure)
         raise raised_here(e.failure) from e
     except BaseException as e:
-        channel.fail(Failure(channel.ranks[channel.me], -1, -1, "the end of the step", f"{type(e).__name__}: {e}"))
+        channel.fail(Failure(channel.ranks[channel.me], -1, -1, phase, f"{type(e).__name__}: {e}"))
         raise
 
 

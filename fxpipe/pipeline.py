@@ -20,7 +20,8 @@ from fxpipe.channel import Channel, RankMailbox
 from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
-from fxpipe.distributed import check_state_placement, failing_together, keep_local_state, routes, sum_tied, unread
+from fxpipe.clipping import clip_across
+from fxpipe.distributed import check_state_placement, failing_together, holders, keep_local_state, routes, sum_tied, unread
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
@@ -213,9 +214,9 @@ class Pipeline(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        call = self._prepare(args, kwargs)
         if self._channel is not None:
-            return self._forward_across(call)
+            return self._forward_across(args, kwargs)
+        call = self._prepare(args, kwargs)
         step = self._step(call, "gpipe", loss=None)
         if not call.grad:
             gathered = call.gather(step.forward())
@@ -224,6 +225,19 @@ class Pipeline(nn.Module):
         run = Run(step, call.input_slots, params, call.gather, lambda: self._parameter_grads(program, step, params))
         run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
         return run_with_autograd(run)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` over the model's parameters, by the norm of all of
+        their gradients; returns that norm. In one process it is that function on
+        `pipe.parameters()`. Across processes, where each rank holds its own stages' parameters,
+        the norm is every rank's gradients together (a tied weight counted once), the same on
+        every rank, and each rank scales its own: call it on every rank."""
+        where = self._compiled.placement
+        if where is None:
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
+        params = list(self.parameters())
+        counted = [min(ranks, default=where.me) == where.me for ranks in holders(self._programs[True], params)]
+        return clip_across(params, counted, max_norm, float(norm_type), error_if_nonfinite, where.group, where.device, where.timeout)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -263,6 +277,18 @@ class Pipeline(nn.Module):
         Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
+        if self._channel is not None:
+            return self._train_across(args, kwargs, target, loss_fn, reduction, return_outputs)
+        call, step = self._train_call(args, kwargs, target, loss_fn, reduction)
+        input_grads = step.train()
+        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+        if call.grad:
+            self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
+        return (total, outputs) if return_outputs else total
+
+    def _train_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str) -> tuple["_Call", Step]:
+        """A train step's call, split into micro-batches, and its step, with each micro-batch's
+        loss weighted to combine into the batch's."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         call = self._prepare(args, kwargs)
@@ -287,14 +313,7 @@ class Pipeline(nn.Module):
                 "for such a loss.",
                 stacklevel=2,
             )
-        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
-        if self._channel is not None:
-            return self._train_across(call, step, loss_fn, target, reduction, return_outputs)
-        input_grads = step.train()
-        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
-        if call.grad:
-            self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
-        return (total, outputs) if return_outputs else total
+        return call, self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
 
     def _loss_and_outputs(
         self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
@@ -317,39 +336,48 @@ class Pipeline(nn.Module):
         return total, outputs
 
     # -- across processes ------------------------------------------------------------------------
-    def _forward_across(self, call: "_Call") -> Any:
+    def _forward_across(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Forward only; the output on the rank of the last stage, None on the others."""
-        if call.grad:
-            raise RuntimeError(
-                "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
-                "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
-                "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
-            )
-        step = self._step(call, "gpipe", loss=None)
-        assert self._channel is not None
-        with failing_together(self._channel):
+        channel = self._channel
+        assert channel is not None
+        channel.begin()
+        with failing_together(channel, "preparing the call"):
+            call = self._prepare(args, kwargs)
+            if call.grad:
+                raise RuntimeError(
+                    "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
+                    "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
+                    "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
+                )
+            step = self._step(call, "gpipe", loss=None)
+            self._agree(call, "pipe(x)")
+        with failing_together(channel):
             outputs = step.forward()
-            self._channel.finish()
+            channel.finish()
         if not outputs:
             return None
         gathered = call.gather(outputs)
         return gathered.rebuild(gathered.tensors)
 
     def _train_across(
-        self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
     ) -> Any:
         """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
-        same on every rank), tied weights' gradients summed among the ranks that read them."""
-        layout = call.program.layout
-        loss_rank = layout.ranks[layout.loss_stage]
+        same on every rank), tied weights' gradients summed among the ranks that read them. A
+        call refused on one rank (its arguments, say) is refused on every rank."""
         channel = self._channel
         assert channel is not None
-        here = channel.me == loss_rank
+        channel.begin()
+        call: Optional[_Call] = None
         total, outputs, problem = None, None, None
         grads: list[Optional[torch.Tensor]] = []
-        where = self._compiled.placement
-        assert where is not None
         try:
+            with failing_together(channel, "preparing the call"):
+                call, step = self._train_call(args, kwargs, target, loss_fn, reduction)
+                self._agree(call, "train_step")
+            layout = call.program.layout
+            loss_rank = layout.ranks[layout.loss_stage]
+            here = channel.me == loss_rank
             with failing_together(channel):
                 step.train()
                 if here:
@@ -362,8 +390,9 @@ class Pipeline(nn.Module):
                 got = channel.finish((total, problem) if here else None)
         except BaseException:
             if self._replicas is not None:  # the replicas must not wait for this one's gradients
+                wanting = self._wanting_grad() if call is None else len(call.params) if call.grad else 0
                 with contextlib.suppress(Exception):
-                    self._replicas.agree([False] * (len(call.params) if call.grad else 0), None, 0, True, failed=True)
+                    self._replicas.agree([False] * wanting, None, 0, True, failed=True)
             raise
         if not here:
             total, problem = got[loss_rank]
@@ -384,6 +413,38 @@ class Pipeline(nn.Module):
         if call.grad:
             self._replicas.accumulate(self._held_here(call.program), call.params, grads, scale)
         return (total, outputs) if return_outputs else total
+
+    def _agree(self, call: "_Call", kind: str) -> None:
+        """Every rank of the pipeline makes the same call, or every rank raises, naming what
+        differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode. A
+        rank that ran another step's schedule would wait for values that never come, or pair
+        its micro-batches with another call's."""
+        assert self._channel is not None
+        mine = self._call_signature(call, kind)
+        calls = {**self._channel.exchange("call", mine), self._channel.me: mine}
+        differing = [key for key in mine if any(c.get(key) != mine[key] for c in calls.values())]
+        if differing:
+            ranks = self._channel.ranks
+            lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+            raise RuntimeError(
+                "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
+                + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
+                "its own share), under the same grad mode, and pipe.train() or pipe.eval() on every rank."
+            )
+
+    def _call_signature(self, call: "_Call", kind: str) -> dict[str, Any]:
+        modes = [m.training for m in self._owner.modules()]
+        return {
+            "call": kind,
+            "micro-batch sizes": tuple(call.sizes),
+            "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
+            "grad": call.grad,
+            "mode": ("train" if self.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
+        }
+
+    def _wanting_grad(self) -> int:
+        """How many parameters take gradients in a step now (before a call is made)."""
+        return len([p for p in self._programs[self.training].parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
 
     def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
         """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
@@ -462,7 +523,6 @@ class Pipeline(nn.Module):
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
         if self._channel is not None:
-            self._channel.begin()
             rank, layout = self._channel.me, program.layout
             home, source = routes(program.stages, layout.ranks, layout.loss_stage, rank)
             mailbox = RankMailbox(self._channel, Mailbox(self._channel.timeout), home, source)
@@ -687,6 +747,13 @@ def _moved_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return leaf
     with torch.enable_grad():
         return leaf.view_as(leaf)
+
+
+def _leaf_signature(leaf: Any) -> Any:
+    """What ranks must agree on of an input leaf: a tensor's shape and dtype, a plain value."""
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+    return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
 
 
 def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 the rank against the plain model (float64), each rank checking the parameters it holds."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
 from typing import Any, Callable
@@ -193,6 +194,138 @@ def refusals(rank: int, world: int) -> list[str]:
     loss = pipe.train_step(x, target=x, loss_fn=F.mse_loss)  # and the pipeline still runs
     errors.append(f"loss {loss.item():.6f}")
     return errors
+
+
+def clipped(rank: int, world: int) -> list[dict[str, Any]]:
+    """pipe.clip_grad_norm_ by the norm of every rank's gradients, a tied weight counted once:
+    the plain model's norm on every rank, and after an SGD step the plain model's parameters
+    (tied copies alike on both ranks)."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    report = []
+    for norm_type in (2.0, float("inf")):
+        torch.manual_seed(0)
+        model, batches, loss_fn = MODELS["gpt"]()  # its head is tied to the embedding: one copy per rank
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+        opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
+        norms = []
+        for x, y in batches:
+            opt.zero_grad(), ref_opt.zero_grad()
+            pipe.train_step(x, target=y, loss_fn=loss_fn)
+            loss_fn(reference(x), y).backward()
+            got = pipe.clip_grad_norm_(0.1, norm_type)
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type)
+            norms.append((float(got), float(expected)))
+            opt.step(), ref_opt.step()
+        ref = dict(reference.named_parameters())
+        params = {n: _max_diff(p, ref[n]) for n, p in pipe.named_parameters()}
+        tied = pipe.get_parameter("head.weight") if "head.weight" in dict(pipe.named_parameters()) else pipe.get_parameter("tok_emb.weight")
+        report.append(dict(norm_type=norm_type, norms=norms, params=params, tied=tied.detach().tolist()))
+    return report
+
+
+class _Overflow(torch.autograd.Function):
+    """h + p, whose gradient for p is infinite on a batch with a marked row: an overflow in the
+    first stage only, as fp16 gives."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, p: torch.Tensor, marked: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(marked)
+        return h + p
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (marked,) = ctx.saved_tensors
+        return grad, grad.sum(0) * (float("inf") if bool(marked.any()) else 1.0), None
+
+
+class Overflows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.p = nn.Parameter(torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _Overflow.apply(torch.tanh(self.a(x)), self.p, x[:, :1] == 42)
+        return self.c(torch.tanh(self.b(h)))
+
+
+def scaled(rank: int, world: int) -> list[tuple[float, float, float]]:
+    """The README's GradScaler recipe across processes: ShardedGradScaler over the pipeline group
+    agrees on every rank whether a step overflowed; the step that overflows on the first stage
+    only is skipped on every rank, as by the plain model's scaler."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = Overflows().double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 3, dtype=torch.float64, generator=g)) for _ in range(3)]
+    data[1][0][5, 0] = 42.0
+    pipe = compile_pipeline(model, data[0][0], mesh=mesh, chunks=2, split_points=["b"], schedule="1f1b", timeout=30)
+    opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0, process_group=mesh.get_group("pp"))
+    scaler.scale(torch.ones(()))  # its scale, on the ranks whose stages do not compute the loss too
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    log = []
+    for x, y in data:
+        opt.zero_grad(), ref_opt.zero_grad()
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: scaler.scale(F.mse_loss(out, t)))
+        ref_scaler.scale(F.mse_loss(reference(x), y)).backward()
+        for each, optimizer in ((scaler, opt), (ref_scaler, ref_opt)):
+            each.step(optimizer)
+            each.update()
+        ref = dict(reference.named_parameters())
+        log.append((scaler.get_scale(), ref_scaler.get_scale(), max(_max_diff(p, ref[n]) for n, p in pipe.named_parameters())))
+    return log
+
+
+def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
+    """Each rank makes its own call, and one of them differs, or is refused on one rank only: every
+    rank raises within the step, before any gradient moves, and the next step is the plain model's."""
+    import time
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=20)
+    last = rank == world - 1
+    odd: dict[str, Callable[[], Any]] = {
+        "a target refused on one rank": lambda: pipe.train_step(x, target=y[:7] if last else y, loss_fn=F.mse_loss),
+        "another batch size": lambda: pipe.train_step(x[:6] if last else x, target=y[:6] if last else y, loss_fn=F.mse_loss),
+        "no_grad on one rank": lambda: _under(torch.no_grad() if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
+        "eval on one rank": lambda: _in_mode(pipe, not last, lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
+    }
+    report: dict[str, Any] = {}
+    for what, call in odd.items():
+        start = time.monotonic()
+        try:
+            call()
+            report[what] = ("no error", time.monotonic() - start)
+        except (RuntimeError, ValueError) as e:
+            report[what] = (str(e), time.monotonic() - start)
+    report["grads after"] = [name for name, p in pipe.named_parameters() if p.grad is not None]
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    report["next step"] = max(abs(float(loss) - expected.item()), *(_max_diff(p.grad, dict(reference.named_parameters())[n].grad) for n, p in pipe.named_parameters()))
+    return report
+
+
+def _under(context: Any, call: Callable[[], Any]) -> Any:
+    with context:
+        return call()
+
+
+def _in_mode(pipe: Any, training: bool, call: Callable[[], Any]) -> Any:
+    pipe.train(training)
+    try:
+        return call()
+    finally:
+        pipe.train()
 
 
 def replicated(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:

@@ -81,6 +81,43 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert abs(got[0]["next_loss"] - got[0]["expected"]) <= TOL, "the failed step left the model as it was"
 
 
+def test_clip_grad_norm_clips_by_the_norm_of_every_ranks_gradients() -> None:
+    """Each rank alone would clip by its own part of the norm, unlike the plain model, and the
+    copies of a tied weight would drift apart."""
+    ranks = results_of(spawn_ranks(cases.clipped, 2, timeout=180))
+    for per_rank in zip(*ranks):
+        for report in per_rank:
+            for got, expected in report["norms"]:
+                assert abs(got - expected) <= 1e-10 * max(1.0, expected), (report["norm_type"], report["norms"])
+            assert max(report["params"].values()) <= TOL, report["params"]
+        assert per_rank[0]["tied"] == per_rank[1]["tied"], "the copies of the tied weight stay equal"
+
+
+def test_a_sharded_grad_scaler_skips_an_overflowing_step_on_every_rank() -> None:
+    for log in results_of(spawn_ranks(cases.scaled, 2, timeout=120)):
+        assert [(scale, expected) for scale, expected, _ in log] == [(1024.0, 1024.0), (512.0, 512.0), (512.0, 512.0)], log
+        assert max(diff for _, _, diff in log) <= TOL, log
+
+
+def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank() -> None:
+    """Refused on one rank alone, a call would leave the others to pair their step with its next
+    one (training on another step's targets); a batch, grad mode or mode of its own would pair
+    other micro-batches, or wait for values never sent."""
+    for report in results_of(spawn_ranks(cases.calls_that_differ, 2, timeout=120)):
+        refused, _ = report["a target refused on one rank"]
+        assert "rank 1 failed in preparing the call" in refused or refused.startswith("the target must be split"), refused
+        assert "like the inputs, along dim 0 of size 8" in refused, refused
+        for what, differing in [("another batch size", "micro-batch sizes: rank 0 (2, 2, 2, 2), rank 1 (2, 2, 1, 1)"),
+                                ("no_grad on one rank", "grad: rank 0 True, rank 1 False"),
+                                ("eval on one rank", "mode: rank 0 ('train'")]:  # fmt: skip
+            message, _ = report[what]
+            assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
+        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank"]
+        assert all(report[what][1] < 10 for what in calls), report
+        assert report["grads after"] == [], "no refused call left a gradient"
+        assert report["next step"] <= TOL
+
+
 def test_a_rank_that_dies_makes_the_others_raise() -> None:
     got = spawn_ranks(cases.dying_rank, 2, timeout=120)
     assert got[1] == ("exited", 3)
