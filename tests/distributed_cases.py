@@ -281,17 +281,21 @@ def scaled(rank: int, world: int) -> list[tuple[float, float, float]]:
     return log
 
 
+def _fan_out_on(mesh: Any, timeout: float) -> tuple[Any, nn.Module, torch.Tensor, torch.Tensor]:
+    """The fan-out model under 1f1b on `mesh`, its plain twin, and a batch with its target."""
+    torch.manual_seed(0)
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    return compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=timeout), reference, x, y
+
+
 def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     """Each rank makes its own call, and one of them differs, or is refused on one rank only: every
     rank raises within the step, before any gradient moves, and the next step is the plain model's."""
     import time
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    torch.manual_seed(0)
-    model = FanOut().double()
-    reference = copy.deepcopy(model)
-    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=20)
+    pipe, reference, x, y = _fan_out_on(init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), timeout=20)
     last = rank == world - 1
     odd: dict[str, Callable[[], Any]] = {
         "a target refused on one rank": lambda: pipe.train_step(x, target=y[:7] if last else y, loss_fn=F.mse_loss),
@@ -648,11 +652,7 @@ def modes_across(rank: int, world: int) -> dict[str, float]:
     """The modes a user trains and evaluates in, across processes, each against the plain model:
     train_step under no_grad (the loss alone), a sum-reduced loss, bfloat16 autocast, and eval."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    torch.manual_seed(0)
-    model = FanOut().double()
-    reference = copy.deepcopy(model)
-    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule="1f1b", timeout=60)
+    pipe, reference, x, y = _fan_out_on(mesh, timeout=60)
     found: dict[str, float] = {}
     with torch.no_grad():
         found["no_grad loss"] = abs(pipe.train_step(x, target=y, loss_fn=F.mse_loss).item() - F.mse_loss(reference(x), y).item())
