@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fxpipe.passes.attrs import fetch_attr, tensors_read
-from fxpipe.passes.inplace import _view_root, is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
+from fxpipe.passes.inplace import is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
 
 
 def _writes_its_buffers(module: nn.Module) -> bool:
@@ -29,20 +29,8 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 
 def writable_buffer_names(gm: fx.GraphModule, run: Sequence[fx.Node]) -> list[str]:
-    """Qualified names of the buffers that `run` may write: those of the modules it calls that
-    keep running statistics or are called whole, and attributes it writes in place."""
-    names: dict[str, None] = {}
-    for node in run:
-        if node.op == "call_module":
-            module = fetch_attr(gm, str(node.target))
-            if _writes_its_buffers(module):
-                names.update((name, None) for name, _ in module.named_buffers(prefix=str(node.target)))
-        else:
-            for target in written_arguments(gm, node):
-                root = _view_root(target)
-                if root.op == "get_attr":
-                    names[str(root.target)] = None
-    return list(names)
+    """Qualified names of the buffers that `run` may write (`_buffers_written` of its nodes)."""
+    return list({name: None for node in run for name in _buffers_written(gm, node)})
 
 
 def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, torch.Tensor]:
@@ -87,23 +75,25 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
     once: writes split across stages interleave the micro-batches otherwise than the plain model
     does, and an earlier stage reading it would race with a later stage's write. Reads after the
     last write may be anywhere: a later stage gets the value of its own micro-batch."""
+    writes = [_buffers_written(gm, node) for node in order]
     names: dict[int, str] = {}
     last_write: dict[int, int] = {}
-    for position, node in enumerate(order):
-        for name, tensor in _buffers_written(gm, node).items():
+    for position, written_here in enumerate(writes):
+        for name, tensor in written_here.items():
             names.setdefault(id(tensor), name)
             last_write[id(tensor)] = position
     first_use: dict[int, int] = {}
     for position, node in enumerate(order if last_write else []):
-        for tensor in [*tensors_read(gm, node).values(), *_buffers_written(gm, node).values()]:
+        for tensor in [*tensors_read(gm, node).values(), *writes[position].values()]:
             if id(tensor) in last_write:
                 first_use.setdefault(id(tensor), position)
     return {f"the buffer {names[key]!r}, which forward writes,": (first_use[key], last) for key, last in last_write.items()}
 
 
 def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
-    """The buffers `node` writes in forward, by qualified name: the root of an in-place write, or
-    the buffers of a module called whole that writes them."""
+    """The buffers `node` may write in forward, by qualified name: those of a module it calls
+    whole that keeps running statistics or may write anything it holds, and the root of a
+    tensor it writes in place (through views, earlier writes and subgraphs)."""
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
         return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
