@@ -191,6 +191,11 @@ def test_a_module_called_in_two_stages_follows_its_mode_and_rate() -> None:
     assert [stage.nodes for stage in pipe.plan.stages] == [["a", "block"], ["tanh", "block_1", "tanh_1", "b"]]
     pipe.eval(), reference.eval()
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)  # no dropout in eval
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+    in_float, reference_in_float = compiled(TwiceCalled().eval(), x.float(), 2, chunks=2, leaf_modules=["block"], balance=[2, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(in_float(x.float()), reference_in_float(x.float()), rtol=0, atol=0)
     pipe.train()
     for dropout in (pipe.get_submodule("block.1"), reference.get_submodule("block.1")):
         assert isinstance(dropout, nn.Dropout)
@@ -201,6 +206,12 @@ def test_a_module_called_in_two_stages_follows_its_mode_and_rate() -> None:
     out.sum().backward()
     expected.sum().backward()
     assert_grads_equal(pipe, reference)
+    grads = torch.autograd.grad(pipe(x).sum(), list(pipe.parameters()))
+    for got, wanted in zip(grads, torch.autograd.grad(reference(x).sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, wanted, rtol=0, atol=1e-10)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    torch.testing.assert_close(loss, F.mse_loss(reference(x), y).detach(), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
