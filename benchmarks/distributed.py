@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -184,6 +185,29 @@ def message_cost(rank: int, repeats: int = 300) -> tuple[float, float]:
     return result[0], result[1]
 
 
+def crossing_sends(rank: int, nbytes: int = 2 * 1024 * 1024, repeats: int = 60) -> dict[str, tuple[float, float]]:
+    """Both ranks send `nbytes` to each other at once, the receives posted beforehand, as an
+    activation and a gradient cross in a step: milliseconds until this rank's receive is in
+    (median, 90th percentile), on one group for both directions and on a group per direction."""
+    pair = [dist.new_group([0, 1]) for _ in range(2)]  # made by every rank, in one order
+    ways = {"one group for both directions": (dist.group.WORLD, dist.group.WORLD), "a group per direction": (pair[rank], pair[1 - rank])}
+    out, into = torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    found = {}
+    for name, (sending, receiving) in ways.items():
+        times = []
+        for _ in range(repeats):
+            received: Any = dist.irecv(into, 1 - rank, group=receiving)
+            dist.barrier()
+            start = time.perf_counter()
+            sent: Any = dist.isend(out, 1 - rank, group=sending)
+            received.wait()
+            times.append((time.perf_counter() - start) * 1e3)
+            sent.wait()
+        times.sort()
+        found[name] = (statistics.median(times), times[int(0.9 * len(times))])
+    return found
+
+
 def unet_over_two(rank: int) -> list[str]:
     """The U-Net example over two processes: fxpipe's first gradients against the plain model's,
     then 5 training steps; pipelining given the same model, cut at the same place."""
@@ -223,7 +247,7 @@ def unet_over_two(rank: int) -> list[str]:
                  f"model's: {gradient_report(pipe.named_parameters(), expected)}")  # fmt: skip
     dist.barrier()
     splits = [stage.modules[0] for stage in pipe.plan.stages[1:]]
-    lines.append(f"pipelining ScheduleInterleaved1F1B, the same 4 stages: " + pipelining_on(model, x, y, splits, rank, loss_fn, expected))
+    lines.append("pipelining ScheduleInterleaved1F1B, the same 4 stages: " + pipelining_on(model, x, y, splits, rank, loss_fn, expected))
     return lines
 
 
@@ -259,21 +283,24 @@ def pipelining_on(model: nn.Module, x: torch.Tensor, y: torch.Tensor, splits: li
 
 def child(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
     torch.set_num_threads(1)
+    # pipelining's tracer deep-copies pytree specs, which warns on every copy in torch 2.13
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
         found, workload = contenders(rank, args)
         times = timed(found, rank, args.repeats)
         cost = message_cost(rank)
+        crossing = crossing_sends(rank)
         unet = unet_over_two(rank)
         if rank == 0:
-            results.put(("ok", (workload, times, cost, unet)))
+            results.put(("ok", (workload, times, cost, crossing, unet)))
     except BaseException:  # noqa: BLE001 - reported by the parent
         results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> tuple[str, dict[str, list[float]], tuple[float, float], list[str]]:
+def run(args: argparse.Namespace) -> tuple[str, dict[str, list[float]], tuple[float, float], dict[str, tuple[float, float]], list[str]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -298,7 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     for line in command_lines(reexecuted, "steady allocator for every contender"):
         print(line)
-    workload, times, cost, unet = run(args)
+    workload, times, cost, crossing, unet = run(args)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; {workload}; "
           f"{args.repeats} rounds; E = T(plain) / (2 x T(step))\n")  # fmt: skip
     base = times["plain, one process"]
@@ -315,6 +342,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           "beforehand, sending nothing (benchmarks/bound.py): no schedule or transport beats it")  # fmt: skip
     print(f"\none small message, round trip: raw send/recv {cost[0]:.0f} us; fxpipe's, with its header (step, key, "
           f"shapes and dtypes) {cost[1]:.0f} us")  # fmt: skip
+    print("2 MB each way at once, until rank 0's receive is in (ms, median / 90th percentile): " + "; ".join(
+        f"{name} {median:.2f} / {p90:.2f}" for name, (median, p90) in crossing.items()))  # fmt: skip
     print("\n" + "\n".join(unet))
     print(f"load average at end={os.getloadavg()[0]:.2f}")
 

@@ -88,8 +88,8 @@ class Channel:
     sender whose message differs from what the peer expects first sends fillers of the expected
     sizes, and the envelope says so. After a failed step neither side expects anything. (On
     gloo; NCCL runs a posted receive as a kernel that holds its stream, so there every receive
-    is posted when its message is read, and each direction of a pair has a group of its own:
-    `directions`, made in fxpipe/distributed.py.)
+    is posted when its message is read.) Each direction of a pair of ranks has a group of its
+    own, `directions`: fxpipe/distributed.py says why.
 
     Every rank makes its pipelines' channels in the same order (compile_pipeline runs on every
     rank), so the n-th channel of each rank uses the same tag, and one pipeline's posted

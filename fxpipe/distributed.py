@@ -25,10 +25,14 @@ from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
-# Values travel on the pipeline group (gloo), or on a group per direction of each pair of ranks
-# (NCCL, where a posted receive holds the pair's stream: rank 0's send of x1 would queue behind
-# its receive of g0, and rank 1's send of g0 behind its receive of x1). None: by the backend.
-DIRECTIONAL: Optional[bool] = None
+# Values travel on a group per direction of each pair of ranks, on every backend:
+#   NCCL  a posted receive holds the pair's stream: rank 0's send of x1 would queue behind its
+#         receive of g0, and rank 1's send of g0 behind its receive of x1;
+#   gloo  a pair's group is one TCP connection: when both ranks send a large value at once (an
+#         activation one way, a gradient the other), one of them waits milliseconds for the
+#         other's bytes to drain (benchmarks/distributed.py measures both ways).
+# Made once per mesh and world: each gloo group holds threads of its own.
+_directions: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, int], Any]]] = {}
 
 
 @dataclass
@@ -63,30 +67,33 @@ def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(mesh.device_type)
-    group = mesh.get_group("pp")
-    directional = dist.get_backend(group) != "gloo" if DIRECTIONAL is None else DIRECTIONAL
     return RankPlacement(
-        group=group,
+        group=mesh.get_group("pp"),
         ranks=ranks,
         me=ranks.index(dist.get_rank()),
         device=device,
         timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
         dp_group=mesh.get_group("dp") if "dp" in names else None,
-        directions=_direction_groups(mesh.mesh, names.index("pp"), ranks) if directional else {},
+        directions=_direction_groups(mesh.mesh, names.index("pp"), ranks),
     )
 
 
 def _direction_groups(grid: torch.Tensor, axis: int, mine: list[int]) -> dict[tuple[int, int], Any]:
-    """A process group for each direction of each pair of ranks in every pipeline of the mesh
-    (every rank makes every group, in one order, as torch.distributed requires); this rank's
-    own, keyed by (from, to) pipeline coordinates."""
-    own = {}
-    for line in grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist():
-        for a, b in itertools.permutations(range(len(line)), 2):
-            group = dist.new_group([line[a], line[b]])
-            if line == mine:
-                own[(a, b)] = group
-    return own
+    """This rank's group for each direction of each pair of ranks in its pipeline, keyed by
+    (from, to) pipeline coordinates."""
+    lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
+    key = tuple(map(tuple, lines))
+    world, groups = _directions.get(key, (None, {}))
+    if world is not dist.group.WORLD:  # first use of this mesh, or a new world since
+        groups = _make_direction_groups(lines)
+        _directions[key] = (dist.group.WORLD, groups)
+    return {(a, b): groups[(mine[a], mine[b])] for a, b in itertools.permutations(range(len(mine)), 2)}
+
+
+def _make_direction_groups(lines: list[list[int]]) -> dict[tuple[int, int], Any]:
+    """A group for each (from, to) pair of global ranks in every pipeline of the mesh: every rank
+    makes every group, in one order, as torch.distributed requires."""
+    return {(line[a], line[b]): dist.new_group([line[a], line[b]]) for line in lines for a, b in itertools.permutations(range(len(line)), 2)}
 
 
 def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:

@@ -627,25 +627,29 @@ def dropout_draws(rank: int, world: int, cases: list[tuple[str, int]]) -> list[d
 
 
 def directional(rank: int, world: int) -> list[dict[str, Any]]:
-    """The groups NCCL needs, one per direction of each pair, exercised on gloo: the U-Net and
-    GPT under 1f1b and zb-h1, on a 2 x 2 mesh (so that each pipeline's groups are its own)."""
+    """The groups values travel on: the U-Net and GPT under 1f1b and zb-h1, on a 2 x 2 mesh; each
+    entry says which ranks the groups this rank sent and received on hold, and how many there were
+    (made once per mesh, so both pipelines use the same)."""
     import fxpipe.channel
-    import fxpipe.distributed
 
-    fxpipe.distributed.DIRECTIONAL = True
-    groups: set[int] = set()
-    send = fxpipe.channel.dist.isend
+    used: dict[str, dict[int, Any]] = {"send": {}, "receive": {}}
+    send, receive = fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv
 
-    def counted(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
-        groups.add(id(group))
+    def sending(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+        used["send"][id(group)] = group
         return send(tensor, dst, group=group, tag=tag)
 
-    fxpipe.channel.dist.isend = counted  # type: ignore[assignment]
+    def receiving(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Any:
+        used["receive"][id(group)] = group
+        return receive(tensor, src, group=group, tag=tag)
+
+    fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv = sending, receiving  # type: ignore[assignment]
     try:
         report = replicated(rank, world, ["gpt", "unet"])
     finally:
-        fxpipe.channel.dist.isend = send
-    return [dict(entry, send_groups=len(groups)) for entry in report]
+        fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv = send, receive
+    groups = {way: [sorted(dist.get_process_group_ranks(g)) for g in found.values()] for way, found in used.items()}
+    return [dict(entry, groups=groups, same_group=bool(set(used["send"]) & set(used["receive"]))) for entry in report]
 
 
 def modes_across(rank: int, world: int) -> dict[str, float]:
