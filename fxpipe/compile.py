@@ -32,7 +32,7 @@ from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.build import build_program
-from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, placement_of
+from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, placement_of
 from fxpipe.pipeline import Pipeline
 from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
@@ -430,6 +430,7 @@ def compile_pipeline(
     compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split))
     if placement is not None:
         check_same_plan(plan, placement)
+        connect(placement)
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"
     return Pipeline(model, compiled)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
 import torch
@@ -20,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.channel import Channel, Failure, RemoteFailure
+from fxpipe.channel import Channel, Failure, PeerLost, RemoteFailure
 from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
@@ -45,6 +47,7 @@ class RankPlacement:
     device: torch.device  # where this rank's stages run
     timeout: float
     dp_group: Any = None  # the "dp" process group, when the mesh has one
+    lines: list[list[int]] = field(default_factory=list)  # the global ranks of every pipeline of the mesh
     directions: dict[tuple[int, int], Any] = field(default_factory=dict)  # (from, to) -> its group
 
     @property
@@ -74,35 +77,74 @@ def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
         device=device,
         timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
         dp_group=mesh.get_group("dp") if "dp" in names else None,
-        directions=_direction_groups(mesh.mesh, names.index("pp"), ranks),
+        lines=mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, len(ranks)).tolist(),
     )
 
 
-def _direction_groups(grid: torch.Tensor, axis: int, mine: list[int]) -> dict[tuple[int, int], Any]:
-    """This rank's group for each direction of each pair of ranks in its pipeline, keyed by
-    (from, to) pipeline coordinates."""
-    lines = grid.movedim(axis, -1).reshape(-1, grid.shape[axis]).tolist()
-    key = tuple(map(tuple, lines))
+def connect(placement: RankPlacement) -> None:
+    """Give `placement` its group for each direction of each pair of ranks in its pipeline,
+    keyed by (from, to) pipeline coordinates. Made once the ranks have compared their plans, so
+    that a rank that never came is found by that comparison, within the timeout."""
+    key = tuple(map(tuple, placement.lines))
     world, groups = _directions.get(key, (None, {}))
     if world is not dist.group.WORLD:  # first use of this mesh, or a new world since
-        groups = _make_direction_groups(lines)
+        groups = _make_direction_groups(placement)
         _directions[key] = (dist.group.WORLD, groups)
-    return {(a, b): groups[(mine[a], mine[b])] for a, b in itertools.permutations(range(len(mine)), 2)}
+    mine = placement.ranks
+    placement.directions = {(a, b): groups[(mine[a], mine[b])] for a, b in itertools.permutations(range(len(mine)), 2)}
 
 
-def _make_direction_groups(lines: list[list[int]]) -> dict[tuple[int, int], Any]:
+def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, int], Any]:
     """A group for each (from, to) pair of global ranks in every pipeline of the mesh: every rank
     makes every group, in one order, as torch.distributed requires."""
-    return {(line[a], line[b]): dist.new_group([line[a], line[b]]) for line in lines for a, b in itertools.permutations(range(len(line)), 2)}
+    timeout = timedelta(seconds=placement.timeout)
+    try:
+        return {
+            (line[a], line[b]): dist.new_group([line[a], line[b]], timeout=timeout)
+            for line in placement.lines
+            for a, b in itertools.permutations(range(len(line)), 2)
+        }
+    except (RuntimeError, dist.DistError) as e:
+        raise PeerLost(_late("making the pipeline's process groups", placement.timeout, e)) from e
+
+
+def gathered(value: Any, placement: RankPlacement, what: str) -> list[Any]:
+    """`value` from every rank of the world, in rank order; raises PeerLost when a rank has not
+    sent its own within the timeout (`what`: the exchange, for the message)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    sizes = _all_gathered(torch.tensor([data.numel()]), placement, what)
+    padded = torch.zeros(int(max(int(n) for n in sizes)), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = _all_gathered(padded, placement, what)
+    return [pickle.loads(part[: int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
+
+
+def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str) -> list[torch.Tensor]:
+    tensor = tensor.to(placement.device)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    work: Any = dist.all_gather(parts, tensor, async_op=True)
+    try:
+        work.wait(timedelta(seconds=placement.timeout))
+    except RuntimeError as e:
+        raise PeerLost(_late(what, placement.timeout, e)) from e
+    return parts
+
+
+def _late(what: str, timeout: float, error: BaseException) -> str:
+    return (
+        f"not every rank took part in {what} within {timeout:g} s: {type(error).__name__}: {error}\n"
+        "A rank failed or stopped before compile_pipeline, or is still building its model: see its own "
+        "output. Every rank must call compile_pipeline; a slow start needs a longer timeout: "
+        "compile_pipeline(..., timeout=seconds)."
+    )
 
 
 def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
     """balance='time' measures on every rank, and rank 0's measures are the ones every rank
     cuts by: one plan, however the ranks' timings differ."""
     nodes = [n for n in gm.graph.nodes if "time" in n.meta]
-    times: list[Any] = [[n.meta["time"] for n in nodes]]
-    dist.broadcast_object_list(times, src=0)
-    for node, seconds in zip(nodes, times[0]):
+    rank_0 = gathered([n.meta["time"] for n in nodes], placement, "comparing the measured times")[0]
+    for node, seconds in zip(nodes, rank_0):
         node.meta["time"] = seconds
 
 
@@ -119,8 +161,7 @@ def plan_parts(plan: Plan) -> dict[str, str]:
 def check_same_plan(plan: Plan, placement: RankPlacement) -> None:
     """Every rank of the world compiled the same plan; else one error naming what differs."""
     mine = plan_parts(plan)
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every = gathered(mine, placement, "comparing the plans")
     problems = []
     for rank, parts in enumerate(every):
         differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != every[0].get(name))

@@ -165,6 +165,25 @@ def dying_rank(rank: int, world: int) -> dict[str, Any]:
         return dict(error=f"{type(e).__name__}: {e}", took=time.monotonic() - start)
 
 
+def never_compiles(rank: int, world: int, dies: bool) -> dict[str, Any]:
+    """The last rank never calls compile_pipeline: it exits (`dies`), or stays alive past the
+    others' timeout and then exits. The others raise, within their timeout, saying why."""
+    import os
+    import time
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    if rank == world - 1:
+        if not dies:
+            time.sleep(8)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        compile_pipeline(FanOut().double(), torch.randn(8, 6, dtype=torch.float64), mesh=mesh, chunks=2, timeout=3)
+        return dict(error=None, took=time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        return dict(error=f"{type(e).__name__}: {e}", took=time.monotonic() - start)
+
+
 def mismatched_plans(rank: int, world: int) -> str:
     """Ranks that compile different models: every rank raises, naming what differs."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))

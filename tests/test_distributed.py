@@ -126,6 +126,16 @@ def test_a_rank_that_dies_makes_the_others_raise() -> None:
     assert "rank 1" in report["error"] and report["took"] < 15, report
 
 
+@pytest.mark.parametrize("dies", [False, True], ids=["stays-alive", "dies"])
+def test_a_rank_that_never_compiles_makes_the_others_raise_within_the_timeout(dies: bool) -> None:
+    got = spawn_ranks(cases.never_compiles, 2, dies, timeout=60)
+    assert got[1] == ("exited", 0)
+    status, report = got[0]
+    assert status == "ok" and report["error"] is not None, got[0]
+    assert "not every rank took part in comparing the plans" in report["error"], report
+    assert "timeout=seconds" in report["error"] and report["took"] < 6, report
+
+
 def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
     messages = results_of(spawn_ranks(cases.mismatched_plans, 2, timeout=120))
     for message in messages:
