@@ -300,6 +300,17 @@ def scaled(rank: int, world: int) -> list[tuple[float, float, float]]:
     return log
 
 
+class Scaled(nn.Module):
+    """Two stages that both read a plain (non-tensor) argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.b(self.a(x) * scale) * scale
+
+
 def _fan_out_on(mesh: Any, timeout: float) -> tuple[Any, nn.Module, torch.Tensor, torch.Tensor]:
     """The fan-out model under 1f1b on `mesh`, its plain twin, and a batch with its target."""
     torch.manual_seed(0)
@@ -314,13 +325,16 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     rank raises within the step, before any gradient moves, and the next step is the plain model's."""
     import time
 
-    pipe, reference, x, y = _fan_out_on(init_device_mesh("cpu", (world,), mesh_dim_names=("pp",)), timeout=20)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    pipe, reference, x, y = _fan_out_on(mesh, timeout=20)
+    scaled = compile_pipeline(Scaled().double(), (x, 2.0), mesh=mesh, chunks=2, timeout=20)
     last = rank == world - 1
     odd: dict[str, Callable[[], Any]] = {
         "a target refused on one rank": lambda: pipe.train_step(x, target=y[:7] if last else y, loss_fn=F.mse_loss),
         "another batch size": lambda: pipe.train_step(x[:6] if last else x, target=y[:6] if last else y, loss_fn=F.mse_loss),
         "no_grad on one rank": lambda: _under(torch.no_grad() if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
         "eval on one rank": lambda: _in_mode(pipe, not last, lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
+        "a plain argument of its own": lambda: scaled.train_step(x, 3.0 if last else 2.0, target=y, loss_fn=F.mse_loss),
     }
     report: dict[str, Any] = {}
     for what, call in odd.items():

@@ -109,10 +109,11 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
         assert "like the inputs, along dim 0 of size 8" in refused, refused
         for what, differing in [("another batch size", "micro-batch sizes: rank 0 (2, 2, 2, 2), rank 1 (2, 2, 1, 1)"),
                                 ("no_grad on one rank", "grad: rank 0 True, rank 1 False"),
-                                ("eval on one rank", "mode: rank 0 ('train'")]:  # fmt: skip
+                                ("eval on one rank", "mode: rank 0 ('train'"),
+                                ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
-        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank"]
+        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own"]
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
         assert report["next step"] <= TOL
