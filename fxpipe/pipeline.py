@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.across import forward_across, train_across
 from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.batchnorm import BatchStatistics
 from fxpipe.channel import Channel, RankMailbox
@@ -21,7 +22,7 @@ from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
-from fxpipe.distributed import check_state_placement, failing_together, holders, keep_local_state, routes, sum_tied, unread
+from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
@@ -30,7 +31,7 @@ from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
-from fxpipe.replicas import ReplicaFailed, Replicas
+from fxpipe.replicas import Replicas
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
 from fxpipe.step import Step
@@ -215,7 +216,7 @@ class Pipeline(nn.Module):
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._channel is not None:
-            return self._forward_across(args, kwargs)
+            return forward_across(self, args, kwargs)
         call = self._prepare(args, kwargs)
         step = self._step(call, "gpipe", loss=None)
         if not call.grad:
@@ -278,7 +279,7 @@ class Pipeline(nn.Module):
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
         if self._channel is not None:
-            return self._train_across(args, kwargs, target, loss_fn, reduction, return_outputs)
+            return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         call, step = self._train_call(args, kwargs, target, loss_fn, reduction)
         input_grads = step.train()
         total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
@@ -334,117 +335,6 @@ class Pipeline(nn.Module):
                 assert loss_fn is not None
                 check_combined_loss(loss_fn, outputs, target, total, reduction)
         return total, outputs
-
-    # -- across processes ------------------------------------------------------------------------
-    def _forward_across(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Forward only; the output on the rank of the last stage, None on the others."""
-        channel = self._channel
-        assert channel is not None
-        channel.begin()
-        with failing_together(channel, "preparing the call"):
-            call = self._prepare(args, kwargs)
-            if call.grad:
-                raise RuntimeError(
-                    "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
-                    "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
-                    "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
-                )
-            step = self._step(call, "gpipe", loss=None)
-            self._agree(call, "pipe(x)")
-        with failing_together(channel):
-            outputs = step.forward()
-            channel.finish()
-        if not outputs:
-            return None
-        gathered = call.gather(outputs)
-        return gathered.rebuild(gathered.tensors)
-
-    def _train_across(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
-    ) -> Any:
-        """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
-        same on every rank), tied weights' gradients summed among the ranks that read them. A
-        call refused on one rank (its arguments, say) is refused on every rank."""
-        channel = self._channel
-        assert channel is not None
-        channel.begin()
-        call: Optional[_Call] = None
-        total, outputs, problem = None, None, None
-        grads: list[Optional[torch.Tensor]] = []
-        try:
-            with failing_together(channel, "preparing the call"):
-                call, step = self._train_call(args, kwargs, target, loss_fn, reduction)
-                self._agree(call, "train_step")
-            layout = call.program.layout
-            loss_rank = layout.ranks[layout.loss_stage]
-            here = channel.me == loss_rank
-            with failing_together(channel):
-                step.train()
-                if here:
-                    try:
-                        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
-                    except ValueError as e:  # every rank raises it, after the step ends on all
-                        problem = str(e)
-                if call.grad:
-                    grads = sum_tied(channel, call.program, call.params, self._parameter_grads(call.program, step, call.params))
-                got = channel.finish((total, problem) if here else None)
-        except BaseException:
-            if self._replicas is not None:  # the replicas must not wait for this one's gradients
-                wanting = self._wanting_grad() if call is None else len(call.params) if call.grad else 0
-                with contextlib.suppress(Exception):
-                    self._replicas.agree([False] * wanting, None, 0, True, failed=True)
-            raise
-        if not here:
-            total, problem = got[loss_rank]
-        if self._replicas is None:
-            if problem is not None:
-                raise ValueError(problem)
-            if call.grad:
-                self._accumulate(call, [], grads)
-            return (total, outputs) if return_outputs else total
-        present = [g is not None for g in grads]
-        try:
-            scale, total = self._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
-        except ReplicaFailed:
-            if problem is None:
-                raise
-        if problem is not None:
-            raise ValueError(problem)
-        if call.grad:
-            self._replicas.accumulate(self._held_here(call.program), call.params, grads, scale)
-        return (total, outputs) if return_outputs else total
-
-    def _agree(self, call: "_Call", kind: str) -> None:
-        """Every rank of the pipeline makes the same call, or every rank raises, naming what
-        differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode. A
-        rank that ran another step's schedule would wait for values that never come, or pair
-        its micro-batches with another call's."""
-        assert self._channel is not None
-        mine = self._call_signature(call, kind)
-        calls = {**self._channel.exchange("call", mine), self._channel.me: mine}
-        differing = [key for key in mine if any(c.get(key) != mine[key] for c in calls.values())]
-        if differing:
-            ranks = self._channel.ranks
-            lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
-            raise RuntimeError(
-                "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
-                + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
-                "its own share), under the same grad mode, and pipe.train() or pipe.eval() on every rank."
-            )
-
-    def _call_signature(self, call: "_Call", kind: str) -> dict[str, Any]:
-        modes = [m.training for m in self._owner.modules()]
-        return {
-            "call": kind,
-            "micro-batch sizes": tuple(call.sizes),
-            "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
-            "grad": call.grad,
-            "mode": ("train" if self.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
-        }
-
-    def _wanting_grad(self) -> int:
-        """How many parameters take gradients in a step now (before a call is made)."""
-        return len([p for p in self._programs[self.training].parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
 
     def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
         """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
@@ -747,13 +637,6 @@ def _moved_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         return leaf
     with torch.enable_grad():
         return leaf.view_as(leaf)
-
-
-def _leaf_signature(leaf: Any) -> Any:
-    """What ranks must agree on of an input leaf: a tensor's shape and dtype, a plain value."""
-    if isinstance(leaf, torch.Tensor):
-        return (tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
-    return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
 
 
 def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

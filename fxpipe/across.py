@@ -1,0 +1,139 @@
+"""A pipeline's call across processes, on this rank: the call compared with the other ranks'
+first, then its stages' part of the step, and what the step ends with settled among the ranks
+(the loss, tied weights' gradients, the data-parallel replicas)."""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.distributed import failing_together, sum_tied
+from fxpipe.replicas import ReplicaFailed
+
+if TYPE_CHECKING:
+    from fxpipe.pipeline import Pipeline, _Call
+
+
+def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Forward only; the output on the rank of the last stage, None on the others."""
+    channel = pipe._channel
+    assert channel is not None
+    channel.begin()
+    with failing_together(channel, "preparing the call"):
+        call = pipe._prepare(args, kwargs)
+        if call.grad:
+            raise RuntimeError(
+                "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
+                "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
+                "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
+            )
+        step = pipe._step(call, "gpipe", loss=None)
+        _agree(pipe, call, "pipe(x)")
+    with failing_together(channel):
+        outputs = step.forward()
+        channel.finish()
+    if not outputs:
+        return None
+    gathered = call.gather(outputs)
+    return gathered.rebuild(gathered.tensors)
+
+
+def train_across(
+    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
+) -> Any:
+    """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
+    same on every rank), tied weights' gradients summed among the ranks that read them. A
+    call refused on one rank (its arguments, say) is refused on every rank."""
+    channel = pipe._channel
+    assert channel is not None
+    channel.begin()
+    call: Optional[_Call] = None
+    total, outputs, problem = None, None, None
+    grads: list[Optional[torch.Tensor]] = []
+    try:
+        with failing_together(channel, "preparing the call"):
+            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction)
+            _agree(pipe, call, "train_step")
+        layout = call.program.layout
+        loss_rank = layout.ranks[layout.loss_stage]
+        here = channel.me == loss_rank
+        with failing_together(channel):
+            step.train()
+            if here:
+                try:
+                    total, outputs = pipe._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                except ValueError as e:  # every rank raises it, after the step ends on all
+                    problem = str(e)
+            if call.grad:
+                grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params))
+            got = channel.finish((total, problem) if here else None)
+    except BaseException:
+        if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
+            wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
+            with contextlib.suppress(Exception):
+                pipe._replicas.agree([False] * wanting, None, 0, True, failed=True)
+        raise
+    if not here:
+        total, problem = got[loss_rank]
+    if pipe._replicas is None:
+        if problem is not None:
+            raise ValueError(problem)
+        if call.grad:
+            pipe._accumulate(call, [], grads)
+        return (total, outputs) if return_outputs else total
+    present = [g is not None for g in grads]
+    try:
+        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
+    except ReplicaFailed:
+        if problem is None:
+            raise
+    if problem is not None:
+        raise ValueError(problem)
+    if call.grad:
+        pipe._replicas.accumulate(pipe._held_here(call.program), call.params, grads, scale)
+    return (total, outputs) if return_outputs else total
+
+
+def _agree(pipe: Pipeline, call: _Call, kind: str) -> None:
+    """Every rank of the pipeline makes the same call, or every rank raises, naming what
+    differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode. A
+    rank that ran another step's schedule would wait for values that never come, or pair
+    its micro-batches with another call's."""
+    assert pipe._channel is not None
+    mine = _call_signature(pipe, call, kind)
+    calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
+    differing = [key for key in mine if any(c.get(key) != mine[key] for c in calls.values())]
+    if differing:
+        ranks = pipe._channel.ranks
+        lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+        raise RuntimeError(
+            "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
+            + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
+            "its own share), under the same grad mode, and pipe.train() or pipe.eval() on every rank."
+        )
+
+
+def _call_signature(pipe: Pipeline, call: _Call, kind: str) -> dict[str, Any]:
+    """What the ranks compare of a call: every one of them must make the same."""
+    modes = [m.training for m in pipe._owner.modules()]
+    return {
+        "call": kind,
+        "micro-batch sizes": tuple(call.sizes),
+        "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
+        "grad": call.grad,
+        "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
+    }
+
+
+def _wanting_grad(pipe: Pipeline) -> int:
+    """How many parameters take gradients in a step now (before a call is made)."""
+    return len([p for p in pipe._programs[pipe.training].parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
+
+
+def _leaf_signature(leaf: Any) -> Any:
+    """What ranks must agree on of an input leaf: a tensor's shape and dtype, a plain value."""
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+    return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
