@@ -18,6 +18,7 @@ rank sends every other a `done` message and reads theirs: no rank leaves a step 
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Hashable, Optional, Sequence
@@ -29,6 +30,11 @@ from fxpipe.frames import FRAME, FrameFull, Message, decode, encode, frame_of, o
 
 VALUE, FAILED, DONE = "value", "failed", "done"
 _channels = itertools.count(1)  # each pipeline's messages under a tag of their own
+# The sends and posted receives of channels that are gone (their pipeline was dropped after a
+# failed step, say), kept for the life of the process: gloo drops a send whose work is freed,
+# and bytes that arrive for a freed receive stop every later message on that connection, the
+# other pipelines' too. A few frames per dropped pipeline.
+_left_over: list[tuple[list[Any], dict[int, Any]]] = []
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,7 @@ class Channel:
         self.sent_before: dict[int, list[list[int]]] = {}
         self.read: dict[int, list[list[int]]] = {}
         self.read_before: dict[int, list[list[int]]] = {}
+        weakref.finalize(self, _left_over.append, (self.sending, self.posted))
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, peer: int, key: Hashable, value: Any, kind: str = VALUE) -> None:

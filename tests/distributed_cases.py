@@ -352,6 +352,31 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
+def dropped_after_refusal(rank: int, world: int, rounds: int = 3) -> list[float]:
+    """A pipeline whose last call was refused (ranks called differently) is dropped, and another
+    compiled on the same mesh trains: its loss's distance from the plain model's, per round.
+    What the refused step left in flight must neither be lost nor stop the next pipeline's."""
+    import gc
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    found = []
+    for _ in range(rounds):
+        torch.manual_seed(1)
+        model = Scaled().double()
+        reference = copy.deepcopy(model)
+        dropped = compile_pipeline(copy.deepcopy(model), (x, 2.0), mesh=mesh, chunks=2, timeout=20)
+        with contextlib.suppress(RuntimeError):
+            dropped.train_step(x, 2.0 + rank, target=y, loss_fn=F.mse_loss)
+        del dropped
+        gc.collect()
+        pipe = compile_pipeline(model, (x, 2.0), mesh=mesh, chunks=2, timeout=20)
+        loss = pipe.train_step(x, 2.0, target=y, loss_fn=F.mse_loss)
+        found.append(abs(float(loss) - F.mse_loss(reference(x, 2.0), y).item()))
+    return found
+
+
 def _under(context: Any, call: Callable[[], Any]) -> Any:
     with context:
         return call()

@@ -119,6 +119,11 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
         assert report["next step"] <= TOL
 
 
+def test_a_pipeline_dropped_after_a_refused_call_leaves_the_next_one_exact() -> None:
+    for found in results_of(spawn_ranks(cases.dropped_after_refusal, 2, timeout=120)):
+        assert max(found) <= TOL, found
+
+
 def test_a_rank_that_dies_makes_the_others_raise() -> None:
     got = spawn_ranks(cases.dying_rank, 2, timeout=120)
     assert got[1] == ("exited", 3)
