@@ -311,6 +311,44 @@ class Scaled(nn.Module):
         return self.b(self.a(x) * scale) * scale
 
 
+class PartlyNoGrad(nn.Module):
+    """A `with torch.no_grad():` block in forward: torch.fx cannot capture it, torch.export does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            shift = self.b(h).mean(1, keepdim=True)
+        return self.d(torch.tanh(self.c(h) + shift))
+
+
+def exported_across(rank: int, world: int) -> dict[str, Any]:
+    """A model captured by torch.export, across processes: each rank keeps its own stages'
+    tensors only, and a step gives the plain model's loss and gradients."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = PartlyNoGrad().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, schedule="1f1b", timeout=30)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    theirs = dict(reference.named_parameters())
+    held = {name: p for name, p in pipe.named_parameters() if not p.is_meta}
+    return dict(
+        note=pipe.plan.notes[0],
+        held=sorted(held),
+        freed=sorted(name for name, p in model.named_parameters() if p.is_meta),
+        loss=abs(float(loss) - expected.item()),
+        grads=max(_max_diff(p.grad, theirs[name].grad) for name, p in held.items() if theirs[name].grad is not None),
+        no_grads=sorted(name for name, p in held.items() if (p.grad is None) != (theirs[name].grad is None)),
+    )
+
+
 def _fan_out_on(mesh: Any, timeout: float) -> tuple[Any, nn.Module, torch.Tensor, torch.Tensor]:
     """The fan-out model under 1f1b on `mesh`, its plain twin, and a batch with its target."""
     torch.manual_seed(0)
