@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
-from fxpipe.materialize import is_on_meta
+from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta
 from fxpipe.microbatch import batch_size_of, example_leaves, forward_signature, spec_dims
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
@@ -264,8 +264,13 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         model = kwargs["model"] if "model" in kwargs else args[0] if args else None
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
-        with preserved(model):
-            pipe = compile(*args, **kwargs)
+        try:
+            with preserved(model):
+                pipe = compile(*args, **kwargs)
+        except Exception as e:  # a model freed in part by an earlier compile says so
+            if freed_note(model) and not isinstance(e, FreedState):
+                e.add_note(freed_note(model))
+            raise
         pipe._join_replicas()
         return pipe
 
@@ -429,7 +434,8 @@ def compile_pipeline(
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
     compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split))
     if placement is not None:
-        check_same_plan(plan, placement)
+        read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
+        check_same_plan(plan, placement, freed_needed(model, read_here))
         connect(placement)
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxpipe.channel import Channel, Failure, PeerLost, RemoteFailure
+from fxpipe.materialize import freed_refusal, mark_freed
 from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
@@ -161,13 +162,15 @@ def plan_parts(plan: Plan) -> dict[str, str]:
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 
 
-def check_same_plan(plan: Plan, placement: RankPlacement) -> None:
-    """Every rank of the world compiled the same plan; else one error naming what differs."""
+def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] = ()) -> None:
+    """Every rank of the world compiled the same plan, and can hold its stages (`freed`: the
+    tensors they read that an earlier compile freed here); else one error on every rank."""
     mine = plan_parts(plan)
-    every = gathered(mine, placement, "comparing the plans")
+    every = gathered((mine, list(freed)), placement, "comparing the plans")
+    first = every[0][0]
     problems = []
-    for rank, parts in enumerate(every):
-        differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != every[0].get(name))
+    for rank, (parts, _) in enumerate(every):
+        differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != first.get(name))
         if differ:
             problems.append(f"rank {rank} differs from rank 0 in: {', '.join(differ)}")
     if problems:
@@ -175,6 +178,9 @@ def check_same_plan(plan: Plan, placement: RankPlacement) -> None:
             "the ranks compiled different plans:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
             "How to fix: give every rank the same model, example shapes and arguments."
         )
+    needed = {f"rank {rank}": names for rank, (_, names) in enumerate(every) if names}
+    if needed:
+        raise freed_refusal(needed)
 
 
 Router = Callable[[Hashable], int]
@@ -259,6 +265,7 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None
     _drop_weak_references(freed)
     for tensor in freed:
         torch.utils.swap_tensors(tensor, _on_meta(tensor))
+    mark_freed(owner, freed)
 
 
 def _drop_weak_references(tensors: Sequence[torch.Tensor]) -> None:

@@ -5,6 +5,10 @@ compiled as it is. Each stage that runs in this process gets its parameters and 
 its device (`torch.empty`), and every module whose tensors are all made runs its own
 `reset_parameters()`. What no module initialises is filled with NaN (0 for integers), named in a
 warning: load a checkpoint into it (`dcp.load` into `pipe.state_dict()`) before training.
+
+Across processes a rank frees the tensors of the stages other ranks run (fxpipe/distributed.py),
+and the model remembers which: compiled again, they are not made anew as if the model had been
+built on the meta device (its values are gone; `reset_parameters()` would train another model).
 """
 from __future__ import annotations
 
@@ -15,8 +19,52 @@ import torch
 from torch import nn
 
 
+_FREED = "_fxpipe_freed"  # in a model's __dict__: the names of the tensors freed on this rank
+
+
+class FreedState(ValueError):
+    """A compile needs tensors that an earlier compile across processes freed on this rank."""
+
+
 def is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def mark_freed(owner: nn.Module, tensors: Sequence[torch.Tensor]) -> None:
+    """Remember that `tensors` of `owner` were freed on this rank (a deep copy remembers too)."""
+    ids = {id(t) for t in tensors}
+    owner.__dict__.setdefault(_FREED, set()).update(name for name, t in _named_state(owner) if id(t) in ids)
+
+
+def freed_note(owner: nn.Module) -> str:
+    """What a failed compile of a model freed before should add; empty for any other model."""
+    freed = sorted(owner.__dict__.get(_FREED, ()))
+    return _freed_text({"this rank": freed}, "the model can no longer run whole there") if freed else ""
+
+
+def freed_needed(owner: nn.Module, needed: Sequence[torch.Tensor]) -> list[str]:
+    """The names of `needed` tensors that an earlier compile freed on this rank."""
+    ids, freed = {id(t) for t in needed if t.is_meta}, owner.__dict__.get(_FREED, set())
+    return sorted({name for name, t in _named_state(owner) if id(t) in ids and name in freed})
+
+
+def freed_refusal(needed: dict[str, list[str]]) -> FreedState:
+    """The refusal of a cut that runs stages where their tensors were freed, by rank."""
+    return FreedState(_freed_text(needed, "this cut runs their stages there, and their values are gone"))
+
+
+def _freed_text(names: dict[str, list[str]], consequence: str) -> str:
+    shown = "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
+    return (
+        "an earlier compile_pipeline across processes freed tensors of this model, on each rank those of the "
+        f"stages other ranks ran ({shown}): {consequence}.\nHow to fix: compile a fresh model (build it again, or "
+        "load it from a checkpoint), or keep a copy (copy.deepcopy(model)) before the first compile; compiled "
+        "again with the same cut (split_points=...), the model needs only what each rank holds."
+    )
+
+
+def _named_state(owner: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]
 
 
 def materialize(
@@ -27,6 +75,7 @@ def materialize(
     `reset_parameters()`, or NaN and a warning."""
     wanted = [(t, runtime.device) for program in programs for index, runtime in enumerate(program.stages)
               if runs_here(program, index) for t in program.stage_tensors(index)]  # fmt: skip
+    _refuse_freed(owner, [t for t, _ in [*wanted, *also] if t.is_meta])
     made: set[int] = set()
     for tensor, device in [*wanted, *also]:
         if tensor.is_meta and id(tensor) not in made:
@@ -43,6 +92,12 @@ def materialize(
                 reset()
             initialised.update(id(t) for t in own)
     _fill_the_rest(owner, made - initialised)
+
+
+def _refuse_freed(owner: nn.Module, needed: list[torch.Tensor]) -> None:
+    names = freed_needed(owner, needed)
+    if names:
+        raise freed_refusal({"this rank": names})
 
 
 def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

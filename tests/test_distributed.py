@@ -133,6 +133,20 @@ def test_a_model_captured_by_torch_export_trains_across_processes_each_rank_hold
     assert set(first["held"]) | set(second["held"]) == set(first["held"]) | set(first["freed"])
 
 
+def test_a_model_compiled_again_trains_on_the_same_cut_and_is_refused_on_another() -> None:
+    """A first compile across processes frees, on each rank, the tensors of the other ranks'
+    stages; another cut would run stages whose values are gone (made anew by reset_parameters,
+    the model would silently train from other weights)."""
+    for report in results_of(spawn_ranks(cases.compiled_again, 2, timeout=120)):
+        assert report["1f1b"] <= TOL and report["zb-h1"] <= TOL, report
+        refused = report["another cut"]
+        assert refused.startswith("FreedState: an earlier compile_pipeline across processes freed"), refused
+        assert "(on rank 1: layers.2.bias, layers.2.weight, layers.3.bias, layers.3.weight)" in refused, refused
+        assert "copy.deepcopy(model)" in refused, refused
+        notes = report["captured again"]
+        assert len(notes) == 1 and "can no longer run whole there" in notes[0], notes
+
+
 def test_a_rank_that_dies_makes_the_others_raise() -> None:
     got = spawn_ranks(cases.dying_rank, 2, timeout=120)
     assert got[1] == ("exited", 3)
