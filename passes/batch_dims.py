@@ -147,12 +147,18 @@ def _drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
 def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None) -> None:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when the example's halves compute otherwise than the whole
-    example. Nothing is written with one micro-batch (`chunks` 1, or one sample), or when the
-    graph cannot run on the halves."""
+    example, and when `chunks` > 1 for an example of one sample (it has no halves). Nothing is
+    written with one micro-batch, or when the graph cannot run on the halves."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
-    if chunks < 2 or not batch or batch < 2:
+    if chunks < 2 or not batch:
         return
+    if batch < 2:
+        raise ValueError(
+            f"with chunks={chunks} the example needs at least two samples: compiling checks, on the example's "
+            "halves, that micro-batches compute what the whole batch does, and one sample has no halves.\n"
+            "How to fix: pass an example batch of two or more different samples, or use chunks=1."
+        )
     # Two halves tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
     pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
@@ -181,7 +187,7 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
                 problems.append(f"{node.name}{path}: {why}")
                 bad.add(node)
     if problems:
-        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad))
+        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, _split_for_their_size(gm, inputs, batch, dims)))
 
 
 def _keeps_state(gm: fx.GraphModule) -> bool:
@@ -213,32 +219,40 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     dim 1, say), with the chunk_spec that would split them there."""
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     hints: dict[str, Optional[int]] = {}
-    split_too: dict[str, Optional[int]] = {}
     for name, value in zip(names, inputs):
-        if not isinstance(value, torch.Tensor):
-            continue
-        if split_dim(value, batch, dims) is None:
+        if isinstance(value, torch.Tensor) and split_dim(value, batch, dims) is None:
             at = [d for d in range(value.dim()) if value.shape[d] == batch]
             if at:
                 hints[name] = at[0]
-        elif name != next(n for n, v in zip(names, inputs) if isinstance(v, torch.Tensor)):
-            split_too[name] = None  # split for a dim 0 of the batch's size, as the first input is
     shapes = dict(zip(names, (tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in inputs)))
     hint = (
         f"These inputs are passed whole to every micro-batch, and have a dim of the batch's size {batch}: "
         f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
-    hint += (
-        f"These inputs are split along dim 0 as it has the batch's size {batch}: "
-        f"{', '.join(f'{n} {shapes[n]}' for n in split_too)}. One that holds no batch (a mask or a table "
-        f"that every sample shares) goes whole with chunk_spec={split_too!r}.\n" if split_too else ""
-    )
+    hint += _split_for_their_size(gm, inputs, batch, dims)
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
         f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
         "How to fix: split every input that holds the batch along its batch dim (chunk_spec={name: dim}), "
         "or use chunks=1."
+    )
+
+
+def _split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:
+    """A line naming the inputs after the first that are split along dim 0 only because it has
+    the batch's size (a table every sample shares may, by chance), with the chunk_spec that
+    passes them whole; '' when there are none."""
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor)]
+    split = {name: None for name, value in tensors[1:] if split_dim(value, batch, dims) is not None}
+    shapes = {name: tuple(value.shape) for name, value in tensors}
+    if not split:
+        return ""
+    return (
+        f"These inputs are split along dim 0 as it has the batch's size {batch}: "
+        f"{', '.join(f'{n} {shapes[n]}' for n in split)}. One that holds no batch (a mask or a table "
+        f"that every sample shares) goes whole with chunk_spec={split!r}.\n"
     )
 
 
@@ -295,7 +309,7 @@ def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _mixing_message(
-    gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], chunks: int, problems: list[str], bad: set[fx.Node]
+    gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], chunks: int, problems: list[str], bad: set[fx.Node], hint: str
 ) -> str:
     starts = _where_it_starts(gm, whole, parts, bad)
     return (
@@ -304,6 +318,7 @@ def _mixing_message(
         "along the batch dim, or computes with the batch size.\n"
         + "".join(f"  - output {p}\n" for p in problems)
         + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
+        + hint
         + "How to fix: compute each sample on its own (reduce over other dims than the batch's; "
         "x.view(x.shape[0], -1) is fine, h / x.shape[0] is not); pass a value that needs the whole batch "
         "as an input (kept whole with chunk_spec={name: None}); or use chunks=1."

@@ -316,3 +316,32 @@ def test_a_shared_mask_split_for_a_length_equal_to_the_batch_is_named_with_the_c
     out = pipe(x, mask)
     torch.testing.assert_close(out, reference(x, mask), rtol=0, atol=1e-12)
 
+
+
+class _Table(nn.Module):
+    """`table` picks positions that every sample shares; its length is the batch's by chance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).index_select(1, table).mean(1))
+
+
+def test_a_table_split_for_its_length_is_named_with_the_chunk_spec_that_keeps_it_whole() -> None:
+    torch.manual_seed(0)
+    model = _Table().double()
+    x, table = torch.randn(4, 6, 8, dtype=torch.float64), torch.tensor([1, 3, 3, 5])
+    with pytest.raises(ValueError, match=r"(?s)split along dim 0 as it has the batch's size 4: table \(4,\).*chunk_spec=\{'table': None\}.\nHow to fix"):
+        compile_pipeline(model, (x, table), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (x, table), ["cpu", "cpu"], chunks=2, chunk_spec={"table": None})
+    assert torch.allclose(pipe(x, table), model(x, table), rtol=0, atol=1e-12)
+
+
+def test_an_example_of_one_sample_is_refused_when_it_would_be_split() -> None:
+    """One sample has no halves to check micro-batches against the whole batch on: a model that
+    mixes samples would compile, and differ from the plain model on the first larger batch."""
+    with pytest.raises(ValueError, match=r"(?s)with chunks=2 the example needs at least two samples.*How to fix: pass an example batch of two or more"):
+        compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=2)
+    compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=1)
