@@ -14,6 +14,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
+from fxpipe.materialize import is_on_meta
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.snapshot import preserved
@@ -305,6 +306,22 @@ def to_graph(
     return traced
 
 
+def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """When neither front end captures the model: whether the model itself runs on the example
+    (a float32 example for a float64 model, say), which neither could then."""
+    if is_on_meta(model):  # shapes only: a check of values fails there, and is not the example's fault
+        return
+    try:
+        with torch.no_grad():
+            model(*example, **kwargs)
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+        raise ValueError(
+            f"{type(model).__name__} does not run on the example: {type(e).__name__}: {e}\n"
+            "How to fix: give compile_pipeline an example the model takes as it is: model(*example) must run "
+            "(the same dtype and device as the model's parameters, the shapes forward expects)."
+        ) from e
+
+
 def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int) -> Traced:
     """torch.fx, then torch.export; one error with both reasons when both fail."""
     try:
@@ -314,6 +331,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
     try:
         traced = _by_export(model, example, kwargs, chunks)
     except _Rejected as export_failure:
+        _refuse_an_example_the_model_refuses(model, example, kwargs)
         raise TraceError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"

@@ -35,6 +35,7 @@ from fxpipe.channel import Failure, RemoteFailure
 from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
+from fxpipe.hints import hint_for
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
@@ -56,7 +57,7 @@ class StageError(RuntimeError):
 
     def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException, rank: Optional[int] = None) -> None:
         where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
-        detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}"
+        detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error)}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 

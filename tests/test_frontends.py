@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import assert_grads_equal, twin
-from fxpipe import TraceError, compile_pipeline
+from fxpipe import StageError, TraceError, compile_pipeline
 
 
 class ShapeBranch(nn.Module):
@@ -284,3 +284,48 @@ def test_keywords_in_another_order_than_the_examples_are_the_same_call() -> None
     torch.testing.assert_close(pipe(x, n=n, m=m), reference(x, m=m, n=n), rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match=r"example: 1 positional, keywords m, n(.|\n)*call: +1 positional, keywords m \("):
         pipe(x, m=m)
+
+
+class _CastsBack(nn.Module):
+    """Its forward takes **kwargs (torch.export captures it) and casts back to an activation's
+    dtype, which the captured graph holds as the example's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.tanh(h.float()).to(h.dtype) * 1.5 + x)
+
+
+def test_an_exported_graph_runs_under_the_autocast_it_was_compiled_in_and_says_how_otherwise() -> None:
+    torch.manual_seed(0)
+    model = _CastsBack()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("ignore")  # that torch.fx could not trace it
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+        expected = torch.cat([reference(x[:2]), reference(x[2:])])
+        assert torch.equal(pipe(x), expected)
+    with pytest.raises(StageError, match=r"(?s)Tensor dtype mismatch.*compile it under the autocast it runs in"):
+        pipe(x)
+
+
+class _Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if bool(h.sum() > 0):  # torch.fx cannot trace a branch on values
+            h = -h
+        return self.b(h)
+
+
+def test_an_example_the_model_itself_refuses_is_named_as_the_cause() -> None:
+    model = _Branches().double()  # and torch.export cannot run it on a float32 example
+    with pytest.raises(ValueError, match=r"(?s)_Branches does not run on the example: RuntimeError: .*How to fix: .*model\(\*example\) must run"):
+        compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2)

@@ -2,6 +2,7 @@
 runs exactly the checked lists; timelines as Chrome traces and Gantt charts."""
 from __future__ import annotations
 
+import copy
 import json
 import xml.etree.ElementTree as ET
 from typing import Any
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FanOut
-from fxpipe import compile_pipeline
+from conftest import FanOut, assert_grads_equal
+from fxpipe import StageError, compile_pipeline
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedule_check import ScheduleError, check, make_schedule
 from fxpipe.simulate import StageCosts, simulate
@@ -217,3 +218,33 @@ def test_on_cpu_devices_no_device_peak_is_reported_and_stage_peaks_are() -> None
     timeline = pipe.timeline()
     assert timeline.device_peak_bytes == {}
     assert set(timeline.peak_bytes) == {0, 1} and all(b > 0 for b in timeline.peak_bytes.values())
+
+
+class _Checkpointed(torch.nn.Module):
+    """Blocks run under torch.utils.checkpoint(use_reentrant=True) inside the model's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(6, 6)  # a reentrant checkpoint's input must require grad
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        for block in self.blocks:
+            x = torch.tanh(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True))
+        return x
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # compiling runs it under no_grad
+def test_zero_bubble_names_the_fix_for_a_reentrant_checkpoint_in_the_model() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    model = _Checkpointed().double()
+    reference = copy.deepcopy(model)
+    F.mse_loss(reference(x), y).backward()
+    pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=2, schedule="1f1b")
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    assert_grads_equal(pipe, reference)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule="zb-h1")
+    with pytest.raises(StageError, match=r"(?s)use_reentrant=True.*torch.utils.checkpoint\(\.\.\., use_reentrant=False\), or another schedule"):
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)

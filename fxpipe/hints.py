@@ -1,0 +1,28 @@
+"""What an error torch raises inside a stage means for the user, where fxpipe's own way of running
+the stage is the cause: a hint appended to the stage's error, with the fix."""
+from __future__ import annotations
+
+# (a piece of torch's message, what it means here and how to fix it)
+_HINTS = [
+    (
+        "Tensor dtype mismatch!",
+        "torch.export captured this model's graph with the dtypes of the example's run, and checks them "
+        "(aten._assert_tensor_metadata): this call runs it with others, under autocast or after a cast of the "
+        "pipeline, where the captured graph would cast otherwise than the model does.\nHow to fix: cast the "
+        "model before compiling it, and compile it under the autocast it runs in (with torch.autocast(...): "
+        "compile_pipeline(...)), or let torch.fx trace it (the compile warning says why it could not).",
+    ),
+    (
+        "incompatible with .grad() or passing an `inputs` parameter",
+        "schedule='zb-h1' computes each stage's input gradients apart from its weights' "
+        "(torch.autograd.grad with inputs=...), which torch.utils.checkpoint(use_reentrant=True) inside the "
+        "model does not support.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), or another "
+        "schedule ('1f1b').",
+    ),
+]
+
+
+def hint_for(error: BaseException) -> str:
+    """The hint for `error` ('' for none), to append to the stage's error message."""
+    text = str(error)
+    return "".join(f"\n{hint}" for piece, hint in _HINTS if piece in text)
