@@ -2,18 +2,19 @@
 the stage is the cause: a hint appended to the stage's error, with the fix."""
 from __future__ import annotations
 
-# (a piece of torch's message, what it means here and how to fix it)
+# (pieces of torch's messages, what any of them means here and how to fix it)
 _HINTS = [
     (
-        "Tensor dtype mismatch!",
-        "torch.export captured this model's graph with the dtypes of the example's run, and checks them "
-        "(aten._assert_tensor_metadata): this call runs it with others, under autocast or after a cast of the "
-        "pipeline, where the captured graph would cast otherwise than the model does.\nHow to fix: cast the "
-        "model before compiling it, and compile it under the autocast it runs in (with torch.autocast(...): "
-        "compile_pipeline(...)), or let torch.fx trace it (the compile warning says why it could not).",
+        ("Tensor dtype mismatch!", "without overflow"),
+        "torch.export captured this model's graph with the dtypes of the example's run (it checks them, and "
+        "holds constants of those dtypes, such as a mask's torch.finfo(dtype).min): this call runs it with "
+        "others, under autocast or after a cast of the pipeline, where the captured graph would compute "
+        "otherwise than the model does.\nHow to fix: cast the model before compiling it, and compile it under "
+        "the autocast it runs in (with torch.autocast(...): compile_pipeline(...)), or let torch.fx trace it "
+        "(the compile warning says why it could not).",
     ),
     (
-        "incompatible with .grad() or passing an `inputs` parameter",
+        ("incompatible with .grad() or passing an `inputs` parameter",),
         "schedule='zb-h1' computes each stage's input gradients apart from its weights' "
         "(torch.autograd.grad with inputs=...), which torch.utils.checkpoint(use_reentrant=True) inside the "
         "model does not support.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), or another "
@@ -25,4 +26,4 @@ _HINTS = [
 def hint_for(error: BaseException) -> str:
     """The hint for `error` ('' for none), to append to the stage's error message."""
     text = str(error)
-    return "".join(f"\n{hint}" for piece, hint in _HINTS if piece in text)
+    return "".join(f"\n{hint}" for pieces, hint in _HINTS if any(piece in text for piece in pieces))

@@ -329,3 +329,33 @@ def test_an_example_the_model_itself_refuses_is_named_as_the_cause() -> None:
     model = _Branches().double()  # and torch.export cannot run it on a float32 example
     with pytest.raises(ValueError, match=r"(?s)_Branches does not run on the example: RuntimeError: .*How to fix: .*model\(\*example\) must run"):
         compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2)
+
+
+class _MaskedByDtypeMin(nn.Module):
+    """Masks with its activation's dtype's minimum, which the exported graph holds as a constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h.masked_fill(mask, torch.finfo(h.dtype).min).softmax(-1))
+
+
+def test_a_constant_of_the_examples_dtype_under_autocast_says_to_compile_under_it() -> None:
+    torch.manual_seed(0)
+    model = _MaskedByDtypeMin()
+    reference = copy.deepcopy(model)
+    x, mask = torch.randn(4, 8), torch.zeros(4, 8, dtype=torch.bool)
+    mask[:, :2] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that torch.fx could not trace it
+        pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled_under = compile_pipeline(copy.deepcopy(model), (x, mask), ["cpu", "cpu"], chunks=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(StageError, match=r"(?s)without overflow.*compile it under the autocast it runs in"):
+            pipe(x, mask)
+        expected = torch.cat([reference(x[:2], mask[:2]), reference(x[2:], mask[2:])])
+        assert torch.equal(compiled_under(x, mask), expected)
