@@ -117,7 +117,7 @@ def gathered(value: Any, placement: RankPlacement, what: str) -> list[Any]:
     sent its own within the timeout (`what`: the exchange, for the message)."""
     data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
     sizes = _all_gathered(torch.tensor([data.numel()]), placement, what)
-    padded = torch.zeros(int(max(int(n) for n in sizes)), dtype=torch.uint8)
+    padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     parts = _all_gathered(padded, placement, what)
     return [pickle.loads(part[: int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]

@@ -12,9 +12,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 
+from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
-from fxpipe.materialize import is_on_meta
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.snapshot import preserved
