@@ -59,18 +59,22 @@ def _max_diff(a: Any, b: Any) -> float:
     return float((a.detach().cpu() - b.detach().cpu()).abs().max()) if a.numel() else 0.0
 
 
-def train_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
-    """For each (model, schedule, checkpoint mode): two train steps of different batch sizes (and
-    sequence lengths), gradients accumulated; the loss of each, the forward-only output, and the
-    gradient of each parameter this rank holds, against the plain model's."""
+def train_cases(rank: int, world: int, cases: list[tuple[str, ...]]) -> list[dict[str, Any]]:
+    """For each (model, schedule, checkpoint mode[, "posted when read"]): two train steps of
+    different batch sizes (and sequence lengths), gradients accumulated; the loss of each, the
+    forward-only output, and the gradient of each parameter this rank holds, against the plain
+    model's. "posted when read": each receive is posted only when its message is read, as on NCCL."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     report = []
-    for name, schedule, mode in cases:
+    for name, schedule, mode, *posting in cases:
         torch.manual_seed(0)
         model, batches, loss_fn = MODELS[name]()
         reference = copy.deepcopy(model)
         extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=world, checkpoint=mode, schedule=schedule, timeout=60, **extra)
+        if posting == ["posted when read"]:
+            assert pipe._channel is not None
+            pipe._channel.early = False  # the NCCL path's posting, on gloo
         losses, expected = [], []
         for x, y in batches:
             losses.append(float(pipe.train_step(x, target=y, loss_fn=loss_fn)))
@@ -83,7 +87,7 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, str, str]]) -> lis
             out = pipe(batches[0][0])
             out_error = None if out is None else max(_max_diff(a, b) for a, b in zip(_tensors(out), _tensors(reference(batches[0][0]))))
         report.append(dict(
-            case=(name, schedule, mode), losses=losses, expected=expected, grads=grads,
+            case=(name, schedule, mode, *posting), losses=losses, expected=expected, grads=grads,
             names=sorted(n for n, p in ref.items() if p.grad is not None), all_state_keys=sorted(reference.state_dict()),
             missing=[n for n, p in pipe.named_parameters() if p.grad is None and ref[n].grad is not None],
             out_error=out_error, state_keys=sorted(pipe.state_dict()),

@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 @pytest.fixture(scope="module")
 def three_ranks() -> list[list[dict[str, Any]]]:
     """Every case on one group of three processes (starting processes costs seconds)."""
-    matrix = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
+    matrix: list[tuple[str, ...]] = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
     matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
+    matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
     return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
 
 
