@@ -187,7 +187,8 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
                 problems.append(f"{node.name}{path}: {why}")
                 bad.add(node)
     if problems:
-        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, _split_for_their_size(gm, inputs, batch, dims)))
+        hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
+        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
 
 
 def _keeps_state(gm: fx.GraphModule) -> bool:
@@ -253,6 +254,26 @@ def _split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"These inputs are split along dim 0 as it has the batch's size {batch}: "
         f"{', '.join(f'{n} {shapes[n]}' for n in split)}. One that holds no batch (a mask or a table "
         f"that every sample shares) goes whole with chunk_spec={split!r}.\n"
+    )
+
+
+def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
+    """A line naming the parameters the graph's forward writes in place on `inputs` (an Embedding
+    with max_norm renormalises the rows it looks up): what reads them after depends on which
+    samples ran before. '' when it writes none."""
+    before = {name: p.detach().clone() for name, p in gm.named_parameters()}
+    try:
+        with preserved(gm), torch.no_grad():
+            _Runner(gm, on_meta=False, keep=set(), fixed=_drawing_or_normalising(gm)).run(*_cloned(inputs))
+            written = sorted(name for name, p in gm.named_parameters() if not torch.equal(p, before[name]))
+    except Exception:  # noqa: BLE001 - it ran before; nothing more to say if not now
+        return ""
+    if not written:
+        return ""
+    return (
+        f"Its forward writes these parameters in place: {', '.join(written)}; what reads them after depends on "
+        "the samples that ran before (an Embedding with max_norm renormalises the rows it looks up: "
+        "max_norm=None, or renormalise outside forward).\n"
     )
 
 

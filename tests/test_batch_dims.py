@@ -345,3 +345,25 @@ def test_an_example_of_one_sample_is_refused_when_it_would_be_split() -> None:
     with pytest.raises(ValueError, match=r"(?s)with chunks=2 the example needs at least two samples.*How to fix: pass an example batch of two or more"):
         compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=2)
     compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=1)
+
+
+class _TiedMaxNorm(nn.Module):
+    """An Embedding with max_norm renormalises, in forward, the rows it looks up; the head reads
+    every row of the same weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8, max_norm=1.0)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.emb(idx))))
+
+
+def test_a_parameter_written_in_forward_is_named_in_the_refusal() -> None:
+    torch.manual_seed(0)
+    idx = torch.randint(0, 20, (4, 5))
+    with pytest.raises(ValueError, match=r"(?s)writes these parameters in place: emb\.weight;.*max_norm=None"):
+        compile_pipeline(_TiedMaxNorm().double(), idx, ["cpu", "cpu"], chunks=2)
