@@ -80,12 +80,12 @@ class Pipeline(nn.Module):
 
     def __init__(self, model: nn.Module, compiled: Compiled) -> None:
         super().__init__()
-        # Straight into the module's tables: a child called `stages` or `plan` is the model's,
-        # and an alias (`self.p1 = self.p0`) keeps its name, as in the model's state dict.
-        self._modules.update(model._modules)
-        self._parameters.update(model._parameters)
-        self._buffers.update(model._buffers)
-        self._non_persistent_buffers_set.update(model._non_persistent_buffers_set)
+        # The model's own tables, shared: a child called `stages` or `plan` is the model's, an
+        # alias (`self.p1 = self.p0`) keeps its name, as in the model's state dict, and what is
+        # set on the pipeline's top level (by functional_call, load_state_dict(assign=True)) is
+        # set on the model's, whose tensors the stages read.
+        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            self.__dict__[table] = model.__dict__[table]
         self.training = model.training
         plan = compiled.plan
         own = dict(

@@ -425,3 +425,39 @@ def test_an_input_the_example_kept_whole_stays_whole_when_its_dim_0_equals_the_b
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+
+
+class _Gated(nn.Module):
+    """Reads a parameter and a buffer of its own (the top level's), besides its children's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.randn(4))
+        self.register_buffer("shift", torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(x) * self.gate + self.shift))
+
+
+def test_the_models_own_tensors_follow_functional_call_and_assign() -> None:
+    """What is set on the pipeline's top level is the model's, which the stages read: before,
+    they kept the old `gate` and `shift`, off by 1 and more, without a word."""
+    torch.manual_seed(0)
+    model = _Gated().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    other = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        expected = torch.func.functional_call(copy.deepcopy(model), other, (x,))
+        torch.testing.assert_close(torch.func.functional_call(pipe, other, (x,)), expected, rtol=0, atol=1e-12)
+    pipe.load_state_dict(other, assign=True)
+    assert model.gate is pipe.gate and model.shift is pipe.shift
+    reference = copy.deepcopy(model)
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
