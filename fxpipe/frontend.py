@@ -258,8 +258,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
         raise _Rejected(
             f"it inlines the forward of the autograd Function {names}, which would lose its backward; "
-            "keep the module that applies it whole with leaf_modules=[...], or make the model "
-            "traceable by torch.fx, which keeps the Function's call"
+            "make the model traceable by torch.fx, which keeps the Function's call (and keeps a module "
+            "whole with leaf_modules=[...], which torch.export cannot)"
         )
     graphs = {training: gm for training, (gm, _) in exported.items()}
     if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
@@ -322,6 +322,19 @@ def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, .
         ) from e
 
 
+def _fix_for(export_reason: str) -> str:
+    """How to fix a model neither front end captures: what stops both most often (control flow
+    on values), unless torch.export's reason asks for torch.fx (an autograd Function), where
+    torch.fx's reason says what stops it."""
+    if "make the model traceable by torch.fx" in export_reason:
+        return ""
+    return (
+        "How to fix: keep the module with data-dependent control flow (or with checks that "
+        "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
+        "or write the branch as tensor operations (torch.where) or with torch.cond."
+    )
+
+
 def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int) -> Traced:
     """torch.fx, then torch.export; one error with both reasons when both fail."""
     try:
@@ -336,9 +349,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"
             f"torch.export: {export_failure.detail}\n"
-            "How to fix: keep the module with data-dependent control flow (or with checks that "
-            "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
-            "or write the branch as tensor operations (torch.where) or with torch.cond."
+            f"{_fix_for(export_failure.detail)}".rstrip()
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
     warnings.warn(traced.note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)

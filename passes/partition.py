@@ -147,7 +147,7 @@ def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = No
     over (bottleneck, sum) pairs runs on the order, or on `UNITS` runs of it for larger graphs.
     """
     if len(model) < stages:
-        refuse([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer devices.")
+        refuse([f"{stages} stages but only {len(model)} nodes"], "How to fix: use fewer stages: fewer devices, or a smaller stages_per_device.")
     if caps is None and model.additive():
         return min_max_cuts(model.times, stages)
     limits = list(caps) if caps is not None else [math.inf] * stages
@@ -281,7 +281,7 @@ def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[flo
     if len(bounds) - 1 < stages:
         refuse(
             [f"{stages} stages, but only {len(bounds) - 1} runs of nodes keep each written buffer's updates in one stage"],
-            "How to fix: use fewer devices.",
+            "How to fix: use fewer stages: fewer devices, or a smaller stages_per_device.",
         )
     cuts = best_cuts(coarsen_at(model, bounds), stages, caps)
     return [bounds[c] for c in cuts]
@@ -321,7 +321,7 @@ def partition(
     if len(order) < stages:
         refuse(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],
-            "How to fix: use fewer devices, or trace at a finer grain (fewer leaf_modules).",
+            "How to fix: use fewer stages (fewer devices, or a smaller stages_per_device), or trace at a finer grain (fewer leaf_modules).",
         )
     conflicts = conflicting_options(split_points, balance)
     if conflicts:

@@ -359,3 +359,32 @@ def test_a_constant_of_the_examples_dtype_under_autocast_says_to_compile_under_i
             pipe(x, mask)
         expected = torch.cat([reference(x[:2], mask[:2]), reference(x[2:], mask[2:])])
         assert torch.equal(compiled_under(x, mask), expected)
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _FunctionBehindKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.b(_Doubled.apply(self.a(x)))
+
+
+def test_a_model_neither_front_end_captures_gets_the_fixes_of_its_own_reasons() -> None:
+    """torch.fx stops at **kwargs, torch.export at an autograd Function: the fix is naming the
+    arguments (then torch.fx keeps the Function), not leaf_modules, which torch.export ignores."""
+    with pytest.raises(TraceError) as caught:
+        compile_pipeline(_FunctionBehindKwargs(), torch.randn(4, 8), ["cpu", "cpu"], chunks=2, leaf_modules=["a"])
+    message = str(caught.value)
+    assert "name the forward's arguments" in message and "make the model traceable by torch.fx" in message, message
+    assert "data-dependent control flow" not in message, message
