@@ -9,11 +9,9 @@ one rank is raised on all, and tied weights' gradients are summed among the rank
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import itertools
 import pickle
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,10 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from fxpipe.channel import Channel, Failure, PeerLost, RemoteFailure
-from fxpipe.materialize import freed_refusal, mark_freed
+from fxpipe.materialize import freed_refusal, mark_freed, release_for_swap
 from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
@@ -262,24 +259,10 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None
             if rank == me:
                 kept.update(id(t) for t in program.stage_tensors(index))
     freed = [t for t in _state(owner) if id(t) not in kept and t.device.type != "meta"]
-    _drop_weak_references(freed)
+    release_for_swap(freed)
     for tensor in freed:
         torch.utils.swap_tensors(tensor, _on_meta(tensor))
     mark_freed(owner, freed)
-
-
-def _drop_weak_references(tensors: Sequence[torch.Tensor]) -> None:
-    """torch.utils.swap_tensors refuses a tensor that something holds a weak reference to, and
-    torch.export leaves some: in the memos (WeakIdKeyDictionary) of the fake tensors it traced
-    with. Their entries for `tensors` describe contents the swap takes away, and are dropped
-    (one pass over the live objects, only when there are any)."""
-    ids = {id(t) for t in tensors if weakref.getweakrefcount(t)}
-    if not ids:
-        return
-    for memo in gc.get_objects():
-        if isinstance(memo, WeakIdKeyDictionary):
-            for key in [k for k in memo.keys() if id(k) in ids]:
-                del memo[key]
 
 
 def _state(owner: nn.Module) -> list[torch.Tensor]:

@@ -12,11 +12,14 @@ built on the meta device (its values are gone; `reset_parameters()` would train 
 """
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 _FREED = "_fxpipe_freed"  # in a model's __dict__: the names of the tensors freed on this rank
@@ -76,6 +79,7 @@ def materialize(
     wanted = [(t, runtime.device) for program in programs for index, runtime in enumerate(program.stages)
               if runs_here(program, index) for t in program.stage_tensors(index)]  # fmt: skip
     _refuse_freed(owner, [t for t, _ in [*wanted, *also] if t.is_meta])
+    release_for_swap([t for t, _ in [*wanted, *also] if t.is_meta])
     made: set[int] = set()
     for tensor, device in [*wanted, *also]:
         if tensor.is_meta and id(tensor) not in made:
@@ -92,6 +96,22 @@ def materialize(
                 reset()
             initialised.update(id(t) for t in own)
     _fill_the_rest(owner, made - initialised)
+
+
+def release_for_swap(tensors: Sequence[torch.Tensor]) -> None:
+    """Let go of what would stop torch.utils.swap_tensors on `tensors`: it refuses a tensor that
+    something else refers to weakly. torch.export leaves such references in the memos
+    (WeakIdKeyDictionary) of the fake tensors it traced with, and autocast in its cache of cast
+    weights (when compiling under it); their entries describe contents the swap takes away.
+    The memos are found in one pass over the live objects, only when there are any."""
+    torch.clear_autocast_cache()
+    ids = {id(t) for t in tensors if weakref.getweakrefcount(t)}
+    if not ids:
+        return
+    for memo in gc.get_objects():
+        if isinstance(memo, WeakIdKeyDictionary):
+            for key in [k for k in memo.keys() if id(k) in ids]:
+                del memo[key]
 
 
 def _refuse_freed(owner: nn.Module, needed: list[torch.Tensor]) -> None:

@@ -343,7 +343,14 @@ def exported_across(rank: int, world: int) -> dict[str, Any]:
     expected.backward()
     theirs = dict(reference.named_parameters())
     held = {name: p for name, p in pipe.named_parameters() if not p.is_meta}
+    torch.manual_seed(1)
+    plain = PartlyNoGrad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as the README says to compile it for autocast
+        under = compile_pipeline(copy.deepcopy(plain), x.float(), mesh=mesh, chunks=2, timeout=30)
+        autocast_loss = float(under.train_step(x.float(), target=y.float(), loss_fn=F.mse_loss))
+        autocast_expected = F.mse_loss(plain(x.float()), y.float()).item()
     return dict(
+        autocast=abs(autocast_loss - autocast_expected) / autocast_expected,
         note=pipe.plan.notes[0],
         held=sorted(held),
         freed=sorted(name for name, p in model.named_parameters() if p.is_meta),

@@ -85,3 +85,30 @@ def test_training_a_loaded_meta_model_matches_the_plain_model_step_by_step() -> 
         for opt in opts:
             opt.step()
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+
+
+class _TakesKwargs(nn.Module):
+    """Its forward takes **kwargs: torch.export captures it (which leaves weak references to the
+    parameters, in its fake tensors' memos)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_model_captured_by_torch_export_is_made_from_the_meta_device_too() -> None:
+    reference = _TakesKwargs().double()
+    with torch.device("meta"):
+        model = _TakesKwargs().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    pipe.load_state_dict(reference.state_dict())
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
