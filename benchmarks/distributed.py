@@ -4,8 +4,10 @@ engine, with the plain model on one process as the baseline.
 
 Every contender runs in the same two processes, round-robin, each timed block between two
 barriers on rank 0: the two-process contenders run on both ranks, the one-process ones on rank
-0 while rank 1 waits at the barrier. E = T(plain) / (2 x T(step)). The U-Net example is then
-trained over the two processes by fxpipe, and given to pipelining as well.
+0 while rank 1 waits at the barrier. E = T(plain) / (2 x T(step)). Then the transport alone: a
+small message's round trip, and two large sends crossing (one group for both directions against
+a group per direction). The U-Net example is then trained over the two processes by fxpipe, and
+given to pipelining as well.
 """
 from __future__ import annotations
 
