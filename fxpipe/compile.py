@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
-from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta
+from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
 from fxpipe.microbatch import batch_size_of, example_leaves, forward_signature, spec_dims
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
@@ -435,7 +435,7 @@ def compile_pipeline(
     compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split))
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
-        check_same_plan(plan, placement, freed_needed(model, read_here))
+        check_same_plan(plan, placement, freed_needed(model, read_here), unfillable(model, read_here))
         connect(placement)
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"

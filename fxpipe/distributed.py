@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.channel import Channel, Failure, PeerLost, RemoteFailure
-from fxpipe.materialize import freed_refusal, mark_freed, release_for_swap
+from fxpipe.materialize import freed_refusal, mark_freed, release_for_swap, unfillable_refusal
 from fxpipe.plan import CALLER, Plan
 from fxpipe.step import StageError, raised_here
 
@@ -159,14 +159,15 @@ def plan_parts(plan: Plan) -> dict[str, str]:
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 
 
-def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] = ()) -> None:
-    """Every rank of the world compiled the same plan, and can hold its stages (`freed`: the
-    tensors they read that an earlier compile freed here); else one error on every rank."""
+def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] = (), unfilled: Sequence[str] = ()) -> None:
+    """Every rank of the world compiled the same plan, and can make its stages (`freed`: the
+    tensors they read that an earlier compile freed here; `unfilled`: buffers of a model built on
+    the meta device that nothing can fill); else one error on every rank."""
     mine = plan_parts(plan)
-    every = gathered((mine, list(freed)), placement, "comparing the plans")
+    every = gathered((mine, list(freed), list(unfilled)), placement, "comparing the plans")
     first = every[0][0]
     problems = []
-    for rank, (parts, _) in enumerate(every):
+    for rank, (parts, _, _) in enumerate(every):
         differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != first.get(name))
         if differ:
             problems.append(f"rank {rank} differs from rank 0 in: {', '.join(differ)}")
@@ -175,9 +176,12 @@ def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] =
             "the ranks compiled different plans:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
             "How to fix: give every rank the same model, example shapes and arguments."
         )
-    needed = {f"rank {rank}": names for rank, (_, names) in enumerate(every) if names}
+    needed = {f"rank {rank}": names for rank, (_, names, _) in enumerate(every) if names}
     if needed:
         raise freed_refusal(needed)
+    unfillable = {f"rank {rank}": names for rank, (_, _, names) in enumerate(every) if names}
+    if unfillable:
+        raise unfillable_refusal(unfillable)
 
 
 Router = Callable[[Hashable], int]

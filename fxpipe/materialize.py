@@ -4,7 +4,8 @@ A model too big for one host is built under `torch.device("meta")` (shapes, no m
 compiled as it is. Each stage that runs in this process gets its parameters and buffers made on
 its device (`torch.empty`), and every module whose tensors are all made runs its own
 `reset_parameters()`. What no module initialises is filled with NaN (0 for integers), named in a
-warning: load a checkpoint into it (`dcp.load` into `pipe.state_dict()`) before training.
+warning: load a checkpoint into it (`dcp.load` into `pipe.state_dict()`) before training. A buffer
+no checkpoint holds either (persistent=False) and no module makes is refused.
 
 Across processes a rank frees the tensors of the stages other ranks run (fxpipe/distributed.py),
 and the model remembers which: compiled again, they are not made anew as if the model had been
@@ -79,6 +80,9 @@ def materialize(
     wanted = [(t, runtime.device) for program in programs for index, runtime in enumerate(program.stages)
               if runs_here(program, index) for t in program.stage_tensors(index)]  # fmt: skip
     _refuse_freed(owner, [t for t, _ in [*wanted, *also] if t.is_meta])
+    names = unfillable(owner, [t for t, _ in [*wanted, *also]])
+    if names:
+        raise unfillable_refusal({"this rank": names})
     release_for_swap([t for t, _ in [*wanted, *also] if t.is_meta])
     made: set[int] = set()
     for tensor, device in [*wanted, *also]:
@@ -96,6 +100,33 @@ def materialize(
                 reset()
             initialised.update(id(t) for t in own)
     _fill_the_rest(owner, made - initialised)
+
+
+def unfillable(owner: nn.Module, tensors: Sequence[torch.Tensor]) -> list[str]:
+    """The names of the meta `tensors` nothing can fill: buffers the model makes at construction
+    and leaves out of its state dict (persistent=False), in a module without reset_parameters()
+    (a position table, a rotary embedding's frequencies): no checkpoint holds them either."""
+    ids = {id(t) for t in tensors if t.is_meta}
+    found = []
+    for prefix, module in owner.named_modules(remove_duplicate=False):
+        if callable(getattr(module, "reset_parameters", None)):
+            continue
+        for name in module._non_persistent_buffers_set:
+            buffer = module._buffers.get(name)
+            if buffer is not None and id(buffer) in ids:
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return sorted(set(found))
+
+
+def unfillable_refusal(names: dict[str, list[str]]) -> ValueError:
+    """The refusal of a model built on the meta device whose stages read buffers nothing can fill."""
+    shown = "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
+    return ValueError(
+        f"the model was built on the meta device, and its stages read buffers that nothing can fill ({shown}): "
+        "the model makes them at construction and leaves them out of its state dict (persistent=False), so no "
+        "checkpoint holds them, and no reset_parameters() makes them.\nHow to fix: build the model on the CPU "
+        "(or on each rank's device) instead of the meta device, or register those buffers persistent."
+    )
 
 
 def release_for_swap(tensors: Sequence[torch.Tensor]) -> None:

@@ -167,6 +167,11 @@ def test_a_rank_that_never_compiles_makes_the_others_raise_within_the_timeout(di
     assert "timeout=seconds" in report["error"] and report["took"] < 6, report
 
 
+def test_a_meta_model_with_a_buffer_no_checkpoint_holds_is_refused_on_every_rank() -> None:
+    for message in results_of(spawn_ranks(cases.unfillable_across, 2, timeout=120)):
+        assert "buffers that nothing can fill (on rank 1: 2.table)" in message, message
+
+
 def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
     messages = results_of(spawn_ranks(cases.mismatched_plans, 2, timeout=120))
     for message in messages:

@@ -112,3 +112,26 @@ def test_a_model_captured_by_torch_export_is_made_from_the_meta_device_too() -> 
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+
+
+class _Positions(nn.Module):
+    """Adds a position table it makes at construction and leaves out of its state dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.arange(6, dtype=torch.float64) / 6, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.table
+
+
+def test_a_buffer_no_checkpoint_holds_is_refused_on_the_meta_device() -> None:
+    """A position table left out of the state dict: a checkpoint cannot fill it, and filled with
+    0 (an integer one) it would train another model without a word."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 6), _Positions(), nn.Linear(6, 6)).double()
+    with pytest.raises(ValueError, match=r"(?s)buffers that nothing can fill \(on this rank: 1\.table\).*build the model on the CPU"):
+        compile_pipeline(model, torch.randn(4, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    model = nn.Sequential(nn.Linear(6, 6), _Positions(), nn.Linear(6, 6)).double()  # on the CPU it runs
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)(x), model(x), rtol=0, atol=1e-12)
