@@ -117,6 +117,8 @@ def test_a_model_captured_by_torch_export_is_made_from_the_meta_device_too() -> 
 class _Positions(nn.Module):
     """Adds a position table it makes at construction and leaves out of its state dict."""
 
+    table: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("table", torch.arange(6, dtype=torch.float64) / 6, persistent=False)
