@@ -21,7 +21,7 @@ from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, writable_buffers
-from fxpipe.program import Cut, HeldState, Program
+from fxpipe.program import Cut, HeldState, Program, hooks_of
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
 
@@ -68,7 +68,7 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         parameters=_parameters_read(stages, shared),
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
-        traced_hooks=[(name, m, len(m._forward_hooks) + len(m._forward_pre_hooks)) for name, m in traced],
+        traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
         held=HeldState.of(owner),
         unreached=_unreached(owner),
     )

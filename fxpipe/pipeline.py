@@ -144,9 +144,15 @@ class Pipeline(nn.Module):
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
         changed = program.hooks_changed()
+        if "*" in changed:
+            raise RuntimeError(
+                "global module hooks (nn.modules.module.register_module_forward_hook, ...) were added or removed "
+                "since compiling: the graph holds what they did then, on every module the trace went through.\n"
+                "How to fix: compile again after registering them."
+            )
         if changed:
             raise RuntimeError(
-                f"forward hooks were added to or removed from {', '.join(n or 'the model itself' for n in changed)} "
+                f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
                 "since compiling: the trace went through these modules, and their graph holds what their "
                 f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
                 f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."

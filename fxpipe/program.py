@@ -28,6 +28,20 @@ Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
 ChunkSpec = dict[str, Optional[int]]
 
 
+Hooks = tuple[tuple[int, ...], ...]
+
+
+def hooks_of(module: Optional[nn.Module]) -> Hooks:
+    """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
+    for None, which global module hooks are registered."""
+    tables = (
+        [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+         nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]
+        if module is None
+        else [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
+    )  # fmt: skip
+    return tuple(tuple(table) for table in tables)
+
 @dataclass
 class Cut:
     """One graph of the model, cut into runs of nodes, one per stage, and its edges."""
@@ -82,9 +96,9 @@ class Program:
     parameters: list[nn.Parameter]  # every one some stage reads, once
     output_inputs: dict[str, list[str]] = field(default_factory=dict)  # inputs each output depends on
     output_params: dict[str, list[Any]] = field(default_factory=dict)  # parameters each depends on
-    # The modules the trace went through, with how many forward hooks each had then: the graph
-    # holds what those hooks did at compile time.
-    traced_hooks: list[tuple[str, nn.Module, int]] = field(default_factory=list)
+    # The modules the trace went through, with the hooks each had then (`hooks_of`): the graph
+    # holds what those hooks did at compile time; and the global module hooks then, by "*".
+    traced_hooks: list[tuple[str, Optional[nn.Module], Hooks]] = field(default_factory=list)
 
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
@@ -92,8 +106,9 @@ class Program:
     unreached: list[str] = field(default_factory=list)
 
     def hooks_changed(self) -> list[str]:
-        """The traced-through modules whose forward hooks were added or removed since."""
-        return [name for name, m, count in self.traced_hooks if len(m._forward_hooks) + len(m._forward_pre_hooks) != count]
+        """The traced-through modules whose hooks were added, removed or swapped since ("*": the
+        global module hooks)."""
+        return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
 
     @property
     def graph(self) -> fx.GraphModule:

@@ -314,9 +314,39 @@ def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refu
     pipe(X)
     assert len(calls) == 2  # once per micro-batch
     handle = model.b.register_forward_hook(lambda module, args, out: out * 2)
-    with pytest.raises(RuntimeError, match=r"forward hooks were added to or removed from b since compiling(.|\n)*leaf_modules=\['b'\]"):
+    with pytest.raises(RuntimeError, match=r"hooks were added to, removed from or swapped on b since compiling(.|\n)*leaf_modules=\['b'\]"):
         pipe(X)
     handle.remove()
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+def test_a_hook_swapped_backward_or_global_on_a_module_traced_through_is_refused() -> None:
+    """A hook swapped for another (as many as before), a backward hook, and a global module hook:
+    each would leave the graph computing what the model did at compile time."""
+    model = Blocks()
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 2)
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+    handle.remove()
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 5)
+    with pytest.raises(RuntimeError, match=r"swapped on b since compiling"):
+        pipe(X)
+    handle.remove()
+    model = Blocks()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    def tripled(module: nn.Module, grad_out: Any) -> Any:
+        return (grad_out[0] * 3,)
+
+    handle = model.b.register_full_backward_pre_hook(tripled)
+    with pytest.raises(RuntimeError, match=r"swapped on b since compiling"):
+        pipe(X)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(RuntimeError, match=r"global module hooks .* were added or removed since compiling"):
+            pipe(X)
+    finally:
+        handle.remove()
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
 
 
