@@ -34,6 +34,7 @@ class Workers:
     """
 
     def __init__(self, devices: Sequence[torch.device], name: str = "fxpipe") -> None:
+        self.closed = False
         self.queues: list[queue.SimpleQueue[Optional[Task]]] = [queue.SimpleQueue() for _ in devices]
         self.threads = [
             threading.Thread(target=_loop, args=(q, d), name=f"{name}-stage{i}", daemon=True)
@@ -43,9 +44,15 @@ class Workers:
             thread.start()
 
     def submit(self, stage: int, task: Task) -> None:
+        if self.closed:  # no thread would run it: the caller would wait for ever
+            raise RuntimeError(
+                "the pipeline was closed (pipe.close()) while a step still had work to run (a backward, say).\n"
+                "How to fix: close it after the last backward, or compile the model again."
+            )
         self.queues[stage].put(task)
 
     def close(self) -> None:
+        self.closed = True
         _stop(self.queues)
 
     def bind(self, owner: Any) -> None:

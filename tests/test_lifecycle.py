@@ -322,3 +322,15 @@ def test_an_input_written_in_place_and_passed_whole_is_refused() -> None:
     pipe = compile_pipeline(WritesItsInput(), ((torch.randn(6, 4), torch.randn(6, 4)),), ["cpu"], chunks=2)
     with pytest.raises(ValueError, match="writes its input 'pair' in place"):
         pipe((torch.randn(6, 4), torch.randn(1, 4)))
+
+
+def test_closing_between_forward_and_backward_makes_the_backward_raise() -> None:
+    """The backward's stage work has no thread left to run it: it raises instead of waiting for
+    ever."""
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    out = pipe(x)
+    pipe.close()
+    with pytest.raises(RuntimeError, match=r"(?s)closed \(pipe.close\(\)\) while a step still had work to run.*close it after the last backward"):
+        out.sum().backward()
