@@ -164,6 +164,9 @@ class Pipeline(nn.Module):
 
     def _program(self) -> Program:
         """The program for the modules' training flags now."""
+        # model.train()/eval() called on the model itself counts as on the pipeline: pipe.train()
+        # sets the model's flag too, so the model's is the latest.
+        self.__dict__["training"] = self._owner.training
         train, evaluate = self._programs[True], self._programs[False]
         if train is evaluate:
             return train

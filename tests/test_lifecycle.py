@@ -334,3 +334,25 @@ def test_closing_between_forward_and_backward_makes_the_backward_raise() -> None
     pipe.close()
     with pytest.raises(RuntimeError, match=r"(?s)closed \(pipe.close\(\)\) while a step still had work to run.*close it after the last backward"):
         out.sum().backward()
+
+
+class _ScalesByMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(torch.tanh(h * 2 if self.training else h * 0.5))
+
+
+def test_eval_and_train_called_on_the_model_itself_reach_the_pipeline() -> None:
+    model = _ScalesByMode().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, split_points=["c"])
+    model.eval()
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    assert not pipe.training
+    model.train()
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    assert pipe.training
