@@ -42,6 +42,7 @@ def hooks_of(module: Optional[nn.Module]) -> Hooks:
     )  # fmt: skip
     return tuple(tuple(table) for table in tables)
 
+
 @dataclass
 class Cut:
     """One graph of the model, cut into runs of nodes, one per stage, and its edges."""
