@@ -58,13 +58,18 @@ def freed_refusal(needed: dict[str, list[str]]) -> FreedState:
 
 
 def _freed_text(names: dict[str, list[str]], consequence: str) -> str:
-    shown = "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
+    shown = _by_place(names)
     return (
         "an earlier compile_pipeline across processes freed tensors of this model, on each rank those of the "
         f"stages other ranks ran ({shown}): {consequence}.\nHow to fix: compile a fresh model (build it again, or "
         "load it from a checkpoint), or keep a copy (copy.deepcopy(model)) before the first compile; compiled "
         "again with the same cut (split_points=...), the model needs only what each rank holds."
     )
+
+
+def _by_place(names: dict[str, list[str]]) -> str:
+    """'on rank 1: a, b, ... and 3 more; on rank 2: c': at most six names per place."""
+    return "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
 
 
 def _named_state(owner: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -120,7 +125,7 @@ def unfillable(owner: nn.Module, tensors: Sequence[torch.Tensor]) -> list[str]:
 
 def unfillable_refusal(names: dict[str, list[str]]) -> ValueError:
     """The refusal of a model built on the meta device whose stages read buffers nothing can fill."""
-    shown = "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
+    shown = _by_place(names)
     return ValueError(
         f"the model was built on the meta device, and its stages read buffers that nothing can fill ({shown}): "
         "the model makes them at construction and leaves them out of its state dict (persistent=False), so no "

@@ -2,13 +2,15 @@
 initialised by its modules, or loaded from the plain model's state."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from conftest import FanOut, assert_grads_equal, example_module
-from fxpipe import compile_pipeline
+from fxpipe import Pipeline, compile_pipeline
 
 
 def test_a_model_on_the_meta_device_is_made_on_its_stage_devices_and_initialised() -> None:
@@ -30,11 +32,16 @@ def test_loaded_with_the_plain_models_state_it_computes_what_the_plain_model_doe
         model = gpt.make_model(n_layer=2, n_embd=16).double()
     x, y = gpt.make_batch(6)
     pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=3, schedule=schedule)
+    _trains_as_loaded(pipe, reference, x, y, gpt.loss_fn, atol=1e-10)
+
+
+def _trains_as_loaded(pipe: Pipeline, reference: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Any, atol: float) -> None:
+    """Loaded with the plain model's state, a step gives its loss and gradients."""
     pipe.load_state_dict(reference.state_dict())
-    loss = pipe.train_step(x, target=y, loss_fn=gpt.loss_fn)
-    expected = gpt.loss_fn(reference(x), y)
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(reference(x), y)
     expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-10)
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=atol)
     assert_grads_equal(pipe, reference)
 
 
@@ -106,12 +113,7 @@ def test_a_model_captured_by_torch_export_is_made_from_the_meta_device_too() -> 
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     with pytest.warns(UserWarning, match="used torch.export"):
         pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
-    pipe.load_state_dict(reference.state_dict())
-    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
-    expected = F.mse_loss(reference(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
-    assert_grads_equal(pipe, reference)
+    _trains_as_loaded(pipe, reference, x, y, F.mse_loss, atol=1e-12)
 
 
 class _Positions(nn.Module):
