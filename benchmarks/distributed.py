@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
@@ -36,6 +37,7 @@ from overhead import ROOT, make_mlp
 
 Step = Callable[[], None]
 BOUND = "no-dependency bound, 2 processes"
+LIMIT = "limit of the schedule, 2 processes"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -100,7 +102,16 @@ def pipelining_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, split: s
     return step
 
 
-def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, bool, Step]], str]:
+@dataclass
+class Workload:
+    model: nn.Sequential
+    x: torch.Tensor
+    y: torch.Tensor
+    cut: int  # the first layer of the second stage
+    text: str
+
+
+def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, bool, Step]], Workload]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from fxpipe import compile_pipeline
@@ -126,7 +137,7 @@ def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, boo
             found.append((f"fxpipe {schedule}, one process, 2 threads", False, fxpipe_step(pipe, x, y)))
     else:  # rank 1 waits at the barriers while rank 0 runs these
         found += [(f"fxpipe {s}, one process, 2 threads", False, lambda: None) for s in ("1f1b", "zb-h1")]
-    return found, f"MLP {layers}x{width}, batch {batch}, chunks {args.chunks}, cut at {split!r}"
+    return found, Workload(model, x, y, int(split), f"MLP {layers}x{width}, batch {batch}, chunks {args.chunks}, cut at {split!r}")
 
 
 def timed(found: list[tuple[str, bool, Step]], rank: int, repeats: int) -> dict[str, list[float]]:
@@ -147,6 +158,68 @@ def timed(found: list[tuple[str, bool, Step]], rank: int, repeats: int) -> dict[
             dist.barrier()
             times[name].append((time.perf_counter() - start) / 2)
     return times
+
+
+def stage_costs(model: nn.Sequential, cut: int, x: torch.Tensor, y: torch.Tensor, chunks: int, rank: int, repeats: int = 7) -> tuple[float, float, float]:
+    """This rank's stage in plain PyTorch, seconds per micro-batch (medians): its forward, its
+    whole backward, and its backward for the input's gradient alone (none on the first stage,
+    whose input needs none). Both ranks time the same phase at once, so the cores are shared
+    as in a step."""
+    part = copy.deepcopy(model[:cut] if rank == 0 else model[cut:])
+    xs, ys = x.chunk(chunks), y.chunk(chunks)
+    with torch.no_grad():
+        middles = [model[:cut](xc) for xc in xs]
+    inputs = list(xs) if rank == 0 else middles
+    grads = [torch.randn_like(m) for m in middles]  # the first stage's output gradients
+
+    def forward() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        found = []
+        for given, yc in zip(inputs, ys):
+            given = given.detach().requires_grad_(rank == 1)
+            out = part(given)
+            found.append((given, out if rank == 0 else F.mse_loss(out, yc) * (len(yc) / len(y))))
+        return found
+
+    def backward(found: list[tuple[torch.Tensor, torch.Tensor]], input_only: bool) -> None:
+        for k, (given, out) in enumerate(found):
+            grad = grads[k] if rank == 0 else None
+            if input_only:
+                torch.autograd.grad(out, given, grad)
+            else:
+                out.backward(grad)
+
+    def timed_phase(phase: Callable[[], Any]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        phase()
+        elapsed = time.perf_counter() - start
+        dist.barrier()
+        return elapsed / chunks
+
+    costs: list[list[float]] = [[], [], []]
+    for _ in range(repeats):
+        costs[0].append(timed_phase(forward))
+        found = forward()
+        costs[1].append(timed_phase(lambda: backward(found, input_only=False)))
+        found = forward()
+        costs[2].append(timed_phase(lambda: backward(found, input_only=True) if rank == 1 else None))
+    return statistics.median(costs[0]), statistics.median(costs[1]), statistics.median(costs[2])
+
+
+def schedule_limits(costs: list[tuple[float, float, float]], chunks: int) -> dict[str, float]:
+    """What each schedule's order adds to the bound on two stages whose actions take `costs`
+    and whose values travel in no time: fxpipe's simulator on the schedule's action lists, its
+    step's time over the busier rank's work. The bound times this is what no implementation of
+    that schedule on this cut beats (a ratio, so that the bound, timed in the same rounds as the
+    contenders, carries the machine's speed)."""
+    from fxpipe.schedule import Layout
+    from fxpipe.schedule_check import make_schedule
+    from fxpipe.simulate import StageCosts, simulate
+
+    layout = Layout((0, 1), frozenset({(0, 1)}), (1,))
+    stages = [StageCosts(forward, backward, input_share=min(1.0, alone / backward)) for forward, backward, alone in costs]
+    work = max(chunks * (forward + backward) for forward, backward, _ in costs)
+    return {name: simulate(make_schedule(name, layout, chunks, 0), layout, stages).timeline.makespan / work for name in ("1f1b", "zb-h1")}
 
 
 def message_cost(rank: int, repeats: int = 300) -> tuple[float, float]:
@@ -289,20 +362,23 @@ def child(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
     warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     try:
-        found, workload = contenders(rank, args)
+        found, work = contenders(rank, args)
         times = timed(found, rank, args.repeats)
+        costs: list[Any] = [None, None]
+        dist.all_gather_object(costs, stage_costs(work.model, work.cut, work.x, work.y, args.chunks, rank))
+        limits = schedule_limits(costs, args.chunks)
         cost = message_cost(rank)
         crossing = crossing_sends(rank)
         unet = unet_over_two(rank)
         if rank == 0:
-            results.put(("ok", (workload, times, cost, crossing, unet)))
+            results.put(("ok", (work.text, times, limits, costs, cost, crossing, unet)))
     except BaseException:  # noqa: BLE001 - reported by the parent
         results.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
     finally:
         dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace) -> tuple[str, dict[str, list[float]], tuple[float, float], dict[str, tuple[float, float]], list[str]]:
+def run(args: argparse.Namespace) -> tuple[Any, ...]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -319,7 +395,7 @@ def run(args: argparse.Namespace) -> tuple[str, dict[str, list[float]], tuple[fl
             p.kill()
     if status != "ok":
         raise SystemExit(value)
-    return value  # type: ignore[no-any-return]
+    return tuple(value)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -327,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     for line in command_lines(reexecuted, "steady allocator for every contender"):
         print(line)
-    workload, times, cost, crossing, unet = run(args)
+    workload, times, limits, costs, cost, crossing, unet = run(args)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; {workload}; "
           f"{args.repeats} rounds; E = T(plain) / (2 x T(step))\n")  # fmt: skip
     base = times["plain, one process"]
@@ -340,8 +416,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         e_best = min(base) / (2 * min(values))
         print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) * 1e3:.1f} |")
     print(f"| plain, one process | 0.5 by definition | | {statistics.median(base) * 1e3:.1f} |")
+    bound = statistics.median(times[BOUND])
+    for name, ratio in limits.items():
+        print(f"| {name} on this cut: {LIMIT} | {statistics.median(base) / (2 * bound * ratio):.3f} | | {bound * ratio * 1e3:.1f} |")
     print(f"\n{BOUND}: each rank does its stage's work for the step in plain PyTorch, on inputs made "
           "beforehand, sending nothing (benchmarks/bound.py): no schedule or transport beats it")  # fmt: skip
+    print(f"{LIMIT}: the bound times what the schedule's order adds to it, {', '.join(f'{n} x{r:.3f}' for n, r in limits.items())}: "
+          "fxpipe's simulator (fxpipe/simulate.py) runs the schedule's action lists with each action taking what it "
+          "takes in plain PyTorch, measured on both ranks at once (ms per micro-batch, forward / backward / input's "
+          "gradient alone: " + "; ".join(f"stage {k} {f * 1e3:.1f} / {b * 1e3:.1f} / {i * 1e3:.1f}" for k, (f, b, i) in enumerate(costs))
+          + "), values arriving the moment they are made: no implementation of the schedule on this cut beats it")  # fmt: skip
+    for name, ratio in limits.items():
+        measured = statistics.median(times[f"fxpipe {name}, 2 processes"])
+        print(f"fxpipe {name}, 2 processes: {measured / (bound * ratio) - 1:.1%} slower than its limit")
     print(f"\none small message, round trip: raw send/recv {cost[0]:.0f} us; fxpipe's, with its header (step, key, "
           f"shapes and dtypes) {cost[1]:.0f} us")  # fmt: skip
     print("2 MB each way at once, until rank 0's receive is in (ms, median / 90th percentile): " + "; ".join(
