@@ -69,11 +69,11 @@ def train_across(
             if call.grad:
                 grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params))
             got = channel.finish((total, problem) if here else None)
-    except BaseException:
+    except BaseException as e:
         if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
             wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
             with contextlib.suppress(Exception):
-                pipe._replicas.agree([False] * wanting, None, 0, True, failed=True)
+                pipe._replicas.agree([False] * wanting, None, 0, True, failed=_first_line(e))
         raise
     if not here:
         total, problem = got[loss_rank]
@@ -85,7 +85,7 @@ def train_across(
         return (total, outputs) if return_outputs else total
     present = [g is not None for g in grads]
     try:
-        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=problem is not None)
+        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=f"ValueError: {problem}" if problem else "")
     except ReplicaFailed:
         if problem is None:
             raise
@@ -137,3 +137,9 @@ def _leaf_signature(leaf: Any) -> Any:
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
     return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    """An error as a replica tells the others of it: its type and first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"

@@ -55,21 +55,31 @@ class Replicas:
         self._ddp = DistributedDataParallel(_Sink(held), process_group=self.where.dp_group) if trains else None
         self._held = key
 
-    def agree(self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: bool) -> tuple[float, Optional[torch.Tensor]]:
-        """What every replica needs before gradients move: whether one failed (then each raises,
-        none waits for gradients that will not come), the whole batch's loss, and the scale of this
-        replica's gradients, its share of the batch for a mean-reduced loss (DDP then divides by
-        the number of replicas)."""
+    def agree(
+        self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: str = ""
+    ) -> tuple[float, Optional[torch.Tensor]]:
+        """What every replica needs before gradients move: whether one failed (`failed` says how;
+        then each raises, naming the failures, and none waits for gradients that will not come),
+        the whole batch's loss, and the scale of this replica's gradients, its share of the batch
+        for a mean-reduced loss (DDP then divides by the number of replicas)."""
         weight = float(size) if mean else 1.0
-        head = torch.tensor([float(failed), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=self.where.device)
+        head = torch.tensor([float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=self.where.device)
         dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
         if head[0] > 0:
-            raise ReplicaFailed(f"{int(head[0])} data-parallel replica(s) of this rank's stages failed this step; see their errors")
+            raise ReplicaFailed(self._failures(failed))
         if any(0 < int(n) < self.size for n in head[3:].tolist()):
             raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
         total = float(head[1]) if mean else 1.0
         new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)
         return weight * self.size / total, new_loss
+
+    def _failures(self, failed: str) -> str:
+        """Every replica has reached the all-reduce that told of a failure, so each can say how it
+        failed: the text a healthy replica raises."""
+        said: list[Any] = [None] * self.size
+        dist.all_gather_object(said, (dist.get_rank(), failed), group=self.where.dp_group)
+        lines = [f"  - rank {rank}: {text}" for rank, text in said if text]
+        return "data-parallel replica(s) of this rank's stages failed this step:\n" + "\n".join(lines)
 
     def accumulate(self, held: Sequence[nn.Parameter], params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], scale: float) -> None:
         """Add the replicas' weighted mean of `grads` into the `.grad` of `params` (those of `held`

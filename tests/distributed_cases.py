@@ -963,6 +963,37 @@ def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
     )
 
 
+def replica_fails(rank: int, world: int) -> dict[str, Any]:
+    """Replica 1's share has a row that makes its stage raise: both replicas raise, the healthy
+    one naming the failed one's rank and error; the next step trains as the plain model does."""
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = FailsAt().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    share = slice(4 * rank, 4 * rank + 4)
+    pipe = compile_pipeline(model, x[share], mesh=mesh, chunks=2, schedule="1f1b", timeout=30)
+    bad = x[share].clone()
+    if rank == 1:
+        bad[2, 0] = 99
+    try:
+        pipe.train_step(bad, target=y[share], loss_fn=F.mse_loss)
+        error = ""
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        error = f"{type(e).__name__}: {e}"
+    for p in model.parameters():
+        p.grad = None
+    loss = pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    ref = dict(reference.named_parameters())
+    return dict(
+        error=error,
+        loss=abs(loss.item() - expected.item()),
+        grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters()),
+    )
+
+
 class _WithUnread(nn.Module):
     """A parameter and a buffer that forward never reads, beside two layers."""
 

@@ -332,6 +332,15 @@ def test_replicas_start_from_replica_0_and_average_through_ddp() -> None:
         assert found["unused"], "a parameter no replica reads keeps no gradient"
 
 
+def test_a_replica_that_fails_makes_the_others_raise_naming_its_rank_and_error() -> None:
+    failed, healthy = results_of(spawn_ranks(cases.replica_fails, 2, timeout=120))[::-1]
+    assert "marked row reached the check" in failed["error"], failed
+    assert healthy["error"].startswith("ReplicaFailed") and "rank 1: StageError" in healthy["error"], healthy
+    assert "marked row reached the check" in healthy["error"] and "micro-batch 1" in healthy["error"], healthy
+    for found in (failed, healthy):
+        assert found["loss"] <= TOL and found["grads"] <= TOL, found
+
+
 def test_what_no_stage_reads_stays_on_the_first_rank() -> None:
     first, second = results_of(spawn_ranks(cases.unread_state, 2, timeout=120))
     assert {"spare", "version"} <= set(first["keys"]) and not {"spare", "version"} & set(second["keys"]), (first, second)
