@@ -7,7 +7,7 @@ import inspect
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import torch
 import torch.fx as fx
@@ -265,6 +265,10 @@ class Pipeline(nn.Module):
         finally:
             replicas.syncing = before
 
+    def __prepare_scriptable__(self) -> NoReturn:
+        """torch.jit.script calls this first: the pipeline refuses, saying why and what to script."""
+        raise RuntimeError(_NOT_CAPTURED)
+
     def train_step(
         self,
         *args: Any,
@@ -372,6 +376,8 @@ class Pipeline(nn.Module):
         return Timeline(list(self.last_timeline), workers, dict(enumerate(self.last_peak_bytes)), peaks)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
+        if torch.jit.is_tracing() or torch.compiler.is_exporting():
+            raise RuntimeError(_NOT_CAPTURED)
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         if threading.current_thread() in self._workers.threads:
@@ -604,6 +610,13 @@ _PLACEMENT_MESSAGE = (
     "a Pipeline's placement is managed: each stage's parameters live on that stage's device.\n"
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
+)
+
+_NOT_CAPTURED = (
+    "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "
+    "its stages on worker threads (or in other processes) under its schedule, which no captured graph holds.\n"
+    "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
+    "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
 )
 
 

@@ -464,3 +464,21 @@ def test_a_sample_without_its_batch_dim_is_refused_not_split_along_its_features(
     with pytest.raises(ValueError, match=r"(?s)fewer dims than the example's.*input_1 \(6,\) \(the example's had 2 dims\).*x.unsqueeze\(0\)"):
         pipe(torch.randn(6))
     assert pipe(torch.randn(1, 6)).shape == (1, 2)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("capture", ["jit.script", "jit.trace", "export", "export strict"])
+def test_capturing_a_pipeline_is_refused_naming_the_plain_model_as_the_fix(capture: str) -> None:
+    """Each would otherwise fail inside the runtime (a type it cannot script, a tensor where the
+    micro-batch split wants an int, a data-dependent guard), naming nothing the user wrote."""
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), torch.randn(4, 4), ["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, 4)
+    captures = {
+        "jit.script": lambda: torch.jit.script(pipe),
+        "jit.trace": lambda: torch.jit.trace(pipe, x),
+        "export": lambda: torch.export.export(pipe, (x,), strict=False),
+        "export strict": lambda: torch.export.export(pipe, (x,), strict=True),
+    }
+    with pytest.raises(Exception, match="a Pipeline cannot be captured by torch.jit.script") as caught:
+        captures[capture]()
+    assert "How to fix: capture the plain model" in str(caught.value)
