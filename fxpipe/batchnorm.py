@@ -91,8 +91,8 @@ class _Collecting:
 def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     """A BatchNorm call whose running statistics are updated later, for the whole batch."""
     stats: Optional[BatchStatistics] = getattr(_local, "stats", None)
-    if not module.training or (stats is None and not is_recomputing()):
-        return module(x)
+    if not module.training or not module.track_running_stats or (stats is None and not is_recomputing()):
+        return module(x)  # read live: the flag may have changed since compiling
     module._check_input_dim(x)  # type: ignore[operator]
     if stats is not None and not is_recomputing():
         stats.record(module, x)
@@ -106,7 +106,7 @@ def defer_batch_norm(stage: fx.GraphModule) -> fx.GraphModule:
         if node.op != "call_module":
             continue
         module = stage.get_submodule(str(node.target))
-        if not isinstance(module, _BatchNorm) or not module.track_running_stats:
+        if not isinstance(module, _BatchNorm) or module.running_mean is None:
             continue
         with graph.inserting_before(node):
             getter = graph.get_attr(str(node.target))

@@ -18,8 +18,8 @@ def _writes_its_buffers(module: nn.Module) -> bool:
     updates its vectors in place)."""
     if has_forward_hooks(module) or parametrize.is_parametrized(module):
         return True
-    if isinstance(module, nn.modules.batchnorm._NormBase):
-        return module.track_running_stats
+    if isinstance(module, nn.modules.batchnorm._NormBase):  # `track_running_stats` may be turned on later
+        return module.track_running_stats or module.running_mean is not None
     return not type(module).__module__.startswith("torch.nn.")
 
 

@@ -240,6 +240,34 @@ def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, m
     torch.testing.assert_close(pipe(x), full(x), rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "per-micro-batch"])
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_track_running_stats_changed_after_compiling_is_followed(mode: str, deferred: bool) -> None:
+    """Turned off after compiling, running statistics stay as they are, as in the plain model;
+    turned on, the pipeline updates them as one compiled with them on does (deferred: the whole
+    batch's, once; otherwise each micro-batch's in turn, once, recompute or not)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    x = torch.randn(10, 6, dtype=torch.float64) * 3 + 1
+
+    def compiled_tracking(track: bool) -> tuple[Pipeline, nn.Module]:
+        copied = copy.deepcopy(model)
+        copied[0].track_running_stats = track
+        pipe = compile_pipeline(copied, x, ["cpu"] * 2, chunks=2, checkpoint=mode, deferred_batch_norm=deferred, balance=[1, 3])
+        return pipe, copied[0]
+
+    (as_compiled, _), (turned_off, off), (turned_on, on) = map(compiled_tracking, (True, True, False))
+    off.track_running_stats, on.track_running_stats = False, True
+    reference = copy.deepcopy(model)
+    reference[0].track_running_stats = False
+    for pipe in (as_compiled, turned_off, turned_on):
+        pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_state_equal(turned_off, reference)
+    assert_state_equal(turned_on, as_compiled)
+    assert int(turned_on.get_buffer("0.num_batches_tracked")) == (1 if deferred else 2)
+
+
 class CountsWithoutGrad(nn.Module):
     """Counts its calls inside `torch.no_grad()`: torch.export captures the region as a subgraph
     run by a higher-order op, which writes the buffer."""
