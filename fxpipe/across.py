@@ -67,7 +67,7 @@ def train_across(
                 except ValueError as e:  # every rank raises it, after the step ends on all
                     problem = str(e)
             if call.grad:
-                grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params))
+                grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params), pipe._owner)
             got = channel.finish((total, problem) if here else None)
     except BaseException as e:
         if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
@@ -111,7 +111,7 @@ def _agree(pipe: Pipeline, call: _Call, kind: str) -> None:
         raise RuntimeError(
             "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
             + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
-            "its own share), under the same grad mode, and pipe.train() or pipe.eval() on every rank."
+            "its own share), under the same grad mode and autocast, and pipe.train() or pipe.eval() on every rank."
         )
 
 
@@ -123,6 +123,7 @@ def _call_signature(pipe: Pipeline, call: _Call, kind: str) -> dict[str, Any]:
         "micro-batch sizes": tuple(call.sizes),
         "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
         "grad": call.grad,
+        "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
         "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
     }
 

@@ -34,7 +34,14 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
     else:
         part = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), dtype=torch.float64, device=device)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    dist.all_reduce(part, op=op, group=group, async_op=True).wait(timedelta(seconds=timeout))  # type: ignore[union-attr]
+    try:
+        dist.all_reduce(part, op=op, group=group, async_op=True).wait(timedelta(seconds=timeout))  # type: ignore[union-attr]
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"clip_grad_norm_ did not get the other ranks' parts of the norm (timeout {timeout:g} s): {e}\nEvery rank of the "
+            "pipeline must call pipe.clip_grad_norm_ at once (with the same max_norm and norm_type); a rank that "
+            "died or is stuck says why in its own output."
+        ) from e
     total = part if infinite else part.pow(1.0 / norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(

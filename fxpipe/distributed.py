@@ -309,18 +309,40 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
         raise
 
 
-def sum_tied(channel: Channel, program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+def sum_tied(
+    channel: Channel, program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], owner: nn.Module
+) -> list[Optional[torch.Tensor]]:
     """A parameter several ranks read (a tied embedding, say) gets the sum of every rank's
-    gradient, added in rank order on each of them: the same bits everywhere."""
+    gradient, added in rank order on each of them: the same bits everywhere. Each rank that
+    holds a copy sends whether it trains there, and its gradient (None: unused this step), under
+    the parameter's place among all the program's, which no rank's `requires_grad` changes: a
+    rank that froze only the parameters it holds (`pipe.named_parameters()` on every rank) still
+    pairs its messages with the others'. A copy frozen on one rank and trained on another is
+    refused."""
     me = channel.me
-    tied = [(index, ranks) for index, ranks in enumerate(holders(program, params)) if me in ranks and len(ranks) > 1]
-    for index, ranks in tied:
+    mine = {id(p): (True, g) for p, g in zip(params, grads)}
+    tied = [(k, p, ranks) for k, (p, ranks) in enumerate(zip(program.parameters, holders(program, program.parameters)))
+            if me in ranks and len(ranks) > 1]  # fmt: skip
+    for k, p, ranks in tied:
         for rank in ranks:
             if rank != me:
-                channel.send(rank, ("tied", index), grads[index])
-    summed = list(grads)
-    for index, ranks in tied:
-        parts = [grads[index] if rank == me else channel.take(rank, ("tied", index)) for rank in ranks]
-        present = [g.to(params[index].device) for g in parts if g is not None]
-        summed[index] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
-    return summed
+                channel.send(rank, ("tied", k), mine.get(id(p), (False, None)))
+    summed = {id(p): g for p, g in zip(params, grads)}
+    problems = []
+    for k, p, ranks in tied:
+        parts = [mine.get(id(p), (False, None)) if rank == me else channel.take(rank, ("tied", k)) for rank in ranks]
+        if len({trains for trains, _ in parts}) > 1:
+            name = next((n for n, q in owner.named_parameters(remove_duplicate=False) if q is p), f"parameter {k}")
+            trained = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if trains]
+            frozen = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if not trains]
+            problems.append(f"{name!r} requires grad on rank(s) {trained} and not on {frozen}")
+        present = [g.to(p.device) for _, g in parts if g is not None]
+        summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+    if problems:
+        raise ValueError(
+            "a parameter read on several ranks is trained on some and frozen on others:\n"
+            + "\n".join(f"  - {line}" for line in problems)
+            + "\nHow to fix: set requires_grad alike on every rank that holds it (through the model, or "
+            "pipe.named_parameters() on every rank)."
+        )
+    return [summed[id(p)] for p in params]

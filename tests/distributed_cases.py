@@ -448,6 +448,7 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
         "no_grad on one rank": lambda: _under(torch.no_grad() if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
         "eval on one rank": lambda: _in_mode(pipe, not last, lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
         "a plain argument of its own": lambda: scaled.train_step(x, 3.0 if last else 2.0, target=y, loss_fn=F.mse_loss),
+        "autocast on one rank": lambda: _under(torch.autocast("cpu", torch.bfloat16) if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
     }
     report: dict[str, Any] = {}
     for what, call in odd.items():
@@ -961,6 +962,58 @@ def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
         grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters() if p.requires_grad and n != "unused"),
         unused=model.unused.grad is None,
     )
+
+
+def clipped_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 clips and the other does not: rank 0 raises within the timeout, saying what it
+    waited for and that every rank must call it."""
+    import time
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    pipe, _, x, y = _fan_out_on(mesh, timeout=3)
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    if rank != 0:
+        time.sleep(6)  # past rank 0's timeout, alive
+        return dict(error="", took=0.0)
+    start = time.monotonic()
+    try:
+        pipe.clip_grad_norm_(1.0)
+        return dict(error="", took=time.monotonic() - start)
+    except RuntimeError as e:
+        return dict(error=str(e), took=time.monotonic() - start)
+
+
+def frozen_through_pipe(rank: int, world: int) -> dict[str, Any]:
+    """The same freezing loop over pipe.named_parameters() on every rank (each freezes what it
+    holds; the tied GPT's other copies keep their flags): the plain model's frozen gradients.
+    Then the tied weight frozen on one rank's copy only: refused on every rank, naming it."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model, batches, loss_fn = MODELS["gpt"]()
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=30)
+    for name, p in pipe.named_parameters():
+        if name.startswith("blocks.0."):
+            p.requires_grad_(False)
+    reference.blocks[0].requires_grad_(False)
+    x, y = batches[0]
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    ref = dict(reference.named_parameters())
+    found: dict[str, Any] = dict(
+        loss=abs(loss.item() - expected.item()),
+        grads=max(_max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.requires_grad),
+        frozen=[n for n, p in pipe.named_parameters() if not p.requires_grad and p.grad is not None],
+    )
+    if rank == world - 1:
+        pipe.get_parameter("head.weight").requires_grad_(False)
+    try:
+        pipe.train_step(x, target=y, loss_fn=loss_fn)
+        found["error"] = ""
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        found["error"] = f"{type(e).__name__}: {e}"
+    return found
 
 
 def replica_fails(rank: int, world: int) -> dict[str, Any]:

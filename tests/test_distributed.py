@@ -111,10 +111,11 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
         for what, differing in [("another batch size", "micro-batch sizes: rank 0 (2, 2, 2, 2), rank 1 (2, 2, 1, 1)"),
                                 ("no_grad on one rank", "grad: rank 0 True, rank 1 False"),
                                 ("eval on one rank", "mode: rank 0 ('train'"),
-                                ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}")]:  # fmt: skip
+                                ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}"),
+                                ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
-        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own"]
+        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank"]
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
         assert report["next step"] <= TOL
@@ -330,6 +331,21 @@ def test_replicas_start_from_replica_0_and_average_through_ddp() -> None:
         assert found["start"] == 0.0, "DDP copies replica 0's parameters, frozen ones too, to the other at compile time"
         assert found["losses"] <= TOL and found["grads"] <= TOL, found
         assert found["unused"], "a parameter no replica reads keeps no gradient"
+
+
+def test_clipping_on_one_rank_only_raises_there_within_the_timeout_naming_the_fix() -> None:
+    clipping, _ = results_of(spawn_ranks(cases.clipped_on_one_rank, 2, timeout=120))
+    assert "clip_grad_norm_ did not get the other ranks' parts of the norm (timeout 3 s)" in clipping["error"], clipping
+    assert "Every rank of the pipeline must call pipe.clip_grad_norm_" in clipping["error"] and clipping["took"] < 6, clipping
+
+
+def test_freezing_through_the_pipeline_on_every_rank_and_a_tied_copy_frozen_on_one() -> None:
+    """Before, the tied weight's messages were keyed by the place among the parameters that
+    require grad, which each rank counted differently: both ranks waited out the timeout."""
+    for found in results_of(spawn_ranks(cases.frozen_through_pipe, 2, timeout=120)):
+        assert found["loss"] <= TOL and found["grads"] <= TOL and not found["frozen"], found
+        assert "trained on some and frozen on others" in found["error"], found
+        assert "'tok_emb.weight' requires grad on rank(s) [0] and not on [1]" in found["error"], found
 
 
 def test_a_replica_that_fails_makes_the_others_raise_naming_its_rank_and_error() -> None:
