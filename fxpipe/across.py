@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed import failing_together, sum_tied
+from fxpipe.losses import LeafGrads
 from fxpipe.replicas import ReplicaFailed
 
 if TYPE_CHECKING:
@@ -46,6 +47,15 @@ def train_across(
     """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
     same on every rank), tied weights' gradients summed among the ranks that read them. A
     call refused on one rank (its arguments, say) is refused on every rank."""
+    kept = LeafGrads()
+    with kept.put_back_on_error():
+        return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
+
+
+def _train_across(
+    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str,
+    return_outputs: bool, kept: LeafGrads,
+) -> Any:
     channel = pipe._channel
     assert channel is not None
     channel.begin()
@@ -54,7 +64,7 @@ def train_across(
     grads: list[Optional[torch.Tensor]] = []
     try:
         with failing_together(channel, "preparing the call"):
-            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction)
+            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept)
             _agree(pipe, call, "train_step")
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]

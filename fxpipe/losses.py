@@ -2,7 +2,8 @@
 gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -64,6 +65,40 @@ def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+class LeafGrads:
+    """The `.grad` of the tensors a step's losses reach besides the outputs (a learnable
+    temperature `loss_fn` reads, a parameter the model returns), as they were before the step.
+    Each micro-batch's backward accumulates into them at once, so a step that fails or is refused
+    after one puts them back: it accumulates nothing anywhere."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+
+    def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
+        """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs' fresh leaves)."""
+        skip = {id(t) for t in own}
+        stack, seen = [loss.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
+            if leaf is None:
+                stack.extend(child for child, _ in node.next_functions)
+            elif id(leaf) not in skip and id(leaf) not in self.before:
+                self.before[id(leaf)] = (leaf, None if leaf.grad is None else leaf.grad.clone())
+
+    @contextmanager
+    def put_back_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            for leaf, grad in self.before.values():
+                leaf.grad = grad
+            raise
 
 
 def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:

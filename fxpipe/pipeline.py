@@ -24,10 +24,10 @@ from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
 from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
 from fxpipe.gather import Gathered, ValueRef
-from fxpipe.losses import check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
+from fxpipe.losses import LeafGrads, check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, scatter, spec_dims, split_dim, split_sizes
+from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, scatter, spec_dims, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.randomness import draw_step_seed
@@ -293,16 +293,20 @@ class Pipeline(nn.Module):
         """
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
-        call, step = self._train_call(args, kwargs, target, loss_fn, reduction)
-        input_grads = step.train()
-        total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+        kept = LeafGrads()
+        call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept)
+        with kept.put_back_on_error():
+            input_grads = step.train()
+            total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
         if call.grad:
             self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
         return (total, outputs) if return_outputs else total
 
-    def _train_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str) -> tuple["_Call", Step]:
+    def _train_call(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads
+    ) -> tuple["_Call", Step]:
         """A train step's call, split into micro-batches, and its step, with each micro-batch's
-        loss weighted to combine into the batch's."""
+        loss weighted to combine into the batch's (`kept` notes what else its backward reaches)."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         call = self._prepare(args, kwargs)
@@ -316,7 +320,11 @@ class Pipeline(nn.Module):
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
             scaled = loss * weights[i]
-            return scaled.detach(), value_grads(scaled, values) if call.grad else {}
+            if not call.grad:
+                return scaled.detach(), {}
+            if scaled.requires_grad:
+                kept.note(scaled, leaves_of(values))
+            return scaled.detach(), value_grads(scaled, values)
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True

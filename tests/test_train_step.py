@@ -111,6 +111,50 @@ def test_a_loss_combined_wrongly_is_refused_and_accumulates_nothing() -> None:
     assert all(p.grad is not None for p in pipe.parameters())
 
 
+class _ReturnsWeight(nn.Module):
+    """Returns its last layer's weight beside the output: the loss reads it as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(x))), self.b.weight
+
+
+@pytest.mark.parametrize("failure", ["refused combination", "stage error"])
+def test_a_failed_step_puts_back_what_the_loss_reached_besides_the_outputs(failure: str) -> None:
+    """A parameter the model returns and a temperature the loss reads get each micro-batch's
+    gradient as its backward runs: a step refused or failed afterwards must leave them as they
+    were, as it leaves the stages' parameters."""
+    model = _ReturnsWeight().double()
+    temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+
+    def loss_fn(out: Any, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.mse_loss(out[0] / temperature, target, reduction=reduction) + out[1].pow(2).sum() + temperature
+
+    pipe.train_step(x, target=y, loss_fn=loss_fn)
+    before = {name: grad_of(p).clone() for name, p in [*pipe.named_parameters(), ("temperature", temperature)]}
+    if failure == "refused combination":
+        with pytest.raises(ValueError, match="not a mean over samples"):
+            pipe.train_step(x, target=y, loss_fn=lambda out, t: loss_fn(out, t, "sum"))
+    else:
+        bad = x.clone()
+        bad[6:] = float("nan")  # micro-batch 3: stage 1 refuses it after micro-batch 0's backward
+        pipe.get_submodule("b").register_forward_hook(_refuse_nan)
+        with pytest.raises(StageError, match="a NaN reached b"):
+            pipe.train_step(bad, target=y, loss_fn=loss_fn)
+    after = {name: grad_of(p) for name, p in [*pipe.named_parameters(), ("temperature", temperature)]}
+    assert all(torch.equal(after[name], grad) for name, grad in before.items()), "a failed step accumulated nothing"
+
+
+def _refuse_nan(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+    if bool(out.isnan().any()):
+        raise ValueError("a NaN reached b")
+
+
 def _classifier() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     model, reference = twin(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
     return model, reference, torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
