@@ -324,6 +324,27 @@ def test_an_input_written_in_place_and_passed_whole_is_refused() -> None:
         pipe((torch.randn(6, 4), torch.randn(1, 4)))
 
 
+@pytest.mark.parametrize("view", [False, True], ids=["leaf", "view of a leaf"])
+def test_an_input_written_in_place_that_is_a_leaf_requiring_grad_is_refused_as_the_plain_model_refuses_it(view: bool) -> None:
+    """The plain model raises at the write; the stages would write their own slices silently.
+    Under no_grad PyTorch allows the write, and so does the pipeline."""
+    model, reference = twin(WritesItsInput())
+    foo = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, ((foo, torch.randn(6, 4, dtype=torch.float64)),), ["cpu"] * 2, chunks=2)
+    leaf = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    bar = leaf[:, :] if view else leaf
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad is being used in an in-place operation"):
+        reference((foo, bar))
+    with pytest.raises(RuntimeError, match=f"writes its input 'pair' in place, and it is {'a view of ' if view else ''}a leaf that requires grad"):
+        pipe((foo, bar))
+    assert leaf._version == 0, "the caller's tensor is untouched"
+    mine, theirs = leaf.detach().clone().requires_grad_(), leaf.detach().clone().requires_grad_()
+    with torch.no_grad():
+        out, expected = pipe((foo, mine)), reference((foo, theirs))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
 def test_closing_between_forward_and_backward_makes_the_backward_raise() -> None:
     """The backward's stage work has no thread left to run it: it raises instead of waiting for
     ever."""
