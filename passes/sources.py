@@ -2,12 +2,14 @@
 through tensors (a size or a dtype read from an input carries no gradient). Needs the shape pass.
 
 An output that depends on no input and no parameter that requires grad (a constant, a mask made
-from shapes) does not require grad in the plain model, and must not in the pipeline either.
+from shapes), or only through a cut (`detach()`, a `torch.no_grad()` region), does not require
+grad in the plain model, and must not in the pipeline either.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -20,6 +22,21 @@ class Sources:
 
     inputs: set[str] = field(default_factory=set)
     params: set[str] = field(default_factory=set)
+
+
+# What returns its input cut from autograd: the output of a detach, or of a region run with
+# gradients off (torch.export's higher-order op for `with torch.no_grad():`), carries no gradient.
+_DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default, torch.ops.aten.detach}
+
+
+def _cuts_gradient(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "detach"
+    if node.op != "call_function":
+        return False
+    if node.target in _DETACH:
+        return True
+    return node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and bool(node.args) and node.args[0] is False
 
 
 def _own(gm: fx.GraphModule, node: fx.Node) -> Sources:
@@ -37,8 +54,8 @@ def output_sources(gm: fx.GraphModule) -> dict[str, Sources]:
     """For every value the output node reads, by node name, what it is computed from."""
     sources: dict[fx.Node, Sources] = {}
     for node in gm.graph.nodes:
-        if node.op != "output" and node.meta.get("dtype") == ():
-            sources[node] = Sources()  # no tensor in it (x.shape, x.dtype): no gradient flows through
+        if node.op != "output" and (node.meta.get("dtype") == () or _cuts_gradient(node)):
+            sources[node] = Sources()  # no tensor in it (x.shape, x.dtype), or cut: no gradient flows through
             continue
         own, parents = _own(gm, node), [sources[p] for p in node.all_input_nodes]
         if not own.inputs and not own.params and len(parents) == 1:

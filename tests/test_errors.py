@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FanOut
+from conftest import FanOut, assert_grads_equal
 from fxpipe import PartitionError, PlacementError, TraceError, compile_pipeline
 
 X = torch.randn(4, 6)
@@ -266,6 +266,40 @@ def test_no_grad_inside_forward_is_kept() -> None:
     reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class ReturnsCut(nn.Module):
+    """Returns a value beside its cut copies: detached, and made under no_grad (torch.export)."""
+
+    def __init__(self, no_grad: bool) -> None:
+        super().__init__()
+        self.a, self.c, self.no_grad = nn.Linear(4, 4), nn.Linear(4, 4), no_grad
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.tanh(self.a(x))
+        if not self.no_grad:
+            return self.c(h), h.detach()
+        with torch.no_grad():
+            g = h * 2
+        return self.c(h), h.detach(), g
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("no_grad", [False, True], ids=["torch.fx", "torch.export"])
+def test_an_output_cut_from_autograd_does_not_require_grad(no_grad: bool) -> None:
+    """As in the plain model: its backward raises, and it gets no gradient from the pipeline."""
+    model = ReturnsCut(no_grad).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    got, expected = pipe(x), reference(x)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in expected] == [True] + [False] * (len(got) - 1)
+    for cut in got[1:]:
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            cut.sum().backward()
+    (got[0].sum() + sum(t.sum() for t in got[1:])).backward()
+    (expected[0].sum() + sum(t.sum() for t in expected[1:])).backward()
+    assert_grads_equal(pipe, reference)
 
 
 class SequenceFirst(nn.Module):
