@@ -447,7 +447,8 @@ class Pipeline(nn.Module):
             call.micro_batches,
             grad=call.grad,
             checkpoint_stop=stop,
-            seed=draw_step_seed(),
+            # Drawn only where a stage may draw: a model without random ops leaves the caller's generator as it was.
+            seed=draw_step_seed() if any(stage.draws() or stage.draws_hidden() for stage in program.stages) else 0,
             shared=self._shared(program, call.grad),
             output_device=self.devices[-1],
             input_devices=_devices_of(call.values),

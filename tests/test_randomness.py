@@ -83,3 +83,26 @@ def test_a_stage_without_random_ops_draws_nothing() -> None:
     assert first.draws()
     model.eval()
     assert not first.draws() and not second.draws()
+
+
+@pytest.mark.parametrize(
+    "make,draws",
+    [(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), (False, False)),
+     (lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 8)), (True, False)),
+     (Draws, (True, True)), (Attention, (True, True))],
+    ids=["no random ops", "dropout", "graph", "hidden"],
+)  # fmt: skip
+def test_the_callers_generator_moves_only_where_a_stage_draws(make: Callable[[], nn.Module], draws: tuple[bool, bool]) -> None:
+    """Without random ops (or dropout in eval mode) the plain model leaves the caller's
+    generator as it was, and so does the pipeline: the data a script samples next is the same
+    either way. (`torch.rand_like`, and attention's dropout_p, draw in eval mode too.)"""
+    model = make().double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    for training, drawn in zip((True, False), draws):
+        pipe.train(training)
+        torch.manual_seed(0)
+        pipe(x).sum().backward()
+        after = torch.rand(3)
+        torch.manual_seed(0)
+        assert torch.equal(after, torch.rand(3)) is not drawn, (training, drawn)
