@@ -416,8 +416,6 @@ class Pipeline(nn.Module):
         input_slots = self._input_slots(values, batch, dims)
         grad_mode = torch.is_grad_enabled() and not context.inference
         refuse_transforms(values, program.unreached, grad_mode)
-        if grad_mode:
-            _refuse_written_leaves(program, values)
         params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
         if self._channel is not None and grad and input_slots:
@@ -629,24 +627,6 @@ _NOT_CAPTURED = (
     "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
     "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
 )
-
-
-def _refuse_written_leaves(program: Program, values: dict[str, Any]) -> None:
-    """What the plain model's in-place write raises, under grad mode, on an input that is a leaf
-    requiring grad (or a view of one): the stages write their own micro-batch's slice instead."""
-    for stage in program.stages:
-        for name in stage.written:
-            for t in tree_flatten(values.get(name))[0]:
-                if not isinstance(t, torch.Tensor):
-                    continue
-                base = t._base if t._is_view() and t._base is not None else t
-                if t.requires_grad and base.is_leaf:
-                    view = "a view of " if base is not t else ""
-                    raise RuntimeError(
-                        f"the model writes its input {name!r} in place, and it is {view}a leaf that requires grad: "
-                        f"PyTorch refuses that (\"{view}a leaf Variable that requires grad is being used in an in-place "
-                        "operation\").\nHow to fix: pass a copy (x.clone()), or write a copy of the input in the model."
-                    )
 
 
 def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:

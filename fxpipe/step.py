@@ -465,10 +465,15 @@ class Step:
         outputs, written = results[: len(stage.outputs)], results[len(stage.outputs) :]
         for name, value in zip(stage.written, written):
             if stage.sources[name] == CALLER:
+                # The stage wrote its own copy (cloned on entry, `_version` 0): a leaf it changed
+                # has a version above 0.
+                pairs = [(t, final) for t, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value))
+                         if isinstance(t, torch.Tensor) and t is not final and final._version > 0]  # fmt: skip
+                if self.grad:
+                    _refuse_written_leaves(name, [t for t, _ in pairs])
                 with torch.no_grad():
-                    for target, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value)):
-                        if isinstance(target, torch.Tensor) and target is not final:
-                            target.copy_(final)
+                    for target, final in pairs:
+                        target.copy_(final)
         return outputs
 
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
@@ -628,3 +633,16 @@ def _differentiable(outputs: Sequence[Any], grads: Sequence[Any]) -> tuple[list[
                 tensors.append(t)
                 grad_tensors.append(g)
     return tensors, grad_tensors
+
+
+def _refuse_written_leaves(name: str, written: list[torch.Tensor]) -> None:
+    """What the plain model's in-place write raises under grad mode on an input that is a leaf
+    requiring grad, or a view of one (a micro-batch's slice of it)."""
+    for t in written:
+        base = t._base if t._is_view() and t._base is not None else t
+        if t.requires_grad and base.is_leaf:
+            raise RuntimeError(
+                f"the model writes its input {name!r} in place, and it is a leaf that requires grad (or a view of "
+                "one): PyTorch refuses that (\"a leaf Variable that requires grad is being used in an in-place "
+                "operation\").\nHow to fix: pass a copy (x.clone()), or write a copy of the input in the model."
+            )
