@@ -6,7 +6,7 @@ would), and each output leaf gets:
 
     whole (8, 5)   halves (4, 5) (4, 5)   ->  dim 0: micro-batches' are concatenated along it
     whole (5, 8)   halves (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1)
-    whole (3,)     halves (3,) (3,)       ->  SAME, when each half's equals the whole's
+    whole (3,)     halves (3,) (3,)       ->  SAME, when each half's equals the whole's, bit for bit
     whole ()       halves () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
 
 When the concatenation differs from the whole example's output (`h / x.shape[0]`, `x - x.mean(0)`,
@@ -32,6 +32,7 @@ from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
 from fxpipe.passes.snapshot import preserved
+from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import writable_buffer_names
 from fxpipe.passes.validate import source_line
 
@@ -175,12 +176,16 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
             return
         raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
     compare = real and not _keeps_state(gm)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
+    sources = output_sources(gm, gradients=False)
     problems, bad = [], set()
     for node in returned:
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
             continue  # another structure per half: the pipeline will say so
-        found = [_batch_dim(w, [p[k] for p in leaves], compare) for k, w in enumerate(_leaves(whole[node]))]
+        from_batch = bool(sources[node.name].inputs & split) if node.name in sources else False
+        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch) for k, w in enumerate(_leaves(whole[node]))]
         node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
             if why:
@@ -290,9 +295,15 @@ def _paths(value: Any) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
 
 
-def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, str]:
+def _is_split(value: Any, batch: int, dims: Dims) -> bool:
+    return any(isinstance(t, torch.Tensor) and split_dim(t, batch, dims) is not None for t in _leaves(value))
+
+
+def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False) -> tuple[BatchDim, str]:
     """Where the batch lies in one output leaf, and what is wrong with it ('' if nothing);
-    without `compare`, from the shapes alone (a number, made from shapes, is compared always)."""
+    without `compare`, from the shapes alone (a number, made from shapes, is compared always).
+    A leaf whose values depend on a split input (`from_batch`) is never the same in every
+    micro-batch, even where the halves' values are (a loss from a zero-initialised head)."""
     if isinstance(whole, (int, float)) and not isinstance(whole, bool):
         return (VARIES, "") if any(p != whole for p in parts) else (None, "")  # x.shape[0], say
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
@@ -301,9 +312,13 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, s
         return VARIES, ""
     changed = [d for d in range(whole.dim()) if any(p.shape[d] != whole.shape[d] for p in parts)]
     if not changed:
+        if from_batch:
+            return VARIES, ""
         if not compare:
             return None, ""
-        return (SAME, "") if all(_difference(p, whole) == 0 for p in parts) else (VARIES, "")
+        # Bit for bit: a loss near its starting value (ln V for a fresh language model) is the
+        # same in each half within rounding, and is still made from the batch.
+        return (SAME, "") if all(_identical(p, whole) for p in parts) else (VARIES, "")
     if len(changed) > 1 or sum(p.shape[changed[0]] for p in parts) != whole.shape[changed[0]]:
         return VARIES, ""
     dim = changed[0]
@@ -312,6 +327,12 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool) -> tuple[BatchDim, s
     off = _difference(torch.cat(parts, dim), whole)
     return dim, (f"the halves' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
                  f"(relative to its largest value)" if off else "")  # fmt: skip
+
+
+def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    if not (expected.is_floating_point() or expected.is_complex()):
+        return torch.equal(got, expected)
+    return bool(torch.isclose(got, expected, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:

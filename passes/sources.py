@@ -50,11 +50,12 @@ def _own(gm: fx.GraphModule, node: fx.Node) -> Sources:
     return Sources()
 
 
-def output_sources(gm: fx.GraphModule) -> dict[str, Sources]:
-    """For every value the output node reads, by node name, what it is computed from."""
+def output_sources(gm: fx.GraphModule, gradients: bool = True) -> dict[str, Sources]:
+    """For every value the output node reads, by node name, what it is computed from: what its
+    gradient reaches, or, without `gradients`, what its values depend on (through cuts too)."""
     sources: dict[fx.Node, Sources] = {}
     for node in gm.graph.nodes:
-        if node.op != "output" and (node.meta.get("dtype") == () or _cuts_gradient(node)):
+        if node.op != "output" and (node.meta.get("dtype") == () or (gradients and _cuts_gradient(node))):
             sources[node] = Sources()  # no tensor in it (x.shape, x.dtype), or cut: no gradient flows through
             continue
         own, parents = _own(gm, node), [sources[p] for p in node.all_input_nodes]

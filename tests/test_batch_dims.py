@@ -367,3 +367,37 @@ def test_a_parameter_written_in_forward_is_named_in_the_refusal() -> None:
     idx = torch.randint(0, 20, (4, 5))
     with pytest.raises(ValueError, match=r"(?s)writes these parameters in place: emb\.weight;.*max_norm=None"):
         compile_pipeline(_TiedMaxNorm().double(), idx, ["cpu", "cpu"], chunks=2)
+
+
+class ReturnsItsLoss(nn.Module):
+    """Logits and their cross-entropy: with a zero-initialised head the loss is ln(classes) for
+    any batch, so the example's halves give the whole's, bit for bit, and it is still made from
+    the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(6, 6), nn.Linear(6, 5)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.a(x)))
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+@pytest.mark.filterwarnings("ignore:train_step combines the model.s own loss")
+def test_a_loss_the_model_returns_is_never_taken_for_a_value_the_same_in_every_micro_batch() -> None:
+    """Before, `pipe(x)` returned micro-batch 0's loss as the batch's, and backward sent its
+    gradient to micro-batch 0 alone."""
+    model, reference = twin(ReturnsItsLoss())
+    labels = torch.randint(0, 5, (8,))
+    pipe = compile_pipeline(model, (X, labels), ["cpu", "cpu"], chunks=2)
+    node = next(n for n in pipe.program().graph.graph.nodes if n.op == "output").all_input_nodes
+    assert VARIES in [dim for n in node for dim in n.meta["batch_dims"]]
+    with pytest.raises(ValueError, match="(?s)returns a 0-dim tensor.*train_step"):
+        pipe(X, labels)
+    loss = pipe.train_step(X, labels)  # the model's own loss, combined over the micro-batches
+    expected = reference(X, labels)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
