@@ -1,10 +1,11 @@
 """Which buffers a run of nodes may write in forward: what a recompute must not write again."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -90,6 +91,33 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
     return {f"the buffer {names[key]!r}, which forward writes,": (first_use[key], last) for key, last in last_write.items()}
 
 
+# Norms called as functions write their running statistics without saying so in their schema
+# (`aten.batch_norm`'s are plain `Tensor?`): the positions (and names) of those arguments. A call
+# is taken to write them whatever its `training` flag: a recompute then restores them for nothing.
+_STATISTICS_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {
+    F.batch_norm: ((1, "running_mean"), (2, "running_var")),
+    F.instance_norm: ((1, "running_mean"), (2, "running_var")),
+    torch.batch_norm: ((3, "running_mean"), (4, "running_var")),
+    torch.instance_norm: ((3, "running_mean"), (4, "running_var")),
+    torch.ops.aten.batch_norm.default: ((3, "running_mean"), (4, "running_var")),
+    torch.ops.aten.instance_norm.default: ((3, "running_mean"), (4, "running_var")),
+    torch.ops.aten.native_batch_norm.default: ((3, "running_mean"), (4, "running_var")),
+    torch.ops.aten.cudnn_batch_norm.default: ((3, "running_mean"), (4, "running_var")),
+}
+
+
+def _statistics_written(node: fx.Node) -> list[fx.Node]:
+    """The running statistics a functional norm call may write."""
+    if node.op != "call_function":
+        return []
+    found = []
+    for position, name in _STATISTICS_WRITTEN.get(node.target, ()):
+        value = node.args[position] if position < len(node.args) else node.kwargs.get(name)
+        if isinstance(value, fx.Node):
+            found.append(value)
+    return found
+
+
 def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """The buffers `node` may write in forward, by qualified name: those of a module it calls
     whole that keeps running statistics or may write anything it holds, and the root of a
@@ -98,7 +126,7 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tenso
         module = fetch_attr(gm, str(node.target))
         return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
     found = {}
-    for target in written_arguments(gm, node):
+    for target in [*written_arguments(gm, node), *_statistics_written(node)]:
         root = _state_root(gm, target)
         value = fetch_attr(gm, str(root.target)) if root is not None else None
         if root is not None and isinstance(value, torch.Tensor):
