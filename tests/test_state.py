@@ -250,16 +250,18 @@ def test_track_running_stats_changed_after_compiling_is_followed(mode: str, defe
     model = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
     x = torch.randn(10, 6, dtype=torch.float64) * 3 + 1
 
-    def compiled_tracking(track: bool) -> tuple[Pipeline, nn.Module]:
+    def compiled_tracking(track: bool) -> tuple[Pipeline, nn.BatchNorm1d]:
         copied = copy.deepcopy(model)
-        copied[0].track_running_stats = track
+        norm = copied.get_submodule("0")
+        assert isinstance(norm, nn.BatchNorm1d)
+        norm.track_running_stats = track
         pipe = compile_pipeline(copied, x, ["cpu"] * 2, chunks=2, checkpoint=mode, deferred_batch_norm=deferred, balance=[1, 3])
-        return pipe, copied[0]
+        return pipe, norm
 
     (as_compiled, _), (turned_off, off), (turned_on, on) = map(compiled_tracking, (True, True, False))
     off.track_running_stats, on.track_running_stats = False, True
     reference = copy.deepcopy(model)
-    reference[0].track_running_stats = False
+    setattr(reference.get_submodule("0"), "track_running_stats", False)
     for pipe in (as_compiled, turned_off, turned_on):
         pipe(x).sum().backward()
     reference(x).sum().backward()
@@ -284,7 +286,7 @@ class NormActs(nn.Module):
 
 class _BatchNormAct(nn.BatchNorm1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum, self.eps))
+        return torch.relu(F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, self.momentum or 0.1, self.eps))
 
 
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
