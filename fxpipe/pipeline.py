@@ -30,7 +30,6 @@ from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, scatter, spec_dims, split_dim, split_sizes
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
-from fxpipe.randomness import draw_step_seed
 from fxpipe.replicas import Replicas
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
@@ -445,8 +444,6 @@ class Pipeline(nn.Module):
             call.micro_batches,
             grad=call.grad,
             checkpoint_stop=stop,
-            # Drawn only where a stage may draw: a model without random ops leaves the caller's generator as it was.
-            seed=draw_step_seed() if any(stage.draws() or stage.draws_hidden() for stage in program.stages) else 0,
             shared=self._shared(program, call.grad),
             output_device=self.devices[-1],
             input_devices=_devices_of(call.values),

@@ -39,7 +39,7 @@ from fxpipe.hints import hint_for
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
-from fxpipe.randomness import TaskRandomness, TaskStream, draws_now, task_seed, task_stream
+from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, task_seed, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
 from fxpipe.timeline import Record
@@ -136,7 +136,6 @@ class Step:
         *,
         grad: bool,
         checkpoint_stop: int,
-        seed: int,
         shared: Sequence[list[torch.Tensor]],
         output_device: torch.device,
         input_devices: dict[str, torch.device],
@@ -161,7 +160,7 @@ class Step:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, dict[str, Any]] = {}  # per micro-batch, detached (train steps)
         self.micro_batches = micro_batches
-        self.grad, self.checkpoint_stop, self.seed = grad, checkpoint_stop, seed
+        self.grad, self.checkpoint_stop = grad, checkpoint_stop
         # Whether any input the caller passed requires grad: if none does, no stage sends the
         # caller input gradients, and nothing waits for them.
         self.caller_grads = grad and any(
@@ -183,6 +182,9 @@ class Step:
         self._turns: Optional[dict[tuple[str, int, int], float]] = None
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
+        # From the caller's generator, only where a stage may draw: a model without random ops
+        # leaves it as the plain model does.
+        self.seed = draw_step_seed() if any(self.randomness) or any(self.hidden_randomness) else 0
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)

@@ -184,7 +184,7 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
             continue  # another structure per half: the pipeline will say so
-        from_batch = bool(sources[node.name].inputs & split) if node.name in sources else False
+        from_batch = bool(sources[node.name].inputs & split)
         found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch) for k, w in enumerate(_leaves(whole[node]))]
         node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
