@@ -148,11 +148,12 @@ def _check_guards(guards: Any, leaves: list[Any]) -> None:
 
 
 class _Rejected(Exception):
-    """A front end's graph cannot be used: `detail` for the error, `summary` for a warning."""
+    """A front end's graph cannot be used: `detail` for the error, `summary` for a warning, and
+    `fix` where the reason has a fix of its own."""
 
-    def __init__(self, detail: str, summary: Optional[str] = None) -> None:
+    def __init__(self, detail: str, summary: Optional[str] = None, fix: str = "") -> None:
         super().__init__(detail)
-        self.detail, self.summary = detail, summary or detail
+        self.detail, self.summary, self.fix = detail, summary or detail, fix
 
 
 @contextmanager
@@ -222,13 +223,13 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
 
 
-def _cache_hint(model: nn.Module, error: Exception) -> str:
-    """A language model returning its key/value cache: say how to turn the cache off."""
+def _cache_fix(model: nn.Module, error: Exception) -> str:
+    """A language model returning its key/value cache: how to turn the cache off."""
     if "Cache" not in str(error) or not getattr(getattr(model, "config", None), "use_cache", False):
         return ""
     return (
-        " (the model returns its key/value cache: a pipeline cannot carry it; compile the model with "
-        "model.config.use_cache = False, or with use_cache=False in example_kwargs)"
+        "How to fix: the model returns its key/value cache, which a pipeline cannot carry; compile the "
+        "model with model.config.use_cache = False, or with use_cache=False in example_kwargs."
     )
 
 
@@ -253,7 +254,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         with functions_applied(functions):
             exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
-        raise _Rejected(first_line(error) + _cache_hint(model, error)) from error
+        raise _Rejected(first_line(error), fix=_cache_fix(model, error)) from error
     if functions:
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
         raise _Rejected(
@@ -322,12 +323,13 @@ def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, .
         ) from e
 
 
-def _fix_for(export_reason: str) -> str:
-    """How to fix a model neither front end captures: what stops both most often (control flow
-    on values), unless torch.export's reason asks for torch.fx (an autograd Function), where
-    torch.fx's reason says what stops it."""
-    if "make the model traceable by torch.fx" in export_reason:
-        return ""
+def _fix_for(export_failure: _Rejected) -> str:
+    """How to fix a model neither front end captures: the fix of torch.export's reason where it
+    has one (a key/value cache returned), else what stops both most often (control flow on
+    values), unless the reason asks for torch.fx (an autograd Function), where torch.fx's reason
+    says what stops it."""
+    if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
+        return export_failure.fix
     return (
         "How to fix: keep the module with data-dependent control flow (or with checks that "
         "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
@@ -349,7 +351,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"
             f"torch.export: {export_failure.detail}\n"
-            f"{_fix_for(export_failure.detail)}".rstrip()
+            f"{_fix_for(export_failure)}".rstrip()
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
     warnings.warn(traced.note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)

@@ -70,8 +70,10 @@ def test_a_model_that_returns_its_cache_says_to_turn_it_off() -> None:
     model = gpt2().eval()
     config: Any = model.config  # a transformers config (transformers comes from importorskip: untyped here)
     config.use_cache = True
-    with pytest.raises(Exception, match="use_cache = False"):
+    with pytest.raises(Exception, match="use_cache = False") as refused:
         compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2)
+    # The cache's fix is the one the error ends with, not advice about control flow.
+    assert str(refused.value).splitlines()[-1].startswith("How to fix: the model returns its key/value cache")
     pipe = compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2, example_kwargs={"use_cache": False})
     ids = torch.randint(0, 64, (4, 9))
     torch.testing.assert_close(pipe(ids, use_cache=False)["logits"], model(ids, use_cache=False)["logits"])
