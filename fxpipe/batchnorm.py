@@ -99,14 +99,19 @@ def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
     return F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)
 
 
+def is_deferrable(module: nn.Module) -> bool:
+    """A BatchNorm with running statistics and torch's own forward (a subclass's forward of its
+    own may do more than normalise: `batch_norm_deferred` would drop it)."""
+    return isinstance(module, _BatchNorm) and module.running_mean is not None and type(module).forward is _BatchNorm.forward
+
+
 def defer_batch_norm(stage: fx.GraphModule) -> fx.GraphModule:
     """Rewrite a generated stage so that its BatchNorm calls go through `batch_norm_deferred`."""
     graph = stage.graph
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
-        module = stage.get_submodule(str(node.target))
-        if not isinstance(module, _BatchNorm) or module.running_mean is None:
+        if not is_deferrable(stage.get_submodule(str(node.target))):
             continue
         with graph.inserting_before(node):
             getter = graph.get_attr(str(node.target))

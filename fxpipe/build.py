@@ -20,7 +20,7 @@ from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import StageCode, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
-from fxpipe.passes.state import aliases_state, has_forward_hooks, writable_buffers
+from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
 from fxpipe.program import Cut, HeldState, Program, hooks_of
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -44,6 +44,8 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
         draw_from_task_streams(code.module)
         if deferred_batch_norm:
             defer_batch_norm(code.module)
+    if deferred_batch_norm:
+        _refuse_undeferred_statistics(codes)
 
     def resolve(name: str) -> Any:
         try:
@@ -123,6 +125,35 @@ def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[A
             if isinstance(p, nn.Parameter):
                 found.setdefault(id(p), p)
     return list(found.values())
+
+
+def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
+    """With deferred_batch_norm, the running statistics that stay written per micro-batch: a
+    BatchNorm whose forward is its own, another norm (InstanceNorm), one that a module called
+    whole holds, and a norm called as a function (`F.batch_norm`, `aten.batch_norm` in an
+    exported graph)."""
+    problems = []
+    for code in codes:
+        for node in code.module.graph.nodes:
+            if node.op == "call_module":
+                module = code.module.get_submodule(str(node.target))
+                inner = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None]
+                if inner and inner[0] is module and isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    problems.append(f"{node.target} ({type(module).__name__}), a BatchNorm with a forward of its own")
+                elif inner and inner[0] is module:
+                    problems.append(f"{node.target} ({type(module).__name__}), a norm other than BatchNorm")
+                elif inner:
+                    problems.append(f"{node.target} ({type(module).__name__}), called whole, with a norm inside that keeps running statistics")
+            for buffer in statistics_written(node):
+                problems.append(f"{buffer.target}, which {getattr(node.target, '__name__', node.target)} writes (a norm called as a function)")
+    if problems:
+        raise ValueError(
+            "deferred_batch_norm cannot defer these running statistics, which would still be updated once per "
+            "micro-batch:\n" + "\n".join(f"  - {p}" for p in problems) + "\nHow to fix: use torch's BatchNorm "
+            "modules as they are, outside modules kept whole (leaf_modules), or compile with "
+            "deferred_batch_norm=False (each micro-batch then updates the statistics, as the model run on the "
+            "micro-batches in turn does)."
+        )
 
 
 def _refuse_opaque_values(cut: Cut) -> None:

@@ -17,6 +17,7 @@ from fxpipe.program import Binder
 from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
+from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
 from fxpipe.passes.validate import check_graph, first_line
@@ -302,9 +303,26 @@ def to_graph(
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
     with preserved(model), assignments_recorded(model) as changed:
-        traced = _front_ends(model, example, kwargs, leaves, chunks)
+        hooks = _refuse_effects_a_trace_loses(model, example, kwargs)
+        traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
     _refuse_lost_assignments(model, traced, changed)
     return traced
+
+
+def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
+    then), and refuse what a trace would lose (passes/lost_effects.py); return how many hooks
+    forward registered on tensors. A model that does not run is left to the front ends, whose
+    errors say why; a model on the meta device is not run (shapes only)."""
+    if is_on_meta(model):
+        return 0
+    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), tensor_hooks_counted() as hooks:
+        try:
+            with torch.enable_grad():
+                _in_both_modes(model, lambda: model(*example, **kwargs))
+        except Exception:  # noqa: BLE001 - the front ends say why the model does not run
+            pass
+    return hooks.count
 
 
 def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -337,13 +355,20 @@ def _fix_for(export_failure: _Rejected) -> str:
     )
 
 
-def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int) -> Traced:
-    """torch.fx, then torch.export; one error with both reasons when both fail."""
+def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
+    """torch.fx, then torch.export (refused where forward registers hooks on tensors, which it
+    drops); one error with both reasons when both fail."""
     try:
         return _by_fx(model, example, kwargs, leaves)
     except _Rejected as rejected:
         fx_failure = rejected
     try:
+        if hooks:
+            raise _Rejected(
+                "it drops the hooks forward registers on tensors (register_hook), and the gradients "
+                "would miss what they do; torch.fx keeps them (and keeps a module whole with "
+                "leaf_modules=[...], whose forward then runs as it is)"
+            )
         traced = _by_export(model, example, kwargs, chunks)
     except _Rejected as export_failure:
         _refuse_an_example_the_model_refuses(model, example, kwargs)

@@ -163,14 +163,23 @@ def dropout_rate(module: nn.Module) -> Optional[float]:
     return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
 
 
+def draw_rate(module: nn.Module) -> Optional[float]:
+    """How often a built-in module draws while training (0: never), or None for one that never
+    draws: a dropout's p, an RNN's or attention's `dropout`, and RReLU's random slopes."""
+    if isinstance(module, DROPOUTS):
+        return float(module.p)
+    if isinstance(module, nn.RReLU):
+        return 1.0
+    return dropout_rate(module)
+
+
 def draws_now(modules: Sequence[nn.Module]) -> bool:
-    """Whether any of these dropout-holding modules draws when called now: training, rate > 0
+    """Whether any of these modules draws when called now: training, rate > 0
     (read once per step, so that a rate changed between steps takes effect)."""
     for module in modules:
         for m in module.modules():
             if not m.training:
                 continue
-            rate = m.p if isinstance(m, DROPOUTS) else dropout_rate(m)
-            if rate:
+            if draw_rate(m):
                 return True
     return False

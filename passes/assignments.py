@@ -28,14 +28,15 @@ def _public(module: nn.Module) -> dict[str, Any]:
 
 @contextmanager
 def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
-    """Within this block, public attributes assigned on `model`'s modules are listed (by path,
-    once the block ends) and put back as they were."""
-    before = {name: (module, _public(module)) for name, module in model.named_modules()}
+    """Within this block, public attributes and buffers assigned on `model`'s modules are listed
+    (by path, once the block ends) and put back as they were. A buffer counts: `self.count += 1`
+    assigns it the traced sum, which a graph does not write into the buffer."""
+    before = {name: (module, _public(module), dict(module._buffers)) for name, module in model.named_modules()}
     changed: list[str] = []
     try:
         yield changed
     finally:
-        for path, (module, values) in before.items():
+        for path, (module, values, buffers) in before.items():
             for name, value in _public(module).items():
                 if name not in values or _changed(values[name], value):
                     changed.append(f"{path}.{name}" if path else name)
@@ -43,6 +44,10 @@ def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
                         setattr(module, name, values[name])
                     else:
                         delattr(module, name)
+            for name, buffer in buffers.items():
+                if module._buffers.get(name) is not buffer:
+                    changed.append(f"{path}.{name}" if path else name)
+                    module._buffers[name] = buffer
 
 
 def _changed(before: Any, after: Any) -> bool:

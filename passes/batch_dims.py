@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
@@ -145,6 +146,33 @@ def _drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
+# scale_grad_by_freq's position among each embedding function's arguments.
+_FREQUENCY_ARGUMENT = {F.embedding: 5, F.embedding_bag: 5, torch.ops.aten.embedding.default: 3}
+
+
+def _scales_by_frequency(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        module = fetch_attr(gm, str(node.target))
+        return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq for m in module.modules())
+    position = _FREQUENCY_ARGUMENT.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+    if position is None:
+        return False
+    value = node.args[position] if position < len(node.args) else node.kwargs.get("scale_grad_by_freq", False)
+    return value is not False
+
+
+def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
+    """An embedding with scale_grad_by_freq divides each row's gradient by how often its index
+    occurs in the batch: the forward is per sample (the halves agree), the backward is not."""
+    found = [str(n.target) if n.op == "call_module" else n.name for n in gm.graph.nodes if _scales_by_frequency(gm, n)]
+    if found:
+        raise ValueError(
+            f"with chunks={chunks}, {', '.join(found)} scale each embedding row's gradient by how often its index "
+            "occurs in the batch (scale_grad_by_freq=True): each micro-batch would count its own indices, and the "
+            "gradients would differ from the plain model's.\nHow to fix: scale_grad_by_freq=False, or chunks=1."
+        )
+
+
 def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None) -> None:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when the example's halves compute otherwise than the whole
@@ -154,6 +182,7 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     batch = batch_size_of(list(inputs), dims)
     if chunks < 2 or not batch:
         return
+    _refuse_counts_across_the_batch(gm, chunks)
     if batch < 2:
         raise ValueError(
             f"with chunks={chunks} the example needs at least two samples: compiling checks, on the example's "

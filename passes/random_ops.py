@@ -3,7 +3,7 @@
 A node is one of three things:
 
     never random   Linear, add, a dropout with p=0 or training=False written into the graph
-    random if      a dropout module (or a module holding one): while training with p > 0,
+    random if      a dropout module or RReLU (or a module holding one): while training with p > 0,
                    read when the stage runs, so a rate changed between steps takes effect
     always random  rand*, bernoulli, a dropout whose p or training flag is a value, a module or
                    function the graph does not show the inside of
@@ -21,10 +21,9 @@ from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.randomness import (
-    DROPOUTS,
     dropout_function,
     dropout_module,
-    dropout_rate,
+    draw_rate,
     method_with_generator,
     with_generator,
 )
@@ -62,7 +61,7 @@ class RandomSources:
     """What decides whether a stage draws random numbers when it runs."""
 
     always: bool = False
-    modules: list[str] = field(default_factory=list)  # qualified names of dropout-holding modules
+    modules: list[str] = field(default_factory=list)  # qualified names of modules that may draw
 
 
 def _argument(node: fx.Node, name: str, position: int, default: Any) -> Any:
@@ -110,7 +109,7 @@ def _function_is_random(node: fx.Node) -> bool:
 
 
 def _holds_dropout(module: nn.Module) -> bool:
-    return any(isinstance(m, DROPOUTS) or dropout_rate(m) is not None for m in module.modules())
+    return any(draw_rate(m) is not None for m in module.modules())
 
 
 def _built_in(module: nn.Module) -> bool:

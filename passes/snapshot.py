@@ -98,7 +98,8 @@ def _put(target: torch.Tensor, values: torch.Tensor) -> None:
 def _restore_slot(slot: _Slot) -> None:
     table = getattr(slot.owner, slot.kind)
     current = table.get(slot.name)
-    if current is None or (current is not slot.tensor and current.device == slot.tensor.device):
+    # Not a tensor: a traced value (`self.count += 1` assigns a buffer an fx Proxy) put back too.
+    if not isinstance(current, torch.Tensor) or (current is not slot.tensor and current.device == slot.tensor.device):
         table[slot.name] = current = slot.tensor  # replaced by the run, not moved by placement
     if slot.values is not None:
         _put(current, slot.values)

@@ -106,7 +106,7 @@ _STATISTICS_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {
 }
 
 
-def _statistics_written(node: fx.Node) -> list[fx.Node]:
+def statistics_written(node: fx.Node) -> list[fx.Node]:
     """The running statistics a functional norm call may write."""
     if node.op != "call_function":
         return []
@@ -126,7 +126,7 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tenso
         module = fetch_attr(gm, str(node.target))
         return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
     found = {}
-    for target in [*written_arguments(gm, node), *_statistics_written(node)]:
+    for target in [*written_arguments(gm, node), *statistics_written(node)]:
         root = _state_root(gm, target)
         value = fetch_attr(gm, str(root.target)) if root is not None else None
         if root is not None and isinstance(value, torch.Tensor):

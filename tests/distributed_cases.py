@@ -123,28 +123,37 @@ def _check(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
-    """A stage raises on micro-batch 2: every rank raises the same StageError, in bounded time;
-    and the next step runs."""
+    """A stage raises on micro-batch 2: every rank raises the same StageError, in bounded time,
+    the gradient of a temperature the loss reads (outside every stage) is put back as it was
+    before the step; and the next step runs."""
     import time
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = FailsAt().double()
     reference = copy.deepcopy(model)
-    x = torch.randn(8, 4, dtype=torch.float64)
+    x, zeros = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
+    temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.mse_loss(out / temperature, target, reduction=reduction)
+
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, schedule=schedule, timeout=20, split_points=["c"] if world == 2 else None)
+    pipe.train_step(x, target=zeros, loss_fn=loss_fn)
+    held = None if temperature.grad is None else temperature.grad.clone()
     bad = x.clone()
     bad[4, 0] = 99  # micro-batch 2 of 4
     start = time.monotonic()
     try:
-        pipe.train_step(bad, target=torch.zeros(8, 4, dtype=torch.float64), loss_fn=F.mse_loss)
+        pipe.train_step(bad, target=zeros, loss_fn=loss_fn)
         error = None
     except StageError as e:
         error = (str(e), e.stage, e.micro_batch, e.phase, e.rank)
     took = time.monotonic() - start
-    ok_loss = float(pipe.train_step(x, target=torch.zeros(8, 4, dtype=torch.float64), loss_fn=F.mse_loss))
-    expected = F.mse_loss(reference(x), torch.zeros(8, 4, dtype=torch.float64)).item()
-    return dict(error=error, took=took, next_loss=ok_loss, expected=expected)
+    put_back = (held is None and temperature.grad is None) or (held is not None and temperature.grad is not None and torch.equal(held, temperature.grad))
+    ok_loss = float(pipe.train_step(x, target=zeros, loss_fn=loss_fn))
+    expected = F.mse_loss(reference(x) / 2, zeros).item()
+    return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None)
 
 
 def dying_rank(rank: int, world: int) -> dict[str, Any]:

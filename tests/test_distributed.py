@@ -80,6 +80,8 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert all(r["took"] < 15 for r in got), [r["took"] for r in got]
     assert len({r["next_loss"] for r in got}) == 1, "the next step runs, with one loss on every rank"
     assert abs(got[0]["next_loss"] - got[0]["expected"]) <= TOL, "the failed step left the model as it was"
+    assert got[-1]["held"], "the last rank, which runs the loss, holds the temperature's gradient"
+    assert all(r["put_back"] for r in got), "the failed step left the temperature's gradient as it was"
 
 
 def test_clip_grad_norm_clips_by_the_norm_of_every_ranks_gradients() -> None:

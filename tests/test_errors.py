@@ -516,3 +516,118 @@ def test_capturing_a_pipeline_is_refused_naming_the_plain_model_as_the_fix(captu
     with pytest.raises(Exception, match="a Pipeline cannot be captured by torch.jit.script") as caught:
         captures[capture]()
     assert "How to fix: capture the plain model" in str(caught.value)
+
+
+COUNTER = torch.zeros(2)  # a global a forward writes in place
+
+
+class WritesOutside(nn.Module):
+    """Writes a tensor it does not own: a tensor attribute that is not a buffer (`attribute`),
+    a view of one (`view`), or a global (`global`); `made` writes only tensors it makes."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__()
+        self.target = target
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.count = torch.zeros(2)  # not registered: a plain attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        if self.target == "attribute":
+            self.count.add_(1)
+        elif self.target == "view":
+            self.count[1:].add_(1)
+        elif self.target == "global":
+            COUNTER.add_(1)
+        else:
+            torch.zeros(2).add_(1)
+        return self.second(h) * self.count.sum()
+
+
+@pytest.mark.parametrize(
+    "target, name", [("attribute", "the tensor attribute count"), ("view", "the tensor attribute count"), ("global", "the global tensor COUNTER")]
+)
+def test_a_write_to_a_tensor_the_model_does_not_own_is_refused_and_put_back(target: str, name: str) -> None:
+    # Traced, the write would run once while tracing and never on a call: silently otherwise.
+    model = WritesOutside(target)
+    with pytest.raises(TraceError, match="register each as a buffer") as refused:
+        compile_pipeline(model, X, ["cpu"] * 2, chunks=2)
+    assert name in str(refused.value)
+    assert model.count.eq(0).all() and COUNTER.eq(0).all()
+
+
+def test_a_forward_writing_only_tensors_it_makes_compiles() -> None:
+    model = WritesOutside("made")
+    model.count += 1
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=0)
+
+
+class Counts(nn.Module):
+    """Counts its calls in a buffer, in place (`+=`) or by replacing it with a new tensor."""
+
+    count: torch.Tensor
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        self.in_place = in_place
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.in_place:
+            self.count += 1
+        else:
+            self.count = self.count + 1
+        return self.linear(h) * self.count.clone()
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_buffer_counted_with_plus_equals_counts_as_in_the_plain_model(mode: str) -> None:
+    # Before, the trace left an fx Proxy in the buffer, and compiling raised from inside fxpipe.
+    model = nn.Sequential(nn.Linear(6, 6), Counts(in_place=True), nn.Linear(6, 6)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode)
+    assert isinstance(model.get_buffer("1.count"), torch.Tensor) and int(model.get_buffer("1.count")) == 0
+    for _ in range(2):
+        out, expected = pipe(x), torch.cat([reference(x[:4]), reference(x[4:])])
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.sum().backward()
+        expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert int(pipe.get_buffer("1.count")) == int(reference.get_buffer("1.count")) == 4
+
+
+def test_a_buffer_replaced_by_a_new_tensor_is_refused_and_put_back() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), Counts(in_place=False), nn.Linear(6, 6))
+    count = model.get_buffer("1.count")
+    with pytest.raises(TraceError, match=r"replaces the buffers 1.count with new tensors") as refused:
+        compile_pipeline(model, X, ["cpu"] * 2, chunks=2)
+    assert "write each in place" in str(refused.value)
+    assert model.get_buffer("1.count") is count and int(count) == 0
+
+
+class HookedWhenTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.requires_grad:  # fx cannot trace the branch; torch.export would drop the hook
+            h.register_hook(lambda g: g * 2)
+        return self.b(h)
+
+
+def test_a_hook_forward_registers_on_a_tensor_is_not_dropped_by_torch_export() -> None:
+    # Before, torch.export captured the model without the hook: a's gradients were half the plain model's.
+    with pytest.raises(TraceError, match=r"drops the hooks forward registers on tensors"):
+        compile_pipeline(HookedWhenTraining(), X, ["cpu"] * 2, chunks=2)
+    model = nn.Sequential(HookedWhenTraining(), nn.Linear(6, 6)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=[HookedWhenTraining])
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)

@@ -42,6 +42,18 @@ class Attention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, q, q, dropout_p=0.3).squeeze(1))
 
 
+class RandomSlopes(nn.Module):
+    """RReLU draws its slopes while training: a built-in module that holds no dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.RReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.act(self.b(self.act(self.a(x)))))
+
+
 def _step(make: Callable[[], nn.Module], mode: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = make().double()
@@ -53,7 +65,7 @@ def _step(make: Callable[[], nn.Module], mode: str, seed: int) -> tuple[torch.Te
     return out.detach(), [grad_of(p).clone() for p in pipe.parameters()]
 
 
-@pytest.mark.parametrize("make", [Draws, Attention])
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):

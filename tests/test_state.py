@@ -304,6 +304,41 @@ def test_a_norm_called_as_a_function_updates_its_statistics_once_recomputed_or_n
     assert_grads_equal(pipe, reference)
 
 
+class _NormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.norm = nn.Linear(6, 6), nn.BatchNorm1d(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize(
+    "case, found",
+    [
+        ("F.batch_norm", "1.running_mean, which batch_norm writes"),
+        ("aten.batch_norm", "na.running_mean, which batch_norm.default writes"),
+        ("subclass kept whole", "1 (_BatchNormAct), a BatchNorm with a forward of its own"),
+        ("block kept whole", "1 (_NormBlock), called whole, with a norm inside"),
+        ("instance norm", "1 (InstanceNorm1d), a norm other than BatchNorm"),
+    ],
+)
+def test_deferred_batch_norm_refuses_statistics_it_cannot_defer(case: str, found: str) -> None:
+    """Before, these stayed updated per micro-batch without a word, and a BatchNorm subclass
+    kept whole lost what its forward adds (the ReLU) to the plain normalisation."""
+    x = torch.randn(8, 5, 6, dtype=torch.float64)  # InstanceNorm1d's (batch, channels, length)
+    leaves: list[Any] = [_BatchNormAct] if case == "subclass kept whole" else [_NormBlock] if case == "block kept whole" else []
+    norm = {"block kept whole": _NormBlock(), "instance norm": nn.InstanceNorm1d(5, track_running_stats=True)}.get(case, _BatchNormAct(5))
+    model: nn.Module = nn.Sequential(nn.Linear(6, 6), norm, nn.Linear(6, 6))
+    if case == "aten.batch_norm":
+        model, x = NormActs(False), x[:, 0]  # forward(**kwargs): torch.export
+    model.double()
+    with pytest.raises(ValueError, match="deferred_batch_norm cannot defer") as refused:
+        compile_pipeline(model, x, ["cpu"] * 2, chunks=2, deferred_batch_norm=True, leaf_modules=leaves)
+    assert found in str(refused.value)
+
+
 class CountsWithoutGrad(nn.Module):
     """Counts its calls inside `torch.no_grad()`: torch.export captures the region as a subgraph
     run by a higher-order op, which writes the buffer."""
