@@ -334,11 +334,29 @@ def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, .
         with torch.no_grad():
             model(*example, **kwargs)
     except Exception as e:  # noqa: BLE001 - named in the refusal
+        _refuse_a_forward_that_needs_gradients(model, example, kwargs, e)
         raise ValueError(
             f"{type(model).__name__} does not run on the example: {type(e).__name__}: {e}\n"
             "How to fix: give compile_pipeline an example the model takes as it is: model(*example) must run "
             "(the same dtype and device as the model's parameters, the shapes forward expects)."
         ) from e
+
+
+def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], error: Exception) -> None:
+    """A model that fails on the example under torch.no_grad() and runs with gradients (a hook
+    registered on a tensor that then does not require grad): say so, and how to fix it."""
+    try:
+        with torch.enable_grad(), preserved(model):
+            model(*example, **kwargs)
+    except Exception:  # noqa: BLE001 - it does not run at all: the example's refusal says so
+        return
+    raise ValueError(
+        f"{type(model).__name__} runs on the example only with gradients on: under torch.no_grad() it raises "
+        f"{type(error).__name__}: {first_line(error).partition(': ')[2]}\nA pipeline checks its graph, and runs "
+        "checkpointed forwards, without gradients.\nHow to fix: let forward run under torch.no_grad() too "
+        "(register a hook on a tensor only `if h.requires_grad:`), and keep a module that registers hooks on "
+        "tensors whole (leaf_modules=[...]), so that its hooks are registered as it runs."
+    ) from error
 
 
 def _fix_for(export_failure: _Rejected) -> str:

@@ -252,7 +252,7 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     """The model runs on the whole example and fails on half of it: say so, and name the inputs
     kept whole that have a dim of the batch's size (an LSTM's initial state holds the batch on
     dim 1, say), with the chunk_spec that would split them there."""
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     hints: dict[str, Optional[int]] = {}
     for name, value in zip(names, inputs):
         if isinstance(value, torch.Tensor) and split_dim(value, batch, dims) is None:
@@ -278,7 +278,7 @@ def _split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     """A line naming the inputs after the first that are split along dim 0 only because it has
     the batch's size (a table every sample shares may, by chance), with the chunk_spec that
     passes them whole; '' when there are none."""
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor)]
     split = {name: None for name, value in tensors[1:] if split_dim(value, batch, dims) is not None}
     shapes = {name: tuple(value.shape) for name, value in tensors}

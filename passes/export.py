@@ -1,6 +1,7 @@
 """The torch.export front end, for models that torch.fx cannot trace symbolically."""
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -8,7 +9,7 @@ import torch.fx as fx
 from torch import nn
 from torch.export import Dim
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.passes.attrs import fetch_attr
 
@@ -35,6 +36,23 @@ def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
 
 def _strip(target: str) -> str:
     return target[len(_PREFIX) :] if target.startswith(_PREFIX) else target
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _name_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], placeholders: list[fx.Node]) -> None:
+    """`meta["argument"]` on each placeholder: the forward argument its leaf comes from (`bias`,
+    `pair[1]`), for messages, where `leaves_3` would say nothing."""
+    positional = [p.name for p in inspect.signature(model.forward).parameters.values() if p.kind in _POSITIONAL]
+    for node, (path, _) in zip(placeholders, tree_flatten_with_path((args, kwargs))[0]):
+        where, key, rest = path[0], path[1], path[2:]
+        index = getattr(key, "idx", None)
+        if getattr(where, "idx", None) == 0 and isinstance(index, int) and index < len(positional):
+            name = positional[index]
+        else:
+            name = str(getattr(key, "key", index))
+        node.meta["argument"] = name + keystr(rest)
 
 
 def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, TreeSpec]:
@@ -70,6 +88,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         stack = node.meta.get("nn_module_stack") or {}
         paths = [path for path, _ in stack.values() if path.startswith(_PREFIX)]
         node.meta["scope"] = _strip(paths[-1]) if paths else ""
+    _name_arguments(model, args, kwargs, [n for n in graph.nodes if n.op == "placeholder"])
     output = next(n for n in graph.nodes if n.op == "output")
     out_spec = exported._out_spec
     assert out_spec is not None, "an exported module knows its output structure"

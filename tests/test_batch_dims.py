@@ -428,3 +428,22 @@ def test_gradients_scaled_by_index_frequency_are_refused_with_micro_batches(func
     pipe(idx).sum().backward()
     reference(idx).sum().backward()
     assert_grads_equal(pipe, reference)
+
+
+class KeywordOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, bias: Any = None, *, temp: float) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x) + bias) / temp)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_exported_models_refusal_names_the_argument_not_the_graphs_placeholder() -> None:
+    # Before, it advised chunk_spec={'leaves_1': None}, which compile_pipeline then refused.
+    x, bias = torch.randn(8, 6), torch.randn(8)
+    with pytest.raises(ValueError, match=r"chunk_spec=\{'bias': None\}"):
+        compile_pipeline(KeywordOnly(), (x, bias), ["cpu"] * 2, chunks=2, example_kwargs={"temp": 2.0})
+    pipe = compile_pipeline(KeywordOnly(), (x, bias), ["cpu"] * 2, chunks=2, example_kwargs={"temp": 2.0}, chunk_spec={"bias": None})
+    assert pipe(x, bias, temp=2.0).shape == (8, 4)

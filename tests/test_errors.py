@@ -631,3 +631,17 @@ def test_a_hook_forward_registers_on_a_tensor_is_not_dropped_by_torch_export() -
     pipe(x).sum().backward()
     reference(x).sum().backward()
     assert_grads_equal(pipe, reference)
+
+
+class HookedAlways(HookedWhenTraining):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.register_hook(lambda g: g * 2)  # raises under torch.no_grad()
+        return self.b(h)
+
+
+def test_a_forward_that_runs_only_with_gradients_on_is_named_as_such() -> None:
+    # Before, the error said the model does not run on the example, which it does.
+    with pytest.raises(ValueError, match=r"runs on the example only with gradients on") as refused:
+        compile_pipeline(HookedAlways(), X, ["cpu"] * 2, chunks=2)
+    assert "if h.requires_grad:" in str(refused.value)
