@@ -4,12 +4,13 @@ first, then its stages' part of the step, and what the step ends with settled am
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.distributed import failing_together, sum_tied
+from fxpipe.distributed import failing_together, holders, sum_tied
 from fxpipe.losses import LeafGrads
 from fxpipe.replicas import ReplicaFailed
 
@@ -114,14 +115,34 @@ def _agree(pipe: Pipeline, call: _Call, kind: str) -> None:
     assert pipe._channel is not None
     mine = _call_signature(pipe, call, kind)
     calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
-    differing = [key for key in mine if any(c.get(key) != mine[key] for c in calls.values())]
+    differing = [key for key in mine if key != "tied" and any(c.get(key) != mine[key] for c in calls.values())]
+    ranks = pipe._channel.ranks
     if differing:
-        ranks = pipe._channel.ranks
         lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
         raise RuntimeError(
             "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
             + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
             "its own share), under the same grad mode and autocast, and pipe.train() or pipe.eval() on every rank."
+        )
+    _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
+
+
+def _refuse_tied_copies_that_differ(pipe: Pipeline, tied: dict[int, dict[str, tuple[float, float]]]) -> None:
+    """Every rank holding a copy of a tied parameter must hold the same values: else the ranks
+    compute with different models (one initialised apart on each rank), which no plain model
+    computes, while their summed gradients keep the copies apart for ever."""
+    differ = []
+    for name in sorted({name for held in tied.values() for name in held}):
+        values = {rank: held[name] for rank, held in tied.items() if name in held}
+        first = next(iter(values.values()))
+        if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for v in values.values() for a, b in zip(first, v)):
+            differ.append(f"{name!r}, held on ranks {sorted(values)}")
+    if differ:
+        raise RuntimeError(
+            "the copies of a tied parameter differ between the ranks that hold them, so the ranks would compute "
+            "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + "\nHow to fix: build the "
+            "model alike on every rank (one torch.manual_seed(...) before building it), or load one checkpoint on "
+            "every rank; step every rank's optimizer alike."
         )
 
 
@@ -135,7 +156,26 @@ def _call_signature(pipe: Pipeline, call: _Call, kind: str) -> dict[str, Any]:
         "grad": call.grad,
         "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
         "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
+        "tied": _tied_fingerprints(pipe, call),
     }
+
+
+def _tied_fingerprints(pipe: Pipeline, call: _Call) -> dict[str, tuple[float, float]]:
+    """A fingerprint of each tied parameter this rank holds a copy of, by name: sums over an
+    even sample of at most 65536 of its values (copies initialised apart differ there too)."""
+    program = call.program
+    names: dict[int, str] = {}
+    for name, p in pipe._owner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    me = pipe._channel.me if pipe._channel is not None else 0
+    found = {}
+    with torch.no_grad():
+        for p, ranks in zip(program.parameters, holders(program, program.parameters)):
+            if me in ranks and len(ranks) > 1:
+                flat = p.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 65536)].double()
+                found[names.get(id(p), "a tied parameter")] = (float(sample.sum()), float(sample.square().sum()))
+    return found
 
 
 def _wanting_grad(pipe: Pipeline) -> int:

@@ -391,9 +391,9 @@ def compile_pipeline(
         example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
     _refuse_sequence_first(traced.graph, chunks, spec)
-    gm = redirect_reads_after_writes(traced.graph)
     bound = traced.bind(example_args, example_kwargs)
     inputs = tuple(bound.values())
+    gm = redirect_reads_after_writes(traced.graph, inputs)
     propagate_shapes(gm, inputs)
     split = spec_dims(signature, spec, example_args, example_kwargs)
     annotate_batch_dims(gm, inputs, chunks, split)
@@ -459,7 +459,7 @@ def _eval_cut(
     graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device], annotate: Callable[[fx.GraphModule], None]
 ) -> Cut:
     """The eval-mode graph, cut like the training graph (see passes/modes.py)."""
-    graph = redirect_reads_after_writes(graph)
+    graph = redirect_reads_after_writes(graph, inputs)
     propagate_shapes(graph, inputs)
     annotate(graph)
     runs = follow_stages(graph, train, len(devices))

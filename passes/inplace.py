@@ -182,8 +182,9 @@ def _basic_index(index: Any) -> bool:
 
 
 def is_view(node: fx.Node) -> bool:
-    """Whether `node` returns a view of (or a tuple of views of) its first argument."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
+    """Whether `node` returns a view of (or a tuple of views of) its first argument; an op that
+    returned a copy on the example (`mark_copies`) does not."""
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.meta.get("copies"):
         return False
     if node.op == "call_method":
         return str(node.target) in _VIEW_METHODS
@@ -192,6 +193,45 @@ def is_view(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return len(node.args) > 1 and _basic_index(node.args[1])
     return node.target in _VIEW_FUNCTIONS or _schema_is_view(node.target)
+
+
+# Ops that return a view where their input's layout allows, else a copy.
+_VIEW_OR_COPY = {"reshape", "reshape_as", "contiguous", "flatten"}
+
+
+def _view_or_copy(node: fx.Node) -> bool:
+    target = node.target
+    if node.op == "call_method":
+        return str(target) in _VIEW_OR_COPY
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.partition("::")[2] in _VIEW_OR_COPY
+    return target in (torch.reshape, torch.flatten)
+
+
+def mark_copies(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> None:
+    """`meta["copies"] = True` on each op that returns a view or a copy as its input's layout
+    decides (`reshape`, `contiguous`, `flatten`), that a write in place goes through, and that
+    returned a copy on the example: the write is then to the copy, not to its input (BEiT's
+    `permute(...).contiguous()` index, then written). Runs the graph once, only where such a
+    write exists."""
+    suspects = set()
+    for writer in gm.graph.nodes:
+        node = written_value(gm, writer)
+        while node is not None and is_view(node):
+            if _view_or_copy(node):
+                suspects.add(node)
+            node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    if suspects:
+        from fxpipe.passes.shapes import run_watching  # the shape pass's runner: real or on meta
+
+        def watch(node: fx.Node, value: Any, args: tuple[Any, ...]) -> None:
+            if node in suspects and isinstance(value, torch.Tensor) and isinstance(args[0], torch.Tensor):
+                node.meta["copies"] = value.untyped_storage()._cdata != args[0].untyped_storage()._cdata
+
+        try:
+            run_watching(gm, inputs, watch)
+        except Exception:  # noqa: BLE001 - not runnable here: each stays a view, as before
+            pass
 
 
 def _view_root(node: fx.Node) -> fx.Node:
@@ -268,7 +308,7 @@ def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: 
             reader.replace_input_with(view, copy)
 
 
-def redirect_reads_after_writes(gm: fx.GraphModule) -> fx.GraphModule:
+def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> fx.GraphModule:
     """Make every reader that comes after an in-place write read what the write left.
 
     A direct write (`relu_(a)`, `aten.fill_(a, 1)`) returns the tensor it writes: later readers
@@ -278,6 +318,7 @@ def redirect_reads_after_writes(gm: fx.GraphModule) -> fx.GraphModule:
     it are made again from that node. Writes through views of parameters and buffers are left to
     the state passes (passes/state.py), which keep them in one stage.
     """
+    mark_copies(gm, inputs)
     graph = gm.graph
     position = {node: float(i) for i, node in enumerate(graph.nodes)}
     for writer in list(graph.nodes):

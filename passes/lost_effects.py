@@ -1,9 +1,9 @@
 """What forward does that a traced graph loses, watched on one eager run of the model:
 
-    a write in place to a tensor    a trace makes it once, while tracing (it involves no traced
-    the model does not own          value), and never again: refused, the tensor put back
-    (an attribute never registered
-    as a buffer, a global)
+    a write in place to a tensor    a trace makes it once, while tracing (when it involves no
+    the model does not own          traced value), or the pipeline makes it again in each
+    (an attribute never registered  recompute (it keeps only buffers as they were): refused,
+    as a buffer, a global)          the tensor put back
     a buffer rebound to a new       the graph computes the new value but never stores it:
     tensor (self.n = self.n + 1)    refused, the buffer put back
     a hook on a tensor              torch.export drops it: the export front end is refused
@@ -24,7 +24,11 @@ from .trace import TraceError
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    """The storage `t` views; a tensor without one (sparse, nested) stands for itself."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
@@ -52,7 +56,7 @@ class _Outside(TorchDispatchMode):
         kwargs = kwargs or {}
         for t in _written(func, args, kwargs):
             key = _storage(t)
-            if key not in self.owned and key not in self.written:
+            if key not in self.owned and key not in self.written and key != id(t):
                 self.written[key] = (t, t.untyped_storage().clone())
         out = func(*args, **kwargs)
         # A new storage is the model's own; an output on an argument's storage is a view of it.
@@ -97,8 +101,8 @@ def outside_writes_refused(model: nn.Module, inputs: Any) -> Iterator[None]:
         raise TraceError(
             f"{type(model).__name__} cannot be compiled: its forward writes in place to tensors that are not its "
             "parameters, buffers or inputs:\n" + "\n".join(f"  - {name}" for name in names) + "\nA traced graph "
-            "makes such a write once, while tracing, and never again, so the pipeline would compute otherwise "
-            "than the model.\nHow to fix: register each as a buffer of its module (self.register_buffer(name, "
+            "makes such a write once, while tracing (or, when it writes a traced value, again in each recompute), "
+            "so the pipeline would compute otherwise than the model.\nHow to fix: register each as a buffer of its module (self.register_buffer(name, "
             "tensor), with persistent=False to keep it out of the state dict); a buffer written in place is "
             "carried exactly."
         )

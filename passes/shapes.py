@@ -139,6 +139,33 @@ class _Recorder(fx.Interpreter):
         return lambda out: 0
 
 
+class _Watching(_Recorder):
+    """Runs the graph as `_Recorder` does, handing each node's value and arguments to `watch`."""
+
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
+        super().__init__(gm, on_meta)
+        self.watch = watch
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = fx.Interpreter.run_node(self, n)
+        self.watch(n, value, fx.map_arg(n.args, lambda a: self.env[a]))
+        return value
+
+
+def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
+    """Run the graph on `example` (for real when small, else on the meta device), calling
+    `watch(node, value, args)` after each node; the graph's state and the random states are
+    left as they were."""
+    with preserved(gm), torch.no_grad():
+        if not _small_on_cpu(gm, example):
+            try:
+                _Watching(gm, True, watch).run(*example)
+                return
+            except Exception:  # noqa: BLE001 - as propagate_shapes: a graph meta cannot run, runs for real
+                pass
+        _Watching(gm, False, watch).run(*example)
+
+
 # Below this many parameter bytes (all on the CPU), one real forward of the example is faster than
 # the meta device, whose first use alone takes seconds.
 REAL_RUN_LIMIT = 1 << 30

@@ -339,6 +339,18 @@ class Scaled(nn.Module):
         return self.b(self.a(x) * scale) * scale
 
 
+class TiedEnds(nn.Module):
+    """Its first and last layers share one weight: both ranks hold a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
 class PartlyNoGrad(nn.Module):
     """A `with torch.no_grad():` block in forward: torch.fx cannot capture it, torch.export does."""
 
@@ -459,6 +471,14 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
         "a plain argument of its own": lambda: scaled.train_step(x, 3.0 if last else 2.0, target=y, loss_fn=F.mse_loss),
         "autocast on one rank": lambda: _under(torch.autocast("cpu", torch.bfloat16) if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
     }
+    torch.manual_seed(0)
+    tied = TiedEnds().double()
+    if last:  # initialised apart on one rank: its copy of the tied weight differs
+        with torch.no_grad():
+            tied.a.weight.add_(0.1)
+    apart = compile_pipeline(tied, x, mesh=mesh, chunks=2, split_points=["b"], timeout=20)
+    odd["tied copies apart, forward"] = lambda: _under(torch.no_grad(), lambda: apart(x))
+    odd["tied copies apart, step"] = lambda: apart.train_step(x, target=y, loss_fn=F.mse_loss)
     report: dict[str, Any] = {}
     for what, call in odd.items():
         start = time.monotonic()

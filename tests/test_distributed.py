@@ -117,7 +117,11 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
                                 ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
-        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank"]
+        for what in ("tied copies apart, forward", "tied copies apart, step"):
+            message, _ = report[what]
+            assert "the copies of a tied parameter differ" in message and "'a.weight', held on ranks [0, 1]" in message, (what, message)
+        calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank",
+                 "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
         assert report["next step"] <= TOL
