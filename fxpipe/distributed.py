@@ -34,8 +34,8 @@ DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up o
 #   gloo  a pair's group is one TCP connection: when both ranks send a large value at once (an
 #         activation one way, a gradient the other), one of them waits milliseconds for the
 #         other's bytes to drain (benchmarks/distributed.py measures both ways).
-# Made once per mesh and world: each gloo group holds threads of its own.
-_directions: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, int], Any]]] = {}
+# Made once per mesh, timeout and world: each gloo group holds threads of its own.
+_directions: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, ...], Any]]] = {}
 
 
 @dataclass
@@ -47,8 +47,9 @@ class RankPlacement:
     me: int  # this process's pipeline coordinate
     device: torch.device  # where this rank's stages run
     timeout: float
-    dp_group: Any = None  # the "dp" process group, when the mesh has one
+    dp_group: Any = None  # the "dp" process group, when the mesh has one (one of fxpipe's, once connected)
     lines: list[list[int]] = field(default_factory=list)  # the global ranks of every pipeline of the mesh
+    replica_lines: list[list[int]] = field(default_factory=list)  # the global ranks of each stage's replicas
     directions: dict[tuple[int, int], Any] = field(default_factory=dict)  # (from, to) -> its group
 
     @property
@@ -79,6 +80,7 @@ def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
         timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
         dp_group=mesh.get_group("dp") if "dp" in names else None,
         lines=mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, len(ranks)).tolist(),
+        replica_lines=mesh.mesh.movedim(names.index("dp"), -1).reshape(-1, mesh.mesh.shape[names.index("dp")]).tolist() if "dp" in names else [],
     )
 
 
@@ -86,25 +88,32 @@ def connect(placement: RankPlacement) -> None:
     """Give `placement` its group for each direction of each pair of ranks in its pipeline,
     keyed by (from, to) pipeline coordinates. Made once the ranks have compared their plans, so
     that a rank that never came is found by that comparison, within the timeout."""
-    key = tuple(map(tuple, placement.lines))
+    key = (tuple(map(tuple, placement.lines)), tuple(map(tuple, placement.replica_lines)), placement.timeout)
     world, groups = _directions.get(key, (None, {}))
     if world is not dist.group.WORLD:  # first use of this mesh, or a new world since
         groups = _make_direction_groups(placement)
         _directions[key] = (dist.group.WORLD, groups)
     mine = placement.ranks
     placement.directions = {(a, b): groups[(mine[a], mine[b])] for a, b in itertools.permutations(range(len(mine)), 2)}
+    if placement.replica_lines:
+        placement.dp_group = next(groups[tuple(line)] for line in placement.replica_lines if dist.get_rank() in line)
 
 
-def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, int], Any]:
-    """A group for each (from, to) pair of global ranks in every pipeline of the mesh: every rank
-    makes every group, in one order, as torch.distributed requires."""
+def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, ...], Any]:
+    """A group for each (from, to) pair of global ranks in every pipeline of the mesh, and one
+    for each stage's data-parallel replicas (keyed by their global ranks), all with the
+    pipeline's timeout, which then bounds the replicas' gradient all-reduce too (the mesh's own
+    groups wait for as long as the process group's default): every rank makes every group, in
+    one order, as torch.distributed requires."""
     timeout = timedelta(seconds=placement.timeout)
     try:
-        return {
+        groups: dict[tuple[int, ...], Any] = {
             (line[a], line[b]): dist.new_group([line[a], line[b]], timeout=timeout)
             for line in placement.lines
             for a, b in itertools.permutations(range(len(line)), 2)
         }
+        groups.update({tuple(line): dist.new_group(line, timeout=timeout) for line in placement.replica_lines})
+        return groups
     except (RuntimeError, dist.DistError) as e:
         raise PeerLost(_late("making the pipeline's process groups", placement.timeout, e)) from e
 
@@ -305,7 +314,8 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
         channel.fail(e.failure)
         raise raised_here(e.failure) from e
     except BaseException as e:
-        channel.fail(Failure(channel.ranks[channel.me], -1, -1, phase, f"{type(e).__name__}: {e}"))
+        stage, micro_batch, where = getattr(e, "fxpipe_where", (-1, -1, phase))  # a Ctrl-C in a stage says where
+        channel.fail(Failure(channel.ranks[channel.me], stage, micro_batch, where, f"{type(e).__name__}: {e}"))
         raise
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,13 @@ from fxpipe.distributed import RankPlacement
 
 class ReplicaFailed(RuntimeError):
     """A data-parallel replica of this rank's stages failed its step."""
+
+
+def _collective_failure(error: BaseException) -> bool:
+    """An error of the collective itself (gloo's or NCCL's: a peer gone, a timeout), not one
+    raised by code run inside it (a hook's own error on this rank)."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(word in text for word in ("gloo", "Gloo", "NCCL", "Connection", "Timed out", "timed out", "timeout"))
 
 
 class Replicas:
@@ -64,7 +71,8 @@ class Replicas:
         for a mean-reduced loss (DDP then divides by the number of replicas)."""
         weight = float(size) if mean else 1.0
         head = torch.tensor([float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=self.where.device)
-        dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
+        with self._bounded("the replicas' agreement at the end of the step"):
+            dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
         if head[0] > 0:
             raise ReplicaFailed(self._failures(failed))
         if any(0 < int(n) < self.size for n in head[3:].tolist()):
@@ -90,8 +98,26 @@ class Replicas:
         self.watch(held, [id(p) in given for p in held])
         if self._ddp is None:
             return
-        with torch.enable_grad(), contextlib.nullcontext() if self.syncing else self._ddp.no_sync():
+        with self._bounded("the replicas' gradient all-reduce"), torch.enable_grad(), contextlib.nullcontext() if self.syncing else self._ddp.no_sync():
             self._ddp(given).backward()
+
+    @contextlib.contextmanager
+    def _bounded(self, what: str) -> Iterator[None]:
+        """A collective of the replicas that fails (a replica died, or raised inside it: a hook on
+        a parameter, say, while the others wait for its share) raises ReplicaFailed, naming the
+        replicas' ranks; fxpipe's replica groups bound the wait by the pipeline's timeout."""
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, ReplicaFailed) or not _collective_failure(e):
+                raise
+            ranks = dist.get_process_group_ranks(self.where.dp_group)
+            raise ReplicaFailed(
+                f"{what} failed on rank {dist.get_rank()}: a data-parallel replica of this rank's stages (ranks "
+                f"{ranks}) died, or raised in it and never sent its share, or took longer than timeout="
+                f"{self.where.timeout:g}s: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}\n"
+                "The process group may be broken now: end the processes (torchrun restarts them)."
+            ) from e
 
 
 class _Sink(nn.Module):

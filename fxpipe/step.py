@@ -247,10 +247,13 @@ class Step:
         with worker_state(), on_device(self.stages[local[0]].device if local else torch.device("cpu")):
             for run in tasks:
                 run()
-                interrupted = [e for e in group.errors.values() if not isinstance(e, Exception)]
+                interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
                 if interrupted:  # Ctrl-C: stop the step, and let the caller see it as it is
                     self.cancel()
-                    raise interrupted[0]
+                    action, error = interrupted[0]
+                    # Where it struck, for the other ranks' message (distributed.failing_together).
+                    error.fxpipe_where = (action.stage, action.micro_batch, _PHASES[action.kind])  # type: ignore[attr-defined]
+                    raise error
 
     def _turn(self, action: Action) -> tuple[float, int]:
         """When an action runs in the schedule with unit costs, then its stage: of two failures,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import time
 from typing import Any, Callable
 
 import torch
@@ -119,6 +120,8 @@ class FailsAt(nn.Module):
 def _check(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if bool((x[:, 0] == 99).any()):
         raise ValueError("marked row reached the check")
+    if bool((x[:, 0] == 77).any()):
+        raise KeyboardInterrupt  # as Ctrl-C would
     return h
 
 
@@ -126,8 +129,6 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
     """A stage raises on micro-batch 2: every rank raises the same StageError, in bounded time,
     the gradient of a temperature the loss reads (outside every stage) is put back as it was
     before the step; and the next step runs."""
-    import time
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = FailsAt().double()
@@ -153,14 +154,18 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
     put_back = (held is None and temperature.grad is None) or (held is not None and temperature.grad is not None and torch.equal(held, temperature.grad))
     ok_loss = float(pipe.train_step(x, target=zeros, loss_fn=loss_fn))
     expected = F.mse_loss(reference(x) / 2, zeros).item()
-    return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None)
+    bad[4, 0] = 77  # a Ctrl-C in the same place: bare where it struck, named with its place elsewhere
+    try:
+        pipe.train_step(bad, target=zeros, loss_fn=loss_fn)
+        interrupted = "no error"
+    except BaseException as e:  # noqa: BLE001 - what the test inspects
+        interrupted = f"{type(e).__name__}: {e}"
+    return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None, interrupted=interrupted)
 
 
 def dying_rank(rank: int, world: int) -> dict[str, Any]:
     """The last rank exits in the middle of a step: the others raise, naming it."""
     import os
-    import time
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = FanOut().double()
@@ -182,8 +187,6 @@ def never_compiles(rank: int, world: int, dies: bool) -> dict[str, Any]:
     """The last rank never calls compile_pipeline: it exits (`dies`), or stays alive past the
     others' timeout and then exits. The others raise, within their timeout, saying why."""
     import os
-    import time
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     if rank == world - 1:
         if not dies:
@@ -457,8 +460,6 @@ def _fan_out_on(mesh: Any, timeout: float) -> tuple[Any, nn.Module, torch.Tensor
 def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     """Each rank makes its own call, and one of them differs, or is refused on one rank only: every
     rank raises within the step, before any gradient moves, and the next step is the plain model's."""
-    import time
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     pipe, reference, x, y = _fan_out_on(mesh, timeout=20)
     scaled = compile_pipeline(Scaled().double(), (x, 2.0), mesh=mesh, chunks=2, timeout=20)
@@ -996,8 +997,6 @@ def replicas_through_ddp(rank: int, world: int) -> dict[str, Any]:
 def clipped_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     """Rank 0 clips and the other does not: rank 0 raises within the timeout, saying what it
     waited for and that every rank must call it."""
-    import time
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     pipe, _, x, y = _fan_out_on(mesh, timeout=3)
     pipe.train_step(x, target=y, loss_fn=F.mse_loss)
@@ -1069,11 +1068,29 @@ def replica_fails(rank: int, world: int) -> dict[str, Any]:
     expected = F.mse_loss(reference(x), y)
     expected.backward()
     ref = dict(reference.named_parameters())
-    return dict(
+    found = dict(
         error=error,
         loss=abs(loss.item() - expected.item()),
         grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters()),
     )
+    # Last (the group may be broken after): a hook on a parameter raising inside the gradient
+    # all-reduce on replica 1; replica 0, waiting for its share, raises within the timeout.
+    quick = compile_pipeline(FailsAt().double(), x[share], mesh=mesh, chunks=2, timeout=3)
+    quick.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+    if rank == 1:
+        next(iter(quick.parameters())).register_hook(_refusing_hook)
+    start = time.monotonic()
+    try:
+        quick.train_step(x[share], target=y[share], loss_fn=F.mse_loss)
+        found["hook"] = "no error"
+    except Exception as e:  # noqa: BLE001 - what the test inspects
+        found["hook"] = f"{type(e).__name__}: {e}"
+    found["hook took"] = time.monotonic() - start
+    return found
+
+
+def _refusing_hook(grad: torch.Tensor) -> torch.Tensor:
+    raise ValueError("the hook refuses")
 
 
 class _WithUnread(nn.Module):

@@ -82,6 +82,11 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert abs(got[0]["next_loss"] - got[0]["expected"]) <= TOL, "the failed step left the model as it was"
     assert got[-1]["held"], "the last rank, which runs the loss, holds the temperature's gradient"
     assert all(r["put_back"] for r in got), "the failed step left the temperature's gradient as it was"
+    # A KeyboardInterrupt: bare on its rank, and the others name where it struck.
+    interrupted = [r["interrupted"] for r in got]
+    assert interrupted.count("KeyboardInterrupt: ") == 1, interrupted
+    named = [text for text in interrupted if text != "KeyboardInterrupt: "]
+    assert all(f"stage {stage} (rank {rank}) failed on micro-batch 2 in forward: KeyboardInterrupt" in text for text in named), named
 
 
 def test_clip_grad_norm_clips_by_the_norm_of_every_ranks_gradients() -> None:
@@ -361,6 +366,11 @@ def test_a_replica_that_fails_makes_the_others_raise_naming_its_rank_and_error()
     assert "marked row reached the check" in healthy["error"] and "micro-batch 1" in healthy["error"], healthy
     for found in (failed, healthy):
         assert found["loss"] <= TOL and found["grads"] <= TOL, found
+    # A hook raising inside DDP's all-reduce on one replica: before, the other waited for as
+    # long as the process group's default timeout (30 minutes under torchrun).
+    assert failed["hook"] == "ValueError: the hook refuses", failed["hook"]
+    assert healthy["hook"].startswith("ReplicaFailed: the replicas' gradient all-reduce failed on rank 0"), healthy["hook"]
+    assert "ranks [0, 1]" in healthy["hook"] and healthy["hook took"] < 10, healthy
 
 
 def test_what_no_stage_reads_stays_on_the_first_rank() -> None:
