@@ -14,6 +14,7 @@ from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from fxpipe.frontend import to_graph
 from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
 from fxpipe.microbatch import batch_size_of, example_leaves, forward_signature, spec_dims
+from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
 from fxpipe.passes.placement import pin_devices
@@ -390,36 +391,38 @@ def compile_pipeline(
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
         example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
-    _refuse_sequence_first(traced.graph, chunks, spec)
-    bound = traced.bind(example_args, example_kwargs)
-    inputs = tuple(bound.values())
-    gm = redirect_reads_after_writes(traced.graph, inputs)
-    propagate_shapes(gm, inputs)
-    split = spec_dims(signature, spec, example_args, example_kwargs)
-    annotate_batch_dims(gm, inputs, chunks, split)
-    annotate_costs(gm)
-    # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
-    traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
-    chosen = split_points is not None or any(is_split(n) for n in traced_order)
-    order = traced_order if chosen else linearize(gm)
-    on_cpu = all(d.type == "cpu" for d in parsed)
-    costs = dict(
-        chunks=chunks,
-        checkpointed=checkpoint_stop(checkpoint, chunks),
-        param_scale=param_scale,
-        bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
-        flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
-    )
-    caps = _caps(device_memory, len(parsed))
-    runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
-    edges = find_edges(gm, len(parsed))
-    pin_devices(gm, parsed)
-    cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
-    if traced.eval_graph is not None:
-        cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split))
-    else:
-        cuts[False] = cuts[True]
-    place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
+    # The passes run the graph: what a module called whole assigns (a call counter) is put back.
+    with assignments_recorded(model):
+        _refuse_sequence_first(traced.graph, chunks, spec)
+        bound = traced.bind(example_args, example_kwargs)
+        inputs = tuple(bound.values())
+        gm = redirect_reads_after_writes(traced.graph, inputs)
+        propagate_shapes(gm, inputs)
+        split = spec_dims(signature, spec, example_args, example_kwargs)
+        annotate_batch_dims(gm, inputs, chunks, split)
+        annotate_costs(gm)
+        # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
+        traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+        chosen = split_points is not None or any(is_split(n) for n in traced_order)
+        order = traced_order if chosen else linearize(gm)
+        on_cpu = all(d.type == "cpu" for d in parsed)
+        costs = dict(
+            chunks=chunks,
+            checkpointed=checkpoint_stop(checkpoint, chunks),
+            param_scale=param_scale,
+            bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
+            flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
+        )
+        caps = _caps(device_memory, len(parsed))
+        runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
+        edges = find_edges(gm, len(parsed))
+        pin_devices(gm, parsed)
+        cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
+        if traced.eval_graph is not None:
+            cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split))
+        else:
+            cuts[False] = cuts[True]
+        place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
     report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
     plan = Plan(
         stages=_stage_plans(runs, parsed, edges, report, memory),

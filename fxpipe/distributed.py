@@ -159,11 +159,13 @@ def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
 
 
 def plan_parts(plan: Plan) -> dict[str, str]:
-    """What every rank's plan must agree on, by part, each as a short digest."""
+    """What every rank's plan must agree on, by part, each as a short digest: the stages' nodes
+    and parameter bytes (a layer built wider on one rank), and what travels. Not the shapes of
+    what travels: data-parallel replicas may compile with shares of different sizes."""
     parts = {
         "options": repr((plan.chunks, plan.checkpoint, plan.schedule, plan.ranks)),
-        "edges": repr([(e.value, e.src, e.dst, e.kind) for e in plan.edges]),
-        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs)) for s in plan.stages},
+        "edges": repr([(e.value, e.src, e.dst, e.kind, e.dtype) for e in plan.edges]),
+        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs, s.param_bytes)) for s in plan.stages},
     }
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 

@@ -14,7 +14,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
-from fxpipe.passes.assignments import AssignmentError, assignments_recorded, refuse_assignments
+from fxpipe.passes.assignments import AssignmentError, StableAssignments, assignments_recorded, refuse_assignments
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -302,26 +302,33 @@ def to_graph(
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
-    with preserved(model), assignments_recorded(model) as changed:
-        hooks = _refuse_effects_a_trace_loses(model, example, kwargs)
-        traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
-    _refuse_lost_assignments(model, traced, changed)
+    with preserved(model):
+        with StableAssignments(model) as stable:
+            hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
+        try:
+            with assignments_recorded(model) as changed:
+                traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
+            _refuse_lost_assignments(model, traced, changed)
+        except BaseException:
+            stable.undo()
+            raise
     return traced
 
 
-def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments) -> int:
     """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
     then), and refuse what a trace would lose (passes/lost_effects.py); return how many hooks
-    forward registered on tensors. A model that does not run is left to the front ends, whose
-    errors say why; a model on the meta device is not run (shapes only)."""
+    forward registered on tensors. Each run is told to `stable`, which keeps the plain values
+    every run assigns alike. A model that does not run is left to the front ends, whose errors
+    say why; a model on the meta device is not run (shapes only)."""
     if is_on_meta(model):
         return 0
     with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), tensor_hooks_counted() as hooks:
         try:
             with torch.enable_grad():
-                _in_both_modes(model, lambda: model(*example, **kwargs))
+                _in_both_modes(model, lambda: (model(*example, **kwargs), stable.ran()))
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
-            pass
+            stable.ends.clear()
     return hooks.count
 
 

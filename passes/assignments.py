@@ -50,6 +50,52 @@ def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
                     module._buffers[name] = buffer
 
 
+def _plain(value: Any) -> bool:
+    return value is None or type(value) in (bool, int, float, str) or (type(value) is tuple and all(map(_plain, value)))
+
+
+class StableAssignments:
+    """Runs of the model in a `with` block, each followed by `ran()`: a public attribute that
+    every run leaves with one plain value (Swin's `self.shift_size = 0`, set from the input's
+    size) keeps it when the block ends, as a call of the plain model leaves it, and a trace then
+    assigning it the same value changes nothing; every other assignment is put back, as is
+    everything when the block raises. `undo()` puts back the kept ones too (compiling failed)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.before = {path: (module, _public(module)) for path, module in model.named_modules()}
+        self.ends: list[dict[tuple[str, str], Any]] = []
+        self.kept: dict[tuple[str, str], Any] = {}
+
+    def ran(self) -> None:
+        self.ends.append({
+            (path, name): value
+            for path, (module, values) in self.before.items()
+            for name, value in _public(module).items()
+            if name not in values or _changed(values[name], value)
+        })  # fmt: skip
+
+    def __enter__(self) -> "StableAssignments":
+        return self
+
+    def __exit__(self, kind: Any, *rest: Any) -> None:
+        first = self.ends[0] if self.ends and kind is None else {}
+        self.kept = {key: v for key, v in first.items() if _plain(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
+        self._put_back(keep=True)
+
+    def undo(self) -> None:
+        self._put_back(keep=False)
+
+    def _put_back(self, keep: bool) -> None:
+        for path, (module, values) in self.before.items():
+            for name, value in list(_public(module).items()):
+                if keep and (path, name) in self.kept:
+                    continue
+                if name not in values:
+                    delattr(module, name)
+                elif _changed(values[name], value):
+                    setattr(module, name, values[name])
+
+
 def _changed(before: Any, after: Any) -> bool:
     """A new object that is not an equal plain value (torch.export swaps some attributes, such
     as a LayerNorm's `normalized_shape`, for equal copies)."""

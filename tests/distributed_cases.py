@@ -215,16 +215,21 @@ def unfillable_across(rank: int, world: int) -> str:
     return "compiled"
 
 
-def mismatched_plans(rank: int, world: int) -> str:
-    """Ranks that compile different models: every rank raises, naming what differs."""
+def mismatched_plans(rank: int, world: int) -> list[str]:
+    """Ranks that compile different models (cut elsewhere; a layer wider on one rank): every
+    rank raises, naming what differs."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    model = FanOut().double()
     x = torch.randn(8, 6, dtype=torch.float64)
-    try:
-        compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=["layers.2"] if rank == 0 else ["layers.4"])
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    width = 8 if rank == 1 else 6
+    wider = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 6)).double()
+    found = []
+    for model, splits in [(FanOut().double(), ["layers.2"] if rank == 0 else ["layers.4"]), (wider, ["2"])]:
+        try:
+            compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=splits)
+            found.append("no error")
+        except RuntimeError as e:
+            found.append(str(e))
+    return found
 
 
 def refusals(rank: int, world: int) -> list[str]:

@@ -186,6 +186,65 @@ def test_attributes_assigned_in_forward_are_refused_and_leave_no_trace() -> None
     assert not hasattr(model, "hidden")
 
 
+class SetsShift(nn.Module):
+    """Swin's pattern: forward sets a plain value from the input's size, the same on every call
+    at that size; or (`counts`) counts its calls, a value no two calls leave alike."""
+
+    def __init__(self, counts: bool = False) -> None:
+        super().__init__()
+        self.counts = counts
+        self.linear = nn.Linear(4, 4)
+        self.shift, self.calls = 3, 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.counts:
+            self.calls += 1
+        elif h.shape[0] < 100:
+            self.shift = 1
+        return torch.roll(self.linear(h), self.shift, 1)
+
+
+class Shifted(nn.Module):
+    def __init__(self, counts: bool = False) -> None:
+        super().__init__()
+        self.a, self.s, self.b = nn.Linear(4, 4), SetsShift(counts), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.s(self.a(x))))
+
+
+class ShiftedExported(Shifted):
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # torch.fx cannot name *args
+        return super().forward(args[0])
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("make", [Shifted, ShiftedExported])
+def test_a_plain_value_every_call_assigns_alike_is_kept_as_a_call_leaves_it(make: type[Shifted]) -> None:
+    # Before, torch.export's graph was refused for it (HF Swin's shift_size, Funnel's seq_len).
+    model, reference = twin(make())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert model.s.shift == 1, "what one call of the plain model leaves"
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+def test_a_counter_a_module_kept_whole_assigns_is_left_as_it_was_by_compiling() -> None:
+    # Before, the passes' runs of the graph left it at 4 before any call.
+    model = Shifted(counts=True).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert model.s.calls == 0
+    pipe(x)
+    assert model.s.calls == 2, "once per micro-batch, as the plain model run on them in turn"
+    with pytest.raises(TraceError, match="assigns 's.calls'"):
+        compile_pipeline(ShiftedExported(counts=True), x.float(), ["cpu"] * 2, chunks=2)
+
+
 class ReadsBuffer(nn.Module):
     cval: torch.Tensor  # a buffer, registered in __init__
 
