@@ -1,4 +1,4 @@
-"""What forward does that a traced graph loses, watched on one eager run of the model:
+"""What forward does that a traced graph loses, watched as the model runs eagerly, once in each mode:
 
     a write in place to a tensor    a trace makes it once, while tracing (when it involves no
     the model does not own          traced value), or the pipeline makes it again in each
@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .trace import TraceError
+from fxpipe.passes.trace import TraceError
 
 
 def _storage(t: torch.Tensor) -> int:
