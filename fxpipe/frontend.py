@@ -18,6 +18,7 @@ from fxpipe.passes.assignments import AssignmentError, StableAssignments, assign
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
+from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
 from fxpipe.passes.validate import check_graph, first_line
@@ -320,8 +321,9 @@ def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kw
     then), and refuse what a trace would lose (passes/lost_effects.py); return how many hooks
     forward registered on tensors. Each run is told to `stable`, which keeps the plain values
     every run assigns alike. A model that does not run is left to the front ends, whose errors
-    say why; a model on the meta device is not run (shapes only)."""
-    if is_on_meta(model):
+    say why. Only a model small enough to run whole is run, as for the graph's check (on the
+    CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
+    if is_on_meta(model) or not _small_on_cpu(model, (example, kwargs)):
         return 0
     with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), tensor_hooks_counted() as hooks:
         try:

@@ -171,7 +171,7 @@ def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Callable[[
 REAL_RUN_LIMIT = 1 << 30
 
 
-def _small_on_cpu(gm: fx.GraphModule, example: tuple[Any, ...]) -> bool:
+def _small_on_cpu(gm: nn.Module, example: tuple[Any, ...]) -> bool:
     tensors = [*gm.parameters(), *gm.buffers(), *(t for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))]
     return all(t.device.type == "cpu" for t in tensors) and sum(t.numel() * t.element_size() for t in gm.parameters()) < REAL_RUN_LIMIT
 
