@@ -262,7 +262,7 @@ def model_class(spec: Spec) -> type:
     _counter[0] += 1
     filename = f"<fxpipe-dag-{_counter[0]}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
-    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "F": torch.nn.functional, "Doubled": Doubled}
+    namespace: dict[str, Any] = {"torch": torch, "nn": nn, "F": F, "Doubled": Doubled}
     exec(compile(src, filename, "exec"), namespace)
     return namespace["Model"]
 
