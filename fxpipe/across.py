@@ -66,7 +66,7 @@ def _train_across(
     try:
         with failing_together(channel, "preparing the call"):
             call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept)
-            _agree(pipe, call, "train_step")
+            _agree(pipe, call, f"train_step, reduction={reduction!r}")
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]
         here = channel.me == loss_rank

@@ -70,12 +70,21 @@ class Replicas:
         the whole batch's loss, and the scale of this replica's gradients, its share of the batch
         for a mean-reduced loss (DDP then divides by the number of replicas)."""
         weight = float(size) if mean else 1.0
-        head = torch.tensor([float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, present)], dtype=torch.float64, device=self.where.device)
+        head = torch.tensor(
+            [float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, float(mean), *map(float, present)],
+            dtype=torch.float64, device=self.where.device,
+        )  # fmt: skip
         with self._bounded("the replicas' agreement at the end of the step"):
             dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
         if head[0] > 0:
             raise ReplicaFailed(self._failures(failed))
-        if any(0 < int(n) < self.size for n in head[3:].tolist()):
+        if 0 < int(head[3]) < self.size:
+            raise RuntimeError(
+                f"the data-parallel replicas of this rank's stages (ranks {dist.get_process_group_ranks(self.where.dp_group)}) "
+                "reduced their losses differently: 'mean' on some, 'sum' on others, so their gradients cannot be "
+                "combined.\nHow to fix: pass the same reduction to train_step on every rank."
+            )
+        if any(0 < int(n) < self.size for n in head[4:].tolist()):
             raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
         total = float(head[1]) if mean else 1.0
         new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)

@@ -483,6 +483,7 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
         with torch.no_grad():
             tied.a.weight.add_(0.1)
     apart = compile_pipeline(tied, x, mesh=mesh, chunks=2, split_points=["b"], timeout=20)
+    odd["another reduction"] = lambda: pipe.train_step(x, target=y, loss_fn=_summed if last else F.mse_loss, reduction="sum" if last else "mean")
     odd["tied copies apart, forward"] = lambda: _under(torch.no_grad(), lambda: apart(x))
     odd["tied copies apart, step"] = lambda: apart.train_step(x, target=y, loss_fn=F.mse_loss)
     report: dict[str, Any] = {}
@@ -499,6 +500,10 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     expected.backward()
     report["next step"] = max(abs(float(loss) - expected.item()), *(_max_diff(p.grad, dict(reference.named_parameters())[n].grad) for n, p in pipe.named_parameters()))
     return report
+
+
+def _summed(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target, reduction="sum")
 
 
 def dropped_after_refusal(rank: int, world: int, rounds: int = 3) -> list[float]:
@@ -1078,6 +1083,12 @@ def replica_fails(rank: int, world: int) -> dict[str, Any]:
         loss=abs(loss.item() - expected.item()),
         grads=max(_max_diff(p.grad, ref[n].grad) for n, p in model.named_parameters()),
     )
+    # Replicas reducing their losses differently cannot combine their gradients: both refuse.
+    try:
+        pipe.train_step(x[share], target=y[share], loss_fn=_summed if rank == 1 else F.mse_loss, reduction="sum" if rank == 1 else "mean")
+        found["reductions"] = "no error"
+    except RuntimeError as e:
+        found["reductions"] = str(e)
     # Last (the group may be broken after): a hook on a parameter raising inside the gradient
     # all-reduce on replica 1; replica 0, waiting for its share, raises within the timeout.
     quick = compile_pipeline(FailsAt().double(), x[share], mesh=mesh, chunks=2, timeout=3)

@@ -119,14 +119,15 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
                                 ("no_grad on one rank", "grad: rank 0 True, rank 1 False"),
                                 ("eval on one rank", "mode: rank 0 ('train'"),
                                 ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}"),
-                                ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16")]:  # fmt: skip
+                                ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16"),
+                                ("another reduction", "call: rank 0 train_step, reduction='mean', rank 1 train_step, reduction='sum'")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
         for what in ("tied copies apart, forward", "tied copies apart, step"):
             message, _ = report[what]
             assert "the copies of a tied parameter differ" in message and "'a.weight', held on ranks [0, 1]" in message, (what, message)
         calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank",
-                 "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
+                 "another reduction", "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
         assert report["next step"] <= TOL
@@ -367,6 +368,9 @@ def test_a_replica_that_fails_makes_the_others_raise_naming_its_rank_and_error()
     assert "marked row reached the check" in healthy["error"] and "micro-batch 1" in healthy["error"], healthy
     for found in (failed, healthy):
         assert found["loss"] <= TOL and found["grads"] <= TOL, found
+    # Before, replicas reducing their losses differently mixed 'mean' and 'sum' gradients silently.
+    for found in (failed, healthy):
+        assert "reduced their losses differently" in found["reductions"] and "ranks [0, 1]" in found["reductions"], found["reductions"]
     # A hook raising inside DDP's all-reduce on one replica: before, the other waited for as
     # long as the process group's default timeout (30 minutes under torchrun).
     assert failed["hook"] == "ValueError: the hook refuses", failed["hook"]
