@@ -84,7 +84,7 @@ def _train_across(
         if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
             wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
             with contextlib.suppress(Exception):
-                pipe._replicas.agree([False] * wanting, None, 0, True, failed=_first_line(e))
+                pipe._replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
         raise
     if not here:
         total, problem = got[loss_rank]
@@ -96,7 +96,8 @@ def _train_across(
         return (total, outputs) if return_outputs else total
     present = [g is not None for g in grads]
     try:
-        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed=f"ValueError: {problem}" if problem else "")
+        failed = f"ValueError: {problem}" if problem else ""
+        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed, _alike(pipe, call))
     except ReplicaFailed:
         if problem is None:
             raise
@@ -105,6 +106,12 @@ def _train_across(
     if call.grad:
         pipe._replicas.accumulate(pipe._held_here(call.program), call.params, grads, scale)
     return (total, outputs) if return_outputs else total
+
+
+def _alike(pipe: Pipeline, call: Optional[_Call]) -> dict[str, bool]:
+    """What data-parallel replicas compare of their calls (the same keys on every replica, a
+    failed one's too: the values travel in one all-reduce)."""
+    return {"training mode": pipe.training, "autocast": call is not None and bool(call.context.autocast)}
 
 
 def _agree(pipe: Pipeline, call: _Call, kind: str) -> None:

@@ -63,28 +63,32 @@ class Replicas:
         self._held = key
 
     def agree(
-        self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: str = ""
+        self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: str = "", alike: Optional[dict[str, bool]] = None
     ) -> tuple[float, Optional[torch.Tensor]]:
         """What every replica needs before gradients move: whether one failed (`failed` says how;
         then each raises, naming the failures, and none waits for gradients that will not come),
-        the whole batch's loss, and the scale of this replica's gradients, its share of the batch
-        for a mean-reduced loss (DDP then divides by the number of replicas)."""
+        that every replica's call was `alike` (its reduction, mode, autocast: else their gradients
+        do not combine), the whole batch's loss, and the scale of this replica's gradients, its
+        share of the batch for a mean-reduced loss (DDP then divides by the number of replicas)."""
+        alike = {"reduction='mean'": mean, **(alike or {})}
         weight = float(size) if mean else 1.0
         head = torch.tensor(
-            [float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, float(mean), *map(float, present)],
+            [float(bool(failed)), float(size), 0.0 if loss is None else float(loss) * weight, *map(float, alike.values()), *map(float, present)],
             dtype=torch.float64, device=self.where.device,
         )  # fmt: skip
         with self._bounded("the replicas' agreement at the end of the step"):
             dist.all_reduce(head, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
         if head[0] > 0:
             raise ReplicaFailed(self._failures(failed))
-        if 0 < int(head[3]) < self.size:
+        differ = [name for name, n in zip(alike, head[3:].tolist()) if 0 < int(n) < self.size]
+        if differ:
             raise RuntimeError(
                 f"the data-parallel replicas of this rank's stages (ranks {dist.get_process_group_ranks(self.where.dp_group)}) "
-                "reduced their losses differently: 'mean' on some, 'sum' on others, so their gradients cannot be "
-                "combined.\nHow to fix: pass the same reduction to train_step on every rank."
+                f"were called differently: {', '.join(differ)} on some and not on others, so their gradients "
+                "cannot be combined.\nHow to fix: call train_step alike on every replica: the same reduction, under "
+                "the same autocast, in the same train or eval mode."
             )
-        if any(0 < int(n) < self.size for n in head[4:].tolist()):
+        if any(0 < int(n) < self.size for n in head[3 + len(alike):].tolist()):
             raise RuntimeError("a parameter got a gradient on some data-parallel replicas and not on others: the replicas ran different graphs")
         total = float(head[1]) if mean else 1.0
         new_loss = None if loss is None else torch.tensor(float(head[2]) / total, dtype=loss.dtype, device=loss.device)

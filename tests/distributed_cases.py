@@ -1089,6 +1089,11 @@ def replica_fails(rank: int, world: int) -> dict[str, Any]:
         found["reductions"] = "no error"
     except RuntimeError as e:
         found["reductions"] = str(e)
+    try:
+        _in_mode(pipe, rank == 0, lambda: pipe.train_step(x[share], target=y[share], loss_fn=F.mse_loss))
+        found["modes"] = "no error"
+    except RuntimeError as e:
+        found["modes"] = str(e)
     # Last (the group may be broken after): a hook on a parameter raising inside the gradient
     # all-reduce on replica 1; replica 0, waiting for its share, raises within the timeout.
     quick = compile_pipeline(FailsAt().double(), x[share], mesh=mesh, chunks=2, timeout=3)

@@ -370,7 +370,9 @@ def test_a_replica_that_fails_makes_the_others_raise_naming_its_rank_and_error()
         assert found["loss"] <= TOL and found["grads"] <= TOL, found
     # Before, replicas reducing their losses differently mixed 'mean' and 'sum' gradients silently.
     for found in (failed, healthy):
-        assert "reduced their losses differently" in found["reductions"] and "ranks [0, 1]" in found["reductions"], found["reductions"]
+        assert "were called differently: reduction='mean' on some and not on others" in found["reductions"], found["reductions"]
+        assert "ranks [0, 1]" in found["reductions"], found["reductions"]
+        assert "were called differently: training mode on some and not on others" in found["modes"], found["modes"]
     # A hook raising inside DDP's all-reduce on one replica: before, the other waited for as
     # long as the process group's default timeout (30 minutes under torchrun).
     assert failed["hook"] == "ValueError: the hook refuses", failed["hook"]
