@@ -40,6 +40,7 @@ class Traced:
     bind: Binder
     note: Optional[str] = None
     eval_graph: Optional[fx.GraphModule] = None
+    fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -284,7 +285,7 @@ def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str
     graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
     wholes = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
     try:
-        refuse_assignments(changed, wholes)
+        refuse_assignments(changed, wholes, exported=traced.fx_failure)
     except AssignmentError as error:
         raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
 
@@ -306,6 +307,13 @@ def to_graph(
     with preserved(model):
         with StableAssignments(model) as stable:
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
+        if stable.filled:
+            warnings.warn(
+                f"{type(model).__name__}'s forward changes the contents of {', '.join(stable.filled)}, which the "
+                "pipeline's generated stages do not: the graph computes from what the model held when compiled "
+                "(a cache is computed again on each call), and those containers stay as they were.",
+                stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
+            )
         try:
             with assignments_recorded(model) as changed:
                 traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
@@ -406,5 +414,6 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
             f"{_fix_for(export_failure)}".rstrip()
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
+    traced.fx_failure = fx_failure.summary
     warnings.warn(traced.note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
     return traced

@@ -6,6 +6,7 @@ Proxy). A module the graph calls whole runs its own forward, assignments include
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
@@ -26,18 +27,63 @@ def _public(module: nn.Module) -> dict[str, Any]:
     return {name: value for name, value in vars(module).items() if not name.startswith("_") and name != "training"}
 
 
+class Contents:
+    """The contents of the dicts, lists and sets `model`'s modules hold as public attributes (a
+    cache a forward fills, such as LeViT's `attention_bias_cache`), to put back after a run: a
+    trace then starts from what the model held, not from what an earlier run left there (a
+    tensor it would bake into the graph as a constant)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.saved = [
+            (path, name, value, copy.copy(value))
+            for path, module in model.named_modules()
+            for name, value in _public(module).items()
+            if isinstance(value, (dict, list, set))
+        ]  # fmt: skip
+
+    def put_back(self) -> list[str]:
+        """Put the contents back; the paths of the containers whose contents had changed."""
+        changed = []
+        for path, name, value, before in self.saved:
+            if _same_contents(value, before):
+                continue
+            changed.append(f"{path}.{name}" if path else name)
+            value.clear()
+            value.update(before) if isinstance(value, (dict, set)) else value.extend(before)
+        return changed
+
+
+def _swapped_container(before: Any, after: Any) -> bool:
+    """A dict, list or set replaced by another of its kind: a container the model refills, whose
+    contents `Contents` looks after, not an assignment to carry."""
+    return before is not after and type(before) is type(after) and isinstance(before, (dict, list, set))
+
+
+def _same_contents(now: Any, before: Any) -> bool:
+    if isinstance(now, dict):
+        return now.keys() == before.keys() and all(now[k] is before[k] for k in now)
+    if isinstance(now, list):
+        return len(now) == len(before) and all(a is b for a, b in zip(now, before))
+    return bool(now == before)
+
+
 @contextmanager
 def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
     """Within this block, public attributes and buffers assigned on `model`'s modules are listed
     (by path, once the block ends) and put back as they were. A buffer counts: `self.count += 1`
     assigns it the traced sum, which a graph does not write into the buffer."""
     before = {name: (module, _public(module), dict(module._buffers)) for name, module in model.named_modules()}
+    contents = Contents(model)
     changed: list[str] = []
     try:
         yield changed
     finally:
+        contents.put_back()  # a cache a run filled: not an assignment, and not kept
         for path, (module, values, buffers) in before.items():
             for name, value in _public(module).items():
+                if name in values and _swapped_container(values[name], value):
+                    setattr(module, name, values[name])  # a cache emptied anew (LeViT's train()): put back
+                    continue
                 if name not in values or _changed(values[name], value):
                     changed.append(f"{path}.{name}" if path else name)
                     if name in values:
@@ -65,13 +111,15 @@ class StableAssignments:
         self.before = {path: (module, _public(module)) for path, module in model.named_modules()}
         self.ends: list[dict[tuple[str, str], Any]] = []
         self.kept: dict[tuple[str, str], Any] = {}
+        self.contents = Contents(model)
+        self.filled: list[str] = []  # containers whose contents the runs changed (put back)
 
     def ran(self) -> None:
         self.ends.append({
             (path, name): value
             for path, (module, values) in self.before.items()
             for name, value in _public(module).items()
-            if name not in values or _changed(values[name], value)
+            if name not in values or (_changed(values[name], value) and not _swapped_container(values[name], value))
         })  # fmt: skip
 
     def __enter__(self) -> "StableAssignments":
@@ -81,6 +129,7 @@ class StableAssignments:
         first = self.ends[0] if self.ends and kind is None else {}
         self.kept = {key: v for key, v in first.items() if _plain(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
         self._put_back(keep=True)
+        self.filled = self.contents.put_back()
 
     def undo(self) -> None:
         self._put_back(keep=False)
@@ -92,7 +141,7 @@ class StableAssignments:
                     continue
                 if name not in values:
                     delattr(module, name)
-                elif _changed(values[name], value):
+                elif _changed(values[name], value) or _swapped_container(values[name], value):
                     setattr(module, name, values[name])
 
 
@@ -109,17 +158,22 @@ def _changed(before: Any, after: Any) -> bool:
         return True
 
 
-def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = ()) -> None:
+def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = (), exported: str = "") -> None:
     """Raise `AssignmentError` for the assignments of `changed` outside the modules (by path)
-    that a graph calls whole."""
+    that a graph calls whole. `exported`: why torch.fx could not trace the model, when
+    torch.export captured it (which keeps no module whole)."""
     wholes = [f"{path}." for path in called_whole]
     lost = [name for name in changed if not any(name.startswith(prefix) for prefix in wholes)]
     if lost:
+        whole = (
+            f"Keeping the module whole (leaf_modules=[...]) needs torch.fx, which could not trace the model "
+            f"({exported}): make it traceable (name forward's arguments), then keep the module that stores it whole."
+            if exported else "Or keep the module that stores it whole (leaf_modules=[...])."
+        )
         raise AssignmentError(
             f"the model's forward assigns {', '.join(repr(name) for name in lost)}: a pipeline runs the "
             "forward as generated stages, which cannot keep such an attribute up to date.\n"
-            "How to fix: return the value from forward instead of storing it on the module, or keep "
-            "the module that stores it whole (leaf_modules=[...]).",
+            f"How to fix: return the value from forward instead of storing it on the module. {whole}",
             [name.rpartition(".")[0] for name in lost],
         )
 

@@ -6,7 +6,9 @@ parameters and buffers, or a tensor attribute it takes) goes to the first stage,
 inputs' stages, that reads the same state in the training graph: each parameter stays on the
 device that holds it in training, and across processes on the rank that trains it. Any other
 node goes to the latest stage among its inputs. A stage never precedes its inputs' stages, so
-values only travel forward.
+values only travel forward. An in-place write through a view runs in one stage with the views
+it writes through (as the training cut keeps them, passes/state.write_chains): they all go to
+the latest of their stages.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.fx as fx
 
 from fxpipe.passes.attrs import tensors_read
 from fxpipe.passes.linearize import COMPUTE_OPS
+from fxpipe.passes.state import write_chains
 
 
 def follow_stages(graph: fx.GraphModule, like: fx.GraphModule, stages: int) -> list[list[fx.Node]]:
@@ -25,12 +28,29 @@ def follow_stages(graph: fx.GraphModule, like: fx.GraphModule, stages: int) -> l
         if "stage" in node.meta:
             for tensor in tensors_read(like, node).values():
                 held.setdefault(id(tensor), set()).add(int(node.meta["stage"]))
+    chains = [c for c in ([n for n in chain if n.op in COMPUTE_OPS] for chain in write_chains(graph)) if len(c) > 1]
+    at_least: dict[fx.Node, int] = {}
+    while True:
+        _place(graph, held, at_least)
+        moved = False
+        for chain in chains:
+            latest = max(int(n.meta["stage"]) for n in chain)
+            for n in chain:
+                if int(n.meta["stage"]) < latest:
+                    at_least[n], moved = latest, True
+        if not moved:  # stages only grow: this ends
+            break
     runs: list[list[fx.Node]] = [[] for _ in range(stages)]
+    for node in graph.graph.nodes:
+        if node.op in COMPUTE_OPS:
+            runs[node.meta["stage"]].append(node)
+    return runs
+
+
+def _place(graph: fx.GraphModule, held: dict[int, set[int]], at_least: dict[fx.Node, int]) -> None:
     for node in graph.graph.nodes:
         if node.op not in COMPUTE_OPS:
             continue
-        earliest = max((int(n.meta.get("stage", 0)) for n in node.all_input_nodes), default=0)
+        earliest = max([at_least.get(node, 0), *(int(n.meta.get("stage", 0)) for n in node.all_input_nodes)])
         readers = sorted({s for t in tensors_read(graph, node).values() for s in held.get(id(t), ())})
         node.meta["stage"] = next((s for s in readers if s >= earliest), earliest)
-        runs[node.meta["stage"]].append(node)
-    return runs

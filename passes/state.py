@@ -134,12 +134,11 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tenso
     return found
 
 
-def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
-    """For each in-place write through a view, the positions from the first view it writes
-    through to the `written` node that carries the write on: one stage must run them all."""
-    position = {node: i for i, node in enumerate(order)}
-    spans = {}
-    for node in order:
+def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
+    """Each in-place write through a view: the writer, the `written` node that carries the write
+    on, and the views it writes through, which one stage must run together."""
+    chains = []
+    for node in gm.graph.nodes:
         target = written_value(gm, node)
         if target is None:
             continue
@@ -148,7 +147,18 @@ def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, 
         while is_view(view) and isinstance(view.args[0], fx.Node):
             chain.append(view)
             view = view.args[0]
+        if len(chain) > 1:
+            chains.append(chain)
+    return chains
+
+
+def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
+    """For each in-place write through a view, the positions from the first view it writes
+    through to the `written` node that carries the write on: one stage must run them all."""
+    position = {node: i for i, node in enumerate(order)}
+    spans = {}
+    for chain in write_chains(gm):
         places = [position[n] for n in chain if n in position]
-        if len(places) > 1:
-            spans[f"the in-place write `{node.name}`"] = (min(places), max(places))
+        if chain[0] in position and len(places) > 1:
+            spans[f"the in-place write `{chain[0].name}`"] = (min(places), max(places))
     return spans

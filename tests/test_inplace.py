@@ -225,6 +225,35 @@ def test_a_write_into_what_reshape_or_contiguous_copied_stays_in_the_copy(model:
     assert_same_everywhere(pipe, reference)
 
 
+class FillsInEval(nn.Module):
+    """In eval mode only, a fresh tensor is made from the input (stage 0 by its inputs) and a
+    view of it is written with what a later layer computes (stage 1): BigBird's block-sparse
+    attention pattern."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2 = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l0(x))
+        if self.training:
+            return self.l2(torch.tanh(self.l1(h)))
+        out = torch.zeros_like(x)
+        out[:, :2].copy_(self.l1(h)[:, :2])
+        return self.l2(out + h)
+
+
+def test_the_eval_cut_keeps_a_write_through_a_view_in_one_stage() -> None:
+    # Before, the eval graph put the view in stage 0 and the write in stage 1, and compiling
+    # refused the cut it had chosen itself.
+    pipe, reference = compiled(FillsInEval(), 2, chunks=2, split_points=["l1"])
+    x = x64()
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 class Zero(nn.Module):
     """`h[:, 0] = 0` returns nothing (through torch.export: `aten.select` then `aten.fill_`)."""
 
