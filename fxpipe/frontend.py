@@ -21,7 +21,7 @@ from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_r
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import LeafSpec, TraceError, trace
-from fxpipe.passes.validate import check_graph, first_line
+from fxpipe.passes.validate import check_graph, first_line, raising_line
 
 T = TypeVar("T")
 
@@ -257,7 +257,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         with functions_applied(functions):
             exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
-        raise _Rejected(first_line(error), fix=_cache_fix(model, error)) from error
+        at = raising_line(error)
+        raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
     if functions:
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
         raise _Rejected(
@@ -376,13 +377,20 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     ) from error
 
 
-def _fix_for(export_failure: _Rejected) -> str:
+def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     """How to fix a model neither front end captures: the fix of torch.export's reason where it
     has one (a key/value cache returned), else what stops both most often (control flow on
     values), unless the reason asks for torch.fx (an autograd Function), where torch.fx's reason
-    says what stops it."""
+    says what stops it. leaf_modules needs torch.fx: a forward it cannot trace (one that takes
+    **kwargs) is told so."""
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
+    if "needs each input named" in fx_failure.detail:
+        return (
+            "How to fix: write the branch as tensor operations (torch.where) or with torch.cond, or turn off "
+            "what takes it (a random layer drop, say); or name forward's arguments, so that torch.fx traces "
+            "the model, and keep the module with the branch whole with leaf_modules=[...]."
+        )
     return (
         "How to fix: keep the module with data-dependent control flow (or with checks that "
         "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
@@ -411,7 +419,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"
             f"torch.export: {export_failure.detail}\n"
-            f"{_fix_for(export_failure)}".rstrip()
+            f"{_fix_for(export_failure, fx_failure)}".rstrip()
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
     traced.fx_failure = fx_failure.summary

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import traceback
 from collections import defaultdict
 from typing import Any, Iterator, Optional
 
@@ -237,6 +238,16 @@ def _same_structure(got: Any, expected: Any) -> bool:
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+
+
+def raising_line(error: BaseException) -> str:
+    """The model's own line where `error` was raised (the innermost frame of its traceback
+    outside torch and fxpipe), as 'file:line (code)', or '' when none is the model's."""
+    found = ""
+    for frame in traceback.extract_tb(error.__traceback__):
+        if not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+            found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+    return found
 
 
 def source_line(node: fx.Node) -> str:

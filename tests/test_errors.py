@@ -645,3 +645,26 @@ def test_a_forward_that_runs_only_with_gradients_on_is_named_as_such() -> None:
     with pytest.raises(ValueError, match=r"runs on the example only with gradients on") as refused:
         compile_pipeline(HookedAlways(), X, ["cpu"] * 2, chunks=2)
     assert "if h.requires_grad:" in str(refused.value)
+
+
+class BranchesOnValues(nn.Module):
+    """A Python branch on a tensor's value, in a forward that takes **kwargs (torch.export)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        h = self.a(x)
+        if (h > 0).sum().item() > 3:
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_branch_torch_export_cannot_take_is_named_by_its_line_with_a_fix_that_applies() -> None:
+    # Before, only export's first line was kept, and the fix named leaf_modules, which needs torch.fx.
+    with pytest.raises(TraceError) as refused:
+        compile_pipeline(BranchesOnValues(), X, ["cpu"] * 2)
+    text = str(refused.value)
+    assert "test_errors.py:" in text and "(if (h > 0).sum().item() > 3:)" in text, text
+    assert "name forward's arguments, so that torch.fx traces the model" in text, text
