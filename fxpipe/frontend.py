@@ -283,10 +283,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
 def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str]) -> None:
     """Attributes the model's forward assigned while tracing and checking are put back; those
     outside the modules the graph calls whole would never be assigned by the pipeline."""
-    graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
-    wholes = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
     try:
-        refuse_assignments(changed, wholes, exported=traced.fx_failure)
+        refuse_assignments(changed, _called_whole(traced), exported=traced.fx_failure)
     except AssignmentError as error:
         raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
 
@@ -308,13 +306,6 @@ def to_graph(
     with preserved(model):
         with StableAssignments(model) as stable:
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
-        if stable.filled:
-            warnings.warn(
-                f"{type(model).__name__}'s forward changes the contents of {', '.join(stable.filled)}, which the "
-                "pipeline's generated stages do not: the graph computes from what the model held when compiled "
-                "(a cache is computed again on each call), and those containers stay as they were.",
-                stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
-            )
         try:
             with assignments_recorded(model) as changed:
                 traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
@@ -322,7 +313,28 @@ def to_graph(
         except BaseException:
             stable.undo()
             raise
+    _warn_of_containers_left(model, traced, stable.filled)
     return traced
+
+
+def _called_whole(traced: Traced) -> set[str]:
+    """The paths of the modules the graphs call whole: their forwards run on every call."""
+    graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
+
+
+def _warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str]) -> None:
+    """The dicts, lists and sets the forward filled (put back after compiling's runs) outside the
+    modules called whole, whose forwards fill them on every call: the pipeline leaves those."""
+    wholes = [f"{path}." for path in _called_whole(traced)]
+    left = [name for name in filled if not any(name.startswith(prefix) for prefix in wholes)]
+    if left:
+        warnings.warn(
+            f"{type(model).__name__}'s forward changes the contents of {', '.join(left)}, which the pipeline's "
+            "generated stages do not: the graph computes from what the model held when compiled (a cache is "
+            "computed again on each call), and those containers stay as they were.",
+            stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
+        )
 
 
 def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments) -> int:

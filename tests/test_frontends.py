@@ -516,3 +516,28 @@ def test_a_model_neither_front_end_captures_gets_the_fixes_of_its_own_reasons() 
     message = str(caught.value)
     assert "name the forward's arguments" in message and "make the model traceable by torch.fx" in message, message
     assert "data-dependent control flow" not in message, message
+
+
+class Logs(nn.Module):
+    """Kept whole: its forward runs on every call, and appends to its list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[int] = []
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.seen.append(h.shape[0])
+        return self.linear(h)
+
+
+def test_a_list_a_module_kept_whole_fills_is_left_empty_by_compiling_and_filled_by_calls() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), Logs(), nn.Linear(4, 4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning: the pipeline's calls fill it, as the model's do
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=[Logs])
+    logs = model.get_submodule("1")
+    assert isinstance(logs, Logs) and logs.seen == []
+    pipe(x)
+    assert logs.seen == [4, 4]
