@@ -1,4 +1,6 @@
-"""Attributes a forward assigns (`self.hidden = h`): refused at compile time, and put back.
+"""Attributes a forward assigns (`self.hidden = h`): refused at compile time, and put back; a
+plain value every call assigns alike, kept; the contents of dicts, lists and sets it fills, put
+back.
 
 A pipeline runs the forward as stages of generated code, which never runs those assignments of
 the modules it traced through; after tracing such an attribute would hold a traced value (an fx
@@ -49,7 +51,10 @@ class Contents:
                 continue
             changed.append(f"{path}.{name}" if path else name)
             value.clear()
-            value.update(before) if isinstance(value, (dict, set)) else value.extend(before)
+            if isinstance(value, list):
+                value.extend(before)
+            else:
+                value.update(before)
         return changed
 
 
