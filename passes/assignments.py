@@ -72,33 +72,58 @@ def _same_contents(now: Any, before: Any) -> bool:
     return bool(now == before)
 
 
+class _Assigned:
+    """The public attributes of `model`'s modules (and their buffers, with `buffers`) as they are
+    when made: which have been assigned since, and putting them back."""
+
+    def __init__(self, model: nn.Module, buffers: bool = False) -> None:
+        self.before = {path: (module, _public(module), dict(module._buffers) if buffers else {}) for path, module in model.named_modules()}
+
+    def since(self) -> dict[tuple[str, str], Any]:
+        """Each attribute or buffer assigned since, by module path and name, with its value now;
+        a dict, list or set swapped for another of its kind is none (`Contents` looks after it)."""
+        found = {}
+        for path, (module, values, buffers) in self.before.items():
+            for name, value in _public(module).items():
+                if name not in values or (_changed(values[name], value) and not _swapped_container(values[name], value)):
+                    found[path, name] = value
+            for name, buffer in buffers.items():
+                if module._buffers.get(name) is not buffer:
+                    found[path, name] = module._buffers.get(name)
+        return found
+
+    def put_back(self, keep: Iterable[tuple[str, str]] = ()) -> None:
+        """Put every attribute and buffer back as it was (a swapped container too), but `keep`."""
+        kept = set(keep)
+        for path, (module, values, buffers) in self.before.items():
+            for name, value in list(_public(module).items()):
+                if (path, name) in kept:
+                    continue
+                if name not in values:
+                    delattr(module, name)
+                elif _changed(values[name], value) or _swapped_container(values[name], value):
+                    setattr(module, name, values[name])
+            module._buffers.update(buffers)
+
+
+def _dotted(key: tuple[str, str]) -> str:
+    path, name = key
+    return f"{path}.{name}" if path else name
+
+
 @contextmanager
 def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
     """Within this block, public attributes and buffers assigned on `model`'s modules are listed
     (by path, once the block ends) and put back as they were. A buffer counts: `self.count += 1`
     assigns it the traced sum, which a graph does not write into the buffer."""
-    before = {name: (module, _public(module), dict(module._buffers)) for name, module in model.named_modules()}
-    contents = Contents(model)
+    assigned, contents = _Assigned(model, buffers=True), Contents(model)
     changed: list[str] = []
     try:
         yield changed
     finally:
         contents.put_back()  # a cache a run filled: not an assignment, and not kept
-        for path, (module, values, buffers) in before.items():
-            for name, value in _public(module).items():
-                if name in values and _swapped_container(values[name], value):
-                    setattr(module, name, values[name])  # a cache emptied anew (LeViT's train()): put back
-                    continue
-                if name not in values or _changed(values[name], value):
-                    changed.append(f"{path}.{name}" if path else name)
-                    if name in values:
-                        setattr(module, name, values[name])
-                    else:
-                        delattr(module, name)
-            for name, buffer in buffers.items():
-                if module._buffers.get(name) is not buffer:
-                    changed.append(f"{path}.{name}" if path else name)
-                    module._buffers[name] = buffer
+        changed.extend(map(_dotted, assigned.since()))
+        assigned.put_back()
 
 
 def _plain(value: Any) -> bool:
@@ -113,19 +138,14 @@ class StableAssignments:
     everything when the block raises. `undo()` puts back the kept ones too (compiling failed)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.before = {path: (module, _public(module)) for path, module in model.named_modules()}
+        self.assigned = _Assigned(model)
         self.ends: list[dict[tuple[str, str], Any]] = []
         self.kept: dict[tuple[str, str], Any] = {}
         self.contents = Contents(model)
         self.filled: list[str] = []  # containers whose contents the runs changed (put back)
 
     def ran(self) -> None:
-        self.ends.append({
-            (path, name): value
-            for path, (module, values) in self.before.items()
-            for name, value in _public(module).items()
-            if name not in values or (_changed(values[name], value) and not _swapped_container(values[name], value))
-        })  # fmt: skip
+        self.ends.append(self.assigned.since())
 
     def __enter__(self) -> "StableAssignments":
         return self
@@ -133,21 +153,11 @@ class StableAssignments:
     def __exit__(self, kind: Any, *rest: Any) -> None:
         first = self.ends[0] if self.ends and kind is None else {}
         self.kept = {key: v for key, v in first.items() if _plain(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
-        self._put_back(keep=True)
+        self.assigned.put_back(keep=self.kept)
         self.filled = self.contents.put_back()
 
     def undo(self) -> None:
-        self._put_back(keep=False)
-
-    def _put_back(self, keep: bool) -> None:
-        for path, (module, values) in self.before.items():
-            for name, value in list(_public(module).items()):
-                if keep and (path, name) in self.kept:
-                    continue
-                if name not in values:
-                    delattr(module, name)
-                elif _changed(values[name], value) or _swapped_container(values[name], value):
-                    setattr(module, name, values[name])
+        self.assigned.put_back()
 
 
 def _changed(before: Any, after: Any) -> bool:
