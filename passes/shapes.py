@@ -153,17 +153,26 @@ class _Watching(_Recorder):
 
 
 def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
-    """Run the graph on `example` (for real when small, else on the meta device), calling
-    `watch(node, value, args)` after each node; the graph's state and the random states are
-    left as they were."""
+    """Run the graph on `example` as `propagate_shapes` does, calling `watch(node, value, args)`
+    after each node instead of annotating it."""
+    _run(gm, example, lambda on_meta: _Watching(gm, on_meta, watch))
+
+
+def _run(gm: fx.GraphModule, example: tuple[Any, ...], interpreter: Callable[[bool], fx.Interpreter], on_meta: Optional[bool] = None) -> None:
+    """Run `interpreter(on_meta)` on `example`: on the meta device unless the model is small on
+    the CPU (or `on_meta` says), for real when the meta device cannot run it; the graph's state
+    and the random states left as they were."""
+    if on_meta is None:
+        on_meta = not _small_on_cpu(gm, example)
+    # A real run updates running statistics and draws random numbers: the model must not see it.
     with preserved(gm), torch.no_grad():
-        if not _small_on_cpu(gm, example):
+        if on_meta:
             try:
-                _Watching(gm, True, watch).run(*example)
+                interpreter(True).run(*example)
                 return
-            except Exception:  # noqa: BLE001 - as propagate_shapes: a graph meta cannot run, runs for real
+            except Exception:  # noqa: BLE001 - a graph the meta device cannot run runs for real
                 pass
-        _Watching(gm, False, watch).run(*example)
+        interpreter(False).run(*example)
 
 
 # Below this many parameter bytes (all on the CPU), one real forward of the example is faster than
@@ -185,15 +194,5 @@ def propagate_shapes(gm: fx.GraphModule, example: tuple[Any, ...], on_meta: Opti
     cannot run on the meta device (a leaf module that reads values, say). The graph's state
     and the random states are left as they were.
     """
-    if on_meta is None:
-        on_meta = not _small_on_cpu(gm, example)
-    # A real run updates running statistics and draws random numbers: the model must not see it.
-    with preserved(gm), torch.no_grad():
-        if on_meta:
-            try:
-                _Recorder(gm, on_meta=True).run(*example)
-                return gm
-            except Exception:
-                pass
-        _Recorder(gm, on_meta=False).run(*example)
+    _run(gm, example, lambda meta: _Recorder(gm, on_meta=meta), on_meta)
     return gm
