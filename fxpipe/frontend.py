@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,7 +84,9 @@ def _none_as_traced(bind: Binder, traced: dict[str, Any]) -> Binder:
 def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
     """Arguments flattened into leaves, as the exported graph takes them; a call whose shapes
     differ where export fixed them is refused before any stage runs."""
-    names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    names = [node.name for node in placeholders]
+    arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
     fixed = fixed_dims(gm)
     guards = gm.meta.get("input_guards")
 
@@ -99,9 +102,9 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
                 f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
                 "How to fix: call it with the same positional and keyword arguments as the example."
             )
-        _check_fixed(leaves, fixed)
+        _check_fixed(leaves, fixed, arguments)
         if guards is not None:
-            _check_guards(guards, leaves)
+            _check_guards(guards, leaves, arguments)
         return dict(zip(names, leaves))
 
     return bind
@@ -119,9 +122,9 @@ def _arguments(spec: TreeSpec) -> str:
     return f"{positional.num_children} positional, keywords {names} (structure {spec})"
 
 
-def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]]) -> None:
+def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments: list[str]) -> None:
     wrong = [
-        f"input {index} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
+        f"{arguments[index]} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
         f"the graph was made for {size}"
         for index, dim, size in fixed
         if isinstance(leaves[index], torch.Tensor) and leaves[index].dim() > dim and leaves[index].shape[dim] != size
@@ -135,14 +138,19 @@ def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]]) -> None:
         )
 
 
-def _check_guards(guards: Any, leaves: list[Any]) -> None:
+def _check_guards(guards: Any, leaves: list[Any], arguments: list[str]) -> None:
     """torch.export's own checks of the call's inputs: the graph holds the example's value of
     each argument that is not a tensor, and the branches its sizes took."""
     try:
         guards(*leaves)
     except AssertionError as error:
+        failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))  # export names leaves by index
+        shapes = "".join(
+            f"\n  - {name}: shape {tuple(leaf.shape)}" for name, leaf in zip(arguments, leaves) if isinstance(leaf, torch.Tensor)
+        )
         raise ValueError(
-            f"torch.export made the graph for calls like the example, and this call differs: {error}.\n"
+            f"torch.export made the graph for calls like the example, and this call differs: {failed}.\n"
+            f"The call's tensors:{shapes}\n"
             "The exported graph holds the example's value of each argument that is not a tensor, and "
             "the branches the example's sizes took.\nHow to fix: call it as the example was called, "
             "compile a pipeline for this call, or make the model traceable by torch.fx, which keeps "

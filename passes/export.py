@@ -126,5 +126,6 @@ def shapes_note(gm: fx.GraphModule) -> str:
     fixed = fixed_dims(gm)
     if not fixed:
         return "input shapes: every dim dynamic"
-    listed = ", ".join(f"input {index} dim {dim} = {size}" for index, dim, size in fixed)
+    names = [str(n.meta.get("argument", n.name)) for n in gm.graph.nodes if n.op == "placeholder"]
+    listed = ", ".join(f"{names[index]} dim {dim} = {size}" for index, dim, size in fixed)
     return f"input shapes: fixed by torch.export at {listed}; every other dim dynamic"

@@ -230,6 +230,8 @@ def test_an_exported_pipeline_refuses_a_call_unlike_the_example() -> None:
     torch.testing.assert_close(pipe(x, scale=1.0), model(x, scale=1.0), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match=r"torch.export made the graph for calls like the example(.|\n)*How to fix"):
         pipe(x, scale=3.0)
+    with pytest.raises(ValueError, match=r"this call differs: Guard failed: scale == 1.0\.\n(.|\n)*  - x: shape \(4, 6\)"):
+        pipe(x, scale=3.0)  # export's guard, naming the forward's arguments rather than its leaves
 
 
 class SwitchesGradOff(nn.Module):

@@ -68,10 +68,10 @@ def test_exported_graph_runs_at_other_sequence_lengths(length: int) -> None:
 def test_a_size_the_graph_fixed_is_refused_before_running() -> None:
     model = Looping().double()
     pipe = quietly(model, torch.randn(4, 12, 4, dtype=torch.float64), ["cpu"] * 2, chunks=2)
-    assert "input 0 dim 1 = 12" in pipe.plan.summary()
+    assert "x dim 1 = 12" in pipe.plan.summary()  # named by the forward's argument
     x = torch.randn(4, 12, 4, dtype=torch.float64)
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="dim 1 is 20, the graph was made for 12"):
+    with pytest.raises(ValueError, match=r"  - x \(tensor of shape \(4, 20, 4\)\): dim 1 is 20, the graph was made for 12"):
         pipe(torch.randn(4, 20, 4, dtype=torch.float64))
 
 
