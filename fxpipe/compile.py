@@ -28,7 +28,7 @@ from fxpipe.passes.partition import conflicting_options, cuts_from_split_points,
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.snapshot import preserved
+from fxpipe.passes.snapshot import inputs_preserved, preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import state_write_spans, view_write_spans
@@ -256,7 +256,8 @@ P = ParamSpec("P")
 def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, Pipeline]:
     """Compiling runs the model (checks, shapes, timing). Each pass puts back what it changed;
     this puts back anything one missed, even when compiling fails: parameter values, buffers,
-    `.grad`, `training` flags and the random states. A tensor placement moved keeps its device.
+    `.grad`, `training` flags, the random states, and the example's tensors that a forward
+    writes in place. A tensor placement moved keeps its device.
     Then, across processes, data-parallel replicas copy replica 0's parameters, which that
     restore would undo."""
 
@@ -265,8 +266,9 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         model = kwargs["model"] if "model" in kwargs else args[0] if args else None
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
+        example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
         try:
-            with preserved(model):
+            with preserved(model), inputs_preserved(example):
                 pipe = compile(*args, **kwargs)
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):

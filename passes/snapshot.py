@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 # Parameters are copied only up to this many bytes in all: compile-time passes run a model whole
 # only below it (passes/shapes.py), and above it they run nodes one at a time or on the meta
@@ -125,3 +126,17 @@ def preserved(module: nn.Module) -> Iterator[Snapshot]:
         yield snapshot
     finally:
         snapshot.restore()
+
+
+@contextmanager
+def inputs_preserved(inputs: Any) -> Iterator[None]:
+    """Run the body, then put back the values of every tensor in `inputs` that it wrote in place
+    (a forward that writes its input, run at compile time on the user's example)."""
+    tensors = {id(t): t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and not t.is_meta}
+    saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
+    try:
+        yield
+    finally:
+        for tensor, version, values in saved:
+            if tensor._version != version:
+                _put(tensor, values)

@@ -157,6 +157,32 @@ def test_compiling_leaves_the_model_as_it_was(model_type: type, balance: str) ->
     assert torch.equal(after["rng"], before["rng"])
 
 
+class WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:  # *rest: torch.export
+        x.mul_(2)
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("extra", [(), (torch.zeros(()),)], ids=["fx", "export"])
+def test_compiling_leaves_an_example_the_forward_writes_as_it_was(chunks: int, extra: tuple[torch.Tensor, ...]) -> None:
+    model, reference = twin(WritesItsInput())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    values, version = x.clone(), x._version
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipeline(model, (x, *extra), ["cpu"] * chunks, chunks=chunks)
+    assert torch.equal(x, values), "compiling is not a call: the example keeps its values"
+    expected = reference(values.clone(), *extra)
+    torch.testing.assert_close(pipe(x, *extra), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x, values * 2, rtol=0, atol=0)  # a call writes it, as the plain model's does
+    assert x._version > version
+
+
 class TrainingBranch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
