@@ -81,6 +81,17 @@ def fewer_dims(values: dict[str, Any], example: ExampleLeaves) -> list[str]:
     ]  # fmt: skip
 
 
+def off_batch(values: dict[str, Any], example: ExampleLeaves, batch: int, dims: Dims) -> list[str]:
+    """The inputs with a tensor that the example split into micro-batches and whose dim 0 is now
+    neither the batch size nor 1: kept whole, each micro-batch would broadcast against all of it,
+    where the plain model broadcasts the batch against it (or refuses the sizes)."""
+    return [
+        f"{name} {tuple(leaf.shape)}"
+        for name, leaf, (ndim, whole) in _known_leaves(values, example)
+        if not whole and id(leaf) not in dims and leaf.dim() == ndim and leaf.dim() > 0 and leaf.shape[0] not in (batch, 1)
+    ]
+
+
 def _known_leaves(values: dict[str, Any], example: ExampleLeaves) -> Iterator[tuple[str, torch.Tensor, tuple[int, bool]]]:
     """(input name, tensor leaf, what the example's leaf was) where both are tensors, for inputs
     of the example's structure (another structure: the batch rule decides)."""

@@ -27,7 +27,9 @@ from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import LeafGrads, check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, scatter, spec_dims, split_dim, split_sizes
+from fxpipe.microbatch import (
+    Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, off_batch, scatter, spec_dims, split_dim, split_sizes,
+)
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.replicas import Replicas
@@ -408,6 +410,7 @@ class Pipeline(nn.Module):
             )
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
         if len(sizes) > 1:
+            self._refuse_off_batch(values, batch, dims)
             self._check_written_inputs(program, values, batch, dims)
         pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
         micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
@@ -476,6 +479,17 @@ class Pipeline(nn.Module):
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
         return spec_dims(self._signature, self._compiled.chunk_spec, args, kwargs)
+
+    def _refuse_off_batch(self, values: dict[str, Any], batch: int, dims: Dims) -> None:
+        wrong = off_batch(values, self._compiled.example_leaves, batch, dims)
+        if wrong:
+            raise ValueError(
+                f"the example split these inputs with the batch along dim 0, and this call gives them another "
+                f"size there than the batch's {batch} (nor 1): {', '.join(wrong)}. Kept whole, each "
+                "micro-batch would broadcast against all of them, where the plain model takes them row by "
+                "row with the batch.\nHow to fix: give every batched input the same batch size, or "
+                "keep such an input whole in every call (chunk_spec={name: None})."
+            )
 
     @staticmethod
     def _check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal
+from conftest import FanOut, assert_grads_equal, twin
 from fxpipe import PartitionError, PlacementError, TraceError, compile_pipeline
 
 X = torch.randn(4, 6)
@@ -500,6 +500,29 @@ def test_a_sample_without_its_batch_dim_is_refused_not_split_along_its_features(
     with pytest.raises(ValueError, match=r"(?s)fewer dims than the example's.*input_1 \(6,\) \(the example's had 2 dims\).*x.unsqueeze\(0\)"):
         pipe(torch.randn(6))
     assert pipe(torch.randn(1, 6)).shape == (1, 2)
+
+
+class Weighted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * w)  # w: a row of weights per sample
+
+
+def test_a_batched_input_given_another_size_than_the_batch_is_refused_not_kept_whole() -> None:
+    """Kept whole, a w of 4 rows would broadcast against each micro-batch of 4: numbers, where
+    the plain model refuses the sizes."""
+    model, reference = twin(Weighted())
+    x, w = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, w), ["cpu", "cpu"], chunks=2)
+    with pytest.raises(RuntimeError, match="must match"):
+        reference(x, w[:4])
+    with pytest.raises(ValueError, match=r"(?s)another size there than the batch's 8 \(nor 1\): w \(4, 6\).*How to fix"):
+        pipe(x, w[:4])
+    for w_now in (w[:1], w):  # one row broadcasts in both; the batch's rows split with it
+        torch.testing.assert_close(pipe(x, w_now), reference(x, w_now), rtol=0, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
