@@ -409,7 +409,7 @@ class Pipeline(nn.Module):
                 "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
             )
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
-        if len(sizes) > 1:
+        if batch is not None and len(sizes) > 1:
             self._refuse_off_batch(values, batch, dims)
             self._check_written_inputs(program, values, batch, dims)
         pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
