@@ -125,6 +125,12 @@ class _Saved:
 LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
+
+def _marked(action: Action, error: BaseException) -> BaseException:
+    """`error` with where it struck, for the other ranks' message (distributed.failing_together)."""
+    error.fxpipe_where = (action.stage, action.micro_batch, _PHASES[action.kind])  # type: ignore[attr-defined]
+    return error
+
 class Step:
     """The state of one call of the pipeline, from forward to the end of backward."""
 
@@ -232,8 +238,11 @@ class Step:
                 self.cancel(group)
                 raise
         if group.errors:
-            action, error = min(group.errors.items(), key=lambda item: self._turn(item[0]))
+            interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
+            action, error = min(interrupted or group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
+            if interrupted:  # a KeyboardInterrupt or SystemExit raised in a stage: as it is, as in one stage
+                raise _marked(action, error)
             if isinstance(error, RemoteFailure):
                 raise raised_here(error.failure) from error
             phase = "loss" if isinstance(error, _LossError) else _PHASES[action.kind]
@@ -250,10 +259,7 @@ class Step:
                 interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
                 if interrupted:  # Ctrl-C: stop the step, and let the caller see it as it is
                     self.cancel()
-                    action, error = interrupted[0]
-                    # Where it struck, for the other ranks' message (distributed.failing_together).
-                    error.fxpipe_where = (action.stage, action.micro_batch, _PHASES[action.kind])  # type: ignore[attr-defined]
-                    raise error
+                    raise _marked(*interrupted[0])
 
     def _turn(self, action: Action) -> tuple[float, int]:
         """When an action runs in the schedule with unit costs, then its stage: of two failures,

@@ -8,6 +8,7 @@ import io
 import pickle
 import threading
 import time
+from typing import Optional
 
 import pytest
 import torch
@@ -63,6 +64,42 @@ def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages:
     timer.join()
     time.sleep(1.0)  # what an abandoned step would still add, it would have added by now
     assert all(p.grad is None for p in pipe.parameters())
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
+class Exits(nn.Module):
+    """Raises `kind` once armed, on the micro-batch whose first value is negative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.kind: Optional[type] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.kind is not None and bool(x[0, 0] < 0):
+            raise self.kind()
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_ctrl_c_or_exit_raised_in_a_stage_reaches_the_caller_as_it_is(kind: type, stages: int) -> None:
+    """Not wrapped in a StageError, which `except Exception` would swallow."""
+    inner = Exits()
+    model, reference = twin(nn.Sequential(inner, nn.Linear(6, 6)))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    x[:, 0] = 1.0
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4, leaf_modules=[Exits])
+    inner.kind = kind
+    bad = x.clone()
+    bad[4, 0] = -1.0  # micro-batch 2
+    with pytest.raises(kind) as raised:
+        pipe(bad)
+    assert raised.value.fxpipe_where[1:] == (2, "forward")  # type: ignore[attr-defined]
+    inner.kind = None
     pipe(x).sum().backward()
     reference(x).sum().backward()
     assert_grads_equal(pipe, reference)
