@@ -189,8 +189,13 @@ class Step:
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         # From the caller's generator, only where a stage may draw: a model without random ops
-        # leaves it as the plain model does.
-        self.seed = draw_step_seed() if any(self.randomness) or any(self.hidden_randomness) else 0
+        # leaves it as the plain model does. A stage that only may (a module called whole, whose
+        # inside the graph does not show) and did not has the draw put back after its forwards.
+        drawing = any(self.randomness) or any(self.hidden_randomness)
+        self._unseeded = torch.get_rng_state() if drawing else None
+        self.seed = draw_step_seed() if drawing else 0
+        self._seeded = torch.get_rng_state() if drawing else None
+        self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
@@ -237,6 +242,7 @@ class Step:
             except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
                 self.cancel(group)
                 raise
+        self._put_back_an_unused_seed()
         if group.errors:
             interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
             action, error = min(interrupted or group.errors.items(), key=lambda item: self._turn(item[0]))
@@ -260,6 +266,17 @@ class Step:
                 if interrupted:  # Ctrl-C: stop the step, and let the caller see it as it is
                     self.cancel()
                     raise _marked(*interrupted[0])
+
+    def _put_back_an_unused_seed(self) -> None:
+        """Once the first actions ran (every forward): if no task drew from its stream and nothing
+        else drew from the caller's generator since the step's seed, that draw is put back."""
+        if self._unseeded is None:
+            return
+        unseeded, self._unseeded = self._unseeded, None
+        drew = any(stream.generators for stream in self._streams)
+        self._streams = []
+        if not drew and self._seeded is not None and torch.equal(torch.get_rng_state(), self._seeded):
+            torch.set_rng_state(unseeded)
 
     def _turn(self, action: Action) -> tuple[float, int]:
         """When an action runs in the schedule with unit costs, then its stage: of two failures,
@@ -394,6 +411,8 @@ class Step:
             self.context.enter(stack)
             if self.randomness[stage.index]:
                 stream = TaskStream(task_seed(self.seed, i, stage.index))
+                if self._unseeded is not None:
+                    self._streams.append(stream)
                 stack.enter_context(task_stream(stream))
                 if self.hidden_randomness[stage.index]:
                     stack.enter_context(TaskRandomness(stream))

@@ -54,6 +54,19 @@ class RandomSlopes(nn.Module):
         return self.c(self.act(self.b(self.act(self.a(x)))))
 
 
+class Remembers(nn.Module):
+    """Stores an attribute, so it is called whole: the graph cannot show whether it draws."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a, self.drop = nn.Linear(8, 8), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.a(x))
+        self.last = h.detach()
+        return h
+
+
 def _step(make: Callable[[], nn.Module], mode: str, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = make().double()
@@ -101,8 +114,10 @@ def test_a_stage_without_random_ops_draws_nothing() -> None:
     "make,draws",
     [(lambda: nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)), (False, False)),
      (lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 8)), (True, False)),
-     (Draws, (True, True)), (Attention, (True, True))],
-    ids=["no random ops", "dropout", "graph", "hidden"],
+     (Draws, (True, True)), (Attention, (True, True)),
+     (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.0), nn.Linear(8, 8)), (False, False)),
+     (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.3), nn.Linear(8, 8)), (True, False))],
+    ids=["no random ops", "dropout", "graph", "hidden", "whole, deterministic", "whole, dropout"],
 )  # fmt: skip
 def test_the_callers_generator_moves_only_where_a_stage_draws(make: Callable[[], nn.Module], draws: tuple[bool, bool]) -> None:
     """Without random ops (or dropout in eval mode) the plain model leaves the caller's
@@ -118,3 +133,8 @@ def test_the_callers_generator_moves_only_where_a_stage_draws(make: Callable[[],
         after = torch.rand(3)
         torch.manual_seed(0)
         assert torch.equal(after, torch.rand(3)) is not drawn, (training, drawn)
+        torch.manual_seed(0)
+        pipe.train_step(x, target=torch.zeros_like(x), loss_fn=F.mse_loss)
+        after = torch.rand(3)
+        torch.manual_seed(0)
+        assert torch.equal(after, torch.rand(3)) is not drawn, ("train_step", training, drawn)
