@@ -75,6 +75,7 @@ class LeafGrads:
 
     def __init__(self) -> None:
         self.before: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.undo: list[Callable[[], None]] = []  # what else the step puts back (its buffer writes)
 
     def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
         """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs' fresh leaves)."""
@@ -98,6 +99,8 @@ class LeafGrads:
         except BaseException:
             for leaf, grad in self.before.values():
                 leaf.grad = grad
+            for undo in self.undo:
+                undo()
             raise
 
 

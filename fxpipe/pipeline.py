@@ -336,7 +336,9 @@ class Pipeline(nn.Module):
                 "for such a loss.",
                 stacklevel=2,
             )
-        return call, self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
+        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
+        kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
+        return call, step
 
     def _loss_and_outputs(
         self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool

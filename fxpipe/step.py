@@ -22,9 +22,9 @@ only what the caller asked for receives them, and each parameter's hooks fire on
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -196,6 +196,7 @@ class Step:
         self.seed = draw_step_seed() if drawing else 0
         self._seeded = torch.get_rng_state() if drawing else None
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
+        self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
@@ -306,7 +307,8 @@ class Step:
     def forward(self) -> list[dict[str, Any]]:
         """Run the schedule's leading forwards; returns, per micro-batch, the output values."""
         self._post_inputs()
-        self._run(self.schedule.forward_part())
+        with self._buffers_put_back_on_error():
+            self._run(self.schedule.forward_part())
         if self.batch_stats is not None:
             self.batch_stats.commit()
         names = self.output_names
@@ -321,11 +323,32 @@ class Step:
         """Run the whole schedule, the loss of each micro-batch computed in the pipeline; returns,
         per micro-batch, the gradients of the pipeline's inputs (when grad is on)."""
         self._post_inputs()
-        self._run(self.schedule.actions if self.grad else self.schedule.forward_part())
+        with self._buffers_put_back_on_error():
+            self._run(self.schedule.actions if self.grad else self.schedule.forward_part())
         if self.batch_stats is not None:
             self.batch_stats.commit()
         self.backward_done = True
         return [self._input_grads(i) for i in range(len(self.micro_batches))] if self.grad else []
+
+    @contextmanager
+    def _buffers_put_back_on_error(self) -> Iterator[None]:
+        """The buffers this process's stages may write, as they were before the step; a step
+        that fails puts them back, so that it changes nothing (as it adds nothing to `.grad`)."""
+        seen: dict[int, torch.Tensor] = {}
+        for j in self.layout.on_rank(self.rank) if self.rank is not None else range(len(self.stages)):
+            seen.update({id(b): b for b in self.stages[j].writable_buffers.values() if not b.is_meta})
+        self._buffers_before = [(b, b.detach().clone()) for b in seen.values()]
+        try:
+            yield
+        except BaseException:
+            self.put_back_buffers()
+            raise
+
+    def put_back_buffers(self) -> None:
+        """What the step's forwards wrote into buffers, undone."""
+        with torch.no_grad():
+            for buffer, values in self._buffers_before:
+                buffer.copy_(values)
 
     def backward(self, output_grads: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run the rest of the schedule, given per micro-batch the gradients of the output

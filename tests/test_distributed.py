@@ -81,7 +81,7 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert len({r["next_loss"] for r in got}) == 1, "the next step runs, with one loss on every rank"
     assert abs(got[0]["next_loss"] - got[0]["expected"]) <= TOL, "the failed step left the model as it was"
     assert got[-1]["held"], "the last rank, which runs the loss, holds the temperature's gradient"
-    assert all(r["put_back"] for r in got), "the failed step left the temperature's gradient as it was"
+    assert all(r["put_back"] for r in got), "the failed step left the temperature's gradient and the counter as they were"
     # A KeyboardInterrupt: bare on its rank, and the others name where it struck.
     interrupted = [r["interrupted"] for r in got]
     assert interrupted.count("KeyboardInterrupt: ") == 1, interrupted

@@ -155,6 +155,51 @@ def _refuse_nan(module: nn.Module, args: Any, out: torch.Tensor) -> None:
         raise ValueError("a NaN reached b")
 
 
+class _Counted(nn.Module):
+    """BatchNorm and a counter: buffers every forward writes."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.b(self.norm(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("failure", ["refused combination", "stage error", "pipe(x) stage error"])
+def test_a_failed_step_writes_no_buffer(failure: str, schedule: str) -> None:
+    """As it accumulates nothing into `.grad`: a step that fails or is refused after its
+    forwards ran puts back what they wrote (running statistics, a counter)."""
+    model, reference = twin(_Counted())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule=schedule, split_points=["norm"])
+    before = copy.deepcopy(model.state_dict())
+    if failure == "refused combination":
+        with pytest.raises(ValueError, match="not a mean over samples"):
+            pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t, reduction="sum"))
+    else:
+        bad = x.clone()
+        bad[4:6] = float("nan")  # micro-batch 2 fails in stage 1, after micro-batches 0 and 1 ran
+        handle = pipe.get_submodule("b").register_forward_hook(_refuse_nan)
+        with pytest.raises(StageError, match="micro-batch 2 in forward(.|\n)*a NaN reached b"):
+            pipe.train_step(bad, target=y, loss_fn=F.mse_loss) if failure == "stage error" else pipe(bad)
+        handle.remove()
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items()), "a buffer was written"
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)  # and the next step is the plain model's
+    expected = torch.stack([F.mse_loss(reference(x[i : i + 2]), y[i : i + 2]) for i in range(0, 8, 2)]).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=1e-12)
+
+
 def _classifier() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     model, reference = twin(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
     return model, reference, torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
