@@ -1,6 +1,7 @@
 """compile_pipeline: from a model and an example input to a Pipeline, through the passes."""
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
@@ -114,13 +115,32 @@ def _schedule_problems(schedule: Any, stages_per_device: Any, chunks: Any, devic
     return []
 
 
+def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
+    """The model is a module, and each name in leaf_modules one of its submodules (a misspelt
+    name would keep nothing whole, without a word)."""
+    if not isinstance(model, nn.Module):
+        return [f"model must be an nn.Module (or a torch.fx.GraphModule), not {type(model).__name__}: "
+                "wrap a function in a module whose forward calls it"]  # fmt: skip
+    names = [name for name, _ in model.named_modules() if name]
+    problems = []
+    for leaf in leaf_modules:
+        if isinstance(leaf, str) and leaf not in names:
+            close = difflib.get_close_matches(leaf, names, n=3)
+            hint = f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
+            problems.append(f"leaf_modules names {leaf!r}, which is no submodule of {type(model).__name__}{hint}")
+        elif not isinstance(leaf, str) and not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
+            problems.append(f"leaf_modules takes module types or qualified submodule names, not {leaf!r}")
+    return problems
+
+
 def _check_arguments(
     devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any,
-    schedule: Any = "gpipe", stages_per_device: Any = 1,
+    schedule: Any = "gpipe", stages_per_device: Any = 1, model_problems: Sequence[str] = (),
 ) -> list[torch.device]:
     """The devices parsed; or one ValueError that lists every bad argument with its fix."""
     listed = _listed(devices)
     parsed, problems = _device_problems(devices, listed)
+    problems = [*model_problems, *problems]
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         problems.append(f"chunks must be a whole number of micro-batches, at least 1 (got {chunks!r})")
     if checkpoint not in CHECKPOINT_MODES:
@@ -379,7 +399,9 @@ def compile_pipeline(
     placement = _placement(devices, mesh, timeout)
     given = devices if placement is None else [placement.device] * placement.size
     assert given is not None
-    parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device)
+    leaf_modules = list(leaf_modules)
+    problems = _model_problems(model, leaf_modules)
+    parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
     example_args = example if isinstance(example, tuple) else (example,)

@@ -198,7 +198,11 @@ def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[
         if not training and gm.code == graphs[True].code:
             continue  # the same code as the training graph, checked already
         with _mode(model, training):
-            problem = check_graph(model, gm, example, inputs, kwargs)
+            try:
+                problem = check_graph(model, gm, example, inputs, kwargs)
+            except Exception:  # the model itself fails on the example (the graph's failures are problems)
+                _refuse_an_example_the_model_refuses(model, example, kwargs)
+                raise
         if problem is not None:
             return f"its graph (traced in {'training' if training else 'eval'} mode) {problem}"
     return None

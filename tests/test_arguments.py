@@ -98,3 +98,43 @@ def test_cuda_without_an_index_is_the_current_device(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     named = [_parse_device(d)[0] for d in ("cuda", torch.device("cuda"), "cuda:1")]
     assert named == [torch.device("cuda", 1)] * 3
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x))
+
+
+def test_a_misspelt_leaf_module_is_named_with_the_names_it_may_mean() -> None:
+    """Unchecked, it would keep nothing whole without a word."""
+    with pytest.raises(ValueError) as info:
+        compile_pipeline(Blocks(), X, ["cpu"], leaf_modules=["blok", nn.Linear, 3], chunks=0)
+    message = str(info.value)
+    assert "leaf_modules names 'blok', which is no submodule of Blocks (did you mean 'block'" in message
+    assert "leaf_modules takes module types or qualified submodule names, not 3" in message
+    assert "chunks must" in message  # with the other problems
+    assert compile_pipeline(Blocks(), X, ["cpu"], leaf_modules=["block", nn.Linear]).plan is not None
+
+
+def test_a_model_that_is_not_a_module_is_refused_with_the_fix() -> None:
+    def function(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    with pytest.raises(ValueError, match="model must be an nn.Module .*not function: wrap a function in a module"):
+        compile_pipeline(function, X, ["cpu"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "example,error",
+    [(X.double(), "must have the same dtype"), (torch.randn(4, 5), "cannot be multiplied"),
+     ([X], "must be Tensor, not list"), (None, "not NoneType")],
+    ids=["dtype", "shape", "list", "None"],
+)  # fmt: skip
+def test_an_example_the_model_does_not_take_is_named_with_the_fix(example: Any, error: str) -> None:
+    with pytest.raises(ValueError, match=f"(?s)Blocks does not run on the example: .*{error}.*How to fix: give compile_pipeline an example"):
+        compile_pipeline(Blocks(), example, ["cpu", "cpu"], chunks=2)
