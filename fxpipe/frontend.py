@@ -21,7 +21,7 @@ from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
-from fxpipe.passes.trace import LeafSpec, TraceError, trace
+from fxpipe.passes.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 
 T = TypeVar("T")
@@ -409,6 +409,8 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     **kwargs) is told so."""
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
+    if unknown_type(export_failure.detail):
+        return UNKNOWN_TYPE_FIX
     if "needs each input named" in fx_failure.detail:
         return (
             "How to fix: write the branch as tensor operations (torch.where) or with torch.cond, or turn off "

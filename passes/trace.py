@@ -140,16 +140,31 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
         raise TraceError(f"torch.fx traced {name}, but its graph does not compile: {type(error).__name__}: {error}") from error
 
 
+# A value of a class of the model's own, returned or passed between modules: neither front end
+# can take it apart into tensors unless pytree knows the class.
+UNKNOWN_TYPE_FIX = (
+    "How to fix: return (and pass between modules) tuples, lists or dicts of tensors, or make the "
+    "class a dataclass and register it with torch.export.register_dataclass, so that its tensors can "
+    "be taken apart."
+)
+
+
+def unknown_type(text: str) -> bool:
+    """Whether a front end's failure is a value of a class it does not know (see UNKNOWN_TYPE_FIX)."""
+    return "argument of type: <class" in text or "which is not a known type" in text
+
+
 def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:
     where = tracer.failed_in
+    fix = "How to fix: " + (
+        f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
+        "instead of traced, or " if where else ""
+    ) + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
     return TraceError(
         f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
-        "How to fix: "
-        + (f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
-           "instead of traced, or " if where else "")
-        + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
+        + (UNKNOWN_TYPE_FIX if unknown_type(f"{error}") else fix)
     )
 
 

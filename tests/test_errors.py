@@ -693,3 +693,29 @@ def test_a_branch_torch_export_cannot_take_is_named_by_its_line_with_a_fix_that_
     text = str(refused.value)
     assert "test_errors.py:" in text and "(if (h > 0).sum().item() > 3:)" in text, text
     assert "name forward's arguments, so that torch.fx traces the model" in text, text
+
+
+class _Pair:
+    """A class of the model's own, unknown to pytree."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+class ReturnsPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> _Pair:
+        h = self.a(x)
+        return _Pair(h, self.b(h))
+
+
+def test_an_output_of_a_class_pytree_does_not_know_is_refused_with_what_works() -> None:
+    """Not the advice about control flow: what both front ends failed on is the class."""
+    with pytest.raises(TraceError) as info:
+        compile_pipeline(ReturnsPair(), X, ["cpu", "cpu"], chunks=2)
+    message = str(info.value)
+    assert message.count("How to fix: return (and pass between modules) tuples, lists or dicts of tensors") == 2, message
+    assert "control flow" not in message
