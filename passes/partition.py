@@ -37,7 +37,10 @@ def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str]
     """Indices into `order` where stages 1.. begin: the first node of each named module."""
     problems = []
     if len(split_points) != stages - 1:
-        problems.append(f"{len(split_points)} split points for {stages} stages; give one fewer than the devices")
+        problems.append(
+            f"{len(split_points)} split points for {stages} stages; give one fewer than the stages "
+            "(devices times stages_per_device)"
+        )
     cuts = []
     for name in split_points:
         first = next((i for i, node in enumerate(order) if belongs_to(node, name)), None)

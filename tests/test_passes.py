@@ -324,7 +324,7 @@ def test_split_points_through_compile_pipeline() -> None:
         (3, {"split_points": ["b1", "b1"]}, r"out of order"),
         (2, {"split_points": ["nope"]}, r"split point 'nope' is not a module that runs in the traced graph"),
         (2, {"split_points": ["b0"]}, r"split point 'b0' is where the graph begins; stage 0 would be empty"),
-        (3, {"split_points": ["b1"]}, r"1 split points for 3 stages"),
+        (3, {"split_points": ["b1"]}, r"1 split points for 3 stages; give one fewer than the stages"),
         (2, {"balance": [3, 4]}, r"balance sums to 7 but the graph has 8 nodes to place"),
         (3, {"balance": [0, 4, 4]}, r"balance \[0, 4, 4\] has an entry below 1"),
         (2, {"balance": [2, 2, 4]}, r"balance has 3 entries for 2 devices"),
