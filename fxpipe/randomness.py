@@ -58,6 +58,12 @@ class TaskStream:
             self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[device]
 
+    def drew(self) -> bool:
+        """Whether any op drew from the stream: a generator handed to an op that did not draw
+        (RReLU in eval mode) is still at its seed."""
+        return any(not torch.equal(g.get_state(), torch.Generator(device=d).manual_seed(self.seed).get_state())
+                   for d, g in self.generators.items())  # fmt: skip
+
 
 @contextmanager
 def task_stream(stream: TaskStream) -> Iterator[None]:

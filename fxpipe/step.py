@@ -274,7 +274,7 @@ class Step:
         if self._unseeded is None:
             return
         unseeded, self._unseeded = self._unseeded, None
-        drew = any(stream.generators for stream in self._streams)
+        drew = any(stream.drew() for stream in self._streams)
         self._streams = []
         if not drew and self._seeded is not None and torch.equal(torch.get_rng_state(), self._seeded):
             torch.set_rng_state(unseeded)

@@ -57,9 +57,9 @@ class RandomSlopes(nn.Module):
 class Remembers(nn.Module):
     """Stores an attribute, so it is called whole: the graph cannot show whether it draws."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, slopes: bool = False) -> None:
         super().__init__()
-        self.a, self.drop = nn.Linear(8, 8), nn.Dropout(p)
+        self.a, self.drop = nn.Linear(8, 8), nn.RReLU() if slopes else nn.Dropout(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(self.a(x))
@@ -116,8 +116,9 @@ def test_a_stage_without_random_ops_draws_nothing() -> None:
      (lambda: nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.Linear(8, 8)), (True, False)),
      (Draws, (True, True)), (Attention, (True, True)),
      (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.0), nn.Linear(8, 8)), (False, False)),
-     (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.3), nn.Linear(8, 8)), (True, False))],
-    ids=["no random ops", "dropout", "graph", "hidden", "whole, deterministic", "whole, dropout"],
+     (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.3), nn.Linear(8, 8)), (True, False)),
+     (lambda: nn.Sequential(nn.Linear(8, 8), Remembers(0.0, slopes=True), nn.Linear(8, 8)), (True, False))],
+    ids=["no random ops", "dropout", "graph", "hidden", "whole, deterministic", "whole, dropout", "whole, RReLU"],
 )  # fmt: skip
 def test_the_callers_generator_moves_only_where_a_stage_draws(make: Callable[[], nn.Module], draws: tuple[bool, bool]) -> None:
     """Without random ops (or dropout in eval mode) the plain model leaves the caller's
