@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -65,6 +65,7 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
 
 
 Slot = tuple[dict[str, Any], str]  # a module's parameter or buffer table, and a name in it
+Attributes = list[tuple[nn.Module, dict[str, Any]]]  # modules called whole, and their attributes
 
 
 def slot_of(module: nn.Module, name: str) -> Slot:
@@ -87,17 +88,29 @@ def swapped_slots(swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> 
             table[attr] = original
 
 
+def attributes_of(modules: Sequence[nn.Module]) -> Attributes:
+    """The attributes of modules called whole, as a forward is about to see them."""
+    return [(module, dict(vars(module))) for module in modules]
+
+
+def _put_back(attributes: Attributes) -> None:
+    for module, before in attributes:
+        for name in [n for n in vars(module) if not n.startswith("_") and n not in before]:
+            delattr(module, name)
+        for name, value in before.items():
+            if not name.startswith("_") and vars(module).get(name) is not value:
+                setattr(module, name, value)
+
+
 @contextmanager
-def attributes_kept(modules: Sequence[nn.Module]) -> Iterator[None]:
-    """A recompute leaves the attributes a module's forward assigns (`self.hidden = h`) as the
-    forwards left them: the last micro-batch's, as in the plain model."""
-    saved = [(module, dict(vars(module))) for module in modules]
+def attributes_kept(modules: Sequence[nn.Module], start: Optional[Attributes] = None) -> Iterator[None]:
+    """A recompute runs from the attributes its forward saw (`start`: a counter forward reads),
+    and leaves those a module's forward assigns (`self.hidden = h`) as the forwards left them:
+    the last micro-batch's, as in the plain model."""
+    saved = attributes_of(modules)
+    if start is not None:
+        _put_back(start)
     try:
         yield
     finally:
-        for module, before in saved:
-            for name in [n for n in vars(module) if not n.startswith("_") and n not in before]:
-                delattr(module, name)
-            for name, value in before.items():
-                if not name.startswith("_") and vars(module).get(name) is not value:
-                    setattr(module, name, value)
+        _put_back(saved)

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.channel import Failure, RemoteFailure
-from fxpipe.checkpoint import Slot, attributes_kept, checkpointing, recomputing, swapped_slots, swapped_state
+from fxpipe.checkpoint import Attributes, Slot, attributes_kept, attributes_of, checkpointing, recomputing, swapped_slots, swapped_state
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
 from fxpipe.hints import hint_for
@@ -118,6 +118,7 @@ class _Saved:
     outputs: Optional[tuple[Any, ...]]  # None when checkpointed: recomputed in backward
     buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
     pending: Optional[PendingWeights] = None  # between I and W: what W starts from
+    attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
 
 
 # The loss of one micro-batch, given its index and its output values as leaves: the loss
@@ -454,11 +455,12 @@ class Step:
         checkpointed = self.grad and i < self.checkpoint_stop
         if checkpointed:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
+            attributes = attributes_of(stage.whole_modules) if stage.whole_modules else None
             with torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
-            self._keep(i, j, _Saved(kept, None, buffers))
+            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes))
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
@@ -532,9 +534,9 @@ class Step:
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
-        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules), self._metered(i, j):
+        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j):
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
-        saved.buffers = None
+        saved.buffers = saved.attributes = None
         return start, time.perf_counter()
 
     def _output_grads(self, i: int, j: int) -> list[Any]:  # (4)

@@ -32,6 +32,7 @@ from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatt
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
+from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import writable_buffer_names
@@ -243,7 +244,8 @@ def _run(gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: 
     with preserved(gm), torch.no_grad():
         for inputs in examples:
             runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed)
-            runner.run(*_cloned(inputs))
+            with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
+                runner.run(*_cloned(inputs))
             runs.append(runner.values)
     return runs
 

@@ -12,6 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
+from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
 from fxpipe.passes.snapshot import Snapshot, preserved
 
@@ -41,7 +42,8 @@ def check_graph(
         if not _small_on_cpu(gm, inputs):
             return _runs(gm, inputs)
         kwargs = kwargs or {}
-        expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
+        with assignments_recorded(model):  # the graph's run starts from the attributes this one read
+            expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
         expected_buffers = _buffers(model)
         state.restore()
         try:
@@ -137,7 +139,8 @@ def _locate(
 ) -> str:
     """'first difference at node n (module m, file:line): ' or '' when no module's output tells."""
     state.restore()
-    eager = _module_outputs(model, _detached(example), _detached(kwargs))
+    with assignments_recorded(model):
+        eager = _module_outputs(model, _detached(example), _detached(kwargs))
     state.restore()
     values = _node_values(gm, _detached(inputs))
     for node, path in _module_ends(gm):

@@ -263,6 +263,34 @@ def test_a_counter_a_module_kept_whole_assigns_is_left_as_it_was_by_compiling() 
         compile_pipeline(ShiftedExported(counts=True), x.float(), ["cpu"] * 2, chunks=2)
 
 
+class ReadsItsCount(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x)) * (1 + 0.1 * self.calls)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_counter_forward_reads_counts_as_the_plain_model_run_on_the_micro_batches(checkpoint: str) -> None:
+    """Before, the graph's check and the halves' runs each started from the count the run before
+    left, and refused the model for the difference."""
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), ReadsItsCount(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    assert model[1].calls == 0
+    for _ in range(2):
+        out, expected = pipe(x), torch.cat([reference(half) for half in x.chunk(2)])
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert model[1].calls == reference[1].calls == 4, "a recompute counts nothing"
+
+
 class CachesInEval(nn.Module):
     """LeViT's attention biases: in eval mode a tensor computed from a parameter is cached in a
     plain dict, which `train()` empties."""
