@@ -118,8 +118,10 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     tracer = _Tracer(leaf_modules)
     tracer.record_stack_traces = record_lines
     try:
+        buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched:
             graph = tracer.trace(model)
+            _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
         raise TraceError(str(error)) from error
     except Exception as error:
@@ -152,6 +154,21 @@ UNKNOWN_TYPE_FIX = (
 def unknown_type(text: str) -> bool:
     """Whether a front end's failure is a value of a class it does not know (see UNKNOWN_TYPE_FIX)."""
     return "argument of type: <class" in text or "which is not a known type" in text
+
+
+def _buffer_updates_written(model: nn.Module, graph: fx.Graph, buffers: dict[tuple[str, str], Any]) -> None:
+    """`self.count += 1` on a buffer: a proxy has no `+=` of its own, so the trace adds out of place
+    and assigns the sum to the buffer, where a tensor adds in place. Each buffer left holding a
+    traced value gets it written in (`copy_`) where it was made, and its tensor back."""
+    for path, module in model.named_modules():
+        for name, value in list(module._buffers.items()):
+            if not isinstance(value, fx.Proxy) or value.node.graph is not graph:
+                continue
+            with graph.inserting_after(value.node):
+                target = graph.get_attr(f"{path}.{name}" if path else name)
+            with graph.inserting_after(target):
+                graph.call_method("copy_", (target, value.node))
+            module._buffers[name] = buffers[path, name]
 
 
 def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import pytest
@@ -622,6 +623,41 @@ def test_a_buffer_counted_with_plus_equals_counts_as_in_the_plain_model(mode: st
         expected.sum().backward()
     assert_grads_equal(pipe, reference)
     assert int(pipe.get_buffer("1.count")) == int(reference.get_buffer("1.count")) == 4
+
+
+class _Stores(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.last = h.detach()  # called whole, which only torch.fx can do
+        return h
+
+
+class CountsAtTheRoot(Counts):
+    def __init__(self) -> None:
+        super().__init__(in_place=True)
+        self.first, self.stores = nn.Linear(6, 6), _Stores()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.stores(torch.tanh(self.first(h))))
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_buffer_counted_with_plus_equals_at_the_root_is_written_where_torch_fx_traces_it(mode: str) -> None:
+    """torch.fx adds out of place and assigns the sum: before, that counted as an assignment on
+    the root, and a model that needs torch.fx for something else was refused."""
+    model, reference = twin(CountsAtTheRoot())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to torch.export
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode)
+    assert any(".copy_(" in stage.code for stage in pipe.stages)
+    for _ in range(2):
+        out, expected = pipe(x), torch.cat([reference(x[:4]), reference(x[4:])])
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.sum().backward()
+        expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert int(model.count) == int(reference.count) == 4
+    torch.testing.assert_close(model.stores.last, reference.stores.last, rtol=0, atol=0)
 
 
 def test_a_buffer_replaced_by_a_new_tensor_is_refused_and_put_back() -> None:
