@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from fxpipe.frontend import to_graph
+from fxpipe.frontend import Traced, to_graph
 from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
-from fxpipe.microbatch import batch_size_of, example_leaves, forward_signature, spec_dims
+from fxpipe.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
@@ -300,6 +300,17 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     return compile_and_restore
 
 
+def _check_example_micro_batches(traced: Traced, bound: dict[str, Any], chunks: int, split: Dims) -> None:
+    """torch.export's guards on the example's micro-batches (a branch on the batch size)."""
+    batch = batch_size_of(list(bound.values()), split)
+    if traced.check_micro_batch is None or chunks == 1 or batch is None:
+        return
+    sizes = split_sizes(batch, chunks)
+    pieces = {name: scatter(value, sizes, batch, split) for name, value in bound.items()}
+    for i in sorted({sizes.index(size) for size in sizes}):
+        traced.check_micro_batch({name: pieces[name][i] for name in bound})
+
+
 def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> None:
     """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence."""
     splits_elsewhere = any(dim not in (None, 0) for dim in spec.values())  # {"x": 1}
@@ -423,6 +434,7 @@ def compile_pipeline(
         gm = redirect_reads_after_writes(traced.graph, inputs)
         propagate_shapes(gm, inputs)
         split = spec_dims(signature, spec, example_args, example_kwargs)
+        _check_example_micro_batches(traced, bound, chunks, split)
         annotate_batch_dims(gm, inputs, chunks, split)
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
@@ -459,7 +471,9 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm)
-    compiled = Compiled(plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split))
+    compiled = Compiled(
+        plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch
+    )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
         check_same_plan(plan, placement, freed_needed(model, read_here), unfillable(model, read_here))

@@ -42,6 +42,7 @@ class Traced:
     note: Optional[str] = None
     eval_graph: Optional[fx.GraphModule] = None
     fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
+    check_micro_batch: Optional[Callable[[dict[str, Any]], None]] = None  # export's guards, per micro-batch
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -144,10 +145,7 @@ def _check_guards(guards: Any, leaves: list[Any], arguments: list[str]) -> None:
     try:
         guards(*leaves)
     except AssertionError as error:
-        failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))  # export names leaves by index
-        shapes = "".join(
-            f"\n  - {name}: shape {tuple(leaf.shape)}" for name, leaf in zip(arguments, leaves) if isinstance(leaf, torch.Tensor)
-        )
+        failed, shapes = _failed_guard(error, leaves, arguments)
         raise ValueError(
             f"torch.export made the graph for calls like the example, and this call differs: {failed}.\n"
             f"The call's tensors:{shapes}\n"
@@ -156,6 +154,39 @@ def _check_guards(guards: Any, leaves: list[Any], arguments: list[str]) -> None:
             "compile a pipeline for this call, or make the model traceable by torch.fx, which keeps "
             "such arguments and branches live."
         ) from None
+
+
+def _failed_guard(error: AssertionError, leaves: list[Any], arguments: list[str]) -> tuple[str, str]:
+    """The guard that failed, naming the forward's arguments (export names leaves by index), and
+    the tensors' shapes, a line each."""
+    failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
+    shapes = "".join(f"\n  - {name}: shape {tuple(leaf.shape)}" for name, leaf in zip(arguments, leaves) if isinstance(leaf, torch.Tensor))
+    return failed, shapes
+
+
+def micro_batch_check(gm: fx.GraphModule) -> Optional[Callable[[dict[str, Any]], None]]:
+    """torch.export's guards on a micro-batch's inputs: a branch on the batch size (`if
+    x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches."""
+    guards = gm.meta.get("input_guards")
+    if guards is None:
+        return None
+    arguments = [str(node.meta.get("argument", node.name)) for node in gm.graph.nodes if node.op == "placeholder"]
+
+    def check(values: dict[str, Any]) -> None:
+        leaves = list(values.values())
+        try:
+            guards(*leaves)
+        except AssertionError as error:
+            failed, shapes = _failed_guard(error, leaves, arguments)
+            raise ValueError(
+                f"torch.export made the graph for inputs like the example, and a micro-batch differs: {failed}.\n"
+                f"The micro-batch's tensors:{shapes}\nThe model branches on a size that splitting the batch "
+                "changes, and the stages would run each micro-batch down the branch of the whole batch.\n"
+                "How to fix: use fewer chunks (chunks=1 runs the batch whole), or write the branch as "
+                "tensor operations (torch.where) so that it does not depend on the batch size."
+            ) from None
+
+    return check
 
 
 class _Rejected(Exception):
@@ -289,7 +320,9 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     problem = _check(model, graphs, example, kwargs, bind)
     if problem is not None:
         raise _Rejected(problem)
-    return _traced(graphs, bind)
+    traced = _traced(graphs, bind)
+    traced.check_micro_batch = micro_batch_check(graphs[True])
+    return traced
 
 
 def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str]) -> None:

@@ -158,6 +158,8 @@ class Compiled:
     # Per input, the example's tensor leaves: how many dims, and whether kept whole (a leaf with
     # as many dims stays whole when its dim 0 happens to equal a later batch's size).
     example_leaves: ExampleLeaves = field(default_factory=dict)
+    # torch.export's guards on a micro-batch's inputs (by placeholder name); None under torch.fx.
+    check_micro_batch: Optional[Callable[[dict[str, Any]], None]] = None
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -169,4 +171,5 @@ class Compiled:
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
+            self.check_micro_batch,
         )  # fmt: skip

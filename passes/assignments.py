@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -72,7 +72,7 @@ def _same_contents(now: Any, before: Any) -> bool:
     return bool(now == before)
 
 
-class _Assigned:
+class Assigned:
     """The public attributes of `model`'s modules (and their buffers, with `buffers`) as they are
     when made: which have been assigned since, and putting them back."""
 
@@ -91,6 +91,11 @@ class _Assigned:
                 if module._buffers.get(name) is not buffer:
                     found[path, name] = module._buffers.get(name)
         return found
+
+    def assign(self, values: dict[tuple[str, str], Any]) -> None:
+        """Assign again what `since()` found (attributes only)."""
+        for (path, name), value in values.items():
+            setattr(self.before[path][0], name, value)
 
     def put_back(self, keep: Iterable[tuple[str, str]] = ()) -> None:
         """Put every attribute and buffer back as it was (a swapped container too), but `keep`."""
@@ -116,7 +121,7 @@ def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
     """Within this block, public attributes and buffers assigned on `model`'s modules are listed
     (by path, once the block ends) and put back as they were. A buffer counts: `self.count += 1`
     assigns it the traced sum, which a graph does not write into the buffer."""
-    assigned, contents = _Assigned(model, buffers=True), Contents(model)
+    assigned, contents = Assigned(model, buffers=True), Contents(model)
     changed: list[str] = []
     try:
         yield changed
@@ -138,7 +143,7 @@ class StableAssignments:
     everything when the block raises. `undo()` puts back the kept ones too (compiling failed)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.assigned = _Assigned(model)
+        self.assigned = Assigned(model)
         self.ends: list[dict[tuple[str, str], Any]] = []
         self.kept: dict[tuple[str, str], Any] = {}
         self.contents = Contents(model)
@@ -199,3 +204,23 @@ def assignments_refused(model: nn.Module) -> Iterator[None]:
     with assignments_recorded(model) as changed:
         yield
     refuse_assignments(changed)
+
+
+@contextmanager
+def started_alike(model: nn.Module) -> Iterator[Callable[[], None]]:
+    """For runs that must start from the same attributes (the model's, then its graph's): the
+    block gets a function that puts back what the first run assigned, and at the end of the
+    block the first run's assignments are made again, so that a record around it sees them."""
+    assigned, contents = Assigned(model), Contents(model)
+    made: dict[tuple[str, str], Any] = {}
+
+    def put_back() -> None:
+        made.update(assigned.since())
+        contents.put_back()
+        assigned.put_back()
+
+    try:
+        yield put_back
+    finally:
+        assigned.put_back()
+        assigned.assign(made)

@@ -12,7 +12,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from fxpipe.passes.assignments import assignments_recorded
+from fxpipe.passes.assignments import started_alike
 from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
 from fxpipe.passes.snapshot import Snapshot, preserved
 
@@ -42,15 +42,16 @@ def check_graph(
         if not _small_on_cpu(gm, inputs):
             return _runs(gm, inputs)
         kwargs = kwargs or {}
-        with assignments_recorded(model):  # the graph's run starts from the attributes this one read
+        with started_alike(model) as put_back:  # the graph's run starts from the attributes the model's read
             expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
-        expected_buffers = _buffers(model)
-        state.restore()
-        try:
-            got = gm(*_detached(inputs))
-        except Exception as error:
+            expected_buffers = _buffers(model)
             state.restore()
-            return f"does not run: {_failing_node(gm, inputs)}{first_line(error)}"
+            put_back()
+            try:
+                got = gm(*_detached(inputs))
+            except Exception as error:
+                state.restore()
+                return f"does not run: {_failing_node(gm, inputs)}{first_line(error)}"
         problem = _compare(got, expected) or _compare_buffers(_buffers(model), expected_buffers)
         if problem is None:
             return None
@@ -139,10 +140,11 @@ def _locate(
 ) -> str:
     """'first difference at node n (module m, file:line): ' or '' when no module's output tells."""
     state.restore()
-    with assignments_recorded(model):
+    with started_alike(model) as put_back:
         eager = _module_outputs(model, _detached(example), _detached(kwargs))
-    state.restore()
-    values = _node_values(gm, _detached(inputs))
+        state.restore()
+        put_back()
+        values = _node_values(gm, _detached(inputs))
     for node, path in _module_ends(gm):
         if node not in values:
             break  # the graph failed before this node

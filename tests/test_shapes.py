@@ -83,3 +83,30 @@ def test_fx_graphs_read_sizes_from_their_inputs() -> None:
     for length in (3, 16, 31):
         x, _ = gpt.make_batch(6, seq_len=length)
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class BranchesOnTheBatch(nn.Module):
+    """A fast path for large batches: torch.export guards the graph with the batch size, which
+    splitting the batch changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[0] > 4:
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_branch_on_the_batch_size_is_checked_for_each_micro_batch() -> None:
+    """Before, the stages ran micro-batches of 4 down the branch of the whole batch of 8."""
+    with pytest.raises(ValueError, match=r"(?s)a micro-batch differs: Guard failed: x.size\(\)\[0\] >= 5.*  - x: shape \(4, 6\).*How to fix"):
+        quietly(BranchesOnTheBatch().double(), torch.randn(8, 6, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    model, reference = twin(BranchesOnTheBatch())
+    pipe = quietly(model, torch.randn(16, 6, dtype=torch.float64), ["cpu"] * 2, chunks=2)  # micro-batches of 8
+    x = torch.randn(12, 6, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), torch.cat([reference(half) for half in x.chunk(2)]), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="a micro-batch differs"):
+        pipe(torch.randn(8, 6, dtype=torch.float64))  # the call passes the guard, its micro-batches of 4 do not
