@@ -434,8 +434,8 @@ def compile_pipeline(
         gm = redirect_reads_after_writes(traced.graph, inputs)
         propagate_shapes(gm, inputs)
         split = spec_dims(signature, spec, example_args, example_kwargs)
-        _check_example_micro_batches(traced, bound, chunks, split)
         annotate_batch_dims(gm, inputs, chunks, split)
+        _check_example_micro_batches(traced, bound, chunks, split)  # after the halves' check, which names the fix
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
         traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]

@@ -55,6 +55,32 @@ def _name_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
         node.meta["argument"] = name + keystr(rest)
 
 
+# Batch norms in training mode, and where their `training` argument is: torch.nn.functional checks
+# in Python that each channel has more than one value, and an exported graph calls the op below it.
+_BATCH_NORMS = {
+    torch.ops.aten.batch_norm.default: 5,
+    torch.ops.aten.native_batch_norm.default: 5,
+    torch.ops.aten._native_batch_norm_legit.default: 5,
+    torch.ops.aten._native_batch_norm_legit.no_stats: 3,
+    torch.ops.aten._native_batch_norm_legit_functional.default: 5,
+}
+
+
+def values_per_channel_checked(x: torch.Tensor) -> None:
+    """The check torch.nn.functional.batch_norm makes: with one value per channel, the batch's
+    variance is 0 and training normalises every sample to the bias (a micro-batch of one)."""
+    if x.dim() >= 2 and x.numel() // max(x.shape[1], 1) == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.shape}")
+
+
+def _check_batch_norm_inputs(graph: fx.Graph) -> None:
+    for node in list(graph.nodes):
+        at = _BATCH_NORMS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+        if at is not None and len(node.args) > at and node.args[at] is True:
+            with graph.inserting_before(node):
+                graph.call_function(values_per_channel_checked, (node.args[0],))
+
+
 def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, TreeSpec]:
     """Export `model` and return its graph over the flat input leaves, with attribute targets
     named as in `model` (so that they resolve to the model's own parameters), and the input spec.
@@ -89,6 +115,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         paths = [path for path, _ in stack.values() if path.startswith(_PREFIX)]
         node.meta["scope"] = _strip(paths[-1]) if paths else ""
     _name_arguments(model, args, kwargs, [n for n in graph.nodes if n.op == "placeholder"])
+    _check_batch_norm_inputs(graph)
     output = next(n for n in graph.nodes if n.op == "output")
     out_spec = exported._out_spec
     assert out_spec is not None, "an exported module knows its output structure"

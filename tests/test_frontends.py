@@ -569,3 +569,28 @@ def test_a_list_a_module_kept_whole_fills_is_left_empty_by_compiling_and_filled_
     assert isinstance(logs, Logs) and logs.seen == []
     pipe(x)
     assert logs.seen == [4, 4]
+
+
+class NormsExported(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # torch.fx cannot name *args
+        return self.b(self.norm(self.a(args[0])))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_exported_batch_norm_training_on_one_value_per_channel_raises_as_the_plain_model() -> None:
+    """Before, the exported graph skipped torch.nn.functional's check: every sample came out as
+    the bias, and the layers before got no gradient."""
+    model, reference = twin(NormsExported())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        reference(x[:1])
+    with pytest.raises(StageError, match="micro-batch 0 in forward: ValueError: Expected more than 1 value per channel"):
+        pipe(x)
+    pipe.eval()
+    reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # eval normalises by the running statistics
