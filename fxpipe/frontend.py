@@ -311,10 +311,12 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         )
     graphs = {training: gm for training, (gm, _) in exported.items()}
     if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
-        raise TraceError(
-            f"torch.export fixed the batch size of {type(model).__name__} to the example's, so "
-            f"micro-batches of other sizes cannot run.\nHow to fix: use chunks=1, or avoid shapes "
-            "that depend on the batch size in the model."
+        raise _Rejected(
+            "it fixed the batch size to the example's (the model's code depends on it), so micro-batches "
+            "of other sizes cannot run",
+            fix="How to fix: use chunks=1, or avoid Python code that depends on the batch size (shapes "
+            "computed from x.shape[0], asserts on it); or make the model traceable by torch.fx, which "
+            "reads sizes as it runs.",
         )
     bind = leaf_binder(graphs[True], exported[True][1])
     problem = _check(model, graphs, example, kwargs, bind)

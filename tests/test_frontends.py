@@ -594,3 +594,25 @@ def test_an_exported_batch_norm_training_on_one_value_per_channel_raises_as_the_
     pipe.eval()
     reference.eval()
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # eval normalises by the running statistics
+
+
+class FixesTheBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        assert x.shape[0] == 8, "trained on batches of 8"
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_batch_size_export_fixed_is_refused_with_both_front_ends_reasons() -> None:
+    with pytest.raises(TraceError) as refused:
+        compile_pipeline(FixesTheBatch(), torch.randn(8, 4), ["cpu"] * 2, chunks=2)
+    message = str(refused.value)
+    assert "torch.fx: torch.fx cannot trace FixesTheBatch: its forward takes *args" in message
+    assert "torch.export: it fixed the batch size to the example's" in message
+    assert message.rstrip().endswith("which reads sizes as it runs.")
+    with pytest.warns(UserWarning, match="used torch.export"):
+        assert compile_pipeline(FixesTheBatch(), torch.randn(8, 4), ["cpu"] * 2, chunks=1).plan is not None
