@@ -114,19 +114,31 @@ def rebound_buffers_refused(model: nn.Module) -> Iterator[None]:
     and put back."""
     before = [(path, module, dict(module._buffers)) for path, module in model.named_modules()]
     yield
-    rebound = []
+    rebound: list[str] = []
+    built: list[str] = []
     for path, module, buffers in before:
         for name, buffer in buffers.items():
-            if module._buffers.get(name) is not buffer:
-                rebound.append(f"{path}.{name}" if path else name)
+            now = module._buffers.get(name)
+            if now is not buffer:
+                resized = buffer is None or not isinstance(now, torch.Tensor) or now.shape != buffer.shape
+                (built if resized else rebound).append(f"{path}.{name}" if path else name)
                 module._buffers[name] = buffer
+    problems = []
     if rebound:
-        raise TraceError(
-            f"{type(model).__name__} cannot be compiled: its forward replaces the buffers {', '.join(rebound)} with "
-            "new tensors (self.n = self.n + 1), which a pipeline's generated stages cannot store.\n"
-            "How to fix: write each in place (self.n += 1, self.n.add_(1), self.n.copy_(value)); a buffer "
-            "written in place is carried exactly."
+        problems.append(
+            f"its forward replaces the buffers {', '.join(rebound)} with new tensors (self.n = self.n + 1), "
+            "which a pipeline's generated stages cannot store.\nHow to fix: write each in place (self.n += 1, "
+            "self.n.add_(1), self.n.copy_(value)); a buffer written in place is carried exactly."
         )
+    if built:
+        problems.append(
+            f"its forward builds the buffers {', '.join(built)} anew at another size (a cache made on first use, "
+            "or grown for a longer input), which a pipeline's generated stages cannot store.\nHow to fix: call "
+            "the model once before compiling, at the largest size it will see, so that the cache is built (or "
+            "build it in __init__); a forward that then only reads it compiles."
+        )
+    if problems:
+        raise TraceError(f"{type(model).__name__} cannot be compiled: " + "\n".join(problems))
 
 
 class _TensorHooks(TorchFunctionMode):

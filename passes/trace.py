@@ -177,11 +177,18 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
         "instead of traced, or " if where else ""
     ) + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
+    if "Proxy" in str(error) and not unknown_type(str(error)):  # a library function that takes tensors only
+        fix = (
+            "How to fix: a function that takes real tensors only was given torch.fx's traced value (a Proxy): "
+            + (f"keep {where!r} whole (leaf_modules=[{where!r}]), or " if where else "")
+            + "register the function with torch.fx.wrap (or call it from a module kept whole), so that the "
+            "trace records its call instead of running it."
+        )
     return TraceError(
         f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
-        + (UNKNOWN_TYPE_FIX if unknown_type(f"{error}") else fix)
+        + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix)
     )
 
 

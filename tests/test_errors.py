@@ -669,6 +669,34 @@ def test_a_buffer_replaced_by_a_new_tensor_is_refused_and_put_back() -> None:
     assert model.get_buffer("1.count") is count and int(count) == 0
 
 
+class BuildsOnFirstUse(nn.Module):
+    """A bias table made at the first call (x-transformers' ALiBi): a buffer, None until then."""
+
+    table: Optional[torch.Tensor]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.register_buffer("table", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.linspace(0, 1, x.shape[-1], dtype=x.dtype)
+        return self.b(torch.tanh(self.a(x)) + self.table)
+
+
+def test_a_buffer_built_on_first_use_is_refused_with_the_warm_up_as_the_fix() -> None:
+    model = BuildsOnFirstUse().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.raises(TraceError, match=r"(?s)builds the buffers table anew.*How to fix: call the model once before compiling"):
+        compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert model.table is None
+    model(x)  # the fix
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 class HookedWhenTraining(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -755,3 +783,27 @@ def test_an_output_of_a_class_pytree_does_not_know_is_refused_with_what_works() 
     message = str(info.value)
     assert message.count("How to fix: return (and pass between modules) tuples, lists or dicts of tensors") == 2, message
     assert "control flow" not in message
+
+
+def _tensors_only(x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Tensor type unknown to the library: {type(x)}")
+    return x * 2
+
+
+class CallsALibrary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _tensors_only(self.a(x))
+        return self.b(h) if bool(h.sum() > 0) else h  # and a branch on a value, which stops torch.export
+
+
+def test_a_library_function_that_refuses_a_proxy_is_named_with_torch_fx_wrap_as_the_fix() -> None:
+    with pytest.raises(TraceError) as refused:
+        compile_pipeline(CallsALibrary(), X, ["cpu", "cpu"])
+    fx_reason = str(refused.value).split("torch.export:")[0]
+    assert "Tensor type unknown to the library" in fx_reason
+    assert "register the function with torch.fx.wrap" in fx_reason and "control flow" not in fx_reason
