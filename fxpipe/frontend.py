@@ -15,7 +15,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
-from fxpipe.passes.assignments import AssignmentError, StableAssignments, assignments_recorded, refuse_assignments
+from fxpipe.passes.assignments import (
+    AssignmentError, StableAssignments, assignments_recorded, differing_entries, filled, refuse_assignments,
+)
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -360,8 +362,36 @@ def to_graph(
         except BaseException:
             stable.undo()
             raise
+    if stable.filled:
+        _refuse_containers_filled_at_random(model, example, kwargs)
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
+
+
+def _refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A cache the forward fills (put back after compiling's runs) is computed again by the
+    graph on every call: the plain model's value only if it is one of the parameters, not of
+    random numbers drawn once (a random projection made on first use). Two runs in each mode
+    from other seeds tell."""
+    differ: list[str] = []
+    with preserved(model), assignments_recorded(model), torch.no_grad():
+        for training in (True, False):
+            with _mode(model, training):
+                runs = []
+                try:
+                    for seed in (1, 2):
+                        torch.manual_seed(seed)
+                        runs.append(filled(model, lambda: model(*example, **kwargs)))
+                except Exception:  # noqa: BLE001 - a mode the model does not run in fills nothing
+                    continue
+                differ += [path for path in differing_entries(*runs) if path not in differ]
+    if differ:
+        raise TraceError(
+            f"{type(model).__name__}'s forward fills {', '.join(differ)} with random values (another draw on each "
+            "run): the pipeline's generated stages would draw them again on every call and micro-batch, where the "
+            "plain model draws them once and keeps them.\nHow to fix: draw them in __init__ and register them as a "
+            "buffer (or a parameter), so that forward only reads them."
+        )
 
 
 def _called_whole(traced: Traced) -> set[str]:

@@ -58,6 +58,34 @@ class Contents:
         return changed
 
 
+def filled(model: nn.Module, run: Callable[[], Any]) -> dict[str, Any]:
+    """What `run()` put into the dicts, lists and sets of `model`'s modules, by path (a copy of
+    each container it changed); the contents are put back."""
+    contents = Contents(model)
+    run()
+    found = {
+        f"{path}.{name}" if path else name: copy.copy(value)
+        for path, name, value, before in contents.saved
+        if not _same_contents(value, before)
+    }  # fmt: skip
+    contents.put_back()
+    return found
+
+
+def differing_entries(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
+    """The containers whose entries hold other tensor values in `second` than in `first`."""
+    def values(container: Any) -> list[Any]:
+        return list(container.values()) if isinstance(container, dict) else list(container) if isinstance(container, list) else []
+
+    differ = []
+    for path, container in first.items():
+        pairs = zip(values(container), values(second.get(path, type(container)())))
+        if any(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape != b.shape or not torch.equal(a, b))
+               for a, b in pairs):  # fmt: skip
+            differ.append(path)
+    return differ
+
+
 def _swapped_container(before: Any, after: Any) -> bool:
     """A dict, list or set replaced by another of its kind: a container the model refills, whose
     contents `Contents` looks after, not an assignment to carry."""

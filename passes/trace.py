@@ -177,7 +177,7 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
         "instead of traced, or " if where else ""
     ) + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
-    if "Proxy" in str(error) and not unknown_type(str(error)):  # a library function that takes tensors only
+    if isinstance(error, TypeError) and "Proxy" in str(error) and not unknown_type(str(error)):  # a library's type check
         fix = (
             "How to fix: a function that takes real tensors only was given torch.fx's traced value (a Proxy): "
             + (f"keep {where!r} whole (leaf_modules=[{where!r}]), or " if where else "")

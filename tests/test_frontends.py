@@ -263,6 +263,28 @@ def test_a_counter_a_module_kept_whole_assigns_is_left_as_it_was_by_compiling() 
         compile_pipeline(ShiftedExported(counts=True), x.float(), ["cpu"] * 2, chunks=2)
 
 
+class DrawsOnFirstUse(nn.Module):
+    """A random projection made on first use, in a plain dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "w" not in self.cache:
+            self.cache["w"] = torch.randn(4, 4, dtype=x.dtype)
+        return self.b(torch.tanh(self.a(x)) @ self.cache["w"])
+
+
+def test_a_cache_filled_with_random_values_is_refused_not_drawn_on_every_call() -> None:
+    """Before, the graph drew the projection again on every call and micro-batch, a warning aside."""
+    model = DrawsOnFirstUse().double()
+    with pytest.raises(TraceError, match=r"(?s)fills cache with random values.*How to fix: draw them in __init__"):
+        compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    assert model.cache == {}
+
+
 class ReadsItsCount(nn.Module):
     def __init__(self) -> None:
         super().__init__()
