@@ -26,8 +26,12 @@ from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
 
 
-def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool) -> Program:
-    """The stages of `cut` generated on `owner`'s parameters and buffers."""
+def build_program(
+    owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
+    stored: frozenset[tuple[str, str]] = frozenset(),
+) -> Program:
+    """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
+    that requiring grad, modules called whole store in forward (by module path and name)."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
@@ -54,7 +58,8 @@ def build_program(owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device]
             return fetch_attr(cut.graph, name)
 
     shared = [[resolve(name) for name in code.shared] for code in codes]
-    stages = [_stage(cut, codes, index, devices[index], shared[index]) for index in range(len(codes))]
+    stored_by = _stored_by_module(owner, stored)
+    stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by) for index in range(len(codes))]
     template = _template(cut.graph)
     refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef) and leaf.given]
     inputs = {n.name for n in cut.graph.graph.nodes if n.op == "placeholder"}
@@ -87,8 +92,23 @@ def _unreached(owner: nn.Module) -> list[str]:
     ]
 
 
-def _stage(cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any]) -> StageRuntime:
+def _stored_by_module(owner: nn.Module, stored: frozenset[tuple[str, str]]) -> dict[int, list[tuple[str, str]]]:
+    """By module id: the names its forward stores tensors requiring grad under, each with its path."""
+    found: dict[int, list[tuple[str, str]]] = {}
+    for path, name in sorted(stored):
+        try:
+            module = owner.get_submodule(path)
+        except AttributeError:
+            continue
+        found.setdefault(id(module), []).append((name, f"{path}.{name}" if path else name))
+    return found
+
+
+def _stage(
+    cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any], stored_by: dict[int, list[tuple[str, str]]]
+) -> StageRuntime:
     code = codes[index]
+    whole = _called_whole(code.module)
     sources = {e.value: e.src for e in cut.edges if e.dst == index}
     consumers: dict[str, list[int]] = {name: [] for name in code.outputs}
     for e in cut.edges:
@@ -113,7 +133,8 @@ def _stage(cut: Cut, codes: Sequence[StageCode], index: int, device: torch.devic
         writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
         state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
         written=code.written,
-        whole_modules=_called_whole(code.module),
+        whole_modules=whole,
+        stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
     )  # fmt: skip
 
 

@@ -45,6 +45,7 @@ class Traced:
     eval_graph: Optional[fx.GraphModule] = None
     fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
     check_micro_batch: Optional[Callable[[dict[str, Any]], None]] = None  # export's guards, per micro-batch
+    stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -364,6 +365,7 @@ def to_graph(
             raise
     if stable.filled:
         _refuse_containers_filled_at_random(model, example, kwargs)
+    traced.stored_with_grad = stable.differentiable
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
 

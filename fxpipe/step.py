@@ -32,7 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.channel import Failure, RemoteFailure
-from fxpipe.checkpoint import Attributes, Slot, attributes_kept, attributes_of, checkpointing, recomputing, swapped_slots, swapped_state
+from fxpipe.checkpoint import (
+    Attributes, Slot, attributes_kept, attributes_of, checkpointing, recomputing, refuse_gradients_through, swapped_slots,
+    swapped_state,
+)
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
 from fxpipe.hints import hint_for
@@ -99,6 +102,9 @@ class StageRuntime:
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)
     whole_modules: list[nn.Module] = field(default_factory=list)  # called whole: their forward runs
+    # What they store that requires grad (module, attribute, its path): no gradient can flow
+    # back through it into the stage's graph, and a backward that reaches it is refused.
+    stored: list[tuple[nn.Module, str, str]] = field(default_factory=list)
     # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
     # caller's tensor gets the final value, as the plain model writes it.
     written: list[str] = field(default_factory=list)
@@ -470,6 +476,8 @@ class Step:
             outputs = self._write_back(stage, i, results)
             if self.grad:
                 self._keep(i, j, _Saved(inputs, outputs))
+        if self.grad and stage.stored:
+            refuse_gradients_through(stage.stored)
         wants = _floating if checkpointed else _requires_grad
         end = time.perf_counter()
         for name, value in zip(stage.outputs, outputs):  # (3)

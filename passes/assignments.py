@@ -176,6 +176,8 @@ class StableAssignments:
         self.kept: dict[tuple[str, str], Any] = {}
         self.contents = Contents(model)
         self.filled: list[str] = []  # containers whose contents the runs changed (put back)
+        # Tensors a run stored on a module (`self.hidden = h`) that require grad, by path and name.
+        self.differentiable: frozenset[tuple[str, str]] = frozenset()
 
     def ran(self) -> None:
         self.ends.append(self.assigned.since())
@@ -188,6 +190,9 @@ class StableAssignments:
         self.kept = {key: v for key, v in first.items() if _plain(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
         self.assigned.put_back(keep=self.kept)
         self.filled = self.contents.put_back()
+        self.differentiable = frozenset(
+            key for end in self.ends for key, v in end.items() if isinstance(v, torch.Tensor) and v.requires_grad
+        )
 
     def undo(self) -> None:
         self.assigned.put_back()

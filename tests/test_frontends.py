@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -638,3 +638,38 @@ def test_a_batch_size_export_fixed_is_refused_with_both_front_ends_reasons() -> 
     assert message.rstrip().endswith("which reads sizes as it runs.")
     with pytest.warns(UserWarning, match="used torch.export"):
         assert compile_pipeline(FixesTheBatch(), torch.randn(8, 4), ["cpu"] * 2, chunks=1).plan is not None
+
+
+class StoresHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.hidden: Optional[torch.Tensor] = None
+        self.seen: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        self.hidden, self.seen = h, h.detach()
+        return h
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_loss_through_a_tensor_a_module_stored_is_refused_in_backward(checkpoint: str) -> None:
+    """Before: under 'always' the stored tensor had no graph and its gradient was lost without a
+    word; otherwise backward ran into a stage's freed graph."""
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), StoresHidden(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    out = pipe(x)
+    stored = model[1]
+    assert isinstance(stored, StoresHidden)
+    assert stored.hidden is not None and stored.hidden.requires_grad, "as the plain model's does"
+    assert stored.seen is not None and not stored.seen.requires_grad, "a detached one stays as it is"
+    expected = torch.cat([reference(half) for half in x.chunk(2)])
+    torch.testing.assert_close(stored.hidden, reference[1].hidden, rtol=0, atol=1e-12)  # the last micro-batch's
+    with pytest.raises(RuntimeError, match=r"(?s)a gradient reached 1.hidden, a tensor that its module stored.*How to fix: return the tensor"):
+        (out.sum() + stored.hidden.sum()).backward()
+    model.zero_grad()  # what that backward reached before it raised
+    pipe(x).sum().backward()  # without the stored tensor in the loss, exact
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import Counts, FanOut, WithPositions, assert_grads_equal, example_module, grad_of, twin
-from fxpipe import StageError, compile_pipeline
+from fxpipe import StageError, compile_pipeline, is_recomputing
 
 
 class Bomb(nn.Module):
@@ -25,10 +25,11 @@ class Bomb(nn.Module):
         super().__init__()
         self.linear = nn.Linear(4, 4)
         self.armed, self.fuse, self.calls = False, 3, 0
+        self.in_recompute = False  # whether it goes off in the recompute of its call, not the forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         call, self.calls = self.calls, self.calls + 1
-        if self.armed and call == self.fuse:
+        if self.armed and call == self.fuse and is_recomputing() == self.in_recompute:
             raise ValueError("boom")
         return self.linear(x)
 
@@ -54,8 +55,9 @@ def _chain_pipeline(checkpoint: str = "never") -> tuple[Chain, nn.Module, torch.
 def test_exception_in_stage_2_micro_batch_3_reaches_the_caller(phase: str) -> None:
     model, pipe, x = _chain_pipeline("always")
     model.bomb.calls, model.bomb.armed = 0, True
-    # Forward calls the bomb for micro-batches 0..3; with 'always', backward recomputes 3, 2, 1, 0.
-    model.bomb.fuse = 3 if phase == "forward" else 4
+    # Forward calls the bomb for micro-batches 0..3; with 'always', backward recomputes 3, 2, 1, 0,
+    # each from the count its forward saw.
+    model.bomb.fuse, model.bomb.in_recompute = 3, phase == "backward"
     with pytest.raises(StageError, match=f"stage 2 failed on micro-batch 3 in {phase}: ValueError: boom") as info:
         pipe(x).sum().backward()
     assert (info.value.stage, info.value.micro_batch, info.value.phase) == (2, 3, phase)
