@@ -142,29 +142,31 @@ def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments
         )
 
 
-def _check_guards(guards: Any, leaves: list[Any], arguments: list[str]) -> None:
-    """torch.export's own checks of the call's inputs: the graph holds the example's value of
-    each argument that is not a tensor, and the branches its sizes took."""
+_CALL_DIFFERS = (
+    "The exported graph holds the example's value of each argument that is not a tensor, and the branches the "
+    "example's sizes took.\nHow to fix: call it as the example was called, compile a pipeline for this call, or "
+    "make the model traceable by torch.fx, which keeps such arguments and branches live."
+)
+_MICRO_BATCH_DIFFERS = (
+    "The model branches on a size that splitting the batch changes, and the stages would run each micro-batch "
+    "down the branch of the whole batch.\nHow to fix: use fewer chunks (chunks=1 runs the batch whole), or write "
+    "the branch as tensor operations (torch.where) so that it does not depend on the batch size."
+)
+
+
+def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: str = "this call", why: str = _CALL_DIFFERS) -> None:
+    """torch.export's own checks of `what`'s inputs (`leaves`, named by `arguments`): the graph
+    holds the example's value of each argument that is not a tensor, and the branches its sizes
+    took. The failed guard names the forward's arguments (export names leaves by index)."""
     try:
         guards(*leaves)
     except AssertionError as error:
-        failed, shapes = _failed_guard(error, leaves, arguments)
+        failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
+        shapes = "".join(f"\n  - {name}: shape {tuple(t.shape)}" for name, t in zip(arguments, leaves) if isinstance(t, torch.Tensor))
         raise ValueError(
-            f"torch.export made the graph for calls like the example, and this call differs: {failed}.\n"
-            f"The call's tensors:{shapes}\n"
-            "The exported graph holds the example's value of each argument that is not a tensor, and "
-            "the branches the example's sizes took.\nHow to fix: call it as the example was called, "
-            "compile a pipeline for this call, or make the model traceable by torch.fx, which keeps "
-            "such arguments and branches live."
+            f"torch.export made the graph for calls like the example, and {what} differs: {failed}.\n"
+            f"The tensors of {what}:{shapes}\n{why}"
         ) from None
-
-
-def _failed_guard(error: AssertionError, leaves: list[Any], arguments: list[str]) -> tuple[str, str]:
-    """The guard that failed, naming the forward's arguments (export names leaves by index), and
-    the tensors' shapes, a line each."""
-    failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
-    shapes = "".join(f"\n  - {name}: shape {tuple(leaf.shape)}" for name, leaf in zip(arguments, leaves) if isinstance(leaf, torch.Tensor))
-    return failed, shapes
 
 
 def micro_batch_check(gm: fx.GraphModule) -> Optional[Callable[[dict[str, Any]], None]]:
@@ -174,22 +176,7 @@ def micro_batch_check(gm: fx.GraphModule) -> Optional[Callable[[dict[str, Any]],
     if guards is None:
         return None
     arguments = [str(node.meta.get("argument", node.name)) for node in gm.graph.nodes if node.op == "placeholder"]
-
-    def check(values: dict[str, Any]) -> None:
-        leaves = list(values.values())
-        try:
-            guards(*leaves)
-        except AssertionError as error:
-            failed, shapes = _failed_guard(error, leaves, arguments)
-            raise ValueError(
-                f"torch.export made the graph for inputs like the example, and a micro-batch differs: {failed}.\n"
-                f"The micro-batch's tensors:{shapes}\nThe model branches on a size that splitting the batch "
-                "changes, and the stages would run each micro-batch down the branch of the whole batch.\n"
-                "How to fix: use fewer chunks (chunks=1 runs the batch whole), or write the branch as "
-                "tensor operations (torch.where) so that it does not depend on the batch size."
-            ) from None
-
-    return check
+    return lambda values: _check_guards(guards, list(values.values()), arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
 
 
 class _Rejected(Exception):

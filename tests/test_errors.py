@@ -608,6 +608,15 @@ class Counts(nn.Module):
         return self.linear(h) * self.count.clone()
 
 
+def _two_steps_as_the_plain_model_on_the_halves(pipe: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    for _ in range(2):
+        out, expected = pipe(x), torch.cat([reference(half) for half in x.chunk(2)])
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.sum().backward()
+        expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_a_buffer_counted_with_plus_equals_counts_as_in_the_plain_model(mode: str) -> None:
     # Before, the trace left an fx Proxy in the buffer, and compiling raised from inside fxpipe.
@@ -616,12 +625,7 @@ def test_a_buffer_counted_with_plus_equals_counts_as_in_the_plain_model(mode: st
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode)
     assert isinstance(model.get_buffer("1.count"), torch.Tensor) and int(model.get_buffer("1.count")) == 0
-    for _ in range(2):
-        out, expected = pipe(x), torch.cat([reference(x[:4]), reference(x[4:])])
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-        out.sum().backward()
-        expected.sum().backward()
-    assert_grads_equal(pipe, reference)
+    _two_steps_as_the_plain_model_on_the_halves(pipe, reference, x)
     assert int(pipe.get_buffer("1.count")) == int(reference.get_buffer("1.count")) == 4
 
 
@@ -650,12 +654,7 @@ def test_a_buffer_counted_with_plus_equals_at_the_root_is_written_where_torch_fx
         warnings.simplefilter("error")  # no fallback to torch.export
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode)
     assert any(".copy_(" in stage.code for stage in pipe.stages)
-    for _ in range(2):
-        out, expected = pipe(x), torch.cat([reference(x[:4]), reference(x[4:])])
-        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-        out.sum().backward()
-        expected.sum().backward()
-    assert_grads_equal(pipe, reference)
+    _two_steps_as_the_plain_model_on_the_halves(pipe, reference, x)
     assert int(model.count) == int(reference.count) == 4
     torch.testing.assert_close(model.stores.last, reference.stores.last, rtol=0, atol=0)
 
