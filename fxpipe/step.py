@@ -199,7 +199,9 @@ class Step:
         # leaves it as the plain model does. A stage that only may (a module called whole, whose
         # inside the graph does not show) and did not has the draw put back after its forwards.
         drawing = any(self.randomness) or any(self.hidden_randomness)
-        self._unseeded = torch.get_rng_state() if drawing else None
+        # Across processes every rank draws, so that their generators stay alike (a DataLoader's
+        # shuffle after the step): whether a stage drew is known on its own rank only.
+        self._unseeded = torch.get_rng_state() if drawing and rank is None else None
         self.seed = draw_step_seed() if drawing else 0
         self._seeded = torch.get_rng_state() if drawing else None
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided

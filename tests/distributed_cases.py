@@ -1189,3 +1189,29 @@ def accumulated_without_sync(rank: int, world: int) -> dict[str, Any]:
         grads_kept=kept,
         eval_out=_max_diff(out, reference(x[share])),
     )
+
+
+class DropsAtTheHead(nn.Module):
+    """Dropout in the last stage only: the other rank's stage draws nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
+        self.drop, self.head = nn.Dropout(0.3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.body(x)))
+
+
+def generators_after_a_step(rank: int, world: int) -> str:
+    """What the caller's generator holds after a step: the same on every rank (a DataLoader's
+    shuffle after the step must agree), though only one rank's stage drew."""
+    import hashlib
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(DropsAtTheHead().double(), x, mesh=mesh, chunks=2, split_points=["drop"], timeout=30)
+    torch.manual_seed(1)
+    pipe.train_step(x, target=torch.zeros(8, 3, dtype=torch.float64), loss_fn=F.mse_loss)
+    return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()

@@ -314,6 +314,11 @@ def test_dropout_draws_the_masks_of_the_one_process_pipeline() -> None:
             assert not entry["problems"], (entry["case"], entry["problems"][:5])
 
 
+def test_the_ranks_generators_stay_alike_when_one_ranks_stage_draws() -> None:
+    states = results_of(spawn_ranks(cases.generators_after_a_step, 2, timeout=120))
+    assert len(set(states)) == 1, states
+
+
 def test_each_direction_of_a_pair_has_a_group_of_its_own_made_once_per_mesh() -> None:
     # One connection for both directions makes a large send wait for the other way's bytes.
     got = results_of(spawn_ranks(cases.directional, 4, timeout=300))
