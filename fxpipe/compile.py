@@ -121,7 +121,7 @@ def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     if not isinstance(model, nn.Module):
         return [f"model must be an nn.Module (or a torch.fx.GraphModule), not {type(model).__name__}: "
                 "wrap a function in a module whose forward calls it"]  # fmt: skip
-    names = [name for name, _ in model.named_modules() if name]
+    names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]  # a module shared under two names
     problems = []
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in names:

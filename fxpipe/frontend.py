@@ -16,7 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
-    AssignmentError, StableAssignments, assignments_recorded, differing_entries, filled, refuse_assignments,
+    AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, refuse_assignments,
 )
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
@@ -358,10 +358,10 @@ def to_graph(
 
 
 def _refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A cache the forward fills (put back after compiling's runs) is computed again by the
-    graph on every call: the plain model's value only if it is one of the parameters, not of
-    random numbers drawn once (a random projection made on first use). Two runs in each mode
-    from other seeds tell."""
+    """A cache the forward fills and then reads (put back after compiling's runs) is computed
+    again by the graph on every call: the plain model's value only if it is one of the
+    parameters, not of random numbers drawn once (a random projection made on first use). Runs
+    in each mode from other seeds tell; a store each run writes anew is no cache."""
     differ: list[str] = []
     with preserved(model), assignments_recorded(model), torch.no_grad():
         for training in (True, False):
@@ -370,7 +370,7 @@ def _refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ..
                 try:
                     for seed in (1, 2):
                         torch.manual_seed(seed)
-                        runs.append(filled(model, lambda: model(*example, **kwargs)))
+                        runs.append(cached(model, lambda: model(*example, **kwargs)))
                 except Exception:  # noqa: BLE001 - a mode the model does not run in fills nothing
                     continue
                 differ += [path for path in differing_entries(*runs) if path not in differ]

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 
 class AssignmentError(RuntimeError):
@@ -58,31 +59,48 @@ class Contents:
         return changed
 
 
-def filled(model: nn.Module, run: Callable[[], Any]) -> dict[str, Any]:
-    """What `run()` put into the dicts, lists and sets of `model`'s modules, by path (a copy of
-    each container it changed); the contents are put back."""
+def cached(model: nn.Module, run: Callable[[], Any]) -> dict[str, dict[Any, Any]]:
+    """What `run()` put into the dicts and lists of `model`'s modules and a second run keeps and
+    reads (a cache filled on first use, not a store each run writes anew): by container path, its
+    kept entries by key or index. The contents are put back."""
     contents = Contents(model)
     run()
-    found = {
-        f"{path}.{name}" if path else name: copy.copy(value)
+    first = {path: _entries(value) for path, _, value, before in _changed_containers(contents)}
+    run()
+    now = {path: _entries(value) for path, _, value, before in _changed_containers(contents)}
+    contents.put_back()
+    return {
+        path: {key: v for key, v in entries.items() if key in now.get(path, {}) and now[path][key] is v}
+        for path, entries in first.items()
+    }  # fmt: skip
+
+
+def _changed_containers(contents: Contents) -> list[tuple[str, str, Any, Any]]:
+    return [
+        (f"{path}.{name}" if path else name, name, value, before)
         for path, name, value, before in contents.saved
         if not _same_contents(value, before)
-    }  # fmt: skip
-    contents.put_back()
-    return found
+    ]  # fmt: skip
 
 
-def differing_entries(first: dict[str, Any], second: dict[str, Any]) -> list[str]:
-    """The containers whose entries hold other tensor values in `second` than in `first`."""
-    def values(container: Any) -> list[Any]:
-        return list(container.values()) if isinstance(container, dict) else list(container) if isinstance(container, list) else []
+def _entries(container: Any) -> dict[Any, Any]:
+    if isinstance(container, dict):
+        return dict(container)
+    return dict(enumerate(container)) if isinstance(container, list) else {}
 
+
+def differing_entries(first: dict[str, dict[Any, Any]], second: dict[str, dict[Any, Any]]) -> list[str]:
+    """The caches whose entries hold other tensor values in `second` than in `first`."""
     differ = []
-    for path, container in first.items():
-        pairs = zip(values(container), values(second.get(path, type(container)())))
-        if any(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and (a.shape != b.shape or not torch.equal(a, b))
-               for a, b in pairs):  # fmt: skip
-            differ.append(path)
+    for path, entries in first.items():
+        for key, value in entries.items():
+            a, b = tree_flatten(value)[0], tree_flatten(second.get(path, {}).get(key))[0]
+            if len(a) != len(b) or any(
+                isinstance(s, torch.Tensor) and (not isinstance(t, torch.Tensor) or s.shape != t.shape or not torch.equal(s, t))
+                for s, t in zip(a, b)
+            ):
+                differ.append(path)
+                break
     return differ
 
 

@@ -26,6 +26,13 @@ class TraceError(RuntimeError):
     """The model could not be traced; the message names the module, the line and the fix."""
 
 
+def _submodule(model: Optional[nn.Module], name: str) -> Optional[nn.Module]:
+    try:
+        return model.get_submodule(name) if model is not None else None
+    except AttributeError:
+        return None
+
+
 class _Tracer(fx.Tracer):
     """A tracer that keeps chosen modules opaque and remembers which module it is inside."""
 
@@ -33,15 +40,18 @@ class _Tracer(fx.Tracer):
     # (`self.count.add_(1)`) is then part of the graph, and a read sees the live buffer.
     proxy_buffer_attributes = True
 
-    def __init__(self, leaf_modules: Iterable[LeafSpec]) -> None:
+    def __init__(self, leaf_modules: Iterable[LeafSpec], model: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.leaf_names = {leaf for leaf in leaf_modules if isinstance(leaf, str)}
-        self.leaf_types = tuple(leaf for leaf in leaf_modules if isinstance(leaf, type))
+        leaves = list(leaf_modules)
+        self.leaf_names = {leaf for leaf in leaves if isinstance(leaf, str)}
+        self.leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
+        # By the module a name holds too: a module shared under two names is called by the first.
+        self.leaf_ids = {id(_submodule(model, name)) for name in self.leaf_names} - {id(None)}
         self.failed_in: Optional[str] = None
         self.depth, self.returned = 0, None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if module_qualified_name in self.leaf_names or isinstance(m, self.leaf_types):
+        if module_qualified_name in self.leaf_names or id(m) in self.leaf_ids or isinstance(m, self.leaf_types):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
@@ -115,7 +125,7 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
             "and a symbolic trace needs each input named.\n"
             "How to fix: name the forward's arguments, or let torch.export capture it."
         )
-    tracer = _Tracer(leaf_modules)
+    tracer = _Tracer(leaf_modules, model)
     tracer.record_stack_traces = record_lines
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}

@@ -119,6 +119,10 @@ def test_a_misspelt_leaf_module_is_named_with_the_names_it_may_mean() -> None:
     assert "leaf_modules takes module types or qualified submodule names, not 3" in message
     assert "chunks must" in message  # with the other problems
     assert compile_pipeline(Blocks(), X, ["cpu"], leaf_modules=["block", nn.Linear]).plan is not None
+    shared = Blocks()
+    shared.again = shared.block  # one module under two names: either names it
+    kept = compile_pipeline(shared, X, ["cpu"], leaf_modules=["again"])
+    assert "self.block(" in kept.stages[0].code, "called whole, by the name forward calls it by"
 
 
 def test_a_model_that_is_not_a_module_is_refused_with_the_fix() -> None:

@@ -264,25 +264,53 @@ def test_a_counter_a_module_kept_whole_assigns_is_left_as_it_was_by_compiling() 
 
 
 class DrawsOnFirstUse(nn.Module):
-    """A random projection made on first use, in a plain dict."""
+    """A random projection made on first use, in a plain dict (in a tuple, with `nested`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, nested: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.cache: dict[str, torch.Tensor] = {}
+        self.cache: dict[str, Any] = {}
+        self.nested = nested
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if "w" not in self.cache:
-            self.cache["w"] = torch.randn(4, 4, dtype=x.dtype)
-        return self.b(torch.tanh(self.a(x)) @ self.cache["w"])
+            w = torch.randn(4, 4, dtype=x.dtype)
+            self.cache["w"] = (w,) if self.nested else w
+        w = self.cache["w"][0] if self.nested else self.cache["w"]
+        return self.b(torch.tanh(self.a(x)) @ w)
 
 
-def test_a_cache_filled_with_random_values_is_refused_not_drawn_on_every_call() -> None:
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_cache_filled_with_random_values_is_refused_not_drawn_on_every_call(nested: bool) -> None:
     """Before, the graph drew the projection again on every call and micro-batch, a warning aside."""
-    model = DrawsOnFirstUse().double()
+    model = DrawsOnFirstUse(nested).double()
     with pytest.raises(TraceError, match=r"(?s)fills cache with random values.*How to fix: draw them in __init__"):
         compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu"] * 2, chunks=2)
     assert model.cache == {}
+
+
+class StoresFeatures(nn.Module):
+    """A store each call writes anew (after dropout): no cache the graph would read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(4, 4), nn.Linear(4, 4), nn.Dropout(0.5)
+        self.features: dict[str, torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.tanh(self.a(x)))
+        self.features["h"] = h.detach()
+        return self.b(h)
+
+
+def test_a_store_of_random_values_each_call_writes_anew_is_no_cache_to_refuse() -> None:
+    model, reference = twin(StoresFeatures())
+    model.eval()
+    reference.eval()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="changes the contents of features"):
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
 class ReadsItsCount(nn.Module):
