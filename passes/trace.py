@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import operator
 import os
 import threading
 import traceback
@@ -166,19 +167,57 @@ def unknown_type(text: str) -> bool:
     return "argument of type: <class" in text or "which is not a known type" in text
 
 
+# `x op= y` on a tensor: the out-of-place operators a proxy falls back to.
+_AUGMENTED = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.and_, operator.or_, operator.xor, operator.lshift, operator.rshift,
+}
+
+
 def _buffer_updates_written(model: nn.Module, graph: fx.Graph, buffers: dict[tuple[str, str], Any]) -> None:
     """`self.count += 1` on a buffer: a proxy has no `+=` of its own, so the trace adds out of place
-    and assigns the sum to the buffer, where a tensor adds in place. Each buffer left holding a
-    traced value gets it written in (`copy_`) where it was made, and its tensor back."""
+    and assigns the sum to the buffer, where a tensor adds in place. A buffer left holding such a
+    sum gets it written in (`copy_`) where it was made, and its tensor back: every later read,
+    of the buffer or of a view of it, then sees the new value, as in the plain model. Two updates
+    (`+=` then `*=`), or a write in place into the sum, are left as the assignment they look like
+    (torch.fx refuses it, and torch.export takes the model)."""
     for path, module in model.named_modules():
         for name, value in list(module._buffers.items()):
-            if not isinstance(value, fx.Proxy) or value.node.graph is not graph:
+            qualified = f"{path}.{name}" if path else name
+            if not isinstance(value, fx.Proxy) or value.node.graph is not graph or not _one_update(value.node, qualified):
                 continue
-            with graph.inserting_after(value.node):
-                target = graph.get_attr(f"{path}.{name}" if path else name)
-            with graph.inserting_after(target):
-                graph.call_method("copy_", (target, value.node))
+            with graph.inserting_after(value.node):  # into the buffer as read: later reads of it see the write
+                graph.call_method("copy_", (value.node.args[0], value.node))
             module._buffers[name] = buffers[path, name]
+
+
+def _one_update(node: fx.Node, qualified: str) -> bool:
+    """`node` is one augmented operator on the buffer as read (`get_attr`), and nothing writes in
+    place into it or into what is made from it."""
+    source = node.args[0] if node.args else None
+    if node.op != "call_function" or node.target not in _AUGMENTED or not isinstance(source, fx.Node):
+        return False
+    if source.op != "get_attr" or source.target != qualified:
+        return False
+    made, stack = {node}, [node]
+    while stack:
+        for user in stack.pop().users:
+            written = user.args[0] if user.args else None
+            if _in_place(user) and written in made:
+                return False
+            if user not in made:
+                made.add(user)
+                stack.append(user)
+    return True
+
+
+def _in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).endswith("__")
+    if node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        return node.target is operator.setitem or (schema is not None and bool(schema.arguments) and schema.arguments[0].is_write)
+    return False
 
 
 def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:
