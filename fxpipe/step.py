@@ -138,6 +138,12 @@ def _marked(action: Action, error: BaseException) -> BaseException:
     error.fxpipe_where = (action.stage, action.micro_batch, _PHASES[action.kind])  # type: ignore[attr-defined]
     return error
 
+# Bytes of buffers a step copies to put back if it fails: running statistics and counters are
+# far below; a larger buffer (a queue of features) would cost a copy on every step, and keeps
+# what a failed step wrote.
+PUT_BACK_LIMIT = 16 << 20
+
+
 class Step:
     """The state of one call of the pipeline, from forward to the end of backward."""
 
@@ -346,7 +352,8 @@ class Step:
         seen: dict[int, torch.Tensor] = {}
         for j in self.layout.on_rank(self.rank) if self.rank is not None else range(len(self.stages)):
             seen.update({id(b): b for b in self.stages[j].writable_buffers.values() if not b.is_meta})
-        self._buffers_before = [(b, b.detach().clone()) for b in seen.values()]
+        if sum(b.numel() * b.element_size() for b in seen.values()) <= PUT_BACK_LIMIT:
+            self._buffers_before = [(b, b.detach().clone()) for b in seen.values()]
         try:
             yield
         except BaseException:

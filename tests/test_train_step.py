@@ -200,6 +200,19 @@ def test_a_failed_step_writes_no_buffer(failure: str, schedule: str) -> None:
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=1e-12)
 
 
+def test_buffers_over_the_put_back_limit_are_not_copied_and_keep_a_failed_steps_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy on every step would cost more than the step for a large buffer (a queue of features)."""
+    import fxpipe.step
+
+    monkeypatch.setattr(fxpipe.step, "PUT_BACK_LIMIT", 0)
+    model = _Counted().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, split_points=["norm"])
+    with pytest.raises(ValueError, match="not a mean over samples"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t, reduction="sum"))
+    assert int(model.calls) == 4 and all(p.grad is None for p in pipe.parameters())
+
+
 def _classifier() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
     model, reference = twin(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5)))
     return model, reference, torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
