@@ -93,7 +93,8 @@ def attributes_of(modules: Sequence[nn.Module]) -> Attributes:
     return [(module, dict(vars(module))) for module in modules]
 
 
-def _put_back(attributes: Attributes) -> None:
+def put_back_attributes(attributes: Attributes) -> None:
+    """The modules' attributes as `attributes_of` found them."""
     for module, before in attributes:
         for name in [n for n in vars(module) if not n.startswith("_") and n not in before]:
             delattr(module, name)
@@ -109,11 +110,11 @@ def attributes_kept(modules: Sequence[nn.Module], start: Optional[Attributes] = 
     the last micro-batch's, as in the plain model."""
     saved = attributes_of(modules)
     if start is not None:
-        _put_back(start)
+        put_back_attributes(start)
     try:
         yield
     finally:
-        _put_back(saved)
+        put_back_attributes(saved)
 
 
 class _Stored(torch.autograd.Function):

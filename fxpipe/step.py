@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.channel import Failure, RemoteFailure
 from fxpipe.checkpoint import (
-    Attributes, Slot, attributes_kept, attributes_of, checkpointing, recomputing, refuse_gradients_through, swapped_slots,
-    swapped_state,
+    Attributes, Slot, attributes_kept, attributes_of, checkpointing, put_back_attributes, recomputing, refuse_gradients_through,
+    swapped_slots, swapped_state,
 )
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
@@ -212,6 +212,7 @@ class Step:
         self._seeded = torch.get_rng_state() if drawing else None
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._attributes_before: Attributes = []
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
@@ -350,10 +351,13 @@ class Step:
         """The buffers this process's stages may write, as they were before the step; a step
         that fails puts them back, so that it changes nothing (as it adds nothing to `.grad`)."""
         seen: dict[int, torch.Tensor] = {}
+        wholes: dict[int, nn.Module] = {}
         for j in self.layout.on_rank(self.rank) if self.rank is not None else range(len(self.stages)):
             seen.update({id(b): b for b in self.stages[j].writable_buffers.values() if not b.is_meta})
+            wholes.update({id(m): m for m in self.stages[j].whole_modules})
         if sum(b.numel() * b.element_size() for b in seen.values()) <= PUT_BACK_LIMIT:
             self._buffers_before = [(b, b.detach().clone()) for b in seen.values()]
+        self._attributes_before = attributes_of(list(wholes.values()))  # a counter a module called whole keeps
         try:
             yield
         except BaseException:
@@ -361,10 +365,12 @@ class Step:
             raise
 
     def put_back_buffers(self) -> None:
-        """What the step's forwards wrote into buffers, undone."""
+        """What the step's forwards wrote into buffers, and assigned to the attributes of modules
+        called whole, undone."""
         with torch.no_grad():
             for buffer, values in self._buffers_before:
                 buffer.copy_(values)
+        put_back_attributes(self._attributes_before)
 
     def backward(self, output_grads: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Run the rest of the schedule, given per micro-batch the gradients of the output

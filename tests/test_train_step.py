@@ -155,19 +155,31 @@ def _refuse_nan(module: nn.Module, args: Any, out: torch.Tensor) -> None:
         raise ValueError("a NaN reached b")
 
 
+class _Tally(nn.Module):
+    """Counts its calls in a plain int: called whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h
+
+
 class _Counted(nn.Module):
-    """BatchNorm and a counter: buffers every forward writes."""
+    """BatchNorm and counters: buffers every forward writes, and an attribute."""
 
     calls: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.norm, self.b = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6)
+        self.a, self.norm, self.b, self.tally = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6), _Tally()
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1)
-        return self.b(self.norm(torch.tanh(self.a(x))))
+        return self.b(self.tally(self.norm(torch.tanh(self.a(x)))))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
@@ -190,6 +202,7 @@ def test_a_failed_step_writes_no_buffer(failure: str, schedule: str) -> None:
             pipe.train_step(bad, target=y, loss_fn=F.mse_loss) if failure == "stage error" else pipe(bad)
         handle.remove()
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items()), "a buffer was written"
+    assert model.tally.calls == 0, "the count of a module called whole was kept"
     assert all(p.grad is None for p in pipe.parameters())
     loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)  # and the next step is the plain model's
     expected = torch.stack([F.mse_loss(reference(x[i : i + 2]), y[i : i + 2]) for i in range(0, 8, 2)]).mean()
