@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
@@ -169,14 +169,46 @@ def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: st
         ) from None
 
 
-def micro_batch_check(gm: fx.GraphModule) -> Optional[Callable[[dict[str, Any]], None]]:
+def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec) -> Optional[Callable[[dict[str, Any]], None]]:
     """torch.export's guards on a micro-batch's inputs: a branch on the batch size (`if
-    x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches."""
-    guards = gm.meta.get("input_guards")
+    x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches. A guard
+    that fails is not always a branch (export guards a size of 1 apart, and SimpleViT's batch
+    of 1 computes alike): the graph then runs beside the model on the micro-batch, once per
+    shape, and only a difference (or a model too large to run whole) refuses it."""
+    guards = graphs[True].meta.get("input_guards")
     if guards is None:
         return None
-    arguments = [str(node.meta.get("argument", node.name)) for node in gm.graph.nodes if node.op == "placeholder"]
-    return lambda values: _check_guards(guards, list(values.values()), arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+    arguments = [str(node.meta.get("argument", node.name)) for node in graphs[True].graph.nodes if node.op == "placeholder"]
+    alike: set[tuple[Any, ...]] = set()
+
+    def check(values: dict[str, Any]) -> None:
+        leaves = list(values.values())
+        key = (model.training, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in leaves))
+        if key in alike:
+            return
+        try:
+            guards(*leaves)
+            return
+        except AssertionError:
+            pass
+        if _runs_alike(model, graphs, spec, leaves):
+            alike.add(key)
+            return
+        _check_guards(guards, leaves, arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+
+    return check
+
+
+def _runs_alike(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec, leaves: list[Any]) -> bool:
+    """Whether the graph of the model's mode computes what the model does on these inputs."""
+    gm = graphs.get(model.training, graphs[True])
+    if not _small_on_cpu(gm, tuple(leaves)):
+        return False
+    args, kwargs = tree_unflatten(leaves, spec)
+    try:
+        return check_graph(model, gm, tuple(args), tuple(leaves), kwargs) is None
+    except Exception:  # noqa: BLE001 - the model itself does not run on it: the guard's refusal says why
+        return False
 
 
 class _Rejected(Exception):
@@ -313,7 +345,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     if problem is not None:
         raise _Rejected(problem)
     traced = _traced(graphs, bind)
-    traced.check_micro_batch = micro_batch_check(graphs[True])
+    traced.check_micro_batch = micro_batch_check(model, graphs, exported[True][1])
     return traced
 
 

@@ -110,3 +110,22 @@ def test_a_branch_on_the_batch_size_is_checked_for_each_micro_batch() -> None:
     torch.testing.assert_close(pipe(x), torch.cat([reference(half) for half in x.chunk(2)]), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="a micro-batch differs"):
         pipe(torch.randn(8, 6, dtype=torch.float64))  # the call passes the guard, its micro-batches of 4 do not
+
+
+class BranchesAlike(BranchesOnTheBatch):
+    """A guard on the batch size whose branches compute alike (as torch.export's guards on a
+    size of 1 do, in SimpleViT): not refused."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if x.shape[0] > 4:
+            h = h * 1.0
+        return self.b(h)
+
+
+def test_a_guard_that_fails_on_a_micro_batch_refuses_only_what_computes_otherwise() -> None:
+    model, reference = twin(BranchesAlike())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = quietly(model, x, ["cpu"] * 2, chunks=2)  # micro-batches of 4 fail the guard, and run alike
+    for batch in (8, 6):  # the model is run beside the graph once per new micro-batch shape
+        torch.testing.assert_close(pipe(x[:batch]), torch.cat([reference(h) for h in x[:batch].chunk(2)]), rtol=0, atol=1e-12)
