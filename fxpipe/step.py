@@ -132,11 +132,11 @@ class _Saved:
 LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
-
 def _marked(action: Action, error: BaseException) -> BaseException:
     """`error` with where it struck, for the other ranks' message (distributed.failing_together)."""
     error.fxpipe_where = (action.stage, action.micro_batch, _PHASES[action.kind])  # type: ignore[attr-defined]
     return error
+
 
 # Bytes of buffers a step copies to put back if it fails: running statistics and counters are
 # far below; a larger buffer (a queue of features) would cost a copy on every step, and keeps
