@@ -202,14 +202,18 @@ class Step:
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         # From the caller's generator, only where a stage may draw: a model without random ops
-        # leaves it as the plain model does. A stage that only may (a module called whole, whose
-        # inside the graph does not show) and did not has the draw put back after its forwards.
+        # leaves it as the plain model does. In one process the seed is only read: the generator
+        # moves past it once a stage drew (after the forwards), so that a stage that only may (a
+        # module called whole, whose inside the graph does not show) and does not, leaves it as
+        # the plain model does, for a `loss_fn` that draws too. Across processes every rank takes
+        # it at once, so that their generators stay alike (a DataLoader's shuffle after the step):
+        # whether a stage drew is known on its own rank only.
         drawing = any(self.randomness) or any(self.hidden_randomness)
-        # Across processes every rank draws, so that their generators stay alike (a DataLoader's
-        # shuffle after the step): whether a stage drew is known on its own rank only.
-        self._unseeded = torch.get_rng_state() if drawing and rank is None else None
+        before = torch.get_rng_state() if drawing and rank is None else None
         self.seed = draw_step_seed() if drawing else 0
-        self._seeded = torch.get_rng_state() if drawing else None
+        if before is not None:
+            torch.set_rng_state(before)
+        self._peeked = before is not None
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._attributes_before: Attributes = []
@@ -259,7 +263,7 @@ class Step:
             except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
                 self.cancel(group)
                 raise
-        self._put_back_an_unused_seed()
+        self._take_the_seed_if_drawn()
         if group.errors:
             interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
             action, error = min(interrupted or group.errors.items(), key=lambda item: self._turn(item[0]))
@@ -284,16 +288,16 @@ class Step:
                     self.cancel()
                     raise _marked(*interrupted[0])
 
-    def _put_back_an_unused_seed(self) -> None:
-        """Once the first actions ran (every forward): if no task drew from its stream and nothing
-        else drew from the caller's generator since the step's seed, that draw is put back."""
-        if self._unseeded is None:
+    def _take_the_seed_if_drawn(self) -> None:
+        """Once the first actions ran (every forward): the caller's generator moves past the
+        step's seed if a task drew from its stream."""
+        if not self._peeked:
             return
-        unseeded, self._unseeded = self._unseeded, None
+        self._peeked = False
         drew = any(stream.drew() for stream in self._streams)
         self._streams = []
-        if not drew and self._seeded is not None and torch.equal(torch.get_rng_state(), self._seeded):
-            torch.set_rng_state(unseeded)
+        if drew:
+            draw_step_seed()
 
     def _turn(self, action: Action) -> tuple[float, int]:
         """When an action runs in the schedule with unit costs, then its stage: of two failures,
@@ -456,7 +460,7 @@ class Step:
             self.context.enter(stack)
             if self.randomness[stage.index]:
                 stream = TaskStream(task_seed(self.seed, i, stage.index))
-                if self._unseeded is not None:
+                if self._peeked:
                     self._streams.append(stream)
                 stack.enter_context(task_stream(stream))
                 if self.hidden_randomness[stage.index]:

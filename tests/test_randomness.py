@@ -2,6 +2,7 @@
 micro-batch, and without a Python hook on every op where the graph shows them."""
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import pytest
@@ -139,3 +140,25 @@ def test_the_callers_generator_moves_only_where_a_stage_draws(make: Callable[[],
         after = torch.rand(3)
         torch.manual_seed(0)
         assert torch.equal(after, torch.rand(3)) is not drawn, ("train_step", training, drawn)
+
+
+def _noisy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target + 0.1 * torch.randn_like(target))  # label noise: the loss draws
+
+
+def test_a_loss_that_draws_draws_what_it_draws_after_the_plain_model() -> None:
+    """A model whose stages draw nothing (a module called whole that only may): the step's seed
+    is only read, so the loss draws from the generator as the plain model leaves it."""
+    model = nn.Sequential(nn.Linear(8, 8), Remembers(0.0), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=1)
+    torch.manual_seed(7)
+    loss = pipe.train_step(x, target=y, loss_fn=_noisy_loss)
+    after = torch.get_rng_state()
+    torch.manual_seed(7)
+    expected = _noisy_loss(reference(x), y)
+    expected.backward()
+    assert torch.equal(loss, expected.detach()) and torch.equal(after, torch.get_rng_state())
+    for p, q in zip(pipe.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-15)
