@@ -307,8 +307,7 @@ def _check_example_micro_batches(traced: Traced, bound: dict[str, Any], chunks: 
         return
     sizes = split_sizes(batch, chunks)
     pieces = {name: scatter(value, sizes, batch, split) for name, value in bound.items()}
-    for i in sorted({sizes.index(size) for size in sizes}):
-        traced.check_micro_batch({name: pieces[name][i] for name in bound})
+    traced.check_micro_batch([{name: pieces[name][i] for name in bound} for i in range(len(sizes))])
 
 
 def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> None:

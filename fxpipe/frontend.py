@@ -6,7 +6,7 @@ import re
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.fx as fx
@@ -16,7 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
-    AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, refuse_assignments,
+    AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
@@ -44,7 +44,7 @@ class Traced:
     note: Optional[str] = None
     eval_graph: Optional[fx.GraphModule] = None
     fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
-    check_micro_batch: Optional[Callable[[dict[str, Any]], None]] = None  # export's guards, per micro-batch
+    check_micro_batch: Optional[MicroBatchCheck] = None  # export's guards on a call's micro-batches
     stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
 
 
@@ -169,8 +169,11 @@ def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: st
         ) from None
 
 
-def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec) -> Optional[Callable[[dict[str, Any]], None]]:
-    """torch.export's guards on a micro-batch's inputs: a branch on the batch size (`if
+MicroBatchCheck = Callable[[Sequence[dict[str, Any]]], None]
+
+
+def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec) -> Optional[MicroBatchCheck]:
+    """torch.export's guards on the micro-batches' inputs: a branch on the batch size (`if
     x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches. A guard
     that fails is not always a branch (export guards a size of 1 apart, and SimpleViT's batch
     of 1 computes alike): the graph then runs beside the model on the micro-batch, once per
@@ -179,22 +182,22 @@ def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec
     if guards is None:
         return None
     arguments = [str(node.meta.get("argument", node.name)) for node in graphs[True].graph.nodes if node.op == "placeholder"]
-    alike: set[tuple[Any, ...]] = set()
+    alike: set[tuple[Any, ...]] = set()  # the shapes whose guards failed, and whose graph ran as the model
 
-    def check(values: dict[str, Any]) -> None:
-        leaves = list(values.values())
-        key = (model.training, *(tuple(t.shape) if isinstance(t, torch.Tensor) else t for t in leaves))
-        if key in alike:
-            return
-        try:
-            guards(*leaves)
-            return
-        except AssertionError:
-            pass
-        if _runs_alike(model, graphs, spec, leaves):
-            alike.add(key)
-            return
-        _check_guards(guards, leaves, arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+    def check(micro_batches: Sequence[dict[str, Any]]) -> None:
+        seen: set[tuple[Any, ...]] = set()
+        for values in micro_batches:
+            leaves = list(values.values())
+            key = (model.training, *(tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
+            if key in seen or key in alike:
+                continue
+            seen.add(key)
+            try:
+                guards(*leaves)
+            except AssertionError:
+                if not _runs_alike(model, graphs, spec, leaves):
+                    _check_guards(guards, leaves, arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+                alike.add(key)
 
     return check
 
@@ -424,8 +427,7 @@ def _called_whole(traced: Traced) -> set[str]:
 def _warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str]) -> None:
     """The dicts, lists and sets the forward filled (put back after compiling's runs) outside the
     modules called whole, whose forwards fill them on every call: the pipeline leaves those."""
-    wholes = [f"{path}." for path in _called_whole(traced)]
-    left = [name for name in filled if not any(name.startswith(prefix) for prefix in wholes)]
+    left = outside(filled, _called_whole(traced))
     if left:
         warnings.warn(
             f"{type(model).__name__}'s forward changes the contents of {', '.join(left)}, which the pipeline's "

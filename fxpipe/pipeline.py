@@ -417,8 +417,7 @@ class Pipeline(nn.Module):
         pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
         micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
         if self._compiled.check_micro_batch is not None and len(sizes) > 1:
-            for i in sorted({sizes.index(size) for size in sizes}):  # one of each size
-                self._compiled.check_micro_batch(micro_batches[i])
+            self._compiled.check_micro_batch(micro_batches)
         context = CallerContext.capture()
         input_slots = self._input_slots(values, batch, dims)
         grad_mode = torch.is_grad_enabled() and not context.inference

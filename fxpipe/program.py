@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -158,8 +158,8 @@ class Compiled:
     # Per input, the example's tensor leaves: how many dims, and whether kept whole (a leaf with
     # as many dims stays whole when its dim 0 happens to equal a later batch's size).
     example_leaves: ExampleLeaves = field(default_factory=dict)
-    # torch.export's guards on a micro-batch's inputs (by placeholder name); None under torch.fx.
-    check_micro_batch: Optional[Callable[[dict[str, Any]], None]] = None
+    # torch.export's guards on a call's micro-batches (inputs by placeholder name); None under torch.fx.
+    check_micro_batch: Optional[Callable[[Sequence[dict[str, Any]]], None]] = None
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:

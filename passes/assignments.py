@@ -44,19 +44,24 @@ class Contents:
             if isinstance(value, (dict, list, set))
         ]  # fmt: skip
 
+    def changed(self) -> dict[str, tuple[Any, Any]]:
+        """By path, each container whose contents changed: it, and a copy of what it held."""
+        return {
+            f"{path}.{name}" if path else name: (value, before)
+            for path, name, value, before in self.saved
+            if not _same_contents(value, before)
+        }  # fmt: skip
+
     def put_back(self) -> list[str]:
         """Put the contents back; the paths of the containers whose contents had changed."""
-        changed = []
-        for path, name, value, before in self.saved:
-            if _same_contents(value, before):
-                continue
-            changed.append(f"{path}.{name}" if path else name)
+        changed = self.changed()
+        for value, before in changed.values():
             value.clear()
             if isinstance(value, list):
                 value.extend(before)
             else:
                 value.update(before)
-        return changed
+        return list(changed)
 
 
 def cached(model: nn.Module, run: Callable[[], Any]) -> dict[str, dict[Any, Any]]:
@@ -65,22 +70,14 @@ def cached(model: nn.Module, run: Callable[[], Any]) -> dict[str, dict[Any, Any]
     kept entries by key or index. The contents are put back."""
     contents = Contents(model)
     run()
-    first = {path: _entries(value) for path, _, value, before in _changed_containers(contents)}
+    first = {path: _entries(value) for path, (value, _) in contents.changed().items()}
     run()
-    now = {path: _entries(value) for path, _, value, before in _changed_containers(contents)}
+    now = {path: _entries(value) for path, (value, _) in contents.changed().items()}
     contents.put_back()
     return {
         path: {key: v for key, v in entries.items() if key in now.get(path, {}) and now[path][key] is v}
         for path, entries in first.items()
     }  # fmt: skip
-
-
-def _changed_containers(contents: Contents) -> list[tuple[str, str, Any, Any]]:
-    return [
-        (f"{path}.{name}" if path else name, name, value, before)
-        for path, name, value, before in contents.saved
-        if not _same_contents(value, before)
-    ]  # fmt: skip
 
 
 def _entries(container: Any) -> dict[Any, Any]:
@@ -229,12 +226,17 @@ def _changed(before: Any, after: Any) -> bool:
         return True
 
 
+def outside(names: Iterable[str], modules: Iterable[str]) -> list[str]:
+    """The dotted `names` that are not below any of `modules` (by path)."""
+    prefixes = [f"{path}." for path in modules]
+    return [name for name in names if not any(name.startswith(prefix) for prefix in prefixes)]
+
+
 def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = (), exported: str = "") -> None:
     """Raise `AssignmentError` for the assignments of `changed` outside the modules (by path)
     that a graph calls whole. `exported`: why torch.fx could not trace the model, when
     torch.export captured it (which keeps no module whole)."""
-    wholes = [f"{path}." for path in called_whole]
-    lost = [name for name in changed if not any(name.startswith(prefix) for prefix in wholes)]
+    lost = outside(changed, called_whole)
     if lost:
         whole = (
             f"Keeping the module whole (leaf_modules=[...]) needs torch.fx, which could not trace the model "

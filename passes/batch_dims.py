@@ -29,10 +29,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 from fxpipe.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
-from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import writable_buffer_names

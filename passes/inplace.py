@@ -83,8 +83,9 @@ def _schema_is_view(target: Any) -> bool:
     return bool(schemas) and all(view(s) for s in schemas)
 
 
-def writes_first_argument(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """Whether `node` writes its first argument in place (and, but for `setitem`, returns it)."""
+def writes_first_argument(gm: torch.nn.Module, node: fx.Node) -> bool:
+    """Whether `node` writes its first argument in place (and, but for `setitem`, returns it);
+    `gm` holds the modules it calls (the graph's module, or the model while tracing)."""
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
@@ -101,7 +102,7 @@ def writes_first_argument(gm: fx.GraphModule, node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
 
 
-def written_value(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
+def written_value(gm: torch.nn.Module, node: fx.Node) -> Optional[fx.Node]:
     """The value `node` writes in place: its first argument, or the `out=` tensor."""
     if writes_first_argument(gm, node):
         first = node.args[0] if node.args else None

@@ -16,6 +16,7 @@ from torch import nn
 
 from fxpipe.passes.assignments import AssignmentError, assignments_refused
 from fxpipe.passes.functions import functions_as_calls
+from fxpipe.passes.inplace import written_value
 from fxpipe.passes.markers import marking
 
 LeafSpec = Union[str, type]
@@ -184,14 +185,14 @@ def _buffer_updates_written(model: nn.Module, graph: fx.Graph, buffers: dict[tup
     for path, module in model.named_modules():
         for name, value in list(module._buffers.items()):
             qualified = f"{path}.{name}" if path else name
-            if not isinstance(value, fx.Proxy) or value.node.graph is not graph or not _one_update(value.node, qualified):
+            if not isinstance(value, fx.Proxy) or value.node.graph is not graph or not _one_update(model, value.node, qualified):
                 continue
             with graph.inserting_after(value.node):  # into the buffer as read: later reads of it see the write
                 graph.call_method("copy_", (value.node.args[0], value.node))
             module._buffers[name] = buffers[path, name]
 
 
-def _one_update(node: fx.Node, qualified: str) -> bool:
+def _one_update(model: nn.Module, node: fx.Node, qualified: str) -> bool:
     """`node` is one augmented operator on the buffer as read (`get_attr`), and nothing writes in
     place into it or into what is made from it."""
     source = node.args[0] if node.args else None
@@ -202,22 +203,12 @@ def _one_update(node: fx.Node, qualified: str) -> bool:
     made, stack = {node}, [node]
     while stack:
         for user in stack.pop().users:
-            written = user.args[0] if user.args else None
-            if _in_place(user) and written in made:
+            if written_value(model, user) in made:
                 return False
             if user not in made:
                 made.add(user)
                 stack.append(user)
     return True
-
-
-def _in_place(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        return str(node.target).endswith("_") and not str(node.target).endswith("__")
-    if node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
-        return node.target is operator.setitem or (schema is not None and bool(schema.arguments) and schema.arguments[0].is_write)
-    return False
 
 
 def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:
