@@ -322,6 +322,28 @@ def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> 
         )
 
 
+def _refuse_an_example_forward_does_not_take(model: nn.Module, signature: Optional[inspect.Signature], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The example gives forward's arguments: one value for each, no more, none it does not name."""
+    if signature is None or model._forward_pre_hooks:  # a pre-hook may take arguments forward does not
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(
+            f"the example does not fit {type(model).__name__}.forward{_unannotated(signature)}: {e}\n"
+            "How to fix: give compile_pipeline the arguments of one call of the model: a tensor, or a tuple "
+            "with one value for each positional argument (a single tuple argument goes inside another: "
+            "example=((a, b),)), and example_kwargs={name: value} for the arguments forward takes by name."
+        ) from None
+
+
+def _unannotated(signature: inspect.Signature) -> inspect.Signature:
+    """The signature as the arguments' names and defaults, which a call gives."""
+    empty = inspect.Parameter.empty
+    parameters = [p.replace(annotation=empty) for p in signature.parameters.values()]
+    return signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty)
+
+
 def _refuse_bad_chunk_spec(signature: Optional[inspect.Signature], spec: ChunkSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Every name chunk_spec gives is an argument of forward, and every dim one its tensors have."""
     if not spec or signature is None:
@@ -419,6 +441,7 @@ def compile_pipeline(
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
     example_kwargs = dict(example_kwargs or {})
     signature, spec = forward_signature(model), dict(chunk_spec or {})
+    _refuse_an_example_forward_does_not_take(model, signature, example_args, example_kwargs)
     _refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":

@@ -2,6 +2,7 @@
 gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -25,11 +26,55 @@ def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[An
     return scatter(target, sizes, batch or 0)
 
 
+def check_loss_arguments(target: Any, loss_fn: Any) -> None:
+    """What train_step is told of the loss fits together, before any stage runs."""
+    problems = []
+    if loss_fn is None and target is not None:
+        problems.append("it got a target and no loss_fn: without loss_fn the model's output is its loss, and the target "
+                        "would go unused.\nHow to fix: pass loss_fn=... (called as loss_fn(output, target)), or give the "
+                        "labels to the model as an argument of its forward")  # fmt: skip
+    elif loss_fn is not None and not callable(loss_fn):
+        problems.append(f"loss_fn must be callable, not {describe(loss_fn)}")
+    elif loss_fn is not None and not _takes_two(loss_fn):
+        problems.append(f"loss_fn is called as loss_fn(output, target), and {_name(loss_fn)} takes {inspect.signature(loss_fn)}.\n"
+                        "How to fix: take two arguments, output and target, and leave the target unused if the loss needs none "
+                        "(loss_fn=lambda output, _: ...)")  # fmt: skip
+    if problems:
+        raise ValueError("train_step cannot compute the loss: " + "\n".join(problems))
+
+
+def _takes_two(function: Callable[..., Any]) -> bool:
+    """Whether the function can be called with two positional arguments (True where no signature says)."""
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature: its call says
+        pass
+    return True
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", type(function).__name__)
+
+
+def loss_of(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any) -> Any:
+    """loss_fn on a micro-batch; a failure on a target of None says that none was given."""
+    try:
+        return loss_fn(output, target)
+    except Exception as e:
+        if target is not None:
+            raise
+        raise ValueError(f"loss_fn raised {type(e).__name__}: {e}, on a target of None: train_step was given no target.\n"
+                         "How to fix: pass target=... to train_step") from e
+
+
 def own_loss(output: Any) -> Any:
     """The loss a model returns itself: the output, its `loss` field or key."""
     if isinstance(output, torch.Tensor):
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        loss = output if output.dim() == 0 else None
+    else:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is None:
         raise ValueError(
             f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "

@@ -24,7 +24,7 @@ from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
 from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
 from fxpipe.gather import Gathered, ValueRef
-from fxpipe.losses import LeafGrads, check_combined_loss, check_gatherable, describe, own_loss, split_target, value_grads
+from fxpipe.losses import LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss, split_target, value_grads
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import (
@@ -310,6 +310,7 @@ class Pipeline(nn.Module):
         loss weighted to combine into the batch's (`kept` notes what else its backward reaches)."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+        check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
@@ -317,7 +318,7 @@ class Pipeline(nn.Module):
 
         def micro_batch_loss(i: int, values: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
             output = _rebuild(program.template, values, self._given(program, call.micro_batches[i]))
-            loss = loss_fn(output, targets[i]) if loss_fn is not None else own_loss(output)
+            loss = loss_of(loss_fn, output, targets[i]) if loss_fn is not None else own_loss(output)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
             scaled = loss * weights[i]

@@ -142,3 +142,15 @@ def test_a_model_that_is_not_a_module_is_refused_with_the_fix() -> None:
 def test_an_example_the_model_does_not_take_is_named_with_the_fix(example: Any, error: str) -> None:
     with pytest.raises(ValueError, match=f"(?s)Blocks does not run on the example: .*{error}.*How to fix: give compile_pipeline an example"):
         compile_pipeline(Blocks(), example, ["cpu", "cpu"], chunks=2)
+
+
+@pytest.mark.parametrize(
+    "example,kwargs,error",
+    [((X, X), {}, "too many positional arguments"), (X, {"y": X}, "got an unexpected keyword argument 'y'"),
+     ((), {}, "missing a required argument: 'x'")],
+    ids=["one-too-many", "unknown-keyword", "none"],
+)  # fmt: skip
+def test_an_example_that_does_not_fit_forwards_arguments_is_named_before_the_model_runs(example: Any, kwargs: dict[str, Any], error: str) -> None:
+    """Before, the binder of the traced graph said it, as if the pipeline had been called."""
+    with pytest.raises(TypeError, match=rf"(?s)the example does not fit NeverRun.forward\(x\): {error}.*How to fix: "):
+        compile_pipeline(NeverRun(), example, ["cpu"], example_kwargs=kwargs)

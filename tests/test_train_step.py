@@ -380,6 +380,43 @@ def test_a_target_that_cannot_be_split_is_refused() -> None:
         pipe.train_step(x, target=torch.randn(6, 6, dtype=torch.float64), loss_fn=F.mse_loss)
 
 
+@pytest.mark.parametrize(
+    "given,error",
+    [(dict(target="y"), "it got a target and no loss_fn: .*the target would go unused.*How to fix: pass loss_fn="),
+     (dict(target="y", loss_fn=lambda out: out.sum()), r"loss_fn is called as loss_fn\(output, target\), and .*<lambda> takes \(out\).*How to fix: take two"),
+     (dict(target="y", loss_fn="mse"), "loss_fn must be callable, not a str")],
+    ids=["target-without-loss", "loss-of-one-argument", "loss-not-callable"],
+)  # fmt: skip
+def test_a_loss_that_cannot_be_computed_is_refused_before_any_stage_runs(given: dict[str, Any], error: str) -> None:
+    """Before, each ran every forward and then failed in the loss (the first dropped the target)."""
+    model = FanOut().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    ran: list[int] = []
+    model.layers[0].register_forward_hook(lambda *_: ran.append(1))
+    with pytest.raises(ValueError, match=f"(?s)train_step cannot compute the loss: {error}"):
+        pipe.train_step(x, **{k: (y if v == "y" else v) for k, v in given.items()})
+    assert not ran and all(p.grad is None for p in pipe.parameters())
+
+
+def test_a_loss_function_failing_on_a_missing_target_says_none_was_given() -> None:
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    with pytest.raises(StageError, match="(?s)in loss: ValueError: loss_fn raised .* on a target of None: train_step was given no target.*How to fix: pass target="):
+        pipe.train_step(x, loss_fn=F.mse_loss)
+    without_target = pipe.train_step(x, loss_fn=lambda out, _: out.square().mean())  # a loss that takes none
+    torch.testing.assert_close(without_target, model(x).square().mean().detach(), rtol=0, atol=1e-12)
+
+
+def test_a_model_output_that_is_no_loss_says_so_without_loss_fn() -> None:
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    with pytest.raises(StageError, match=r"(?s)needs a model that returns its loss .* returns a tensor of shape \(4, 6\).*How to fix: pass loss_fn"):
+        pipe.train_step(x)
+
+
 def test_schedule_arguments_are_checked() -> None:
     model, x = FanOut(), torch.randn(8, 6)
     with pytest.raises(ValueError) as info:
