@@ -105,18 +105,71 @@ def is_deferrable(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and module.running_mean is not None and type(module).forward is _BatchNorm.forward
 
 
-def defer_batch_norm(stage: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite a generated stage so that its BatchNorm calls go through `batch_norm_deferred`."""
-    graph = stage.graph
+def defer_batch_norm(stage: fx.GraphModule, owner: nn.Module) -> set[str]:
+    """Rewrite a generated stage so that its BatchNorm calls go through `batch_norm_deferred`:
+    torch.fx's calls of the module, and torch.export's `aten.batch_norm` in training on a
+    module's running statistics. Returns the paths of the modules deferred in an exported graph,
+    whose `num_batches_tracked.add_(1)` the step's commit does instead (`drop_batch_counts`)."""
+    graph, exported = stage.graph, set()
     for node in list(graph.nodes):
-        if node.op != "call_module":
-            continue
-        if not is_deferrable(stage.get_submodule(str(node.target))):
+        path = _exported_norm(node, owner)
+        if node.op == "call_module" and is_deferrable(stage.get_submodule(str(node.target))):
+            path, x = str(node.target), node.args[0]
+        elif path is not None:
+            _install(stage, path, owner.get_submodule(path))
+            exported.add(path)
+            x = node.args[0]
+        else:
             continue
         with graph.inserting_before(node):
-            getter = graph.get_attr(str(node.target))
-            call = graph.call_function(batch_norm_deferred, (getter, *node.args), dict(node.kwargs))
+            call = graph.call_function(batch_norm_deferred, (graph.get_attr(path), x))
         node.replace_all_uses_with(call)
         graph.erase_node(node)
     stage.recompile()
-    return stage
+    return exported
+
+
+def _exported_norm(node: fx.Node, owner: nn.Module) -> Optional[str]:
+    """The path of the BatchNorm whose running statistics `aten.batch_norm` normalises with in
+    training, with the module's own weight and bias: its call of the module, exported."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.batch_norm.default or len(node.args) < 6:
+        return None
+    x, weight, bias, mean, var, training = node.args[:6]
+    if training is not True or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (mean, var)):
+        return None
+    path = str(mean.target).rpartition(".")[0]  # type: ignore[union-attr]
+    module = _submodule(owner, path)
+    expected = [f"{path}.running_mean", f"{path}.running_var", f"{path}.weight", f"{path}.bias"]
+    given = [a.target if isinstance(a, fx.Node) and a.op == "get_attr" else a for a in (mean, var, weight, bias)]
+    affine = module is not None and module.affine
+    if module is None or not is_deferrable(module) or given != (expected if affine else [*expected[:2], None, None]):
+        return None
+    return path
+
+
+def _submodule(owner: nn.Module, path: str) -> Optional[nn.Module]:
+    try:
+        return owner.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _install(stage: fx.GraphModule, path: str, module: nn.Module) -> None:
+    """Put the module itself where the exported stage holds a bare container of its tensors."""
+    parent, _, name = path.rpartition(".")
+    holder = stage.get_submodule(parent) if parent else stage
+    if getattr(holder, name, None) is not module:
+        setattr(holder, name, module)
+
+
+def drop_batch_counts(stage: fx.GraphModule, paths: set[str]) -> None:
+    """Remove an exported graph's `num_batches_tracked.add_(1)` for the deferred modules in
+    `paths`: the step's commit counts the batch once (`_update`), not once per micro-batch."""
+    counted = {f"{path}.num_batches_tracked" for path in paths}
+    for node in list(stage.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.add_.Tensor and node.args[1:] == (1,):
+            counter = node.args[0]
+            if isinstance(counter, fx.Node) and counter.op == "get_attr" and counter.target in counted:
+                node.replace_all_uses_with(counter)
+                stage.graph.erase_node(node)
+    stage.recompile()

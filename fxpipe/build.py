@@ -13,7 +13,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.batchnorm import defer_batch_norm
+from fxpipe.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.checkpoint import slot_of
 from fxpipe.gather import ValueRef
 from fxpipe.passes.attrs import fetch_attr
@@ -44,11 +44,14 @@ def build_program(
             "would leave these without theirs.\nHow to fix: register each as an nn.Parameter "
             "(self.x = nn.Parameter(...)), or, if it is not meant to learn, call .requires_grad_(False)."
         )
+    exported: set[str] = set()
     for code in codes:
         draw_from_task_streams(code.module)
         if deferred_batch_norm:
-            defer_batch_norm(code.module)
+            exported |= defer_batch_norm(code.module, owner)
     if deferred_batch_norm:
+        for code in codes:
+            drop_batch_counts(code.module, exported)
         _refuse_undeferred_statistics(codes)
 
     def resolve(name: str) -> Any:
@@ -165,7 +168,7 @@ def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
                     problems.append(f"{node.target} ({type(module).__name__}), a norm other than BatchNorm")
                 elif inner:
                     problems.append(f"{node.target} ({type(module).__name__}), called whole, with a norm inside that keeps running statistics")
-            for buffer in statistics_written(node):
+            for buffer in statistics_written(node) if not _in_eval(node) else []:
                 problems.append(f"{buffer.target}, which {getattr(node.target, '__name__', node.target)} writes (a norm called as a function)")
     if problems:
         raise ValueError(
@@ -175,6 +178,13 @@ def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
             "deferred_batch_norm=False (each micro-batch then updates the statistics, as the model run on the "
             "micro-batches in turn does)."
         )
+
+
+def _in_eval(node: fx.Node) -> bool:
+    """Whether a functional norm's `training` (`use_input_stats`) is False: it writes nothing.
+    Every norm `statistics_written` knows takes it sixth."""
+    flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", node.kwargs.get("use_input_stats"))
+    return flag is False
 
 
 def _refuse_opaque_values(cut: Cut) -> None:

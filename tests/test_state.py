@@ -318,7 +318,7 @@ class _NormBlock(nn.Module):
     "case, found",
     [
         ("F.batch_norm", "1.running_mean, which batch_norm writes"),
-        ("aten.batch_norm", "na.running_mean, which batch_norm.default writes"),
+        ("aten.batch_norm", "na.running_mean, which batch_norm.default writes"),  # by a subclass's forward
         ("subclass kept whole", "1 (_BatchNormAct), a BatchNorm with a forward of its own"),
         ("block kept whole", "1 (_NormBlock), called whole, with a norm inside"),
         ("instance norm", "1 (InstanceNorm1d), a norm other than BatchNorm"),
@@ -332,11 +332,39 @@ def test_deferred_batch_norm_refuses_statistics_it_cannot_defer(case: str, found
     norm = {"block kept whole": _NormBlock(), "instance norm": nn.InstanceNorm1d(5, track_running_stats=True)}.get(case, _BatchNormAct(5))
     model: nn.Module = nn.Sequential(nn.Linear(6, 6), norm, nn.Linear(6, 6))
     if case == "aten.batch_norm":
-        model, x = NormActs(False), x[:, 0]  # forward(**kwargs): torch.export
+        model, x = NormActs(True), x[:, 0]  # forward(**kwargs): torch.export
     model.double()
     with pytest.raises(ValueError, match="deferred_batch_norm cannot defer") as refused:
         compile_pipeline(model, x, ["cpu"] * 2, chunks=2, deferred_batch_norm=True, leaf_modules=leaves)
     assert found in str(refused.value)
+
+
+class _Traced(NormActs):
+    """NormActs(False) with a forward torch.fx traces."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("mode", MODES)
+def test_deferred_batch_norm_in_an_exported_graph_is_torch_fxs(mode: str) -> None:
+    """torch.export's graph calls aten.batch_norm on the modules' statistics, in two stages;
+    deferred, it normalises and commits as the same modules traced by torch.fx, which the tests
+    above hold to the plain model. Before, it was refused as a norm called as a function."""
+    exported, x = NormActs(False).double(), torch.randn(10, 6, dtype=torch.float64) * 2 + 1
+    traced = _Traced(False).double()
+    traced.load_state_dict(exported.state_dict())
+    pipes = [compile_pipeline(m, x, ["cpu"] * 2, chunks=4, checkpoint=mode, deferred_batch_norm=True, schedule="1f1b") for m in (exported, traced)]
+    assert "torch.export" in pipes[0].plan.notes[0] and "torch.fx" in pipes[1].plan.notes[0]
+    for pipe in pipes:
+        pipe(x).pow(2).sum().backward()
+        pipe.train_step(x, target=torch.zeros_like(x), loss_fn=F.mse_loss)
+    assert_grads_equal(pipes[0], pipes[1])
+    assert_state_equal(pipes[0], pipes[1])
+    assert int(pipes[0].get_buffer("na.num_batches_tracked")) == 2, "counted once per step"
+    pipes[0].eval(), pipes[1].eval()
+    torch.testing.assert_close(pipes[0](x), pipes[1](x), rtol=0, atol=1e-10)
 
 
 class CountsWithoutGrad(nn.Module):
