@@ -361,6 +361,22 @@ def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str
         raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
 
 
+def _refuse_reads_of_stored_tensors(model: nn.Module, traced: Traced, stable: StableAssignments) -> None:
+    """A tensor a module called whole stores as it runs (`self.hidden = h`), read by the code
+    torch.fx traced (`self.a.hidden` after `self.a(x)`): the graph reads what it held when
+    traced, a constant, where the plain model reads what this call stored."""
+    stored = {f"{path}.{name}" if path else name for end in stable.ends for (path, name), value in end.items() if isinstance(value, torch.Tensor)}
+    graphs = [g for g in (traced.graph, traced.eval_graph) if g is not None]
+    read = sorted({str(n.target) for g in graphs for n in g.graph.nodes if n.op == "get_attr" and str(n.target) in stored})
+    if read:
+        raise TraceError(
+            f"{type(model).__name__}'s forward reads {', '.join(read)}, which a module called whole stores as it runs: "
+            "the pipeline's graph would read the tensor stored when it was traced, where the plain model reads the "
+            "one this call stores.\nHow to fix: return the value from that module's forward (return out, hidden) "
+            "and use what it returns."
+        )
+
+
 def to_graph(
     model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None
 ) -> Traced:
@@ -382,6 +398,7 @@ def to_graph(
             with assignments_recorded(model) as changed:
                 traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
             _refuse_lost_assignments(model, traced, changed)
+            _refuse_reads_of_stored_tensors(model, traced, stable)
         except BaseException:
             stable.undo()
             raise

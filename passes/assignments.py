@@ -238,17 +238,31 @@ def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = (),
     torch.export captured it (which keeps no module whole)."""
     lost = outside(changed, called_whole)
     if lost:
-        whole = (
-            f"Keeping the module whole (leaf_modules=[...]) needs torch.fx, which could not trace the model "
-            f"({exported}): make it traceable (name forward's arguments), then keep the module that stores it whole."
-            if exported else "Or keep the module that stores it whole (leaf_modules=[...])."
-        )
+        whole = _whole_advice(lost, exported)
         raise AssignmentError(
             f"the model's forward assigns {', '.join(repr(name) for name in lost)}: a pipeline runs the "
             "forward as generated stages, which cannot keep such an attribute up to date.\n"
             f"How to fix: return the value from forward instead of storing it on the module. {whole}",
             [name.rpartition(".")[0] for name in lost],
         )
+
+
+def _whole_advice(lost: list[str], exported: str) -> str:
+    """Whether keeping the modules that assign `lost` whole helps, and what it takes: torch.fx,
+    which failed (`exported`: why) or not."""
+    if not exported:
+        return "Or keep the module that stores it whole (leaf_modules=[...])."
+    read = [name for name in lost if f"has no attribute '{name.rpartition('.')[2]}'" in exported]
+    if read:
+        return (f"torch.fx could not trace the model because a forward reads {', '.join(read)} outside the module that "
+                f"stores it ({exported}), and a graph cannot read such a value as the call stores it: keeping the "
+                "module whole does not help there.")  # fmt: skip
+    if "computes otherwise" in exported:
+        return (f"torch.fx's graph computed otherwise than the model ({exported}): if a forward reads what a module "
+                "stores outside that module, the graph reads the value it held when traced; read it only inside the "
+                "module, and keep the module whole (leaf_modules=[...]).")  # fmt: skip
+    return (f"Keeping the module whole (leaf_modules=[...]) needs torch.fx, which could not trace the model ({exported}): "
+            "make it traceable (name forward's arguments), then keep the module that stores it whole.")
 
 
 @contextmanager

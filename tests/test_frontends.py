@@ -204,6 +204,56 @@ def test_an_assignment_under_torch_export_is_not_told_to_use_leaf_modules_alone(
     assert "needs torch.fx, which could not trace the model" in str(refused.value) and "**kwargs" in str(refused.value)
 
 
+class ReadsWhatInnerStores(nn.Module):
+    """Reads, outside `inner`, what `inner` stores as it runs (a tensor, or a call count)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.inner, self.what, self.head = Remembers(), what, nn.Linear(4, 4)
+        self.inner.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.head(self.inner(x))
+        return h + self.inner.hidden if self.what == "hidden" else h * self.inner.calls
+
+
+class _Counts(Remembers):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("ran_before", [True, False], ids=["ran-before-compiling", "fresh"])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_read_outside_a_module_of_what_it_stores_is_refused_with_the_fix(chunks: int, ran_before: bool) -> None:
+    """Before, once the model had run (on the example, say) torch.fx read the stored tensor as a
+    constant: 0.6 off the plain model on another batch with chunks=1, a size error with 2.
+    Fresh, the advice told to keep the module whole, which does not help."""
+    model = ReadsWhatInnerStores("hidden").double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    if ran_before:
+        model(x)
+    with pytest.raises(TraceError) as refused:
+        compile_pipeline(model, x, ["cpu"] * 2, chunks=chunks, leaf_modules=["inner"])
+    message = str(refused.value)
+    if ran_before:
+        assert "reads inner.hidden, which a module called whole stores as it runs" in message
+        assert "How to fix: return the value from that module's forward" in message
+    else:
+        assert "a forward reads inner.hidden outside the module that stores it" in message
+        assert "keeping the module whole does not help" in message
+
+
+def test_a_count_read_outside_the_module_that_counts_is_refused_without_the_advice_to_name_arguments() -> None:
+    model = ReadsWhatInnerStores("calls").double()
+    model.inner = _Counts()
+    model.inner.calls = 0
+    with pytest.raises(TraceError, match="assigns 'inner.calls'") as refused:
+        compile_pipeline(model.double(), torch.randn(8, 4, dtype=torch.float64), ["cpu"] * 2, leaf_modules=["inner"])
+    assert "read it only inside the module" in str(refused.value)
+    assert "name forward's arguments" not in str(refused.value)
+
+
 class SetsShift(nn.Module):
     """Swin's pattern: forward sets a plain value from the input's size, the same on every call
     at that size; or (`counts`) counts its calls, a value no two calls leave alike."""
