@@ -5,7 +5,7 @@ copy new parameters): the runtime calls it through `Compiled.build` and never re
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -28,10 +28,11 @@ from fxpipe.step import StageRuntime
 
 def build_program(
     owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
-    stored: frozenset[tuple[str, str]] = frozenset(),
+    stored: frozenset[tuple[str, str]] = frozenset(), attributes: Optional[dict[str, Any]] = None,
 ) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
-    that requiring grad, modules called whole store in forward (by module path and name)."""
+    that requiring grad, modules called whole store in forward (by module path and name);
+    `attributes`: the plain attributes the trace read, with their values when compiled."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
@@ -79,7 +80,7 @@ def build_program(
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
-        held=HeldState.of(owner),
+        held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
     )
 

@@ -493,7 +493,8 @@ def compile_pipeline(
         ranks=ranks,
     )
     build = functools.partial(
-        build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad
+        build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
+        attributes=traced.attributes,
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch

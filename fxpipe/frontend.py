@@ -5,7 +5,7 @@ import inspect
 import re
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
@@ -18,6 +18,7 @@ from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
     AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
+from fxpipe.passes.attribute_reads import attribute_reads_recorded, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -46,6 +47,8 @@ class Traced:
     fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
     check_micro_batch: Optional[MicroBatchCheck] = None  # export's guards on a call's micro-batches
     stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
+    attributes_read: frozenset[str] = frozenset()  # plain attributes the trace read: constants in the graph
+    attributes: dict[str, Any] = field(default_factory=dict)  # their values once compiled, by qualified name
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -264,9 +267,9 @@ def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[
     return None
 
 
-def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder) -> Traced:
+def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: set[str]) -> Traced:
     same = graphs[False].code == graphs[True].code
-    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False])
+    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], attributes_read=frozenset(read))
 
 
 def _assigning_modules(error: TraceError) -> list[str]:
@@ -278,7 +281,8 @@ def _assigning_modules(error: TraceError) -> list[str]:
 
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
-        graphs = _in_both_modes(model, lambda: trace(model, leaves))
+        with attribute_reads_recorded(model) as read:
+            graphs = _in_both_modes(model, lambda: trace(model, leaves))
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run.
         wholes = _assigning_modules(error)
@@ -288,7 +292,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     binder = signature_binder(graphs[True], model)
     bind = _none_as_traced(binder, binder(example, kwargs))
     if _check(model, graphs, example, kwargs, bind) is None:
-        return _traced(graphs, bind)
+        return _traced(graphs, bind, read)
     # Again with source lines, which tracing records only for messages (it is slow).
     lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True))
     raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
@@ -322,7 +326,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
-        with functions_applied(functions):
+        with functions_applied(functions), attribute_reads_recorded(model) as read:
             exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
         at = raising_line(error)
@@ -347,7 +351,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     problem = _check(model, graphs, example, kwargs, bind)
     if problem is not None:
         raise _Rejected(problem)
-    traced = _traced(graphs, bind)
+    traced = _traced(graphs, bind, read)
     traced.check_micro_batch = micro_batch_check(model, graphs, exported[True][1])
     return traced
 
@@ -405,6 +409,7 @@ def to_graph(
     if stable.filled:
         _refuse_containers_filled_at_random(model, example, kwargs)
     traced.stored_with_grad = stable.differentiable
+    traced.attributes = values_of(model, set(traced.attributes_read))
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
 

@@ -144,6 +144,15 @@ class Pipeline(nn.Module):
                 f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
+        attributes = program.held.attributes_changed()
+        if attributes:
+            raise RuntimeError(
+                f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
+                "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
+                "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
+                "which the pipeline reads as it runs, or in a module kept whole (leaf_modules=[...]), which reads its "
+                "own attributes as it runs."
+            )
         changed = program.hooks_changed()
         if "*" in changed:
             raise RuntimeError(

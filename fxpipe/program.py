@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,6 +20,7 @@ from torch import nn
 
 from fxpipe.distributed import RankPlacement
 from fxpipe.microbatch import ExampleLeaves
+from fxpipe.passes.attribute_reads import changed
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -66,18 +67,37 @@ class HeldState:
 
     modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
     tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
+    # The plain attributes the trace read: qualified name, the module's __dict__, key, value when compiled.
+    attributes: list[tuple[str, dict[str, Any], str, Any]] = field(default_factory=list)
 
     @staticmethod
-    def of(owner: nn.Module) -> "HeldState":
-        modules, tensors = [], []
-        for path, module in owner.named_modules():
+    def of(owner: nn.Module, read: Iterable[str] = (), attributes: Optional[dict[str, Any]] = None) -> "HeldState":
+        """What `owner` holds; with the tensor attributes among `read` (the graph's get_attr
+        targets: `self.scale = torch.tensor(2.0)`, never registered), which a call may rebind,
+        and where it holds the plain `attributes` the trace read (their values when compiled)."""
+        modules, tensors, held = [], [], []
+        found = dict(owner.named_modules())
+        for path, module in found.items():
             modules += [(f"{path}.{key}" if path else key, module._modules, key, child) for key, child in module._modules.items()]
             for table in (module._parameters, module._buffers):
                 tensors += [(table, key, tensor) for key, tensor in table.items()]
-        return HeldState(modules, tensors)
+        for target in read:
+            path, _, key = target.rpartition(".")
+            module = found.get(path)
+            value = vars(module).get(key) if module is not None else None
+            if isinstance(value, torch.Tensor):
+                tensors.append((vars(module), key, value))
+        for qualified, value in (attributes or {}).items():
+            path, _, key = qualified.rpartition(".")
+            if path in found:
+                held.append((qualified, found[path].__dict__, key, value))
+        return HeldState(modules, tensors, held)
 
     def modules_replaced(self) -> list[str]:
         return [name for name, table, key, module in self.modules if table.get(key) is not module]
+
+    def attributes_changed(self) -> list[str]:
+        return changed(self.attributes)
 
     def tensors_replaced(self) -> bool:
         return any(table.get(key) is not tensor for table, key, tensor in self.tensors)

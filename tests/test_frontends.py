@@ -209,8 +209,8 @@ class ReadsWhatInnerStores(nn.Module):
 
     def __init__(self, what: str) -> None:
         super().__init__()
-        self.inner, self.what, self.head = Remembers(), what, nn.Linear(4, 4)
-        self.inner.calls = 0
+        self.inner: Any = _Counts() if what == "calls" else Remembers()
+        self.what, self.head = what, nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.head(self.inner(x))
@@ -218,6 +218,8 @@ class ReadsWhatInnerStores(nn.Module):
 
 
 class _Counts(Remembers):
+    calls = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return self.b(self.a(x))
@@ -246,8 +248,6 @@ def test_a_read_outside_a_module_of_what_it_stores_is_refused_with_the_fix(chunk
 
 def test_a_count_read_outside_the_module_that_counts_is_refused_without_the_advice_to_name_arguments() -> None:
     model = ReadsWhatInnerStores("calls").double()
-    model.inner = _Counts()
-    model.inner.calls = 0
     with pytest.raises(TraceError, match="assigns 'inner.calls'") as refused:
         compile_pipeline(model.double(), torch.randn(8, 4, dtype=torch.float64), ["cpu"] * 2, leaf_modules=["inner"])
     assert "read it only inside the module" in str(refused.value)

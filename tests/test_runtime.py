@@ -377,6 +377,49 @@ def test_a_module_replaced_after_compiling_is_refused() -> None:
         pipe(x)
 
 
+class Tempered(nn.Module):
+    """Reads a plain attribute (a temperature), a tensor attribute never registered, and a
+    dropout rate through F.dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.note = nn.Linear(4, 4), nn.Linear(4, 4), "read by no graph"
+        self.temperature, self.scale, self.rate = 2.0, torch.tensor(3.0, dtype=torch.float64), 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.tanh(self.a(x)), self.rate, self.training)
+        return self.b(h * self.scale) / self.temperature
+
+
+class TemperedExported(Tempered):
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+def test_attributes_changed_after_compiling_are_followed_or_refused(exported: bool) -> None:
+    """Before, the graph kept the values traced: a temperature, a tensor rebound or a dropout
+    rate changed after compiling left the pipeline 0.5-18 off the plain model, without a word."""
+    model, reference = twin(TemperedExported() if exported else Tempered())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert ("torch.export" in pipe.plan.notes[0]) == exported
+    model.scale = reference.scale = torch.tensor(5.0, dtype=torch.float64)  # rebound: read as it is now
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    model.note = "changed"  # read by no graph: free to change
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    for name, value in [("temperature", 4.0), ("rate", 0.5)]:
+        before = getattr(model, name)
+        setattr(model, name, value)
+        with pytest.raises(RuntimeError, match=rf"(?s)have changed since compiling: {name} \({before!r} -> {value!r}\).*How to fix: compile again"):
+            pipe(x)
+        with pytest.raises(RuntimeError, match="have changed since compiling"):
+            pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+        setattr(model, name, before)  # and back: the pipeline runs again
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 class MaskedMix(nn.Module):
     """Mixes each sample's positions through a (T, T) mask that the whole batch shares."""
 

@@ -395,7 +395,8 @@ def test_a_loss_that_cannot_be_computed_is_refused_before_any_stage_runs(given: 
     ran: list[int] = []
     model.layers[0].register_forward_hook(lambda *_: ran.append(1))
     with pytest.raises(ValueError, match=f"(?s)train_step cannot compute the loss: {error}"):
-        pipe.train_step(x, **{k: (y if v == "y" else v) for k, v in given.items()})
+        arguments: dict[str, Any] = {k: (y if v == "y" else v) for k, v in given.items()}
+        pipe.train_step(x, **arguments)
     assert not ran and all(p.grad is None for p in pipe.parameters())
 
 
