@@ -451,10 +451,14 @@ def _warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str]
     modules called whole, whose forwards fill them on every call: the pipeline leaves those."""
     left = outside(filled, _called_whole(traced))
     if left:
+        owners = sorted({name.rpartition(".")[0] for name in left} - {""})
+        whole = f"keep the modules that fill them whole (leaf_modules={owners!r}), whose forwards run on every micro-batch" if owners else ""
+        root = "return from forward what the root module fills" if len(owners) < len({name.rpartition(".")[0] for name in left}) else ""
         warnings.warn(
             f"{type(model).__name__}'s forward changes the contents of {', '.join(left)}, which the pipeline's "
             "generated stages do not: the graph computes from what the model held when compiled (a cache is "
-            "computed again on each call), and those containers stay as they were.",
+            "computed again on each call), and those containers stay as they were.\nTo have them filled: "
+            + "; or ".join(filter(None, [whole, root])) + ".",
             stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
         )
 

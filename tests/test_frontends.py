@@ -363,6 +363,28 @@ def test_a_store_of_random_values_each_call_writes_anew_is_no_cache_to_refuse() 
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
+class _Tallies(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.tally = nn.Linear(4, 4), {"calls": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tally["calls"] += 1
+        return self.lin(x)
+
+
+def test_a_container_a_submodule_fills_is_warned_of_with_the_module_to_keep_whole() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Tallies(), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match=r"(?s)changes the contents of 1.tally.*To have them filled: keep the modules that fill them whole \(leaf_modules=\['1'\]\)"):
+        compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # following the advice: no warning
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=["1"])
+    pipe(x)
+    assert model[1].tally == {"calls": 2}, "once per micro-batch, as the plain model run on them in turn"
+
+
 class ReadsItsCount(nn.Module):
     def __init__(self) -> None:
         super().__init__()
