@@ -122,12 +122,12 @@ class _Stored(torch.autograd.Function):
     as the plain model's does, and a backward that says why no gradient can flow through it."""
 
     @staticmethod
-    def forward(ctx: Any, value: torch.Tensor, anchor: torch.Tensor, path: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, value: torch.Tensor, path: str, *anchors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.path = path
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
         raise RuntimeError(
             f"a gradient reached {ctx.path}, a tensor that its module stored in forward: a pipeline runs each stage's "
             "backward on the stage's own graph, and cannot carry a gradient through a stored tensor into it.\n"
@@ -136,13 +136,16 @@ class _Stored(torch.autograd.Function):
         )
 
 
-def refuse_gradients_through(stored: Sequence[tuple[nn.Module, str, str]]) -> None:
+def refuse_gradients_through(stored: Sequence[tuple[nn.Module, str, str]], upstream: Sequence[torch.Tensor]) -> None:
     """The tensors requiring grad that modules called whole stored in forward (by attribute, with
     their paths), swapped for what `_Stored` makes of them: a loss that reads one and reaches it
     in backward raises, where a gradient would be lost (a checkpointed forward stores a tensor
-    without a graph) or would run into a stage's freed graph."""
+    without a graph) or would run into a stage's freed graph. `upstream`: the parameters and
+    inputs requiring grad that the stored tensor may come from; made inputs of `_Stored`, so
+    that a backward asked for any of them alone (`torch.autograd.grad`, `backward(inputs=)`)
+    reaches it too, and none goes without a word."""
     for module, name, path in stored:
         value = vars(module).get(name)
         if isinstance(value, torch.Tensor) and value.is_floating_point() and not isinstance(value.grad_fn, _Stored._backward_cls):
-            anchor = torch.zeros((), device=value.device, requires_grad=True)
-            vars(module)[name] = _Stored.apply(value.detach(), anchor, path)
+            anchors = upstream or [torch.zeros((), device=value.device, requires_grad=True)]
+            vars(module)[name] = _Stored.apply(value.detach(), path, *anchors)

@@ -471,6 +471,15 @@ class Step:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]
 
+    def _upstream(self, stage: int) -> list[torch.Tensor]:
+        """Every parameter and caller input requiring grad that stages up to `stage` read (the
+        stages run in the graph's order: what comes later cannot feed it)."""
+        found = {id(p): p for s in self.stages[: stage + 1] for p in s.params if p.requires_grad}
+        found.update((id(t), t) for copies in self.shared for t in copies if isinstance(t, torch.Tensor) and t.requires_grad)
+        leaves = [t for batch in self.micro_batches for v in batch.values() for t in leaves_of(v)]
+        found.update((id(t), t) for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad)
+        return list(found.values())
+
     # Each task returns when its work started (after what it waits for was in hand) and ended
     # (before it sends what it made: a receiver may start at once).
     def _forward_task(self, i: int, j: int) -> tuple[float, float]:
@@ -496,7 +505,7 @@ class Step:
             if self.grad:
                 self._keep(i, j, _Saved(inputs, outputs))
         if self.grad and stage.stored:
-            refuse_gradients_through(stage.stored)
+            refuse_gradients_through(stage.stored, self._upstream(j))
         wants = _floating if checkpointed else _requires_grad
         end = time.perf_counter()
         for name, value in zip(stage.outputs, outputs):  # (3)

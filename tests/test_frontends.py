@@ -769,7 +769,13 @@ def test_a_loss_through_a_tensor_a_module_stored_is_refused_in_backward(checkpoi
     torch.testing.assert_close(stored.hidden, reference[1].hidden, rtol=0, atol=1e-12)  # the last micro-batch's
     with pytest.raises(RuntimeError, match=r"(?s)a gradient reached 1.hidden, a tensor that its module stored.*How to fix: return the tensor"):
         (out.sum() + stored.hidden.sum()).backward()
-    model.zero_grad()  # what that backward reached before it raised
+    # Asked for some leaves alone: before, autograd left the refusal out, and the gradient with it.
+    first = list(model[0].parameters())
+    with pytest.raises(RuntimeError, match="a gradient reached 1.hidden"):
+        torch.autograd.grad(pipe(x).sum() + stored.hidden.sum(), first)
+    with pytest.raises(RuntimeError, match="a gradient reached 1.hidden"):
+        (pipe(x).sum() + stored.hidden.sum()).backward(inputs=first)
+    model.zero_grad()  # what those backwards reached before they raised
     pipe(x).sum().backward()  # without the stored tensor in the loss, exact
     expected.sum().backward()
     assert_grads_equal(pipe, reference)
