@@ -88,14 +88,15 @@ def _none_as_traced(bind: Binder, traced: dict[str, Any]) -> Binder:
     return checked
 
 
-def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
-    """Arguments flattened into leaves, as the exported graph takes them; a call whose shapes
-    differ where export fixed them is refused before any stage runs."""
-    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module) -> Binder:
+    """Arguments flattened into leaves, as the exported graphs take them; a call whose shapes
+    differ where the graph of the model's mode (training or eval: each has its own branches)
+    fixed or guards them is refused before any stage runs."""
+    placeholders = [node for node in graphs[True].graph.nodes if node.op == "placeholder"]
     names = [node.name for node in placeholders]
     arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
-    fixed = fixed_dims(gm)
-    guards = gm.meta.get("input_guards")
+    fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
+    guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
 
@@ -109,9 +110,10 @@ def leaf_binder(gm: fx.GraphModule, spec: TreeSpec) -> Binder:
                 f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
                 "How to fix: call it with the same positional and keyword arguments as the example."
             )
-        _check_fixed(leaves, fixed, arguments)
-        if guards is not None:
-            _check_guards(guards, leaves, arguments)
+        mode = model.training if model.training in graphs else True
+        _check_fixed(leaves, fixed[mode], arguments)
+        if guards[mode] is not None:
+            _check_guards(guards[mode], leaves, arguments)
         return dict(zip(names, leaves))
 
     return bind
@@ -181,13 +183,15 @@ def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec
     that fails is not always a branch (export guards a size of 1 apart, and SimpleViT's batch
     of 1 computes alike): the graph then runs beside the model on the micro-batch, once per
     shape, and only a difference (or a model too large to run whole) refuses it."""
-    guards = graphs[True].meta.get("input_guards")
-    if guards is None:
+    if all(gm.meta.get("input_guards") is None for gm in graphs.values()):
         return None
     arguments = [str(node.meta.get("argument", node.name)) for node in graphs[True].graph.nodes if node.op == "placeholder"]
     alike: set[tuple[Any, ...]] = set()  # the shapes whose guards failed, and whose graph ran as the model
 
     def check(micro_batches: Sequence[dict[str, Any]]) -> None:
+        guards = graphs.get(model.training, graphs[True]).meta.get("input_guards")  # each mode has its branches
+        if guards is None:
+            return
         seen: set[tuple[Any, ...]] = set()
         for values in micro_batches:
             leaves = list(values.values())
@@ -347,7 +351,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
             "computed from x.shape[0], asserts on it); or make the model traceable by torch.fx, which "
             "reads sizes as it runs.",
         )
-    bind = leaf_binder(graphs[True], exported[True][1])
+    bind = leaf_binder(graphs, exported[True][1], model)
     problem = _check(model, graphs, example, kwargs, bind)
     if problem is not None:
         raise _Rejected(problem)

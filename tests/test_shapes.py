@@ -113,6 +113,37 @@ def test_a_branch_on_the_batch_size_is_checked_for_each_micro_batch() -> None:
         pipe(torch.randn(8, 6, dtype=torch.float64))  # the call passes the guard, its micro-batches of 4 do not
 
 
+class BranchesInOneMode(BranchesOnTheBatch):
+    """The fast path in one mode only: the other mode's graph has no guard on the batch."""
+
+    def __init__(self, in_training: bool) -> None:
+        super().__init__()
+        self.in_training = in_training
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.training == self.in_training and x.shape[0] > 4:
+            h = h * self.factor
+        return self.b(h)
+
+
+@pytest.mark.parametrize("in_training", [False, True], ids=["eval-branch", "training-branch"])
+def test_the_guards_of_the_graph_of_the_mode_the_call_runs_in_are_checked(in_training: bool) -> None:
+    """Before, only the training graph's guards were checked: an eval call at batch 4 ran the
+    eval graph's branch for batches over 4 (0.95 off the plain model), and a branch taken in
+    training alone refused eval calls the eval graph computes."""
+    model, reference = twin(BranchesInOneMode(in_training))
+    pipe = quietly(model, torch.randn(16, 6, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    pipe.eval(), reference.eval()
+    for batch in (4, 8):
+        x = torch.randn(batch, 6, dtype=torch.float64)
+        if in_training:  # eval's graph has no branch: every batch runs
+            torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+        else:
+            with pytest.raises(ValueError, match="made the graph for calls like the example, and (this call|a micro-batch) differs"):
+                pipe(x)
+
+
 def test_a_guard_that_fails_on_a_micro_batch_refuses_only_what_computes_otherwise() -> None:
     """A guard on the batch size whose branches compute alike (as torch.export's guards on a
     size of 1 do, in SimpleViT): not refused."""
