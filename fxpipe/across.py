@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed import failing_together, holders, sum_tied
 from fxpipe.losses import LeafGrads
+from fxpipe.randomness import draw_step_seed
 from fxpipe.replicas import ReplicaFailed
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
         _agree(pipe, call, "pipe(x)")
     with failing_together(channel):
         outputs = step.forward()
-        channel.finish()
+        settle_generators(step, channel.finish(step.drew))
     if not outputs:
         return None
     gathered = call.gather(outputs)
@@ -49,8 +50,23 @@ def train_across(
     same on every rank), tied weights' gradients summed among the ranks that read them. A
     call refused on one rank (its arguments, say) is refused on every rank."""
     kept = LeafGrads()
-    with kept.put_back_on_error():
-        return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
+    generator = torch.get_rng_state()
+    try:
+        with kept.put_back_on_error():
+            return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
+    except BaseException:
+        torch.set_rng_state(generator)  # on every rank: they stay alike (a loss_fn may have drawn on one)
+        raise
+
+
+def settle_generators(step: Any, drew: dict[int, Any], state: Optional[torch.Tensor] = None) -> None:
+    """Every rank's generator as the step leaves it in one process: as `loss_fn` left it on the
+    loss rank (`state`, when it drew), then past the step's seed if a stage on any rank drew
+    (`drew`: by peer, whether its stages drew; this rank's is `step.drew`)."""
+    if state is not None:
+        torch.set_rng_state(state)
+    if step.drew or any(drew.values()):
+        draw_step_seed()
 
 
 def _train_across(
@@ -70,6 +86,7 @@ def _train_across(
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]
         here = channel.me == loss_rank
+        before = torch.get_rng_state()
         with failing_together(channel):
             step.train()
             if here:
@@ -79,7 +96,10 @@ def _train_across(
                     problem = str(e)
             if call.grad:
                 grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params), pipe._owner)
-            got = channel.finish((total, problem) if here else None)
+            after = torch.get_rng_state() if here else before
+            drawn = None if torch.equal(after, before) else after  # by loss_fn, which ran on this rank alone
+            got = channel.finish((total, problem, step.drew, drawn) if here else (None, None, step.drew, None))
+        settle_generators(step, {peer: payload[2] for peer, payload in got.items()}, got[loss_rank][3] if not here else None)
     except BaseException as e:
         if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
             wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
@@ -87,7 +107,7 @@ def _train_across(
                 pipe._replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
         raise
     if not here:
-        total, problem = got[loss_rank]
+        total, problem = got[loss_rank][:2]
     if pipe._replicas is None:
         if problem is not None:
             raise ValueError(problem)

@@ -3,6 +3,7 @@ gradients of its outputs, and the micro-batches' losses checked against the whol
 from __future__ import annotations
 
 import inspect
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -164,10 +165,44 @@ def _grad_of_leaf(leaf: Any) -> Any:
     return leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
 
 
+@contextmanager
+def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
+    """Within this block, draws from the CPU generator (and `device`'s, on CUDA) are undone at
+    its end; the block gets a function that says whether any was made."""
+    cuda = device.type == "cuda"
+    cpu_before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
+    moved: list[bool] = []
+
+    def drew() -> bool:
+        if not moved:
+            moved.append(not torch.equal(torch.get_rng_state(), cpu_before)
+                         or (cuda and not torch.equal(torch.cuda.get_rng_state(device), cuda_before)))  # fmt: skip
+        return moved[0]
+
+    try:
+        yield drew
+    finally:
+        drew()
+        torch.set_rng_state(cpu_before)
+        if cuda:
+            torch.cuda.set_rng_state(cuda_before, device)
+
+
 def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
-    """The micro-batches' losses, combined, must be the loss of the whole batch."""
-    with torch.no_grad():
+    """The micro-batches' losses, combined, must be the loss of the whole batch. The check draws
+    nothing from the caller's generators; a loss that draws (label noise) cannot be checked."""
+    with torch.no_grad(), _generators_kept(total.device) as drew:
         whole = loss_fn(outputs, target)
+    if drew():
+        warnings.warn(
+            "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
+            f"train_step cannot check that reduction={reduction!r} combines the micro-batches' losses into the "
+            "whole batch's. Each micro-batch's loss draws its own, as dropout does: alike in distribution to the "
+            "plain model's, not in value (chunks=1 draws the plain model's).",
+            stacklevel=4,
+        )
+        return
     whole = whole.detach().to(total.device, total.dtype)
     # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
     # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for

@@ -202,18 +202,19 @@ class Step:
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         # From the caller's generator, only where a stage may draw: a model without random ops
-        # leaves it as the plain model does. In one process the seed is only read: the generator
-        # moves past it once a stage drew (after the forwards), so that a stage that only may (a
-        # module called whole, whose inside the graph does not show) and does not, leaves it as
-        # the plain model does, for a `loss_fn` that draws too. Across processes every rank takes
-        # it at once, so that their generators stay alike (a DataLoader's shuffle after the step):
-        # whether a stage drew is known on its own rank only.
+        # leaves it as the plain model does. The seed is only read: the generator moves past it
+        # once a stage drew (after the forwards), so that a stage that only may (a module called
+        # whole, whose inside the graph does not show) and does not, leaves it as the plain model
+        # does, for a `loss_fn` that draws too. Across processes whether a stage drew is known on
+        # its own rank only: the ranks settle it at the end of the step (fxpipe/across.py), so
+        # that their generators stay alike (a DataLoader's shuffle after the step).
         drawing = any(self.randomness) or any(self.hidden_randomness)
-        before = torch.get_rng_state() if drawing and rank is None else None
+        before = torch.get_rng_state() if drawing else None
         self.seed = draw_step_seed() if drawing else 0
         if before is not None:
             torch.set_rng_state(before)
         self._peeked = before is not None
+        self.drew = False  # whether a stream of this process's stages drew (once the forwards ran)
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._attributes_before: Attributes = []
@@ -294,9 +295,9 @@ class Step:
         if not self._peeked:
             return
         self._peeked = False
-        drew = any(stream.drew() for stream in self._streams)
+        self.drew = any(stream.drew() for stream in self._streams)
         self._streams = []
-        if drew:
+        if self.drew and self.rank is None:  # across processes, the ranks settle it together
             draw_step_seed()
 
     def _turn(self, action: Action) -> tuple[float, int]:
@@ -474,7 +475,7 @@ class Step:
     def _upstream(self, stage: int) -> list[torch.Tensor]:
         """Every parameter and caller input requiring grad that stages up to `stage` read (the
         stages run in the graph's order: what comes later cannot feed it)."""
-        found = {id(p): p for s in self.stages[: stage + 1] for p in s.params if p.requires_grad}
+        found: dict[int, torch.Tensor] = {id(p): p for s in self.stages[: stage + 1] for p in s.params if p.requires_grad}
         found.update((id(t), t) for copies in self.shared for t in copies if isinstance(t, torch.Tensor) and t.requires_grad)
         leaves = [t for batch in self.micro_batches for v in batch.values() for t in leaves_of(v)]
         found.update((id(t), t) for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad)

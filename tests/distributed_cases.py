@@ -1215,3 +1215,57 @@ def generators_after_a_step(rank: int, world: int) -> str:
     torch.manual_seed(1)
     pipe.train_step(x, target=torch.zeros(8, 3, dtype=torch.float64), loss_fn=F.mse_loss)
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
+
+
+class _StoresLast(nn.Module):
+    """Called whole (it stores an attribute): a module the graph cannot see inside, which may
+    draw, and does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x))
+        self.last = h.detach()
+        return h
+
+
+def _noisy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target + 0.1 * torch.randn_like(target))
+
+
+def a_loss_that_draws(rank: int, world: int, whole: bool) -> dict[str, Any]:
+    """A loss_fn that draws (label noise), on the last rank, beside a module called whole that
+    draws nothing, or none: the loss, the gradients and the generator after the step are the
+    plain model's, on every rank; a step whose loss fails leaves every generator as it was."""
+    import hashlib
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _StoresLast() if whole else nn.Tanh(), nn.Linear(6, 6)).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, timeout=30)
+    torch.manual_seed(3)
+    loss = pipe.train_step(x, target=y, loss_fn=_noisy)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    expected = sum(_noisy(reference(a), b) * 0.5 for a, b in zip(x.chunk(2), y.chunk(2)))
+    plain_after = torch.get_rng_state()
+    expected.backward()
+    grads = [float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters()) if p.grad is not None]
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        _noisy(out, target)
+        raise RuntimeError("after drawing")
+
+    torch.manual_seed(5)
+    with contextlib.suppress(StageError):
+        pipe.train_step(x, target=y, loss_fn=failing)
+    left = torch.get_rng_state()
+    torch.manual_seed(5)
+    return {
+        "loss": abs(float(loss) - float(expected)), "grads": max(grads), "plain's generator": torch.equal(after, plain_after),
+        "hash": hashlib.sha1(after.numpy().tobytes()).hexdigest(), "failed step's generator put back": torch.equal(left, torch.get_rng_state()),
+    }  # fmt: skip

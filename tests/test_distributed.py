@@ -319,6 +319,18 @@ def test_the_ranks_generators_stay_alike_when_one_ranks_stage_draws() -> None:
     assert len(set(states)) == 1, states
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["plain", "beside-a-module-called-whole"])
+def test_a_loss_that_draws_draws_what_the_plain_models_does_and_leaves_every_generator_alike(whole: bool) -> None:
+    """Before, beside a module called whole, every rank took the step's seed before the loss drew
+    (0.02 off the plain model's loss); and only the loss rank's generator moved, so the ranks'
+    generators parted."""
+    got = results_of(spawn_ranks(cases.a_loss_that_draws, 2, whole, timeout=120))
+    for report in got:
+        assert report["loss"] < 1e-12 and report["grads"] < 1e-12, report
+        assert report["plain's generator"] and report["failed step's generator put back"], report
+    assert len({report["hash"] for report in got}) == 1
+
+
 def test_each_direction_of_a_pair_has_a_group_of_its_own_made_once_per_mesh() -> None:
     # One connection for both directions makes a large send wait for the other way's bytes.
     got = results_of(spawn_ranks(cases.directional, 4, timeout=300))

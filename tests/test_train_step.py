@@ -418,6 +418,30 @@ def test_a_model_output_that_is_no_loss_says_so_without_loss_fn() -> None:
         pipe.train_step(x)
 
 
+def _noisy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target + 0.1 * torch.randn_like(target))
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_loss_that_draws_is_not_refused_by_the_combination_check_and_draws_per_micro_batch(schedule: str) -> None:
+    """Before, the check drew other noise on the whole batch and refused every step, telling to
+    pass the other reduction (which it then refused too)."""
+    model, reference = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_with(model, x, schedule, chunks=2)
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="loss_fn draws random numbers: .*cannot check that reduction='mean'"):
+        loss = pipe.train_step(x, target=y, loss_fn=_noisy)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    expected = sum(_noisy(reference(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))  # the plain model, in turn
+    assert isinstance(expected, torch.Tensor)
+    assert torch.equal(after, torch.get_rng_state()), "the check drew nothing of the caller's"
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
 def test_schedule_arguments_are_checked() -> None:
     model, x = FanOut(), torch.randn(8, 6)
     with pytest.raises(ValueError) as info:
