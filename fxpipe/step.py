@@ -65,6 +65,13 @@ class StageError(RuntimeError):
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 
 
+def _copy_into(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Values into a caller's tensor, outside autograd; an inference tensor is written in
+    inference mode, the only one that may write it."""
+    with torch.inference_mode() if target.is_inference() else torch.no_grad():
+        target.copy_(values)
+
+
 def raised_here(failure: Failure) -> Exception:
     """The error this rank raises for a failure on another: that stage's StageError, or, for a
     failure outside any stage (a rank lost at the end of a step), a RuntimeError that says so."""
@@ -217,6 +224,7 @@ class Step:
         self.drew = False  # whether a stream of this process's stages drew (once the forwards ran)
         self._streams: list[TaskStream] = []  # the forwards' streams, until that is decided
         self._buffers_before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._inputs_before: list[tuple[torch.Tensor, torch.Tensor]] = []  # the caller's, as written back
         self._attributes_before: Attributes = []
         self.param_leaves: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
@@ -370,11 +378,13 @@ class Step:
             raise
 
     def put_back_buffers(self) -> None:
-        """What the step's forwards wrote into buffers, and assigned to the attributes of modules
-        called whole, undone."""
+        """What the step's forwards wrote into buffers and into the caller's inputs, and assigned
+        to the attributes of modules called whole, undone."""
         with torch.no_grad():
             for buffer, values in self._buffers_before:
                 buffer.copy_(values)
+            for target, values in reversed(self._inputs_before):
+                _copy_into(target, values)
         put_back_attributes(self._attributes_before)
 
     def backward(self, output_grads: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -559,13 +569,14 @@ class Step:
             if stage.sources[name] == CALLER:
                 # The stage wrote its own copy (cloned on entry, `_version` 0): a leaf it changed
                 # has a version above 0.
+                # (An inference tensor keeps no version: it is copied back whether written or not.)
                 pairs = [(t, final) for t, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value))
-                         if isinstance(t, torch.Tensor) and t is not final and final._version > 0]  # fmt: skip
+                         if isinstance(t, torch.Tensor) and t is not final and (final.is_inference() or final._version > 0)]  # fmt: skip
                 if self.grad:
                     _refuse_written_leaves(name, [t for t, _ in pairs])
-                with torch.no_grad():
-                    for target, final in pairs:
-                        target.copy_(final)
+                for target, final in pairs:
+                    self._inputs_before.append((target, target.detach().clone()))  # a failed step puts it back
+                    _copy_into(target, final)
         return outputs
 
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)

@@ -133,10 +133,14 @@ def inputs_preserved(inputs: Any) -> Iterator[None]:
     """Run the body, then put back the values of every tensor in `inputs` that it wrote in place
     (a forward that writes its input, run at compile time on the user's example)."""
     tensors = {id(t): t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and not t.is_meta}
-    saved = [(t, t._version, t.detach().clone()) for t in tensors.values()]
+    # An inference tensor keeps no version counter: its values tell (and it is written in inference mode).
+    saved = [(t, None if t.is_inference() else t._version, t.detach().clone()) for t in tensors.values()]
     try:
         yield
     finally:
         for tensor, version, values in saved:
-            if tensor._version != version:
+            if version is not None and tensor._version != version:
                 _put(tensor, values)
+            elif version is None and not torch.equal(tensor, values):
+                with torch.inference_mode():
+                    tensor.copy_(values)

@@ -1,6 +1,7 @@
 """Traced graphs are checked against the model, in both modes, and compiling leaves the model as it was."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import assert_grads_equal, twin
-from fxpipe import TraceError, compile_pipeline
+from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.frontend import to_graph
 
 
@@ -181,6 +182,73 @@ def test_compiling_leaves_an_example_the_forward_writes_as_it_was(chunks: int, e
     torch.testing.assert_close(pipe(x, *extra), expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(x, values * 2, rtol=0, atol=0)  # a call writes it, as the plain model's does
     assert x._version > version
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_inference_tensors_compile_and_an_input_written_under_inference_mode_is_written_as_the_plain_models(chunks: int) -> None:
+    """Inference tensors keep no version counter: before, compiling on one, and a call under
+    torch.inference_mode() of a forward that writes its input, raised from the pipeline's own code."""
+    with torch.inference_mode():
+        example = torch.randn(8, 6, dtype=torch.float64)
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    assert compile_pipeline(plain, example, ["cpu"] * 2, chunks=chunks).plan is not None
+    model, reference = twin(WritesItsInput())
+    pipe = compile_pipeline(model, example.clone(), ["cpu"] * 2, chunks=chunks)
+    for inference_tensor in (False, True):
+        with torch.inference_mode(inference_tensor):
+            x, x_plain = example.clone(), example.clone()
+        with torch.inference_mode():
+            torch.testing.assert_close(pipe(x), reference(x_plain), rtol=0, atol=1e-12)
+        assert x.is_inference() == inference_tensor
+        torch.testing.assert_close(x, x_plain, rtol=0, atol=0)
+
+
+class _FailsOnTheSecondMicroBatch(nn.Module):
+    """Called whole (it counts its calls): raises on every second call once armed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls, self.armed = nn.Linear(6, 6), 0, False
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.armed and self.calls % 2 == 0:
+            raise RuntimeError("a bad micro-batch")
+        return self.lin(h)
+
+
+class _WritesThenFails(WritesItsInput):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fails = _FailsOnTheSecondMicroBatch()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.fails(super().forward(x))
+
+
+@pytest.mark.parametrize("call", ["pipe(x)", "no_grad", "train_step"])
+def test_a_failed_call_puts_back_the_input_its_forward_wrote(call: str) -> None:
+    """As it puts back buffers: before, the micro-batches before the failure stayed written and
+    the others not (rows 0-3 doubled, 4-7 as they were)."""
+    model = _WritesThenFails().double()
+    pipe = compile_pipeline(model, torch.randn(8, 6, dtype=torch.float64), ["cpu"] * 2, chunks=2, split_points=["fails"])
+    x = torch.randn(8, 6, dtype=torch.float64)
+    values = x.clone()
+    model.fails.armed = call != "train_step"
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bad loss")
+
+    with pytest.raises(StageError, match="a bad (micro-batch|loss)"):
+        if call == "train_step":
+            pipe.train_step(x, target=values, loss_fn=failing)
+        else:
+            with torch.no_grad() if call == "no_grad" else contextlib.nullcontext():
+                pipe(x)
+    assert torch.equal(x, values)
+    model.fails.armed = False
+    torch.testing.assert_close(pipe(x), model.fails.lin(model.b(torch.tanh(model.a(values * 2)))), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x, values * 2, rtol=0, atol=0)
 
 
 class TrainingBranch(nn.Module):
