@@ -35,7 +35,7 @@ from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.sources import output_sources
-from fxpipe.passes.state import writable_buffer_names
+from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.validate import source_line
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
@@ -230,11 +230,23 @@ def _keeps_state(gm: fx.GraphModule) -> bool:
     """Whether forward writes buffers (BatchNorm's running statistics aside, which these runs do
     not use): the micro-batches then compute as the plain model run on them in turn, by design
     (README), and what the whole batch computes is no measure of them."""
+    norms = _norms_called_as_ops(gm)
     for name in writable_buffer_names(gm, list(gm.graph.nodes)):
-        owner = fetch_attr(gm, name.rpartition(".")[0]) if "." in name else gm
-        if not isinstance(owner, nn.modules.batchnorm._NormBase):
+        path, _, buffer = name.rpartition(".")
+        owner = fetch_attr(gm, path) if path else gm
+        if not isinstance(owner, nn.modules.batchnorm._NormBase) and not (path in norms and buffer in _STATISTICS):
             return True
     return False
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
+    """The paths of the modules whose running statistics a norm op of the graph normalises
+    with: torch.export's graph holds `aten.batch_norm` on them, and a bare container where the
+    BatchNorm module was."""
+    return {str(stat.target).rpartition(".")[0] for node in gm.graph.nodes for stat in statistics_written(node)}
 
 
 def _run(gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]) -> list[dict[fx.Node, Any]]:
