@@ -497,7 +497,8 @@ def compile_pipeline(
         attributes=traced.attributes,
     )
     compiled = Compiled(
-        plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch
+        plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
+        traced.flags,
     )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]

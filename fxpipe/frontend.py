@@ -49,6 +49,9 @@ class Traced:
     stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
     attributes_read: frozenset[str] = frozenset()  # plain attributes the trace read: constants in the graph
     attributes: dict[str, Any] = field(default_factory=dict)  # their values once compiled, by qualified name
+    # By mode, the training flags of the model's modules (in `modules()` order) its graph was
+    # traced under: the model's own in its mode (a BatchNorm frozen in training, say), else all alike.
+    flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -399,6 +402,7 @@ def to_graph(
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
+    own = tuple(m.training for m in model.modules())
     with preserved(model):
         with StableAssignments(model) as stable:
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
@@ -414,6 +418,7 @@ def to_graph(
         _refuse_containers_filled_at_random(model, example, kwargs)
     traced.stored_with_grad = stable.differentiable
     traced.attributes = values_of(model, set(traced.attributes_read))
+    traced.flags = {model.training: own, not model.training: (not model.training,) * len(own)}
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
 

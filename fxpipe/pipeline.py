@@ -180,15 +180,19 @@ class Pipeline(nn.Module):
         train, evaluate = self._programs[True], self._programs[False]
         if train is evaluate:
             return train
-        flags = {self.training, *(m.training for m in self._owner.modules())}
-        if len(flags) > 1:
-            raise RuntimeError(
-                "the model's forward reads `self.training` (its graph differs between train and eval "
-                "mode), and its modules are now in mixed modes, a graph that was not compiled.\n"
-                "How to fix: put the whole pipeline in one mode (pipe.train() or pipe.eval()), or "
-                "compile the model in the mixed mode you need."
-            )
-        return self._programs[flags.pop()]
+        now = tuple(m.training for m in self._owner.modules())
+        traced = self._compiled.flags
+        for mode in (self.training, not self.training):
+            if now == traced.get(mode, (mode,) * len(now)):
+                return self._programs[mode]
+        names = [name or "the model" for name, m in self._owner.named_modules() if m.training != self.training]
+        raise RuntimeError(
+            "the model's forward reads `self.training` (its graph differs between train and eval mode), and "
+            f"its modules are in modes no graph was traced in: {', '.join(names)} in {'eval' if self.training else 'training'} "
+            f"mode, the model in {'training' if self.training else 'eval'} mode.\nHow to fix: put those modules "
+            "back in the modes they had when compiling, or the whole pipeline in one mode (pipe.train() or "
+            "pipe.eval()); or compile the model in the mixed mode you need."
+        )
 
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""

@@ -180,6 +180,8 @@ class Compiled:
     example_leaves: ExampleLeaves = field(default_factory=dict)
     # torch.export's guards on a call's micro-batches (inputs by placeholder name); None under torch.fx.
     check_micro_batch: Optional[Callable[[Sequence[dict[str, Any]]], None]] = None
+    # By mode, the training flags of the model's modules its graph was traced under (frontend.Traced).
+    flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -191,5 +193,5 @@ class Compiled:
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
-            self.check_micro_batch,
+            self.check_micro_batch, self.flags,
         )  # fmt: skip

@@ -2,6 +2,7 @@
 autograd.grad, backward(inputs=...), hooks, accumulation, and two forwards before one backward."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -48,9 +49,45 @@ def test_eval_mode_runs_the_eval_graph(mode: str) -> None:
     torch.manual_seed(0)
     trained = pipe(x)
     assert not torch.allclose(trained, out), "train mode must drop and double again"
-    with pytest.raises(RuntimeError, match="mixed modes"):
+    with pytest.raises(RuntimeError, match=r"(?s)in modes no graph was traced in: a in eval mode, the model in training mode.*How to fix"):
         model.a.eval()
         pipe(x)
+
+
+class _FrozenNorm(Branchy):
+    """A BatchNorm frozen while the rest trains (fine-tuning), in a forward that reads
+    `self.training`; `*rest`: torch.export, which bakes each module's mode into its graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6).eval()
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("cls", [Branchy, _FrozenNorm], ids=["torch.fx", "torch.export"])
+def test_a_module_set_apart_when_compiling_runs_the_graph_traced_so(cls: type[nn.Module]) -> None:
+    """Before, torch.export's pipeline refused the first call: mixed modes, 'compile the model in
+    the mixed mode you need', which it was."""
+    model, reference = twin(cls())
+    model.a.eval(), reference.a.eval()  # set apart before compiling
+    apart = [m for m in model.modules() if not m.training]
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    torch.manual_seed(0)
+    out = pipe(x)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    pipe.train()
+    with pytest.raises(RuntimeError, match="in modes no graph was traced in") if cls is _FrozenNorm else contextlib.nullcontext():
+        model.a.eval()  # the norm still trains: no graph was traced so
+        pipe(x)
+    for module in apart:  # as compiled again
+        module.eval()
+    torch.manual_seed(0)
+    torch.testing.assert_close(pipe(x), out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stages", [1, 3])  # one worker runs its tasks on the caller's thread
