@@ -68,7 +68,7 @@ class _FrozenNorm(Branchy):
 
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 @pytest.mark.parametrize("cls", [Branchy, _FrozenNorm], ids=["torch.fx", "torch.export"])
-def test_a_module_set_apart_when_compiling_runs_the_graph_traced_so(cls: type[nn.Module]) -> None:
+def test_a_module_set_apart_when_compiling_runs_the_graph_traced_so(cls: type[Branchy]) -> None:
     """Before, torch.export's pipeline refused the first call: mixed modes, 'compile the model in
     the mixed mode you need', which it was."""
     model, reference = twin(cls())
