@@ -81,7 +81,7 @@ def _train_across(
     grads: list[Optional[torch.Tensor]] = []
     try:
         with failing_together(channel, "preparing the call"):
-            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept)
+            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
             _agree(pipe, call, f"train_step, reduction={reduction!r}")
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]

@@ -8,9 +8,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from fxpipe.microbatch import leaves_of, scatter
+from fxpipe.gather import ValueRef
+from fxpipe.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
 
 
 def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[Any]:
@@ -85,25 +86,51 @@ def own_loss(output: Any) -> Any:
     return loss
 
 
-def check_gatherable(outputs: dict[str, Any], micro_batches: int, asked: bool) -> None:
+def output_leaves(template: Any, outputs: Optional[dict[str, Any]] = None) -> list[tuple[str, BatchDim, Any]]:
+    """Each leaf of the model's output that a stage makes: where it is (`output['aux_loss']`),
+    where its batch lies as compiling found it, and its value in `outputs` (one micro-batch's
+    values by name; None without)."""
+    found = []
+    for path, ref in tree_flatten_with_path(template)[0]:
+        if not isinstance(ref, ValueRef) or ref.given:
+            continue
+        inner = tree_flatten_with_path(outputs[ref.name])[0] if outputs is not None else [((), None)] * len(ref.dims or [None])
+        for k, (within, value) in enumerate(inner):
+            found.append((f"output{keystr(path)}{keystr(within)}", ref.dim(k), value))
+    return found
+
+
+def refuse_outputs_of_the_whole_batch(template: Any, micro_batches: int, asked: bool) -> None:
+    """train_step hands loss_fn each micro-batch's outputs and checks their losses against the
+    whole batch's outputs, put together from them: an output made from the whole batch (a loss
+    over it, a similarity matrix between its samples) has no such pieces. Refused before any
+    stage runs, where compiling saw one."""
+    varying = [where for where, dim, _ in output_leaves(template) if dim == VARIES]
+    if varying and micro_batches > 1:
+        raise ValueError(_unsplittable(varying, micro_batches, asked))
+
+
+def check_gatherable(template: Any, outputs: dict[str, Any], micro_batches: int, asked: bool) -> None:
     """The outputs, put together from the micro-batches along dim 0: when `asked` for them
-    (return_outputs=True), or for the check of the loss."""
-    scalars = [name for name, v in outputs.items() for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.dim() == 0]
-    if not scalars or micro_batches < 2:
-        return
-    if asked:
-        raise ValueError(
-            f"return_outputs=True concatenates the outputs of the {micro_batches} micro-batches along dim 0, "
-            f"and the model returns a 0-dim value ({', '.join(scalars)}: its loss?).\nHow to fix: use the "
-            "loss train_step returns (return_outputs=False), or chunks=1. No gradient was accumulated."
-        )
-    raise ValueError(
-        f"train_step checks the micro-batches' losses against loss_fn on the whole batch's outputs, put "
-        f"together from the {micro_batches} micro-batches along dim 0, and the model returns a 0-dim value "
-        f"({', '.join(scalars)}): one per micro-batch, which has no whole-batch value to give loss_fn (an "
-        "auxiliary loss over the batch, say).\nHow to fix: chunks=1; or add that value into a loss the "
-        "model returns itself and call train_step without loss_fn (combined over micro-batches as "
-        "their mean or sum, unchecked). No gradient was accumulated."
+    (return_outputs=True), or for the check of the loss. A 0-dim value the micro-batches make
+    alike (from parameters alone) is returned once; another cannot be put together."""
+    scalars = [where for where, dim, value in output_leaves(template, outputs)
+               if isinstance(value, torch.Tensor) and value.dim() == 0 and dim != SAME]  # fmt: skip
+    if scalars and micro_batches > 1:
+        raise ValueError(_unsplittable(scalars, micro_batches, asked))
+
+
+def _unsplittable(outputs: list[str], micro_batches: int, asked: bool) -> str:
+    why = (f"return_outputs=True puts the outputs of the {micro_batches} micro-batches together along their batch dim"
+           if asked else f"train_step gives loss_fn each of the {micro_batches} micro-batches' outputs, and checks their "
+           "losses against loss_fn on the whole batch's outputs, put together from them")  # fmt: skip
+    return (
+        f"{why}; the model returns {', '.join(o if o != 'output' else 'its output' for o in outputs)}, made from the whole batch (a loss or a statistic over "
+        "it, a matrix between its samples): one per micro-batch, which are no pieces of the whole batch's.\n"
+        "How to fix: chunks=1; for an auxiliary loss, add it into a loss the model returns itself and call "
+        "train_step without loss_fn (its micro-batches' are combined as their mean or sum, unchecked); for "
+        "values between samples, return per-sample values (batch first) and compute the loss from pipe(x)'s "
+        "output (loss_fn(pipe(x), y).backward()). No gradient was accumulated."
     )
 
 

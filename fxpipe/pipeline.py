@@ -24,7 +24,10 @@ from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
 from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
 from fxpipe.gather import Gathered, ValueRef
-from fxpipe.losses import LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss, split_target, value_grads
+from fxpipe.losses import (
+    LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss, refuse_outputs_of_the_whole_batch, split_target,
+    value_grads,
+)
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import (
@@ -308,7 +311,7 @@ class Pipeline(nn.Module):
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
-        call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept)
+        call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
         with kept.put_back_on_error():
             input_grads = step.train()
             total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
@@ -317,7 +320,8 @@ class Pipeline(nn.Module):
         return (total, outputs) if return_outputs else total
 
     def _train_call(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads,
+        return_outputs: bool = False,
     ) -> tuple["_Call", Step]:
         """A train step's call, split into micro-batches, and its step, with each micro-batch's
         loss weighted to combine into the batch's (`kept` notes what else its backward reaches)."""
@@ -325,6 +329,8 @@ class Pipeline(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs)
+        if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
+            refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         program = call.program
@@ -366,7 +372,7 @@ class Pipeline(nn.Module):
         # over the targets not ignored, whose count differs between micro-batches in some steps).
         check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
         if return_outputs or check:
-            check_gatherable(step.outputs[0], len(call.sizes), asked=return_outputs)
+            check_gatherable(call.program.template, step.outputs[0], len(call.sizes), asked=return_outputs)
             gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
             outputs = gathered.rebuild(gathered.tensors)
             if check:

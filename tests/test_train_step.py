@@ -296,7 +296,7 @@ def test_outputs_of_a_model_that_returns_its_loss_cannot_be_gathered_and_say_so(
     model = OwnLoss().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, y), ["cpu"] * 2, chunks=4, schedule="1f1b")
-    with pytest.raises(ValueError, match="(?s)0-dim value .*loss.*No gradient was accumulated"):
+    with pytest.raises(ValueError, match=r"(?s)return_outputs=True puts the outputs .* together.*output\['loss'\], made from the whole batch.*No gradient was accumulated"):
         pipe.train_step(x, y, return_outputs=True)
     assert all(p.grad is None for p in pipe.parameters())
 
@@ -318,7 +318,7 @@ def test_a_scalar_beside_the_outputs_says_why_the_loss_check_cannot_use_it() -> 
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
     loss_fn = lambda out, t: F.mse_loss(out[0], t) + out[1]  # noqa: E731
-    with pytest.raises(ValueError, match="(?s)checks the micro-batches' losses against loss_fn.*0-dim value.*How to fix: chunks=1.*No gradient"):
+    with pytest.raises(ValueError, match=r"(?s)checks their losses against loss_fn on the whole batch's outputs.*output\[1\], made from the whole batch.*How to fix: chunks=1.*No gradient"):
         pipe.train_step(x, target=y, loss_fn=loss_fn)
     assert all(p.grad is None for p in pipe.parameters())
     reference = copy.deepcopy(model)
@@ -327,6 +327,59 @@ def test_a_scalar_beside_the_outputs_says_why_the_loss_check_cannot_use_it() -> 
     expected = loss_fn(reference(x), y)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+class _Similarities(nn.Module):
+    """A CLIP-like (B, B) matrix between the samples: made from the whole batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(6, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(y), dim=-1).t()
+
+
+def test_an_output_made_from_the_whole_batch_is_refused_before_loss_fn_sees_a_micro_batch_of_it() -> None:
+    """Before, loss_fn ran on each micro-batch's (2, 2) piece first, and the caller saw its shape
+    error, or with chunks=4 the refusal came after the losses ran on wrong values."""
+    model = _Similarities().double()
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y), ["cpu"] * 2, chunks=2, split_points=["b"])
+    ran: list[int] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ran.append(1)
+        return F.mse_loss(out, target)
+
+    with pytest.raises(ValueError, match=r"(?s)the model returns its output, made from the whole batch.*How to fix: chunks=1"):
+        pipe.train_step(x, y, target=torch.eye(4, dtype=torch.float64), loss_fn=loss_fn)
+    assert not ran and all(p.grad is None for p in pipe.parameters())
+
+
+class _WeightPenalty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(x))), self.b.weight.pow(2).sum()
+
+
+@pytest.mark.parametrize("return_outputs", [False, True])
+def test_a_0_dim_value_made_from_parameters_alone_is_returned_once_by_train_step_too(return_outputs: bool) -> None:
+    """As pipe(x) returns it: before, train_step refused it as one value per micro-batch."""
+    model, reference = twin(_WeightPenalty())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+    loss_fn = lambda out, t: F.mse_loss(out[0], t) + 1e-3 * out[1]  # noqa: E731
+    got = pipe.train_step(x, target=y, loss_fn=loss_fn, return_outputs=return_outputs)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(got[0] if return_outputs else got, expected.detach(), rtol=0, atol=1e-12)
+    if return_outputs:
+        torch.testing.assert_close(got[1][1], reference(x)[1].detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
 
 
