@@ -145,6 +145,13 @@ def _locate(
         state.restore()
         put_back()
         values = _node_values(gm, _detached(inputs))
+    nested = _nested_outputs(eager)
+    if nested:
+        return (
+            f"the model runs a fast path on nested tensors ({', '.join(nested[:3])} returned one), which its graph "
+            "does not take: build nn.TransformerEncoder with enable_nested_tensor=False, or keep it whole "
+            "(leaf_modules=[...]); "
+        )
     for node, path in _module_ends(gm):
         if node not in values:
             break  # the graph failed before this node
@@ -237,9 +244,15 @@ def _same_structure(got: Any, expected: Any) -> bool:
     got_leaves, got_spec = tree_flatten(got)
     expected_leaves, expected_spec = tree_flatten(expected)
     return got_spec == expected_spec and all(
-        not isinstance(g, torch.Tensor) or (isinstance(e, torch.Tensor) and g.shape == e.shape)
+        not isinstance(g, torch.Tensor) or (isinstance(e, torch.Tensor) and not (g.is_nested or e.is_nested) and g.shape == e.shape)
         for g, e in zip(got_leaves, expected_leaves)
     )
+
+
+def _nested_outputs(eager: dict[str, list[Any]]) -> list[str]:
+    """The modules whose output the model's run gave as a nested tensor (a fast path of
+    nn.TransformerEncoder, taken without gradients in eval mode), which no graph makes."""
+    return [path or "the model" for path, outs in eager.items() if any(isinstance(t, torch.Tensor) and t.is_nested for t in tree_flatten(outs)[0])]
 
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')

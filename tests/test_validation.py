@@ -277,3 +277,23 @@ def test_a_training_branch_gives_an_eval_graph(mode: bool) -> None:
 def test_a_model_without_training_branches_has_one_graph() -> None:
     traced = to_graph(Frozen().double(), (torch.randn(4, 8, dtype=torch.float64),), [], 1)
     assert traced.eval_graph is None
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_nested_tensor_fast_path_the_graph_does_not_take_is_named_with_the_fix() -> None:
+    """Before, comparing the module outputs raised torch's 'NestedTensorImpl doesn't support sizes'."""
+
+    def encoder(nested: bool) -> nn.TransformerEncoder:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested).double()
+
+    x, pad = torch.randn(4, 6, 8, dtype=torch.float64), torch.zeros(4, 6, dtype=torch.bool)
+    pad[1, -2:] = True
+    with pytest.raises(TraceError, match="fast path on nested tensors .* build nn.TransformerEncoder with enable_nested_tensor=False"):
+        compile_pipeline(encoder(True), x, ["cpu"] * 2, chunks=2, example_kwargs={"src_key_padding_mask": pad})
+    model, reference = twin(encoder(False))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, example_kwargs={"src_key_padding_mask": pad})
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, src_key_padding_mask=pad), reference(x, src_key_padding_mask=pad), rtol=0, atol=1e-12)
