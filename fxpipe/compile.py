@@ -318,7 +318,9 @@ def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> 
         raise ValueError(
             f"these modules take the batch along dim 1 (batch_first=False): {', '.join(found)}, and "
             "micro-batches split the inputs along dim 0, which for them is the sequence.\nHow to "
-            "fix: build them with batch_first=True and pass batch-first inputs, or use chunks=1."
+            "fix: build them with batch_first=True and pass batch-first inputs; or name the dim that holds "
+            "the batch of each input that holds it (chunk_spec={'x': 1, 'h0': 1} for a sequence-first x and "
+            "an initial state h0); or use chunks=1."
         )
 
 

@@ -279,7 +279,7 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
-    hint += _split_for_their_size(gm, inputs, batch, dims)
+    hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims)
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
         f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
@@ -288,13 +288,33 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     )
 
 
+def _batch_read_from(names: list[str], inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:
+    """Where the batch's size was read (dim 0 of the first input chunk_spec does not name), when
+    chunk_spec names inputs whose dims have another size: a line with the dim of that first input
+    that has theirs (a sequence-first input holds the batch on dim 1); '' otherwise."""
+    tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor) and value.dim() > 0]
+    if not tensors or id(tensors[0][1]) in dims:
+        return ""
+    first, value = tensors[0]
+    named = {name: (d, t.shape[d]) for name, t in tensors if isinstance(d := dims.get(id(t)), int)}
+    others = {size for _, size in named.values() if size != batch}
+    if not others:
+        return ""
+    size = others.pop()
+    at = [d for d in range(1, value.dim()) if value.shape[d] == size]
+    given = ", ".join(f"{name} along dim {d} ({n})" for name, (d, n) in named.items())
+    fix = f" If {first} holds the batch on dim {at[0]}, name it too: chunk_spec={{..., {first!r}: {at[0]}}}." if at else ""
+    return (f"The batch's size, {batch}, is that of {first} {tuple(value.shape)} along dim 0, which chunk_spec does not "
+            f"name, while it splits {given}.{fix}\n")
+
+
 def _split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:
     """A line naming the inputs after the first that are split along dim 0 only because it has
     the batch's size (a table every sample shares may, by chance), with the chunk_spec that
     passes them whole; '' when there are none."""
     names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor)]
-    split = {name: None for name, value in tensors[1:] if split_dim(value, batch, dims) is not None}
+    split = {name: None for name, value in tensors[1:] if id(value) not in dims and split_dim(value, batch, dims) == 0}
     shapes = {name: tuple(value.shape) for name, value in tensors}
     if not split:
         return ""

@@ -324,6 +324,31 @@ def test_a_sequence_first_layer_is_refused_when_micro_batches_would_split_its_se
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-6)
 
 
+class _SequenceFirstWithState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru, self.head = nn.GRU(6, 8), nn.Linear(8, 3)  # batch_first=False
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gru(x, h0)[0])
+
+
+def test_a_chunk_spec_naming_the_state_but_not_the_sequence_first_input_names_the_input_to_add() -> None:
+    """Before, the hint said h0 was split along dim 0 (chunk_spec split it along dim 1) and told to
+    keep it whole, which led to the next refusal; x, whose dim 0 gave the batch, went unnamed."""
+    model, reference = twin(_SequenceFirstWithState())
+    x, h0 = torch.randn(7, 4, 6, dtype=torch.float64), torch.randn(1, 4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError) as refused:
+        compile_pipeline(model, (x, h0), ["cpu", "cpu"], chunks=2, chunk_spec={"h0": 1})
+    message = str(refused.value)
+    assert "is that of x (7, 4, 6) along dim 0, which chunk_spec does not name, while it splits h0 along dim 1 (4)" in message
+    assert "chunk_spec={..., 'x': 1}" in message and "split along dim 0 as it has the batch's size" not in message
+    with pytest.raises(ValueError, match=r"batch_first=False.*\n.*chunk_spec=\{'x': 1, 'h0': 1\}"):
+        compile_pipeline(model, (x, h0), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (x, h0), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1, "h0": 1})  # as told
+    torch.testing.assert_close(pipe(x, h0), reference(x, h0), rtol=0, atol=1e-12)
+
+
 class CountsItsBatch(nn.Module):
     def __init__(self) -> None:
         super().__init__()
