@@ -21,6 +21,7 @@ from fxpipe.passes.assignments import (
 from fxpipe.passes.attribute_reads import attribute_reads_recorded, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
+from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
@@ -49,6 +50,7 @@ class Traced:
     stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
     attributes_read: frozenset[str] = frozenset()  # plain attributes the trace read: constants in the graph
     attributes: dict[str, Any] = field(default_factory=dict)  # their values once compiled, by qualified name
+    modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
     # By mode, the training flags of the model's modules (in `modules()` order) its graph was
     # traced under: the model's own in its mode (a BatchNorm frozen in training, say), else all alike.
     flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
@@ -274,9 +276,9 @@ def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[
     return None
 
 
-def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: set[str]) -> Traced:
+def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: set[str], modes: ModeReads) -> Traced:
     same = graphs[False].code == graphs[True].code
-    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], attributes_read=frozenset(read))
+    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], attributes_read=frozenset(read), modes_read=modes)
 
 
 def _assigning_modules(error: TraceError) -> list[str]:
@@ -288,7 +290,7 @@ def _assigning_modules(error: TraceError) -> list[str]:
 
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
-        with attribute_reads_recorded(model) as read:
+        with attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
             graphs = _in_both_modes(model, lambda: trace(model, leaves))
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run.
@@ -299,7 +301,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     binder = signature_binder(graphs[True], model)
     bind = _none_as_traced(binder, binder(example, kwargs))
     if _check(model, graphs, example, kwargs, bind) is None:
-        return _traced(graphs, bind, read)
+        return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).
     lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True))
     raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
@@ -333,7 +335,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
-        with functions_applied(functions), attribute_reads_recorded(model) as read:
+        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
             exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
     except Exception as error:
         at = raising_line(error)
@@ -358,7 +360,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     problem = _check(model, graphs, example, kwargs, bind)
     if problem is not None:
         raise _Rejected(problem)
-    traced = _traced(graphs, bind, read)
+    traced = _traced(graphs, bind, read, modes)
     traced.check_micro_batch = micro_batch_check(model, graphs, exported[True][1])
     return traced
 

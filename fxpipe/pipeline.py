@@ -33,6 +33,7 @@ from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import (
     Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, off_batch, scatter, spec_dims, split_dim, split_sizes,
 )
+from fxpipe.passes.mode_reads import modes_changed
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
 from fxpipe.replicas import Replicas
@@ -174,6 +175,18 @@ class Pipeline(nn.Module):
             self._build()
             program = self._program()
         return program
+
+    def _refuse_other_modes(self) -> None:
+        """A forward that asked whether autocast is on (to upcast, say) was answered once, when
+        traced: a call under another autocast would run the other answer's graph."""
+        changed = modes_changed(self._compiled.modes_read)
+        if changed:
+            raise RuntimeError(
+                f"the model's forward asks torch about autocast, and the answers differ from when it was traced: "
+                f"{'; '.join(changed)}. The graph holds the answers it got then.\nHow to fix: compile the model "
+                "under the autocast it runs under (a pipeline for each), or keep the module that asks whole "
+                "(leaf_modules=[...]), which asks as it runs."
+            )
 
     def _program(self) -> Program:
         """The program for the modules' training flags now."""
@@ -418,6 +431,7 @@ class Pipeline(nn.Module):
                 "backward, or call the module itself inside the hook."
             )
         program = self._held_program()
+        self._refuse_other_modes()
         values = self._compiled.bind(args, kwargs)
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)

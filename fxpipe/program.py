@@ -21,6 +21,7 @@ from torch import nn
 from fxpipe.distributed import RankPlacement
 from fxpipe.microbatch import ExampleLeaves
 from fxpipe.passes.attribute_reads import changed
+from fxpipe.passes.mode_reads import ModeReads
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
@@ -182,6 +183,8 @@ class Compiled:
     check_micro_batch: Optional[Callable[[Sequence[dict[str, Any]]], None]] = None
     # By mode, the training flags of the model's modules its graph was traced under (frontend.Traced).
     flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
+    # What the forward asked of autocast while traced, with the answers the graph holds.
+    modes_read: ModeReads = field(default_factory=dict)
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -193,5 +196,5 @@ class Compiled:
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
-            self.check_micro_batch, self.flags,
+            self.check_micro_batch, self.flags, self.modes_read,
         )  # fmt: skip

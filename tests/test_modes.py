@@ -303,3 +303,35 @@ def _in_turn(reference: nn.Module, args: tuple[torch.Tensor, ...], case: str) ->
     if case == "cast" and reference.training:
         return torch.cat([reference(piece) for piece in args[0].tensor_split(2)])
     return reference(*args)
+
+
+class UpcastsUnderAutocast(nn.Module):
+    """Asks torch whether autocast is on, and computes the middle in float32 then (a model
+    upcasting its attention, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.is_autocast_enabled("cpu"):
+            h = h.float() * 2
+        return self.b(h)
+
+
+@pytest.mark.parametrize("compiled_under", [False, True], ids=["compiled-outside", "compiled-under-autocast"])
+def test_a_forward_that_asks_about_autocast_is_refused_under_another_autocast(compiled_under: bool) -> None:
+    """Before, the graph held the answer traced, and a call under the other autocast ran it: 0.49
+    off the plain model without a word."""
+    model = UpcastsUnderAutocast()
+    x = torch.randn(8, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compiled_under):
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)  # as compiled: the same answer
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not compiled_under):
+        with pytest.raises(RuntimeError, match=rf"torch.is_autocast_enabled\('cpu'\): {compiled_under} when traced, {not compiled_under} now.*\n.*How to fix: compile"):
+            pipe(x)
+    kept = compile_pipeline(nn.Sequential(nn.Identity(), model), x, ["cpu"] * 2, chunks=2, leaf_modules=[UpcastsUnderAutocast])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not compiled_under):
+        torch.testing.assert_close(kept(x), model(x), rtol=0, atol=0)  # kept whole: asks as it runs
