@@ -17,6 +17,7 @@ from fxpipe.replicas import ReplicaFailed
 
 if TYPE_CHECKING:
     from fxpipe.pipeline import Pipeline, _Call
+    from fxpipe.step import Step
 
 
 def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -59,7 +60,7 @@ def train_across(
         raise
 
 
-def settle_generators(step: Any, drew: dict[int, Any], state: Optional[torch.Tensor] = None) -> None:
+def settle_generators(step: Step, drew: dict[int, bool], state: Optional[torch.Tensor] = None) -> None:
     """Every rank's generator as the step leaves it in one process: as `loss_fn` left it on the
     loss rank (`state`, when it drew), then past the step's seed if a stage on any rank drew
     (`drew`: by peer, whether its stages drew; this rank's is `step.drew`)."""

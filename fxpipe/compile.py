@@ -324,7 +324,9 @@ def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> 
         )
 
 
-def _refuse_an_example_forward_does_not_take(model: nn.Module, signature: Optional[inspect.Signature], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _refuse_an_example_forward_does_not_take(
+    model: nn.Module, signature: Optional[inspect.Signature], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """The example gives forward's arguments: one value for each, no more, none it does not name."""
     if signature is None or model._forward_pre_hooks:  # a pre-hook may take arguments forward does not
         return

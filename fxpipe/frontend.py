@@ -21,8 +21,8 @@ from fxpipe.passes.assignments import (
 from fxpipe.passes.attribute_reads import attribute_reads_recorded, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
-from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
+from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type

@@ -124,9 +124,10 @@ def _unsplittable(outputs: list[str], micro_batches: int, asked: bool) -> str:
     why = (f"return_outputs=True puts the outputs of the {micro_batches} micro-batches together along their batch dim"
            if asked else f"train_step gives loss_fn each of the {micro_batches} micro-batches' outputs, and checks their "
            "losses against loss_fn on the whole batch's outputs, put together from them")  # fmt: skip
+    named = ", ".join(o if o != "output" else "its output" for o in outputs)
     return (
-        f"{why}; the model returns {', '.join(o if o != 'output' else 'its output' for o in outputs)}, made from the whole batch (a loss or a statistic over "
-        "it, a matrix between its samples): one per micro-batch, which are no pieces of the whole batch's.\n"
+        f"{why}; the model returns {named}, made from the whole batch (a loss or a statistic over it, a matrix "
+        "between its samples): one per micro-batch, which are no pieces of the whole batch's.\n"
         "How to fix: chunks=1; for an auxiliary loss, add it into a loss the model returns itself and call "
         "train_step without loss_fn (its micro-batches' are combined as their mean or sum, unchecked); for "
         "values between samples, return per-sample values (batch first) and compute the loss from pipe(x)'s "

@@ -25,8 +25,8 @@ from fxpipe.clipping import clip_across
 from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss, refuse_outputs_of_the_whole_batch, split_target,
-    value_grads,
+    LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
+    refuse_outputs_of_the_whole_batch, split_target, value_grads,
 )
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
