@@ -84,6 +84,6 @@ def changed(held: list[tuple[str, dict[str, Any], str, Any]]) -> list[str]:
     found = []
     for qualified, table, name, value in held:
         now = table.get(name, missing)
-        if now is not value and (now is missing or type(now) is not type(value) or now != value):
+        if now is missing or type(now) is not type(value) or not (now is value or now == value or (now != now and value != value)):  # a NaN kept
             found.append(f"{qualified} ({value!r} -> {'deleted' if now is missing else repr(now)})")
     return found
