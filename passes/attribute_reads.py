@@ -84,6 +84,7 @@ def changed(held: list[tuple[str, dict[str, Any], str, Any]]) -> list[str]:
     found = []
     for qualified, table, name, value in held:
         now = table.get(name, missing)
-        if now is missing or type(now) is not type(value) or not (now is value or now == value or (now != now and value != value)):  # a NaN kept
+        kept = now is value or now == value or (now != now and value != value)  # a NaN that stays NaN too
+        if now is missing or type(now) is not type(value) or not kept:
             found.append(f"{qualified} ({value!r} -> {'deleted' if now is missing else repr(now)})")
     return found
