@@ -123,6 +123,13 @@ def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
                 "wrap a function in a module whose forward calls it"]  # fmt: skip
     names = [name for name, _ in model.named_modules(remove_duplicate=False) if name]  # a module shared under two names
     problems = []
+    scripted: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f"{outer}.") for outer in scripted):
+            scripted.append(name or "the model")
+    if scripted:
+        problems.append(f"the model holds TorchScript modules ({', '.join(scripted[:5])}), which fxpipe cannot trace nor "
+                        "keep whole: compile the Python module itself (the one given to torch.jit.script)")  # fmt: skip
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
             close = difflib.get_close_matches(leaf, names, n=3)

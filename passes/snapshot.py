@@ -98,7 +98,7 @@ def _put(target: torch.Tensor, values: torch.Tensor) -> None:
 
 def _restore_slot(slot: _Slot) -> None:
     table = getattr(slot.owner, slot.kind)
-    current = table.get(slot.name)
+    current = table[slot.name] if slot.name in table else None  # (a ScriptModule's table has no .get)
     # Not a tensor: a traced value (`self.count += 1` assigns a buffer an fx Proxy) put back too.
     if not isinstance(current, torch.Tensor) or (current is not slot.tensor and current.device == slot.tensor.device):
         table[slot.name] = current = slot.tensor  # replaced by the run, not moved by placement

@@ -154,3 +154,14 @@ def test_an_example_that_does_not_fit_forwards_arguments_is_named_before_the_mod
     """Before, the binder of the traced graph said it, as if the pipeline had been called."""
     with pytest.raises(TypeError, match=rf"(?s)the example does not fit NeverRun.forward\(x\): {error}.*How to fix: "):
         compile_pipeline(NeverRun(), example, ["cpu"], example_kwargs=kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_a_model_holding_a_torchscript_module_is_refused_naming_it() -> None:
+    """Before, compiling crashed putting the model's state back (a ScriptModule's tables)."""
+    model = Blocks()
+    model.block = torch.jit.script(model.block)  # type: ignore[assignment]
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"the model holds TorchScript modules \(block\), which fxpipe cannot trace"):
+        compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
