@@ -23,6 +23,7 @@ from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.export import shapes_note
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
+from fxpipe.passes.mode_reads import ModeReads
 from fxpipe.passes.objective import CutModel
 from fxpipe.passes.markers import cuts_from_markers, is_split
 from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
@@ -509,7 +510,7 @@ def compile_pipeline(
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
-        traced.flags, traced.modes_read,
+        *_reads(traced),
     )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
@@ -518,6 +519,14 @@ def compile_pipeline(
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"
     return Pipeline(model, compiled)
+
+
+def _reads(traced: Traced) -> tuple[dict[bool, dict[str, bool]], dict[bool, frozenset[str]], str, ModeReads]:
+    """What the traces read that the runtime watches (Compiled's fields, in order)."""
+    reads = traced.reads
+    flags = {mode: dict(reads.training[mode]) for mode in (True, False)} if reads is not None else {}
+    values = {mode: frozenset(reads.values[mode]) for mode in (True, False)} if reads is not None else {}
+    return flags, values, "torch.export" if traced.fx_failure else "torch.fx", traced.modes_read
 
 
 def _placement(devices: Any, mesh: Any, timeout: Any) -> Optional[RankPlacement]:

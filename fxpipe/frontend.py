@@ -18,7 +18,7 @@ from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
     AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
-from fxpipe.passes.attribute_reads import attribute_reads_recorded, values_of
+from fxpipe.passes.attribute_reads import Reads, attribute_reads_recorded, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -48,12 +48,9 @@ class Traced:
     fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
     check_micro_batch: Optional[MicroBatchCheck] = None  # export's guards on a call's micro-batches
     stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
-    attributes_read: frozenset[str] = frozenset()  # plain attributes the trace read: constants in the graph
-    attributes: dict[str, Any] = field(default_factory=dict)  # their values once compiled, by qualified name
+    reads: Optional[Reads] = None  # what the traces read of the modules' attributes, by mode
+    attributes: dict[str, Any] = field(default_factory=dict)  # the plain ones, as compiled, by qualified name
     modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
-    # By mode, the training flags of the model's modules (in `modules()` order) its graph was
-    # traced under: the model's own in its mode (a BatchNorm frozen in training, say), else all alike.
-    flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -276,9 +273,9 @@ def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[
     return None
 
 
-def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: set[str], modes: ModeReads) -> Traced:
+def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: Reads, modes: ModeReads) -> Traced:
     same = graphs[False].code == graphs[True].code
-    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], attributes_read=frozenset(read), modes_read=modes)
+    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], reads=read, modes_read=modes)
 
 
 def _assigning_modules(error: TraceError) -> list[str]:
@@ -291,7 +288,7 @@ def _assigning_modules(error: TraceError) -> list[str]:
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
-            graphs = _in_both_modes(model, lambda: trace(model, leaves))
+            graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves))[1])
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run.
         wholes = _assigning_modules(error)
@@ -336,7 +333,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     functions: list[type] = []
     try:
         with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
-            exported = _in_both_modes(model, lambda: export_graph(model, example, kwargs))
+            exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1])
     except Exception as error:
         at = raising_line(error)
         raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
@@ -404,7 +401,6 @@ def to_graph(
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
-    own = tuple(m.training for m in model.modules())
     with preserved(model):
         with StableAssignments(model) as stable:
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
@@ -419,8 +415,8 @@ def to_graph(
     if stable.filled:
         _refuse_containers_filled_at_random(model, example, kwargs)
     traced.stored_with_grad = stable.differentiable
-    traced.attributes = values_of(model, set(traced.attributes_read))
-    traced.flags = {model.training: own, not model.training: (not model.training,) * len(own)}
+    if traced.reads is not None:
+        traced.attributes = values_of(model, traced.reads.values[True] | traced.reads.values[False])
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
 

@@ -141,21 +141,23 @@ class Pipeline(nn.Module):
         other tensors than its stages were built on (the model itself cast, a parameter assigned);
         refused when it holds another module, or a traced-through module's forward hooks changed,
         whose forward or hooks the graph may not hold."""
-        program = self._program()
+        mode = self._mode()
+        program = self._programs[mode]
         replaced = program.held.modules_replaced()
         if replaced:
             raise RuntimeError(
                 f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
-        attributes = program.held.attributes_changed()
+        attributes = program.held.attributes_changed(self._compiled.attributes_read.get(mode, frozenset()))
         if attributes:
+            whole = (", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs"
+                     if self._compiled.front_end == "torch.fx" else "")  # torch.export keeps no module whole
             raise RuntimeError(
                 f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
                 "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
                 "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
-                "which the pipeline reads as it runs, or in a module kept whole (leaf_modules=[...]), which reads its "
-                "own attributes as it runs."
+                f"which the pipeline reads as it runs{whole}."
             )
         changed = program.hooks_changed()
         if "*" in changed:
@@ -173,7 +175,7 @@ class Pipeline(nn.Module):
             )
         if program.held.tensors_replaced():
             self._build()
-            program = self._program()
+            program = self._programs[mode]
         return program
 
     def _refuse_other_modes(self) -> None:
@@ -188,26 +190,25 @@ class Pipeline(nn.Module):
                 "(leaf_modules=[...]), which asks as it runs."
             )
 
-    def _program(self) -> Program:
-        """The program for the modules' training flags now."""
+    def _mode(self) -> bool:
+        """Whose graph runs now: training's or eval's. Each holds what the `training` flags its
+        trace read decided (a module set apart in eval mode when compiling, say): the graph of the
+        model's mode if the modules hold those flags now, else the other's if they hold its."""
         # model.train()/eval() called on the model itself counts as on the pipeline: pipe.train()
         # sets the model's flag too, so the model's is the latest.
         self.__dict__["training"] = self._owner.training
-        train, evaluate = self._programs[True], self._programs[False]
-        if train is evaluate:
-            return train
-        now = tuple(m.training for m in self._owner.modules())
+        named = self._programs[True].held.named
         traced = self._compiled.flags
         for mode in (self.training, not self.training):
-            if now == traced.get(mode, (mode,) * len(now)):
-                return self._programs[mode]
-        names = [name or "the model" for name, m in self._owner.named_modules() if m.training != self.training]
+            if all(named[path].training == flag for path, flag in traced.get(mode, {}).items() if path in named):
+                return mode
+        apart = [f"{path or 'the model'} in {'eval' if flag else 'training'} mode"
+                 for path, flag in traced.get(self.training, {}).items() if path in named and named[path].training != flag]  # fmt: skip
         raise RuntimeError(
-            "the model's forward reads `self.training` (its graph differs between train and eval mode), and "
-            f"its modules are in modes no graph was traced in: {', '.join(names)} in {'eval' if self.training else 'training'} "
-            f"mode, the model in {'training' if self.training else 'eval'} mode.\nHow to fix: put those modules "
-            "back in the modes they had when compiling, or the whole pipeline in one mode (pipe.train() or "
-            "pipe.eval()); or compile the model in the mixed mode you need."
+            f"the model's forward reads `self.training`, and no graph was traced with its modules in the modes they "
+            f"are in: {', '.join(apart)} now, where the {'training' if self.training else 'eval'} graph has them in the "
+            "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
+            "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
         )
 
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:

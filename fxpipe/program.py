@@ -68,8 +68,9 @@ class HeldState:
 
     modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
     tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
-    # The plain attributes the trace read: qualified name, the module's __dict__, key, value when compiled.
-    attributes: list[tuple[str, dict[str, Any], str, Any]] = field(default_factory=list)
+    # The plain attributes the trace read: qualified name, the module, the name, value when compiled.
+    attributes: list[tuple[str, nn.Module, str, Any]] = field(default_factory=list)
+    named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
 
     @staticmethod
     def of(owner: nn.Module, read: Iterable[str] = (), attributes: Optional[dict[str, Any]] = None) -> "HeldState":
@@ -91,14 +92,15 @@ class HeldState:
         for qualified, value in (attributes or {}).items():
             path, _, key = qualified.rpartition(".")
             if path in found:
-                held.append((qualified, found[path].__dict__, key, value))
-        return HeldState(modules, tensors, held)
+                held.append((qualified, found[path], key, value))
+        return HeldState(modules, tensors, held, found)
 
     def modules_replaced(self) -> list[str]:
         return [name for name, table, key, module in self.modules if table.get(key) is not module]
 
-    def attributes_changed(self) -> list[str]:
-        return changed(self.attributes)
+    def attributes_changed(self, read: frozenset[str]) -> list[str]:
+        """Of the plain attributes in `read`, those changed since compiling."""
+        return changed([held for held in self.attributes if held[0] in read])
 
     def tensors_replaced(self) -> bool:
         return any(table.get(key) is not tensor for table, key, tensor in self.tensors)
@@ -181,8 +183,11 @@ class Compiled:
     example_leaves: ExampleLeaves = field(default_factory=dict)
     # torch.export's guards on a call's micro-batches (inputs by placeholder name); None under torch.fx.
     check_micro_batch: Optional[Callable[[Sequence[dict[str, Any]]], None]] = None
-    # By mode, the training flags of the model's modules its graph was traced under (frontend.Traced).
-    flags: dict[bool, tuple[bool, ...]] = field(default_factory=dict)
+    # By mode, the `training` flags its graph's trace read (module path: flag): the graph holds
+    # what they decided, as the plain attributes it read (`attributes_read`) hold their values.
+    flags: dict[bool, dict[str, bool]] = field(default_factory=dict)
+    attributes_read: dict[bool, frozenset[str]] = field(default_factory=dict)
+    front_end: str = "torch.fx"
     # What the forward asked of autocast while traced, with the answers the graph holds.
     modes_read: ModeReads = field(default_factory=dict)
 
@@ -196,5 +201,5 @@ class Compiled:
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
-            self.check_micro_batch, self.flags, self.modes_read,
+            self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read,
         )  # fmt: skip

@@ -1,90 +1,137 @@
-"""Plain attributes a trace reads (`self.temperature`, `self.drop_prob`): the graph holds their
-values as constants, so a value changed after compiling must be seen, not silently ignored.
+"""Attributes a trace reads: plain values (`self.temperature`, `self.drop_prob`), which the graph
+holds as constants, so that a value changed after compiling is seen, not silently ignored; and
+the `training` flags that decided its `self.training` branches, by mode.
 
 A module's instance attributes are read without going through any hook nn.Module offers, so for
-the length of a trace each module's class is swapped for a subclass of it whose
-`__getattribute__` notes the reads (by qualified name) of public attributes holding plain values.
+the length of a trace `__getattribute__` of the model's module classes is wrapped (on the classes
+themselves: no new class, so `type(self)` and registries are untouched) to note the reads the
+model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads').
 """
 from __future__ import annotations
 
+import copy
+import os
+import sys
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
 
+import torch
 from torch import nn
 
 _local = threading.local()
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are the model's code
+_PASSES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _plain(value: Any) -> bool:
-    return value is None or type(value) in (bool, int, float, str) or (type(value) is tuple and all(map(_plain, value)))
+def from_the_model(filename: str) -> bool:
+    """Whether code in `filename` is the model's: not torch's (but for its modules), nor fxpipe's."""
+    if filename.startswith(_TORCH_NN):
+        return True
+    package = sys.modules.get("fxpipe")
+    ours = os.path.dirname(os.path.abspath(package.__file__ or "")) + os.sep if package is not None else _PASSES
+    return not filename.startswith((_TORCH, _PASSES, ours))
+
+
+def plain(value: Any) -> bool:
+    """A value a graph holds as a constant: None, a number, a string, a tuple or list of them."""
+    return value is None or type(value) in (bool, int, float, str) or (type(value) in (tuple, list) and all(map(plain, value)))
+
+
+@dataclass
+class Reads:
+    """What the traces read, by the mode each was traced in (`begin(mode)` before each)."""
+
+    paths: dict[int, str]
+    mode: bool = True
+    values: dict[bool, set[str]] = field(default_factory=lambda: {True: set(), False: set()})  # plain, qualified
+    training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
+
+    def begin(self, mode: bool) -> None:
+        self.mode = mode
+
+    def note(self, module: Any, name: str, value: Any) -> None:
+        path = self.paths.get(id(module))
+        if path is None or not from_the_model(sys._getframe(2).f_code.co_filename):
+            return
+        if name == "training":
+            self.training[self.mode].setdefault(path, bool(value))
+        elif plain(value):
+            self.values[self.mode].add(f"{path}.{name}" if path else name)
 
 
 @contextmanager
-def attribute_reads_recorded(model: nn.Module) -> Iterator[set[str]]:
-    """Within this block, the public plain attributes of `model`'s modules that are read are
-    added, by qualified name, to the set the block gets (`training` aside: it is followed)."""
+def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
+    """Within this block, the reads of public attributes of `model`'s modules, by this thread's
+    model code, are noted in the `Reads` the block gets."""
     paths: dict[int, str] = {}
     for path, module in model.named_modules():
         paths.setdefault(id(module), path)
-    read: set[str] = set()
-    swapped: list[tuple[nn.Module, type]] = []
-    recording: dict[type, type] = {}
-    previous = getattr(_local, "state", None)
-    _local.state = (paths, read)
+    reads = Reads(paths)
+    previous = getattr(_local, "reads", None)
+    _local.reads = reads
+    wrapped: list[tuple[type, Optional[Any]]] = []
     try:
-        for module in {id(m): m for m in model.modules()}.values():
-            cls = type(module)
+        for cls in dict.fromkeys(type(m) for m in model.modules()):
+            own = cls.__dict__.get("__getattribute__")
             try:
-                module.__class__ = recording.setdefault(cls, _recording(cls))
-            except TypeError:  # a class whose instances cannot change class: its reads go unnoted
+                setattr(cls, "__getattribute__", _noting(cls, own))
+            except TypeError:  # a class that cannot be changed: its reads go unnoted
                 continue
-            swapped.append((module, cls))
-        yield read
+            wrapped.append((cls, own))
+        yield reads
     finally:
-        for module, cls in swapped:
-            module.__class__ = cls
-        _local.state = previous
+        for cls, own in reversed(wrapped):
+            if own is None:
+                delattr(cls, "__getattribute__")
+            else:
+                setattr(cls, "__getattribute__", own)
+        _local.reads = previous
 
 
-def _recording(cls: type) -> type:
-    """A subclass of `cls`, alike in name and module, whose attribute reads are noted."""
-    read_attribute: Any = cls.__getattribute__  # object's, or the class's own
+def _noting(cls: Any, own: Optional[Any]) -> Callable[[Any, str], Any]:
+    """`cls`'s attribute lookup (its own, or what it inherits), noting public reads."""
 
     def __getattribute__(self: Any, name: str) -> Any:
-        value = read_attribute(self, name)
-        state = getattr(_local, "state", None)
-        if state is not None and name[0] != "_" and name != "training" and _plain(value):
-            if name in object.__getattribute__(self, "__dict__"):
-                path = state[0].get(id(self))
-                if path is not None:
-                    state[1].add(f"{path}.{name}" if path else name)
+        value = own(self, name) if own is not None else super(cls, self).__getattribute__(name)
+        reads = getattr(_local, "reads", None)
+        if reads is not None and name[0] != "_":
+            reads.note(self, name, value)
         return value
 
-    namespace = {"__getattribute__": __getattribute__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-    return type(cls.__name__, (cls,), namespace)
+    return __getattribute__
 
 
 def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
-    """What `model` holds now under each of the qualified `names` still in a module's `__dict__`."""
+    """What `model` holds now under each of the qualified `names` that is a plain value."""
     modules = dict(model.named_modules())
     found = {}
     for qualified in sorted(names):
         path, _, name = qualified.rpartition(".")
-        table = vars(modules[path]) if path in modules else {}
-        if name in table and _plain(table[name]):
-            found[qualified] = table[name]
+        try:
+            value = getattr(modules[path], name)
+        except Exception:  # noqa: BLE001 - gone since, or a property that fails now: nothing to watch
+            continue
+        if path in modules and plain(value):
+            found[qualified] = copy.deepcopy(value)  # a list may be written in place
     return found
 
 
-def changed(held: list[tuple[str, dict[str, Any], str, Any]]) -> list[str]:
-    """Of `held` (a qualified name, the module's `__dict__`, the name in it and the value it held
-    when traced), each whose value changed since, as `name (then -> now)`."""
-    missing = object()
+_MISSING = object()
+
+
+def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
+    """Of `held` (a qualified name, the module, the attribute's name and the value it held when
+    traced), each whose value changed since, as `name (then -> now)`."""
     found = []
-    for qualified, table, name, value in held:
-        now = table.get(name, missing)
+    for qualified, module, name, value in held:
+        try:
+            now = getattr(module, name)
+        except Exception:  # noqa: BLE001 - deleted, or a property that fails now
+            now = _MISSING
         kept = now is value or now == value or (now != now and value != value)  # a NaN that stays NaN too
-        if now is missing or type(now) is not type(value) or not kept:
-            found.append(f"{qualified} ({value!r} -> {'deleted' if now is missing else repr(now)})")
+        if now is _MISSING or type(now) is not type(value) or not kept:
+            found.append(f"{qualified} ({value!r} -> {'deleted' if now is _MISSING else repr(now)})")
     return found

@@ -420,6 +420,90 @@ def test_attributes_changed_after_compiling_are_followed_or_refused(exported: bo
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
+_REGISTRY: dict[str, type] = {}
+
+
+class _Registered(nn.Module):
+    """A library's module that registers its subclasses once each."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__ in _REGISTRY:
+            raise ValueError(f"{cls.__name__} registered twice")
+        _REGISTRY[cls.__name__] = cls
+
+
+class _Base(_Registered):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (1.0 if type(self) is _Scaled else -1.0)
+
+
+class _Scaled(_Base):
+    default_scale = 2.0  # a class default, which an instance may override
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gain, self.steps = 1.5, [1.0, 3.0]
+
+    @property
+    def gain(self) -> float:
+        return self._gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super(type(self), self).forward(x) * self.default_scale * self.gain * self.steps[0]
+
+
+@pytest.mark.parametrize("change", ["default_scale", "gain", "steps"])
+def test_the_attribute_watch_leaves_the_classes_as_they_are_and_sees_defaults_properties_and_lists(change: str) -> None:
+    """Before, the watch swapped each module's class for a subclass while tracing: `type(self) is
+    _Scaled` was false (the graph was refused), `super(type(self), self)` recursed, and the
+    registry got the subclass; a class default, a property and a list went unwatched (0.26 off
+    the plain model)."""
+    model, reference = twin(nn.Sequential(_Scaled(), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    registered = dict(_REGISTRY)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert _REGISTRY == registered and type(model[0]) is _Scaled and "__getattribute__" not in vars(_Scaled)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    scaled = model[0]
+    assert isinstance(scaled, _Scaled)
+    if change == "default_scale":
+        scaled.default_scale = 3.0
+    elif change == "gain":
+        scaled._gain = 2.5
+    else:
+        scaled.steps[0] = 4.0
+    with pytest.raises(RuntimeError, match=f"have changed since compiling: 0.{change}"):
+        pipe(x)
+
+
+class _EvalTemperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.eval_temperature = nn.Linear(4, 4), 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h if self.training else h / self.eval_temperature
+
+
+def test_an_attribute_read_in_one_mode_alone_is_watched_in_that_mode_alone() -> None:
+    model, reference = twin(nn.Sequential(_EvalTemperature(), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model[0], reference[0]):
+        assert isinstance(m, _EvalTemperature)
+        m.eval_temperature = 3.0
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # the training graph does not read it
+    pipe.eval()
+    with pytest.raises(RuntimeError, match=r"have changed since compiling: 0.eval_temperature \(2.0 -> 3.0\)"):
+        pipe(x)
+
+
 class MaskedMix(nn.Module):
     """Mixes each sample's positions through a (T, T) mask that the whole batch shares."""
 
