@@ -131,7 +131,8 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     tracer.record_stack_traces = record_lines
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
-        with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched:
+        with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
+                _autocast_watched() as entered:  # fmt: skip
             graph = tracer.trace(model)
             _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
@@ -145,6 +146,13 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
             "and a traced graph keeps the operations, not the mode they ran in.\n"
             "How to fix: use .detach() on what the part must not differentiate, or let torch.export "
             "capture the model."
+        )
+    if entered:
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: its forward enters torch.autocast for a part (to run it in "
+            "float32 under the caller's autocast, say), and a traced graph keeps the operations, not the autocast "
+            "they ran under.\nHow to fix: let torch.export capture the model, or keep the module that enters it "
+            "whole (leaf_modules=[...])."
         )
     _drop_tensor_defaults(graph)
     name = type(model).__name__
@@ -251,6 +259,26 @@ def _grad_mode_watched() -> Iterator[list[bool]]:
         yield switched
     finally:
         torch._C._set_grad_enabled = original
+
+
+@contextlib.contextmanager
+def _autocast_watched() -> Iterator[list[bool]]:
+    """Whether the traced forward entered torch.autocast (`with torch.autocast("cuda",
+    enabled=False):` in it): on this thread, each entry counts once."""
+    entered: list[bool] = []
+    original = torch.autocast_increment_nesting
+    tracing = threading.get_ident()
+
+    def watch() -> int:
+        if threading.get_ident() == tracing:
+            entered.append(True)
+        return original()
+
+    torch.autocast_increment_nesting = watch
+    try:
+        yield entered
+    finally:
+        torch.autocast_increment_nesting = original
 
 
 def _drop_tensor_defaults(graph: fx.Graph) -> None:

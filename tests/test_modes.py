@@ -364,3 +364,29 @@ def test_monte_carlo_dropout_compiled_then_turned_off_is_refused_not_run_with_dr
     model.add_module("criterion", nn.CrossEntropyLoss())  # in eval mode: no trace read its flag
     with torch.no_grad():
         assert pipe(x).shape == (8, 3)
+
+
+class _ScoresInFloat32(nn.Module):
+    """Attention scores computed with autocast turned off, as many attention codes do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):
+            scores = h.float() @ h.float().transpose(1, 2)
+        return self.b(scores.softmax(-1) @ h)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_autocast_block_in_forward_goes_to_torch_export_which_keeps_it() -> None:
+    """Before, torch.fx traced through the block and kept its operations, not its autocast: under
+    the caller's bfloat16 autocast the pipeline ran the scores in bfloat16 (0.0039 off)."""
+    model = _ScoresInFloat32()
+    x = torch.randn(4, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+        assert "its forward enters torch.autocast for a part" in pipe.plan.notes[0]
+        torch.testing.assert_close(pipe(x), torch.cat([model(half) for half in x.chunk(2)]), rtol=0, atol=0)
