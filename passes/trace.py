@@ -51,6 +51,7 @@ class _Tracer(fx.Tracer):
         self.leaf_ids = {id(_submodule(model, name)) for name in self.leaf_names} - {id(None)}
         self.failed_in: Optional[str] = None
         self.depth, self.returned = 0, None
+        self.computed = 0  # tensors the forward computed from parameters outside the trace
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or id(m) in self.leaf_ids or isinstance(m, self.leaf_types):
@@ -68,6 +69,8 @@ class _Tracer(fx.Tracer):
         # The first call of a nesting is the whole value; for the output, the model's own return.
         if self.depth == 0:
             self.returned = a
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and (a.grad_fn is not None or a.requires_grad):
+            self.computed += 1  # it would be a constant of the graph, never computed again
         self.depth += 1
         try:
             return super().create_arg(a)
@@ -146,6 +149,13 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
             "and a traced graph keeps the operations, not the mode they ran in.\n"
             "How to fix: use .detach() on what the part must not differentiate, or let torch.export "
             "capture the model."
+        )
+    if tracer.computed:
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: its forward computes a tensor from parameters on "
+            "their values rather than through the trace (iterating self.parameters(), say), and a traced graph "
+            "would keep it as a constant, computed once.\nHow to fix: let torch.export capture the model, or read "
+            "the parameters by name (self.layer.weight)."
         )
     if entered:
         raise TraceError(
