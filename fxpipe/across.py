@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed import failing_together, holders, sum_tied
 from fxpipe.losses import LeafGrads
-from fxpipe.randomness import draw_step_seed
+from fxpipe.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.replicas import ReplicaFailed
 
 if TYPE_CHECKING:
@@ -51,13 +51,8 @@ def train_across(
     same on every rank), tied weights' gradients summed among the ranks that read them. A
     call refused on one rank (its arguments, say) is refused on every rank."""
     kept = LeafGrads()
-    generator = torch.get_rng_state()
-    try:
-        with kept.put_back_on_error():
-            return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
-    except BaseException:
-        torch.set_rng_state(generator)  # on every rank: they stay alike (a loss_fn may have drawn on one)
-        raise
+    with generator_put_back_on_error(), kept.put_back_on_error():  # on every rank: they stay alike
+        return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
 
 
 def settle_generators(step: Step, drew: dict[int, bool], state: Optional[torch.Tensor] = None) -> None:

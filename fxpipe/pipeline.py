@@ -36,6 +36,7 @@ from fxpipe.microbatch import (
 from fxpipe.passes.mode_reads import modes_changed
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
+from fxpipe.randomness import generator_put_back_on_error
 from fxpipe.replicas import Replicas
 from fxpipe.schedule import Schedule
 from fxpipe.schedule_check import make_schedule
@@ -257,6 +258,10 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._channel is not None:
             return forward_across(self, args, kwargs)
+        with generator_put_back_on_error():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
         step = self._step(call, "gpipe", loss=None)
         if not call.grad:
@@ -325,10 +330,11 @@ class Pipeline(nn.Module):
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
-        call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
-        with kept.put_back_on_error():
-            input_grads = step.train()
-            total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+        with generator_put_back_on_error():
+            call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+            with kept.put_back_on_error():
+                input_grads = step.train()
+                total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
         if call.grad:
             self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
         return (total, outputs) if return_outputs else total

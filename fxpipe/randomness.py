@@ -44,6 +44,18 @@ def draw_step_seed() -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
 
 
+@contextmanager
+def generator_put_back_on_error() -> Iterator[None]:
+    """A call that fails leaves the caller's generator as it found it (as it leaves `.grad` and
+    the buffers), whatever its stages or its `loss_fn` drew before the failure."""
+    before = torch.get_rng_state()
+    try:
+        yield
+    except BaseException:
+        torch.set_rng_state(before)
+        raise
+
+
 class TaskStream:
     """The random stream of one task: a generator per device, made on first use."""
 

@@ -213,6 +213,27 @@ def test_a_failed_step_writes_no_buffer(failure: str, schedule: str) -> None:
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("call", ["train_step", "pipe(x)"])
+def test_a_failed_step_leaves_the_callers_generator_as_it_was(call: str) -> None:
+    """As across processes: before, in one process a step that failed after its dropout or its
+    loss_fn drew left the generator moved."""
+    model = Dropping().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="1f1b")
+
+    def draws_then_fails(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        torch.randn(3)
+        raise RuntimeError("a bad loss")
+
+    before = torch.get_rng_state()
+    with pytest.raises(StageError):
+        if call == "train_step":
+            pipe.train_step(x, target=x, loss_fn=draws_then_fails)
+        else:
+            pipe(x[:, :5])  # fails in its first layer, after the step's seed was taken
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_buffers_over_the_put_back_limit_are_not_copied_and_keep_a_failed_steps_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy on every step would cost more than the step for a large buffer (a queue of features)."""
     import fxpipe.step
