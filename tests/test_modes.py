@@ -390,3 +390,15 @@ def test_an_autocast_block_in_forward_goes_to_torch_export_which_keeps_it() -> N
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
         assert "its forward enters torch.autocast for a part" in pipe.plan.notes[0]
         torch.testing.assert_close(pipe(x), torch.cat([model(half) for half in x.chunk(2)]), rtol=0, atol=0)
+
+
+def test_a_fused_transformer_layer_compiles_under_autocast() -> None:
+    """Before, counting its FLOPs at compile broke its fused path under autocast: 'expected m1
+    and m2 to have the same dtype'."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(8, 8), layer, nn.Linear(8, 8)).eval()
+    x = torch.randn(4, 5, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+        torch.testing.assert_close(pipe(x), torch.cat([model(half) for half in x.chunk(2)]), rtol=0, atol=0)
