@@ -256,6 +256,7 @@ class Pipeline(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        _refuse_capture()
         if self._channel is not None:
             return forward_across(self, args, kwargs)
         with generator_put_back_on_error():
@@ -327,6 +328,7 @@ class Pipeline(nn.Module):
         Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
+        _refuse_capture()
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
@@ -427,8 +429,7 @@ class Pipeline(nn.Module):
         return Timeline(list(self.last_timeline), workers, dict(enumerate(self.last_peak_bytes)), peaks)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
-        if torch.jit.is_tracing() or torch.compiler.is_exporting():
-            raise RuntimeError(_NOT_CAPTURED)
+        _refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         if threading.current_thread() in self._workers.threads:
@@ -676,6 +677,12 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+def _refuse_capture() -> None:
+    """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting():
+        raise RuntimeError(_NOT_CAPTURED)
+
 
 _NOT_CAPTURED = (
     "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "

@@ -70,7 +70,8 @@ class _Tracer(fx.Tracer):
         if self.depth == 0:
             self.returned = a
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and (a.grad_fn is not None or a.requires_grad):
-            self.computed += 1  # it would be a constant of the graph, never computed again
+            if a not in getattr(self, "tensor_attrs", {}):  # a module's tensor attribute is read by name (checked apart)
+                self.computed += 1  # it would be a constant of the graph, never computed again
         self.depth += 1
         try:
             return super().create_arg(a)
