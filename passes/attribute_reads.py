@@ -58,8 +58,8 @@ class Reads:
             return
         if name == "training":
             self.training[self.mode].setdefault(path, bool(value))
-        elif plain(value):
-            self.values[self.mode].add(f"{path}.{name}" if path else name)
+        elif plain(value) and not (self.mode is False and isinstance(module, nn.modules.dropout._DropoutNd)):
+            self.values[self.mode].add(f"{path}.{name}" if path else name)  # (torch's dropout is the identity in eval)
 
 
 @contextmanager

@@ -93,6 +93,30 @@ def test_a_batch_norm_in_an_exported_graph_does_not_turn_off_the_check_of_the_mi
     torch.testing.assert_close(penalty, expected[0][1], rtol=0, atol=1e-12)  # returned once, as the README says
 
 
+class _ReturnsItsRunningMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = self.norm.running_mean
+        assert mean is not None
+        return self.b(self.norm(self.a(x))), mean.sum() + self.b.weight.sum()
+
+
+def test_a_value_read_from_state_the_forward_writes_is_not_returned_as_the_same_in_every_micro_batch() -> None:
+    """Run in turn, each micro-batch reads the running mean the one before left: before, the
+    pipeline returned one of them as if all were alike (0.12 off one of the plain model's)."""
+    model = _ReturnsItsRunningMean().double()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, split_points=["b"])
+    with pytest.raises(ValueError, match="the model returns a 0-dim tensor"):
+        pipe(X)
+    model, reference = twin(_ReturnsItsRunningMean())
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=1, split_points=["b"])
+    for got, expected in zip(pipe(X), reference(X)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
 PER_SAMPLE = {
     "the batch size given to view": lambda h, x: h.view(x.shape[0], 2, 3).flip(1).reshape(x.shape[0], -1),
     "rows picked by arange over the batch": lambda h, x: h[torch.arange(x.shape[0]), :],
