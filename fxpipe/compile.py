@@ -33,7 +33,7 @@ from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import inputs_preserved, preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
-from fxpipe.passes.state import state_write_spans, view_write_spans
+from fxpipe.passes.state import reads_after_hidden_writes, state_write_spans, view_write_spans
 from fxpipe.build import build_program
 from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, placement_of
 from fxpipe.pipeline import Pipeline
@@ -465,7 +465,7 @@ def compile_pipeline(
         _refuse_sequence_first(traced.graph, chunks, spec)
         bound = traced.bind(example_args, example_kwargs)
         inputs = tuple(bound.values())
-        gm = redirect_reads_after_writes(traced.graph, inputs)
+        gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         propagate_shapes(gm, inputs)
         split = spec_dims(signature, spec, example_args, example_kwargs)
         annotate_batch_dims(gm, inputs, chunks, split)

@@ -162,3 +162,41 @@ def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, 
         if chain[0] in position and len(places) > 1:
             spans[f"the in-place write `{chain[0].name}`"] = (min(places), max(places))
     return spans
+
+
+def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
+    """A buffer that a module called whole or a norm op writes (BatchNorm's running mean), read
+    by name after the call (`self.norm.running_mean` in forward): the read gets a copy made right
+    after the call, a value of the graph like any other, as the plain model's read sees the call's
+    write. Read by name in a later stage, the live buffer would hold a later micro-batch's
+    write by then, and a recompute of the writing stage would write it a second time.
+
+        norm(h) ... running_mean + y      becomes      norm(h); copy = clone(running_mean) ... copy + y
+    """
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    writers: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        hidden = _buffers_written(gm, node) if node.op == "call_module" else {str(b.target): b for b in statistics_written(node)}
+        for name in hidden:
+            writers.setdefault(name, []).append(node)
+    copies: dict[tuple[str, fx.Node], fx.Node] = {}
+    redirected = []
+    for read in [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in writers]:
+        name = str(read.target)
+        for user in list(read.users):
+            before = [w for w in writers[name] if order[w] < order[user]]
+            if not before or user in writers[name]:
+                continue  # read before any write, or by a writer (a norm op writes what it is given)
+            if (name, before[-1]) not in copies:
+                with graph.inserting_after(before[-1]):
+                    current = graph.get_attr(name)
+                with graph.inserting_after(current):
+                    copies[name, before[-1]] = graph.call_function(torch.clone, (current,))
+            user.replace_input_with(read, copies[name, before[-1]])
+            redirected.append(read)
+    for read in dict.fromkeys(redirected):
+        if not read.users:
+            graph.erase_node(read)  # every reader reads a copy now
+    gm.recompile()
+    return gm
