@@ -209,15 +209,15 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
     sources = output_sources(gm, gradients=False)
-    stateful = _reading_written_state(gm)
+    apart = _apart_in_each_micro_batch(gm)
     problems, bad = [], set()
     for node in returned:
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
             continue  # another structure per half: the pipeline will say so
-        # A value read from state the forward writes (a running mean) differs between micro-batches
-        # run in turn, though the halves here, run on the same state, agree.
-        from_batch = bool(sources[node.name].inputs & split) or node in stateful
+        # A value read from state the forward writes (a running mean), or drawn, differs between
+        # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
+        from_batch = bool(sources[node.name].inputs & split) or node in apart
         found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch) for k, w in enumerate(_leaves(whole[node]))]
         node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
@@ -229,12 +229,15 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
         raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
 
 
-def _reading_written_state(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes whose values depend on a buffer the forward writes (read by name)."""
+def _apart_in_each_micro_batch(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose values differ between micro-batches run in turn, whatever their inputs:
+    what depends on a buffer the forward writes (read by name), or on random numbers drawn."""
     written = set(writable_buffer_names(gm, list(gm.graph.nodes)))
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
-        if (node.op == "get_attr" and str(node.target) in written) or any(p in found for p in node.all_input_nodes):
+        reads_written = node.op == "get_attr" and str(node.target) in written
+        draws = node.op != "get_attr" and random_sources(gm, [node]) != RandomSources()
+        if reads_written or draws or any(p in found for p in node.all_input_nodes):
             found.add(node)
     return found
 

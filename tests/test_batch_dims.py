@@ -117,6 +117,23 @@ def test_a_value_read_from_state_the_forward_writes_is_not_returned_as_the_same_
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+class _ReturnsADraw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(self.a(x)), torch.rand(()) * self.b.weight.sum()
+
+
+def test_a_value_drawn_in_forward_is_not_returned_as_the_same_in_every_micro_batch() -> None:
+    """Each micro-batch draws its own, as the plain model run on them in turn does: before, the
+    pipeline returned the first micro-batch's for the whole batch."""
+    pipe = compile_pipeline(_ReturnsADraw().double(), X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match="the model returns a 0-dim tensor"):
+        pipe(X)
+
+
 PER_SAMPLE = {
     "the batch size given to view": lambda h, x: h.view(x.shape[0], 2, 3).flip(1).reshape(x.shape[0], -1),
     "rows picked by arange over the batch": lambda h, x: h[torch.arange(x.shape[0]), :],
