@@ -8,7 +8,6 @@ asked (not torch's own code, nor other threads) and what it was told.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from contextlib import contextmanager
@@ -16,21 +15,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from fxpipe.passes.attribute_reads import from_the_model
+
 _QUERIES = ("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled", "get_autocast_gpu_dtype", "get_autocast_cpu_dtype")
-_TORCH = os.path.dirname(torch.__file__) + os.sep
-_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are model code
-_PASSES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 ModeReads = dict[tuple[str, tuple[Any, ...]], Any]
-
-
-def _from_the_model(filename: str) -> bool:
-    """Whether code in `filename` is the model's: not torch's (but for its modules), nor fxpipe's."""
-    if filename.startswith(_TORCH_NN):
-        return True
-    package = sys.modules.get("fxpipe")
-    ours = os.path.dirname(os.path.abspath(package.__file__ or "")) + os.sep if package is not None else _PASSES
-    return not filename.startswith((_TORCH, _PASSES, ours))
 
 
 @contextmanager
@@ -44,7 +33,7 @@ def mode_reads_recorded() -> Iterator[ModeReads]:
     def noting(name: str, query: Callable[..., Any]) -> Callable[..., Any]:
         def noted(*args: Any) -> Any:
             answer = query(*args)
-            if threading.get_ident() == thread and _from_the_model(sys._getframe(1).f_code.co_filename):
+            if threading.get_ident() == thread and from_the_model(sys._getframe(1).f_code.co_filename):
                 read.setdefault((name, args), answer)
             return answer
 
