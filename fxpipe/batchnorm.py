@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.checkpoint import is_recomputing
+from fxpipe.passes.attrs import submodule_or_none
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _local = threading.local()
@@ -138,20 +139,13 @@ def _exported_norm(node: fx.Node, owner: nn.Module) -> Optional[str]:
     if training is not True or not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (mean, var)):
         return None
     path = str(mean.target).rpartition(".")[0]  # type: ignore[union-attr]
-    module = _submodule(owner, path)
+    module = submodule_or_none(owner, path)
     expected = [f"{path}.running_mean", f"{path}.running_var", f"{path}.weight", f"{path}.bias"]
     given = [a.target if isinstance(a, fx.Node) and a.op == "get_attr" else a for a in (mean, var, weight, bias)]
     affine = module is not None and module.affine
     if module is None or not is_deferrable(module) or given != (expected if affine else [*expected[:2], None, None]):
         return None
     return path
-
-
-def _submodule(owner: nn.Module, path: str) -> Optional[nn.Module]:
-    try:
-        return owner.get_submodule(path)
-    except AttributeError:
-        return None
 
 
 def _install(stage: fx.GraphModule, path: str, module: nn.Module) -> None:

@@ -678,6 +678,7 @@ _PLACEMENT_MESSAGE = (
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
 
+
 def _refuse_capture() -> None:
     """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting():

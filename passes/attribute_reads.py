@@ -110,11 +110,13 @@ def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
     found = {}
     for qualified in sorted(names):
         path, _, name = qualified.rpartition(".")
+        if path not in modules:
+            continue
         try:
             value = getattr(modules[path], name)
         except Exception:  # noqa: BLE001 - gone since, or a property that fails now: nothing to watch
             continue
-        if path in modules and plain(value):
+        if plain(value):
             found[qualified] = copy.deepcopy(value)  # a list may be written in place
     return found
 

@@ -1,7 +1,7 @@
 """Which parameters, buffers and constant tensors each node of a graph reads, by qualified name."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
@@ -18,6 +18,14 @@ def fetch_attr(root: nn.Module, target: str) -> Any:
             raise AttributeError(f"{type(root).__name__} has no attribute {'.'.join(target.split('.')[: i + 1])!r}")
         obj = getattr(obj, part)
     return obj
+
+
+def submodule_or_none(root: nn.Module, path: str) -> Optional[nn.Module]:
+    """The submodule at `path` below `root`, or None where there is none."""
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:

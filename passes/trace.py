@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.passes.assignments import AssignmentError, assignments_refused
+from fxpipe.passes.attrs import submodule_or_none
 from fxpipe.passes.functions import functions_as_calls
 from fxpipe.passes.inplace import written_value
 from fxpipe.passes.markers import marking
@@ -26,13 +27,6 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 class TraceError(RuntimeError):
     """The model could not be traced; the message names the module, the line and the fix."""
-
-
-def _submodule(model: Optional[nn.Module], name: str) -> Optional[nn.Module]:
-    try:
-        return model.get_submodule(name) if model is not None else None
-    except AttributeError:
-        return None
 
 
 class _Tracer(fx.Tracer):
@@ -48,7 +42,8 @@ class _Tracer(fx.Tracer):
         self.leaf_names = {leaf for leaf in leaves if isinstance(leaf, str)}
         self.leaf_types = tuple(leaf for leaf in leaves if isinstance(leaf, type))
         # By the module a name holds too: a module shared under two names is called by the first.
-        self.leaf_ids = {id(_submodule(model, name)) for name in self.leaf_names} - {id(None)}
+        held = [submodule_or_none(model, name) for name in self.leaf_names] if model is not None else []
+        self.leaf_ids = {id(module) for module in held if module is not None}
         self.failed_in: Optional[str] = None
         self.depth, self.returned = 0, None
         self.computed = 0  # tensors the forward computed from parameters outside the trace
@@ -146,7 +141,7 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
     if switched:
         raise TraceError(
             f"torch.fx cannot trace {type(model).__name__}: its forward switches gradients "
-            f"{'off' if False in switched else 'on'} for a part (torch.no_grad(), torch.set_grad_enabled), "
+            f"{'off' if (False,) in switched else 'on'} for a part (torch.no_grad(), torch.set_grad_enabled), "
             "and a traced graph keeps the operations, not the mode they ran in.\n"
             "How to fix: use .detach() on what the part must not differentiate, or let torch.export "
             "capture the model."
@@ -252,44 +247,35 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
 
 
 @contextlib.contextmanager
-def _grad_mode_watched() -> Iterator[list[bool]]:
+def _calls_watched(owner: Any, name: str, counts: Callable[..., bool]) -> Iterator[list[tuple[Any, ...]]]:
+    """The arguments of this thread's calls of `owner.name` that `counts` (another pipeline's
+    workers may run meanwhile) while the block runs."""
+    calls: list[tuple[Any, ...]] = []
+    original = getattr(owner, name)
+    tracing = threading.get_ident()
+
+    def watch(*args: Any) -> Any:
+        if threading.get_ident() == tracing and counts(*args):
+            calls.append(args)
+        return original(*args)
+
+    setattr(owner, name, watch)
+    try:
+        yield calls
+    finally:
+        setattr(owner, name, original)
+
+
+def _grad_mode_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
     """The grad modes the traced forward switched to (`with torch.no_grad():` in it, say): the
-    graph would run those parts with gradients as the caller has them. Only this thread's
-    switches count: another pipeline's workers may run meanwhile."""
-    switched: list[bool] = []
-    original = torch._C._set_grad_enabled
-    tracing = threading.get_ident()
-
-    def watch(enabled: bool) -> None:
-        if threading.get_ident() == tracing and enabled != torch.is_grad_enabled():
-            switched.append(enabled)
-        original(enabled)
-
-    torch._C._set_grad_enabled = watch
-    try:
-        yield switched
-    finally:
-        torch._C._set_grad_enabled = original
+    graph would run those parts with gradients as the caller has them."""
+    return _calls_watched(torch._C, "_set_grad_enabled", lambda enabled: enabled != torch.is_grad_enabled())
 
 
-@contextlib.contextmanager
-def _autocast_watched() -> Iterator[list[bool]]:
-    """Whether the traced forward entered torch.autocast (`with torch.autocast("cuda",
-    enabled=False):` in it): on this thread, each entry counts once."""
-    entered: list[bool] = []
-    original = torch.autocast_increment_nesting
-    tracing = threading.get_ident()
-
-    def watch() -> int:
-        if threading.get_ident() == tracing:
-            entered.append(True)
-        return original()
-
-    torch.autocast_increment_nesting = watch
-    try:
-        yield entered
-    finally:
-        torch.autocast_increment_nesting = original
+def _autocast_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
+    """Each time the traced forward entered torch.autocast (`with torch.autocast("cuda",
+    enabled=False):` in it)."""
+    return _calls_watched(torch, "autocast_increment_nesting", lambda: True)
 
 
 def _drop_tensor_defaults(graph: fx.Graph) -> None:

@@ -36,6 +36,18 @@ def assert_state_equal(model: nn.Module, reference: nn.Module, tol: float = 1e-1
         torch.testing.assert_close(value, theirs[name], rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
+def step_as_in_turn(pipe: Pipeline, reference: nn.Module, x: torch.Tensor, chunks: int, atol: float) -> None:
+    """One forward and backward of the pipeline give the outputs, gradients and state of the
+    plain model run on the micro-batches in turn."""
+    out = pipe(x)
+    expected = in_turn(reference, x, chunks)
+    torch.testing.assert_close(out, expected, rtol=0, atol=atol)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert_state_equal(pipe, reference)
+
+
 class Counter(nn.Module):
     """Counts its calls in a buffer that a later stage reads, and keeps a running mean."""
 
@@ -61,13 +73,7 @@ class Counter(nn.Module):
 def test_buffer_writes_reach_the_model_once_per_micro_batch_in_order(mode: str, stages: int) -> None:
     x = torch.randn(8, 5, dtype=torch.float64)
     pipe, reference = compiled(Counter().double(), x, stages, chunks=4, checkpoint=mode, balance=None)
-    out = pipe(x)
-    expected = in_turn(reference, x, 4)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
-    out.pow(2).sum().backward()
-    expected.pow(2).sum().backward()
-    assert_grads_equal(pipe, reference)
-    assert_state_equal(pipe, reference)
+    step_as_in_turn(pipe, reference, x, 4, atol=1e-10)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), in_turn(reference, x, 4), rtol=0, atol=1e-10)
     assert_state_equal(pipe, reference)
@@ -548,10 +554,4 @@ def test_a_running_statistic_read_in_a_later_stage_is_the_one_its_micro_batch_le
     (0.086 off), and the norm's stage, recomputed, wrote it a second time (0.06 off)."""
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe, reference = compiled(cls().double(), x, 2, chunks=2, split_points=["b"], checkpoint=mode)
-    out = pipe(x)
-    expected = in_turn(reference, x, 2)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    out.pow(2).sum().backward()
-    expected.pow(2).sum().backward()
-    assert_grads_equal(pipe, reference)
-    assert_state_equal(pipe, reference)
+    step_as_in_turn(pipe, reference, x, 2, atol=1e-12)
