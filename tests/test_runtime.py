@@ -590,3 +590,31 @@ def test_the_models_own_tensors_follow_functional_call_and_assign() -> None:
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+def test_a_changed_attribute_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back() -> None:
+    """The watch sits in the one place every call goes through: no_grad, autocast, eval,
+    train_step, and after a refused call, the next call once the value is back is exact."""
+    model, reference = twin(Tempered())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model.temperature = 4.0
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        with torch.no_grad():
+            pipe(x)
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe(x)
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    pipe.eval()
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        pipe(x)
+    pipe.train()
+    model.temperature = 2.0
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    grads = torch.autograd.grad(out.sum(), list(pipe.parameters()))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import assert_grads_equal, grad_of
-from fxpipe import Pipeline, compile_pipeline
+from fxpipe import Pipeline, StageError, compile_pipeline
 
 MODES = ("always", "except_last", "never")
 M = TypeVar("M", bound=nn.Module)
@@ -555,3 +555,31 @@ def test_a_running_statistic_read_in_a_later_stage_is_the_one_its_micro_batch_le
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe, reference = compiled(cls().double(), x, 2, chunks=2, split_points=["b"], checkpoint=mode)
     step_as_in_turn(pipe, reference, x, 2, atol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_running_statistic_read_in_a_later_stage_in_every_mode(schedule: str) -> None:
+    """The copy of the running mean made after its norm: under train_step's schedules, no_grad,
+    eval, and a second step after a failed one, as the plain model run on the micro-batches in turn."""
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    model = _ReadsItsRunningMean().double()
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, split_points=["b"], schedule=schedule)
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a bad loss")
+
+    with pytest.raises(StageError):
+        pipe.train_step(x, target=y, loss_fn=failing)  # puts back what its forwards wrote
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = sum(F.mse_loss(reference(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+    assert isinstance(expected, torch.Tensor)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    assert_state_equal(pipe, reference)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(reference, x, 2), rtol=0, atol=1e-12)
+    assert_state_equal(pipe, reference)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
