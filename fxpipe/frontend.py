@@ -287,7 +287,7 @@ def _assigning_modules(error: TraceError) -> list[str]:
 
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
     try:
-        with attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
+        with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves))[1])
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run.
@@ -332,7 +332,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
-        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded() as modes:
+        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1])
     except Exception as error:
         at = raising_line(error)

@@ -20,7 +20,7 @@ from torch import nn
 
 from fxpipe.distributed import RankPlacement
 from fxpipe.microbatch import ExampleLeaves
-from fxpipe.passes.attribute_reads import changed
+from fxpipe.passes.attribute_reads import changed, holder
 from fxpipe.passes.mode_reads import ModeReads
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
@@ -68,7 +68,7 @@ class HeldState:
 
     modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
     tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
-    # The plain attributes the trace read: qualified name, the module, the name, value when compiled.
+    # The plain attributes the trace read: qualified name, the module, the path from it, value when compiled.
     attributes: list[tuple[str, nn.Module, str, Any]] = field(default_factory=list)
     named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
 
@@ -90,9 +90,9 @@ class HeldState:
             if isinstance(value, torch.Tensor):
                 tensors.append((vars(module), key, value))
         for qualified, value in (attributes or {}).items():
-            path, _, key = qualified.rpartition(".")
-            if path in found:
-                held.append((qualified, found[path], key, value))
+            place = holder(found, qualified)
+            if place is not None:
+                held.append((qualified, found[place[0]], place[1], value))
         return HeldState(modules, tensors, held, found)
 
     def modules_replaced(self) -> list[str]:

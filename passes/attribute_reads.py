@@ -1,21 +1,28 @@
-"""Attributes a trace reads: plain values (`self.temperature`, `self.drop_prob`), which the graph
-holds as constants, so that a value changed after compiling is seen, not silently ignored; and
-the `training` flags that decided its `self.training` branches, by mode.
+"""Attributes a trace reads: plain values (`self.temperature`, `self.drop_prob`, a dict of
+scales, `self.config.output_hidden_states`), which the graph holds as constants, so that a value
+changed after compiling is seen, not silently ignored; and the `training` flags that decided its
+`self.training` branches, by mode.
 
 A module's instance attributes are read without going through any hook nn.Module offers, so for
 the length of a trace `__getattribute__` of the model's module classes is wrapped (on the classes
 themselves: no new class, so `type(self)` and registries are untouched) to note the reads the
-model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads').
+model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads'). The
+settings objects the modules hold (a config, a dataclass of options) are wrapped alike when first
+read, so that their attributes are watched under the path they were read by
+(`transformer.config.output_hidden_states`).
 """
 from __future__ import annotations
 
 import copy
+import enum
+import functools
 import os
 import sys
 import threading
+import types
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -36,16 +43,31 @@ def from_the_model(filename: str) -> bool:
 
 
 def plain(value: Any) -> bool:
-    """A value a graph holds as a constant: None, a number, a string, a tuple or list of them."""
+    """A value a graph holds as a constant: None, a number, a string, a tuple, list or dict of them."""
+    if type(value) is dict:
+        return all(plain(key) and plain(entry) for key, entry in value.items())
     return value is None or type(value) in (bool, int, float, str) or (type(value) in (tuple, list) and all(map(plain, value)))
+
+
+_NOT_SETTINGS = (nn.Module, torch.Tensor, type, enum.Enum, types.ModuleType, types.FunctionType, types.MethodType,
+                 types.BuiltinFunctionType, functools.partial)
+
+
+def settings(value: Any) -> bool:
+    """An object whose attributes a forward may read as settings (a config, a dataclass of options):
+    an instance of a class of the model's libraries (not torch's, nor Python's: a logger's level
+    is no setting of the model), neither a module, tensor, function nor class."""
+    home = (getattr(type(value), "__module__", None) or "builtins").partition(".")[0]
+    return hasattr(value, "__dict__") and not isinstance(value, _NOT_SETTINGS) and home != "torch" and home not in sys.stdlib_module_names
 
 
 @dataclass
 class Reads:
     """What the traces read, by the mode each was traced in (`begin(mode)` before each)."""
 
-    paths: dict[int, str]
+    paths: dict[int, str]  # the modules', and the settings objects' read so far
     mode: bool = True
+    wrapped: list[tuple[type, Optional[Any]]] = field(default_factory=list)  # classes and their own lookup
     values: dict[bool, set[str]] = field(default_factory=lambda: {True: set(), False: set()})  # plain, qualified
     training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
 
@@ -60,6 +82,9 @@ class Reads:
             self.training[self.mode].setdefault(path, bool(value))
         elif plain(value) and not (self.mode is False and isinstance(module, nn.modules.dropout._DropoutNd)):
             self.values[self.mode].add(f"{path}.{name}" if path else name)  # (torch's dropout is the identity in eval)
+        elif settings(value) and id(value) not in self.paths:
+            self.paths[id(value)] = f"{path}.{name}" if path else name
+            _wrap(type(value), self.wrapped)
 
 
 @contextmanager
@@ -72,23 +97,29 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
     reads = Reads(paths)
     previous = getattr(_local, "reads", None)
     _local.reads = reads
-    wrapped: list[tuple[type, Optional[Any]]] = []
     try:
         for cls in dict.fromkeys(type(m) for m in model.modules()):
-            own = cls.__dict__.get("__getattribute__")
-            try:
-                setattr(cls, "__getattribute__", _noting(cls, own))
-            except TypeError:  # a class that cannot be changed: its reads go unnoted
-                continue
-            wrapped.append((cls, own))
+            _wrap(cls, reads.wrapped)
         yield reads
     finally:
-        for cls, own in reversed(wrapped):
+        for cls, own in reversed(reads.wrapped):
             if own is None:
                 delattr(cls, "__getattribute__")
             else:
                 setattr(cls, "__getattribute__", own)
         _local.reads = previous
+
+
+def _wrap(cls: type, wrapped: list[tuple[type, Optional[Any]]]) -> None:
+    """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in `wrapped`."""
+    if any(done is cls for done, _ in wrapped):
+        return
+    own = cls.__dict__.get("__getattribute__")
+    try:
+        setattr(cls, "__getattribute__", _noting(cls, own))
+    except TypeError:  # a class that cannot be changed: its reads go unnoted
+        return
+    wrapped.append((cls, own))
 
 
 def _noting(cls: Any, own: Optional[Any]) -> Callable[[Any, str], Any]:
@@ -104,16 +135,32 @@ def _noting(cls: Any, own: Optional[Any]) -> Callable[[Any, str], Any]:
     return __getattribute__
 
 
+def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[str, str]]:
+    """`qualified` split into the path of the module that holds it and the attribute's path from
+    there (`config.output_hidden_states` through a settings object); None if no module holds it."""
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:cut])
+        if path in modules:
+            return path, ".".join(parts[cut:])
+    return None
+
+
+def read(owner: Any, attribute: str) -> Any:
+    """`owner`'s attribute at the dotted path `attribute`."""
+    return functools.reduce(getattr, attribute.split("."), owner)
+
+
 def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
     """What `model` holds now under each of the qualified `names` that is a plain value."""
     modules = dict(model.named_modules())
     found = {}
     for qualified in sorted(names):
-        path, _, name = qualified.rpartition(".")
-        if path not in modules:
+        held = holder(modules, qualified)
+        if held is None:
             continue
         try:
-            value = getattr(modules[path], name)
+            value = read(modules[held[0]], held[1])
         except Exception:  # noqa: BLE001 - gone since, or a property that fails now: nothing to watch
             continue
         if plain(value):
@@ -125,12 +172,12 @@ _MISSING = object()
 
 
 def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
-    """Of `held` (a qualified name, the module, the attribute's name and the value it held when
-    traced), each whose value changed since, as `name (then -> now)`."""
+    """Of `held` (a qualified name, the module, the attribute's path from it and the value it held
+    when traced), each whose value changed since, as `name (then -> now)`."""
     found = []
     for qualified, module, name, value in held:
         try:
-            now = getattr(module, name)
+            now = read(module, name)
         except Exception:  # noqa: BLE001 - deleted, or a property that fails now
             now = _MISSING
         kept = now is value or now == value or (now != now and value != value)  # a NaN that stays NaN too

@@ -4,7 +4,8 @@ the graph holds what it said then, so a call under another autocast must be refu
 The stages run under the caller's autocast, which casts each op as the plain model's would; but
 a forward that asks whether autocast is on (to upcast an attention, say) asked once, when traced.
 For the length of a trace, torch's autocast queries are wrapped to note what the model's code
-asked (not torch's own code, nor other threads) and what it was told.
+asked (not torch's own code, nor other threads) and what it was told: in `torch` and wherever the
+modules of the model's classes hold them under a name of their own (`from torch import ...`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 from fxpipe.passes.attribute_reads import from_the_model
 
@@ -23,12 +25,14 @@ ModeReads = dict[tuple[str, tuple[Any, ...]], Any]
 
 
 @contextmanager
-def mode_reads_recorded() -> Iterator[ModeReads]:
-    """Within this block, what the model's code on this thread asks torch of autocast, and the
+def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
+    """Within this block, what `model`'s code on this thread asks torch of autocast, and the
     answers, by query and arguments (the first answer of each)."""
     read: ModeReads = {}
     thread = threading.get_ident()
     originals = {name: getattr(torch, name) for name in _QUERIES if hasattr(torch, name)}
+    homes = [vars(torch), *_aliasing(model, originals)]
+    put_back = [(home, key, home[key]) for home in homes for key in list(home) if _query_name(home[key], originals)]
 
     def noting(name: str, query: Callable[..., Any]) -> Callable[..., Any]:
         def noted(*args: Any) -> Any:
@@ -39,13 +43,29 @@ def mode_reads_recorded() -> Iterator[ModeReads]:
 
         return noted
 
-    for name, query in originals.items():
-        setattr(torch, name, noting(name, query))
+    for home, key, query in put_back:
+        home[key] = noting(_query_name(query, originals) or key, query)
     try:
         yield read
     finally:
-        for name, query in originals.items():
-            setattr(torch, name, query)
+        for home, key, query in put_back:
+            home[key] = query
+
+
+def _query_name(value: Any, originals: dict[str, Any]) -> str | None:
+    """The name in torch of the autocast query `value` is, if it is one."""
+    return next((name for name, query in originals.items() if value is query), None)
+
+
+def _aliasing(model: nn.Module, originals: dict[str, Any]) -> list[dict[str, Any]]:
+    """The globals of the Python modules that define `model`'s classes, where they hold a query."""
+    found: dict[int, dict[str, Any]] = {}
+    for cls in {type(m) for m in model.modules()}:
+        home = sys.modules.get(cls.__module__)
+        table = vars(home) if home is not None and home is not torch else None
+        if table is not None and any(_query_name(value, originals) for value in list(table.values())):
+            found[id(table)] = table
+    return list(found.values())
 
 
 def modes_changed(read: ModeReads) -> list[str]:

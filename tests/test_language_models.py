@@ -77,3 +77,20 @@ def test_a_model_that_returns_its_cache_says_to_turn_it_off() -> None:
     pipe = compile_pipeline(model, torch.randint(0, 64, (4, 12)), ["cpu"] * 2, example_kwargs={"use_cache": False})
     ids = torch.randint(0, 64, (4, 9))
     torch.testing.assert_close(pipe(ids, use_cache=False)["logits"], model(ids, use_cache=False)["logits"])
+
+
+@pytest.mark.parametrize("make", [gpt2, bert], ids=["gpt2", "bert"])
+def test_a_config_value_changed_after_compiling_is_refused_and_runs_once_back(make: Callable[[], nn.Module]) -> None:
+    """Before, `model.config.output_hidden_states = True` after compiling left the pipeline
+    returning the logits alone, where the plain model returned the hidden states too."""
+    model = make().double()
+    ids = torch.randint(0, 64, (4, 12))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, ids, ["cpu"] * 2, chunks=2)
+    config: Any = model.config
+    config.output_hidden_states = True
+    with pytest.raises(RuntimeError, match=r"have changed since compiling: config.output_hidden_states \(False -> True\)"):
+        pipe(ids)
+    config.output_hidden_states = False
+    torch.testing.assert_close(first(pipe(ids)), first(model(ids)), rtol=0, atol=1e-9)

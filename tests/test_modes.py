@@ -9,6 +9,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import is_autocast_enabled as autocast_on
 from torch import nn
 
 from conftest import FanOut, WithPositions, assert_grads_equal, twin
@@ -335,6 +336,27 @@ def test_a_forward_that_asks_about_autocast_is_refused_under_another_autocast(co
     kept = compile_pipeline(nn.Sequential(nn.Identity(), model), x, ["cpu"] * 2, chunks=2, leaf_modules=[UpcastsUnderAutocast])
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not compiled_under):
         torch.testing.assert_close(kept(x), model(x), rtol=0, atol=0)  # kept whole: asks as it runs
+
+
+class AsksThroughItsOwnName(UpcastsUnderAutocast):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if autocast_on("cpu"):  # imported under a name of its own: `from torch import ...`
+            h = h.float() * 2
+        return self.b(h)
+
+
+def test_an_autocast_question_asked_through_a_name_imported_from_torch_is_watched_too() -> None:
+    """Before, only `torch.is_autocast_enabled` was watched: asked through its own name, the
+    answer traced ran under another autocast without a word."""
+    model = AsksThroughItsOwnName()
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert globals()["autocast_on"] is torch.is_autocast_enabled, "the name is put back"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"torch.is_autocast_enabled\('cpu'\): False when traced, True now"):
+            pipe(x)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
 
 
 class _CallsDropout(nn.Module):

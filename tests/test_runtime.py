@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import gc
+import re
 import threading
 import time
 import weakref
@@ -479,6 +481,69 @@ def test_the_attribute_watch_leaves_the_classes_as_they_are_and_sees_defaults_pr
         scaled.steps[0] = 4.0
     with pytest.raises(RuntimeError, match=f"have changed since compiling: 0.{change}"):
         pipe(x)
+
+
+@dataclasses.dataclass
+class _Options:
+    scale: float = 2.0
+    gates: dict[str, float] = dataclasses.field(default_factory=lambda: {"a": 1.0, "b": 0.5})
+
+
+class _MappedConfig:
+    """Like a library's config: a lookup of its own maps aliases onto its fields."""
+
+    aliases = {"width_scale": "scale"}
+
+    def __init__(self) -> None:
+        self.scale = 0.5
+
+    def __getattribute__(self, name: str) -> Any:
+        aliases = object.__getattribute__(self, "aliases")
+        return object.__getattribute__(self, aliases.get(name, name))
+
+
+class _Configured(nn.Module):
+    """Reads its settings from objects it shares with other modules, as models read a config."""
+
+    def __init__(self, options: _Options, config: _MappedConfig) -> None:
+        super().__init__()
+        self.lin, self.options, self.config = nn.Linear(4, 4), options, config
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return self.lin(x) * self.options.scale * self.options.gates["a"] * self.config.width_scale
+
+
+class _ConfiguredTraceable(_Configured):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+@pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
+def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exported: bool, change: str) -> None:
+    """Before, a config's or a dataclass's values read in forward (`self.config.output_hidden_states`
+    in Hugging Face models) were constants of the graph, unwatched: a change after compiling
+    ran the old value without a word."""
+    options, config = _Options(), _MappedConfig()
+    kind = _Configured if exported else _ConfiguredTraceable
+    model = nn.Sequential(kind(options, config), nn.Tanh(), kind(options, config))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model.double(), x, ["cpu", "cpu"], chunks=2)
+    assert "__getattribute__" not in vars(_Options) and vars(_MappedConfig)["__getattribute__"] is _MappedConfig.__getattribute__
+    assert _MappedConfig.__getattribute__.__qualname__ == "_MappedConfig.__getattribute__"
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    expected = {"options.scale": "2.0 -> 3.0", "options.gates": "{'a': 1.0, 'b': 0.5} -> {'a': 3.0, 'b': 0.5}", "config.width_scale": "0.5 -> 3.0"}
+    if change == "options.scale":
+        options.scale = 3.0
+    elif change == "options.gates":
+        options.gates["a"] = 3.0
+    else:
+        config.scale = 3.0
+    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{change} ({expected[change]})")):
+        pipe(x)
+    options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5  # back: the pipeline runs again
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
 
 
 class _EvalTemperature(nn.Module):
