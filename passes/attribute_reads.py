@@ -68,6 +68,7 @@ class Reads:
     paths: dict[int, str]  # the modules', and the settings objects' read so far
     mode: bool = True
     wrapped: list[tuple[type, Optional[Any]]] = field(default_factory=list)  # classes and their own lookup
+    held: list[Any] = field(default_factory=list)  # the settings objects in `paths`, alive so that no id is reused
     values: dict[bool, set[str]] = field(default_factory=lambda: {True: set(), False: set()})  # plain, qualified
     training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
 
@@ -84,6 +85,7 @@ class Reads:
             self.values[self.mode].add(f"{path}.{name}" if path else name)  # (torch's dropout is the identity in eval)
         elif settings(value) and id(value) not in self.paths:
             self.paths[id(value)] = f"{path}.{name}" if path else name
+            self.held.append(value)
             _wrap(type(value), self.wrapped)
 
 
@@ -148,7 +150,7 @@ def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[str, st
 
 def read(owner: Any, attribute: str) -> Any:
     """`owner`'s attribute at the dotted path `attribute`."""
-    return functools.reduce(getattr, attribute.split("."), owner)
+    return functools.reduce(getattr, attribute.split("."), owner) if "." in attribute else getattr(owner, attribute)
 
 
 def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
