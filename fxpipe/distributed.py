@@ -234,8 +234,12 @@ def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
     written = {id(b) for program in programs.values() for stage in program.stages for b in stage.writable_buffers.values()}
     problems = set()
     for key, ranks in readers[False].items():
-        trained = readers[True].get(key, set())
-        if key in names and ranks - trained:
+        trained = readers[True].get(key)
+        if key not in names:
+            continue
+        if trained is None and len(ranks) > 1:  # read in eval alone: each rank would train its own copy there
+            problems.add(f"{names[key]!r} is read in eval mode alone, on pipeline ranks {sorted(ranks)}")
+        elif trained is not None and ranks - trained:
             problems.add(f"{names[key]!r} is read on pipeline rank(s) {sorted(ranks - trained)} in eval mode and held on "
                          f"{sorted(trained)} in training, where it is trained")  # fmt: skip
     for found in readers.values():

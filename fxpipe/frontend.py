@@ -285,10 +285,21 @@ def _assigning_modules(error: TraceError) -> list[str]:
     return [] if "" in modules else modules
 
 
+def _none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
+    """The forward's arguments the example leaves None, given so or by default."""
+    try:
+        bound = inspect.signature(model.forward).bind(*example, **kwargs)
+    except (TypeError, ValueError):  # the trace says what is wrong
+        return frozenset()
+    bound.apply_defaults()
+    return frozenset(name for name, value in bound.arguments.items() if value is None)
+
+
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
+    none = _none_in(model, example, kwargs)
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
-            graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves))[1])
+            graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves, none=none))[1])
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run.
         wholes = _assigning_modules(error)
@@ -300,7 +311,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).
-    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True))
+    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none))
     raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
 
 

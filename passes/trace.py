@@ -107,10 +107,13 @@ def _user_frame(error: BaseException) -> str:
     return f"{frame.filename}:{frame.lineno} ({frame.line})"
 
 
-def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines: bool = False) -> fx.GraphModule:
+def trace(
+    model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines: bool = False, none: Iterable[str] = ()
+) -> fx.GraphModule:
     """Trace `model` symbolically; `leaf_modules` (types or qualified names) stay opaque calls.
     `record_lines` keeps each node's stack trace (`node.stack_trace`), which makes tracing
-    several times slower: it is for error messages.
+    several times slower: it is for error messages. The forward's arguments named in `none` are
+    traced as None (an `if mask is not None:` branch not taken), not as inputs of the graph.
 
     A `GraphModule` was traced already: it is copied (the passes annotate and rewrite graphs).
     """
@@ -132,7 +135,7 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
                 _autocast_watched() as entered:  # fmt: skip
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=dict.fromkeys(none) or None)
             _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
         raise TraceError(str(error)) from error
@@ -161,11 +164,24 @@ def trace(model: nn.Module, leaf_modules: Iterable[LeafSpec] = (), record_lines:
             "whole (leaf_modules=[...])."
         )
     _drop_tensor_defaults(graph)
+    _none_taken_as_given(graph, set(none))
     name = type(model).__name__
     try:
         return fx.GraphModule(tracer.root, graph, name)
     except Exception as error:
         raise TraceError(f"torch.fx traced {name}, but its graph does not compile: {type(error).__name__}: {error}") from error
+
+
+def _none_taken_as_given(graph: fx.Graph, none: set[str]) -> None:
+    """The arguments traced as None keep their names as inputs (torch.fx renames them `mask_1`),
+    without torch.fx's check that they are None, which the pipeline makes before any stage runs."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is fx._symbolic_trace._assert_is_none:
+            given, name = node.args[0], str(node.args[0].target).removesuffix("_1")  # type: ignore[union-attr]
+            if name in none:
+                given.target = name  # type: ignore[union-attr]
+                given._rename(name)  # type: ignore[union-attr]
+            graph.erase_node(node)
 
 
 # A value of a class of the model's own, returned or passed between modules: neither front end

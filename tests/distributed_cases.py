@@ -802,6 +802,42 @@ def stale_copies(rank: int, world: int) -> str:
     return "no error"
 
 
+class EvalScaled(nn.Module):
+    """A parameter read in eval mode alone, on the last stage: no training stage holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(4, 4), nn.Linear(4, 4), nn.Parameter(torch.full((4,), 1.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        return h if self.training else h * self.scale
+
+
+def eval_only_parameter(rank: int, world: int) -> dict[str, float]:
+    """Compiled where it was refused as a copy that would go stale: a training step, then eval
+    outputs, exact on the output's rank."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = EvalScaled().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=["b"], timeout=60)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    found = {"loss": abs(float(loss) - float(expected))}
+    held = [(name, p) for name, p in model.named_parameters() if p.device.type != "meta" and p.grad is not None]
+    found["grads"] = max(_max_diff(p.grad, reference.get_parameter(name).grad) for name, p in held)
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = pipe(x)
+        if out is not None:
+            found["eval"] = _max_diff(out, reference(x))
+    return found
+
+
 def dropout_draws(rank: int, world: int, cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
     """Dropout drawing (p = 0.5) on random graphs: the pipeline across processes draws the masks
     the one-process pipeline draws on the same cut, forward and recompute alike: the same losses

@@ -306,6 +306,12 @@ def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
         assert "How to fix" in message
 
 
+def test_a_parameter_read_in_eval_mode_alone_is_held_by_the_rank_that_reads_it() -> None:
+    found = results_of(spawn_ranks(cases.eval_only_parameter, 2, timeout=120))
+    assert "eval" not in found[0] and "eval" in found[1], found
+    assert all(v < 1e-12 for report in found for v in report.values()), found
+
+
 def test_dropout_draws_the_masks_of_the_one_process_pipeline() -> None:
     cases_ = [(feature, seed) for feature in ("dropout_module", "dropout_functional", "mixed") for seed in range(1, 1 + SEEDS)]
     for report in results_of(spawn_ranks(cases.dropout_draws, 3, cases_, timeout=300)):

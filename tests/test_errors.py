@@ -457,6 +457,24 @@ def test_an_argument_left_none_where_the_example_gave_one_is_refused() -> None:
         pipe(X)
 
 
+class GatedAndScaled(Gated):
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, gain: float = 1.5) -> torch.Tensor:
+        return super().forward(x, mask) * gain
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["left-out", "given-none"])
+def test_an_argument_the_example_leaves_none_is_traced_as_none_by_torch_fx(given: bool) -> None:
+    """Before, torch.fx traced it as an input, took the `if mask is not None:` branch, failed its
+    check and left the model to torch.export, which then refused calls giving `gain`."""
+    model = GatedAndScaled()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, example_kwargs={"mask": None} if given else None)
+    assert "torch.fx" in pipe.plan.notes[0]
+    torch.testing.assert_close(pipe(X, gain=2.0), model(X, gain=2.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pipe(X, None, 3.0), model(X, None, 3.0), rtol=0, atol=1e-6)
+    with pytest.raises(TypeError, match=r"leaves mask None where the example gave a value, or the reverse"):
+        pipe(X, torch.rand(4, 6))
+
+
 def test_a_call_from_inside_one_of_its_own_stages_is_refused() -> None:
     model = FanOut()
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
