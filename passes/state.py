@@ -75,7 +75,9 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
     first use to its last write. A stage boundary inside a span would let two stages touch it at
     once: writes split across stages interleave the micro-batches otherwise than the plain model
     does, and an earlier stage reading it would race with a later stage's write. Reads after the
-    last write may be anywhere: a later stage gets the value of its own micro-batch."""
+    last write may be anywhere: a later stage gets the value of its own micro-batch. The copy
+    `reads_after_hidden_writes` makes right after a write ends the span: a later stage copying
+    the live buffer would copy a later micro-batch's write."""
     writes = [_buffers_written(gm, node) for node in order]
     names: dict[int, str] = {}
     last_write: dict[int, int] = {}
@@ -83,6 +85,10 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
         for name, tensor in written_here.items():
             names.setdefault(id(tensor), name)
             last_write[id(tensor)] = position
+        if order[position].meta.get(_COPY_AFTER_WRITE):
+            for tensor in tensors_read(gm, order[position]).values():
+                if id(tensor) in last_write:
+                    last_write[id(tensor)] = position
     first_use: dict[int, int] = {}
     for position, node in enumerate(order if last_write else []):
         for tensor in [*tensors_read(gm, node).values(), *writes[position].values()]:
@@ -164,6 +170,9 @@ def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, 
     return spans
 
 
+_COPY_AFTER_WRITE = "copy_after_write"  # node.meta: a copy of a buffer right after a write to it
+
+
 def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
     """A buffer that a module called whole or a norm op writes (BatchNorm's running mean), read
     by name after the call (`self.norm.running_mean` in forward): the read gets a copy made right
@@ -193,6 +202,7 @@ def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
                     current = graph.get_attr(name)
                 with graph.inserting_after(current):
                     copies[name, before[-1]] = graph.call_function(torch.clone, (current,))
+                    copies[name, before[-1]].meta[_COPY_AFTER_WRITE] = True
             user.replace_input_with(read, copies[name, before[-1]])
             redirected.append(read)
     for read in dict.fromkeys(redirected):
