@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.distributed import failing_together, holders, sum_tied
-from fxpipe.losses import LeafGrads
+from fxpipe.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
 from fxpipe.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.replicas import ReplicaFailed
 
@@ -33,6 +33,7 @@ def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
                 "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
                 "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
             )
+        refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
         step = pipe._step(call, "gpipe", loss=None)
         _agree(pipe, call, "pipe(x)")
     with failing_together(channel):

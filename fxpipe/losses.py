@@ -110,6 +110,23 @@ def refuse_outputs_of_the_whole_batch(template: Any, micro_batches: int, asked: 
         raise ValueError(_unsplittable(varying, micro_batches, asked))
 
 
+def refuse_whole_batch_outputs_of_a_call(template: Any, micro_batches: int) -> None:
+    """pipe(x) puts its outputs together from the micro-batches': an output made from the whole
+    batch has no such pieces. Refused before any stage runs (and writes a buffer), where
+    compiling saw one."""
+    varying = [where for where, dim, _ in output_leaves(template) if dim == VARIES]
+    if varying and micro_batches > 1:
+        named = ", ".join(o if o != "output" else "its output" for o in varying)
+        raise ValueError(
+            f"the model returns {named}, a value made from the whole batch (a loss or a statistic over it, its size, a "
+            "matrix between its samples, a value drawn or read from state forward writes), and pipe(x) puts the outputs "
+            f"of the {micro_batches} micro-batches together: the plain model's cannot be made from theirs.\n"
+            "How to fix: for a loss, train with pipe.train_step(...), which combines the micro-batches' losses; for "
+            "other values, return tensors with one entry per sample (batch first) and reduce them outside the "
+            "pipeline; or use chunks=1."
+        )
+
+
 def check_gatherable(template: Any, outputs: dict[str, Any], micro_batches: int, asked: bool) -> None:
     """The outputs, put together from the micro-batches along dim 0: when `asked` for them
     (return_outputs=True), or for the check of the loss. A 0-dim value the micro-batches make

@@ -26,7 +26,7 @@ from fxpipe.distributed import check_state_placement, holders, keep_local_state,
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
-    refuse_outputs_of_the_whole_batch, split_target, value_grads,
+    refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target, value_grads,
 )
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -264,12 +264,21 @@ class Pipeline(nn.Module):
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
+        refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
         step = self._step(call, "gpipe", loss=None)
+
+        def gather(outputs: list[dict[str, Any]]) -> Gathered:
+            try:
+                return call.gather(outputs)
+            except BaseException:  # outputs that cannot be put together: the call changes nothing
+                step.put_back_buffers()
+                raise
+
         if not call.grad:
-            gathered = call.gather(step.forward())
+            gathered = gather(step.forward())
             return gathered.rebuild(gathered.tensors)
         program, params = call.program, call.params
-        run = Run(step, call.input_slots, params, call.gather, lambda: self._parameter_grads(program, step, params))
+        run = Run(step, call.input_slots, params, gather, lambda: self._parameter_grads(program, step, params))
         run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
         return run_with_autograd(run)
 

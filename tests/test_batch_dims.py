@@ -109,8 +109,12 @@ def test_a_value_read_from_state_the_forward_writes_is_not_returned_as_the_same_
     pipeline returned one of them as if all were alike (0.12 off one of the plain model's)."""
     model = _ReturnsItsRunningMean().double()
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, split_points=["b"])
-    with pytest.raises(ValueError, match="the model returns a 0-dim tensor"):
-        pipe(X)
+    state = copy.deepcopy(model.state_dict())
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(ValueError, match=r"(?s)the model returns output\[1\], a value made from the whole batch.*How to fix"):
+            pipe(X)
+        for name, value in model.state_dict().items():  # refused before any stage wrote the running mean
+            torch.testing.assert_close(value, state[name], rtol=0, atol=0)
     model, reference = twin(_ReturnsItsRunningMean())
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=1, split_points=["b"])
     for got, expected in zip(pipe(X), reference(X)):
@@ -130,8 +134,10 @@ def test_a_value_drawn_in_forward_is_not_returned_as_the_same_in_every_micro_bat
     """Each micro-batch draws its own, as the plain model run on them in turn does: before, the
     pipeline returned the first micro-batch's for the whole batch."""
     pipe = compile_pipeline(_ReturnsADraw().double(), X, ["cpu", "cpu"], chunks=2)
-    with pytest.raises(ValueError, match="the model returns a 0-dim tensor"):
+    generator = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"the model returns output\[1\], a value made from the whole batch"):
         pipe(X)
+    assert torch.equal(torch.get_rng_state(), generator)
 
 
 PER_SAMPLE = {
@@ -297,7 +303,7 @@ class Gram(nn.Module):
 
 def test_an_output_made_across_samples_is_refused_when_called() -> None:
     pipe = compile_pipeline(Gram().double(), X, ["cpu", "cpu"], chunks=2)
-    with pytest.raises(ValueError, match=r"a tensor made from the whole batch(.|\n)*How to fix"):
+    with pytest.raises(ValueError, match=r"a value made from the whole batch(.|\n)*How to fix"):
         pipe(X)
 
 
@@ -465,7 +471,7 @@ def test_a_loss_the_model_returns_is_never_taken_for_a_value_the_same_in_every_m
     pipe = compile_pipeline(model, (X, labels), ["cpu", "cpu"], chunks=2)
     node = next(n for n in pipe.program().graph.graph.nodes if n.op == "output").all_input_nodes
     assert VARIES in [dim for n in node for dim in n.meta["batch_dims"]]
-    with pytest.raises(ValueError, match="(?s)returns a 0-dim tensor.*train_step"):
+    with pytest.raises(ValueError, match=r"(?s)returns output\['loss'\], a value made from the whole batch.*How to fix: for a loss, train with pipe.train_step"):
         pipe(X, labels)
     loss = pipe.train_step(X, labels)  # the model's own loss, combined over the micro-batches
     expected = reference(X, labels)["loss"]

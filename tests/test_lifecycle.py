@@ -177,7 +177,7 @@ def test_a_model_returning_a_loss_works_with_one_chunk_and_in_train_step_with_mo
     assert_grads_equal(pipe, reference)
     model, reference = twin(Loss())
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=3)
-    with pytest.raises(ValueError, match="(?s)0-dim tensor.*train_step.*chunks=1"):
+    with pytest.raises(ValueError, match="(?s)a value made from the whole batch.*train_step.*chunks=1"):
         pipe(x)
     loss = pipe.train_step(x)  # the model's loss is a mean over samples: micro-batches weighted by size
     expected = reference(x)
@@ -197,7 +197,7 @@ class Reducing(nn.Module):
 
 def test_an_output_whose_dim_0_is_not_the_batch_is_refused() -> None:
     pipe = compile_pipeline(Reducing(), torch.randn(6, 4), ["cpu"], chunks=2)
-    with pytest.raises(ValueError, match=r"a tensor made from the whole batch(.|\n)*How to fix"):
+    with pytest.raises(ValueError, match=r"a value made from the whole batch(.|\n)*How to fix"):
         pipe(torch.randn(6, 4))
 
 
