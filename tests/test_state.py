@@ -566,7 +566,9 @@ class _ReadsBothStatisticsLater(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.c(torch.tanh(self.b(self.bn(self.a(x))))))
-        return self.d((h + self.bn.running_mean) * self.bn.running_var)
+        mean, var = self.bn.running_mean, self.bn.running_var
+        assert mean is not None and var is not None
+        return self.d((h + mean) * var)
 
 
 @pytest.mark.parametrize("mode", MODES)
