@@ -18,7 +18,7 @@ from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
     AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
-from fxpipe.passes.attribute_reads import Reads, attribute_reads_recorded, values_of
+from fxpipe.passes.attribute_reads import Reads, attribute_reads_recorded, unnoted, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -238,7 +238,8 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
     set apart keep their flags), else as `model.train(training)` sets it; flags restored after."""
     flags = [(module, module.training) for module in model.modules()]
     if model.training != training:
-        model.train(training)
+        with unnoted():  # a train() override's reads are not the trace's
+            model.train(training)
     try:
         yield
     finally:

@@ -112,6 +112,18 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
         _local.reads = previous
 
 
+@contextmanager
+def unnoted() -> Iterator[None]:
+    """Within this block, no read is noted: the model's code that runs is not the trace's (its
+    `train()` override reading `self.training`, as a mode is set for the next trace)."""
+    previous = getattr(_local, "reads", None)
+    _local.reads = None
+    try:
+        yield
+    finally:
+        _local.reads = previous
+
+
 def _wrap(cls: type, wrapped: list[tuple[type, Optional[Any]]]) -> None:
     """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in `wrapped`."""
     if any(done is cls for done, _ in wrapped):

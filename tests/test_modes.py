@@ -91,6 +91,41 @@ def test_a_module_set_apart_when_compiling_runs_the_graph_traced_so(cls: type[Br
     torch.testing.assert_close(pipe(x), out, rtol=0, atol=0)
 
 
+class _TrainsItsOwnWay(Branchy):
+    """Overrides train() and reads its own flag there, as library models do (to clear a cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def train(self, mode: bool = True) -> "_TrainsItsOwnWay":
+        if self.training != mode:
+            self.cache.clear()
+        return super().train(mode)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("compiled_in", ["train", "eval"])
+def test_a_train_override_that_reads_the_flag_decides_no_graph(compiled_in: str) -> None:
+    """Before, the override's read of `self.training`, made while compiling set each trace's
+    mode, was taken for the trace's: a model compiled in eval refused every call in training
+    mode, advising pipe.train(), which had just been called."""
+    model, reference = twin(_TrainsItsOwnWay())
+    model.train(compiled_in == "train")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    for training in (True, False, True):
+        pipe.train(training), reference.train(training)
+        torch.manual_seed(0)
+        out = pipe(x)
+        torch.manual_seed(0)
+        expected = torch.cat([reference(piece) for piece in x.chunk(2)]) if training else reference(x)
+        if not training:
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        else:  # each micro-batch draws its own dropout mask: the same shape, and scaled as training does
+            assert out.shape == expected.shape and not torch.allclose(out, reference.eval()(x))
+
+
 @pytest.mark.parametrize("stages", [1, 3])  # one worker runs its tasks on the caller's thread
 def test_no_grad_and_inference_mode(stages: int) -> None:
     model, reference = twin(FanOut())
