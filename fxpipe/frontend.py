@@ -562,8 +562,8 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
     drops); one error with both reasons when both fail."""
     try:
         return _by_fx(model, example, kwargs, leaves)
-    except _Rejected as rejected:
-        fx_failure = rejected
+    except _Rejected as rejected:  # kept without its traceback, whose frames hold the trace's tensors
+        fx_failure = _Rejected(rejected.detail, rejected.summary, rejected.fix)
     try:
         if hooks:
             raise _Rejected(

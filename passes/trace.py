@@ -131,6 +131,25 @@ def trace(
         )
     tracer = _Tracer(leaf_modules, model)
     tracer.record_stack_traces = record_lines
+    with _constants_taken_back(model):
+        return _traced(model, tracer, none)
+
+
+@contextlib.contextmanager
+def _constants_taken_back(model: nn.Module) -> Iterator[None]:
+    """torch.fx stores each tensor the trace met as a constant (one computed outside the trace, a
+    global) on the model (`model._tensor_constant0`); the graph module holds its own reference,
+    and the model is left as it was (across processes, such a reference to a parameter's
+    graph keeps the parameter from being freed)."""
+    before = set(vars(model))
+    try:
+        yield
+    finally:
+        for name in [name for name in vars(model) if name not in before and name.startswith("_tensor_constant")]:
+            delattr(model, name)
+
+
+def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphModule:
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \

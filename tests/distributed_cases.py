@@ -379,12 +379,28 @@ class PartlyNoGrad(nn.Module):
         return self.d(torch.tanh(self.c(h) + shift))
 
 
-def exported_across(rank: int, world: int) -> dict[str, Any]:
+class Penalised(nn.Module):
+    """Adds a penalty over self.parameters(): torch.fx would keep it as a constant, torch.export
+    captures it; the failed trace must leave nothing holding the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+        return h + 0.01 * sum(p.pow(2).sum() for p in self.parameters())
+
+
+EXPORTED = {"no_grad block": PartlyNoGrad, "penalty": Penalised}
+
+
+def exported_across(rank: int, world: int, name: str) -> dict[str, Any]:
     """A model captured by torch.export, across processes: each rank keeps its own stages'
     tensors only, and a step gives the plain model's loss and gradients."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
-    model = PartlyNoGrad().double()
+    model = EXPORTED[name]().double()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, schedule="1f1b", timeout=30)
@@ -394,7 +410,7 @@ def exported_across(rank: int, world: int) -> dict[str, Any]:
     theirs = dict(reference.named_parameters())
     held = {name: p for name, p in pipe.named_parameters() if not p.is_meta}
     torch.manual_seed(1)
-    plain = PartlyNoGrad()
+    plain = EXPORTED[name]()
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as the README says to compile it for autocast
         under = compile_pipeline(copy.deepcopy(plain), x.float(), mesh=mesh, chunks=2, timeout=30)
         autocast_loss = float(under.train_step(x.float(), target=y.float(), loss_fn=F.mse_loss))

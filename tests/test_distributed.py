@@ -138,13 +138,15 @@ def test_a_pipeline_dropped_after_a_refused_call_leaves_the_next_one_exact() -> 
         assert max(found) <= TOL, found
 
 
-def test_a_model_captured_by_torch_export_trains_across_processes_each_rank_holding_its_own() -> None:
-    first, second = results_of(spawn_ranks(cases.exported_across, 2, timeout=120))
+@pytest.mark.parametrize("name", list(cases.EXPORTED))
+def test_a_model_captured_by_torch_export_trains_across_processes_each_rank_holding_its_own(name: str) -> None:
+    first, second = results_of(spawn_ranks(cases.exported_across, 2, name, timeout=120))
     for report in (first, second):
         assert "torch.export" in report["note"], report["note"]
         assert report["loss"] <= TOL and report["grads"] <= TOL and not report["no_grads"], report
         assert report["autocast"] <= 2e-2, "compiled under bfloat16 autocast, it trains under it"
-        assert report["held"] and report["freed"] and not set(report["held"]) & set(report["freed"]), report
+        assert report["held"] and not set(report["held"]) & set(report["freed"]), report
+        assert report["freed"] or name == "penalty", "the penalty reads every parameter on the last rank"
     assert set(first["held"]) | set(second["held"]) == set(first["held"]) | set(first["freed"])
 
 

@@ -779,3 +779,26 @@ def test_a_loss_through_a_tensor_a_module_stored_is_refused_in_backward(checkpoi
     pipe(x).sum().backward()  # without the stored tensor in the loss, exact
     expected.sum().backward()
     assert_grads_equal(pipe, reference)
+
+
+_SHIFT = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)  # a global the forward reads
+
+
+class _ReadsAGlobal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) + _SHIFT)
+
+
+def test_compiling_leaves_no_constant_of_the_trace_on_the_model() -> None:
+    """torch.fx stores the tensors its trace meets as constants on the traced module: before,
+    the user's model kept `_tensor_constant0` after compiling."""
+    model = _ReadsAGlobal().double()
+    before = set(vars(model))
+    pipe = compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    assert set(vars(model)) == before
+    x = torch.randn(6, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
