@@ -389,7 +389,7 @@ def compile_pipeline(
     checkpoint: str = "except_last",
     split_points: Optional[Sequence[str]] = None,
     balance: Union[None, str, Sequence[int]] = None,
-    leaf_modules: Iterable[LeafSpec] = (),
+    leaf_modules: Union[None, LeafSpec, Iterable[LeafSpec]] = (),
     device_memory: Union[None, float, Sequence[float]] = None,
     param_scale: float = 4.0,
     bandwidth: Optional[float] = None,
@@ -443,7 +443,7 @@ def compile_pipeline(
     placement = _placement(devices, mesh, timeout)
     given = devices if placement is None else [placement.device] * placement.size
     assert given is not None
-    leaf_modules = list(leaf_modules)
+    leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
     problems = _model_problems(model, leaf_modules)
     parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]

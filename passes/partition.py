@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import difflib
 import itertools
 import math
 from typing import Any, Optional, Sequence
@@ -24,13 +25,25 @@ def refuse(problems: list[str], fix: str) -> None:
         raise PartitionError("cannot partition the graph:\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{fix}")
 
 
-def belongs_to(node: fx.Node, module: str) -> bool:
-    """Whether `node` runs inside the module with qualified name `module`."""
+def _scopes(node: fx.Node) -> list[str]:
+    """The qualified names of the modules `node` runs inside."""
     scopes = [str(node.meta.get("scope", ""))]
     if node.op == "call_module":
         scopes.append(str(node.target))
     scopes.extend(path for path, _ in node.meta.get("nn_module_stack", {}).values())
-    return any(s == module or s.startswith(module + ".") for s in scopes)
+    return scopes
+
+
+def belongs_to(node: fx.Node, module: str) -> bool:
+    """Whether `node` runs inside the module with qualified name `module`."""
+    return any(s == module or s.startswith(module + ".") for s in _scopes(node))
+
+
+def _modules_like(order: Sequence[fx.Node], name: str) -> str:
+    """A hint naming the modules of the graph closest to `name` (a misspelt or renamed one)."""
+    names = {scope for node in order for scope in _scopes(node) if scope}
+    close = difflib.get_close_matches(name, sorted(names), n=3)
+    return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
 
 def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str], stages: int) -> list[int]:
@@ -45,7 +58,7 @@ def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str]
     for name in split_points:
         first = next((i for i, node in enumerate(order) if belongs_to(node, name)), None)
         if first is None:
-            problems.append(f"split point {name!r} is not a module that runs in the traced graph")
+            problems.append(f"split point {name!r} is not a module that runs in the traced graph{_modules_like(order, name)}")
         elif first == 0:
             problems.append(f"split point {name!r} is where the graph begins; stage 0 would be empty")
         else:

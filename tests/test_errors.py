@@ -53,6 +53,20 @@ def test_all_argument_problems_are_listed_together() -> None:
 def test_split_point_that_is_not_a_module() -> None:
     with pytest.raises(PartitionError, match="split point 'fourth' is not a module that runs in the traced graph"):
         compile_pipeline(Nest(), X, ["cpu", "cpu"], split_points=["fourth"])
+    with pytest.raises(PartitionError, match=r"split point 'secnd.0' is not a module that runs in the traced graph \(did you mean 'second.0'"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], split_points=["secnd.0"])
+
+
+@pytest.mark.parametrize("leaves", [None, "second", Nest, ["second"]], ids=["None", "a name", "a type", "a list"])
+def test_leaf_modules_may_be_none_one_name_or_type_or_a_list(leaves: Any) -> None:
+    """Before, None failed inside compile_pipeline ('NoneType' object is not iterable) and a lone
+    name was taken for a list of its letters."""
+    model = nn.Sequential(Nest(), nn.Linear(6, 6)) if leaves is Nest else Nest()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=leaves)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=0)
+    if leaves is not None:
+        kept = [n for n in pipe.program().graph.graph.nodes if n.op == "call_module"]
+        assert {str(n.target) for n in kept} & {"second", "0"}, [str(n.target) for n in kept]
 
 
 def test_split_points_out_of_order() -> None:
