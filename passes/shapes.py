@@ -110,11 +110,23 @@ class _Recorder(fx.Interpreter):
                     value = super().run_node(n)
                 flops = counter.flops
             except Exception:  # noqa: BLE001 - a fused path that counting breaks (TransformerEncoderLayer's, autocast)
-                value = super().run_node(n)
+                value = self._run_uncounted(n)
                 flops = self.estimated_flops(n)
         if n.op != "output":
             n.meta.update(_describe(value), flops=flops)
         return value
+
+    def _run_uncounted(self, n: fx.Node) -> Any:
+        """`n` run without counting; with grad on where it fails without: nn.TransformerEncoder's
+        inference fast path (taken under no_grad, given a padding mask) fails under autocast,
+        where the path the model trains on runs."""
+        try:
+            return super().run_node(n)
+        except Exception:
+            if torch.is_grad_enabled():
+                raise
+            with torch.enable_grad():
+                return super().run_node(n)
 
     def estimated_flops(self, n: fx.Node) -> int:
         """Two per parameter per row of the first input (a module's matmuls), where they cannot

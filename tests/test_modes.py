@@ -459,3 +459,32 @@ def test_a_fused_transformer_layer_compiles_under_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
         torch.testing.assert_close(pipe(x), torch.cat([model(half) for half in x.chunk(2)]), rtol=0, atol=0)
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(self.enc(self.inp(x), src_key_padding_mask=mask))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_an_encoder_given_a_padding_mask_compiles_under_autocast() -> None:
+    """Before, compiling ran the encoder under no_grad, where torch takes its inference fast path,
+    which fails under autocast ('expected scalar type Float but found BFloat16'); the plain model
+    runs there with grad on, and so does the pipeline."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    x, mask = torch.randn(8, 5, 6), torch.zeros(8, 5, dtype=torch.bool)
+    mask[::2, 3:] = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe = compile_pipeline(model, (x, mask), ["cpu"] * 2, chunks=2)
+        out = pipe(x, mask)
+        expected = torch.cat([model(a, b) for a, b in zip(x.chunk(2), mask.chunk(2))])
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
