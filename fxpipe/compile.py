@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from fxpipe.frontend import Traced, to_graph
+from fxpipe.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
 from fxpipe.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.passes.assignments import assignments_recorded
@@ -466,7 +466,11 @@ def compile_pipeline(
         bound = traced.bind(example_args, example_kwargs)
         inputs = tuple(bound.values())
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
-        propagate_shapes(gm, inputs)
+        try:
+            propagate_shapes(gm, inputs)
+        except Exception:
+            refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
+            raise
         split = spec_dims(signature, spec, example_args, example_kwargs)
         annotate_batch_dims(gm, inputs, chunks, split)
         _check_example_micro_batches(traced, bound, chunks, split)  # after the halves' check, which names the fix

@@ -267,7 +267,7 @@ def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[
             try:
                 problem = check_graph(model, gm, example, inputs, kwargs)
             except Exception:  # the model itself fails on the example (the graph's failures are problems)
-                _refuse_an_example_the_model_refuses(model, example, kwargs)
+                refuse_an_example_the_model_refuses(model, example, kwargs)
                 raise
         if problem is not None:
             return f"its graph (traced in {'training' if training else 'eval'} mode) {problem}"
@@ -500,9 +500,10 @@ def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kw
     return hooks.count
 
 
-def _refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """When neither front end captures the model: whether the model itself runs on the example
-    (a float32 example for a float64 model, say), which neither could then."""
+def refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """When neither front end captures the model, or its graph fails on the example: whether the
+    model itself runs on the example (a float32 example for a float64 model, an inference tensor
+    forward writes in place), which no graph of it could then."""
     if is_on_meta(model):  # shapes only: a check of values fails there, and is not the example's fault
         return
     try:
@@ -573,7 +574,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
             )
         traced = _by_export(model, example, kwargs, chunks)
     except _Rejected as export_failure:
-        _refuse_an_example_the_model_refuses(model, example, kwargs)
+        refuse_an_example_the_model_refuses(model, example, kwargs)
         raise TraceError(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"

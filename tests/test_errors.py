@@ -899,3 +899,22 @@ def test_a_library_function_that_refuses_a_proxy_is_named_with_torch_fx_wrap_as_
     fx_reason = str(refused.value).split("torch.export:")[0]
     assert "Tensor type unknown to the library" in fx_reason
     assert "register the function with torch.fx.wrap" in fx_reason and "control flow" not in fx_reason
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return self.a(x)
+
+
+def test_an_example_the_model_itself_fails_on_after_tracing_is_named_so() -> None:
+    """An inference tensor written in place traces, and the graph then fails on it as the model
+    does: before, the error was torch.fx's interpreter's, with no fix."""
+    with torch.inference_mode():
+        x = torch.randn(8, 6)
+    with pytest.raises(ValueError, match=r"(?s)_WritesItsInput does not run on the example: RuntimeError: Inplace update to inference tensor.*How to fix"):
+        compile_pipeline(_WritesItsInput(), x, ["cpu", "cpu"], chunks=2)
