@@ -308,14 +308,40 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     return compile_and_restore
 
 
-def _check_example_micro_batches(traced: Traced, bound: dict[str, Any], chunks: int, split: Dims) -> None:
-    """torch.export's guards on the example's micro-batches (a branch on the batch size)."""
+def _check_example_micro_batches(
+    traced: Traced, bound: dict[str, Any], chunks: int, split: Dims, model: nn.Module, example: tuple[tuple[Any, ...], dict[str, Any]]
+) -> None:
+    """torch.export's guards on the example's micro-batches (a branch on the batch size). A guard
+    may be the model's own check of its input (BatchNorm's more than one value per channel):
+    where the model itself fails on a micro-batch, that failure is named."""
     batch = batch_size_of(list(bound.values()), split)
     if traced.check_micro_batch is None or chunks == 1 or batch is None:
         return
     sizes = split_sizes(batch, chunks)
     pieces = {name: scatter(value, sizes, batch, split) for name, value in bound.items()}
-    traced.check_micro_batch([{name: pieces[name][i] for name in bound} for i in range(len(sizes))])
+    try:
+        traced.check_micro_batch([{name: pieces[name][i] for name in bound} for i in range(len(sizes))])
+    except Exception:
+        if not split and not is_on_meta(model):
+            _refuse_micro_batches_the_model_refuses(model, example, sizes, batch)
+        raise
+
+
+def _refuse_micro_batches_the_model_refuses(model: nn.Module, example: tuple[tuple[Any, ...], dict[str, Any]], sizes: list[int], batch: int) -> None:
+    """The model itself, run on each micro-batch of the example (split along dim 0): its failure
+    on one, named, if it fails."""
+    for i, size in enumerate(sizes):
+        start = sum(sizes[:i])
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t[start:start + size] if t.dim() and t.shape[0] == batch else t, example)
+        try:
+            with torch.no_grad(), preserved(model):
+                model(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - named in the refusal
+            raise ValueError(
+                f"{type(model).__name__} does not run on micro-batch {i} of the example ({size} of its {batch} samples): "
+                f"{type(e).__name__}: {e}\nHow to fix: fewer chunks, or a larger batch, so that each micro-batch is one "
+                "the model takes (BatchNorm in training mode needs more than one value per channel)."
+            ) from e
 
 
 def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> None:
@@ -473,7 +499,7 @@ def compile_pipeline(
             raise
         split = spec_dims(signature, spec, example_args, example_kwargs)
         annotate_batch_dims(gm, inputs, chunks, split)
-        _check_example_micro_batches(traced, bound, chunks, split)  # after the halves' check, which names the fix
+        _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the halves' check
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
         traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]

@@ -101,6 +101,22 @@ class BranchesOnTheBatch(nn.Module):
         return self.b(h)
 
 
+class NormedThenBranches(BranchesOnTheBatch):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x))
+
+
+def test_a_micro_batch_the_model_itself_refuses_is_named_so_not_as_a_branch() -> None:
+    """A micro-batch of one sample fails torch.export's guard, and BatchNorm itself refuses it:
+    before, the refusal blamed a branch on the batch size and advised torch.where."""
+    with pytest.raises(ValueError, match=r"(?s)NormedThenBranches does not run on micro-batch 0 of the example \(1 of its 8 samples\): ValueError: Expected more than 1 value per channel.*How to fix: fewer chunks"):
+        quietly(NormedThenBranches().double(), torch.randn(8, 6, dtype=torch.float64), ["cpu"] * 2, chunks=8)
+
+
 def test_a_branch_on_the_batch_size_is_checked_for_each_micro_batch() -> None:
     """Before, the stages ran micro-batches of 4 down the branch of the whole batch of 8."""
     with pytest.raises(ValueError, match=r"(?s)a micro-batch differs: Guard failed: x.size\(\)\[0\] >= 5.*  - x: shape \(4, 6\).*How to fix"):
