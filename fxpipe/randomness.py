@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.scoped import scoped
 
 _MASK = (1 << 64) - 1
 # Guards the swap of a device's default generator, for random ops that take no generator.
@@ -80,12 +81,8 @@ class TaskStream:
 @contextmanager
 def task_stream(stream: TaskStream) -> Iterator[None]:
     """Random ops rewritten by `draw_from_task_streams` draw from `stream` on this thread."""
-    previous = getattr(_local, "stream", None)
-    _local.stream = stream
-    try:
+    with scoped(_local, "stream", stream):
         yield
-    finally:
-        _local.stream = previous
 
 
 def _generator(device: torch.device) -> Optional[torch.Generator]:

@@ -27,6 +27,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from fxpipe.passes.scoped import scoped
+
 _local = threading.local()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are the model's code
@@ -116,12 +118,8 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
 def unnoted() -> Iterator[None]:
     """Within this block, no read is noted: the model's code that runs is not the trace's (its
     `train()` override reading `self.training`, as a mode is set for the next trace)."""
-    previous = getattr(_local, "reads", None)
-    _local.reads = None
-    try:
+    with scoped(_local, "reads", None):
         yield
-    finally:
-        _local.reads = previous
 
 
 def _wrap(cls: type, wrapped: list[tuple[type, Optional[Any]]]) -> None:

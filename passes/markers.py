@@ -18,6 +18,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxpipe.passes.scoped import scoped
+
 _library = torch.library.Library("fxpipe", "DEF")
 _library.define("pipe_split() -> ()")
 _library.impl("pipe_split", lambda: None, "CompositeExplicitAutograd")
@@ -41,12 +43,8 @@ def pipe_split() -> None:
 @contextmanager
 def marking(tracer: fx.Tracer) -> Iterator[None]:
     """While `tracer` traces on this thread, `pipe_split()` records a node in its graph."""
-    previous = getattr(_local, "tracer", None)
-    _local.tracer = tracer
-    try:
+    with scoped(_local, "tracer", tracer):
         yield
-    finally:
-        _local.tracer = previous
 
 
 def is_split(node: fx.Node) -> bool:
