@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from fxpipe.passes.attrs import COMPUTE_OPS
 from fxpipe.passes.inplace import written_arguments
+from fxpipe.passes.state import reads_written_state
 
 __all__ = ["COMPUTE_OPS", "linearize", "open_bytes"]
 
@@ -71,11 +72,12 @@ def linearize(gm: fx.GraphModule) -> list[fx.Node]:
     attributes are read in every stage that uses them, and the output is gathered at the end.
     Of the traced order (which follows the model's forward and keeps a module's nodes together)
     and a greedy order that closes open values early, the one with fewer `open_bytes` is taken;
-    a graph that writes tensors in place (`relu_`, `aten.fill_.Scalar`, `out=`) keeps the traced
-    order, which its reads rely on: a read before a write has no edge to the write that says so.
+    a graph that writes tensors in place (`relu_`, `aten.fill_.Scalar`, `out=`), or reads by name
+    a buffer another node writes (a running mean read after its norm), keeps the traced order,
+    which its reads rely on: a read before a write has no edge to the write that says so.
     """
     traced = [node for node in gm.graph.nodes if node.op in COMPUTE_OPS]
-    if any(written_arguments(gm, node) for node in traced):
+    if any(written_arguments(gm, node) for node in traced) or reads_written_state(gm, traced):
         return traced
     greedy = _greedy(gm, traced)
     return greedy if open_bytes(greedy) < open_bytes(traced) else traced

@@ -140,6 +140,18 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tenso
     return found
 
 
+def reads_written_state(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
+    """Whether a node reads a buffer that another node writes (a running mean read by name, or
+    its copy made after the norm): no edge orders the two, so only the traced order does."""
+    writes = [_buffers_written(gm, node) for node in nodes]
+    written = {id(tensor) for found in writes for tensor in found.values()}
+    return bool(written) and any(
+        id(tensor) in written and id(tensor) not in {id(t) for t in own.values()}
+        for node, own in zip(nodes, writes)
+        for tensor in tensors_read(gm, node).values()
+    )
+
+
 def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """Each in-place write through a view: the writer, the `written` node that carries the write
     on, and the views it writes through, which one stage must run together."""
