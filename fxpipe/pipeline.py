@@ -621,8 +621,11 @@ class Pipeline(nn.Module):
 
     # -- modes, copies, lifetime -------------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":
-        self._owner.training = mode  # the model's own forward reads its flag too
-        return super().train(mode)
+        # The model's own train(), overrides and all (a norm it keeps frozen, dropout it keeps on):
+        # the pipeline's children are the model's, and its forward reads the flags they set.
+        self._owner.train(mode)
+        self.training = mode
+        return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers."""
