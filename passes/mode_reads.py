@@ -21,7 +21,7 @@ from fxpipe.passes.attribute_reads import from_the_model
 
 _QUERIES = ("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled", "get_autocast_gpu_dtype", "get_autocast_cpu_dtype")
 
-ModeReads = dict[tuple[str, tuple[Any, ...]], Any]
+ModeReads = dict[tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]], Any]  # query, args, kwargs: answer
 
 
 @contextmanager
@@ -35,10 +35,10 @@ def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
     put_back = [(home, key, home[key]) for home in homes for key in list(home) if _query_name(home[key], originals)]
 
     def noting(name: str, query: Callable[..., Any]) -> Callable[..., Any]:
-        def noted(*args: Any) -> Any:
-            answer = query(*args)
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            answer = query(*args, **kwargs)
             if threading.get_ident() == thread and from_the_model(sys._getframe(1).f_code.co_filename):
-                read.setdefault((name, args), answer)
+                read.setdefault((name, args, tuple(sorted(kwargs.items()))), answer)
             return answer
 
         return noted
@@ -71,9 +71,9 @@ def _aliasing(model: nn.Module, originals: dict[str, Any]) -> list[dict[str, Any
 def modes_changed(read: ModeReads) -> list[str]:
     """Of `read`, each query whose answer differs now, as `torch.query(args): then -> now`."""
     changed = []
-    for (name, args), answer in read.items():
-        now = getattr(torch, name)(*args)
+    for (name, args, kwargs), answer in read.items():
+        now = getattr(torch, name)(*args, **dict(kwargs))
         if now != answer:
-            shown = ", ".join(map(repr, args))
+            shown = ", ".join([*map(repr, args), *(f"{key}={value!r}" for key, value in kwargs)])
             changed.append(f"torch.{name}({shown}): {answer!r} when traced, {now!r} now")
     return changed

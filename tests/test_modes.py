@@ -411,7 +411,7 @@ def test_a_forward_that_asks_about_autocast_is_refused_under_another_autocast(co
 class AsksThroughItsOwnName(UpcastsUnderAutocast):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        if autocast_on("cpu"):  # imported under a name of its own: `from torch import ...`
+        if autocast_on(device_type="cpu"):  # imported under a name of its own: `from torch import ...`
             h = h.float() * 2
         return self.b(h)
 
@@ -424,7 +424,7 @@ def test_an_autocast_question_asked_through_a_name_imported_from_torch_is_watche
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
     assert globals()["autocast_on"] is torch.is_autocast_enabled, "the name is put back"
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with pytest.raises(RuntimeError, match=r"torch.is_autocast_enabled\('cpu'\): False when traced, True now"):
+        with pytest.raises(RuntimeError, match=r"torch.is_autocast_enabled\(device_type='cpu'\): False when traced, True now"):
             pipe(x)
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
 
