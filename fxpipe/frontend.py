@@ -428,7 +428,7 @@ def to_graph(
         _refuse_containers_filled_at_random(model, example, kwargs)
     traced.stored_with_grad = stable.differentiable
     if traced.reads is not None:
-        traced.attributes = values_of(model, traced.reads.values[True] | traced.reads.values[False])
+        traced.attributes = values_of(model, traced.reads)
     _warn_of_containers_left(model, traced, stable.filled)
     return traced
 

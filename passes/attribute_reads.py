@@ -8,11 +8,14 @@ the length of a trace `__getattribute__` of the model's module classes is wrappe
 themselves: no new class, so `type(self)` and registries are untouched) to note the reads the
 model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads'). The
 settings objects the modules hold (a config, a dataclass of options) are wrapped alike when first
-read, so that their attributes are watched under the path they were read by
-(`transformer.config.output_hidden_states`).
+read (their `__getattr__` too, for configs that answer through it), so that their attributes are
+watched under every path they were read by (`transformer.config.output_hidden_states`). Of a
+dict, the entries read are watched (passes/dict_reads.py). A value forward itself changes while
+traced (a counter) is no setting, and is not watched.
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import enum
 import functools
@@ -27,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from fxpipe.passes.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
 from fxpipe.passes.scoped import scoped
 
 _local = threading.local()
@@ -44,10 +48,14 @@ def from_the_model(filename: str) -> bool:
     return not filename.startswith((_TORCH, _PASSES, ours))
 
 
+# Above this many entries a dict read whole is not watched: comparing it would slow every call.
+WATCHED_ENTRIES = 1000
+
+
 def plain(value: Any) -> bool:
     """A value a graph holds as a constant: None, a number, a string, a tuple, list or dict of them."""
     if type(value) is dict:
-        return all(plain(key) and plain(entry) for key, entry in value.items())
+        return len(value) <= WATCHED_ENTRIES and all(plain(key) and plain(entry) for key, entry in value.items())
     return value is None or type(value) in (bool, int, float, str) or (type(value) in (tuple, list) and all(map(plain, value)))
 
 
@@ -55,63 +63,99 @@ _NOT_SETTINGS = (nn.Module, torch.Tensor, type, enum.Enum, types.ModuleType, typ
                  types.BuiltinFunctionType, functools.partial)
 
 
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose lookup can be wrapped
+
+
 def settings(value: Any) -> bool:
-    """An object whose attributes a forward may read as settings (a config, a dataclass of options):
-    an instance of a class of the model's libraries (not torch's, nor Python's: a logger's level
-    is no setting of the model), neither a module, tensor, function nor class."""
-    home = (getattr(type(value), "__module__", None) or "builtins").partition(".")[0]
-    return hasattr(value, "__dict__") and not isinstance(value, _NOT_SETTINGS) and home != "torch" and home not in sys.stdlib_module_names
+    """An object whose attributes a forward may read as settings (a config, a dataclass of options,
+    an argparse.Namespace): an instance of a Python class of the model's libraries (not torch's,
+    nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
+    function nor class. Decided on its class alone: the object's own lookup is not run."""
+    cls = type(value)
+    home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
+    ours = home != "torch" and (home not in sys.stdlib_module_names or cls is argparse.Namespace)
+    return bool(cls.__flags__ & _HEAP_TYPE) and ours and not isinstance(value, _NOT_SETTINGS)
+
+
+Wrapped = list[tuple[type, str, Optional[Any]]]  # a class, the lookup wrapped, its own (None: inherited)
 
 
 @dataclass
 class Reads:
     """What the traces read, by the mode each was traced in (`begin(mode)` before each)."""
 
-    paths: dict[int, str]  # the modules', and the settings objects' read so far
+    paths: dict[int, list[str]]  # of the modules (their first name), and of the settings objects read so far
     mode: bool = True
-    wrapped: list[tuple[type, Optional[Any]]] = field(default_factory=list)  # classes and their own lookup
+    wrapped: Wrapped = field(default_factory=list)
     held: list[Any] = field(default_factory=list)  # the settings objects in `paths`, alive so that no id is reused
     values: dict[bool, set[str]] = field(default_factory=lambda: {True: set(), False: set()})  # plain, qualified
     training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
+    keys: KeysRead = field(default_factory=KeysRead)  # of the dicts among `values`
+    first: dict[str, Any] = field(default_factory=dict)  # each plain value as first read
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
 
-    def note(self, module: Any, name: str, value: Any) -> None:
-        path = self.paths.get(id(module))
-        if path is None or not from_the_model(sys._getframe(2).f_code.co_filename):
-            return
+    def note(self, owner: Any, name: str, value: Any) -> Any:
+        """Note that the model's code read `owner.name`; returns what the code gets (a dict as
+        a `DictReads`)."""
+        paths = self.paths.get(id(owner))
+        if not paths or not from_the_model(sys._getframe(2).f_code.co_filename):
+            return value
         if name == "training":
-            self.training[self.mode].setdefault(path, bool(value))
-        elif plain(value) and not (self.mode is False and isinstance(module, nn.modules.dropout._DropoutNd)):
-            self.values[self.mode].add(f"{path}.{name}" if path else name)  # (torch's dropout is the identity in eval)
-        elif settings(value) and id(value) not in self.paths:
-            self.paths[id(value)] = f"{path}.{name}" if path else name
-            self.held.append(value)
-            _wrap(type(value), self.wrapped)
+            self.training[self.mode].setdefault(paths[0], bool(value))
+            return value
+        names = [f"{path}.{name}" if path else name for path in paths]
+        if plain(value) and not (self.mode is False and isinstance(owner, nn.modules.dropout._DropoutNd)):
+            self.values[self.mode].update(names)  # (torch's dropout is the identity in eval)
+            if type(value) is dict:
+                return DictReads(value, self.keys, names)
+            for qualified in names:
+                self.first.setdefault(qualified, copy.deepcopy(value))
+        elif settings(value):
+            self._reached(value, names)
+        return value
+
+    def _reached(self, settings: Any, names: list[str]) -> None:
+        """`settings` read under `names`: watched under each, what was read of it under another
+        name too."""
+        known = self.paths.setdefault(id(settings), [])
+        if not known:
+            self.held.append(settings)
+            _wrap(type(settings), self.wrapped, answers_missing=True)
+        for name in names:
+            if name in known:
+                continue
+            if known:
+                self._copy_reads(known[0], name)
+            known.append(name)
+
+    def _copy_reads(self, old: str, new: str) -> None:
+        for values in self.values.values():
+            values.update([new + name[len(old):] for name in values if name.startswith(old + ".")])
+        for table in (self.first, self.keys.read, self.keys.written):
+            table.update({new + name[len(old):]: v for name, v in list(table.items()) if name.startswith(old + ".")})  # type: ignore[attr-defined]
 
 
 @contextmanager
 def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
     """Within this block, the reads of public attributes of `model`'s modules, by this thread's
     model code, are noted in the `Reads` the block gets."""
-    paths: dict[int, str] = {}
+    paths: dict[int, list[str]] = {}
     for path, module in model.named_modules():
-        paths.setdefault(id(module), path)
+        paths.setdefault(id(module), [path])
     reads = Reads(paths)
-    previous = getattr(_local, "reads", None)
-    _local.reads = reads
     try:
-        for cls in dict.fromkeys(type(m) for m in model.modules()):
-            _wrap(cls, reads.wrapped)
-        yield reads
+        with scoped(_local, "reads", reads):
+            for cls in dict.fromkeys(type(m) for m in model.modules()):
+                _wrap(cls, reads.wrapped)
+            yield reads
     finally:
-        for cls, own in reversed(reads.wrapped):
+        for cls, lookup, own in reversed(reads.wrapped):
             if own is None:
-                delattr(cls, "__getattribute__")
+                delattr(cls, lookup)
             else:
-                setattr(cls, "__getattribute__", own)
-        _local.reads = previous
+                setattr(cls, lookup, own)
 
 
 @contextmanager
@@ -122,29 +166,33 @@ def unnoted() -> Iterator[None]:
         yield
 
 
-def _wrap(cls: type, wrapped: list[tuple[type, Optional[Any]]]) -> None:
-    """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in `wrapped`."""
-    if any(done is cls for done, _ in wrapped):
+def _wrap(cls: type, wrapped: Wrapped, answers_missing: bool = False) -> None:
+    """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in
+    `wrapped`; with `answers_missing`, its `__getattr__` too, if it has one."""
+    if any(done is cls for done, _, _ in wrapped):
         return
-    own = cls.__dict__.get("__getattribute__")
-    try:
-        setattr(cls, "__getattribute__", _noting(cls, own))
-    except TypeError:  # a class that cannot be changed: its reads go unnoted
-        return
-    wrapped.append((cls, own))
+    lookups = ["__getattribute__", *(["__getattr__"] if answers_missing and hasattr(cls, "__getattr__") else [])]
+    for lookup in lookups:
+        own = cls.__dict__.get(lookup)
+        try:
+            setattr(cls, lookup, _noting(cls, lookup, own))
+        except TypeError:  # a class that cannot be changed: its reads go unnoted
+            return
+        wrapped.append((cls, lookup, own))
 
 
-def _noting(cls: Any, own: Optional[Any]) -> Callable[[Any, str], Any]:
-    """`cls`'s attribute lookup (its own, or what it inherits), noting public reads."""
+def _noting(cls: Any, lookup: str, own: Optional[Any]) -> Callable[[Any, str], Any]:
+    """`cls`'s attribute lookup `lookup` (its own, or what it inherits), noting public reads."""
 
-    def __getattribute__(self: Any, name: str) -> Any:
-        value = own(self, name) if own is not None else super(cls, self).__getattribute__(name)
+    def noted(self: Any, name: str) -> Any:
+        value = own(self, name) if own is not None else getattr(super(cls, self), lookup)(name)
         reads = getattr(_local, "reads", None)
         if reads is not None and name[0] != "_":
-            reads.note(self, name, value)
+            return reads.note(self, name, value)
         return value
 
-    return __getattribute__
+    noted.__name__ = lookup
+    return noted
 
 
 def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[str, str]]:
@@ -163,11 +211,12 @@ def read(owner: Any, attribute: str) -> Any:
     return functools.reduce(getattr, attribute.split("."), owner) if "." in attribute else getattr(owner, attribute)
 
 
-def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
-    """What `model` holds now under each of the qualified `names` that is a plain value."""
+def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
+    """What `model` holds now under each qualified name `reads` noted that is a plain value (of a
+    dict, its entries read), but for values forward itself changed while traced."""
     modules = dict(model.named_modules())
     found = {}
-    for qualified in sorted(names):
+    for qualified in sorted(reads.values[True] | reads.values[False]):
         held = holder(modules, qualified)
         if held is None:
             continue
@@ -175,7 +224,13 @@ def values_of(model: nn.Module, names: set[str]) -> dict[str, Any]:
             value = read(modules[held[0]], held[1])
         except Exception:  # noqa: BLE001 - gone since, or a property that fails now: nothing to watch
             continue
-        if plain(value):
+        if not plain(value) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
+            continue
+        keys = reads.keys.watched(qualified) if type(value) is dict else WHOLE
+        if keys is not WHOLE:
+            if keys:
+                found[qualified] = Entries(copy.deepcopy(entries(value, keys)))
+        else:
             found[qualified] = copy.deepcopy(value)  # a list may be written in place
     return found
 
@@ -192,7 +247,14 @@ def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
             now = read(module, name)
         except Exception:  # noqa: BLE001 - deleted, or a property that fails now
             now = _MISSING
-        kept = now is value or now == value or (now != now and value != value)  # a NaN that stays NaN too
-        if now is _MISSING or type(now) is not type(value) or not kept:
+        if isinstance(value, Entries) and type(now) is dict:
+            found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
+                      if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
+        elif now is _MISSING or isinstance(value, Entries) or not _kept(now, value):
             found.append(f"{qualified} ({value!r} -> {'deleted' if now is _MISSING else repr(now)})")
     return found
+
+
+def _kept(now: Any, then: Any) -> bool:
+    """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN."""
+    return type(now) is type(then) and (now is then or now == then or (now != now and then != then))

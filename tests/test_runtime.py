@@ -533,17 +533,84 @@ def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exp
     assert "__getattribute__" not in vars(_Options) and vars(_MappedConfig)["__getattribute__"] is _MappedConfig.__getattribute__
     assert _MappedConfig.__getattribute__.__qualname__ == "_MappedConfig.__getattribute__"
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
-    expected = {"options.scale": "2.0 -> 3.0", "options.gates": "{'a': 1.0, 'b': 0.5} -> {'a': 3.0, 'b': 0.5}", "config.width_scale": "0.5 -> 3.0"}
+    options.gates["b"], options.gates["c"] = 4.0, 1.0  # entries the graph never read: free to change
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    expected = {"options.scale": "2.0 -> 3.0", "options.gates": "1.0 -> 3.0", "config.width_scale": "0.5 -> 3.0"}
     if change == "options.scale":
         options.scale = 3.0
     elif change == "options.gates":
         options.gates["a"] = 3.0
     else:
         config.scale = 3.0
-    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{change} ({expected[change]})")):
+    shown = f"{change}['a']" if change == "options.gates" else change
+    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{shown} ({expected[change]}), 2.{shown}")):
         pipe(x)
     options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5  # back: the pipeline runs again
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    second = model[2]
+    assert isinstance(second, _Configured)
+    second.options = _Options(scale=5.0)  # one of the two holders given another: watched under each path
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 2.options.scale (2.0 -> 5.0)")):
+        pipe(x)
+
+
+class _AttrConfig:
+    """A config that answers through __getattr__ (an attribute dict)."""
+
+    def __init__(self, **values: float) -> None:
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> float:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+@dataclasses.dataclass
+class _State:
+    calls: int = 0
+
+
+class _KeepsBooks(nn.Module):
+    """A scale from a config answering through __getattr__; a cache of plain values forward fills;
+    a call counter forward keeps in a settings object; a step counter beside a setting in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.config, self.state = nn.Linear(4, 4), _AttrConfig(scale=2.0), _State()
+        self.cache: dict[int, float] = {}
+        self.hp = {"shift": 0.5, "step": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.calls += 1
+        n = x.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = n**-0.5
+        return self.lin(x) * self.config.scale * self.cache[n] + self.hp["shift"]
+
+
+@pytest.mark.filterwarnings("ignore:Sequential's forward changes the contents")
+def test_what_forward_itself_writes_is_not_watched_and_what_it_reads_is() -> None:
+    """Before, the whole dict was watched (a step counter beside the setting, or the cache filled
+    by a call of the plain model, refused every later call), so was a counter forward keeps; and
+    a config answering through __getattr__ went unwatched (1.3 off after a change)."""
+    model = nn.Sequential(_KeepsBooks(), nn.Tanh(), nn.Linear(4, 4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    books = model[0]
+    assert isinstance(books, _KeepsBooks)
+    books.hp["step"] += 1
+    books.state.calls = 0
+    expected = model(x)  # fills the cache
+    torch.testing.assert_close(pipe(x), expected, rtol=0, atol=1e-12)
+    books.hp["shift"] = 1.5
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.hp['shift'] (0.5 -> 1.5)")):
+        pipe(x)
+    books.hp["shift"] = 0.5
+    books.config._values["scale"] = 3.0
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.config.scale (2.0 -> 3.0)")):
+        pipe(x)
 
 
 class _EvalTemperature(nn.Module):
