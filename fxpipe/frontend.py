@@ -71,14 +71,15 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
     return bind
 
 
-def _none_as_traced(bind: Binder, traced: dict[str, Any]) -> Binder:
+def _none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
     """`bind`, refusing a call that leaves an argument None where the example gave one, or the
     reverse: torch.fx traced the model's `if mask is not None` branch as the example took it."""
     absent = {name for name, value in traced.items() if value is None}
+    argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
 
     def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         values = bind(args, kwargs)
-        differ = sorted(name for name, value in values.items() if (value is None) != (name in absent))
+        differ = sorted(argument.get(name, name) for name, value in values.items() if (value is None) != (name in absent))
         if differ:
             raise TypeError(
                 f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
@@ -308,7 +309,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
         return _by_fx(model, example, kwargs, [*leaves, *wholes])
     binder = signature_binder(graphs[True], model)
-    bind = _none_as_traced(binder, binder(example, kwargs))
+    bind = _none_as_traced(binder, binder(example, kwargs), graphs[True])
     if _check(model, graphs, example, kwargs, bind) is None:
         return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).

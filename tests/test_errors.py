@@ -488,6 +488,24 @@ def test_an_argument_the_example_leaves_none_is_traced_as_none_by_torch_fx(given
         pipe(X, torch.rand(4, 6))
 
 
+class GatedByItsOwnBias(nn.Module):
+    """An argument named like one of its parameters: torch.fx calls its input `bias_1`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bias = nn.Linear(6, 6), nn.Parameter(torch.zeros(6))
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.a(x) + self.bias
+        return h if bias is None else h + bias
+
+
+def test_a_refused_none_argument_is_named_as_forward_names_it() -> None:
+    pipe = compile_pipeline(GatedByItsOwnBias(), X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"this call leaves bias None where the example gave a value, or the reverse"):
+        pipe(X, torch.rand(6))
+
+
 def test_a_call_from_inside_one_of_its_own_stages_is_refused() -> None:
     model = FanOut()
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
