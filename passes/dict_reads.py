@@ -71,6 +71,10 @@ class DictReads(dict):  # type: ignore[type-arg]
         del self._original[key]
         super().__delitem__(key)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:  # a copy (copy.deepcopy in forward) is a plain dict
+        self._read(WHOLE)
+        return (dict, (dict.copy(self),))
+
     def setdefault(self, key: Hashable, default: Any = None) -> Any:
         if not super().__contains__(key):
             self[key] = default
