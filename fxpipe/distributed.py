@@ -9,6 +9,7 @@ one rank is raised on all, and tied weights' gradients are summed among the rank
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import pickle
@@ -267,10 +268,12 @@ def unread(owner: nn.Module, programs: Sequence[Any]) -> list[torch.Tensor]:
     return [t for t in _state(owner) if id(t) not in read]
 
 
-def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None:
+def keep_local_state(owner: nn.Module, programs: Sequence[Any], placement: RankPlacement) -> None:
     """Move every parameter and buffer that no stage of this rank reads to the meta device (what
     no stage reads stays on coordinate 0): the tensor objects stay (and their shapes), their
-    memory goes."""
+    memory goes. If something else holds one on any rank (the autograd graph of an output kept
+    from an earlier forward), every rank puts back what it moved and raises, naming them."""
+    me = placement.me
     kept: set[int] = {id(t) for t in unread(owner, programs)} if me == 0 else set()
     for program in programs:
         kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
@@ -278,10 +281,33 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], me: int) -> None
             if rank == me:
                 kept.update(id(t) for t in program.stage_tensors(index))
     freed = [t for t in _state(owner) if id(t) not in kept and t.device.type != "meta"]
+    gc.collect()  # cycles not yet collected (the frames of a failed trace) may hold one
     release_for_swap(freed)
+    moved, held = [], []
     for tensor in freed:
-        torch.utils.swap_tensors(tensor, _on_meta(tensor))
-    mark_freed(owner, freed)
+        empty = _on_meta(tensor)
+        try:
+            torch.utils.swap_tensors(tensor, empty)
+        except RuntimeError:
+            held.append(tensor)
+            continue
+        moved.append((tensor, empty))
+    names = {id(t): name for name, t in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]}
+    every = gathered(sorted(names.get(id(t), "?") for t in held), placement, "freeing the other ranks' tensors")
+    if any(every):
+        for tensor, empty in reversed(moved):
+            torch.utils.swap_tensors(tensor, empty)  # back as it was
+        raise RuntimeError(_held_refusal(every))
+    mark_freed(owner, [tensor for tensor, _ in moved])
+
+
+def _held_refusal(every: list[list[str]]) -> str:
+    found = "; ".join(f"on rank {rank}: {', '.join(names)}" for rank, names in enumerate(every) if names)
+    return (
+        f"compile_pipeline could not free the tensors of other ranks' stages ({found}): something else "
+        "holds them, such as the autograd graph of an output kept from an earlier forward.\n"
+        "How to fix: drop such outputs before compiling (del out), or compute them under torch.no_grad()."
+    )
 
 
 def _state(owner: nn.Module) -> list[torch.Tensor]:

@@ -113,7 +113,7 @@ class Pipeline(nn.Module):
         also = []
         if where is not None:
             check_state_placement(model, self._programs)
-            keep_local_state(model, programs, where.me)
+            keep_local_state(model, programs, where)
             also = [(t, where.device) for t in unread(model, programs)] if where.me == 0 else []
         materialize(model, programs, self._runs_here, also)
         self.__dict__["_replicas"] = None

@@ -818,6 +818,33 @@ def stale_copies(rank: int, world: int) -> str:
     return "no error"
 
 
+def held_elsewhere(rank: int, world: int) -> dict[str, Any]:
+    """An output of the plain model kept with its graph, which holds the weights every rank would
+    free: every rank refuses, naming them, with nothing moved; compiled again once it is dropped,
+    a step is exact."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    held = model(x)
+    report: dict[str, Any] = {}
+    try:
+        compile_pipeline(model, x, mesh=mesh, chunks=2, timeout=60)
+    except RuntimeError as e:
+        report["refused"] = str(e)
+    report["on meta"] = [name for name, p in model.named_parameters() if p.is_meta]
+    del held
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, timeout=60)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    theirs = dict(reference.named_parameters())
+    report["loss"] = abs(float(loss) - expected.item())
+    report["grads"] = max(_max_diff(p.grad, theirs[name].grad) for name, p in model.named_parameters() if not p.is_meta)
+    return report
+
+
 class EvalScaled(nn.Module):
     """A parameter read in eval mode alone, on the last stage: no training stage holds it."""
 

@@ -308,6 +308,16 @@ def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
         assert "How to fix" in message
 
 
+def test_tensors_held_elsewhere_are_refused_on_every_rank_and_nothing_is_moved() -> None:
+    """Before, torch's swap failed inside compile_pipeline on the ranks whose tensors were held,
+    after moving some of them to the meta device; the other ranks returned a pipeline and waited
+    out their timeout in the first step."""
+    for report in results_of(spawn_ranks(cases.held_elsewhere, 2, timeout=120)):
+        assert "could not free the tensors of other ranks' stages (on rank 0: " in report.get("refused", ""), report
+        assert "on rank 1: " in report["refused"] and "How to fix: drop such outputs" in report["refused"], report
+        assert report["on meta"] == [] and report["loss"] <= TOL and report["grads"] <= TOL, report
+
+
 def test_a_parameter_read_in_eval_mode_alone_is_held_by_the_rank_that_reads_it() -> None:
     found = results_of(spawn_ranks(cases.eval_only_parameter, 2, timeout=120))
     assert "eval" not in found[0] and "eval" in found[1], found
