@@ -111,7 +111,8 @@ class Reads:
             if type(value) is dict:
                 return DictReads(value, self.keys, names)
             for qualified in names:
-                self.first.setdefault(qualified, copy.deepcopy(value))
+                if qualified not in self.first:
+                    self.first[qualified] = copy.deepcopy(value)
         elif settings(value):
             self._reached(value, names)
         return value
@@ -235,9 +236,6 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
     return found
 
 
-_MISSING = object()
-
-
 def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
     """Of `held` (a qualified name, the module, the attribute's path from it and the value it held
     when traced), each whose value changed since, as `name (then -> now)`."""
@@ -246,12 +244,12 @@ def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
         try:
             now = read(module, name)
         except Exception:  # noqa: BLE001 - deleted, or a property that fails now
-            now = _MISSING
+            now = MISSING
         if isinstance(value, Entries) and type(now) is dict:
             found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
-        elif now is _MISSING or isinstance(value, Entries) or not _kept(now, value):
-            found.append(f"{qualified} ({value!r} -> {'deleted' if now is _MISSING else repr(now)})")
+        elif now is MISSING or isinstance(value, Entries) or not _kept(now, value):
+            found.append(f"{qualified} ({value!r} -> {'deleted' if now is MISSING else repr(now)})")
     return found
 
 

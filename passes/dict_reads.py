@@ -112,8 +112,16 @@ def entries(value: dict[Any, Any], keys: set[Hashable]) -> dict[Hashable, Any]:
 
 
 class _Missing:
+    """No value: a key a dict does not hold, an attribute gone. One of it, copies included."""
+
     def __repr__(self) -> str:
         return "missing"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Missing":
+        return self
+
+    def __copy__(self) -> "_Missing":
+        return self
 
 
 MISSING: Any = _Missing()

@@ -587,7 +587,7 @@ class _KeepsBooks(nn.Module):
         n = x.shape[-1]
         if n not in self.cache:
             self.cache[n] = n**-0.5
-        return self.lin(x) * self.config.scale * self.cache[n] + self.hp["shift"]
+        return self.lin(x) * self.config.scale * self.cache[n] * self.hp.get("gain", 1.0) + self.hp["shift"]
 
 
 @pytest.mark.filterwarnings("ignore:Sequential's forward changes the contents")
@@ -608,6 +608,10 @@ def test_what_forward_itself_writes_is_not_watched_and_what_it_reads_is() -> Non
     with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.hp['shift'] (0.5 -> 1.5)")):
         pipe(x)
     books.hp["shift"] = 0.5
+    books.hp["gain"] = 2.0  # a key the graph read and did not find
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.hp['gain'] (missing -> 2.0)")):
+        pipe(x)
+    del books.hp["gain"]
     books.config._values["scale"] = 3.0
     with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.config.scale (2.0 -> 3.0)")):
         pipe(x)
