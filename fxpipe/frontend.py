@@ -23,6 +23,7 @@ from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
 from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
+from fxpipe.passes.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
 from fxpipe.passes.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
@@ -418,8 +419,10 @@ def to_graph(
         with StableAssignments(model) as stable:
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
-            with assignments_recorded(model) as changed:
+            with assignments_recorded(model) as changed, seeding_recorded() as seeded:
                 traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
+            graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
+            refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
             _refuse_lost_assignments(model, traced, changed)
             _refuse_reads_of_stored_tensors(model, traced, stable)
         except BaseException:

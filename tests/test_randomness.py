@@ -162,3 +162,33 @@ def test_a_loss_that_draws_draws_what_it_draws_after_the_plain_model() -> None:
     assert torch.equal(loss, expected.detach()) and torch.equal(after, torch.get_rng_state())
     for p, q in zip(pipe.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-15)
+
+
+class _Reseeds(nn.Module):
+    """Draws the same rotation on every call: it seeds torch's generator itself first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(42)
+        return self.b(self.a(x) @ torch.randn(8, 8, dtype=x.dtype))
+
+
+class _MakesItsGenerator(_Reseeds):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)
+        h = self.a(x)
+        return self.b(h + torch.randn(h.shape, generator=generator, dtype=h.dtype))
+
+
+@pytest.mark.parametrize("cls", [_Reseeds, _MakesItsGenerator], ids=["manual_seed", "a generator made in forward"])
+def test_a_forward_that_sets_the_random_state_it_draws_from_is_refused(cls: type[nn.Module]) -> None:
+    """Before, the graph kept the draws and lost the seeding: 1.2 off the plain model (drawing
+    from the pipeline's streams), or 1.8 off (one generator made while tracing, drawn on and on)."""
+    model, x = cls().double(), torch.randn(4, 8, dtype=torch.float64)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match=r"(?s)forward sets the random state it draws from \((torch.manual_seed at .*test_randomness.py:\d+|a generator made in forward, drawn from by randn)\).*How to fix: draw the fixed numbers once"):
+        compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert torch.equal(torch.get_rng_state(), state), "the caller's generator as it was"
