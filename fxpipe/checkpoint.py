@@ -8,6 +8,8 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from fxpipe.passes.scoped import scoped
+
 CHECKPOINT_MODES = ("always", "except_last", "never")
 
 _state = threading.local()
@@ -23,22 +25,12 @@ def is_recomputing() -> bool:
     return getattr(_state, "recomputing", False)
 
 
-@contextmanager
-def _flag(name: str) -> Iterator[None]:
-    previous = getattr(_state, name, False)
-    setattr(_state, name, True)
-    try:
-        yield
-    finally:
-        setattr(_state, name, previous)
-
-
 def checkpointing() -> ContextManager[None]:
-    return _flag("checkpointing")
+    return scoped(_state, "checkpointing", True, unset=False)
 
 
 def recomputing() -> ContextManager[None]:
-    return _flag("recomputing")
+    return scoped(_state, "recomputing", True, unset=False)
 
 
 def checkpoint_stop(mode: str, micro_batches: int) -> int:

@@ -7,9 +7,10 @@ from typing import Any, Iterator
 
 
 @contextmanager
-def scoped(local: threading.local, name: str, value: Any) -> Iterator[None]:
-    """`local.name` is `value` within this block, on this thread; what it was, after."""
-    previous = getattr(local, name, None)
+def scoped(local: threading.local, name: str, value: Any, unset: Any = None) -> Iterator[None]:
+    """`local.name` is `value` within this block, on this thread; what it was (`unset` if
+    nothing), after."""
+    previous = getattr(local, name, unset)
     setattr(local, name, value)
     try:
         yield
