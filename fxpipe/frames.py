@@ -35,6 +35,9 @@ class _TensorMeta:
     dtype: torch.dtype
     requires_grad: bool
     at: int  # offset in the frame's body, or -1: sent as an extra
+    # The sender's strides where they were not contiguous ones: the receiver puts the values in
+    # that layout again, as in one process, where kernels see the layouts the plain model gives them.
+    strides: Optional[tuple[int, ...]] = None
 
 
 @dataclass
@@ -65,7 +68,7 @@ def encode(step: int, kind: str, key: Hashable, value: Any, body: bool = True) -
         else:
             places.append(-1)
             extras.append(data)
-    metas = iter([_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, at) for t, at in zip(originals, places)])
+    metas = iter([_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, at, _layout(t)) for t, at in zip(originals, places)])
     skeleton = tree_map_only(torch.Tensor, lambda _: next(metas), value)
     return Message(pickle.dumps((step, kind, key, skeleton)), inline, extras)
 
@@ -107,9 +110,20 @@ def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Ten
             data = frame[body + meta.at : body + meta.at + _nbytes(meta)].clone().to(device)
         else:
             data = next(parts)
-        return data.view(meta.dtype).reshape(meta.shape).requires_grad_(meta.requires_grad)
+        values = data.view(meta.dtype).reshape(meta.shape)
+        if meta.strides is not None:
+            values = torch.empty_strided(meta.shape, meta.strides, dtype=meta.dtype, device=values.device).copy_(values)
+        return values.requires_grad_(meta.requires_grad)
 
     return step, kind, key, tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
+
+
+def _layout(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """The tensor's strides, if a fresh tensor can take them (dense, not overlapping: what
+    `empty_like` keeps) and they are not the contiguous ones; else None."""
+    strides = torch.empty_like(t, device="meta").stride()
+    contiguous = torch.empty(t.shape, device="meta").stride()
+    return strides if strides == t.stride() and strides != contiguous else None
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

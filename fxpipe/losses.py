@@ -12,6 +12,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from fxpipe.gather import ValueRef
 from fxpipe.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
+from fxpipe.raw_grads import raw_grads
 
 
 def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[Any]:
@@ -202,12 +203,11 @@ def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
     temperature, say) gets its gradient too, one micro-batch's share at a time."""
     if not loss.requires_grad:
         return {}
-    torch.autograd.backward(loss)
-    return {name: tree_map(_grad_of_leaf, value) for name, value in values.items()}
-
-
-def _grad_of_leaf(leaf: Any) -> Any:
-    return leaf.grad if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+    leaves = [t for value in values.values() for t in leaves_of(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+    with raw_grads(leaves) as raw:  # in the layout the last stage's backward would get
+        torch.autograd.backward(loss)
+    return {name: tree_map(lambda t: raw.of(t) if isinstance(t, torch.Tensor) and t.requires_grad else None, value)
+            for name, value in values.items()}
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from fxpipe.hints import hint_for
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
+from fxpipe.raw_grads import raw_grads
 from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, task_seed, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
@@ -666,15 +667,16 @@ class Step:
         flat_inputs = [([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         pending = None
-        if split:
-            pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
-        elif tensors and (wanted := [*leaves, *self._weights(stage).tensors]):
-            # Every leaf the stage's graph reaches that requires grad is wanted (compile refuses
-            # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
-            # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
-            torch.autograd.backward(tensors, grad_tensors, inputs=None if all(t.is_leaf for t in leaves) else wanted)
+        with raw_grads(leaves) as raw:  # sent back in the layout the producer's backward would get
+            if split:
+                pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
+            elif tensors and (wanted := [*leaves, *self._weights(stage).tensors]):
+                # Every leaf the stage's graph reaches that requires grad is wanted (compile refuses
+                # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
+                # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
+                torch.autograd.backward(tensors, grad_tensors, inputs=None if all(t.is_leaf for t in leaves) else wanted)
         grads = [
-            _grad_of(leaves_[0]) if spec is None else tree_unflatten([_grad_of(t) for t in leaves_], spec)
+            raw.of(leaves_[0]) if spec is None else tree_unflatten([raw.of(t) for t in leaves_], spec)
             for leaves_, spec in flat_inputs
         ]
         return grads, pending
@@ -696,10 +698,6 @@ class Step:
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""
         return [c.grad if c.requires_grad else None for c in self.shared[stage]]
-
-
-def _grad_of(t: Any) -> Optional[torch.Tensor]:
-    return t.grad if isinstance(t, torch.Tensor) else None
 
 
 def _requires_grad(t: torch.Tensor) -> bool:

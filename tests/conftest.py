@@ -61,6 +61,39 @@ class FanOut(nn.Module):
         return self.layers[7](g) + a
 
 
+class WindowBlock(nn.Module):
+    """MaxViT's block in small: a BatchNorm, a window partition (reshape and permute) and a
+    residual MLP on the windows. `grid` (a stage of its own with `split_points=["grid"]`) puts the
+    windows back as a feature map: its permute's backward hands the block a gradient in a permuted
+    layout. On a 2x2 map the window partition is a view, whose backward gives one-sample
+    micro-batches the layouts that torch 2.13's CPU batch_norm backward gets wrong, unless they
+    are the plain model's own."""
+
+    def __init__(self, channels: int = 8, grid: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 3, 1)
+        self.conv = nn.Conv2d(3, channels, 1)
+        self.norm = nn.BatchNorm2d(channels)
+        self.mlp = nn.Sequential(nn.LayerNorm(channels), nn.Linear(channels, channels))
+        self.grid = WindowGrid() if grid else None
+        self.head = nn.Linear(channels, 3) if grid else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.conv(self.stem(x)))
+        b, c, h, w = y.shape
+        windows = y.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1)
+        z = self.mlp(windows) + windows
+        return z if self.grid is None or self.head is None else self.head(self.grid(z))
+
+
+class WindowGrid(nn.Module):
+    """Windows back to a feature map, averaged over it."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        b, rows, cols, h, w, c = z.shape
+        return z.permute(0, 5, 1, 3, 2, 4).reshape(b, c, rows * h, cols * w).mean((2, 3))
+
+
 def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10) -> None:
     """Every parameter's gradient in the pipeline equals the reference's, by name."""
     ref = dict(reference.named_parameters())

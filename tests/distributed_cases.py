@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import Counts, FanOut, WithPositions, example_module, grad_of
+from conftest import Counts, FanOut, WindowBlock, WithPositions, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -632,6 +632,10 @@ def sample_values() -> dict[str, Any]:
                   torch.randn(3, dtype=torch.complex64, generator=g), torch.tensor(2.5), torch.empty(0, 3)],
         "big": big,
         "strided": big[::7, ::3],
+        # dense in another order: they arrive in that layout (the last, one sample's channels-last
+        # with a batch stride no contiguous tensor has); an expanded one arrives contiguous
+        "layouts": (big[:6, :8].t().contiguous().t(), torch.randn(1, 2, 2, 4, generator=g).permute(0, 3, 1, 2),
+                    torch.as_strided(torch.randn(16, generator=g), (1, 4, 2, 2), (4, 1, 8, 4)), big[0].expand(3, 300)),
         "many": {f"k{i}": (i, f"text {i}" * 20, None) for i in range(800)},  # a header of about 140 KB
         # so many large tensors that their sizes and the small ones leave no room in the frame
         "crowd": ([torch.full((1200,), float(i)) for i in range(400)], [torch.full((20,), float(i)) for i in range(40)]),
@@ -663,6 +667,7 @@ def _differences(path: str, got: Any, expected: Any) -> list[str]:
     if isinstance(expected, torch.Tensor):
         ok = isinstance(got, torch.Tensor) and got.dtype == expected.dtype and got.shape == expected.shape
         ok = ok and torch.equal(got, expected.detach()) and got.requires_grad == expected.requires_grad
+        ok = ok and got.stride() == torch.empty_like(expected).stride()  # dense layouts kept, others contiguous
         return [] if ok else [f"{path}: {got!r} != {expected!r}"]
     if isinstance(expected, (tuple, list)):
         if type(got) is not type(expected) or len(got) != len(expected):
@@ -977,7 +982,7 @@ def modes_across(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         out = pipe(x)
         found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
-    return {**found, **_batch_dims_across(mesh), **_changed_across(mesh)}
+    return {**found, **_batch_dims_across(mesh), **_changed_across(mesh), **_layouts_across(mesh)}
 
 
 def _changed_across(mesh: Any) -> dict[str, float]:
@@ -998,6 +1003,17 @@ def _changed_across(mesh: Any) -> dict[str, float]:
     pipe = compile_pipeline(model, example, mesh=mesh, chunks=3, schedule="1f1b", timeout=60)
     args = (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
     return {**found, **_step_against(pipe, reference, args, torch.randn(3, 3, 3, dtype=torch.float64), "whole")}
+
+
+def _layouts_across(mesh: Any) -> dict[str, float]:
+    """One-sample micro-batches of a BatchNorm before a window partition, cut after it: the
+    gradient the first rank receives keeps the layout the second rank's backward made."""
+    torch.manual_seed(0)
+    model = WindowBlock().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(4, 3, 2, 2, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, split_points=["grid"], schedule="zb-h1", timeout=60)
+    return _step_against(pipe, reference, (x,), y, "layouts", chunks=4)
 
 
 def _step_against(pipe: Any, reference: nn.Module, args: tuple[torch.Tensor, ...], y: torch.Tensor, name: str, chunks: int = 1) -> dict[str, float]:

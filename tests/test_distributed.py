@@ -372,6 +372,7 @@ def test_no_grad_sum_reduction_autocast_and_eval_across_processes() -> None:
         assert (found["dims outputs"] == -1.0) if rank == 0 else (0 <= found["dims outputs"] <= TOL), found
         assert found["cast loss"] <= TOL and found["cast gradients"] <= TOL and found["cast count"] == 0.0, found
         assert found["whole loss"] <= TOL and found["whole gradients"] <= TOL, found
+        assert found["layouts loss"] <= TOL and found["layouts gradients"] <= TOL, found
 
 
 def test_replicas_start_from_replica_0_and_average_through_ddp() -> None:
