@@ -254,7 +254,26 @@ def refusals(rank: int, world: int) -> list[str]:
     x = x.detach()
     loss = pipe.train_step(x, target=x, loss_fn=F.mse_loss)  # and the pipeline still runs
     errors.append(f"loss {loss.item():.6f}")
+    totals = compile_pipeline(_WithTotal().double(), x, mesh=mesh, chunks=2, timeout=60)
+    try:
+        with torch.no_grad():
+            totals(x)
+        errors.append("no error")
+    except ValueError as e:
+        errors.append(str(e))
     return errors
+
+
+class _WithTotal(nn.Module):
+    """Returns a sum over the whole batch besides its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b(torch.tanh(self.a(x)))
+        return h, h.sum()
 
 
 def clipped(rank: int, world: int) -> list[dict[str, Any]]:

@@ -199,6 +199,7 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         assert "pipe(x) runs forward only" in errors[0] and "torch.no_grad()" in errors[0], errors[0]
         assert "inputs that require grad" in errors[1], errors[1]
         assert errors[2].startswith("loss "), errors[2]
+        assert "the model returns output[1], a value made from the whole batch" in errors[3], errors[3]
 
 
 def test_devices_or_mesh_one_of_them() -> None:

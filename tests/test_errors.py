@@ -488,6 +488,26 @@ def test_an_argument_the_example_leaves_none_is_traced_as_none_by_torch_fx(given
         pipe(X, torch.rand(4, 6))
 
 
+def test_an_argument_traced_as_none_is_exact_in_every_mode() -> None:
+    model, reference = twin(GatedAndScaled())
+    x, y = X.double(), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint="always")
+    loss = pipe.train_step(x, gain=2.0, target=y, loss_fn=nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(reference(x, gain=2.0), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    out, want = pipe(x, None, 3.0), reference(x, None, 3.0)
+    for got, grad in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(want.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, grad, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, gain=0.5), reference(x, gain=0.5), rtol=0, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(pipe(x, gain=2.0), reference(x, gain=2.0), rtol=0, atol=1e-12)
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), reference.eval()(x), rtol=0, atol=1e-12)
+
+
 class GatedByItsOwnBias(nn.Module):
     """An argument named like one of its parameters: torch.fx calls its input `bias_1`."""
 

@@ -754,3 +754,40 @@ def test_a_changed_attribute_is_refused_in_every_way_of_calling_and_the_pipeline
     for got, want in zip(grads, torch.autograd.grad(expected.sum(), list(reference.parameters()))):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"
+
+
+@pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
+def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back(change: str) -> None:
+    """A config field or a dict entry forward read is checked where a plain attribute is: under
+    no_grad, autocast, eval, train_step; once it is back, the pipeline is exact again."""
+    options, config = _Options(), _MappedConfig()
+    model = nn.Sequential(_ConfiguredTraceable(options, config), nn.Tanh(), _ConfiguredTraceable(options, config)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    if change == "options.scale":
+        options.scale = 3.0
+    elif change == "options.gates":
+        options.gates["a"] = 3.0
+    else:
+        config.scale = 3.0
+    refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{change}"))
+    with refused, torch.no_grad():
+        pipe(x)
+    with refused, torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe(x)
+    with refused:
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    with refused, torch.no_grad():
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    pipe.eval()
+    with refused:
+        pipe(x)
+    pipe.train()
+    options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    grads = torch.autograd.grad(out.sum(), list(pipe.parameters()))
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"
