@@ -518,6 +518,16 @@ class _ConfiguredTraceable(_Configured):
         return super().forward(x)
 
 
+def _change_setting(change: str, options: _Options, config: _MappedConfig) -> None:
+    """Set the setting `change` names to 3.0."""
+    if change == "options.scale":
+        options.scale = 3.0
+    elif change == "options.gates":
+        options.gates["a"] = 3.0
+    else:
+        config.scale = 3.0
+
+
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 @pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
 @pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
@@ -536,12 +546,7 @@ def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exp
     options.gates["b"], options.gates["c"] = 4.0, 1.0  # entries the graph never read: free to change
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
     expected = {"options.scale": "2.0 -> 3.0", "options.gates": "1.0 -> 3.0", "config.width_scale": "0.5 -> 3.0"}
-    if change == "options.scale":
-        options.scale = 3.0
-    elif change == "options.gates":
-        options.gates["a"] = 3.0
-    else:
-        config.scale = 3.0
+    _change_setting(change, options, config)
     shown = f"{change}['a']" if change == "options.gates" else change
     with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{shown} ({expected[change]}), 2.{shown}")):
         pipe(x)
@@ -765,12 +770,7 @@ def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_r
     reference = copy.deepcopy(model)
     x = torch.randn(8, 4, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
-    if change == "options.scale":
-        options.scale = 3.0
-    elif change == "options.gates":
-        options.gates["a"] = 3.0
-    else:
-        config.scale = 3.0
+    _change_setting(change, options, config)
     refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{change}"))
     with refused, torch.no_grad():
         pipe(x)
