@@ -206,8 +206,11 @@ def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
     leaves = [t for value in values.values() for t in leaves_of(value) if isinstance(t, torch.Tensor) and t.requires_grad]
     with raw_grads(leaves) as raw:  # in the layout the last stage's backward would get
         torch.autograd.backward(loss)
-    return {name: tree_map(lambda t: raw.of(t) if isinstance(t, torch.Tensor) and t.requires_grad else None, value)
-            for name, value in values.items()}
+
+    def grad_of(leaf: Any) -> Any:
+        return raw.of(leaf) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+
+    return {name: tree_map(grad_of, value) for name, value in values.items()}
 
 
 @contextmanager

@@ -25,6 +25,7 @@ class RawGrads:
         self._grads: dict[int, torch.Tensor] = {}
 
     def keep(self, key: int, grad: torch.Tensor) -> None:
+        """A tensor hook's body: the gradient is kept, and passed on as it is."""
         before = self._grads.get(key)
         self._grads[key] = grad if before is None else before + grad
 
@@ -41,13 +42,9 @@ def raw_grads(tensors: Sequence[torch.Tensor]) -> Iterator[RawGrads]:
     """Within this block, the gradients that backward gives `tensors` (which require grad) are
     kept as they come, before `.grad` copies them into the tensors' layout."""
     kept = RawGrads()
-    handles = [t.register_hook(partial(_keep, kept, id(t))) for t in tensors]
+    handles = [t.register_hook(partial(kept.keep, id(t))) for t in tensors]
     try:
         yield kept
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _keep(kept: RawGrads, key: int, grad: torch.Tensor) -> None:
-    kept.keep(key, grad)
