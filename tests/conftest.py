@@ -105,6 +105,16 @@ def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10
         torch.testing.assert_close(param.grad.cpu(), expected, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
+def assert_call_and_grads_equal(pipe: nn.Module, reference: nn.Module, *args: Any, tol: float = 1e-12, **kwargs: Any) -> None:
+    """`pipe(*args, **kwargs)` equals the reference's output, and `torch.autograd.grad` of its sum
+    gives each parameter the reference's gradient (and nothing to `.grad`)."""
+    out, expected = pipe(*args, **kwargs), reference(*args, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=tol)
+    got = torch.autograd.grad(out.sum(), list(pipe.parameters()))
+    for grad, want in zip(got, torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(grad, want, rtol=0, atol=tol)
+
+
 M = TypeVar("M", bound=nn.Module)
 
 

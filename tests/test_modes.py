@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import is_autocast_enabled as autocast_on
 from torch import nn
 
-from conftest import FanOut, WithPositions, assert_grads_equal, twin
+from conftest import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, twin
 from fxpipe import compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -135,11 +135,7 @@ def test_pipe_train_and_eval_run_the_models_own_train() -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
-    out, want = pipe(x), reference(x)  # and in a call, where the norm's frozen statistics serve each micro-batch alike
-    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
-    got_grads = torch.autograd.grad(out.sum(), list(pipe.parameters()))
-    for got, grad in zip(got_grads, torch.autograd.grad(want.sum(), list(reference.parameters()))):
-        torch.testing.assert_close(got, grad, rtol=0, atol=1e-12)
+    assert_call_and_grads_equal(pipe, reference, x)  # and in a call: the norm's frozen statistics serve each micro-batch alike
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
     for (name, got), want in zip(model.named_buffers(), reference.buffers()):
