@@ -8,6 +8,7 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from fxpipe.passes.assignments import holds_fields
 from fxpipe.passes.scoped import scoped
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
@@ -57,7 +58,8 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
 
 
 Slot = tuple[dict[str, Any], str]  # a module's parameter or buffer table, and a name in it
-Attributes = list[tuple[nn.Module, dict[str, Any]]]  # modules called whole, and their attributes
+# Modules called whole and the settings objects they hold (`self.state`), and their attributes.
+Attributes = list[tuple[Any, dict[str, Any]]]
 
 
 def slot_of(module: nn.Module, name: str) -> Slot:
@@ -81,18 +83,22 @@ def swapped_slots(swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> 
 
 
 def attributes_of(modules: Sequence[nn.Module]) -> Attributes:
-    """The attributes of modules called whole, as a forward is about to see them."""
-    return [(module, dict(vars(module))) for module in modules]
+    """The attributes of modules called whole, and of the settings objects they hold (a counter
+    in `self.state`), as a forward is about to see them."""
+    holders = {id(m): m for m in modules}
+    for module in modules:
+        holders.update((id(v), v) for name, v in vars(module).items() if not name.startswith("_") and holds_fields(v))
+    return [(holder, dict(vars(holder))) for holder in holders.values()]
 
 
 def put_back_attributes(attributes: Attributes) -> None:
-    """The modules' attributes as `attributes_of` found them."""
-    for module, before in attributes:
-        for name in [n for n in vars(module) if not n.startswith("_") and n not in before]:
-            delattr(module, name)
+    """The attributes as `attributes_of` found them."""
+    for holder, before in attributes:
+        for name in [n for n in vars(holder) if not n.startswith("_") and n not in before]:
+            delattr(holder, name)
         for name, value in before.items():
-            if not name.startswith("_") and vars(module).get(name) is not value:
-                setattr(module, name, value)
+            if not name.startswith("_") and vars(holder).get(name) is not value:
+                setattr(holder, name, value)
 
 
 @contextmanager

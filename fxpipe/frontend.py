@@ -16,7 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from fxpipe.materialize import is_on_meta
 from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
-    AssignmentError, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
+    AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
 from fxpipe.passes.attribute_reads import Reads, attribute_reads_recorded, unnoted, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
@@ -376,7 +376,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     return traced
 
 
-def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: list[str]) -> None:
+def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes) -> None:
     """Attributes the model's forward assigned while tracing and checking are put back; those
     outside the modules the graph calls whole would never be assigned by the pipeline."""
     try:

@@ -1,6 +1,6 @@
-"""Attributes a forward assigns (`self.hidden = h`): refused at compile time, and put back; a
-plain value every call assigns alike, kept; the contents of dicts, lists and sets it fills, put
-back.
+"""Attributes a forward assigns (`self.hidden = h`, or `self.state.calls += 1` on a settings
+object a module holds): refused at compile time, and put back; a plain value every call assigns
+alike, kept; the contents of dicts, lists and sets it fills, put back.
 
 A pipeline runs the forward as stages of generated code, which never runs those assignments of
 the modules it traced through; after tracing such an attribute would hold a traced value (an fx
@@ -9,17 +9,23 @@ Proxy). A module the graph calls whole runs its own forward, assignments include
 from __future__ import annotations
 
 import copy
+import types
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.passes.attribute_reads import settings
+
+Changes = dict[str, str]  # each attribute assigned (dotted), and the path of the module holding it
+
 
 class AssignmentError(RuntimeError):
     """The forward assigns module attributes, which a pipeline cannot keep up to date;
-    `modules` are the paths of the modules whose attributes were assigned ('' for the root)."""
+    `modules` are the paths of the modules whose attributes (or whose settings objects'
+    attributes) were assigned ('' for the root)."""
 
     def __init__(self, message: str, modules: Iterable[str] = ()) -> None:
         super().__init__(message)
@@ -28,6 +34,30 @@ class AssignmentError(RuntimeError):
 
 def _public(module: nn.Module) -> dict[str, Any]:
     return {name: value for name, value in vars(module).items() if not name.startswith("_") and name != "training"}
+
+
+def _fields(holder: Any) -> dict[str, Any]:
+    """The public attributes of a settings object."""
+    return {name: value for name, value in vars(holder).items() if not name.startswith("_")}
+
+
+def holds_fields(value: Any) -> bool:
+    """A settings object (a config, a dataclass of options, a namespace) whose attributes a forward
+    may assign: `self.state.calls += 1` is lost from a graph as `self.calls += 1` is."""
+    return (settings(value) or type(value) is types.SimpleNamespace) and isinstance(getattr(value, "__dict__", None), dict)
+
+
+def _settings_held(model: nn.Module) -> dict[tuple[str, str], tuple[Any, dict[str, Any]]]:
+    """Each settings object `model`'s modules hold, once (a config many modules share is named by
+    the first), by module path and attribute, with its public attributes as they are now."""
+    found: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        for name, value in _public(module).items():
+            if id(value) not in seen and holds_fields(value):
+                seen.add(id(value))
+                found[path, name] = (value, _fields(value))
+    return found
 
 
 class Contents:
@@ -116,20 +146,32 @@ def _same_contents(now: Any, before: Any) -> bool:
 
 
 class Assigned:
-    """The public attributes of `model`'s modules (and their buffers, with `buffers`) as they are
-    when made: which have been assigned since, and putting them back."""
+    """The public attributes of `model`'s modules (and their buffers, with `buffers`) and of the
+    settings objects they hold as they are when made: which have been assigned since, and
+    putting them back. A settings object's attribute is named below the module holding it:
+    `(path, "state.calls")`."""
 
     def __init__(self, model: nn.Module, buffers: bool = False) -> None:
         self.before = {path: (module, _public(module), dict(module._buffers) if buffers else {}) for path, module in model.named_modules()}
+        self.held = _settings_held(model)
+
+    def _holders(self) -> Iterator[tuple[str, str, Any, dict[str, Any], dict[str, Any]]]:
+        """Each module and settings object: its path, the prefix of its attributes' names, itself,
+        its attributes when made and now."""
+        for path, (module, values, _) in self.before.items():
+            yield path, "", module, values, _public(module)
+        for (path, name), (holder, values) in self.held.items():
+            yield path, f"{name}.", holder, values, _fields(holder)
 
     def since(self) -> dict[tuple[str, str], Any]:
         """Each attribute or buffer assigned since, by module path and name, with its value now;
         a dict, list or set swapped for another of its kind is none (`Contents` looks after it)."""
         found = {}
-        for path, (module, values, buffers) in self.before.items():
-            for name, value in _public(module).items():
+        for path, prefix, _, values, now in self._holders():
+            for name, value in now.items():
                 if name not in values or (_changed(values[name], value) and not _swapped_container(values[name], value)):
-                    found[path, name] = value
+                    found[path, prefix + name] = value
+        for path, (module, _, buffers) in self.before.items():
             for name, buffer in buffers.items():
                 if module._buffers.get(name) is not buffer:
                     found[path, name] = module._buffers.get(name)
@@ -138,19 +180,21 @@ class Assigned:
     def assign(self, values: dict[tuple[str, str], Any]) -> None:
         """Assign again what `since()` found (attributes only)."""
         for (path, name), value in values.items():
-            setattr(self.before[path][0], name, value)
+            held, _, field = name.rpartition(".")
+            setattr(self.held[path, held][0] if held else self.before[path][0], field, value)
 
     def put_back(self, keep: Iterable[tuple[str, str]] = ()) -> None:
         """Put every attribute and buffer back as it was (a swapped container too), but `keep`."""
         kept = set(keep)
-        for path, (module, values, buffers) in self.before.items():
-            for name, value in list(_public(module).items()):
-                if (path, name) in kept:
+        for path, prefix, holder, values, now in self._holders():
+            for name, value in now.items():
+                if (path, prefix + name) in kept:
                     continue
                 if name not in values:
-                    delattr(module, name)
+                    delattr(holder, name)
                 elif _changed(values[name], value) or _swapped_container(values[name], value):
-                    setattr(module, name, values[name])
+                    setattr(holder, name, values[name])
+        for module, _, buffers in self.before.values():
             module._buffers.update(buffers)
 
 
@@ -160,17 +204,19 @@ def _dotted(key: tuple[str, str]) -> str:
 
 
 @contextmanager
-def assignments_recorded(model: nn.Module) -> Iterator[list[str]]:
-    """Within this block, public attributes and buffers assigned on `model`'s modules are listed
-    (by path, once the block ends) and put back as they were. A buffer counts: `self.count += 1`
-    assigns it the traced sum, which a graph does not write into the buffer."""
+def assignments_recorded(model: nn.Module) -> Iterator[Changes]:
+    """Within this block, public attributes and buffers assigned on `model`'s modules, and the
+    attributes assigned on the settings objects they hold, are listed (once the block ends: by
+    dotted name, with the path of the module holding each) and put back as they were. A buffer
+    counts: `self.count += 1` assigns it the traced sum, which a graph does not write into the
+    buffer."""
     assigned, contents = Assigned(model, buffers=True), Contents(model)
-    changed: list[str] = []
+    changed: Changes = {}
     try:
         yield changed
     finally:
         contents.put_back()  # a cache a run filled: not an assignment, and not kept
-        changed.extend(map(_dotted, assigned.since()))
+        changed.update((_dotted(key), key[0]) for key in assigned.since())
         assigned.put_back()
 
 
@@ -232,10 +278,10 @@ def outside(names: Iterable[str], modules: Iterable[str]) -> list[str]:
     return [name for name in names if not any(name.startswith(prefix) for prefix in prefixes)]
 
 
-def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = (), exported: str = "") -> None:
-    """Raise `AssignmentError` for the assignments of `changed` outside the modules (by path)
-    that a graph calls whole. `exported`: why torch.fx could not trace the model, when
-    torch.export captured it (which keeps no module whole)."""
+def refuse_assignments(changed: Mapping[str, str], called_whole: Iterable[str] = (), exported: str = "") -> None:
+    """Raise `AssignmentError` for the assignments of `changed` (see `assignments_recorded`)
+    outside the modules (by path) that a graph calls whole. `exported`: why torch.fx could not
+    trace the model, when torch.export captured it (which keeps no module whole)."""
     lost = outside(changed, called_whole)
     if lost:
         whole = _whole_advice(lost, exported)
@@ -243,7 +289,7 @@ def refuse_assignments(changed: Iterable[str], called_whole: Iterable[str] = (),
             f"the model's forward assigns {', '.join(repr(name) for name in lost)}: a pipeline runs the "
             "forward as generated stages, which cannot keep such an attribute up to date.\n"
             f"How to fix: return the value from forward instead of storing it on the module. {whole}",
-            [name.rpartition(".")[0] for name in lost],
+            [changed[name] for name in lost],
         )
 
 

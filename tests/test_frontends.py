@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 import warnings
 from typing import Any, Optional
 
@@ -411,6 +413,75 @@ def test_a_counter_forward_reads_counts_as_the_plain_model_run_on_the_micro_batc
         expected.pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
     assert model[1].calls == reference[1].calls == 4, "a recompute counts nothing"
+
+
+@dataclasses.dataclass
+class _Progress:
+    calls: int = 0
+
+
+class WarmsUp(nn.Module):
+    """A warm-up factor from a call counter kept in a settings object the module holds."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.lin, self.state = nn.Linear(4, 4), state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.calls += 1
+        return torch.tanh(self.lin(x)) * min(1.0, self.state.calls / 10)
+
+
+def _counts(model: nn.Sequential) -> int:
+    return int(model[1].state.calls)
+
+
+@pytest.mark.parametrize("state", [_Progress, types.SimpleNamespace], ids=["dataclass", "namespace"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_counter_in_a_settings_object_counts_as_the_plain_model_run_on_the_micro_batches(state: Any, checkpoint: str) -> None:
+    """Before, compiling left the count at 13 and the graph read it as a constant: every call
+    computed with the factor of the count when traced (0.41 off), and nothing counted."""
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), WarmsUp(state(calls=0)), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    assert _counts(model) == 0, "compiling counts nothing"
+
+    def in_turn(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([reference(half) for half in x.chunk(2)])
+
+    for _ in range(2):  # pipe(x), backward
+        out, expected = pipe(x), in_turn(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+    out, expected = pipe(x), in_turn(x)  # torch.autograd.grad
+    for got, want in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    loss = pipe.train_step(x, target=torch.zeros_like(x), loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(in_turn(x), torch.zeros_like(x)), rtol=0, atol=1e-12)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    assert _counts(model) == _counts(reference) == 12, "once per micro-batch; a recompute counts nothing"
+
+
+class CountsAtTheRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.state = nn.Linear(4, 4), nn.Linear(4, 4), _Progress()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.calls += 1
+        return self.b(torch.tanh(self.a(x))) * self.state.calls
+
+
+def test_a_root_that_counts_in_a_settings_object_is_refused_and_left_as_it_was() -> None:
+    model = CountsAtTheRoot()
+    with pytest.raises(TraceError, match=r"(?s)assigns 'state.calls'.*How to fix: return the value from forward"):
+        compile_pipeline(model, torch.randn(8, 4), ["cpu"] * 2, chunks=2)
+    assert model.state.calls == 0
 
 
 class CachesInEval(nn.Module):
