@@ -433,7 +433,9 @@ class WarmsUp(nn.Module):
 
 
 def _counts(model: nn.Sequential) -> int:
-    return int(model[1].state.calls)
+    block = model[1]
+    assert isinstance(block, WarmsUp)
+    return int(block.state.calls)
 
 
 @pytest.mark.parametrize("state", [_Progress, types.SimpleNamespace], ids=["dataclass", "namespace"])
