@@ -401,11 +401,26 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
     if len(changed) > 1 or sum(p.shape[changed[0]] for p in parts) != whole.shape[changed[0]]:
         return VARIES, ""
     dim = changed[0]
-    if not compare or not (whole.is_floating_point() or whole.is_complex()):
-        return dim, ""  # an integer output (an argmax) may flip on a rounding between batch sizes
+    if not compare:
+        return dim, ""
+    if not (whole.is_floating_point() or whole.is_complex()):
+        return dim, _exact_difference(torch.cat(parts, dim), whole, dim)
     off = _difference(torch.cat(parts, dim), whole)
     return dim, (f"the halves' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
                  f"(relative to its largest value)" if off else "")  # fmt: skip
+
+
+def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> str:
+    """An integer or bool output (a mask, an index, an argmax) whose halves differ from the whole:
+    in more than one element in a hundred, the model mixes samples (`h > h.mean(0)`, an
+    `arange` of the batch size, row indices of `nonzero`); fewer may be an argmax flipped by a
+    rounding that differs between batch sizes."""
+    if got.shape != expected.shape:
+        return f"the halves' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
+    differing = int((got != expected).sum())
+    if differing <= expected.numel() // 100:
+        return ""
+    return f"the halves' values, concatenated along dim {dim}, differ from the whole example's in {differing} of {expected.numel()} elements"
 
 
 def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:

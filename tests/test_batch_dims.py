@@ -49,6 +49,58 @@ def test_a_model_that_mixes_samples_is_refused_naming_where(case: str) -> None:
         compile_pipeline(Mixer(mix).double(), X, ["cpu", "cpu"], chunks=2)
 
 
+class AlsoReturns(nn.Module):
+    """Two layers, and an integer or bool output `extra(h, x)` beside them."""
+
+    def __init__(self, extra: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), self.extra(h, x)
+
+
+EXACT_OUTPUTS = {
+    "a mask above the batch's mean": (lambda h, x: h > h.mean(0), r"in \d+ of 48 elements(.|\n)*starts at: mean"),
+    "positions in the batch": (lambda h, x: torch.arange(x.shape[0]), r"in 4 of 8 elements"),
+    "ranks within the batch": (lambda h, x: h.argsort(0), r"starts at: argsort"),
+    "row indices of nonzero": (lambda h, x: torch.nonzero(h > 0), r"differ from the whole example's in"),
+    "counts down the batch": (lambda h, x: (h > 0).long().cumsum(0), r"starts at: cumsum"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXACT_OUTPUTS))
+def test_an_integer_or_bool_output_that_mixes_samples_is_refused(case: str) -> None:
+    """Before, integer and bool outputs were put together from their shapes alone, unchecked: a
+    mask over the batch's mean, 8 of 48 elements off, trained a loss reading it on gradients
+    0.07 off."""
+    extra, where = EXACT_OUTPUTS[case]
+    with pytest.raises(ValueError, match=rf"(?s)the micro-batches would compute otherwise.*{where}"):
+        compile_pipeline(AlsoReturns(extra).double(), X, ["cpu", "cpu"], chunks=2)
+
+
+def test_an_integer_output_made_sample_by_sample_is_exact_in_every_mode() -> None:
+    model, reference = twin(AlsoReturns(lambda h, x: h.argmax(-1)))
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for got, expected in zip(pipe(X), reference(X)):
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    target = torch.randn(8, 6, dtype=torch.float64)
+
+    def loss_fn(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        return ((out[0] - y) ** 2 * (out[1] > 2)[:, None]).mean()
+
+    loss, outputs = pipe.train_step(X, target=target, loss_fn=loss_fn, return_outputs=True)
+    expected_loss = loss_fn(reference(X), target)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-12)
+    assert torch.equal(outputs[1], reference(X)[1])
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("case", [case for case in MIXING if "dropout" not in case])
 def test_the_same_model_with_one_micro_batch_is_the_plain_model(case: str) -> None:
     model, reference = twin(Mixer(MIXING[case][0]))
