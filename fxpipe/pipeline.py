@@ -338,6 +338,7 @@ class Pipeline(nn.Module):
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
         _refuse_capture()
+        _refuse_own_hooks(self)
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
@@ -695,6 +696,22 @@ def _refuse_capture() -> None:
     """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         raise RuntimeError(_NOT_CAPTURED)
+
+
+def _refuse_own_hooks(pipe: nn.Module) -> None:
+    """train_step runs the stages under its schedule without calling the pipeline as a module:
+    hooks registered on the pipeline itself would not run, where `pipe(x)` runs them."""
+    tables = {"forward pre-hooks": pipe._forward_pre_hooks, "forward hooks": pipe._forward_hooks,
+              "backward hooks": pipe._backward_hooks, "backward pre-hooks": pipe._backward_pre_hooks}  # fmt: skip
+    held = [kind for kind, table in tables.items() if table]
+    if held:
+        raise RuntimeError(
+            f"train_step cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
+            "under its schedule without calling the pipeline as a module, so they would be skipped, where "
+            "loss_fn(pipe(x), target).backward() runs them.\nHow to fix: call loss_fn(pipe(x), target).backward() "
+            "instead; or register the hooks on the model (or its modules) before compiling; or remove them "
+            "(handle.remove())."
+        )
 
 
 _NOT_CAPTURED = (
