@@ -217,8 +217,16 @@ def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, 
 
 
 def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -> None:
-    """A module the trace went through is no call in the stages: its backward hooks would never
-    fire. Those of a module called whole (and of the modules inside it) do."""
+    """A module the trace went through is no call in the stages: its backward hooks, and the global
+    ones, would never fire for it. Those of a module called whole (and of the modules inside it) do."""
+    if traced and (nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks):
+        raise ValueError(
+            "global backward hooks are registered (nn.modules.module.register_module_full_backward_hook or "
+            "register_module_full_backward_pre_hook): they would never fire for the modules the trace goes through, "
+            "the model itself among them, where the plain model's backward fires them for every module.\n"
+            "How to fix: remove them (handle.remove()) before compiling, or hook a tensor or a parameter instead "
+            "(tensor.register_hook)."
+        )
     hooked = [name or "the model itself" for name, m in traced if m._backward_hooks or m._backward_pre_hooks]
     if hooked:
         raise ValueError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -222,6 +222,24 @@ def test_a_backward_hook_on_a_module_traced_through_is_refused_and_a_whole_modul
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=["b"])
     pipe(X).sum().backward()
     assert len(calls) == 2  # once per micro-batch
+
+
+@pytest.mark.parametrize("register", [nn.modules.module.register_module_full_backward_hook, nn.modules.module.register_module_full_backward_pre_hook])
+def test_a_global_backward_hook_is_refused_and_the_model_left_as_it_was(register: Callable[..., Any]) -> None:
+    """Before, it never fired for the modules the trace went through: a hook doubling the input
+    gradients of the blocks left their weights' gradients 0.18 off, silently."""
+    model = Blocks()
+    state = copy.deepcopy(model.state_dict())
+    handle = register(lambda module, *grads: None)
+    try:
+        with pytest.raises(ValueError, match=r"(?s)global backward hooks are registered.*How to fix: remove them"):
+            compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    finally:
+        handle.remove()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name])
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)  # once removed, it compiles
+    pipe(X).sum().backward()
 
 
 class Flagged(nn.Module):
