@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, NoReturn, Optional
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.across import forward_across, train_across
@@ -257,6 +258,7 @@ class Pipeline(nn.Module):
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_capture()
+        _refuse_parametrization_cache()
         if self._channel is not None:
             return forward_across(self, args, kwargs)
         with generator_put_back_on_error():
@@ -338,6 +340,7 @@ class Pipeline(nn.Module):
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
         _refuse_capture()
+        _refuse_parametrization_cache()
         _refuse_own_hooks(self)
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
@@ -696,6 +699,20 @@ def _refuse_capture() -> None:
     """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         raise RuntimeError(_NOT_CAPTURED)
+
+
+def _refuse_parametrization_cache() -> None:
+    """A call inside `torch.nn.utils.parametrize.cached()`: the plain model computes each
+    parametrized weight once for the block and differentiates through that one tensor; the
+    stages, reading it per micro-batch on their workers (under no_grad where checkpointed),
+    would share one computed for another micro-batch, and lose gradients or backward twice."""
+    if parametrize._cache_enabled:
+        raise RuntimeError(
+            "a Pipeline cannot run inside torch.nn.utils.parametrize.cached(): its stages read each parametrized "
+            "weight per micro-batch, and the cache would hand them one computed for another micro-batch (its "
+            "gradient lost, or a backward through it run twice).\nHow to fix: call the pipeline outside the "
+            "cached() block; the stages compute each parametrized weight as the plain model without the cache does."
+        )
 
 
 def _refuse_own_hooks(pipe: nn.Module) -> None:

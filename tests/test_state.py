@@ -511,6 +511,35 @@ def test_spectral_norm_under_train_step_iterates_once_per_micro_batch(schedule: 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("call", ["pipe(x)", "train_step", "no_grad", "eval"])
+def test_a_call_inside_parametrize_cached_is_refused_and_exact_outside_it(call: str) -> None:
+    """Before, the stages shared one cached weight among the micro-batches: the parametrization's
+    originals got no gradient under checkpointing, and a backward ran twice without."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.utils.parametrizations.weight_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe, reference = compiled(model.double(), x, 2, chunks=4, checkpoint="always", balance=[2, 3])
+    if call == "eval":
+        pipe.eval(), reference.eval()
+
+    def run() -> torch.Tensor:
+        if call == "train_step":
+            return pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        with torch.set_grad_enabled(call != "no_grad"):
+            return F.mse_loss(pipe(x), y)
+
+    with nn.utils.parametrize.cached(), pytest.raises(RuntimeError, match=r"(?s)cannot run inside torch.nn.utils.parametrize.cached\(\).*How to fix"):
+        run()
+    assert all(p.grad is None for p in pipe.parameters()), "a refused call accumulates nothing"
+    loss, expected = run(), F.mse_loss(reference(x), y)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
+    if call in ("pipe(x)", "eval"):
+        loss.backward()
+    if call != "no_grad":
+        expected.backward()
+        assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 @pytest.mark.parametrize("new_style", [False, True], ids=["hook", "parametrization"])
 def test_spectral_norm_in_eval_and_under_no_grad_is_the_plain_model(new_style: bool) -> None:
     """In eval mode spectral_norm does not iterate: the whole batch and its micro-batches agree."""
