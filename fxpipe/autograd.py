@@ -62,8 +62,20 @@ class Run:
                 "gradients with the plain model."
             )
         grads = self.output_grads or [None] * len(self.gathered.slots)
+        if any(g is not None and _batched(g) for g in grads):
+            raise RuntimeError(
+                "a Pipeline cannot take batched gradients (torch.autograd.functional.jacobian(..., vectorize=True), "
+                "torch.autograd.grad(..., is_grads_batched=True)): its stages run each backward on tensors of their "
+                "own, one gradient at a time.\nHow to fix: compute Jacobians with the plain model."
+            )
         input_grads = self.step.backward(self.gathered.route(grads))
         return [*whole_input_grads(self.inputs, self.step.micro_batches, input_grads), *self.parameter_grads()]
+
+
+def _batched(grad: torch.Tensor) -> bool:
+    """A gradient of autograd's own vmap (`is_grads_batched`, `jacobian(vectorize=True)`)."""
+    legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    return bool(legacy(grad)) if legacy is not None else "Batched" in str(torch._C._dispatch_keys(grad))
 
 
 def whole_input_grads(slots: Sequence[InputSlot], micro_batches: Sequence[dict[str, Any]], input_grads: Sequence[dict[str, Any]]) -> list[Optional[torch.Tensor]]:

@@ -257,6 +257,24 @@ def test_create_graph_is_refused_clearly() -> None:
         torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
 
 
+def test_batched_gradients_are_refused_clearly_and_the_next_call_is_exact() -> None:
+    """Before, jacobian(vectorize=True) and is_grads_batched failed inside the pipeline on vmap's
+    own "Batching rule not implemented for aten::detach"."""
+    model, reference = twin(FanOut())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)cannot take batched gradients.*How to fix"):
+        torch.autograd.functional.jacobian(pipe, x, vectorize=True)
+    with pytest.raises(RuntimeError, match=r"(?s)cannot take batched gradients.*How to fix"):
+        torch.autograd.grad(pipe(x), list(pipe.parameters()), torch.randn(3, 4, 6, dtype=torch.float64), is_grads_batched=True)
+    with pytest.raises(RuntimeError, match=r"(?s)ran already.*jacobian and hessian run one backward per output element"):
+        torch.autograd.functional.jacobian(pipe, x)
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_two_forwards_then_one_backward_and_accumulation(mode: str) -> None:
     model, reference = twin(FanOut())
