@@ -273,12 +273,27 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
             + "register the function with torch.fx.wrap (or call it from a module kept whole), so that the "
             "trace records its call instead of running it."
         )
+    if _in_packing(error):
+        fix = (
+            "How to fix: a packed sequence (pack_padded_sequence) cannot be traced: put the packing, the RNN and "
+            "the unpacking in a submodule of their own and keep it whole (leaf_modules=[...]); unpack with "
+            "pad_packed_sequence(..., total_length=x.shape[1]), so that every micro-batch keeps the padded length."
+        )
     return TraceError(
         f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
         + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix)
     )
+
+
+_PACKING = frozenset({"pack_padded_sequence", "pack_sequence", "pad_packed_sequence", "pad_sequence"})
+
+
+def _in_packing(error: Exception) -> bool:
+    """The trace failed inside torch's packing of variable-length sequences for an RNN."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return any(frame.name in _PACKING for frame in frames) or "PackedSequence" in str(error)
 
 
 @contextlib.contextmanager

@@ -242,6 +242,46 @@ def test_a_global_backward_hook_is_refused_and_the_model_left_as_it_was(register
     pipe(X).sum().backward()
 
 
+class _PackedRNN(nn.Module):
+    """Packing, an LSTM and unpacking: called whole, per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(6, 7, batch_first=True)
+
+    def forward(self, h: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.rnn(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=h.shape[1])[0]
+
+
+class Packs(nn.Module):
+    def __init__(self, inline: bool) -> None:
+        super().__init__()
+        self.emb, self.seq, self.head = nn.Linear(5, 6), _PackedRNN(), nn.Linear(7, 3)
+        self.inline = inline
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        if self.inline:
+            packed = nn.utils.rnn.pack_padded_sequence(h, lengths, batch_first=True, enforce_sorted=False)
+            h = nn.utils.rnn.pad_packed_sequence(self.seq.rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
+        else:
+            h = self.seq(h, lengths)
+        return self.head(h)
+
+
+@pytest.mark.filterwarnings("ignore:The tensor attributes")
+def test_packed_sequences_are_refused_naming_the_submodule_to_keep_whole_which_is_exact() -> None:
+    """Before, the advice was to rewrite control flow with torch.where, which does not apply."""
+    x, lengths = torch.randn(8, 5, 5, dtype=torch.float64), torch.tensor([5, 3, 2, 5, 1, 4, 4, 2])
+    with pytest.raises(TraceError, match=r"(?s)a packed sequence \(pack_padded_sequence\) cannot be traced: put the packing"):
+        compile_pipeline(Packs(inline=True).double(), (x, lengths), ["cpu", "cpu"], chunks=2)
+    model, reference = twin(Packs(inline=False))
+    pipe = compile_pipeline(model, (x, lengths), ["cpu", "cpu"], chunks=2, leaf_modules=["seq"])
+    assert_call_and_grads_equal(pipe, reference, x, lengths)
+
+
 class Flagged(nn.Module):
     """Keyword arguments torch.fx cannot name: torch.export captures the model, and fixes
     `scale` to the example's value and the branch on the feature size to the example's."""
