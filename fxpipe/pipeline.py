@@ -652,15 +652,28 @@ class Pipeline(nn.Module):
     # -- placement is managed ----------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None:
+        if device is not None and not self._all_on(device):
             raise PlacementError(_PLACEMENT_MESSAGE)
-        return super().to(*args, **kwargs)
+        if dtype is None and memory_format is None:
+            return self
+        return super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
 
     def cuda(self, device: Any = None) -> "Pipeline":
-        raise PlacementError(_PLACEMENT_MESSAGE)
+        if not self._all_on(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")):
+            raise PlacementError(_PLACEMENT_MESSAGE)
+        return self
 
     def cpu(self) -> "Pipeline":
-        raise PlacementError(_PLACEMENT_MESSAGE)
+        if not self._all_on(torch.device("cpu")):
+            raise PlacementError(_PLACEMENT_MESSAGE)
+        return self
+
+    def _all_on(self, device: torch.device) -> bool:
+        """Every stage is on `device` already (a move there changes nothing: a script's usual
+        `model.to(device)`)."""
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return all(torch.device(d) == device for d in self.devices)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         super()._apply(fn, recurse)
@@ -691,7 +704,8 @@ class Pipeline(nn.Module):
 _PLACEMENT_MESSAGE = (
     "a Pipeline's placement is managed: each stage's parameters live on that stage's device.\n"
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
-    "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
+    "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed, and so is a move to the one "
+    "device every stage is on already."
 )
 
 
