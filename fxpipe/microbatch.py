@@ -173,9 +173,9 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
         if dim == VARIES or any(not _same_constant(p, first) for p in parts[1:]):
             raise ValueError(
                 f"the model returns a value that is not a tensor and depends on the batch (the micro-batches "
-                f"gave {', '.join(repr(p) for p in parts)}: a size of the batch?), and the plain model's "
-                "cannot be made from them.\nHow to fix: return it as a tensor with one entry per "
-                "sample, compute it outside the pipeline, or use chunks=1."
+                f"gave {', '.join(repr(p) for p in parts)}: a size of the batch, or one entry of a list of "
+                "per-sample values (.tolist())?), and the plain model's cannot be made from them.\nHow to fix: "
+                "return it as a tensor with one entry per sample, compute it outside the pipeline, or use chunks=1."
             )
         return first
     if len(parts) == 1 or dim == SAME:

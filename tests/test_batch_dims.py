@@ -576,3 +576,10 @@ def test_an_exported_models_refusal_names_the_argument_not_the_graphs_placeholde
         compile_pipeline(KeywordOnly(), (x, bias), ["cpu"] * 2, chunks=2, example_kwargs={"temp": 2.0})
     pipe = compile_pipeline(KeywordOnly(), (x, bias), ["cpu"] * 2, chunks=2, example_kwargs={"temp": 2.0}, chunk_spec={"bias": None})
     assert pipe(x, bias, temp=2.0).shape == (8, 4)
+
+
+def test_a_list_of_per_sample_values_is_refused_naming_it() -> None:
+    model = AlsoReturns(lambda h, x: (h > 0).sum(-1).tolist()).double()  # type: ignore[arg-type,return-value]
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"(?s)a value that is not a tensor and depends on the batch.*per-sample values \(\.tolist\(\)\).*How to fix"):
+        pipe(X)
