@@ -134,6 +134,7 @@ def _stage(
         random_modules=[fetch_attr(cut.graph, name) for name in random.modules],
         hidden_always=hidden.always,
         hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
+        called=_calls(code.module),
         writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
         state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
         written=code.written,
@@ -248,12 +249,16 @@ def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
     return found
 
 
+def _calls(stage: fx.GraphModule) -> list[nn.Module]:
+    """The modules a stage calls (whole), once each."""
+    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
+    return list({id(m): m for m in modules}.values())
+
+
 def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
     """The modules a stage calls whole whose forwards may assign attributes: those that are not
     PyTorch's own, and those with forward hooks (spectral_norm's sets `weight`)."""
-    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
-    assigning = [m for m in modules if not type(m).__module__.startswith("torch.") or has_forward_hooks(m)]
-    return list({id(m): m for m in assigning}.values())
+    return [m for m in _calls(stage) if not type(m).__module__.startswith("torch.") or has_forward_hooks(m)]
 
 
 def _template(graph: fx.GraphModule) -> Any:

@@ -7,9 +7,9 @@ same way and gets the same masks.
 
 The random ops a stage's graph shows (`nn.Dropout`, `F.dropout`, `torch.rand*`, `x.bernoulli_()`,
 ...) are rewritten to take their generator from the task's stream: no Python runs for the other
-ops. A random op hidden from the graph (inside a module called whole, attention with dropout, an
-exported aten op) makes its stage run under `TaskRandomness`, a dispatch mode that hands every
-random aten op the stream's generator.
+ops. A random op hidden from the graph (inside a module called whole or a forward hook on one,
+attention with dropout, an exported aten op) makes its stage run under `TaskRandomness`, a
+dispatch mode that hands every random aten op the stream's generator.
 """
 from __future__ import annotations
 
@@ -198,3 +198,11 @@ def draws_now(modules: Sequence[nn.Module]) -> bool:
             if draw_rate(m):
                 return True
     return False
+
+
+def runs_hooks(modules: Sequence[nn.Module]) -> bool:
+    """Whether calling these modules runs forward hooks or pre-hooks (their own, those of the
+    modules inside them, or global ones): a hook's draws do not show in the graph."""
+    if modules and (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for module in modules for m in module.modules())

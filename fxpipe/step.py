@@ -43,7 +43,7 @@ from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
 from fxpipe.raw_grads import raw_grads
-from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, task_seed, task_stream
+from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, runs_hooks, task_seed, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
 from fxpipe.timeline import Record
@@ -105,6 +105,9 @@ class StageRuntime:
     random_modules: list[nn.Module] = field(default_factory=list)  # dropout-holding, by their flags
     hidden_always: bool = False  # the same, for random ops the stage's code cannot hand a generator
     hidden_modules: list[nn.Module] = field(default_factory=list)
+    # The modules it calls: a forward hook on one (or a global one) may draw, and the graph
+    # does not show it; read at each step, as a hook may be added after compiling.
+    called: list[nn.Module] = field(default_factory=list)
     writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
@@ -119,11 +122,11 @@ class StageRuntime:
 
     def draws(self) -> bool:
         """Whether a call now may draw random numbers (read once per step)."""
-        return self.random_always or draws_now(self.random_modules)
+        return self.random_always or draws_now(self.random_modules) or runs_hooks(self.called)
 
     def draws_hidden(self) -> bool:
         """Whether a call now may draw through an op that needs the dispatch mode."""
-        return self.hidden_always or draws_now(self.hidden_modules)
+        return self.hidden_always or draws_now(self.hidden_modules) or runs_hooks(self.called)
 
 
 @dataclass

@@ -6,7 +6,7 @@ A node is one of three things:
     random if      a dropout module or RReLU (or a module holding one): while training with p > 0,
                    read when the stage runs, so a rate changed between steps takes effect
     always random  rand*, bernoulli, a dropout whose p or training flag is a value, a module or
-                   function the graph does not show the inside of
+                   function the graph does not show the inside of, a module run with forward hooks
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from fxpipe.randomness import (
     dropout_module,
     draw_rate,
     method_with_generator,
+    runs_hooks,
     with_generator,
 )
 
@@ -126,8 +127,8 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
             sources.always = True
         elif node.op == "call_module":
             module = fetch_attr(gm, str(node.target))
-            if not _built_in(module):
-                sources.always = True  # called whole: its inside is not in the graph
+            if not _built_in(module) or runs_hooks([module]):
+                sources.always = True  # called whole: its inside (and its hooks') is not in the graph
             elif _holds_dropout(module):
                 sources.modules.append(str(node.target))
     return sources

@@ -3,14 +3,16 @@ micro-batch, and without a Python hook on every op where the graph shows them.""
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import grad_of
+import fxpipe
+from conftest import assert_grads_equal, grad_of
 from fxpipe import compile_pipeline
 
 
@@ -192,3 +194,97 @@ def test_a_forward_that_sets_the_random_state_it_draws_from_is_refused(cls: type
     with pytest.raises(ValueError, match=r"(?s)forward sets the random state it draws from \((torch.manual_seed at .*test_randomness.py:\d+|a generator made in forward, drawn from by randn)\).*How to fix: draw the fixed numbers once"):
         compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     assert torch.equal(torch.get_rng_state(), state), "the caller's generator as it was"
+
+
+class _MaskHook:
+    """A dropout-like forward hook, `out * (torch.rand_like(out) > 0.5)`, that keeps each
+    module's masks from the forwards (a recompute must draw them again), in order; `replay`
+    applies them instead, for the plain model run on the micro-batches in turn."""
+
+    def __init__(self) -> None:
+        self.only: type[nn.Module] = nn.Module
+        self.masks: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> Optional[torch.Tensor]:
+        if not isinstance(module, self.only):
+            return None
+        mask = (torch.rand_like(out) > 0.5).to(out.dtype)
+        if not fxpipe.is_recomputing():
+            self.masks.setdefault(id(module), []).append(mask)
+        return out * mask
+
+    def replay(self, pipe: nn.Module, reference: nn.Module) -> None:
+        """Each module of `reference` multiplies by the masks its twin in `pipe` drew, in turn."""
+        twins = dict(zip((id(m) for m in pipe.modules()), reference.modules()))
+        for key, masks in self.masks.items():
+            twins[key].register_forward_hook(lambda module, args, out, masks=list(masks): out * masks.pop(0))
+
+
+HOOKS = ("on a leaf module", "on a leaf module, after compiling", "global")
+
+
+@contextmanager
+def _registered_globally(hook: _MaskHook, where: str) -> Iterator[None]:
+    """Where it is global: the hook on every nn.Linear, for the block."""
+    hook.only = nn.Linear if where == "global" else nn.Module
+    # Typed as a hook that returns None; one may return the output that replaces the module's.
+    handle = nn.modules.module.register_module_forward_hook(hook) if where == "global" else None  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _hooked_step(where: str, mode: str, schedule: str, train_step: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """One step with a hook that draws: its output (or loss), gradients and the generator after,
+    checked against the plain model drawing the same masks, on the micro-batches in turn."""
+    hook = _MaskHook()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    with _registered_globally(hook, where):
+        if where == "on a leaf module":
+            model[2].register_forward_hook(hook)
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode, schedule=schedule, split_points=["3"])
+        if where == "on a leaf module, after compiling":
+            model[2].register_forward_hook(hook)
+        hook.masks.clear()  # drawn while compiling
+        torch.manual_seed(5)
+        if train_step:
+            out = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        else:
+            out = pipe(x)
+            out.pow(2).sum().backward()
+        after = torch.get_rng_state()
+    hook.replay(pipe, reference)
+    if train_step:
+        expected = sum(F.mse_loss(reference(a), b) / 2 for a, b in zip(x.chunk(2), y.chunk(2)))
+        assert isinstance(expected, torch.Tensor)
+        expected.backward()
+    else:
+        expected = torch.cat([reference(a) for a in x.chunk(2)])
+        expected.pow(2).sum().backward()
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    return out.detach(), [grad_of(p).clone() for p in pipe.parameters()], after
+
+
+@pytest.mark.parametrize("where", HOOKS)
+@pytest.mark.parametrize("how", ["pipe(x)", "gpipe", "1f1b", "zb-h1"])
+def test_a_forward_hook_that_draws_is_replayed_by_the_recompute(where: str, how: str) -> None:
+    """A hook's draws do not show in the graph: the stage that calls a hooked module (or any
+    module, under a global hook) draws from its task's stream. Before, the recompute drew a new
+    mask: the gradients were those of another forward (0.39 off), and the caller's generator was
+    left elsewhere than with checkpoint="never"; a global hook was refused when compiling, as
+    mixing samples (its halves drew other masks than the whole)."""
+    train_step = how != "pipe(x)"
+    schedule = how if train_step else "gpipe"
+    out, grads, after = _hooked_step(where, "never", schedule, train_step)
+    for mode in ("always", "except_last"):
+        other, other_grads, other_after = _hooked_step(where, mode, schedule, train_step)
+        assert torch.equal(out, other), mode
+        assert all(torch.equal(g, h) for g, h in zip(grads, other_grads)), mode
+        assert torch.equal(after, other_after), mode
