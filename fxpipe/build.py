@@ -82,6 +82,7 @@ def build_program(
         traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
+        state_read=_state_read(codes, shared),
     )
 
 
@@ -94,6 +95,18 @@ def _unreached(owner: nn.Module) -> list[str]:
         for key, tensor in module._parameters.items()
         if tensor is not None and not isinstance(tensor, nn.Parameter) and tensor.requires_grad
     ]
+
+
+def _state_read(codes: Sequence[StageCode], shared: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+    """The parameters, buffers and tensor attributes the stages read, once each, by the model's
+    names (the stage modules hold them under those; a tied one by its first)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for code, copies in zip(codes, shared):
+        held = [*code.module.named_parameters(), *code.module.named_buffers(), *zip(code.shared, copies)]
+        for name, tensor in held:
+            if isinstance(tensor, torch.Tensor):
+                found.setdefault(id(tensor), (name, tensor))
+    return dict(found.values())
 
 
 def _stored_by_module(owner: nn.Module, stored: frozenset[tuple[str, str]]) -> dict[int, list[tuple[str, str]]]:

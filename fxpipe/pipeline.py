@@ -476,7 +476,7 @@ class Pipeline(nn.Module):
         context = CallerContext.capture()
         input_slots = self._input_slots(values, batch, dims)
         grad_mode = torch.is_grad_enabled() and not context.inference
-        refuse_transforms(values, program.unreached, grad_mode)
+        refuse_transforms(values, program.unreached, grad_mode, program.state_read)
         params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
         grad = grad_mode and bool(input_slots or params)
         if self._channel is not None and grad and input_slots:

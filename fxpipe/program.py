@@ -128,6 +128,8 @@ class Program:
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
     # Tensors swapped in for parameters that require grad but are not Parameters, by name.
     unreached: list[str] = field(default_factory=list)
+    # The parameters, buffers and tensor attributes the stages read, by the model's names.
+    state_read: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the

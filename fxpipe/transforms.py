@@ -3,7 +3,7 @@
 The stages run on worker threads (or other processes) on tensors of their own, so a transform
 that lives in the caller's tensors or thread would see nothing of them and silently lose its
 work: torch.func's transforms (`vmap`, `grad`, `jvp`, `jacrev`, ...), forward-mode AD's
-tangents, and parameters swapped for plain tensors that require grad (`torch.func.
+tangents (on the inputs, or on parameters and buffers swapped in), and parameters swapped for plain tensors that require grad (`torch.func.
 functional_call` given such tensors), which autograd would never reach.
 """
 from __future__ import annotations
@@ -15,10 +15,11 @@ import torch.autograd.forward_ad as forward_ad
 from torch.utils._pytree import tree_flatten
 
 
-def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: bool) -> None:
+def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: bool, state: dict[str, torch.Tensor]) -> None:
     """Raise if the call runs under a torch.func transform, passes tangents of forward-mode AD
-    in its input `values`, or asks for gradients while the model holds `unreached` tensors:
-    swapped in for parameters, requiring grad, and not Parameters."""
+    in its input `values` or in the `state` the stages read (parameters, buffers), or asks for
+    gradients while the model holds `unreached` tensors: swapped in for parameters, requiring
+    grad, and not Parameters."""
     problems = []
     if _functorch_active():
         problems.append(
@@ -28,6 +29,12 @@ def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: b
     duals = [name for name, value in values.items() if _has_tangent(value)]
     if duals:
         problems.append(f"inputs carry tangents of forward-mode AD ({', '.join(duals)}), which the stages would drop")
+    held = [name for name, tensor in state.items() if _has_tangent(tensor)] if _dual_level_active() else []
+    if held:
+        problems.append(
+            f"parameters or buffers the stages read carry tangents of forward-mode AD ({', '.join(held)}; "
+            "swapped in by torch.func.functional_call, say), which the stages would drop"
+        )
     if grad_mode and unreached:
         problems.append(
             f"parameters of the model were swapped for tensors that require grad but are not nn.Parameters "
@@ -47,6 +54,12 @@ def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: b
 def _functorch_active() -> bool:
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active()) if active is not None else False
+
+
+def _dual_level_active() -> bool:
+    """Whether tangents may exist: only inside `forward_ad.dual_level()` (which keeps no public
+    flag; without the private one, assume so)."""
+    return getattr(forward_ad, "_current_level", 0) >= 0
 
 
 def _has_tangent(value: Any) -> bool:

@@ -643,6 +643,41 @@ def test_transforms_the_stages_cannot_carry_are_refused(transform: str) -> None:
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # and the next call runs
 
 
+class _TiedAndScaled(nn.Module):
+    """A weight both stages read (tied), and a buffer."""
+
+    scale: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+        self.register_buffer("scale", torch.full((6,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * self.scale)
+
+
+@pytest.mark.parametrize("name", ["a.bias", "a.weight", "scale"], ids=["a parameter", "a tied parameter", "a buffer"])
+def test_tangents_of_forward_mode_ad_on_what_the_stages_read_are_refused_naming_it(name: str) -> None:
+    """functional_call swapping in a dual tensor for a parameter or a buffer: before, the
+    pipeline's output had no tangent where the plain model's had one, and no error."""
+    from torch.autograd import forward_ad
+    from torch.func import functional_call
+
+    model, reference = twin(_TiedAndScaled())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, split_points=["b"])
+    held = {**dict(reference.named_parameters()), **dict(reference.named_buffers())}
+    with forward_ad.dual_level():
+        dual = {name: forward_ad.make_dual(held[name].detach(), torch.ones_like(held[name]))}
+        assert forward_ad.unpack_dual(functional_call(reference, dual, (x,))).tangent is not None
+        with pytest.raises(RuntimeError, match=rf"(?s)cannot compute what the plain model would.*parameters or buffers the stages read carry tangents of forward-mode AD \({name}; .*How to fix: apply such transforms to the plain model"):
+            functional_call(pipe, dual, (x,))
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # its own, without tangents, run
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 def test_functional_call_with_tensors_that_do_not_require_grad_runs_on_them() -> None:
     from torch.func import functional_call
 
