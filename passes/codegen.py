@@ -58,13 +58,30 @@ def private_copy(module: nn.Module) -> nn.Module:
     return copied
 
 
-def shared_tensors(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
-    """Tensors read by more than one stage, keyed by `id`, with the first name they are read by."""
+def resolve(owner: nn.Module, gm: fx.GraphModule, target: str) -> Any:
+    """What a stage reads at `target`: the owner's attribute as it is now, else the graph's own
+    (a constant the trace made)."""
+    try:
+        return fetch_attr(owner, target)
+    except AttributeError:
+        return fetch_attr(gm, target)
+
+
+def tensors_held(gm: fx.GraphModule, owner: nn.Module, node: fx.Node) -> dict[str, torch.Tensor]:
+    """`tensors_read`, each as `owner` holds it now. The graph keeps the tensor each of its
+    `get_attr`s read when traced: after `model.w = nn.Parameter(...)` it still holds the old one,
+    where the stage reads the new one."""
+    return {name: resolve(owner, gm, name) for name in tensors_read(gm, node)}
+
+
+def shared_tensors(gm: fx.GraphModule, owner: nn.Module, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
+    """Tensors read by more than one stage, as `owner` holds them now (`tensors_held`), keyed by
+    `id`, with the first name they are read by."""
     names: dict[int, str] = {}
     readers: dict[int, set[int]] = {}
     for index, run in enumerate(runs):
         for node in run:
-            for name, tensor in tensors_read(gm, node).items():
+            for name, tensor in tensors_held(gm, owner, node).items():
                 names.setdefault(id(tensor), name)
                 readers.setdefault(id(tensor), set()).add(index)
     return {key: names[key] for key, stages in readers.items() if len(stages) > 1}
@@ -85,10 +102,7 @@ class _StageBuilder:
         self.shared_inputs: dict[str, fx.Node] = {}
 
     def resolve(self, target: str) -> Any:
-        try:
-            return fetch_attr(self.owner, target)
-        except AttributeError:
-            return fetch_attr(self.gm, target)
+        return resolve(self.owner, self.gm, target)
 
     def attribute(self, node: fx.Node) -> fx.Node:
         value = self.resolve(str(node.target))
@@ -103,7 +117,7 @@ class _StageBuilder:
         return self.attribute(node) if node.op == "get_attr" else self.env[node.name]
 
     def copy(self, node: fx.Node) -> None:
-        state = tensors_read(self.gm, node) if node.op == "call_module" else {}
+        state = tensors_held(self.gm, self.owner, node) if node.op == "call_module" else {}
         tied = {name: t for name, t in state.items() if id(t) in self.shared}
         if not tied:
             if node.op == "call_module":
@@ -124,8 +138,8 @@ class _StageBuilder:
         self.env[node.name].name = node.name
 
 
-def _stage_shared(gm: fx.GraphModule, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:
-    found = {shared[id(t)]: None for node in run for t in tensors_read(gm, node).values() if id(t) in shared}
+def _stage_shared(gm: fx.GraphModule, owner: nn.Module, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:
+    found = {shared[id(t)]: None for node in run for t in tensors_held(gm, owner, node).values() if id(t) in shared}
     return list(found)
 
 
@@ -137,14 +151,17 @@ def generate_stages(
 ) -> list[StageCode]:
     """One `GraphModule` per run of nodes; attributes are resolved against `owner` (the user's
     model, whose modules and tensors the stages share) and then against `gm`."""
-    shared = shared_tensors(gm, runs)
+    owner = owner if owner is not None else gm
+    # Shared are the tensors the stages will read, the owner's now: the graph's own may be those
+    # the model held when traced, replaced since.
+    shared = shared_tensors(gm, owner, runs)
     codes = []
     for index, run in enumerate(runs):
-        builder = _StageBuilder(gm, owner if owner is not None else gm, shared)
+        builder = _StageBuilder(gm, owner, shared)
         inputs, outputs = stage_inputs(edges, index), stage_outputs(edges, index)
         for name in inputs:
             builder.env[name] = builder.graph.placeholder(name)
-        names = _stage_shared(gm, run, shared)
+        names = _stage_shared(gm, owner, run, shared)
         for name in names:
             builder.shared_inputs[name] = builder.graph.placeholder(_placeholder_name(name))
         mutated = sorted(mutated_inputs(gm, run, inputs), key=inputs.index)

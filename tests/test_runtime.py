@@ -370,6 +370,48 @@ def test_a_parameter_assigned_after_compiling_gets_its_gradient() -> None:
     assert_grads_equal(pipe, reference)
 
 
+class Gained(nn.Module):
+    """A gain the root holds, read in both stages when cut at `b`: each stage gets a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.gain = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * self.gain
+        return self.out(torch.tanh(self.b(h)) * self.gain)
+
+
+class GainedExported(Gained):
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_parameter_several_stages_read_assigned_after_compiling_gets_its_gradient(schedule: str, exported: bool) -> None:
+    """Before, the stages built again read the new parameter itself, not their copies of it:
+    zb-h1's train_step left its `.grad` None (the plain model's gradient has norm 0.14), and
+    autograd.grad raised that it was not used in the graph."""
+    model, reference = twin(GainedExported() if exported else Gained())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, split_points=["b"], schedule=schedule)
+    for m in (model, reference):
+        m.gain = nn.Parameter(torch.full((6,), 1.3, dtype=torch.float64))
+    assert_call_and_grads_equal(pipe, reference, x)
+    assert all(p.grad is None for p in pipe.parameters()), "autograd.grad hands the gradients to the caller alone"
+    mse = nn.functional.mse_loss
+    loss, expected = pipe.train_step(x, target=y, loss_fn=mse), mse(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    mse(pipe(x), y).backward()
+    mse(reference(x), y).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 def test_a_module_replaced_after_compiling_is_refused() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     x = torch.randn(8, 4)
