@@ -547,6 +547,14 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     **kwargs) is told so."""
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
+    global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+    if global_hooks and "computes otherwise" in fx_failure.detail:
+        return (
+            "How to fix: global forward hooks are registered (nn.modules.module.register_module_forward_hook or "
+            "register_module_forward_pre_hook): one that changes what a module computes runs inside the trace and "
+            "again where the stages call modules, and never around the model itself. Remove it (handle.remove()) and "
+            "register it on the modules it is meant for (module.register_forward_hook) before compiling."
+        )
     if unknown_type(export_failure.detail):
         return UNKNOWN_TYPE_FIX
     if "needs each input named" in fx_failure.detail:

@@ -256,6 +256,19 @@ def test_a_global_backward_hook_is_refused_and_the_model_left_as_it_was(register
     pipe(X).sum().backward()
 
 
+def test_a_global_forward_hook_that_changes_outputs_is_refused_naming_it() -> None:
+    """Before, the advice was about data-dependent control flow."""
+    def shift(module: nn.Module, args: Any, out: Any) -> Any:
+        return out + 0.01 if isinstance(out, torch.Tensor) else None
+
+    handle = nn.modules.module.register_module_forward_hook(shift)
+    try:
+        with pytest.raises(TraceError, match=r"(?s)How to fix: global forward hooks are registered.*register it on the modules it is meant for"):
+            compile_pipeline(Blocks(), X, ["cpu", "cpu"], chunks=2)
+    finally:
+        handle.remove()
+
+
 class _PackedRNN(nn.Module):
     """Packing, an LSTM and unpacking: called whole, per micro-batch."""
 
