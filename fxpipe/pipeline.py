@@ -656,7 +656,7 @@ class Pipeline(nn.Module):
             raise PlacementError(_PLACEMENT_MESSAGE)
         if dtype is None and memory_format is None:
             return self
-        return super().to(*args, **kwargs)  # a device it names is every stage's already
+        return super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
 
     def cuda(self, device: Any = None) -> "Pipeline":
         if not self._all_on(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")):
