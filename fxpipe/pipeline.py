@@ -652,28 +652,15 @@ class Pipeline(nn.Module):
     # -- placement is managed ----------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if device is not None and not self._all_on(device):
+        if device is not None:
             raise PlacementError(_PLACEMENT_MESSAGE)
-        if dtype is None and memory_format is None:
-            return self
-        return super().to(dtype=dtype, non_blocking=non_blocking, memory_format=memory_format)
+        return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> "Pipeline":
-        if not self._all_on(torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")):
-            raise PlacementError(_PLACEMENT_MESSAGE)
-        return self
+        raise PlacementError(_PLACEMENT_MESSAGE)
 
     def cpu(self) -> "Pipeline":
-        if not self._all_on(torch.device("cpu")):
-            raise PlacementError(_PLACEMENT_MESSAGE)
-        return self
-
-    def _all_on(self, device: torch.device) -> bool:
-        """Every stage is on `device` already (a move there changes nothing: a script's usual
-        `model.to(device)`)."""
-        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        return all(torch.device(d) == device for d in self.devices)
+        raise PlacementError(_PLACEMENT_MESSAGE)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         super()._apply(fn, recurse)
@@ -704,8 +691,7 @@ class Pipeline(nn.Module):
 _PLACEMENT_MESSAGE = (
     "a Pipeline's placement is managed: each stage's parameters live on that stage's device.\n"
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
-    "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed, and so is a move to the one "
-    "device every stage is on already."
+    "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
 
 

@@ -124,26 +124,12 @@ def test_empty_batch() -> None:
         pipe(torch.randn(0, 6))
 
 
-@pytest.mark.parametrize("move", [lambda p: p.to("meta"), lambda p: p.to(torch.device("meta"), torch.float64), lambda p: p.cuda(), lambda p: p.to("cuda:1")])
+@pytest.mark.parametrize("move", [lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu"), torch.float64), lambda p: p.cpu(), lambda p: p.cuda()])
 def test_moving_a_pipeline_is_refused(move: object) -> None:
     pipe = compile_pipeline(FanOut(), X, ["cpu", "cpu"])
     with pytest.raises(PlacementError, match="placement is managed"):
         move(pipe)  # type: ignore[operator]
     assert pipe.to(torch.float64) is pipe
-
-
-def test_a_move_to_the_device_every_stage_is_on_changes_nothing_but_the_dtype_asked_for() -> None:
-    """Before, a script's usual `model.to(device)` was refused even where it moves nothing."""
-    model, reference = twin(FanOut())
-    pipe = compile_pipeline(model, X.double(), ["cpu", "cpu"])
-    assert pipe.to("cpu") is pipe and pipe.cpu() is pipe and pipe.to(torch.device("cpu"), non_blocking=True) is pipe
-    assert_call_and_grads_equal(pipe, reference, X.double())
-    model, reference = FanOut(), FanOut()
-    reference.load_state_dict(model.state_dict())
-    pipe = compile_pipeline(model, X, ["cpu", "cpu"])
-    assert pipe.to("cpu", torch.float64) is pipe
-    assert all(p.dtype == torch.float64 for p in pipe.parameters())
-    assert_call_and_grads_equal(pipe, reference.double(), X.double())
 
 
 def test_calling_with_wrong_arguments() -> None:
