@@ -304,8 +304,9 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves, none=none))[1])
     except TraceError as error:
-        # A submodule that stores attributes in forward is called whole: its assignments run.
-        wholes = _assigning_modules(error)
+        # A submodule that stores attributes in forward is called whole: its assignments run. So
+        # is one whose forward calls a function that takes real tensors only (einops, packing).
+        wholes = _assigning_modules(error) or [w for w in [error.whole] if w is not None and w not in leaves]
         if not wholes:
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
         return _by_fx(model, example, kwargs, [*leaves, *wholes])

@@ -26,7 +26,13 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 class TraceError(RuntimeError):
-    """The model could not be traced; the message names the module, the line and the fix."""
+    """The model could not be traced; the message names the module, the line and the fix.
+    `whole`: the submodule whose forward a library's check stopped (a function given the trace's
+    value where it takes real tensors): called whole, it runs on real ones."""
+
+    def __init__(self, message: str, whole: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.whole = whole
 
 
 class _Tracer(fx.Tracer):
@@ -266,7 +272,8 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
         "instead of traced, or " if where else ""
     ) + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
-    if isinstance(error, TypeError) and "Proxy" in str(error) and not unknown_type(str(error)):  # a library's type check
+    refused = "Proxy" in str(error) and not unknown_type(str(error))  # a library's type check
+    if refused:
         fix = (
             "How to fix: a function that takes real tensors only was given torch.fx's traced value (a Proxy): "
             + (f"keep {where!r} whole (leaf_modules=[{where!r}]), or " if where else "")
@@ -283,7 +290,8 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
-        + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix)
+        + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix),
+        whole=where if refused or _in_packing(error) else None,
     )
 
 
