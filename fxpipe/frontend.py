@@ -306,8 +306,8 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run. So
         # is one whose forward calls a function that takes real tensors only (einops, packing).
-        wholes = _assigning_modules(error) or [w for w in [error.whole] if w is not None and w not in leaves]
-        if not wholes:
+        wholes = [w for w in _assigning_modules(error) or [error.whole] if w is not None and w not in leaves]
+        if not wholes:  # none, or none that is not called whole already
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
         return _by_fx(model, example, kwargs, [*leaves, *wholes])
     binder = signature_binder(graphs[True], model)
@@ -548,6 +548,8 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     **kwargs) is told so."""
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
+    if "cannot keep such an attribute up to date" in fx_failure.detail:
+        return ""  # torch.fx's reason, an assignment forward makes, says how to fix it
     global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
     if global_hooks and "computes otherwise" in fx_failure.detail:
         return (

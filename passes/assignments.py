@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import types
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -19,7 +19,9 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.attribute_reads import settings
 
-Changes = dict[str, str]  # each attribute assigned (dotted), and the path of the module holding it
+# Each attribute assigned (dotted), and the path of the module holding it; None for one of a
+# settings object several modules share (which one's forward assigned it is not known).
+Changes = dict[str, Optional[str]]
 
 
 class AssignmentError(RuntimeError):
@@ -47,17 +49,21 @@ def holds_fields(value: Any) -> bool:
     return (settings(value) or type(value) is types.SimpleNamespace) and isinstance(getattr(value, "__dict__", None), dict)
 
 
-def _settings_held(model: nn.Module) -> dict[tuple[str, str], tuple[Any, dict[str, Any]]]:
+def _settings_held(model: nn.Module) -> tuple[dict[tuple[str, str], tuple[Any, dict[str, Any]]], set[tuple[str, str]]]:
     """Each settings object `model`'s modules hold, once (a config many modules share is named by
-    the first), by module path and attribute, with its public attributes as they are now."""
+    the first), by module path and attribute, with its public attributes as they are now; and
+    those several modules hold."""
     found: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
-    seen: set[int] = set()
+    first: dict[int, tuple[str, str]] = {}
+    shared: set[tuple[str, str]] = set()
     for path, module in model.named_modules():
         for name, value in _public(module).items():
-            if id(value) not in seen and holds_fields(value):
-                seen.add(id(value))
+            if id(value) in first:
+                shared.add(first[id(value)])
+            elif holds_fields(value):
+                first[id(value)] = (path, name)
                 found[path, name] = (value, _fields(value))
-    return found
+    return found, shared
 
 
 class Contents:
@@ -153,7 +159,14 @@ class Assigned:
 
     def __init__(self, model: nn.Module, buffers: bool = False) -> None:
         self.before = {path: (module, _public(module), dict(module._buffers) if buffers else {}) for path, module in model.named_modules()}
-        self.held = _settings_held(model)
+        self.held, self.shared = _settings_held(model)
+
+    def holder(self, key: tuple[str, str]) -> Optional[str]:
+        """The path of the module holding what `since()` names `key`; None for an attribute of a
+        settings object several modules hold."""
+        path, name = key
+        held = name.rpartition(".")[0]
+        return None if held and (path, held) in self.shared else path
 
     def _holders(self) -> Iterator[tuple[str, str, Any, dict[str, Any], dict[str, Any]]]:
         """Each module and settings object: its path, the prefix of its attributes' names, itself,
@@ -216,7 +229,7 @@ def assignments_recorded(model: nn.Module) -> Iterator[Changes]:
         yield changed
     finally:
         contents.put_back()  # a cache a run filled: not an assignment, and not kept
-        changed.update((_dotted(key), key[0]) for key in assigned.since())
+        changed.update((_dotted(key), assigned.holder(key)) for key in assigned.since())
         assigned.put_back()
 
 
@@ -278,18 +291,23 @@ def outside(names: Iterable[str], modules: Iterable[str]) -> list[str]:
     return [name for name in names if not any(name.startswith(prefix) for prefix in prefixes)]
 
 
-def refuse_assignments(changed: Mapping[str, str], called_whole: Iterable[str] = (), exported: str = "") -> None:
+def refuse_assignments(changed: Mapping[str, Optional[str]], called_whole: Iterable[str] = (), exported: str = "") -> None:
     """Raise `AssignmentError` for the assignments of `changed` (see `assignments_recorded`)
     outside the modules (by path) that a graph calls whole. `exported`: why torch.fx could not
     trace the model, when torch.export captured it (which keeps no module whole)."""
-    lost = outside(changed, called_whole)
+    shared = [name for name, holder in changed.items() if holder is None]
+    lost = [*outside([name for name in changed if name not in shared], called_whole), *shared]
     if lost:
         whole = _whole_advice(lost, exported)
+        if shared:  # no module to keep whole: which one's forward assigns it is not known
+            whole = (f"{', '.join(repr(name) for name in shared)} belongs to a settings object several modules hold (a "
+                     "shared config): keep such a value in the module that changes it (self.calls += 1), which is then "
+                     "called whole.")  # fmt: skip
         raise AssignmentError(
             f"the model's forward assigns {', '.join(repr(name) for name in lost)}: a pipeline runs the "
             "forward as generated stages, which cannot keep such an attribute up to date.\n"
             f"How to fix: return the value from forward instead of storing it on the module. {whole}",
-            [changed[name] for name in lost],
+            [changed[name] or "" for name in lost],
         )
 
 

@@ -432,7 +432,7 @@ class WarmsUp(nn.Module):
         return torch.tanh(self.lin(x)) * min(1.0, self.state.calls / 10)
 
 
-def _counts(model: nn.Sequential) -> int:
+def _counts(model: nn.Sequential | nn.ModuleList) -> int:
     block = model[1]
     assert isinstance(block, WarmsUp)
     return int(block.state.calls)
@@ -467,6 +467,44 @@ def test_a_counter_in_a_settings_object_counts_as_the_plain_model_run_on_the_mic
     pipe.eval(), reference.eval()
     torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
     assert _counts(model) == _counts(reference) == 12, "once per micro-batch; a recompute counts nothing"
+
+
+class SharesItsSettings(nn.Module):
+    """Three blocks holding one settings object (and the root too, with `root_holds`, as a
+    Hugging Face model holds its config): each block counts in it (`counts`), or the root sets
+    the count before each block."""
+
+    def __init__(self, root_holds: bool, counts: bool) -> None:
+        super().__init__()
+        state = _Progress()
+        if root_holds:
+            self.config = state
+        self.blocks = nn.ModuleList([WarmsUp(state) for _ in range(3)])
+        self.counts = counts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            assert isinstance(block, WarmsUp)
+            if not self.counts:
+                block.state.calls = 9  # then 10 in the block, every call: a plain value the graph may hold
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("root_holds", [False, True], ids=["blocks-share", "root-shares"])
+def test_a_counter_in_a_settings_object_several_modules_share_is_refused(root_holds: bool) -> None:
+    """Which module's forward counts is not known: before the refusal named the first holder, and
+    keeping it whole made the trace retry without end (a RecursionError); before that, the graph
+    read the count as a constant (0.16 off)."""
+    model = SharesItsSettings(root_holds, counts=True).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    for leaves in ([], ["blocks.1"]):
+        with pytest.raises(TraceError, match=r"(?s)assigns '[\w.]*calls'.*belongs to a settings object several modules hold"):
+            compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=leaves)
+        assert _counts(model.blocks) == 0
+    model, reference = twin(SharesItsSettings(root_holds, counts=False))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
 
 
 class CountsAtTheRoot(nn.Module):
