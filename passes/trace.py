@@ -272,8 +272,8 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
         "instead of traced, or " if where else ""
     ) + "rewrite data-dependent Python control flow with tensor operations (torch.where, torch.cond)."
-    refused = "Proxy" in str(error) and not unknown_type(str(error))  # a library's type check
-    if refused:
+    refused = "Proxy" in str(error) and not unknown_type(str(error)) and _raised_in_a_library(model, where, error)
+    if refused:  # a library's type check
         fix = (
             "How to fix: a function that takes real tensors only was given torch.fx's traced value (a Proxy): "
             + (f"keep {where!r} whole (leaf_modules=[{where!r}]), or " if where else "")
@@ -291,8 +291,30 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
         + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix),
-        whole=where if refused or _in_packing(error) else None,
+        whole=where if where and (_stopped_on_a_traced_value(error) or _in_packing(error)) else None,
     )
+
+
+def _raised_in_a_library(model: nn.Module, where: Optional[str], error: Exception) -> bool:
+    """The error was raised in a library the module's forward called (einops' type check), not in
+    the forward's own code (`h[:, 0] = 0` on a traced value) nor in torch."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or frames[-1].filename.startswith(_TORCH_DIR):
+        return False
+    try:
+        own = inspect.getsourcefile(type(model.get_submodule(where or "")).forward)
+    except (AttributeError, TypeError):
+        return False
+    return frames[-1].filename != own
+
+
+def _stopped_on_a_traced_value(error: Exception) -> bool:
+    """The forward did what a traced value cannot take: a library's type check (einops), a key
+    looked up by it, its shape unpacked (`b, n, d = *x.shape`). Called whole, the module does it
+    on real tensors. Not a write into it (`h[:, 0] = 0`): a module called whole that writes its
+    input cannot take a stage's input, which autograd keeps as a leaf."""
+    text = str(error)
+    return "Proxy" in text and not unknown_type(text) and "does not support item assignment" not in text
 
 
 _PACKING = frozenset({"pack_padded_sequence", "pack_sequence", "pad_packed_sequence", "pad_sequence"})

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_call_and_grads_equal, assert_grads_equal, twin
+from conftest import assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
 from fxpipe import StageError, TraceError, compile_pipeline
 
 
@@ -524,20 +524,13 @@ def test_a_root_that_counts_in_a_settings_object_is_refused_and_left_as_it_was()
     assert model.state.calls == 0
 
 
-def _real_tensors_only(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """A library function with a type check (einops' backends have one): a trace's value fails it."""
-    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
-        raise RuntimeError(f"Tensor type unknown to the library {type(t)}")
-    return t.reshape(t.shape[0], heads, -1).flip(-1).reshape(t.shape[0], -1)
-
-
 class Heads(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(_real_tensors_only(self.lin(x), heads=2))
+        return torch.tanh(real_tensors_only(self.lin(x), heads=2))
 
 
 class ThreeHeads(nn.Module):
