@@ -296,7 +296,7 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
 
 
 def _raised_in_a_library(model: nn.Module, where: Optional[str], error: Exception) -> bool:
-    """The error was raised in a library the module's forward called (einops' type check), not in
+    """The error was raised in a function the module's forward called (einops' type check), not in
     the forward's own code (`h[:, 0] = 0` on a traced value) nor in torch."""
     frames = traceback.extract_tb(error.__traceback__)
     if not frames or frames[-1].filename.startswith(_TORCH_DIR):
@@ -305,7 +305,7 @@ def _raised_in_a_library(model: nn.Module, where: Optional[str], error: Exceptio
         own = inspect.getsourcefile(type(model.get_submodule(where or "")).forward)
     except (AttributeError, TypeError):
         return False
-    return frames[-1].filename != own
+    return (frames[-1].filename, frames[-1].name) != (own, "forward")
 
 
 def _stopped_on_a_traced_value(error: Exception) -> bool:
