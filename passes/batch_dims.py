@@ -195,8 +195,9 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
     real = _small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    written: set[str] = set()
     try:
-        (whole,) = _run(gm, [inputs], real, keep=set(returned))
+        (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
     except Exception:  # noqa: BLE001 - not even the example runs here (on meta, say): nothing to tell
         return
     try:
@@ -205,7 +206,7 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
         if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return
         raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
-    compare = real and not _keeps_state(gm)
+    compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
     sources = output_sources(gm, gradients=False)
@@ -242,12 +243,13 @@ def _apart_in_each_micro_batch(gm: fx.GraphModule) -> set[fx.Node]:
     return found
 
 
-def _keeps_state(gm: fx.GraphModule) -> bool:
-    """Whether forward writes buffers (BatchNorm's running statistics aside, which these runs do
-    not use): the micro-batches then compute as the plain model run on them in turn, by design
-    (README), and what the whole batch computes is no measure of them."""
+def _keeps_state(gm: fx.GraphModule, written: set[str]) -> bool:
+    """Whether forward wrote buffers on the whole example (`written`; BatchNorm's running
+    statistics aside, which these runs do not use): the micro-batches then compute as the plain
+    model run on them in turn, by design (README), and what the whole batch computes is no
+    measure of them. A buffer a module only holds (a pruning mask) or reads keeps nothing."""
     norms = _norms_called_as_ops(gm)
-    for name in writable_buffer_names(gm, list(gm.graph.nodes)):
+    for name in written:
         path, _, buffer = name.rpartition(".")
         owner = fetch_attr(gm, path) if path else gm
         if not isinstance(owner, nn.modules.batchnorm._NormBase) and not (path in norms and buffer in _STATISTICS):
@@ -265,17 +267,35 @@ def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
     return {str(stat.target).rpartition(".")[0] for node in gm.graph.nodes for stat in statistics_written(node)}
 
 
-def _run(gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]]) -> list[dict[fx.Node, Any]]:
-    """The values of the nodes in `keep` (of every node when None) on each of `examples`."""
+def _run(
+    gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None
+) -> list[dict[fx.Node, Any]]:
+    """The values of the nodes in `keep` (of every node when None) on each of `examples`; the
+    buffers the runs may write that they did write are added to `written`."""
     runs = []
     fixed = _drawing_or_normalising(gm)
     with preserved(gm), torch.no_grad():
+        before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
         for inputs in examples:
             runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed)
             with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
                 runner.run(*_cloned(inputs))
             runs.append(runner.values)
+        if written is not None:
+            written.update(name for name, (b, version) in before.items() if _buffer(gm, name) is not b or version is None or _version(b) != version)
     return runs
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """Its version counter; None for an inference tensor, which keeps none (counted as written)."""
+    return None if t.is_inference() else t._version
+
+
+def _buffer(gm: fx.GraphModule, name: str) -> Optional[torch.Tensor]:
+    try:
+        return gm.get_buffer(name)
+    except AttributeError:
+        return None
 
 
 def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, chunks: int, dims: Dims, error: Exception) -> str:

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 
-from conftest import assert_grads_equal, twin
+from conftest import assert_grads_equal, real_tensors_only, twin
 from fxpipe import compile_pipeline
 from fxpipe.microbatch import VARIES
 from fxpipe.passes.batch_dims import annotate_batch_dims
@@ -47,6 +48,46 @@ def test_a_model_that_mixes_samples_is_refused_naming_where(case: str) -> None:
     with pytest.raises(ValueError, match=r"with chunks=2 the micro-batches would compute otherwise than the whole batch(.|\n)*"
                                          rf"The difference starts at: [^\n]*{where}(.|\n)*How to fix"):  # fmt: skip
         compile_pipeline(Mixer(mix).double(), X, ["cpu", "cpu"], chunks=2)
+
+
+class _ReadsABuffer(nn.Module):
+    """Called whole (it calls a function that takes real tensors only), reading a buffer it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale: torch.Tensor
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return real_tensors_only(h, heads=2) * self.scale
+
+
+HOLDS_STATE = {
+    "a pruned layer": lambda m: prune.l1_unstructured(m.a, "weight", amount=0.3),
+    "an orthogonal parametrization": lambda m: nn.utils.parametrizations.orthogonal(m.a),
+    "a module called whole with a buffer": lambda m: setattr(m, "mix", _Mixes(_ReadsABuffer())),
+}
+
+
+class _Mixes(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(h)
+        return h - h.mean(0)
+
+
+@pytest.mark.parametrize("case", list(HOLDS_STATE))
+def test_a_buffer_the_forward_only_reads_leaves_the_check_on(case: str) -> None:
+    """Before, a module holding a buffer it might write (a pruning mask, a parametrization's
+    base, a module called whole) turned the comparison of the halves off: a model centred over
+    the batch compiled, 0.18 off the plain model."""
+    model = Mixer(lambda h, x: h - h.mean(0))
+    HOLDS_STATE[case](model)
+    with pytest.raises(ValueError, match=r"(?s)the micro-batches would compute otherwise than the whole batch.*starts at"):
+        compile_pipeline(model.double(), X, ["cpu", "cpu"], chunks=2)
 
 
 class AlsoReturns(nn.Module):
