@@ -17,7 +17,7 @@ from fxpipe.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.checkpoint import slot_of
 from fxpipe.gather import ValueRef
 from fxpipe.passes.attrs import fetch_attr
-from fxpipe.passes.codegen import StageCode, generate_stages
+from fxpipe.passes.codegen import StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
@@ -263,8 +263,9 @@ def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
 
 
 def _calls(stage: fx.GraphModule) -> list[nn.Module]:
-    """The modules a stage calls (whole), once each."""
-    modules = [stage.get_submodule(str(n.target)) for n in stage.graph.nodes if n.op == "call_module"]
+    """The modules a stage calls (whole), once each: through `call_module`, or through
+    `call_with_state` (a module whose state another stage reads too)."""
+    modules = [m for n in stage.graph.nodes if (m := called_module(stage, n)) is not None]
     return list({id(m): m for m in modules}.values())
 
 

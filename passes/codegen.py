@@ -38,6 +38,21 @@ _ORIGINAL = "_fxpipe_original"
 _STRUCTURE = ("_parameters", "_buffers", "_modules", _ORIGINAL)
 
 
+CALLS_MODULE = "calls_module"  # node.meta key: the module a `call_with_state` node calls
+
+
+def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """The module `node` calls: a `call_module`'s, or the model's module whose private copy a
+    `call_with_state` calls (the copy takes its attributes and hooks from it at every call)."""
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))
+    name = node.meta.get(CALLS_MODULE)
+    if node.op != "call_function" or name is None:
+        return None
+    copy = gm.get_submodule(name)
+    return copy.__dict__.get(_ORIGINAL, copy)
+
+
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
     """Call `module`, a stage's private copy of one of the model's modules, with some of its
     parameters or buffers replaced by `state` for this call, and with every other attribute as
@@ -136,6 +151,7 @@ class _StageBuilder:
         target = self.graph.get_attr(private)
         self.env[node.name] = self.graph.call_function(call_with_state, (target, local, *args), kwargs)
         self.env[node.name].name = node.name
+        self.env[node.name].meta[CALLS_MODULE] = private  # a call of that module, for the passes that look for one
 
 
 def _stage_shared(gm: fx.GraphModule, owner: nn.Module, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:

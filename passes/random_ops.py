@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.codegen import CALLS_MODULE, called_module
 from fxpipe.randomness import (
     dropout_function,
     dropout_module,
@@ -121,16 +122,16 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
     """What may make these nodes draw random numbers (a stage's nodes, say)."""
     sources = RandomSources()
     for node in nodes:
-        if node.op == "call_function" and _function_is_random(node):
+        module = called_module(gm, node)  # a module shared with another stage: a function calls it
+        if module is None and node.op == "call_function" and _function_is_random(node):
             sources.always = True
         elif node.op == "call_method" and str(node.target) in RANDOM_METHODS:
             sources.always = True
-        elif node.op == "call_module":
-            module = fetch_attr(gm, str(node.target))
+        elif module is not None:
             if not _built_in(module) or runs_hooks([module]):
                 sources.always = True  # called whole: its inside (and its hooks') is not in the graph
             elif _holds_dropout(module):
-                sources.modules.append(str(node.target))
+                sources.modules.append(str(node.target) if node.op == "call_module" else node.meta[CALLS_MODULE])
     return sources
 
 

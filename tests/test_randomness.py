@@ -3,6 +3,7 @@ micro-batch, and without a Python hook on every op where the graph shows them.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
@@ -288,3 +289,61 @@ def test_a_forward_hook_that_draws_is_replayed_by_the_recompute(where: str, how:
         assert torch.equal(out, other), mode
         assert all(torch.equal(g, h) for g, h in zip(grads, other_grads)), mode
         assert torch.equal(after, other_after), mode
+
+
+@dataclasses.dataclass
+class _Count:
+    calls: int = 0
+
+
+class _CountsAndDrops(nn.Module):
+    """Called whole (it counts in a settings object), with a dropout inside; its weight is tied to
+    a layer on the next stage, so that stage's copy is passed in at each call."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.lin, self.drop, self.count = nn.Linear(8, 8), nn.Dropout(p), _Count()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.count.calls += 1
+        return h + self.drop(torch.tanh(self.lin(h))) * (1.0 + 0.05 * self.count.calls)
+
+
+class _Tied(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(8, 8), _CountsAndDrops(p), nn.Linear(8, 8)
+        self.b.weight = self.c.lin.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.c(torch.tanh(self.a(x)))))
+
+
+def _tied_step(p: float, mode: str) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, _Tied, torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Tied(p).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, checkpoint=mode, balance=[4, 1])
+    torch.manual_seed(3)
+    out = pipe(x)
+    out.pow(2).mean().backward()
+    return out.detach(), [grad_of(q).clone() for q in pipe.parameters()], torch.get_rng_state(), model, x
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_a_module_whose_weight_another_stage_reads_counts_and_draws_as_one_called_whole(mode: str) -> None:
+    """Such a module is called through a private copy, which the passes did not take for a call
+    of it: before, its dropout drew from the caller's generator and the recompute drew other
+    masks (gradients 0.01 off), and a recompute counted again (the count 8 where it is 4)."""
+    out, grads, _, model, x = _tied_step(0.0, mode)
+    torch.manual_seed(0)
+    reference = _Tied(0.0).double()
+    expected = torch.cat([reference(part) for part in x.chunk(4)])
+    expected.pow(2).mean().backward()
+    torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(model, reference, tol=1e-12)
+    assert model.c.count.calls == reference.c.count.calls == 4
+    drawn, drawn_grads, after, _, _ = _tied_step(0.5, "never")
+    other, other_grads, other_after, _, _ = _tied_step(0.5, mode)
+    assert torch.equal(drawn, other) and torch.equal(after, other_after)
+    assert all(torch.equal(g, h) for g, h in zip(drawn_grads, other_grads))
