@@ -57,11 +57,17 @@ def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: An
     """Call `module`, a stage's private copy of one of the model's modules, with some of its
     parameters or buffers replaced by `state` for this call, and with every other attribute as
     the model's module holds it now: its `training` flag after `pipe.eval()`, a dropout rate
-    changed since compiling, its hooks."""
+    changed since compiling, its hooks; what the call assigns goes back to the model's module."""
     original = module.__dict__[_ORIGINAL]
-    for mine, theirs in zip(module.modules(), original.modules()):
+    pairs = list(zip(module.modules(), original.modules()))
+    for mine, theirs in pairs:
         mine.__dict__.update((key, value) for key, value in theirs.__dict__.items() if key not in _STRUCTURE)
-    return torch.func.functional_call(module, state, args, kwargs)
+    try:
+        return torch.func.functional_call(module, state, args, kwargs)
+    finally:  # what its forward assigned (`self.calls += 1`) is the model's module's, as in the plain model
+        for mine, theirs in pairs:
+            changed = [(key, value) for key, value in mine.__dict__.items() if key not in _STRUCTURE and theirs.__dict__.get(key) is not value]
+            theirs.__dict__.update(changed)
 
 
 def private_copy(module: nn.Module) -> nn.Module:

@@ -297,16 +297,18 @@ class _Count:
 
 
 class _CountsAndDrops(nn.Module):
-    """Called whole (it counts in a settings object), with a dropout inside; its weight is tied to
-    a layer on the next stage, so that stage's copy is passed in at each call."""
+    """Called whole (it counts, in a settings object and on itself), with a dropout inside; its
+    weight is tied to a layer on the next stage, so that stage's copy is passed in at each call."""
 
     def __init__(self, p: float) -> None:
         super().__init__()
         self.lin, self.drop, self.count = nn.Linear(8, 8), nn.Dropout(p), _Count()
+        self.calls = 0
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         self.count.calls += 1
-        return h + self.drop(torch.tanh(self.lin(h))) * (1.0 + 0.05 * self.count.calls)
+        self.calls += 2
+        return h + self.drop(torch.tanh(self.lin(h))) * (1.0 + 0.05 * self.count.calls + 0.01 * self.calls)
 
 
 class _Tied(nn.Module):
@@ -334,7 +336,8 @@ def _tied_step(p: float, mode: str) -> tuple[torch.Tensor, list[torch.Tensor], t
 def test_a_module_whose_weight_another_stage_reads_counts_and_draws_as_one_called_whole(mode: str) -> None:
     """Such a module is called through a private copy, which the passes did not take for a call
     of it: before, its dropout drew from the caller's generator and the recompute drew other
-    masks (gradients 0.01 off), and a recompute counted again (the count 8 where it is 4)."""
+    masks (gradients 0.01 off), a recompute counted again (the count 8 where it is 4), and a
+    count on the module itself stayed 0 (its copy counted): 0.05 off."""
     out, grads, _, model, x = _tied_step(0.0, mode)
     torch.manual_seed(0)
     reference = _Tied(0.0).double()
@@ -342,7 +345,7 @@ def test_a_module_whose_weight_another_stage_reads_counts_and_draws_as_one_calle
     expected.pow(2).mean().backward()
     torch.testing.assert_close(out, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(model, reference, tol=1e-12)
-    assert model.c.count.calls == reference.c.count.calls == 4
+    assert model.c.count.calls == reference.c.count.calls == 4 and model.c.calls == reference.c.calls == 8
     drawn, drawn_grads, after, _, _ = _tied_step(0.5, "never")
     other, other_grads, other_after, _, _ = _tied_step(0.5, mode)
     assert torch.equal(drawn, other) and torch.equal(after, other_after)
