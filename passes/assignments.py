@@ -9,7 +9,6 @@ Proxy). A module the graph calls whole runs its own forward, assignments include
 from __future__ import annotations
 
 import copy
-import types
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -46,7 +45,7 @@ def _fields(holder: Any) -> dict[str, Any]:
 def holds_fields(value: Any) -> bool:
     """A settings object (a config, a dataclass of options, a namespace) whose attributes a forward
     may assign: `self.state.calls += 1` is lost from a graph as `self.calls += 1` is."""
-    return (settings(value) or type(value) is types.SimpleNamespace) and isinstance(getattr(value, "__dict__", None), dict)
+    return settings(value) and isinstance(getattr(value, "__dict__", None), dict)
 
 
 def _settings_held(model: nn.Module) -> tuple[dict[tuple[str, str], tuple[Any, dict[str, Any]]], set[tuple[str, str]]]:

@@ -9,7 +9,9 @@ themselves: no new class, so `type(self)` and registries are untouched) to note 
 model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads'). The
 settings objects the modules hold (a config, a dataclass of options) are wrapped alike when first
 read (their `__getattr__` too, for configs that answer through it), so that their attributes are
-watched under every path they were read by (`transformer.config.output_hidden_states`). Of a
+watched under every path they were read by (`transformer.config.output_hidden_states`); a
+`types.SimpleNamespace`, whose built-in class cannot be wrapped, is handed to the trace behind a
+view that notes its reads. Of a
 dict, the entries read are watched (passes/dict_reads.py). A value forward itself changes while
 traced (a counter) is no setting, and is not watched.
 """
@@ -68,11 +70,13 @@ _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose loo
 
 def settings(value: Any) -> bool:
     """An object whose attributes a forward may read as settings (a config, a dataclass of options,
-    an argparse.Namespace): an instance of a Python class of the model's libraries (not torch's,
-    nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
+    an argparse.Namespace or a types.SimpleNamespace): an instance of a Python class of the model's
+    libraries (not torch's, nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
     function nor class. Decided on its class alone: the object's own lookup is not run."""
     cls = type(value)
     home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
+    if cls is types.SimpleNamespace:
+        return True
     ours = home != "torch" and (home not in sys.stdlib_module_names or cls is argparse.Namespace)
     return bool(cls.__flags__ & _HEAP_TYPE) and ours and not isinstance(value, _NOT_SETTINGS)
 
@@ -106,7 +110,7 @@ class Reads:
             self.training[self.mode].setdefault(paths[0], bool(value))
             return value
         names = [f"{path}.{name}" if path else name for path in paths]
-        if plain(value) and not (self.mode is False and isinstance(owner, nn.modules.dropout._DropoutNd)):
+        if (plain(value) or value is MISSING) and not (self.mode is False and isinstance(owner, nn.modules.dropout._DropoutNd)):
             self.values[self.mode].update(names)  # (torch's dropout is the identity in eval)
             if type(value) is dict:
                 return DictReads(value, self.keys, names)
@@ -115,6 +119,8 @@ class Reads:
                     self.first[qualified] = copy.deepcopy(value)
         elif settings(value):
             self._reached(value, names)
+            if type(value) is types.SimpleNamespace:
+                return NamespaceReads(value)
         return value
 
     def _reached(self, settings: Any, names: list[str]) -> None:
@@ -123,7 +129,7 @@ class Reads:
         known = self.paths.setdefault(id(settings), [])
         if not known:
             self.held.append(settings)
-            _wrap(type(settings), self.wrapped, answers_missing=True)
+            _wrap(type(settings), self.wrapped)
         for name in names:
             if name in known:
                 continue
@@ -136,6 +142,40 @@ class Reads:
             values.update([new + name[len(old):] for name in values if name.startswith(old + ".")])
         for table in (self.first, self.keys.read, self.keys.written):
             table.update({new + name[len(old):]: v for name, v in list(table.items()) if name.startswith(old + ".")})  # type: ignore[attr-defined]
+
+
+class NamespaceReads:
+    """A `types.SimpleNamespace` as the model's code gets it while traced: its reads are noted as
+    the wrapped lookup of other settings objects notes them (its class, built in, cannot be
+    wrapped); writes go to it."""
+
+    __slots__ = ("_namespace",)
+
+    def __init__(self, namespace: types.SimpleNamespace) -> None:
+        object.__setattr__(self, "_namespace", namespace)
+
+    def __getattr__(self, name: str) -> Any:
+        namespace = object.__getattribute__(self, "_namespace")
+        value = getattr(namespace, name, MISSING)
+        reads = getattr(_local, "reads", None)
+        if reads is not None and name[0] != "_":
+            value = reads.note(namespace, name, value)
+        if value is MISSING:
+            raise AttributeError(f"{type(namespace).__name__!r} object has no attribute {name!r}")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_namespace"), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(object.__getattribute__(self, "_namespace"), name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(..., types.SimpleNamespace) holds
+        return types.SimpleNamespace
+
+    def __repr__(self) -> str:
+        return repr(object.__getattribute__(self, "_namespace"))
 
 
 @contextmanager
@@ -167,12 +207,13 @@ def unnoted() -> Iterator[None]:
         yield
 
 
-def _wrap(cls: type, wrapped: Wrapped, answers_missing: bool = False) -> None:
+def _wrap(cls: type, wrapped: Wrapped) -> None:
     """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in
-    `wrapped`; with `answers_missing`, its `__getattr__` too, if it has one."""
+    `wrapped`: its `__getattribute__`, and its `__getattr__` if it has one (a module's, which
+    finds its parameters and children; a config's that answers from a table)."""
     if any(done is cls for done, _, _ in wrapped):
         return
-    lookups = ["__getattribute__", *(["__getattr__"] if answers_missing and hasattr(cls, "__getattr__") else [])]
+    lookups = ["__getattribute__", *(["__getattr__"] if hasattr(cls, "__getattr__") else [])]
     for lookup in lookups:
         own = cls.__dict__.get(lookup)
         try:
@@ -183,10 +224,19 @@ def _wrap(cls: type, wrapped: Wrapped, answers_missing: bool = False) -> None:
 
 
 def _noting(cls: Any, lookup: str, own: Optional[Any]) -> Callable[[Any, str], Any]:
-    """`cls`'s attribute lookup `lookup` (its own, or what it inherits), noting public reads."""
+    """`cls`'s attribute lookup `lookup` (its own, or what it inherits), noting public reads; and
+    an attribute not found (`getattr(self, "gain", 1.0)`, `hasattr`) where the last lookup fails,
+    so that one set after compiling is seen too."""
+    last = lookup == "__getattr__" or not hasattr(cls, "__getattr__")
 
     def noted(self: Any, name: str) -> Any:
-        value = own(self, name) if own is not None else getattr(super(cls, self), lookup)(name)
+        try:
+            value = own(self, name) if own is not None else getattr(super(cls, self), lookup)(name)
+        except AttributeError:
+            reads = getattr(_local, "reads", None)
+            if last and reads is not None and name[0] != "_":
+                reads.note(self, name, MISSING)
+            raise
         reads = getattr(_local, "reads", None)
         if reads is not None and name[0] != "_":
             return reads.note(self, name, value)
@@ -223,9 +273,11 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
             continue
         try:
             value = read(modules[held[0]], held[1])
-        except Exception:  # noqa: BLE001 - gone since, or a property that fails now: nothing to watch
+        except AttributeError:  # not there: watched as missing, if the trace found none either
+            value = MISSING
+        except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue
-        if not plain(value) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
+        if not (plain(value) or value is MISSING) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
             continue
         keys = reads.keys.watched(qualified) if type(value) is dict else WHOLE
         if keys is not WHOLE:
@@ -248,7 +300,7 @@ def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
         if isinstance(value, Entries) and type(now) is dict:
             found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
-        elif now is MISSING or isinstance(value, Entries) or not _kept(now, value):
+        elif isinstance(value, Entries) or not _kept(now, value):
             found.append(f"{qualified} ({value!r} -> {'deleted' if now is MISSING else repr(now)})")
     return found
 

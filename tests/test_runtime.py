@@ -8,8 +8,9 @@ import gc
 import re
 import threading
 import time
+import types
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -531,6 +532,15 @@ class _Options:
     gates: dict[str, float] = dataclasses.field(default_factory=lambda: {"a": 1.0, "b": 0.5})
 
 
+def _namespace(scale: float = 2.0) -> Any:
+    """The options as a types.SimpleNamespace, whose built-in class cannot be wrapped."""
+    return types.SimpleNamespace(scale=scale, gates={"a": 1.0, "b": 0.5})
+
+
+# The options a module holds: a dataclass, or a namespace (unwatched before: 1.7 off after a change)
+OPTIONS: dict[str, Callable[..., Any]] = {"dataclass": _Options, "namespace": _namespace}
+
+
 class _MappedConfig:
     """Like a library's config: a lookup of its own maps aliases onto its fields."""
 
@@ -560,7 +570,7 @@ class _ConfiguredTraceable(_Configured):
         return super().forward(x)
 
 
-def _change_setting(change: str, options: _Options, config: _MappedConfig) -> None:
+def _change_setting(change: str, options: Any, config: _MappedConfig) -> None:
     """Set the setting `change` names to 3.0."""
     if change == "options.scale":
         options.scale = 3.0
@@ -573,11 +583,12 @@ def _change_setting(change: str, options: _Options, config: _MappedConfig) -> No
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 @pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
 @pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
-def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exported: bool, change: str) -> None:
+@pytest.mark.parametrize("holder", OPTIONS)
+def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exported: bool, change: str, holder: str) -> None:
     """Before, a config's or a dataclass's values read in forward (`self.config.output_hidden_states`
     in Hugging Face models) were constants of the graph, unwatched: a change after compiling
     ran the old value without a word."""
-    options, config = _Options(), _MappedConfig()
+    options, config = OPTIONS[holder](), _MappedConfig()
     kind = _Configured if exported else _ConfiguredTraceable
     model = nn.Sequential(kind(options, config), nn.Tanh(), kind(options, config))
     x = torch.randn(8, 4, dtype=torch.float64)
@@ -596,8 +607,35 @@ def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exp
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
     second = model[2]
     assert isinstance(second, _Configured)
-    second.options = _Options(scale=5.0)  # one of the two holders given another: watched under each path
+    second.options = OPTIONS[holder](scale=5.0)  # one of the two holders given another: watched under each path
     with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 2.options.scale (2.0 -> 5.0)")):
+        pipe(x)
+
+
+class _AsksItsNamespace(nn.Module):
+    """Asks of its namespace what code asks of one: its type, a field with a default, its fields."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.opts = nn.Linear(4, 4), types.SimpleNamespace(scale=2.0, shift=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.opts, types.SimpleNamespace) and hasattr(self.opts, "scale")
+        fields = len(vars(self.opts))
+        return self.lin(x) * self.opts.scale + getattr(self.opts, "bias", 0.0) + self.opts.shift * fields
+
+
+def test_a_namespace_read_while_traced_behaves_as_itself() -> None:
+    """A namespace is handed to the trace behind a view that notes its reads: the forward sees
+    its type and fields as they are, and only the fields read are watched."""
+    model, reference = twin(nn.Sequential(_AsksItsNamespace(), nn.Tanh(), _AsksItsNamespace()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    first = model[0]
+    assert isinstance(first, _AsksItsNamespace) and type(first.opts) is types.SimpleNamespace
+    first.opts.shift = 1.5
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.opts.shift (0.5 -> 1.5)")):
         pipe(x)
 
 
@@ -609,9 +647,50 @@ class _AttrConfig:
 
     def __getattr__(self, name: str) -> float:
         try:
-            return self._values[name]
+            return self.__dict__.get("_values", {})[name]  # (none while a copy is made)
         except KeyError:
             raise AttributeError(name) from None
+
+
+class _LooksUp(nn.Module):
+    """Looks up a gain its holder does not have when traced, with a default."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.opts = {"dataclass": _Options(), "namespace": _namespace(), "config": _AttrConfig(scale=2.0)}.get(holder)
+        self.holder = holder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        holder = self if self.holder == "module" else self.opts
+        return self.lin(x) * getattr(holder, "gain", 1.0)
+
+
+@pytest.mark.parametrize("holder", ["module", "dataclass", "namespace", "config"])
+def test_an_attribute_the_trace_looked_up_and_did_not_find_is_watched(holder: str) -> None:
+    """Before, `getattr(self, "gain", 1.0)` with no gain when traced held 1.0 in the graph: a
+    gain set after compiling was ignored (0.42 off)."""
+    model, reference = twin(nn.Sequential(_LooksUp(holder), nn.Tanh(), _LooksUp(holder)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    first = model[0]
+    assert isinstance(first, _LooksUp)
+    owner = first if holder == "module" else first.opts
+    if holder == "config":
+        owner._values["gain"] = 3.0
+    else:
+        owner.gain = 3.0
+    refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{'' if holder == 'module' else 'opts.'}gain (missing -> 3.0)"))
+    with refused:
+        pipe(x)
+    with refused, torch.no_grad():
+        pipe.eval()(x)
+    pipe.train()
+    if holder == "config":
+        del owner._values["gain"]
+    else:
+        del owner.gain
+    assert_call_and_grads_equal(pipe, reference, x)
 
 
 class _KeepsBooks(nn.Module):
@@ -794,10 +873,11 @@ def test_a_changed_attribute_is_refused_in_every_way_of_calling_and_the_pipeline
 
 
 @pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
-def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back(change: str) -> None:
+@pytest.mark.parametrize("holder", OPTIONS)
+def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back(change: str, holder: str) -> None:
     """A config field or a dict entry forward read is checked where a plain attribute is: under
     no_grad, autocast, eval, train_step; once it is back, the pipeline is exact again."""
-    options, config = _Options(), _MappedConfig()
+    options, config = OPTIONS[holder](), _MappedConfig()
     model = nn.Sequential(_ConfiguredTraceable(options, config), nn.Tanh(), _ConfiguredTraceable(options, config)).double()
     reference = copy.deepcopy(model)
     x = torch.randn(8, 4, dtype=torch.float64)
