@@ -675,7 +675,7 @@ def test_an_attribute_the_trace_looked_up_and_did_not_find_is_watched(holder: st
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     first = model[0]
     assert isinstance(first, _LooksUp)
-    owner = first if holder == "module" else first.opts
+    owner: Any = first if holder == "module" else first.opts
     if holder == "config":
         owner._values["gain"] = 3.0
     else:
