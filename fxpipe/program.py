@@ -68,8 +68,9 @@ class HeldState:
 
     modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
     tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
-    # The plain attributes the trace read: qualified name, the module, the path from it, value when compiled.
-    attributes: list[tuple[str, nn.Module, str, Any]] = field(default_factory=list)
+    # The plain attributes the trace read: qualified name, what holds it (a module, or a Python
+    # module for a module-level value), the path from it, the value when compiled.
+    attributes: list[tuple[str, Any, str, Any]] = field(default_factory=list)
     named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
 
     @staticmethod
@@ -92,7 +93,7 @@ class HeldState:
         for qualified, value in (attributes or {}).items():
             place = holder(found, qualified)
             if place is not None:
-                held.append((qualified, found[place[0]], place[1], value))
+                held.append((qualified, *place, value))
         return HeldState(modules, tensors, held, found)
 
     def modules_replaced(self) -> list[str]:

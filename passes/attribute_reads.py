@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fxpipe.passes.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
+from fxpipe.passes.global_reads import constant, module_reads, nested, settings_code
 from fxpipe.passes.scoped import scoped
 
 _local = threading.local()
@@ -96,16 +97,39 @@ class Reads:
     training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
     keys: KeysRead = field(default_factory=KeysRead)  # of the dicts among `values`
     first: dict[str, Any] = field(default_factory=dict)  # each plain value as first read
+    codes: dict[bool, set[types.CodeType]] = field(default_factory=lambda: {True: set(), False: set()})  # run, by mode
+    assigned: set[str] = field(default_factory=set)  # module-level values that code assigns (`global n; n += 1`)
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
+
+    def ran(self, code: types.CodeType, module_globals: dict[str, Any]) -> None:
+        """The model's `code` ran in the trace: the module-level constants it reads (`module:NAME`,
+        passes/global_reads.py), and those of the functions it names, are noted as plain
+        attributes are."""
+        todo = [(code, module_globals)]
+        while todo:
+            code, module_globals = todo.pop()
+            if code in self.codes[self.mode] or not (from_the_model(code.co_filename) and settings_code(code.co_filename)):
+                continue
+            self.codes[self.mode].add(code)
+            found = module_reads(code, module_globals)
+            for qualified, value in found.constants.items():
+                self.values[self.mode].add(qualified)
+                self.first.setdefault(qualified, value)
+            self.assigned.update(found.assigned)
+            todo += [(function.__code__, function.__globals__) for function in found.functions]
+            todo += [(inner, module_globals) for inner in nested(code)]
 
     def note(self, owner: Any, name: str, value: Any) -> Any:
         """Note that the model's code read `owner.name`; returns what the code gets (a dict as
         a `DictReads`)."""
         paths = self.paths.get(id(owner))
-        if not paths or not from_the_model(sys._getframe(2).f_code.co_filename):
+        frame = sys._getframe(2)
+        if not paths or not from_the_model(frame.f_code.co_filename):
             return value
+        if frame.f_code not in self.codes[self.mode]:
+            self.ran(frame.f_code, frame.f_globals)
         if name == "training":
             self.training[self.mode].setdefault(paths[0], bool(value))
             return value
@@ -246,14 +270,19 @@ def _noting(cls: Any, lookup: str, own: Optional[Any]) -> Callable[[Any, str], A
     return noted
 
 
-def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[str, str]]:
-    """`qualified` split into the path of the module that holds it and the attribute's path from
-    there (`config.output_hidden_states` through a settings object); None if no module holds it."""
+def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[Any, str]]:
+    """What holds `qualified`, and the attribute's path from it: one of `modules` by path
+    (`config.output_hidden_states` through a settings object), or the Python module of a
+    module-level value (`package.module:NAME`); None if none holds it."""
+    module, colon, name = qualified.partition(":")
+    if colon:
+        found = sys.modules.get(module)
+        return (found, name) if found is not None else None
     parts = qualified.split(".")
     for cut in range(len(parts) - 1, -1, -1):
         path = ".".join(parts[:cut])
         if path in modules:
-            return path, ".".join(parts[cut:])
+            return modules[path], ".".join(parts[cut:])
     return None
 
 
@@ -272,7 +301,7 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
         if held is None:
             continue
         try:
-            value = read(modules[held[0]], held[1])
+            value = read(*held)
         except AttributeError:  # not there: watched as missing, if the trace found none either
             value = MISSING
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
@@ -285,6 +314,22 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
                 found[qualified] = Entries(copy.deepcopy(entries(value, keys)))
         else:
             found[qualified] = copy.deepcopy(value)  # a list may be written in place
+    return found
+
+
+def assigned_while_traced(reads: Reads) -> list[str]:
+    """The module-level values the traced code assigns that changed while it was traced (a
+    counter, `global calls; calls += 1`), as `module:NAME (then -> now)`: a graph never assigns
+    them, and holds the value of the trace."""
+    found = []
+    for qualified in sorted(reads.assigned & reads.first.keys()):
+        place = holder({}, qualified)
+        try:
+            now = read(*place) if place is not None else MISSING
+        except AttributeError:
+            now = MISSING
+        if constant(now) and not _kept(now, reads.first[qualified]):  # (not a kernel loaded on first use)
+            found.append(f"{qualified} ({reads.first[qualified]!r} -> {now!r})")
     return found
 
 

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import gc
 import re
+import sys
 import threading
 import time
 import types
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import model_settings
 from conftest import Counts, FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, example_module, grad_of, twin
-from fxpipe import StageError, compile_pipeline, is_recomputing
+from fxpipe import StageError, TraceError, compile_pipeline, is_recomputing
 
 
 class Bomb(nn.Module):
@@ -691,6 +693,62 @@ def test_an_attribute_the_trace_looked_up_and_did_not_find_is_watched(holder: st
     else:
         del owner.gain
     assert_call_and_grads_equal(pipe, reference, x)
+
+
+_GAIN, _SHIFT, _CALLS = 2.0, 0.5, 0
+
+
+def _shifted(h: torch.Tensor) -> torch.Tensor:
+    return h + _SHIFT
+
+
+class _ReadsItsModule(nn.Module):
+    """Reads module-level values: its own module's, through a function there, through a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shifted(self.lin(x)) * _GAIN * model_settings.GAIN
+
+
+@pytest.mark.parametrize("name", ["_GAIN", "_SHIFT", "model_settings.GAIN"])
+def test_a_module_level_value_the_trace_read_is_watched(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a module-level value read in forward, or in a function it calls, was a constant
+    of the graph: changed after compiling, it was ignored (1.4 off)."""
+    model, reference = twin(nn.Sequential(_ReadsItsModule(), nn.Tanh(), _ReadsItsModule()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    with monkeypatch.context() as patched:
+        owner, _, attribute = name.rpartition(".")
+        patched.setattr(model_settings if owner else sys.modules[__name__], attribute, 3.0)
+        refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: {__name__}:{name} ("))
+        with refused:
+            pipe(x)
+        with refused, torch.no_grad():
+            pipe.eval()(x)
+        pipe.train()
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _CountsInItsModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _CALLS
+        _CALLS += 1
+        return self.lin(x) * _CALLS
+
+
+def test_a_forward_that_assigns_a_module_level_value_is_refused_naming_it() -> None:
+    """Before, the graph check refused it as data-dependent control flow."""
+    model = nn.Sequential(_CountsInItsModule(), nn.Tanh(), nn.Linear(4, 4))
+    with pytest.raises(TraceError, match=re.escape(f"its forward assigns module-level values, which changed as it was traced: {__name__}:_CALLS (")):
+        compile_pipeline(model, torch.randn(8, 4), ["cpu", "cpu"], chunks=2)
 
 
 class _KeepsBooks(nn.Module):

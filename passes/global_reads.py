@@ -1,0 +1,80 @@
+"""Module-level constants the model's code reads while traced (`SCALE`, `USE_BIAS`, a settings
+module's `settings.GAIN`), which the graph holds as they were: named `module:NAME` so that one
+changed after compiling is seen, like a module attribute (passes/attribute_reads.py).
+
+The code is that of each frame that read a module's attribute while traced (`Reads.note`: a
+forward reads `self.something`), and of the functions it names, followed through; what a code
+object reads from its module is told by its bytecode (`LOAD_GLOBAL NAME`, then `LOAD_ATTR`s
+through modules).
+Only immutable plain values count (None, numbers, strings and tuples of them): a dict or list a
+module keeps is most often a cache or a registry that the plain model fills as it runs.
+"""
+from __future__ import annotations
+
+import dis
+import os
+import sysconfig
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxpipe.passes.dict_reads import MISSING
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_PYTHONS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep})
+_LIBRARIES = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
+_LOOKUPS = ("LOAD_ATTR", "LOAD_METHOD")
+
+
+def constant(value: Any) -> bool:
+    """An immutable plain value: None, a number, a string, a tuple of them."""
+    return value is None or type(value) in (bool, int, float, str) or (type(value) is tuple and all(map(constant, value)))
+
+
+def settings_code(filename: str) -> bool:
+    """Whether the module-level constants that code from `filename` reads may be the model's
+    settings: not for torch's code (its modules' too: torch's flags are torch's), Python's own
+    (a library's is the model's), or code made at run time or frozen."""
+    if filename.startswith((_TORCH, "<")):
+        return False
+    return not filename.startswith(_PYTHONS) or any(part in filename for part in _LIBRARIES)
+
+
+@dataclass
+class ModuleReads:
+    """What one code object reads from its module and writes there."""
+
+    constants: dict[str, Any]  # by `module:NAME` (`module:settings.NAME` through a module it imported), as now
+    functions: list[types.FunctionType]  # the Python functions it names (`rotate_half`), whose code may read more
+    assigned: list[str]  # `module:NAME` of each `global NAME; NAME = ...`
+
+
+def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> ModuleReads:
+    """What `code`, run with `module_globals`, reads from its module and writes there."""
+    module = module_globals.get("__name__", "?")
+    instructions = list(dis.get_instructions(code))
+    assigned = {str(i.argval) for i in instructions if i.opname == "STORE_GLOBAL"}
+    found = ModuleReads({}, [], [f"{module}:{name}" for name in sorted(assigned)])
+    for name in assigned:  # as it is before this code assigns it
+        if constant(value := module_globals.get(name, MISSING)) or value is MISSING:
+            found.constants[f"{module}:{name}"] = value
+    for at, instruction in enumerate(instructions):
+        if instruction.opname != "LOAD_GLOBAL" or instruction.argval not in module_globals:
+            continue  # a builtin, or not there (yet)
+        path, value = str(instruction.argval), module_globals[instruction.argval]
+        for following in instructions[at + 1 :]:
+            if not isinstance(value, types.ModuleType) or following.opname not in _LOOKUPS:
+                break
+            path, value = f"{path}.{following.argval}", getattr(value, str(following.argval), MISSING)
+        if constant(value):
+            found.constants[f"{module}:{path}"] = value
+        elif isinstance(value, types.FunctionType):
+            found.functions.append(value)
+    return found
+
+
+def nested(code: types.CodeType) -> list[types.CodeType]:
+    """The code objects defined inside `code` (comprehensions, lambdas, inner functions)."""
+    return [const for const in code.co_consts if isinstance(const, types.CodeType)]

@@ -1,0 +1,3 @@
+"""Module-level settings a test model reads through this module (`model_settings.GAIN`)."""
+
+GAIN = 1.5
