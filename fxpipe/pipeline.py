@@ -662,6 +662,18 @@ class Pipeline(nn.Module):
     def cpu(self) -> "Pipeline":
         raise PlacementError(_PLACEMENT_MESSAGE)
 
+    def xpu(self, device: Any = None) -> "Pipeline":
+        raise PlacementError(_PLACEMENT_MESSAGE)
+
+    def ipu(self, device: Any = None) -> "Pipeline":
+        raise PlacementError(_PLACEMENT_MESSAGE)
+
+    def mtia(self, device: Any = None) -> "Pipeline":
+        raise PlacementError(_PLACEMENT_MESSAGE)
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
+        raise PlacementError(_PLACEMENT_MESSAGE)
+
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
         super()._apply(fn, recurse)
         if "_programs" in self.__dict__:

@@ -124,11 +124,25 @@ def test_empty_batch() -> None:
         pipe(torch.randn(0, 6))
 
 
-@pytest.mark.parametrize("move", [lambda p: p.to("cpu"), lambda p: p.to(torch.device("cpu"), torch.float64), lambda p: p.cpu(), lambda p: p.cuda()])
-def test_moving_a_pipeline_is_refused(move: object) -> None:
+MOVES: dict[str, Callable[[Any], Any]] = {
+    "to": lambda p: p.to("cpu"),
+    "to with a dtype": lambda p: p.to(torch.device("cpu"), torch.float64),
+    "cpu": lambda p: p.cpu(),
+    "cuda": lambda p: p.cuda(),
+    "xpu": lambda p: p.xpu(),
+    "ipu": lambda p: p.ipu(),
+    "mtia": lambda p: p.mtia(),
+    "to_empty": lambda p: p.to_empty(device="meta"),  # (went through: every parameter on meta)
+}
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_moving_a_pipeline_is_refused(move: str) -> None:
     pipe = compile_pipeline(FanOut(), X, ["cpu", "cpu"])
+    before = {name: p.clone() for name, p in pipe.named_parameters()}
     with pytest.raises(PlacementError, match="placement is managed"):
-        move(pipe)  # type: ignore[operator]
+        MOVES[move](pipe)
+    assert all(torch.equal(p, before[name]) for name, p in pipe.named_parameters())
     assert pipe.to(torch.float64) is pipe
 
 
