@@ -26,6 +26,7 @@ from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.passes.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.snapshot import preserved
+from fxpipe.passes.state import ASSIGNS
 from fxpipe.passes.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 
@@ -388,6 +389,10 @@ def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes)
         refuse_assignments(changed, _called_whole(traced), exported=traced.fx_failure)
     except AssignmentError as error:
         raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
+    for gm in [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]:
+        for node in gm.graph.nodes:
+            if node.op == "call_module" and len(outside(changed, [str(node.target)])) < len(changed):
+                node.meta[ASSIGNS] = True
 
 
 def _refuse_assigned_globals(model: nn.Module, read: Reads) -> None:

@@ -295,10 +295,12 @@ def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[flo
         return best_cuts(model, stages, caps)
     bounds = [c for c in range(len(model) + 1) if c not in inside]
     if len(bounds) - 1 < stages:
+        widest = sorted(together, key=lambda what: together[what][0] - together[what][1])[:3]
         refuse(
-            [f"{stages} stages, but only {len(bounds) - 1} runs of nodes keep each written buffer's updates in one stage"],
+            [f"{stages} stages, but only {len(bounds) - 1} runs of nodes keep in one stage each of what must stay in one "
+             f"(the widest: {'; '.join(what.rstrip(',') for what in widest)})"],
             "How to fix: use fewer stages: fewer devices, or a smaller stages_per_device.",
-        )
+        )  # fmt: skip
     cuts = best_cuts(coarsen_at(model, bounds), stages, caps)
     return [bounds[c] for c in cuts]
 

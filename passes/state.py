@@ -13,6 +13,11 @@ from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.inplace import is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
 
 
+# `node.meta[ASSIGNS]`: a call of a module called whole whose forward assigns what it holds (a
+# counter in a settings object); the front end marks them.
+ASSIGNS = "assigns"
+
+
 def _writes_its_buffers(module: nn.Module) -> bool:
     """Norms keep running statistics; a module called whole may write anything it holds, and so
     may its forward hooks and parametrizations (spectral_norm's power iteration, in either form,
@@ -94,7 +99,23 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
         for tensor in [*tensors_read(gm, node).values(), *writes[position].values()]:
             if id(tensor) in last_write:
                 first_use.setdefault(id(tensor), position)
-    return {f"the buffer {names[key]!r}, which forward writes,": (first_use[key], last) for key, last in last_write.items()}
+    spans = {f"the buffer {names[key]!r}, which forward writes,": (first_use[key], last) for key, last in last_write.items()}
+    return {**spans, **_assigning_calls_spans(order)}
+
+
+def _assigning_calls_spans(order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
+    """A module that assigns what it holds, called at several places (a counter read at each):
+    its calls in one stage, so that they count in the plain model's order, not as two stages'
+    micro-batches interleave."""
+    calls: dict[str, list[int]] = {}
+    for position, node in enumerate(order):
+        if node.op == "call_module" and node.meta.get(ASSIGNS):
+            calls.setdefault(str(node.target), []).append(position)
+    return {
+        f"the module {target!r}, which forward calls {len(places)} times and which assigns what it holds,": (places[0], places[-1])
+        for target, places in calls.items()
+        if len(places) > 1
+    }  # fmt: skip
 
 
 # Norms called as functions write their running statistics without saying so in their schema
