@@ -498,7 +498,7 @@ def compile_pipeline(
             refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
             raise
         split = spec_dims(signature, spec, example_args, example_kwargs)
-        annotate_batch_dims(gm, inputs, chunks, split)
+        annotate_batch_dims(gm, inputs, chunks, split, serves_eval=traced.eval_graph is None)
         _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the halves' check
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
@@ -519,7 +519,7 @@ def compile_pipeline(
         pin_devices(gm, parsed)
         cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
         if traced.eval_graph is not None:
-            cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split))
+            cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split, serves_eval=True))
         else:
             cuts[False] = cuts[True]
         place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example

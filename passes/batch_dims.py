@@ -19,7 +19,8 @@ on them in turn.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -174,11 +175,15 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
         )
 
 
-def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None) -> None:
+def annotate_batch_dims(
+    gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None, serves_eval: bool = False
+) -> None:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when the example's halves compute otherwise than the whole
     example, and when `chunks` > 1 for an example of one sample (it has no halves). Nothing is
-    written with one micro-batch, or when the graph cannot run on the halves."""
+    written with one micro-batch, or when the graph cannot run on the halves. A graph that
+    `serves_eval` too, whose runs wrote state (so that nothing was compared), is compared in
+    eval mode, where its modules may write none."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
     if chunks < 2 or not batch:
@@ -209,6 +214,27 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
     compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
+    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True)
+    if not problems and real and not compare and serves_eval:
+        with _in_eval(gm):
+            written.clear()
+            (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
+            each = _run(gm, parts, real, keep=set(returned))
+            if not _keeps_state(gm, written):
+                problems, bad = _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
+            if problems:  # (where it starts, in eval mode too)
+                raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, _split_for_their_size(gm, inputs, batch, dims)))
+    if problems:
+        hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
+        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
+
+
+def _compared(
+    gm: fx.GraphModule, returned: list[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]], compare: bool,
+    split: set[str], annotate: bool, mode: str = "",
+) -> tuple[list[str], set[fx.Node]]:
+    """What is wrong with each returned value of the halves' runs (`each`) against the whole's,
+    and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`)."""
     sources = output_sources(gm, gradients=False)
     apart = _apart_in_each_micro_batch(gm)
     problems, bad = [], set()
@@ -220,14 +246,25 @@ def annotate_batch_dims(gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int
         # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
         from_batch = bool(sources[node.name].inputs & split) or node in apart
         found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch) for k, w in enumerate(_leaves(whole[node]))]
-        node.meta["batch_dims"] = [dim for dim, _ in found]
+        if annotate:
+            node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
             if why:
-                problems.append(f"{node.name}{path}: {why}")
+                problems.append(f"{node.name}{path}{mode}: {why}")
                 bad.add(node)
-    if problems:
-        hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
-        raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
+    return problems, bad
+
+
+@contextmanager
+def _in_eval(gm: fx.GraphModule) -> Iterator[None]:
+    """`gm` and every module it holds in eval mode, their flags put back after."""
+    flags = [(module, module.training) for module in gm.modules()]
+    gm.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 def _apart_in_each_micro_batch(gm: fx.GraphModule) -> set[fx.Node]:
