@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
@@ -82,23 +83,44 @@ def swapped_slots(swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> 
             table[attr] = original
 
 
+# Above this many entries a dict a module called whole holds is not kept for a recompute: copying
+# it would slow every micro-batch.
+KEPT_ENTRIES = 1000
+
+
 def attributes_of(modules: Sequence[nn.Module]) -> Attributes:
-    """The attributes of modules called whole, and of the settings objects they hold (a counter
-    in `self.state`), as a forward is about to see them."""
-    holders = {id(m): m for m in modules}
+    """The attributes of modules called whole, of the settings objects they hold (a counter in
+    `self.state`), and the entries of their dicts (a counter in `self.d`), as a forward is about
+    to see them."""
+    holders: dict[int, Any] = {id(m): m for m in modules}
     for module in modules:
-        holders.update((id(v), v) for name, v in vars(module).items() if not name.startswith("_") and holds_fields(v))
-    return [(holder, dict(vars(holder))) for holder in holders.values()]
+        holders.update((id(v), v) for name, v in vars(module).items() if not name.startswith("_") and _holds_state(v))
+    return [(holder, dict(_table(holder))) for holder in holders.values()]
+
+
+def _holds_state(value: Any) -> bool:
+    return holds_fields(value) or (type(value) is dict and len(value) <= KEPT_ENTRIES)
+
+
+def _table(holder: Any) -> dict[Any, Any]:
+    """A holder's attributes (a dict's entries)."""
+    return holder if type(holder) is dict else vars(holder)
+
+
+def _public(name: Any) -> bool:
+    return not (isinstance(name, str) and name.startswith("_"))
 
 
 def put_back_attributes(attributes: Attributes) -> None:
     """The attributes as `attributes_of` found them."""
     for holder, before in attributes:
-        for name in [n for n in vars(holder) if not n.startswith("_") and n not in before]:
-            delattr(holder, name)
+        table = _table(holder)
+        put, remove = (table.__setitem__, table.__delitem__) if table is holder else (partial(setattr, holder), partial(delattr, holder))
+        for name in [n for n in table if _public(n) and n not in before]:
+            remove(name)
         for name, value in before.items():
-            if not name.startswith("_") and vars(holder).get(name) is not value:
-                setattr(holder, name, value)
+            if _public(name) and table.get(name) is not value:
+                put(name, value)
 
 
 @contextmanager

@@ -87,6 +87,23 @@ class Contents:
             if not _same_contents(value, before)
         }  # fmt: skip
 
+    def overwritten(self) -> Changes:
+        """Each plain entry of a dict that forward replaced by another plain value (a counter,
+        `self.d["calls"] += 1`: an assignment a graph loses, where a cache adds entries), by dotted
+        name, with the path of the module holding the dict (None for one several modules hold)."""
+        holders: dict[int, list[str]] = {}
+        for path, _, value, _ in self.saved:
+            holders.setdefault(id(value), []).append(path)
+        found: Changes = {}
+        for path, name, value, before in self.saved:
+            if type(value) is not dict or not isinstance(before, dict):
+                continue
+            for key, then in before.items():
+                now = value.get(key, then)
+                if _plain(then) and _plain(now) and _changed(then, now):
+                    found[f"{path}.{name}[{key!r}]" if path else f"{name}[{key!r}]"] = path if len(holders[id(value)]) == 1 else None
+        return found
+
     def put_back(self) -> list[str]:
         """Put the contents back; the paths of the containers whose contents had changed."""
         changed = self.changed()
@@ -227,6 +244,7 @@ def assignments_recorded(model: nn.Module) -> Iterator[Changes]:
     try:
         yield changed
     finally:
+        changed.update(contents.overwritten())
         contents.put_back()  # a cache a run filled: not an assignment, and not kept
         changed.update((_dotted(key), assigned.holder(key)) for key in assigned.since())
         assigned.put_back()
