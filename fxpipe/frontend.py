@@ -18,7 +18,7 @@ from fxpipe.program import Binder
 from fxpipe.passes.assignments import (
     AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
-from fxpipe.passes.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, unnoted, values_of
+from fxpipe.passes.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -304,7 +304,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves, none=none))[1])
-        _refuse_assigned_globals(model, read)
+        _refuse_lost_counters(model, read)
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run. So
         # is one whose forward calls a function that takes real tensors only (einops, packing).
@@ -351,9 +351,10 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     try:
         with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1])
-        _refuse_assigned_globals(model, read)
-    except TraceError:
-        raise
+        _refuse_lost_counters(model, read)
+    except TraceError as error:  # a value forward assigns, which the graph would hold
+        detail, _, fix = str(error).partition("\nHow to fix: ")
+        raise _Rejected(detail, first_line(error), f"How to fix: {fix}") from error
     except Exception as error:
         at = raising_line(error)
         raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
@@ -395,17 +396,19 @@ def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes)
                 node.meta[ASSIGNS] = True
 
 
-def _refuse_assigned_globals(model: nn.Module, read: Reads) -> None:
-    """A module-level value the forward assigns (`global calls; calls += 1`) is lost from any
-    graph, whichever front end traced it."""
-    counted = assigned_while_traced(read)
-    if counted:
-        raise TraceError(
-            f"{type(model).__name__} cannot be compiled: its forward assigns module-level values, which changed as it "
-            f"was traced: {', '.join(counted)}. A pipeline runs the traced graph, which never assigns them and holds "
-            "the value they had then.\nHow to fix: keep such a value in a buffer (self.register_buffer) and update "
-            "it in place, or return it from forward."
-        )
+def _refuse_lost_counters(model: nn.Module, read: Reads) -> None:
+    """A value the forward assigns that the check of assignments cannot follow is lost from any
+    graph, whichever front end traced it: a module-level one (`global calls; calls += 1`), or one
+    in a settings object with `__slots__`, or with a table of its own for its fields."""
+    for counted, where in ((assigned_while_traced(read), "module-level values"), (counted_while_traced(model, read), "attributes")):
+        if counted:
+            raise TraceError(
+                f"{type(model).__name__} cannot be compiled: its forward assigns {where}, which changed as it was "
+                f"traced: {', '.join(counted)}. A pipeline runs the traced graph, which never assigns them and holds "
+                "the value they had then.\nHow to fix: keep such a value in the module that changes it (self.calls "
+                "+= 1), which is then called whole; or in a buffer (self.register_buffer) updated in place; or return "
+                "it from forward."
+            )
 
 
 def _refuse_reads_of_stored_tensors(model: nn.Module, traced: Traced, stable: StableAssignments) -> None:

@@ -333,6 +333,31 @@ def assigned_while_traced(reads: Reads) -> list[str]:
     return found
 
 
+def counted_while_traced(model: nn.Module, reads: Reads) -> list[str]:
+    """The plain attributes the traced code read that changed while it was traced, as
+    `name (then -> now)`: a counter that the check of assignments cannot follow (in a settings
+    object with `__slots__`, or one that keeps its fields in a table of its own), which the graph
+    holds as a constant. Each is put back as first read."""
+    modules = dict(model.named_modules())
+    found = []
+    for qualified in sorted(reads.values[True] | reads.values[False]):
+        place = holder(modules, qualified) if ":" not in qualified and qualified in reads.first else None
+        if place is None:
+            continue
+        try:
+            now = read(*place)
+        except Exception:  # noqa: BLE001 - a property that fails now
+            continue
+        then, (owner, _, name) = reads.first[qualified], place[1].rpartition(".")
+        target = read(place[0], owner) if owner else place[0]
+        if name in getattr(target, "__dict__", {}):
+            continue  # the check of assignments follows it (a plain value every call assigns alike is fine)
+        if not _kept(now, then):
+            found.append(f"{qualified} ({then!r} -> {now!r})")
+            delattr(target, name) if then is MISSING else setattr(target, name, then)
+    return found
+
+
 def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
     """Of `held` (a qualified name, the module, the attribute's path from it and the value it held
     when traced), each whose value changed since, as `name (then -> now)`."""
