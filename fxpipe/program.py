@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -201,8 +202,12 @@ class Compiled:
                 "How to fix: compile_pipeline a copy of the model (on every rank)."
             )
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
+        build = self.build
+        if isinstance(build, functools.partial) and "attributes" in build.keywords:  # a tensor a settings object holds: the copy's
+            attributes = build.keywords["attributes"]
+            build = functools.partial(build, attributes={k: memo.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in attributes.items()})
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
-            self.build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
+            build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read,
         )  # fmt: skip

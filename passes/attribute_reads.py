@@ -141,6 +141,10 @@ class Reads:
             for qualified in names:
                 if qualified not in self.first:
                     self.first[qualified] = copy.deepcopy(value)
+        elif isinstance(value, torch.Tensor) and not isinstance(owner, nn.Module):
+            self.values[self.mode].update(names)  # a tensor a settings object holds: a constant of the graph
+            for qualified in names:
+                self.first.setdefault(qualified, value)
         elif settings(value):
             self._reached(value, names)
             if type(value) is types.SimpleNamespace:
@@ -306,6 +310,10 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
             value = MISSING
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue
+        if isinstance(value, torch.Tensor):
+            if value is reads.first.get(qualified):  # held by a settings object: watched as that very tensor
+                found[qualified] = value
+            continue
         if not (plain(value) or value is MISSING) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
             continue
         keys = reads.keys.watched(qualified) if type(value) is dict else WHOLE
@@ -371,10 +379,17 @@ def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
             found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
         elif isinstance(value, Entries) or not _kept(now, value):
-            found.append(f"{qualified} ({value!r} -> {'deleted' if now is MISSING else repr(now)})")
+            found.append(f"{qualified} ({_shown(value, 'a tensor')} -> {'deleted' if now is MISSING else _shown(now, 'another tensor')})")
     return found
 
 
+def _shown(value: Any, tensor: str) -> str:
+    return tensor if isinstance(value, torch.Tensor) else repr(value)
+
+
 def _kept(now: Any, then: Any) -> bool:
-    """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN."""
+    """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN; a tensor, the
+    same tensor."""
+    if isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+        return now is then
     return type(now) is type(then) and (now is then or now == then or (now != now and then != then))

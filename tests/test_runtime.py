@@ -641,6 +641,43 @@ def test_a_namespace_read_while_traced_behaves_as_itself() -> None:
         pipe(x)
 
 
+@dataclasses.dataclass
+class _WithTemperature:
+    temperature: torch.Tensor
+
+
+class _Tempered(nn.Module):
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        t = torch.tensor(2.0, dtype=torch.float64)
+        self.opts = _WithTemperature(t) if holder == "dataclass" else types.SimpleNamespace(temperature=t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.opts.temperature
+
+
+@pytest.mark.parametrize("holder", ["dataclass", "namespace"])
+def test_a_tensor_a_settings_object_holds_is_watched_as_that_tensor(holder: str) -> None:
+    """The graph holds the tensor itself: written in place, it computes with the new values;
+    before, one put in its place after compiling was ignored (0.31 off)."""
+    model, reference = twin(nn.Sequential(_Tempered(holder), nn.Tanh(), _Tempered(holder)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    copied = copy.deepcopy(pipe)  # on the copy's own tensor
+    assert_call_and_grads_equal(copied, reference, x)
+    first, first_reference = model[0], reference[0]
+    assert isinstance(first, _Tempered) and isinstance(first_reference, _Tempered)
+    first.opts.temperature.fill_(3.0), first_reference.opts.temperature.fill_(3.0)
+    assert_call_and_grads_equal(pipe, reference, x)
+    held = first.opts.temperature
+    first.opts.temperature = torch.tensor(3.0, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.opts.temperature (a tensor -> another tensor)")):
+        pipe(x)
+    first.opts.temperature = held
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 class _AttrConfig:
     """A config that answers through __getattr__ (an attribute dict)."""
 
