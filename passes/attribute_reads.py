@@ -18,10 +18,12 @@ traced (a counter) is no setting, and is not watched.
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import enum
 import functools
 import os
+import re
 import sys
 import threading
 import types
@@ -149,6 +151,10 @@ class Reads:
             self._reached(value, names)
             if type(value) is types.SimpleNamespace:
                 return NamespaceReads(value)
+        elif type(value) in (list, tuple, dict):  # settings objects in it (a config per head), by place or key
+            for key, element in value.items() if type(value) is dict else enumerate(value):
+                if settings(element) and type(element) is not types.SimpleNamespace and _simple_key(key):
+                    self._reached(element, [f"{name}[{key!r}]" for name in names])
         return value
 
     def _reached(self, settings: Any, names: list[str]) -> None:
@@ -170,6 +176,11 @@ class Reads:
             values.update([new + name[len(old):] for name in values if name.startswith(old + ".")])
         for table in (self.first, self.keys.read, self.keys.written):
             table.update({new + name[len(old):]: v for name, v in list(table.items()) if name.startswith(old + ".")})  # type: ignore[attr-defined]
+
+
+def _simple_key(key: Any) -> bool:
+    """A place in a list, or a dict key that a path `name[key]` can name (`read`)."""
+    return type(key) is int or (type(key) is str and not any(c in key for c in "'[]\\"))
 
 
 class NamespaceReads:
@@ -290,9 +301,17 @@ def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[Any, st
     return None
 
 
+_STEP = re.compile(r"([^.\[]+)|\[(\d+|'[^'\]]*')\]")
+
+
 def read(owner: Any, attribute: str) -> Any:
-    """`owner`'s attribute at the dotted path `attribute`."""
-    return functools.reduce(getattr, attribute.split("."), owner) if "." in attribute else getattr(owner, attribute)
+    """`owner`'s attribute at the dotted path `attribute` (through lists and dicts too:
+    `heads[0].scale`, `by_name['q'].scale`)."""
+    if "[" not in attribute:
+        return functools.reduce(getattr, attribute.split("."), owner) if "." in attribute else getattr(owner, attribute)
+    for name, index in _STEP.findall(attribute):
+        owner = getattr(owner, name) if name else owner[ast.literal_eval(index)]
+    return owner
 
 
 def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:

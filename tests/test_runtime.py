@@ -641,6 +641,36 @@ def test_a_namespace_read_while_traced_behaves_as_itself() -> None:
         pipe(x)
 
 
+class _PerHead(nn.Module):
+    """Reads a scale from a settings object it holds in a list, or in a dict."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.heads: Any = [_Options()] if container == "list" else {"q": _Options()}
+        self.first = 0 if container == "list" else "q"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.heads[self.first].scale
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_settings_objects_held_in_a_list_or_dict_are_watched(container: str) -> None:
+    """Before, a field of a config held in a list or dict changed after compiling was ignored
+    (0.29 off)."""
+    model, reference = twin(nn.Sequential(_PerHead(container), nn.Tanh(), _PerHead(container)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    first = model[0]
+    assert isinstance(first, _PerHead)
+    first.heads[first.first].scale = 3.0
+    place = "[0]" if container == "list" else "['q']"
+    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.heads{place}.scale (2.0 -> 3.0)")):
+        pipe(x)
+    first.heads[first.first].scale = 2.0
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 @dataclasses.dataclass
 class _WithTemperature:
     temperature: torch.Tensor
