@@ -474,10 +474,15 @@ def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> st
     rounding that differs between batch sizes."""
     if got.shape != expected.shape:
         return f"the halves' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
-    differing = int((got != expected).sum())
-    if differing <= expected.numel() // 100:
+    differs = got != expected
+    differing = int(differs.sum())
+    # A rounding flips isolated elements; a value computed across the batch differs in several
+    # samples at one place (a column `h[:, :1] > h[:, :1].mean(0)` beside per-sample ones).
+    rows_at_one_place = int(differs.movedim(dim, 0).flatten(1).sum(0).max()) if differs.dim() > 1 and differing else 0
+    if differing <= expected.numel() // 100 and rows_at_one_place < 2:
         return ""
-    return f"the halves' values, concatenated along dim {dim}, differ from the whole example's in {differing} of {expected.numel()} elements"
+    return (f"the halves' values, concatenated along dim {dim}, differ from the whole example's in {differing} of "
+            f"{expected.numel()} elements" + (f", {rows_at_one_place} samples at one place" if rows_at_one_place > 1 else ""))  # fmt: skip
 
 
 def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:
