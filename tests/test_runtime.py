@@ -721,6 +721,16 @@ class _AttrConfig:
             raise AttributeError(name) from None
 
 
+def _refused_in_both_modes(pipe: nn.Module, x: torch.Tensor, message: str) -> None:
+    """A call is refused with `message` in training mode, and in eval mode under no_grad."""
+    refused = pytest.raises(RuntimeError, match=re.escape(message))
+    with refused:
+        pipe(x)
+    with refused, torch.no_grad():
+        pipe.eval()(x)
+    pipe.train()
+
+
 class _LooksUp(nn.Module):
     """Looks up a gain its holder does not have when traced, with a default."""
 
@@ -749,12 +759,7 @@ def test_an_attribute_the_trace_looked_up_and_did_not_find_is_watched(holder: st
         owner._values["gain"] = 3.0
     else:
         owner.gain = 3.0
-    refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{'' if holder == 'module' else 'opts.'}gain (missing -> 3.0)"))
-    with refused:
-        pipe(x)
-    with refused, torch.no_grad():
-        pipe.eval()(x)
-    pipe.train()
+    _refused_in_both_modes(pipe, x, f"have changed since compiling: 0.{'' if holder == 'module' else 'opts.'}gain (missing -> 3.0)")
     if holder == "config":
         del owner._values["gain"]
     else:
@@ -791,12 +796,7 @@ def test_a_module_level_value_the_trace_read_is_watched(name: str, monkeypatch: 
     with monkeypatch.context() as patched:
         owner, _, attribute = name.rpartition(".")
         patched.setattr(model_settings if owner else sys.modules[__name__], attribute, 3.0)
-        refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: {__name__}:{name} ("))
-        with refused:
-            pipe(x)
-        with refused, torch.no_grad():
-            pipe.eval()(x)
-        pipe.train()
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:{name} (")
     assert_call_and_grads_equal(pipe, reference, x)
 
 
