@@ -12,8 +12,10 @@ read (their `__getattr__` too, for configs that answer through it), so that thei
 watched under every path they were read by (`transformer.config.output_hidden_states`); a
 `types.SimpleNamespace`, whose built-in class cannot be wrapped, is handed to the trace behind a
 view that notes its reads. Of a
-dict, the entries read are watched (passes/dict_reads.py). A value forward itself changes while
-traced (a counter) is no setting, and is not watched.
+dict, the entries read are watched (passes/dict_reads.py); of the code that read them, the
+module-level constants (passes/global_reads.py). A value forward itself changes while traced (a
+counter) is no setting, and is not watched: the check of assignments calls its module whole, or
+`counted_while_traced` refuses it where that check cannot see it.
 """
 from __future__ import annotations
 
@@ -77,9 +79,9 @@ def settings(value: Any) -> bool:
     libraries (not torch's, nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
     function nor class. Decided on its class alone: the object's own lookup is not run."""
     cls = type(value)
-    home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
     if cls is types.SimpleNamespace:
         return True
+    home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
     ours = home != "torch" and (home not in sys.stdlib_module_names or cls is argparse.Namespace)
     return bool(cls.__flags__ & _HEAP_TYPE) and ours and not isinstance(value, _NOT_SETTINGS)
 
