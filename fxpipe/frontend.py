@@ -21,7 +21,7 @@ from fxpipe.passes.assignments import (
 from fxpipe.passes.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
-from fxpipe.passes.lost_effects import outside_writes_refused, rebound_buffers_refused, tensor_hooks_counted
+from fxpipe.passes.lost_effects import outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted
 from fxpipe.passes.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.passes.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.passes.shapes import _small_on_cpu
@@ -521,7 +521,8 @@ def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kw
     CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
     if is_on_meta(model) or not _small_on_cpu(model, (example, kwargs)):
         return 0
-    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), tensor_hooks_counted() as hooks:
+    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model), \
+            tensor_hooks_counted() as hooks:  # fmt: skip
         try:
             with torch.enable_grad():
                 _in_both_modes(model, lambda: (model(*example, **kwargs), stable.ran()))

@@ -8,13 +8,17 @@
     tensor (self.n = self.n + 1)    refused, the buffer put back
     a hook on a tensor              torch.export drops it: the export front end is refused
     (h.register_hook)
+    buffers written inside the      its recompute in backward writes them again (BatchNorm
+    model's own checkpoint          counts each micro-batch twice), which no graph does:
+    (torch.utils.checkpoint)        refused, naming them
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.utils.checkpoint as checkpoints
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -159,3 +163,61 @@ def tensor_hooks_counted() -> Iterator[_TensorHooks]:
     """Within this block, `.count` of what it yields counts the hooks registered on tensors."""
     with _TensorHooks() as hooks:
         yield hooks
+
+
+@contextmanager
+def own_checkpoints_refused(model: nn.Module) -> Iterator[None]:
+    """Run the model within this block: buffers written inside a region of its own activation
+    checkpointing (torch.utils.checkpoint, reentrant or not) are refused, put back by the caller's
+    runs as any buffer is."""
+    owners = {id(b): name.rpartition(".")[0] or type(model).__name__ for name, b in model.named_buffers()}
+    written: dict[str, None] = {}
+
+    def versions() -> dict[int, int]:
+        return {id(b): b._version for b in model.buffers() if not b.is_inference()}
+
+    def note(before: dict[int, int]) -> None:
+        written.update((owners[key], None) for key, version in versions().items() if before.get(key, version) != version)
+
+    generator, reentrant = checkpoints._checkpoint_without_reentrant_generator, checkpoints.CheckpointFunction.forward
+
+    def watched_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        inner = generator(*args, **kwargs)
+        next(inner)  # before the checkpointed forward
+        before = versions()
+        try:
+            yield
+        except BaseException as e:  # noqa: BLE001 - handed on as checkpoint hands it on
+            inner.throw(e)
+            return
+        note(before)
+        yield from inner
+
+    def watched_forward(ctx: Any, run: Callable[..., Any], *args: Any) -> Any:
+        before = versions()
+        try:
+            return reentrant(ctx, run, *args)
+        finally:
+            note(before)
+
+    checkpoints._checkpoint_without_reentrant_generator = watched_generator  # type: ignore[assignment]
+    checkpoints.CheckpointFunction.forward = staticmethod(watched_forward)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        checkpoints._checkpoint_without_reentrant_generator = generator
+        checkpoints.CheckpointFunction.forward = staticmethod(reentrant)  # type: ignore[method-assign,assignment]
+    if written:
+        raise TraceError(
+            f"{type(model).__name__} cannot be compiled: its own activation checkpointing (torch.utils.checkpoint) "
+            f"runs modules that write their buffers: {_some(list(written))}. Its recompute in backward writes them a second "
+            "time, which the pipeline's graph does not (BatchNorm's running statistics would count each micro-batch "
+            "once where the plain model counts it twice).\nHow to fix: turn the model's own checkpointing off "
+            "(torchvision's memory_efficient=False, timm's set_grad_checkpointing(False), Hugging Face's "
+            "gradient_checkpointing_disable()); the pipeline's checkpoint= recomputes its stages instead, and "
+            "writes buffers once."
+        )
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
