@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.passes.attribute_reads import settings
+from fxpipe.passes.global_reads import constant
 
 # Each attribute assigned (dotted), and the path of the module holding it; None for one of a
 # settings object several modules share (which one's forward assigned it is not known).
@@ -100,7 +101,7 @@ class Contents:
                 continue
             for key, then in before.items():
                 now = value.get(key, then)
-                if _plain(then) and _plain(now) and _changed(then, now):
+                if constant(then) and constant(now) and _changed(then, now):
                     found[f"{path}.{name}[{key!r}]" if path else f"{name}[{key!r}]"] = path if len(holders[id(value)]) == 1 else None
         return found
 
@@ -250,10 +251,6 @@ def assignments_recorded(model: nn.Module) -> Iterator[Changes]:
         assigned.put_back()
 
 
-def _plain(value: Any) -> bool:
-    return value is None or type(value) in (bool, int, float, str) or (type(value) is tuple and all(map(_plain, value)))
-
-
 class StableAssignments:
     """Runs of the model in a `with` block, each followed by `ran()`: a public attribute that
     every run leaves with one plain value (Swin's `self.shift_size = 0`, set from the input's
@@ -278,7 +275,7 @@ class StableAssignments:
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
         first = self.ends[0] if self.ends and kind is None else {}
-        self.kept = {key: v for key, v in first.items() if _plain(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
+        self.kept = {key: v for key, v in first.items() if constant(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
         self.assigned.put_back(keep=self.kept)
         self.filled = self.contents.put_back()
         self.differentiable = frozenset(
