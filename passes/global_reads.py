@@ -5,9 +5,9 @@ changed after compiling is seen, like a module attribute (passes/attribute_reads
 The code is that of each frame that read a module's attribute while traced (`Reads.note`: a
 forward reads `self.something`), and of the functions it names, followed through; what a code
 object reads from its module is told by its bytecode (`LOAD_GLOBAL NAME`, then `LOAD_ATTR`s
-through modules).
-Only immutable plain values count (None, numbers, strings and tuples of them): a dict or list a
-module keeps is most often a cache or a registry that the plain model fills as it runs.
+through modules). Only immutable plain values count (None, numbers, strings and tuples of them):
+a dict or list a module keeps is most often a cache or a registry that the plain model fills as
+it runs.
 """
 from __future__ import annotations
 
