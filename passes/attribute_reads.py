@@ -387,9 +387,9 @@ def counted_while_traced(model: nn.Module, reads: Reads) -> list[str]:
     return found
 
 
-def changed(held: list[tuple[str, nn.Module, str, Any]]) -> list[str]:
-    """Of `held` (a qualified name, the module, the attribute's path from it and the value it held
-    when traced), each whose value changed since, as `name (then -> now)`."""
+def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
+    """Of `held` (a qualified name, what holds it, the attribute's path from there and the value
+    it held when traced), each whose value changed since, as `name (then -> now)`."""
     found = []
     for qualified, module, name, value in held:
         try:

@@ -503,6 +503,16 @@ def test_a_module_that_counts_called_at_two_places_keeps_its_calls_in_one_stage(
         expected.pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
     assert _counts(model) == _counts(reference) == 24
+    out, expected = pipe(x), in_turn(x)  # torch.autograd.grad, no_grad, train_step, eval
+    for got, want in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    loss = pipe.train_step(x, target=torch.zeros_like(x), loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(in_turn(x), torch.zeros_like(x)), rtol=0, atol=1e-12)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    assert _counts(model) == _counts(reference) == 56
     with pytest.raises(PartitionError, match=r"the module '1', which forward calls 2 times and which assigns what it holds, runs from .* and a stage begins between them"):
         compile_pipeline(model, x, ["cpu"] * 2, chunks=4, split_points=["2"])
     with pytest.raises(PartitionError, match=r"keep in one stage each of what must stay in one \(the widest: the module '0', which forward calls 2"):
