@@ -21,6 +21,7 @@ from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profil
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.export import shapes_note
+from fxpipe.passes.global_reads import put_back_on_failure
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.mode_reads import ModeReads
@@ -285,7 +286,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     """Compiling runs the model (checks, shapes, timing). Each pass puts back what it changed;
     this puts back anything one missed, even when compiling fails: parameter values, buffers,
     `.grad`, `training` flags, the random states, and the example's tensors that a forward
-    writes in place. A tensor placement moved keeps its device.
+    writes in place; and when it fails, the module-level values the model's code assigned.
+    A tensor placement moved keeps its device.
     Then, across processes, data-parallel replicas copy replica 0's parameters, which that
     restore would undo."""
 
@@ -296,7 +298,7 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
             return compile(*args, **kwargs)
         example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
         try:
-            with preserved(model), inputs_preserved(example):
+            with preserved(model), inputs_preserved(example), put_back_on_failure(model):
                 pipe = compile(*args, **kwargs)
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):

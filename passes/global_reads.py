@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import dis
 import os
+import sys
 import sysconfig
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from torch import nn
 
 from fxpipe.passes.dict_reads import MISSING
 
@@ -78,3 +81,26 @@ def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> Module
 def nested(code: types.CodeType) -> list[types.CodeType]:
     """The code objects defined inside `code` (comprehensions, lambdas, inner functions)."""
     return [const for const in code.co_consts if isinstance(const, types.CodeType)]
+
+
+@contextmanager
+def put_back_on_failure(model: nn.Module) -> Iterator[None]:
+    """Run the body; if it raises, put back the module-level constants of the modules that
+    define the model's classes that it changed, or add or remove them: a refused compile leaves
+    a counter the forward advances (`global calls; calls += 1`) as it found it. A body that
+    succeeds keeps them, as one call of the plain model would (a flag set on first use)."""
+    saved = {}
+    for module in {sys.modules.get(type(m).__module__) for m in model.modules()}:
+        if module is not None and settings_code(getattr(module, "__file__", None) or "<none>"):
+            saved[module] = {name: value for name, value in vars(module).items() if constant(value)}
+    try:
+        yield
+    except BaseException:
+        for module, constants in saved.items():
+            table = vars(module)
+            for name in [n for n, v in table.items() if constant(v) and n not in constants]:
+                del table[name]  # assigned by a run: not there before
+            for name, value in constants.items():
+                if table.get(name, MISSING) is not value:
+                    table[name] = value
+        raise

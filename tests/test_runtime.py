@@ -812,10 +812,13 @@ class _CountsInItsModule(nn.Module):
 
 
 def test_a_forward_that_assigns_a_module_level_value_is_refused_naming_it() -> None:
-    """Before, the graph check refused it as data-dependent control flow."""
+    """Before, the graph check refused it as data-dependent control flow; and the refused
+    compile left the counter advanced by its runs of the model (by 7)."""
     model = nn.Sequential(_CountsInItsModule(), nn.Tanh(), nn.Linear(4, 4))
+    before = _CALLS
     with pytest.raises(TraceError, match=re.escape(f"its forward assigns module-level values, which changed as it was traced: {__name__}:_CALLS (")):
         compile_pipeline(model, torch.randn(8, 4), ["cpu", "cpu"], chunks=2)
+    assert _CALLS == before
 
 
 class _KeepsBooks(nn.Module):
