@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from fxpipe.passes.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
-from fxpipe.passes.global_reads import constant, module_reads, nested, settings_code
+from fxpipe.passes.global_reads import constant, module_reads, nested, settings_code, simple_key
 from fxpipe.passes.scoped import scoped
 
 _local = threading.local()
@@ -155,7 +155,7 @@ class Reads:
                 return NamespaceReads(value)
         elif type(value) in (list, tuple, dict):  # settings objects in it (a config per head), by place or key
             for key, element in value.items() if type(value) is dict else enumerate(value):
-                if settings(element) and type(element) is not types.SimpleNamespace and _simple_key(key):
+                if settings(element) and type(element) is not types.SimpleNamespace and simple_key(key):
                     self._reached(element, [f"{name}[{key!r}]" for name in names])
         return value
 
@@ -178,11 +178,6 @@ class Reads:
             values.update([new + name[len(old):] for name in values if name.startswith(old + ".")])
         for table in (self.first, self.keys.read, self.keys.written):
             table.update({new + name[len(old):]: v for name, v in list(table.items()) if name.startswith(old + ".")})  # type: ignore[attr-defined]
-
-
-def _simple_key(key: Any) -> bool:
-    """A place in a list, or a dict key that a path `name[key]` can name (`read`)."""
-    return type(key) is int or (type(key) is str and not any(c in key for c in "'[]\\"))
 
 
 class NamespaceReads:

@@ -7,7 +7,8 @@ forward reads `self.something`), and of the functions it names, followed through
 object reads from its module is told by its bytecode (`LOAD_GLOBAL NAME`, then `LOAD_ATTR`s
 through modules). Only immutable plain values count (None, numbers, strings and tuples of them):
 a dict or list a module keeps is most often a cache or a registry that the plain model fills as
-it runs.
+it runs. Of a dict, an entry the code reads at a constant key (`FLAGS["on"]`, `FLAGS.get("on")`)
+is watched, as `module:FLAGS['on']`, when its value is such a constant.
 """
 from __future__ import annotations
 
@@ -67,15 +68,34 @@ def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> Module
         if instruction.opname != "LOAD_GLOBAL" or instruction.argval not in module_globals:
             continue  # a builtin, or not there (yet)
         path, value = str(instruction.argval), module_globals[instruction.argval]
-        for following in instructions[at + 1 :]:
-            if not isinstance(value, types.ModuleType) or following.opname not in _LOOKUPS:
-                break
-            path, value = f"{path}.{following.argval}", getattr(value, str(following.argval), MISSING)
+        at += 1
+        while at < len(instructions) and isinstance(value, types.ModuleType) and instructions[at].opname in _LOOKUPS:
+            path, value = f"{path}.{instructions[at].argval}", getattr(value, str(instructions[at].argval), MISSING)
+            at += 1
+        if type(value) is dict and simple_key(key := _key_read(instructions[at : at + 2])) and key in value:
+            path, value = f"{path}[{key!r}]", value[key]  # an entry: FLAGS["on"], FLAGS.get("on")
         if constant(value):
             found.constants[f"{module}:{path}"] = value
         elif isinstance(value, types.FunctionType):
             found.functions.append(value)
     return found
+
+
+def simple_key(key: Any) -> bool:
+    """A dict key or a list's place that a path `name[key]` names (passes/attribute_reads.py's `read`)."""
+    return (type(key) is int and key >= 0) or (type(key) is str and not any(c in key for c in "'[]\\"))
+
+
+def _key_read(following: list[dis.Instruction]) -> Any:
+    """The constant key a dict just loaded is read at (`d["k"]`, `d.get("k")`), or MISSING."""
+    if len(following) < 2:
+        return MISSING
+    first, second = following
+    if first.opname == "LOAD_CONST" and (second.opname == "BINARY_SUBSCR" or (second.opname == "BINARY_OP" and second.argrepr == "[]")):
+        return first.argval
+    if first.opname in _LOOKUPS and first.argval == "get" and second.opname == "LOAD_CONST":
+        return second.argval
+    return MISSING
 
 
 def nested(code: types.CodeType) -> list[types.CodeType]:

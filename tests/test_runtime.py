@@ -800,6 +800,41 @@ def test_a_module_level_value_the_trace_read_is_watched(name: str, monkeypatch: 
     assert_call_and_grads_equal(pipe, reference, x)
 
 
+_FLAGS = {"gain": 2.0, "shift": 0.5, "cache": [1]}
+
+
+class _ReadsModuleFlags(nn.Module):
+    """Reads entries of a module-level dict by constant keys, subscripted and with `get`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * _FLAGS["gain"] + _FLAGS.get("shift", 0.0)
+
+
+@pytest.mark.parametrize("key", ["gain", "shift"])
+def test_an_entry_of_a_module_level_dict_the_trace_read_is_watched(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `FLAGS["gain"]` read in forward was a constant of the graph: changed after
+    compiling, it was ignored (1.2 off). Entries read by no constant key, and values that are not
+    plain, are not watched (a cache there may change freely)."""
+    model, reference = twin(nn.Sequential(_ReadsModuleFlags(), nn.Tanh(), _ReadsModuleFlags()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with monkeypatch.context() as patched:
+        patched.setitem(_FLAGS, "cache", [2])
+        patched.setitem(_FLAGS, "other", 1)
+        assert_call_and_grads_equal(pipe, reference, x)
+        patched.setitem(_FLAGS, key, 3.0)
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:_FLAGS[{key!r}] (")
+    assert_call_and_grads_equal(pipe, reference, x)
+    with monkeypatch.context() as patched:
+        patched.delitem(_FLAGS, key)
+        _refused_in_both_modes(pipe, x, f"{__name__}:_FLAGS[{key!r}] (")
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 class _CountsInItsModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
