@@ -22,7 +22,7 @@ from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.export import shapes_note
 from fxpipe.passes.global_reads import put_back_on_failure
-from fxpipe.passes.inplace import redirect_reads_after_writes
+from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.mode_reads import ModeReads
 from fxpipe.passes.objective import CutModel
@@ -244,9 +244,11 @@ def _cut(
         profile_times(gm, example, devices[0])
         if placement is not None:
             agree_on_times(gm, placement)
-    # An automatic cut also avoids the writes through views that no cut can carry; a cut the
-    # caller chose is checked by the edges pass, whose error names the line.
+    # An automatic cut also avoids the writes through views, and the inputs written by two
+    # stages, that no cut can carry; a cut the caller chose is checked by the edges pass, whose
+    # error names the line.
     together.update(view_write_spans(gm, order))
+    together.update(input_write_spans(gm, order))
     return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
 
 

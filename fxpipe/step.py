@@ -742,8 +742,10 @@ def _differentiable(outputs: Sequence[Any], grads: Sequence[Any]) -> tuple[list[
 
 
 def _refuse_written_leaves(name: str, written: list[torch.Tensor]) -> None:
-    """What the plain model's in-place write raises under grad mode on an input that is a leaf
-    requiring grad, or a view of one (a micro-batch's slice of it)."""
+    """Under grad mode, an input written in place that requires grad (a micro-batch's slice of
+    it): a leaf, or a view of one, as the plain model's write refuses it; any other, since the
+    pipeline writes the caller's tensor outside autograd, and a gradient through its value after
+    the call would reach what it was before the write."""
     for t in written:
         base = t._base if t._is_view() and t._base is not None else t
         if t.requires_grad and base.is_leaf:
@@ -751,4 +753,11 @@ def _refuse_written_leaves(name: str, written: list[torch.Tensor]) -> None:
                 f"the model writes its input {name!r} in place, and it is a leaf that requires grad (or a view of "
                 "one): PyTorch refuses that (\"a leaf Variable that requires grad is being used in an in-place "
                 "operation\").\nHow to fix: pass a copy (x.clone()), or write a copy of the input in the model."
+            )
+        if t.requires_grad:
+            raise RuntimeError(
+                f"the model writes its input {name!r} in place, and it requires grad: the pipeline writes the "
+                "caller's tensor outside autograd, so a gradient through its value after the call would miss the "
+                "write.\nHow to fix: write a copy of the input in the model (x = x * 2 in place of x.mul_(2)); or, "
+                "when the input's gradient is not needed, pass x.detach(), or call the pipeline under torch.no_grad()."
             )

@@ -244,6 +244,40 @@ def _view_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def _alias_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node:
+    """Follow views, and in-place writes (`x.mul_(2)` returns `x`), back to the tensor whose
+    memory they share."""
+    while is_view(node) or writes_first_argument(gm, node):
+        first = node.args[0]
+        assert isinstance(first, fx.Node)
+        node = first
+    return node
+
+
+def input_writes(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Per input of the graph written in place, the nodes that write it, in graph order."""
+    found: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        target = written_value(gm, node) if node.op in COMPUTE_OPS else None
+        root = _alias_root(gm, target) if target is not None else None
+        if root is not None and root.op == "placeholder":
+            found.setdefault(root.name, []).append(node)
+    return found
+
+
+def input_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:
+    """For each input written in place at several places, the positions from its first write to
+    its last: one stage must make them all, since a stage copies back into the caller's tensor
+    only what it wrote itself."""
+    position = {node: i for i, node in enumerate(order)}
+    spans = {}
+    for name, writers in input_writes(gm).items():
+        places = [position[n] for n in writers if n in position]
+        if len(places) > 1:
+            spans[f"the input {name!r}, which forward writes in place at {len(places)} places,"] = (min(places), max(places))
+    return spans
+
+
 def _stage_local_root(node: fx.Node, run: set[fx.Node]) -> fx.Node:
     """`_view_root`, stopping at the first value the run does not make (a value it receives)."""
     while node in run and is_view(node):
@@ -393,8 +427,8 @@ def _write_problems(gm: fx.GraphModule, writer: fx.Node, target: fx.Node, positi
 def check_writes_across_stages(gm: fx.GraphModule) -> None:
     """Refuse, at compile time, in-place writes whose stages would compute something else than
     the plain model: a write cut off from the view it writes through or from the `written` node
-    after it, a value read by a later stage as it was before the write, and one parameter or
-    buffer written by two stages. Needs `node.meta["stage"]`."""
+    after it, a value read by a later stage as it was before the write, and one parameter,
+    buffer or input written by two stages. Needs `node.meta["stage"]`."""
     problems: list[str] = []
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     state_writers: dict[str, set[int]] = {}
@@ -415,6 +449,10 @@ def check_writes_across_stages(gm: fx.GraphModule) -> None:
     for name, stages in state_writers.items():
         if len(stages) > 1:
             problems.append(f"the parameter or buffer {name!r} is written in place by stages {sorted(stages)}")
+    for name, writers in input_writes(gm).items():
+        stages = sorted({_stage(writer) for writer in writers})
+        if len(stages) > 1:  # each stage copies back only its own write into the caller's tensor
+            problems.append(f"the input {name!r} is written in place by stages {stages}")
     if problems:
         raise InplaceError(
             "cannot run these in-place writes across stages as the model does:\n"
