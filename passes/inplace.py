@@ -450,9 +450,9 @@ def check_writes_across_stages(gm: fx.GraphModule) -> None:
         if len(stages) > 1:
             problems.append(f"the parameter or buffer {name!r} is written in place by stages {sorted(stages)}")
     for name, writers in input_writes(gm).items():
-        stages = sorted({_stage(writer) for writer in writers})
-        if len(stages) > 1:  # each stage copies back only its own write into the caller's tensor
-            problems.append(f"the input {name!r} is written in place by stages {stages}")
+        writing = sorted({_stage(writer) for writer in writers})
+        if len(writing) > 1:  # each stage copies back only its own write into the caller's tensor
+            problems.append(f"the input {name!r} is written in place by stages {writing}")
     if problems:
         raise InplaceError(
             "cannot run these in-place writes across stages as the model does:\n"
