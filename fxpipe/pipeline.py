@@ -465,6 +465,7 @@ class Pipeline(nn.Module):
                 "a sample without its batch dim? Its features would be split as samples.\n"
                 "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
             )
+        self._refuse_shared_written_inputs(program, values)
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
         if batch is not None and len(sizes) > 1:
             self._refuse_off_batch(values, batch, dims)
@@ -549,6 +550,27 @@ class Pipeline(nn.Module):
                 "row with the batch.\nHow to fix: give every batched input the same batch size, or "
                 "keep such an input whole in every call (chunk_spec={name: None})."
             )
+
+    @staticmethod
+    def _refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> None:
+        """An input written in place that shares memory with another (`model(t, t)`, or a view
+        of t): the plain model's write shows through the other, where a stage writes a copy."""
+        written = {name for stage in program.stages for name in stage.written}
+        if not written:
+            return
+        holders: dict[int, list[str]] = {}  # storage -> the inputs with a tensor in it
+        for name, value in values.items():
+            for leaf in tree_flatten(value)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.numel() and not leaf.is_meta:
+                    holders.setdefault(leaf.untyped_storage().data_ptr(), []).append(name)
+        for names in holders.values():
+            for name in dict.fromkeys(n for n in names if n in written and len(names) > 1):
+                others = [n for n in names if n != name] or [name]  # (two parts of one input)
+                raise ValueError(
+                    f"the model writes its input {name!r} in place, and {others[0]!r} shares its memory (the same "
+                    "tensor, or a view of it): the plain model's write shows through it, where each stage writes "
+                    "a copy of what it is given.\nHow to fix: pass a copy of one of them (y.clone())."
+                )
 
     @staticmethod
     def _check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:
