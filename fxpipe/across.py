@@ -4,6 +4,7 @@ first, then its stages' part of the step, and what the step ends with settled am
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -79,7 +80,7 @@ def _train_across(
     try:
         with failing_together(channel, "preparing the call"):
             call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
-            _agree(pipe, call, f"train_step, reduction={reduction!r}")
+            _agree(pipe, call, f"train_step, reduction={reduction!r}", target)
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]
         here = channel.me == loss_rank
@@ -131,22 +132,28 @@ def _alike(pipe: Pipeline, call: Optional[_Call]) -> dict[str, bool]:
     return {"training mode": pipe.training, "autocast": call is not None and bool(call.context.autocast)}
 
 
-def _agree(pipe: Pipeline, call: _Call, kind: str) -> None:
+def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None) -> None:
     """Every rank of the pipeline makes the same call, or every rank raises, naming what
-    differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode. A
-    rank that ran another step's schedule would wait for values that never come, or pair
-    its micro-batches with another call's."""
+    differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode, and
+    the same data. A rank that ran another step's schedule would wait for values that never
+    come, or pair its micro-batches with another call's; one given a batch of its own (loaded
+    apart, as under DDP) would pair its inputs with another rank's targets."""
     assert pipe._channel is not None
-    mine = _call_signature(pipe, call, kind)
+    mine = _call_signature(pipe, call, kind, target)
     calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
-    differing = [key for key in mine if key != "tied" and any(c.get(key) != mine[key] for c in calls.values())]
+    differing = [key for key in mine if key not in ("tied", "data") and any(c.get(key) != mine[key] for c in calls.values())]
     ranks = pipe._channel.ranks
-    if differing:
-        lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+    lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+    apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
+    if apart and not differing:  # (data of other shapes differs anyway)
+        everyone = [str(ranks[r]) for r in sorted(calls)]
+        lines.append(f"data of {', '.join(mine['data'])}: ranks {', '.join(everyone[:-1])} and {everyone[-1]} differ in {', '.join(apart)}")
+    if lines:
         raise RuntimeError(
             "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
-            + "\nHow to fix: call it on every rank at once, with the same inputs (each data-parallel replica "
-            "its own share), under the same grad mode and autocast, and pipe.train() or pipe.eval() on every rank."
+            + "\nHow to fix: call it on every rank at once, with the same inputs and targets (the ranks of one "
+            "pipeline share a batch; each data-parallel replica has its own share), under the same grad mode and "
+            "autocast, and pipe.train() or pipe.eval() on every rank."
         )
     _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
 
@@ -170,7 +177,7 @@ def _refuse_tied_copies_that_differ(pipe: Pipeline, tied: dict[int, dict[str, tu
         )
 
 
-def _call_signature(pipe: Pipeline, call: _Call, kind: str) -> dict[str, Any]:
+def _call_signature(pipe: Pipeline, call: _Call, kind: str, target: Any = None) -> dict[str, Any]:
     """What the ranks compare of a call: every one of them must make the same."""
     modes = [m.training for m in pipe._owner.modules()]
     return {
@@ -181,7 +188,25 @@ def _call_signature(pipe: Pipeline, call: _Call, kind: str) -> dict[str, Any]:
         "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
         "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
         "tied": _tied_fingerprints(pipe, call),
+        "data": _data_fingerprints(call.values, target),
     }
+
+
+def _data_fingerprints(values: dict[str, Any], target: Any) -> dict[str, str]:
+    """A fingerprint of the data of each input, and of the target if given: a hash of the bytes
+    of an even sample of at most 4096 values of each tensor (batches loaded apart differ there;
+    a NaN hashes alike on every rank, where it would compare unequal)."""
+    found = {}
+    named = [*values.items(), *([("train_step's target" if "target" in values else "target", target)] if target is not None else [])]
+    for name, value in named:
+        digest = hashlib.blake2b(digest_size=8)
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_meta and leaf.numel():
+                flat = leaf.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)].contiguous()
+                digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+        found[name] = digest.hexdigest()
+    return found
 
 
 def _tied_fingerprints(pipe: Pipeline, call: _Call) -> dict[str, tuple[float, float]]:

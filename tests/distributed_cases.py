@@ -517,6 +517,9 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
         "eval on one rank": lambda: _in_mode(pipe, not last, lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
         "a plain argument of its own": lambda: scaled.train_step(x, 3.0 if last else 2.0, target=y, loss_fn=F.mse_loss),
         "autocast on one rank": lambda: _under(torch.autocast("cpu", torch.bfloat16) if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
+        "other inputs on one rank": lambda: pipe.train_step(x + last, target=y, loss_fn=F.mse_loss),
+        "other targets on one rank": lambda: pipe.train_step(x, target=y + last, loss_fn=F.mse_loss),
+        "other inputs on one rank, forward": lambda: _under(torch.no_grad(), lambda: pipe(x + last)),
     }
     torch.manual_seed(0)
     tied = TiedEnds().double()

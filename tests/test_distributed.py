@@ -110,7 +110,9 @@ def test_a_sharded_grad_scaler_skips_an_overflowing_step_on_every_rank() -> None
 def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank() -> None:
     """Refused on one rank alone, a call would leave the others to pair their step with its next
     one (training on another step's targets); a batch, grad mode or mode of its own would pair
-    other micro-batches, or wait for values never sent."""
+    other micro-batches, or wait for values never sent; data of its own (each rank loading its own
+    batch, as under DDP) would pair one rank's inputs with another's targets, a loss no plain
+    model computes (before, with no error)."""
     for report in results_of(spawn_ranks(cases.calls_that_differ, 2, timeout=120)):
         refused, _ = report["a target refused on one rank"]
         assert "rank 1 failed in preparing the call" in refused or refused.startswith("the target must be split"), refused
@@ -120,14 +122,18 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
                                 ("eval on one rank", "mode: rank 0 ('train'"),
                                 ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}"),
                                 ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16"),
-                                ("another reduction", "call: rank 0 train_step, reduction='mean', rank 1 train_step, reduction='sum'")]:  # fmt: skip
+                                ("another reduction", "call: rank 0 train_step, reduction='mean', rank 1 train_step, reduction='sum'"),
+                                ("other inputs on one rank", "data of x, target: ranks 0 and 1 differ in x"),
+                                ("other targets on one rank", "data of x, target: ranks 0 and 1 differ in target"),
+                                ("other inputs on one rank, forward", "data of x: ranks 0 and 1 differ in x")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
         for what in ("tied copies apart, forward", "tied copies apart, step"):
             message, _ = report[what]
             assert "the copies of a tied parameter differ" in message and "'a.weight', held on ranks [0, 1]" in message, (what, message)
         calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank",
-                 "another reduction", "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
+                 "another reduction", "other inputs on one rank", "other targets on one rank", "other inputs on one rank, forward",
+                 "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
         assert report["next step"] <= TOL
