@@ -149,7 +149,8 @@ def _unsplittable(outputs: list[str], micro_batches: int, asked: bool) -> str:
         "How to fix: chunks=1; for an auxiliary loss, add it into a loss the model returns itself and call "
         "train_step without loss_fn (its micro-batches' are combined as their mean or sum, unchecked); for "
         "values between samples, return per-sample values (batch first) and compute the loss from pipe(x)'s "
-        "output (loss_fn(pipe(x), y).backward()). No gradient was accumulated."
+        "output (loss_fn(pipe(x), y).backward(), in one process; across processes, chunks=1). No gradient was "
+        "accumulated."
     )
 
 
@@ -262,7 +263,10 @@ def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: An
         raise ValueError(
             f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
             f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
-            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples; a loss that is "
-            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches: "
-            "use pipe(x) and loss.backward(). No gradient was accumulated into the model's parameters."
+            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples. A loss that is "
+            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches as it is: "
+            "divide its sum by the whole batch's count, counted before the step, and pass reduction='sum' "
+            "(count = (y != -100).sum(); loss_fn = lambda out, t: F.cross_entropy(out, t, ignore_index=-100, "
+            "reduction='sum') / count); or, in one process, use pipe(x) and loss.backward(). No gradient was "
+            "accumulated into the model's parameters."
         )

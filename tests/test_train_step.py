@@ -99,6 +99,24 @@ def test_a_sum_reduced_loss_is_summed_over_micro_batches() -> None:
     assert_grads_equal(pipe, reference)
 
 
+def test_a_mean_over_a_varying_count_of_tokens_is_refused_with_a_fix_that_works() -> None:
+    """The refusal's fix, a sum over the whole batch's count with reduction='sum', gives the plain
+    model's loss and gradients; across processes, where pipe(x) runs forward only, it is the one
+    way (the message said to use pipe(x) and loss.backward() alone before)."""
+    model, reference = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 5)))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.tensor([0, -100, 1, 2, -100, -100, 3, 4])
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match=r"(?s)not a mean over samples.*divide its sum by the whole batch's count.*reduction='sum'"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, ignore_index=-100))
+    count = (y != -100).sum()
+    loss = pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, ignore_index=-100, reduction="sum") / count, reduction="sum")
+    expected = F.cross_entropy(reference(x), y, ignore_index=-100)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
 def test_a_loss_combined_wrongly_is_refused_and_accumulates_nothing() -> None:
     model = FanOut().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
