@@ -215,8 +215,9 @@ class Channel:
         except RuntimeError as e:
             raise PeerLost(
                 f"rank {self.ranks[peer]} (pipeline stage rank {peer}) sent nothing this rank could read while it "
-                f"waited for {what} (timeout {self.timeout:g} s): {e}\nThat rank died or is stuck; see its own "
-                "output. A slow step needs a longer timeout: compile_pipeline(..., timeout=seconds)."
+                f"waited for {what} (timeout {self.timeout:g} s): {e}\nThat rank died or is stuck (see its own "
+                "output), or it called another pipeline: every rank must call its pipelines in the same order. A "
+                "slow step needs a longer timeout: compile_pipeline(..., timeout=seconds)."
             ) from e
         return buffer
 
