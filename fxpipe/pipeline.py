@@ -118,6 +118,12 @@ class Pipeline(nn.Module):
             also = [(t, where.device) for t in unread(model, programs)] if where.me == 0 else []
         materialize(model, programs, self._runs_here, also)
         self.__dict__["_replicas"] = None
+        if where is not None and next(self.parameters(), None) is None and next(model.parameters(), None) is not None:
+            warnings.warn(
+                f"this rank ({where.ranks[where.me]}) holds none of the model's parameters: its stages have none, so an "
+                "optimizer over pipe.parameters() raises here (\"optimizer got an empty parameter list\"). Make one "
+                "only on the ranks that hold some (if any(True for _ in pipe.parameters())), or cut elsewhere."
+            )
 
     def _join_replicas(self) -> None:
         """With a "dp" mesh dimension: wrap this rank's parameters in DDP, which copies replica 0's

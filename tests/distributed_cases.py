@@ -6,6 +6,7 @@ import contextlib
 import copy
 import random
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -241,6 +242,7 @@ def mismatched_plans(rank: int, world: int) -> list[str]:
 def refusals(rank: int, world: int) -> list[str]:
     """What one process group cannot do yet is refused on every rank, before anything is sent."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
     model = FanOut().double()
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=2)
@@ -261,6 +263,11 @@ def refusals(rank: int, world: int) -> list[str]:
         errors.append("no error")
     except ValueError as e:
         errors.append(str(e))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        bare = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Tanh()).double(), x, mesh=mesh, chunks=2, split_points=["2"])
+    errors.append(" | ".join(str(w.message) for w in caught if "none of the model's parameters" in str(w.message)))
+    errors.append(f"{len(list(bare.parameters()))} parameters")
     return errors
 
 

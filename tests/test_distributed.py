@@ -201,11 +201,14 @@ def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
 
 
 def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> None:
-    for errors in results_of(spawn_ranks(cases.refusals, 2, timeout=120)):
+    """And a rank left without parameters by the cut warns, before its optimizer would raise."""
+    for rank, errors in enumerate(results_of(spawn_ranks(cases.refusals, 2, timeout=120))):
         assert "pipe(x) runs forward only" in errors[0] and "torch.no_grad()" in errors[0], errors[0]
         assert "inputs that require grad" in errors[1], errors[1]
         assert errors[2].startswith("loss "), errors[2]
         assert "the model returns output[1], a value made from the whole batch" in errors[3], errors[3]
+        assert ("this rank (1) holds none of the model's parameters" in errors[4]) == (rank == 1), errors[4]
+        assert errors[5] == ("0 parameters" if rank == 1 else "2 parameters"), errors[5]
 
 
 def test_devices_or_mesh_one_of_them() -> None:
