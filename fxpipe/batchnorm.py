@@ -8,8 +8,10 @@ With `deferred_batch_norm=True` every BatchNorm call of a stage becomes `batch_n
     recompute           normalise the same way, record nothing
     eval                the module as it is (running statistics)
 
-and after the step's last forward task the records of each module are merged (Chan et al.'s
-pairwise formula) into one update of its running statistics: the plain model's on the full batch.
+and after the step's last forward task the records of each call are merged (Chan et al.'s
+pairwise formula) into one update of its module's running statistics: the plain model's on the
+full batch. A module called at several places is updated once per call, in the calls' order, as
+the plain model updates it.
 """
 from __future__ import annotations
 
@@ -28,25 +30,28 @@ _BatchNorm = nn.modules.batchnorm._BatchNorm
 _local = threading.local()
 
 
+Site = tuple[int, int]  # a BatchNorm call: its stage, and its place among the stage's calls
+
+
 class BatchStatistics:
-    """Per-channel statistics of every micro-batch a step normalised, per module."""
+    """Per-channel statistics of every micro-batch a step normalised, per call."""
 
     def __init__(self) -> None:
-        self.records: dict[int, tuple[_BatchNorm, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
+        self.records: dict[Site, tuple[_BatchNorm, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
         self.lock = threading.Lock()
 
-    def record(self, module: _BatchNorm, x: torch.Tensor) -> None:
+    def record(self, module: _BatchNorm, x: torch.Tensor, site: Site) -> None:
         dims = [d for d in range(x.dim()) if d != 1]
         with torch.no_grad():
             values = x.detach().to(module.running_mean.dtype) if module.running_mean is not None else x.detach()
             var, mean = torch.var_mean(values, dim=dims, correction=0)
         count = x.numel() // x.shape[1]
         with self.lock:
-            self.records.setdefault(id(module), (module, []))[1].append((count, mean, var * count))
+            self.records.setdefault(site, (module, []))[1].append((count, mean, var * count))
 
     def commit(self) -> None:
-        """One running-statistics update per module, from all its micro-batches."""
-        for module, parts in self.records.values():
+        """One running-statistics update per call, from all its micro-batches, in the calls' order."""
+        for _, (module, parts) in sorted(self.records.items(), key=lambda item: item[0]):
             count, mean, squares = parts[0]
             for n, m, s in parts[1:]:
                 delta = m - mean
@@ -89,14 +94,14 @@ class _Collecting:
         _local.stats = self.previous
 
 
-def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor) -> torch.Tensor:
+def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor, site: Site = (0, 0)) -> torch.Tensor:
     """A BatchNorm call whose running statistics are updated later, for the whole batch."""
     stats: Optional[BatchStatistics] = getattr(_local, "stats", None)
     if not module.training or not module.track_running_stats or (stats is None and not is_recomputing()):
         return module(x)  # read live: the flag may have changed since compiling
     module._check_input_dim(x)  # type: ignore[operator]
     if stats is not None and not is_recomputing():
-        stats.record(module, x)
+        stats.record(module, x, site)
     return F.batch_norm(x, None, None, module.weight, module.bias, True, 0.0, module.eps)
 
 
@@ -106,12 +111,13 @@ def is_deferrable(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and module.running_mean is not None and type(module).forward is _BatchNorm.forward
 
 
-def defer_batch_norm(stage: fx.GraphModule, owner: nn.Module) -> set[str]:
-    """Rewrite a generated stage so that its BatchNorm calls go through `batch_norm_deferred`:
-    torch.fx's calls of the module, and torch.export's `aten.batch_norm` in training on a
-    module's running statistics. Returns the paths of the modules deferred in an exported graph,
-    whose `num_batches_tracked.add_(1)` the step's commit does instead (`drop_batch_counts`)."""
-    graph, exported = stage.graph, set()
+def defer_batch_norm(stage: fx.GraphModule, owner: nn.Module, index: int) -> set[str]:
+    """Rewrite the generated stage `index` so that its BatchNorm calls go through
+    `batch_norm_deferred`, each with its site: torch.fx's calls of the module, and torch.export's
+    `aten.batch_norm` in training on a module's running statistics. Returns the paths of the
+    modules deferred in an exported graph, whose `num_batches_tracked.add_(1)` the step's commit
+    does instead (`drop_batch_counts`)."""
+    graph, exported, calls = stage.graph, set(), 0
     for node in list(graph.nodes):
         path = _exported_norm(node, owner)
         if node.op == "call_module" and is_deferrable(stage.get_submodule(str(node.target))):
@@ -123,7 +129,8 @@ def defer_batch_norm(stage: fx.GraphModule, owner: nn.Module) -> set[str]:
         else:
             continue
         with graph.inserting_before(node):
-            call = graph.call_function(batch_norm_deferred, (graph.get_attr(path), x))
+            call = graph.call_function(batch_norm_deferred, (graph.get_attr(path), x, (index, calls)))
+        calls += 1
         node.replace_all_uses_with(call)
         graph.erase_node(node)
     stage.recompile()

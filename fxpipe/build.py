@@ -46,10 +46,10 @@ def build_program(
             "(self.x = nn.Parameter(...)), or, if it is not meant to learn, call .requires_grad_(False)."
         )
     exported: set[str] = set()
-    for code in codes:
+    for index, code in enumerate(codes):
         draw_from_task_streams(code.module)
         if deferred_batch_norm:
-            exported |= defer_batch_norm(code.module, owner)
+            exported |= defer_batch_norm(code.module, owner, index)
     if deferred_batch_norm:
         for code in codes:
             drop_batch_counts(code.module, exported)

@@ -247,6 +247,41 @@ def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, m
     torch.testing.assert_close(pipe(x), full(x), rtol=0, atol=1e-10)
 
 
+class NormedTwice(nn.Module):
+    """One BatchNorm called at two depths."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.bn = nn.BatchNorm1d(6, momentum=momentum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.a(x)))
+        return self.c(torch.tanh(self.bn(self.b(h))))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("stages", [1, 2])
+def test_deferred_batch_norm_called_at_two_depths_commits_each_call(stages: int, momentum: float | None) -> None:
+    """Each call's statistics are committed in the calls' order, as the plain model updates
+    them at each call. Before, the calls' records were merged into one update: running means
+    0.036 off and one batch counted where the plain model counts two, with chunks=1."""
+    model, reference = twin(NormedTwice(momentum))
+    x, y = torch.randn(12, 6, dtype=torch.float64) * 3 + 1, torch.randn(12, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=1, deferred_batch_norm=True)
+    for _ in range(2):
+        loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        expected = F.mse_loss(reference(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    pipe(x).sum().backward()
+    reference(x).sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert int(model.bn.num_batches_tracked) == 6
+    for name in ("running_mean", "running_var"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(reference.bn, name), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "per-micro-batch"])
 @pytest.mark.parametrize("mode", ["always", "never"])
 def test_track_running_stats_changed_after_compiling_is_followed(mode: str, deferred: bool) -> None:
