@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
+from fxpipe.passes.markers import is_split
 from fxpipe.passes.objective import CrossingValue, CutModel
 
 # Above this many nodes, the exact search runs over this many runs of nodes of about equal time.
@@ -78,7 +79,7 @@ def _checked_cuts(order: Sequence[fx.Node], cuts: Sequence[int], stages: int) ->
     if len(cuts) != stages - 1:
         problems.append(f"the marks and split points make {len(cuts) + 1} stages, but {stages} devices were given")
     bounds = [0, *cuts, len(order)]
-    empty = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if b <= a]
+    empty = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if all(is_split(node) for node in order[a:b])]
     if empty:
         problems.append(f"stage {empty[0]} would be empty: two marks with nothing between them, or one at an end")
     refuse(problems, "How to fix: give one device per stage, and put pipe_split() between the layers of two stages.")

@@ -67,3 +67,29 @@ def test_marks_that_contradict_the_devices_or_balance_are_refused() -> None:
         compile_pipeline(Marked(), torch.randn(4, 4), ["cpu"] * 2)
     with pytest.raises(PartitionError, match="pipe_split.*balance='time'"):
         compile_pipeline(Marked(), torch.randn(4, 4), ["cpu"] * 3, balance="time")
+
+
+class MarkedTwiceInARow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        fxpipe.pipe_split()
+        fxpipe.pipe_split()
+        return self.b(h)
+
+
+class MarkedAtTheEnd(MarkedTwiceInARow):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        fxpipe.pipe_split()
+        return h
+
+
+@pytest.mark.parametrize("model_type,stages,empty", [(MarkedTwiceInARow, 3, 1), (MarkedAtTheEnd, 2, 1)])
+def test_marks_that_leave_a_stage_empty_are_refused(model_type: type, stages: int, empty: int) -> None:
+    """As a mark at the start is. Before, the stage held the mark alone, and its device did nothing."""
+    with pytest.raises(PartitionError, match=f"stage {empty} would be empty: two marks with nothing between them, or one at an end"):
+        compile_pipeline(model_type(), torch.randn(4, 4), ["cpu"] * stages)
