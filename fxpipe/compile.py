@@ -139,6 +139,9 @@ def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
             problems.append(f"leaf_modules names {leaf!r}, which is no submodule of {type(model).__name__}{hint}")
         elif not isinstance(leaf, str) and not (isinstance(leaf, type) and issubclass(leaf, nn.Module)):
             problems.append(f"leaf_modules takes module types or qualified submodule names, not {leaf!r}")
+        elif leaf is type(model) and not any(type(m) is leaf for name, m in model.named_modules() if name):
+            problems.append(f"leaf_modules names {leaf.__name__}, the model's own class, which no submodule is: the "
+                            "model itself is what is cut into stages, never kept whole; name its submodules")  # fmt: skip
     return problems
 
 
@@ -407,6 +410,18 @@ def _refuse_bad_chunk_spec(signature: Optional[inspect.Signature], spec: ChunkSp
                          + "\nHow to fix: name forward's arguments, each with the dim that holds the batch, or None.")
 
 
+def _refuse_nothing_split(chunks: int, signature: Optional[inspect.Signature], spec: ChunkSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """With chunks > 1, some input holds the batch: one that chunk_spec keeps whole, or without
+    a dim, is split into nothing, and every call would run a single micro-batch."""
+    dims = spec_dims(signature, spec, args, kwargs) if spec and signature is not None else {}
+    if chunks > 1 and any(isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]) and batch_size_of([args, kwargs], dims) is None:
+        raise ValueError(
+            f"chunks={chunks}, but no input of the example is split into micro-batches (chunk_spec keeps every "
+            "one whole, or none has a dim to split): every call would run one micro-batch.\nHow to fix: chunks=1, "
+            "or name the input and the dim that holds the batch in chunk_spec."
+        )
+
+
 @_leaves_the_model_as_it_was
 def compile_pipeline(
     model: nn.Module,
@@ -485,6 +500,7 @@ def compile_pipeline(
     signature, spec = forward_signature(model), dict(chunk_spec or {})
     _refuse_an_example_forward_does_not_take(model, signature, example_args, example_kwargs)
     _refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
+    _refuse_nothing_split(chunks, signature, spec, example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")

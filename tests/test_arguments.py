@@ -125,6 +125,23 @@ def test_a_misspelt_leaf_module_is_named_with_the_names_it_may_mean() -> None:
     assert "self.block(" in kept.stages[0].code, "called whole, by the name forward calls it by"
 
 
+def test_the_models_own_class_as_a_leaf_module_is_refused() -> None:
+    """Before, it was accepted and ignored: the model was traced and cut as without it."""
+    with pytest.raises(ValueError, match="leaf_modules names Blocks, the model's own class, which no submodule is"):
+        compile_pipeline(Blocks(), X, ["cpu"] * 2, leaf_modules=[Blocks])
+    nested = nn.Sequential(nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 6))
+    assert compile_pipeline(nested, X, ["cpu"] * 2, leaf_modules=[nn.Sequential]).plan.stages[0].modules == ["0"]
+
+
+@pytest.mark.parametrize("chunk_spec", [{"x": None}, None], ids=["kept whole", "no dim"])
+def test_chunks_with_no_input_to_split_is_refused(chunk_spec: Any) -> None:
+    """Before, every call ran one micro-batch, while the plan said chunks=4."""
+    x = X if chunk_spec else torch.tensor(2.0)
+    with pytest.raises(ValueError, match="chunks=4, but no input of the example is split into micro-batches"):
+        compile_pipeline(Blocks() if chunk_spec else nn.Sequential(nn.Tanh(), nn.Tanh()), x, ["cpu"] * 2, chunks=4, chunk_spec=chunk_spec)
+    assert compile_pipeline(Blocks(), X, ["cpu"] * 2, chunks=1, chunk_spec={"x": None}).plan is not None
+
+
 def test_a_model_that_is_not_a_module_is_refused_with_the_fix() -> None:
     def function(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x)
