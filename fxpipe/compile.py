@@ -204,15 +204,30 @@ def _module_path(node: fx.Node) -> str:
     return scope or (str(node.target) if node.op == "call_module" else "")
 
 
-def _caps(device_memory: Union[None, float, Sequence[float]], stages: int) -> Optional[list[float]]:
+def _caps(device_memory: Union[None, float, Sequence[float]], ranks: list[int]) -> Optional[list[float]]:
+    """Bytes per stage, from bytes per device (`ranks`: each stage's device): a device's cap is
+    shared evenly among the stages it runs (with stages_per_device)."""
     if device_memory is None:
         return None
-    if isinstance(device_memory, (int, float)):
-        return [float(device_memory)] * stages
-    caps = [float(m) for m in device_memory]
-    if len(caps) != stages:
-        raise ValueError(f"device_memory has {len(caps)} entries for {stages} devices: give one per device, or one number")
-    return caps
+    devices = max(ranks) + 1
+    caps = [float(device_memory)] * devices if isinstance(device_memory, (int, float)) else [float(m) for m in device_memory]
+    if len(caps) != devices:
+        raise ValueError(f"device_memory has {len(caps)} entries for {devices} devices: give one per device, or one number")
+    return [caps[d] / ranks.count(d) for d in ranks]
+
+
+def _refuse_over_caps(runs: list[list[fx.Node]], model: CutModel, caps: Optional[list[float]]) -> None:
+    """A cut the caller chose must fit device_memory too (the automatic ones are searched under it)."""
+    if caps is None:
+        return
+    problems, start = [], 0
+    for index, (run, cap) in enumerate(zip(runs, caps)):
+        needs = model.memory(start, start + len(run))
+        if needs > cap:
+            problems.append(f"stage {index} needs {needs:.0f} bytes, more than device_memory allows it ({cap:.0f})")
+        start += len(run)
+    refuse(problems, "How to fix: move the cut, or leave it to balance='memory' (or another mode), which fits "
+                     "device_memory; or raise device_memory.")
 
 
 def _cut(
@@ -229,20 +244,11 @@ def _cut(
 ) -> list[list[fx.Node]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode."""
     together = state_write_spans(gm, order)
-    marks = cuts_from_markers(order)
-    if marks:
-        if balance is not None:
-            refuse(
-                [f"the model marks {len(marks)} stage boundaries with pipe_split(), and balance={balance!r} chooses another cut"],
-                "How to fix: give one of them.",
-            )
-        named = cuts_from_split_points(order, split_points, len(split_points) + 1) if split_points else []
-        return partition(order, len(devices), cuts=[*marks, *named], together=together)
-    if split_points is not None:
-        return partition(order, len(devices), split_points=split_points, together=together)
-    if balance is not None and not isinstance(balance, str):
-        return partition(order, len(devices), balance=balance, together=together)
-    mode = balance or "memory"
+    chosen = _chosen_cut(order, len(devices), split_points, balance, together)
+    if chosen is not None:
+        _refuse_over_caps(chosen, cut_model(order, "memory", **costs), caps)
+        return chosen
+    mode = balance if isinstance(balance, str) else "memory"
     if mode == "time":
         profile_times(gm, example, devices[0])
         if placement is not None:
@@ -253,6 +259,27 @@ def _cut(
     together.update(view_write_spans(gm, order))
     together.update(input_write_spans(gm, order))
     return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
+
+
+def _chosen_cut(
+    order: list[fx.Node], stages: int, split_points: Optional[Sequence[str]], balance: Union[None, str, Sequence[int]],
+    together: dict[str, tuple[int, int]],
+) -> Optional[list[list[fx.Node]]]:
+    """The stages the caller chose (pipe_split marks, split points, node counts), if any."""
+    marks = cuts_from_markers(order)
+    if marks:
+        if balance is not None:
+            refuse(
+                [f"the model marks {len(marks)} stage boundaries with pipe_split(), and balance={balance!r} chooses another cut"],
+                "How to fix: give one of them.",
+            )
+        named = cuts_from_split_points(order, split_points, len(split_points) + 1) if split_points else []
+        return partition(order, stages, cuts=[*marks, *named], together=together)
+    if split_points is not None:
+        return partition(order, stages, split_points=split_points, together=together)
+    if balance is not None and not isinstance(balance, str):
+        return partition(order, stages, balance=balance, together=together)
+    return None
 
 
 def _report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
@@ -465,7 +492,8 @@ def compile_pipeline(
             gradients and optimizer state, plus activations in flight), 'params', 'flops', or
             'time' (measures every node's forward and backward on `devices[0]`).
         leaf_modules: module types or qualified names to keep whole instead of tracing into.
-        device_memory: bytes each device may hold (one number, or one per device).
+        device_memory: bytes each device may hold (one number, or one per device), shared
+            evenly among a device's stages with stages_per_device; a cut given by hand must fit too.
         param_scale: bytes held per parameter byte: 4 for weights, gradients and Adam's state.
         bandwidth: bytes per second between devices, for the time to receive a stage's inputs
             ('time' and 'flops'); by default free between CPU devices, else 12e9.
@@ -533,7 +561,7 @@ def compile_pipeline(
             bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
             flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
         )
-        caps = _caps(device_memory, len(parsed))
+        caps = _caps(device_memory, ranks)
         runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
         edges = find_edges(gm, len(parsed))
         pin_devices(gm, parsed)

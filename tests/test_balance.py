@@ -465,6 +465,28 @@ def test_device_memory_is_respected(name: str, stages: int) -> None:
     assert all(s.memory <= cap for s in plan.stages), [s.memory for s in plan.stages]
 
 
+@pytest.mark.parametrize("chosen", [{"balance": [20, 49]}, {"split_points": ["blocks.1"]}], ids=["node counts", "split points"])
+def test_a_chosen_cut_that_does_not_fit_device_memory_is_refused(chosen: dict[str, Any]) -> None:
+    """Before, device_memory was ignored when the cut was given by hand."""
+    stages = compile_example("gpt", 2, **chosen).plan.stages
+    with pytest.raises(PartitionError, match=r"stage \d needs \d+ bytes, more than device_memory allows it"):
+        compile_example("gpt", 2, device_memory=min(s.memory for s in stages) + 1, **chosen)
+    fits = compile_example("gpt", 2, device_memory=max(s.memory for s in stages) + 1, **chosen).plan
+    assert [s.nodes for s in fits.stages] == [s.nodes for s in stages]
+
+
+def test_device_memory_per_device_is_shared_by_its_stages() -> None:
+    """With stages_per_device=2, one cap per device (as device_memory's docstring says; it was
+    refused as 2 entries for 4 devices), shared evenly by the device's two stages."""
+    kwargs: dict[str, Any] = {"schedule": "interleaved-1f1b", "stages_per_device": 2, "balance": "memory", "chunks": 4}
+    stages = compile_example("gpt", 2, **kwargs).plan.stages
+    largest = max(s.memory for s in stages)
+    plan = compile_example("gpt", 2, device_memory=[2 * largest + 2] * 2, **kwargs).plan
+    assert all(s.memory <= largest + 1 for s in plan.stages)
+    with pytest.raises(PartitionError, match="fits"):
+        compile_example("gpt", 2, device_memory=[largest] * 2, **kwargs)
+
+
 def test_room_to_spare_does_not_change_the_cut() -> None:
     free = compile_example("resnet", 4, balance="flops", chunks=1).plan
     roomy = compile_example("resnet", 4, balance="flops", chunks=1, device_memory=1e12).plan
