@@ -145,6 +145,25 @@ def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     return problems
 
 
+def _cost_problems(device_memory: Any, param_scale: Any, bandwidth: Any, flop_rate: Any) -> list[str]:
+    """The cost model's numbers: a rate of 0 would divide by zero, and a negative number would
+    turn the search's costs around."""
+    problems = []
+    for name, value, least in (("bandwidth", bandwidth, "positive"), ("flop_rate", flop_rate, "positive"), ("param_scale", param_scale, "zero or more")):
+        if value is not None and not _number_at_least(value, least == "positive"):
+            problems.append(f"{name} must be a number, {least} (got {value!r})")
+    entries = [device_memory] if not isinstance(device_memory, (list, tuple)) else list(device_memory)
+    if device_memory is not None and not all(_number_at_least(m, True) for m in entries):
+        problems.append(f"device_memory must be bytes, positive: one number, or one per device (got {device_memory!r})")
+    return problems
+
+
+def _number_at_least(value: Any, positive: bool) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value > 0 if positive else value >= 0
+
+
 def _check_arguments(
     devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any,
     schedule: Any = "gpipe", stages_per_device: Any = 1, model_problems: Sequence[str] = (),
@@ -517,7 +536,7 @@ def compile_pipeline(
     given = devices if placement is None else [placement.device] * placement.size
     assert given is not None
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
-    problems = _model_problems(model, leaf_modules)
+    problems = [*_model_problems(model, leaf_modules), *_cost_problems(device_memory, param_scale, bandwidth, flop_rate)]
     parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]

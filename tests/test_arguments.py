@@ -1,6 +1,7 @@
 """Bad arguments to compile_pipeline: one ValueError, every problem with its fix, before the model runs."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -74,6 +75,20 @@ def test_balance_that_is_neither_a_mode_nor_node_counts(balance: Any) -> None:
 def test_split_points_that_are_not_module_names(split_points: Any) -> None:
     message = _message(devices=["cpu", "cpu"], split_points=split_points)
     assert "split_points must be a list of module names where stages 1, 2, ... begin, e.g. ['blocks.4']" in message
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("bandwidth", 0.0, "bandwidth must be a number, positive (got 0.0)"),
+    ("bandwidth", -5.0, "bandwidth must be a number, positive (got -5.0)"),
+    ("flop_rate", -1.0, "flop_rate must be a number, positive (got -1.0)"),
+    ("param_scale", -3.0, "param_scale must be a number, zero or more (got -3.0)"),
+    ("device_memory", [1e9, 0], "device_memory must be bytes, positive"),
+    ("bandwidth", "fast", "bandwidth must be a number, positive (got 'fast')"),
+])
+def test_cost_model_numbers_out_of_range(name: str, value: Any, message: str) -> None:
+    """Before, a bandwidth of 0 raised ZeroDivisionError, and negative rates turned the cut around."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compile_pipeline(Blocks(), X, ["cpu"] * 2, balance="flops", **{name: value})
 
 
 def test_every_problem_is_listed_in_one_message() -> None:
