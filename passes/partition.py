@@ -77,7 +77,7 @@ def _checked_cuts(order: Sequence[fx.Node], cuts: Sequence[int], stages: int) ->
     cuts = sorted(set(cuts))
     problems = []
     if len(cuts) != stages - 1:
-        problems.append(f"the marks and split points make {len(cuts) + 1} stages, but {stages} devices were given")
+        problems.append(f"the marks and split points make {len(cuts) + 1} stages, but the pipeline has {stages} (devices times stages_per_device)")
     bounds = [0, *cuts, len(order)]
     empty = [i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if all(is_split(node) for node in order[a:b])]
     if empty:
@@ -90,7 +90,7 @@ def cuts_from_balance(order: Sequence[fx.Node], balance: Sequence[int], stages: 
     """Indices into `order` where stages 1.. begin, from a node count per stage."""
     problems = []
     if len(balance) != stages:
-        problems.append(f"balance has {len(balance)} entries for {stages} devices")
+        problems.append(f"balance has {len(balance)} entries for {stages} stages (devices times stages_per_device)")
     if any(not isinstance(b, int) or b < 1 for b in balance):
         problems.append(f"balance {list(balance)} has an entry below 1; every stage needs a node")
     if sum(balance) != len(order):
