@@ -257,6 +257,21 @@ def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
         )
 
 
+def refuse_written_inputs(programs: dict[bool, Any]) -> None:
+    """An input the model writes in place is written, in each rank's own copy of the call's
+    inputs, only on the rank of the stage that writes it: the others' (a target that is the input,
+    read by the loss on the last rank) would stay as before the write, where the plain model run on
+    each rank writes each one."""
+    written = sorted({name for program in programs.values() for stage in program.stages for name in stage.written})
+    if written:
+        raise ValueError(
+            f"the model writes its input{'s' if len(written) > 1 else ''} {', '.join(map(repr, written))} in place: "
+            "across processes only the rank of the stage that writes it would see the write, and every other "
+            "rank's copy (a target that is the input, say) would stay as it was.\nHow to fix: write a copy in the "
+            "model (x = x - m in place of x.sub_(m)), or run it in one process."
+        )
+
+
 def unread(owner: nn.Module, programs: Sequence[Any]) -> list[torch.Tensor]:
     """Parameters and buffers that no stage reads, in any mode: a parameter of a branch no mode
     takes, a buffer forward never reads. The rank at pipeline coordinate 0 holds them, so that

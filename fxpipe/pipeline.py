@@ -23,7 +23,7 @@ from fxpipe.checkpoint import checkpoint_stop
 from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
-from fxpipe.distributed import check_state_placement, holders, keep_local_state, routes, unread
+from fxpipe.distributed import check_state_placement, holders, keep_local_state, refuse_written_inputs, routes, unread
 from fxpipe.gather import Gathered, ValueRef
 from fxpipe.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
@@ -113,6 +113,7 @@ class Pipeline(nn.Module):
         programs = list(self._programs.values())
         also = []
         if where is not None:
+            refuse_written_inputs(self._programs)
             check_state_placement(model, self._programs)
             keep_local_state(model, programs, where)
             also = [(t, where.device) for t in unread(model, programs)] if where.me == 0 else []

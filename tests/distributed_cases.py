@@ -268,7 +268,24 @@ def refusals(rank: int, world: int) -> list[str]:
         bare = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Tanh()).double(), x, mesh=mesh, chunks=2, split_points=["2"])
     errors.append(" | ".join(str(w.message) for w in caught if "none of the model's parameters" in str(w.message)))
     errors.append(f"{len(list(bare.parameters()))} parameters")
+    try:
+        compile_pipeline(_CentresItsInput().double(), x.clone(), mesh=mesh, chunks=2)
+        errors.append("no error")
+    except ValueError as e:
+        errors.append(str(e))
     return errors
+
+
+class _CentresItsInput(nn.Module):
+    """Writes its input in place: a target that is the input would be read unwritten on the loss rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.sub_(x.mean(dim=1, keepdim=True))
+        return self.b(torch.tanh(self.a(x)))
 
 
 class _WithTotal(nn.Module):
