@@ -150,14 +150,16 @@ class Pipeline(nn.Module):
         other tensors than its stages were built on (the model itself cast, a parameter assigned);
         refused when it holds another module, or a traced-through module's forward hooks changed,
         whose forward or hooks the graph may not hold."""
-        mode = self._mode()
-        program = self._programs[mode]
-        replaced = program.held.modules_replaced()
+        # Replaced modules first: one that read its mode is out of pipe.train()'s reach, and its
+        # stale mode would be blamed.
+        replaced = self._programs[True].held.modules_replaced()
         if replaced:
             raise RuntimeError(
                 f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
+        mode = self._mode()
+        program = self._programs[mode]
         attributes = program.held.attributes_changed(self._compiled.attributes_read.get(mode, frozenset()))
         if attributes:
             whole = (", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs"

@@ -424,6 +424,23 @@ def test_a_module_replaced_after_compiling_is_refused() -> None:
         pipe(x)
 
 
+class _ScalesInTraining(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.training else x
+
+
+def test_a_module_replaced_that_read_its_mode_is_refused_as_replaced() -> None:
+    """Before, in the other mode the call was refused for the replaced module's mode, which
+    pipe.eval() no longer reaches (timm's reparameterize_model on FastViT)."""
+    model = nn.Sequential(_ScalesInTraining(), nn.Linear(4, 4), nn.Tanh(), _ScalesInTraining(), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[0] = nn.Identity()
+    for mode in (False, True):
+        with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 0\b"):
+            pipe.train(mode)(x)
+
+
 class Tempered(nn.Module):
     """Reads a plain attribute (a temperature), a tensor attribute never registered, and a
     dropout rate through F.dropout."""
