@@ -607,7 +607,7 @@ def compile_pipeline(
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
-        *_reads(traced),
+        *_reads(traced), traced.eval_only,
     )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]

@@ -53,6 +53,7 @@ class Traced:
     reads: Optional[Reads] = None  # what the traces read of the modules' attributes, by mode
     attributes: dict[str, Any] = field(default_factory=dict)  # the plain ones, as compiled, by qualified name
     modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
+    eval_only: str = ""  # why training mode could not be traced, where `graph` was traced in eval mode alone
 
 
 def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
@@ -250,21 +251,29 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
             module.training = flag
 
 
-def _in_both_modes(model: nn.Module, make: Callable[[], T]) -> dict[bool, T]:
+BOTH: tuple[bool, ...] = (True, False)
+
+
+def _in_both_modes(model: nn.Module, make: Callable[[], T], modes: tuple[bool, ...] = BOTH) -> dict[bool, T]:
     """`make()` in training mode (key True) and in eval mode (False): `self.training` branches
-    are decided while tracing."""
+    are decided while tracing. With `modes=(False,)`, the eval one serves both keys."""
     made = {}
-    for training in (True, False):
+    for training in modes:
         with _mode(model, training):
             made[training] = make()
+    made.setdefault(True, made[False])
     return made
 
 
-def _check(model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder) -> Optional[str]:
-    """What goes wrong when each graph runs in its mode next to the model, or None."""
+def _check(
+    model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder,
+    modes: tuple[bool, ...] = BOTH,
+) -> Optional[str]:
+    """What goes wrong when each graph runs in its mode (of `modes`) next to the model, or None."""
     inputs = tuple(bind(example, kwargs).values())
-    for training, gm in graphs.items():
-        if not training and gm.code == graphs[True].code:
+    for training in modes:
+        gm = graphs[training]
+        if not training and True in modes and gm.code == graphs[True].code:
             continue  # the same code as the training graph, checked already
         with _mode(model, training):
             try:
@@ -299,11 +308,11 @@ def _none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any])
     return frozenset(name for name, value in bound.arguments.items() if value is None)
 
 
-def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec]) -> Traced:
+def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH) -> Traced:
     none = _none_in(model, example, kwargs)
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
-            graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves, none=none))[1])
+            graphs = _in_both_modes(model, lambda: (read.begin(model.training), trace(model, leaves, none=none))[1], traced_in)
         _refuse_lost_counters(model, read)
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run. So
@@ -311,14 +320,14 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         wholes = [w for w in _assigning_modules(error) or [error.whole] if w is not None and w not in leaves]
         if not wholes:  # none, or none that is not called whole already
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
-        return _by_fx(model, example, kwargs, [*leaves, *wholes])
+        return _by_fx(model, example, kwargs, [*leaves, *wholes], traced_in)
     binder = signature_binder(graphs[True], model)
     bind = _none_as_traced(binder, binder(example, kwargs), graphs[True])
-    if _check(model, graphs, example, kwargs, bind) is None:
+    if _check(model, graphs, example, kwargs, bind, traced_in) is None:
         return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).
-    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none))
-    raise _Rejected(_check(model, lined, example, kwargs, bind) or "its graph computes otherwise than the model")
+    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none), traced_in)
+    raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in) or "its graph computes otherwise than the model")
 
 
 def _cache_fix(model: nn.Module, error: Exception) -> str:
@@ -345,12 +354,12 @@ def _unaliased(example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     return tree_map_only(torch.Tensor, once, (example, kwargs))  # type: ignore[no-any-return]
 
 
-def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> Traced:
+def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
         with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
-            exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1])
+            exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1], traced_in)
         _refuse_lost_counters(model, read)
     except TraceError as error:  # a value forward assigns, which the graph would hold
         detail, _, fix = str(error).partition("\nHow to fix: ")
@@ -375,7 +384,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
             "reads sizes as it runs.",
         )
     bind = leaf_binder(graphs, exported[True][1], model)
-    problem = _check(model, graphs, example, kwargs, bind)
+    problem = _check(model, graphs, example, kwargs, bind, traced_in)
     if problem is not None:
         raise _Rejected(problem)
     traced = _traced(graphs, bind, read, modes)
@@ -446,7 +455,7 @@ def to_graph(
             hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
-                traced = _front_ends(model, example, kwargs, leaves, chunks, hooks)
+                traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
             graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
             refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
             _refuse_lost_assignments(model, traced, changed)
@@ -599,11 +608,35 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     )
 
 
-def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
+def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
+    """Traced in both modes; or, for a model compiled in eval mode whose training forward
+    neither front end can capture (a layer drop, a mask drawn with numpy), in eval mode alone:
+    the pipeline then refuses calls in training mode, saying why."""
+    try:
+        return _front_ends(model, example, kwargs, leaves, chunks, hooks)
+    except TraceError as error:
+        if any(m.training for m in model.modules()):
+            raise
+        try:
+            traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, traced_in=(False,))
+        except TraceError:
+            raise error from None
+        traced.eval_only = str(error).partition("\nHow to fix")[0]
+        why = traced.eval_only.splitlines()[0]
+    note = f"{type(model).__name__} is compiled for eval mode alone: in training mode, {why} A call in training mode is refused."
+    traced.note = f"{traced.note}; {note}" if traced.note else note
+    warnings.warn(note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
+    return traced
+
+
+def _front_ends(
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int,
+    traced_in: tuple[bool, ...] = BOTH,
+) -> Traced:
     """torch.fx, then torch.export (refused where forward registers hooks on tensors, which it
     drops); one error with both reasons when both fail."""
     try:
-        return _by_fx(model, example, kwargs, leaves)
+        return _by_fx(model, example, kwargs, leaves, traced_in)
     except _Rejected as rejected:  # kept without its traceback, whose frames hold the trace's tensors
         fx_failure = _Rejected(rejected.detail, rejected.summary, rejected.fix)
     try:
@@ -613,7 +646,7 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
                 "would miss what they do; torch.fx keeps them (and keeps a module whole with "
                 "leaf_modules=[...], whose forward then runs as it is)"
             )
-        traced = _by_export(model, example, kwargs, chunks)
+        traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:
         refuse_an_example_the_model_refuses(model, example, kwargs)
         raise TraceError(
@@ -624,5 +657,5 @@ def _front_ends(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, An
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
     traced.fx_failure = fx_failure.summary
-    warnings.warn(traced.note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
+    warnings.warn(traced.note, stacklevel=6)  # the caller of compile_pipeline (through its wrapper and _in_its_modes)
     return traced

@@ -159,6 +159,12 @@ class Pipeline(nn.Module):
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
         mode = self._mode()
+        if self._compiled.eval_only and (mode or self._owner.training):
+            raise RuntimeError(
+                f"this pipeline was compiled for eval mode alone, and it is called in training mode (or with modules in "
+                f"it): {self._compiled.eval_only}\nHow to fix: call it in eval mode (pipe.eval(), every module); to "
+                "train, make the training forward traceable and compile again."
+            )
         program = self._programs[mode]
         attributes = program.held.attributes_changed(self._compiled.attributes_read.get(mode, frozenset()))
         if attributes:

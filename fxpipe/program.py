@@ -194,6 +194,8 @@ class Compiled:
     front_end: str = "torch.fx"
     # What the forward asked of autocast while traced, with the answers the graph holds.
     modes_read: ModeReads = field(default_factory=dict)
+    # Why training mode could not be traced, for a model traced in eval mode alone (else "").
+    eval_only: str = ""
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.placement is not None:
@@ -209,5 +211,5 @@ class Compiled:
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
-            self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read,
+            self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
         )  # fmt: skip

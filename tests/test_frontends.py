@@ -96,6 +96,48 @@ def test_a_branch_on_values_defeats_both_tracers() -> None:
     assert "leaf_modules" in message and "torch.cond" in message
 
 
+class DropsLayersInTraining(nn.Module):
+    """Skips a layer on a draw in training (layer drop), a branch on a value neither front end
+    can capture; in eval it runs every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if not self.training or torch.rand(()) > 0.1:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_model_traceable_in_eval_alone_compiles_for_eval_and_refuses_training() -> None:
+    """Before, a model compiled in eval mode was refused when its training forward could not be
+    traced (Wav2Vec2's default layer drop and time masks), though eval was all it would run."""
+    model, reference = twin(DropsLayersInTraining())
+    model.eval(), reference.eval()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="compiled for eval mode alone: in training mode"):
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert any("eval mode alone" in note for note in pipe.plan.notes)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+    pipe.train()
+    with pytest.raises(RuntimeError, match="compiled for eval mode alone(.|\n)*neither torch.fx nor torch.export"):
+        pipe(x)
+    pipe.eval()
+    model.layers[1].train(), reference.layers[1].train()  # a module whose mode the graph does not read
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    with pytest.raises(TraceError, match="neither torch.fx nor torch.export can capture DropsLayersInTraining"):
+        compile_pipeline(DropsLayersInTraining().double(), x, ["cpu"] * 2, chunks=2)  # in training mode: refused
+
+
 def test_exported_pipeline_refuses_a_call_shaped_unlike_the_example() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
