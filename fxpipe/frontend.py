@@ -19,6 +19,7 @@ from fxpipe.passes.assignments import (
     AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
 from fxpipe.passes.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of
+from fxpipe.passes.draws import drawn_message, traced_checking_draws
 from fxpipe.passes.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.passes.functions import functions_applied
 from fxpipe.passes.lost_effects import outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted
@@ -354,12 +355,20 @@ def _unaliased(example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     return tree_map_only(torch.Tensor, once, (example, kwargs))  # type: ignore[no-any-return]
 
 
+def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
+    """torch.export's graph, refused where draws made in Python decide it (passes/draws.py)."""
+    made, decided = traced_checking_draws(lambda: export_graph(model, example, kwargs), lambda made: made[0])
+    if decided:
+        raise TraceError(drawn_message(type(model).__name__, "torch.export"))
+    return made
+
+
 def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
         with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
-            exported = _in_both_modes(model, lambda: (read.begin(model.training), export_graph(model, example, kwargs))[1], traced_in)
+            exported = _in_both_modes(model, lambda: (read.begin(model.training), _exported(model, example, kwargs))[1], traced_in)
         _refuse_lost_counters(model, read)
     except TraceError as error:  # a value forward assigns, which the graph would hold
         detail, _, fix = str(error).partition("\nHow to fix: ")

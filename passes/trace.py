@@ -16,6 +16,7 @@ from torch import nn
 
 from fxpipe.passes.assignments import AssignmentError, assignments_refused
 from fxpipe.passes.attrs import submodule_or_none
+from fxpipe.passes.draws import drawn_message, traced_checking_draws
 from fxpipe.passes.functions import functions_as_calls
 from fxpipe.passes.inplace import written_value
 from fxpipe.passes.markers import marking
@@ -135,6 +136,13 @@ def trace(
             "and a symbolic trace needs each input named.\n"
             "How to fix: name the forward's arguments, or let torch.export capture it."
         )
+    gm, decided = traced_checking_draws(lambda: _trace_once(model, leaf_modules, record_lines, none), lambda g: g)
+    if decided:
+        raise TraceError(drawn_message(type(model).__name__, "torch.fx"))
+    return gm
+
+
+def _trace_once(model: nn.Module, leaf_modules: Iterable[LeafSpec], record_lines: bool, none: Iterable[str]) -> fx.GraphModule:
     tracer = _Tracer(leaf_modules, model)
     tracer.record_stack_traces = record_lines
     with _constants_taken_back(model):

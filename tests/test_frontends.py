@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 import types
 import warnings
 from typing import Any, Optional
@@ -111,6 +112,58 @@ class DropsLayersInTraining(nn.Module):
         return x
 
 
+class DrawsInPython(nn.Module):
+    """Draws in Python while traced: a layer drop (`layerdrop` > 0 decides by the draw; 0, as in
+    Hugging Face's BART by default, draws and never drops), or a noise of fixed size."""
+
+    def __init__(self, layerdrop: float, noise: bool = False, python: bool = False) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.layerdrop, self.noise, self.python = layerdrop, noise, python
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.noise:
+            return torch.tanh(self.layers[0](x)) + torch.randn(8, dtype=torch.float64)
+        for layer in self.layers:
+            draw = random.random() if self.python else torch.rand([])
+            if self.training and draw < self.layerdrop:
+                continue
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("case", ["layer drop", "layer drop, Python's random"])
+def test_a_draw_the_trace_would_hold_is_refused(case: str) -> None:
+    """Before, torch.fx ran the draw once, while tracing, and the graph held it: a layer drop
+    decided once for every call (compiled or refused by the luck of the graph check's draws)."""
+    model = DrawsInPython(0.3, python="Python" in case).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    for seed in range(4):  # whatever the draws
+        torch.manual_seed(seed)
+        random.seed(seed)
+        with pytest.raises(TraceError, match="(?s)neither torch.fx nor torch.export.*draws random numbers while traced"):
+            compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+
+
+def test_a_noise_of_a_fixed_size_is_drawn_on_every_call() -> None:
+    """torch.fx would hold the trace's noise (a constant); torch.export keeps the draw in the graph."""
+    model = DrawsInPython(0.0, noise=True).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="(?s)torch.fx could not trace DrawsInPython.*draws random numbers while traced.*used torch.export"):
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with torch.no_grad():
+        first, second = pipe(x), pipe(x)
+    assert not torch.equal(first, second)
+
+
+def test_a_draw_that_decides_nothing_is_fine() -> None:
+    """layerdrop=0: the draw never drops a layer (BART's default)."""
+    model, reference = twin(DrawsInPython(0.0))
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 def test_a_model_traceable_in_eval_alone_compiles_for_eval_and_refuses_training() -> None:
     """Before, a model compiled in eval mode was refused when its training forward could not be
     traced (Wav2Vec2's default layer drop and time masks), though eval was all it would run."""
@@ -127,6 +180,10 @@ def test_a_model_traceable_in_eval_alone_compiles_for_eval_and_refuses_training(
     out.sum().backward()
     expected.sum().backward()
     assert_grads_equal(pipe, reference)
+    assert_call_and_grads_equal(pipe, reference, x)
+    y = torch.randn(8, 8, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(reference(x), y), rtol=0, atol=1e-12)
     pipe.train()
     with pytest.raises(RuntimeError, match="compiled for eval mode alone(.|\n)*neither torch.fx nor torch.export"):
         pipe(x)
