@@ -12,6 +12,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from conftest import FanOut, assert_grads_equal, twin
@@ -384,6 +385,17 @@ def test_an_input_written_at_two_places_is_written_by_one_stage(stages: int, mod
     out.sum().backward()
     expected.sum().backward()
     assert_grads_equal(pipe, reference)
+    x, x_ref = given.clone(), given.clone()
+    y = torch.randn(8, 6, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x_ref), y)
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
+    x, x_ref = given.clone(), given.clone()
+    got = torch.autograd.grad(pipe(x).sum(), list(pipe.parameters()))
+    for grad, want in zip(got, torch.autograd.grad(reference(x_ref).sum(), list(reference.parameters()))):
+        torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
     with torch.no_grad():
         x, x_ref = given.clone(), given.clone()
         torch.testing.assert_close(pipe.eval()(x), reference.eval()(x_ref), rtol=0, atol=1e-12)
