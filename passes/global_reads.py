@@ -13,13 +13,14 @@ is watched, as `module:FLAGS['on']`, when its value is such a constant.
 from __future__ import annotations
 
 import dis
+import functools
 import os
 import sys
 import sysconfig
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ class ModuleReads:
 def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> ModuleReads:
     """What `code`, run with `module_globals`, reads from its module and writes there."""
     module = module_globals.get("__name__", "?")
-    instructions = list(dis.get_instructions(code))
+    instructions = _instructions(code)
     assigned = {str(i.argval) for i in instructions if i.opname == "STORE_GLOBAL"}
     found = ModuleReads({}, [], [f"{module}:{name}" for name in sorted(assigned)])
     for name in assigned:  # as it is before this code assigns it
@@ -81,12 +82,18 @@ def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> Module
     return found
 
 
+@functools.lru_cache(maxsize=4096)
+def _instructions(code: types.CodeType) -> tuple[dis.Instruction, ...]:
+    """The bytecode of `code`, read once: each trace of each mode runs the same code objects."""
+    return tuple(dis.get_instructions(code))
+
+
 def simple_key(key: Any) -> bool:
     """A dict key or a list's place that a path `name[key]` names (passes/attribute_reads.py's `read`)."""
     return (type(key) is int and key >= 0) or (type(key) is str and not any(c in key for c in "'[]\\"))
 
 
-def _key_read(following: list[dis.Instruction]) -> Any:
+def _key_read(following: Sequence[dis.Instruction]) -> Any:
     """The constant key a dict just loaded is read at (`d["k"]`, `d.get("k")`), or MISSING."""
     if len(following) < 2:
         return MISSING
