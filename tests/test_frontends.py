@@ -6,14 +6,14 @@ import dataclasses
 import random
 import types
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
-from fxpipe import PartitionError, StageError, TraceError, compile_pipeline
+from fxpipe import PartitionError, Pipeline, StageError, TraceError, compile_pipeline
 
 
 class ShapeBranch(nn.Module):
@@ -547,6 +547,20 @@ def _counts(model: nn.Sequential | nn.ModuleList) -> int:
     return int(block.state["calls"] if isinstance(block.state, dict) else block.state.calls)
 
 
+def _in_every_other_mode(pipe: Pipeline, reference: nn.Module, in_turn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """`torch.autograd.grad`, `no_grad`, `train_step`, then eval: each as `in_turn`, the plain
+    model run on the micro-batches one after another."""
+    out, expected = pipe(x), in_turn(x)
+    for got, want in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(expected.sum(), list(reference.parameters()))):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    loss = pipe.train_step(x, target=torch.zeros_like(x), loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(in_turn(x), torch.zeros_like(x)), rtol=0, atol=1e-12)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("state", [_Progress, types.SimpleNamespace, dict], ids=["dataclass", "namespace", "dict"])
 @pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
 def test_a_counter_in_a_settings_object_counts_as_the_plain_model_run_on_the_micro_batches(state: Any, checkpoint: str) -> None:
@@ -569,15 +583,7 @@ def test_a_counter_in_a_settings_object_counts_as_the_plain_model_run_on_the_mic
         out.pow(2).sum().backward()
         expected.pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
-    out, expected = pipe(x), in_turn(x)  # torch.autograd.grad
-    for got, want in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(expected.sum(), list(reference.parameters()))):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
-    loss = pipe.train_step(x, target=torch.zeros_like(x), loss_fn=nn.functional.mse_loss)
-    torch.testing.assert_close(loss, nn.functional.mse_loss(in_turn(x), torch.zeros_like(x)), rtol=0, atol=1e-12)
-    pipe.eval(), reference.eval()
-    torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    _in_every_other_mode(pipe, reference, in_turn, x)
     assert _counts(model) == _counts(reference) == 12, "once per micro-batch; a recompute counts nothing"
 
 
@@ -602,15 +608,7 @@ def test_a_module_that_counts_called_at_two_places_keeps_its_calls_in_one_stage(
         expected.pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
     assert _counts(model) == _counts(reference) == 24
-    out, expected = pipe(x), in_turn(x)  # torch.autograd.grad, no_grad, train_step, eval
-    for got, want in zip(torch.autograd.grad(out.sum(), list(pipe.parameters())), torch.autograd.grad(expected.sum(), list(reference.parameters()))):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
-    loss = pipe.train_step(x, target=torch.zeros_like(x), loss_fn=nn.functional.mse_loss)
-    torch.testing.assert_close(loss, nn.functional.mse_loss(in_turn(x), torch.zeros_like(x)), rtol=0, atol=1e-12)
-    pipe.eval(), reference.eval()
-    torch.testing.assert_close(pipe(x), in_turn(x), rtol=0, atol=1e-12)
+    _in_every_other_mode(pipe, reference, in_turn, x)
     assert _counts(model) == _counts(reference) == 56
     with pytest.raises(PartitionError, match=r"the module '1', which forward calls 2 times and which assigns what it holds, runs from .* and a stage begins between them"):
         compile_pipeline(model, x, ["cpu"] * 2, chunks=4, split_points=["2"])
