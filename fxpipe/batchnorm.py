@@ -94,7 +94,7 @@ class _Collecting:
         _local.stats = self.previous
 
 
-def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor, site: Site = (0, 0)) -> torch.Tensor:
+def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor, site: Site) -> torch.Tensor:
     """A BatchNorm call whose running statistics are updated later, for the whole batch."""
     stats: Optional[BatchStatistics] = getattr(_local, "stats", None)
     if not module.training or not module.track_running_stats or (stats is None and not is_recomputing()):
