@@ -281,10 +281,14 @@ def test_deferred_batch_norm_called_at_two_depths_commits_each_call(stages: int,
     for name in ("running_mean", "running_var"):
         torch.testing.assert_close(getattr(model.bn, name), getattr(reference.bn, name), rtol=0, atol=1e-12)
     assert_call_and_grads_equal(pipe, reference, x)  # two more updates on each
+    first, second = pipe(x), pipe(x * 2)  # two forwards before one backward: four more
+    (first.sum() + second.pow(2).sum()).backward()
+    (reference(x).sum() + reference(x * 2).pow(2).sum()).backward()
+    assert_grads_equal(pipe, reference)
     pipe.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
-    assert int(model.get_buffer("bn.num_batches_tracked")) == 8
+    assert int(model.get_buffer("bn.num_batches_tracked")) == 12
     torch.testing.assert_close(model.bn.running_var, reference.bn.running_var, rtol=0, atol=1e-12)
 
 
