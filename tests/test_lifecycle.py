@@ -396,7 +396,8 @@ def test_an_input_written_at_two_places_is_written_by_one_stage(stages: int, mod
     for grad, want in zip(got, torch.autograd.grad(reference(x_ref).sum(), list(reference.parameters()))):
         torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
     torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
-    pipe.zero_grad(), reference.zero_grad()  # (train_step filled the pipeline's alone)
+    pipe.zero_grad()  # (train_step filled the pipeline's alone)
+    reference.zero_grad()
     x, x_ref, z, z_ref = given.clone(), given.clone(), -given, -given  # two forwards before one backward
     (pipe(x).sum() + pipe(z).pow(2).sum()).backward()
     (reference(x_ref).sum() + reference(z_ref).pow(2).sum()).backward()
