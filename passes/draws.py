@@ -9,21 +9,29 @@ torch.fx runs what takes no traced value as plain Python, once, while tracing:
 A trace that drew (a generator's state moved) is traced again twice, with every draw at its
 lowest, then at its highest value: a choice or a constant that follows the draw makes the two
 graphs differ. A draw that decides nothing (Hugging Face's BART draws for a layer drop of 0)
-gives the same graph, and is fine.
+gives the same graph, and is fine. A retrace that still moves a generator draws in a way not
+set to its extremes (numpy's `choice`, say): it cannot be told apart, and counts as deciding.
 """
 from __future__ import annotations
 
 import contextlib
 import random
 import sys
+import threading
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.fx as fx
 
-_TORCH_DRAWS = ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "normal")
-_PYTHON_DRAWS = ("random", "uniform", "randint", "randrange", "gauss", "normalvariate")
+_TORCH_DRAWS = ("rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "bernoulli", "normal", "randperm", "multinomial")
+_TENSOR_DRAWS = ("uniform_", "normal_", "bernoulli_", "exponential_")  # in place, on a tensor made in forward
+# Python's: the primitives every other draw of `random.Random` goes through (`randrange`,
+# `choice`, `shuffle`, `sample` through `_randbelow`; `uniform`, `choices` through `random`),
+# and those whose extremes are not their primitives' (a normal's).
+_PYTHON_DRAWS = ("random", "getrandbits", "_randbelow", "gauss", "normalvariate")
+_NUMPY_DRAWS = ("random", "rand", "random_sample", "ranf", "sample", "uniform", "randn", "standard_normal", "normal", "randint")
 _FAR = 1e6  # a normal draw at its "extremes"
+_MOST_DRAWS = 100_000  # in one trace: more is a loop that a draw at an extreme never leaves
 T = TypeVar("T")
 
 
@@ -34,7 +42,8 @@ def generator_states() -> list[Any]:
         states += torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        states.append(numpy.random.get_state()[1].tobytes())
+        name, keys, position, has_gauss, gauss = numpy.random.get_state()
+        states.append((name, keys.tobytes(), position, has_gauss, gauss))  # a draw may move `position` alone
     return states
 
 
@@ -56,8 +65,9 @@ def traced_checking_draws(make: Callable[[], T], graph_of: Callable[[T], fx.Grap
 def drawn_message(name: str, front_end: str) -> str:
     return (
         f"{front_end} cannot trace {name}: its forward draws random numbers while traced, outside the graph, and "
-        "what it computes depends on them (a layer drop decided in Python, `if torch.rand([]) < p:`; a noise of a "
-        "fixed size, torch.randn(8)): the graph would hold the trace's draws for every call.\nHow to fix: draw "
+        "what it computes depends on them, or fxpipe cannot tell that it does not (a layer drop decided in Python, "
+        "`if torch.rand([]) < p:`; a noise of a fixed size, torch.randn(8); a draw numpy's `choice` makes): the "
+        "graph would hold the trace's draws for every call.\nHow to fix: draw "
         "with operations on the traced values (torch.rand_like(x), torch.where), turn the draw off (layerdrop=0), "
         "or keep the module that draws whole (leaf_modules=[...])."
     )
@@ -65,13 +75,18 @@ def drawn_message(name: str, front_end: str) -> str:
 
 def decided_by_draws(make: Callable[[], fx.GraphModule]) -> bool:
     """Whether `make()` (a trace) makes another graph with every draw at its lowest value than at
-    its highest: its draws decide its code or its constants."""
+    its highest: its draws decide its code or its constants. A trace that still moves a generator
+    draws in a way not set to its extremes (numpy's `default_rng`, say, or a generator's method
+    this does not know): whether its draws decide anything cannot be told, and it counts as decided."""
     graphs = []
     for high in (False, True):
         with _draws_at(high):
+            before = generator_states()
             try:
                 graphs.append(make())
             except Exception:  # noqa: BLE001 - a draw at an extreme the forward cannot take: it decides
+                return True
+            if moved(before, generator_states()):
                 return True
     low, high_ = graphs
     return low.code != high_.code or not _same_constants(low, high_)
@@ -88,36 +103,88 @@ def _same_constants(a: fx.GraphModule, b: fx.GraphModule) -> bool:
 
 @contextlib.contextmanager
 def _draws_at(high: bool) -> Iterator[None]:
-    """torch's and Python's random draws give their lowest (or highest) values; a draw still
-    moves its generator, which the caller puts back."""
-    saved = [(torch, name, getattr(torch, name)) for name in _TORCH_DRAWS]
-    saved += [(random, name, getattr(random, name)) for name in _PYTHON_DRAWS]
+    """torch's, Python's and numpy's random draws on this thread give their lowest (or highest)
+    values, and move no generator."""
+    count, thread = [0], threading.get_ident()
+    saved: list[tuple[Any, str, Callable[..., Any]]] = [(torch, name, getattr(torch, name)) for name in _TORCH_DRAWS]
+    saved += [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_DRAWS]
+    saved += [(owner, name, getattr(owner, name)) for owner in (random, random.Random) for name in _PYTHON_DRAWS if hasattr(owner, name)]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        saved += [(numpy.random, name, getattr(numpy.random, name)) for name in _NUMPY_DRAWS if hasattr(numpy.random, name)]
     try:
         for owner, name, draw in saved:
-            setattr(owner, name, _extreme(owner, name, draw, high))
+            setattr(owner, name, _extreme(owner, name, draw, high, count, thread))
         yield
     finally:
         for owner, name, draw in saved:
             setattr(owner, name, draw)
 
 
-def _extreme(owner: Any, name: str, draw: Callable[..., Any], high: bool) -> Callable[..., Any]:
+def _extreme(owner: Any, name: str, draw: Callable[..., Any], high: bool, count: list[int], thread: int) -> Callable[..., Any]:
     def extreme(*args: Any, **kwargs: Any) -> Any:
-        value = draw(*args, **kwargs)
-        if owner is random:
-            return _python_extreme(name, args, kwargs, high, value)
-        if not isinstance(value, torch.Tensor) or isinstance(value, fx.Proxy):
-            return value
-        values = value.detach()  # (no grad-mode switch: the tracer would take it for the model's)
-        if name.startswith("randint"):
-            values.fill_(_randint_bound(args, kwargs, high))
-        elif name in ("randn", "randn_like", "normal"):
-            values.fill_(_FAR if high else -_FAR)
-        else:
-            values.fill_(1.0 - torch.finfo(value.dtype).eps if high and value.is_floating_point() else float(high))
-        return value
+        if threading.get_ident() != thread:  # another thread's draw (another pipeline's stage, say)
+            return draw(*args, **kwargs)
+        count[0] += 1
+        if count[0] > _MOST_DRAWS:
+            raise RuntimeError(f"more than {_MOST_DRAWS} random draws in one trace, with every draw at an extreme")
+        if owner is random.Random:  # a method: `self` first
+            args = args[1:]
+        if owner is random or owner is random.Random:
+            return _python_extreme(name, args, kwargs, high)
+        with _unmoved():  # the draw's value gives its shape and type; the extreme replaces it
+            value = draw(*args, **kwargs)
+        if owner is torch or owner is torch.Tensor:
+            return _torch_extreme(name, args, kwargs, high, value)
+        return _numpy_extreme(name, args, kwargs, high, value)
 
     return extreme
+
+
+@contextlib.contextmanager
+def _unmoved() -> Iterator[None]:
+    """The generators as they were, after the block."""
+    states = [torch.get_rng_state(), *(torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [])]
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        if len(states) > 1:
+            torch.cuda.set_rng_state_all(states[1:])
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def _torch_extreme(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], high: bool, value: Any) -> Any:
+    # Only a tensor of this process: a traced one (a Proxy, export's fake tensors) draws in the graph.
+    if type(value) is not torch.Tensor:
+        return value
+    values = value.detach()  # (no grad-mode switch: the tracer would take it for the model's)
+    if name.startswith("randint"):
+        values.fill_(_randint_bound(args, kwargs, high))
+    elif name == "randperm":
+        order = torch.arange(values.numel(), device=values.device)
+        values.copy_(order.flip(0) if high else order)
+    elif name == "multinomial":
+        values.copy_(_category_at_end(args[0] if args else kwargs["input"], high).unsqueeze(-1).expand_as(values))
+    elif name == "uniform_":
+        low, top = (list(args[1:]) + [kwargs.get("from", 0.0), kwargs.get("to", 1.0)][len(args) - 1 :])[:2]
+        values.fill_(top if high else low)
+    elif name in ("randn", "randn_like", "normal", "normal_", "exponential_"):
+        values.fill_(_FAR if high else (0.0 if name == "exponential_" else -_FAR))
+    else:  # rand, rand_like, bernoulli, bernoulli_
+        values.fill_(1.0 - torch.finfo(value.dtype).eps if high and value.is_floating_point() and name.startswith("rand") else float(high))
+    return value
+
+
+def _category_at_end(probabilities: torch.Tensor, high: bool) -> torch.Tensor:
+    """Per row, the first (or last) category that may be drawn."""
+    possible = (probabilities > 0).to(torch.int8)
+    if high:
+        return probabilities.shape[-1] - 1 - possible.flip(-1).argmax(-1)
+    return possible.argmax(-1)
 
 
 def _randint_bound(args: tuple[Any, ...], kwargs: dict[str, Any], high: bool) -> int:
@@ -129,11 +196,31 @@ def _randint_bound(args: tuple[Any, ...], kwargs: dict[str, Any], high: bool) ->
     return int(top) - 1 if high else int(bottom)
 
 
-def _python_extreme(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], high: bool, value: Any) -> Any:
+def _python_extreme(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], high: bool) -> Any:
     if name == "random":
         return 1.0 - sys.float_info.epsilon if high else 0.0
-    if name in ("uniform", "randint") and len(args) >= 2:
-        return args[1] if high else args[0]
-    if name in ("gauss", "normalvariate"):
-        return _FAR if high else -_FAR
-    return value
+    if name == "getrandbits":
+        return (1 << int(args[0] if args else kwargs["k"])) - 1 if high else 0
+    if name == "_randbelow":
+        return int(args[0]) - 1 if high else 0
+    mu, sigma = (list(args) + [kwargs.get("mu", 0.0), kwargs.get("sigma", 1.0)][len(args) :])[:2]  # gauss, normalvariate
+    return mu + sigma * (_FAR if high else -_FAR)
+
+
+def _numpy_extreme(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], high: bool, value: Any) -> Any:
+    numpy = sys.modules["numpy"]
+    if name == "uniform":
+        low, top = (list(args) + [kwargs.get("low", 0.0), kwargs.get("high", 1.0)][len(args) :])[:2]
+        at = top if high else low
+    elif name == "randint":
+        low, top = (list(args) + [kwargs.get("low"), kwargs.get("high")][len(args) :])[:2]
+        low, top = (0, low) if top is None else (low, top)
+        at = numpy.asarray(top) - 1 if high else low
+    elif name in ("randn", "standard_normal", "normal"):
+        loc, scale = ((list(args) + [kwargs.get("loc", 0.0), kwargs.get("scale", 1.0)][len(args) :])[:2]) if name == "normal" else (0.0, 1.0)
+        at = numpy.asarray(loc) + numpy.asarray(scale) * (_FAR if high else -_FAR)
+    else:  # random, rand, random_sample, ranf, sample: [0, 1)
+        at = 1.0 - sys.float_info.epsilon if high else 0.0
+    if isinstance(value, numpy.ndarray):
+        return numpy.broadcast_to(numpy.asarray(at, dtype=value.dtype), value.shape).copy()
+    return type(value)(at)
