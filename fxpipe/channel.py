@@ -30,6 +30,7 @@ from fxpipe.frames import FRAME, FrameFull, Message, decode, encode, frame_of, o
 
 VALUE, FAILED, DONE = "value", "failed", "done"
 _channels = itertools.count(1)  # each pipeline's messages under a tag of their own
+_CALLS = 0  # the tag every pipeline announces its calls under, on the groups pipelines of a mesh share
 # The sends and posted receives of channels that are gone (their pipeline was dropped after a
 # failed step, say), kept for the life of the process: gloo drops a send whose work is freed,
 # and bytes that arrive for a freed receive stop every later message on that connection, the
@@ -223,12 +224,38 @@ class Channel:
 
     # -- steps -------------------------------------------------------------------------------
     def begin(self) -> None:
+        """Start a step: after `announce`, so that a call refused there leaves no trace."""
+        self.announce()
         self.step += 1
         self.kept.clear()
         self.failed_peers.clear()
         self.sent_before, self.read_before = ({}, {}) if self.failed else (self.sent, self.read)
         self.sent, self.read = {}, {}
         self.failed = False
+
+    def announce(self) -> None:
+        """Tell every peer which pipeline this rank calls, and read which each calls, under a tag
+        all pipelines of the mesh share: a rank that calls another pipeline (two pipelines called
+        in another order on each rank) is found at once, where each would wait on its own tag
+        for the whole timeout. Every rank raises, and no pipeline has a message left waiting."""
+        mine = torch.tensor([self.tag], dtype=torch.int64, device=self.device)
+        sending = [dist.isend(mine, self.ranks[p], group=self.directions.get((self.me, p), self.group), tag=_CALLS) for p in self._peers()]
+        called = {}
+        for peer in self._peers():
+            theirs = torch.empty(1, dtype=torch.int64, device=self.device)
+            work = dist.irecv(theirs, self.ranks[peer], group=self.directions.get((peer, self.me), self.group), tag=_CALLS)
+            called[peer] = int(self._wait(theirs, work, peer, "the pipeline it calls").item())
+        for work in sending:
+            work.wait(timedelta(seconds=self.timeout))
+        others = {peer: tag for peer, tag in called.items() if tag != self.tag}
+        if others:
+            raise RuntimeError(
+                f"the ranks called different pipelines: this rank (rank {self.ranks[self.me]}) called the pipeline "
+                f"compiled {_nth(self.tag)} across processes in it, and "
+                + ", ".join(f"rank {self.ranks[p]} the one compiled {_nth(tag)}" for p, tag in sorted(others.items()))
+                + ".\nHow to fix: call the pipelines in the same order on every rank (every rank compiles them in one "
+                "order, and calls each at once)."
+            )
 
     def exchange(self, what: str, value: Any) -> dict[int, Any]:
         """Send `value` to every peer and read theirs: each peer's value, by coordinate; raises
@@ -256,6 +283,10 @@ class Channel:
 
     def _peers(self) -> list[int]:
         return [p for p in range(len(self.ranks)) if p != self.me]
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _at(history: list[list[int]], index: int) -> list[int]:

@@ -544,6 +544,7 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
         "other inputs on one rank": lambda: pipe.train_step(x + last, target=y, loss_fn=F.mse_loss),
         "other targets on one rank": lambda: pipe.train_step(x, target=y + last, loss_fn=F.mse_loss),
         "other inputs on one rank, forward": lambda: _under(torch.no_grad(), lambda: pipe(x + last)),
+        "another pipeline on one rank": lambda: (scaled.train_step(x, 2.0, target=y, loss_fn=F.mse_loss) if last else pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
     }
     torch.manual_seed(0)
     tied = TiedEnds().double()

@@ -112,7 +112,8 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
     one (training on another step's targets); a batch, grad mode or mode of its own would pair
     other micro-batches, or wait for values never sent; data of its own (each rank loading its own
     batch, as under DDP) would pair one rank's inputs with another's targets, a loss no plain
-    model computes (before, with no error)."""
+    model computes (before, with no error). Another pipeline called on one rank left each rank
+    waiting for the whole timeout (300 s by default), and the process group broken."""
     for report in results_of(spawn_ranks(cases.calls_that_differ, 2, timeout=120)):
         refused, _ = report["a target refused on one rank"]
         assert "rank 1 failed in preparing the call" in refused or refused.startswith("the target must be split"), refused
@@ -128,11 +129,14 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
                                 ("other inputs on one rank, forward", "data of x: ranks 0 and 1 differ in x")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
+        message, _ = report["another pipeline on one rank"]  # each rank waited for the whole timeout
+        assert "the ranks called different pipelines" in message and "the one compiled" in message, message
+        assert "compiled 1st" in message and "compiled 2nd" in message and "same order on every rank" in message, message
         for what in ("tied copies apart, forward", "tied copies apart, step"):
             message, _ = report[what]
             assert "the copies of a tied parameter differ" in message and "'a.weight', held on ranks [0, 1]" in message, (what, message)
         calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "a plain argument of its own", "autocast on one rank",
-                 "another reduction", "other inputs on one rank", "other targets on one rank", "other inputs on one rank, forward",
+                 "another reduction", "other inputs on one rank", "other targets on one rank", "other inputs on one rank, forward", "another pipeline on one rank",
                  "tied copies apart, forward", "tied copies apart, step"]  # fmt: skip
         assert all(report[what][1] < 10 for what in calls), report
         assert report["grads after"] == [], "no refused call left a gradient"
