@@ -21,7 +21,7 @@ from fxpipe.passes.codegen import StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
-from fxpipe.program import Cut, HeldState, Program, hooks_of
+from fxpipe.program import Cut, HeldState, Program, code_of, hooks_of
 from fxpipe.schedule import Layout
 from fxpipe.step import StageRuntime
 
@@ -80,6 +80,7 @@ def build_program(
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
+        traced_code=[(name, m, code_of(m)) for name, m in traced],
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
         state_read=_state_read(codes, shared),

@@ -158,6 +158,14 @@ class Pipeline(nn.Module):
                 f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
                 "the modules there computed when it was traced.\nHow to fix: compile the model again."
             )
+        rewritten = self._programs[True].code_changed()
+        if rewritten:
+            raise RuntimeError(
+                f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
+                "holds what their code computed when it was traced (one pass over a container's members).\nHow to fix: "
+                "compile the model again after changing them, or keep such modules whole (compile_pipeline(..., "
+                "leaf_modules=[...])): a module kept whole runs its own code on every call."
+            )
         mode = self._mode()
         if self._compiled.eval_only and (mode or self._owner.training):
             raise RuntimeError(

@@ -32,6 +32,10 @@ ChunkSpec = dict[str, Optional[int]]
 
 
 Hooks = tuple[tuple[int, ...], ...]
+# What a traced-through module's code was: its class, a forward set on the module itself, the
+# class's forward, and a container's members (the graph holds one pass over them).
+Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
 
 def hooks_of(module: Optional[nn.Module]) -> Hooks:
@@ -44,6 +48,24 @@ def hooks_of(module: Optional[nn.Module]) -> Hooks:
         else [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
     )  # fmt: skip
     return tuple(tuple(table) for table in tables)
+
+
+def code_of(module: nn.Module) -> Code:
+    members = (*module._modules, *module._parameters) if isinstance(module, _CONTAINERS) else None
+    return type(module), vars(module).get("forward"), getattr(type(module), "forward", None), members
+
+
+def code_changes(was: Code, now: Code) -> list[str]:
+    """What changed between two `code_of` a module: none when it is the same code."""
+    if was == now:
+        return []
+    (cls, own, forward, members), (cls_now, own_now, forward_now, members_now) = was, now
+    found = [f"its class, {cls.__name__} -> {cls_now.__name__}"] if cls is not cls_now else []
+    if own is not own_now or (cls is cls_now and forward is not forward_now):
+        found.append("its forward")
+    if members != members_now:
+        found.append(f"its members, {len(members or ())} -> {len(members_now or ())}")
+    return found
 
 
 @dataclass
@@ -125,6 +147,8 @@ class Program:
     # The modules the trace went through, with the hooks each had then (`hooks_of`): the graph
     # holds what those hooks did at compile time; and the global module hooks then, by "*".
     traced_hooks: list[tuple[str, Optional[nn.Module], Hooks]] = field(default_factory=list)
+    # The same modules' code then (`code_of`): the graph holds what it computed.
+    traced_code: list[tuple[str, nn.Module, Code]] = field(default_factory=list)
 
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
@@ -137,6 +161,15 @@ class Program:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the
         global module hooks)."""
         return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
+
+    def code_changed(self) -> list[str]:
+        """The traced-through modules whose code changed since, each with what changed."""
+        found = []
+        for name, module, code in self.traced_code:
+            changes = code_changes(code, code_of(module))
+            if changes:
+                found.append(f"{name or 'the model itself'}: {' and '.join(changes)}")
+        return found
 
     @property
     def graph(self) -> fx.GraphModule:

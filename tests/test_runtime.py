@@ -424,6 +424,98 @@ def test_a_module_replaced_after_compiling_is_refused() -> None:
         pipe(x)
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x))
+
+
+class _OtherBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.a(x))
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.eye(6) + 0.1 * torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.g
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return (w + w.T) / 2
+
+
+class _Adapted(nn.Module):
+    """Blocks in a list, adapters in a dict (empty until a user adds one), a bare parameter in a
+    module of its own, and a Linear the graph calls whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.adapters = nn.ModuleDict()
+        self.scale, self.head = _Scale(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        for adapter in self.adapters.values():
+            x = x + adapter(x)
+        return self.head(self.scale(x))
+
+
+_CODE_CHANGES: dict[str, tuple[Callable[[_Adapted], Any], str]] = {
+    "a block appended": (lambda m: m.blocks.append(_Block().double()), "blocks: its members, 3 -> 4"),
+    "an adapter added": (lambda m: m.adapters.update({"lora": nn.Linear(6, 6).double()}), "adapters: its members, 0 -> 1"),
+    "a forward set on a block": (lambda m: setattr(m.blocks[1], "forward", types.MethodType(_OtherBlock.forward, m.blocks[1])), "blocks.1: its forward"),
+    "a block's class swapped": (lambda m: setattr(m.blocks[2], "__class__", _OtherBlock), "blocks.2: its class, _Block -> _OtherBlock"),
+    "a parametrization on a bare parameter": (
+        lambda m: nn.utils.parametrize.register_parametrization(m.scale, "g", _Symmetric()), "scale: its class, _Scale -> Parametrized_Scale"
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_CODE_CHANGES))
+def test_code_changed_after_compiling_in_a_module_traced_through_is_refused(change: str) -> None:
+    """Before, the pipeline ran the code it traced, with no error: an appended block or an added
+    adapter left out (0.29 and 0.85 off the plain model), a patched forward or a swapped class
+    not run (0.32 and 1.02 off), and a parametrization registered on a bare parameter held as
+    it was, its `original` given no gradient."""
+    model, reference = twin(_Adapted())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    make, named = _CODE_CHANGES[change]
+    make(model)
+    message = rf"the code of modules the trace went through changed since compiling: {re.escape(named)}\.(.|\n)*compile the model again"
+    with pytest.raises(RuntimeError, match=message):
+        pipe(x)
+    with pytest.raises(RuntimeError, match=message), torch.no_grad():
+        pipe.eval()(x)
+    with pytest.raises(RuntimeError, match=message):
+        pipe.train().train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters())
+    torch.manual_seed(1)
+    make(reference)  # the same change, compiled again: the plain model's numbers
+    model.load_state_dict(reference.state_dict())
+    assert_call_and_grads_equal(compile_pipeline(model, x, ["cpu", "cpu"], chunks=2), reference, x)
+
+
+def test_code_changed_in_a_module_called_whole_runs() -> None:
+    """A Linear is called whole by the stages: its own forward runs on every call, patched or not."""
+    model, reference = twin(_Adapted())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model, reference):
+        m.head.forward = types.MethodType(lambda self, h: nn.functional.linear(h, self.weight, self.bias) * 2, m.head)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 class _ScalesInTraining(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2 if self.training else x
