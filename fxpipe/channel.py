@@ -239,7 +239,7 @@ class Channel:
         in another order on each rank) is found at once, where each would wait on its own tag
         for the whole timeout. Every rank raises, and no pipeline has a message left waiting."""
         mine = torch.tensor([self.tag], dtype=torch.int64, device=self.device)
-        sending = [dist.isend(mine, self.ranks[p], group=self.directions.get((self.me, p), self.group), tag=_CALLS) for p in self._peers()]
+        sending: list[Any] = [dist.isend(mine, self.ranks[p], group=self.directions.get((self.me, p), self.group), tag=_CALLS) for p in self._peers()]
         called = {}
         for peer in self._peers():
             theirs = torch.empty(1, dtype=torch.int64, device=self.device)
