@@ -136,11 +136,29 @@ class _Saved:
     buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
     pending: Optional[PendingWeights] = None  # between I and W: what W starts from
     attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
+    versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
 
 
 # The loss of one micro-batch, given its index and its output values as leaves: the loss
 # (detached, weighted for the batch), and the gradient of each output value.
 LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+
+
+def _refuse_parameters_written_since(stage: StageRuntime, versions: Optional[list[int]]) -> None:
+    """A recompute reads the parameters as they are now: one written in place since its forward
+    (an optimizer's step between forward and backward) would give the backward of another
+    forward. The plain model's backward raises for a parameter autograd saved, and otherwise
+    reads what it saved of the forward that ran."""
+    written = [p for p, version in zip(stage.params, versions or ()) if p._version != version]
+    if written:
+        shapes = ", ".join(str(tuple(p.shape)) for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{len(written)} parameter(s) of this stage (shapes {shapes}) were written in place between its forward "
+            "and its backward, and its recompute would not see what its forward saw.\nHow to fix: write parameters "
+            "after the backward (optimizer.step() after loss.backward()), or use checkpoint='never', whose backward "
+            "reads what its forward kept, as the plain model's does."
+        )
 
 
 def _marked(action: Action, error: BaseException) -> BaseException:
@@ -511,7 +529,7 @@ class Step:
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
-            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes))
+            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes, versions=[p._version for p in stage.params]))
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
@@ -588,6 +606,7 @@ class Step:
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
+        _refuse_parameters_written_since(stage, saved.versions)
         with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j):
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         saved.buffers = saved.attributes = None
