@@ -9,8 +9,8 @@ torch.fx runs what takes no traced value as plain Python, once, while tracing:
 A trace that drew (a generator's state moved) is traced again twice, with every draw at its
 lowest, then at its highest value: a choice or a constant that follows the draw makes the two
 graphs differ. A draw that decides nothing (Hugging Face's BART draws for a layer drop of 0)
-gives the same graph, and is fine. A retrace that still moves a generator draws in a way not
-set to its extremes (numpy's `choice`, say): it cannot be told apart, and counts as deciding.
+gives the same graph, and is fine. A draw from numpy's generator not set to its extremes
+(`choice`, `permutation`, ...) cannot be told apart, and counts as deciding.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import contextlib
 import random
 import sys
 import threading
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -75,18 +75,18 @@ def drawn_message(name: str, front_end: str) -> str:
 
 def decided_by_draws(make: Callable[[], fx.GraphModule]) -> bool:
     """Whether `make()` (a trace) makes another graph with every draw at its lowest value than at
-    its highest: its draws decide its code or its constants. A trace that still moves a generator
-    draws in a way not set to its extremes (numpy's `default_rng`, say, or a generator's method
-    this does not know): whether its draws decide anything cannot be told, and it counts as decided."""
+    its highest: its draws decide its code or its constants. A trace that draws from numpy's
+    generator in a way not set to its extremes (`choice`, `permutation`, ...) cannot be told
+    apart, and counts as decided. (Which draws it made is known per thread: another thread that
+    draws meanwhile, training another model, say, decides nothing here.)"""
     graphs = []
     for high in (False, True):
-        with _draws_at(high):
-            before = generator_states()
+        with _draws_at(high) as unknown:
             try:
                 graphs.append(make())
             except Exception:  # noqa: BLE001 - a draw at an extreme the forward cannot take: it decides
                 return True
-            if moved(before, generator_states()):
+            if unknown:
                 return True
     low, high_ = graphs
     return low.code != high_.code or not _same_constants(low, high_)
@@ -102,29 +102,49 @@ def _same_constants(a: fx.GraphModule, b: fx.GraphModule) -> bool:
 
 
 @contextlib.contextmanager
-def _draws_at(high: bool) -> Iterator[None]:
+def _draws_at(high: bool) -> Iterator[list[str]]:
     """torch's, Python's and numpy's random draws on this thread give their lowest (or highest)
-    values, and move no generator."""
-    count, thread = [0], threading.get_ident()
+    values, and move no generator. Yields the draws of numpy's generator made on this thread
+    that are not set to their extremes (filled in as they are made)."""
+    count, thread, unknown = [0], threading.get_ident(), cast(list[str], [])
     saved: list[tuple[Any, str, Callable[..., Any]]] = [(torch, name, getattr(torch, name)) for name in _TORCH_DRAWS]
     saved += [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_DRAWS]
     saved += [(owner, name, getattr(owner, name)) for owner in (random, random.Random) for name in _PYTHON_DRAWS if hasattr(owner, name)]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        saved += [(numpy.random, name, getattr(numpy.random, name)) for name in _NUMPY_DRAWS if hasattr(numpy.random, name)]
+        saved += [(numpy.random, name, getattr(numpy.random, name)) for name in _numpy_draws(numpy)]
+    own = [name in vars(owner) for owner, name, _ in saved]  # else inherited (Tensor's from TensorBase)
     try:
         for owner, name, draw in saved:
-            setattr(owner, name, _extreme(owner, name, draw, high, count, thread))
-        yield
+            setattr(owner, name, _extreme(owner, name, draw, high, count, thread, unknown))
+        yield unknown
     finally:
-        for owner, name, draw in saved:
-            setattr(owner, name, draw)
+        for (owner, name, draw), its_own in zip(saved, own):
+            if its_own:
+                setattr(owner, name, draw)
+            else:
+                delattr(owner, name)
 
 
-def _extreme(owner: Any, name: str, draw: Callable[..., Any], high: bool, count: list[int], thread: int) -> Callable[..., Any]:
+def _numpy_draws(numpy: Any) -> list[str]:
+    """The draws of numpy's global generator, by their names in `numpy.random`."""
+    generator = numpy.random.mtrand._rand
+    return [
+        name for name in dir(numpy.random)
+        if getattr(getattr(numpy.random, name), "__self__", None) is generator and name not in ("get_state", "set_state", "seed")
+    ]  # fmt: skip
+
+
+def _extreme(
+    owner: Any, name: str, draw: Callable[..., Any], high: bool, count: list[int], thread: int, unknown: list[str]
+) -> Callable[..., Any]:  # fmt: skip
     def extreme(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread:  # another thread's draw (another pipeline's stage, say)
             return draw(*args, **kwargs)
+        if owner is not torch and owner is not torch.Tensor and owner is not random and owner is not random.Random and name not in _NUMPY_DRAWS:
+            unknown.append(f"numpy.random.{name}")
+            with _unmoved():
+                return draw(*args, **kwargs)
         count[0] += 1
         if count[0] > _MOST_DRAWS:
             raise RuntimeError(f"more than {_MOST_DRAWS} random draws in one trace, with every draw at an extreme")

@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import random
+import threading
+import time
 import types
 import warnings
 from typing import Any, Callable, Optional
@@ -194,6 +196,8 @@ def test_a_draw_of_any_kind_that_decides_nothing_is_fine(draw: str) -> None:
     x = torch.randn(8, 8, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
     assert_call_and_grads_equal(pipe, reference, x)
+    # The draws are put back as they were: inherited ones are not left as attributes of their own.
+    assert "uniform_" not in vars(torch.Tensor) and "random" not in vars(random.Random), "a draw left in place"
 
 
 def test_a_draw_that_is_not_set_to_its_extremes_counts_as_deciding() -> None:
@@ -211,6 +215,42 @@ def test_a_draw_that_is_not_set_to_its_extremes_counts_as_deciding() -> None:
 
     with pytest.raises(TraceError, match="or fxpipe cannot tell that it does not"):
         compile_pipeline(Chooses().double(), torch.randn(8, 8, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+
+
+class _Slow(nn.Module):
+    """Draws nothing; its forward lets other threads run while it is traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_another_thread_that_draws_while_a_model_compiles_decides_nothing() -> None:
+    """A first version of the numpy check refused a model that draws nothing when another thread
+    drew meanwhile (training another model with dropout, say): it read the generators' states,
+    which every thread moves."""
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            torch.rand(4), random.random(), np.random.rand(), np.random.choice(4)
+            time.sleep(0.0005)
+
+    drawing = threading.Thread(target=draw, daemon=True)
+    drawing.start()
+    try:
+        model, reference = twin(_Slow())
+        x = torch.randn(8, 8, dtype=torch.float64)
+        for _ in range(2):
+            pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    finally:
+        stop.set()
+        drawing.join(5)
+    assert_call_and_grads_equal(pipe, reference, x)
 
 
 def test_a_noise_of_a_fixed_size_is_drawn_on_every_call() -> None:
