@@ -474,7 +474,7 @@ def test_monte_carlo_dropout_compiled_then_turned_off_is_refused_not_run_with_dr
     with pytest.raises(RuntimeError, match=r"no graph was traced with its modules in the modes they are in: 0 in eval mode, 2 in eval mode now, where the eval graph has them in the other"):
         pipe(x)
     model[0].train(), model[2].train()
-    model.add_module("criterion", nn.CrossEntropyLoss())  # in eval mode: no trace read its flag
+    model[3].add_module("criterion", nn.CrossEntropyLoss())  # in eval mode: no trace read its flag
     with torch.no_grad():
         assert pipe(x).shape == (8, 3)
 
