@@ -144,12 +144,12 @@ class _Saved:
 LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 
-def _refuse_parameters_written_since(stage: StageRuntime, versions: Optional[list[int]]) -> None:
+def _refuse_parameters_written_since(params: list[torch.Tensor], versions: Optional[list[int]]) -> None:
     """A recompute reads the parameters as they are now: one written in place since its forward
     (an optimizer's step between forward and backward) would give the backward of another
     forward. The plain model's backward raises for a parameter autograd saved, and otherwise
     reads what it saved of the forward that ran."""
-    written = [p for p, version in zip(stage.params, versions or ()) if p._version != version]
+    written = [p for p, version in zip(params, versions or ()) if p._version != version]
     if written:
         shapes = ", ".join(str(tuple(p.shape)) for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
         raise RuntimeError(
@@ -506,6 +506,11 @@ class Step:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return stage.module.forward(*args)  # type: ignore[attr-defined]
 
+    def _params_read(self, stage: int) -> list[torch.Tensor]:
+        """The stage's parameters, and its copies of shared ones (a copy on the parameter's
+        device is the parameter's memory: a write to one is seen by the other)."""
+        return [*self.stages[stage].params, *(t for t in self.shared[stage] if t.requires_grad)]
+
     def _upstream(self, stage: int) -> list[torch.Tensor]:
         """Every parameter and caller input requiring grad that stages up to `stage` read (the
         stages run in the graph's order: what comes later cannot feed it)."""
@@ -529,7 +534,8 @@ class Step:
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
-            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes, versions=[p._version for p in stage.params]))
+            versions = [p._version for p in self._params_read(j)]
+            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes, versions=versions))
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
@@ -606,7 +612,7 @@ class Step:
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
-        _refuse_parameters_written_since(stage, saved.versions)
+        _refuse_parameters_written_since(self._params_read(j), saved.versions)
         with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j):
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         saved.buffers = saved.attributes = None

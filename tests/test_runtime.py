@@ -273,6 +273,28 @@ def test_a_parameter_written_between_forward_and_backward_gives_the_plain_models
         assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+class _TiedEnds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_a_tied_parameter_written_between_forward_and_backward_is_refused_as_the_plain_model_refuses() -> None:
+    """Each stage reads its own copy of a tied weight, on its memory: the recompute read the write."""
+    model, reference = twin(_TiedEnds())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint="always", split_points=["b"])
+    for m, out in [(reference, reference(x)), (model, pipe(x))]:
+        with torch.no_grad():
+            m.a.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
 def test_dropout_is_reproducible_and_seeded() -> None:
     first, grads = _dropout_step("except_last", seed=3)
     again, grads_again = _dropout_step("except_last", seed=3)
