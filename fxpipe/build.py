@@ -29,10 +29,12 @@ from fxpipe.step import StageRuntime
 def build_program(
     owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
     stored: frozenset[tuple[str, str]] = frozenset(), attributes: Optional[dict[str, Any]] = None,
+    listed: Optional[frozenset[str]] = None,
 ) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
     that requiring grad, modules called whole store in forward (by module path and name);
-    `attributes`: the plain attributes the trace read, with their values when compiled."""
+    `attributes`: the plain attributes the trace read, with their values when compiled;
+    `listed`: the containers whose members the trace listed (None: not known, every one)."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
@@ -80,7 +82,7 @@ def build_program(
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
-        traced_code=[(name, m, code_of(m)) for name, m in traced],
+        traced_code=[(name, m, code_of(m, listed is None or name in listed)) for name, m in traced],
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
         state_read=_state_read(codes, shared),

@@ -603,7 +603,7 @@ def compile_pipeline(
     )
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
-        attributes=traced.attributes,
+        attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,

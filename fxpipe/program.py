@@ -50,9 +50,13 @@ def hooks_of(module: Optional[nn.Module]) -> Hooks:
     return tuple(tuple(table) for table in tables)
 
 
-def code_of(module: nn.Module) -> Code:
-    members = (*module._modules, *module._parameters) if isinstance(module, _CONTAINERS) else None
-    return type(module), vars(module).get("forward"), getattr(type(module), "forward", None), members
+def code_of(module: nn.Module, listed: bool = True) -> Code:
+    """The module's `Code`; a container's members only if forward `listed` them (iterated, or
+    asked their count): one read by key alone may take more."""
+    members = (*module._modules, *module._parameters) if listed and isinstance(module, _CONTAINERS) else None
+    # The class's own forward as stored (a descriptor may make a new object on every lookup).
+    forward = next((vars(c)["forward"] for c in type(module).__mro__ if "forward" in vars(c)), None)
+    return type(module), vars(module).get("forward"), forward, members
 
 
 def code_changes(was: Code, now: Code) -> list[str]:
@@ -166,7 +170,7 @@ class Program:
         """The traced-through modules whose code changed since, each with what changed."""
         found = []
         for name, module, code in self.traced_code:
-            changes = code_changes(code, code_of(module))
+            changes = code_changes(code, code_of(module, code[3] is not None))
             if changes:
                 found.append(f"{name or 'the model itself'}: {' and '.join(changes)}")
         return found

@@ -103,6 +103,7 @@ class Reads:
     first: dict[str, Any] = field(default_factory=dict)  # each plain value as first read
     codes: dict[bool, set[types.CodeType]] = field(default_factory=lambda: {True: set(), False: set()})  # run, by mode
     assigned: set[str] = field(default_factory=set)  # module-level values that code assigns (`global n; n += 1`)
+    iterated: set[str] = field(default_factory=set)  # the containers (ModuleList, ...) whose members were listed
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
@@ -226,6 +227,11 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
         with scoped(_local, "reads", reads):
             for cls in dict.fromkeys(type(m) for m in model.modules()):
                 _wrap(cls, reads.wrapped)
+            for cls in _CONTAINERS:
+                for listing in _LISTINGS:
+                    if hasattr(cls, listing):
+                        reads.wrapped.append((cls, listing, cls.__dict__.get(listing)))
+                        setattr(cls, listing, _listed(getattr(cls, listing)))
             yield reads
     finally:
         for cls, lookup, own in reversed(reads.wrapped):
@@ -233,6 +239,23 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
                 delattr(cls, lookup)
             else:
                 setattr(cls, lookup, own)
+
+
+# A forward that lists a container's members (`for block in self.blocks`, `len(self.heads)`,
+# `self.heads.values()`) holds one pass over those it had: a member added later changes it.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+_LISTINGS = ("__iter__", "__len__", "keys", "values", "items")
+
+
+def _listed(listing: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(listing)
+    def noting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reads = getattr(_local, "reads", None)
+        if reads is not None:
+            reads.iterated.update(reads.paths.get(id(self), ()))
+        return listing(self, *args, **kwargs)
+
+    return noting
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import gc
 import re
 import sys
@@ -565,6 +566,43 @@ def test_a_forward_replaced_on_the_class_of_a_module_traced_through_is_refused()
     block.forward = _OtherBlock.forward
     with pytest.raises(RuntimeError, match=r"changed since compiling: 0: its forward\."):
         pipe(x)
+
+
+class _Heads(nn.Module):
+    """Reads one head of a dict by its key, and never touches a list of extras."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.heads, self.extras = nn.Linear(6, 6), nn.ModuleDict({"main": nn.Linear(6, 6)}), nn.ModuleList()
+
+    def _run(self, x: torch.Tensor, gain: float) -> torch.Tensor:
+        return self.heads["main"](torch.tanh(self.a(x))) * gain
+
+    forward = functools.partialmethod(_run, gain=2.0)  # a new object at every lookup on the class
+
+
+def test_members_added_to_containers_forward_does_not_list_run() -> None:
+    """A first version refused a head added to a dict that forward reads by key, or a module
+    appended to a list it never touches, and a forward made by partialmethod on every call: the
+    graph computes what the plain model does."""
+    model, reference = twin(_Heads())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model, reference):
+        m.heads["aux"] = nn.Linear(6, 6).double()
+        m.extras.append(nn.Linear(6, 6).double())
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    y = torch.randn(8, 6, dtype=torch.float64)
+    loss, expected = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss), nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    ref = dict(reference.named_parameters())
+    for name, p in pipe.named_parameters():  # the added ones take none, as in the plain model
+        assert (p.grad is None) == (ref[name].grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=0, atol=1e-12)
+    assert ref["heads.aux.weight"].grad is None and ref["a.weight"].grad is not None
 
 
 def test_code_changed_in_a_module_called_whole_runs() -> None:
