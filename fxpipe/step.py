@@ -157,7 +157,8 @@ def _refuse_parameters_written_since(params: list[torch.Tensor], versions: Optio
             f"{len(written)} parameter(s) of this stage (shapes {shapes}) were written in place between its forward "
             "and its backward, and its recompute would not see what its forward saw.\nHow to fix: write parameters "
             "after the backward (optimizer.step() after loss.backward()), or use checkpoint='never', whose backward "
-            "reads what its forward kept, as the plain model's does."
+            "reads what its forward kept, as the plain model's does. A forward that writes its own parameters "
+            "(`self.w.clamp_(...)` under no_grad) writes them once per micro-batch: write them before the call."
         )
 
 
