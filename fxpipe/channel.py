@@ -31,6 +31,10 @@ from fxpipe.frames import FRAME, FrameFull, Message, decode, encode, frame_of, o
 VALUE, FAILED, DONE = "value", "failed", "done"
 _channels = itertools.count(1)  # each pipeline's messages under a tag of their own
 _CALLS = 0  # the tag every pipeline announces its calls under, on the groups pipelines of a mesh share
+# The receive of each peer's next announcement, posted (on gloo) as the last one is read, by
+# (group, the peer's rank): whichever pipeline of the mesh is called next reads it. Kept with
+# its group, whose id then cannot be reused.
+_announcements: dict[tuple[int, int], tuple[Any, torch.Tensor, Any]] = {}
 # The sends and posted receives of channels that are gone (their pipeline was dropped after a
 # failed step, say), kept for the life of the process: gloo drops a send whose work is freed,
 # and bytes that arrive for a freed receive stop every later message on that connection, the
@@ -242,9 +246,12 @@ class Channel:
         sending: list[Any] = [dist.isend(mine, self.ranks[p], group=self.directions.get((self.me, p), self.group), tag=_CALLS) for p in self._peers()]
         called = {}
         for peer in self._peers():
-            theirs = torch.empty(1, dtype=torch.int64, device=self.device)
-            work = dist.irecv(theirs, self.ranks[peer], group=self.directions.get((peer, self.me), self.group), tag=_CALLS)
+            group = self.directions.get((peer, self.me), self.group)
+            posted = _announcements.pop((id(group), self.ranks[peer]), None)
+            theirs, work = posted[1:] if posted is not None else self._announcement(group, peer)
             called[peer] = int(self._wait(theirs, work, peer, "the pipeline it calls").item())
+            if self.early:  # the next call's, posted now: its bytes move as they are sent
+                _announcements[(id(group), self.ranks[peer])] = (group, *self._announcement(group, peer))
         for work in sending:
             work.wait(timedelta(seconds=self.timeout))
         others = {peer: tag for peer, tag in called.items() if tag != self.tag}
@@ -256,6 +263,10 @@ class Channel:
                 + ".\nHow to fix: call the pipelines in the same order on every rank (every rank compiles them in one "
                 "order, and calls each at once)."
             )
+
+    def _announcement(self, group: Any, peer: int) -> tuple[torch.Tensor, Any]:
+        theirs = torch.empty(1, dtype=torch.int64, device=self.device)
+        return theirs, dist.irecv(theirs, self.ranks[peer], group=group, tag=_CALLS)
 
     def exchange(self, what: str, value: Any) -> dict[int, Any]:
         """Send `value` to every peer and read theirs: each peer's value, by coordinate; raises
