@@ -54,9 +54,16 @@ def code_of(module: nn.Module, listed: bool = True) -> Code:
     """The module's `Code`; a container's members only if forward `listed` them (iterated, or
     asked their count): one read by key alone may take more."""
     members = (*module._modules, *module._parameters) if listed and isinstance(module, _CONTAINERS) else None
-    # The class's own forward as stored (a descriptor may make a new object on every lookup).
-    forward = next((vars(c)["forward"] for c in type(module).__mro__ if "forward" in vars(c)), None)
-    return type(module), vars(module).get("forward"), forward, members
+    return type(module), module.__dict__.get("forward"), _class_forward(type(module)), members
+
+
+def _class_forward(cls: type) -> Any:
+    """The class's forward as stored (a descriptor may make a new object at every lookup)."""
+    for c in cls.__mro__:
+        found = c.__dict__.get("forward")
+        if found is not None:
+            return found
+    return None
 
 
 def code_changes(was: Code, now: Code) -> list[str]:
@@ -170,7 +177,10 @@ class Program:
         """The traced-through modules whose code changed since, each with what changed."""
         found = []
         for name, module, code in self.traced_code:
-            changes = code_changes(code, code_of(module, code[3] is not None))
+            cls, own, forward, members = code
+            if type(module) is cls and module.__dict__.get("forward") is own and _class_forward(cls) is forward and members is None:
+                continue  # the same code (the check of every call, made short)
+            changes = code_changes(code, code_of(module, members is not None))
             if changes:
                 found.append(f"{name or 'the model itself'}: {' and '.join(changes)}")
         return found
