@@ -61,6 +61,18 @@ class FanOut(nn.Module):
         return self.layers[7](g) + a
 
 
+class TiedEnds(nn.Module):
+    """Its first and last layers share one weight: cut after `a`, each stage holds a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
 class WindowBlock(nn.Module):
     """MaxViT's block in small: a BatchNorm, a window partition (reshape and permute) and a
     residual MLP on the windows. `grid` (a stage of its own with `split_points=["grid"]`) puts the

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import Counts, FanOut, WindowBlock, WithPositions, example_module, grad_of
+from conftest import Counts, FanOut, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -394,18 +394,6 @@ class Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         return self.b(self.a(x) * scale) * scale
-
-
-class TiedEnds(nn.Module):
-    """Its first and last layers share one weight: both ranks hold a copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
-        self.c.weight = self.a.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 class PartlyNoGrad(nn.Module):

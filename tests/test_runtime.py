@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model_settings
-from conftest import Counts, FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, example_module, grad_of, twin
+from conftest import Counts, FanOut, TiedEnds, WithPositions, assert_call_and_grads_equal, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, TraceError, compile_pipeline, is_recomputing
 
 
@@ -274,19 +274,9 @@ def test_a_parameter_written_between_forward_and_backward_gives_the_plain_models
         assert_grads_equal(pipe, reference, tol=1e-12)
 
 
-class _TiedEnds(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
-        self.c.weight = self.a.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
 def test_a_tied_parameter_written_between_forward_and_backward_is_refused_as_the_plain_model_refuses() -> None:
     """Each stage reads its own copy of a tied weight, on its memory: the recompute read the write."""
-    model, reference = twin(_TiedEnds())
+    model, reference = twin(TiedEnds())
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint="always", split_points=["b"])
     for m, out in [(reference, reference(x)), (model, pipe(x))]:
