@@ -36,7 +36,7 @@ def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
             )
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
         step = pipe._step(call, "gpipe", loss=None)
-        _agree(pipe, call, "pipe(x)")
+        _agree(pipe, call, "pipe(x)", seed=step.seed)
     with failing_together(channel):
         outputs = step.forward()
         settle_generators(step, channel.finish(step.drew))
@@ -80,7 +80,7 @@ def _train_across(
     try:
         with failing_together(channel, "preparing the call"):
             call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
-            _agree(pipe, call, f"train_step, reduction={reduction!r}", target)
+            _agree(pipe, call, f"train_step, reduction={reduction!r}", target, seed=step.seed)
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]
         here = channel.me == loss_rank
@@ -132,16 +132,17 @@ def _alike(pipe: Pipeline, call: Optional[_Call]) -> dict[str, bool]:
     return {"training mode": pipe.training, "autocast": call is not None and bool(call.context.autocast)}
 
 
-def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None) -> None:
+def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None, seed: int = 0) -> None:
     """Every rank of the pipeline makes the same call, or every rank raises, naming what
     differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode, and
     the same data. A rank that ran another step's schedule would wait for values that never
     come, or pair its micro-batches with another call's; one given a batch of its own (loaded
     apart, as under DDP) would pair its inputs with another rank's targets."""
     assert pipe._channel is not None
-    mine = _call_signature(pipe, call, kind, target)
+    mine = {**_call_signature(pipe, call, kind, target), "seed": seed}
     calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
-    differing = [key for key in mine if key not in ("tied", "data") and any(c.get(key) != mine[key] for c in calls.values())]
+    _refuse_generators_apart({pipe._channel.ranks[r]: c["seed"] for r, c in calls.items()})
+    differing = [key for key in mine if key not in ("tied", "data", "seed") and any(c.get(key) != mine[key] for c in calls.values())]
     ranks = pipe._channel.ranks
     lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
     apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
@@ -174,6 +175,19 @@ def _refuse_tied_copies_that_differ(pipe: Pipeline, tied: dict[int, dict[str, tu
             "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + "\nHow to fix: build the "
             "model alike on every rank (one torch.manual_seed(...) before building it), or load one checkpoint on "
             "every rank; step every rank's optimizer alike."
+        )
+
+
+def _refuse_generators_apart(seeds: dict[int, int]) -> None:
+    """A step that may draw (dropout) takes one seed from the caller's generator, as one process
+    does; ranks whose generators differ (seeded `seed + rank`) would each draw their stages'
+    masks from their own, a mix no one process draws, and leave the generators apart."""
+    if len(set(seeds.values())) > 1:
+        raise RuntimeError(
+            "the ranks' random generators differ, and the model draws (dropout): each rank would draw its "
+            f"stages' masks from its own generator (ranks {sorted(seeds)} would each draw another).\nHow to fix: "
+            "seed every rank of a pipeline alike (torch.manual_seed(seed) on each, not seed + rank); data loading "
+            "that needs a seed of its own per rank can take a generator of its own (DataLoader(generator=...))."
         )
 
 

@@ -1347,6 +1347,34 @@ def generators_after_a_step(rank: int, world: int) -> str:
     return hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()
 
 
+def generators_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
+    """Ranks seeded `seed + rank` (a common habit under torchrun): a model that draws is refused on
+    every rank, one that does not runs; seeded alike, the step equals the one-process pipeline's."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.zeros(8, 3, dtype=torch.float64)
+    drawing = DropsAtTheHead().double()
+    local = compile_pipeline(copy.deepcopy(drawing), x, ["cpu"] * world, chunks=2, split_points=["drop"])
+    pipe = compile_pipeline(drawing, x, mesh=mesh, chunks=2, split_points=["drop"], timeout=30)
+    drawing.drop.p = 0.0
+    quiet = compile_pipeline(copy.deepcopy(drawing), x, mesh=mesh, chunks=2, split_points=["drop"], timeout=30)
+    drawing.drop.p = 0.3
+    report: dict[str, Any] = {}
+    torch.manual_seed(100 + rank)
+    try:
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        report["apart"] = "no error"
+    except RuntimeError as e:
+        report["apart"] = str(e)
+    torch.manual_seed(100 + rank)
+    report["apart, drawing nothing"] = float(quiet.train_step(x, target=y, loss_fn=F.mse_loss))
+    torch.manual_seed(100)
+    loss = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
+    torch.manual_seed(100)
+    report["alike, against one process"] = abs(loss - float(local.train_step(x, target=y, loss_fn=F.mse_loss)))
+    return report
+
+
 class _StoresLast(nn.Module):
     """Called whole (it stores an attribute): a module the graph cannot see inside, which may
     draw, and does not."""

@@ -354,6 +354,17 @@ def test_the_ranks_generators_stay_alike_when_one_ranks_stage_draws() -> None:
     assert len(set(states)) == 1, states
 
 
+def test_generators_seeded_per_rank_are_refused_where_the_model_draws() -> None:
+    """Before, each rank drew its stages' dropout masks from its own generator: a mix that no one
+    process draws (loss 0.798 where one process gives 0.821 and 0.811 for the two seeds), and the
+    generators stayed apart, with no error."""
+    reports = results_of(spawn_ranks(cases.generators_seeded_per_rank, 2, timeout=120))
+    for report in reports:
+        assert "the ranks' random generators differ" in report["apart"] and "seed every rank" in report["apart"], report
+        assert report["alike, against one process"] <= TOL, report
+    assert reports[0]["apart, drawing nothing"] == reports[1]["apart, drawing nothing"], reports
+
+
 @pytest.mark.parametrize("whole", [False, True], ids=["plain", "beside-a-module-called-whole"])
 def test_a_loss_that_draws_draws_what_the_plain_models_does_and_leaves_every_generator_alike(whole: bool) -> None:
     """Before, beside a module called whole, every rank took the step's seed before the loss drew
