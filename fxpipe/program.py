@@ -21,7 +21,7 @@ from torch import nn
 
 from fxpipe.distributed import RankPlacement
 from fxpipe.microbatch import ExampleLeaves
-from fxpipe.passes.attribute_reads import changed, holder
+from fxpipe.passes.attribute_reads import CONTAINERS, changed, holder
 from fxpipe.passes.mode_reads import ModeReads
 from fxpipe.plan import Edge, Plan
 from fxpipe.schedule import Layout
@@ -35,7 +35,6 @@ Hooks = tuple[tuple[int, ...], ...]
 # What a traced-through module's code was: its class, a forward set on the module itself, the
 # class's forward, and a container's members (the graph holds one pass over them).
 Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 
 
 def hooks_of(module: Optional[nn.Module]) -> Hooks:
@@ -53,7 +52,7 @@ def hooks_of(module: Optional[nn.Module]) -> Hooks:
 def code_of(module: nn.Module, listed: bool = True) -> Code:
     """The module's `Code`; a container's members only if forward `listed` them (iterated, or
     asked their count): one read by key alone may take more."""
-    members = (*module._modules, *module._parameters) if listed and isinstance(module, _CONTAINERS) else None
+    members = (*module._modules, *module._parameters) if listed and isinstance(module, CONTAINERS) else None
     return type(module), module.__dict__.get("forward"), _class_forward(type(module)), members
 
 

@@ -227,7 +227,7 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
         with scoped(_local, "reads", reads):
             for cls in dict.fromkeys(type(m) for m in model.modules()):
                 _wrap(cls, reads.wrapped)
-            for cls in _CONTAINERS:
+            for cls in CONTAINERS:
                 for listing in _LISTINGS:
                     if hasattr(cls, listing):
                         reads.wrapped.append((cls, listing, cls.__dict__.get(listing)))
@@ -243,7 +243,7 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
 
 # A forward that lists a container's members (`for block in self.blocks`, `len(self.heads)`,
 # `self.heads.values()`) holds one pass over those it had: a member added later changes it.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
 _LISTINGS = ("__iter__", "__len__", "keys", "values", "items")
 
 
