@@ -262,7 +262,7 @@ def refuse_written_inputs(programs: dict[bool, Any]) -> None:
     inputs, only on the rank of the stage that writes it: the others' (a target that is the input,
     read by the loss on the last rank) would stay as before the write, where the plain model run on
     each rank writes each one."""
-    written = sorted({name for program in programs.values() for stage in program.stages for name in stage.written})
+    written = sorted(set().union(*(program.written_inputs for program in programs.values())))
     if written:
         raise ValueError(
             f"the model writes its input{'s' if len(written) > 1 else ''} {', '.join(map(repr, written))} in place: "

@@ -578,7 +578,7 @@ class Pipeline(nn.Module):
     def _refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> None:
         """An input written in place that shares memory with another (`model(t, t)`, or a view
         of t): the plain model's write shows through the other, where a stage writes a copy."""
-        written = {name for stage in program.stages for name in stage.written}
+        written = program.written_inputs
         if not written:
             return
         holders: dict[int, list[str]] = {}  # storage -> the inputs with a tensor in it

@@ -172,6 +172,11 @@ class Program:
         global module hooks)."""
         return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
 
+    @cached_property
+    def written_inputs(self) -> frozenset[str]:
+        """The inputs some stage writes in place."""
+        return frozenset(name for stage in self.stages for name in stage.written)
+
     def code_changed(self) -> list[str]:
         """The traced-through modules whose code changed since, each with what changed."""
         found = []
