@@ -18,7 +18,7 @@ import contextlib
 import random
 import sys
 import threading
-from typing import Any, Callable, Iterator, TypeVar, cast
+from typing import Any, Callable, Iterator, Optional, TypeVar, cast
 
 import torch
 import torch.fx as fx
@@ -107,19 +107,26 @@ def _draws_at(high: bool) -> Iterator[list[str]]:
     values, and move no generator. Yields the draws of numpy's generator made on this thread
     that are not set to their extremes (filled in as they are made)."""
     count, thread, unknown = [0], threading.get_ident(), cast(list[str], [])
-    saved: list[tuple[Any, str, Callable[..., Any]]] = [(torch, name, getattr(torch, name)) for name in _TORCH_DRAWS]
-    saved += [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_DRAWS]
-    saved += [(owner, name, getattr(owner, name)) for owner in (random, random.Random) for name in _PYTHON_DRAWS if hasattr(owner, name)]
+    # Each draw, with what gives its extreme: None for numpy's draws that this does not set.
+    saved: list[tuple[Any, str, Callable[..., Any], Optional[Callable[..., Any]]]] = [
+        (torch, name, getattr(torch, name), _torch_extreme) for name in _TORCH_DRAWS
+    ]
+    saved += [(torch.Tensor, name, getattr(torch.Tensor, name), _torch_extreme) for name in _TENSOR_DRAWS]
+    saved += [
+        (owner, name, getattr(owner, name), _python_extreme) for owner in (random, random.Random) for name in _PYTHON_DRAWS if hasattr(owner, name)
+    ]  # fmt: skip
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        saved += [(numpy.random, name, getattr(numpy.random, name)) for name in _numpy_draws(numpy)]
-    own = [name in vars(owner) for owner, name, _ in saved]  # else inherited (Tensor's from TensorBase)
+        saved += [
+            (numpy.random, name, getattr(numpy.random, name), _numpy_extreme if name in _NUMPY_DRAWS else None) for name in _numpy_draws(numpy)
+        ]  # fmt: skip
+    own = [name in vars(owner) for owner, name, _, _ in saved]  # else inherited (Tensor's from TensorBase)
     try:
-        for owner, name, draw in saved:
-            setattr(owner, name, _extreme(owner, name, draw, high, count, thread, unknown))
+        for owner, name, draw, at in saved:
+            setattr(owner, name, _extreme(owner, name, draw, at, high, count, thread, unknown))
         yield unknown
     finally:
-        for (owner, name, draw), its_own in zip(saved, own):
+        for (owner, name, draw, _), its_own in zip(saved, own):
             if its_own:
                 setattr(owner, name, draw)
             else:
@@ -136,27 +143,26 @@ def _numpy_draws(numpy: Any) -> list[str]:
 
 
 def _extreme(
-    owner: Any, name: str, draw: Callable[..., Any], high: bool, count: list[int], thread: int, unknown: list[str]
+    owner: Any, name: str, draw: Callable[..., Any], at: Optional[Callable[..., Any]], high: bool, count: list[int], thread: int,
+    unknown: list[str],
 ) -> Callable[..., Any]:  # fmt: skip
+    """`draw` on this thread giving its extreme by `at`; with no `at`, noted in `unknown`."""
+
     def extreme(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread:  # another thread's draw (another pipeline's stage, say)
             return draw(*args, **kwargs)
-        if owner is not torch and owner is not torch.Tensor and owner is not random and owner is not random.Random and name not in _NUMPY_DRAWS:
+        if at is None:
             unknown.append(f"numpy.random.{name}")
             with _unmoved():
                 return draw(*args, **kwargs)
         count[0] += 1
         if count[0] > _MOST_DRAWS:
             raise RuntimeError(f"more than {_MOST_DRAWS} random draws in one trace, with every draw at an extreme")
-        if owner is random.Random:  # a method: `self` first
-            args = args[1:]
-        if owner is random or owner is random.Random:
-            return _python_extreme(name, args, kwargs, high)
+        if at is _python_extreme:  # Python's primitives: no draw (a method's `self` first)
+            return at(name, args[1:] if owner is random.Random else args, kwargs, high)
         with _unmoved():  # the draw's value gives its shape and type; the extreme replaces it
             value = draw(*args, **kwargs)
-        if owner is torch or owner is torch.Tensor:
-            return _torch_extreme(name, args, kwargs, high, value)
-        return _numpy_extreme(name, args, kwargs, high, value)
+        return at(name, args, kwargs, high, value)
 
     return extreme
 
