@@ -1367,6 +1367,13 @@ def generators_seeded_per_rank(rank: int, world: int) -> dict[str, Any]:
     except RuntimeError as e:
         report["apart"] = str(e)
     torch.manual_seed(100 + rank)
+    try:
+        with torch.no_grad():
+            pipe(x)  # in training mode: dropout draws
+        report["apart, forward"] = "no error"
+    except RuntimeError as e:
+        report["apart, forward"] = str(e)
+    torch.manual_seed(100 + rank)
     report["apart, drawing nothing"] = float(quiet.train_step(x, target=y, loss_fn=F.mse_loss))
     torch.manual_seed(100)
     loss = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))

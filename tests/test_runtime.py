@@ -556,6 +556,29 @@ def test_a_forward_replaced_on_the_class_of_a_module_traced_through_is_refused()
     block.forward = _OtherBlock.forward
     with pytest.raises(RuntimeError, match=r"changed since compiling: 0: its forward\."):
         pipe(x)
+    del block.forward  # put back: the next call runs, as the plain model
+    reference = copy.deepcopy(model)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+def test_a_parameter_written_between_two_forwards_and_their_backward_under_autocast_is_refused() -> None:
+    """Two forwards before one backward, under autocast, recomputing: with nothing written the
+    gradients are the plain model's; a write after the second forward is refused at the recompute."""
+    model, reference = twin(FanOut())
+    x1, x2 = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x1, ["cpu"] * 3, chunks=4, checkpoint="always")
+    runs: list[Callable[[torch.Tensor], torch.Tensor]] = [reference, pipe]
+    for run in runs:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = run(x1).float().sum() + run(x2).float().sum()
+        loss.backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = pipe(x1).float().sum() + pipe(x2).float().sum()
+    with torch.no_grad():
+        model.layers[0].weight.add_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
 
 
 class _Heads(nn.Module):
