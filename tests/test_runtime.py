@@ -576,7 +576,7 @@ def test_a_parameter_written_between_two_forwards_and_their_backward_under_autoc
     with torch.autocast("cpu", torch.bfloat16):
         loss = pipe(x1).float().sum() + pipe(x2).float().sum()
     with torch.no_grad():
-        model.layers[0].weight.add_(0.5)
+        dict(model.named_parameters())["layers.0.weight"].add_(0.5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
