@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench graphviz clean
+.PHONY: setup demo test bench graphviz clean gpu-wheels gpu-check
 
 setup: $(STAMP) graphviz
 
@@ -35,6 +35,21 @@ bench: setup
 	$(PY) benchmarks/schedules.py --gantt docs/gantt_zb_h1.svg
 	$(PY) benchmarks/balance.py
 	$(PY) benchmarks/distributed.py
+
+# The GPU check, one command on a machine with CUDA and its own torch, which may reach no package
+# registry: what it needs beyond that torch comes from wheels fetched here beforehand (gpu-wheels),
+# then the CUDA tests and the table of benchmarks/gpu.py, in under 8 minutes. The table is printed
+# even when a test fails; the check fails after it.
+GPU_PYTHON ?= python3
+WHEELS := .whl
+
+gpu-wheels: $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELS) torchgpipe==0.0.7 'graphviz>=0.20'
+
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e . $(wildcard $(WHEELS)/*.whl)
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rfE tests/gpu; status=$$?; \
+	$(GPU_PYTHON) benchmarks/gpu.py --budget 240; exit $$status
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

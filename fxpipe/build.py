@@ -23,18 +23,20 @@ from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
 from fxpipe.program import Cut, HeldState, Program, code_of, hooks_of
 from fxpipe.schedule import Layout
+from fxpipe.stage_compile import CompiledForward
 from fxpipe.step import StageRuntime
 
 
 def build_program(
     owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
     stored: frozenset[tuple[str, str]] = frozenset(), attributes: Optional[dict[str, Any]] = None,
-    listed: Optional[frozenset[str]] = None,
+    listed: Optional[frozenset[str]] = None, compile_stages: Optional[dict[str, Any]] = None,
 ) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
     that requiring grad, modules called whole store in forward (by module path and name);
     `attributes`: the plain attributes the trace read, with their values when compiled;
-    `listed`: the containers whose members the trace listed (None: not known, every one)."""
+    `listed`: the containers whose members the trace listed (None: not known, every one);
+    `compile_stages`: torch.compile's arguments for every stage's forward (None: eager)."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
@@ -66,6 +68,9 @@ def build_program(
     shared = [[resolve(name) for name in code.shared] for code in codes]
     stored_by = _stored_by_module(owner, stored)
     stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by) for index in range(len(codes))]
+    if compile_stages is not None:
+        for stage in stages:
+            stage.compiled = CompiledForward(stage.index, stage.module, compile_stages, owner)  # type: ignore[arg-type]
     template = _template(cut.graph)
     refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef) and leaf.given]
     inputs = {n.name for n in cut.graph.graph.nodes if n.op == "placeholder"}

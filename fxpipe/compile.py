@@ -41,6 +41,7 @@ from fxpipe.pipeline import Pipeline
 from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
 from fxpipe.schedule import SCHEDULES
+from fxpipe.stage_compile import compile_options
 
 Device = Union[str, int, torch.device]
 _STAGE_DEVICE_TYPES = ("cpu", "cuda")
@@ -490,6 +491,7 @@ def compile_pipeline(
     example_kwargs: Optional[dict[str, Any]] = None,
     schedule: str = "gpipe",
     stages_per_device: int = 1,
+    compile_stages: Union[bool, dict[str, Any]] = False,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -528,6 +530,10 @@ def compile_pipeline(
             (fxpipe/schedule.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
         stages_per_device: with 'interleaved-1f1b', the model is cut into this many stages per
             device, placed round-robin: stage s on `devices[s % len(devices)]`.
+        compile_stages: run each generated stage under `torch.compile`, forward and backward:
+            True, or a dict of torch.compile's `mode`, `dynamic`, `backend`, `fullgraph` and
+            `options`, passed through (`{"mode": "reduce-overhead"}` for CUDA graphs).
+            `pipe.compile_stats()` counts each stage's graphs, compile time and recompiles.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
@@ -536,7 +542,8 @@ def compile_pipeline(
     given = devices if placement is None else [placement.device] * placement.size
     assert given is not None
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
-    problems = [*_model_problems(model, leaf_modules), *_cost_problems(device_memory, param_scale, bandwidth, flop_rate)]
+    stage_compile, compile_problems = compile_options(compile_stages)
+    problems = [*_model_problems(model, leaf_modules), *_cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
     parsed = _check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
@@ -604,6 +611,7 @@ def compile_pipeline(
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
+        compile_stages=stage_compile,
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,

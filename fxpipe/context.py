@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -29,6 +29,10 @@ class CallerContext:
     autocast: tuple[Autocast, ...]
     inference: bool
     anomaly: Optional[bool]  # None: off; else whether it checks for NaN too
+    # The caller's current CUDA streams where they are not the default ones: the stages compute on
+    # them, so that they run after what the caller queued there (the inputs) and what the caller
+    # queues next (the loss) runs after them, as the plain model's kernels would.
+    streams: tuple[Any, ...] = ()
 
     @staticmethod
     def capture() -> "CallerContext":
@@ -39,10 +43,12 @@ class CallerContext:
             if torch.is_autocast_enabled(device)
         )
         anomaly = torch.is_anomaly_check_nan_enabled() if torch.is_anomaly_enabled() else None
-        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly)
+        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly, _side_streams())
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state on the current thread, for as long as `stack` is open."""
+        for stream in self.streams:
+            stack.enter_context(torch.cuda.stream(stream))
         if self.inference:
             stack.enter_context(torch.inference_mode())
         if self.anomaly is not None:
@@ -53,7 +59,15 @@ class CallerContext:
     @property
     def plain(self) -> bool:
         """Nothing to enter: the common case, kept free of any context manager."""
-        return not self.autocast and not self.inference and self.anomaly is None
+        return not self.autocast and not self.inference and self.anomaly is None and not self.streams
+
+
+def _side_streams() -> tuple[Any, ...]:
+    """The calling thread's current stream on each CUDA device, where it is not the default."""
+    if not torch.cuda.is_initialized():
+        return ()
+    current = (torch.cuda.current_stream(i) for i in range(torch.cuda.device_count()))
+    return tuple(s for s in current if s != torch.cuda.default_stream(s.device))
 
 
 @contextmanager

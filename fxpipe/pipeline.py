@@ -37,6 +37,7 @@ from fxpipe.microbatch import (
 from fxpipe.passes.mode_reads import modes_changed
 from fxpipe.plan import Plan
 from fxpipe.program import ChunkSpec, Compiled, Program
+from fxpipe.stage_compile import StageCompiles
 from fxpipe.randomness import generator_put_back_on_error
 from fxpipe.replicas import Replicas
 from fxpipe.schedule import Schedule
@@ -140,6 +141,19 @@ class Pipeline(nn.Module):
         built = {id(cut): self._compiled.build(self._owner, cut) for cut in cuts.values()}
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
         self.__dict__["stages"] = self._programs[True].modules
+
+    def compile_stats(self) -> list[StageCompiles]:
+        """Per stage, under `compile_stages`: graphs compiled, seconds in the compiler, and the
+        recompiles with the guard that failed, over both modes' stages ([] for eager stages)."""
+        programs = list({id(p): p for p in self._programs.values()}.values())
+        totals: list[StageCompiles] = []
+        for index in range(len(self.devices)):
+            found = [s.compiled.stats for p in programs if (s := p.stages[index]).compiled is not None]
+            if found:
+                totals.append(StageCompiles(
+                    index, sum(f.graphs for f in found), sum(f.seconds for f in found), [r for f in found for r in f.recompiles],
+                ))  # fmt: skip
+        return totals
 
     def program(self, training: bool = True) -> Program:
         """The graph, its cut and the generated stages that run in training (or eval) mode."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -134,6 +134,14 @@ def method_with_generator(name: str, self: torch.Tensor, *args: Any, **kwargs: A
     generator = _generator(self.device)
     method = getattr(self, name)
     return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
+
+
+# For compiled stages (fxpipe/stage_compile.py), in the steps where they draw: the draws run
+# eagerly, outside the compiled graph, so that they take the task's stream as an eager stage's
+# do and a recompute replays them, whatever the backend.
+EAGER_DRAWS: dict[Callable[..., Any], Callable[..., Any]] = {
+    f: torch.compiler.disable(f) for f in (dropout_module, dropout_function, with_generator, method_with_generator)
+}
 
 
 class TaskRandomness(TorchDispatchMode):

@@ -22,8 +22,10 @@ only what the caller asked for receives them, and each parameter's hooks fire on
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
@@ -46,6 +48,7 @@ from fxpipe.raw_grads import raw_grads
 from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, runs_hooks, task_seed, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
+from fxpipe.stage_compile import CompiledForward, own_values
 from fxpipe.timeline import Record
 from fxpipe.weight_grad import PendingWeights, Weights, backward_inputs
 from fxpipe.worker import TaskGroup, Workers
@@ -119,6 +122,8 @@ class StageRuntime:
     # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
     # caller's tensor gets the final value, as the plain model writes it.
     written: list[str] = field(default_factory=list)
+    # The forward under torch.compile (compile_stages), or None: `module.forward`, eagerly.
+    compiled: Optional[CompiledForward] = None
 
     def draws(self) -> bool:
         """Whether a call now may draw random numbers (read once per step)."""
@@ -466,6 +471,8 @@ class Step:
             with torch.enable_grad():
                 leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
                 views = [self._as_read(leaf) for leaf in leaves]
+            if stage.compiled is not None and stage.compiled.static_outputs:
+                _own_grads([leaf for leaf in leaves if leaf.requires_grad])
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]
             self.param_leaves[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
@@ -478,6 +485,8 @@ class Step:
         if views is None:
             with torch.enable_grad():
                 views = [self._as_read(c) for c in self.shared[stage.index]]
+            if stage.compiled is not None and stage.compiled.static_outputs:
+                _own_grads([c for c in self.shared[stage.index] if c.requires_grad])
             self.shared_views[stage.index] = views
         return views
 
@@ -490,8 +499,12 @@ class Step:
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self._shared_views(stage)]
         views = self._param_views(stage)
+        if stage.compiled is None:
+            forward = stage.module.forward  # type: ignore[attr-defined]
+        else:
+            forward = stage.compiled.runner(self.randomness[stage.index], self.hidden_randomness[stage.index], bool(views))
         if self.context.plain and not self.randomness[stage.index] and not views and buffers is None:
-            return stage.module.forward(*args)  # type: ignore[attr-defined]
+            return forward(*args)
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
@@ -505,7 +518,7 @@ class Step:
                 stack.enter_context(swapped_slots(views))
             if buffers is not None:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
-            return stage.module.forward(*args)  # type: ignore[attr-defined]
+            return forward(*args)
 
     def _params_read(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters, and its copies of shared ones (a copy on the parameter's
@@ -656,7 +669,11 @@ class Step:
         need stays in `pending` for W."""
         stage, saved = self.stages[j], self.saved[(i, j)]
         start, tensors, grad_tensors = self._received(i, j, saved)
-        input_grads, saved.pending = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=True)
+        # A compiled stage's backward is one node that computes every gradient at once (and frees
+        # what it saved): I runs all of it, and W has nothing left to do.
+        split = stage.compiled is None
+        input_grads, pending = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split)
+        saved.pending = pending if pending is not None else PendingWeights()
         del tensors, grad_tensors
         end = time.perf_counter()
         self._send_input_grads(stage, i, input_grads)
@@ -698,7 +715,8 @@ class Step:
         flat_inputs = [([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         pending = None
-        with raw_grads(leaves) as raw:  # sent back in the layout the producer's backward would get
+        compiled = stage.compiled.backward() if stage.compiled is not None else nullcontext()
+        with raw_grads(leaves) as raw, compiled:  # sent back in the layout the producer's backward would get
             if split:
                 pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
             elif tensors and (wanted := [*leaves, *self._weights(stage).tensors]):
@@ -710,6 +728,8 @@ class Step:
             raw.of(leaves_[0]) if spec is None else tree_unflatten([raw.of(t) for t in leaves_], spec)
             for leaves_, spec in flat_inputs
         ]
+        if stage.compiled is not None and stage.compiled.static_outputs:
+            grads = own_values(grads)
         return grads, pending
 
     def take_parameter_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
@@ -729,6 +749,19 @@ class Step:
     def shared_grads(self, stage: int) -> list[Optional[torch.Tensor]]:
         """The step's gradient of the stage's copy of each shared tensor."""
         return [c.grad if c.requires_grad else None for c in self.shared[stage]]
+
+
+def _own_grads(leaves: Sequence[torch.Tensor]) -> None:
+    """For leaves a CUDA graph's backward reaches: the first gradient each receives is copied
+    before autograd keeps it as `.grad` (later ones are added into that), where autograd would
+    keep it as it came, in the graph's static memory, which the next replay writes."""
+    for leaf in leaves:
+        leaf.register_hook(partial(_copied_if_first, weakref.ref(leaf)))
+
+
+def _copied_if_first(leaf: "weakref.ref[torch.Tensor]", grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    held = leaf()
+    return grad.clone() if grad is not None and held is not None and held.grad is None else grad
 
 
 def _requires_grad(t: torch.Tensor) -> bool:

@@ -48,15 +48,26 @@ def _leafy(value: Any, buffers: set[int]) -> Any:
 
 
 def _once(run: Callable[[], Any], device: torch.device) -> float:
-    """Seconds of one forward plus backward (with gradients of ones) of `run`."""
+    """Seconds of one forward plus backward (with gradients of ones) of `run`: on CUDA between
+    two events on the device's stream, the kernels' time; elsewhere by the host's clock."""
     _synchronize(device)
+    if device.type == "cuda":
+        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        _forward_backward(run)
+        end_event.record()
+        end_event.synchronize()
+        return start_event.elapsed_time(end_event) / 1e3
     start = time.perf_counter()
+    _forward_backward(run)
+    return time.perf_counter() - start
+
+
+def _forward_backward(run: Callable[[], Any]) -> None:
     out = run()
     grads = [(t, torch.ones_like(t)) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if grads:
         torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
-    _synchronize(device)
-    return time.perf_counter() - start
 
 
 class _Capture(fx.Interpreter):

@@ -121,7 +121,8 @@ def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10
     for name, param in pipe.named_parameters():
         expected = ref[name].grad
         assert param.grad is not None, f"{name}: no gradient"
-        torch.testing.assert_close(param.grad.cpu(), expected, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
+        assert expected is not None, f"{name}: the reference has no gradient"
+        torch.testing.assert_close(param.grad.cpu(), expected.cpu(), rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
 def assert_call_and_grads_equal(pipe: nn.Module, reference: nn.Module, *args: Any, tol: float = 1e-12, **kwargs: Any) -> None:

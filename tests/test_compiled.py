@@ -1,0 +1,326 @@
+"""Stages under torch.compile (compile_stages): the plain model's outputs and gradients on every
+schedule and checkpoint mode, the masks of dropout replayed, recompiles counted and reported.
+
+Compiling costs seconds per stage, so each model's pipeline is compiled once and shared by the
+tests, which move it between schedules and checkpoint modes (its graphs do not depend on them).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import assert_grads_equal
+from fxpipe import Pipeline, compile_pipeline
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+MODES = ("never", "except_last", "always")
+
+
+class SdpaBlock(nn.Module):
+    """A pre-norm transformer block whose attention is torch's fused SDPA, causal."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class SdpaGPT(nn.Module):
+    """A small GPT: token and position embeddings, SDPA blocks, a head tied to the embedding."""
+
+    def __init__(self, vocab: int = 16, width: int = 16, blocks: int = 2, heads: int = 2) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(32, width)
+        self.blocks = nn.Sequential(*[SdpaBlock(width, heads) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _mlp() -> tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]:
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64), F.mse_loss
+
+
+def _gpt() -> tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]:
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    return SdpaGPT(), torch.randint(0, 16, (8, 8)), torch.randint(0, 16, (8, 8)), loss
+
+
+class SmallUNet(nn.Module):
+    """A conv U-Net of two levels: convolutions, a norm, pooling, a transposed convolution and
+    the skip concatenated back (examples/unet.py has four levels; compiling it takes a minute)."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.GroupNorm(2, width), nn.SiLU())
+        self.down = nn.Sequential(nn.MaxPool2d(2), nn.Conv2d(width, 2 * width, 3, padding=1), nn.SiLU())
+        self.up = nn.ConvTranspose2d(2 * width, width, 2, stride=2)
+        self.dec = nn.Sequential(nn.Conv2d(2 * width, width, 3, padding=1), nn.SiLU(), nn.Conv2d(width, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = self.enc(x)
+        return self.dec(torch.cat([self.up(self.down(skip)), skip], dim=1))
+
+
+def _unet() -> tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]:
+    return SmallUNet(), torch.randn(4, 1, 8, 8, dtype=torch.float64), torch.randn(4, 1, 8, 8, dtype=torch.float64), F.mse_loss
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt, "unet": _unet}
+
+
+class Case:
+    """A model, its plain twin, an input, a loss of the output, and the pipeline compiled once."""
+
+    def __init__(self, name: str) -> None:
+        torch.manual_seed(0)
+        model, self.x, self.y, self.loss = MODELS[name]()
+        self.plain = model.double()
+        self.pipe = compile_pipeline(copy.deepcopy(self.plain), self.x, ["cpu", "cpu"], chunks=4, compile_stages=True)
+
+    def reference(self) -> torch.Tensor:
+        self.plain.zero_grad()
+        loss = self.loss(self.plain(self.x), self.y)
+        loss.backward()
+        return loss.detach()
+
+
+@pytest.fixture(scope="module")
+def cases() -> Iterator[dict[str, Case]]:
+    found: dict[str, Case] = {}
+    yield found
+    for case in found.values():
+        case.pipe.close()
+
+
+def _case(cases: dict[str, Case], name: str) -> Case:
+    if name not in cases:
+        cases[name] = Case(name)
+    return cases[name]
+
+
+@contextmanager
+def configured(pipe: Pipeline, schedule: str, checkpoint: str) -> Iterator[None]:
+    """The pipeline under another schedule and checkpoint mode: its stages, and so their
+    compiled graphs, are the same under all of them."""
+    saved = pipe.plan.schedule, pipe.checkpoint
+    pipe.plan.schedule, pipe.__dict__["checkpoint"] = schedule, checkpoint
+    try:
+        yield
+    finally:
+        pipe.plan.schedule, pipe.__dict__["checkpoint"] = saved
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_stages_give_the_plain_models_outputs_and_gradients(cases: dict[str, Case], name: str) -> None:
+    """Inductor's stages (C++ on the CPU), in float64: pipe(x) and backward, and train_step under
+    every schedule, in every checkpoint mode."""
+    case = _case(cases, name)
+    expected = case.reference()
+    for checkpoint in MODES:
+        with configured(case.pipe, "gpipe", checkpoint):
+            case.pipe.zero_grad()
+            loss = case.loss(case.pipe(case.x), case.y)
+            loss.backward()
+        torch.testing.assert_close(loss.detach(), expected, rtol=0, atol=1e-9)
+        assert_grads_equal(case.pipe, case.plain, tol=1e-9)
+        for schedule in SCHEDULES:
+            with configured(case.pipe, schedule, checkpoint):
+                case.pipe.zero_grad()
+                total = case.pipe.train_step(case.x, target=case.y, loss_fn=case.loss)
+            torch.testing.assert_close(total, expected, rtol=0, atol=1e-9, msg=lambda m: f"{schedule}, {checkpoint}: {m}")
+            assert_grads_equal(case.pipe, case.plain, tol=1e-9)
+    stats = case.pipe.compile_stats()
+    assert [s.stage for s in stats] == [0, 1] and all(s.graphs >= 2 for s in stats), stats  # under grad and no_grad
+    assert not any(s.recompiles for s in stats), stats
+
+
+def test_compiled_stages_in_eval_no_grad_and_autocast(cases: dict[str, Case]) -> None:
+    case = _case(cases, "mlp")
+    with torch.no_grad():
+        torch.testing.assert_close(case.pipe(case.x), case.plain(case.x), rtol=0, atol=1e-9)
+    case.pipe.eval()
+    try:
+        torch.testing.assert_close(case.pipe(case.x), case.plain(case.x), rtol=0, atol=1e-9)
+    finally:
+        case.pipe.train()
+    # Under autocast, against the eager pipeline: bfloat16 gradients summed over micro-batches
+    # differ from the whole batch's by their rounding, in both.
+    x = case.x.float()
+    pipes = [
+        compile_pipeline(copy.deepcopy(case.plain).float(), x, ["cpu", "cpu"], chunks=2, compile_stages=compiled)
+        for compiled in ({"backend": "aot_eager"}, False)
+    ]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = (pipe(x) for pipe in pipes)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)  # the same casts, the same ops
+    out.float().square().mean().backward()
+    expected.float().square().mean().backward()
+    assert_grads_equal(pipes[0], pipes[1], tol=1e-6)
+
+
+def test_interleaved_compiled_stages(cases: dict[str, Case]) -> None:
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(
+        copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2,
+        balance=[2, 1, 1, 1], compile_stages={"backend": "aot_eager"},
+    )  # fmt: skip
+    expected = case.reference()
+    for checkpoint in MODES:
+        with configured(pipe, "interleaved-1f1b", checkpoint):
+            pipe.zero_grad()
+            total = pipe.train_step(case.x, target=case.y, loss_fn=case.loss)
+        torch.testing.assert_close(total, expected, rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, case.plain, tol=1e-12)
+    assert len(pipe.compile_stats()) == 4
+
+
+class MaskProbe(nn.Module):
+    """Two dropouts in two stages on `x * w`: where the output is zero the forward's masks
+    dropped it, and where the input's gradient is zero the recompute's masks did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.ones(64)), nn.Parameter(torch.ones(64))
+        self.drop1, self.drop2 = nn.Dropout(0.5), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop2(self.drop1(x * self.w1) * self.w2)
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_compiled_stages_replay_the_masks_their_forward_drew(checkpoint: str) -> None:
+    """Bit for bit: the recompute's masks are the forward's, and the masks are those the eager
+    pipeline draws with the same seed (each task's stream, outside the compiled graph)."""
+    model = MaskProbe().double()
+    x = torch.rand(8, 64, dtype=torch.float64) + 0.5
+    results = []
+    for compiled in (False, {"backend": "aot_eager"}):
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=4, checkpoint=checkpoint, split_points=["drop2"], compile_stages=compiled)
+        leaf = x.clone().requires_grad_()
+        torch.manual_seed(7)
+        out = pipe(leaf)
+        out.sum().backward()
+        assert leaf.grad is not None
+        assert torch.equal(out != 0, leaf.grad != 0), "the recompute drew other masks than the forward"
+        results.append((out.detach(), leaf.grad))
+    (eager_out, eager_grad), (out, grad) = results
+    assert torch.equal(eager_out != 0, out != 0) and torch.equal(eager_grad, grad)
+    assert 0.2 < (out == 0).double().mean().item() < 0.8
+
+
+def test_a_stage_that_draws_under_fullgraph_is_refused() -> None:
+    model = MaskProbe().double()
+    x = torch.rand(4, 64, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, split_points=["drop2"], compile_stages={"backend": "aot_eager", "fullgraph": True})
+    with pytest.raises(RuntimeError, match="fullgraph=True"):
+        pipe(x)
+    pipe.eval()  # nothing drawn: one graph per stage, as fullgraph asks
+    torch.testing.assert_close(pipe(x), x, rtol=0, atol=0)
+
+
+def test_a_recompile_is_reported_once_naming_the_stage_and_the_guard(cases: dict[str, Case]) -> None:
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "aot_eager", "dynamic": False})
+    x = torch.randn(12, 6, dtype=torch.float64)
+    pipe(x[:8]).sum().backward()  # micro-batches of 2 rows
+    with pytest.warns(UserWarning, match=r"stage 0 was compiled again: a guard .*size"):
+        pipe(x[:4]).sum().backward()  # of 1 row: a new shape
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x).sum().backward()  # of 3 rows: counted, not reported again
+    stats = pipe.compile_stats()
+    assert len(stats[0].recompiles) >= 2 and "size" in stats[0].recompiles[0], stats
+
+
+def test_dynamic_stages_take_every_batch_size_without_a_recompile(cases: dict[str, Case]) -> None:
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "aot_eager", "dynamic": True})
+    x = torch.randn(12, 6, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rows in (8, 12, 10, 8):  # micro-batches of 2, 3, 3 and 2, 2; one sample compiles apart
+            pipe.zero_grad()
+            case.plain.zero_grad()
+            pipe(x[:rows]).square().sum().backward()
+            case.plain(x[:rows]).square().sum().backward()
+            assert_grads_equal(pipe, case.plain, tol=1e-12)
+    assert not any(s.recompiles for s in pipe.compile_stats())
+
+
+def test_bad_compile_stages_are_refused_with_every_problem() -> None:
+    model, x = nn.Linear(4, 4), torch.randn(4, 4)
+    with pytest.raises(ValueError) as error:
+        compile_pipeline(model, x, ["cpu"], compile_stages={"mdoe": "max", "mode": "fast", "fullgraph": "yes"})
+    message = str(error.value)
+    for part in ("'mdoe'", "compile_stages['mode'] must be one of", "compile_stages['fullgraph']"):
+        assert part in message, message
+    with pytest.raises(ValueError, match="compile_stages must be True, False or a dict"):
+        compile_pipeline(model, x, ["cpu"], compile_stages="inductor")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="compile_stages\\['backend'\\] must be"):
+        compile_pipeline(model, x, ["cpu"], compile_stages={"backend": "no-such-backend"})
+
+
+def test_eager_stages_report_no_compiles() -> None:
+    pipe = compile_pipeline(nn.Linear(4, 4), torch.randn(4, 4), ["cpu"])
+    assert pipe.compile_stats() == []
+
+
+class WithUnused(nn.Module):
+    """A parameter read detached: the plain model's backward leaves its gradient None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) + self.unused.weight.detach().sum()
+
+
+def test_stages_whose_outputs_are_static_memory_hand_out_their_own_values() -> None:
+    """As under CUDA graphs (the option is inert on the CPU, the handling of static outputs is
+    not): outputs and input gradients copied, parameters' gradients accumulated into their own
+    memory, and a parameter no gradient reaches left at None."""
+    torch.manual_seed(0)
+    model = WithUnused().double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "inductor", "options": {"triton.cudagraphs": True}})
+    assert all(stage.compiled is not None and stage.compiled.static_outputs for stage in pipe.program().stages)
+    x_plain = x.detach().clone().requires_grad_()
+    for _ in range(2):  # the second step accumulates into .grad
+        pipe(x).square().mean().backward()
+        plain(x_plain).square().mean().backward()
+    torch.testing.assert_close(x.grad, x_plain.grad, rtol=0, atol=1e-12)
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
