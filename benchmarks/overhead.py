@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps-per-block", type=int, default=None, help="steps per timed block (default 3; 1 with --quick)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per contender first (default 2; 1 with --quick)")
     p.add_argument("--quick", action="store_true", help="small sizes, for a smoke run in under 30 s")
+    p.add_argument("--parts", default="mlp,unet,tasks,compiled", help="which tables to run, of mlp, unet, tasks, compiled")
     args = p.parse_args(argv)
     args.sizes = QUICK if args.quick else FULL
     for name, full, quick in (("repeats", 9, 2), ("steps_per_block", 3, 1), ("warmup", 2, 1)):
@@ -63,6 +64,7 @@ class Contender:
     step: Step
     detail: str = ""  # how the pipeline was cut, for the table
     times: list[float] = field(default_factory=list)  # seconds per step, one entry per timed block
+    pipe: Optional[Pipeline] = None  # the pipeline it runs, if any
 
     @property
     def median(self) -> float:
@@ -143,7 +145,7 @@ def fxpipe_contender(model: nn.Module, x: torch.Tensor, loss_fn: Callable[[torch
     pipe = fxpipe_pipeline(model, x, *key, **options)
     nodes = "+".join(str(len(stage.nodes)) for stage in pipe.plan.stages)
     detail = f" ({nodes} nodes{''.join(f', {k}={v!r}' for k, v in options.items())})" if key[0] > 1 else ""
-    return Contender(f"fxpipe {key}", training_step(pipe, x, loss_fn), detail)
+    return Contender(f"fxpipe {key}{' compiled' if options.get('compile_stages') else ''}", training_step(pipe, x, loss_fn), detail, pipe=pipe)
 
 
 def load_torchgpipe() -> tuple[Optional[Any], str]:
@@ -410,6 +412,56 @@ def bench_tasks(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+class TinyGPT(nn.Module):
+    """Token and position embeddings, TinyBlocks, a head: a GPT small enough to be launch-bound."""
+
+    def __init__(self, width: int = 32, blocks: int = 4, vocab: int = 64, length: int = 16) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        self.blocks = nn.Sequential(*[TinyBlock(width, 4) for _ in range(blocks)])
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.tok(idx) + self.pos(torch.arange(idx.shape[1]))))
+
+
+def first_step_seconds(step: Step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def bench_compiled(args: argparse.Namespace) -> list[Row]:
+    """Stages under torch.compile (inductor's C++ on the CPU) against the same pipeline eager,
+    and torch.compile of the plain model against the plain model, on the same micro-batches."""
+    torch.manual_seed(0)
+    chunks = args.sizes.chunks
+    model, x = TinyGPT(), torch.randint(0, 64, (4 * chunks, 16))
+    name = f"small GPT (d 32, 4 blocks, SDPA), {chunks} micro-batches of 4 x 16 tokens"
+    eager = fxpipe_contender(model, x, mean_square, (1, chunks, "never"))
+    compiled = fxpipe_contender(model, x, mean_square, (1, chunks, "never"), compile_stages=True)
+    plain = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, chunks, mean_square))
+    plain_compiled = Contender(
+        "plain compiled, micro-batches in turn", sequential_micro_batches_step(cast(nn.Module, torch.compile(copy.deepcopy(model))), x, chunks, mean_square)
+    )
+    compile_seconds = {c.name: first_step_seconds(c.step) for c in (compiled, plain_compiled)}
+    measure([eager, compiled, plain, plain_compiled], args.repeats, args.steps_per_block * 5, args.warmup)
+    stage_graphs = sum(s.graphs for s in compiled_stats(compiled))
+    return [
+        Row(name, "fxpipe", f"1 stage, chunks {chunks}, 'never', compile_stages=True", "T(compiled)/T(eager pipeline)",
+            compiled.median / eager.median, compiled.best / eager.best, "<= 0.85", "", milliseconds(eager, compiled)),
+        Row(name, "(none)", "torch.compile(model), micro-batches in turn", "T(compiled)/T(plain)",
+            plain_compiled.median / plain.median, plain_compiled.best / plain.best, "", "", milliseconds(plain, plain_compiled)),
+        Row(name, "fxpipe", f"first step: compiling {stage_graphs} graph(s) (the plain model: {compile_seconds[plain_compiled.name]:.1f} s)",
+            "seconds", compile_seconds[compiled.name], compile_seconds[compiled.name], "", "", ""),
+    ]  # fmt: skip
+
+
+def compiled_stats(contender: Contender) -> list[Any]:
+    pipe = contender.pipe
+    return pipe.compile_stats() if pipe is not None else []
+
+
 # -- main -----------------------------------------------------------------------------------
 def print_settings(args: argparse.Namespace, reexecuted: bool) -> None:
     print("# fxpipe overhead and pipeline efficiency on CPU\n")
@@ -437,7 +489,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     print_settings(args, reexecuted)
-    rows = bench_mlp(args) + bench_unet(args) + bench_tasks(args)
+    parts = {"mlp": bench_mlp, "unet": bench_unet, "tasks": bench_tasks, "compiled": bench_compiled}
+    rows = [row for name in args.parts.split(",") for row in parts[name.strip()](args)]
     print_table(rows)
     print(
         f"\nbound: m/(m+n-1) for 'never'; for 'except_last' that times (F+B)/(F+B+F(m-1)/m), F the measured "

@@ -7,18 +7,19 @@ runs (forward, checkpointed forward, recompute), so the schedules, checkpointing
 are those of eager stages. Random draws stay eager, from the task's stream (fxpipe/randomness.py):
 a recompute replays the masks its forward drew, bit for bit, whatever the backend.
 
-A stage compiles once per calling context (grad mode, autocast, training flags): a
-checkpointed forward runs under no_grad and its recompute under grad, so one stage holds two
-graphs. Any other compile is a recompile, a guard that failed (a new shape, a flag changed): it
-is counted, and the first one is reported, naming the stage and the guard.
+A stage compiles once per calling context (grad mode, autocast, the training flag, which inputs
+require grad, whether it draws): a checkpointed forward runs under no_grad and its recompute
+under grad, so one stage holds two graphs. Any other compile is a recompile, a guard that failed
+(a new shape, a flag changed): it is counted, and the first one is reported, naming the stage and
+the guard.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 import types
 import warnings
+from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial

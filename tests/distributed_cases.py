@@ -62,10 +62,11 @@ def _max_diff(a: Any, b: Any) -> float:
 
 
 def train_cases(rank: int, world: int, cases: list[tuple[str, ...]]) -> list[dict[str, Any]]:
-    """For each (model, schedule, checkpoint mode[, "posted when read"]): two train steps of
-    different batch sizes (and sequence lengths), gradients accumulated; the loss of each, the
-    forward-only output, and the gradient of each parameter this rank holds, against the plain
-    model's. "posted when read": each receive is posted only when its message is read, as on NCCL."""
+    """For each (model, schedule, checkpoint mode[, "posted when read" or "compiled"]): two train
+    steps of different batch sizes (and sequence lengths), gradients accumulated; the loss of
+    each, the forward-only output, and the gradient of each parameter this rank holds, against
+    the plain model's. "posted when read": each receive is posted only when its message is read,
+    as on NCCL; "compiled": each rank's stages under torch.compile (AOTAutograd, eager kernels)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     report = []
     for name, schedule, mode, *posting in cases:
@@ -73,13 +74,17 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, ...]]) -> list[dic
         model, batches, loss_fn = MODELS[name]()
         reference = copy.deepcopy(model)
         extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
+        if posting == ["compiled"]:
+            extra["compile_stages"] = {"backend": "aot_eager"}
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=world, checkpoint=mode, schedule=schedule, timeout=60, **extra)
         if posting == ["posted when read"]:
             assert pipe._channel is not None
             pipe._channel.early = False  # the NCCL path's posting, on gloo
         losses, expected = [], []
         for x, y in batches:
-            losses.append(float(pipe.train_step(x, target=y, loss_fn=loss_fn)))
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "stage .* was compiled again")  # compiled: the second batch's shapes
+                losses.append(float(pipe.train_step(x, target=y, loss_fn=loss_fn)))
             loss = loss_fn(reference(x), y)
             loss.backward()
             expected.append(loss.item())

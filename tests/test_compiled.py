@@ -186,6 +186,20 @@ def test_compiled_stages_in_eval_no_grad_and_autocast(cases: dict[str, Case]) ->
     assert_grads_equal(pipes[0], pipes[1], tol=1e-6)
 
 
+def test_a_grad_scaler_scales_and_unscales_compiled_stages_gradients(cases: dict[str, Case]) -> None:
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "aot_eager"})
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(F.mse_loss(pipe(case.x), case.y)).backward()
+    scaler.unscale_(optimizer)
+    case.reference()
+    assert_grads_equal(pipe, case.plain, tol=1e-12)
+    scaler.step(optimizer)
+    scaler.update()
+    assert scaler.get_scale() == 1024.0  # no overflow: the scale stays until its growth interval
+
+
 def test_interleaved_compiled_stages(cases: dict[str, Case]) -> None:
     case = _case(cases, "mlp")
     pipe = compile_pipeline(

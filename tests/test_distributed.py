@@ -29,6 +29,7 @@ def three_ranks() -> list[list[dict[str, Any]]]:
     matrix: list[tuple[str, ...]] = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
     matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
     matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
+    matrix += [("gpt", "zb-h1", "except_last", "compiled"), ("fan_out", "1f1b", "always", "compiled")]
     return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
 
 

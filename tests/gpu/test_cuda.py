@@ -124,6 +124,23 @@ def test_autocast_gives_the_plain_models_dtype_and_values() -> None:
     assert_grads_equal(pipe, reference, tol=2e-3)
 
 
+def test_a_grad_scaler_under_float16_autocast() -> None:
+    """torch.amp.GradScaler over the pipeline, as over the plain model: the same scaled backward,
+    the same unscaled gradients, the same step."""
+    model = _mlp().cuda()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(64, 256, device="cuda"), torch.randn(64, 256, device="cuda")
+    pipe = compile_pipeline(model, x, ["cuda:0", "cuda:0"], chunks=4)
+    for net in (pipe, reference):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.mse_loss(net(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    assert_grads_equal(pipe, reference, tol=1e-3)
+
+
 def test_cuda_and_cuda_0_are_one_device() -> None:
     model = _mlp().double().cuda()
     reference = copy.deepcopy(model)
