@@ -100,11 +100,23 @@ def _dropout(x: torch.Tensor, p: float, inplace: bool, generator: torch.Generato
 
 
 def dropout_module(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`, with the mask drawn from the task's stream."""
-    generator = _generator(x.device)
-    if not module.training or module.p == 0 or generator is None:
+    """`module(x)`, with the mask drawn from the task's stream. A module with hooks (its own or
+    global ones, forward or backward, registered before compiling or after) is called itself,
+    its draw handed the stream by `TaskRandomness`, so that its hooks run as in the plain model."""
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if not module.training or module.p == 0 or stream is None:
         return module(x)
-    return _dropout(x, module.p, module.inplace, generator)
+    if _hooked(module):
+        with TaskRandomness(stream):
+            return module(x)
+    return _dropout(x, module.p, module.inplace, stream.generator(x.device))
+
+
+def _hooked(module: nn.Module) -> bool:
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return True
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def dropout_function(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:

@@ -350,3 +350,56 @@ def test_a_module_whose_weight_another_stage_reads_counts_and_draws_as_one_calle
     other, other_grads, other_after, _, _ = _tied_step(0.5, mode)
     assert torch.equal(drawn, other) and torch.equal(after, other_after)
     assert all(torch.equal(g, h) for g, h in zip(drawn_grads, other_grads))
+
+
+class _Scaled(nn.Module):
+    """A dropout between two layers, to hook."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(8, 8), nn.Dropout(p), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def _hook_dropout(model: _Scaled, backward_calls: list[int]) -> None:
+    """Its input doubled before it, its output times four after it (both exact), and its
+    backward counted."""
+    model.drop.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+    model.drop.register_forward_hook(lambda module, args, out: out * 4)
+    model.drop.register_full_backward_hook(lambda module, grad_in, grad_out: backward_calls.append(1))
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+@pytest.mark.parametrize("when", ["before compiling", "after compiling, the rate raised from 0"])
+def test_hooks_on_a_dropout_run_in_every_mode(mode: str, when: str) -> None:
+    """Before, the dropout of a stage drew its mask without calling the module while training: its
+    hooks did not run (the output was the unhooked one, bit for bit), where the plain model ran them."""
+    torch.manual_seed(0)
+    plain = _Scaled(0.5).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    results = []
+    for hooked in (False, True):
+        model = copy.deepcopy(plain)
+        calls: list[int] = []
+        if when == "before compiling" and hooked:
+            _hook_dropout(model, calls)
+        if when != "before compiling":
+            model.drop.p = 0.0
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, checkpoint=mode, split_points=["b"])
+        if when != "before compiling":
+            model.drop.p = 0.5
+            if hooked:
+                _hook_dropout(model, calls)
+        torch.manual_seed(3)
+        leaf = x.clone().requires_grad_()
+        pipe(leaf).sum().backward()
+        assert leaf.grad is not None
+        results.append((leaf.grad, calls, pipe, model))
+    (plain_grad, _, _, _), (grad, calls, pipe, model) = results
+    assert len(calls) == 4, "the full backward hook runs once per micro-batch"
+    # The same masks, and the hooks' factors: the input's gradient is the unhooked one's times 8.
+    torch.testing.assert_close(grad, plain_grad * 8, rtol=1e-12, atol=0)
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), model.b(8 * torch.tanh(model.a(x))), rtol=0, atol=1e-12)
