@@ -1,19 +1,23 @@
-"""Random streams per (step, micro-batch, stage) task, so dropout is reproducible and replayable.
+"""Random streams per (step, micro-batch, graph node), so dropout is reproducible and replayable.
 
 All CPU stage threads share one default generator: the order in which concurrent tasks draw from
-it would be a race. Each task has a stream of its own instead, one generator per device, seeded
-from the step's seed and the task's coordinates; the recompute of a checkpointed task reseeds the
-same way and gets the same masks.
+it would be a race. Each task has a stream of its own instead, and each node of the graph that
+draws its own generator in it, seeded from the step's seed, the micro-batch and the node: the
+recompute of a checkpointed task reseeds the same way and gets the same masks, and a node draws
+the same masks whichever stage it lands in, so that another cut (another checkpoint mode, whose
+memory the default balance counts, or another stage count) trains on the same numbers.
 
 The random ops a stage's graph shows (`nn.Dropout`, `F.dropout`, `torch.rand*`, `x.bernoulli_()`,
-...) are rewritten to take their generator from the task's stream: no Python runs for the other
-ops. A random op hidden from the graph (inside a module called whole or a forward hook on one,
-attention with dropout, an exported aten op) makes its stage run under `TaskRandomness`, a
-dispatch mode that hands every random aten op the stream's generator.
+...) are rewritten to take their node's generator: no Python runs for the other ops. A random op
+hidden from the graph (inside a module called whole, attention with dropout, an exported aten op)
+makes its stage run under `TaskRandomness`, a dispatch mode that hands every random aten op the
+generator of the node that runs (marked by `begin_draws`); a draw no node is marked for (in a
+forward hook on any module) takes the stage's own generator.
 """
 from __future__ import annotations
 
 import threading
+import zlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -57,25 +61,44 @@ def generator_put_back_on_error() -> Iterator[None]:
         raise
 
 
+# Node keys are offset past every stage index, so that no node's generator is a stage's.
+_NODE_KEYS = 1 << 32
+
+
+def draw_key(name: str) -> int:
+    """A node's key among the draws of a task: from its name in the traced graph, which every cut
+    of the graph keeps."""
+    return zlib.crc32(name.encode())
+
+
 class TaskStream:
-    """The random stream of one task: a generator per device, made on first use."""
+    """The random stream of one task: a generator per graph node that draws (per device), made on
+    first use; `key` marks the node whose hidden draws run now (`begin_draws`)."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.generators: dict[torch.device, torch.Generator] = {}
+    def __init__(self, step_seed: int, micro_batch: int, stage: int) -> None:
+        self.step_seed, self.micro_batch, self.stage = step_seed, micro_batch, stage
+        self.key: Optional[int] = None
+        self.generators: dict[tuple[int, torch.device], tuple[torch.Generator, int]] = {}
 
-    def generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device, key: Optional[int] = None) -> torch.Generator:
+        """The generator of node `key` (default: the node marked now, else the stage's own)."""
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self.generators:
-            self.generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return self.generators[device]
+        key = key if key is not None else self.key
+        slot = self.stage if key is None else _NODE_KEYS + key
+        found = self.generators.get((slot, device))
+        if found is None:
+            seed = task_seed(self.step_seed, self.micro_batch, slot)
+            found = self.generators[(slot, device)] = (torch.Generator(device=device).manual_seed(seed), seed)
+        return found[0]
 
     def drew(self) -> bool:
         """Whether any op drew from the stream: a generator handed to an op that did not draw
         (RReLU in eval mode) is still at its seed."""
-        return any(not torch.equal(g.get_state(), torch.Generator(device=d).manual_seed(self.seed).get_state())
-                   for d, g in self.generators.items())  # fmt: skip
+        return any(
+            not torch.equal(g.get_state(), torch.Generator(device=device).manual_seed(seed).get_state())
+            for (_, device), (g, seed) in self.generators.items()
+        )
 
 
 @contextmanager
@@ -85,9 +108,22 @@ def task_stream(stream: TaskStream) -> Iterator[None]:
         yield
 
 
-def _generator(device: torch.device) -> Optional[torch.Generator]:
+def _generator(device: torch.device, key: Optional[int]) -> Optional[torch.Generator]:
     stream: Optional[TaskStream] = getattr(_local, "stream", None)
-    return stream.generator(device) if stream is not None else None
+    return stream.generator(device, key) if stream is not None else None
+
+
+def begin_draws(key: int) -> None:
+    """Before a node whose draws the graph does not show: they take its generator."""
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if stream is not None:
+        stream.key = key
+
+
+def end_draws() -> None:
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if stream is not None:
+        stream.key = None
 
 
 # -- the rewritten random ops ----------------------------------------------------------------------
@@ -99,17 +135,23 @@ def _dropout(x: torch.Tensor, p: float, inplace: bool, generator: torch.Generato
     return x.mul_(mask) if inplace else x * mask
 
 
-def dropout_module(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)`, with the mask drawn from the task's stream. A module with hooks (its own or
+def dropout_module(module: nn.Dropout, x: torch.Tensor, *, draw_key: Optional[int] = None) -> torch.Tensor:
+    """`module(x)`, with the mask drawn from the node's generator. A module with hooks (its own or
     global ones, forward or backward, registered before compiling or after) is called itself,
-    its draw handed the stream by `TaskRandomness`, so that its hooks run as in the plain model."""
+    its draw handed the generator by `TaskRandomness`, so that its hooks run as in the plain model."""
+    if not module.training or module.p == 0:  # first: under torch.compile, no draw, no break
+        return module(x)
     stream: Optional[TaskStream] = getattr(_local, "stream", None)
-    if not module.training or module.p == 0 or stream is None:
+    if stream is None:
         return module(x)
     if _hooked(module):
-        with TaskRandomness(stream):
-            return module(x)
-    return _dropout(x, module.p, module.inplace, stream.generator(x.device))
+        previous, stream.key = stream.key, draw_key
+        try:
+            with TaskRandomness(stream):
+                return module(x)
+        finally:
+            stream.key = previous
+    return _dropout(x, module.p, module.inplace, stream.generator(x.device, draw_key))
 
 
 def _hooked(module: nn.Module) -> bool:
@@ -119,10 +161,14 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
-def dropout_function(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    """`F.dropout`, with the mask drawn from the task's stream."""
-    generator = _generator(x.device)
-    if not training or p == 0 or generator is None:
+def dropout_function(
+    x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, draw_key: Optional[int] = None
+) -> torch.Tensor:
+    """`F.dropout`, with the mask drawn from the node's generator."""
+    if not training or p == 0:
+        return F.dropout(x, p, training, inplace)
+    generator = _generator(x.device, draw_key)
+    if generator is None:
         return F.dropout(x, p, training, inplace)
     return _dropout(x, p, inplace, generator)
 
@@ -134,16 +180,16 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     return next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def with_generator(name: str, *args: Any, **kwargs: Any) -> Any:
-    """`torch.<name>(*args, **kwargs)` (`rand`, `bernoulli`...) drawing from the task's stream."""
+def with_generator(name: str, *args: Any, draw_key: Optional[int] = None, **kwargs: Any) -> Any:
+    """`torch.<name>(*args, **kwargs)` (`rand`, `bernoulli`...) drawing from the node's generator."""
     function = getattr(torch, name)
-    generator = _generator(_device_of(args, kwargs))
+    generator = _generator(_device_of(args, kwargs), draw_key)
     return function(*args, **kwargs) if generator is None else function(*args, generator=generator, **kwargs)
 
 
-def method_with_generator(name: str, self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    """`self.<name>(*args, **kwargs)` (`bernoulli_`, `uniform_`...) drawing from the task's stream."""
-    generator = _generator(self.device)
+def method_with_generator(name: str, self: torch.Tensor, *args: Any, draw_key: Optional[int] = None, **kwargs: Any) -> Any:
+    """`self.<name>(*args, **kwargs)` (`bernoulli_`, `uniform_`...) drawing from the node's generator."""
+    generator = _generator(self.device, draw_key)
     method = getattr(self, name)
     return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
 
@@ -152,8 +198,9 @@ def method_with_generator(name: str, self: torch.Tensor, *args: Any, **kwargs: A
 # eagerly, outside the compiled graph, so that they take the task's stream as an eager stage's
 # do and a recompute replays them, whatever the backend.
 EAGER_DRAWS: dict[Callable[..., Any], Callable[..., Any]] = {
-    f: torch.compiler.disable(f) for f in (dropout_module, dropout_function, with_generator, method_with_generator)
+    f: torch.compiler.disable(f) for f in (dropout_module, dropout_function, with_generator, method_with_generator, begin_draws, end_draws)
 }
+MARKERS = (begin_draws, end_draws)  # no draw themselves: a step that draws nothing skips them
 
 
 class TaskRandomness(TorchDispatchMode):

@@ -31,7 +31,7 @@ from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils._pytree import tree_map_only
 
-from fxpipe.randomness import EAGER_DRAWS
+from fxpipe.randomness import EAGER_DRAWS, MARKERS
 
 # What `compile_stages={...}` may hold: torch.compile's own arguments, passed through.
 COMPILE_KEYS = ("mode", "dynamic", "backend", "fullgraph", "options")
@@ -95,15 +95,20 @@ def _calling_context(training: bool) -> Hashable:
     )  # fmt: skip
 
 
-def drawing_forward(module: fx.GraphModule) -> Callable[..., Any]:
-    """The stage's forward with its draws (`EAGER_DRAWS`) run outside the compiled graph, as
-    its steps that draw call it: dynamo breaks the graph at each draw, in the stage's own frame."""
+def stage_forward(module: fx.GraphModule, draws: bool) -> Callable[..., Any]:
+    """The stage's forward for the steps that draw, with its draws (`EAGER_DRAWS`) run outside
+    the compiled graph (dynamo breaks the graph at each, in the stage's own frame); or for the
+    others, without the marks of unseen draws (`MARKERS`), which would break it for nothing."""
     graph = fx.Graph()
     graph._codegen = module.graph._codegen
     graph.output(graph.graph_copy(module.graph, {}))
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in EAGER_DRAWS:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in EAGER_DRAWS:
+            continue
+        if draws:
             node.target = EAGER_DRAWS[node.target]
+        elif node.target in MARKERS:
+            graph.erase_node(node)
     code = graph.python_code(root_module="self")
     return types.MethodType(_forward_from_src(code.src, code.globals), module)
 
@@ -171,8 +176,8 @@ class CompiledForward:
         self._calls: dict[Hashable, int] = {}  # calls completed, by context
         self._backwards_alone = 0  # backwards still to run alone (compiling, recording)
         # Two graphs: the steps that draw break it at each draw; the others run whole.
-        self._quiet = self._compile(module.forward)
-        self._drawing = self._compile(drawing_forward(module))
+        self._quiet = self._compile(stage_forward(module, draws=False))
+        self._drawing = self._compile(stage_forward(module, draws=True))
 
     def _compile(self, forward: Callable[..., Any]) -> Callable[..., Any]:
         return torch._dynamo.optimize(  # type: ignore[no-any-return]

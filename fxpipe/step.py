@@ -45,7 +45,7 @@ from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
 from fxpipe.raw_grads import raw_grads
-from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, runs_hooks, task_seed, task_stream
+from fxpipe.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, runs_hooks, task_stream
 from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.simulate import StageCosts, simulate
 from fxpipe.stage_compile import CompiledForward, own_values
@@ -508,7 +508,7 @@ class Step:
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
-                stream = TaskStream(task_seed(self.seed, i, stage.index))
+                stream = TaskStream(self.seed, i, stage.index)
                 if self._peeked:
                     self._streams.append(stream)
                 stack.enter_context(task_stream(stream))

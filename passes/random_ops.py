@@ -22,9 +22,12 @@ from torch import nn
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
 from fxpipe.randomness import (
+    begin_draws,
+    draw_key,
     dropout_function,
     dropout_module,
     draw_rate,
+    end_draws,
     method_with_generator,
     runs_hooks,
     with_generator,
@@ -142,9 +145,12 @@ def _torch_name(target: Any) -> Optional[str]:
 
 
 def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite the random ops that can take a generator to take the task stream's."""
+    """Rewrite the random ops that can take a generator to take their node's from the task's
+    stream; mark the nodes whose draws the graph does not show (`begin_draws` before, `end_draws`
+    after), so that the dispatch mode hands those draws their node's generator."""
     graph = stage.graph
     for node in list(graph.nodes):
+        key = draw_key(node.name)
         replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
         if node.op == "call_module" and type(stage.get_submodule(str(node.target))) is nn.Dropout:
             with graph.inserting_before(node):
@@ -155,11 +161,30 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
             replacement = (with_generator, (_torch_name(node.target), *node.args))
         elif node.op == "call_method" and node.target in RANDOM_METHODS and "generator" not in node.kwargs:
             replacement = (method_with_generator, (node.target, *node.args))
+        elif _draws_unseen(stage, node):
+            _mark(graph, node, key)
         if replacement is None:
             continue
         with graph.inserting_before(node):
-            call = graph.call_function(replacement[0], replacement[1], dict(node.kwargs))
+            call = graph.call_function(replacement[0], replacement[1], {**node.kwargs, "draw_key": key})
         node.replace_all_uses_with(call)
         graph.erase_node(node)
     stage.recompile()
     return stage
+
+
+def _draws_unseen(stage: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a node may draw where the graph does not show it: a call of a module holding a
+    dropout or called whole (its inside is not in the graph), or a random function no generator
+    can be handed to (attention with dropout, RReLU, an exported aten op)."""
+    module = called_module(stage, node)
+    if module is not None:
+        return not _built_in(module) or _holds_dropout(module)
+    return node.op == "call_function" and _function_is_random(node)
+
+
+def _mark(graph: fx.Graph, node: fx.Node, key: int) -> None:
+    with graph.inserting_before(node):
+        graph.call_function(begin_draws, (key,))
+    with graph.inserting_after(node):
+        graph.call_function(end_draws, ())

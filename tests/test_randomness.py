@@ -403,3 +403,82 @@ def test_hooks_on_a_dropout_run_in_every_mode(mode: str, when: str) -> None:
     torch.testing.assert_close(grad, plain_grad * 8, rtol=1e-12, atol=0)
     pipe.eval()
     torch.testing.assert_close(pipe(x), model.b(8 * torch.tanh(model.a(x))), rtol=0, atol=1e-12)
+
+
+class _DroppingBlock(nn.Module):
+    """A transformer block with dropout modules and attention dropout (SDPA), traced through."""
+
+    def __init__(self, width: int = 16, heads: int = 2, p: float = 0.2) -> None:
+        super().__init__()
+        self.heads, self.p = heads, p
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width), nn.Dropout(p))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0, is_causal=True)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, c)))
+        return x + self.mlp(self.ln2(x))
+
+
+class _DroppingGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.drop = nn.Embedding(16, 16), nn.Embedding(16, 16), nn.Dropout(0.2)
+        self.blocks = nn.Sequential(_DroppingBlock(), _DroppingBlock())
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))))
+
+
+def test_every_checkpoint_mode_trains_on_the_same_masks_where_each_cuts_elsewhere() -> None:
+    """The default balance counts the activations a mode keeps, so each mode may cut the model
+    elsewhere. Before, the streams were per stage: a dropout that moved to the other stage drew
+    other masks, and 'always' trained on other numbers than 'never' (outputs 1.1 apart)."""
+    torch.manual_seed(0)
+    model = _DroppingGPT().double()
+    x = torch.randint(0, 16, (8, 16))
+    results, cuts = {}, {}
+    for mode in ("never", "except_last", "always"):
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=4, checkpoint=mode)
+        cuts[mode] = [len(s.nodes) for s in pipe.plan.stages]
+        torch.manual_seed(5)
+        out = pipe(x)
+        out.square().mean().backward()
+        results[mode] = (out.detach(), [grad_of(p).clone() for p in pipe.parameters()])
+    assert len({tuple(c) for c in cuts.values()}) > 1, f"the modes cut alike ({cuts}): the test needs cuts that differ"
+    out, grads = results["never"]
+    for mode in ("except_last", "always"):
+        assert torch.equal(results[mode][0], out), mode
+        assert all(torch.equal(g, h) for g, h in zip(results[mode][1], grads)), mode
+
+
+class _TwoDropouts(nn.Module):
+    """The same input through two dropouts of the same rate, cut into two stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.lin, self.second = nn.Dropout(0.5), nn.Linear(64, 64), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.first(x), self.second(x + 0 * self.lin(x))
+
+
+def test_two_dropouts_draw_apart_and_alike_at_any_stage_count() -> None:
+    """The per-stage counterpart of the per-micro-batch test: a stream that ignored where a draw
+    is made would give both dropouts one mask. And a node's masks do not depend on the cut."""
+    x = torch.ones(8, 64, dtype=torch.float64)
+    masks = {}
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        pipe = compile_pipeline(_TwoDropouts().double(), x, devices, chunks=2, split_points=["second"] if len(devices) > 1 else None)
+        torch.manual_seed(11)
+        with torch.no_grad():
+            first, second = pipe(x)
+        masks[len(devices)] = (first != 0, second != 0)
+        assert not torch.equal(first != 0, second != 0), "two dropouts drew one mask"
+        assert not torch.equal(first[:4] != 0, first[4:] != 0), "two micro-batches drew one mask"
+    assert all(torch.equal(a, b) for a, b in zip(masks[1], masks[2])), "the cut changed the masks"
