@@ -17,7 +17,7 @@ from fxpipe.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.checkpoint import slot_of
 from fxpipe.gather import ValueRef
 from fxpipe.passes.attrs import fetch_attr
-from fxpipe.passes.codegen import StageCode, called_module, generate_stages
+from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
@@ -161,7 +161,19 @@ def _stage(
         written=code.written,
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
+        flagged=_flagged(code.module),
     )  # fmt: skip
+
+
+def _flagged(stage: fx.GraphModule) -> list[nn.Module]:
+    """The model's modules a stage calls, and those inside them, once each: a private copy of
+    one (`call_with_state`) takes the flags of the model's module at every call."""
+    found: dict[int, nn.Module] = {}
+    for module in stage.modules():
+        original = module.__dict__.get(ORIGINAL, module)
+        if module is not stage:
+            found.update((id(m), m) for m in original.modules())
+    return list(found.values())
 
 
 def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[Any]]) -> list[nn.Parameter]:

@@ -137,6 +137,43 @@ def attributes_kept(modules: Sequence[nn.Module], start: Optional[Attributes] = 
         put_back_attributes(saved)
 
 
+# Per module: its training flag, and its dropout rate (None for a module without one).
+Flags = list[tuple[bool, Optional[float]]]
+
+
+def flags_of(modules: Sequence[nn.Module]) -> Flags:
+    """What decides what these modules compute, besides their tensors: mode and rate."""
+    return [(m.training, dropout_rate_of(m)) for m in modules]
+
+
+def dropout_rate_of(module: nn.Module) -> Optional[float]:
+    """A dropout's `p`, an RNN's or attention's `dropout`, or None."""
+    rate = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else getattr(module, "dropout", None)
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
+@contextmanager
+def flags_kept(modules: Sequence[nn.Module], flags: Flags) -> Iterator[None]:
+    """The modules' flags and rates as `flags` holds them, for the block (a recompute runs under
+    its forward's), and as they are now after it."""
+    now = flags_of(modules)
+    if now == flags:
+        yield
+        return
+    _set_flags(modules, flags)
+    try:
+        yield
+    finally:
+        _set_flags(modules, now)
+
+
+def _set_flags(modules: Sequence[nn.Module], flags: Flags) -> None:
+    for module, (training, rate) in zip(modules, flags):
+        module.training = training
+        if rate is not None:
+            setattr(module, "p" if isinstance(module, nn.modules.dropout._DropoutNd) else "dropout", rate)
+
+
 class _Stored(torch.autograd.Function):
     """A tensor a module stored in forward, as the caller reads it: its values, requiring grad
     as the plain model's does, and a backward that says why no gradient can flow through it."""

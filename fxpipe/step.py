@@ -35,8 +35,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxpipe.batchnorm import BatchStatistics, collecting
 from fxpipe.channel import Failure, RemoteFailure
 from fxpipe.checkpoint import (
-    Attributes, Slot, attributes_kept, attributes_of, checkpointing, put_back_attributes, recomputing, refuse_gradients_through,
-    swapped_slots, swapped_state,
+    Attributes, Slot, attributes_kept, attributes_of, checkpointing, flags_kept, flags_of, put_back_attributes, recomputing,
+    refuse_gradients_through, swapped_slots, swapped_state,
 )
 from fxpipe.context import CallerContext, worker_state
 from fxpipe.devices import Aborted, Mailbox, on_device, send
@@ -124,6 +124,8 @@ class StageRuntime:
     written: list[str] = field(default_factory=list)
     # The forward under torch.compile (compile_stages), or None: `module.forward`, eagerly.
     compiled: Optional[CompiledForward] = None
+    # The modules whose training flag and dropout rate decide what the stage computes.
+    flagged: list[nn.Module] = field(default_factory=list)
 
     def draws(self) -> bool:
         """Whether a call now may draw random numbers (read once per step)."""
@@ -142,6 +144,8 @@ class _Saved:
     pending: Optional[PendingWeights] = None  # between I and W: what W starts from
     attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
     versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
+    # For the recompute: the caller's tensors it reads, by input name, with their versions then.
+    input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
 
 # The loss of one micro-batch, given its index and its output values as leaves: the loss
@@ -164,6 +168,21 @@ def _refuse_parameters_written_since(params: list[torch.Tensor], versions: Optio
             "after the backward (optimizer.step() after loss.backward()), or use checkpoint='never', whose backward "
             "reads what its forward kept, as the plain model's does. A forward that writes its own parameters "
             "(`self.w.clamp_(...)` under no_grad) writes them once per micro-batch: write them before the call."
+        )
+
+
+def _refuse_inputs_written_since(micro_batch: int, versions: list[tuple[str, torch.Tensor, int]]) -> None:
+    """A recompute reads the caller's inputs as they are now: one written in place since its
+    forward (a reused input buffer, a second forward into it) would give the backward of another
+    forward. The plain model's backward raises for an input autograd saved."""
+    written = sorted({name for name, t, version in versions if t._version != version})
+    if written:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"the pipeline's input {', '.join(map(repr, written))} was written in place between the forward and the "
+            f"backward (micro-batch {micro_batch}'s rows), and a checkpointed stage would recompute from the new values.\n"
+            "How to fix: write the input after the backward (or pass a copy, x.clone(), to the pipeline), or use "
+            "checkpoint='never', whose backward reads what its forward kept, as the plain model's does."
         )
 
 
@@ -234,6 +253,9 @@ class Step:
         self.backward_done = False
         self.cancelled = False
         self._turns: Optional[dict[tuple[str, int, int], float]] = None
+        # The flags and rates the forwards run under, for the recomputes: `pipe.eval()` or a rate
+        # changed before the backward must not change what a recompute computes.
+        self.flags = [flags_of(s.flagged) if grad and checkpoint_stop else None for s in stages]
         self.randomness = [stage.draws() for stage in stages]
         self.hidden_randomness = [stage.draws_hidden() for stage in stages]
         # From the caller's generator, only where a stage may draw: a model without random ops
@@ -355,11 +377,15 @@ class Step:
             group.finished.wait(WAIT_TIMEOUT or 60.0)
 
     def _post_inputs(self) -> None:
+        # An input some stage writes in place (into the caller's tensor, after it ran) reaches the
+        # other stages as a copy, so that what they saved, or recompute from, is what they read.
+        written = {name for s in self.stages for name in s.written}
         for i, batch in enumerate(self.micro_batches):
             for stage in self.local_stages:
                 for name in stage.inputs:
                     if stage.sources[name] == CALLER:
-                        self._post_forward(stage.index, i, name, batch[name], stage.device, _requires_grad)
+                        value = clone_tree(batch[name]) if name in written and name not in stage.written else batch[name]
+                        self._post_forward(stage.index, i, name, value, stage.device, _requires_grad)
 
     def forward(self) -> list[dict[str, Any]]:
         """Run the schedule's leading forwards; returns, per micro-batch, the output values."""
@@ -520,6 +546,13 @@ class Step:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return forward(*args)
 
+    def _versions_read(self, stage: StageRuntime, kept: list[Any]) -> list[tuple[str, torch.Tensor, int]]:
+        """The caller's tensors a checkpointed forward read (not copies), with their versions."""
+        return [
+            (name, t, t._version) for name, value in zip(stage.inputs, kept)
+            if stage.sources[name] == CALLER and name not in stage.written for t in leaves_of(value) if isinstance(t, torch.Tensor)
+        ]  # fmt: skip
+
     def _params_read(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters, and its copies of shared ones (a copy on the parameter's
         device is the parameter's memory: a write to one is seen by the other)."""
@@ -549,7 +582,7 @@ class Step:
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
             versions = [p._version for p in self._params_read(j)]
-            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes, versions=versions))
+            self._keep(i, j, _Saved(kept, None, buffers, attributes=attributes, versions=versions, input_versions=self._versions_read(stage, kept)))
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
@@ -627,7 +660,10 @@ class Step:
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
         _refuse_parameters_written_since(self._params_read(j), saved.versions)
-        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j):
+        _refuse_inputs_written_since(i, saved.input_versions)
+        flags = self.flags[j]
+        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j), \
+                flags_kept(stage.flagged, flags) if flags is not None else nullcontext():  # fmt: skip
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         saved.buffers = saved.attributes = None
         return start, time.perf_counter()

@@ -34,8 +34,8 @@ class StageCode:
 
 
 # On a stage's private copy of a model's module: the module it copies.
-_ORIGINAL = "_fxpipe_original"
-_STRUCTURE = ("_parameters", "_buffers", "_modules", _ORIGINAL)
+ORIGINAL = "_fxpipe_original"
+_STRUCTURE = ("_parameters", "_buffers", "_modules", ORIGINAL)
 
 
 CALLS_MODULE = "calls_module"  # node.meta key: the module a `call_with_state` node calls
@@ -50,7 +50,7 @@ def called_module(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     if node.op != "call_function" or name is None:
         return None
     copy = gm.get_submodule(name)
-    return copy.__dict__.get(_ORIGINAL, copy)
+    return copy.__dict__.get(ORIGINAL, copy)
 
 
 def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
@@ -58,7 +58,7 @@ def call_with_state(module: nn.Module, state: dict[str, torch.Tensor], *args: An
     parameters or buffers replaced by `state` for this call, and with every other attribute as
     the model's module holds it now: its `training` flag after `pipe.eval()`, a dropout rate
     changed since compiling, its hooks; what the call assigns goes back to the model's module."""
-    original = module.__dict__[_ORIGINAL]
+    original = module.__dict__[ORIGINAL]
     pairs = list(zip(module.modules(), original.modules()))
     for mine, theirs in pairs:
         mine.__dict__.update((key, value) for key, value in theirs.__dict__.items() if key not in _STRUCTURE)
@@ -75,7 +75,7 @@ def private_copy(module: nn.Module) -> nn.Module:
     follows the module's other attributes at every call (`call_with_state`)."""
     memo = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     copied = copy.deepcopy(module, memo)
-    copied.__dict__[_ORIGINAL] = module  # not a child: the copy's parameters stay its own
+    copied.__dict__[ORIGINAL] = module  # not a child: the copy's parameters stay its own
     return copied
 
 
