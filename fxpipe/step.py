@@ -115,6 +115,9 @@ class StageRuntime:
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)
+    # By pattern of inputs and parameters requiring grad: which outputs' tensors do, learnt from
+    # a forward under grad (a checkpointed forward under no_grad cannot tell).
+    output_grads: dict[Any, list[bool]] = field(default_factory=dict)
     whole_modules: list[nn.Module] = field(default_factory=list)  # called whole: their forward runs
     # What they store that requires grad (module, attribute, its path): no gradient can flow
     # back through it into the stage's graph, and a backward that reaches it is refused.
@@ -280,6 +283,7 @@ class Step:
         self.view_swaps: list[Optional[list[tuple[dict[str, Any], str, torch.Tensor]]]] = [None] * len(stages)
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.weights: list[Optional[Weights]] = [None] * len(stages)
+        self.grad_patterns: list[Optional[tuple[bool, ...]]] = [None] * len(stages)
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:
@@ -553,6 +557,13 @@ class Step:
             if stage.sources[name] == CALLER and name not in stage.written for t in leaves_of(value) if isinstance(t, torch.Tensor)
         ]  # fmt: skip
 
+    def _params_requiring_grad(self, stage: int) -> tuple[bool, ...]:
+        """Which of the stage's parameters and shared copies require grad (once per step)."""
+        found = self.grad_patterns[stage]
+        if found is None:
+            found = self.grad_patterns[stage] = tuple(p.requires_grad for p in [*self.stages[stage].params, *self.shared[stage]])
+        return found
+
     def _params_read(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters, and its copies of shared ones (a copy on the parameter's
         device is the parameter's memory: a write to one is seen by the other)."""
@@ -577,7 +588,11 @@ class Step:
         if checkpointed:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
             attributes = attributes_of(stage.whole_modules) if stage.whole_modules else None
-            with torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
+            # Which outputs require grad is learnt by the first checkpointed forward of each
+            # pattern of inputs and parameters requiring grad, run under grad (see `_differentiable_outputs`).
+            pattern = (tuple(t.requires_grad for v in inputs for t in leaves_of(v) if isinstance(t, torch.Tensor)), self._params_requiring_grad(j))
+            known = stage.output_grads.get(pattern)
+            with torch.no_grad() if known is not None else torch.enable_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
@@ -586,22 +601,28 @@ class Step:
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
+            if known is None:
+                known = stage.output_grads[pattern] = [t.requires_grad for v in outputs for t in leaves_of(v) if isinstance(t, torch.Tensor)]
+            wants = _differentiable_outputs(outputs, known)
         else:
             with torch.set_grad_enabled(self.grad), collecting(self.batch_stats), self._metered(i, j):
                 results = self._call(stage, i, inputs)
             outputs = self._write_back(stage, i, results)
             if self.grad:
                 self._keep(i, j, _Saved(inputs, outputs))
+            wants = _requires_grad
         if self.grad and stage.stored:
             refuse_gradients_through(stage.stored, self._upstream(j))
-        wants = _floating if checkpointed else _requires_grad
         end = time.perf_counter()
         for name, value in zip(stage.outputs, outputs):  # (3)
+            posted = wants
             if name in stage.state_outputs:
-                value = map_tensors(torch.clone, value)
+                copies = map_tensors(torch.clone, value)
+                posted = _as_their_originals(wants, value, copies)
+                value = copies
             for dst in stage.consumers[name]:
                 device = self.output_device if dst == self.sink else self.stages[dst].device
-                self._post_forward(dst, i, name, value, device, wants)
+                self._post_forward(dst, i, name, value, device, posted)
         if self.loss is not None and j == self.layout.loss_stage:
             self._loss_task(i)  # its gradients go to stages that wait for them
             end = time.perf_counter()
@@ -804,10 +825,20 @@ def _requires_grad(t: torch.Tensor) -> bool:
     return t.requires_grad
 
 
-def _floating(t: torch.Tensor) -> bool:
-    # A checkpointed forward ran under no_grad, so nothing tells which outputs are differentiable:
-    # every floating-point one is taken to be, and a gradient that never comes back is None.
-    return t.is_floating_point() or t.is_complex()
+def _as_their_originals(wants: Callable[[torch.Tensor], bool], originals: Any, copies: Any) -> Callable[[torch.Tensor], bool]:
+    """`wants` asked of each copy's original."""
+    pairs = {id(c): o for c, o in zip(leaves_of(copies), leaves_of(originals))}
+    return lambda t: wants(pairs.get(id(t), t))
+
+
+def _differentiable_outputs(outputs: Sequence[Any], known: list[bool]) -> Callable[[torch.Tensor], bool]:
+    """Which of a checkpointed forward's outputs require grad, as a forward under grad made them:
+    under no_grad, nothing tells. Taking every floating-point one to (as before) gave the blocks
+    of a reentrant `torch.utils.checkpoint` on a value that requires none gradients the plain
+    model does not give them."""
+    leaves = [t for v in outputs for t in leaves_of(v) if isinstance(t, torch.Tensor)]
+    flags = dict(zip(map(id, leaves), known))
+    return lambda t: flags.get(id(t), False)
 
 
 def _add(a: Any, b: Any) -> Any:

@@ -28,7 +28,7 @@ class NormAndDrop(nn.Module):
         return self.b(self.drop(torch.tanh(self.norm(self.a(x)))))
 
 
-CHANGES: dict[str, Callable[[nn.Module, nn.Module], None]] = {
+CHANGES: dict[str, Callable[[nn.Module, nn.Module], object]] = {
     "pipe.eval()": lambda pipe, model: pipe.eval(),
     "model.eval()": lambda pipe, model: model.eval(),
     "one BatchNorm's eval()": lambda pipe, model: model.get_submodule("norm").eval(),
@@ -141,3 +141,44 @@ def test_an_input_a_later_stage_writes_is_read_by_the_recompute_as_the_forward_r
     (expected.square().mean() if how == "pipe(x)" else F.mse_loss(expected, y)).backward()
     assert torch.equal(mine, theirs), "the caller's input written as the plain model writes it"
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class ReentrantOnAValueWithoutGrad(nn.Module):
+    """torch.utils.checkpoint(use_reentrant=True) in the second stage on a value computed from
+    the input alone: its output requires no grad, and the plain model gives its block none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.block = nn.Linear(6, 6), nn.Linear(6, 6), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        z = torch.tanh(x) * 2
+        h = self.b(h)
+        return h + torch.utils.checkpoint.checkpoint(self.block, z, use_reentrant=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reentrant_checkpoint_on_a_value_without_grad_gives_its_block_none(mode: str) -> None:
+    """Before, a checkpointed stage sent every floating-point output as requiring grad: the block
+    behind the reentrant checkpoint got a gradient the plain model never gives it."""
+    torch.manual_seed(0)
+    model = ReentrantOnAValueWithoutGrad().double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint=mode, split_points=["b"])
+    pipe(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    assert reference.block.lin.weight.grad is None and model.block.lin.weight.grad is None
+    for name, param in reference.named_parameters():
+        if not name.startswith("block."):
+            torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
