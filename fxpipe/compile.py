@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
 
 import torch
@@ -572,7 +573,9 @@ def compile_pipeline(
             refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
             raise
         split = spec_dims(signature, spec, example_args, example_kwargs)
-        annotate_batch_dims(gm, inputs, chunks, split, serves_eval=traced.eval_graph is None)
+        # One process may check micro-batches on its first call of two samples or more, where an
+        # example of one has no halves; across processes every rank must refuse alike, here.
+        checked = annotate_batch_dims(gm, inputs, chunks, split, serves_eval=traced.eval_graph is None, defer_one_sample=placement is None)
         _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the halves' check
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
@@ -593,7 +596,7 @@ def compile_pipeline(
         pin_devices(gm, parsed)
         cuts = {True: Cut(gm, [list(run) for run in runs], edges)}
         if traced.eval_graph is not None:
-            cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split, serves_eval=True))
+            cuts[False] = _eval_cut(traced.eval_graph, gm, inputs, parsed, lambda g: annotate_batch_dims(g, inputs, chunks, split, serves_eval=True, defer_one_sample=not checked))
         else:
             cuts[False] = cuts[True]
         place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
@@ -617,6 +620,13 @@ def compile_pipeline(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
         *_reads(traced), traced.eval_only,
     )
+    if not checked:
+        compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
+        warnings.warn(
+            f"the example has one sample, which has no halves: the check that {chunks} micro-batches compute what the "
+            "whole batch does runs on the first call of two samples or more (a call of one runs as one micro-batch).",
+            stacklevel=2,
+        )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
         check_same_plan(plan, placement, freed_needed(model, read_here), unfillable(model, read_here))
@@ -624,6 +634,20 @@ def compile_pipeline(
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"
     return Pipeline(model, compiled)
+
+
+def _check_micro_batches_later(
+    traced: Traced, cuts: dict[bool, Cut], chunks: int, model: nn.Module, bound: dict[str, Any], dims: Dims,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+) -> None:
+    """The halves' check of compiling, on a call's inputs (`bound`, split along `dims`) where the
+    example had one sample; raises as compiling would have."""
+    inputs = tuple(bound.values())
+    train, evaluation = cuts[True], cuts[False]
+    annotate_batch_dims(train.graph, inputs, chunks, dims, serves_eval=evaluation is train)
+    if evaluation is not train:
+        annotate_batch_dims(evaluation.graph, inputs, chunks, dims, serves_eval=True)
+    _check_example_micro_batches(traced, bound, chunks, dims, model, call)
 
 
 def _reads(traced: Traced) -> tuple[dict[bool, dict[str, bool]], dict[bool, frozenset[str]], str, ModeReads]:

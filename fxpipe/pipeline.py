@@ -32,7 +32,8 @@ from fxpipe.losses import (
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import (
-    Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, off_batch, scatter, spec_dims, split_dim, split_sizes,
+    Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, map_tensors, off_batch, scatter, spec_dims, split_dim,
+    split_sizes,
 )
 from fxpipe.passes.mode_reads import modes_changed
 from fxpipe.plan import Plan
@@ -141,6 +142,17 @@ class Pipeline(nn.Module):
         built = {id(cut): self._compiled.build(self._owner, cut) for cut in cuts.values()}
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
         self.__dict__["stages"] = self._programs[True].modules
+
+    def _check_micro_batches(self, values: dict[str, Any], dims: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
+        """The first call of two samples or more, where the example had one: compiling's check
+        that micro-batches compute what the whole batch does, on this call's inputs (raising as
+        compiling would have); the stages are built again on what it found."""
+        assert self._compiled.unchecked is not None
+        detached = {name: map_tensors(torch.Tensor.detach, value) for name, value in values.items()}
+        self._compiled.unchecked(detached, dims, (args, kwargs))
+        self._compiled.unchecked = None
+        self._build()
+        return self._held_program()
 
     def compile_stats(self) -> list[StageCompiles]:
         """Per stage, under `compile_stages`: graphs compiled, seconds in the compiler, and the
@@ -502,6 +514,8 @@ class Pipeline(nn.Module):
                 "a sample without its batch dim? Its features would be split as samples.\n"
                 "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
             )
+        if self._compiled.unchecked is not None and batch is not None and batch > 1:
+            program = self._check_micro_batches(values, dims, args, kwargs)
         self._refuse_shared_written_inputs(program, values)
         sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
         if batch is not None and len(sizes) > 1:

@@ -247,8 +247,17 @@ class Compiled:
     modes_read: ModeReads = field(default_factory=dict)
     # Why training mode could not be traced, for a model traced in eval mode alone (else "").
     eval_only: str = ""
+    # Where the example had one sample: the halves' check, to run on the first call of two samples
+    # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
+    unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
+        if self.unchecked is not None:
+            raise TypeError(
+                "this pipeline was compiled on an example of one sample and has not yet checked its micro-batches "
+                "(on its first call of two samples or more): a copy would not check them.\nHow to fix: call it once "
+                "with two samples or more before copying it, or compile it with an example of two samples or more."
+            )
         if self.placement is not None:
             raise TypeError(
                 "a pipeline across processes cannot be copied: each rank holds its own stages only.\n"

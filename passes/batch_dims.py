@@ -176,19 +176,23 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
 
 
 def annotate_batch_dims(
-    gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None, serves_eval: bool = False
-) -> None:
+    gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None, serves_eval: bool = False,
+    defer_one_sample: bool = False,
+) -> bool:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when the example's halves compute otherwise than the whole
-    example, and when `chunks` > 1 for an example of one sample (it has no halves). Nothing is
-    written with one micro-batch, or when the graph cannot run on the halves. A graph that
-    `serves_eval` too, whose runs wrote state (so that nothing was compared), is compared in
-    eval mode, where its modules may write none."""
+    example. Nothing is written with one micro-batch, or when the graph cannot run on the halves.
+    A graph that `serves_eval` too, whose runs wrote state (so that nothing was compared), is
+    compared in eval mode, where its modules may write none. An example of one sample has no
+    halves: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
+    False returned (the check is to run on inputs of two samples or more); True otherwise."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
     if chunks < 2 or not batch:
-        return
+        return True
     _refuse_counts_across_the_batch(gm, chunks)
+    if batch < 2 and defer_one_sample:
+        return False
     if batch < 2:
         raise ValueError(
             f"with chunks={chunks} the example needs at least two samples: compiling checks, on the example's "
@@ -204,12 +208,12 @@ def annotate_batch_dims(
     try:
         (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
     except Exception:  # noqa: BLE001 - not even the example runs here (on meta, say): nothing to tell
-        return
+        return True
     try:
         each = _run(gm, parts, real, keep=set(returned))
     except Exception as e:  # noqa: BLE001 - named in the refusal
         if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
-            return
+            return True
         raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
     compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
@@ -227,6 +231,7 @@ def annotate_batch_dims(
     if problems:
         hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
         raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
+    return True
 
 
 def _compared(

@@ -538,12 +538,54 @@ def test_a_table_split_for_its_length_is_named_with_the_chunk_spec_that_keeps_it
     assert torch.allclose(pipe(x, table), model(x, table), rtol=0, atol=1e-12)
 
 
-def test_an_example_of_one_sample_is_refused_when_it_would_be_split() -> None:
-    """One sample has no halves to check micro-batches against the whole batch on: a model that
-    mixes samples would compile, and differ from the plain model on the first larger batch."""
-    with pytest.raises(ValueError, match=r"(?s)with chunks=2 the example needs at least two samples.*How to fix: pass an example batch of two or more"):
-        compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=2)
-    compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), torch.randn(1, 4), ["cpu", "cpu"], chunks=1)
+class _MixesSamples(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x - x.mean(0))
+
+
+class _BatchSecond(nn.Module):
+    """Returns its batch along dim 1: gathering the micro-batches needs to know where it lies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).transpose(0, 1)
+
+
+def test_an_example_of_one_sample_is_checked_on_the_first_call_of_two() -> None:
+    """One sample has no halves to check micro-batches against the whole batch on. Before, such
+    an example was refused with chunks > 1; now compiling says so in one line, and the first call
+    of two samples or more runs the check: a model that mixes samples is refused there, with the
+    message compiling gives, and one that does not runs (and gathers along its own batch dim)."""
+    mixes = _MixesSamples().double()
+    with pytest.warns(UserWarning, match="the example has one sample.*runs on the first call of two samples or more"):
+        pipe = compile_pipeline(mixes, torch.randn(1, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    one = torch.randn(1, 4, dtype=torch.float64)
+    torch.testing.assert_close(pipe(one), mixes(one), rtol=0, atol=0)  # one sample: one micro-batch
+    with pytest.raises(TypeError, match="call it once with two samples or more before copying it"):
+        copy.deepcopy(pipe)
+    for _ in range(2):  # refused on every call, not only the first
+        with pytest.raises(ValueError, match="mix"):
+            pipe(torch.randn(4, 4, dtype=torch.float64))
+    with pytest.warns(UserWarning, match="the example has one sample"):
+        model = _BatchSecond().double()
+        pipe = compile_pipeline(model, torch.randn(1, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    out = pipe(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    reference = copy.deepcopy(model)
+    reference.zero_grad()
+    reference(x).square().sum().backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    copy.deepcopy(pipe)  # checked: copies are fine
 
 
 class _TiedMaxNorm(nn.Module):
