@@ -5,6 +5,7 @@ copy new parameters): the runtime calls it through `Compiled.build` and never re
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -15,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.checkpoint import slot_of
-from fxpipe.gather import ValueRef
+from fxpipe.gather import DataclassOutput, ValueRef
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
@@ -300,7 +301,7 @@ def _template(graph: fx.GraphModule) -> Any:
     output = next(n for n in graph.graph.nodes if n.op == "output")
     returned = _mutable(output.args[0], output.meta.get("containers"))
     if "out_spec" in output.meta:  # exported: the output's structure as the model returned it
-        returned = tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"])
+        returned = _mutable(tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"]), output.meta.get("containers"))
     return tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
 
 
@@ -310,6 +311,8 @@ def _mutable(value: Any, containers: Any = None) -> Any:
     kind, inner = containers if isinstance(containers, tuple) else (None, None)
     if type(value) in (dict, immutable_dict):
         items = {key: _mutable(v, inner.get(key) if isinstance(inner, dict) else None) for key, v in value.items()}
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            return DataclassOutput(kind, items)
         return kind(items) if kind is not None and issubclass(kind, dict) else items
     if type(value) in (list, immutable_list, tuple):
         parts = [_mutable(v, inner[i] if isinstance(inner, list) and i < len(inner) else None) for i, v in enumerate(value)]

@@ -1,11 +1,13 @@
 """Putting the micro-batches' outputs back into the model's output, and splitting gradients back."""
 from __future__ import annotations
 
+import collections
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import MappingKey, register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.microbatch import BatchDim, gather_leaf, split_along
 
@@ -22,6 +24,42 @@ class ValueRef:
 
     def dim(self, leaf: int) -> BatchDim:
         return self.dims[leaf] if self.dims is not None and leaf < len(self.dims) else None
+
+
+class DataclassOutput(dict):  # type: ignore[type-arg]
+    """In an output's structure, a dataclass the model returns that pytree does not know (its own
+    output type): its fields by name, a pytree node of fxpipe's own (the model's type is never
+    registered), made the dataclass again by `as_returned`."""
+
+    def __init__(self, kind: type, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.kind = kind
+
+
+register_pytree_node(
+    DataclassOutput,
+    lambda d: (list(d.values()), (d.kind, list(d))),
+    lambda values, context: DataclassOutput(context[0], dict(zip(context[1], values))),
+    flatten_with_keys_fn=lambda d: ([(MappingKey(k), v) for k, v in d.items()], (d.kind, list(d))),
+)
+
+
+def as_returned(value: Any) -> Any:
+    """`value` with each DataclassOutput made the model's dataclass again: its fields that
+    `__init__` takes passed to it, the others set after."""
+    if isinstance(value, DataclassOutput):
+        fields = {name: as_returned(v) for name, v in value.items()}
+        init = {f.name for f in dataclasses.fields(value.kind) if f.init}
+        made = value.kind(**{k: v for k, v in fields.items() if k in init})
+        for name, v in fields.items():
+            if name not in init:
+                object.__setattr__(made, name, v)
+        return made
+    if type(value) in (list, tuple):
+        return type(value)(as_returned(v) for v in value)
+    if type(value) in (dict, collections.OrderedDict):
+        return type(value)((key, as_returned(v)) for key, v in value.items())
+    return value
 
 
 class Gathered:
@@ -68,7 +106,7 @@ class Gathered:
         built = {name: tree_unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
         self.tensors = []
         self.values = {name: ([None] * len(leaves), spec) for name, (leaves, spec) in self.values.items()}
-        return tree_map(lambda leaf: built[leaf.name] if isinstance(leaf, ValueRef) else leaf, self.template)
+        return as_returned(tree_map(lambda leaf: built[leaf.name] if isinstance(leaf, ValueRef) else leaf, self.template))
 
     def route(self, grads: Sequence[Optional[torch.Tensor]]) -> list[dict[str, Any]]:
         per_value: list[dict[str, list[Optional[torch.Tensor]]]] = [{} for _ in range(self.micro_batches)]

@@ -180,6 +180,8 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
         return first
     if len(parts) == 1 or dim == SAME:
         return first.detach()
+    along = dim if isinstance(dim, int) else 0
+    _refuse_other_sizes(parts, along)
     if isinstance(dim, int):
         return torch.cat(list(parts), dim)
     if first.dim() == 0:
@@ -205,6 +207,23 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
             "outside the pipeline, or use chunks=1."
         )
     return torch.cat(list(parts))
+
+
+def _refuse_other_sizes(parts: Sequence[torch.Tensor], along: int) -> None:
+    """Micro-batches' outputs that differ in a dim besides the batch's (a model that trims
+    padding to the longest sequence in its batch) cannot be put together into one tensor."""
+    shapes = [tuple(p.shape) for p in parts]
+    if len({len(shape) for shape in shapes}) == 1 and len(shapes[0]) > along:
+        others = {shape[:along] + shape[along + 1 :] for shape in shapes}
+        if len(others) == 1:
+            return
+        differ = [d for d in range(len(shapes[0])) if d != along and len({shape[d] for shape in shapes}) > 1]
+        raise ValueError(
+            f"the micro-batches' outputs differ in dim {', '.join(map(str, differ))} besides the batch's (dim {along}): "
+            f"shapes {shapes}, which no tensor of the whole batch holds: does the model size its output by its batch "
+            "(padding trimmed to the longest sequence in it, say)?\nHow to fix: pad to a fixed length (the tokenizer's "
+            "padding='max_length'), return per-sample values of one size, or use chunks=1."
+        )
 
 
 def split_along(dim: BatchDim) -> Optional[int]:

@@ -24,7 +24,7 @@ from fxpipe.context import CallerContext
 from fxpipe.devices import Mailbox
 from fxpipe.clipping import clip_across
 from fxpipe.distributed import check_state_placement, holders, keep_local_state, refuse_written_inputs, routes, unread
-from fxpipe.gather import Gathered, ValueRef
+from fxpipe.gather import Gathered, ValueRef, as_returned
 from fxpipe.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
     refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target, value_grads,
@@ -851,7 +851,7 @@ class _Call:
 
 def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
     """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
-    return tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template)
+    return as_returned(tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template))
 
 
 def _moved_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

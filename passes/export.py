@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -12,6 +12,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.trace import containers_of, fields_of_dataclasses, plain_dicts
 
 _PREFIX = "model."
 
@@ -19,13 +20,20 @@ _PREFIX = "model."
 class _Flat(nn.Module):
     """The model called with its inputs as flat leaves, so any signature exports alike."""
 
-    def __init__(self, model: nn.Module, spec: TreeSpec) -> None:
+    def __init__(self, model: nn.Module, spec: TreeSpec, found: dict[str, Any]) -> None:
         super().__init__()
         self.model, self.spec = model, spec
+        # Into `found["containers"]`: the output's container kinds, its dataclasses among them. A
+        # function, which no copy of the module copies: export does not run this object itself.
+        self.note: Callable[[Any], None] = lambda containers: found.update(containers=containers)
 
     def forward(self, *leaves: Any) -> Any:
         args, kwargs = tree_unflatten(list(leaves), self.spec)
-        return self.model(*args, **kwargs)
+        # A dataclass output torch.export cannot flatten (the model's own type, or one a library
+        # registered without keys) is returned as its fields, and made again from them.
+        returned = fields_of_dataclasses(self.model(*args, **kwargs), keyed=True)
+        self.note(containers_of(returned))
+        return plain_dicts(returned)
 
 
 def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
@@ -89,9 +97,8 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     output has the model's output structure.
     """
     leaves, spec = tree_flatten((args, kwargs))
-    program = torch.export.export(
-        _Flat(model, spec), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False
-    )
+    found: dict[str, Any] = {}
+    program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
     exported = program.module()
     graph = exported.graph
     attrs: dict[str, Any] = {}
@@ -121,6 +128,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     assert out_spec is not None, "an exported module knows its output structure"
     output.args = (tree_unflatten(list(output.args[0]), out_spec),)
     output.meta["out_spec"] = out_spec  # fx turns any dict into its own: the model's kind is here
+    output.meta["containers"] = found.get("containers")  # and its dataclasses here
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
     gm.meta["input_guards"] = guards  # export's checks of a call's inputs: the sizes and values it assumed

@@ -1,6 +1,8 @@
 """Tracing a model into a torch.fx graph, with errors that point at the line to fix."""
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import copy
 import inspect
@@ -12,6 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.passes.assignments import AssignmentError, assignments_refused
@@ -64,13 +67,13 @@ class _Tracer(fx.Tracer):
         node = super().create_node(*args, **kwargs)
         node.meta["scope"] = self.scope.module_path
         if node.op == "output":
-            node.meta["containers"] = _containers(self.returned)
+            node.meta["containers"] = containers_of(self.returned)
         return node
 
     def create_arg(self, a: Any) -> Any:
         # The first call of a nesting is the whole value; for the output, the model's own return.
         if self.depth == 0:
-            self.returned = a
+            a = self.returned = fields_of_dataclasses(a)
         if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter) and (a.grad_fn is not None or a.requires_grad):
             if a not in getattr(self, "tensor_attrs", {}):  # a module's tensor attribute is read by name (checked apart)
                 self.computed += 1  # it would be a constant of the graph, never computed again
@@ -95,13 +98,53 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def _containers(value: Any) -> Any:
+class DataclassFields(dict):  # type: ignore[type-arg]
+    """A returned dataclass's fields, by name, which the graph returns as a dict; `kind` is
+    the dataclass, which the pipeline makes again of them."""
+
+    def __init__(self, kind: type, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self.kind = kind
+
+
+def fields_of_dataclasses(value: Any, keyed: bool = False) -> Any:
+    """A returned value with each dataclass pytree does not know (the model's own output type)
+    as its fields: fx would make one opaque node of it, which no pipeline can split or gather.
+    `keyed`: for torch.export, which needs keys too, also a dataclass a library registered
+    without them (`flatten_with_keys_fn`)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and not _known(type(value), keyed):
+        return DataclassFields(type(value), {f.name: fields_of_dataclasses(getattr(value, f.name), keyed) for f in dataclasses.fields(value)})
+    if type(value) in (list, tuple):
+        return type(value)(fields_of_dataclasses(v, keyed) for v in value)
+    if type(value) is dict:
+        return {key: fields_of_dataclasses(v, keyed) for key, v in value.items()}
+    return value
+
+
+def _known(kind: type, keyed: bool) -> bool:
+    node = pytree.SUPPORTED_NODES.get(kind)
+    return node is not None and (not keyed or node.flatten_with_keys_fn is not None)
+
+
+def plain_dicts(value: Any) -> Any:
+    """`fields_of_dataclasses`' records as plain dicts (what torch.export can return)."""
+    if isinstance(value, DataclassFields) or type(value) is dict:
+        return {key: plain_dicts(v) for key, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(plain_dicts(v) for v in value)
+    return value
+
+
+def containers_of(value: Any) -> Any:
     """The container types of a returned value (fx keeps dicts and lists as its own immutable
-    kinds): an OrderedDict stays an OrderedDict. Leaves are None."""
+    kinds): an OrderedDict stays an OrderedDict, a dataclass's fields are made that dataclass
+    again. Leaves are None."""
+    if isinstance(value, DataclassFields):
+        return (value.kind, {key: containers_of(v) for key, v in value.items()})
     if isinstance(value, dict):
-        return (type(value), {key: _containers(v) for key, v in value.items()})
+        return (type(value), {key: containers_of(v) for key, v in value.items()})
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return (type(value), [_containers(v) for v in value])
+        return (type(value), [containers_of(v) for v in value])
     return None
 
 

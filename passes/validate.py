@@ -1,6 +1,8 @@
 """Checking a traced graph against the eager model: same outputs, same buffer updates."""
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import re
 import traceback
@@ -107,6 +109,8 @@ def _plain(value: Any) -> Any:
     pipeline gives the model's own kinds back (from what the tracer recorded)."""
     if isinstance(value, dict):  # OrderedDict, fx's immutable dict, a library's output record
         return {key: _plain(v) for key, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # its fields, as the graph returns them
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if type(value) in (list, tuple) or type(value).__module__ == "torch.fx.immutable_collections":
         return type(value)(_plain(v) for v in value) if type(value) is tuple else [_plain(v) for v in value]
     return value

@@ -1,0 +1,193 @@
+"""Outputs come back as the model returns them: its own dataclasses, namedtuples and nested mixes,
+with the plain model's values and gradients; outputs that cannot be put together are refused."""
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+
+from conftest import assert_grads_equal
+from fxpipe import compile_pipeline
+
+
+@dataclasses.dataclass
+class Output:
+    sample: torch.Tensor
+    hidden: Optional[torch.Tensor] = None
+    steps: int = 0
+
+
+@dataclasses.dataclass
+class Nested:
+    pair: tuple[torch.Tensor, torch.Tensor]
+    inner: Output
+    count: int = dataclasses.field(default=0, init=False)
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class Returns(nn.Module):
+    """Returns one of several output structures, built of its two layers' values."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.tanh(self.a(x))
+        y = self.b(h)
+        if self.kind == "dataclass":
+            return Output(y, h, steps=3)
+        if self.kind == "dataclass, a field None":
+            return Output(y)
+        if self.kind == "nested":
+            return {"out": Nested((y, h), Output(y * 2, None)), "pair": Pair(h, y)}
+        return [Output(y, h), collections.OrderedDict(pair=Pair(y, h))]
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _leaves(getattr(value, f.name))]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _leaves(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _squares(value: Any) -> torch.Tensor:
+    return torch.stack([t.square().sum() for t in _leaves(value)]).sum()
+
+
+def _same_structure(got: Any, expected: Any) -> None:
+    assert type(got) is type(expected), (type(got), type(expected))
+    if dataclasses.is_dataclass(expected):
+        for f in dataclasses.fields(expected):
+            _same_structure(getattr(got, f.name), getattr(expected, f.name))
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected)
+        for key in expected:
+            _same_structure(got[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            _same_structure(a, b)
+    elif isinstance(expected, torch.Tensor):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "dataclass, a field None", "nested", "mixed"])
+def test_the_models_own_output_types_come_back_with_its_values_and_gradients(kind: str) -> None:
+    """Before, a dataclass output was refused ("values that hold tensors pytree cannot see")."""
+    torch.manual_seed(0)
+    model = Returns(kind).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    before = set(pytree.SUPPORTED_NODES)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["b"])
+    out, expected = pipe(x), reference(x)
+    _same_structure(out, expected)
+    _squares(out).backward()
+    _squares(expected).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    assert set(pytree.SUPPORTED_NODES) == before, "compiling registered a type of the model's with pytree"
+
+
+def test_train_step_returns_the_models_own_output_type() -> None:
+    torch.manual_seed(0)
+    model = Returns("dataclass").double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["b"], schedule="1f1b")
+    loss, out = pipe.train_step(x, target=y, loss_fn=lambda o, t: F.mse_loss(o.sample, t), return_outputs=True)
+    expected = reference(x)
+    F.mse_loss(expected.sample, y).backward()
+    _same_structure(out, expected)
+    torch.testing.assert_close(loss, F.mse_loss(expected.sample, y).detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class TrimsPadding(nn.Module):
+    """Cuts its output to the longest sequence in the batch, as a collator trimming padding does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        longest = mask.sum(1).max()
+        return self.b(torch.tanh(self.a(x)))[:, :longest]
+
+
+def test_outputs_of_other_sizes_per_micro_batch_are_refused_naming_the_dims() -> None:
+    """Before, the gather failed with torch.cat's own size error."""
+    x = torch.randn(4, 6, 4, dtype=torch.float64)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    pipe = compile_pipeline(TrimsPadding().double(), (x, mask), ["cpu", "cpu"], chunks=2, split_points=["b"])
+    torch.testing.assert_close(pipe(x, mask).shape, torch.Size([4, 6, 4]))
+    mask[2:, 3:] = 0  # the second micro-batch is shorter
+    with pytest.raises(ValueError, match=r"(?s)differ in dim 1 besides the batch's \(dim 0\).*shapes \[\(2, 6, 4\), \(2, 3, 4\)\].*pad to a fixed length"):
+        pipe(x, mask)
+
+
+@dataclasses.dataclass
+class RegisteredWithoutKeys:
+    """As a library registers its output type with pytree (diffusers' outputs): no keys."""
+
+    sample: torch.Tensor
+
+
+class NeedsExport(nn.Module):
+    """Branches on a size, which torch.fx cannot trace: torch.export takes over."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.tanh(self.a(x))
+        if x.shape[1] == 4:
+            h = h * 2
+        y = self.b(h)
+        return Output(y, h) if self.kind == "own" else RegisteredWithoutKeys(y)
+
+
+@pytest.fixture
+def registered_without_keys() -> Any:
+    pytree.register_pytree_node(
+        RegisteredWithoutKeys, lambda o: ([o.sample], None), lambda values, _: RegisteredWithoutKeys(list(values)[0])
+    )
+    yield
+    pytree._deregister_pytree_node(RegisteredWithoutKeys)
+
+
+@pytest.mark.parametrize("kind", ["own", "registered without keys"])
+def test_dataclass_outputs_through_torch_export(kind: str, registered_without_keys: Any) -> None:
+    """Before, torch.export refused both ("not a known type"; "Did not find a flatten_with_keys_fn")."""
+    torch.manual_seed(0)
+    model = NeedsExport(kind).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    before = {key: value.flatten_with_keys_fn for key, value in pytree.SUPPORTED_NODES.items()}
+    with pytest.warns(UserWarning, match="torch.export"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+    out, expected = pipe(x), reference(x)
+    _same_structure(out, expected)
+    _squares(out).backward()
+    _squares(expected).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    assert {key: value.flatten_with_keys_fn for key, value in pytree.SUPPORTED_NODES.items()} == before
