@@ -12,6 +12,7 @@ from torch import nn
 
 from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
 from fxpipe import StageError, compile_pipeline
+from fxpipe.microbatch import split_sizes
 
 MODES = ("always", "except_last", "never")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -839,3 +840,29 @@ def test_hooks_on_the_pipeline_itself_are_refused_by_train_step_and_those_on_the
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("loss", ["loss_fn", "the model's own"])
+def test_uneven_micro_batches_weigh_a_mean_loss_by_their_sizes(schedule: str, loss: str) -> None:
+    """Batch 10 in 4 micro-batches (3, 3, 2, 2): each micro-batch's mean weighs its size in the
+    batch's mean. Before, only the runtime's own loss check caught a wrong weight: no test
+    compared such gradients with the plain model's."""
+    x, y = torch.randn(10, 6, dtype=torch.float64), torch.randn(10, 6, dtype=torch.float64)
+    reference: nn.Module
+    if loss == "loss_fn":
+        model, reference = twin(FanOut())
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule=schedule)
+        total = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        expected = F.mse_loss(reference(x), y)
+    else:
+        own, reference_own = twin(OwnLoss())
+        pipe = compile_pipeline(own, (x, y), ["cpu"] * 2, chunks=4, schedule=schedule)
+        with pytest.warns(UserWarning, match="cannot check that it is one"):
+            total = pipe.train_step(x, y)
+        expected = reference_own(x, y)["loss"]
+        reference = reference_own
+    assert split_sizes(10, 4) == [3, 3, 2, 2]
+    expected.backward()
+    torch.testing.assert_close(total, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
