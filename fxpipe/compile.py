@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
@@ -117,6 +118,18 @@ def _schedule_problems(schedule: Any, stages_per_device: Any, chunks: Any, devic
     if schedule == "interleaved-1f1b" and isinstance(chunks, int) and devices and chunks % devices:
         return [f"interleaved-1f1b needs chunks to be a multiple of the device count, {devices} (got chunks={chunks})"]
     return []
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """Lazy modules' parameters have no shape until a first call: nothing can be cut or placed."""
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
+    if lazy:
+        more = f" and {len(lazy) - 5} more" if len(lazy) > 5 else ""
+        raise ValueError(
+            f"the model has parameters without a shape yet (lazy modules, LazyLinear say): {', '.join(lazy[:5])}{more}.\n"
+            "How to fix: run the model once on an example batch before compiling (model(example)), which gives them "
+            "their shapes."
+        )
 
 
 def _model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
@@ -350,6 +363,7 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
         example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
+        _refuse_lazy(model)  # before anything reads its tensors
         try:
             with preserved(model), inputs_preserved(example), put_back_on_failure(model):
                 pipe = compile(*args, **kwargs)

@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -346,12 +347,16 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     dim 1, say), with the chunk_spec that would split them there."""
     names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     hints: dict[str, Optional[int]] = {}
+    shapes: dict[str, str] = {}
     for name, value in zip(names, inputs):
-        if isinstance(value, torch.Tensor) and split_dim(value, batch, dims) is None:
-            at = [d for d in range(value.dim()) if value.shape[d] == batch]
-            if at:
-                hints[name] = at[0]
-    shapes = dict(zip(names, (tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in inputs)))
+        # A tensor, or a tuple of them (an LSTM's `(h0, c0)`): where each has the batch's size.
+        tensors = [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+        if not tensors or any(split_dim(t, batch, dims) is not None for t in tensors):
+            continue
+        at = set.intersection(*({d for d in range(t.dim()) if t.shape[d] == batch} for t in tensors))
+        if at:
+            hints[name] = min(at)
+            shapes[name] = ", ".join(str(tuple(t.shape)) for t in tensors)
     hint = (
         f"These inputs are passed whole to every micro-batch, and have a dim of the batch's size {batch}: "
         f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "

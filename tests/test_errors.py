@@ -1076,3 +1076,56 @@ def test_an_example_the_model_itself_fails_on_after_tracing_is_named_so() -> Non
         x = torch.randn(8, 6)
     with pytest.raises(ValueError, match=r"(?s)_WritesItsInput does not run on the example: RuntimeError: Inplace update to inference tensor.*How to fix"):
         compile_pipeline(_WritesItsInput(), x, ["cpu", "cpu"], chunks=2)
+
+
+class _StateTuple(nn.Module):
+    """An LSTM given its initial state `(h0, c0)`, whose batch lies on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(6, 6, batch_first=True), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.head(self.lstm(x, state)[0])
+
+
+def test_an_lstm_state_passed_whole_is_named_with_the_chunk_spec_that_splits_it() -> None:
+    """Before, the refusal named no input for a tuple state (it did for a GRU's tensor one)."""
+    torch.manual_seed(0)
+    model = _StateTuple().double()
+    x, state = torch.randn(4, 5, 6, dtype=torch.float64), (torch.randn(1, 4, 6, dtype=torch.float64), torch.randn(1, 4, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"state \(1, 4, 6\), \(1, 4, 6\)\. If that dim holds their batch, split them there: chunk_spec=\{'state': 1\}"):
+        compile_pipeline(model, (x, state), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (x, state), ["cpu", "cpu"], chunks=2, chunk_spec={"state": 1})
+    torch.testing.assert_close(pipe(x, state), model(x, state), rtol=0, atol=1e-12)
+
+
+def test_lazy_parameters_are_refused_with_the_fix() -> None:
+    """Before, torch's own "uninitialized parameter" error came out of a pass."""
+    model = nn.Sequential(nn.LazyLinear(6), nn.Linear(6, 6))
+    with pytest.raises(ValueError, match=r"(?s)without a shape yet.*0\.weight, 0\.bias.*model\(example\)"):
+        compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+    model(torch.randn(4, 6))
+    compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+
+
+class _ReentrantDropout(nn.Module):
+    """torch.utils.checkpoint (reentrant) around a block with dropout: it mixes no samples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.block, self.b = nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3)), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.utils.checkpoint.checkpoint(self.block, torch.tanh(self.a(x)), use_reentrant=True))
+
+
+def test_a_reentrant_checkpoint_with_dropout_inside_is_not_taken_for_mixing_samples() -> None:
+    """Before, it was refused as one that "mixes samples along the batch dim"."""
+    torch.manual_seed(0)
+    model = _ReentrantDropout().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    pipe.eval()
+    model.eval()
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
