@@ -3,6 +3,7 @@ ran under, and from the inputs it read, or the call refuses, naming what changed
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Callable
 
 import pytest
@@ -182,3 +183,48 @@ def test_a_reentrant_checkpoint_on_a_value_without_grad_gives_its_block_none(mod
     for name, param in reference.named_parameters():
         if not name.startswith("block."):
             torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
+
+
+class WritesAValueWithoutGrad(nn.Module):
+    """A value made from the input alone (a timestep's embedding) crosses to the next stage,
+    which writes it in place: it requires no grad, so the write is fine, as in the plain model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        embedding = torch.sin(t.unsqueeze(1) * torch.arange(6, dtype=x.dtype))
+        h = self.b(h)
+        embedding.mul_(2)
+        return h + embedding
+
+
+class WritesAValueWithoutGradExported(WritesAValueWithoutGrad):
+    """The same, with a branch on a size that torch.fx cannot trace: torch.export takes over."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 6:
+            raise ValueError("six features")
+        return super().forward(x, t)
+
+
+@pytest.mark.parametrize("front_end", ["torch.fx", "torch.export"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_value_without_grad_written_in_place_by_a_later_stage(mode: str, front_end: str) -> None:
+    """Before, a checkpointed stage sent it as requiring grad, and the later stage's in-place
+    write failed on it ("a leaf Variable that requires grad is being used in an in-place
+    operation"): a U-Net captured by torch.export, under 'always' with 4 stages."""
+    torch.manual_seed(0)
+    model = (WritesAValueWithoutGradExported if front_end == "torch.export" else WritesAValueWithoutGrad)().double()
+    reference = copy.deepcopy(model)
+    x, t = torch.randn(10, 6, dtype=torch.float64), torch.arange(10, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe = compile_pipeline(model, (x, t), ["cpu", "cpu"], chunks=5, checkpoint=mode, split_points=["b"])
+    assert any("used torch.export" in str(w.message) for w in caught) == (front_end == "torch.export")
+    pipe(x, t).square().mean().backward()
+    reference(x, t).square().mean().backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grad_of(dict(pipe.named_parameters())[name]), grad_of(param), rtol=0, atol=1e-12)
