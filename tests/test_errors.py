@@ -190,19 +190,31 @@ class Boxed:
     y: torch.Tensor
 
 
-class ReturnsADataclass(nn.Module):
+class Boxes(nn.Module):
+    """Kept whole, it returns a dataclass pytree does not know."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.linear = nn.Linear(6, 6)
 
     def forward(self, x: torch.Tensor) -> Boxed:
-        return Boxed(self.second(torch.tanh(self.first(x))))
+        return Boxed(torch.tanh(self.linear(x)))
 
 
-def test_an_output_that_hides_its_tensors_from_pytree_is_refused() -> None:
-    """An unregistered dataclass would go whole: the first micro-batch's output, no gradients."""
-    with pytest.raises(ValueError, match=r"hold tensors pytree cannot see: boxed \(Boxed\)(.|\n)*How to fix: register the type"):
-        compile_pipeline(ReturnsADataclass(), X, ["cpu", "cpu"], chunks=2)
+class PassesADataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Boxes(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).y)
+
+
+def test_a_value_between_stages_that_hides_its_tensors_from_pytree_is_refused() -> None:
+    """An unregistered dataclass would go whole from one stage to the next: unsplit, without
+    gradients. (One the model returns is made again from its fields: tests/test_outputs.py.)"""
+    with pytest.raises(ValueError, match=r"hold tensors pytree cannot see: first \(Boxed\)(.|\n)*How to fix: register the type"):
+        compile_pipeline(PassesADataclass(), X, ["cpu", "cpu"], chunks=2, leaf_modules=[Boxes], split_points=["second"])
 
 
 class Block(nn.Module):
