@@ -29,8 +29,21 @@ def three_ranks() -> list[list[dict[str, Any]]]:
     matrix: list[tuple[str, ...]] = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
     matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
     matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
-    matrix += [("gpt", "zb-h1", "except_last", "compiled"), ("fan_out", "1f1b", "always", "compiled")]
     return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
+
+
+def test_compiled_stages_across_two_processes() -> None:
+    """compile_stages on each rank's stages, under zb-h1 (a compiled stage's I computes every
+    gradient) and except_last: a value with skips to several stages (tied weights compiled are
+    in tests/test_compiled.py)."""
+    per_rank = results_of(spawn_ranks(cases.train_cases, 2, [("fan_out", "zb-h1", "except_last", "compiled")], timeout=300))
+    reports = [report[0] for report in per_rank]
+    assert reports[0]["losses"] == reports[1]["losses"]
+    for got, expected in zip(reports[0]["losses"], reports[0]["expected"]):
+        assert abs(got - expected) <= TOL
+    for rank, report in enumerate(reports):
+        assert not report["missing"], f"rank {rank} has no gradient for {report['missing']}"
+        assert max(report["grads"].values(), default=0.0) <= TOL, f"rank {rank}: {report['grads']}"
 
 
 def _reports(three_ranks: list[list[dict[str, Any]]], name: str) -> list[tuple[dict[str, Any], ...]]:
