@@ -647,7 +647,21 @@ def compile_pipeline(
         connect(placement)
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"
-    return Pipeline(model, compiled)
+    pipe = Pipeline(model, compiled)
+    if placement is None:  # another kind of call compiles a pipeline of its own, with these options
+        options = dict(
+            devices=devices, chunks=chunks, checkpoint=checkpoint, split_points=split_points, balance=balance,
+            leaf_modules=leaf_modules, device_memory=device_memory, param_scale=param_scale, bandwidth=bandwidth,
+            flop_rate=flop_rate, chunk_spec=chunk_spec, deferred_batch_norm=deferred_batch_norm, schedule=schedule,
+            stages_per_device=stages_per_device, compile_stages=compile_stages,
+        )  # fmt: skip
+        pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
+    return pipe
+
+
+def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
+    """A pipeline for a call of another kind than the example, the call as its example."""
+    return compile_pipeline(model, args, example_kwargs=kwargs or None, **options)
 
 
 def _check_micro_batches_later(

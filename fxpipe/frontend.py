@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from fxpipe.materialize import is_on_meta
-from fxpipe.program import Binder
+from fxpipe.program import Binder, OtherCall
 from fxpipe.passes.assignments import (
     AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
@@ -85,10 +85,11 @@ def _none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) ->
         values = bind(args, kwargs)
         differ = sorted(argument.get(name, name) for name, value in values.items() if (value is None) != (name in absent))
         if differ:
-            raise TypeError(
+            raise OtherCall(
                 f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
                 "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
-                "for calls of each kind (with and without the argument), or pass it as the example did."
+                "for calls of each kind (with and without the argument), or pass it as the example did.",
+                frozenset(name for name, value in values.items() if value is None),
             )
         return values
 
@@ -112,10 +113,11 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
             kwargs = {key: kwargs[key] for key in order}
         leaves, called = tree_flatten((args, kwargs))
         if called != spec:
-            raise TypeError(
+            raise OtherCall(
                 "the pipeline was exported for arguments shaped like the example, and this call differs:\n"
                 f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
-                "How to fix: call it with the same positional and keyword arguments as the example."
+                "How to fix: call it with the same positional and keyword arguments as the example.",
+                str(called),
             )
         mode = model.training if model.training in graphs else True
         _check_fixed(leaves, fixed[mode], arguments)

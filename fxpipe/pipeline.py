@@ -1,6 +1,7 @@
 """The Pipeline module: the model's own parameters, run stage by stage over micro-batches."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import inspect
@@ -37,7 +38,7 @@ from fxpipe.microbatch import (
 )
 from fxpipe.passes.mode_reads import modes_changed
 from fxpipe.plan import Plan
-from fxpipe.program import ChunkSpec, Compiled, Program
+from fxpipe.program import ChunkSpec, Compiled, OtherCall, Program
 from fxpipe.stage_compile import StageCompiles
 from fxpipe.randomness import generator_put_back_on_error
 from fxpipe.replicas import Replicas
@@ -54,6 +55,9 @@ __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
 
+
+# Kinds of call (arguments given or left out) a pipeline keeps compiled stages for.
+VARIANTS = 8
 
 class Pipeline(nn.Module):
     """A model cut into stages, run as a pipeline over micro-batches.
@@ -75,7 +79,11 @@ class Pipeline(nn.Module):
     _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
     _signature: Optional[inspect.Signature]
     _closed: bool
-    _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
+    _own_loss_warned: bool
+    # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
+    _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], "Pipeline"]]
+    _variants: "collections.OrderedDict[Any, Pipeline]"  # by kind of call, the most recent last
+    _variants_warned: bool  # train_step has said it cannot check a model's own loss
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
@@ -101,6 +109,7 @@ class Pipeline(nn.Module):
             _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
             last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
+            _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False,
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -310,8 +319,49 @@ class Pipeline(nn.Module):
         _refuse_parametrization_cache()
         if self._channel is not None:
             return forward_across(self, args, kwargs)
-        with generator_put_back_on_error():
-            return self._forward(args, kwargs)
+        try:
+            with generator_put_back_on_error():
+                return self._forward(args, kwargs)
+        except OtherCall as other:  # raised by the binding, before anything ran
+            variant = self._variant(other, args, kwargs)
+        return self._ran(variant, variant.forward(*args, **kwargs))
+
+    def _variant(self, other: OtherCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Pipeline":
+        """The pipeline for calls of another kind than the example (an optional argument left
+        out, or given where the example left it None): compiled on the first such call, from the
+        model as it is then and this call's arguments, and kept. Refused across processes, where
+        every rank would have to compile it at the same call."""
+        variants: collections.OrderedDict[Any, Pipeline] = self._variants
+        found = variants.get(other.key)
+        if found is not None:
+            variants.move_to_end(other.key)
+        elif self._recompile is None:
+            raise other
+        else:
+            try:
+                found = self._recompile(self._owner, args, kwargs)
+            except Exception as error:  # the model itself may refuse this call: say both
+                other.add_note(f"Compiling stages for this call failed too: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                raise other from error
+            if len(variants) >= VARIANTS:
+                variants.popitem(last=False)[1].close()
+                if not self._variants_warned:
+                    self.__dict__["_variants_warned"] = True
+                    warnings.warn(
+                        f"this pipeline has compiled stages for more than {VARIANTS} kinds of call (arguments given or "
+                        "left out, left None): it keeps the last ones, and compiles again for the others. Call it with "
+                        "fewer kinds of arguments, or compile a pipeline for each.",
+                        stacklevel=3,
+                    )
+            variants[other.key] = found
+        found.__dict__.update(checkpoint=self.checkpoint, measure_memory=self.measure_memory)
+        return found
+
+    def _ran(self, variant: "Pipeline", result: Any) -> Any:
+        """What `variant` ran, as this pipeline's last call (for `timeline()`)."""
+        for name in ("last_timeline", "last_most_alive", "last_peak_bytes", "last_meter"):
+            self.__dict__[name] = variant.__dict__[name]
+        return result
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
@@ -394,8 +444,13 @@ class Pipeline(nn.Module):
         if self._channel is not None:
             return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
+        try:
+            with generator_put_back_on_error():
+                call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+        except OtherCall as other:  # raised by the binding, before anything ran
+            variant = self._variant(other, args, kwargs)
+            return self._ran(variant, variant.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
         with generator_put_back_on_error():
-            call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
             with kept.put_back_on_error():
                 input_grads = step.train()
                 total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
@@ -707,7 +762,9 @@ class Pipeline(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers."""
         owner = copy.deepcopy(self._owner, memo)
-        return Pipeline(owner, self._compiled.copy(memo)).train(self.training)
+        copied = Pipeline(owner, self._compiled.copy(memo)).train(self.training)
+        copied.__dict__["_recompile"] = self._recompile  # its kinds of call compile again on it
+        return copied
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -721,6 +778,8 @@ class Pipeline(nn.Module):
         the pipeline cannot run afterwards."""
         self.__dict__["_closed"] = True
         self._workers.close()
+        for variant in self._variants.values():
+            variant.close()
 
     # -- placement is managed ----------------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> "Pipeline":  # type: ignore[override]

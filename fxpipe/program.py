@@ -13,7 +13,7 @@ import copy
 import functools
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -219,6 +219,16 @@ class Program:
 
 
 Builder = Callable[[nn.Module, Cut], Program]
+
+
+class OtherCall(TypeError):
+    """Raised by a binder: a call whose arguments differ in kind from the example's (one left
+    None where the example gave it, a keyword left out), which the graph was not traced for.
+    `key` names the kind of call, for a pipeline compiled for it."""
+
+    def __init__(self, message: str, key: Hashable) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 @dataclass

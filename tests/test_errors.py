@@ -561,12 +561,46 @@ class Gated(nn.Module):
         return self.b(h)
 
 
-def test_an_argument_left_none_where_the_example_gave_one_is_refused() -> None:
-    mask, model = torch.rand(4, 6), Gated()
-    pipe = compile_pipeline(model, (X, mask), ["cpu", "cpu"], chunks=2)
-    torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)
-    with pytest.raises(TypeError, match=r"leaves mask None where the example gave a value(.|\n)*How to fix"):
-        pipe(X)
+@pytest.mark.parametrize("how", ["pipe(x)", "train_step"])
+def test_an_argument_left_none_where_the_example_gave_one_compiles_stages_for_that_call(how: str) -> None:
+    """Before, it was refused ("leaves mask None where the example gave a value"), where the plain
+    model takes both calls: now each kind of call runs stages traced for it, on the one model."""
+    model, reference = twin(Gated())
+    x, mask, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2)
+    for args in [(x, mask), (x,), (x, None), (x, mask)]:
+        pipe.zero_grad()
+        reference.zero_grad()
+        if how == "pipe(x)":
+            assert_call_and_grads_equal(pipe, reference, *args)
+        else:
+            loss = pipe.train_step(*args, target=y, loss_fn=nn.functional.mse_loss)
+            expected = nn.functional.mse_loss(reference(*args), y)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+            assert_grads_equal(pipe, reference)
+    assert len(pipe._variants) == 1, "one pipeline for the calls without a mask, made once"
+
+
+def test_the_kinds_of_call_kept_are_bounded_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fxpipe.pipeline
+
+    monkeypatch.setattr(fxpipe.pipeline, "VARIANTS", 1)
+    model = TwoOptional()
+    mask, shift = torch.rand(4, 6), torch.rand(6)
+    pipe = compile_pipeline(model, (X, mask, shift), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X, shift=shift), model(X, shift=shift), rtol=0, atol=1e-6)  # one kind kept
+    with pytest.warns(UserWarning, match="more than 1 kinds of call"):
+        torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)  # a second: the first let go
+    torch.testing.assert_close(pipe(X, shift=shift), model(X, shift=shift), rtol=0, atol=1e-6)  # compiled again
+    assert len(pipe._variants) == 1
+    pipe.close()
+
+
+class TwoOptional(Gated):
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = super().forward(x, mask)
+        return out if shift is None else out + shift
 
 
 class GatedAndScaled(Gated):
@@ -583,8 +617,8 @@ def test_an_argument_the_example_leaves_none_is_traced_as_none_by_torch_fx(given
     assert "torch.fx" in pipe.plan.notes[0]
     torch.testing.assert_close(pipe(X, gain=2.0), model(X, gain=2.0), rtol=0, atol=1e-6)
     torch.testing.assert_close(pipe(X, None, 3.0), model(X, None, 3.0), rtol=0, atol=1e-6)
-    with pytest.raises(TypeError, match=r"leaves mask None where the example gave a value, or the reverse"):
-        pipe(X, torch.rand(4, 6))
+    mask = torch.rand(4, 6)
+    torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)  # traced for this call
 
 
 def test_an_argument_traced_as_none_is_exact_in_every_mode() -> None:
@@ -617,10 +651,11 @@ class GatedByItsOwnBias(nn.Module):
         return h if bias is None else h + bias
 
 
-def test_a_refused_none_argument_is_named_as_forward_names_it() -> None:
-    pipe = compile_pipeline(GatedByItsOwnBias(), X, ["cpu", "cpu"], chunks=2)
-    with pytest.raises(TypeError, match=r"this call leaves bias None where the example gave a value, or the reverse"):
-        pipe(X, torch.rand(6))
+def test_an_argument_named_like_a_parameter_given_where_the_example_left_it_none() -> None:
+    model = GatedByItsOwnBias()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    bias = torch.rand(6)
+    torch.testing.assert_close(pipe(X, bias), model(X, bias), rtol=0, atol=1e-6)
 
 
 def test_a_call_from_inside_one_of_its_own_stages_is_refused() -> None:

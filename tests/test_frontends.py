@@ -303,12 +303,15 @@ def test_a_model_traceable_in_eval_alone_compiles_for_eval_and_refuses_training(
         compile_pipeline(DropsLayersInTraining().double(), x, ["cpu"] * 2, chunks=2)  # in training mode: refused
 
 
-def test_exported_pipeline_refuses_a_call_shaped_unlike_the_example() -> None:
+def test_an_exported_pipeline_called_unlike_the_example_compiles_stages_for_that_call() -> None:
+    """Before, it was refused ("exported for arguments shaped like the example")."""
+    model = VarArgs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = compile_pipeline(VarArgs(), torch.randn(4, 8), ["cpu"] * 2)
-    with pytest.raises(TypeError, match="exported for arguments shaped like the example"):
-        pipe(torch.randn(4, 8), scale=torch.ones(1))
+        pipe = compile_pipeline(model, torch.randn(4, 8), ["cpu"] * 2)
+        x, scale = torch.randn(4, 8), torch.full((1,), 3.0)
+        torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-6)
 
 
 def test_a_graph_module_from_any_tracer_is_accepted() -> None:

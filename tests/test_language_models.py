@@ -94,3 +94,21 @@ def test_a_config_value_changed_after_compiling_is_refused_and_runs_once_back(ma
         pipe(ids)
     config.output_hidden_states = False
     torch.testing.assert_close(first(pipe(ids)), first(model(ids)), rtol=0, atol=1e-9)
+
+
+def test_bert_compiled_with_token_type_ids_is_called_without_them() -> None:
+    """Before, the call was refused ("the pipeline was exported for arguments shaped like the
+    example"); the plain model takes both."""
+    torch.manual_seed(0)
+    model = bert().double()
+    reference = copy.deepcopy(model)
+    ids, types = torch.randint(0, 64, (4, 12)), torch.zeros(4, 12, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, ids, ["cpu"] * 2, chunks=2, example_kwargs={"token_type_ids": types})
+        for kwargs in ({"token_type_ids": types}, {}):
+            out, expected = pipe(ids, **kwargs), reference(ids, **kwargs)
+            torch.testing.assert_close(first(out), first(expected), rtol=0, atol=1e-9)
+            loss(out).backward()
+            loss(expected).backward()
+            assert_grads_equal(pipe, reference, tol=1e-9)
