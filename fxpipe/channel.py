@@ -185,7 +185,7 @@ class Channel:
     def _read(self, peer: int, what: str) -> tuple[int, str, Hashable, Any]:
         posted = self.posted.pop(peer, None) or self._post(peer, [])
         frame = self._wait(posted.frame, posted.frame_work, peer, what).cpu()
-        fillers, sizes, header, body = open_frame(frame)
+        step, fillers, sizes, header, body = open_frame(frame)
         incoming = [*fillers, *sizes]
         early = [buffer.numel() for buffer, _ in posted.parts]
         if early != incoming[: len(early)]:
@@ -195,7 +195,7 @@ class Channel:
         extras = parts[len(fillers) :]
         if header is None:
             header, extras = extras[0].cpu().numpy().tobytes(), extras[1:]
-        step, kind, key, value = decode(header, frame, body, extras, self.device)
+        kind, key, value = decode(header, frame, body, extras, self.device)
         current = step == self.step and kind != FAILED
         read = self.read.setdefault(peer, [])
         if current:

@@ -1,32 +1,38 @@
 """The wire format of one message between ranks: a frame of fixed size, then the parts that did not fit.
 
-    frame (FRAME bytes)   [envelope length: int64][envelope, pickled][body: small tensors]
-    envelope              (fillers, extras, header or None): the byte sizes of the parts that
-                          follow the frame, and the header when it fits in the frame
+    frame (FRAME bytes)   [counts: 5 x int64][sizes: int64 each][header, if it fits][body: small tensors]
+    counts                the step, how many fillers, how many extras, the header's length,
+                          whether it is in the frame
+    sizes                 the byte sizes of the parts that follow the frame: fillers, then extras
     after the frame       each filler (bytes sent only to fill receives the peer had posted,
                           see fxpipe/channel.py), then each extra: the header when it did not
                           fit, then every tensor that did not
 
-The header is the step, the kind, the key and the value's structure, each tensor in it replaced
-by its shape, dtype, requires_grad and place (an offset in the body, or -1: an extra). Every
-part is bytes: a receiver posts each receive knowing only its size.
+The header is the kind, the key and the value's structure, each tensor in it replaced by its
+shape, dtype, requires_grad and place (an offset in the body, or -1: an extra). Every part is
+bytes: a receiver posts each receive knowing only its size. A schedule sends the same headers
+in every step, so a receiver keeps what each header unpickles to.
 """
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 FRAME = 4 * 1024  # small enough to cost no more than an empty send, on loopback gloo
-_ENVELOPE_ROOM = 512  # of the frame, kept for the envelope when tensors are placed in the body
+_HEADER_ROOM = 512  # of the frame, kept for the sizes and the header when tensors are placed in the body
 _ALIGN = 16  # body offsets: any dtype can view its bytes there
+_COUNTS = struct.Struct("<5q")
+# The frame is packed and read with struct and bytes, not with tensor slices: each slice of a
+# tensor costs microseconds of dispatch, and a small message's round trip is only a few of them.
 
 
 class FrameFull(ValueError):
-    """The envelope and the body of a message do not fit in one frame."""
+    """The sizes, the header and the body of a message do not fit in one frame."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class _TensorMeta:
 class Message:
     """One value, ready to send: the header, the tensors placed in the body, and the extras."""
 
+    step: int
     header: bytes
     inline: list[tuple[int, torch.Tensor]]  # (body offset, tensor)
     extras: list[torch.Tensor]  # bytes, each sent as a part of its own
@@ -56,21 +63,21 @@ class Message:
 def encode(step: int, kind: str, key: Hashable, value: Any, body: bool = True) -> Message:
     """The message of one value; without `body`, every tensor is an extra (for a value with so
     many tensors that their sizes leave no room in the frame)."""
-    originals = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    places, inline, extras, end = [], [], [], 0
-    for t in originals:
-        data = as_bytes(t.detach())
-        start = _aligned(end)
-        if body and start + data.numel() <= FRAME - _ENVELOPE_ROOM:
-            places.append(start)
+    leaves, spec = tree_flatten(value)
+    inline, extras, end = [], [], 0
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        data, start = as_bytes(t.detach()), _aligned(end)
+        if body and start + data.numel() <= FRAME - _HEADER_ROOM:
             inline.append((start, data))
             end = start + data.numel()
         else:
-            places.append(-1)
+            start = -1
             extras.append(data)
-    metas = iter([_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, at, _layout(t)) for t, at in zip(originals, places)])
-    skeleton = tree_map_only(torch.Tensor, lambda _: next(metas), value)
-    return Message(pickle.dumps((step, kind, key, skeleton)), inline, extras)
+        leaves[i] = _TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, start, _layout(t))
+    skeleton = tree_unflatten(leaves, spec)
+    return Message(step, pickle.dumps((kind, key, skeleton)), inline, extras)
 
 
 def frame_of(message: Message, fillers: list[int]) -> tuple[torch.Tensor, list[int]]:
@@ -78,49 +85,74 @@ def frame_of(message: Message, fillers: list[int]) -> tuple[torch.Tensor, list[i
     body_end = max((at + t.numel() for at, t in message.inline), default=0)
     for header_inline in (True, False):
         sizes = message.extra_sizes(header_inline)
-        envelope = pickle.dumps((fillers, sizes, message.header if header_inline else None))
-        body = _aligned(8 + len(envelope))
+        start = _COUNTS.size + 8 * (len(fillers) + len(sizes))
+        body = _aligned(start + (len(message.header) if header_inline else 0))
         if body + body_end <= FRAME:
             break
     else:
-        raise FrameFull(f"a message's envelope ({len(envelope)} bytes) and body ({body_end} bytes) do not fit in a frame of {FRAME}")
-    frame = torch.zeros(FRAME, dtype=torch.uint8)
-    frame[:8] = torch.tensor([len(envelope)], dtype=torch.int64).view(torch.uint8)
-    frame[8 : 8 + len(envelope)] = torch.frombuffer(bytearray(envelope), dtype=torch.uint8)
+        raise FrameFull(f"a message's sizes and header ({body} bytes) and body ({body_end} bytes) do not fit in a frame of {FRAME}")
+    frame = bytearray(FRAME)
+    _COUNTS.pack_into(frame, 0, message.step, len(fillers), len(sizes), len(message.header), header_inline)
+    struct.pack_into(f"<{len(fillers) + len(sizes)}q", frame, _COUNTS.size, *fillers, *sizes)
+    if header_inline:
+        frame[start : start + len(message.header)] = message.header
     for at, data in message.inline:
-        frame[body + at : body + at + data.numel()] = data.cpu()
-    return frame, sizes
+        frame[body + at : body + at + data.numel()] = data.cpu().numpy().data
+    return torch.frombuffer(frame, dtype=torch.uint8), sizes
 
 
-def open_frame(frame: torch.Tensor) -> tuple[list[int], list[int], Optional[bytes], int]:
-    """(fillers, extras, the header if inline, where the body starts) of a received frame."""
-    length = int(frame[:8].view(torch.int64).item())
-    fillers, extras, header = pickle.loads(frame[8 : 8 + length].numpy().tobytes())
-    return fillers, extras, header, _aligned(8 + length)
+def open_frame(frame: torch.Tensor) -> tuple[int, list[int], list[int], Optional[bytes], int]:
+    """(step, fillers, extras, the header if inline, where the body starts) of a received frame."""
+    data = frame.numpy().data
+    step, n_fillers, n_extras, header_length, header_inline = _COUNTS.unpack_from(data, 0)
+    sizes = list(struct.unpack_from(f"<{n_fillers + n_extras}q", data, _COUNTS.size))
+    start = _COUNTS.size + 8 * len(sizes)
+    header = data[start : start + header_length].tobytes() if header_inline else None
+    return step, sizes[:n_fillers], sizes[n_fillers:], header, _aligned(start + (header_length if header_inline else 0))
 
 
-def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Tensor], device: torch.device) -> tuple[int, str, Hashable, Any]:
-    """(step, kind, key, value) from the header, the frame's body and the tensor extras."""
-    step, kind, key, skeleton = pickle.loads(header)
-    leaves, spec = tree_flatten(skeleton)
+def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Tensor], device: torch.device) -> tuple[str, Hashable, Any]:
+    """(kind, key, value) from the header, the frame's body and the tensor extras."""
+    kind, key, leaves, spec = _opened(header)
     parts = iter(extras)
 
     def tensor(meta: _TensorMeta) -> torch.Tensor:
         if meta.at >= 0:
-            data = frame[body + meta.at : body + meta.at + _nbytes(meta)].clone().to(device)
+            data = frame.narrow(0, body + meta.at, _nbytes(meta)).clone().to(device)
         else:
             data = next(parts)
-        values = data.view(meta.dtype).reshape(meta.shape)
+        values = data.view(meta.dtype).view(meta.shape)
         if meta.strides is not None:
             values = torch.empty_strided(meta.shape, meta.strides, dtype=meta.dtype, device=values.device).copy_(values)
         return values.requires_grad_(meta.requires_grad)
 
-    return step, kind, key, tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
+    return kind, key, tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
+
+
+_KEPT = 4096  # headers whose unpickled form is kept (a schedule's messages of one step, many times over)
+_opened_headers: dict[bytes, tuple[str, Hashable, list[Any], TreeSpec]] = {}
+_IMMUTABLE = (_TensorMeta, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _opened(header: bytes) -> tuple[str, Hashable, list[Any], TreeSpec]:
+    """The kind, the key, and the skeleton's leaves and structure; kept where no leaf could be
+    changed by whoever takes the value (its structure is rebuilt on every call)."""
+    opened = _opened_headers.get(header)
+    if opened is None:
+        kind, key, skeleton = pickle.loads(header)
+        opened = (kind, key, *tree_flatten(skeleton))
+        if all(isinstance(leaf, _IMMUTABLE) for leaf in opened[2]):
+            if len(_opened_headers) >= _KEPT:
+                _opened_headers.clear()
+            _opened_headers[header] = opened
+    return opened
 
 
 def _layout(t: torch.Tensor) -> Optional[tuple[int, ...]]:
     """The tensor's strides, if a fresh tensor can take them (dense, not overlapping: what
     `empty_like` keeps) and they are not the contiguous ones; else None."""
+    if t.stride() == _contiguous(t.shape):
+        return None  # the common case, without the two tensors below
     strides = torch.empty_like(t, device="meta").stride()
     contiguous = torch.empty(t.shape, device="meta").stride()
     return strides if strides == t.stride() and strides != contiguous else None
@@ -131,11 +163,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)  # as torch strides a dim of size 0
+    return tuple(reversed(strides))
+
+
 def _nbytes(meta: _TensorMeta) -> int:
     count = 1
     for size in meta.shape:
         count *= size
-    return count * torch.empty((), dtype=meta.dtype).element_size()
+    return count * meta.dtype.itemsize
 
 
 def _aligned(offset: int) -> int:
