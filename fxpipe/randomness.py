@@ -197,9 +197,7 @@ def method_with_generator(name: str, self: torch.Tensor, *args: Any, draw_key: O
 # For compiled stages (fxpipe/stage_compile.py), in the steps where they draw: the draws run
 # eagerly, outside the compiled graph, so that they take the task's stream as an eager stage's
 # do and a recompute replays them, whatever the backend.
-EAGER_DRAWS: dict[Callable[..., Any], Callable[..., Any]] = {
-    f: torch.compiler.disable(f) for f in (dropout_module, dropout_function, with_generator, method_with_generator, begin_draws, end_draws)
-}
+DRAWS = (dropout_module, dropout_function, with_generator, method_with_generator, begin_draws, end_draws)
 MARKERS = (begin_draws, end_draws)  # no draw themselves: a step that draws nothing skips them
 
 

@@ -22,7 +22,7 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils._pytree import tree_map_only
 
-from fxpipe.randomness import EAGER_DRAWS, MARKERS
+from fxpipe.randomness import DRAWS, MARKERS
 
 # What `compile_stages={...}` may hold: torch.compile's own arguments, passed through.
 COMPILE_KEYS = ("mode", "dynamic", "backend", "fullgraph", "options")
@@ -95,18 +95,26 @@ def _calling_context(training: bool) -> Hashable:
     )  # fmt: skip
 
 
+@cache
+def _eager_draws() -> dict[Callable[..., Any], Callable[..., Any]]:
+    """Each draw, as dynamo runs it: outside the graph. Made on first use, since disabling
+    imports dynamo, a second or more that `import fxpipe` need not pay."""
+    return {f: torch.compiler.disable(f) for f in DRAWS}
+
+
 def stage_forward(module: fx.GraphModule, draws: bool) -> Callable[..., Any]:
-    """The stage's forward for the steps that draw, with its draws (`EAGER_DRAWS`) run outside
+    """The stage's forward for the steps that draw, with its draws (`DRAWS`) run outside
     the compiled graph (dynamo breaks the graph at each, in the stage's own frame); or for the
     others, without the marks of unseen draws (`MARKERS`), which would break it for nothing."""
     graph = fx.Graph()
     graph._codegen = module.graph._codegen
     graph.output(graph.graph_copy(module.graph, {}))
+    eager = _eager_draws()
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in EAGER_DRAWS:
+        if node.op != "call_function" or node.target not in eager:
             continue
         if draws:
-            node.target = EAGER_DRAWS[node.target]
+            node.target = eager[node.target]
         elif node.target in MARKERS:
             graph.erase_node(node)
     code = graph.python_code(root_module="self")

@@ -8,7 +8,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.export import Dim
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.passes.attrs import fetch_attr
@@ -140,7 +139,7 @@ def batch_is_specialized(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         value = node.meta.get("val")
         if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
-            return is_concrete_int(value.shape[0])
+            return _is_concrete_int(value.shape[0])
     return False
 
 
@@ -152,7 +151,7 @@ def fixed_dims(gm: fx.GraphModule) -> list[tuple[int, int, int]]:
     for index, node in enumerate(placeholders):
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor):
-            fixed += [(index, dim, int(size)) for dim, size in enumerate(value.shape) if is_concrete_int(size)]
+            fixed += [(index, dim, int(size)) for dim, size in enumerate(value.shape) if _is_concrete_int(size)]
     return fixed
 
 
@@ -164,3 +163,11 @@ def shapes_note(gm: fx.GraphModule) -> str:
     names = [str(n.meta.get("argument", n.name)) for n in gm.graph.nodes if n.op == "placeholder"]
     listed = ", ".join(f"{names[index]} dim {dim} = {size}" for index, dim, size in fixed)
     return f"input shapes: fixed by torch.export at {listed}; every other dim dynamic"
+
+
+def _is_concrete_int(size: Any) -> bool:
+    """Whether a size of an exported graph is a plain int, not a symbol (imported here: its
+    module imports sympy, which `import fxpipe` need not pay for)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return bool(is_concrete_int(size))
