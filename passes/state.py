@@ -50,6 +50,35 @@ def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node
     return found
 
 
+def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, tuple[torch.Tensor, str]]:
+    """The parameters `run` writes in place in forward, by qualified name, each with what writes
+    it: an Embedding with max_norm called whole (it renormalises the rows it looks up), or an
+    op writing a parameter (`embedding_renorm_`, a write under no_grad)."""
+    found = {}
+    for node in run:
+        if node.op == "call_module":
+            module = fetch_attr(gm, str(node.target))
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+                found[f"{node.target}.weight"] = (module.weight, f"`{node.target}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
+            continue
+        written = _buffers_written(gm, node)
+        if _renorms(node):
+            root = _state_root(gm, node.args[1]) if isinstance(node.args[1], fx.Node) else None
+            written.update({str(root.target): fetch_attr(gm, str(root.target))} if root is not None else {})
+        for name, tensor in written.items():
+            if isinstance(tensor, nn.Parameter):
+                found[name] = (tensor, f"`{node.name}`" + (", which renormalises the rows it looks up (max_norm)" if _renorms(node) else ""))
+    return found
+
+
+def _renorms(node: fx.Node) -> bool:
+    """A call of F.embedding or F.embedding_bag with max_norm: it writes its weight."""
+    if node.op != "call_function" or node.target not in (F.embedding, F.embedding_bag) or len(node.args) < 2:
+        return False
+    max_norm = node.args[3] if len(node.args) > 3 else node.kwargs.get("max_norm")  # (input, weight, _, max_norm) in both
+    return max_norm is not None
+
+
 def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Whether `node`'s value is a parameter or buffer of the model, or a view of one, through
     views and in-place writes (`self.count.add_(1)` is the buffer itself)."""

@@ -854,13 +854,40 @@ class Swapped(nn.Module):
         return self.l1(torch.tanh(self.l2(x)))
 
 
-def stale_copies(rank: int, world: int) -> str:
+class RenormTied(nn.Module):
+    """An Embedding with max_norm (it renormalises the rows it looks up, in place) tied to the
+    head: called whole, or as F.embedding, which torch.fx traces into `embedding_renorm_`."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.emb = nn.Embedding(10, 6, max_norm=1.0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(x, self.emb.weight, max_norm=1.0) if self.functional else self.emb(x)
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(h)))))
+
+
+def stale_copies(rank: int, world: int) -> list[str]:
+    """Plans whose copies would go stale: a parameter read in eval mode alone on another rank; a
+    parameter forward renormalises in place, tied to a later rank's head (with one micro-batch,
+    where no check of the halves sees it: before, each rank ran its own copy, 2.6 off)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
-    try:
-        compile_pipeline(Swapped(), torch.randn(4, 4), mesh=mesh, split_points=["l2"])
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    found = []
+    for model, x, splits in [
+        (Swapped(), torch.randn(4, 4), ["l2"]),
+        (RenormTied(False), torch.randint(0, 10, (8, 5)), ["b"]),
+        (RenormTied(True), torch.randint(0, 10, (8, 5)), ["b"]),
+    ]:
+        try:
+            compile_pipeline(model, x, mesh=mesh, split_points=splits, timeout=30)
+            found.append("no error")
+        except ValueError as e:
+            found.append(str(e))
+    return found
 
 
 def held_elsewhere(rank: int, world: int) -> dict[str, Any]:

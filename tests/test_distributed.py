@@ -334,9 +334,12 @@ def test_random_graphs_with_every_feature_train_and_evaluate_as_the_plain_model(
 
 
 def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
-    for message in results_of(spawn_ranks(cases.stale_copies, 2, timeout=120)):
-        assert "cannot run across processes" in message and "'l1.weight' is read on pipeline rank(s) [1] in eval mode" in message, message
-        assert "How to fix" in message
+    for eval_alone, renormed, renormed_by_op in results_of(spawn_ranks(cases.stale_copies, 2, timeout=120)):
+        assert "cannot run across processes" in eval_alone and "'l1.weight' is read on pipeline rank(s) [1] in eval mode" in eval_alone, eval_alone
+        assert "How to fix" in eval_alone
+        assert "parameter 'emb.weight' is written in place in forward by `emb`, an Embedding with max_norm" in renormed, renormed
+        assert "read on pipeline ranks [0, 1]" in renormed and "max_norm=None" in renormed, renormed
+        assert "parameter 'emb.weight' is written in place in forward by `embedding`, which renormalises" in renormed_by_op, renormed_by_op
 
 
 def test_tensors_held_elsewhere_are_refused_on_every_rank_and_nothing_is_moved() -> None:
