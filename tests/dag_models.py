@@ -104,6 +104,9 @@ class Spec:
     returns: tuple[int, ...]  # values returned besides the head (sum of every unused value)
     p: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # "torch.export": forward takes *inputs, which torch.fx cannot trace, so that compiling
+    # goes through torch.export
+    front_end: str = "torch.fx"
 
     def has(self, *kinds: str) -> bool:
         return any(op.kind in kinds for op in self.ops)
@@ -248,9 +251,16 @@ def source(spec: Spec, name: str = "Model") -> str:
     return (
         f"class {name}(nn.Module):\n"
         f"    def __init__(self, p={spec.p}):\n" + "".join(f"{ind}{line}\n" for line in init) + "\n"
-        + ("    def forward(self, x, bias=torch.full((1,), 0.1)):\n" if spec.has("tensor_default") else "    def forward(self, x):\n")
+        + _signature(spec)
         + "".join(f"{ind}{line}\n" for line in body)
     )
+
+
+def _signature(spec: Spec) -> str:
+    default = ", bias=torch.full((1,), 0.1)" if spec.has("tensor_default") else ""
+    if spec.front_end == "torch.export":
+        return f"    def forward(self, *inputs{default}):\n        x = inputs[0]\n"
+    return f"    def forward(self, x{default}):\n"
 
 
 _counter = [0]
@@ -578,7 +588,7 @@ def reproducer(case: Case, balance: Any = None) -> str:
     return (
         "import sys; sys.path.insert(0, 'tests')\n"
         "from dag_models import Case, Op, Spec, check\n"
-        f"spec = Spec(width={spec.width}, p={spec.p}, returns={spec.returns!r}, ops=[\n"
+        f"spec = Spec(width={spec.width}, p={spec.p}, returns={spec.returns!r}, front_end={spec.front_end!r}, ops=[\n"
         + "".join(f"    Op({op.kind!r}, {op.picks!r}, {op.variant}),\n" for op in spec.ops)
         + "])\n"
         f"check(Case(spec, use={case.use!r}, stages={case.stages}, chunks={case.chunks}, mode={case.mode!r}, "

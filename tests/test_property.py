@@ -40,11 +40,16 @@ from dag_models import FEATURE_OPS, FEATURES, MODES, SCHEDULES, USES, Case, NotA
 # 14 features x 6 uses = 84 cases; the file runs in about 2-3 minutes on 2 cores.
 # FXPIPE_PROPERTY_EXAMPLES=50 searches harder (outside CI).
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "10"))
+# Through torch.export, each with checkpoint='always' (what recomputes the exported graph's ops
+# in backward): 18 features x 3; about 40 s.
+EXPORTED = max(1, EXAMPLES * 3 // 10)
 
 
 @st.composite
-def specs(draw: Any, feature: str) -> Spec:
+def specs(draw: Any, feature: str, front_end: str = "torch.fx") -> Spec:
     kinds = FEATURE_OPS[feature]
+    if front_end == "torch.export":  # which refuses an autograd Function, naming it
+        kinds = tuple(k for k in kinds if k != "function")
     least = 4 if feature == "fanout" else 2
     n = draw(st.integers(least, 8 if feature == "mixed" else 5))
     width = draw(st.sampled_from([4, 6, 8]))
@@ -65,12 +70,12 @@ def specs(draw: Any, feature: str) -> Spec:
                 op.picks = (op.picks[0], 1)
     returns: tuple[int, ...] = draw(st.one_of(st.just(()), st.tuples(st.integers(1, n))))
     p = draw(st.sampled_from([0.5, 0.25]))
-    return Spec(width, ops, returns, p)
+    return Spec(width, ops, returns, p, front_end=front_end)
 
 
 @st.composite
-def cases(draw: Any, feature: str, use: str) -> Case:
-    spec = draw(specs(feature))
+def cases(draw: Any, feature: str, use: str, front_end: str = "torch.fx") -> Case:
+    spec = draw(specs(feature, front_end))
     chunks = draw(st.integers(1, 4))
     least = 2 * chunks if spec.has("batchnorm") else 1  # BatchNorm needs two rows per micro-batch
     return Case(
@@ -78,7 +83,7 @@ def cases(draw: Any, feature: str, use: str) -> Case:
         use=use,
         stages=draw(st.integers(1, 4)),
         chunks=chunks,
-        mode=draw(st.sampled_from(MODES)),
+        mode=draw(st.sampled_from(MODES)) if front_end == "torch.fx" else "always",
         cuts_seed=draw(st.one_of(st.none(), st.integers(0, 999))),
         batch=draw(st.integers(max(6, least), 9)),
         seed=draw(st.integers(0, 2**16)),
@@ -116,6 +121,21 @@ def _run(case: Case) -> None:
 @given(data=st.data())
 def test_pipeline_equals_plain_model(feature: str, use: str, data: st.DataObject) -> None:
     _run(data.draw(cases(feature, use), label="case"))
+
+
+@pytest.mark.parametrize("feature", [f for f in FEATURES if f != "function"])  # export refuses an autograd Function
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace Model")
+@settings(
+    max_examples=EXPORTED,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(data=st.data())
+def test_graphs_captured_by_torch_export_equal_the_plain_model_under_always(feature: str, data: st.DataObject) -> None:
+    use = data.draw(st.sampled_from(USES), label="use")
+    _run(data.draw(cases(feature, use, "torch.export"), label="case"))
 
 
 def test_generated_models_run_eagerly() -> None:
