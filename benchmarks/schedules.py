@@ -146,7 +146,9 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
         ])  # fmt: skip
         if args.gantt and contender.name == "zb-h1" and w is not None and "MLP" in w.name:
             train_step(pipe, w)()
-            pipe.timeline().to_svg(args.gantt, predicted=predicted.timeline, title=f"measured, {w.name}, zb-h1")
+            pipe.timeline().to_svg(
+                args.gantt, predicted=predicted.timeline, title=f"measured, {w.name}, zb-h1", predicted_title=f"predicted {pipe.plan.times}",
+            )
     return rows
 
 

@@ -318,8 +318,18 @@ def _chosen_cut(
 
 def _report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
     """Predicted seconds: measured where measured, else from FLOPs."""
-    mode = "time" if all("time" in n.meta for n in order) else "flops"
-    return cut_model(order, mode, **costs)
+    return cut_model(order, "time" if _measured(order) else "flops", **costs)
+
+
+def _measured(order: list[fx.Node]) -> bool:
+    return all("time" in n.meta for n in order)
+
+
+def _times_basis(order: list[fx.Node], costs: dict[str, Any]) -> str:
+    """Where the plan's stage times come from, said beside every prediction made from them."""
+    if _measured(order):
+        return "from measured times"
+    return f"from FLOPs at an assumed {costs['flop_rate']:.3g} FLOP/s; balance='time' measures them"
 
 
 def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: list[Any], report: CutModel, memory: CutModel) -> list[StagePlan]:
@@ -624,6 +634,7 @@ def compile_pipeline(
         notes=[traced.note, shapes_note(gm)] if traced.note else ["input shapes: every dim dynamic (torch.fx)"],
         schedule=schedule,
         ranks=ranks,
+        times=_times_basis(order, costs),
     )
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,

@@ -59,6 +59,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     schedule: str = "gpipe"  # what train_step runs; pipe(x) + backward() runs GPipe
     ranks: list[int] = field(default_factory=list)  # the worker (device slot) of each stage
+    # Where the stage times (and so every prediction) come from: measured, or FLOPs at a rate.
+    times: str = "measured"
 
     def edges_of_kind(self, kind: str) -> list[Edge]:
         return [e for e in self.edges if e.kind == kind]
@@ -130,7 +132,7 @@ class Plan:
         peaks = ", ".join(human_bytes(predicted.peak_bytes.get(s.index, 0)) for s in self.stages)
         footer = (
             f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
-            f"predicted: {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
+            f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
             f"predicted peak activations per stage: {peaks}\n"
             f"stash/pop edges: {skips}"
         )

@@ -88,10 +88,12 @@ class Timeline:
                 f.write(text)
         return text
 
-    def to_svg(self, path: Optional[str] = None, predicted: Optional["Timeline"] = None, title: str = "measured") -> str:
+    def to_svg(
+        self, path: Optional[str] = None, predicted: Optional["Timeline"] = None, title: str = "measured", predicted_title: str = "predicted",
+    ) -> str:
         """A Gantt chart, one row per worker; with `predicted`, the prediction is drawn below on
-        the same time scale."""
-        charts = [(title, self)] + ([("predicted", predicted)] if predicted is not None else [])
+        the same time scale (`predicted_title`: say where its times come from, `plan.times`)."""
+        charts = [(title, self)] + ([(predicted_title, predicted)] if predicted is not None else [])
         svg = _gantt(charts)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
