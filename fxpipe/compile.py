@@ -36,7 +36,7 @@ from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.snapshot import inputs_preserved, preserved
 from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
-from fxpipe.passes.state import reads_after_hidden_writes, state_write_spans, view_write_spans
+from fxpipe.passes.state import reads_after_hidden_writes, rewritten_by_recompute, state_write_spans, view_write_spans
 from fxpipe.build import build_program
 from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, placement_of
 from fxpipe.pipeline import Pipeline
@@ -314,6 +314,20 @@ def _chosen_cut(
     if balance is not None and not isinstance(balance, str):
         return partition(order, stages, balance=balance, together=together)
     return None
+
+
+def _refuse_recomputed_writes(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]], checkpoint: str, chunks: int) -> None:
+    """A checkpointed stage whose forward writes a parameter in place that another stage reads
+    would write it again in its recompute; refused, as autograd would fail in backward."""
+    problems = rewritten_by_recompute(gm, runs) if checkpoint_stop(checkpoint, chunks) > 0 else []
+    if problems:
+        raise ValueError(
+            f"with checkpoint={checkpoint!r} a recompute would write these parameters in place a second time, while "
+            "another stage holds them for its backward:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
+            "How to fix: checkpoint='never' (or 'except_last' with chunks=1); cut so that one stage holds every use "
+            "(split_points=[...]); or write them outside forward (an Embedding's max_norm=None, and its rows "
+            "renormalised before the step)."
+        )
 
 
 def _report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
@@ -616,6 +630,7 @@ def compile_pipeline(
         )
         caps = _caps(device_memory, ranks)
         runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
+        _refuse_recomputed_writes(gm, runs, checkpoint, chunks)
         edges = find_edges(gm, len(parsed))
         pin_devices(gm, parsed)
         cuts = {True: Cut(gm, [list(run) for run in runs], edges)}

@@ -67,7 +67,7 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
             written.update({str(root.target): fetch_attr(gm, str(root.target))} if root is not None else {})
         for name, tensor in written.items():
             if isinstance(tensor, nn.Parameter):
-                found[name] = (tensor, f"`{node.name}`" + (", which renormalises the rows it looks up (max_norm)" if _renorms(node) else ""))
+                found[name] = (tensor, f"`{node.name}`" + (" with max_norm, which renormalises the rows it looks up" if _renorms(node) else ""))
     return found
 
 
@@ -77,6 +77,20 @@ def _renorms(node: fx.Node) -> bool:
         return False
     max_norm = node.args[3] if len(node.args) > 3 else node.kwargs.get("max_norm")  # (input, weight, _, max_norm) in both
     return max_norm is not None
+
+
+def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> list[str]:
+    """The parameters one stage's forward writes in place and another stage reads, each as a
+    line: a recompute of the writer writes them again while the reader may hold them for its
+    backward (autograd then finds them changed), as the plain model never does."""
+    problems = []
+    for index, run in enumerate(runs):
+        for name, (tensor, writer) in parameters_written(gm, run).items():
+            others = [k for k, other in enumerate(runs) if k != index and any(t is tensor for n in other for t in tensors_read(gm, n).values())]
+            if others:
+                readers = f"stage {others[0]} reads" if len(others) == 1 else f"stages {others} read"
+                problems.append(f"{name!r}: stage {index} writes it in place ({writer}), and {readers} it")
+    return problems
 
 
 def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:

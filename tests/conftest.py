@@ -164,3 +164,20 @@ def _bounded_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     import fxpipe.step
 
     monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 30.0)
+
+
+class RenormTied(nn.Module):
+    """An Embedding with max_norm (it renormalises the rows it looks up, in place) tied to the
+    head: called whole, or as F.embedding, which torch.fx traces into `embedding_renorm_`."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.emb = nn.Embedding(10, 6, max_norm=1.0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.embedding(x, self.emb.weight, max_norm=1.0) if self.functional else self.emb(x)
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(h)))))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import Counts, FanOut, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
+from conftest import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -852,23 +852,6 @@ class Swapped(nn.Module):
         if self.training:
             return self.l2(torch.tanh(self.l1(x)))
         return self.l1(torch.tanh(self.l2(x)))
-
-
-class RenormTied(nn.Module):
-    """An Embedding with max_norm (it renormalises the rows it looks up, in place) tied to the
-    head: called whole, or as F.embedding, which torch.fx traces into `embedding_renorm_`."""
-
-    def __init__(self, functional: bool) -> None:
-        super().__init__()
-        self.functional = functional
-        self.emb = nn.Embedding(10, 6, max_norm=1.0)
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-        self.head = nn.Linear(6, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(x, self.emb.weight, max_norm=1.0) if self.functional else self.emb(x)
-        return self.head(torch.tanh(self.b(torch.tanh(self.a(h)))))
 
 
 def stale_copies(rank: int, world: int) -> list[str]:

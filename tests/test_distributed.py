@@ -339,7 +339,7 @@ def test_a_plan_whose_copies_would_go_stale_is_refused() -> None:
         assert "How to fix" in eval_alone
         assert "parameter 'emb.weight' is written in place in forward by `emb`, an Embedding with max_norm" in renormed, renormed
         assert "read on pipeline ranks [0, 1]" in renormed and "max_norm=None" in renormed, renormed
-        assert "parameter 'emb.weight' is written in place in forward by `embedding`, which renormalises" in renormed_by_op, renormed_by_op
+        assert "parameter 'emb.weight' is written in place in forward by `embedding` with max_norm, which renormalises" in renormed_by_op, renormed_by_op
 
 
 def test_tensors_held_elsewhere_are_refused_on_every_rank_and_nothing_is_moved() -> None:
