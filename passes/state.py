@@ -52,14 +52,14 @@ def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node
 
 def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, tuple[torch.Tensor, str]]:
     """The parameters `run` writes in place in forward, by qualified name, each with what writes
-    it: an Embedding with max_norm called whole (it renormalises the rows it looks up), or an
-    op writing a parameter (`embedding_renorm_`, a write under no_grad)."""
+    it: an Embedding with max_norm called whole or inside a module called whole (it renormalises
+    the rows it looks up), or an op writing a parameter (`embedding_renorm_`, a write under no_grad)."""
     found = {}
     for node in run:
-        if node.op == "call_module":
-            module = fetch_attr(gm, str(node.target))
-            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
-                found[f"{node.target}.weight"] = (module.weight, f"`{node.target}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
+        if node.op == "call_module":  # the module, or one inside a module kept whole
+            for name, module in fetch_attr(gm, str(node.target)).named_modules(prefix=str(node.target)):
+                if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+                    found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
             continue
         written = _buffers_written(gm, node)
         if _renorms(node):

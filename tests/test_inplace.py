@@ -302,26 +302,49 @@ def test_automatic_cuts_keep_a_write_through_a_view_in_one_stage(stages: int, ba
     assert_same_everywhere(pipe, reference)
 
 
-@pytest.mark.parametrize("functional", [False, True], ids=["module", "F.embedding"])
-def test_a_parameter_forward_writes_and_another_stage_reads_is_not_written_again_by_a_recompute(functional: bool) -> None:
+class _KeptWhole(nn.Module):
+    """Holds the Embedding; kept whole, its forward runs as it is."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.emb(x) * 1.0
+
+
+class _RenormTiedWhole(RenormTied):
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.outer = _KeptWhole(self.emb)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(self.outer(x))))))
+
+
+@pytest.mark.parametrize("form", ["module", "F.embedding", "inside a module kept whole"])
+def test_a_parameter_forward_writes_and_another_stage_reads_is_not_written_again_by_a_recompute(form: str) -> None:
     """An Embedding with max_norm tied to the head: forward renormalises the weight in place,
     and a recompute would again while the head's stage holds it for its backward (autograd's
     raw 'modified by an inplace operation' under 'always', or right by the luck of the threads).
     Refused where a recompute runs; exact where none does (with one micro-batch: with more, the
     check of the halves refuses it, as what the head reads depends on the samples before)."""
     x = torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(1))
+    leaves = [_KeptWhole] if form == "inside a module kept whole" else []
     for mode in ("always", "except_last", "never"):
         torch.manual_seed(0)
-        model, reference = twin(RenormTied(functional).double())
+        made = _RenormTiedWhole() if leaves else RenormTied(form == "F.embedding")
+        model, reference = twin(made)
         with torch.no_grad():
             for m in (model, reference):
                 m.emb.weight.mul_(3)  # rows beyond max_norm
+        options: dict[str, Any] = dict(chunks=1, checkpoint=mode, split_points=["b"], leaf_modules=leaves)
         if mode == "always":
             with pytest.raises(ValueError, match=r"(?s)with checkpoint='always' a recompute would write these parameters.*"
-                               r"'emb\.weight': stage 0 writes it in place \(`(emb|embedding)`.*max_norm.*\), and stage 1 reads it.*How to fix"):
-                compile_pipeline(model, x, ["cpu", "cpu"], chunks=1, checkpoint=mode, split_points=["b"])
+                               r"stage 0 writes it in place \(`(emb|embedding|outer\.emb)`.*max_norm.*\), and stage 1 reads it.*How to fix"):
+                compile_pipeline(model, x, ["cpu", "cpu"], **options)
             continue
-        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1, checkpoint=mode, split_points=["b"])
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], **options)
         out, expected = pipe(x), reference(x)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
         out.pow(2).sum().backward()
