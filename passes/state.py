@@ -1,4 +1,4 @@
-"""Which buffers a run of nodes may write in forward: what a recompute must not write again."""
+"""Which buffers and parameters a run of nodes may write in forward: what a recompute must not write again."""
 from __future__ import annotations
 
 from typing import Any, Sequence
