@@ -79,11 +79,11 @@ class Pipeline(nn.Module):
     _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
     _signature: Optional[inspect.Signature]
     _closed: bool
-    _own_loss_warned: bool
+    _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
     # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
     _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], "Pipeline"]]
     _variants: "collections.OrderedDict[Any, Pipeline]"  # by kind of call, the most recent last
-    _variants_warned: bool  # train_step has said it cannot check a model's own loss
+    _variants_warned: bool  # it has said that more kinds of call came than it keeps
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
