@@ -61,13 +61,14 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
                 if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
                     found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
             continue
-        written = _buffers_written(gm, node)
-        if _renorms(node):
-            root = _state_root(gm, node.args[1]) if isinstance(node.args[1], fx.Node) else None
-            written.update({str(root.target): fetch_attr(gm, str(root.target))} if root is not None else {})
+        written, renorms = _buffers_written(gm, node), _renorms(node)
+        root = _state_root(gm, node.args[1]) if renorms and isinstance(node.args[1], fx.Node) else None
+        if root is not None:
+            written[str(root.target)] = fetch_attr(gm, str(root.target))
+        writer = f"`{node.name}`" + (" with max_norm, which renormalises the rows it looks up" if renorms else "")
         for name, tensor in written.items():
             if isinstance(tensor, nn.Parameter):
-                found[name] = (tensor, f"`{node.name}`" + (" with max_norm, which renormalises the rows it looks up" if _renorms(node) else ""))
+                found[name] = (tensor, writer)
     return found
 
 
