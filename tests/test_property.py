@@ -109,15 +109,17 @@ def _run(case: Case) -> None:
         raise
 
 
+def _searched(examples: int) -> Any:
+    """The same cases on every run (derandomized, no database), `examples` per test."""
+    return settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 @pytest.mark.parametrize("use", USES)
 @pytest.mark.parametrize("feature", FEATURES)
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+@_searched(EXAMPLES)
 @given(data=st.data())
 def test_pipeline_equals_plain_model(feature: str, use: str, data: st.DataObject) -> None:
     _run(data.draw(cases(feature, use), label="case"))
@@ -125,13 +127,7 @@ def test_pipeline_equals_plain_model(feature: str, use: str, data: st.DataObject
 
 @pytest.mark.parametrize("feature", [f for f in FEATURES if f != "function"])  # export refuses an autograd Function
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace Model")
-@settings(
-    max_examples=EXPORTED,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+@_searched(EXPORTED)
 @given(data=st.data())
 def test_graphs_captured_by_torch_export_equal_the_plain_model_under_always(feature: str, data: st.DataObject) -> None:
     use = data.draw(st.sampled_from(USES), label="use")
