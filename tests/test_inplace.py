@@ -327,8 +327,9 @@ def test_a_parameter_forward_writes_and_another_stage_reads_is_not_written_again
     """An Embedding with max_norm tied to the head: forward renormalises the weight in place,
     and a recompute would again while the head's stage holds it for its backward (autograd's
     raw 'modified by an inplace operation' under 'always', or right by the luck of the threads).
-    Refused where a recompute runs; exact where none does (with one micro-batch: with more, the
-    check of the halves refuses it, as what the head reads depends on the samples before)."""
+    Refused where a recompute runs; exact where none does, in training, autograd.grad, no_grad
+    and eval (with one micro-batch: with more, the check of the halves refuses it, as what the
+    head reads depends on the samples before)."""
     x = torch.randint(0, 10, (8, 5), generator=torch.Generator().manual_seed(1))
     leaves = [_KeptWhole] if form == "inside a module kept whole" else []
     for mode in ("always", "except_last", "never"):
@@ -350,4 +351,12 @@ def test_a_parameter_forward_writes_and_another_stage_reads_is_not_written_again
         out.pow(2).sum().backward()
         expected.pow(2).sum().backward()
         assert_grads_equal(pipe, reference)
+        torch.testing.assert_close(model.emb.weight, reference.emb.weight, rtol=0, atol=0)
+        grads = torch.autograd.grad(pipe(x).sum(), [model.a.weight])
+        torch.testing.assert_close(grads, torch.autograd.grad(reference(x).sum(), [reference.a.weight]), rtol=0, atol=1e-12)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+        pipe.eval()
+        reference.eval()
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
         torch.testing.assert_close(model.emb.weight, reference.emb.weight, rtol=0, atol=0)
