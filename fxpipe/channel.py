@@ -118,6 +118,10 @@ class Channel:
         self.device = device
         self.timeout = timeout
         self.tag = next(_channels)
+        # Each peer's group and rank in it, for sending to it and for receiving from it: the
+        # process group's own send and recv, without `dist.isend`'s checks on every message.
+        self.to = {p: _route(self.directions.get((me, p), group), self.ranks[p]) for p in self._peers()}
+        self.from_ = {p: _route(self.directions.get((p, me), group), self.ranks[p]) for p in self._peers()}
         self.early = dist.get_backend(group) == "gloo"  # post receives before their messages
         self.step = 0
         self.kept: dict[int, dict[Hashable, Any]] = {}  # per peer, values read ahead of need
@@ -144,7 +148,8 @@ class Channel:
         header = [torch.frombuffer(bytearray(message.header), dtype=torch.uint8)] if len(sizes) > len(message.extras) else []
         for part in [frame, *(torch.empty(n, dtype=torch.uint8) for n in fillers), *header, *message.extras]:
             part = part.to(self.device)
-            work = dist.isend(part, self.ranks[peer], group=self.directions.get((self.me, peer), self.group), tag=self.tag)
+            group, rank = self.to[peer]
+            work = group.send([part], rank, self.tag)
             self.sending.append((work, part))
 
     def _framed(self, kind: str, key: Hashable, value: Any, fillers: list[int]) -> tuple[Message, torch.Tensor, list[int]]:
@@ -212,7 +217,8 @@ class Channel:
 
     def _receive(self, peer: int, nbytes: int) -> tuple[torch.Tensor, Any]:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buffer, dist.irecv(buffer, self.ranks[peer], group=self.directions.get((peer, self.me), self.group), tag=self.tag)
+        group, rank = self.from_[peer]
+        return buffer, group.recv([buffer], rank, self.tag)
 
     def _wait(self, buffer: torch.Tensor, work: Any, peer: int, what: str) -> torch.Tensor:
         try:
@@ -298,6 +304,10 @@ class Channel:
 
 def _nth(n: int) -> str:
     return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _route(group: Any, global_rank: int) -> tuple[Any, int]:
+    return group, dist.get_group_rank(group, global_rank)
 
 
 def _at(history: list[list[int]], index: int) -> list[int]:

@@ -15,6 +15,7 @@ in every step, so a receiver keeps what each header unpickles to.
 """
 from __future__ import annotations
 
+import ctypes
 import pickle
 import struct
 from dataclasses import dataclass
@@ -27,8 +28,12 @@ FRAME = 4 * 1024  # small enough to cost no more than an empty send, on loopback
 _HEADER_ROOM = 512  # of the frame, kept for the sizes and the header when tensors are placed in the body
 _ALIGN = 16  # body offsets: any dtype can view its bytes there
 _COUNTS = struct.Struct("<5q")
-# The frame is packed and read with struct and bytes, not with tensor slices: each slice of a
-# tensor costs microseconds of dispatch, and a small message's round trip is only a few of them.
+_KEPT = 4096  # headers kept by each side (a schedule's messages of one step, many times over)
+_EXACT = (int, bool, str, bytes, type(None))  # leaf types whose equal values pickle alike
+# The frame is packed and read with struct, and small tensors are copied in and out of it by
+# address, not with tensor slices and views: each of those costs microseconds of dispatch, and a
+# small message's round trip is only a few of them. A sender keeps each header it pickled, by
+# what the header depends on (the receiver keeps what each unpickles to, below).
 
 
 class FrameFull(ValueError):
@@ -64,25 +69,59 @@ def encode(step: int, kind: str, key: Hashable, value: Any, body: bool = True) -
     """The message of one value; without `body`, every tensor is an extra (for a value with so
     many tensors that their sizes leave no room in the frame)."""
     leaves, spec = tree_flatten(value)
-    inline, extras, end = [], [], 0
+    tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    signature = _signature(kind, key, spec, leaves, body)
+    known = _sent_headers.get(signature) if signature is not None else None
+    if known is None:
+        known = _header(kind, key, spec, leaves, body)
+        if signature is not None:
+            if len(_sent_headers) >= _KEPT:
+                _sent_headers.clear()
+            _sent_headers[signature] = known
+    header, places = known
+    inline = [(at, _dense(t)) for at, t in zip(places, tensors) if at >= 0]
+    extras = [as_bytes(t) for at, t in zip(places, tensors) if at < 0]
+    return Message(step, header, inline, extras)
+
+
+def _header(kind: str, key: Hashable, spec: TreeSpec, leaves: list[Any], body: bool) -> tuple[bytes, tuple[int, ...]]:
+    """The pickled header, and each tensor's place: an offset in the body, or -1 (an extra)."""
+    skeleton, places, end = list(leaves), [], 0
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):
             continue
-        data, start = as_bytes(t.detach()), _aligned(end)
-        if body and start + data.numel() <= FRAME - _HEADER_ROOM:
-            inline.append((start, data))
-            end = start + data.numel()
+        nbytes, start = t.numel() * t.element_size(), _aligned(end)
+        if body and start + nbytes <= FRAME - _HEADER_ROOM:
+            end = start + nbytes
         else:
             start = -1
-            extras.append(data)
-        leaves[i] = _TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, start, _layout(t))
-    skeleton = tree_unflatten(leaves, spec)
-    return Message(step, pickle.dumps((kind, key, skeleton)), inline, extras)
+        places.append(start)
+        skeleton[i] = _TensorMeta(tuple(t.shape), t.dtype, t.requires_grad, start, _layout(t))
+    return pickle.dumps((kind, key, tree_unflatten(skeleton, spec))), tuple(places)
+
+
+def _signature(kind: str, key: Hashable, spec: TreeSpec, leaves: list[Any], body: bool) -> Optional[Hashable]:
+    """What a message's header depends on, or None where that cannot be told by equality (a
+    leaf of another type: 1.0 == 1 == True, 0.0 == -0.0, yet each pickles as itself)."""
+    parts: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((leaf.shape, leaf.dtype, leaf.requires_grad, leaf.is_contiguous() or leaf.stride()))
+        elif type(leaf) in _EXACT:
+            parts.append((type(leaf), leaf))
+        else:
+            return None
+    signature = (kind, key, spec, body, tuple(parts))
+    try:
+        hash(signature)
+    except TypeError:  # a pytree node whose context cannot be hashed
+        return None
+    return signature
 
 
 def frame_of(message: Message, fillers: list[int]) -> tuple[torch.Tensor, list[int]]:
     """The frame, and the sizes of the extras that follow it (after `fillers`)."""
-    body_end = max((at + t.numel() for at, t in message.inline), default=0)
+    body_end = max((at + t.numel() * t.element_size() for at, t in message.inline), default=0)
     for header_inline in (True, False):
         sizes = message.extra_sizes(header_inline)
         start = _COUNTS.size + 8 * (len(fillers) + len(sizes))
@@ -96,9 +135,10 @@ def frame_of(message: Message, fillers: list[int]) -> tuple[torch.Tensor, list[i
     struct.pack_into(f"<{len(fillers) + len(sizes)}q", frame, _COUNTS.size, *fillers, *sizes)
     if header_inline:
         frame[start : start + len(message.header)] = message.header
-    for at, data in message.inline:
-        frame[body + at : body + at + data.numel()] = data.cpu().numpy().data
-    return torch.frombuffer(frame, dtype=torch.uint8), sizes
+    framed = torch.frombuffer(frame, dtype=torch.uint8)
+    for at, t in message.inline:
+        _copy(framed.data_ptr() + body + at, t.data_ptr(), t.numel() * t.element_size())
+    return framed, sizes
 
 
 def open_frame(frame: torch.Tensor) -> tuple[int, list[int], list[int], Optional[bytes], int]:
@@ -117,19 +157,21 @@ def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Ten
     parts = iter(extras)
 
     def tensor(meta: _TensorMeta) -> torch.Tensor:
-        if meta.at >= 0:
-            data = frame.narrow(0, body + meta.at, _nbytes(meta)).clone().to(device)
+        if meta.at >= 0 and meta.strides is None:  # the common case: one copy, no views
+            values = torch.empty(meta.shape, dtype=meta.dtype)
+            _copy(values.data_ptr(), frame.data_ptr() + body + meta.at, _nbytes(meta))
+            values = values.to(device)
         else:
-            data = next(parts)
-        values = data.view(meta.dtype).view(meta.shape)
-        if meta.strides is not None:
-            values = torch.empty_strided(meta.shape, meta.strides, dtype=meta.dtype, device=values.device).copy_(values)
+            data = frame.narrow(0, body + meta.at, _nbytes(meta)).clone().to(device) if meta.at >= 0 else next(parts)
+            values = data.view(meta.dtype).view(meta.shape)
+            if meta.strides is not None:
+                values = torch.empty_strided(meta.shape, meta.strides, dtype=meta.dtype, device=values.device).copy_(values)
         return values.requires_grad_(meta.requires_grad)
 
     return kind, key, tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
 
 
-_KEPT = 4096  # headers whose unpickled form is kept (a schedule's messages of one step, many times over)
+_sent_headers: dict[Hashable, tuple[bytes, tuple[int, ...]]] = {}  # signature -> header, places
 _opened_headers: dict[bytes, tuple[str, Hashable, list[Any], TreeSpec]] = {}
 _IMMUTABLE = (_TensorMeta, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
@@ -156,6 +198,18 @@ def _layout(t: torch.Tensor) -> Optional[tuple[int, ...]]:
     strides = torch.empty_like(t, device="meta").stride()
     contiguous = torch.empty(t.shape, device="meta").stride()
     return strides if strides == t.stride() and strides != contiguous else None
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's values contiguous in host memory, where they can be copied by address."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t if t.device.type == "cpu" and t.is_contiguous() else t.contiguous().cpu()
+
+
+def _copy(to: int, source: int, nbytes: int) -> None:
+    if nbytes:  # a tensor without elements may have no address
+        ctypes.memmove(to, source, nbytes)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -661,13 +661,18 @@ def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_pa
     return sorted(pipe.state_dict())
 
 
-def sample_values() -> dict[str, Any]:
+def sample_values(step: int) -> dict[str, Any]:
     """Values a stage may send: every dtype, 0-dim and empty tensors, one too big for a frame,
-    a structure whose header alone is too big for one, and non-tensor leaves."""
-    g = torch.Generator().manual_seed(3)
+    a structure whose header alone is too big for one, and non-tensor leaves; in each step the
+    same keys with other shapes and leaves (a sender that reused a header would send the old)."""
+    g = torch.Generator().manual_seed(3 + step)
     big = torch.randn(300, 300, dtype=torch.float64, generator=g)  # 720 KB: sent after the frame
+    z = torch.randn(3, dtype=torch.complex128, generator=g)
     return {
-        "floats": (torch.randn(3, 4, generator=g).requires_grad_(), torch.randn(5, dtype=torch.float64, generator=g)),
+        "floats": (torch.randn(3 + step, 4, generator=g).requires_grad_(step == 0), torch.randn(5, dtype=torch.float64, generator=g)),
+        # equal leaves of other types, each arriving as itself: 1 == True == 1.0, 0.0 == -0.0
+        "equals": [(1, True, 1.0, 0.0), (True, 1, 1.0, -0.0)][step],
+        "conjugate": (z.conj(), z.conj().imag),  # views with the conjugate and negative bits set
         "kinds": [torch.tensor([True, False]), torch.arange(7), torch.randn(4, generator=g).to(torch.bfloat16),
                   torch.randn(3, dtype=torch.complex64, generator=g), torch.tensor(2.5), torch.empty(0, 3)],
         "big": big,
@@ -689,9 +694,9 @@ def echo(rank: int, world: int) -> list[str]:
     from fxpipe.channel import Channel
 
     channel = Channel(dist.group.WORLD, list(range(world)), rank, torch.device("cpu"), 30.0)
-    values = sample_values()
     problems = []
-    for _ in range(2):
+    for step in range(2):
+        values = sample_values(step)
         channel.begin()
         if rank == 0:
             for name, value in values.items():
@@ -717,7 +722,8 @@ def _differences(path: str, got: Any, expected: Any) -> list[str]:
         if not isinstance(got, dict) or list(got) != list(expected):
             return [f"{path}: keys differ"]
         return [d for k in expected for d in _differences(f"{path}.{k}", got[k], expected[k])]
-    return [] if got == expected else [f"{path}: {got!r} != {expected!r}"]
+    same = type(got) is type(expected) and got == expected and repr(got) == repr(expected)  # -0.0 is not 0.0 here
+    return [] if same else [f"{path}: {got!r} != {expected!r}"]
 
 
 def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
