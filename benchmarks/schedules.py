@@ -1,10 +1,11 @@
-"""Schedules side by side on CPU cores: efficiency, predicted and measured bubble, activation memory.
+"""Schedules side by side on CPU cores: efficiency, predicted and measured bubble, activation memory, step time.
 
 For each workload every schedule runs `pipe.train_step` (forward, loss and backward per
 micro-batch), interleaved round-robin with the plain model on one thread. E = T(plain) /
 (n x T(step)), n the number of worker threads (devices). Peak activation memory per stage is
 measured in one extra step with `pipe.measure_memory` on (its hook costs time, so the timed
-steps run without it), and predicted by the plan's simulator.
+steps run without it), and predicted by the plan's simulator. Every pipeline is cut with
+balance='time', and its plan's predicted step time is printed beside the measured median.
 """
 from __future__ import annotations
 
@@ -58,10 +59,21 @@ def workloads(quick: bool) -> list[Workload]:
     layers, width, batch = (8, 128, 512) if quick else (16, 512, 2048)
     x = torch.randn(batch, width)
     mlp = Workload(f"MLP {layers}x{width}, batch {batch}", make_mlp(layers, width), x, torch.randn(batch, width), F.mse_loss)
+    uneven = Workload(f"MLP of uneven widths, batch {batch}", uneven_mlp(width), x, torch.randn(batch, width), F.mse_loss)
     images, size = (16, 16) if quick else (128, 32)
     ux, uy = make_batch(images, size=size)
     unet = Workload(f"U-Net (examples/unet.py), batch {images}, {size}x{size}", make_model(), ux, uy, unet_loss)
-    return [mlp, unet]
+    return [mlp, uneven, unet]
+
+
+def uneven_mlp(width: int) -> nn.Sequential:
+    """Layers of very different costs: a cut by layer count balances it badly, one by time well."""
+    narrow, wide = width // 2, width * 4
+    return nn.Sequential(
+        nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, narrow), nn.ReLU(),
+        *[m for _ in range(4) for m in (nn.Linear(narrow, narrow), nn.Tanh())],
+        nn.Linear(narrow, wide), nn.ReLU(), nn.Linear(wide, width),
+    )  # fmt: skip
 
 
 def plain_step(w: Workload) -> Callable[[], None]:
@@ -78,7 +90,7 @@ def plain_step(w: Workload) -> Callable[[], None]:
 def pipeline(w: Workload, schedule: str, chunks: int, checkpoint: str) -> Any:
     from fxpipe import compile_pipeline
 
-    kwargs: dict[str, Any] = dict(chunks=chunks, checkpoint=checkpoint, schedule=schedule)
+    kwargs: dict[str, Any] = dict(chunks=chunks, checkpoint=checkpoint, schedule=schedule, balance="time")
     if schedule == "interleaved-1f1b":
         kwargs["stages_per_device"] = 2
     return compile_pipeline(copy.deepcopy(w.model), w.x, ["cpu", "cpu"], **kwargs)
@@ -128,7 +140,7 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
     for contender in contenders[1:]:
         if contender.name == BOUND:
             rows.append([w.name, BOUND, "2 on 2", f"{plain.median / (2 * contender.median):.3f}",
-                         f"{plain.best / (2 * contender.best):.3f}", "-", "-", "-", "-", f"{contender.median * 1e3:.1f}"])  # fmt: skip
+                         f"{plain.best / (2 * contender.best):.3f}", "-", "-", "-", "-", f"{contender.median * 1e3:.1f}", "-", "-"])  # fmt: skip
             continue
         pipe = pipes[contender.name]
         measured_bubble = pipe.timeline().bubble()  # of the last timed step
@@ -142,7 +154,8 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
             f"{plain.median / (2 * contender.median):.3f}", f"{plain.best / (2 * contender.best):.3f}",
             f"{predicted.timeline.bubble():.2f}", f"{measured_bubble:.2f}",
             mib(pipe.last_peak_bytes), mib([predicted.peak_bytes.get(s, 0) for s in range(stages)]),
-            f"{contender.median * 1e3:.1f}",
+            f"{contender.median * 1e3:.1f}", f"{predicted.timeline.makespan * 1e3:.1f}",
+            f"{contender.median / predicted.timeline.makespan:.2f}",
         ])  # fmt: skip
         if args.gantt and contender.name == "zb-h1" and w is not None and "MLP" in w.name:
             train_step(pipe, w)()
@@ -218,7 +231,8 @@ def autograd_call_seconds(repeats: int = 2000) -> float:
 
 BOUND = "no-dependency bound"
 HEADER = ["workload", "schedule", "stages", "E median", "E best", "bubble predicted", "bubble measured",
-          "peak activations per stage, MiB (measured)", "(predicted)", "ms/step median"]  # fmt: skip
+          "peak activations per stage, MiB (measured)", "(predicted)", "ms/step median", "(predicted)",
+          "measured / predicted"]  # fmt: skip
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -19,7 +19,7 @@ from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta,
 from fxpipe.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.passes.assignments import assignments_recorded
 from fxpipe.passes.attrs import fetch_attr, tensors_read
-from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_times
+from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_stages, profile_times
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.export import shapes_note
@@ -38,7 +38,7 @@ from fxpipe.passes.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import reads_after_hidden_writes, rewritten_by_recompute, state_write_spans, view_write_spans
 from fxpipe.build import build_program
-from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, placement_of
+from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, gathered, placement_of
 from fxpipe.pipeline import Pipeline
 from fxpipe.program import ChunkSpec, Compiled, Cut
 from fxpipe.plan import Plan, StagePlan
@@ -274,17 +274,20 @@ def _cut(
     balance: Union[None, str, Sequence[int]],
     costs: dict[str, Any],
     caps: Optional[list[float]],
+    split: Dims,
     placement: Optional[RankPlacement] = None,
-) -> list[list[fx.Node]]:
-    """The stages: by split points, by node counts, or the best cut under a balance mode."""
+) -> tuple[list[list[fx.Node]], Optional[StageTimes]]:
+    """The stages: by split points, by node counts, or the best cut under a balance mode; and,
+    under balance='time', each stage's measured times."""
     together = state_write_spans(gm, order)
     chosen = _chosen_cut(order, len(devices), split_points, balance, together)
     if chosen is not None:
         _refuse_over_caps(chosen, cut_model(order, "memory", **costs), caps)
-        return chosen
+        return chosen, None
     mode = balance if isinstance(balance, str) else "memory"
+    timed_on = None
     if mode == "time":
-        profile_times(gm, example, devices[0])
+        timed_on = _profile_micro_batch(gm, example, devices[0], costs["chunks"], split)
         if placement is not None:
             agree_on_times(gm, placement)
     # An automatic cut also avoids the writes through views, and the inputs written by two
@@ -292,7 +295,35 @@ def _cut(
     # error names the line.
     together.update(view_write_spans(gm, order))
     together.update(input_write_spans(gm, order))
-    return partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
+    runs = partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
+    if timed_on is None:
+        return runs, None
+    try:
+        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1])
+    except Exception:  # noqa: BLE001 - a stage that cannot run alone here is predicted from its nodes' times
+        times = None
+    return runs, times if placement is None else gathered(times, placement, "comparing the measured times")[0]
+
+
+StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward
+
+
+def _profile_micro_batch(gm: fx.GraphModule, example: tuple[Any, ...], device: torch.device, chunks: int, split: Dims) -> tuple[tuple[Any, ...], int]:
+    """balance='time': each node timed on the example's first micro-batch, what it runs on in the
+    pipeline (an op's fixed cost does not shrink with its rows, so the whole batch's time over
+    `chunks` would miss it); on the whole example where the graph does not run on a micro-batch.
+    Returns what it timed on, and how many of it make the batch."""
+    batch = batch_size_of(list(example), split)
+    sizes = split_sizes(batch, chunks) if batch else []
+    if batch and len(sizes) > 1:
+        first = tuple(scatter(value, sizes, batch, split)[0] for value in example)
+        try:
+            profile_times(gm, first, device, per_batch=len(sizes))
+            return first, len(sizes)
+        except Exception:  # noqa: BLE001 - timed on the whole example instead, as it ran in every pass before
+            pass
+    profile_times(gm, example, device)
+    return example, 1
 
 
 def _chosen_cut(
@@ -346,10 +377,17 @@ def _times_basis(order: list[fx.Node], costs: dict[str, Any]) -> str:
     return f"from FLOPs at an assumed {costs['flop_rate']:.3g} FLOP/s; balance='time' measures them"
 
 
-def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: list[Any], report: CutModel, memory: CutModel) -> list[StagePlan]:
+def _stage_plans(
+    runs: list[list[fx.Node]], devices: list[torch.device], edges: list[Any], report: CutModel, memory: CutModel,
+    stage_times: Optional[StageTimes],
+) -> list[StagePlan]:
     plans, start = [], 0
     for index, (run, device) in enumerate(zip(runs, devices)):
         end = start + len(run)
+        time, forward_share = report.time(start, end), 1 / 3
+        if stage_times is not None:  # measured whole: what receiving costs is added as the nodes' sum has it
+            forward, whole = stage_times[index]
+            time, forward_share = whole + time - report.compute(start, end), forward / whole if whole > 0 else 1 / 3
         plans.append(
             StagePlan(
                 index=index,
@@ -361,8 +399,9 @@ def _stage_plans(runs: list[list[fx.Node]], devices: list[torch.device], edges: 
                 activation_bytes=int(report.prefix_activations[end] - report.prefix_activations[start]),
                 modules=[_module_path(node) for node in run],
                 flops=sum(int(node.meta.get("flops", 0)) for node in run),
-                time=report.time(start, end),
+                time=time,
                 memory=int(memory.memory(start, end)),
+                forward_share=forward_share,
             )
         )
         start = end
@@ -629,7 +668,7 @@ def compile_pipeline(
             flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
         )
         caps = _caps(device_memory, ranks)
-        runs = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, placement=placement)
+        runs, stage_times = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split, placement=placement)
         _refuse_recomputed_writes(gm, runs, checkpoint, chunks)
         edges = find_edges(gm, len(parsed))
         pin_devices(gm, parsed)
@@ -641,7 +680,7 @@ def compile_pipeline(
         place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
     report, memory = _report_model(order, costs), cut_model(order, "memory", **costs)
     plan = Plan(
-        stages=_stage_plans(runs, parsed, edges, report, memory),
+        stages=_stage_plans(runs, parsed, edges, report, memory, stage_times),
         edges=edges,
         chunks=chunks,
         checkpoint=checkpoint,

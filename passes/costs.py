@@ -47,24 +47,27 @@ def _leafy(value: Any, buffers: set[int]) -> Any:
     return tree_map(leaf, value)
 
 
-def _once(run: Callable[[], Any], device: torch.device) -> float:
-    """Seconds of one forward plus backward (with gradients of ones) of `run`: on CUDA between
-    two events on the device's stream, the kernels' time; elsewhere by the host's clock."""
+def _once(run: Callable[[], Any], device: torch.device) -> tuple[float, float]:
+    """Seconds of one forward, and of it plus its backward (with gradients of ones), of `run`:
+    on CUDA between events on the device's stream, the kernels' time; elsewhere by the host's clock."""
     _synchronize(device)
     if device.type == "cuda":
-        start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start_event.record()
-        _forward_backward(run)
-        end_event.record()
-        end_event.synchronize()
-        return start_event.elapsed_time(end_event) / 1e3
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
+        out = run()
+        events[1].record()
+        _backward(out)
+        events[2].record()
+        events[2].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3, events[0].elapsed_time(events[2]) / 1e3
     start = time.perf_counter()
-    _forward_backward(run)
-    return time.perf_counter() - start
-
-
-def _forward_backward(run: Callable[[], Any]) -> None:
     out = run()
+    middle = time.perf_counter()
+    _backward(out)
+    return middle - start, time.perf_counter() - start
+
+
+def _backward(out: Any) -> None:
     grads = [(t, torch.ones_like(t)) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if grads:
         torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
@@ -73,8 +76,8 @@ def _forward_backward(run: Callable[[], Any]) -> None:
 class _Capture(fx.Interpreter):
     """Runs the graph once and keeps, for every compute node, how to run it again on its inputs."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
+    def __init__(self, gm: fx.GraphModule, keep_values: bool = False) -> None:
+        super().__init__(gm, garbage_collect_values=not keep_values)
         self.runs: dict[fx.Node, Callable[[], Any]] = {}
         self.buffers = {id(b) for b in gm.buffers()}
 
@@ -94,9 +97,12 @@ class _Capture(fx.Interpreter):
             return super().run_node(n)
 
 
-def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int = 2, repeats: int = 7) -> fx.GraphModule:
+def profile_times(
+    gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int = 2, repeats: int = 7, per_batch: int = 1,
+) -> fx.GraphModule:
     """Measure each node's forward plus backward time on `device` into `node.meta["time"]`
-    (seconds). The graph and the example must be on `device`.
+    (seconds per batch: the time on `example`, `per_batch` times over, where the example is one
+    micro-batch of `per_batch`). The graph and the example must be on `device`.
 
     Nodes are timed in rounds, every node once per round in a new shuffled order, and each takes
     the median over rounds: a change of machine load during profiling then touches all nodes
@@ -107,19 +113,29 @@ def profile_times(gm: fx.GraphModule, example: Sequence[Any], device: torch.devi
     # Every run updates running statistics, draws random numbers and adds into `.grad`.
     with preserved(gm):
         samples = _time_rounds(gm, example, device, warmup, repeats)
-    overhead = statistics.median(samples.pop(None))
+    overhead = _medians(samples.pop(None))[1]
     for node, times in samples.items():
-        node.meta["time"] = max(statistics.median(times) - overhead, 0.0)
+        node.meta["time"] = per_batch * max(_medians(times)[1] - overhead, 0.0)
     return gm
 
 
-def _time_rounds(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int, repeats: int) -> dict[Any, list[float]]:
-    """Seconds of each node's runs after `warmup` rounds, keyed by node (None: the no-op)."""
+def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+
+def _time_rounds(gm: fx.GraphModule, example: Sequence[Any], device: torch.device, warmup: int, repeats: int) -> dict[Any, list[tuple[float, float]]]:
+    """Seconds of each node's runs after `warmup` rounds (forward, and forward plus backward),
+    keyed by node (None: the no-op)."""
     capture = _Capture(gm)
     capture.run(*example)
     probe = torch.zeros(1, device=device, requires_grad=True)
     runs: dict[Any, Callable[[], Any]] = {**capture.runs, None: lambda: probe * 1}
-    samples: dict[Any, list[float]] = {key: [] for key in runs}
+    return _rounds(runs, device, warmup, repeats)
+
+
+def _rounds(runs: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, repeats: int) -> dict[Any, list[tuple[float, float]]]:
+    """Each run's seconds (forward, and forward plus backward) in the rounds after `warmup`."""
+    samples: dict[Any, list[tuple[float, float]]] = {key: [] for key in runs}
     shuffle = random.Random(0).shuffle
     with torch.enable_grad():
         for round_ in range(warmup + repeats):
@@ -130,6 +146,43 @@ def _time_rounds(gm: fx.GraphModule, example: Sequence[Any], device: torch.devic
                 if round_ >= warmup:
                     samples[key].append(seconds)
     return samples
+
+
+def profile_stages(
+    gm: fx.GraphModule, example: Sequence[Any], device: torch.device, runs: Sequence[Sequence[fx.Node]], warmup: int = 2,
+    repeats: int = 7, per_batch: int = 1,
+) -> list[tuple[float, float]]:
+    """Each stage's forward, and forward plus backward, in seconds per batch (as in
+    `profile_times`), timed as the pipeline runs it: its nodes in one forward, one backward
+    call. A stage costs more than its nodes' times apart: each of its ops keeps its fixed cost
+    (which timing one node alone takes off with the harness's), and the stage pays the harness's
+    once, as a task does."""
+    with preserved(gm):
+        capture = _Capture(gm, keep_values=True)
+        capture.run(*example)
+        samples = _rounds({i: _stage_run(capture, run) for i, run in enumerate(runs)}, device, warmup, repeats)
+    return [(per_batch * forward, per_batch * whole) for forward, whole in (_medians(samples[i]) for i in range(len(runs)))]
+
+
+def _stage_run(capture: _Capture, run: Sequence[fx.Node]) -> Callable[[], Any]:
+    """Run `run`'s nodes in order on fresh leaves of what they read from outside it; returns
+    what later nodes read (the stage's outputs)."""
+    inside = set(run)
+    reads = [n for n in dict.fromkeys(i for node in run for i in node.all_input_nodes) if n not in inside]
+    written = {n for node in run if node.args and writes_first_argument(capture.module, node) and isinstance(n := node.args[0], fx.Node) and n in reads}
+    outputs = [node for node in run if any(user not in inside for user in node.users)]
+
+    def go() -> list[Any]:
+        env = {}
+        for n in reads:
+            value = _leafy(capture.env[n], capture.buffers)
+            env[n] = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, value) if n in written else value
+        for node in run:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), env.__getitem__)
+            env[node] = getattr(capture, node.op)(node.target, args, kwargs)
+        return [env[n] for n in outputs]
+
+    return go
 
 
 def node_weights(order: Sequence[fx.Node], mode: str, *, param_scale: float, kept: float, flop_rate: float) -> list[float]:

@@ -733,8 +733,8 @@ def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
 
     measure = fxpipe.compile.profile_times
 
-    def skewed(gm: Any, *args: Any) -> None:
-        measure(gm, *args)
+    def skewed(gm: Any, *args: Any, **kwargs: Any) -> None:
+        measure(gm, *args, **kwargs)
         for node in gm.graph.nodes:
             if "time" in node.meta and rank == 1 and "layers_0" in node.name:
                 node.meta["time"] *= 1000.0
