@@ -72,7 +72,7 @@ def row(stages: int, forward: float, args: argparse.Namespace) -> list[str]:
     x, y = torch.randn(args.chunks * 2, 8), torch.randn(args.chunks * 2, 8)
     pipe = compile_pipeline(
         model, x, ["cpu"] * stages, chunks=args.chunks, schedule=args.schedule, checkpoint="never",
-        balance=[2] * stages, leaf_modules=[Kernel],
+        balance=[2] * stages,
     )  # fmt: skip
     for _ in range(2):
         pipe.train_step(x, target=y, loss_fn=F.mse_loss)
