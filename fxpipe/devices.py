@@ -14,6 +14,7 @@ that receives them takes them.
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Hashable, Optional, Sequence
 
@@ -97,34 +98,61 @@ class Aborted(Exception):
 
 
 class Mailbox:
-    """Parcels keyed by (direction, stage, micro-batch, value, ...); `take` waits for its keys."""
+    """Parcels keyed by (direction, stage, micro-batch, value, ...); `take` waits for its keys.
+
+    A put wakes only the taker waiting for its key: with one condition for all, every put would
+    wake every waiting worker (with eight stages, seven threads woken for nothing, each taking
+    the interpreter lock on the critical path)."""
 
     def __init__(self, timeout: Optional[float] = None) -> None:
         self.timeout = timeout  # seconds `take` waits before it reports a hang; None: forever
         self.items: dict[Hashable, Parcel] = {}
-        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        self.waiting: dict[Hashable, list[threading.Event]] = {}  # per key not yet put, its takers
         self.aborted = False
 
     def put(self, key: Hashable, parcel: Parcel) -> None:
-        with self.cond:
+        with self.lock:
             self.items[key] = parcel
-            self.cond.notify_all()
+            takers = self.waiting.pop(key, ())
+        for taker in takers:
+            taker.set()
 
     def take(self, keys: Sequence[Hashable]) -> list[Any]:
-        with self.cond:
-            items = self.items
-            if self.aborted or not all(k in items for k in keys):  # else no wait: the common case
-                ready = self.cond.wait_for(lambda: self.aborted or all(k in items for k in keys), self.timeout)
-                if self.aborted:
-                    raise Aborted()
-                if not ready:
-                    missing = [k for k in keys if k not in items]
+        return [parcel.open() for parcel in self._taken(keys)]
+
+    def _taken(self, keys: Sequence[Hashable]) -> list[Parcel]:
+        with self.lock:
+            missing = self._missing(keys)
+            if not missing:  # no wait: the common case
+                return [self.items.pop(k) for k in keys]
+            woken = threading.Event()
+            for key in missing:
+                self.waiting.setdefault(key, []).append(woken)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            arrived = woken.wait(left)
+            with self.lock:
+                woken.clear()  # a put after this sees the key missing no more, or wakes it again
+                missing = self._missing(keys)
+                if not missing:
+                    return [self.items.pop(k) for k in keys]
+                if not arrived:
+                    for key in missing:
+                        self.waiting[key].remove(woken)
                     raise TimeoutError(f"waited {self.timeout} s for {missing}: the pipeline is stuck")
-            parcels = [items.pop(k) for k in keys]
-        return [p.open() for p in parcels]
+
+    def _missing(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        if self.aborted:
+            raise Aborted()
+        return [k for k in keys if k not in self.items]
 
     def abort(self) -> None:
-        with self.cond:
+        with self.lock:
             self.aborted = True
             self.items.clear()
-            self.cond.notify_all()
+            takers = [taker for waiting in self.waiting.values() for taker in waiting]
+            self.waiting.clear()
+        for taker in takers:
+            taker.set()

@@ -608,7 +608,7 @@ def test_balance_by_time_times_what_a_micro_batch_costs_and_its_forwards_share()
     `chunks` naps (not one, as the whole batch's time would say), and its forward's share is the
     forward nap's."""
     plan = _napping_pipeline().plan
-    assert [stage.modules[-1] for stage in plan.stages] == ["first", "second"]
+    assert "first" in plan.stages[0].modules and "second" in plan.stages[1].modules
     for stage, forward_share in zip(plan.stages, (0.25, 0.75)):
         assert stage.time == pytest.approx(4 * 0.032, rel=0.2)
         assert stage.forward_share == pytest.approx(forward_share, abs=0.08)

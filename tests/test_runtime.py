@@ -1283,3 +1283,33 @@ def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_r
     options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5
     assert_call_and_grads_equal(pipe, reference, x)
     assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"
+
+
+def test_a_put_wakes_only_the_task_that_waits_for_its_key() -> None:
+    """Each waiting task has a wake-up of its own: a put sets the one of its key's taker, and no
+    other (with one wake-up for all, eight stages would wake seven threads per value for nothing)."""
+    from fxpipe.devices import Aborted, Mailbox, Parcel
+
+    box, got, stopped = Mailbox(), {}, []
+
+    def take(key: int) -> None:
+        try:
+            got[key] = box.take([key])
+        except Aborted:
+            stopped.append(key)
+
+    threads = [threading.Thread(target=take, args=(key,)) for key in range(6)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 10
+    while len(box.waiting) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wake_ups = {key: takers[0] for key, takers in box.waiting.items()}
+    box.put(3, Parcel("three", torch.device("cpu"), []))
+    threads[3].join(10)
+    assert got == {3: ["three"]}
+    assert not any(event.is_set() for event in wake_ups.values())  # 3's was cleared by its taker
+    box.abort()  # the others stop waiting, and raise
+    for thread in threads:
+        thread.join(10)
+    assert sorted(stopped) == [0, 1, 2, 4, 5] and not box.waiting
