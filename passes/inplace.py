@@ -356,10 +356,12 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
     mark_copies(gm, inputs)
     graph = gm.graph
     position = {node: float(i) for i, node in enumerate(graph.nodes)}
+    changed = False  # a graph without writes keeps its code: generating it costs milliseconds
     for writer in list(graph.nodes):
         target = written_value(gm, writer)
         if target is None:
             continue
+        changed = True
         root = _view_root(target)
         returns_target = writer.target is not operator.setitem
         if returns_target:
@@ -376,7 +378,8 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
             _redirect(root, after, writer, position)
         if root.op != "get_attr":
             _rebase_stale_views(graph, root, after, writer, position)
-    gm.recompile()
+    if changed:
+        gm.recompile()
     return gm
 
 

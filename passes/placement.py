@@ -13,9 +13,12 @@ def pin_devices(gm: fx.GraphModule, devices: Sequence[torch.device]) -> fx.Graph
     torch.export bakes the example's device into factory ops (`arange(..., device=cpu)`); a stage
     on another device must make its tensors there. Needs `node.meta["stage"]`.
     """
+    pinned = False
     for node in gm.graph.nodes:
         device = node.kwargs.get("device")
         if "stage" in node.meta and isinstance(device, (torch.device, str)):
             node.update_kwarg("device", devices[node.meta["stage"]])
-    gm.recompile()
+            pinned = True
+    if pinned:  # else its code stands: generating it again costs milliseconds
+        gm.recompile()
     return gm

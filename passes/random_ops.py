@@ -149,6 +149,7 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
     stream; mark the nodes whose draws the graph does not show (`begin_draws` before, `end_draws`
     after), so that the dispatch mode hands those draws their node's generator."""
     graph = stage.graph
+    changed = False  # a stage that draws nothing keeps its code: generating it costs milliseconds
     for node in list(graph.nodes):
         key = draw_key(node.name)
         replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
@@ -163,13 +164,16 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
             replacement = (method_with_generator, (node.target, *node.args))
         elif _draws_unseen(stage, node):
             _mark(graph, node, key)
+            changed = True
         if replacement is None:
             continue
+        changed = True
         with graph.inserting_before(node):
             call = graph.call_function(replacement[0], replacement[1], {**node.kwargs, "draw_key": key})
         node.replace_all_uses_with(call)
         graph.erase_node(node)
-    stage.recompile()
+    if changed:
+        stage.recompile()
     return stage
 
 

@@ -285,5 +285,6 @@ def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
     for read in dict.fromkeys(redirected):
         if not read.users:
             graph.erase_node(read)  # every reader reads a copy now
-    gm.recompile()
+    if redirected:  # else its code stands: generating it again costs milliseconds
+        gm.recompile()
     return gm
