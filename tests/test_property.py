@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from dag_models import FEATURE_OPS, FEATURES, MODES, SCHEDULES, USES, Case, NotACase, Op, Refused, Spec, check, reproducer
 
-# 14 features x 6 uses = 84 cases; the file runs in about 2-3 minutes on 2 cores.
+# 14 features x 6 uses = 84 cases; the file runs in about 6 minutes on 2 cores.
 # FXPIPE_PROPERTY_EXAMPLES=50 searches harder (outside CI).
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "10"))
 # Through torch.export, each with checkpoint='always' (what recomputes the exported graph's ops
