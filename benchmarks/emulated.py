@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from environment import command_lines, ensure_malloc_env
+from tables import print_markdown
 
 
 class _Kernel(torch.autograd.Function):
@@ -101,11 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(line)
     print(f"torch {torch.__version__}; schedule {args.schedule!r}; backward kernel = 2 x forward; efficiency = ideal / measured\n")
     rows = [row(int(s), float(k) / 1e3, args) for s in args.stages.split(",") for k in args.kernels_ms.split(",")]
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    print("| " + " | ".join(h.ljust(n) for h, n in zip(HEADER, widths)) + " |")
-    print("|" + "|".join("-" * (n + 2) for n in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(n) for c, n in zip(r, widths)) + " |")
+    print_markdown(HEADER, rows)
 
 
 if __name__ == "__main__":

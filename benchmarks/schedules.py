@@ -23,6 +23,7 @@ from torch import nn
 
 from bound import stage_work
 from environment import command_lines, ensure_malloc_env
+from tables import print_markdown
 from overhead import ROOT, Contender, make_mlp, measure
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -245,11 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           f"checkpoint {args.checkpoint!r}; E = T(plain) / (2 x T(step)); GPipe bound m/(m+n-1) = "
           f"{args.chunks / (args.chunks + 1):.3f}\n")  # fmt: skip
     rows = [row for w in workloads(args.quick) for row in bench(w, args)]
-    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-    print("| " + " | ".join(h.ljust(n) for h, n in zip(HEADER, widths)) + " |")
-    print("|" + "|".join("-" * (n + 2) for n in widths) + "|")
-    for row in rows:
-        print("| " + " | ".join(c.ljust(n) for c, n in zip(row, widths)) + " |")
+    print_markdown(HEADER, rows)
     print(f"\n{BOUND}: each stage's work for the step in plain PyTorch on its own thread, on inputs made "
           "beforehand (benchmarks/bound.py): what this machine needs for the step's arithmetic on two "
           "shared cores, at micro-batch size, with no bubble and no schedule")  # fmt: skip
