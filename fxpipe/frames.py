@@ -200,10 +200,15 @@ def _layout(t: torch.Tensor) -> Optional[tuple[int, ...]]:
     return strides if strides == t.stride() and strides != contiguous else None
 
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """The tensor with its conjugate and negative bits applied to its values: its bytes are then
+    what it holds (and torch views a conjugate view as bytes not at all)."""
+    return t.resolve_conj().resolve_neg() if t.is_conj() or t.is_neg() else t
+
+
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """The tensor's values contiguous in host memory, where they can be copied by address."""
-    if t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg()
+    t = _resolved(t)
     return t if t.device.type == "cpu" and t.is_contiguous() else t.contiguous().cpu()
 
 
@@ -214,7 +219,7 @@ def _copy(to: int, source: int, nbytes: int) -> None:
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's data as a flat uint8 tensor (a copy only when it is not contiguous)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
+    return _resolved(t).contiguous().reshape(-1).view(torch.uint8)
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

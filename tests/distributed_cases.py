@@ -672,7 +672,8 @@ def sample_values(step: int) -> dict[str, Any]:
         "floats": (torch.randn(3 + step, 4, generator=g).requires_grad_(step == 0), torch.randn(5, dtype=torch.float64, generator=g)),
         # equal leaves of other types, each arriving as itself: 1 == True == 1.0, 0.0 == -0.0
         "equals": [(1, True, 1.0, 0.0), (True, 1, 1.0, -0.0)][step],
-        "conjugate": (z.conj(), z.conj().imag),  # views with the conjugate and negative bits set
+        # views with the conjugate and negative bits set, in the frame and (the last) after it
+        "conjugate": (z.conj(), z.conj().imag, big.to(torch.complex128)[:40].conj()),
         "kinds": [torch.tensor([True, False]), torch.arange(7), torch.randn(4, generator=g).to(torch.bfloat16),
                   torch.randn(3, dtype=torch.complex64, generator=g), torch.tensor(2.5), torch.empty(0, 3)],
         "big": big,
