@@ -992,21 +992,33 @@ def directional(rank: int, world: int) -> list[dict[str, Any]]:
     import fxpipe.channel
 
     used: dict[str, dict[int, Any]] = {"send": {}, "receive": {}}
-    send, receive = fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv
 
-    def sending(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
-        used["send"][id(group)] = group
-        return send(tensor, dst, group=group, tag=tag)
+    class Spied:
+        """A process group that notes each way it is used in."""
 
-    def receiving(tensor: torch.Tensor, src: int, group: Any = None, tag: int = 0) -> Any:
-        used["receive"][id(group)] = group
-        return receive(tensor, src, group=group, tag=tag)
+        def __init__(self, group: Any) -> None:
+            self.group = group
 
-    fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv = sending, receiving  # type: ignore[assignment]
+        def send(self, *args: Any) -> Any:
+            used["send"][id(self.group)] = self.group
+            return self.group.send(*args)
+
+        def recv(self, *args: Any) -> Any:
+            used["receive"][id(self.group)] = self.group
+            return self.group.recv(*args)
+
+    spied: dict[int, Spied] = {}  # one per group: a channel finds a group's posted receives by its identity
+    route = fxpipe.channel._route
+
+    def routed(group: Any, global_rank: int) -> tuple[Any, int]:
+        real, rank = route(group, global_rank)
+        return spied.setdefault(id(real), Spied(real)), rank
+
+    fxpipe.channel._route = routed
     try:
         report = replicated(rank, world, ["gpt", "unet"])
     finally:
-        fxpipe.channel.dist.isend, fxpipe.channel.dist.irecv = send, receive
+        fxpipe.channel._route = route
     groups = {way: [sorted(dist.get_process_group_ranks(g)) for g in found.values()] for way, found in used.items()}
     return [dict(entry, groups=groups, same_group=bool(set(used["send"]) & set(used["receive"]))) for entry in report]
 
