@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch import nn
 
 import fxpipe.passes.partition as partition_pass
-from conftest import example_module, twin
+from conftest import assert_call_and_grads_equal, example_module, twin
 from fxpipe import PartitionError, Pipeline, compile_pipeline
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize, open_bytes
 from fxpipe.passes.objective import CrossingValue, CutModel
@@ -644,7 +644,7 @@ def test_a_graph_that_fails_on_a_micro_batch_is_timed_on_the_whole_example(monke
     monkeypatch.setattr(fxpipe.compile, "profile_times", fails_on_a_micro_batch)
     plan = _napping_pipeline().plan
     assert timed_on == [(2, 4), (8, 1)]
-    # timed on the whole batch, and then on its first micro-batch as a stage: a nap each
+    # nodes and then stages timed on the whole example: a nap each, as one call of the batch
     assert [stage.time for stage in plan.stages] == pytest.approx([0.032, 0.032], rel=0.2)
 
 
@@ -670,3 +670,21 @@ def test_a_stage_that_writes_its_input_in_place_is_timed_whole() -> None:
     times = profile_stages(gm, (torch.randn(8, 4),), torch.device("cpu"), [order[:1], order[1:]], warmup=1, repeats=2, per_batch=4)
     assert len(times) == 2 and all(0 < forward < whole for forward, whole in times)
     assert model.a.weight.grad is None and torch.equal(model.a.weight, weight)  # the model as it was
+
+
+def test_balance_by_time_leaves_the_model_and_the_generator_as_they_were() -> None:
+    """Timing nodes and stages runs BatchNorm (which writes its running statistics), dropout
+    (which draws) and backward (which adds into `.grad`) many times over: nothing of it stays.
+    The pipeline then equals the plain model in eval mode, under no_grad and autograd.grad."""
+    model, reference = twin(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    generator = torch.get_rng_state()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, balance="time")
+    assert torch.equal(torch.get_rng_state(), generator)
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(got, want), name
+    assert all(p.grad is None for p in model.parameters())
+    pipe.eval(), reference.eval()
+    assert_call_and_grads_equal(pipe, reference, x)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
