@@ -111,17 +111,17 @@ class Channel:
         self, group: Any, ranks: Sequence[int], me: int, device: torch.device, timeout: float,
         directions: Optional[dict[tuple[int, int], Any]] = None,
     ) -> None:
-        self.group = group
-        self.directions = directions or {}  # (from, to) -> the group of that direction, if any
         self.ranks = list(ranks)  # the global rank at each pipeline coordinate
         self.me = me  # this rank's pipeline coordinate
         self.device = device
         self.timeout = timeout
         self.tag = next(_channels)
-        # Each peer's group and rank in it, for sending to it and for receiving from it: the
-        # process group's own send and recv, without `dist.isend`'s checks on every message.
-        self.to = {p: _route(self.directions.get((me, p), group), self.ranks[p]) for p in self._peers()}
-        self.from_ = {p: _route(self.directions.get((p, me), group), self.ranks[p]) for p in self._peers()}
+        # Each peer's group and rank in it, for sending to it and for receiving from it (the
+        # group of that direction, `directions[(from, to)]`, if any, else `group`): the process
+        # group's own send and recv, without `dist.isend`'s checks on every message.
+        directions = directions or {}
+        self.to = {p: _route(directions.get((me, p), group), self.ranks[p]) for p in self._peers()}
+        self.from_ = {p: _route(directions.get((p, me), group), self.ranks[p]) for p in self._peers()}
         self.early = dist.get_backend(group) == "gloo"  # post receives before their messages
         self.step = 0
         self.kept: dict[int, dict[Hashable, Any]] = {}  # per peer, values read ahead of need
@@ -249,15 +249,15 @@ class Channel:
         in another order on each rank) is found at once, where each would wait on its own tag
         for the whole timeout. Every rank raises, and no pipeline has a message left waiting."""
         mine = torch.tensor([self.tag], dtype=torch.int64, device=self.device)
-        sending: list[Any] = [dist.isend(mine, self.ranks[p], group=self.directions.get((self.me, p), self.group), tag=_CALLS) for p in self._peers()]
+        sending: list[Any] = [self.to[p][0].send([mine], self.to[p][1], _CALLS) for p in self._peers()]
         called = {}
         for peer in self._peers():
-            group = self.directions.get((peer, self.me), self.group)
+            group = self.from_[peer][0]
             posted = _announcements.pop((id(group), self.ranks[peer]), None)
-            theirs, work = posted[1:] if posted is not None else self._announcement(group, peer)
+            theirs, work = posted[1:] if posted is not None else self._announcement(peer)
             called[peer] = int(self._wait(theirs, work, peer, "the pipeline it calls").item())
             if self.early:  # the next call's, posted now: its bytes move as they are sent
-                _announcements[(id(group), self.ranks[peer])] = (group, *self._announcement(group, peer))
+                _announcements[(id(group), self.ranks[peer])] = (group, *self._announcement(peer))
         for work in sending:
             work.wait(timedelta(seconds=self.timeout))
         others = {peer: tag for peer, tag in called.items() if tag != self.tag}
@@ -270,9 +270,10 @@ class Channel:
                 "order, and calls each at once)."
             )
 
-    def _announcement(self, group: Any, peer: int) -> tuple[torch.Tensor, Any]:
+    def _announcement(self, peer: int) -> tuple[torch.Tensor, Any]:
         theirs = torch.empty(1, dtype=torch.int64, device=self.device)
-        return theirs, dist.irecv(theirs, self.ranks[peer], group=group, tag=_CALLS)
+        group, rank = self.from_[peer]
+        return theirs, group.recv([theirs], rank, _CALLS)
 
     def exchange(self, what: str, value: Any) -> dict[int, Any]:
         """Send `value` to every peer and read theirs: each peer's value, by coordinate; raises
