@@ -171,9 +171,11 @@ class LeafGrads:
         self.undo: list[Callable[[], None]] = []  # what else the step puts back (its buffer writes)
 
     def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
-        """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs' fresh leaves)."""
-        skip = {id(t) for t in own}
-        stack, seen = [loss.grad_fn], set()
+        """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs: fresh leaves,
+        or the loss stage's own values, whose graph is the stage's business and is not walked)."""
+        tensors = [t for t in own if isinstance(t, torch.Tensor)]
+        skip = {id(t) for t in tensors}
+        stack, seen = [loss.grad_fn], {t.grad_fn for t in tensors if t.grad_fn is not None}
         while stack:
             node = stack.pop()
             if node is None or node in seen:

@@ -28,7 +28,7 @@ from fxpipe.distributed import check_state_placement, holders, keep_local_state,
 from fxpipe.gather import Gathered, ValueRef, as_returned
 from fxpipe.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
-    refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target, value_grads,
+    refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
 )
 from fxpipe.materialize import materialize
 from fxpipe.memory import ActivationMeter
@@ -474,17 +474,17 @@ class Pipeline(nn.Module):
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         program = call.program
 
-        def micro_batch_loss(i: int, values: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        def micro_batch_loss(i: int, values: dict[str, Any]) -> torch.Tensor:
             output = _rebuild(program.template, values, self._given(program, call.micro_batches[i]))
             loss = loss_of(loss_fn, output, targets[i]) if loss_fn is not None else own_loss(output)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
             scaled = loss * weights[i]
             if not call.grad:
-                return scaled.detach(), {}
+                return scaled.detach()
             if scaled.requires_grad:
                 kept.note(scaled, leaves_of(values))
-            return scaled.detach(), value_grads(scaled, values)
+            return scaled
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True

@@ -39,8 +39,9 @@ from fxpipe.checkpoint import (
     refuse_gradients_through, swapped_slots, swapped_state,
 )
 from fxpipe.context import CallerContext, worker_state
-from fxpipe.devices import Aborted, Mailbox, on_device, send
+from fxpipe.devices import Aborted, Mailbox, Parcel, on_device, send
 from fxpipe.hints import hint_for
+from fxpipe.losses import value_grads
 from fxpipe.memory import ActivationMeter
 from fxpipe.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.plan import CALLER
@@ -151,9 +152,9 @@ class _Saved:
     input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
 
 
-# The loss of one micro-batch, given its index and its output values as leaves: the loss
-# (detached, weighted for the batch), and the gradient of each output value.
-LossFn = Callable[[int, dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+# The loss of one micro-batch, weighted for the batch, given its index and its output values
+# (fresh leaves, or the loss stage's own values: see `Step._fuses`).
+LossFn = Callable[[int, dict[str, Any]], torch.Tensor]
 
 
 def _refuse_parameters_written_since(params: list[torch.Tensor], versions: Optional[list[int]]) -> None:
@@ -249,6 +250,10 @@ class Step:
         self.output_names = [name for s in stages for name, dsts in s.consumers.items() if self.sink in dsts]
         self.mailbox = mailbox if mailbox is not None else Mailbox(WAIT_TIMEOUT)
         self.saved: dict[tuple[int, int], _Saved] = {}
+        # Per micro-batch whose loss hangs on the loss stage's own outputs, the loss (None where it
+        # needs no gradient), until the stage's backward starts from it (see `_fuses`).
+        self.fused: dict[int, Optional[torch.Tensor]] = {}
+        self._fusable = self._loss_fusable()
         # Per action run: from its inputs in hand to its outputs made.
         self.timeline: list[Record] = []
         self.alive = [0] * len(stages)  # micro-batches each stage holds now (F to the end of B or W)
@@ -331,6 +336,7 @@ class Step:
             interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
             action, error = min(interrupted or group.errors.items(), key=lambda item: self._turn(item[0]))
             self.saved.clear()
+            self.fused.clear()
             if interrupted:  # a KeyboardInterrupt or SystemExit raised in a stage: as it is, as in one stage
                 raise _marked(action, error)
             if isinstance(error, RemoteFailure):
@@ -377,6 +383,7 @@ class Step:
         self.cancelled = True
         self.mailbox.abort()
         self.saved.clear()
+        self.fused.clear()
         if group is not None:
             group.finished.wait(WAIT_TIMEOUT or 60.0)
 
@@ -585,6 +592,7 @@ class Step:
         inputs = self.mailbox.take([("fwd", j, i, name) for name in stage.inputs])  # (1)
         start = time.perf_counter()
         checkpointed = self.grad and i < self.checkpoint_stop
+        fused = not checkpointed and self._fuses(i, j, inputs)
         if checkpointed:
             buffers = {name: b.clone() for name, b in stage.writable_buffers.items()} or None
             attributes = attributes_of(stage.whole_modules) if stage.whole_modules else None
@@ -621,10 +629,13 @@ class Step:
                 posted = _as_their_originals(wants, value, copies)
                 value = copies
             for dst in stage.consumers[name]:
+                if fused and dst == self.sink:  # as it is: the loss's graph goes on from the stage's
+                    self.mailbox.put(("fwd", dst, i, name), Parcel(value, self.output_device, []))
+                    continue
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, posted)
         if self.loss is not None and j == self.layout.loss_stage:
-            self._loss_task(i)  # its gradients go to stages that wait for them
+            self._loss_task(i, fused)  # its gradients go to stages that wait for them
             end = time.perf_counter()
         return start, end
 
@@ -642,22 +653,52 @@ class Step:
     def _metered(self, i: int, j: int) -> ContextManager[None]:
         return self.meter.saving(i, j) if self.meter is not None else nullcontext()
 
-    def _loss_task(self, i: int) -> None:
+    def _loss_task(self, i: int, fused: bool) -> None:
         """The micro-batch's loss, once all its outputs are in: the gradients of the outputs go
-        back to the stages that made them."""
+        back to the stages that made them; or, `fused`, the loss stays for the loss stage's
+        backward to start from."""
         names = self.output_names
         values = dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
         assert self.loss is not None
         try:
             with torch.set_grad_enabled(self.grad), ExitStack() as stack:
                 self.context.enter(stack)
-                loss, grads = self.loss(i, values)
+                loss = self.loss(i, values)
+                grads = value_grads(loss, values) if self.grad and not fused else {}
         except Exception as e:
             raise _LossError() from e
-        self.losses[i] = loss
+        self.losses[i] = loss.detach()
         self.outputs[i] = {name: map_tensors(torch.Tensor.detach, v) for name, v in values.items()}
-        if self.grad:
+        if fused:
+            self.fused[i] = loss if loss.requires_grad else None
+        elif self.grad:
             self._post_output_grads(i, grads)
+
+    def _loss_fusable(self) -> bool:
+        """Whether a micro-batch's loss can hang on the loss stage's own outputs (see `_fuses`):
+        every output comes from that stage, on the device the outputs go to, and not in a CUDA
+        graph's buffers (the next replay writes them before the backward reads them)."""
+        if self.loss is None or not self.grad:
+            return False
+        j = self.layout.loss_stage
+        makers = {s.index for s in self.stages for dsts in s.consumers.values() if self.sink in dsts}
+        stage = self.stages[j]
+        static = stage.compiled is not None and stage.compiled.static_outputs
+        return makers == {j} and stage.device == self.output_device and not static
+
+    def _fuses(self, i: int, j: int, inputs: list[Any]) -> bool:
+        """Whether micro-batch `i`'s loss is computed on stage `j`'s outputs as they are, so that
+        the stage's backward starts from the loss, in one autograd call as `loss.backward()` is
+        in the plain model, rather than from output gradients a call of its own made first (on
+        the critical path of every schedule, the last stage's, once per micro-batch). Not where
+        the stage recomputes (the loss would read outputs the recompute replaces), nor where its
+        backward is split into I and W (W takes the stage's weights alone, not what else the
+        loss reaches), nor where an input is not a leaf (the backward names what it stops at,
+        which would leave out what else the loss reaches)."""
+        return (
+            self._fusable and j == self.layout.loss_stage and (j, i) not in self.schedule.split
+            and all(t.is_leaf for v in inputs for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.requires_grad)
+        )  # fmt: skip
 
     def _write_back(self, stage: StageRuntime, i: int, results: tuple[Any, ...]) -> tuple[Any, ...]:
         """Copy what the stage wrote into its inputs from the caller back into the caller's
@@ -691,13 +732,16 @@ class Step:
 
     def _output_grads(self, i: int, j: int) -> list[Any]:  # (4)
         stage = self.stages[j]
-        keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name]]
+        # A fused loss stage's outputs get theirs from the loss, in its own backward.
+        skip = self.sink if j == self.layout.loss_stage and i in self.fused else None
+        keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name] if dst != skip]
         received = iter(self.mailbox.take(keys))
         grads = []
         for name in stage.outputs:
             total = None
-            for _ in stage.consumers[name]:
-                total = _add(total, next(received))
+            for dst in stage.consumers[name]:
+                if dst != skip:
+                    total = _add(total, next(received))
             grads.append(total)
         return grads
 
@@ -709,6 +753,10 @@ class Step:
         assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
         tensors, grad_tensors = _differentiable(saved.outputs, grads)
         saved.outputs = None
+        loss = self.fused.pop(i, None) if j == self.layout.loss_stage else None
+        if loss is not None:
+            tensors.append(loss)
+            grad_tensors.append(torch.ones_like(loss))
         return start, tensors, grad_tensors
 
     def _backward_task(self, i: int, j: int) -> tuple[float, float]:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
+import fxpipe.losses
 from fxpipe import StageError, compile_pipeline
 from fxpipe.microbatch import split_sizes
 
@@ -141,15 +142,16 @@ class _ReturnsWeight(nn.Module):
         return self.b(torch.tanh(self.a(x))), self.b.weight
 
 
+@pytest.mark.parametrize("mode", ["except_last", "never"])
 @pytest.mark.parametrize("failure", ["refused combination", "stage error"])
-def test_a_failed_step_puts_back_what_the_loss_reached_besides_the_outputs(failure: str) -> None:
+def test_a_failed_step_puts_back_what_the_loss_reached_besides_the_outputs(failure: str, mode: str) -> None:
     """A parameter the model returns and a temperature the loss reads get each micro-batch's
     gradient as its backward runs: a step refused or failed afterwards must leave them as they
     were, as it leaves the stages' parameters."""
     model = _ReturnsWeight().double()
     temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b", checkpoint=mode)
 
     def loss_fn(out: Any, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
         return F.mse_loss(out[0] / temperature, target, reduction=reduction) + out[1].pow(2).sum() + temperature
@@ -293,12 +295,14 @@ def test_in_float64_a_combination_off_by_little_is_refused_too() -> None:
         pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=weight))
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_a_tensor_the_loss_function_learns_gets_its_gradient(schedule: str) -> None:
-    """A temperature outside the model, read by the loss: loss.backward() gives it a gradient."""
+def test_a_tensor_the_loss_function_learns_gets_its_gradient(schedule: str, mode: str) -> None:
+    """A temperature outside the model, read by the loss: loss.backward() gives it a gradient,
+    whether the loss stage's backward starts from the loss or from its outputs' gradients."""
     model, reference, x, y = _classifier()
     temperature, twin_temperature = nn.Parameter(torch.tensor(2.0, dtype=torch.float64)), nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
-    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule=schedule)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule=schedule, checkpoint=mode)
     loss = pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out / temperature, t))
     expected = F.cross_entropy(reference(x) / twin_temperature, y)
     expected.backward()
@@ -475,6 +479,59 @@ def test_a_failing_loss_function_names_the_micro_batch_and_leaves_no_gradient() 
         pipe.train_step(x[:5], target=y[:5], loss_fn=loss_fn)  # micro-batches of 2, 1, 1, 1
     assert all(p.grad is None for p in pipe.parameters())
     pipe.train_step(x, target=y, loss_fn=F.mse_loss)  # and the pipeline works again
+    assert all(p.grad is not None for p in pipe.parameters())
+
+
+@pytest.mark.parametrize("schedule,mode,separate", [
+    ("1f1b", "never", 0), ("gpipe", "never", 0), ("1f1b", "except_last", 3), ("1f1b", "always", 4), ("zb-h1", "never", 4),
+])  # fmt: skip
+def test_the_loss_stage_backward_starts_from_the_loss_where_nothing_recomputes_or_splits_it(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, mode: str, separate: int
+) -> None:
+    """As `loss.backward()` in the plain model: one autograd call from the loss through the last
+    stage, rather than one to the outputs' gradients first, on every schedule's critical path.
+    A micro-batch the last stage recomputes, or whose backward it splits into I and W, takes the
+    outputs' gradients from a backward of the loss alone; the gradients are the plain model's
+    either way."""
+    import fxpipe.step
+
+    calls: list[int] = []
+
+    def counted(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+        calls.append(1)
+        return fxpipe.losses.value_grads(loss, values)
+
+    monkeypatch.setattr(fxpipe.step, "value_grads", counted)
+    model, reference = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule=schedule, checkpoint=mode)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    assert len(calls) == separate
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+class _FailsBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("the loss's backward failed")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_loss_whose_backward_fails_names_it_and_leaves_no_gradient(mode: str) -> None:
+    model = FanOut().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule="1f1b", checkpoint=mode)
+    with pytest.raises(StageError, match=r"stage 2 failed on micro-batch 0 in (loss|backward): RuntimeError: the loss's backward failed"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(_FailsBackward.apply(out), t))
+    assert all(p.grad is None for p in pipe.parameters())
+    pipe.train_step(x, target=y, loss_fn=F.mse_loss)
     assert all(p.grad is not None for p in pipe.parameters())
 
 
