@@ -232,6 +232,7 @@ class Step:
         self.rank, self.global_rank = rank, global_rank
         self.local_stages = [s for s in stages if rank is None or layout.ranks[s.index] == rank]
         self.schedule, self.layout = schedule, layout
+        self.loss_stage = layout.loss_stage  # read by every task: the layout computes it
         self.loss = loss
         self.meter = meter if grad else None
         self.losses: dict[int, torch.Tensor] = {}
@@ -406,7 +407,7 @@ class Step:
         if self.batch_stats is not None:
             self.batch_stats.commit()
         names = self.output_names
-        if self.rank is not None and self.rank != self.layout.ranks[self.layout.loss_stage]:
+        if self.rank is not None and self.rank != self.layout.ranks[self.loss_stage]:
             return []  # the outputs are on the rank of the last stage
         return [
             dict(zip(names, self.mailbox.take([("fwd", self.sink, i, n) for n in names])))
@@ -634,7 +635,7 @@ class Step:
                     continue
                 device = self.output_device if dst == self.sink else self.stages[dst].device
                 self._post_forward(dst, i, name, value, device, posted)
-        if self.loss is not None and j == self.layout.loss_stage:
+        if self.loss is not None and j == self.loss_stage:
             self._loss_task(i, fused)  # its gradients go to stages that wait for them
             end = time.perf_counter()
         return start, end
@@ -680,7 +681,7 @@ class Step:
         graph's buffers (the next replay writes them before the backward reads them)."""
         if self.loss is None or not self.grad:
             return False
-        j = self.layout.loss_stage
+        j = self.loss_stage
         makers = {s.index for s in self.stages for dsts in s.consumers.values() if self.sink in dsts}
         stage = self.stages[j]
         static = stage.compiled is not None and stage.compiled.static_outputs
@@ -696,7 +697,7 @@ class Step:
         loss reaches), nor where an input is not a leaf (the backward names what it stops at,
         which would leave out what else the loss reaches)."""
         return (
-            self._fusable and j == self.layout.loss_stage and (j, i) not in self.schedule.split
+            self._fusable and j == self.loss_stage and (j, i) not in self.schedule.split
             and all(t.is_leaf for v in inputs for t in leaves_of(v) if isinstance(t, torch.Tensor) and t.requires_grad)
         )  # fmt: skip
 
@@ -733,7 +734,7 @@ class Step:
     def _output_grads(self, i: int, j: int) -> list[Any]:  # (4)
         stage = self.stages[j]
         # A fused loss stage's outputs get theirs from the loss, in its own backward.
-        skip = self.sink if j == self.layout.loss_stage and i in self.fused else None
+        skip = self.sink if j == self.loss_stage and i in self.fused else None
         keys = [("bwd", j, i, name, dst) for name in stage.outputs for dst in stage.consumers[name] if dst != skip]
         received = iter(self.mailbox.take(keys))
         grads = []
@@ -753,7 +754,7 @@ class Step:
         assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
         tensors, grad_tensors = _differentiable(saved.outputs, grads)
         saved.outputs = None
-        loss = self.fused.pop(i, None) if j == self.layout.loss_stage else None
+        loss = self.fused.pop(i, None) if j == self.loss_stage else None
         if loss is not None:
             tensors.append(loss)
             grad_tensors.append(torch.ones_like(loss))
