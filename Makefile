@@ -26,7 +26,7 @@ demo: setup
 
 # The suite, then the types of everything (the library, its tests, benchmarks and examples).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto  # one test process per core
 	$(PY) -m mypy fxpipe passes tests benchmarks examples
 
 bench: setup

@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 
 from dag_models import FEATURE_OPS, FEATURES, MODES, SCHEDULES, USES, Case, NotACase, Op, Refused, Spec, check, reproducer
 
-# 14 features x 6 uses = 84 cases; the file runs in about 6 minutes on 2 cores.
+# 19 features x 7 uses, six examples each; the file takes about 4 minutes of one core.
 # FXPIPE_PROPERTY_EXAMPLES=50 searches harder (outside CI).
-EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "6"))
 # Through torch.export, each with checkpoint='always' (what recomputes the exported graph's ops
 # in backward): 18 features x 3; about 40 s.
-EXPORTED = max(1, EXAMPLES * 3 // 10)
+EXPORTED = max(1, EXAMPLES // 2)
 
 
 @st.composite
