@@ -39,7 +39,11 @@ def _fan_out() -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]]:
 MODELS = {"unet": _unet, "resnet": _resnet, "gpt": _gpt, "fan_out": _fan_out}
 
 
-@pytest.mark.parametrize("stages,chunks,mode", list(itertools.product([1, 2, 3, 4], [1, 3, 4, 8], MODES)))
+# With one micro-batch 'except_last' checkpoints nothing, as 'never': that pair is left out.
+GRID = [(s, c, m) for s, c, m in itertools.product([1, 2, 3, 4], [1, 3, 4, 8], MODES) if (c, m) != (1, "except_last")]
+
+
+@pytest.mark.parametrize("stages,chunks,mode", GRID)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_outputs_and_gradients_equal_plain_model(name: str, stages: int, chunks: int, mode: str) -> None:
     model, x, loss_fn = MODELS[name]()
