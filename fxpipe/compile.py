@@ -276,9 +276,10 @@ def _cut(
     caps: Optional[list[float]],
     split: Dims,
     placement: Optional[RankPlacement] = None,
+    workers: Optional[list[int]] = None,
 ) -> tuple[list[list[fx.Node]], Optional[StageTimes]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode; and,
-    under balance='time', each stage's measured times."""
+    under balance='time', each stage's measured times (`workers`: each stage's worker)."""
     together = state_write_spans(gm, order)
     chosen = _chosen_cut(order, len(devices), split_points, balance, together)
     if chosen is not None:
@@ -299,7 +300,9 @@ def _cut(
     if timed_on is None:
         return runs, None
     try:
-        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1])
+        # CPU stages in one process share its cores and interpreter lock: their workers are timed at once.
+        at_once = workers if workers is not None and placement is None and all(d.type == "cpu" for d in devices) else None
+        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1], workers=at_once)
     except Exception:  # noqa: BLE001 - a stage that cannot run alone here is predicted from its nodes' times
         times = None
     return runs, times if placement is None else gathered(times, placement, "comparing the measured times")[0]
@@ -668,7 +671,10 @@ def compile_pipeline(
             flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
         )
         caps = _caps(device_memory, ranks)
-        runs, stage_times = _cut(gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split, placement=placement)
+        runs, stage_times = _cut(
+            gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split,
+            placement=placement, workers=ranks,
+        )  # fmt: skip
         _refuse_recomputed_writes(gm, runs, checkpoint, chunks)
         edges = find_edges(gm, len(parsed))
         pin_devices(gm, parsed)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import statistics
+import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -150,18 +151,58 @@ def _rounds(runs: dict[Any, Callable[[], Any]], device: torch.device, warmup: in
 
 def profile_stages(
     gm: fx.GraphModule, example: Sequence[Any], device: torch.device, runs: Sequence[Sequence[fx.Node]], warmup: int = 2,
-    repeats: int = 7, per_batch: int = 1,
+    repeats: int = 7, per_batch: int = 1, workers: Optional[Sequence[int]] = None,
 ) -> list[tuple[float, float]]:
     """Each stage's forward, and forward plus backward, in seconds per batch (as in
     `profile_times`), timed as the pipeline runs it: its nodes in one forward, one backward
     call. A stage costs more than its nodes' times apart: each of its ops keeps its fixed cost
     (which timing one node alone takes off with the harness's), and the stage pays the harness's
-    once, as a task does."""
+    once, as a task does. `workers` (each stage's worker): every worker on a thread of its own
+    at once, each timing its stages in turn, as CPU stages run in a pipeline's steady state,
+    sharing the cores and the interpreter lock (two busy stages on two cores each run slower
+    than one alone)."""
     with preserved(gm):
         capture = _Capture(gm, keep_values=True)
         capture.run(*example)
-        samples = _rounds({i: _stage_run(capture, run) for i, run in enumerate(runs)}, device, warmup, repeats)
+        stage_runs = {i: _stage_run(capture, run) for i, run in enumerate(runs)}
+        if workers is not None and len(set(workers)) > 1:
+            samples = _rounds_together(stage_runs, device, warmup, repeats, list(workers))
+        else:
+            samples = _rounds(stage_runs, device, warmup, repeats)
     return [(per_batch * forward, per_batch * whole) for forward, whole in (_medians(samples[i]) for i in range(len(runs)))]
+
+
+def _rounds_together(
+    runs: dict[int, Callable[[], Any]], device: torch.device, warmup: int, repeats: int, workers: list[int]
+) -> dict[int, list[tuple[float, float]]]:
+    """As `_rounds`, with each worker on a thread of its own running its runs (`workers[key]` is
+    the worker of run `key`) in turn, all workers starting each round at once."""
+    samples: dict[int, list[tuple[float, float]]] = {key: [] for key in runs}
+    mine = {w: [key for key in runs if workers[key] == w] for w in dict.fromkeys(workers)}
+    start = threading.Barrier(len(mine))
+    failures: list[BaseException] = []
+
+    def timed(keys: list[int]) -> None:
+        try:
+            with torch.enable_grad():  # grad mode is the thread's own
+                for round_ in range(warmup + repeats):
+                    start.wait()
+                    for key in keys:
+                        seconds = _once(runs[key], device)
+                        if round_ >= warmup:
+                            samples[key].append(seconds)
+        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
+            failures.append(e)
+            start.abort()  # the others stop waiting for this one
+
+    threads = [threading.Thread(target=timed, args=(keys,), name=f"fxpipe-profile-{w}", daemon=True) for w, keys in mine.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise next((e for e in failures if not isinstance(e, threading.BrokenBarrierError)), failures[0])
+    return samples
 
 
 def _stage_run(capture: _Capture, run: Sequence[fx.Node]) -> Callable[[], Any]:
