@@ -27,9 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from environment import command_lines, ensure_malloc_env
-from fxpipe.checkpoint import checkpoint_stop
-from fxpipe.schedule_check import make_schedule
-from fxpipe.simulate import StageCosts, simulate
+from fxpipe.simulate import StageCosts
 from tables import print_markdown
 
 
@@ -70,10 +68,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def ideal_seconds(pipe: Any, costs: list[StageCosts]) -> float:
     """The schedule's step on the given per-micro-batch stage costs: the plan's simulator, nothing else."""
-    plan = pipe.plan
-    checkpointed = checkpoint_stop(plan.checkpoint, plan.chunks)
-    schedule = make_schedule(plan.schedule, plan.layout(), plan.chunks, checkpointed)
-    return float(simulate(schedule, plan.layout(), costs, checkpointed).timeline.makespan)
+    return float(pipe.plan.simulate(costs).timeline.makespan)
 
 
 def plain_costs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int, stages: int) -> tuple[list[StageCosts], float]:

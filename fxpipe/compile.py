@@ -279,7 +279,8 @@ def _cut(
     workers: Optional[list[int]] = None,
 ) -> tuple[list[list[fx.Node]], Optional[StageTimes]]:
     """The stages: by split points, by node counts, or the best cut under a balance mode; and,
-    under balance='time', each stage's measured times (`workers`: each stage's worker)."""
+    under balance='time', each stage's measured times (`workers`: each stage's worker, where
+    the stages are timed at once)."""
     together = state_write_spans(gm, order)
     chosen = _chosen_cut(order, len(devices), split_points, balance, together)
     if chosen is not None:
@@ -300,9 +301,7 @@ def _cut(
     if timed_on is None:
         return runs, None
     try:
-        # CPU stages in one process share its cores and interpreter lock: their workers are timed at once.
-        at_once = workers if workers is not None and placement is None and all(d.type == "cpu" for d in devices) else None
-        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1], workers=at_once)
+        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1], workers=workers)
     except Exception:  # noqa: BLE001 - a stage that cannot run alone here is predicted from its nodes' times
         times = None
     return runs, times if placement is None else gathered(times, placement, "comparing the measured times")[0]
@@ -673,7 +672,8 @@ def compile_pipeline(
         caps = _caps(device_memory, ranks)
         runs, stage_times = _cut(
             gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split,
-            placement=placement, workers=ranks,
+            # CPU stages in one process share its cores and interpreter lock: their workers are timed at once.
+            placement=placement, workers=ranks if on_cpu and placement is None else None,
         )  # fmt: skip
         _refuse_recomputed_writes(gm, runs, checkpoint, chunks)
         edges = find_edges(gm, len(parsed))

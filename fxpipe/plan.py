@@ -82,10 +82,6 @@ class Plan:
         """The simulated timeline of one training step under `schedule` (the plan's own by
         default), from the predicted stage times: a forward is a third of a stage's time, a
         backward the rest; a micro-batch's activations are the stage's over `chunks`."""
-        name = schedule or self.schedule
-        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
-        layout = self.layout()
-        sched = make_schedule(name, layout, self.chunks, checkpointed)
         costs = [
             StageCosts(
                 forward=s.forward_share * s.time / self.chunks, backward=(1 - s.forward_share) * s.time / self.chunks,
@@ -94,6 +90,14 @@ class Plan:
             )
             for s in self.stages
         ]  # fmt: skip
+        return self.simulate(costs, schedule)
+
+    def simulate(self, costs: list[StageCosts], schedule: Optional[str] = None) -> Prediction:
+        """The simulated timeline of one training step of this plan under `schedule` (the plan's
+        own by default) on the given per-micro-batch stage costs."""
+        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+        layout = self.layout()
+        sched = make_schedule(schedule or self.schedule, layout, self.chunks, checkpointed)
         return simulate(sched, layout, costs, checkpointed)
 
     def predicted_time(self) -> float:

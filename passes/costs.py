@@ -134,12 +134,15 @@ def _time_rounds(gm: fx.GraphModule, example: Sequence[Any], device: torch.devic
     return _rounds(runs, device, warmup, repeats)
 
 
-def _rounds(runs: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, repeats: int) -> dict[Any, list[tuple[float, float]]]:
+def _rounds(
+    runs: dict[Any, Callable[[], Any]], device: torch.device, warmup: int, repeats: int, before_round: Callable[[], Any] = lambda: None
+) -> dict[Any, list[tuple[float, float]]]:
     """Each run's seconds (forward, and forward plus backward) in the rounds after `warmup`."""
     samples: dict[Any, list[tuple[float, float]]] = {key: [] for key in runs}
     shuffle = random.Random(0).shuffle
-    with torch.enable_grad():
+    with torch.enable_grad():  # grad mode is the thread's own
         for round_ in range(warmup + repeats):
+            before_round()
             order = list(runs)
             shuffle(order)
             for key in order:
@@ -177,25 +180,19 @@ def _rounds_together(
 ) -> dict[int, list[tuple[float, float]]]:
     """As `_rounds`, with each worker on a thread of its own running its runs (`workers[key]` is
     the worker of run `key`) in turn, all workers starting each round at once."""
-    samples: dict[int, list[tuple[float, float]]] = {key: [] for key in runs}
-    mine = {w: [key for key in runs if workers[key] == w] for w in dict.fromkeys(workers)}
+    samples: dict[int, list[tuple[float, float]]] = {}
+    mine = {w: {key: run for key, run in runs.items() if workers[key] == w} for w in dict.fromkeys(workers)}
     start = threading.Barrier(len(mine))
     failures: list[BaseException] = []
 
-    def timed(keys: list[int]) -> None:
+    def timed(own: dict[int, Callable[[], Any]]) -> None:
         try:
-            with torch.enable_grad():  # grad mode is the thread's own
-                for round_ in range(warmup + repeats):
-                    start.wait()
-                    for key in keys:
-                        seconds = _once(runs[key], device)
-                        if round_ >= warmup:
-                            samples[key].append(seconds)
+            samples.update(_rounds(own, device, warmup, repeats, before_round=start.wait))
         except BaseException as e:  # noqa: BLE001 - raised on the caller's thread below
             failures.append(e)
             start.abort()  # the others stop waiting for this one
 
-    threads = [threading.Thread(target=timed, args=(keys,), name=f"fxpipe-profile-{w}", daemon=True) for w, keys in mine.items()]
+    threads = [threading.Thread(target=timed, args=(own,), name=f"fxpipe-profile-{w}", daemon=True) for w, own in mine.items()]
     for thread in threads:
         thread.start()
     for thread in threads:
