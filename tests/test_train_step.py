@@ -74,10 +74,16 @@ def test_train_step_and_call_then_backward_agree(schedule: str) -> None:
         torch.testing.assert_close(p.grad, by_call[name], rtol=0, atol=1e-12)
 
 
+# 'never' runs every micro-batch's loss-stage backward from the loss itself (see
+# test_the_loss_stage_backward_starts_from_the_loss...), 'except_last' only the last one's.
+FUSED_OR_NOT = ("except_last", "never")
+
+
+@pytest.mark.parametrize("mode", FUSED_OR_NOT)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_gradients_accumulate_over_steps_and_the_inputs_get_theirs(schedule: str) -> None:
+def test_gradients_accumulate_over_steps_and_the_inputs_get_theirs(schedule: str, mode: str) -> None:
     model, reference = twin(FanOut())
-    pipe = compile_with(model, torch.randn(8, 6, dtype=torch.float64), schedule, chunks=4)
+    pipe = compile_with(model, torch.randn(8, 6, dtype=torch.float64), schedule, chunks=4, checkpoint=mode)
     batches = [torch.randn(8, 6, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     targets = [torch.randn(8, 6, dtype=torch.float64) for _ in range(2)]
     for x, y in zip(batches, targets):
@@ -628,11 +634,12 @@ class Dropping(nn.Module):
         return self.body(self.drop(x))
 
 
+@pytest.mark.parametrize("mode", FUSED_OR_NOT)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_in_eval_mode_train_step_equals_the_plain_model(schedule: str) -> None:
+def test_in_eval_mode_train_step_equals_the_plain_model(schedule: str, mode: str) -> None:
     model, reference = twin(Dropping())
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_with(model, x, schedule, chunks=4)
+    pipe = compile_with(model, x, schedule, chunks=4, checkpoint=mode)
     pipe.eval()
     reference.eval()
     loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
@@ -642,12 +649,13 @@ def test_in_eval_mode_train_step_equals_the_plain_model(schedule: str) -> None:
     assert_grads_equal(pipe, reference)
 
 
+@pytest.mark.parametrize("mode", FUSED_OR_NOT)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_under_autocast_train_step_casts_as_the_plain_model_does(schedule: str) -> None:
+def test_under_autocast_train_step_casts_as_the_plain_model_does(schedule: str, mode: str) -> None:
     model, reference = FanOut(), FanOut()
     reference.load_state_dict(model.state_dict())
     x, y = torch.randn(8, 6), torch.randn(8, 6)
-    pipe = compile_with(model, x, schedule, chunks=4)
+    pipe = compile_with(model, x, schedule, chunks=4, checkpoint=mode)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, out = pipe.train_step(x, target=y, loss_fn=F.mse_loss, return_outputs=True)
         expected_out = reference(x)
