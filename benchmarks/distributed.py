@@ -213,9 +213,9 @@ def schedule_limits(costs: list[tuple[float, float, float]], chunks: int) -> dic
     step's time over the busier rank's work. The bound times this is what no implementation of
     that schedule on this cut beats (a ratio, so that the bound, timed in the same rounds as the
     contenders, carries the machine's speed)."""
-    from fxpipe.schedule import Layout
-    from fxpipe.schedule_check import make_schedule
-    from fxpipe.simulate import StageCosts, simulate
+    from fxpipe.schedules.schedule import Layout
+    from fxpipe.schedules.schedule_check import make_schedule
+    from fxpipe.schedules.simulate import StageCosts, simulate
 
     layout = Layout((0, 1), frozenset({(0, 1)}), (1,))
     stages = [StageCosts(forward, backward, input_share=min(1.0, alone / backward)) for forward, backward, alone in costs]
@@ -228,8 +228,8 @@ def message_cost(rank: int, rounds: int = 12, trips: int = 200) -> dict[str, flo
     taking turns): raw send/recv; the transport a channel uses without its Python (a 4 KiB frame
     into a receive posted before it is sent); and a channel message, with its header (step, key,
     shapes and dtypes) in the frame."""
-    from fxpipe.channel import Channel
-    from fxpipe.frames import FRAME
+    from fxpipe.distributed.channel import Channel
+    from fxpipe.distributed.frames import FRAME
 
     group = dist.group.WORLD
     channel = Channel(group, [0, 1], rank, torch.device("cpu"), 30.0)
@@ -468,7 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"\n{BOUND}: each rank does its stage's work for the step in plain PyTorch, on inputs made "
           "beforehand, sending nothing (benchmarks/bound.py): no schedule or transport beats it")  # fmt: skip
     print(f"{LIMIT}: the bound times what the schedule's order adds to it, {', '.join(f'{n} x{r:.3f}' for n, r in limits.items())}: "
-          "fxpipe's simulator (fxpipe/simulate.py) runs the schedule's action lists with each action taking what it "
+          "fxpipe's simulator (fxpipe/schedules/simulate.py) runs the schedule's action lists with each action taking what it "
           "takes in plain PyTorch, measured on both ranks at once (ms per micro-batch, forward / backward / input's "
           "gradient alone: " + "; ".join(f"stage {k} {f * 1e3:.1f} / {b * 1e3:.1f} / {i * 1e3:.1f}" for k, (f, b, i) in enumerate(costs))
           + "), values arriving the moment they are made: no implementation of the schedule on this cut beats it")  # fmt: skip

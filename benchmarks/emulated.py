@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from environment import command_lines, ensure_malloc_env
-from fxpipe.simulate import StageCosts
+from fxpipe.schedules.simulate import StageCosts
 from tables import print_markdown
 
 

@@ -171,7 +171,7 @@ def split_cost(quick: bool, repeats: int = 30) -> str:
     import statistics
     import time
 
-    from fxpipe.weight_grad import Weights, backward_inputs
+    from fxpipe.runtime.weight_grad import Weights, backward_inputs
 
     width, rows = (128, 64) if quick else (512, 256)
     model = make_mlp(8, width)

@@ -1,15 +1,18 @@
 """fxpipe: pipeline parallelism for any traceable PyTorch model."""
-from fxpipe.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.compile import compile_pipeline
-from fxpipe.passes.markers import pipe_split
+from fxpipe.tracing.markers import pipe_split
 from fxpipe.passes.partition import PartitionError
-from fxpipe.passes.trace import TraceError
+from fxpipe.tracing.trace import TraceError
 from fxpipe.pipeline import Pipeline, PlacementError
-from fxpipe.plan import Edge, Plan, StagePlan
-from fxpipe.schedule import Action, Layout, Schedule
-from fxpipe.schedule_check import ScheduleError
-from fxpipe.step import StageError
-from fxpipe.timeline import Timeline
+from fxpipe.compiled.plan import Edge, Plan, StagePlan
+from fxpipe.schedules.schedule import Action, Layout, Schedule
+from fxpipe.schedules.schedule_check import ScheduleError
+from fxpipe.runtime.step import StageError
+from fxpipe.schedules.timeline import Timeline
+from fxpipe._moved import keep_old_paths
+
+keep_old_paths()
 
 __all__ = [
     "Action",

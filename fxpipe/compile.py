@@ -13,37 +13,37 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from fxpipe.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from fxpipe.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
-from fxpipe.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
-from fxpipe.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
-from fxpipe.passes.assignments import assignments_recorded
+from fxpipe.runtime.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from fxpipe.tracing.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
+from fxpipe.compiled.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
+from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
+from fxpipe.tracing.assignments import assignments_recorded
 from fxpipe.passes.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_stages, profile_times
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
-from fxpipe.passes.export import shapes_note
-from fxpipe.passes.global_reads import put_back_on_failure
+from fxpipe.tracing.export import shapes_note
+from fxpipe.tracing.global_reads import put_back_on_failure
 from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
-from fxpipe.passes.mode_reads import ModeReads
+from fxpipe.tracing.mode_reads import ModeReads
 from fxpipe.passes.objective import CutModel
-from fxpipe.passes.markers import cuts_from_markers, is_split
+from fxpipe.tracing.markers import cuts_from_markers, is_split
 from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.snapshot import inputs_preserved, preserved
-from fxpipe.passes.trace import LeafSpec
+from fxpipe.core.snapshot import inputs_preserved, preserved
+from fxpipe.tracing.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import reads_after_hidden_writes, rewritten_by_recompute, state_write_spans, view_write_spans
-from fxpipe.build import build_program
-from fxpipe.distributed import RankPlacement, agree_on_times, check_same_plan, connect, gathered, placement_of
+from fxpipe.compiled.build import build_program
+from fxpipe.distributed.ranks import RankPlacement, agree_on_times, check_same_plan, connect, gathered, placement_of
 from fxpipe.pipeline import Pipeline
-from fxpipe.program import ChunkSpec, Compiled, Cut
-from fxpipe.plan import Plan, StagePlan
-from fxpipe.schedule import SCHEDULES
-from fxpipe.stage_compile import compile_options
+from fxpipe.compiled.program import ChunkSpec, Compiled, Cut
+from fxpipe.compiled.plan import Plan, StagePlan
+from fxpipe.schedules.schedule import SCHEDULES
+from fxpipe.runtime.stage_compile import compile_options
 
 Device = Union[str, int, torch.device]
 _STAGE_DEVICE_TYPES = ("cpu", "cuda")
@@ -201,7 +201,7 @@ def _check_arguments(
 
 def _place(owner: nn.Module, gm: fx.GraphModule, name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """Move one parameter (in place, keeping the object) or buffer to its stage's device (one
-    on the meta device is made there when the pipeline is built: fxpipe/materialize.py)."""
+    on the meta device is made there when the pipeline is built: fxpipe/compiled/materialize.py)."""
     if tensor.device == device or tensor.is_meta:
         return
     if isinstance(tensor, nn.Parameter):
@@ -607,7 +607,7 @@ def compile_pipeline(
             GPipe), and their running statistics are updated once per step from the whole
             batch, as the plain model's would be on it.
         schedule: what `pipe.train_step` runs: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'
-            (fxpipe/schedule.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
+            (fxpipe/schedules/schedule.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
         stages_per_device: with 'interleaved-1f1b', the model is cut into this many stages per
             device, placed round-robin: stage s on `devices[s % len(devices)]`.
         compile_stages: run each generated stage under `torch.compile`, forward and backward:

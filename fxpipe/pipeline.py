@@ -16,38 +16,38 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.across import forward_across, train_across
-from fxpipe.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
-from fxpipe.batchnorm import BatchStatistics
-from fxpipe.channel import Channel, RankMailbox
-from fxpipe.checkpoint import checkpoint_stop
-from fxpipe.context import CallerContext
-from fxpipe.devices import Mailbox
-from fxpipe.clipping import clip_across
-from fxpipe.distributed import check_state_placement, holders, keep_local_state, refuse_written_inputs, routes, unread
-from fxpipe.gather import Gathered, ValueRef, as_returned
-from fxpipe.losses import (
+from fxpipe.distributed.across import forward_across, train_across
+from fxpipe.runtime.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
+from fxpipe.runtime.batchnorm import BatchStatistics
+from fxpipe.distributed.channel import Channel, RankMailbox
+from fxpipe.runtime.checkpoint import checkpoint_stop
+from fxpipe.runtime.context import CallerContext
+from fxpipe.runtime.devices import Mailbox
+from fxpipe.distributed.clipping import clip_across
+from fxpipe.distributed.ranks import check_state_placement, holders, keep_local_state, refuse_written_inputs, routes, unread
+from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
+from fxpipe.runtime.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
     refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
 )
-from fxpipe.materialize import materialize
-from fxpipe.memory import ActivationMeter
-from fxpipe.microbatch import (
+from fxpipe.compiled.materialize import materialize
+from fxpipe.runtime.memory import ActivationMeter
+from fxpipe.core.microbatch import (
     Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, map_tensors, off_batch, scatter, spec_dims, split_dim,
     split_sizes,
 )
-from fxpipe.passes.mode_reads import modes_changed
-from fxpipe.plan import Plan
-from fxpipe.program import ChunkSpec, Compiled, OtherCall, Program
-from fxpipe.stage_compile import StageCompiles
-from fxpipe.randomness import generator_put_back_on_error
-from fxpipe.replicas import Replicas
-from fxpipe.schedule import Schedule
-from fxpipe.schedule_check import make_schedule
-from fxpipe.step import Step
-from fxpipe.timeline import Record, Timeline
-from fxpipe.transforms import refuse_transforms
-from fxpipe.worker import Workers
+from fxpipe.tracing.mode_reads import modes_changed
+from fxpipe.compiled.plan import Plan
+from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
+from fxpipe.runtime.stage_compile import StageCompiles
+from fxpipe.runtime.randomness import generator_put_back_on_error
+from fxpipe.distributed.replicas import Replicas
+from fxpipe.schedules.schedule import Schedule
+from fxpipe.schedules.schedule_check import make_schedule
+from fxpipe.runtime.step import Step
+from fxpipe.schedules.timeline import Record, Timeline
+from fxpipe.runtime.transforms import refuse_transforms
+from fxpipe.runtime.worker import Workers
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
@@ -816,7 +816,7 @@ class Pipeline(nn.Module):
     # -- pictures ----------------------------------------------------------------------------
     def to_svg(self, path: Optional[str] = None) -> str:
         """The stage graph as SVG text; also written to `path` when given."""
-        from fxpipe.viz import plan_to_svg
+        from fxpipe.compiled.viz import plan_to_svg
 
         svg = plan_to_svg(self.plan)
         if path is not None:

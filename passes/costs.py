@@ -15,7 +15,7 @@ from fxpipe.passes.attrs import parameters_of
 from fxpipe.passes.inplace import writes_first_argument
 from fxpipe.passes.linearize import COMPUTE_OPS
 from fxpipe.passes.objective import CutModel, crossing_values, kept_micro_batches
-from fxpipe.passes.snapshot import preserved
+from fxpipe.core.snapshot import preserved
 
 BALANCE_MODES = ("time", "flops", "params", "memory")
 

@@ -19,7 +19,7 @@ import torch.fx as fx
 from fxpipe.passes.inplace import check_writes_across_stages
 from fxpipe.passes.linearize import COMPUTE_OPS
 
-from fxpipe.plan import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
+from fxpipe.compiled.plan import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
 
 __all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "find_edges", "stage_inputs", "stage_outputs"]
 

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.markers import is_split
+from fxpipe.tracing.markers import is_split
 from fxpipe.passes.objective import CrossingValue, CutModel
 
 # Above this many nodes, the exact search runs over this many runs of nodes of about equal time.

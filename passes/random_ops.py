@@ -21,7 +21,7 @@ from torch import nn
 
 from fxpipe.passes.attrs import fetch_attr
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
-from fxpipe.randomness import (
+from fxpipe.runtime.randomness import (
     begin_draws,
     draw_key,
     dropout_function,

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from fxpipe.passes.snapshot import preserved
+from fxpipe.core.snapshot import preserved
 
 
 class FlopCount(TorchDispatchMode):

@@ -161,9 +161,9 @@ def _deterministic() -> None:
 @pytest.fixture(autouse=True)
 def _bounded_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hang in the runtime fails its test in seconds, not at the suite's timeout."""
-    import fxpipe.step
+    import fxpipe.runtime.step
 
-    monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 30.0)
+    monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 30.0)
 
 
 class RenormTied(nn.Module):

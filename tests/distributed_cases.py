@@ -692,7 +692,7 @@ def sample_values(step: int) -> dict[str, Any]:
 def echo(rank: int, world: int) -> list[str]:
     """Rank 0 sends each sample value on the channel, in two steps; rank 1 takes them out of
     order and reports what differs."""
-    from fxpipe.channel import Channel
+    from fxpipe.distributed.channel import Channel
 
     channel = Channel(dist.group.WORLD, list(range(world)), rank, torch.device("cpu"), 30.0)
     problems = []
@@ -989,7 +989,7 @@ def directional(rank: int, world: int) -> list[dict[str, Any]]:
     """The groups values travel on: the U-Net and GPT under 1f1b and zb-h1, on a 2 x 2 mesh; each
     entry says which ranks the groups this rank sent and received on hold, and how many there were
     (made once per mesh, so both pipelines use the same)."""
-    import fxpipe.channel
+    import fxpipe.distributed.channel
 
     used: dict[str, dict[int, Any]] = {"send": {}, "receive": {}}
 
@@ -1008,17 +1008,17 @@ def directional(rank: int, world: int) -> list[dict[str, Any]]:
             return self.group.recv(*args)
 
     spied: dict[int, Spied] = {}  # one per group: a channel finds a group's posted receives by its identity
-    route = fxpipe.channel._route
+    route = fxpipe.distributed.channel._route
 
     def routed(group: Any, global_rank: int) -> tuple[Any, int]:
         real, rank = route(group, global_rank)
         return spied.setdefault(id(real), Spied(real)), rank
 
-    fxpipe.channel._route = routed
+    fxpipe.distributed.channel._route = routed
     try:
         report = replicated(rank, world, ["gpt", "unet"])
     finally:
-        fxpipe.channel._route = route
+        fxpipe.distributed.channel._route = route
     groups = {way: [sorted(dist.get_process_group_ranks(g)) for g in found.values()] for way, found in used.items()}
     return [dict(entry, groups=groups, same_group=bool(set(used["send"]) & set(used["receive"]))) for entry in report]
 

@@ -128,7 +128,7 @@ class Blocks(nn.Module):
 def test_a_misspelt_leaf_module_is_named_with_the_names_it_may_mean() -> None:
     """Unchecked, it would keep nothing whole without a word."""
     with pytest.raises(ValueError) as info:
-        compile_pipeline(Blocks(), X, ["cpu"], leaf_modules=["blok", nn.Linear, 3], chunks=0)
+        compile_pipeline(Blocks(), X, ["cpu"], leaf_modules=["blok", nn.Linear, 3], chunks=0)  # type: ignore[list-item]
     message = str(info.value)
     assert "leaf_modules names 'blok', which is no submodule of Blocks (did you mean 'block'" in message
     assert "leaf_modules takes module types or qualified submodule names, not 3" in message

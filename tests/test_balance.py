@@ -22,8 +22,8 @@ from fxpipe.passes.linearize import COMPUTE_OPS, linearize, open_bytes
 from fxpipe.passes.objective import CrossingValue, CutModel
 from fxpipe.passes.partition import UNITS, best_cuts, min_max_cuts
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.trace import trace
-from fxpipe.plan import Edge, Plan, StagePlan, human_bytes
+from fxpipe.tracing.trace import trace
+from fxpipe.compiled.plan import Edge, Plan, StagePlan, human_bytes
 
 Cut = tuple[int, ...]
 

@@ -13,7 +13,7 @@ from torch.nn.utils import prune
 
 from conftest import assert_grads_equal, real_tensors_only, twin
 from fxpipe import compile_pipeline
-from fxpipe.microbatch import VARIES
+from fxpipe.core.microbatch import VARIES
 from fxpipe.passes.batch_dims import annotate_batch_dims
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # fixed whatever was imported first

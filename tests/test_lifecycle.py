@@ -312,9 +312,9 @@ def test_a_stage_error_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None
 
 def test_a_stuck_pipeline_fails_within_the_wait_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task whose input never comes (an edge lost, say) is reported, not waited on forever."""
-    import fxpipe.step
+    import fxpipe.runtime.step
 
-    monkeypatch.setattr(fxpipe.step, "WAIT_TIMEOUT", 0.5)
+    monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 0.5)
     model = FanOut()
     pipe = compile_pipeline(model, torch.randn(4, 6), ["cpu"] * 3, chunks=2)
     runtime = pipe.program().stages[0]

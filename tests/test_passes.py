@@ -16,7 +16,7 @@ from fxpipe import Pipeline, TraceError, compile_pipeline
 from fxpipe.passes.linearize import linearize
 from fxpipe.passes.partition import PartitionError, belongs_to, min_max_cuts, partition
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.trace import trace
+from fxpipe.tracing.trace import trace
 
 WIDTH = 4
 

@@ -12,9 +12,9 @@ import fxpipe.compile
 from conftest import assert_grads_equal, twin
 from fxpipe import compile_pipeline
 from fxpipe.compile import place_state
-from fxpipe.microbatch import scatter, split_sizes
+from fxpipe.core.microbatch import scatter, split_sizes
 from fxpipe.passes.linearize import linearize
-from fxpipe.passes.trace import trace
+from fxpipe.tracing.trace import trace
 
 MODES = ("always", "except_last", "never")
 PAIRS = [(6, 4), (9, 4), (5, 8), (1, 3), (10, 4), (8, 3), (7, 7)]

@@ -1288,7 +1288,7 @@ def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_r
 def test_a_put_wakes_only_the_task_that_waits_for_its_key() -> None:
     """Each waiting task has a wake-up of its own: a put sets the one of its key's taker, and no
     other (with one wake-up for all, eight stages would wake seven threads per value for nothing)."""
-    from fxpipe.devices import Aborted, Mailbox, Parcel
+    from fxpipe.runtime.devices import Aborted, Mailbox, Parcel
 
     box, got, stopped = Mailbox(), {}, []
 

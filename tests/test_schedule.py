@@ -9,7 +9,7 @@ from torch import nn
 
 from conftest import FanOut
 from fxpipe import compile_pipeline, is_checkpointing, is_recomputing
-from fxpipe.schedule import clock_cycles
+from fxpipe.schedules.schedule import clock_cycles
 
 
 def test_clock_cycles_exact() -> None:

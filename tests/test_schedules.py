@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from conftest import FanOut, assert_grads_equal
 from fxpipe import StageError, compile_pipeline
-from fxpipe.schedule import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
-from fxpipe.schedule_check import ScheduleError, check, make_schedule
-from fxpipe.simulate import StageCosts, simulate
+from fxpipe.schedules.schedule import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
+from fxpipe.schedules.schedule_check import ScheduleError, check, make_schedule
+from fxpipe.schedules.simulate import StageCosts, simulate
 
 
 def chain(stages: int, workers: int = 0) -> Layout:

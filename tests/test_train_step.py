@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
-import fxpipe.losses
+import fxpipe.runtime.losses
 from fxpipe import StageError, compile_pipeline
-from fxpipe.microbatch import split_sizes
+from fxpipe.core.microbatch import split_sizes
 
 MODES = ("always", "except_last", "never")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -263,9 +263,9 @@ def test_a_failed_step_leaves_the_callers_generator_as_it_was(call: str) -> None
 
 def test_buffers_over_the_put_back_limit_are_not_copied_and_keep_a_failed_steps_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy on every step would cost more than the step for a large buffer (a queue of features)."""
-    import fxpipe.step
+    import fxpipe.runtime.step
 
-    monkeypatch.setattr(fxpipe.step, "PUT_BACK_LIMIT", 0)
+    monkeypatch.setattr(fxpipe.runtime.step, "PUT_BACK_LIMIT", 0)
     model = _Counted().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, split_points=["norm"])
@@ -499,15 +499,15 @@ def test_the_loss_stage_backward_starts_from_the_loss_where_nothing_recomputes_o
     A micro-batch the last stage recomputes, or whose backward it splits into I and W, takes the
     outputs' gradients from a backward of the loss alone; the gradients are the plain model's
     either way."""
-    import fxpipe.step
+    import fxpipe.runtime.step
 
     calls: list[int] = []
 
     def counted(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
         calls.append(1)
-        return fxpipe.losses.value_grads(loss, values)
+        return fxpipe.runtime.losses.value_grads(loss, values)
 
-    monkeypatch.setattr(fxpipe.step, "value_grads", counted)
+    monkeypatch.setattr(fxpipe.runtime.step, "value_grads", counted)
     model, reference = twin(FanOut())
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule=schedule, checkpoint=mode)

@@ -1,0 +1,1 @@
+"""The compiled record: the plan, the program the runtime runs, and pictures of them."""

@@ -1,0 +1,328 @@
+"""Building a cut for the runtime: generated stage modules and what each stage's runtime needs.
+
+Runs at compile time, and again when the runtime asks (a dtype cast makes new buffers, a deep
+copy new parameters): the runtime calls it through `Compiled.build` and never reads the graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
+from fxpipe.runtime.checkpoint import slot_of
+from fxpipe.runtime.gather import DataclassOutput, ValueRef
+from fxpipe.passes.attrs import fetch_attr
+from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
+from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
+from fxpipe.passes.sources import output_sources
+from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
+from fxpipe.compiled.program import Cut, HeldState, Program, code_of, hooks_of
+from fxpipe.schedules.schedule import Layout
+from fxpipe.runtime.stage_compile import CompiledForward
+from fxpipe.runtime.step import StageRuntime
+
+
+def build_program(
+    owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
+    stored: frozenset[tuple[str, str]] = frozenset(), attributes: Optional[dict[str, Any]] = None,
+    listed: Optional[frozenset[str]] = None, compile_stages: Optional[dict[str, Any]] = None,
+) -> Program:
+    """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
+    that requiring grad, modules called whole store in forward (by module path and name);
+    `attributes`: the plain attributes the trace read, with their values when compiled;
+    `listed`: the containers whose members the trace listed (None: not known, every one);
+    `compile_stages`: torch.compile's arguments for every stage's forward (None: eager)."""
+    codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
+    _refuse_opaque_values(cut)
+    traced = _traced_through(owner, cut.graph)
+    _refuse_backward_hooks_traced_through(traced)
+    loose = [name for code in codes for name in _loose_grad_tensors(code.module)]
+    if loose:
+        raise ValueError(
+            "the model reads tensors that require grad but are not parameters: "
+            f"{', '.join(sorted(set(loose)))}.\nA pipeline hands gradients to parameters only, and "
+            "would leave these without theirs.\nHow to fix: register each as an nn.Parameter "
+            "(self.x = nn.Parameter(...)), or, if it is not meant to learn, call .requires_grad_(False)."
+        )
+    exported: set[str] = set()
+    for index, code in enumerate(codes):
+        draw_from_task_streams(code.module)
+        if deferred_batch_norm:
+            exported |= defer_batch_norm(code.module, owner, index)
+    if deferred_batch_norm:
+        for code in codes:
+            drop_batch_counts(code.module, exported)
+        _refuse_undeferred_statistics(codes)
+
+    def resolve(name: str) -> Any:
+        try:
+            return fetch_attr(owner, name)
+        except AttributeError:
+            return fetch_attr(cut.graph, name)
+
+    shared = [[resolve(name) for name in code.shared] for code in codes]
+    stored_by = _stored_by_module(owner, stored)
+    stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by) for index in range(len(codes))]
+    if compile_stages is not None:
+        for stage in stages:
+            stage.compiled = CompiledForward(stage.index, stage.module, compile_stages, owner)  # type: ignore[arg-type]
+    template = _template(cut.graph)
+    refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef) and leaf.given]
+    inputs = {n.name for n in cut.graph.graph.nodes if n.op == "placeholder"}
+    sources = output_sources(cut.graph)
+    return Program(
+        cut=cut,
+        stages=stages,
+        modules=[code.module for code in codes],
+        shared=shared,
+        layout=Layout.of(cut.edges, ranks),
+        template=template,
+        given={ref.name: resolve(ref.name) for ref in refs if ref.name not in inputs},
+        parameters=_parameters_read(stages, shared),
+        output_inputs={name: list(s.inputs) for name, s in sources.items()},
+        output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
+        traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
+        traced_code=[(name, m, code_of(m, listed is None or name in listed)) for name, m in traced],
+        held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
+        unreached=_unreached(owner),
+        state_read=_state_read(codes, shared),
+    )
+
+
+def _unreached(owner: nn.Module) -> list[str]:
+    """The tensors in the model's parameter tables that require grad but are not Parameters
+    (swapped in by torch.func.functional_call, say): no gradient of the pipeline reaches them."""
+    return [
+        f"{path}.{key}" if path else key
+        for path, module in owner.named_modules()
+        for key, tensor in module._parameters.items()
+        if tensor is not None and not isinstance(tensor, nn.Parameter) and tensor.requires_grad
+    ]
+
+
+def _state_read(codes: Sequence[StageCode], shared: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+    """The parameters, buffers and tensor attributes the stages read, once each, by the model's
+    names (the stage modules hold them under those; a tied one by its first)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for code, copies in zip(codes, shared):
+        held = [*code.module.named_parameters(), *code.module.named_buffers(), *zip(code.shared, copies)]
+        for name, tensor in held:
+            if isinstance(tensor, torch.Tensor):
+                found.setdefault(id(tensor), (name, tensor))
+    return dict(found.values())
+
+
+def _stored_by_module(owner: nn.Module, stored: frozenset[tuple[str, str]]) -> dict[int, list[tuple[str, str]]]:
+    """By module id: the names its forward stores tensors requiring grad under, each with its path."""
+    found: dict[int, list[tuple[str, str]]] = {}
+    for path, name in sorted(stored):
+        try:
+            module = owner.get_submodule(path)
+        except AttributeError:
+            continue
+        found.setdefault(id(module), []).append((name, f"{path}.{name}" if path else name))
+    return found
+
+
+def _stage(
+    cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any], stored_by: dict[int, list[tuple[str, str]]]
+) -> StageRuntime:
+    code = codes[index]
+    whole = _called_whole(code.module)
+    sources = {e.value: e.src for e in cut.edges if e.dst == index}
+    consumers: dict[str, list[int]] = {name: [] for name in code.outputs}
+    for e in cut.edges:
+        if e.src == index:
+            consumers[e.value].append(e.dst)
+    shared_ids = {id(t) for t in shared}
+    params = [p for p in code.module.parameters() if id(p) not in shared_ids]
+    paths: dict[int, list[str]] = {}
+    for name, p in code.module.named_parameters(remove_duplicate=False):
+        paths.setdefault(id(p), []).append(name)
+    random = random_sources(cut.graph, cut.runs[index])
+    hidden = random_sources(code.module, list(code.module.graph.nodes))
+    nodes = {node.name: node for node in cut.runs[index]}
+    return StageRuntime(
+        index, device, code.module, code.inputs, code.outputs, sources, consumers,
+        params=params,
+        param_slots=[[slot_of(code.module, path) for path in paths[id(p)]] for p in params],
+        random_always=random.always,
+        random_modules=[fetch_attr(cut.graph, name) for name in random.modules],
+        hidden_always=hidden.always,
+        hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
+        called=_calls(code.module),
+        writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
+        state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
+        written=code.written,
+        whole_modules=whole,
+        stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
+        flagged=_flagged(code.module),
+    )  # fmt: skip
+
+
+def _flagged(stage: fx.GraphModule) -> list[nn.Module]:
+    """The model's modules a stage calls, and those inside them, once each: a private copy of
+    one (`call_with_state`) takes the flags of the model's module at every call."""
+    found: dict[int, nn.Module] = {}
+    for module in stage.modules():
+        original = module.__dict__.get(ORIGINAL, module)
+        if module is not stage:
+            found.update((id(m), m) for m in original.modules())
+    return list(found.values())
+
+
+def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[Any]]) -> list[nn.Parameter]:
+    """The parameters that some stage reads, once each."""
+    found: dict[int, nn.Parameter] = {}
+    for stage, copies in zip(stages, shared):
+        for p in [*stage.params, *copies]:
+            if isinstance(p, nn.Parameter):
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
+    """With deferred_batch_norm, the running statistics that stay written per micro-batch: a
+    BatchNorm whose forward is its own, another norm (InstanceNorm), one that a module called
+    whole holds, and a norm called as a function (`F.batch_norm`, `aten.batch_norm` in an
+    exported graph)."""
+    problems = []
+    for code in codes:
+        for node in code.module.graph.nodes:
+            if node.op == "call_module":
+                module = code.module.get_submodule(str(node.target))
+                inner = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None]
+                if inner and inner[0] is module and isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    problems.append(f"{node.target} ({type(module).__name__}), a BatchNorm with a forward of its own")
+                elif inner and inner[0] is module:
+                    problems.append(f"{node.target} ({type(module).__name__}), a norm other than BatchNorm")
+                elif inner:
+                    problems.append(f"{node.target} ({type(module).__name__}), called whole, with a norm inside that keeps running statistics")
+            for buffer in statistics_written(node) if not _in_eval(node) else []:
+                problems.append(f"{buffer.target}, which {getattr(node.target, '__name__', node.target)} writes (a norm called as a function)")
+    if problems:
+        raise ValueError(
+            "deferred_batch_norm cannot defer these running statistics, which would still be updated once per "
+            "micro-batch:\n" + "\n".join(f"  - {p}" for p in problems) + "\nHow to fix: use torch's BatchNorm "
+            "modules as they are, outside modules kept whole (leaf_modules), or compile with "
+            "deferred_batch_norm=False (each micro-batch then updates the statistics, as the model run on the "
+            "micro-batches in turn does)."
+        )
+
+
+def _in_eval(node: fx.Node) -> bool:
+    """Whether a functional norm's `training` (`use_input_stats`) is False: it writes nothing.
+    Every norm `statistics_written` knows takes it sixth."""
+    flag = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", node.kwargs.get("use_input_stats"))
+    return flag is False
+
+
+def _refuse_opaque_values(cut: Cut) -> None:
+    """Values that go between stages or out of the pipeline are split, sent and gathered through
+    pytree: one that keeps tensors where pytree cannot see them would go whole, unsplit and
+    without gradients."""
+    nodes = {n.name: n for n in cut.graph.graph.nodes}
+    opaque = {e.value: nodes[e.value].meta.get("opaque") for e in cut.edges if e.value in nodes}
+    found = sorted(f"{name} ({', '.join(types)})" for name, types in opaque.items() if types)
+    if found:
+        raise ValueError(
+            f"the model passes values that hold tensors pytree cannot see: {', '.join(found)}.\n"
+            "A pipeline splits, sends and gathers values through torch.utils._pytree.\nHow to fix: "
+            "register the type (torch.export.register_dataclass(T) for a dataclass, "
+            "torch.utils._pytree.register_pytree_node for another class), or return a tuple or dict."
+        )
+
+
+def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, nn.Module]]:
+    """The modules the trace went through: neither called whole by the graph nor inside one
+    that is (their hooks ran at compile time, or run inside the whole one's call)."""
+    whole = {str(n.target) for n in graph.graph.nodes if n.op == "call_module"}
+
+    def inside_whole(name: str) -> bool:
+        parts = name.split(".")
+        return any(".".join(parts[:k]) in whole for k in range(1, len(parts) + 1)) if name else False
+
+    return [(name, m) for name, m in owner.named_modules() if not inside_whole(name)]
+
+
+def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -> None:
+    """A module the trace went through is no call in the stages: its backward hooks, and the global
+    ones, would never fire for it. Those of a module called whole (and of the modules inside it) do."""
+    if traced and (nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks):
+        raise ValueError(
+            "global backward hooks are registered (nn.modules.module.register_module_full_backward_hook or "
+            "register_module_full_backward_pre_hook): they would never fire for the modules the trace goes through, "
+            "the model itself among them, where the plain model's backward fires them for every module.\n"
+            "How to fix: remove them (handle.remove()) before compiling, or hook a tensor or a parameter instead "
+            "(tensor.register_hook)."
+        )
+    hooked = [name or "the model itself" for name, m in traced if m._backward_hooks or m._backward_pre_hooks]
+    if hooked:
+        raise ValueError(
+            f"backward hooks on modules that are traced through would never fire: {', '.join(hooked)}.\n"
+            f"How to fix: keep each such module whole (compile_pipeline(..., leaf_modules={[n for n in hooked if n != 'the model itself']!r})), "
+            "or hook a tensor or a parameter instead (tensor.register_hook)."
+        )
+
+
+def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
+    """The stage's tensor attributes and buffers that are autograd leaves requiring grad but
+    not parameters: the plain model's backward would give them a `.grad`."""
+    found = []
+    for prefix, module in stage.named_modules():
+        held = {**{k: v for k, v in vars(module).items() if not k.startswith("_")}, **module._buffers}
+        for name, value in held.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad and value.is_leaf:
+                found.append(f"{prefix}.{name}" if prefix else name)
+    return found
+
+
+def _calls(stage: fx.GraphModule) -> list[nn.Module]:
+    """The modules a stage calls (whole), once each: through `call_module`, or through
+    `call_with_state` (a module whose state another stage reads too)."""
+    modules = [m for n in stage.graph.nodes if (m := called_module(stage, n)) is not None]
+    return list({id(m): m for m in modules}.values())
+
+
+def _called_whole(stage: fx.GraphModule) -> list[nn.Module]:
+    """The modules a stage calls whole whose forwards may assign attributes: those that are not
+    PyTorch's own, and those with forward hooks (spectral_norm's sets `weight`)."""
+    return [m for m in _calls(stage) if not type(m).__module__.startswith("torch.") or has_forward_hooks(m)]
+
+
+def _template(graph: fx.GraphModule) -> Any:
+    """The output's structure as the model returns it, each graph value a ValueRef."""
+    output = next(n for n in graph.graph.nodes if n.op == "output")
+    returned = _mutable(output.args[0], output.meta.get("containers"))
+    if "out_spec" in output.meta:  # exported: the output's structure as the model returned it
+        returned = _mutable(tree_unflatten(tree_flatten(output.args[0])[0], output.meta["out_spec"]), output.meta.get("containers"))
+    return tree_map(lambda n: _ref(n) if isinstance(n, fx.Node) else n, returned)
+
+
+def _mutable(value: Any, containers: Any = None) -> Any:
+    """fx's immutable dicts and lists in an output as the containers the model made: the types
+    the tracer recorded (`containers`, an OrderedDict say), else plain dicts and lists."""
+    kind, inner = containers if isinstance(containers, tuple) else (None, None)
+    if type(value) in (dict, immutable_dict):
+        items = {key: _mutable(v, inner.get(key) if isinstance(inner, dict) else None) for key, v in value.items()}
+        if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+            return DataclassOutput(kind, items)
+        return kind(items) if kind is not None and issubclass(kind, dict) else items
+    if type(value) in (list, immutable_list, tuple):
+        parts = [_mutable(v, inner[i] if isinstance(inner, list) and i < len(inner) else None) for i, v in enumerate(value)]
+        return tuple(parts) if type(value) is tuple else parts
+    return value
+
+
+def _ref(node: fx.Node) -> ValueRef:
+    if node.op == "get_attr":
+        return ValueRef(str(node.target), given=True)
+    dims = node.meta.get("batch_dims")
+    return ValueRef(node.name, given=node.op == "placeholder", dims=tuple(dims) if dims is not None else None)
+

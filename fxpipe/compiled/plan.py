@@ -1,0 +1,166 @@
+"""The plan: which nodes run on which device, and which values travel between stages."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from fxpipe.runtime.checkpoint import checkpoint_stop
+from fxpipe.schedules.schedule import Layout
+from fxpipe.schedules.schedule_check import make_schedule
+from fxpipe.schedules.simulate import Prediction, StageCosts, simulate
+
+__all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]
+
+CALLER = -1  # the stage index of the pipeline's caller: the source of its inputs
+INPUT, ACTIVATION, SKIP, OUTPUT = "input", "activation", "skip", "output"  # kinds of edge
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One value sent from stage `src` to stage `dst`, once per micro-batch (`src` is CALLER
+    for the pipeline's inputs, `dst` the stage count for its output)."""
+
+    value: str
+    src: int
+    dst: int
+    kind: str
+    shape: Any
+    dtype: Any
+    nbytes: int
+
+
+@dataclass
+class StagePlan:
+    """One stage: its device, its nodes in order, what it receives and what it sends on."""
+
+    index: int
+    device: str
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    param_bytes: int
+    modules: list[str] = field(default_factory=list)  # the module path of each node
+    flops: int = 0  # forward
+    time: float = 0.0  # predicted forward + backward seconds per batch, receiving included
+    memory: int = 0  # predicted bytes held: parameters (scaled) and activations in flight
+    activation_bytes: int = 0  # what the stage's nodes make, per batch (held until backward)
+    forward_share: float = 1 / 3  # of `time`: measured where times are, else a forward in three
+
+
+@dataclass
+class Plan:
+    """The contract between the passes and the runtime: small, printable, serialisable."""
+
+    stages: list[StagePlan]
+    edges: list[Edge]
+    chunks: int
+    checkpoint: str
+    balance: str = "memory"
+    notes: list[str] = field(default_factory=list)
+    schedule: str = "gpipe"  # what train_step runs; pipe(x) + backward() runs GPipe
+    ranks: list[int] = field(default_factory=list)  # the worker (device slot) of each stage
+    # Where the stage times (and so every prediction) come from: measured, or FLOPs at a rate.
+    times: str = "measured"
+
+    def edges_of_kind(self, kind: str) -> list[Edge]:
+        return [e for e in self.edges if e.kind == kind]
+
+    @property
+    def skip_edges(self) -> list[Edge]:
+        """The stash/pop edges: values that jump over at least one stage."""
+        return self.edges_of_kind(SKIP)
+
+    def _bytes(self, stage: int, kinds: tuple[str, ...], incoming: bool) -> int:
+        return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
+
+    def layout(self) -> Layout:
+        """What a schedule needs of this plan: each stage's worker, the links between stages."""
+        return Layout.of(self.edges, self.ranks or range(len(self.stages)))
+
+    def prediction(self, schedule: Optional[str] = None) -> Prediction:
+        """The simulated timeline of one training step under `schedule` (the plan's own by
+        default), from the predicted stage times: a forward is a third of a stage's time, a
+        backward the rest; a micro-batch's activations are the stage's over `chunks`."""
+        costs = [
+            StageCosts(
+                forward=s.forward_share * s.time / self.chunks, backward=(1 - s.forward_share) * s.time / self.chunks,
+                activation_bytes=s.activation_bytes / self.chunks,
+                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
+            )
+            for s in self.stages
+        ]  # fmt: skip
+        return self.simulate(costs, schedule)
+
+    def simulate(self, costs: list[StageCosts], schedule: Optional[str] = None) -> Prediction:
+        """The simulated timeline of one training step of this plan under `schedule` (the plan's
+        own by default) on the given per-micro-batch stage costs."""
+        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+        layout = self.layout()
+        sched = make_schedule(schedule or self.schedule, layout, self.chunks, checkpointed)
+        return simulate(sched, layout, costs, checkpointed)
+
+    def predicted_time(self) -> float:
+        """Seconds per batch of the plan's schedule, simulated from the predicted stage times."""
+        return self.prediction().timeline.makespan
+
+    def predicted_bubble(self) -> float:
+        """The share of device time spent idle under the plan's schedule."""
+        return self.prediction().timeline.bubble()
+
+    def summary(self) -> str:
+        """A table a person reads: one row per stage."""
+        header = ("stage", "device", "nodes", "params", "GFLOP", "time ms", "memory",
+                  "in: act", "in: skip", "out: act", "out: skip")  # fmt: skip
+        rows = [header]
+        for s in self.stages:
+            rows.append(
+                (
+                    str(s.index),
+                    s.device,
+                    str(len(s.nodes)),
+                    human_bytes(s.param_bytes),
+                    f"{s.flops / 1e9:.3f}",
+                    f"{s.time * 1e3:.3g}",
+                    human_bytes(s.memory),
+                    human_bytes(self._bytes(s.index, (ACTIVATION, INPUT), True)),
+                    human_bytes(self._bytes(s.index, (SKIP,), True)),
+                    human_bytes(self._bytes(s.index, (ACTIVATION, OUTPUT), False)),
+                    human_bytes(self._bytes(s.index, (SKIP,), False)),
+                )
+            )
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        skips = ", ".join(f"{e.value} {e.src}->{e.dst}" for e in self.skip_edges) or "none"
+        predicted = self.prediction()
+        peaks = ", ".join(human_bytes(predicted.peak_bytes.get(s.index, 0)) for s in self.stages)
+        footer = (
+            f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
+            f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
+            f"predicted peak activations per stage: {peaks}\n"
+            f"stash/pop edges: {skips}"
+        )
+        return "\n".join([*lines, footer, *self.notes])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (lists, dicts, strings, numbers) for JSON and for comparing plans."""
+        data = asdict(self)
+        for edge in data["edges"]:
+            edge["dtype"] = str(edge["dtype"])
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,285 @@
+"""The compiled record: everything `compile_pipeline` hands the runtime, and nothing it must work out.
+
+    Compiled ── plan            stages, devices, edges (each value's producer and consumers)
+             ── cuts            per mode, the graph cut into runs of nodes (for rebuilding)
+             ── build(model, cut) -> Program: the generated stages on the model's tensors,
+                                   run again after a dtype cast or on a copied model
+             ── bind            the caller's arguments -> the graph's input values
+             ── placement       across processes: this rank's coordinate, group and device
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.distributed.ranks import RankPlacement
+from fxpipe.core.microbatch import ExampleLeaves
+from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
+from fxpipe.tracing.mode_reads import ModeReads
+from fxpipe.compiled.plan import Edge, Plan
+from fxpipe.schedules.schedule import Layout
+from fxpipe.runtime.step import StageRuntime
+
+Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
+ChunkSpec = dict[str, Optional[int]]
+
+
+Hooks = tuple[tuple[int, ...], ...]
+# What a traced-through module's code was: its class, a forward set on the module itself, the
+# class's forward, and a container's members (the graph holds one pass over them).
+Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
+
+
+def hooks_of(module: Optional[nn.Module]) -> Hooks:
+    """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
+    for None, which global module hooks are registered."""
+    tables = (
+        [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+         nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]
+        if module is None
+        else [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
+    )  # fmt: skip
+    return tuple(tuple(table) for table in tables)
+
+
+def code_of(module: nn.Module, listed: bool = True) -> Code:
+    """The module's `Code`; a container's members only if forward `listed` them (iterated, or
+    asked their count): one read by key alone may take more."""
+    members = (*module._modules, *module._parameters) if listed and isinstance(module, CONTAINERS) else None
+    return type(module), module.__dict__.get("forward"), _class_forward(type(module)), members
+
+
+def _class_forward(cls: type) -> Any:
+    """The class's forward as stored (a descriptor may make a new object at every lookup)."""
+    for c in cls.__mro__:
+        found = c.__dict__.get("forward")
+        if found is not None:
+            return found
+    return None
+
+
+def code_changes(was: Code, now: Code) -> list[str]:
+    """What changed between two `code_of` a module: none when it is the same code."""
+    if was == now:
+        return []
+    (cls, own, forward, members), (cls_now, own_now, forward_now, members_now) = was, now
+    found = [f"its class, {cls.__name__} -> {cls_now.__name__}"] if cls is not cls_now else []
+    if own is not own_now or (cls is cls_now and forward is not forward_now):
+        found.append("its forward")
+    if members != members_now:
+        found.append(f"its members, {len(members or ())} -> {len(members_now or ())}")
+    return found
+
+
+@dataclass
+class Cut:
+    """One graph of the model, cut into runs of nodes, one per stage, and its edges."""
+
+    graph: fx.GraphModule
+    runs: list[list[fx.Node]]
+    edges: list[Edge]
+
+    def copy(self, memo: dict[int, Any]) -> "Cut":
+        """A copy on copied parameters (those in `memo`), with its own graph and nodes."""
+        graph = copy.deepcopy(self.graph, memo)
+        nodes = {node.name: node for node in graph.graph.nodes}
+        return Cut(graph, [[nodes[n.name] for n in run] for run in self.runs], list(self.edges))
+
+
+@dataclass
+class HeldState:
+    """The model's submodules, parameters and buffers as the stages were built on them, by the
+    table that held each: a cast of the model itself (`model.double()` puts new buffers in place)
+    or an assignment (`model.w = nn.Parameter(...)`) is seen at the next call."""
+
+    modules: list[tuple[str, dict[str, Any], str, nn.Module]]  # qualified name, parent's table, key, module
+    tensors: list[tuple[dict[str, Any], str, Optional[torch.Tensor]]]  # a module's table, key, tensor
+    # The plain attributes the trace read: qualified name, what holds it (a module, or a Python
+    # module for a module-level value), the path from it, the value when compiled.
+    attributes: list[tuple[str, Any, str, Any]] = field(default_factory=list)
+    named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
+
+    @staticmethod
+    def of(owner: nn.Module, read: Iterable[str] = (), attributes: Optional[dict[str, Any]] = None) -> "HeldState":
+        """What `owner` holds; with the tensor attributes among `read` (the graph's get_attr
+        targets: `self.scale = torch.tensor(2.0)`, never registered), which a call may rebind,
+        and where it holds the plain `attributes` the trace read (their values when compiled)."""
+        modules, tensors, held = [], [], []
+        found = dict(owner.named_modules())
+        for path, module in found.items():
+            modules += [(f"{path}.{key}" if path else key, module._modules, key, child) for key, child in module._modules.items()]
+            for table in (module._parameters, module._buffers):
+                tensors += [(table, key, tensor) for key, tensor in table.items()]
+        for target in read:
+            path, _, key = target.rpartition(".")
+            module = found.get(path)
+            value = vars(module).get(key) if module is not None else None
+            if isinstance(value, torch.Tensor):
+                tensors.append((vars(module), key, value))
+        for qualified, value in (attributes or {}).items():
+            place = holder(found, qualified)
+            if place is not None:
+                held.append((qualified, *place, value))
+        return HeldState(modules, tensors, held, found)
+
+    def modules_replaced(self) -> list[str]:
+        return [name for name, table, key, module in self.modules if table.get(key) is not module]
+
+    def attributes_changed(self, read: frozenset[str]) -> list[str]:
+        """Of the plain attributes in `read`, those changed since compiling."""
+        return changed([held for held in self.attributes if held[0] in read])
+
+    def tensors_replaced(self) -> bool:
+        return any(table.get(key) is not tensor for table, key, tensor in self.tensors)
+
+
+@dataclass
+class Program:
+    """A cut built for the runtime: what each stage runs, and what the outputs are made of."""
+
+    cut: Cut
+    stages: list[StageRuntime]
+    modules: list[fx.GraphModule]  # the generated stage modules
+    shared: list[list[Any]]  # per stage, its copies' sources: tensors other stages read too
+    layout: Layout
+    template: Any  # the output's structure, with ValueRefs for the values in it
+    given: dict[str, Any]  # attributes the output returns as they are (resolved)
+    parameters: list[nn.Parameter]  # every one some stage reads, once
+    output_inputs: dict[str, list[str]] = field(default_factory=dict)  # inputs each output depends on
+    output_params: dict[str, list[Any]] = field(default_factory=dict)  # parameters each depends on
+    # The modules the trace went through, with the hooks each had then (`hooks_of`): the graph
+    # holds what those hooks did at compile time; and the global module hooks then, by "*".
+    traced_hooks: list[tuple[str, Optional[nn.Module], Hooks]] = field(default_factory=list)
+    # The same modules' code then (`code_of`): the graph holds what it computed.
+    traced_code: list[tuple[str, nn.Module, Code]] = field(default_factory=list)
+
+    # Where the model held each submodule, parameter and buffer when the stages were built.
+    held: "HeldState" = field(default_factory=lambda: HeldState([], []))
+    # Tensors swapped in for parameters that require grad but are not Parameters, by name.
+    unreached: list[str] = field(default_factory=list)
+    # The parameters, buffers and tensor attributes the stages read, by the model's names.
+    state_read: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def hooks_changed(self) -> list[str]:
+        """The traced-through modules whose hooks were added, removed or swapped since ("*": the
+        global module hooks)."""
+        return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
+
+    @cached_property
+    def written_inputs(self) -> frozenset[str]:
+        """The inputs some stage writes in place."""
+        return frozenset(name for stage in self.stages for name in stage.written)
+
+    def code_changed(self) -> list[str]:
+        """The traced-through modules whose code changed since, each with what changed."""
+        found = []
+        for name, module, code in self.traced_code:
+            cls, own, forward, members = code
+            if type(module) is cls and module.__dict__.get("forward") is own and _class_forward(cls) is forward and members is None:
+                continue  # the same code (the check of every call, made short)
+            changes = code_changes(code, code_of(module, members is not None))
+            if changes:
+                found.append(f"{name or 'the model itself'}: {' and '.join(changes)}")
+        return found
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        return self.cut.graph
+
+    @property
+    def runs(self) -> list[list[fx.Node]]:
+        return self.cut.runs
+
+    @property
+    def edges(self) -> list[Edge]:
+        return self.cut.edges
+
+    def stage_tensors(self, stage: int) -> list[torch.Tensor]:
+        """The parameters and buffers one stage reads."""
+        runtime = self.stages[stage]
+        module = self.modules[stage]
+        return [*module.parameters(), *module.buffers(), *self.shared[stage], *runtime.writable_buffers.values()]
+
+    @cached_property
+    def readers(self) -> dict[int, set[int]]:
+        """By `id`, each tensor some stage reads, and the ranks (worker coordinates) of those
+        stages; worked out once, as a train step across processes asks for it every step."""
+        found: dict[int, set[int]] = {}
+        for index, rank in enumerate(self.layout.ranks):
+            for tensor in self.stage_tensors(index):
+                found.setdefault(id(tensor), set()).add(rank)
+        return found
+
+
+Builder = Callable[[nn.Module, Cut], Program]
+
+
+class OtherCall(TypeError):
+    """Raised by a binder: a call whose arguments differ in kind from the example's (one left
+    None where the example gave it, a keyword left out), which the graph was not traced for.
+    `key` names the kind of call, for a pipeline compiled for it."""
+
+    def __init__(self, message: str, key: Hashable) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass
+class Compiled:
+    """The one contract between compile_pipeline and the runtime."""
+
+    plan: Plan
+    cuts: dict[bool, Cut]  # by training mode; one object when the graph does not read the mode
+    bind: Binder
+    build: Builder
+    devices: list[torch.device]  # of each stage
+    chunk_spec: ChunkSpec = field(default_factory=dict)
+    deferred_batch_norm: bool = False
+    placement: Optional[RankPlacement] = None  # across processes: this rank's place
+    # Per input, the example's tensor leaves: how many dims, and whether kept whole (a leaf with
+    # as many dims stays whole when its dim 0 happens to equal a later batch's size).
+    example_leaves: ExampleLeaves = field(default_factory=dict)
+    # torch.export's guards on a call's micro-batches (inputs by placeholder name); None under torch.fx.
+    check_micro_batch: Optional[Callable[[Sequence[dict[str, Any]]], None]] = None
+    # By mode, the `training` flags its graph's trace read (module path: flag): the graph holds
+    # what they decided, as the plain attributes it read (`attributes_read`) hold their values.
+    flags: dict[bool, dict[str, bool]] = field(default_factory=dict)
+    attributes_read: dict[bool, frozenset[str]] = field(default_factory=dict)
+    front_end: str = "torch.fx"
+    # What the forward asked of autocast while traced, with the answers the graph holds.
+    modes_read: ModeReads = field(default_factory=dict)
+    # Why training mode could not be traced, for a model traced in eval mode alone (else "").
+    eval_only: str = ""
+    # Where the example had one sample: the halves' check, to run on the first call of two samples
+    # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
+    unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
+
+    def copy(self, memo: dict[int, Any]) -> "Compiled":
+        if self.unchecked is not None:
+            raise TypeError(
+                "this pipeline was compiled on an example of one sample and has not yet checked its micro-batches "
+                "(on its first call of two samples or more): a copy would not check them.\nHow to fix: call it once "
+                "with two samples or more before copying it, or compile it with an example of two samples or more."
+            )
+        if self.placement is not None:
+            raise TypeError(
+                "a pipeline across processes cannot be copied: each rank holds its own stages only.\n"
+                "How to fix: compile_pipeline a copy of the model (on every rank)."
+            )
+        cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
+        build = self.build
+        if isinstance(build, functools.partial) and "attributes" in build.keywords:  # a tensor a settings object holds: the copy's
+            attributes = build.keywords["attributes"]
+            build = functools.partial(build, attributes={k: memo.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in attributes.items()})
+        return Compiled(
+            copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
+            build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
+            self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
+        )  # fmt: skip

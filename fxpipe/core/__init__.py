@@ -1,0 +1,1 @@
+"""Small types and helpers every layer shares: micro-batch trees, scoped values, state snapshots."""

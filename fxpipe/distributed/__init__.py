@@ -1,0 +1,1 @@
+"""A pipeline across processes: placement, the wire, data-parallel replicas and clipping."""

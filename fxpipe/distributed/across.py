@@ -1,0 +1,259 @@
+"""A pipeline's call across processes, on this rank: the call compared with the other ranks'
+first, then its stages' part of the step, and what the step ends with settled among the ranks
+(the loss, tied weights' gradients, the data-parallel replicas)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.distributed.ranks import failing_together, holders, sum_tied
+from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
+from fxpipe.runtime.randomness import draw_step_seed, generator_put_back_on_error
+from fxpipe.distributed.replicas import ReplicaFailed
+
+if TYPE_CHECKING:
+    from fxpipe.pipeline import Pipeline, _Call
+    from fxpipe.runtime.step import Step
+
+
+def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Forward only; the output on the rank of the last stage, None on the others."""
+    channel = pipe._channel
+    assert channel is not None
+    channel.begin()
+    with failing_together(channel, "preparing the call"):
+        call = pipe._prepare(args, kwargs)
+        if call.grad:
+            raise RuntimeError(
+                "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
+                "reach the stages on other ranks.\nHow to fix: train with pipe.train_step(x, target=y, "
+                "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
+            )
+        refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
+        step = pipe._step(call, "gpipe", loss=None)
+        _agree(pipe, call, "pipe(x)", seed=step.seed)
+    with failing_together(channel):
+        outputs = step.forward()
+        settle_generators(step, channel.finish(step.drew))
+    if not outputs:
+        return None
+    gathered = call.gather(outputs)
+    return gathered.rebuild(gathered.tensors)
+
+
+def train_across(
+    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
+) -> Any:
+    """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
+    same on every rank), tied weights' gradients summed among the ranks that read them. A
+    call refused on one rank (its arguments, say) is refused on every rank."""
+    kept = LeafGrads()
+    with generator_put_back_on_error(), kept.put_back_on_error():  # on every rank: they stay alike
+        return _train_across(pipe, args, kwargs, target, loss_fn, reduction, return_outputs, kept)
+
+
+def settle_generators(step: Step, drew: dict[int, bool], state: Optional[torch.Tensor] = None) -> None:
+    """Every rank's generator as the step leaves it in one process: as `loss_fn` left it on the
+    loss rank (`state`, when it drew), then past the step's seed if a stage on any rank drew
+    (`drew`: by peer, whether its stages drew; this rank's is `step.drew`)."""
+    if state is not None:
+        torch.set_rng_state(state)
+    if step.drew or any(drew.values()):
+        draw_step_seed()
+
+
+def _train_across(
+    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str,
+    return_outputs: bool, kept: LeafGrads,
+) -> Any:
+    channel = pipe._channel
+    assert channel is not None
+    channel.begin()
+    call: Optional[_Call] = None
+    total, outputs, problem = None, None, None
+    grads: list[Optional[torch.Tensor]] = []
+    try:
+        with failing_together(channel, "preparing the call"):
+            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+            _agree(pipe, call, f"train_step, reduction={reduction!r}", target, seed=step.seed)
+        layout = call.program.layout
+        loss_rank = layout.ranks[layout.loss_stage]
+        here = channel.me == loss_rank
+        before = torch.get_rng_state()
+        with failing_together(channel):
+            step.train()
+            if here:
+                try:
+                    total, outputs = pipe._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                except ValueError as e:  # every rank raises it, after the step ends on all
+                    problem = str(e)
+            if call.grad:
+                grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params), pipe._owner)
+            after = torch.get_rng_state() if here else before
+            drawn = None if torch.equal(after, before) else after  # by loss_fn, which ran on this rank alone
+            got = channel.finish((total, problem, step.drew, drawn) if here else (None, None, step.drew, None))
+        settle_generators(step, {peer: payload[2] for peer, payload in got.items()}, got[loss_rank][3] if not here else None)
+    except BaseException as e:
+        if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
+            wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
+            with contextlib.suppress(Exception):
+                pipe._replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
+        raise
+    if not here:
+        total, problem = got[loss_rank][:2]
+    if pipe._replicas is None:
+        if problem is not None:
+            raise ValueError(problem)
+        if call.grad:
+            pipe._accumulate(call, [], grads)
+        return (total, outputs) if return_outputs else total
+    present = [g is not None for g in grads]
+    try:
+        failed = f"ValueError: {problem}" if problem else ""
+        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed, _alike(pipe, call))
+    except ReplicaFailed:
+        if problem is None:
+            raise
+    if problem is not None:
+        raise ValueError(problem)
+    if call.grad:
+        pipe._replicas.accumulate(pipe._held_here(call.program), call.params, grads, scale)
+    return (total, outputs) if return_outputs else total
+
+
+def _alike(pipe: Pipeline, call: Optional[_Call]) -> dict[str, bool]:
+    """What data-parallel replicas compare of their calls (the same keys on every replica, a
+    failed one's too: the values travel in one all-reduce)."""
+    return {"training mode": pipe.training, "autocast": call is not None and bool(call.context.autocast)}
+
+
+def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None, seed: int = 0) -> None:
+    """Every rank of the pipeline makes the same call, or every rank raises, naming what
+    differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode, and
+    the same data. A rank that ran another step's schedule would wait for values that never
+    come, or pair its micro-batches with another call's; one given a batch of its own (loaded
+    apart, as under DDP) would pair its inputs with another rank's targets."""
+    assert pipe._channel is not None
+    mine = {**_call_signature(pipe, call, kind, target), "seed": seed}
+    calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
+    _refuse_generators_apart({pipe._channel.ranks[r]: c["seed"] for r, c in calls.items()})
+    differing = [key for key in mine if key not in ("tied", "data", "seed") and any(c.get(key) != mine[key] for c in calls.values())]
+    ranks = pipe._channel.ranks
+    lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+    apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
+    if apart and not differing:  # (data of other shapes differs anyway)
+        everyone = [str(ranks[r]) for r in sorted(calls)]
+        lines.append(f"data of {', '.join(mine['data'])}: ranks {', '.join(everyone[:-1])} and {everyone[-1]} differ in {', '.join(apart)}")
+    if lines:
+        raise RuntimeError(
+            "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
+            + "\nHow to fix: call it on every rank at once, with the same inputs and targets (the ranks of one "
+            "pipeline share a batch; each data-parallel replica has its own share), under the same grad mode and "
+            "autocast, and pipe.train() or pipe.eval() on every rank."
+        )
+    _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
+
+
+def _refuse_tied_copies_that_differ(pipe: Pipeline, tied: dict[int, dict[str, tuple[float, float]]]) -> None:
+    """Every rank holding a copy of a tied parameter must hold the same values: else the ranks
+    compute with different models (one initialised apart on each rank), which no plain model
+    computes, while their summed gradients keep the copies apart for ever."""
+    differ = []
+    for name in sorted({name for held in tied.values() for name in held}):
+        values = {rank: held[name] for rank, held in tied.items() if name in held}
+        first = next(iter(values.values()))
+        if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for v in values.values() for a, b in zip(first, v)):
+            differ.append(f"{name!r}, held on ranks {sorted(values)}")
+    if differ:
+        raise RuntimeError(
+            "the copies of a tied parameter differ between the ranks that hold them, so the ranks would compute "
+            "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + "\nHow to fix: build the "
+            "model alike on every rank (one torch.manual_seed(...) before building it), or load one checkpoint on "
+            "every rank; step every rank's optimizer alike."
+        )
+
+
+def _refuse_generators_apart(seeds: dict[int, int]) -> None:
+    """A step that may draw (dropout) takes one seed from the caller's generator, as one process
+    does; ranks whose generators differ (seeded `seed + rank`) would each draw their stages'
+    masks from their own, a mix no one process draws, and leave the generators apart."""
+    if len(set(seeds.values())) > 1:
+        raise RuntimeError(
+            "the ranks' random generators differ, and the model draws (dropout): each rank would draw its "
+            f"stages' masks from its own generator (ranks {sorted(seeds)} would each draw another).\nHow to fix: "
+            "seed every rank of a pipeline alike (torch.manual_seed(seed) on each, not seed + rank); data loading "
+            "that needs a seed of its own per rank can take a generator of its own (DataLoader(generator=...))."
+        )
+
+
+def _call_signature(pipe: Pipeline, call: _Call, kind: str, target: Any = None) -> dict[str, Any]:
+    """What the ranks compare of a call: every one of them must make the same."""
+    modes = [m.training for m in pipe._owner.modules()]
+    return {
+        "call": kind,
+        "micro-batch sizes": tuple(call.sizes),
+        "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
+        "grad": call.grad,
+        "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
+        "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
+        "tied": _tied_fingerprints(pipe, call),
+        "data": _data_fingerprints(call.values, target),
+    }
+
+
+def _data_fingerprints(values: dict[str, Any], target: Any) -> dict[str, str]:
+    """A fingerprint of the data of each input, and of the target if given: a hash of the bytes
+    of an even sample of at most 4096 values of each tensor (batches loaded apart differ there;
+    a NaN hashes alike on every rank, where it would compare unequal)."""
+    found = {}
+    named = [*values.items(), *([("train_step's target" if "target" in values else "target", target)] if target is not None else [])]
+    for name, value in named:
+        digest = hashlib.blake2b(digest_size=8)
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_meta and leaf.numel():
+                flat = leaf.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)].contiguous()
+                digest.update(sample.view(torch.uint8).cpu().numpy().tobytes())
+        found[name] = digest.hexdigest()
+    return found
+
+
+def _tied_fingerprints(pipe: Pipeline, call: _Call) -> dict[str, tuple[float, float]]:
+    """A fingerprint of each tied parameter this rank holds a copy of, by name: sums over an
+    even sample of at most 65536 of its values (copies initialised apart differ there too)."""
+    program = call.program
+    names: dict[int, str] = {}
+    for name, p in pipe._owner.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    me = pipe._channel.me if pipe._channel is not None else 0
+    found = {}
+    with torch.no_grad():
+        for p, ranks in zip(program.parameters, holders(program, program.parameters)):
+            if me in ranks and len(ranks) > 1:
+                flat = p.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 65536)].double()
+                found[names.get(id(p), "a tied parameter")] = (float(sample.sum()), float(sample.square().sum()))
+    return found
+
+
+def _wanting_grad(pipe: Pipeline) -> int:
+    """How many parameters take gradients in a step now (before a call is made)."""
+    return len([p for p in pipe._programs[pipe.training].parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
+
+
+def _leaf_signature(leaf: Any) -> Any:
+    """What ranks must agree on of an input leaf: a tensor's shape and dtype, a plain value."""
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."))
+    return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
+
+
+def _first_line(error: BaseException) -> str:
+    """An error as a replica tells the others of it: its type and first line."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"

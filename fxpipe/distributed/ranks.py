@@ -1,0 +1,414 @@
+"""A pipeline across processes: which rank runs which stage, what each rank keeps, and what the
+ranks settle together in a step.
+
+With `compile_pipeline(model, example, mesh=mesh)`, every rank of the DeviceMesh compiles the
+same plan, and stage s runs on the rank at coordinate `plan.ranks[s]` of the mesh's "pp"
+dimension. Each rank keeps the parameters and buffers of its own stages; the rest are moved to
+the meta device (shapes kept, memory freed). Values travel on fxpipe/distributed/channel.py; a failure on
+one rank is raised on all, and tied weights' gradients are summed among the ranks that read them.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import pickle
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from fxpipe.distributed.channel import Channel, Failure, PeerLost, RemoteFailure
+from fxpipe.compiled.materialize import freed_refusal, mark_freed, release_for_swap, unfillable_refusal
+from fxpipe.passes.state import parameters_written
+from fxpipe.compiled.plan import CALLER, Plan
+from fxpipe.runtime.step import StageError, raised_here
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
+# Values travel on a group per direction of each pair of ranks, on every backend:
+#   NCCL  a posted receive holds the pair's stream: rank 0's send of x1 would queue behind its
+#         receive of g0, and rank 1's send of g0 behind its receive of x1;
+#   gloo  a pair's group is one TCP connection: when both ranks send a large value at once (an
+#         activation one way, a gradient the other), one of them waits milliseconds for the
+#         other's bytes to drain (benchmarks/distributed.py measures both ways).
+# Made once per mesh, timeout and world: each gloo group holds threads of its own.
+_directions: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, ...], Any]]] = {}
+
+
+@dataclass
+class RankPlacement:
+    """This process's place in the pipeline group."""
+
+    group: Any  # the "pp" process group
+    ranks: list[int]  # the global rank at each pipeline coordinate
+    me: int  # this process's pipeline coordinate
+    device: torch.device  # where this rank's stages run
+    timeout: float
+    dp_group: Any = None  # the "dp" process group, when the mesh has one (one of fxpipe's, once connected)
+    lines: list[list[int]] = field(default_factory=list)  # the global ranks of every pipeline of the mesh
+    replica_lines: list[list[int]] = field(default_factory=list)  # the global ranks of each stage's replicas
+    directions: dict[tuple[int, int], Any] = field(default_factory=dict)  # (from, to) -> its group
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
+    """The placement a DeviceMesh with a "pp" dimension (and optionally "dp") gives this process."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names:
+        raise ValueError(
+            f"mesh must be a torch.distributed DeviceMesh with a dimension named 'pp' (got dimensions {names}).\n"
+            "How to fix: init_device_mesh('cpu', (stages,), mesh_dim_names=('pp',)), or ('pp', 'dp') for data "
+            "parallel replicas too."
+        )
+    pp = mesh["pp"] if len(names) > 1 else mesh
+    ranks = [int(r) for r in pp.mesh.flatten().tolist()]
+    if mesh.device_type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device(mesh.device_type)
+    return RankPlacement(
+        group=mesh.get_group("pp"),
+        ranks=ranks,
+        me=ranks.index(dist.get_rank()),
+        device=device,
+        timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout),
+        dp_group=mesh.get_group("dp") if "dp" in names else None,
+        lines=mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, len(ranks)).tolist(),
+        replica_lines=mesh.mesh.movedim(names.index("dp"), -1).reshape(-1, mesh.mesh.shape[names.index("dp")]).tolist() if "dp" in names else [],
+    )
+
+
+def connect(placement: RankPlacement) -> None:
+    """Give `placement` its group for each direction of each pair of ranks in its pipeline,
+    keyed by (from, to) pipeline coordinates. Made once the ranks have compared their plans, so
+    that a rank that never came is found by that comparison, within the timeout."""
+    key = (tuple(map(tuple, placement.lines)), tuple(map(tuple, placement.replica_lines)), placement.timeout)
+    world, groups = _directions.get(key, (None, {}))
+    if world is not dist.group.WORLD:  # first use of this mesh, or a new world since
+        groups = _make_direction_groups(placement)
+        _directions[key] = (dist.group.WORLD, groups)
+    mine = placement.ranks
+    placement.directions = {(a, b): groups[(mine[a], mine[b])] for a, b in itertools.permutations(range(len(mine)), 2)}
+    if placement.replica_lines:
+        placement.dp_group = next(groups[tuple(line)] for line in placement.replica_lines if dist.get_rank() in line)
+
+
+def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, ...], Any]:
+    """A group for each (from, to) pair of global ranks in every pipeline of the mesh, and one
+    for each stage's data-parallel replicas (keyed by their global ranks), all with the
+    pipeline's timeout, which then bounds the replicas' gradient all-reduce too (the mesh's own
+    groups wait for as long as the process group's default): every rank makes every group, in
+    one order, as torch.distributed requires."""
+    timeout = timedelta(seconds=placement.timeout)
+    try:
+        groups: dict[tuple[int, ...], Any] = {
+            (line[a], line[b]): dist.new_group([line[a], line[b]], timeout=timeout)
+            for line in placement.lines
+            for a, b in itertools.permutations(range(len(line)), 2)
+        }
+        groups.update({tuple(line): dist.new_group(line, timeout=timeout) for line in placement.replica_lines})
+        return groups
+    except (RuntimeError, dist.DistError) as e:
+        raise PeerLost(_late("making the pipeline's process groups", placement.timeout, e)) from e
+
+
+def gathered(value: Any, placement: RankPlacement, what: str) -> list[Any]:
+    """`value` from every rank of the world, in rank order; raises PeerLost when a rank has not
+    sent its own within the timeout (`what`: the exchange, for the message)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+    sizes = _all_gathered(torch.tensor([data.numel()]), placement, what)
+    padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    parts = _all_gathered(padded, placement, what)
+    return [pickle.loads(part[: int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
+
+
+def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str) -> list[torch.Tensor]:
+    tensor = tensor.to(placement.device)
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    work: Any = dist.all_gather(parts, tensor, async_op=True)
+    try:
+        work.wait(timedelta(seconds=placement.timeout))
+    except RuntimeError as e:
+        raise PeerLost(_late(what, placement.timeout, e)) from e
+    return parts
+
+
+def _late(what: str, timeout: float, error: BaseException) -> str:
+    return (
+        f"not every rank took part in {what} within {timeout:g} s: {type(error).__name__}: {error}\n"
+        "A rank failed or stopped before compile_pipeline, or is still building its model: see its own "
+        "output. Every rank must call compile_pipeline; a slow start needs a longer timeout: "
+        "compile_pipeline(..., timeout=seconds)."
+    )
+
+
+def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
+    """balance='time' measures on every rank, and rank 0's measures are the ones every rank
+    cuts by: one plan, however the ranks' timings differ."""
+    nodes = [n for n in gm.graph.nodes if "time" in n.meta]
+    rank_0 = gathered([n.meta["time"] for n in nodes], placement, "comparing the measured times")[0]
+    for node, seconds in zip(nodes, rank_0):
+        node.meta["time"] = seconds
+
+
+def plan_parts(plan: Plan) -> dict[str, str]:
+    """What every rank's plan must agree on, by part, each as a short digest: the stages' nodes
+    and parameter bytes (a layer built wider on one rank), and what travels. Not the shapes of
+    what travels: data-parallel replicas may compile with shares of different sizes."""
+    parts = {
+        "options": repr((plan.chunks, plan.checkpoint, plan.schedule, plan.ranks)),
+        "edges": repr([(e.value, e.src, e.dst, e.kind, e.dtype) for e in plan.edges]),
+        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs, s.param_bytes)) for s in plan.stages},
+    }
+    return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
+
+
+def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] = (), unfilled: Sequence[str] = ()) -> None:
+    """Every rank of the world compiled the same plan, and can make its stages (`freed`: the
+    tensors they read that an earlier compile freed here; `unfilled`: buffers of a model built on
+    the meta device that nothing can fill); else one error on every rank."""
+    mine = plan_parts(plan)
+    every = gathered((mine, list(freed), list(unfilled)), placement, "comparing the plans")
+    first = every[0][0]
+    problems = []
+    for rank, (parts, _, _) in enumerate(every):
+        differ = sorted(name for name in set(mine) | set(parts) if parts.get(name) != first.get(name))
+        if differ:
+            problems.append(f"rank {rank} differs from rank 0 in: {', '.join(differ)}")
+    if problems:
+        raise RuntimeError(
+            "the ranks compiled different plans:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
+            "How to fix: give every rank the same model, example shapes and arguments."
+        )
+    needed = {f"rank {rank}": names for rank, (_, names, _) in enumerate(every) if names}
+    if needed:
+        raise freed_refusal(needed)
+    unfillable = {f"rank {rank}": names for rank, (_, _, names) in enumerate(every) if names}
+    if unfillable:
+        raise unfillable_refusal(unfillable)
+
+
+Router = Callable[[Hashable], int]
+
+
+def routes(stages: Sequence[Any], stage_ranks: Sequence[int], loss_stage: int, me: int) -> tuple[Router, Router]:
+    """For a step's mailbox keys (fxpipe/runtime/step.py): the coordinate of the rank a value is for
+    (`home`) and of the rank that makes it (`source`). The pipeline's inputs are on every rank;
+    its outputs, and the loss, on the rank of the loss stage."""
+    sink = len(stages)
+    output_rank = stage_ranks[loss_stage]
+    makers = {name: s.index for s in stages for name, dsts in s.consumers.items() if sink in dsts}
+
+    def rank_of(stage: int) -> int:
+        return me if stage == CALLER else output_rank if stage == sink else stage_ranks[stage]
+
+    def home(key: Hashable) -> int:
+        assert isinstance(key, tuple)
+        return rank_of(key[1])
+
+    def source(key: Hashable) -> int:
+        assert isinstance(key, tuple)
+        if key[0] == "fwd":
+            dst, name = key[1], key[3]
+            return rank_of(makers[name] if dst == sink else stages[dst].sources[name])
+        return rank_of(key[4])  # a gradient comes from the value's consumer
+
+    return home, source
+
+
+def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
+    """Each rank trains its own copy of what it holds; refuse, naming every tensor, a plan in
+    which a copy would go stale: a tensor read in eval mode on a rank that does not hold it in
+    training, or a buffer or parameter that forward writes and more than one rank reads."""
+    names: dict[int, str] = {}
+    for name, tensor in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), name)
+    readers = {mode: program.readers for mode, program in programs.items()}
+    written = {id(b) for program in programs.values() for stage in program.stages for b in stage.writable_buffers.values()}
+    problems = set()
+    for key, ranks in readers[False].items():
+        trained = readers[True].get(key)
+        if key not in names:
+            continue
+        if trained is None and len(ranks) > 1:  # read in eval alone: each rank would train its own copy there
+            problems.add(f"{names[key]!r} is read in eval mode alone, on pipeline ranks {sorted(ranks)}")
+        elif trained is not None and ranks - trained:
+            problems.add(f"{names[key]!r} is read on pipeline rank(s) {sorted(ranks - trained)} in eval mode and held on "
+                         f"{sorted(trained)} in training, where it is trained")  # fmt: skip
+    for found in readers.values():
+        for key, ranks in found.items():
+            if key in written and len(ranks) > 1:
+                problems.add(f"buffer {names.get(key, '?')!r} is written in forward and read on pipeline ranks {sorted(ranks)}")
+    for program in programs.values():
+        for run in program.runs:
+            for name, (tensor, writer) in parameters_written(program.cut.graph, run).items():
+                ranks = program.readers.get(id(tensor), set())
+                if len(ranks) > 1:
+                    problems.add(f"parameter {names.get(id(tensor), name)!r} is written in place in forward by {writer}, "
+                                 f"and read on pipeline ranks {sorted(ranks)}")  # fmt: skip
+    if problems:
+        raise ValueError(
+            "this plan cannot run across processes: each rank keeps its own copy of what its stages read, and\n"
+            + "\n".join(f"  - {p}" for p in sorted(problems))
+            + "\nwould go stale on the other ranks.\nHow to fix: cut so that one rank holds each of them "
+            "(split_points=[...]); a forward that branches on self.training is cut once per mode, so for "
+            "inference alone compile the model in eval mode; a parameter forward writes in place can also be "
+            "written outside forward (an Embedding's max_norm=None, and its rows renormalised before the step)."
+        )
+
+
+def refuse_written_inputs(programs: dict[bool, Any]) -> None:
+    """An input the model writes in place is written, in each rank's own copy of the call's
+    inputs, only on the rank of the stage that writes it: the others' (a target that is the input,
+    read by the loss on the last rank) would stay as before the write, where the plain model run on
+    each rank writes each one."""
+    written = sorted(set().union(*(program.written_inputs for program in programs.values())))
+    if written:
+        raise ValueError(
+            f"the model writes its input{'s' if len(written) > 1 else ''} {', '.join(map(repr, written))} in place: "
+            "across processes only the rank of the stage that writes it would see the write, and every other "
+            "rank's copy (a target that is the input, say) would stay as it was.\nHow to fix: write a copy in the "
+            "model (x = x - m in place of x.sub_(m)), or run it in one process."
+        )
+
+
+def unread(owner: nn.Module, programs: Sequence[Any]) -> list[torch.Tensor]:
+    """Parameters and buffers that no stage reads, in any mode: a parameter of a branch no mode
+    takes, a buffer forward never reads. The rank at pipeline coordinate 0 holds them, so that
+    they stay in its part of the state dict and nothing of the model is lost."""
+    read: set[int] = set()
+    for program in programs:
+        read.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
+        read.update(program.readers)
+    return [t for t in _state(owner) if id(t) not in read]
+
+
+def keep_local_state(owner: nn.Module, programs: Sequence[Any], placement: RankPlacement) -> None:
+    """Move every parameter and buffer that no stage of this rank reads to the meta device (what
+    no stage reads stays on coordinate 0): the tensor objects stay (and their shapes), their
+    memory goes. If something else holds one on any rank (the autograd graph of an output kept
+    from an earlier forward), every rank puts back what it moved and raises, naming them."""
+    me = placement.me
+    kept: set[int] = {id(t) for t in unread(owner, programs)} if me == 0 else set()
+    for program in programs:
+        kept.update(id(t) for t in program.given.values() if isinstance(t, torch.Tensor))
+        for index, rank in enumerate(program.layout.ranks):
+            if rank == me:
+                kept.update(id(t) for t in program.stage_tensors(index))
+    freed = [t for t in _state(owner) if id(t) not in kept and t.device.type != "meta"]
+    gc.collect()  # cycles not yet collected (the frames of a failed trace) may hold one
+    release_for_swap(freed)
+    moved, held = [], []
+    for tensor in freed:
+        empty = _on_meta(tensor)
+        try:
+            torch.utils.swap_tensors(tensor, empty)
+        except RuntimeError:
+            held.append(tensor)
+            continue
+        moved.append((tensor, empty))
+    names = {id(t): name for name, t in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]}
+    every = gathered(sorted(names.get(id(t), "?") for t in held), placement, "freeing the other ranks' tensors")
+    if any(every):
+        for tensor, empty in reversed(moved):
+            torch.utils.swap_tensors(tensor, empty)  # back as it was
+        raise RuntimeError(_held_refusal(every))
+    mark_freed(owner, [tensor for tensor, _ in moved])
+
+
+def _held_refusal(every: list[list[str]]) -> str:
+    found = "; ".join(f"on rank {rank}: {', '.join(names)}" for rank, names in enumerate(every) if names)
+    return (
+        f"compile_pipeline could not free the tensors of other ranks' stages ({found}): something else "
+        "holds them, such as the autograd graph of an output kept from an earlier forward.\n"
+        "How to fix: drop such outputs before compiling (del out), or compute them under torch.no_grad()."
+    )
+
+
+def _state(owner: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of the model, once."""
+    found: dict[int, torch.Tensor] = {}
+    for module in owner.modules():
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is not None:
+                    found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+def _on_meta(tensor: torch.Tensor) -> torch.Tensor:
+    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+
+
+def holders(program: Any, params: Sequence[nn.Parameter]) -> list[list[int]]:
+    """For each parameter, the pipeline coordinates of the ranks whose stages read it."""
+    return [sorted(program.readers.get(id(p), ())) for p in params]
+
+
+@contextmanager
+def failing_together(channel: Channel, phase: str = "the end of the step") -> Iterator[None]:
+    """A step across processes fails on every rank: what fails here is sent to the others, and
+    a failure heard from another rank is raised here as that rank's error. `phase` names where
+    an error that is not a stage's own was raised."""
+    try:
+        yield
+    except StageError as e:
+        rank = e.rank if e.rank is not None else channel.ranks[channel.me]
+        channel.fail(Failure(rank, e.stage, e.micro_batch, e.phase, e.detail))
+        raise
+    except RemoteFailure as e:
+        channel.fail(e.failure)
+        raise raised_here(e.failure) from e
+    except BaseException as e:
+        stage, micro_batch, where = getattr(e, "fxpipe_where", (-1, -1, phase))  # a Ctrl-C in a stage says where
+        channel.fail(Failure(channel.ranks[channel.me], stage, micro_batch, where, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def sum_tied(
+    channel: Channel, program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], owner: nn.Module
+) -> list[Optional[torch.Tensor]]:
+    """A parameter several ranks read (a tied embedding, say) gets the sum of every rank's
+    gradient, added in rank order on each of them: the same bits everywhere. Each rank that
+    holds a copy sends whether it trains there, and its gradient (None: unused this step), under
+    the parameter's place among all the program's, which no rank's `requires_grad` changes: a
+    rank that froze only the parameters it holds (`pipe.named_parameters()` on every rank) still
+    pairs its messages with the others'. A copy frozen on one rank and trained on another is
+    refused."""
+    me = channel.me
+    mine = {id(p): (True, g) for p, g in zip(params, grads)}
+    tied = [(k, p, ranks) for k, (p, ranks) in enumerate(zip(program.parameters, holders(program, program.parameters)))
+            if me in ranks and len(ranks) > 1]  # fmt: skip
+    for k, p, ranks in tied:
+        for rank in ranks:
+            if rank != me:
+                channel.send(rank, ("tied", k), mine.get(id(p), (False, None)))
+    summed = {id(p): g for p, g in zip(params, grads)}
+    problems = []
+    for k, p, ranks in tied:
+        parts = [mine.get(id(p), (False, None)) if rank == me else channel.take(rank, ("tied", k)) for rank in ranks]
+        if len({trains for trains, _ in parts}) > 1:
+            name = next((n for n, q in owner.named_parameters(remove_duplicate=False) if q is p), f"parameter {k}")
+            trained = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if trains]
+            frozen = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if not trains]
+            problems.append(f"{name!r} requires grad on rank(s) {trained} and not on {frozen}")
+        present = [g.to(p.device) for _, g in parts if g is not None]
+        summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+    if problems:
+        raise ValueError(
+            "a parameter read on several ranks is trained on some and frozen on others:\n"
+            + "\n".join(f"  - {line}" for line in problems)
+            + "\nHow to fix: set requires_grad alike on every rank that holds it (through the model, or "
+            "pipe.named_parameters() on every rank)."
+        )
+    return [summed[id(p)] for p in params]

@@ -1,0 +1,274 @@
+"""train_step's loss: the target split like the inputs, each micro-batch's loss and the
+gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
+from __future__ import annotations
+
+import inspect
+import warnings
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+
+from fxpipe.runtime.gather import ValueRef
+from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
+from fxpipe.runtime.raw_grads import raw_grads
+
+
+def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[Any]:
+    """The target's piece for each micro-batch: split along dim 0 like the inputs."""
+    if target is None or len(sizes) == 1:
+        return [target] * len(sizes)
+    leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+    if any(t.dim() == 0 or t.shape[0] != batch for t in leaves):
+        shapes = [tuple(t.shape) for t in leaves]
+        raise ValueError(
+            f"the target must be split into micro-batches like the inputs, along dim 0 of size {batch}; "
+            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, batch first."
+        )
+    return scatter(target, sizes, batch or 0)
+
+
+def check_loss_arguments(target: Any, loss_fn: Any) -> None:
+    """What train_step is told of the loss fits together, before any stage runs."""
+    problems = []
+    if loss_fn is None and target is not None:
+        problems.append("it got a target and no loss_fn: without loss_fn the model's output is its loss, and the target "
+                        "would go unused.\nHow to fix: pass loss_fn=... (called as loss_fn(output, target)), or give the "
+                        "labels to the model as an argument of its forward")  # fmt: skip
+    elif loss_fn is not None and not callable(loss_fn):
+        problems.append(f"loss_fn must be callable, not {describe(loss_fn)}")
+    elif loss_fn is not None and not _takes_two(loss_fn):
+        problems.append(f"loss_fn is called as loss_fn(output, target), and {_name(loss_fn)} takes {inspect.signature(loss_fn)}.\n"
+                        "How to fix: take two arguments, output and target, and leave the target unused if the loss needs none "
+                        "(loss_fn=lambda output, _: ...)")  # fmt: skip
+    if problems:
+        raise ValueError("train_step cannot compute the loss: " + "\n".join(problems))
+
+
+def _takes_two(function: Callable[..., Any]) -> bool:
+    """Whether the function can be called with two positional arguments (True where no signature says)."""
+    try:
+        inspect.signature(function).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature: its call says
+        pass
+    return True
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return getattr(function, "__qualname__", type(function).__name__)
+
+
+def loss_of(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any) -> Any:
+    """loss_fn on a micro-batch; a failure on a target of None says that none was given."""
+    try:
+        return loss_fn(output, target)
+    except Exception as e:
+        if target is not None:
+            raise
+        raise ValueError(f"loss_fn raised {type(e).__name__}: {e}, on a target of None: train_step was given no target.\n"
+                         "How to fix: pass target=... to train_step") from e
+
+
+def own_loss(output: Any) -> Any:
+    """The loss a model returns itself: the output, its `loss` field or key."""
+    if isinstance(output, torch.Tensor):
+        loss = output if output.dim() == 0 else None
+    else:
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(
+            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "
+            f"with a `loss` field), and this one returns {describe(output)}.\nHow to fix: pass "
+            "loss_fn=..., and target=... if it takes one."
+        )
+    return loss
+
+
+def output_leaves(template: Any, outputs: Optional[dict[str, Any]] = None) -> list[tuple[str, BatchDim, Any]]:
+    """Each leaf of the model's output that a stage makes: where it is (`output['aux_loss']`),
+    where its batch lies as compiling found it, and its value in `outputs` (one micro-batch's
+    values by name; None without)."""
+    found = []
+    for path, ref in tree_flatten_with_path(template)[0]:
+        if not isinstance(ref, ValueRef) or ref.given:
+            continue
+        inner = tree_flatten_with_path(outputs[ref.name])[0] if outputs is not None else [((), None)] * len(ref.dims or [None])
+        for k, (within, value) in enumerate(inner):
+            found.append((f"output{keystr(path)}{keystr(within)}", ref.dim(k), value))
+    return found
+
+
+def refuse_outputs_of_the_whole_batch(template: Any, micro_batches: int, asked: bool) -> None:
+    """train_step hands loss_fn each micro-batch's outputs and checks their losses against the
+    whole batch's outputs, put together from them: an output made from the whole batch (a loss
+    over it, a similarity matrix between its samples) has no such pieces. Refused before any
+    stage runs, where compiling saw one."""
+    varying = [where for where, dim, _ in output_leaves(template) if dim == VARIES]
+    if varying and micro_batches > 1:
+        raise ValueError(_unsplittable(varying, micro_batches, asked))
+
+
+def refuse_whole_batch_outputs_of_a_call(template: Any, micro_batches: int) -> None:
+    """pipe(x) puts its outputs together from the micro-batches': an output made from the whole
+    batch has no such pieces. Refused before any stage runs (and writes a buffer), where
+    compiling saw one."""
+    varying = [where for where, dim, _ in output_leaves(template) if dim == VARIES]
+    if varying and micro_batches > 1:
+        named = ", ".join(o if o != "output" else "its output" for o in varying)
+        raise ValueError(
+            f"the model returns {named}, a value made from the whole batch (a loss or a statistic over it, its size, a "
+            "matrix between its samples, a value drawn or read from state forward writes), and pipe(x) puts the outputs "
+            f"of the {micro_batches} micro-batches together: the plain model's cannot be made from theirs.\n"
+            "How to fix: for a loss, train with pipe.train_step(...), which combines the micro-batches' losses; for "
+            "other values, return tensors with one entry per sample (batch first) and reduce them outside the "
+            "pipeline; or use chunks=1."
+        )
+
+
+def check_gatherable(template: Any, outputs: dict[str, Any], micro_batches: int, asked: bool) -> None:
+    """The outputs, put together from the micro-batches along dim 0: when `asked` for them
+    (return_outputs=True), or for the check of the loss. A 0-dim value the micro-batches make
+    alike (from parameters alone) is returned once; another cannot be put together."""
+    scalars = [where for where, dim, value in output_leaves(template, outputs)
+               if isinstance(value, torch.Tensor) and value.dim() == 0 and dim != SAME]  # fmt: skip
+    if scalars and micro_batches > 1:
+        raise ValueError(_unsplittable(scalars, micro_batches, asked))
+
+
+def _unsplittable(outputs: list[str], micro_batches: int, asked: bool) -> str:
+    why = (f"return_outputs=True puts the outputs of the {micro_batches} micro-batches together along their batch dim"
+           if asked else f"train_step gives loss_fn each of the {micro_batches} micro-batches' outputs, and checks their "
+           "losses against loss_fn on the whole batch's outputs, put together from them")  # fmt: skip
+    named = ", ".join(o if o != "output" else "its output" for o in outputs)
+    return (
+        f"{why}; the model returns {named}, made from the whole batch (a loss or a statistic over it, a matrix "
+        "between its samples): one per micro-batch, which are no pieces of the whole batch's.\n"
+        "How to fix: chunks=1; for an auxiliary loss, add it into a loss the model returns itself and call "
+        "train_step without loss_fn (its micro-batches' are combined as their mean or sum, unchecked); for "
+        "values between samples, return per-sample values (batch first) and compute the loss from pipe(x)'s "
+        "output (loss_fn(pipe(x), y).backward(), in one process; across processes, chunks=1). No gradient was "
+        "accumulated."
+    )
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+class LeafGrads:
+    """The `.grad` of the tensors a step's losses reach besides the outputs (a learnable
+    temperature `loss_fn` reads, a parameter the model returns), as they were before the step.
+    Each micro-batch's backward accumulates into them at once, so a step that fails or is refused
+    after one puts them back: it accumulates nothing anywhere."""
+
+    def __init__(self) -> None:
+        self.before: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self.undo: list[Callable[[], None]] = []  # what else the step puts back (its buffer writes)
+
+    def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
+        """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs: fresh leaves,
+        or the loss stage's own values, whose graph is the stage's business and is not walked)."""
+        tensors = [t for t in own if isinstance(t, torch.Tensor)]
+        skip = {id(t) for t in tensors}
+        stack, seen = [loss.grad_fn], {t.grad_fn for t in tensors if t.grad_fn is not None}
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)  # an AccumulateGrad node's tensor
+            if leaf is None:
+                stack.extend(child for child, _ in node.next_functions)
+            elif id(leaf) not in skip and id(leaf) not in self.before:
+                self.before[id(leaf)] = (leaf, None if leaf.grad is None else leaf.grad.clone())
+
+    @contextmanager
+    def put_back_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            for leaf, grad in self.before.values():
+                leaf.grad = grad
+            for undo in self.undo:
+                undo()
+            raise
+
+
+def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
+    """The gradient of `loss` with respect to each output value (trees like the values, whose
+    tensors are fresh leaves). The backward runs through the loss's whole graph, as
+    `loss.backward()` does: a tensor the loss function reads besides the outputs (a learnable
+    temperature, say) gets its gradient too, one micro-batch's share at a time."""
+    if not loss.requires_grad:
+        return {}
+    leaves = [t for value in values.values() for t in leaves_of(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+    with raw_grads(leaves) as raw:  # in the layout the last stage's backward would get
+        torch.autograd.backward(loss)
+
+    def grad_of(leaf: Any) -> Any:
+        return raw.of(leaf) if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+
+    return {name: tree_map(grad_of, value) for name, value in values.items()}
+
+
+@contextmanager
+def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
+    """Within this block, draws from the CPU generator (and `device`'s, on CUDA) are undone at
+    its end; the block gets a function that says whether any was made."""
+    cuda = device.type == "cuda"
+    cpu_before = torch.get_rng_state()
+    cuda_before = torch.cuda.get_rng_state(device) if cuda else cpu_before
+    moved: list[bool] = []
+
+    def drew() -> bool:
+        if not moved:
+            moved.append(not torch.equal(torch.get_rng_state(), cpu_before)
+                         or (cuda and not torch.equal(torch.cuda.get_rng_state(device), cuda_before)))  # fmt: skip
+        return moved[0]
+
+    try:
+        yield drew
+    finally:
+        drew()
+        torch.set_rng_state(cpu_before)
+        if cuda:
+            torch.cuda.set_rng_state(cuda_before, device)
+
+
+def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
+    """The micro-batches' losses, combined, must be the loss of the whole batch. The check draws
+    nothing from the caller's generators; a loss that draws (label noise) cannot be checked."""
+    with torch.no_grad(), _generators_kept(total.device) as drew:
+        whole = loss_fn(outputs, target)
+    if drew():
+        warnings.warn(
+            "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
+            f"train_step cannot check that reduction={reduction!r} combines the micro-batches' losses into the "
+            "whole batch's. Each micro-batch's loss draws its own, as dropout does: alike in distribution to the "
+            "plain model's, not in value (chunks=1 draws the plain model's).",
+            stacklevel=4,
+        )
+        return
+    whole = whole.detach().to(total.device, total.dtype)
+    # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
+    # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
+    # the caller (or a GradScaler) to see.
+    rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
+    atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
+    if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
+        other = "sum" if reduction == "mean" else "mean"
+        raise ValueError(
+            f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
+            f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
+            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples. A loss that is "
+            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches as it is: "
+            "divide its sum by the whole batch's count, counted before the step, and pass reduction='sum' "
+            "(count = (y != -100).sum(); loss_fn = lambda out, t: F.cross_entropy(out, t, ignore_index=-100, "
+            "reduction='sum') / count); or, in one process, use pipe(x) and loss.backward(). No gradient was "
+            "accumulated into the model's parameters."
+        )

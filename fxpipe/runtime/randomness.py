@@ -1,0 +1,273 @@
+"""Random streams per (step, micro-batch, graph node), so dropout is reproducible and replayable.
+
+All CPU stage threads share one default generator: the order in which concurrent tasks draw from
+it would be a race. Each task has a stream of its own instead, and each node of the graph that
+draws its own generator in it, seeded from the step's seed, the micro-batch and the node: the
+recompute of a checkpointed task reseeds the same way and gets the same masks, and a node draws
+the same masks whichever stage it lands in, so that another cut (another checkpoint mode, whose
+memory the default balance counts, or another stage count) trains on the same numbers.
+
+The random ops a stage's graph shows (`nn.Dropout`, `F.dropout`, `torch.rand*`, `x.bernoulli_()`,
+...) are rewritten to take their node's generator: no Python runs for the other ops. A random op
+hidden from the graph (inside a module called whole, attention with dropout, an exported aten op)
+makes its stage run under `TaskRandomness`, a dispatch mode that hands every random aten op the
+generator of the node that runs (marked by `begin_draws`); a draw no node is marked for (in a
+forward hook on any module) takes the stage's own generator.
+"""
+from __future__ import annotations
+
+import threading
+import zlib
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.core.scoped import scoped
+
+_MASK = (1 << 64) - 1
+# Guards the swap of a device's default generator, for random ops that take no generator.
+_SWAP_LOCK = threading.Lock()
+_local = threading.local()
+
+
+def task_seed(step_seed: int, micro_batch: int, stage: int) -> int:
+    """A well-mixed 63-bit seed from the step's seed and the task's coordinates (splitmix64)."""
+    x = (step_seed * 0x9E3779B97F4A7C15 + micro_batch * 0xBF58476D1CE4E5B9 + stage) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (x ^ (x >> 31)) >> 1
+
+
+def draw_step_seed() -> int:
+    """A seed for one pipeline step, drawn from the caller's default generator, so that
+    `torch.manual_seed` before a step fixes all of its random masks."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
+
+
+@contextmanager
+def generator_put_back_on_error() -> Iterator[None]:
+    """A call that fails leaves the caller's generator as it found it (as it leaves `.grad` and
+    the buffers), whatever its stages or its `loss_fn` drew before the failure."""
+    before = torch.get_rng_state()
+    try:
+        yield
+    except BaseException:
+        torch.set_rng_state(before)
+        raise
+
+
+# Node keys are offset past every stage index, so that no node's generator is a stage's.
+_NODE_KEYS = 1 << 32
+
+
+def draw_key(name: str) -> int:
+    """A node's key among the draws of a task: from its name in the traced graph, which every cut
+    of the graph keeps."""
+    return zlib.crc32(name.encode())
+
+
+class TaskStream:
+    """The random stream of one task: a generator per graph node that draws (per device), made on
+    first use; `key` marks the node whose hidden draws run now (`begin_draws`)."""
+
+    def __init__(self, step_seed: int, micro_batch: int, stage: int) -> None:
+        self.step_seed, self.micro_batch, self.stage = step_seed, micro_batch, stage
+        self.key: Optional[int] = None
+        self.generators: dict[tuple[int, torch.device], tuple[torch.Generator, int]] = {}
+
+    def generator(self, device: torch.device, key: Optional[int] = None) -> torch.Generator:
+        """The generator of node `key` (default: the node marked now, else the stage's own)."""
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = key if key is not None else self.key
+        slot = self.stage if key is None else _NODE_KEYS + key
+        found = self.generators.get((slot, device))
+        if found is None:
+            seed = task_seed(self.step_seed, self.micro_batch, slot)
+            found = self.generators[(slot, device)] = (torch.Generator(device=device).manual_seed(seed), seed)
+        return found[0]
+
+    def drew(self) -> bool:
+        """Whether any op drew from the stream: a generator handed to an op that did not draw
+        (RReLU in eval mode) is still at its seed."""
+        return any(
+            not torch.equal(g.get_state(), torch.Generator(device=device).manual_seed(seed).get_state())
+            for (_, device), (g, seed) in self.generators.items()
+        )
+
+
+@contextmanager
+def task_stream(stream: TaskStream) -> Iterator[None]:
+    """Random ops rewritten by `draw_from_task_streams` draw from `stream` on this thread."""
+    with scoped(_local, "stream", stream):
+        yield
+
+
+def _generator(device: torch.device, key: Optional[int]) -> Optional[torch.Generator]:
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    return stream.generator(device, key) if stream is not None else None
+
+
+def begin_draws(key: int) -> None:
+    """Before a node whose draws the graph does not show: they take its generator."""
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if stream is not None:
+        stream.key = key
+
+
+def end_draws() -> None:
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if stream is not None:
+        stream.key = None
+
+
+# -- the rewritten random ops ----------------------------------------------------------------------
+def _dropout(x: torch.Tensor, p: float, inplace: bool, generator: torch.Generator) -> torch.Tensor:
+    if p == 1:
+        return x.mul_(0) if inplace else x * 0
+    mask = torch.empty_like(x).bernoulli_(1 - p, generator=generator)
+    mask.mul_(1 / (1 - p))
+    return x.mul_(mask) if inplace else x * mask
+
+
+def dropout_module(module: nn.Dropout, x: torch.Tensor, *, draw_key: Optional[int] = None) -> torch.Tensor:
+    """`module(x)`, with the mask drawn from the node's generator. A module with hooks (its own or
+    global ones, forward or backward, registered before compiling or after) is called itself,
+    its draw handed the generator by `TaskRandomness`, so that its hooks run as in the plain model."""
+    if not module.training or module.p == 0:  # first: under torch.compile, no draw, no break
+        return module(x)
+    stream: Optional[TaskStream] = getattr(_local, "stream", None)
+    if stream is None:
+        return module(x)
+    if _hooked(module):
+        previous, stream.key = stream.key, draw_key
+        try:
+            with TaskRandomness(stream):
+                return module(x)
+        finally:
+            stream.key = previous
+    return _dropout(x, module.p, module.inplace, stream.generator(x.device, draw_key))
+
+
+def _hooked(module: nn.Module) -> bool:
+    hooks = nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return True
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
+
+
+def dropout_function(
+    x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False, *, draw_key: Optional[int] = None
+) -> torch.Tensor:
+    """`F.dropout`, with the mask drawn from the node's generator."""
+    if not training or p == 0:
+        return F.dropout(x, p, training, inplace)
+    generator = _generator(x.device, draw_key)
+    if generator is None:
+        return F.dropout(x, p, training, inplace)
+    return _dropout(x, p, inplace, generator)
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    leaves, _ = tree_flatten((args, kwargs))
+    return next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def with_generator(name: str, *args: Any, draw_key: Optional[int] = None, **kwargs: Any) -> Any:
+    """`torch.<name>(*args, **kwargs)` (`rand`, `bernoulli`...) drawing from the node's generator."""
+    function = getattr(torch, name)
+    generator = _generator(_device_of(args, kwargs), draw_key)
+    return function(*args, **kwargs) if generator is None else function(*args, generator=generator, **kwargs)
+
+
+def method_with_generator(name: str, self: torch.Tensor, *args: Any, draw_key: Optional[int] = None, **kwargs: Any) -> Any:
+    """`self.<name>(*args, **kwargs)` (`bernoulli_`, `uniform_`...) drawing from the node's generator."""
+    generator = _generator(self.device, draw_key)
+    method = getattr(self, name)
+    return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
+
+
+# For compiled stages (fxpipe/runtime/stage_compile.py), in the steps where they draw: the draws run
+# eagerly, outside the compiled graph, so that they take the task's stream as an eager stage's
+# do and a recompute replays them, whatever the backend.
+DRAWS = (dropout_module, dropout_function, with_generator, method_with_generator, begin_draws, end_draws)
+MARKERS = (begin_draws, end_draws)  # no draw themselves: a step that draws nothing skips them
+
+
+class TaskRandomness(TorchDispatchMode):
+    """Within this mode, random ops draw from the generators of a task's stream."""
+
+    def __init__(self, stream: TaskStream) -> None:
+        super().__init__()
+        self.stream = stream
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        own = self.stream.generator(_device_of(args, kwargs))
+        if any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments):
+            return func(*args, **kwargs, generator=own)
+        # No generator argument (native_dropout, say): swap the device's default generator.
+        with _SWAP_LOCK:
+            default = _default_generator(own.device)
+            saved = default.get_state()
+            default.set_state(own.get_state())
+            try:
+                result = func(*args, **kwargs)
+                own.set_state(default.get_state())
+            finally:
+                default.set_state(saved)
+        return result
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+DROPOUTS = (nn.modules.dropout._DropoutNd,)
+
+
+def dropout_rate(module: nn.Module) -> Optional[float]:
+    """The `dropout` rate of built-in modules that apply one themselves (RNNs, attention)."""
+    rate = getattr(module, "dropout", None)
+    return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
+
+
+def draw_rate(module: nn.Module) -> Optional[float]:
+    """How often a built-in module draws while training (0: never), or None for one that never
+    draws: a dropout's p, an RNN's or attention's `dropout`, and RReLU's random slopes."""
+    if isinstance(module, DROPOUTS):
+        return float(module.p)
+    if isinstance(module, nn.RReLU):
+        return 1.0
+    return dropout_rate(module)
+
+
+def draws_now(modules: Sequence[nn.Module]) -> bool:
+    """Whether any of these modules draws when called now: training, rate > 0
+    (read once per step, so that a rate changed between steps takes effect)."""
+    for module in modules:
+        for m in module.modules():
+            if not m.training:
+                continue
+            if draw_rate(m):
+                return True
+    return False
+
+
+def runs_hooks(modules: Sequence[nn.Module]) -> bool:
+    """Whether calling these modules runs forward hooks or pre-hooks (their own, those of the
+    modules inside them, or global ones): a hook's draws do not show in the graph."""
+    if modules and (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for module in modules for m in module.modules())

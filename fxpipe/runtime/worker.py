@@ -1,0 +1,97 @@
+"""Stage workers: one thread per stage, even when stages share a device, so CPU stages overlap;
+and groups of tasks the caller waits for together."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from fxpipe.runtime.devices import on_device
+
+Task = Callable[[], None]
+
+
+def _loop(tasks: "queue.SimpleQueue[Optional[Task]]", device: torch.device) -> None:
+    torch.set_grad_enabled(True)
+    with on_device(device):
+        while True:
+            task = tasks.get()
+            if task is None:
+                return
+            task()
+            del task  # drop what the task holds before blocking on the next one
+
+
+class Workers:
+    """A thread per stage; each runs the tasks submitted to it, in order.
+
+    The threads hold nothing of their owner: `close()`, or the owner's garbage collection through
+    `bind`, stops them.
+    """
+
+    def __init__(self, devices: Sequence[torch.device], name: str = "fxpipe") -> None:
+        self.closed = False
+        self.queues: list[queue.SimpleQueue[Optional[Task]]] = [queue.SimpleQueue() for _ in devices]
+        self.threads = [
+            threading.Thread(target=_loop, args=(q, d), name=f"{name}-stage{i}", daemon=True)
+            for i, (q, d) in enumerate(zip(self.queues, devices))
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def submit(self, stage: int, task: Task) -> None:
+        if self.closed:  # no thread would run it: the caller would wait for ever
+            raise RuntimeError(
+                "the pipeline was closed (pipe.close()) while a step still had work to run (a backward, say).\n"
+                "How to fix: close it after the last backward, or compile the model again."
+            )
+        self.queues[stage].put(task)
+
+    def close(self) -> None:
+        self.closed = True
+        _stop(self.queues)
+
+    def bind(self, owner: Any) -> None:
+        """Stop the threads when `owner` is garbage-collected."""
+        weakref.finalize(owner, _stop, self.queues)
+
+
+def _stop(queues: Sequence["queue.SimpleQueue[Optional[Task]]"]) -> None:
+    for q in queues:
+        q.put(None)
+
+
+class TaskGroup:
+    """Tasks submitted together, and the errors they raised, by task.
+
+    The caller waits once for the whole group, not once per task: waking a sleeping thread costs
+    tens of microseconds on an idle core, as much as a small task's work.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.remaining = count
+        self.errors: dict[Any, BaseException] = {}  # in the order they were raised
+        self.lock = threading.Lock()
+        self.finished = threading.Event()
+        if count == 0:
+            self.finished.set()
+
+    def finish(self, key: Any, error: Optional[BaseException] = None) -> None:
+        with self.lock:
+            self.remaining -= 1
+            if error is not None:
+                self.errors[key] = error
+            if self.remaining == 0:
+                self.finished.set()
+
+    def wait(self, timeout: Optional[float]) -> None:
+        """Until every task has finished; in short slices, so that Ctrl-C reaches the caller.
+        Raises TimeoutError after `timeout` seconds (None: never)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.finished.wait(0.1):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"pipeline tasks did not finish in {timeout} s: the pipeline is stuck")

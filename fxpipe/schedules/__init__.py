@@ -1,0 +1,1 @@
+"""Schedules as data: action lists per worker, their check, the simulator and timelines."""

@@ -1,0 +1,434 @@
+"""Attributes a trace reads: plain values (`self.temperature`, `self.drop_prob`, a dict of
+scales, `self.config.output_hidden_states`), which the graph holds as constants, so that a value
+changed after compiling is seen, not silently ignored; and the `training` flags that decided its
+`self.training` branches, by mode.
+
+A module's instance attributes are read without going through any hook nn.Module offers, so for
+the length of a trace `__getattribute__` of the model's module classes is wrapped (on the classes
+themselves: no new class, so `type(self)` and registries are untouched) to note the reads the
+model's own code makes (not torch's tracing machinery, nor fxpipe's, nor other threads'). The
+settings objects the modules hold (a config, a dataclass of options) are wrapped alike when first
+read (their `__getattr__` too, for configs that answer through it), so that their attributes are
+watched under every path they were read by (`transformer.config.output_hidden_states`); a
+`types.SimpleNamespace`, whose built-in class cannot be wrapped, is handed to the trace behind a
+view that notes its reads. Of a
+dict, the entries read are watched (fxpipe/tracing/dict_reads.py); of the code that read them, the
+module-level constants (fxpipe/tracing/global_reads.py). A value forward itself changes while traced (a
+counter) is no setting, and is not watched: the check of assignments calls its module whole, or
+`counted_while_traced` refuses it where that check cannot see it.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import enum
+import functools
+import os
+import re
+import sys
+import threading
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fxpipe.tracing.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
+from fxpipe.tracing.global_reads import constant, module_reads, nested, settings_code, simple_key
+from fxpipe.core.scoped import scoped
+
+_local = threading.local()
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are the model's code
+_PASSES = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def from_the_model(filename: str) -> bool:
+    """Whether code in `filename` is the model's: not torch's (but for its modules), nor fxpipe's."""
+    if filename.startswith(_TORCH_NN):
+        return True
+    package = sys.modules.get("fxpipe")
+    ours = os.path.dirname(os.path.abspath(package.__file__ or "")) + os.sep if package is not None else _PASSES
+    return not filename.startswith((_TORCH, _PASSES, ours))
+
+
+# Above this many entries a dict read whole is not watched: comparing it would slow every call.
+WATCHED_ENTRIES = 1000
+
+
+def plain(value: Any) -> bool:
+    """A value a graph holds as a constant: None, a number, a string, a tuple, list or dict of them."""
+    if type(value) is dict:
+        return len(value) <= WATCHED_ENTRIES and all(plain(key) and plain(entry) for key, entry in value.items())
+    return value is None or type(value) in (bool, int, float, str) or (type(value) in (tuple, list) and all(map(plain, value)))
+
+
+_NOT_SETTINGS = (nn.Module, torch.Tensor, type, enum.Enum, types.ModuleType, types.FunctionType, types.MethodType,
+                 types.BuiltinFunctionType, functools.partial)
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose lookup can be wrapped
+
+
+def settings(value: Any) -> bool:
+    """An object whose attributes a forward may read as settings (a config, a dataclass of options,
+    an argparse.Namespace or a types.SimpleNamespace): an instance of a Python class of the model's
+    libraries (not torch's, nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
+    function nor class. Decided on its class alone: the object's own lookup is not run."""
+    cls = type(value)
+    if cls is types.SimpleNamespace:
+        return True
+    home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
+    ours = home != "torch" and (home not in sys.stdlib_module_names or cls is argparse.Namespace)
+    return bool(cls.__flags__ & _HEAP_TYPE) and ours and not isinstance(value, _NOT_SETTINGS)
+
+
+Wrapped = list[tuple[type, str, Optional[Any]]]  # a class, the lookup wrapped, its own (None: inherited)
+
+
+@dataclass
+class Reads:
+    """What the traces read, by the mode each was traced in (`begin(mode)` before each)."""
+
+    paths: dict[int, list[str]]  # of the modules (their first name), and of the settings objects read so far
+    mode: bool = True
+    wrapped: Wrapped = field(default_factory=list)
+    held: list[Any] = field(default_factory=list)  # the settings objects in `paths`, alive so that no id is reused
+    values: dict[bool, set[str]] = field(default_factory=lambda: {True: set(), False: set()})  # plain, qualified
+    training: dict[bool, dict[str, bool]] = field(default_factory=lambda: {True: {}, False: {}})  # module path: flag
+    keys: KeysRead = field(default_factory=KeysRead)  # of the dicts among `values`
+    first: dict[str, Any] = field(default_factory=dict)  # each plain value as first read
+    codes: dict[bool, set[types.CodeType]] = field(default_factory=lambda: {True: set(), False: set()})  # run, by mode
+    assigned: set[str] = field(default_factory=set)  # module-level values that code assigns (`global n; n += 1`)
+    iterated: set[str] = field(default_factory=set)  # the containers (ModuleList, ...) whose members were listed
+
+    def begin(self, mode: bool) -> None:
+        self.mode = mode
+
+    def ran(self, code: types.CodeType, module_globals: dict[str, Any]) -> None:
+        """The model's `code` ran in the trace: the module-level constants it reads (`module:NAME`,
+        fxpipe/tracing/global_reads.py), and those of the functions it names, are noted as plain
+        attributes are."""
+        todo = [(code, module_globals)]
+        while todo:
+            code, module_globals = todo.pop()
+            if code in self.codes[self.mode] or not (from_the_model(code.co_filename) and settings_code(code.co_filename)):
+                continue
+            self.codes[self.mode].add(code)
+            found = module_reads(code, module_globals)
+            for qualified, value in found.constants.items():
+                self.values[self.mode].add(qualified)
+                self.first.setdefault(qualified, value)
+            self.assigned.update(found.assigned)
+            todo += [(function.__code__, function.__globals__) for function in found.functions]
+            todo += [(inner, module_globals) for inner in nested(code)]
+
+    def note(self, owner: Any, name: str, value: Any) -> Any:
+        """Note that the model's code read `owner.name`; returns what the code gets (a dict as
+        a `DictReads`)."""
+        paths = self.paths.get(id(owner))
+        frame = sys._getframe(2)
+        if not paths or not from_the_model(frame.f_code.co_filename):
+            return value
+        if frame.f_code not in self.codes[self.mode]:
+            self.ran(frame.f_code, frame.f_globals)
+        if name == "training":
+            self.training[self.mode].setdefault(paths[0], bool(value))
+            return value
+        names = [f"{path}.{name}" if path else name for path in paths]
+        if (plain(value) or value is MISSING) and not (self.mode is False and isinstance(owner, nn.modules.dropout._DropoutNd)):
+            self.values[self.mode].update(names)  # (torch's dropout is the identity in eval)
+            if type(value) is dict:
+                return DictReads(value, self.keys, names)
+            for qualified in names:
+                if qualified not in self.first:
+                    self.first[qualified] = copy.deepcopy(value)
+        elif isinstance(value, torch.Tensor) and not isinstance(owner, nn.Module):
+            self.values[self.mode].update(names)  # a tensor a settings object holds: a constant of the graph
+            for qualified in names:
+                self.first.setdefault(qualified, value)
+        elif settings(value):
+            self._reached(value, names)
+            if type(value) is types.SimpleNamespace:
+                return NamespaceReads(value)
+        elif type(value) in (list, tuple, dict):  # settings objects in it (a config per head), by place or key
+            for key, element in value.items() if type(value) is dict else enumerate(value):
+                if settings(element) and type(element) is not types.SimpleNamespace and simple_key(key):
+                    self._reached(element, [f"{name}[{key!r}]" for name in names])
+        return value
+
+    def _reached(self, settings: Any, names: list[str]) -> None:
+        """`settings` read under `names`: watched under each, what was read of it under another
+        name too."""
+        known = self.paths.setdefault(id(settings), [])
+        if not known:
+            self.held.append(settings)
+            _wrap(type(settings), self.wrapped)
+        for name in names:
+            if name in known:
+                continue
+            if known:
+                self._copy_reads(known[0], name)
+            known.append(name)
+
+    def _copy_reads(self, old: str, new: str) -> None:
+        for values in self.values.values():
+            values.update([new + name[len(old):] for name in values if name.startswith(old + ".")])
+        for table in (self.first, self.keys.read, self.keys.written):
+            table.update({new + name[len(old):]: v for name, v in list(table.items()) if name.startswith(old + ".")})  # type: ignore[attr-defined]
+
+
+class NamespaceReads:
+    """A `types.SimpleNamespace` as the model's code gets it while traced: its reads are noted as
+    the wrapped lookup of other settings objects notes them (its class, built in, cannot be
+    wrapped); writes go to it."""
+
+    __slots__ = ("_namespace",)
+
+    def __init__(self, namespace: types.SimpleNamespace) -> None:
+        object.__setattr__(self, "_namespace", namespace)
+
+    def __getattr__(self, name: str) -> Any:
+        namespace = object.__getattribute__(self, "_namespace")
+        value = getattr(namespace, name, MISSING)
+        reads = getattr(_local, "reads", None)
+        if reads is not None and name[0] != "_":
+            value = reads.note(namespace, name, value)
+        if value is MISSING:
+            raise AttributeError(f"{type(namespace).__name__!r} object has no attribute {name!r}")
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_namespace"), name, value)
+
+    def __delattr__(self, name: str) -> None:
+        delattr(object.__getattribute__(self, "_namespace"), name)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(..., types.SimpleNamespace) holds
+        return types.SimpleNamespace
+
+    def __repr__(self) -> str:
+        return repr(object.__getattribute__(self, "_namespace"))
+
+
+@contextmanager
+def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
+    """Within this block, the reads of public attributes of `model`'s modules, by this thread's
+    model code, are noted in the `Reads` the block gets."""
+    paths: dict[int, list[str]] = {}
+    for path, module in model.named_modules():
+        paths.setdefault(id(module), [path])
+    reads = Reads(paths)
+    try:
+        with scoped(_local, "reads", reads):
+            for cls in dict.fromkeys(type(m) for m in model.modules()):
+                _wrap(cls, reads.wrapped)
+            for cls in CONTAINERS:
+                for listing in _LISTINGS:
+                    if hasattr(cls, listing):
+                        reads.wrapped.append((cls, listing, cls.__dict__.get(listing)))
+                        setattr(cls, listing, _listed(getattr(cls, listing)))
+            yield reads
+    finally:
+        for cls, lookup, own in reversed(reads.wrapped):
+            if own is None:
+                delattr(cls, lookup)
+            else:
+                setattr(cls, lookup, own)
+
+
+# A forward that lists a container's members (`for block in self.blocks`, `len(self.heads)`,
+# `self.heads.values()`) holds one pass over those it had: a member added later changes it.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
+_LISTINGS = ("__iter__", "__len__", "keys", "values", "items")
+
+
+def _listed(listing: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(listing)
+    def noting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reads = getattr(_local, "reads", None)
+        if reads is not None:
+            reads.iterated.update(reads.paths.get(id(self), ()))
+        return listing(self, *args, **kwargs)
+
+    return noting
+
+
+@contextmanager
+def unnoted() -> Iterator[None]:
+    """Within this block, no read is noted: the model's code that runs is not the trace's (its
+    `train()` override reading `self.training`, as a mode is set for the next trace)."""
+    with scoped(_local, "reads", None):
+        yield
+
+
+def _wrap(cls: type, wrapped: Wrapped) -> None:
+    """Wrap `cls`'s attribute lookup to note reads, once, recording what to put back in
+    `wrapped`: its `__getattribute__`, and its `__getattr__` if it has one (a module's, which
+    finds its parameters and children; a config's that answers from a table)."""
+    if any(done is cls for done, _, _ in wrapped):
+        return
+    lookups = ["__getattribute__", *(["__getattr__"] if hasattr(cls, "__getattr__") else [])]
+    for lookup in lookups:
+        own = cls.__dict__.get(lookup)
+        try:
+            setattr(cls, lookup, _noting(cls, lookup, own))
+        except TypeError:  # a class that cannot be changed: its reads go unnoted
+            return
+        wrapped.append((cls, lookup, own))
+
+
+def _noting(cls: Any, lookup: str, own: Optional[Any]) -> Callable[[Any, str], Any]:
+    """`cls`'s attribute lookup `lookup` (its own, or what it inherits), noting public reads; and
+    an attribute not found (`getattr(self, "gain", 1.0)`, `hasattr`) where the last lookup fails,
+    so that one set after compiling is seen too."""
+    last = lookup == "__getattr__" or not hasattr(cls, "__getattr__")
+
+    def noted(self: Any, name: str) -> Any:
+        try:
+            value = own(self, name) if own is not None else getattr(super(cls, self), lookup)(name)
+        except AttributeError:
+            reads = getattr(_local, "reads", None)
+            if last and reads is not None and name[0] != "_":
+                reads.note(self, name, MISSING)
+            raise
+        reads = getattr(_local, "reads", None)
+        if reads is not None and name[0] != "_":
+            return reads.note(self, name, value)
+        return value
+
+    noted.__name__ = lookup
+    return noted
+
+
+def holder(modules: Mapping[str, Any], qualified: str) -> Optional[tuple[Any, str]]:
+    """What holds `qualified`, and the attribute's path from it: one of `modules` by path
+    (`config.output_hidden_states` through a settings object), or the Python module of a
+    module-level value (`package.module:NAME`); None if none holds it."""
+    module, colon, name = qualified.partition(":")
+    if colon:
+        found = sys.modules.get(module)
+        return (found, name) if found is not None else None
+    parts = qualified.split(".")
+    for cut in range(len(parts) - 1, -1, -1):
+        path = ".".join(parts[:cut])
+        if path in modules:
+            return modules[path], ".".join(parts[cut:])
+    return None
+
+
+_STEP = re.compile(r"([^.\[]+)|\[(\d+|'[^'\]]*')\]")
+
+
+def read(owner: Any, attribute: str) -> Any:
+    """`owner`'s attribute at the dotted path `attribute` (through lists and dicts too:
+    `heads[0].scale`, `by_name['q'].scale`)."""
+    if "[" not in attribute:
+        return functools.reduce(getattr, attribute.split("."), owner) if "." in attribute else getattr(owner, attribute)
+    for name, index in _STEP.findall(attribute):
+        owner = getattr(owner, name) if name else owner[ast.literal_eval(index)]
+    return owner
+
+
+def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
+    """What `model` holds now under each qualified name `reads` noted that is a plain value (of a
+    dict, its entries read), but for values forward itself changed while traced."""
+    modules = dict(model.named_modules())
+    found = {}
+    for qualified in sorted(reads.values[True] | reads.values[False]):
+        held = holder(modules, qualified)
+        if held is None:
+            continue
+        try:
+            value = read(*held)
+        except AttributeError:  # not there: watched as missing, if the trace found none either
+            value = MISSING
+        except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
+            continue
+        if isinstance(value, torch.Tensor):
+            if value is reads.first.get(qualified):  # held by a settings object: watched as that very tensor
+                found[qualified] = value
+            continue
+        if not (plain(value) or value is MISSING) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
+            continue
+        keys = reads.keys.watched(qualified) if type(value) is dict else WHOLE
+        if keys is not WHOLE:
+            if keys:
+                found[qualified] = Entries(copy.deepcopy(entries(value, keys)))
+        else:
+            found[qualified] = copy.deepcopy(value)  # a list may be written in place
+    return found
+
+
+def assigned_while_traced(reads: Reads) -> list[str]:
+    """The module-level values the traced code assigns that changed while it was traced (a
+    counter, `global calls; calls += 1`), as `module:NAME (then -> now)`: a graph never assigns
+    them, and holds the value of the trace."""
+    found = []
+    for qualified in sorted(reads.assigned & reads.first.keys()):
+        place = holder({}, qualified)
+        try:
+            now = read(*place) if place is not None else MISSING
+        except AttributeError:
+            now = MISSING
+        if constant(now) and not _kept(now, reads.first[qualified]):  # (not a kernel loaded on first use)
+            found.append(f"{qualified} ({reads.first[qualified]!r} -> {now!r})")
+    return found
+
+
+def counted_while_traced(model: nn.Module, reads: Reads) -> list[str]:
+    """The plain attributes the traced code read that changed while it was traced, as
+    `name (then -> now)`: a counter that the check of assignments cannot follow (in a settings
+    object with `__slots__`, or one that keeps its fields in a table of its own), which the graph
+    holds as a constant. Each is put back as first read."""
+    modules = dict(model.named_modules())
+    found = []
+    for qualified in sorted(reads.values[True] | reads.values[False]):
+        place = holder(modules, qualified) if ":" not in qualified and qualified in reads.first else None
+        if place is None:
+            continue
+        try:
+            now = read(*place)
+        except Exception:  # noqa: BLE001 - a property that fails now
+            continue
+        then, (owner, _, name) = reads.first[qualified], place[1].rpartition(".")
+        target = read(place[0], owner) if owner else place[0]
+        if name in getattr(target, "__dict__", {}):
+            continue  # the check of assignments follows it (a plain value every call assigns alike is fine)
+        if not _kept(now, then):
+            found.append(f"{qualified} ({then!r} -> {now!r})")
+            delattr(target, name) if then is MISSING else setattr(target, name, then)
+    return found
+
+
+def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
+    """Of `held` (a qualified name, what holds it, the attribute's path from there and the value
+    it held when traced), each whose value changed since, as `name (then -> now)`."""
+    found = []
+    for qualified, module, name, value in held:
+        try:
+            now = read(module, name)
+        except Exception:  # noqa: BLE001 - deleted, or a property that fails now
+            now = MISSING
+        if isinstance(value, Entries) and type(now) is dict:
+            found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
+                      if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
+        elif isinstance(value, Entries) or not _kept(now, value):
+            found.append(f"{qualified} ({_shown(value, 'a tensor')} -> {'deleted' if now is MISSING else _shown(now, 'another tensor')})")
+    return found
+
+
+def _shown(value: Any, tensor: str) -> str:
+    return tensor if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _kept(now: Any, then: Any) -> bool:
+    """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN; a tensor, the
+    same tensor."""
+    if isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
+        return now is then
+    return type(now) is type(then) and (now is then or now == then or (now != now and then != then))

@@ -1,0 +1,685 @@
+"""Front ends: from a model to checked graphs, by torch.fx or, when fx fails, by torch.export."""
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
+
+from fxpipe.compiled.materialize import is_on_meta
+from fxpipe.compiled.program import Binder, OtherCall
+from fxpipe.tracing.assignments import (
+    AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
+)
+from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of
+from fxpipe.tracing.draws import drawn_message, traced_checking_draws
+from fxpipe.tracing.export import batch_is_specialized, export_graph, fixed_dims
+from fxpipe.tracing.functions import functions_applied
+from fxpipe.tracing.lost_effects import outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted
+from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
+from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
+from fxpipe.passes.shapes import _small_on_cpu
+from fxpipe.core.snapshot import preserved
+from fxpipe.passes.state import ASSIGNS
+from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
+from fxpipe.tracing.validate import check_graph, first_line, raising_line
+
+T = TypeVar("T")
+
+
+@dataclass
+class Traced:
+    """A graph, how a call's arguments map onto its placeholders, and how it was made.
+
+    `graph` was traced in training mode. `eval_graph` was traced in eval mode, and is None when
+    its code is the same as `graph`'s (no Python branch on `self.training`): then `graph` serves
+    both modes. Both take the same arguments (`bind`), and both read the model's own parameters
+    and buffers (the same objects).
+    """
+
+    graph: fx.GraphModule
+    bind: Binder
+    note: Optional[str] = None
+    eval_graph: Optional[fx.GraphModule] = None
+    fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
+    check_micro_batch: Optional[MicroBatchCheck] = None  # export's guards on a call's micro-batches
+    stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
+    reads: Optional[Reads] = None  # what the traces read of the modules' attributes, by mode
+    attributes: dict[str, Any] = field(default_factory=dict)  # the plain ones, as compiled, by qualified name
+    modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
+    eval_only: str = ""  # why training mode could not be traced, where `graph` was traced in eval mode alone
+
+
+def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
+    """Arguments bound by the model's forward signature (its defaults applied: a tensor default
+    is not in the traced code), keyed by the placeholder nodes' names (an argument called
+    `input` is the node `input_1`)."""
+    signature = inspect.signature((model if model is not None else gm).forward)
+    names = {str(node.target): node.name for node in gm.graph.nodes if node.op == "placeholder"}
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
+        bound.apply_defaults()
+        return {names[key]: value for key, value in bound.arguments.items()}
+
+    return bind
+
+
+def _none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
+    """`bind`, refusing a call that leaves an argument None where the example gave one, or the
+    reverse: torch.fx traced the model's `if mask is not None` branch as the example took it."""
+    absent = {name for name, value in traced.items() if value is None}
+    argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
+
+    def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = bind(args, kwargs)
+        differ = sorted(argument.get(name, name) for name, value in values.items() if (value is None) != (name in absent))
+        if differ:
+            raise OtherCall(
+                f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
+                "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
+                "for calls of each kind (with and without the argument), or pass it as the example did.",
+                frozenset(name for name, value in values.items() if value is None),
+            )
+        return values
+
+    return checked
+
+
+def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module) -> Binder:
+    """Arguments flattened into leaves, as the exported graphs take them; a call whose shapes
+    differ where the graph of the model's mode (training or eval: each has its own branches)
+    fixed or guards them is refused before any stage runs."""
+    placeholders = [node for node in graphs[True].graph.nodes if node.op == "placeholder"]
+    names = [node.name for node in placeholders]
+    arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
+    fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
+    guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
+
+    order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if set(kwargs) == set(order):  # keywords in another order are the same call
+            kwargs = {key: kwargs[key] for key in order}
+        leaves, called = tree_flatten((args, kwargs))
+        if called != spec:
+            raise OtherCall(
+                "the pipeline was exported for arguments shaped like the example, and this call differs:\n"
+                f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
+                "How to fix: call it with the same positional and keyword arguments as the example.",
+                str(called),
+            )
+        mode = model.training if model.training in graphs else True
+        _check_fixed(leaves, fixed[mode], arguments)
+        if guards[mode] is not None:
+            _check_guards(guards[mode], leaves, arguments)
+        return dict(zip(names, leaves))
+
+    return bind
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    """A spec's children, by the pytree API of this torch (`children()` replaced an attribute)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
+def _arguments(spec: TreeSpec) -> str:
+    """'2 positional; keywords mask, labels', and the structure of each, as pytree sees it."""
+    positional, keywords = _children(spec)
+    names = ", ".join(map(str, keywords.context or [])) or "none"
+    return f"{positional.num_children} positional, keywords {names} (structure {spec})"
+
+
+def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments: list[str]) -> None:
+    wrong = [
+        f"{arguments[index]} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
+        f"the graph was made for {size}"
+        for index, dim, size in fixed
+        if isinstance(leaves[index], torch.Tensor) and leaves[index].dim() > dim and leaves[index].shape[dim] != size
+    ]
+    if wrong:
+        raise ValueError(
+            "torch.export fixed these input sizes to the example's (the model's Python code depends on "
+            "them), and this call differs:\n" + "\n".join(f"  - {w}" for w in wrong) + "\nHow to fix: "
+            "compile a pipeline for these shapes, or write the size-dependent code with tensor "
+            "operations so that export keeps the size dynamic."
+        )
+
+
+_CALL_DIFFERS = (
+    "The exported graph holds the example's value of each argument that is not a tensor, and the branches the "
+    "example's sizes took.\nHow to fix: call it as the example was called, compile a pipeline for this call, or "
+    "make the model traceable by torch.fx, which keeps such arguments and branches live."
+)
+_MICRO_BATCH_DIFFERS = (
+    "The model branches on a size that splitting the batch changes, and the stages would run each micro-batch "
+    "down the branch of the whole batch.\nHow to fix: use fewer chunks (chunks=1 runs the batch whole), or write "
+    "the branch as tensor operations (torch.where) so that it does not depend on the batch size."
+)
+
+
+def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: str = "this call", why: str = _CALL_DIFFERS) -> None:
+    """torch.export's own checks of `what`'s inputs (`leaves`, named by `arguments`): the graph
+    holds the example's value of each argument that is not a tensor, and the branches its sizes
+    took. The failed guard names the forward's arguments (export names leaves by index)."""
+    try:
+        guards(*leaves)
+    except AssertionError as error:
+        failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
+        shapes = "".join(f"\n  - {name}: shape {tuple(t.shape)}" for name, t in zip(arguments, leaves) if isinstance(t, torch.Tensor))
+        raise ValueError(
+            f"torch.export made the graph for calls like the example, and {what} differs: {failed}.\n"
+            f"The tensors of {what}:{shapes}\n{why}"
+        ) from None
+
+
+MicroBatchCheck = Callable[[Sequence[dict[str, Any]]], None]
+
+
+def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec) -> Optional[MicroBatchCheck]:
+    """torch.export's guards on the micro-batches' inputs: a branch on the batch size (`if
+    x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches. A guard
+    that fails is not always a branch (export guards a size of 1 apart, and SimpleViT's batch
+    of 1 computes alike): the graph then runs beside the model on the micro-batch, once per
+    shape, and only a difference (or a model too large to run whole) refuses it."""
+    if all(gm.meta.get("input_guards") is None for gm in graphs.values()):
+        return None
+    arguments = [str(node.meta.get("argument", node.name)) for node in graphs[True].graph.nodes if node.op == "placeholder"]
+    alike: set[tuple[Any, ...]] = set()  # the shapes whose guards failed, and whose graph ran as the model
+
+    def check(micro_batches: Sequence[dict[str, Any]]) -> None:
+        guards = graphs.get(model.training, graphs[True]).meta.get("input_guards")  # each mode has its branches
+        if guards is None:
+            return
+        seen: set[tuple[Any, ...]] = set()
+        for values in micro_batches:
+            leaves = list(values.values())
+            key = (model.training, *(tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
+            if key in seen or key in alike:
+                continue
+            seen.add(key)
+            try:
+                guards(*leaves)
+            except AssertionError:
+                if not _runs_alike(model, graphs, spec, leaves):
+                    _check_guards(guards, leaves, arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+                alike.add(key)
+
+    return check
+
+
+def _runs_alike(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec, leaves: list[Any]) -> bool:
+    """Whether the graph of the model's mode computes what the model does on these inputs."""
+    gm = graphs.get(model.training, graphs[True])
+    if not _small_on_cpu(gm, tuple(leaves)):
+        return False
+    args, kwargs = tree_unflatten(leaves, spec)
+    try:
+        return check_graph(model, gm, tuple(args), tuple(leaves), kwargs) is None
+    except Exception:  # noqa: BLE001 - the model itself does not run on it: the guard's refusal says why
+        return False
+
+
+class _Rejected(Exception):
+    """A front end's graph cannot be used: `detail` for the error, `summary` for a warning, and
+    `fix` where the reason has a fix of its own."""
+
+    def __init__(self, detail: str, summary: Optional[str] = None, fix: str = "") -> None:
+        super().__init__(detail)
+        self.detail, self.summary, self.fix = detail, summary or detail, fix
+
+
+@contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """The model in training (or eval) mode: as it is when it is in that mode already (modules
+    set apart keep their flags), else as `model.train(training)` sets it; flags restored after."""
+    flags = [(module, module.training) for module in model.modules()]
+    if model.training != training:
+        with unnoted():  # a train() override's reads are not the trace's
+            model.train(training)
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+BOTH: tuple[bool, ...] = (True, False)
+
+
+def _in_both_modes(model: nn.Module, make: Callable[[], T], modes: tuple[bool, ...] = BOTH) -> dict[bool, T]:
+    """`make()` in training mode (key True) and in eval mode (False): `self.training` branches
+    are decided while tracing. With `modes=(False,)`, the eval one serves both keys."""
+    made = {}
+    for training in modes:
+        with _mode(model, training):
+            made[training] = make()
+    made.setdefault(True, made[False])
+    return made
+
+
+def _check(
+    model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder,
+    modes: tuple[bool, ...] = BOTH,
+) -> Optional[str]:
+    """What goes wrong when each graph runs in its mode (of `modes`) next to the model, or None."""
+    inputs = tuple(bind(example, kwargs).values())
+    for training in modes:
+        gm = graphs[training]
+        if not training and True in modes and gm.code == graphs[True].code:
+            continue  # the same code as the training graph, checked already
+        with _mode(model, training):
+            try:
+                problem = check_graph(model, gm, example, inputs, kwargs)
+            except Exception:  # the model itself fails on the example (the graph's failures are problems)
+                refuse_an_example_the_model_refuses(model, example, kwargs)
+                raise
+        if problem is not None:
+            return f"its graph (traced in {'training' if training else 'eval'} mode) {problem}"
+    return None
+
+
+def _traced(graphs: dict[bool, fx.GraphModule], bind: Binder, read: Reads, modes: ModeReads) -> Traced:
+    same = graphs[False].code == graphs[True].code
+    return Traced(graphs[True], bind, eval_graph=None if same else graphs[False], reads=read, modes_read=modes)
+
+
+def _assigning_modules(error: TraceError) -> list[str]:
+    """The submodules whose forward assigned attributes while traced (none if the root did)."""
+    cause = error.__cause__
+    modules = cause.modules if isinstance(cause, AssignmentError) else []
+    return [] if "" in modules else modules
+
+
+def _none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
+    """The forward's arguments the example leaves None, given so or by default."""
+    try:
+        bound = inspect.signature(model.forward).bind(*example, **kwargs)
+    except (TypeError, ValueError):  # the trace says what is wrong
+        return frozenset()
+    bound.apply_defaults()
+    return frozenset(name for name, value in bound.arguments.items() if value is None)
+
+
+def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH) -> Traced:
+    none = _none_in(model, example, kwargs)
+    try:
+        with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
+            def traced() -> fx.GraphModule:
+                read.begin(model.training)
+                return trace(model, leaves, none=none)
+
+            graphs = _in_both_modes(model, traced, traced_in)
+        _refuse_lost_counters(model, read)
+    except TraceError as error:
+        # A submodule that stores attributes in forward is called whole: its assignments run. So
+        # is one whose forward calls a function that takes real tensors only (einops, packing).
+        named: list[Optional[str]] = [*_assigning_modules(error)] or [error.whole]
+        wholes = [w for w in named if w is not None and w not in leaves]
+        if not wholes:  # none, or none that is not called whole already
+            raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
+        return _by_fx(model, example, kwargs, [*leaves, *wholes], traced_in)
+    binder = signature_binder(graphs[True], model)
+    bind = _none_as_traced(binder, binder(example, kwargs), graphs[True])
+    if _check(model, graphs, example, kwargs, bind, traced_in) is None:
+        return _traced(graphs, bind, read, modes)
+    # Again with source lines, which tracing records only for messages (it is slow).
+    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none), traced_in)
+    raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in) or "its graph computes otherwise than the model")
+
+
+def _cache_fix(model: nn.Module, error: Exception) -> str:
+    """A language model returning its key/value cache: how to turn the cache off."""
+    if "Cache" not in str(error) or not getattr(getattr(model, "config", None), "use_cache", False):
+        return ""
+    return (
+        "How to fix: the model returns its key/value cache, which a pipeline cannot carry; compile the "
+        "model with model.config.use_cache = False, or with use_cache=False in example_kwargs."
+    )
+
+
+def _unaliased(example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with a copy in place of each tensor given a second time (`labels=input_ids`):
+    export would make one input of both, and the graph would read one for the other."""
+    seen: set[int] = set()
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.clone()
+        seen.add(id(t))
+        return t
+
+    return tree_map_only(torch.Tensor, once, (example, kwargs))  # type: ignore[no-any-return]
+
+
+def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
+    """torch.export's graph, refused where draws made in Python decide it (fxpipe/tracing/draws.py)."""
+    made, decided = traced_checking_draws(lambda: export_graph(model, example, kwargs), lambda made: made[0])
+    if decided:
+        raise TraceError(drawn_message(type(model).__name__, "torch.export"))
+    return made
+
+
+def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
+    example, kwargs = _unaliased(example, kwargs)
+    functions: list[type] = []
+    try:
+        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
+            def exported_now() -> tuple[fx.GraphModule, Any]:
+                read.begin(model.training)
+                return _exported(model, example, kwargs)
+
+            exported = _in_both_modes(model, exported_now, traced_in)
+        _refuse_lost_counters(model, read)
+    except TraceError as error:  # a value forward assigns, which the graph would hold
+        detail, _, fix = str(error).partition("\nHow to fix: ")
+        raise _Rejected(detail, first_line(error), f"How to fix: {fix}") from error
+    except Exception as error:
+        at = raising_line(error)
+        raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
+    if functions:
+        names = ", ".join(sorted({f.__qualname__ for f in functions}))
+        raise _Rejected(
+            f"it inlines the forward of the autograd Function {names}, which would lose its backward; "
+            "make the model traceable by torch.fx, which keeps the Function's call (and keeps a module "
+            "whole with leaf_modules=[...], which torch.export cannot)"
+        )
+    graphs = {training: gm for training, (gm, _) in exported.items()}
+    if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
+        raise _Rejected(
+            "it fixed the batch size to the example's (the model's code depends on it), so micro-batches "
+            "of other sizes cannot run",
+            fix="How to fix: use chunks=1, or avoid Python code that depends on the batch size (shapes "
+            "computed from x.shape[0], asserts on it); or make the model traceable by torch.fx, which "
+            "reads sizes as it runs.",
+        )
+    bind = leaf_binder(graphs, exported[True][1], model)
+    problem = _check(model, graphs, example, kwargs, bind, traced_in)
+    if problem is not None:
+        raise _Rejected(problem)
+    traced = _traced(graphs, bind, read, modes)
+    traced.check_micro_batch = micro_batch_check(model, graphs, exported[True][1])
+    return traced
+
+
+def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes) -> None:
+    """Attributes the model's forward assigned while tracing and checking are put back; those
+    outside the modules the graph calls whole would never be assigned by the pipeline."""
+    try:
+        refuse_assignments(changed, _called_whole(traced), exported=traced.fx_failure)
+    except AssignmentError as error:
+        raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
+    for gm in [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]:
+        for node in gm.graph.nodes:
+            if node.op == "call_module" and len(outside(changed, [str(node.target)])) < len(changed):
+                node.meta[ASSIGNS] = True
+
+
+def _refuse_lost_counters(model: nn.Module, read: Reads) -> None:
+    """A value the forward assigns that the check of assignments cannot follow is lost from any
+    graph, whichever front end traced it: a module-level one (`global calls; calls += 1`), or one
+    in a settings object with `__slots__`, or with a table of its own for its fields."""
+    for counted, where in ((assigned_while_traced(read), "module-level values"), (counted_while_traced(model, read), "attributes")):
+        if counted:
+            raise TraceError(
+                f"{type(model).__name__} cannot be compiled: its forward assigns {where}, which changed as it was "
+                f"traced: {', '.join(counted)}. A pipeline runs the traced graph, which never assigns them and holds "
+                "the value they had then.\nHow to fix: keep such a value in the module that changes it (self.calls "
+                "+= 1), which is then called whole; or in a buffer (self.register_buffer) updated in place; or return "
+                "it from forward."
+            )
+
+
+def _refuse_reads_of_stored_tensors(model: nn.Module, traced: Traced, stable: StableAssignments) -> None:
+    """A tensor a module called whole stores as it runs (`self.hidden = h`), read by the code
+    torch.fx traced (`self.a.hidden` after `self.a(x)`): the graph reads what it held when
+    traced, a constant, where the plain model reads what this call stored."""
+    stored = {f"{path}.{name}" if path else name for end in stable.ends for (path, name), value in end.items() if isinstance(value, torch.Tensor)}
+    graphs = [g for g in (traced.graph, traced.eval_graph) if g is not None]
+    read = sorted({str(n.target) for g in graphs for n in g.graph.nodes if n.op == "get_attr" and str(n.target) in stored})
+    if read:
+        raise TraceError(
+            f"{type(model).__name__}'s forward reads {', '.join(read)}, which a module called whole stores as it runs: "
+            "the pipeline's graph would read the tensor stored when it was traced, where the plain model reads the "
+            "one this call stores.\nHow to fix: return the value from that module's forward (return out, hidden) "
+            "and use what it returns."
+        )
+
+
+def to_graph(
+    model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None
+) -> Traced:
+    """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
+
+    Each graph is traced in training and in eval mode, and checked against the model on the
+    example (fxpipe/tracing/validate.py): a graph that computes otherwise counts as a failure of its front
+    end. The model's state and the random states are left as they were.
+    """
+    leaves = list(leaf_modules)
+    if isinstance(model, fx.GraphModule) or not isinstance(model, nn.Module):
+        gm = trace(model, leaves)  # traced already: the graph is the model
+        return Traced(gm, signature_binder(gm))
+    kwargs = kwargs or {}
+    with preserved(model):
+        with StableAssignments(model) as stable:
+            hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
+        try:
+            with assignments_recorded(model) as changed, seeding_recorded() as seeded:
+                traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
+            graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
+            refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
+            _refuse_lost_assignments(model, traced, changed)
+            _refuse_reads_of_stored_tensors(model, traced, stable)
+        except BaseException:
+            stable.undo()
+            raise
+    if stable.filled:
+        _refuse_containers_filled_at_random(model, example, kwargs)
+    traced.stored_with_grad = stable.differentiable
+    if traced.reads is not None:
+        traced.attributes = values_of(model, traced.reads)
+    _warn_of_containers_left(model, traced, stable.filled)
+    return traced
+
+
+def _refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A cache the forward fills and then reads (put back after compiling's runs) is computed
+    again by the graph on every call: the plain model's value only if it is one of the
+    parameters, not of random numbers drawn once (a random projection made on first use). Runs
+    in each mode from other seeds tell; a store each run writes anew is no cache."""
+    differ: list[str] = []
+    with preserved(model), assignments_recorded(model), torch.no_grad():
+        for training in (True, False):
+            with _mode(model, training):
+                runs = []
+                try:
+                    for seed in (1, 2):
+                        torch.manual_seed(seed)
+                        runs.append(cached(model, lambda: model(*example, **kwargs)))
+                except Exception:  # noqa: BLE001 - a mode the model does not run in fills nothing
+                    continue
+                differ += [path for path in differing_entries(*runs) if path not in differ]
+    if differ:
+        raise TraceError(
+            f"{type(model).__name__}'s forward fills {', '.join(differ)} with random values (another draw on each "
+            "run): the pipeline's generated stages would draw them again on every call and micro-batch, where the "
+            "plain model draws them once and keeps them.\nHow to fix: draw them in __init__ and register them as a "
+            "buffer (or a parameter), so that forward only reads them."
+        )
+
+
+def _called_whole(traced: Traced) -> set[str]:
+    """The paths of the modules the graphs call whole: their forwards run on every call."""
+    graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
+    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
+
+
+def _warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str]) -> None:
+    """The dicts, lists and sets the forward filled (put back after compiling's runs) outside the
+    modules called whole, whose forwards fill them on every call: the pipeline leaves those."""
+    left = outside(filled, _called_whole(traced))
+    if left:
+        owners = sorted({name.rpartition(".")[0] for name in left} - {""})
+        whole = f"keep the modules that fill them whole (leaf_modules={owners!r}), whose forwards run on every micro-batch" if owners else ""
+        root = "return from forward what the root module fills" if len(owners) < len({name.rpartition(".")[0] for name in left}) else ""
+        warnings.warn(
+            f"{type(model).__name__}'s forward changes the contents of {', '.join(left)}, which the pipeline's "
+            "generated stages do not: the graph computes from what the model held when compiled (a cache is "
+            "computed again on each call), and those containers stay as they were.\nTo have them filled: "
+            + "; or ".join(filter(None, [whole, root])) + ".",
+            stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
+        )
+
+
+def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments) -> int:
+    """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
+    then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many hooks
+    forward registered on tensors. Each run is told to `stable`, which keeps the plain values
+    every run assigns alike. A model that does not run is left to the front ends, whose errors
+    say why. Only a model small enough to run whole is run, as for the graph's check (on the
+    CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
+    if is_on_meta(model) or not _small_on_cpu(model, (example, kwargs)):
+        return 0
+    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model), \
+            tensor_hooks_counted() as hooks:  # fmt: skip
+        try:
+            with torch.enable_grad():
+                def run() -> None:
+                    model(*example, **kwargs)
+                    stable.ran()
+
+                _in_both_modes(model, run)
+        except Exception:  # noqa: BLE001 - the front ends say why the model does not run
+            stable.ends.clear()
+    return hooks.count
+
+
+def refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """When neither front end captures the model, or its graph fails on the example: whether the
+    model itself runs on the example (a float32 example for a float64 model, an inference tensor
+    forward writes in place), which no graph of it could then."""
+    if is_on_meta(model):  # shapes only: a check of values fails there, and is not the example's fault
+        return
+    try:
+        with torch.no_grad():
+            model(*example, **kwargs)
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+        _refuse_a_forward_that_needs_gradients(model, example, kwargs, e)
+        raise ValueError(
+            f"{type(model).__name__} does not run on the example: {type(e).__name__}: {e}\n"
+            "How to fix: give compile_pipeline an example the model takes as it is: model(*example) must run "
+            "(the same dtype and device as the model's parameters, the shapes forward expects)."
+        ) from e
+
+
+def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], error: Exception) -> None:
+    """A model that fails on the example under torch.no_grad() and runs with gradients (a hook
+    registered on a tensor that then does not require grad): say so, and how to fix it."""
+    try:
+        with torch.enable_grad(), preserved(model):
+            model(*example, **kwargs)
+    except Exception:  # noqa: BLE001 - it does not run at all: the example's refusal says so
+        return
+    raise ValueError(
+        f"{type(model).__name__} runs on the example only with gradients on: under torch.no_grad() it raises "
+        f"{type(error).__name__}: {first_line(error).partition(': ')[2]}\nA pipeline checks its graph, and runs "
+        "checkpointed forwards, without gradients.\nHow to fix: let forward run under torch.no_grad() too "
+        "(register a hook on a tensor only `if h.requires_grad:`), and keep a module that registers hooks on "
+        "tensors whole (leaf_modules=[...]), so that its hooks are registered as it runs."
+    ) from error
+
+
+def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
+    """How to fix a model neither front end captures: the fix of torch.export's reason where it
+    has one (a key/value cache returned), else what stops both most often (control flow on
+    values), unless the reason asks for torch.fx (an autograd Function), where torch.fx's reason
+    says what stops it. leaf_modules needs torch.fx: a forward it cannot trace (one that takes
+    **kwargs) is told so."""
+    if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
+        return export_failure.fix
+    if "cannot keep such an attribute up to date" in fx_failure.detail:
+        return ""  # torch.fx's reason, an assignment forward makes, says how to fix it
+    global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
+    if global_hooks and "computes otherwise" in fx_failure.detail:
+        return (
+            "How to fix: global forward hooks are registered (nn.modules.module.register_module_forward_hook or "
+            "register_module_forward_pre_hook): one that changes what a module computes runs inside the trace and "
+            "again where the stages call modules, and never around the model itself. Remove it (handle.remove()) and "
+            "register it on the modules it is meant for (module.register_forward_hook) before compiling."
+        )
+    if unknown_type(export_failure.detail):
+        return UNKNOWN_TYPE_FIX
+    if "needs each input named" in fx_failure.detail:
+        return (
+            "How to fix: write the branch as tensor operations (torch.where) or with torch.cond, or turn off "
+            "what takes it (a random layer drop, say); or name forward's arguments, so that torch.fx traces "
+            "the model, and keep the module with the branch whole with leaf_modules=[...]."
+        )
+    return (
+        "How to fix: keep the module with data-dependent control flow (or with checks that "
+        "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
+        "or write the branch as tensor operations (torch.where) or with torch.cond."
+    )
+
+
+def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
+    """Traced in both modes; or, for a model compiled in eval mode whose training forward
+    neither front end can capture (a layer drop, a mask drawn with numpy), in eval mode alone:
+    the pipeline then refuses calls in training mode, saying why."""
+    try:
+        return _front_ends(model, example, kwargs, leaves, chunks, hooks)
+    except TraceError as error:
+        if any(m.training for m in model.modules()):
+            raise
+        try:
+            traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, traced_in=(False,))
+        except TraceError:
+            raise error from None
+        traced.eval_only = str(error).partition("\nHow to fix")[0]
+        why = traced.eval_only.splitlines()[0]
+    note = f"{type(model).__name__} is compiled for eval mode alone: in training mode, {why} A call in training mode is refused."
+    traced.note = f"{traced.note}; {note}" if traced.note else note
+    warnings.warn(note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
+    return traced
+
+
+def _front_ends(
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int,
+    traced_in: tuple[bool, ...] = BOTH,
+) -> Traced:
+    """torch.fx, then torch.export (refused where forward registers hooks on tensors, which it
+    drops); one error with both reasons when both fail."""
+    try:
+        return _by_fx(model, example, kwargs, leaves, traced_in)
+    except _Rejected as rejected:  # kept without its traceback, whose frames hold the trace's tensors
+        fx_failure = _Rejected(rejected.detail, rejected.summary, rejected.fix)
+    try:
+        if hooks:
+            raise _Rejected(
+                "it drops the hooks forward registers on tensors (register_hook), and the gradients "
+                "would miss what they do; torch.fx keeps them (and keeps a module whole with "
+                "leaf_modules=[...], whose forward then runs as it is)"
+            )
+        traced = _by_export(model, example, kwargs, chunks, traced_in)
+    except _Rejected as export_failure:
+        refuse_an_example_the_model_refuses(model, example, kwargs)
+        raise TraceError(
+            f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
+            f"torch.fx: {fx_failure.detail}\n"
+            f"torch.export: {export_failure.detail}\n"
+            f"{_fix_for(export_failure, fx_failure)}".rstrip()
+        ) from export_failure.__cause__
+    traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
+    traced.fx_failure = fx_failure.summary
+    warnings.warn(traced.note, stacklevel=6)  # the caller of compile_pipeline (through its wrapper and _in_its_modes)
+    return traced

@@ -1,0 +1,223 @@
+"""What forward does that a traced graph loses, watched as the model runs eagerly, once in each mode:
+
+    a write in place to a tensor    a trace makes it once, while tracing (when it involves no
+    the model does not own          traced value), or the pipeline makes it again in each
+    (an attribute never registered  recompute (it keeps only buffers as they were): refused,
+    as a buffer, a global)          the tensor put back
+    a buffer rebound to a new       the graph computes the new value but never stores it:
+    tensor (self.n = self.n + 1)    refused, the buffer put back
+    a hook on a tensor              torch.export drops it: the export front end is refused
+    (h.register_hook)
+    buffers written inside the      its recompute in backward writes them again (BatchNorm
+    model's own checkpoint          counts each micro-batch twice), which no graph does:
+    (torch.utils.checkpoint)        refused, naming them
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils.checkpoint as checkpoints
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.tracing.trace import TraceError
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The storage `t` views; a tensor without one (sparse, nested) stands for itself."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors an aten op writes: the arguments its schema marks as written (`self` of
+    `add_`, `out=`)."""
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, torch.Tensor):
+                yield t
+
+
+class _Outside(TorchDispatchMode):
+    """Records each write to a storage that is neither `owned` nor made by an op while the
+    mode is on, with a copy of the storage as it was before the first write."""
+
+    def __init__(self, owned: set[int]) -> None:
+        super().__init__()
+        self.owned = owned
+        self.written: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for t in _written(func, args, kwargs):
+            key = _storage(t)
+            if key not in self.owned and key not in self.written and key != id(t):
+                self.written[key] = (t, t.untyped_storage().clone())
+        out = func(*args, **kwargs)
+        # A new storage is the model's own; an output on an argument's storage is a view of it.
+        read = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.owned.update(k for k in (_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)) if k not in read)
+        return out
+
+    def put_back(self) -> None:
+        for t, before in self.written.values():
+            t.untyped_storage().copy_(before)
+
+
+def _names(model: nn.Module, t: torch.Tensor) -> str:
+    """Where the written tensor lives: a module's attribute, a global of a forward's module."""
+    key = _storage(t)
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and _storage(value) == key:
+                return f"the tensor attribute {'.'.join(filter(None, [path, name]))} of {type(module).__name__} (not a buffer)"
+    for module in model.modules():
+        found = getattr(type(module).forward, "__globals__", {})
+        for name, value in found.items():
+            if isinstance(value, torch.Tensor) and _storage(value) == key:
+                return f"the global tensor {name} of {found.get('__name__', 'its module')}"
+    return f"a tensor of shape {tuple(t.shape)} that is not a parameter, buffer or input of the model (a global, or one a closure holds)"
+
+
+@contextmanager
+def outside_writes_refused(model: nn.Module, inputs: Any) -> Iterator[None]:
+    """Run the model within this block: a write in place to a tensor that is not one of its
+    parameters, buffers or `inputs` is refused, the tensor put back as it was."""
+    owned = {_storage(t) for t in [*model.parameters(), *model.buffers()]}
+    owned |= {_storage(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    mode = _Outside(owned)
+    try:
+        with mode:
+            yield
+    finally:
+        mode.put_back()
+    if mode.written:
+        names = sorted({_names(model, t) for t, _ in mode.written.values()})
+        raise TraceError(
+            f"{type(model).__name__} cannot be compiled: its forward writes in place to tensors that are not its "
+            "parameters, buffers or inputs:\n" + "\n".join(f"  - {name}" for name in names) + "\nA traced graph "
+            "makes such a write once, while tracing (or, when it writes a traced value, again in each recompute), "
+            "so the pipeline would compute otherwise than the model.\nHow to fix: register each as a buffer of its module (self.register_buffer(name, "
+            "tensor), with persistent=False to keep it out of the state dict); a buffer written in place is "
+            "carried exactly."
+        )
+
+
+@contextmanager
+def rebound_buffers_refused(model: nn.Module) -> Iterator[None]:
+    """Run the model within this block: a buffer it replaces with another tensor is refused,
+    and put back."""
+    before = [(path, module, dict(module._buffers)) for path, module in model.named_modules()]
+    yield
+    rebound: list[str] = []
+    built: list[str] = []
+    for path, module, buffers in before:
+        for name, buffer in buffers.items():
+            now = module._buffers.get(name)
+            if now is not buffer:
+                resized = buffer is None or not isinstance(now, torch.Tensor) or now.shape != buffer.shape
+                (built if resized else rebound).append(f"{path}.{name}" if path else name)
+                module._buffers[name] = buffer
+    problems = []
+    if rebound:
+        problems.append(
+            f"its forward replaces the buffers {', '.join(rebound)} with new tensors (self.n = self.n + 1), "
+            "which a pipeline's generated stages cannot store.\nHow to fix: write each in place (self.n += 1, "
+            "self.n.add_(1), self.n.copy_(value)); a buffer written in place is carried exactly."
+        )
+    if built:
+        problems.append(
+            f"its forward builds the buffers {', '.join(built)} anew at another size (a cache made on first use, "
+            "or grown for a longer input), which a pipeline's generated stages cannot store.\nHow to fix: call "
+            "the model once before compiling, at the largest size it will see, so that the cache is built (or "
+            "build it in __init__); a forward that then only reads it compiles."
+        )
+    if problems:
+        raise TraceError(f"{type(model).__name__} cannot be compiled: " + "\n".join(problems))
+
+
+class _TensorHooks(TorchFunctionMode):
+    """Counts the hooks registered on tensors while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def tensor_hooks_counted() -> Iterator[_TensorHooks]:
+    """Within this block, `.count` of what it yields counts the hooks registered on tensors."""
+    with _TensorHooks() as hooks:
+        yield hooks
+
+
+@contextmanager
+def own_checkpoints_refused(model: nn.Module) -> Iterator[None]:
+    """Run the model within this block: buffers written inside a region of its own activation
+    checkpointing (torch.utils.checkpoint, reentrant or not) are refused, put back by the caller's
+    runs as any buffer is."""
+    owners = {id(b): name.rpartition(".")[0] or type(model).__name__ for name, b in model.named_buffers()}
+    written: dict[str, None] = {}
+
+    def versions() -> dict[int, int]:
+        return {id(b): b._version for b in model.buffers() if not b.is_inference()}
+
+    def note(before: dict[int, int]) -> None:
+        written.update((owners[key], None) for key, version in versions().items() if before.get(key, version) != version)
+
+    generator, reentrant = checkpoints._checkpoint_without_reentrant_generator, checkpoints.CheckpointFunction.forward
+
+    def watched_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
+        inner = generator(*args, **kwargs)
+        next(inner)  # before the checkpointed forward
+        before = versions()
+        try:
+            yield
+        except BaseException as e:  # noqa: BLE001 - handed on as checkpoint hands it on
+            inner.throw(e)
+            return
+        note(before)
+        yield from inner
+
+    def watched_forward(ctx: Any, run: Callable[..., Any], *args: Any) -> Any:
+        before = versions()
+        try:
+            return reentrant(ctx, run, *args)
+        finally:
+            note(before)
+
+    checkpoints._checkpoint_without_reentrant_generator = watched_generator  # type: ignore[assignment]
+    checkpoints.CheckpointFunction.forward = staticmethod(watched_forward)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        checkpoints._checkpoint_without_reentrant_generator = generator
+        checkpoints.CheckpointFunction.forward = staticmethod(reentrant)  # type: ignore[method-assign,assignment]
+    if written:
+        raise TraceError(
+            f"{type(model).__name__} cannot be compiled: its own activation checkpointing (torch.utils.checkpoint) "
+            f"runs modules that write their buffers: {_some(list(written))}. Its recompute in backward writes them a second "
+            "time, which the pipeline's graph does not (BatchNorm's running statistics would count each micro-batch "
+            "once where the plain model counts it twice).\nHow to fix: turn the model's own checkpointing off "
+            "(torchvision's memory_efficient=False, timm's set_grad_checkpointing(False), Hugging Face's "
+            "gradient_checkpointing_disable()); the pipeline's checkpoint= recomputes its stages instead, and "
+            "writes buffers once."
+        )
+
+
+def _some(names: list[str], shown: int = 5) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
