@@ -14,11 +14,11 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.runtime.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from fxpipe.tracing.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
+from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiled.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.tracing.assignments import assignments_recorded
-from fxpipe.passes.attrs import fetch_attr, tensors_read
+from fxpipe.core.attrs import fetch_attr, tensors_read
 from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_stages, profile_times
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
@@ -37,7 +37,7 @@ from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.tracing.trace import LeafSpec
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.state import reads_after_hidden_writes, rewritten_by_recompute, state_write_spans, view_write_spans
-from fxpipe.compiled.build import build_program
+from fxpipe.compiler.build import build_program
 from fxpipe.distributed.ranks import RankPlacement, agree_on_times, check_same_plan, connect, gathered, placement_of
 from fxpipe.pipeline import Pipeline
 from fxpipe.compiled.program import ChunkSpec, Compiled, Cut

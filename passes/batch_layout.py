@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr
 
 # PyTorch's modules whose `batch_first=False` (the default for most) puts the batch in dim 1.
 _SEQUENCE_FIRST_CAPABLE = (nn.RNNBase, nn.MultiheadAttention)

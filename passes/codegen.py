@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxpipe.core.microbatch import clone_tree
-from fxpipe.passes.attrs import fetch_attr, tensors_read
+from fxpipe.core.attrs import fetch_attr, tensors_read
 from fxpipe.passes.edges import CALLER, Edge, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import mutated_inputs
 

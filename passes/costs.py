@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.passes.attrs import parameters_of
+from fxpipe.core.attrs import parameters_of
 from fxpipe.passes.inplace import writes_first_argument
 from fxpipe.passes.linearize import COMPUTE_OPS
 from fxpipe.passes.objective import CutModel, crossing_values, kept_micro_batches

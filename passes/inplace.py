@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.attrs import COMPUTE_OPS, fetch_attr
+from fxpipe.core.attrs import COMPUTE_OPS, fetch_attr
 
 # Ops that return a view of their first argument: an in-place op on such a view writes the input.
 _VIEW_METHODS = {

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from fxpipe.passes.attrs import COMPUTE_OPS
+from fxpipe.core.attrs import COMPUTE_OPS
 from fxpipe.passes.inplace import written_arguments
 from fxpipe.passes.state import reads_written_state
 

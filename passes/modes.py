@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from fxpipe.passes.attrs import tensors_read
+from fxpipe.core.attrs import tensors_read
 from fxpipe.passes.linearize import COMPUTE_OPS
 from fxpipe.passes.state import write_chains
 

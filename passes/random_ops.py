@@ -19,7 +19,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
 from fxpipe.runtime.randomness import (
     begin_draws,

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from fxpipe.passes.attrs import fetch_attr, tensors_read
+from fxpipe.core.attrs import fetch_attr, tensors_read
 from fxpipe.passes.inplace import is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
 
 

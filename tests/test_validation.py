@@ -13,7 +13,7 @@ from torch import nn
 
 from conftest import assert_grads_equal, twin
 from fxpipe import StageError, TraceError, compile_pipeline
-from fxpipe.tracing.frontend import to_graph
+from fxpipe.compiler.frontend import to_graph
 
 
 class DroppedSkip(nn.Module):

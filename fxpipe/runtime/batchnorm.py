@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.runtime.checkpoint import is_recomputing
-from fxpipe.passes.attrs import submodule_or_none
+from fxpipe.core.attrs import submodule_or_none
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _local = threading.local()

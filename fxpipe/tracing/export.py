@@ -10,7 +10,7 @@ from torch import nn
 from torch.export import Dim
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr
 from fxpipe.tracing.trace import containers_of, fields_of_dataclasses, plain_dicts
 
 _PREFIX = "model."

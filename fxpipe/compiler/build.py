@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.runtime.checkpoint import slot_of
 from fxpipe.runtime.gather import DataclassOutput, ValueRef
-from fxpipe.passes.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources

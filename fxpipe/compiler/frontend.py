@@ -29,7 +29,7 @@ from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.state import ASSIGNS
 from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
-from fxpipe.tracing.validate import check_graph, first_line, raising_line
+from fxpipe.passes.validate import check_graph, first_line, raising_line
 
 T = TypeVar("T")
 
@@ -462,7 +462,7 @@ def to_graph(
     """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
 
     Each graph is traced in training and in eval mode, and checked against the model on the
-    example (fxpipe/tracing/validate.py): a graph that computes otherwise counts as a failure of its front
+    example (passes/validate.py): a graph that computes otherwise counts as a failure of its front
     end. The model's state and the random states are left as they were.
     """
     leaves = list(leaf_modules)

@@ -1,0 +1,1 @@
+"""The compiler: runs the front ends and the passes on a model and writes the record its pipeline runs."""
