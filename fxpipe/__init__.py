@@ -1,16 +1,17 @@
 """fxpipe: pipeline parallelism for any traceable PyTorch model."""
-from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
+from fxpipe._moved import keep_old_paths
 from fxpipe.compile import compile_pipeline
-from fxpipe.tracing.markers import pipe_split
+from fxpipe.compiled.plan import Plan, StagePlan
+from fxpipe.core.edges import Edge
 from fxpipe.passes.partition import PartitionError
-from fxpipe.tracing.trace import TraceError
 from fxpipe.pipeline import Pipeline, PlacementError
-from fxpipe.compiled.plan import Edge, Plan, StagePlan
+from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
+from fxpipe.runtime.step import StageError
 from fxpipe.schedules.schedule import Action, Layout, Schedule
 from fxpipe.schedules.schedule_check import ScheduleError
-from fxpipe.runtime.step import StageError
 from fxpipe.schedules.timeline import Timeline
-from fxpipe._moved import keep_old_paths
+from fxpipe.tracing.markers import pipe_split
+from fxpipe.tracing.trace import TraceError
 
 keep_old_paths()
 

@@ -13,37 +13,37 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from fxpipe.runtime.checkpoint import CHECKPOINT_MODES, checkpoint_stop
-from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiled.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
-from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
-from fxpipe.tracing.assignments import assignments_recorded
+from fxpipe.compiled.placement import RankPlacement
+from fxpipe.compiled.plan import Plan, StagePlan
+from fxpipe.compiled.program import ChunkSpec, Compiled, Cut
+from fxpipe.compiled.stage_compile import compile_options
+from fxpipe.compiler.build import build_program
+from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_stages, profile_times
-from fxpipe.passes.placement import pin_devices
-from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
-from fxpipe.tracing.export import shapes_note
-from fxpipe.tracing.global_reads import put_back_on_failure
-from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
-from fxpipe.passes.linearize import COMPUTE_OPS, linearize
-from fxpipe.tracing.mode_reads import ModeReads
-from fxpipe.passes.objective import CutModel
-from fxpipe.tracing.markers import cuts_from_markers, is_split
-from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
+from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
+from fxpipe.core.snapshot import inputs_preserved, preserved
+from fxpipe.distributed.ranks import agree_on_times, check_same_plan, connect, gathered, placement_of
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
-from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.core.snapshot import inputs_preserved, preserved
-from fxpipe.tracing.trace import LeafSpec
+from fxpipe.passes.costs import BALANCE_MODES, annotate_costs, cut_model, profile_stages, profile_times
+from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
+from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
+from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.modes import follow_stages
+from fxpipe.passes.objective import CutModel
+from fxpipe.passes.partition import conflicting_options, cuts_from_split_points, partition, refuse
+from fxpipe.passes.placement import pin_devices
+from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.state import reads_after_hidden_writes, rewritten_by_recompute, state_write_spans, view_write_spans
-from fxpipe.compiler.build import build_program
-from fxpipe.distributed.ranks import RankPlacement, agree_on_times, check_same_plan, connect, gathered, placement_of
 from fxpipe.pipeline import Pipeline
-from fxpipe.compiled.program import ChunkSpec, Compiled, Cut
-from fxpipe.compiled.plan import Plan, StagePlan
-from fxpipe.schedules.schedule import SCHEDULES
-from fxpipe.runtime.stage_compile import compile_options
+from fxpipe.schedules.schedule import CHECKPOINT_MODES, SCHEDULES, checkpoint_stop
+from fxpipe.tracing.assignments import assignments_recorded
+from fxpipe.tracing.export import shapes_note
+from fxpipe.tracing.global_reads import put_back_on_failure
+from fxpipe.tracing.markers import cuts_from_markers, is_split
+from fxpipe.tracing.mode_reads import ModeReads
+from fxpipe.tracing.trace import LeafSpec
 
 Device = Union[str, int, torch.device]
 _STAGE_DEVICE_TYPES = ("cpu", "cuda")

@@ -7,7 +7,6 @@ import copy
 import inspect
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import torch
@@ -16,16 +15,18 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fxpipe.distributed.across import forward_across, train_across
+from fxpipe.compiler.held_state import check_state_placement
+from fxpipe.distributed.across import Host, forward_across, train_across
+from fxpipe.distributed.channel import Channel, RankMailbox
+from fxpipe.distributed.clipping import clip_across
+from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, routes, unread
 from fxpipe.runtime.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
 from fxpipe.runtime.batchnorm import BatchStatistics
-from fxpipe.distributed.channel import Channel, RankMailbox
-from fxpipe.runtime.checkpoint import checkpoint_stop
+from fxpipe.runtime.call import Call
 from fxpipe.runtime.context import CallerContext
 from fxpipe.runtime.devices import Mailbox
-from fxpipe.distributed.clipping import clip_across
-from fxpipe.distributed.ranks import check_state_placement, holders, keep_local_state, refuse_written_inputs, routes, unread
 from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
+from fxpipe.schedules.schedule import checkpoint_stop
 from fxpipe.runtime.losses import (
     LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
     refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
@@ -36,18 +37,18 @@ from fxpipe.core.microbatch import (
     Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, map_tensors, off_batch, scatter, spec_dims, split_dim,
     split_sizes,
 )
-from fxpipe.tracing.mode_reads import modes_changed
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
-from fxpipe.runtime.stage_compile import StageCompiles
-from fxpipe.runtime.randomness import generator_put_back_on_error
+from fxpipe.compiled.stage_compile import StageCompiles
+from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.schedules.schedule import Schedule
-from fxpipe.schedules.schedule_check import make_schedule
 from fxpipe.runtime.step import Step
-from fxpipe.schedules.timeline import Record, Timeline
 from fxpipe.runtime.transforms import refuse_transforms
 from fxpipe.runtime.worker import Workers
+from fxpipe.schedules.schedule import Schedule
+from fxpipe.schedules.schedule_check import make_schedule
+from fxpipe.schedules.timeline import Record, Timeline
+from fxpipe.tracing.mode_reads import modes_changed
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
@@ -291,6 +292,17 @@ class Pipeline(nn.Module):
         where = self._compiled.placement
         return where is None or program.layout.ranks[stage] == where.me
 
+    def _across(self) -> Host:
+        """What a call across processes needs of this pipeline, and nothing else."""
+        assert self._channel is not None
+        return Host(
+            owner=self._owner, channel=self._channel, replicas=self._replicas,
+            training=lambda: self.training, program=lambda: self._programs[self.training],
+            prepare=self._prepare, make_step=self._step, train_call=self._train_call,
+            loss_and_outputs=self._loss_and_outputs, parameter_grads=self._parameter_grads,
+            accumulate=self._accumulate, held_here=self._held_here,
+        )  # fmt: skip
+
     def _held_here(self, program: Program) -> list[nn.Parameter]:
         """The parameters this rank's stages read."""
         where = self._compiled.placement
@@ -318,7 +330,7 @@ class Pipeline(nn.Module):
         _refuse_capture()
         _refuse_parametrization_cache()
         if self._channel is not None:
-            return forward_across(self, args, kwargs)
+            return forward_across(self._across(), args, kwargs)
         try:
             with generator_put_back_on_error():
                 return self._forward(args, kwargs)
@@ -442,7 +454,7 @@ class Pipeline(nn.Module):
         _refuse_parametrization_cache()
         _refuse_own_hooks(self)
         if self._channel is not None:
-            return train_across(self, args, kwargs, target, loss_fn, reduction, return_outputs)
+            return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
         try:
             with generator_put_back_on_error():
@@ -461,7 +473,7 @@ class Pipeline(nn.Module):
     def _train_call(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads,
         return_outputs: bool = False,
-    ) -> tuple["_Call", Step]:
+    ) -> tuple[Call, Step]:
         """A train step's call, split into micro-batches, and its step, with each micro-batch's
         loss weighted to combine into the batch's (`kept` notes what else its backward reaches)."""
         if reduction not in ("mean", "sum"):
@@ -500,7 +512,7 @@ class Pipeline(nn.Module):
         return call, step
 
     def _loss_and_outputs(
-        self, call: "_Call", step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
+        self, call: Call, step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
     ) -> tuple[torch.Tensor, Any]:
         """The batch's loss from the micro-batches' (on the loss stage), and the outputs when asked
         or when the combination is checked: raises ValueError if it does not match."""
@@ -519,7 +531,7 @@ class Pipeline(nn.Module):
                 check_combined_loss(loss_fn, outputs, target, total, reduction)
         return total, outputs
 
-    def _accumulate(self, call: "_Call", input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
+    def _accumulate(self, call: Call, input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
         """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
         of leaves (through their hooks), on through the graph of inputs that are not leaves."""
         grads = [*whole_input_grads(call.input_slots, call.micro_batches, input_grads), *param_grads]
@@ -545,7 +557,7 @@ class Pipeline(nn.Module):
         workers = self._programs[True].layout.workers
         return Timeline(list(self.last_timeline), workers, dict(enumerate(self.last_peak_bytes)), peaks)
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "_Call":
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         _refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
@@ -597,9 +609,9 @@ class Pipeline(nn.Module):
         def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
             return Gathered(program.template, per_micro_batch, given, sizes, not by_spec)
 
-        return _Call(program, values, batch, dims, sizes, micro_batches, context, input_slots, params, grad, gather)
+        return Call(program, values, batch, dims, sizes, micro_batches, context, input_slots, params, grad, gather)
 
-    def _step(self, call: "_Call", schedule: str, loss: Any) -> Step:
+    def _step(self, call: Call, schedule: str, loss: Any) -> Step:
         program = call.program
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
@@ -889,23 +901,6 @@ def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:
         leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
         devices[name] = leaves[0].device if leaves else torch.device("cpu")
     return devices
-
-
-@dataclass
-class _Call:
-    """One call's inputs, split, and what it asks of autograd."""
-
-    program: Program
-    values: dict[str, Any]
-    batch: Optional[int]
-    dims: Dims
-    sizes: list[int]
-    micro_batches: list[dict[str, Any]]
-    context: CallerContext
-    input_slots: list[InputSlot]
-    params: list[nn.Parameter]
-    grad: bool
-    gather: Callable[[list[dict[str, Any]]], Gathered]
 
 
 def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:

@@ -30,15 +30,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
-from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
-from fxpipe.tracing.assignments import assignments_recorded
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.microbatch import BatchDim, Dims, SAME, VARIES, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.core.snapshot import preserved
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu
-from fxpipe.core.snapshot import preserved
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.validate import source_line
+from fxpipe.tracing.assignments import assignments_recorded
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}

@@ -15,9 +15,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.core.microbatch import clone_tree
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.passes.edges import CALLER, Edge, stage_inputs, stage_outputs
+from fxpipe.core.edges import CALLER, Edge
+from fxpipe.core.microbatch import clone_tree
+from fxpipe.passes.edges import stage_inputs, stage_outputs
 from fxpipe.passes.inplace import mutated_inputs
 
 @dataclass

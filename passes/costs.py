@@ -12,10 +12,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.core.attrs import parameters_of
-from fxpipe.passes.inplace import writes_first_argument
+from fxpipe.core.snapshot import preserved
+from fxpipe.core.writes import writes_first_argument
 from fxpipe.passes.linearize import COMPUTE_OPS
 from fxpipe.passes.objective import CutModel, crossing_values, kept_micro_batches
-from fxpipe.core.snapshot import preserved
 
 BALANCE_MODES = ("time", "flops", "params", "memory")
 

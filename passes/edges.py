@@ -16,12 +16,11 @@ from typing import Sequence
 
 import torch.fx as fx
 
+from fxpipe.core.edges import ACTIVATION, CALLER, Edge, INPUT, OUTPUT, SKIP
 from fxpipe.passes.inplace import check_writes_across_stages
 from fxpipe.passes.linearize import COMPUTE_OPS
 
-from fxpipe.compiled.plan import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
-
-__all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "find_edges", "stage_inputs", "stage_outputs"]
+__all__ = ["find_edges", "stage_inputs", "stage_outputs"]
 
 def _kind(src: int, dst: int, sink: int) -> str:
     if src == CALLER:

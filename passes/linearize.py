@@ -16,7 +16,7 @@ from typing import Sequence
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.passes.inplace import written_arguments
+from fxpipe.core.writes import written_arguments
 from fxpipe.passes.state import reads_written_state
 
 __all__ = ["COMPUTE_OPS", "linearize", "open_bytes"]

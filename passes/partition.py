@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
-from fxpipe.tracing.markers import is_split
 from fxpipe.passes.objective import CrossingValue, CutModel
+from fxpipe.tracing.markers import is_split
 
 # Above this many nodes, the exact search runs over this many runs of nodes of about equal time.
 UNITS = 192

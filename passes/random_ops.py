@@ -19,9 +19,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
-from fxpipe.runtime.randomness import (
+from fxpipe.core.randomness import (
     begin_draws,
     draw_key,
     dropout_function,

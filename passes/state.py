@@ -10,7 +10,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.passes.inplace import is_view, operand_returned, writes_first_argument, written, written_arguments, written_value
+from fxpipe.core.writes import is_view, operand_returned, writes_first_argument, written_arguments, written_value
+from fxpipe.passes.inplace import written
 
 
 # `node.meta[ASSIGNS]`: a call of a module called whole whose forward assigns what it holds (a

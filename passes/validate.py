@@ -14,9 +14,9 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from fxpipe.tracing.assignments import started_alike
-from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
 from fxpipe.core.snapshot import Snapshot, preserved
+from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
+from fxpipe.tracing.assignments import started_alike
 
 # (rtol, atol) by dtype: a graph from torch.export runs decomposed ops, which may round otherwise.
 _TOLERANCES = {

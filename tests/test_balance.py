@@ -18,12 +18,13 @@ from torch import nn
 import fxpipe.passes.partition as partition_pass
 from conftest import assert_call_and_grads_equal, example_module, twin
 from fxpipe import PartitionError, Pipeline, compile_pipeline
+from fxpipe.compiled.plan import Plan, StagePlan, human_bytes
+from fxpipe.core.edges import Edge
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize, open_bytes
 from fxpipe.passes.objective import CrossingValue, CutModel
 from fxpipe.passes.partition import UNITS, best_cuts, min_max_cuts
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.tracing.trace import trace
-from fxpipe.compiled.plan import Edge, Plan, StagePlan, human_bytes
 
 Cut = tuple[int, ...]
 

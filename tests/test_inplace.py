@@ -13,7 +13,8 @@ from torch import nn
 
 from conftest import RenormTied, assert_grads_equal, twin
 from fxpipe import Pipeline, compile_pipeline
-from fxpipe.passes.inplace import InplaceError, is_view, writes_first_argument, written_value
+from fxpipe.core.writes import is_view, writes_first_argument, written_value
+from fxpipe.passes.inplace import InplaceError
 
 MODES = ("always", "except_last", "never")
 WIDTH = 6

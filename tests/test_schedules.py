@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from conftest import FanOut, assert_grads_equal
 from fxpipe import StageError, compile_pipeline
-from fxpipe.schedules.schedule import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
+from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, SCHEDULES, Schedule, WEIGHT_GRAD
 from fxpipe.schedules.schedule_check import ScheduleError, check, make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 

@@ -5,30 +5,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from fxpipe.runtime.checkpoint import checkpoint_stop
-from fxpipe.schedules.schedule import Layout
+from fxpipe.core.edges import ACTIVATION, CALLER, Edge, INPUT, OUTPUT, SKIP
+from fxpipe.schedules.schedule import Layout, checkpoint_stop
 from fxpipe.schedules.schedule_check import make_schedule
 from fxpipe.schedules.simulate import Prediction, StageCosts, simulate
 
 __all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]
-
-CALLER = -1  # the stage index of the pipeline's caller: the source of its inputs
-INPUT, ACTIVATION, SKIP, OUTPUT = "input", "activation", "skip", "output"  # kinds of edge
-
-
-@dataclass(frozen=True)
-class Edge:
-    """One value sent from stage `src` to stage `dst`, once per micro-batch (`src` is CALLER
-    for the pipeline's inputs, `dst` the stage count for its output)."""
-
-    value: str
-    src: int
-    dst: int
-    kind: str
-    shape: Any
-    dtype: Any
-    nbytes: int
-
 
 @dataclass
 class StagePlan:

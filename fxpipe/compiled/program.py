@@ -19,16 +19,69 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.distributed.ranks import RankPlacement
+from fxpipe.compiled.placement import RankPlacement
+from fxpipe.compiled.plan import Plan
+from fxpipe.compiled.stage_compile import CompiledForward
+from fxpipe.core.edges import Edge
 from fxpipe.core.microbatch import ExampleLeaves
+from fxpipe.core.randomness import draws_now, runs_hooks
+from fxpipe.schedules.schedule import Layout
 from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
 from fxpipe.tracing.mode_reads import ModeReads
-from fxpipe.compiled.plan import Edge, Plan
-from fxpipe.schedules.schedule import Layout
-from fxpipe.runtime.step import StageRuntime
 
 Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
 ChunkSpec = dict[str, Optional[int]]
+
+Slot = tuple[dict[str, Any], str]  # a module's parameter or buffer table, and a name in it
+
+
+@dataclass
+class StageRuntime:
+    """What the runtime needs of one stage."""
+
+    index: int
+    device: torch.device
+    module: Callable[..., tuple[Any, ...]]
+    inputs: list[str]
+    outputs: list[str]
+    sources: dict[str, int]  # input value -> producing stage (CALLER for the pipeline's inputs)
+    consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
+    params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
+    param_slots: list[list[Slot]] = field(default_factory=list)  # where each is held in `module`
+    random_always: bool = False  # some node always draws
+    random_modules: list[nn.Module] = field(default_factory=list)  # dropout-holding, by their flags
+    hidden_always: bool = False  # the same, for random ops the stage's code cannot hand a generator
+    hidden_modules: list[nn.Module] = field(default_factory=list)
+    # The modules it calls: a forward hook on one (or a global one) may draw, and the graph
+    # does not show it; read at each step, as a hook may be added after compiling.
+    called: list[nn.Module] = field(default_factory=list)
+    writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
+    # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
+    # later stage sees the value of this micro-batch, not of one written since.
+    state_outputs: set[str] = field(default_factory=set)
+    # By pattern of inputs and parameters requiring grad: which outputs' tensors do, learnt from
+    # a forward under grad (a checkpointed forward under no_grad cannot tell).
+    output_grads: dict[Any, list[bool]] = field(default_factory=dict)
+    whole_modules: list[nn.Module] = field(default_factory=list)  # called whole: their forward runs
+    # What they store that requires grad (module, attribute, its path): no gradient can flow
+    # back through it into the stage's graph, and a backward that reaches it is refused.
+    stored: list[tuple[nn.Module, str, str]] = field(default_factory=list)
+    # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
+    # caller's tensor gets the final value, as the plain model writes it.
+    written: list[str] = field(default_factory=list)
+    # The forward under torch.compile (compile_stages), or None: `module.forward`, eagerly.
+    compiled: Optional[CompiledForward] = None
+    # The modules whose training flag and dropout rate decide what the stage computes.
+    flagged: list[nn.Module] = field(default_factory=list)
+
+    def draws(self) -> bool:
+        """Whether a call now may draw random numbers (read once per step)."""
+        return self.random_always or draws_now(self.random_modules) or runs_hooks(self.called)
+
+    def draws_hidden(self) -> bool:
+        """Whether a call now may draw through an op that needs the dispatch mode."""
+        return self.hidden_always or draws_now(self.hidden_modules) or runs_hooks(self.called)
+
 
 
 Hooks = tuple[tuple[int, ...], ...]

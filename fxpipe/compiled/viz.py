@@ -12,8 +12,8 @@ from typing import Any
 
 import graphviz
 
-from fxpipe.compiled.plan import ACTIVATION, INPUT, OUTPUT, SKIP
 from fxpipe.compiled.plan import Plan, StagePlan, human_bytes
+from fxpipe.core.edges import ACTIVATION, INPUT, OUTPUT, SKIP
 
 MAX_BOXES = 12
 

@@ -14,18 +14,17 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
-from fxpipe.runtime.checkpoint import slot_of
-from fxpipe.runtime.gather import DataclassOutput, ValueRef
+from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_of, hooks_of
+from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
-from fxpipe.compiled.program import Cut, HeldState, Program, code_of, hooks_of
+from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
+from fxpipe.runtime.checkpoint import slot_of
+from fxpipe.runtime.gather import DataclassOutput, ValueRef
 from fxpipe.schedules.schedule import Layout
-from fxpipe.runtime.stage_compile import CompiledForward
-from fxpipe.runtime.step import StageRuntime
 
 
 def build_program(

@@ -6,28 +6,48 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.compiled.program import Program
+from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
+from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
+from fxpipe.distributed.replicas import ReplicaFailed, Replicas
+from fxpipe.runtime.call import Call
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
-from fxpipe.runtime.randomness import draw_step_seed, generator_put_back_on_error
-from fxpipe.distributed.replicas import ReplicaFailed
-
-if TYPE_CHECKING:
-    from fxpipe.pipeline import Pipeline, _Call
-    from fxpipe.runtime.step import Step
+from fxpipe.runtime.step import Step
 
 
-def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+@dataclass(frozen=True)
+class Host:
+    """What a call across processes needs of the pipeline making it: its model, its channel to the
+    other ranks, its replicas, and the parts of a local call it runs on this rank's stages."""
+
+    owner: nn.Module
+    channel: Channel
+    replicas: Optional[Replicas]
+    training: Callable[[], bool]
+    program: Callable[[], Program]  # the program of the mode the pipeline is in
+    prepare: Callable[[tuple[Any, ...], dict[str, Any]], Call]
+    make_step: Callable[..., Step]
+    train_call: Callable[..., tuple[Call, Step]]
+    loss_and_outputs: Callable[..., tuple[Any, Any]]
+    parameter_grads: Callable[[Program, Step, list[nn.Parameter]], list[Optional[torch.Tensor]]]
+    accumulate: Callable[[Call, list[dict[str, Any]], list[Optional[torch.Tensor]]], None]
+    held_here: Callable[[Program], list[nn.Parameter]]
+
+
+def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Forward only; the output on the rank of the last stage, None on the others."""
-    channel = pipe._channel
-    assert channel is not None
+    channel = pipe.channel
     channel.begin()
     with failing_together(channel, "preparing the call"):
-        call = pipe._prepare(args, kwargs)
+        call = pipe.prepare(args, kwargs)
         if call.grad:
             raise RuntimeError(
                 "across processes, pipe(x) runs forward only: the backward of one rank's output cannot "
@@ -35,7 +55,7 @@ def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
                 "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
             )
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
-        step = pipe._step(call, "gpipe", loss=None)
+        step = pipe.make_step(call, "gpipe", loss=None)
         _agree(pipe, call, "pipe(x)", seed=step.seed)
     with failing_together(channel):
         outputs = step.forward()
@@ -47,7 +67,7 @@ def forward_across(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def train_across(
-    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
+    pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool
 ) -> Any:
     """train_step on this rank: its stages' actions, the loss from the loss stage's rank (the
     same on every rank), tied weights' gradients summed among the ranks that read them. A
@@ -68,18 +88,17 @@ def settle_generators(step: Step, drew: dict[int, bool], state: Optional[torch.T
 
 
 def _train_across(
-    pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str,
+    pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str,
     return_outputs: bool, kept: LeafGrads,
 ) -> Any:
-    channel = pipe._channel
-    assert channel is not None
+    channel = pipe.channel
     channel.begin()
-    call: Optional[_Call] = None
+    call: Optional[Call] = None
     total, outputs, problem = None, None, None
     grads: list[Optional[torch.Tensor]] = []
     try:
         with failing_together(channel, "preparing the call"):
-            call, step = pipe._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+            call, step = pipe.train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
             _agree(pipe, call, f"train_step, reduction={reduction!r}", target, seed=step.seed)
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]
@@ -89,61 +108,60 @@ def _train_across(
             step.train()
             if here:
                 try:
-                    total, outputs = pipe._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                    total, outputs = pipe.loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
                 except ValueError as e:  # every rank raises it, after the step ends on all
                     problem = str(e)
             if call.grad:
-                grads = sum_tied(channel, call.program, call.params, pipe._parameter_grads(call.program, step, call.params), pipe._owner)
+                grads = sum_tied(channel, call.program, call.params, pipe.parameter_grads(call.program, step, call.params), pipe.owner)
             after = torch.get_rng_state() if here else before
             drawn = None if torch.equal(after, before) else after  # by loss_fn, which ran on this rank alone
             got = channel.finish((total, problem, step.drew, drawn) if here else (None, None, step.drew, None))
         settle_generators(step, {peer: payload[2] for peer, payload in got.items()}, got[loss_rank][3] if not here else None)
     except BaseException as e:
-        if pipe._replicas is not None:  # the replicas must not wait for this one's gradients
+        if pipe.replicas is not None:  # the replicas must not wait for this one's gradients
             wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
             with contextlib.suppress(Exception):
-                pipe._replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
+                pipe.replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
         raise
     if not here:
         total, problem = got[loss_rank][:2]
-    if pipe._replicas is None:
+    if pipe.replicas is None:
         if problem is not None:
             raise ValueError(problem)
         if call.grad:
-            pipe._accumulate(call, [], grads)
+            pipe.accumulate(call, [], grads)
         return (total, outputs) if return_outputs else total
     present = [g is not None for g in grads]
     try:
         failed = f"ValueError: {problem}" if problem else ""
-        scale, total = pipe._replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed, _alike(pipe, call))
+        scale, total = pipe.replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed, _alike(pipe, call))
     except ReplicaFailed:
         if problem is None:
             raise
     if problem is not None:
         raise ValueError(problem)
     if call.grad:
-        pipe._replicas.accumulate(pipe._held_here(call.program), call.params, grads, scale)
+        pipe.replicas.accumulate(pipe.held_here(call.program), call.params, grads, scale)
     return (total, outputs) if return_outputs else total
 
 
-def _alike(pipe: Pipeline, call: Optional[_Call]) -> dict[str, bool]:
+def _alike(pipe: Host, call: Optional[Call]) -> dict[str, bool]:
     """What data-parallel replicas compare of their calls (the same keys on every replica, a
     failed one's too: the values travel in one all-reduce)."""
-    return {"training mode": pipe.training, "autocast": call is not None and bool(call.context.autocast)}
+    return {"training mode": pipe.training(), "autocast": call is not None and bool(call.context.autocast)}
 
 
-def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None, seed: int = 0) -> None:
+def _agree(pipe: Host, call: Call, kind: str, target: Any = None, seed: int = 0) -> None:
     """Every rank of the pipeline makes the same call, or every rank raises, naming what
     differs: the same micro-batches (sizes and shapes), grad mode and train or eval mode, and
     the same data. A rank that ran another step's schedule would wait for values that never
     come, or pair its micro-batches with another call's; one given a batch of its own (loaded
     apart, as under DDP) would pair its inputs with another rank's targets."""
-    assert pipe._channel is not None
     mine = {**_call_signature(pipe, call, kind, target), "seed": seed}
-    calls = {**pipe._channel.exchange("call", mine), pipe._channel.me: mine}
-    _refuse_generators_apart({pipe._channel.ranks[r]: c["seed"] for r, c in calls.items()})
+    calls = {**pipe.channel.exchange("call", mine), pipe.channel.me: mine}
+    _refuse_generators_apart({pipe.channel.ranks[r]: c["seed"] for r, c in calls.items()})
     differing = [key for key in mine if key not in ("tied", "data", "seed") and any(c.get(key) != mine[key] for c in calls.values())]
-    ranks = pipe._channel.ranks
+    ranks = pipe.channel.ranks
     lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
     apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
     if apart and not differing:  # (data of other shapes differs anyway)
@@ -159,7 +177,7 @@ def _agree(pipe: Pipeline, call: _Call, kind: str, target: Any = None, seed: int
     _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
 
 
-def _refuse_tied_copies_that_differ(pipe: Pipeline, tied: dict[int, dict[str, tuple[float, float]]]) -> None:
+def _refuse_tied_copies_that_differ(pipe: Host, tied: dict[int, dict[str, tuple[float, float]]]) -> None:
     """Every rank holding a copy of a tied parameter must hold the same values: else the ranks
     compute with different models (one initialised apart on each rank), which no plain model
     computes, while their summed gradients keep the copies apart for ever."""
@@ -191,16 +209,16 @@ def _refuse_generators_apart(seeds: dict[int, int]) -> None:
         )
 
 
-def _call_signature(pipe: Pipeline, call: _Call, kind: str, target: Any = None) -> dict[str, Any]:
+def _call_signature(pipe: Host, call: Call, kind: str, target: Any = None) -> dict[str, Any]:
     """What the ranks compare of a call: every one of them must make the same."""
-    modes = [m.training for m in pipe._owner.modules()]
+    modes = [m.training for m in pipe.owner.modules()]
     return {
         "call": kind,
         "micro-batch sizes": tuple(call.sizes),
         "inputs": {name: [_leaf_signature(leaf) for leaf in tree_flatten(value)[0]] for name, value in call.values.items()},
         "grad": call.grad,
         "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
-        "mode": ("train" if pipe.training else "eval", f"{sum(modes)} of {len(modes)} modules training"),
+        "mode": ("train" if pipe.training() else "eval", f"{sum(modes)} of {len(modes)} modules training"),
         "tied": _tied_fingerprints(pipe, call),
         "data": _data_fingerprints(call.values, target),
     }
@@ -223,14 +241,14 @@ def _data_fingerprints(values: dict[str, Any], target: Any) -> dict[str, str]:
     return found
 
 
-def _tied_fingerprints(pipe: Pipeline, call: _Call) -> dict[str, tuple[float, float]]:
+def _tied_fingerprints(pipe: Host, call: Call) -> dict[str, tuple[float, float]]:
     """A fingerprint of each tied parameter this rank holds a copy of, by name: sums over an
     even sample of at most 65536 of its values (copies initialised apart differ there too)."""
     program = call.program
     names: dict[int, str] = {}
-    for name, p in pipe._owner.named_parameters(remove_duplicate=False):
+    for name, p in pipe.owner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    me = pipe._channel.me if pipe._channel is not None else 0
+    me = pipe.channel.me
     found = {}
     with torch.no_grad():
         for p, ranks in zip(program.parameters, holders(program, program.parameters)):
@@ -241,9 +259,9 @@ def _tied_fingerprints(pipe: Pipeline, call: _Call) -> dict[str, tuple[float, fl
     return found
 
 
-def _wanting_grad(pipe: Pipeline) -> int:
+def _wanting_grad(pipe: Host) -> int:
     """How many parameters take gradients in a step now (before a call is made)."""
-    return len([p for p in pipe._programs[pipe.training].parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
+    return len([p for p in pipe.program().parameters if p.requires_grad]) if torch.is_grad_enabled() else 0
 
 
 def _leaf_signature(leaf: Any) -> Any:

@@ -26,6 +26,7 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
 from fxpipe.distributed.frames import FRAME, FrameFull, Message, decode, encode, frame_of, open_frame
 
 VALUE, FAILED, DONE = "value", "failed", "done"
@@ -40,37 +41,6 @@ _announcements: dict[tuple[int, int], tuple[Any, torch.Tensor, Any]] = {}
 # and bytes that arrive for a freed receive stop every later message on that connection, the
 # other pipelines' too. A few frames per dropped pipeline.
 _left_over: list[tuple[list[Any], dict[int, Any]]] = []
-
-
-@dataclass(frozen=True)
-class Failure:
-    """What a failed rank tells the others: where it failed, and the error as text."""
-
-    rank: int
-    stage: int
-    micro_batch: int
-    phase: str
-    error: str  # "TypeName: message"
-
-    def describe(self) -> str:
-        where = f"stage {self.stage} (rank {self.rank})" if self.stage >= 0 else f"rank {self.rank}"
-        if self.micro_batch >= 0:
-            where += f" failed on micro-batch {self.micro_batch} in {self.phase}"
-        else:
-            where += f" failed in {self.phase}"
-        return f"{where}: {self.error}"
-
-
-class RemoteFailure(Exception):
-    """Another rank failed in this step (`failure` says where)."""
-
-    def __init__(self, failure: Failure) -> None:
-        super().__init__(failure.describe())
-        self.failure = failure
-
-
-class PeerLost(RuntimeError):
-    """A rank stopped answering: it died, or waited longer than the timeout."""
 
 
 @dataclass

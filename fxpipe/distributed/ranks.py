@@ -14,7 +14,6 @@ import hashlib
 import itertools
 import pickle
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
@@ -23,10 +22,12 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.distributed.channel import Channel, Failure, PeerLost, RemoteFailure
 from fxpipe.compiled.materialize import freed_refusal, mark_freed, release_for_swap, unfillable_refusal
-from fxpipe.passes.state import parameters_written
-from fxpipe.compiled.plan import CALLER, Plan
+from fxpipe.compiled.placement import RankPlacement
+from fxpipe.compiled.plan import Plan
+from fxpipe.core.edges import CALLER
+from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
+from fxpipe.distributed.channel import Channel
 from fxpipe.runtime.step import StageError, raised_here
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
@@ -40,23 +41,7 @@ DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up o
 _directions: dict[tuple[Any, ...], tuple[Any, dict[tuple[int, ...], Any]]] = {}
 
 
-@dataclass
-class RankPlacement:
-    """This process's place in the pipeline group."""
 
-    group: Any  # the "pp" process group
-    ranks: list[int]  # the global rank at each pipeline coordinate
-    me: int  # this process's pipeline coordinate
-    device: torch.device  # where this rank's stages run
-    timeout: float
-    dp_group: Any = None  # the "dp" process group, when the mesh has one (one of fxpipe's, once connected)
-    lines: list[list[int]] = field(default_factory=list)  # the global ranks of every pipeline of the mesh
-    replica_lines: list[list[int]] = field(default_factory=list)  # the global ranks of each stage's replicas
-    directions: dict[tuple[int, int], Any] = field(default_factory=dict)  # (from, to) -> its group
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
 
 
 def placement_of(mesh: Any, timeout: Optional[float]) -> RankPlacement:
@@ -225,45 +210,7 @@ def routes(stages: Sequence[Any], stage_ranks: Sequence[int], loss_stage: int, m
     return home, source
 
 
-def check_state_placement(owner: nn.Module, programs: dict[bool, Any]) -> None:
-    """Each rank trains its own copy of what it holds; refuse, naming every tensor, a plan in
-    which a copy would go stale: a tensor read in eval mode on a rank that does not hold it in
-    training, or a buffer or parameter that forward writes and more than one rank reads."""
-    names: dict[int, str] = {}
-    for name, tensor in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(tensor), name)
-    readers = {mode: program.readers for mode, program in programs.items()}
-    written = {id(b) for program in programs.values() for stage in program.stages for b in stage.writable_buffers.values()}
-    problems = set()
-    for key, ranks in readers[False].items():
-        trained = readers[True].get(key)
-        if key not in names:
-            continue
-        if trained is None and len(ranks) > 1:  # read in eval alone: each rank would train its own copy there
-            problems.add(f"{names[key]!r} is read in eval mode alone, on pipeline ranks {sorted(ranks)}")
-        elif trained is not None and ranks - trained:
-            problems.add(f"{names[key]!r} is read on pipeline rank(s) {sorted(ranks - trained)} in eval mode and held on "
-                         f"{sorted(trained)} in training, where it is trained")  # fmt: skip
-    for found in readers.values():
-        for key, ranks in found.items():
-            if key in written and len(ranks) > 1:
-                problems.add(f"buffer {names.get(key, '?')!r} is written in forward and read on pipeline ranks {sorted(ranks)}")
-    for program in programs.values():
-        for run in program.runs:
-            for name, (tensor, writer) in parameters_written(program.cut.graph, run).items():
-                ranks = program.readers.get(id(tensor), set())
-                if len(ranks) > 1:
-                    problems.add(f"parameter {names.get(id(tensor), name)!r} is written in place in forward by {writer}, "
-                                 f"and read on pipeline ranks {sorted(ranks)}")  # fmt: skip
-    if problems:
-        raise ValueError(
-            "this plan cannot run across processes: each rank keeps its own copy of what its stages read, and\n"
-            + "\n".join(f"  - {p}" for p in sorted(problems))
-            + "\nwould go stale on the other ranks.\nHow to fix: cut so that one rank holds each of them "
-            "(split_points=[...]); a forward that branches on self.training is cut once per mode, so for "
-            "inference alone compile the model in eval mode; a parameter forward writes in place can also be "
-            "written outside forward (an Embedding's max_norm=None, and its rows renormalised before the step)."
-        )
+
 
 
 def refuse_written_inputs(programs: dict[bool, Any]) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fxpipe.distributed.ranks import RankPlacement
+from fxpipe.compiled.placement import RankPlacement
 
 
 class ReplicaFailed(RuntimeError):

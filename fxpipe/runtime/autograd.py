@@ -18,8 +18,8 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.runtime.gather import Gathered
 from fxpipe.core.microbatch import gather_grads
+from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.step import Step
 
 

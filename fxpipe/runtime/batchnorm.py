@@ -23,8 +23,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.runtime.checkpoint import is_recomputing
 from fxpipe.core.attrs import submodule_or_none
+from fxpipe.runtime.checkpoint import is_recomputing
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 _local = threading.local()

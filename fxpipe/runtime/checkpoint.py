@@ -9,10 +9,10 @@ from typing import Any, ContextManager, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from fxpipe.tracing.assignments import holds_fields
+from fxpipe.compiled.program import Slot
 from fxpipe.core.scoped import scoped
+from fxpipe.core.settings import holds_fields
 
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 _state = threading.local()
 
@@ -35,15 +35,6 @@ def recomputing() -> ContextManager[None]:
     return scoped(_state, "recomputing", True, unset=False)
 
 
-def checkpoint_stop(mode: str, micro_batches: int) -> int:
-    """Micro-batches below this index are checkpointed.
-
-    'except_last' leaves the last one out: its backward comes first, right after the forward,
-    so recomputing it would buy no memory.
-    """
-    return {"always": micro_batches, "except_last": micro_batches - 1, "never": 0}[mode]
-
-
 @contextmanager
 def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
     """Run `module` with some parameters or buffers (by qualified name) replaced, and put the
@@ -58,7 +49,6 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
         yield
 
 
-Slot = tuple[dict[str, Any], str]  # a module's parameter or buffer table, and a name in it
 # Modules called whole and the settings objects they hold (`self.state`), and their attributes.
 Attributes = list[tuple[Any, dict[str, Any]]]
 

@@ -32,27 +32,25 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from fxpipe.compiled.program import StageRuntime
+from fxpipe.compiled.stage_compile import own_values
+from fxpipe.core.edges import CALLER
+from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
+from fxpipe.core.randomness import TaskRandomness, TaskStream, draw_step_seed, task_stream
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting
-from fxpipe.distributed.channel import Failure, RemoteFailure
-from fxpipe.runtime.checkpoint import (
-    Attributes, Slot, attributes_kept, attributes_of, checkpointing, flags_kept, flags_of, put_back_attributes, recomputing,
-    refuse_gradients_through, swapped_slots, swapped_state,
-)
+from fxpipe.runtime.checkpoint import Attributes, attributes_kept, attributes_of, checkpointing, flags_kept, flags_of, put_back_attributes, recomputing, refuse_gradients_through, swapped_slots, swapped_state
 from fxpipe.runtime.context import CallerContext, worker_state
 from fxpipe.runtime.devices import Aborted, Mailbox, Parcel, on_device, send
 from fxpipe.runtime.hints import hint_for
 from fxpipe.runtime.losses import value_grads
 from fxpipe.runtime.memory import ActivationMeter
-from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
-from fxpipe.compiled.plan import CALLER
 from fxpipe.runtime.raw_grads import raw_grads
-from fxpipe.runtime.randomness import TaskRandomness, TaskStream, draw_step_seed, draws_now, runs_hooks, task_stream
-from fxpipe.schedules.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
-from fxpipe.schedules.simulate import StageCosts, simulate
-from fxpipe.runtime.stage_compile import CompiledForward, own_values
-from fxpipe.schedules.timeline import Record
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
 from fxpipe.runtime.worker import TaskGroup, Workers
+from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.simulate import StageCosts, simulate
+from fxpipe.schedules.timeline import Record
 
 # Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
 # Tests set a bound, so that a deadlock fails in seconds.
@@ -91,53 +89,6 @@ class _LossError(Exception):
 
 _PHASES = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward", INPUT_GRAD: "backward", WEIGHT_GRAD: "backward"}
 
-
-@dataclass
-class StageRuntime:
-    """What the runtime needs of one stage."""
-
-    index: int
-    device: torch.device
-    module: Callable[..., tuple[Any, ...]]
-    inputs: list[str]
-    outputs: list[str]
-    sources: dict[str, int]  # input value -> producing stage (CALLER for the pipeline's inputs)
-    consumers: dict[str, list[int]]  # output value -> consuming stages (n stands for the output)
-    params: list[nn.Parameter] = field(default_factory=list)  # read by this stage alone
-    param_slots: list[list[Slot]] = field(default_factory=list)  # where each is held in `module`
-    random_always: bool = False  # some node always draws
-    random_modules: list[nn.Module] = field(default_factory=list)  # dropout-holding, by their flags
-    hidden_always: bool = False  # the same, for random ops the stage's code cannot hand a generator
-    hidden_modules: list[nn.Module] = field(default_factory=list)
-    # The modules it calls: a forward hook on one (or a global one) may draw, and the graph
-    # does not show it; read at each step, as a hook may be added after compiling.
-    called: list[nn.Module] = field(default_factory=list)
-    writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
-    # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
-    # later stage sees the value of this micro-batch, not of one written since.
-    state_outputs: set[str] = field(default_factory=set)
-    # By pattern of inputs and parameters requiring grad: which outputs' tensors do, learnt from
-    # a forward under grad (a checkpointed forward under no_grad cannot tell).
-    output_grads: dict[Any, list[bool]] = field(default_factory=dict)
-    whole_modules: list[nn.Module] = field(default_factory=list)  # called whole: their forward runs
-    # What they store that requires grad (module, attribute, its path): no gradient can flow
-    # back through it into the stage's graph, and a backward that reaches it is refused.
-    stored: list[tuple[nn.Module, str, str]] = field(default_factory=list)
-    # Inputs the stage writes in place (on its own copy, returned after `outputs`): the
-    # caller's tensor gets the final value, as the plain model writes it.
-    written: list[str] = field(default_factory=list)
-    # The forward under torch.compile (compile_stages), or None: `module.forward`, eagerly.
-    compiled: Optional[CompiledForward] = None
-    # The modules whose training flag and dropout rate decide what the stage computes.
-    flagged: list[nn.Module] = field(default_factory=list)
-
-    def draws(self) -> bool:
-        """Whether a call now may draw random numbers (read once per step)."""
-        return self.random_always or draws_now(self.random_modules) or runs_hooks(self.called)
-
-    def draws_hidden(self) -> bool:
-        """Whether a call now may draw through an op that needs the dispatch mode."""
-        return self.hidden_always or draws_now(self.hidden_modules) or runs_hooks(self.called)
 
 
 @dataclass

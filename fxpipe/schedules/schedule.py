@@ -279,3 +279,15 @@ def clock_cycles(micro_batches: int, stages: int) -> Iterator[list[tuple[int, in
     """
     for tick in range(micro_batches + stages - 1):
         yield [(tick - j, j) for j in range(max(0, tick - micro_batches + 1), min(tick + 1, stages))]
+
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+
+
+def checkpoint_stop(mode: str, micro_batches: int) -> int:
+    """Micro-batches below this index are checkpointed.
+
+    'except_last' leaves the last one out: its backward comes first, right after the forward,
+    so recomputing it would buy no memory.
+    """
+    return {"always": micro_batches, "except_last": micro_batches - 1, "never": 0}[mode]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.tracing.attribute_reads import settings
+from fxpipe.core.settings import holds_fields
 from fxpipe.tracing.global_reads import constant
 
 # Each attribute assigned (dotted), and the path of the module holding it; None for one of a
@@ -43,10 +43,7 @@ def _fields(holder: Any) -> dict[str, Any]:
     return {name: value for name, value in vars(holder).items() if not name.startswith("_")}
 
 
-def holds_fields(value: Any) -> bool:
-    """A settings object (a config, a dataclass of options, a namespace) whose attributes a forward
-    may assign: `self.state.calls += 1` is lost from a graph as `self.calls += 1` is."""
-    return settings(value) and isinstance(getattr(value, "__dict__", None), dict)
+
 
 
 def _settings_held(model: nn.Module) -> tuple[dict[tuple[str, str], tuple[Any, dict[str, Any]]], set[tuple[str, str]]]:

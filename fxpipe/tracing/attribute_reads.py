@@ -19,10 +19,8 @@ counter) is no setting, and is not watched: the check of assignments calls its m
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
-import enum
 import functools
 import os
 import re
@@ -36,9 +34,10 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-from fxpipe.tracing.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
-from fxpipe.tracing.global_reads import constant, module_reads, nested, settings_code, simple_key
 from fxpipe.core.scoped import scoped
+from fxpipe.core.settings import settings
+from fxpipe.tracing.dict_reads import DictReads, Entries, KeysRead, MISSING, WHOLE, entries
+from fxpipe.tracing.global_reads import constant, module_reads, nested, settings_code, simple_key
 
 _local = threading.local()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -66,24 +65,7 @@ def plain(value: Any) -> bool:
     return value is None or type(value) in (bool, int, float, str) or (type(value) in (tuple, list) and all(map(plain, value)))
 
 
-_NOT_SETTINGS = (nn.Module, torch.Tensor, type, enum.Enum, types.ModuleType, types.FunctionType, types.MethodType,
-                 types.BuiltinFunctionType, functools.partial)
 
-
-_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python, whose lookup can be wrapped
-
-
-def settings(value: Any) -> bool:
-    """An object whose attributes a forward may read as settings (a config, a dataclass of options,
-    an argparse.Namespace or a types.SimpleNamespace): an instance of a Python class of the model's
-    libraries (not torch's, nor Python's own: a logger's level is no setting of the model), neither a module, tensor,
-    function nor class. Decided on its class alone: the object's own lookup is not run."""
-    cls = type(value)
-    if cls is types.SimpleNamespace:
-        return True
-    home = (getattr(cls, "__module__", None) or "builtins").partition(".")[0]
-    ours = home != "torch" and (home not in sys.stdlib_module_names or cls is argparse.Namespace)
-    return bool(cls.__flags__ & _HEAP_TYPE) and ours and not isinstance(value, _NOT_SETTINGS)
 
 
 Wrapped = list[tuple[type, str, Optional[Any]]]  # a class, the lookup wrapped, its own (None: inherited)

@@ -17,11 +17,11 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fxpipe.tracing.assignments import AssignmentError, assignments_refused
 from fxpipe.core.attrs import submodule_or_none
+from fxpipe.core.writes import written_value
+from fxpipe.tracing.assignments import AssignmentError, assignments_refused
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.functions import functions_as_calls
-from fxpipe.passes.inplace import written_value
 from fxpipe.tracing.markers import marking
 
 LeafSpec = Union[str, type]

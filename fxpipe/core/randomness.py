@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import zlib
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +194,7 @@ def method_with_generator(name: str, self: torch.Tensor, *args: Any, draw_key: O
     return method(*args, **kwargs) if generator is None else method(*args, generator=generator, **kwargs)
 
 
-# For compiled stages (fxpipe/runtime/stage_compile.py), in the steps where they draw: the draws run
+# For compiled stages (fxpipe/compiled/stage_compile.py), in the steps where they draw: the draws run
 # eagerly, outside the compiled graph, so that they take the task's stream as an eager stage's
 # do and a recompute replays them, whatever the backend.
 DRAWS = (dropout_module, dropout_function, with_generator, method_with_generator, begin_draws, end_draws)

@@ -4,7 +4,7 @@ Each stage is an fx GraphModule already, so compiling it is one `torch.compile` 
 dynamo captures the graph, AOTAutograd its backward, and the backend (inductor by default) both.
 The runtime calls the compiled forward where it called the eager one, in every place a stage
 runs (forward, checkpointed forward, recompute), so the schedules, checkpointing and transport
-are those of eager stages. Random draws stay eager, from the task's stream (fxpipe/runtime/randomness.py):
+are those of eager stages. Random draws stay eager, from the task's stream (fxpipe/core/randomness.py):
 a recompute replays the masks its forward drew, bit for bit, whatever the backend.
 
 A stage compiles once per calling context (grad mode, autocast, the training flag, which inputs
@@ -31,7 +31,7 @@ from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils._pytree import tree_map_only
 
-from fxpipe.runtime.randomness import DRAWS, MARKERS
+from fxpipe.core.randomness import DRAWS, MARKERS
 
 # What `compile_stages={...}` may hold: torch.compile's own arguments, passed through.
 COMPILE_KEYS = ("mode", "dynamic", "backend", "fullgraph", "options")
