@@ -6,7 +6,7 @@ from fxpipe.core.edges import Edge
 from fxpipe.passes.partition import PartitionError
 from fxpipe.pipeline import Pipeline, PlacementError
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
-from fxpipe.runtime.step import StageError
+from fxpipe.runtime.stage_error import StageError
 from fxpipe.schedules.schedule import Action, Layout, Schedule
 from fxpipe.schedules.schedule_check import ScheduleError
 from fxpipe.schedules.timeline import Timeline

@@ -13,42 +13,36 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten, tree_map
 
+from fxpipe.compiled.materialize import materialize
+from fxpipe.compiled.plan import Plan
+from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
+from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
+from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, map_tensors, spec_dims
+from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.across import Host, forward_across, train_across
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, routes, unread
-from fxpipe.runtime.autograd import InputSlot, Run, run_with_autograd, whole_input_grads
-from fxpipe.runtime.batchnorm import BatchStatistics
-from fxpipe.runtime.call import Call
-from fxpipe.runtime.context import CallerContext
-from fxpipe.runtime.devices import Mailbox
-from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
-from fxpipe.schedules.schedule import checkpoint_stop
-from fxpipe.runtime.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, check_loss_arguments, describe, loss_of, own_loss,
-    refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
-)
-from fxpipe.compiled.materialize import materialize
-from fxpipe.runtime.memory import ActivationMeter
-from fxpipe.core.microbatch import (
-    Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, leaves_of, map_tensors, off_batch, scatter, spec_dims, split_dim,
-    split_sizes,
-)
-from fxpipe.compiled.plan import Plan
-from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
-from fxpipe.compiled.stage_compile import StageCompiles
-from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.replicas import Replicas
+from fxpipe.guards import refuse_other_autocast, traced_mode
+from fxpipe.runtime.autograd import Run, run_with_autograd
+from fxpipe.runtime.batch_loss import loss_and_outputs, micro_batch_losses
+from fxpipe.runtime.batchnorm import BatchStatistics
+from fxpipe.runtime.call import Call, devices_of, differentiable, split_call
+from fxpipe.runtime.devices import Mailbox
+from fxpipe.runtime.gather import Gathered
+from fxpipe.runtime.grads import accumulate, parameter_grads
+from fxpipe.runtime.losses import (
+    LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
+)
+from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
-from fxpipe.runtime.transforms import refuse_transforms
 from fxpipe.runtime.worker import Workers
-from fxpipe.schedules.schedule import Schedule
+from fxpipe.schedules.schedule import Schedule, checkpoint_stop
 from fxpipe.schedules.schedule_check import make_schedule
 from fxpipe.schedules.timeline import Record, Timeline
-from fxpipe.tracing.mode_reads import modes_changed
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
@@ -184,93 +178,14 @@ class Pipeline(nn.Module):
     def _held_program(self) -> Program:
         """The program for this call, against what the model holds now: built again when it holds
         other tensors than its stages were built on (the model itself cast, a parameter assigned);
-        refused when it holds another module, or a traced-through module's forward hooks changed,
-        whose forward or hooks the graph may not hold."""
-        # Replaced modules first: one that read its mode is out of pipe.train()'s reach, and its
-        # stale mode would be blamed.
-        replaced = self._programs[True].held.modules_replaced()
-        if replaced:
-            raise RuntimeError(
-                f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
-                "the modules there computed when it was traced.\nHow to fix: compile the model again."
-            )
-        rewritten = self._programs[True].code_changed()
-        if rewritten:
-            raise RuntimeError(
-                f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
-                "holds what their code computed when it was traced (one pass over a container's members).\nHow to fix: "
-                "compile the model again after changing them, or keep such modules whole (compile_pipeline(..., "
-                "leaf_modules=[...])): a module kept whole runs its own code on every call."
-            )
-        mode = self._mode()
-        if self._compiled.eval_only and (mode or self._owner.training):
-            raise RuntimeError(
-                f"this pipeline was compiled for eval mode alone, and it is called in training mode (or with modules in "
-                f"it): {self._compiled.eval_only}\nHow to fix: call it in eval mode (pipe.eval(), every module); to "
-                "train, make the training forward traceable and compile again."
-            )
-        program = self._programs[mode]
-        attributes = program.held.attributes_changed(self._compiled.attributes_read.get(mode, frozenset()))
-        if attributes:
-            whole = (", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs"
-                     if self._compiled.front_end == "torch.fx" else "")  # torch.export keeps no module whole
-            raise RuntimeError(
-                f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
-                "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
-                "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
-                f"which the pipeline reads as it runs{whole}."
-            )
-        changed = program.hooks_changed()
-        if "*" in changed:
-            raise RuntimeError(
-                "global module hooks (nn.modules.module.register_module_forward_hook, ...) were added or removed "
-                "since compiling: the graph holds what they did then, on every module the trace went through.\n"
-                "How to fix: compile again after registering them."
-            )
-        if changed:
-            raise RuntimeError(
-                f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
-                "since compiling: the trace went through these modules, and their graph holds what their "
-                f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
-                f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
-            )
-        if program.held.tensors_replaced():
-            self._build()
-            program = self._programs[mode]
-        return program
-
-    def _refuse_other_modes(self) -> None:
-        """A forward that asked whether autocast is on (to upcast, say) was answered once, when
-        traced: a call under another autocast would run the other answer's graph."""
-        changed = modes_changed(self._compiled.modes_read)
-        if changed:
-            raise RuntimeError(
-                f"the model's forward asks torch about autocast, and the answers differ from when it was traced: "
-                f"{'; '.join(changed)}. The graph holds the answers it got then.\nHow to fix: compile the model "
-                "under the autocast it runs under (a pipeline for each), or keep the module that asks whole "
-                "(leaf_modules=[...]), which asks as it runs."
-            )
-
-    def _mode(self) -> bool:
-        """Whose graph runs now: training's or eval's. Each holds what the `training` flags its
-        trace read decided (a module set apart in eval mode when compiling, say): the graph of the
-        model's mode if the modules hold those flags now, else the other's if they hold its."""
+        refused (fxpipe/guards.py) where the model is no longer what was traced."""
         # model.train()/eval() called on the model itself counts as on the pipeline: pipe.train()
         # sets the model's flag too, so the model's is the latest.
         self.__dict__["training"] = self._owner.training
-        named = self._programs[True].held.named
-        traced = self._compiled.flags
-        for mode in (self.training, not self.training):
-            if all(named[path].training == flag for path, flag in traced.get(mode, {}).items() if path in named):
-                return mode
-        apart = [f"{path or 'the model'} in {'eval' if flag else 'training'} mode"
-                 for path, flag in traced.get(self.training, {}).items() if path in named and named[path].training != flag]  # fmt: skip
-        raise RuntimeError(
-            f"the model's forward reads `self.training`, and no graph was traced with its modules in the modes they "
-            f"are in: {', '.join(apart)} now, where the {'training' if self.training else 'eval'} graph has them in the "
-            "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
-            "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
-        )
+        mode = traced_mode(self._owner, self._programs, self._compiled)
+        if self._programs[mode].held.tensors_replaced():
+            self._build()
+        return self._programs[mode]
 
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""
@@ -299,8 +214,8 @@ class Pipeline(nn.Module):
             owner=self._owner, channel=self._channel, replicas=self._replicas,
             training=lambda: self.training, program=lambda: self._programs[self.training],
             prepare=self._prepare, make_step=self._step, train_call=self._train_call,
-            loss_and_outputs=self._loss_and_outputs, parameter_grads=self._parameter_grads,
-            accumulate=self._accumulate, held_here=self._held_here,
+            loss_and_outputs=loss_and_outputs, parameter_grads=parameter_grads,
+            accumulate=accumulate, held_here=self._held_here,
         )  # fmt: skip
 
     def _held_here(self, program: Program) -> list[nn.Parameter]:
@@ -308,22 +223,6 @@ class Pipeline(nn.Module):
         where = self._compiled.placement
         assert where is not None
         return [p for p in program.parameters if where.me in program.readers.get(id(p), ())]
-
-    @staticmethod
-    def _parameter_grads(program: Program, step: Step, params: list[nn.Parameter]) -> list[Optional[torch.Tensor]]:
-        """The step's gradient of each of `params`: its own stage's sum over micro-batches, plus
-        the sums of other stages' copies, added in stage order (deterministic)."""
-        totals: dict[int, torch.Tensor] = {}
-        for index, stage in enumerate(program.stages):
-            for p, grad in zip(stage.params, step.take_parameter_grads(index)):
-                if grad is not None:
-                    totals[id(p)] = grad
-        for index, tensors in enumerate(program.shared):
-            for param, grad in zip(tensors, step.shared_grads(index)):
-                if grad is not None:
-                    grad = grad.to(param.device)
-                    totals[id(param)] = _summed(totals[id(param)], grad) if id(param) in totals else grad
-        return [totals.get(id(p)) for p in params]
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -391,8 +290,8 @@ class Pipeline(nn.Module):
             gathered = gather(step.forward())
             return gathered.rebuild(gathered.tensors)
         program, params = call.program, call.params
-        run = Run(step, call.input_slots, params, gather, lambda: self._parameter_grads(program, step, params))
-        run.differentiable = lambda name: Pipeline._differentiable(program, call.values, name)
+        run = Run(step, call.input_slots, params, gather, lambda: parameter_grads(program, step, params))
+        run.differentiable = lambda name: differentiable(program, call.values, name)
         return run_with_autograd(run)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -465,9 +364,9 @@ class Pipeline(nn.Module):
         with generator_put_back_on_error():
             with kept.put_back_on_error():
                 input_grads = step.train()
-                total, outputs = self._loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
         if call.grad:
-            self._accumulate(call, input_grads, self._parameter_grads(call.program, step, call.params))
+            accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
         return (total, outputs) if return_outputs else total
 
     def _train_call(
@@ -484,19 +383,7 @@ class Pipeline(nn.Module):
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
-        program = call.program
-
-        def micro_batch_loss(i: int, values: dict[str, Any]) -> torch.Tensor:
-            output = _rebuild(program.template, values, self._given(program, call.micro_batches[i]))
-            loss = loss_of(loss_fn, output, targets[i]) if loss_fn is not None else own_loss(output)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
-            scaled = loss * weights[i]
-            if not call.grad:
-                return scaled.detach()
-            if scaled.requires_grad:
-                kept.note(scaled, leaves_of(values))
-            return scaled
+        micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
@@ -510,34 +397,6 @@ class Pipeline(nn.Module):
         step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
         kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
         return call, step
-
-    def _loss_and_outputs(
-        self, call: Call, step: Step, loss_fn: Any, target: Any, reduction: str, return_outputs: bool
-    ) -> tuple[torch.Tensor, Any]:
-        """The batch's loss from the micro-batches' (on the loss stage), and the outputs when asked
-        or when the combination is checked: raises ValueError if it does not match."""
-        losses = [step.losses[i] for i in range(len(call.sizes))]
-        total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
-        outputs = None
-        # Every step: whether a loss combines over micro-batches can depend on the batch (a mean
-        # over the targets not ignored, whose count differs between micro-batches in some steps).
-        check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
-        if return_outputs or check:
-            check_gatherable(call.program.template, step.outputs[0], len(call.sizes), asked=return_outputs)
-            gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
-            outputs = gathered.rebuild(gathered.tensors)
-            if check:
-                assert loss_fn is not None
-                check_combined_loss(loss_fn, outputs, target, total, reduction)
-        return total, outputs
-
-    def _accumulate(self, call: Call, input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
-        """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
-        of leaves (through their hooks), on through the graph of inputs that are not leaves."""
-        grads = [*whole_input_grads(call.input_slots, call.micro_batches, input_grads), *param_grads]
-        pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
-        if pairs:
-            torch.autograd.backward([_moved_into_grad(t, g) for t, g in pairs], [g for _, g in pairs])
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The graph's input values, by name, for a call with these arguments."""
@@ -568,7 +427,7 @@ class Pipeline(nn.Module):
                 "backward, or call the module itself inside the hook."
             )
         program = self._held_program()
-        self._refuse_other_modes()
+        refuse_other_autocast(self._compiled)
         values = self._compiled.bind(args, kwargs)
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)
@@ -583,33 +442,8 @@ class Pipeline(nn.Module):
             )
         if self._compiled.unchecked is not None and batch is not None and batch > 1:
             program = self._check_micro_batches(values, dims, args, kwargs)
-        self._refuse_shared_written_inputs(program, values)
-        sizes = split_sizes(batch, self.chunks) if batch is not None else [1]
-        if batch is not None and len(sizes) > 1:
-            self._refuse_off_batch(values, batch, dims)
-            self._check_written_inputs(program, values, batch, dims)
-        pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
-        micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
-        if self._compiled.check_micro_batch is not None and len(sizes) > 1:
-            self._compiled.check_micro_batch(micro_batches)
-        context = CallerContext.capture()
-        input_slots = self._input_slots(values, batch, dims)
-        grad_mode = torch.is_grad_enabled() and not context.inference
-        refuse_transforms(values, program.unreached, grad_mode, program.state_read)
-        params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
-        grad = grad_mode and bool(input_slots or params)
-        if self._channel is not None and grad and input_slots:
-            raise ValueError(
-                "across processes, inputs that require grad are not supported: their gradients would be "
-                "made on several ranks.\nHow to fix: pass inputs that do not require grad (x.detach())."
-            )
-        by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
-        given = self._given(program, values)
-
-        def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-            return Gathered(program.template, per_micro_batch, given, sizes, not by_spec)
-
-        return Call(program, values, batch, dims, sizes, micro_batches, context, input_slots, params, grad, gather)
+        compiled = self._compiled
+        return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
 
     def _step(self, call: Call, schedule: str, loss: Any) -> Step:
         program = call.program
@@ -627,7 +461,7 @@ class Pipeline(nn.Module):
             checkpoint_stop=stop,
             shared=self._shared(program, call.grad),
             output_device=self.devices[-1],
-            input_devices=_devices_of(call.values),
+            input_devices=devices_of(call.values),
             context=call.context,
             schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None),
             layout=program.layout,
@@ -643,80 +477,9 @@ class Pipeline(nn.Module):
         self.__dict__["last_meter"] = step.meter
         return step
 
-    @staticmethod
-    def _differentiable(program: Program, values: dict[str, Any], name: str) -> bool:
-        """Whether the output value `name` requires grad: it depends on an input or a parameter
-        that does (a constant made in forward does not)."""
-        if name not in program.output_inputs:
-            return True
-        inputs = (leaf for n in program.output_inputs[name] for leaf in tree_flatten(values.get(n))[0])
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-            return True
-        return any(getattr(p, "requires_grad", True) for p in program.output_params[name])
-
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
         return spec_dims(self._signature, self._compiled.chunk_spec, args, kwargs)
-
-    def _refuse_off_batch(self, values: dict[str, Any], batch: int, dims: Dims) -> None:
-        wrong = off_batch(values, self._compiled.example_leaves, batch, dims)
-        if wrong:
-            raise ValueError(
-                f"the example split these inputs with the batch along dim 0, and this call gives them another "
-                f"size there than the batch's {batch} (nor 1): {', '.join(wrong)}. Kept whole, each "
-                "micro-batch would broadcast against all of them, where the plain model takes them row by "
-                "row with the batch.\nHow to fix: give every batched input the same batch size, or "
-                "keep such an input whole in every call (chunk_spec={name: None})."
-            )
-
-    @staticmethod
-    def _refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> None:
-        """An input written in place that shares memory with another (`model(t, t)`, or a view
-        of t): the plain model's write shows through the other, where a stage writes a copy."""
-        written = program.written_inputs
-        if not written:
-            return
-        holders: dict[int, list[str]] = {}  # storage -> the inputs with a tensor in it
-        for name, value in values.items():
-            for leaf in tree_flatten(value)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.numel() and not leaf.is_meta:
-                    holders.setdefault(leaf.untyped_storage().data_ptr(), []).append(name)
-        for names in holders.values():
-            for name in dict.fromkeys(n for n in names if n in written and len(names) > 1):
-                others = [n for n in names if n != name] or [name]  # (two parts of one input)
-                raise ValueError(
-                    f"the model writes its input {name!r} in place, and {others[0]!r} shares its memory (the same "
-                    "tensor, or a view of it): the plain model's write shows through it, where each stage writes "
-                    "a copy of what it is given.\nHow to fix: pass a copy of one of them (y.clone())."
-                )
-
-    @staticmethod
-    def _check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:
-        """An input written in place must be split: each micro-batch then writes its own slice,
-        as the plain model writes the batch. One passed whole would be written once per
-        micro-batch."""
-        for stage in program.stages:
-            for name in stage.written:
-                leaves = [t for t in tree_flatten(values.get(name))[0] if isinstance(t, torch.Tensor)]
-                if batch is None or any(split_dim(t, batch, dims) is None for t in leaves):
-                    raise ValueError(
-                        f"the model writes its input {name!r} in place, and that input is not split "
-                        "into micro-batches: every micro-batch would write it again.\nHow to fix: use "
-                        "chunks=1, or write a copy of the input in the model."
-                    )
-
-    def _given(self, program: Program, values: dict[str, Any]) -> dict[str, Any]:
-        """Output values not made by a stage: inputs, and attributes returned as they are."""
-        return {**program.given, **values}
-
-    def _input_slots(self, values: dict[str, Any], batch: Optional[int], dims: Dims) -> list[InputSlot]:
-        slots = []
-        for name, value in values.items():
-            for index, leaf in enumerate(tree_flatten(value)[0]):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    dim = split_dim(leaf, batch, dims) if batch is not None else None
-                    slots.append(InputSlot(name, index, leaf, dim))
-        return slots
 
     # -- across processes: this rank's own parameters and buffers ---------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -895,31 +658,3 @@ _NOT_CAPTURED = (
 )
 
 
-def _devices_of(values: dict[str, Any]) -> dict[str, torch.device]:
-    devices = {}
-    for name, value in values.items():
-        leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-        devices[name] = leaves[0].device if leaves else torch.device("cpu")
-    return devices
-
-
-def _rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
-    """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
-    return as_returned(tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template))
-
-
-def _moved_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """Where backward starts for `leaf`'s gradient: a view of a leaf, so that autograd hands its
-    `.grad` a fresh view of `grad` that nothing else holds, which it takes as it is; given the
-    leaf itself, it would copy `grad`, which its caller still holds (a whole copy of every
-    gradient at the end of each step). Sparse gradients cannot pass a view's backward."""
-    if not leaf.is_leaf or grad.is_sparse:
-        return leaf
-    with torch.enable_grad():
-        return leaf.view_as(leaf)
-
-
-def _summed(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b, for a sparse gradient (an embedding's) and a dense one too: torch adds sparse to
-    dense only in that order, and either order gives the same sum."""
-    return b + a if a.is_sparse and not b.is_sparse else a + b

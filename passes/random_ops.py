@@ -19,18 +19,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.passes.codegen import CALLS_MODULE, called_module
 from fxpipe.core.randomness import (
-    begin_draws,
-    draw_key,
-    dropout_function,
-    dropout_module,
-    draw_rate,
-    end_draws,
-    method_with_generator,
-    runs_hooks,
+    begin_draws, draw_key, draw_rate, dropout_function, dropout_module, end_draws, method_with_generator, runs_hooks,
     with_generator,
 )
+from fxpipe.passes.codegen import CALLS_MODULE, called_module
 
 # Functions whose randomness depends on a probability and a training flag:
 # (probability argument: name, position, default), (training flag: name, position, default).

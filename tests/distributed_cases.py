@@ -730,9 +730,9 @@ def _differences(path: str, got: Any, expected: Any) -> list[str]:
 def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
     """balance='time' measures on every rank, each its own times (rank 1's skewed on purpose, so
     that on its own it would cut elsewhere): the ranks still cut alike."""
-    import fxpipe.compile
+    import fxpipe.compiler.cuts
 
-    measure = fxpipe.compile.profile_times
+    measure = fxpipe.compiler.cuts.profile_times
 
     def skewed(gm: Any, *args: Any, **kwargs: Any) -> None:
         measure(gm, *args, **kwargs)
@@ -740,7 +740,7 @@ def timed_plans(rank: int, world: int) -> tuple[list[list[str]], float, float]:
             if "time" in node.meta and rank == 1 and "layers_0" in node.name:
                 node.meta["time"] *= 1000.0
 
-    fxpipe.compile.profile_times = skewed
+    fxpipe.compiler.cuts.profile_times = skewed
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = FanOut().double()

@@ -106,7 +106,7 @@ def test_one_device_string_is_listed_with_the_other_problems() -> None:
 
 def test_cuda_without_an_index_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """'cuda', torch.device('cuda') and 'cuda:0' name one device: the plan shows 'cuda:0'."""
-    from fxpipe.compile import _parse_device
+    from fxpipe.compiler.arguments import _parse_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -679,10 +679,10 @@ def test_the_predicted_step_time_is_the_measured_one(schedule: str) -> None:
 
 
 def test_a_graph_that_fails_on_a_micro_batch_is_timed_on_the_whole_example(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fxpipe.compile
+    import fxpipe.compiler.cuts
 
     timed_on = []
-    real = fxpipe.compile.profile_times
+    real = fxpipe.compiler.cuts.profile_times
 
     def fails_on_a_micro_batch(gm: fx.GraphModule, example: Any, device: torch.device, per_batch: int = 1) -> fx.GraphModule:
         timed_on.append((example[0].shape[0], per_batch))
@@ -690,7 +690,7 @@ def test_a_graph_that_fails_on_a_micro_batch_is_timed_on_the_whole_example(monke
             raise RuntimeError("shape mismatch")
         return real(gm, example, device)
 
-    monkeypatch.setattr(fxpipe.compile, "profile_times", fails_on_a_micro_batch)
+    monkeypatch.setattr(fxpipe.compiler.cuts, "profile_times", fails_on_a_micro_batch)
     plan = _napping_pipeline().plan
     assert timed_on == [(2, 4), (8, 1)]
     # nodes and then stages timed on the whole example: a nap each, as one call of the batch

@@ -7,11 +7,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-import fxpipe.compile
+import fxpipe.compiler.placement
 
 from conftest import assert_grads_equal, twin
 from fxpipe import compile_pipeline
-from fxpipe.compile import place_state
+from fxpipe.compiler.placement import place_state
 from fxpipe.core.microbatch import scatter, split_sizes
 from fxpipe.passes.linearize import linearize
 from fxpipe.tracing.trace import trace
@@ -60,14 +60,14 @@ def test_place_state_puts_each_tensor_on_its_first_readers_device(monkeypatch: p
     order = linearize(gm)
     cut = next(i for i, node in enumerate(order) if node.target == "second")
     placed: dict[str, str] = {}
-    place = fxpipe.compile._place
+    place = fxpipe.compiler.placement._place
 
     def record(owner: nn.Module, graph: fx.GraphModule, name: str, tensor: torch.Tensor, device: torch.device) -> None:
         placed[name] = device.type
         if not isinstance(tensor, nn.Parameter):  # a Parameter's data cannot be set to a meta tensor
             place(owner, graph, name, tensor, device)
 
-    monkeypatch.setattr(fxpipe.compile, "_place", record)
+    monkeypatch.setattr(fxpipe.compiler.placement, "_place", record)
     place_state(model, gm, [order[:cut], order[cut:]], [torch.device("cpu"), torch.device("meta")])
     assert placed == {
         "first.weight": "cpu", "first.bias": "cpu", "second.weight": "meta", "second.bias": "meta",

@@ -263,9 +263,9 @@ def test_a_failed_step_leaves_the_callers_generator_as_it_was(call: str) -> None
 
 def test_buffers_over_the_put_back_limit_are_not_copied_and_keep_a_failed_steps_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy on every step would cost more than the step for a large buffer (a queue of features)."""
-    import fxpipe.runtime.step
+    import fxpipe.runtime.rollback
 
-    monkeypatch.setattr(fxpipe.runtime.step, "PUT_BACK_LIMIT", 0)
+    monkeypatch.setattr(fxpipe.runtime.rollback, "PUT_BACK_LIMIT", 0)
     model = _Counted().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, split_points=["norm"])
@@ -499,7 +499,7 @@ def test_the_loss_stage_backward_starts_from_the_loss_where_nothing_recomputes_o
     A micro-batch the last stage recomputes, or whose backward it splits into I and W, takes the
     outputs' gradients from a backward of the loss alone; the gradients are the plain model's
     either way."""
-    import fxpipe.runtime.step
+    import fxpipe.runtime.tasks
 
     calls: list[int] = []
 
@@ -507,7 +507,7 @@ def test_the_loss_stage_backward_starts_from_the_loss_where_nothing_recomputes_o
         calls.append(1)
         return fxpipe.runtime.losses.value_grads(loss, values)
 
-    monkeypatch.setattr(fxpipe.runtime.step, "value_grads", counted)
+    monkeypatch.setattr(fxpipe.runtime.tasks, "value_grads", counted)
     model, reference = twin(FanOut())
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, schedule=schedule, checkpoint=mode)

@@ -15,18 +15,22 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiled.program import Binder, OtherCall
-from fxpipe.tracing.assignments import (
-    AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
-)
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import _small_on_cpu
 from fxpipe.passes.state import ASSIGNS
 from fxpipe.passes.validate import check_graph, first_line, raising_line
-from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of
+from fxpipe.tracing.assignments import (
+    AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
+)
+from fxpipe.tracing.attribute_reads import (
+    Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of,
+)
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph, fixed_dims
 from fxpipe.tracing.functions import functions_applied
-from fxpipe.tracing.lost_effects import outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted
+from fxpipe.tracing.lost_effects import (
+    outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
+)
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.tracing.trace import LeafSpec, TraceError, UNKNOWN_TYPE_FIX, trace, unknown_type

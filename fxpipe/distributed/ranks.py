@@ -28,7 +28,8 @@ from fxpipe.compiled.plan import Plan
 from fxpipe.core.edges import CALLER
 from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
 from fxpipe.distributed.channel import Channel
-from fxpipe.runtime.step import StageError, raised_here
+from fxpipe.runtime.stage_error import raised_here
+from fxpipe.runtime.step import StageError
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it gives up on it
 # Values travel on a group per direction of each pair of ranks, on every backend:

@@ -1,16 +1,19 @@
-"""One call of a pipeline, prepared: its inputs split into micro-batches, and what it asks of autograd."""
+"""One call of a pipeline, prepared: its inputs split into micro-batches and checked, and what it asks of autograd."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.compiled.program import Program
-from fxpipe.core.microbatch import Dims
+from fxpipe.core.microbatch import Dims, ExampleLeaves, off_batch, scatter, split_dim, split_sizes
 from fxpipe.runtime.autograd import InputSlot
 from fxpipe.runtime.context import CallerContext
-from fxpipe.runtime.gather import Gathered
+from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
+from fxpipe.runtime.transforms import refuse_transforms
 
 
 @dataclass
@@ -28,3 +31,128 @@ class Call:
     params: list[nn.Parameter]
     grad: bool
     gather: Callable[[list[dict[str, Any]]], Gathered]
+
+
+def split_call(
+    program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims, chunks: int, example_leaves: ExampleLeaves,
+    check_micro_batch: Optional[Callable[[list[dict[str, Any]]], None]], across: bool,
+) -> Call:
+    """The call's input values split into micro-batches, checked against what the stages can run
+    as the plain model does, with what the call asks of autograd."""
+    refuse_shared_written_inputs(program, values)
+    sizes = split_sizes(batch, chunks) if batch is not None else [1]
+    if batch is not None and len(sizes) > 1:
+        refuse_off_batch(values, example_leaves, batch, dims)
+        check_written_inputs(program, values, batch, dims)
+    pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
+    micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
+    if check_micro_batch is not None and len(sizes) > 1:
+        check_micro_batch(micro_batches)
+    context = CallerContext.capture()
+    slots = input_slots(values, batch, dims)
+    grad_mode = torch.is_grad_enabled() and not context.inference
+    refuse_transforms(values, program.unreached, grad_mode, program.state_read)
+    params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
+    grad = grad_mode and bool(slots or params)
+    if across and grad and slots:
+        raise ValueError(
+            "across processes, inputs that require grad are not supported: their gradients would be "
+            "made on several ranks.\nHow to fix: pass inputs that do not require grad (x.detach())."
+        )
+    by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
+    given = given_values(program, values)
+
+    def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
+        return Gathered(program.template, per_micro_batch, given, sizes, not by_spec)
+
+    return Call(program, values, batch, dims, sizes, micro_batches, context, slots, params, grad, gather)
+
+
+def refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> None:
+    """An input written in place that shares memory with another (`model(t, t)`, or a view
+    of t): the plain model's write shows through the other, where a stage writes a copy."""
+    written = program.written_inputs
+    if not written:
+        return
+    holders: dict[int, list[str]] = {}  # storage -> the inputs with a tensor in it
+    for name, value in values.items():
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.numel() and not leaf.is_meta:
+                holders.setdefault(leaf.untyped_storage().data_ptr(), []).append(name)
+    for names in holders.values():
+        for name in dict.fromkeys(n for n in names if n in written and len(names) > 1):
+            others = [n for n in names if n != name] or [name]  # (two parts of one input)
+            raise ValueError(
+                f"the model writes its input {name!r} in place, and {others[0]!r} shares its memory (the same "
+                "tensor, or a view of it): the plain model's write shows through it, where each stage writes "
+                "a copy of what it is given.\nHow to fix: pass a copy of one of them (y.clone())."
+            )
+
+
+def refuse_off_batch(values: dict[str, Any], example_leaves: ExampleLeaves, batch: int, dims: Dims) -> None:
+    """An input split with the batch in the example, given another size there than the batch's."""
+    wrong = off_batch(values, example_leaves, batch, dims)
+    if wrong:
+        raise ValueError(
+            f"the example split these inputs with the batch along dim 0, and this call gives them another "
+            f"size there than the batch's {batch} (nor 1): {', '.join(wrong)}. Kept whole, each "
+            "micro-batch would broadcast against all of them, where the plain model takes them row by "
+            "row with the batch.\nHow to fix: give every batched input the same batch size, or "
+            "keep such an input whole in every call (chunk_spec={name: None})."
+        )
+
+
+def check_written_inputs(program: Program, values: dict[str, Any], batch: Optional[int], dims: Dims) -> None:
+    """An input written in place must be split: each micro-batch then writes its own slice,
+    as the plain model writes the batch. One passed whole would be written once per
+    micro-batch."""
+    for stage in program.stages:
+        for name in stage.written:
+            leaves = [t for t in tree_flatten(values.get(name))[0] if isinstance(t, torch.Tensor)]
+            if batch is None or any(split_dim(t, batch, dims) is None for t in leaves):
+                raise ValueError(
+                    f"the model writes its input {name!r} in place, and that input is not split "
+                    "into micro-batches: every micro-batch would write it again.\nHow to fix: use "
+                    "chunks=1, or write a copy of the input in the model."
+                )
+
+
+def given_values(program: Program, values: dict[str, Any]) -> dict[str, Any]:
+    """Output values not made by a stage: inputs, and attributes returned as they are."""
+    return {**program.given, **values}
+
+
+def input_slots(values: dict[str, Any], batch: Optional[int], dims: Dims) -> list[InputSlot]:
+    """Where each input tensor that requires grad gets its gradient: its place in the inputs, and its split dim."""
+    slots = []
+    for name, value in values.items():
+        for index, leaf in enumerate(tree_flatten(value)[0]):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                dim = split_dim(leaf, batch, dims) if batch is not None else None
+                slots.append(InputSlot(name, index, leaf, dim))
+    return slots
+
+
+def differentiable(program: Program, values: dict[str, Any], name: str) -> bool:
+    """Whether the output value `name` requires grad: it depends on an input or a parameter
+    that does (a constant made in forward does not)."""
+    if name not in program.output_inputs:
+        return True
+    inputs = (leaf for n in program.output_inputs[name] for leaf in tree_flatten(values.get(n))[0])
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return True
+    return any(getattr(p, "requires_grad", True) for p in program.output_params[name])
+
+
+def devices_of(values: dict[str, Any]) -> dict[str, torch.device]:
+    """Each input's device: that of its first tensor (the CPU for one without tensors)."""
+    devices = {}
+    for name, value in values.items():
+        leaves = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        devices[name] = leaves[0].device if leaves else torch.device("cpu")
+    return devices
+
+
+def rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
+    """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
+    return as_returned(tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template))

@@ -16,18 +16,7 @@ from functools import lru_cache
 import networkx as nx
 
 from fxpipe.schedules.schedule import (
-    BACKWARD,
-    FORWARD,
-    INPUT_GRAD,
-    MAKERS,
-    RECOMPUTE,
-    SCHEDULES,
-    WEIGHT_GRAD,
-    Action,
-    Layout,
-    Schedule,
-    needs,
-    with_recompute,
+    Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, MAKERS, RECOMPUTE, SCHEDULES, Schedule, WEIGHT_GRAD, needs, with_recompute,
 )
 
 

@@ -1,0 +1,93 @@
+"""Checks at each call that the model is still what was traced: its modules, their code and
+hooks, the attributes and modes the trace read, and the autocast it asked about."""
+from __future__ import annotations
+
+from torch import nn
+
+from fxpipe.compiled.program import Compiled, Program
+from fxpipe.tracing.mode_reads import modes_changed
+
+
+def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compiled) -> bool:
+    """The mode whose graph runs now (training's or eval's); refused, saying why and what to do,
+    where the model holds another module, a traced-through module's code or hooks changed, or an
+    attribute the trace read did, whose forward or values the graph may not hold."""
+    # Replaced modules first: one that read its mode is out of pipe.train()'s reach, and its
+    # stale mode would be blamed.
+    replaced = programs[True].held.modules_replaced()
+    if replaced:
+        raise RuntimeError(
+            f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
+            "the modules there computed when it was traced.\nHow to fix: compile the model again."
+        )
+    rewritten = programs[True].code_changed()
+    if rewritten:
+        raise RuntimeError(
+            f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
+            "holds what their code computed when it was traced (one pass over a container's members).\nHow to fix: "
+            "compile the model again after changing them, or keep such modules whole (compile_pipeline(..., "
+            "leaf_modules=[...])): a module kept whole runs its own code on every call."
+        )
+    mode = _mode(owner.training, programs[True].held.named, compiled.flags)
+    if compiled.eval_only and (mode or owner.training):
+        raise RuntimeError(
+            f"this pipeline was compiled for eval mode alone, and it is called in training mode (or with modules in "
+            f"it): {compiled.eval_only}\nHow to fix: call it in eval mode (pipe.eval(), every module); to "
+            "train, make the training forward traceable and compile again."
+        )
+    program = programs[mode]
+    attributes = program.held.attributes_changed(compiled.attributes_read.get(mode, frozenset()))
+    if attributes:
+        whole = (", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs"
+                 if compiled.front_end == "torch.fx" else "")  # torch.export keeps no module whole
+        raise RuntimeError(
+            f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
+            "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
+            "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
+            f"which the pipeline reads as it runs{whole}."
+        )
+    changed = program.hooks_changed()
+    if "*" in changed:
+        raise RuntimeError(
+            "global module hooks (nn.modules.module.register_module_forward_hook, ...) were added or removed "
+            "since compiling: the graph holds what they did then, on every module the trace went through.\n"
+            "How to fix: compile again after registering them."
+        )
+    if changed:
+        raise RuntimeError(
+            f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
+            "since compiling: the trace went through these modules, and their graph holds what their "
+            f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
+            f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
+        )
+    return mode
+
+
+def refuse_other_autocast(compiled: Compiled) -> None:
+    """A forward that asked whether autocast is on (to upcast, say) was answered once, when
+    traced: a call under another autocast would run the other answer's graph."""
+    changed = modes_changed(compiled.modes_read)
+    if changed:
+        raise RuntimeError(
+            f"the model's forward asks torch about autocast, and the answers differ from when it was traced: "
+            f"{'; '.join(changed)}. The graph holds the answers it got then.\nHow to fix: compile the model "
+            "under the autocast it runs under (a pipeline for each), or keep the module that asks whole "
+            "(leaf_modules=[...]), which asks as it runs."
+        )
+
+
+def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[str, bool]]) -> bool:
+    """Whose graph runs now: training's or eval's. Each holds what the `training` flags its
+    trace read decided (a module set apart in eval mode when compiling, say): the graph of the
+    model's mode if the modules hold those flags now, else the other's if they hold its."""
+    for mode in (training, not training):
+        if all(named[path].training == flag for path, flag in traced.get(mode, {}).items() if path in named):
+            return mode
+    apart = [f"{path or 'the model'} in {'eval' if flag else 'training'} mode"
+             for path, flag in traced.get(training, {}).items() if path in named and named[path].training != flag]  # fmt: skip
+    raise RuntimeError(
+        f"the model's forward reads `training`, and no graph was traced with its modules in the modes they "
+        f"are in: {', '.join(apart)} now, where the {'training' if training else 'eval'} graph has them in the "
+        "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
+        "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
+    )

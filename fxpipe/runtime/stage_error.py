@@ -1,0 +1,41 @@
+"""A stage's failure in a step: which stage, micro-batch and phase, what torch's error means there,
+and the same error on every rank."""
+from __future__ import annotations
+
+from typing import Optional
+
+from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.runtime.hints import hint_for
+from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
+
+
+class StageError(RuntimeError):
+    """An exception raised inside a stage; `__cause__` is the original. Across processes, `rank`
+    is the rank the stage ran on, and every rank raises the same error."""
+
+    def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException, rank: Optional[int] = None) -> None:
+        where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
+        detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error)}"
+        super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
+        self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
+
+
+def raised_here(failure: Failure) -> Exception:
+    """The error this rank raises for a failure on another: that stage's StageError, or, for a
+    failure outside any stage (a rank lost at the end of a step), a RuntimeError that says so."""
+    if failure.stage < 0:
+        return RuntimeError(failure.describe())
+    return StageError(failure.stage, failure.micro_batch, failure.phase, RemoteFailure(failure), rank=failure.rank)
+
+
+class LossError(Exception):
+    """The loss function raised (the cause)."""
+
+
+PHASES = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward", INPUT_GRAD: "backward", WEIGHT_GRAD: "backward"}
+
+
+def marked(action: Action, error: BaseException) -> BaseException:
+    """`error` with where it struck, for the other ranks' message (distributed.failing_together)."""
+    error.fxpipe_where = (action.stage, action.micro_batch, PHASES[action.kind])  # type: ignore[attr-defined]
+    return error
