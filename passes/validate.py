@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
+from fxpipe.core.own_code import is_ours
 from fxpipe.core.snapshot import Snapshot, preserved
 from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
 from fxpipe.tracing.assignments import started_alike
@@ -26,7 +27,7 @@ _TOLERANCES = {
     torch.complex64: (1e-4, 1e-5),
 }
 _LOW_PRECISION = (1e-2, 1e-3)
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def check_graph(
@@ -267,7 +268,7 @@ def raising_line(error: BaseException) -> str:
     outside torch and fxpipe), as 'file:line (code)', or '' when none is the model's."""
     found = ""
     for frame in traceback.extract_tb(error.__traceback__):
-        if not frame.filename.startswith(_LIBRARY_DIRS) and not frame.filename.startswith("<"):
+        if not _library(frame.filename) and not frame.filename.startswith("<"):
             found = f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
     return found
 
@@ -279,7 +280,12 @@ def source_line(node: fx.Node) -> str:
     found = "an unknown line"
     for i, line in enumerate(lines):
         match = _FRAME.search(line)
-        if match and not match["file"].startswith(_LIBRARY_DIRS):
+        if match and not _library(match["file"]):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             found = f"{match['file']}:{match['line']} ({code})"
     return found
+
+
+def _library(filename: str) -> bool:
+    """Code of torch's or fxpipe's, not the model's."""
+    return filename.startswith(_TORCH_DIR) or is_ours(filename)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from fxpipe.core.own_code import is_ours
 from fxpipe.core.scoped import scoped
 from fxpipe.core.settings import settings
 from fxpipe.tracing.dict_reads import DictReads, Entries, KeysRead, MISSING, WHOLE, entries
@@ -42,16 +43,13 @@ from fxpipe.tracing.global_reads import constant, module_reads, nested, settings
 _local = threading.local()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are the model's code
-_PASSES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def from_the_model(filename: str) -> bool:
     """Whether code in `filename` is the model's: not torch's (but for its modules), nor fxpipe's."""
     if filename.startswith(_TORCH_NN):
         return True
-    package = sys.modules.get("fxpipe")
-    ours = os.path.dirname(os.path.abspath(package.__file__ or "")) + os.sep if package is not None else _PASSES
-    return not filename.startswith((_TORCH, _PASSES, ours))
+    return not filename.startswith(_TORCH) and not is_ours(filename)
 
 
 # Above this many entries a dict read whole is not watched: comparing it would slow every call.
