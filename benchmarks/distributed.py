@@ -213,8 +213,8 @@ def schedule_limits(costs: list[tuple[float, float, float]], chunks: int) -> dic
     step's time over the busier rank's work. The bound times this is what no implementation of
     that schedule on this cut beats (a ratio, so that the bound, timed in the same rounds as the
     contenders, carries the machine's speed)."""
-    from fxpipe.schedules.schedule import Layout
-    from fxpipe.schedules.schedule_check import make_schedule
+    from fxpipe.schedules.actions import Layout
+    from fxpipe.schedules.check import make_schedule
     from fxpipe.schedules.simulate import StageCosts, simulate
 
     layout = Layout((0, 1), frozenset({(0, 1)}), (1,))
@@ -229,7 +229,7 @@ def message_cost(rank: int, rounds: int = 12, trips: int = 200) -> dict[str, flo
     into a receive posted before it is sent); and a channel message, with its header (step, key,
     shapes and dtypes) in the frame."""
     from fxpipe.distributed.channel import Channel
-    from fxpipe.distributed.frames import FRAME
+    from fxpipe.distributed.wire import FRAME
 
     group = dist.group.WORLD
     channel = Channel(group, [0, 1], rank, torch.device("cpu"), 30.0)

@@ -7,8 +7,8 @@ from fxpipe.passes.partition import PartitionError
 from fxpipe.pipeline import Pipeline, PlacementError
 from fxpipe.runtime.checkpoint import is_checkpointing, is_recomputing
 from fxpipe.runtime.stage_error import StageError
-from fxpipe.schedules.schedule import Action, Layout, Schedule
-from fxpipe.schedules.schedule_check import ScheduleError
+from fxpipe.schedules.actions import Action, Layout, Schedule
+from fxpipe.schedules.check import ScheduleError
 from fxpipe.schedules.timeline import Timeline
 from fxpipe.tracing.markers import pipe_split
 from fxpipe.tracing.trace import TraceError

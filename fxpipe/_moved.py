@@ -8,8 +8,8 @@ MOVED = {
     "fxpipe.passes.markers": "fxpipe.tracing.markers",
     "fxpipe.passes.trace": "fxpipe.tracing.trace",
     "fxpipe.plan": "fxpipe.compiled.plan",
-    "fxpipe.schedule": "fxpipe.schedules.schedule",
-    "fxpipe.schedule_check": "fxpipe.schedules.schedule_check",
+    "fxpipe.schedule": "fxpipe.schedules.actions",
+    "fxpipe.schedule_check": "fxpipe.schedules.check",
     "fxpipe.step": "fxpipe.runtime.step",
     "fxpipe.timeline": "fxpipe.schedules.timeline",
 }

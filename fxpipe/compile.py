@@ -37,7 +37,7 @@ from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.state import reads_after_hidden_writes
 from fxpipe.pipeline import Pipeline
-from fxpipe.schedules.schedule import checkpoint_stop
+from fxpipe.schedules.actions import checkpoint_stop
 from fxpipe.tracing.assignments import assignments_recorded
 from fxpipe.tracing.export import shapes_note
 from fxpipe.tracing.global_reads import put_back_on_failure
@@ -189,7 +189,7 @@ def compile_pipeline(
             GPipe), and their running statistics are updated once per step from the whole
             batch, as the plain model's would be on it.
         schedule: what `pipe.train_step` runs: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'
-            (fxpipe/schedules/schedule.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
+            (fxpipe/schedules/actions.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
         stages_per_device: with 'interleaved-1f1b', the model is cut into this many stages per
             device, placed round-robin: stage s on `devices[s % len(devices)]`.
         compile_stages: run each generated stage under `torch.compile`, forward and backward:

@@ -21,9 +21,9 @@ from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
 from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, map_tensors, spec_dims
 from fxpipe.core.randomness import generator_put_back_on_error
-from fxpipe.distributed.across import Host, forward_across, train_across
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.clipping import clip_across
+from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, routes, unread
 from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import refuse_other_autocast, traced_mode
@@ -40,8 +40,8 @@ from fxpipe.runtime.losses import (
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
 from fxpipe.runtime.worker import Workers
-from fxpipe.schedules.schedule import Schedule, checkpoint_stop
-from fxpipe.schedules.schedule_check import make_schedule
+from fxpipe.schedules.actions import Schedule, checkpoint_stop
+from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.timeline import Record, Timeline
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]

@@ -1,156 +1,13 @@
-"""Shared helpers: the example models, a fan-out model, and gradient comparison."""
+"""What every test runs under: a fixed seed, bounded waits, and the examples importable by name."""
 from __future__ import annotations
 
-import copy
-import importlib
 import sys
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-
-def example_module(name: str) -> Any:
-    return importlib.import_module(name)
-
-
-class Counts(nn.Module):
-    """Writes a buffer in forward and reads it: the model's own buffer must be the one written."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 8)
-        self.count: torch.Tensor
-        self.register_buffer("count", torch.zeros(1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.count.add_(1)
-        return self.lin(x) * (self.count * 0.5 + 1)
-
-
-class WithPositions(nn.Module):
-    """`pos` holds one row per position, the same for every sample."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.a(x + pos)))
-
-
-class FanOut(nn.Module):
-    """`a` feeds three later layers: cut in 4 stages, it is a skip to each of stages 2 and 3."""
-
-    def __init__(self, width: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = torch.tanh(self.layers[0](x))
-        b = torch.tanh(self.layers[1](a))
-        c = torch.tanh(self.layers[2](b))
-        d = torch.tanh(self.layers[3](c)) + a
-        e = torch.tanh(self.layers[4](d))
-        f = torch.tanh(self.layers[5](e)) * a
-        g = torch.tanh(self.layers[6](f)) + b
-        return self.layers[7](g) + a
-
-
-class TiedEnds(nn.Module):
-    """Its first and last layers share one weight: cut after `a`, each stage holds a copy."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
-        self.c.weight = self.a.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
-
-
-class WindowBlock(nn.Module):
-    """MaxViT's block in small: a BatchNorm, a window partition (reshape and permute) and a
-    residual MLP on the windows. `grid` (a stage of its own with `split_points=["grid"]`) puts the
-    windows back as a feature map: its permute's backward hands the block a gradient in a permuted
-    layout. On a 2x2 map the window partition is a view, whose backward gives one-sample
-    micro-batches the layouts that torch 2.13's CPU batch_norm backward gets wrong, unless they
-    are the plain model's own."""
-
-    def __init__(self, channels: int = 8, grid: bool = True) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 3, 1)
-        self.conv = nn.Conv2d(3, channels, 1)
-        self.norm = nn.BatchNorm2d(channels)
-        self.mlp = nn.Sequential(nn.LayerNorm(channels), nn.Linear(channels, channels))
-        self.grid = WindowGrid() if grid else None
-        self.head = nn.Linear(channels, 3) if grid else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(self.conv(self.stem(x)))
-        b, c, h, w = y.shape
-        windows = y.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 3, 5, 1)
-        z = self.mlp(windows) + windows
-        return z if self.grid is None or self.head is None else self.head(self.grid(z))
-
-
-class WindowGrid(nn.Module):
-    """Windows back to a feature map, averaged over it."""
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        b, rows, cols, h, w, c = z.shape
-        return z.permute(0, 5, 1, 3, 2, 4).reshape(b, c, rows * h, cols * w).mean((2, 3))
-
-
-def real_tensors_only(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """A library function with a type check (einops' backends have one): a trace's value fails it."""
-    if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter):
-        raise RuntimeError(f"Tensor type unknown to the library {type(t)}")
-    return t.reshape(t.shape[0], heads, -1).flip(-1).reshape(t.shape[0], -1)
-
-
-def assert_grads_equal(pipe: nn.Module, reference: nn.Module, tol: float = 1e-10) -> None:
-    """Every parameter's gradient in the pipeline equals the reference's, by name."""
-    ref = dict(reference.named_parameters())
-    names = [name for name, _ in pipe.named_parameters()]
-    assert names == list(ref), "parameter names differ from the plain model's"
-    for name, param in pipe.named_parameters():
-        expected = ref[name].grad
-        assert param.grad is not None, f"{name}: no gradient"
-        assert expected is not None, f"{name}: the reference has no gradient"
-        torch.testing.assert_close(param.grad.cpu(), expected.cpu(), rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
-
-
-def assert_call_and_grads_equal(pipe: nn.Module, reference: nn.Module, *args: Any, tol: float = 1e-12, **kwargs: Any) -> None:
-    """`pipe(*args, **kwargs)` equals the reference's output, and `torch.autograd.grad` of its sum
-    gives each parameter the reference's gradient (and nothing to `.grad`)."""
-    out, expected = pipe(*args, **kwargs), reference(*args, **kwargs)
-    torch.testing.assert_close(out, expected, rtol=0, atol=tol)
-    before = [(p.grad, None if p.grad is None else p.grad.clone()) for p in pipe.parameters()]
-    got = torch.autograd.grad(out.sum(), list(pipe.parameters()))
-    for p, (grad, values) in zip(pipe.parameters(), before):
-        assert p.grad is grad and (grad is None or values is None or torch.equal(grad, values)), "autograd.grad wrote into .grad"
-    for grad, want in zip(got, torch.autograd.grad(expected.sum(), list(reference.parameters()))):
-        torch.testing.assert_close(grad, want, rtol=0, atol=tol)
-
-
-M = TypeVar("M", bound=nn.Module)
-
-
-def grad_of(param: torch.Tensor) -> torch.Tensor:
-    """`param.grad`, which a backward through it has set."""
-    assert param.grad is not None
-    return param.grad
-
-
-def twin(model: M) -> tuple[M, M]:
-    """The model in float64, and an independent copy for reference."""
-    model = model.double()
-    return model, copy.deepcopy(model)
 
 
 @pytest.fixture(autouse=True)
@@ -164,20 +21,3 @@ def _bounded_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     import fxpipe.runtime.step
 
     monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 30.0)
-
-
-class RenormTied(nn.Module):
-    """An Embedding with max_norm (it renormalises the rows it looks up, in place) tied to the
-    head: called whole, or as F.embedding, which torch.fx traces into `embedding_renorm_`."""
-
-    def __init__(self, functional: bool) -> None:
-        super().__init__()
-        self.functional = functional
-        self.emb = nn.Embedding(10, 6, max_norm=1.0)
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-        self.head = nn.Linear(6, 10, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = nn.functional.embedding(x, self.emb.weight, max_norm=1.0) if self.functional else self.emb(x)
-        return self.head(torch.tanh(self.b(torch.tanh(self.a(h)))))

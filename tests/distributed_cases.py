@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from conftest import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
+from helpers import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
 from dag_models import Op, Spec, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 

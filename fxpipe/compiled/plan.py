@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from fxpipe.core.edges import ACTIVATION, CALLER, Edge, INPUT, OUTPUT, SKIP
-from fxpipe.schedules.schedule import Layout, checkpoint_stop
-from fxpipe.schedules.schedule_check import make_schedule
+from fxpipe.schedules.actions import Layout, checkpoint_stop
+from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import Prediction, StageCosts, simulate
 
 __all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]

@@ -25,7 +25,7 @@ from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.edges import Edge
 from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import draws_now, runs_hooks
-from fxpipe.schedules.schedule import Layout
+from fxpipe.schedules.actions import Layout
 from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
 from fxpipe.tracing.mode_reads import ModeReads
 

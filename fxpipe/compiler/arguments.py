@@ -14,7 +14,7 @@ from fxpipe.compiled.program import ChunkSpec
 from fxpipe.core.microbatch import batch_size_of, spec_dims
 from fxpipe.passes.costs import BALANCE_MODES
 from fxpipe.passes.partition import conflicting_options
-from fxpipe.schedules.schedule import CHECKPOINT_MODES, SCHEDULES
+from fxpipe.schedules.actions import CHECKPOINT_MODES, SCHEDULES
 
 
 StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward

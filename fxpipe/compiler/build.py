@@ -24,7 +24,7 @@ from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_wri
 from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.runtime.checkpoint import slot_of
 from fxpipe.runtime.gather import DataclassOutput, ValueRef
-from fxpipe.schedules.schedule import Layout
+from fxpipe.schedules.actions import Layout
 
 
 def build_program(

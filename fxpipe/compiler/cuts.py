@@ -20,7 +20,7 @@ from fxpipe.passes.partition import cuts_from_split_points, partition, refuse
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.state import rewritten_by_recompute, state_write_spans, view_write_spans
-from fxpipe.schedules.schedule import checkpoint_stop
+from fxpipe.schedules.actions import checkpoint_stop
 from fxpipe.tracing.markers import cuts_from_markers
 
 

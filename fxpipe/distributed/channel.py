@@ -1,6 +1,6 @@
 """Values between processes: each rank's messages to another, in the order it sends them.
 
-A rank sends a value as one message on `torch.distributed` point-to-point ops (fxpipe/distributed/frames.py:
+A rank sends a value as one message on `torch.distributed` point-to-point ops (fxpipe/distributed/wire.py:
 a frame with the header and the small tensors, then each large tensor), with every tensor's
 shape and dtype, so a step may change the batch size or the sequence length. Sends are
 asynchronous. A rank receives on its own thread, when an action needs a value, reading the
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
-from fxpipe.distributed.frames import FRAME, FrameFull, Message, decode, encode, frame_of, open_frame
+from fxpipe.distributed.wire import FRAME, FrameFull, Message, decode, encode, frame_of, open_frame
 
 VALUE, FAILED, DONE = "value", "failed", "done"
 _channels = itertools.count(1)  # each pipeline's messages under a tag of their own

@@ -1,6 +1,6 @@
 """One pipeline step: the executor that runs a schedule's actions, and the values between them.
 
-Each worker runs its list of actions (fxpipe/schedules/schedule.py) in order; an action waits in the
+Each worker runs its list of actions (fxpipe/schedules/actions.py) in order; an action waits in the
 mailbox for what it receives, runs, and posts what it sends. For stage j and micro-batch i:
 
     F  (1) take inputs ──▶ (2) run stage ──▶ (3) send outputs to each consumer's device
@@ -41,7 +41,7 @@ from fxpipe.runtime.stage_error import LossError, PHASES, StageError, marked, ra
 from fxpipe.runtime.tasks import LossFn, Saved, StageTasks, add_grads, requires_grad
 from fxpipe.runtime.weight_grad import Weights
 from fxpipe.runtime.worker import TaskGroup, Workers
-from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
 from fxpipe.schedules.simulate import StageCosts, simulate
 from fxpipe.schedules.timeline import Record
 
@@ -120,7 +120,7 @@ class Step(StageTasks):
         # once a stage drew (after the forwards), so that a stage that only may (a module called
         # whole, whose inside the graph does not show) and does not, leaves it as the plain model
         # does, for a `loss_fn` that draws too. Across processes whether a stage drew is known on
-        # its own rank only: the ranks settle it at the end of the step (fxpipe/distributed/across.py), so
+        # its own rank only: the ranks settle it at the end of the step (fxpipe/distributed/rank_call.py), so
         # that their generators stay alike (a DataLoader's shuffle after the step).
         drawing = any(self.randomness) or any(self.hidden_randomness)
         before = torch.get_rng_state() if drawing else None

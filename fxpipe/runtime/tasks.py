@@ -31,7 +31,7 @@ from fxpipe.runtime.raw_grads import raw_grads
 from fxpipe.runtime.rollback import Rollback
 from fxpipe.runtime.stage_error import LossError
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
-from fxpipe.schedules.schedule import Schedule
+from fxpipe.schedules.actions import Schedule
 
 
 @dataclass

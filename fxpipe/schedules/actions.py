@@ -7,7 +7,7 @@ An action is one stage's work on one micro-batch:
                                W  weight gradient: from what I kept, whenever the worker is free
 
 Stage s runs on worker `layout.ranks[s]`; a worker runs its list in order, and an action waits
-only for the values it receives. `make_schedule` (fxpipe/schedules/schedule_check.py) makes a named
+only for the values it receives. `make_schedule` (fxpipe/schedules/check.py) makes a named
 schedule and proves it runs to the end.
 For 2 stages and 3 micro-batches (columns are turns, not times):
 

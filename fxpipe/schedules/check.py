@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import networkx as nx
 
-from fxpipe.schedules.schedule import (
+from fxpipe.schedules.actions import (
     Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, MAKERS, RECOMPUTE, SCHEDULES, Schedule, WEIGHT_GRAD, needs, with_recompute,
 )
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
-from fxpipe.schedules.schedule_check import dependency_graph
+from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.check import dependency_graph
 from fxpipe.schedules.timeline import Record, Timeline, running_peaks
 
 

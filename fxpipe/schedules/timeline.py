@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 from xml.sax.saxutils import escape
 
-from fxpipe.schedules.schedule import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
 
 COLOURS = {FORWARD: "#4c78a8", BACKWARD: "#f58518", INPUT_GRAD: "#e45756", WEIGHT_GRAD: "#72b7b2", RECOMPUTE: "#b279a2"}
 

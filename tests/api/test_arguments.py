@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe import compile_pipeline
+from fxpipe import PartitionError, compile_pipeline
+from helpers import FanOut
 
 X = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))  # fixed whatever was imported first
 
@@ -197,3 +198,76 @@ def test_a_model_holding_a_torchscript_module_is_refused_naming_it() -> None:
     with pytest.raises(ValueError, match=r"the model holds TorchScript modules \(block\), which fxpipe cannot trace"):
         compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+
+
+class Nest(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Linear(6, 6), nn.ReLU())
+        self.second = nn.Sequential(nn.Linear(6, 6), nn.ReLU())
+        self.third = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.third(self.second(self.first(x)))
+
+
+def test_empty_devices() -> None:
+    with pytest.raises(ValueError, match="devices is empty"):
+        compile_pipeline(FanOut(), X, [])
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 1.5])
+def test_chunks_below_one(chunks: object) -> None:
+    with pytest.raises(ValueError, match="chunks must be a whole number of micro-batches, at least 1"):
+        compile_pipeline(FanOut(), X, ["cpu"], chunks=chunks)  # type: ignore[arg-type]
+
+
+def test_unknown_checkpoint_mode() -> None:
+    with pytest.raises(ValueError, match="checkpoint must be one of 'always', 'except_last', 'never' \\(got 'sometimes'\\)"):
+        compile_pipeline(FanOut(), X, ["cpu"], checkpoint="sometimes")
+
+
+def test_all_argument_problems_are_listed_together() -> None:
+    with pytest.raises(ValueError) as info:
+        compile_pipeline(FanOut(), X, [], chunks=0, checkpoint="bad")
+    message = str(info.value)
+    assert "devices is empty" in message and "chunks must" in message and "checkpoint must" in message
+
+
+def test_split_point_that_is_not_a_module() -> None:
+    with pytest.raises(PartitionError, match="split point 'fourth' is not a module that runs in the traced graph"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], split_points=["fourth"])
+    with pytest.raises(PartitionError, match=r"split point 'secnd.0' is not a module that runs in the traced graph \(did you mean 'second.0'"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], split_points=["secnd.0"])
+
+
+@pytest.mark.parametrize("leaves", [None, "second", Nest, ["second"]], ids=["None", "a name", "a type", "a list"])
+def test_leaf_modules_may_be_none_one_name_or_type_or_a_list(leaves: Any) -> None:
+    """Before, None failed inside compile_pipeline ('NoneType' object is not iterable) and a lone
+    name was taken for a list of its letters."""
+    model = nn.Sequential(Nest(), nn.Linear(6, 6)) if leaves is Nest else Nest()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=leaves)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=0)
+    if leaves is not None:
+        kept = [n for n in pipe.program().graph.graph.nodes if n.op == "call_module"]
+        assert {str(n.target) for n in kept} & {"second", "0"}, [str(n.target) for n in kept]
+
+
+def test_split_points_out_of_order() -> None:
+    with pytest.raises(PartitionError, match="split points are out of order"):
+        compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["third", "second"])
+
+
+def test_split_points_cut_where_the_modules_begin() -> None:
+    pipe = compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["second", "third"])
+    assert [stage.nodes for stage in pipe.plan.stages] == [["first_0", "first_1"], ["second_0", "second_1"], ["third"]]
+
+
+def test_more_stages_than_nodes() -> None:
+    with pytest.raises(PartitionError, match="6 stages but the graph has only 5 nodes to place"):
+        compile_pipeline(Nest(), X, ["cpu"] * 6)
+
+
+def test_balance_that_does_not_sum_to_the_node_count() -> None:
+    with pytest.raises(PartitionError, match="balance sums to 4 but the graph has 5 nodes to place"):
+        compile_pipeline(Nest(), X, ["cpu", "cpu"], balance=[2, 2])

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from conftest import FanOut, WindowBlock, WindowGrid, assert_grads_equal, example_module, twin
+from helpers import FanOut, WindowBlock, WindowGrid, assert_grads_equal, example_module, twin
 from fxpipe import compile_pipeline
 
 MODES = ("always", "except_last", "never")

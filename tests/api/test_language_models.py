@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_grads_equal
+from helpers import assert_grads_equal
 from fxpipe import compile_pipeline
 
 transformers = pytest.importorskip("transformers")  # a test dependency: installed by `make test`

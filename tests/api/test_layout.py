@@ -11,6 +11,7 @@ import pytest
 
 import fxpipe
 from fxpipe._moved import MOVED
+from fxpipe.core.own_code import is_ours
 
 ROOT = pathlib.Path(fxpipe.__file__).resolve().parent
 PASSES = pathlib.Path(importlib.import_module("fxpipe.passes").__file__ or "").resolve().parent
@@ -99,9 +100,57 @@ def test_every_layer_is_a_package_and_every_module_belongs_to_one() -> None:
             assert f"fxpipe.{layer}" in modules(), f"no package fxpipe.{layer}"
 
 
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "layout.md"
+SECTION = "## Packages and modules"
+HOMES = {"passes": "`passes/` (installed as `fxpipe.passes`)", "api": "the top-level modules of `fxpipe/`"}
+
+
+def summary(path: pathlib.Path) -> str:
+    """The first paragraph of a module's docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def modules_section() -> str:
+    """docs/layout.md's list of packages and modules, made from their docstrings."""
+    found = modules()
+    lines = [SECTION, "", "Each package in the order of the layers, then one line per module, from its docstring.", ""]
+    for layer in LAYERS:
+        package = "fxpipe" if layer == "api" else f"fxpipe.{layer}"
+        lines += [f"### {layer}: {HOMES.get(layer, f'`fxpipe/{layer}/`')}", "", summary(found[package]), ""]
+        members = sorted(m for m in found if m != package and layer_of(m) == layer and m.count(".") == (1 if layer == "api" else 2))
+        lines += [f"- `{m.rpartition('.')[2]}.py`: {summary(found[m])}" for m in members] + [""]
+    return "\n".join(lines)
+
+
+def test_the_layout_guide_lists_every_module_as_its_docstring_says() -> None:
+    """docs/layout.md cannot drift from the tree: `python tests/api/test_layout.py` writes its list again."""
+    text = DOCS.read_text()
+    assert SECTION in text, f"{DOCS} has no section {SECTION!r}"
+    assert text[text.index(SECTION):].rstrip() == modules_section().rstrip(), "docs/layout.md is stale: run python tests/api/test_layout.py"
+
+
+def test_every_module_says_what_it_is_in_one_line_first() -> None:
+    missing = [m for m, path in modules().items() if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()]
+    assert not missing, f"modules without a docstring: {missing}"
+
+
+def test_every_module_of_the_library_is_its_own_code_and_a_test_is_not() -> None:
+    """Watches and errors skip fxpipe's frames to point at the model's line: wherever a module
+    lives (the passes are installed from a folder of their own), it is fxpipe's."""
+    for module, path in modules().items():
+        assert is_ours(str(importlib.import_module(module).__file__)), f"{module} ({path}) is not taken for fxpipe's own code"
+    assert not is_ours(__file__)
+
+
 @pytest.mark.parametrize("old", sorted(MOVED))
 def test_a_public_name_imports_from_its_old_module(old: str) -> None:
     module = importlib.import_module(old)
     assert module is sys.modules[MOVED[old]]
     public = [name for name in fxpipe.__all__ if getattr(module, name, None) is getattr(fxpipe, name)]
     assert public, f"{old} holds none of fxpipe's public names"
+
+
+if __name__ == "__main__":  # write docs/layout.md's list of modules again
+    text = DOCS.read_text()
+    DOCS.write_text(text[: text.index(SECTION)] + modules_section().rstrip() + "\n")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import is_autocast_enabled as autocast_on
 from torch import nn
 
-from conftest import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, twin
+from helpers import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, twin
 from fxpipe import compile_pipeline
 
 MODES = ("always", "except_last", "never")

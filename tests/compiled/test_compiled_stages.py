@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_grads_equal
+from helpers import assert_grads_equal
 from fxpipe import Pipeline, compile_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")

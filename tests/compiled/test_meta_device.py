@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, example_module
+from helpers import FanOut, assert_grads_equal, example_module
 from fxpipe import Pipeline, compile_pipeline
 
 

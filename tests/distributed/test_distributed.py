@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distributed_cases as cases
-from conftest import FanOut
+from helpers import FanOut
 from fxpipe import compile_pipeline
 from spawn_ranks import results_of, spawn_ranks
 
@@ -35,7 +35,7 @@ def three_ranks() -> list[list[dict[str, Any]]]:
 def test_compiled_stages_across_two_processes() -> None:
     """compile_stages on each rank's stages, under zb-h1 (a compiled stage's I computes every
     gradient) and except_last: a value with skips to several stages (tied weights compiled are
-    in tests/test_compiled.py)."""
+    in tests/compiled/test_compiled_stages.py)."""
     per_rank = results_of(spawn_ranks(cases.train_cases, 2, [("fan_out", "zb-h1", "except_last", "compiled")], timeout=300))
     reports = [report[0] for report in per_rank]
     assert reports[0]["losses"] == reports[1]["losses"]

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal
+from helpers import FanOut, assert_grads_equal
 from fxpipe import StageError, compile_pipeline
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

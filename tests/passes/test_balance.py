@@ -16,7 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 import fxpipe.passes.partition as partition_pass
-from conftest import assert_call_and_grads_equal, example_module, twin
+from helpers import assert_call_and_grads_equal, example_module, twin
 from fxpipe import PartitionError, Pipeline, compile_pipeline
 from fxpipe.compiled.plan import Plan, StagePlan, human_bytes
 from fxpipe.core.edges import Edge

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import prune
 
-from conftest import assert_grads_equal, real_tensors_only, twin
+from helpers import assert_grads_equal, real_tensors_only, twin
 from fxpipe import compile_pipeline
 from fxpipe.core.microbatch import VARIES
 from fxpipe.passes.batch_dims import annotate_batch_dims

@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from conftest import RenormTied, assert_grads_equal, twin
+from helpers import RenormTied, assert_grads_equal, twin
 from fxpipe import Pipeline, compile_pipeline
 from fxpipe.core.writes import is_view, writes_first_argument, written_value
 from fxpipe.passes.inplace import InplaceError

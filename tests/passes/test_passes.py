@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from conftest import assert_grads_equal, twin
+from helpers import assert_grads_equal, twin
 from fxpipe import Pipeline, TraceError, compile_pipeline
 from fxpipe.passes.linearize import linearize
 from fxpipe.passes.partition import PartitionError, belongs_to, min_max_cuts, partition

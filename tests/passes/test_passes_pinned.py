@@ -9,7 +9,7 @@ from torch import nn
 
 import fxpipe.compiler.placement
 
-from conftest import assert_grads_equal, twin
+from helpers import assert_grads_equal, twin
 from fxpipe import compile_pipeline
 from fxpipe.compiler.placement import place_state
 from fxpipe.core.microbatch import scatter, split_sizes

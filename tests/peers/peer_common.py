@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 import fxpipe
-from conftest import assert_grads_equal
+from helpers import assert_grads_equal
 
 ATOL = 1e-9
 CPU2 = ["cpu", "cpu"]

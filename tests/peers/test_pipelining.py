@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from conftest import assert_grads_equal
+from helpers import assert_grads_equal
 from fxpipe import compile_pipeline
 from peer_common import ATOL, CPU2, assert_same, check_step, cpus, fresh, stage_modules, twin64
 

@@ -392,8 +392,8 @@ def test_identity_model() -> None:
 
 def test_any_module_not_only_sequential() -> None:
     """Mirrors torchgpipe tests/test_gpipe.py::test_verify_module_non_sequential: fxpipe takes
-    a model with branches (conftest's FanOut) and cuts it exactly."""
-    from conftest import FanOut
+    a model with branches (tests/helpers.py's FanOut) and cuts it exactly."""
+    from helpers import FanOut
 
     model, reference = twin64(FanOut())
     pipe = compile_pipeline(model, x64(8, 6), cpus(4), chunks=2)
@@ -428,12 +428,12 @@ def test_parameters_shared_by_distinct_children() -> None:
     check_step(pipe, reference, (x64(4, 3),))
 
 
-# -- tests/test_inplace.py ----------------------------------------------------------------------
+# -- tests/passes/test_inplace.py ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_inplace_relu_starting_a_stage(mode: str) -> None:
-    """Mirrors torchgpipe tests/test_inplace.py::test_inplace_on_requires_grad: where torchgpipe
+    """Mirrors torchgpipe tests/passes/test_inplace.py::test_inplace_on_requires_grad: where torchgpipe
     fails (an in-place op on the stage's input leaf), fxpipe gives the plain model's gradients."""
     model, reference = twin64(nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True), nn.Linear(2, 1)))
     pipe = compile_pipeline(model, x64(4, 2), CPU2, chunks=2, checkpoint=mode, split_points=["1"])
@@ -442,7 +442,7 @@ def test_inplace_relu_starting_a_stage(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_inplace_on_input_without_grad(mode: str) -> None:
-    """Mirrors torchgpipe tests/test_inplace.py::test_inplace_on_not_requires_grad (xfail there):
+    """Mirrors torchgpipe tests/passes/test_inplace.py::test_inplace_on_not_requires_grad (xfail there):
     an in-place ReLU on the caller's input writes it once, as the plain model does."""
     model, reference = twin64(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(2, 2)))
     pipe = compile_pipeline(model, x64(4, 2), ["cpu"], chunks=2, checkpoint=mode)
@@ -453,7 +453,7 @@ def test_inplace_on_input_without_grad(mode: str) -> None:
     out.sum().backward()
     ref.sum().backward()
     torch.testing.assert_close(px, rx, rtol=0, atol=ATOL)
-    from conftest import assert_grads_equal
+    from helpers import assert_grads_equal
 
     assert_grads_equal(pipe, reference, tol=ATOL)
 
@@ -461,7 +461,7 @@ def test_inplace_on_input_without_grad(mode: str) -> None:
 @pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
 def test_inplace_on_part_of_a_tuple_input(mode: str, chunks: int) -> None:
-    """Mirrors torchgpipe tests/test_inplace.py::test_inplace_incorrect_grad (xfail there):
+    """Mirrors torchgpipe tests/passes/test_inplace.py::test_inplace_incorrect_grad (xfail there):
     `bar.add_(1)` on a tuple input under checkpointing; foo's gradient is the plain model's
     and bar is written once."""
 
@@ -796,7 +796,7 @@ def test_scatter_and_gather_of_tuples() -> None:
     assert isinstance(out, tuple) and out[0].shape == (4, 1) and out[1].shape == (4, 2)
 
 
-# -- tests/test_balance.py ----------------------------------------------------------------------
+# -- tests/passes/test_balance.py ----------------------------------------------------------------------
 
 
 class Delay(nn.Module):
@@ -812,7 +812,7 @@ class Delay(nn.Module):
 
 
 def test_balance_by_time() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_balance_by_time: six layers sleeping 1 to 6
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_balance_by_time: six layers sleeping 1 to 6
     units cut as [4, 2]."""
     model, _ = twin64(nn.Sequential(*[Delay(i / 400) for i in range(1, 7)]))
     pipe = compile_pipeline(model, x64(2, 1), CPU2, chunks=8, balance="time", leaf_modules=[Delay])
@@ -820,7 +820,7 @@ def test_balance_by_time() -> None:
 
 
 def test_balance_by_time_then_exact() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_balance_by_time_loop_resets_input: profiling
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_balance_by_time_loop_resets_input: profiling
     a conv, a flatten and a linear does not disturb the model, which then trains exactly."""
     model, reference = twin64(nn.Sequential(nn.Conv2d(3, 2, 1), nn.Flatten(), nn.Linear(32, 4)))
     x = x64(6, 3, 4, 4)
@@ -830,7 +830,7 @@ def test_balance_by_time_then_exact() -> None:
 
 @pytest.mark.parametrize("grow", [True, False], ids=["growing", "shrinking"])
 def test_balance_by_parameter_size(grow: bool) -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_balance_by_size_param: linear layers whose
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_balance_by_size_param: linear layers whose
     parameter count grows are cut [4, 2], shrinking ones [2, 4]."""
     sizes = [(i + 1, i + 2) for i in range(6)] if grow else [(i + 2, i + 1) for i in reversed(range(6))]
     model, _ = twin64(nn.Sequential(*[nn.Linear(a, b) for a, b in sizes]))
@@ -841,7 +841,7 @@ def test_balance_by_parameter_size(grow: bool) -> None:
 
 
 def test_balance_by_memory_param_scale() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_balance_by_size_param_scale: with
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_balance_by_size_param_scale: with
     param_scale=0 the activations decide the cut, with a large one the parameters do."""
 
     class Tradeoff(nn.Module):
@@ -866,7 +866,7 @@ def test_balance_by_memory_param_scale() -> None:
 
 
 def test_profiling_leaves_the_model_as_it_was() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_layerwise_sandbox,
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_layerwise_sandbox,
     ::test_sandbox_during_profiling and ::test_not_training: balance='time' leaves BatchNorm's
     statistics, the training flags and the devices as they were."""
     model, _ = twin64(nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)))
@@ -881,7 +881,7 @@ def test_profiling_leaves_the_model_as_it_was() -> None:
 
 
 def test_profiling_keeps_existing_grads() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_already_has_grad: where torchgpipe refuses
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_already_has_grad: where torchgpipe refuses
     a model that has gradients, fxpipe's profiling leaves them as they were."""
     model, reference = twin64(nn.Sequential(nn.Conv2d(3, 3, 1), nn.Flatten(), nn.Linear(48, 2)))
     x = x64(2, 3, 4, 4)
@@ -895,7 +895,7 @@ def test_profiling_keeps_existing_grads() -> None:
 
 @pytest.mark.parametrize("balance", ["time", "memory"])
 def test_balance_with_tuple_between_layers(balance: str) -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_balance_by_time_tuple and
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_balance_by_time_tuple and
     ::test_balance_by_size_tuple."""
 
     class Twin(nn.Module):
@@ -913,7 +913,7 @@ def test_balance_with_tuple_between_layers(balance: str) -> None:
 
 
 def test_more_stages_than_nodes() -> None:
-    """Mirrors torchgpipe tests/test_balance.py::test_blockpartition_short_sequence: more
+    """Mirrors torchgpipe tests/passes/test_balance.py::test_blockpartition_short_sequence: more
     stages than there is work to place is a clear error."""
     model, _ = twin64(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="stages"):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, twin
+from helpers import FanOut, assert_grads_equal, twin
 from fxpipe import StageError, compile_pipeline
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from conftest import assert_grads_equal
+from helpers import assert_grads_equal
 from fxpipe import compile_pipeline
 
 

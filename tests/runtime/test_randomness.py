@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxpipe
-from conftest import assert_grads_equal, grad_of
+from helpers import assert_grads_equal, grad_of
 from fxpipe import compile_pipeline
 
 

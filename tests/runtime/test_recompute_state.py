@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_grads_equal, grad_of
+from helpers import assert_grads_equal, grad_of
 from fxpipe import StageError, compile_pipeline
 
 CHECKPOINTED = ("always", "except_last")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from conftest import assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
+from helpers import assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import Pipeline, StageError, TraceError, compile_pipeline
 
 MODES = ("always", "except_last", "never")

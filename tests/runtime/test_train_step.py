@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import FanOut, assert_grads_equal, example_module, grad_of, twin
+from helpers import FanOut, assert_grads_equal, example_module, grad_of, twin
 import fxpipe.runtime.losses
 from fxpipe import StageError, compile_pipeline
 from fxpipe.core.microbatch import split_sizes

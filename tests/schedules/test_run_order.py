@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FanOut
+from helpers import FanOut
 from fxpipe import compile_pipeline, is_checkpointing, is_recomputing
-from fxpipe.schedules.schedule import clock_cycles
+from fxpipe.schedules.actions import clock_cycles
 
 
 def test_clock_cycles_exact() -> None:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import FanOut, assert_grads_equal
+from helpers import FanOut, assert_grads_equal
 from fxpipe import StageError, compile_pipeline
-from fxpipe.schedules.schedule import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, SCHEDULES, Schedule, WEIGHT_GRAD
-from fxpipe.schedules.schedule_check import ScheduleError, check, make_schedule
+from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, SCHEDULES, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.check import ScheduleError, check, make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 
 

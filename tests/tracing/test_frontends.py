@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
+from helpers import assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
 from fxpipe import PartitionError, Pipeline, StageError, TraceError, compile_pipeline
 
 

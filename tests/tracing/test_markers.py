@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from conftest import assert_grads_equal, twin
+from helpers import assert_grads_equal, twin
 from fxpipe import PartitionError, compile_pipeline
 
 

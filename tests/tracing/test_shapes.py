@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_grads_equal, example_module, twin
+from helpers import assert_grads_equal, example_module, twin
 from fxpipe import Pipeline, compile_pipeline
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_grads_equal, twin
+from helpers import assert_grads_equal, twin
 from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.compiler.frontend import to_graph
 

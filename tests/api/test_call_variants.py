@@ -1,0 +1,120 @@
+"""Calls unlike the example (an argument left out or left None): stages compiled for them, a bounded number kept, each exact."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe import compile_pipeline
+from helpers import X, assert_call_and_grads_equal, assert_grads_equal, twin
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if mask is not None:
+            h = h * mask
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["pipe(x)", "train_step"])
+def test_an_argument_left_none_where_the_example_gave_one_compiles_stages_for_that_call(how: str) -> None:
+    """Before, it was refused ("leaves mask None where the example gave a value"), where the plain
+    model takes both calls: now each kind of call runs stages traced for it, on the one model."""
+    model, reference = twin(Gated())
+    x, mask, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2)
+    for args in [(x, mask), (x,), (x, None), (x, mask)]:
+        pipe.zero_grad()
+        reference.zero_grad()
+        if how == "pipe(x)":
+            assert_call_and_grads_equal(pipe, reference, *args)
+        else:
+            loss = pipe.train_step(*args, target=y, loss_fn=nn.functional.mse_loss)
+            expected = nn.functional.mse_loss(reference(*args), y)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+            assert_grads_equal(pipe, reference)
+    assert len(pipe._variants) == 1, "one pipeline for the calls without a mask, made once"
+
+
+def test_the_kinds_of_call_kept_are_bounded_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fxpipe.pipeline
+
+    monkeypatch.setattr(fxpipe.pipeline, "VARIANTS", 1)
+    model = TwoOptional()
+    mask, shift = torch.rand(4, 6), torch.rand(6)
+    pipe = compile_pipeline(model, (X, mask, shift), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X, shift=shift), model(X, shift=shift), rtol=0, atol=1e-6)  # one kind kept
+    with pytest.warns(UserWarning, match="more than 1 kinds of call"):
+        torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)  # a second: the first let go
+    torch.testing.assert_close(pipe(X, shift=shift), model(X, shift=shift), rtol=0, atol=1e-6)  # compiled again
+    assert len(pipe._variants) == 1
+    pipe.close()
+
+
+class TwoOptional(Gated):
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = super().forward(x, mask)
+        return out if shift is None else out + shift
+
+
+class GatedAndScaled(Gated):
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, gain: float = 1.5) -> torch.Tensor:
+        return super().forward(x, mask) * gain
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["left-out", "given-none"])
+def test_an_argument_the_example_leaves_none_is_traced_as_none_by_torch_fx(given: bool) -> None:
+    """Before, torch.fx traced it as an input, took the `if mask is not None:` branch, failed its
+    check and left the model to torch.export, which then refused calls giving `gain`."""
+    model = GatedAndScaled()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, example_kwargs={"mask": None} if given else None)
+    assert "torch.fx" in pipe.plan.notes[0]
+    torch.testing.assert_close(pipe(X, gain=2.0), model(X, gain=2.0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(pipe(X, None, 3.0), model(X, None, 3.0), rtol=0, atol=1e-6)
+    mask = torch.rand(4, 6)
+    torch.testing.assert_close(pipe(X, mask), model(X, mask), rtol=0, atol=1e-6)  # traced for this call
+
+
+def test_an_argument_traced_as_none_is_exact_in_every_mode() -> None:
+    model, reference = twin(GatedAndScaled())
+    x, y = X.double(), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint="always")
+    loss = pipe.train_step(x, gain=2.0, target=y, loss_fn=nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(reference(x, gain=2.0), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    assert_call_and_grads_equal(pipe, reference, x, None, 3.0)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, gain=0.5), reference(x, gain=0.5), rtol=0, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(pipe(x, gain=2.0), reference(x, gain=2.0), rtol=0, atol=1e-12)
+    pipe.eval()
+    torch.testing.assert_close(pipe(x), reference.eval()(x), rtol=0, atol=1e-12)
+
+
+class GatedByItsOwnBias(nn.Module):
+    """An argument named like one of its parameters: torch.fx calls its input `bias_1`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.bias = nn.Linear(6, 6), nn.Parameter(torch.zeros(6))
+
+    def forward(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = self.a(x) + self.bias
+        return h if bias is None else h + bias
+
+
+def test_an_argument_named_like_a_parameter_given_where_the_example_left_it_none() -> None:
+    model = GatedByItsOwnBias()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    bias = torch.rand(6)
+    torch.testing.assert_close(pipe(X, bias), model(X, bias), rtol=0, atol=1e-6)

@@ -1,0 +1,834 @@
+"""The model is still what was traced at every call: what it holds now followed, what the graph cannot follow refused."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import sys
+import types
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import model_settings
+from fxpipe import TraceError, compile_pipeline
+from helpers import Blocks, Counts, X, assert_call_and_grads_equal, assert_grads_equal, twin
+
+
+def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refused() -> None:
+    """The graph holds what a traced-through module's hooks did at compile time; a built-in
+    layer is called whole, and its hooks run on every call."""
+    model = Blocks()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    calls: list[int] = []
+    model.c.register_forward_hook(lambda module, args, out: calls.append(1))
+    pipe(X)
+    assert len(calls) == 2  # once per micro-batch
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match=r"hooks were added to, removed from or swapped on b since compiling(.|\n)*leaf_modules=\['b'\]"):
+        pipe(X)
+    handle.remove()
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+def test_a_hook_swapped_backward_or_global_on_a_module_traced_through_is_refused() -> None:
+    """A hook swapped for another (as many as before), a backward hook, and a global module hook:
+    each would leave the graph computing what the model did at compile time."""
+    model = Blocks()
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 2)
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+    handle.remove()
+    handle = model.b.register_forward_hook(lambda module, args, out: out * 5)
+    with pytest.raises(RuntimeError, match=r"swapped on b since compiling"):
+        pipe(X)
+    handle.remove()
+    model = Blocks()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    def tripled(module: nn.Module, grad_out: Any) -> Any:
+        return (grad_out[0] * 3,)
+
+    handle = model.b.register_full_backward_pre_hook(tripled)
+    with pytest.raises(RuntimeError, match=r"swapped on b since compiling"):
+        pipe(X)
+    handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(RuntimeError, match=r"global module hooks .* were added or removed since compiling"):
+            pipe(X)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+def _in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
+    return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_cast_of_the_model_itself_after_compiling_is_seen(checkpoint: str) -> None:
+    """`model.double()` puts new buffers in the model: the stages are built again on them, and
+    the buffer the model holds is the one written."""
+    model = nn.Sequential(Counts(), nn.Tanh(), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    model.double()
+    reference.double()
+    x = x.double()
+    for _ in range(2):
+        out, expected = pipe(x), _in_turn(reference, x, 2)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    for (name, got), want in zip(model.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_parameter_assigned_after_compiling_gets_its_gradient() -> None:
+    model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[2].weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    reference[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    y = torch.randn(8, 4, dtype=torch.float64)
+    loss = pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    expected = torch.nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+
+
+class Gained(nn.Module):
+    """A gain the root holds, read in both stages when cut at `b`: each stage gets a copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.gain = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)) * self.gain
+        return self.out(torch.tanh(self.b(h)) * self.gain)
+
+
+class GainedExported(Gained):
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_parameter_several_stages_read_assigned_after_compiling_gets_its_gradient(schedule: str, exported: bool) -> None:
+    """Before, the stages built again read the new parameter itself, not their copies of it:
+    zb-h1's train_step left its `.grad` None (the plain model's gradient has norm 0.14), and
+    autograd.grad raised that it was not used in the graph."""
+    model, reference = twin(GainedExported() if exported else Gained())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, split_points=["b"], schedule=schedule)
+    for m in (model, reference):
+        m.gain = nn.Parameter(torch.full((6,), 1.3, dtype=torch.float64))
+    assert_call_and_grads_equal(pipe, reference, x)
+    assert all(p.grad is None for p in pipe.parameters()), "autograd.grad hands the gradients to the caller alone"
+    mse = nn.functional.mse_loss
+    loss, expected = pipe.train_step(x, target=y, loss_fn=mse), mse(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    mse(pipe(x), y).backward()
+    mse(reference(x), y).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def test_a_module_replaced_after_compiling_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[2] = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 2\.(.|\n)*compile the model again"):
+        pipe(x)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(x))
+
+
+class _OtherBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.a(x))
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.eye(6) + 0.1 * torch.randn(6, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.g
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return (w + w.T) / 2
+
+
+class _Adapted(nn.Module):
+    """Blocks in a list, adapters in a dict (empty until a user adds one), a bare parameter in a
+    module of its own, and a Linear the graph calls whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.adapters = nn.ModuleDict()
+        self.scale, self.head = _Scale(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        for adapter in self.adapters.values():
+            x = x + adapter(x)
+        return self.head(self.scale(x))
+
+
+_CODE_CHANGES: dict[str, tuple[Callable[[_Adapted], Any], str]] = {
+    "a block appended": (lambda m: m.blocks.append(_Block().double()), "blocks: its members, 3 -> 4"),
+    "an adapter added": (lambda m: m.adapters.update({"lora": nn.Linear(6, 6).double()}), "adapters: its members, 0 -> 1"),
+    "a forward set on a block": (lambda m: setattr(m.blocks[1], "forward", types.MethodType(_OtherBlock.forward, m.blocks[1])), "blocks.1: its forward"),
+    "a block's class swapped": (lambda m: setattr(m.blocks[2], "__class__", _OtherBlock), "blocks.2: its class, _Block -> _OtherBlock"),
+    "a parametrization on a bare parameter": (
+        lambda m: nn.utils.parametrize.register_parametrization(m.scale, "g", _Symmetric()), "scale: its class, _Scale -> Parametrized_Scale"
+    ),
+}
+
+
+@pytest.mark.parametrize("change", list(_CODE_CHANGES))
+def test_code_changed_after_compiling_in_a_module_traced_through_is_refused(change: str) -> None:
+    """Before, the pipeline ran the code it traced, with no error: an appended block or an added
+    adapter left out (0.29 and 0.85 off the plain model), a patched forward or a swapped class
+    not run (0.32 and 1.02 off), and a parametrization registered on a bare parameter held as
+    it was, its `original` given no gradient."""
+    model, reference = twin(_Adapted())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    make, named = _CODE_CHANGES[change]
+    make(model)
+    message = rf"the code of modules the trace went through changed since compiling: {re.escape(named)}\.(.|\n)*compile the model again"
+    with pytest.raises(RuntimeError, match=message):
+        pipe(x)
+    with pytest.raises(RuntimeError, match=message), torch.no_grad():
+        pipe.eval()(x)
+    with pytest.raises(RuntimeError, match=message):
+        pipe.train().train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters())
+    torch.manual_seed(1)
+    make(reference)  # the same change, compiled again: the plain model's numbers
+    model.load_state_dict(reference.state_dict())
+    assert_call_and_grads_equal(compile_pipeline(model, x, ["cpu", "cpu"], chunks=2), reference, x)
+
+
+def test_a_forward_replaced_on_the_class_of_a_module_traced_through_is_refused() -> None:
+    """`Block.forward = patched` after compiling: before, the pipeline ran the traced forward (0.38 off)."""
+    block: Any = type("Block", (_Block,), {})
+    model = nn.Sequential(block(), nn.Linear(6, 6)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    block.forward = _OtherBlock.forward
+    with pytest.raises(RuntimeError, match=r"changed since compiling: 0: its forward\."):
+        pipe(x)
+    del block.forward  # put back: the next call runs, as the plain model
+    reference = copy.deepcopy(model)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+def test_code_changed_in_a_module_called_whole_runs() -> None:
+    """A Linear is called whole by the stages: its own forward runs on every call, patched or not."""
+    model, reference = twin(_Adapted())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model, reference):
+        setattr(m.head, "forward", types.MethodType(lambda self, h: nn.functional.linear(h, self.weight, self.bias) * 2, m.head))
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _ScalesInTraining(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if self.training else x
+
+
+def test_a_module_replaced_that_read_its_mode_is_refused_as_replaced() -> None:
+    """Before, in the other mode the call was refused for the replaced module's mode, which
+    pipe.eval() no longer reaches (timm's reparameterize_model on FastViT)."""
+    model = nn.Sequential(_ScalesInTraining(), nn.Linear(4, 4), nn.Tanh(), _ScalesInTraining(), nn.Linear(4, 4))
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model[0] = nn.Identity()
+    for mode in (False, True):
+        with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 0\b"):
+            pipe.train(mode)(x)
+
+
+class Tempered(nn.Module):
+    """Reads a plain attribute (a temperature), a tensor attribute never registered, and a
+    dropout rate through F.dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.note = nn.Linear(4, 4), nn.Linear(4, 4), "read by no graph"
+        self.temperature, self.scale, self.rate = 2.0, torch.tensor(3.0, dtype=torch.float64), 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.tanh(self.a(x)), self.rate, self.training)
+        return self.b(h * self.scale) / self.temperature
+
+
+class TemperedExported(Tempered):
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return super().forward(x)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+def test_attributes_changed_after_compiling_are_followed_or_refused(exported: bool) -> None:
+    """Before, the graph kept the values traced: a temperature, a tensor rebound or a dropout
+    rate changed after compiling left the pipeline 0.5-18 off the plain model, without a word."""
+    model, reference = twin(TemperedExported() if exported else Tempered())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert ("torch.export" in pipe.plan.notes[0]) == exported
+    model.scale = reference.scale = torch.tensor(5.0, dtype=torch.float64)  # rebound: read as it is now
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    model.note = "changed"  # read by no graph: free to change
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    for name, value in [("temperature", 4.0), ("rate", 0.5)]:
+        before = getattr(model, name)
+        setattr(model, name, value)
+        with pytest.raises(RuntimeError, match=rf"(?s)have changed since compiling: {name} \({before!r} -> {value!r}\).*How to fix: compile again"):
+            pipe(x)
+        with pytest.raises(RuntimeError, match="have changed since compiling"):
+            pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+        setattr(model, name, before)  # and back: the pipeline runs again
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+class _Registered(nn.Module):
+    """A library's module that registers its subclasses once each."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__name__ in _REGISTRY:
+            raise ValueError(f"{cls.__name__} registered twice")
+        _REGISTRY[cls.__name__] = cls
+
+
+class _Base(_Registered):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * (1.0 if type(self) is _Scaled else -1.0)
+
+
+class _Scaled(_Base):
+    default_scale = 2.0  # a class default, which an instance may override
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gain, self.steps = 1.5, [1.0, 3.0]
+
+    @property
+    def gain(self) -> float:
+        return self._gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super(type(self), self).forward(x) * self.default_scale * self.gain * self.steps[0]
+
+
+@pytest.mark.parametrize("change", ["default_scale", "gain", "steps"])
+def test_the_attribute_watch_leaves_the_classes_as_they_are_and_sees_defaults_properties_and_lists(change: str) -> None:
+    """Before, the watch swapped each module's class for a subclass while tracing: `type(self) is
+    _Scaled` was false (the graph was refused), `super(type(self), self)` recursed, and the
+    registry got the subclass; a class default, a property and a list went unwatched (0.26 off
+    the plain model)."""
+    model, reference = twin(nn.Sequential(_Scaled(), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    registered = dict(_REGISTRY)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert _REGISTRY == registered and type(model[0]) is _Scaled and "__getattribute__" not in vars(_Scaled)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    scaled = model[0]
+    assert isinstance(scaled, _Scaled)
+    if change == "default_scale":
+        scaled.default_scale = 3.0
+    elif change == "gain":
+        scaled._gain = 2.5
+    else:
+        scaled.steps[0] = 4.0
+    with pytest.raises(RuntimeError, match=f"have changed since compiling: 0.{change}"):
+        pipe(x)
+
+
+@dataclasses.dataclass
+class _Options:
+    scale: float = 2.0
+    gates: dict[str, float] = dataclasses.field(default_factory=lambda: {"a": 1.0, "b": 0.5})
+
+
+def _namespace(scale: float = 2.0) -> Any:
+    """The options as a types.SimpleNamespace, whose built-in class cannot be wrapped."""
+    return types.SimpleNamespace(scale=scale, gates={"a": 1.0, "b": 0.5})
+
+
+# The options a module holds: a dataclass, or a namespace (unwatched before: 1.7 off after a change)
+OPTIONS: dict[str, Callable[..., Any]] = {"dataclass": _Options, "namespace": _namespace}
+
+
+class _MappedConfig:
+    """Like a library's config: a lookup of its own maps aliases onto its fields."""
+
+    aliases = {"width_scale": "scale"}
+
+    def __init__(self) -> None:
+        self.scale = 0.5
+
+    def __getattribute__(self, name: str) -> Any:
+        aliases = object.__getattribute__(self, "aliases")
+        return object.__getattribute__(self, aliases.get(name, name))
+
+
+class _Configured(nn.Module):
+    """Reads its settings from objects it shares with other modules, as models read a config."""
+
+    def __init__(self, options: _Options, config: _MappedConfig) -> None:
+        super().__init__()
+        self.lin, self.options, self.config = nn.Linear(4, 4), options, config
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:  # torch.fx cannot trace *rest
+        return self.lin(x) * self.options.scale * self.options.gates["a"] * self.config.width_scale
+
+
+class _ConfiguredTraceable(_Configured):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def _change_setting(change: str, options: Any, config: _MappedConfig) -> None:
+    """Set the setting `change` names to 3.0."""
+    if change == "options.scale":
+        options.scale = 3.0
+    elif change == "options.gates":
+        options.gates["a"] = 3.0
+    else:
+        config.scale = 3.0
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+@pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
+@pytest.mark.parametrize("holder", OPTIONS)
+def test_settings_objects_the_modules_hold_are_watched_like_their_attributes(exported: bool, change: str, holder: str) -> None:
+    """Before, a config's or a dataclass's values read in forward (`self.config.output_hidden_states`
+    in Hugging Face models) were constants of the graph, unwatched: a change after compiling
+    ran the old value without a word."""
+    options, config = OPTIONS[holder](), _MappedConfig()
+    kind = _Configured if exported else _ConfiguredTraceable
+    model = nn.Sequential(kind(options, config), nn.Tanh(), kind(options, config))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model.double(), x, ["cpu", "cpu"], chunks=2)
+    assert "__getattribute__" not in vars(_Options) and vars(_MappedConfig)["__getattribute__"] is _MappedConfig.__getattribute__
+    assert _MappedConfig.__getattribute__.__qualname__ == "_MappedConfig.__getattribute__"
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    options.gates["b"], options.gates["c"] = 4.0, 1.0  # entries the graph never read: free to change
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    expected = {"options.scale": "2.0 -> 3.0", "options.gates": "1.0 -> 3.0", "config.width_scale": "0.5 -> 3.0"}
+    _change_setting(change, options, config)
+    shown = f"{change}['a']" if change == "options.gates" else change
+    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{shown} ({expected[change]}), 2.{shown}")):
+        pipe(x)
+    options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5  # back: the pipeline runs again
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    second = model[2]
+    assert isinstance(second, _Configured)
+    second.options = OPTIONS[holder](scale=5.0)  # one of the two holders given another: watched under each path
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 2.options.scale (2.0 -> 5.0)")):
+        pipe(x)
+
+
+class _AsksItsNamespace(nn.Module):
+    """Asks of its namespace what code asks of one: its type, a field with a default, its fields."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.opts = nn.Linear(4, 4), types.SimpleNamespace(scale=2.0, shift=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert isinstance(self.opts, types.SimpleNamespace) and hasattr(self.opts, "scale")
+        fields = len(vars(self.opts))
+        return self.lin(x) * self.opts.scale + getattr(self.opts, "bias", 0.0) + self.opts.shift * fields
+
+
+def test_a_namespace_read_while_traced_behaves_as_itself() -> None:
+    """A namespace is handed to the trace behind a view that notes its reads: the forward sees
+    its type and fields as they are, and only the fields read are watched."""
+    model, reference = twin(nn.Sequential(_AsksItsNamespace(), nn.Tanh(), _AsksItsNamespace()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    first = model[0]
+    assert isinstance(first, _AsksItsNamespace) and type(first.opts) is types.SimpleNamespace
+    first.opts.shift = 1.5
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.opts.shift (0.5 -> 1.5)")):
+        pipe(x)
+
+
+class _PerHead(nn.Module):
+    """Reads a scale from a settings object it holds in a list, or in a dict."""
+
+    def __init__(self, container: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.heads: Any = [_Options()] if container == "list" else {"q": _Options()}
+        self.first = 0 if container == "list" else "q"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.heads[self.first].scale
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+def test_settings_objects_held_in_a_list_or_dict_are_watched(container: str) -> None:
+    """Before, a field of a config held in a list or dict changed after compiling was ignored
+    (0.29 off)."""
+    model, reference = twin(nn.Sequential(_PerHead(container), nn.Tanh(), _PerHead(container)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    first = model[0]
+    assert isinstance(first, _PerHead)
+    first.heads[first.first].scale = 3.0
+    place = "[0]" if container == "list" else "['q']"
+    with pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.heads{place}.scale (2.0 -> 3.0)")):
+        pipe(x)
+    first.heads[first.first].scale = 2.0
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+@dataclasses.dataclass
+class _WithTemperature:
+    temperature: torch.Tensor
+
+
+class _Tempered(nn.Module):
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        t = torch.tensor(2.0, dtype=torch.float64)
+        self.opts = _WithTemperature(t) if holder == "dataclass" else types.SimpleNamespace(temperature=t)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.opts.temperature
+
+
+@pytest.mark.parametrize("holder", ["dataclass", "namespace"])
+def test_a_tensor_a_settings_object_holds_is_watched_as_that_tensor(holder: str) -> None:
+    """The graph holds the tensor itself: written in place, it computes with the new values;
+    before, one put in its place after compiling was ignored (0.31 off)."""
+    model, reference = twin(nn.Sequential(_Tempered(holder), nn.Tanh(), _Tempered(holder)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    copied = copy.deepcopy(pipe)  # on the copy's own tensor
+    assert_call_and_grads_equal(copied, reference, x)
+    first, first_reference = model[0], reference[0]
+    assert isinstance(first, _Tempered) and isinstance(first_reference, _Tempered)
+    first.opts.temperature.fill_(3.0), first_reference.opts.temperature.fill_(3.0)
+    assert_call_and_grads_equal(pipe, reference, x)
+    held = first.opts.temperature
+    first.opts.temperature = torch.tensor(3.0, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.opts.temperature (a tensor -> another tensor)")):
+        pipe(x)
+    first.opts.temperature = held
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _AttrConfig:
+    """A config that answers through __getattr__ (an attribute dict)."""
+
+    def __init__(self, **values: float) -> None:
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> float:
+        try:
+            return self.__dict__.get("_values", {})[name]  # (none while a copy is made)
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _refused_in_both_modes(pipe: nn.Module, x: torch.Tensor, message: str) -> None:
+    """A call is refused with `message` in training mode, and in eval mode under no_grad."""
+    refused = pytest.raises(RuntimeError, match=re.escape(message))
+    with refused:
+        pipe(x)
+    with refused, torch.no_grad():
+        pipe.eval()(x)
+    pipe.train()
+
+
+class _LooksUp(nn.Module):
+    """Looks up a gain its holder does not have when traced, with a default."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.opts = {"dataclass": _Options(), "namespace": _namespace(), "config": _AttrConfig(scale=2.0)}.get(holder)
+        self.holder = holder
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        holder = self if self.holder == "module" else self.opts
+        return self.lin(x) * getattr(holder, "gain", 1.0)
+
+
+@pytest.mark.parametrize("holder", ["module", "dataclass", "namespace", "config"])
+def test_an_attribute_the_trace_looked_up_and_did_not_find_is_watched(holder: str) -> None:
+    """Before, `getattr(self, "gain", 1.0)` with no gain when traced held 1.0 in the graph: a
+    gain set after compiling was ignored (0.42 off)."""
+    model, reference = twin(nn.Sequential(_LooksUp(holder), nn.Tanh(), _LooksUp(holder)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    first = model[0]
+    assert isinstance(first, _LooksUp)
+    owner: Any = first if holder == "module" else first.opts
+    if holder == "config":
+        owner._values["gain"] = 3.0
+    else:
+        owner.gain = 3.0
+    _refused_in_both_modes(pipe, x, f"have changed since compiling: 0.{'' if holder == 'module' else 'opts.'}gain (missing -> 3.0)")
+    if holder == "config":
+        del owner._values["gain"]
+    else:
+        del owner.gain
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+_GAIN = 2.0
+
+
+_SHIFT = 0.5
+
+
+_CALLS = 0
+
+
+def _shifted(h: torch.Tensor) -> torch.Tensor:
+    return h + _SHIFT
+
+
+class _ReadsItsModule(nn.Module):
+    """Reads module-level values: its own module's, through a function there, through a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _shifted(self.lin(x)) * _GAIN * model_settings.GAIN
+
+
+@pytest.mark.parametrize("name", ["_GAIN", "_SHIFT", "model_settings.GAIN"])
+def test_a_module_level_value_the_trace_read_is_watched(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a module-level value read in forward, or in a function it calls, was a constant
+    of the graph: changed after compiling, it was ignored (1.4 off)."""
+    model, reference = twin(nn.Sequential(_ReadsItsModule(), nn.Tanh(), _ReadsItsModule()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    with monkeypatch.context() as patched:
+        owner, _, attribute = name.rpartition(".")
+        patched.setattr(model_settings if owner else sys.modules[__name__], attribute, 3.0)
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:{name} (")
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+_FLAGS = {"gain": 2.0, "shift": 0.5, "cache": [1]}
+
+
+class _ReadsModuleFlags(nn.Module):
+    """Reads entries of a module-level dict by constant keys, subscripted and with `get`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * _FLAGS["gain"] + _FLAGS.get("shift", 0.0)
+
+
+@pytest.mark.parametrize("key", ["gain", "shift"])
+def test_an_entry_of_a_module_level_dict_the_trace_read_is_watched(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `FLAGS["gain"]` read in forward was a constant of the graph: changed after
+    compiling, it was ignored (1.2 off). Entries read by no constant key, and values that are not
+    plain, are not watched (a cache there may change freely)."""
+    model, reference = twin(nn.Sequential(_ReadsModuleFlags(), nn.Tanh(), _ReadsModuleFlags()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with monkeypatch.context() as patched:
+        patched.setitem(_FLAGS, "cache", [2])
+        patched.setitem(_FLAGS, "other", 1)
+        assert_call_and_grads_equal(pipe, reference, x)
+        patched.setitem(_FLAGS, key, 3.0)
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:_FLAGS[{key!r}] (")
+    assert_call_and_grads_equal(pipe, reference, x)
+    with monkeypatch.context() as patched:
+        patched.delitem(_FLAGS, key)
+        _refused_in_both_modes(pipe, x, f"{__name__}:_FLAGS[{key!r}] (")
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _CountsInItsModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _CALLS
+        _CALLS += 1
+        return self.lin(x) * _CALLS
+
+
+def test_a_forward_that_assigns_a_module_level_value_is_refused_naming_it() -> None:
+    """Before, the graph check refused it as data-dependent control flow; and the refused
+    compile left the counter advanced by its runs of the model (by 7)."""
+    model = nn.Sequential(_CountsInItsModule(), nn.Tanh(), nn.Linear(4, 4))
+    before = _CALLS
+    with pytest.raises(TraceError, match=re.escape(f"its forward assigns module-level values, which changed as it was traced: {__name__}:_CALLS (")):
+        compile_pipeline(model, torch.randn(8, 4), ["cpu", "cpu"], chunks=2)
+    assert _CALLS == before
+
+
+class _KeepsBooks(nn.Module):
+    """A scale from a config answering through __getattr__; a cache of plain values forward fills;
+    a step counter beside a setting in a dict. (A counter forward keeps in a settings object
+    makes the module one called whole: tests/tracing/test_frontends.py.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.config = nn.Linear(4, 4), _AttrConfig(scale=2.0)
+        self.cache: dict[int, float] = {}
+        self.hp = {"shift": 0.5, "step": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        if n not in self.cache:
+            self.cache[n] = n**-0.5
+        return self.lin(x) * self.config.scale * self.cache[n] * self.hp.get("gain", 1.0) + self.hp["shift"]
+
+
+@pytest.mark.filterwarnings("ignore:Sequential's forward changes the contents")
+def test_what_forward_itself_writes_is_not_watched_and_what_it_reads_is() -> None:
+    """Before, the whole dict was watched (a step counter beside the setting, or the cache filled
+    by a call of the plain model, refused every later call); and a config answering through
+    __getattr__ went unwatched (1.3 off after a change)."""
+    model = nn.Sequential(_KeepsBooks(), nn.Tanh(), nn.Linear(4, 4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    books = model[0]
+    assert isinstance(books, _KeepsBooks)
+    books.hp["step"] += 1
+    expected = model(x)  # fills the cache
+    torch.testing.assert_close(pipe(x), expected, rtol=0, atol=1e-12)
+    books.hp["shift"] = 1.5
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.hp['shift'] (0.5 -> 1.5)")):
+        pipe(x)
+    books.hp["shift"] = 0.5
+    books.hp["gain"] = 2.0  # a key the graph read and did not find
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.hp['gain'] (missing -> 2.0)")):
+        pipe(x)
+    del books.hp["gain"]
+    books.config._values["scale"] = 3.0
+    with pytest.raises(RuntimeError, match=re.escape("have changed since compiling: 0.config.scale (2.0 -> 3.0)")):
+        pipe(x)
+
+
+class _EvalTemperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.eval_temperature = nn.Linear(4, 4), 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h if self.training else h / self.eval_temperature
+
+
+def test_an_attribute_read_in_one_mode_alone_is_watched_in_that_mode_alone() -> None:
+    model, reference = twin(nn.Sequential(_EvalTemperature(), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model[0], reference[0]):
+        assert isinstance(m, _EvalTemperature)
+        m.eval_temperature = 3.0
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # the training graph does not read it
+    pipe.eval()
+    with pytest.raises(RuntimeError, match=r"have changed since compiling: 0.eval_temperature \(2.0 -> 3.0\)"):
+        pipe(x)
+
+
+def test_a_changed_attribute_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back() -> None:
+    """The watch sits in the one place every call goes through: no_grad, autocast, eval,
+    train_step, and after a refused call, the next call once the value is back is exact."""
+    model, reference = twin(Tempered())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model.temperature = 4.0
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        with torch.no_grad():
+            pipe(x)
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pipe(x)
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    pipe.eval()
+    with pytest.raises(RuntimeError, match="have changed since compiling: temperature"):
+        pipe(x)
+    pipe.train()
+    model.temperature = 2.0
+    assert_call_and_grads_equal(pipe, reference, x)
+    assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"
+
+
+@pytest.mark.parametrize("change", ["options.scale", "options.gates", "config.width_scale"])
+@pytest.mark.parametrize("holder", OPTIONS)
+def test_a_changed_setting_is_refused_in_every_way_of_calling_and_the_pipeline_runs_once_it_is_back(change: str, holder: str) -> None:
+    """A config field or a dict entry forward read is checked where a plain attribute is: under
+    no_grad, autocast, eval, train_step; once it is back, the pipeline is exact again."""
+    options, config = OPTIONS[holder](), _MappedConfig()
+    model = nn.Sequential(_ConfiguredTraceable(options, config), nn.Tanh(), _ConfiguredTraceable(options, config)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    _change_setting(change, options, config)
+    refused = pytest.raises(RuntimeError, match=re.escape(f"have changed since compiling: 0.{change}"))
+    with refused, torch.no_grad():
+        pipe(x)
+    with refused, torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe(x)
+    with refused:
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    with refused, torch.no_grad():
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss)
+    pipe.eval()
+    with refused:
+        pipe(x)
+    pipe.train()
+    options.scale, options.gates["a"], config.scale = 2.0, 1.0, 0.5
+    assert_call_and_grads_equal(pipe, reference, x)
+    assert all(p.grad is None for p in pipe.parameters()), "the refused calls accumulated nothing"
