@@ -215,11 +215,11 @@ def never_compiles(rank: int, world: int, dies: bool) -> dict[str, Any]:
 def unfillable_across(rank: int, world: int) -> str:
     """A model built on the meta device whose last stage reads a buffer no checkpoint holds:
     every rank refuses it, naming the rank."""
-    from test_meta import _Positions
+    from helpers import Positions
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), _Positions(), nn.Linear(6, 6)).double()
+        model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), Positions(), nn.Linear(6, 6)).double()
     try:
         compile_pipeline(model, torch.randn(4, 6, dtype=torch.float64), mesh=mesh, chunks=2, split_points=["2"], timeout=30)
     except ValueError as e:

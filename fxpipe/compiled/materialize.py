@@ -145,7 +145,8 @@ def release_for_swap(tensors: Sequence[torch.Tensor]) -> None:
     if not ids:
         return
     for memo in gc.get_objects():
-        if isinstance(memo, WeakIdKeyDictionary):
+        # issubclass of its type: isinstance would follow a weakref.proxy, and one whose object died raises.
+        if issubclass(type(memo), WeakIdKeyDictionary):
             for key in [k for k in memo.keys() if id(k) in ids]:
                 del memo[key]
 

@@ -2,15 +2,18 @@
 initialised by its modules, or loaded from the plain model's state."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from helpers import FanOut, assert_grads_equal, example_module
 from fxpipe import Pipeline, compile_pipeline
+from fxpipe.compiled.materialize import release_for_swap
+from helpers import FanOut, Positions, assert_grads_equal, example_module
 
 
 def test_a_model_on_the_meta_device_is_made_on_its_stage_devices_and_initialised() -> None:
@@ -116,26 +119,29 @@ def test_a_model_captured_by_torch_export_is_made_from_the_meta_device_too() -> 
     _trains_as_loaded(pipe, reference, x, y, F.mse_loss, atol=1e-12)
 
 
-class _Positions(nn.Module):
-    """Adds a position table it makes at construction and leaves out of its state dict."""
-
-    table: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("table", torch.arange(6, dtype=torch.float64) / 6, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.table
-
-
 def test_a_buffer_no_checkpoint_holds_is_refused_on_the_meta_device() -> None:
     """A position table left out of the state dict: a checkpoint cannot fill it, and filled with
     0 (an integer one) it would train another model without a word."""
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(6, 6), _Positions(), nn.Linear(6, 6)).double()
+        model = nn.Sequential(nn.Linear(6, 6), Positions(), nn.Linear(6, 6)).double()
     with pytest.raises(ValueError, match=r"(?s)buffers that nothing can fill \(on this rank: 1\.table\).*build the model on the CPU"):
         compile_pipeline(model, torch.randn(4, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
-    model = nn.Sequential(nn.Linear(6, 6), _Positions(), nn.Linear(6, 6)).double()  # on the CPU it runs
+    model = nn.Sequential(nn.Linear(6, 6), Positions(), nn.Linear(6, 6)).double()  # on the CPU it runs
     x = torch.randn(4, 6, dtype=torch.float64)
     torch.testing.assert_close(compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)(x), model(x), rtol=0, atol=1e-12)
+
+
+def test_a_dead_weak_proxy_among_the_live_objects_does_not_stop_the_swap() -> None:
+    """Before the swap, a pass over the live objects drops torch.export's weak references to the
+    tensors: a weakref.proxy whose object died is among them at times, and asking its class raises."""
+    class Held:
+        pass
+
+    held = Held()
+    proxies = [weakref.proxy(held)]
+    del held  # the proxy stays, and is dead
+    tensor = torch.zeros(2)
+    memo = WeakIdKeyDictionary()
+    memo[tensor] = 1
+    release_for_swap([tensor])
+    assert len(memo) == 0 and len(proxies) == 1
