@@ -555,19 +555,27 @@ def check(case: Case) -> None:
     if (dropout_active and use != "eval") or autocast:
         # Each mode cut as it cuts itself: the default balance counts the activations a mode
         # keeps, and may cut each elsewhere; a node draws the same numbers in whichever stage.
-        results = {}
+        # Cut alike, the modes agree bit for bit. Cut elsewhere, a value read in several stages
+        # has its gradient summed in another order, which rounds otherwise (a few ulps): there the
+        # modes agree to a tolerance far below what another draw or a recompute in another dtype
+        # would change.
+        results, cuts = {}, {}
         for mode in (case.mode, *(m for m in MODES if m != case.mode)):
             m = make_model(spec, None, case.seed, dtype)
             pipe = compiled(m, xs[0], case, mode, balance)
+            cuts[mode] = [stage.nodes for stage in pipe.plan.stages]
             try:
                 torch.manual_seed(4321)
                 results[mode] = run_use(use, pipe, pipe, xs, dropout_active)
             finally:
                 pipe.close()
         what = f"dropout p={spec.p}" if dropout_active else "autocast"
+        rounding = 1e-12 if dtype == torch.float64 else 1e-5
         for mode in MODES:
             if mode != case.mode:
-                assert_same(results[mode], results[case.mode], f"{what}, balance={balance}: checkpoint={mode!r} vs {case.mode!r}", 0.0, 0.0)
+                tol = 0.0 if cuts[mode] == cuts[case.mode] else rounding
+                where = "" if tol == 0.0 else f", cut otherwise than {case.mode!r}"
+                assert_same(results[mode], results[case.mode], f"{what}, balance={balance}: checkpoint={mode!r}{where} vs {case.mode!r}", tol, tol)
         if not dropout_active:
             return
         # and dropout does draw in train mode
