@@ -213,9 +213,7 @@ class Pipeline(nn.Module):
         return Host(
             owner=self._owner, channel=self._channel, replicas=self._replicas,
             training=lambda: self.training, program=lambda: self._programs[self.training],
-            prepare=self._prepare, make_step=self._step, train_call=self._train_call,
-            loss_and_outputs=loss_and_outputs, parameter_grads=parameter_grads,
-            accumulate=accumulate, held_here=self._held_here,
+            prepare=self._prepare, make_step=self._step, train_call=self._train_call, held_here=self._held_here,
         )  # fmt: skip
 
     def _held_here(self, program: Program) -> list[nn.Parameter]:

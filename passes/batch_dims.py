@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.core.microbatch import BatchDim, Dims, SAME, VARIES, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import _Recorder, _small_on_cpu

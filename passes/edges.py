@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch.fx as fx
 
-from fxpipe.core.edges import ACTIVATION, CALLER, Edge, INPUT, OUTPUT, SKIP
+from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
 from fxpipe.passes.inplace import check_writes_across_stages
 from fxpipe.passes.linearize import COMPUTE_OPS
 

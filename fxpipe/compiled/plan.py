@@ -5,7 +5,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from fxpipe.core.edges import ACTIVATION, CALLER, Edge, INPUT, OUTPUT, SKIP
+from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
 from fxpipe.schedules.actions import Layout, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import Prediction, StageCosts, simulate

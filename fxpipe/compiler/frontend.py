@@ -33,7 +33,7 @@ from fxpipe.tracing.lost_effects import (
 )
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
-from fxpipe.tracing.trace import LeafSpec, TraceError, UNKNOWN_TYPE_FIX, trace, unknown_type
+from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
 
 T = TypeVar("T")
 

@@ -18,7 +18,9 @@ from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
 from fxpipe.distributed.replicas import ReplicaFailed, Replicas
+from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
+from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
 from fxpipe.runtime.step import Step
 
@@ -36,9 +38,6 @@ class Host:
     prepare: Callable[[tuple[Any, ...], dict[str, Any]], Call]
     make_step: Callable[..., Step]
     train_call: Callable[..., tuple[Call, Step]]
-    loss_and_outputs: Callable[..., tuple[Any, Any]]
-    parameter_grads: Callable[[Program, Step, list[nn.Parameter]], list[Optional[torch.Tensor]]]
-    accumulate: Callable[[Call, list[dict[str, Any]], list[Optional[torch.Tensor]]], None]
     held_here: Callable[[Program], list[nn.Parameter]]
 
 
@@ -108,11 +107,11 @@ def _train_across(
             step.train()
             if here:
                 try:
-                    total, outputs = pipe.loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                    total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
                 except ValueError as e:  # every rank raises it, after the step ends on all
                     problem = str(e)
             if call.grad:
-                grads = sum_tied(channel, call.program, call.params, pipe.parameter_grads(call.program, step, call.params), pipe.owner)
+                grads = sum_tied(channel, call.program, call.params, parameter_grads(call.program, step, call.params), pipe.owner)
             after = torch.get_rng_state() if here else before
             drawn = None if torch.equal(after, before) else after  # by loss_fn, which ran on this rank alone
             got = channel.finish((total, problem, step.drew, drawn) if here else (None, None, step.drew, None))
@@ -129,7 +128,7 @@ def _train_across(
         if problem is not None:
             raise ValueError(problem)
         if call.grad:
-            pipe.accumulate(call, [], grads)
+            accumulate(call, [], grads)
         return (total, outputs) if return_outputs else total
     present = [g is not None for g in grads]
     try:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
 
-from fxpipe.core.microbatch import BatchDim, SAME, VARIES, leaves_of, scatter
+from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
 from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
 

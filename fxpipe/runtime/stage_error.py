@@ -6,7 +6,7 @@ from typing import Optional
 
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.runtime.hints import hint_for
-from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action
 
 
 class StageError(RuntimeError):

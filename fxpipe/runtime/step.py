@@ -37,11 +37,11 @@ from fxpipe.runtime.context import CallerContext, worker_state
 from fxpipe.runtime.devices import Aborted, Mailbox, on_device
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.rollback import Rollback
-from fxpipe.runtime.stage_error import LossError, PHASES, StageError, marked, raised_here
+from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
 from fxpipe.runtime.tasks import LossFn, Saved, StageTasks, add_grads, requires_grad
 from fxpipe.runtime.weight_grad import Weights
 from fxpipe.runtime.worker import TaskGroup, Workers
-from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 from fxpipe.schedules.timeline import Record
 

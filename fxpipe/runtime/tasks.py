@@ -36,6 +36,8 @@ from fxpipe.schedules.actions import Schedule
 
 @dataclass
 class Saved:
+    """What a forward keeps for its backward, per stage and micro-batch."""
+
     inputs: list[Any]
     outputs: Optional[tuple[Any, ...]]  # None when checkpointed: recomputed in backward
     buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
@@ -47,7 +49,7 @@ class Saved:
 
 
 # The loss of one micro-batch, weighted for the batch, given its index and its output values
-# (fresh leaves, or the loss stage's own values: see `Step._fuses`).
+# (fresh leaves, or the loss stage's own values: see `StageTasks._fuses`).
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]
 
 

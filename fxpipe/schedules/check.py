@@ -16,7 +16,7 @@ from functools import lru_cache
 import networkx as nx
 
 from fxpipe.schedules.actions import (
-    Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, MAKERS, RECOMPUTE, SCHEDULES, Schedule, WEIGHT_GRAD, needs, with_recompute,
+    BACKWARD, FORWARD, INPUT_GRAD, MAKERS, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, needs, with_recompute,
 )
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, RECOMPUTE, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedules.check import dependency_graph
 from fxpipe.schedules.timeline import Record, Timeline, running_peaks
 

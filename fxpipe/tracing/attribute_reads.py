@@ -37,7 +37,7 @@ from torch import nn
 from fxpipe.core.own_code import is_ours
 from fxpipe.core.scoped import scoped
 from fxpipe.core.settings import settings
-from fxpipe.tracing.dict_reads import DictReads, Entries, KeysRead, MISSING, WHOLE, entries
+from fxpipe.tracing.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
 from fxpipe.tracing.global_reads import constant, module_reads, nested, settings_code, simple_key
 
 _local = threading.local()

@@ -14,7 +14,7 @@ from torch import nn
 
 import model_settings
 from fxpipe import TraceError, compile_pipeline
-from helpers import Blocks, Counts, X, assert_call_and_grads_equal, assert_grads_equal, twin
+from helpers import X, Blocks, Counts, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
 def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refused() -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fxpipe import PlacementError, compile_pipeline
-from helpers import FanOut, X, assert_grads_equal, twin
+from helpers import X, FanOut, assert_grads_equal, twin
 
 
 def test_empty_batch() -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from helpers import FanOut, assert_grads_equal
 from fxpipe import StageError, compile_pipeline
-from fxpipe.schedules.actions import Action, BACKWARD, FORWARD, INPUT_GRAD, Layout, SCHEDULES, Schedule, WEIGHT_GRAD
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedules.check import ScheduleError, check, make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 

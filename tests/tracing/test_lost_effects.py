@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fxpipe import TraceError, compile_pipeline
-from helpers import Blocks, X, assert_grads_equal, twin
+from helpers import X, Blocks, assert_grads_equal, twin
 
 
 def test_a_backward_hook_on_a_module_traced_through_is_refused_and_a_whole_module_keeps_it() -> None:
