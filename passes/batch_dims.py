@@ -34,7 +34,7 @@ from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.random_ops import RandomSources, random_sources
-from fxpipe.passes.shapes import _Recorder, _small_on_cpu
+from fxpipe.passes.shapes import Recorder, small_on_cpu
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.validate import source_line
@@ -115,7 +115,7 @@ def _batch_norm_by_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str
     return torch.ops.aten.native_batch_norm.default(x, weight, bias, mean, var, False, 0.0, eps)
 
 
-class _Runner(_Recorder):
+class _Runner(Recorder):
     """Runs the graph without writing node.meta, keeping the values of the nodes in `keep`
     (of every node when it is None); the nodes in `fixed` run under `_FixedDraws` (a Python
     call per op: only where it matters)."""
@@ -203,7 +203,7 @@ def annotate_batch_dims(
     # Two halves tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
     pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
-    real = _small_on_cpu(gm, inputs)
+    real = small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     written: set[str] = set()
     try:

@@ -63,7 +63,7 @@ _COMPOSITE_MODULES = (
 )  # fmt: skip
 
 
-class _Recorder(fx.Interpreter):
+class Recorder(fx.Interpreter):
     """Runs the graph and writes a description of each node's value into `node.meta`.
 
     On the meta device (`on_meta`), a module's parameters and buffers are swapped for meta
@@ -165,8 +165,8 @@ class _Recorder(fx.Interpreter):
         return lambda out: 0
 
 
-class _Watching(_Recorder):
-    """Runs the graph as `_Recorder` does, handing each node's value and arguments to `watch`."""
+class _Watching(Recorder):
+    """Runs the graph as `Recorder` does, handing each node's value and arguments to `watch`."""
 
     def __init__(self, gm: fx.GraphModule, on_meta: bool, watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
         super().__init__(gm, on_meta)
@@ -189,7 +189,7 @@ def _run(gm: fx.GraphModule, example: tuple[Any, ...], interpreter: Callable[[bo
     the CPU (or `on_meta` says), for real when the meta device cannot run it; the graph's state
     and the random states left as they were."""
     if on_meta is None:
-        on_meta = not _small_on_cpu(gm, example)
+        on_meta = not small_on_cpu(gm, example)
     # A real run updates running statistics and draws random numbers: the model must not see it.
     with preserved(gm), torch.no_grad():
         if on_meta:
@@ -206,7 +206,9 @@ def _run(gm: fx.GraphModule, example: tuple[Any, ...], interpreter: Callable[[bo
 REAL_RUN_LIMIT = 1 << 30
 
 
-def _small_on_cpu(gm: nn.Module, example: tuple[Any, ...]) -> bool:
+def small_on_cpu(gm: nn.Module, example: tuple[Any, ...]) -> bool:
+    """Whether one real run of `gm` on `example` is cheaper than one on the meta device: all on the
+    CPU, under REAL_RUN_LIMIT bytes of parameters."""
     tensors = [*gm.parameters(), *gm.buffers(), *(t for t in tree_flatten(example)[0] if isinstance(t, torch.Tensor))]
     return all(t.device.type == "cpu" for t in tensors) and sum(t.numel() * t.element_size() for t in gm.parameters()) < REAL_RUN_LIMIT
 
@@ -220,5 +222,5 @@ def propagate_shapes(gm: fx.GraphModule, example: tuple[Any, ...], on_meta: Opti
     cannot run on the meta device (a leaf module that reads values, say). The graph's state
     and the random states are left as they were.
     """
-    _run(gm, example, lambda meta: _Recorder(gm, on_meta=meta), on_meta)
+    _run(gm, example, lambda meta: Recorder(gm, on_meta=meta), on_meta)
     return gm

@@ -16,7 +16,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from fxpipe.core.own_code import is_ours
 from fxpipe.core.snapshot import Snapshot, preserved
-from fxpipe.passes.shapes import _small_on_cpu, propagate_shapes
+from fxpipe.passes.shapes import propagate_shapes, small_on_cpu
 from fxpipe.tracing.assignments import started_alike
 
 # (rtol, atol) by dtype: a graph from torch.export runs decomposed ops, which may round otherwise.
@@ -42,7 +42,7 @@ def check_graph(
     Either way the model's state and the random states are left as they were.
     """
     with preserved(model) as state, torch.no_grad():
-        if not _small_on_cpu(gm, inputs):
+        if not small_on_cpu(gm, inputs):
             return _runs(gm, inputs)
         kwargs = kwargs or {}
         with started_alike(model) as put_back:  # the graph's run starts from the attributes the model's read

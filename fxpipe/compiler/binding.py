@@ -1,0 +1,190 @@
+"""Binding a call's arguments to the graph's inputs, and checking a call (or its micro-batches) against what the graph was traced for."""
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from fxpipe.compiled.program import Binder, OtherCall
+from fxpipe.passes.shapes import small_on_cpu
+from fxpipe.passes.validate import check_graph
+from fxpipe.tracing.export import fixed_dims
+
+MicroBatchCheck = Callable[[Sequence[dict[str, Any]]], None]
+
+
+def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> Binder:
+    """Arguments bound by the model's forward signature (its defaults applied: a tensor default
+    is not in the traced code), keyed by the placeholder nodes' names (an argument called
+    `input` is the node `input_1`)."""
+    signature = inspect.signature((model if model is not None else gm).forward)
+    names = {str(node.target): node.name for node in gm.graph.nodes if node.op == "placeholder"}
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
+        bound.apply_defaults()
+        return {names[key]: value for key, value in bound.arguments.items()}
+
+    return bind
+
+
+def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
+    """`bind`, refusing a call that leaves an argument None where the example gave one, or the
+    reverse: torch.fx traced the model's `if mask is not None` branch as the example took it."""
+    absent = {name for name, value in traced.items() if value is None}
+    argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
+
+    def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        values = bind(args, kwargs)
+        differ = sorted(argument.get(name, name) for name, value in values.items() if (value is None) != (name in absent))
+        if differ:
+            raise OtherCall(
+                f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
+                "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
+                "for calls of each kind (with and without the argument), or pass it as the example did.",
+                frozenset(name for name, value in values.items() if value is None),
+            )
+        return values
+
+    return checked
+
+
+def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module) -> Binder:
+    """Arguments flattened into leaves, as the exported graphs take them; a call whose shapes
+    differ where the graph of the model's mode (training or eval: each has its own branches)
+    fixed or guards them is refused before any stage runs."""
+    placeholders = [node for node in graphs[True].graph.nodes if node.op == "placeholder"]
+    names = [node.name for node in placeholders]
+    arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
+    fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
+    guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
+
+    order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
+
+    def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if set(kwargs) == set(order):  # keywords in another order are the same call
+            kwargs = {key: kwargs[key] for key in order}
+        leaves, called = tree_flatten((args, kwargs))
+        if called != spec:
+            raise OtherCall(
+                "the pipeline was exported for arguments shaped like the example, and this call differs:\n"
+                f"  - example: {_arguments(spec)}\n  - call:    {_arguments(called)}\n"
+                "How to fix: call it with the same positional and keyword arguments as the example.",
+                str(called),
+            )
+        mode = model.training if model.training in graphs else True
+        _check_fixed(leaves, fixed[mode], arguments)
+        if guards[mode] is not None:
+            _check_guards(guards[mode], leaves, arguments)
+        return dict(zip(names, leaves))
+
+    return bind
+
+
+def _children(spec: TreeSpec) -> list[TreeSpec]:
+    """A spec's children, by the pytree API of this torch (`children()` replaced an attribute)."""
+    return list(spec.children()) if hasattr(spec, "children") else list(spec.children_specs)
+
+
+def _arguments(spec: TreeSpec) -> str:
+    """'2 positional; keywords mask, labels', and the structure of each, as pytree sees it."""
+    positional, keywords = _children(spec)
+    names = ", ".join(map(str, keywords.context or [])) or "none"
+    return f"{positional.num_children} positional, keywords {names} (structure {spec})"
+
+
+def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments: list[str]) -> None:
+    wrong = [
+        f"{arguments[index]} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
+        f"the graph was made for {size}"
+        for index, dim, size in fixed
+        if isinstance(leaves[index], torch.Tensor) and leaves[index].dim() > dim and leaves[index].shape[dim] != size
+    ]
+    if wrong:
+        raise ValueError(
+            "torch.export fixed these input sizes to the example's (the model's Python code depends on "
+            "them), and this call differs:\n" + "\n".join(f"  - {w}" for w in wrong) + "\nHow to fix: "
+            "compile a pipeline for these shapes, or write the size-dependent code with tensor "
+            "operations so that export keeps the size dynamic."
+        )
+
+
+_CALL_DIFFERS = (
+    "The exported graph holds the example's value of each argument that is not a tensor, and the branches the "
+    "example's sizes took.\nHow to fix: call it as the example was called, compile a pipeline for this call, or "
+    "make the model traceable by torch.fx, which keeps such arguments and branches live."
+)
+
+
+_MICRO_BATCH_DIFFERS = (
+    "The model branches on a size that splitting the batch changes, and the stages would run each micro-batch "
+    "down the branch of the whole batch.\nHow to fix: use fewer chunks (chunks=1 runs the batch whole), or write "
+    "the branch as tensor operations (torch.where) so that it does not depend on the batch size."
+)
+
+
+def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: str = "this call", why: str = _CALL_DIFFERS) -> None:
+    """torch.export's own checks of `what`'s inputs (`leaves`, named by `arguments`): the graph
+    holds the example's value of each argument that is not a tensor, and the branches its sizes
+    took. The failed guard names the forward's arguments (export names leaves by index)."""
+    try:
+        guards(*leaves)
+    except AssertionError as error:
+        failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
+        shapes = "".join(f"\n  - {name}: shape {tuple(t.shape)}" for name, t in zip(arguments, leaves) if isinstance(t, torch.Tensor))
+        raise ValueError(
+            f"torch.export made the graph for calls like the example, and {what} differs: {failed}.\n"
+            f"The tensors of {what}:{shapes}\n{why}"
+        ) from None
+
+
+def micro_batch_check(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec) -> Optional[MicroBatchCheck]:
+    """torch.export's guards on the micro-batches' inputs: a branch on the batch size (`if
+    x.shape[0] > 4:`) holds for the whole batch, and the stages run micro-batches. A guard
+    that fails is not always a branch (export guards a size of 1 apart, and SimpleViT's batch
+    of 1 computes alike): the graph then runs beside the model on the micro-batch, once per
+    shape, and only a difference (or a model too large to run whole) refuses it."""
+    if all(gm.meta.get("input_guards") is None for gm in graphs.values()):
+        return None
+    arguments = [str(node.meta.get("argument", node.name)) for node in graphs[True].graph.nodes if node.op == "placeholder"]
+    alike: set[tuple[Any, ...]] = set()  # the shapes whose guards failed, and whose graph ran as the model
+
+    def check(micro_batches: Sequence[dict[str, Any]]) -> None:
+        guards = graphs.get(model.training, graphs[True]).meta.get("input_guards")  # each mode has its branches
+        if guards is None:
+            return
+        seen: set[tuple[Any, ...]] = set()
+        for values in micro_batches:
+            leaves = list(values.values())
+            key = (model.training, *(tuple(t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in leaves))
+            if key in seen or key in alike:
+                continue
+            seen.add(key)
+            try:
+                guards(*leaves)
+            except AssertionError:
+                if not _runs_alike(model, graphs, spec, leaves):
+                    _check_guards(guards, leaves, arguments, "a micro-batch", _MICRO_BATCH_DIFFERS)
+                alike.add(key)
+
+    return check
+
+
+def _runs_alike(model: nn.Module, graphs: dict[bool, fx.GraphModule], spec: TreeSpec, leaves: list[Any]) -> bool:
+    """Whether the graph of the model's mode computes what the model does on these inputs."""
+    gm = graphs.get(model.training, graphs[True])
+    if not small_on_cpu(gm, tuple(leaves)):
+        return False
+    args, kwargs = tree_unflatten(leaves, spec)
+    try:
+        return check_graph(model, gm, tuple(args), tuple(leaves), kwargs) is None
+    except Exception:  # noqa: BLE001 - the model itself does not run on it: the guard's refusal says why
+        return False
