@@ -86,7 +86,7 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
     apart = [f"{path or 'the model'} in {'eval' if flag else 'training'} mode"
              for path, flag in traced.get(training, {}).items() if path in named and named[path].training != flag]  # fmt: skip
     raise RuntimeError(
-        f"the model's forward reads `training`, and no graph was traced with its modules in the modes they "
+        f"the model's forward reads `self.training`, and no graph was traced with its modules in the modes they "
         f"are in: {', '.join(apart)} now, where the {'training' if training else 'eval'} graph has them in the "
         "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
         "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
