@@ -176,6 +176,8 @@ def stage_plans(
     runs: list[list[fx.Node]], devices: list[torch.device], edges: list[Any], report: CutModel, memory: CutModel,
     stage_times: Optional[StageTimes],
 ) -> list[StagePlan]:
+    """Each stage's plan: its device, nodes and edges, its predicted time (measured whole where
+    `stage_times` has it) and the memory it holds."""
     plans, start = [], 0
     for index, (run, device) in enumerate(zip(runs, devices)):
         end = start + len(run)
