@@ -5,6 +5,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+import networkx as nx
+
 from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
 from fxpipe.schedules.actions import Layout, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
@@ -52,6 +54,35 @@ class Plan:
     def skip_edges(self) -> list[Edge]:
         """The stash/pop edges: values that jump over at least one stage."""
         return self.edges_of_kind(SKIP)
+
+    @property
+    def stage_graph(self) -> nx.DiGraph:
+        """The stages as a graph: an edge s -> t where stage t reads values stage s makes, with
+        `values`, their names in the order they travel. Nodes are the stage indices alone: the
+        caller, which gives the inputs, and the output are not stages."""
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(len(self.stages)))
+        for edge in self.edges:
+            if edge.src == CALLER or edge.dst >= len(self.stages):
+                continue
+            if not graph.has_edge(edge.src, edge.dst):
+                graph.add_edge(edge.src, edge.dst, values=[])
+            values = graph.edges[edge.src, edge.dst]["values"]
+            if edge.value not in values:
+                values.append(edge.value)
+        return graph
+
+    @property
+    def depth(self) -> int:
+        """Stages on the longest path of `stage_graph`: a chain in which every stage feeds the
+        next has its stage count; stages that read only the inputs run side by side."""
+        return nx.dag_longest_path_length(self.stage_graph) + 1 if self.stages else 0
+
+    def _graph_line(self) -> str:
+        """`stage_graph` in one line for the summary: each edge, and the depth."""
+        graph = self.stage_graph
+        edges = ", ".join(f"{s}->{t}" for s, t in sorted(graph.edges)) or "none"
+        return f"stage graph: {edges}; depth {self.depth} of {len(self.stages)} stages"
 
     def _bytes(self, stage: int, kinds: tuple[str, ...], incoming: bool) -> int:
         return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
@@ -121,7 +152,8 @@ class Plan:
             f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
             f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
             f"predicted peak activations per stage: {peaks}\n"
-            f"stash/pop edges: {skips}"
+            f"stash/pop edges: {skips}\n"
+            f"{self._graph_line()}"
         )
         return "\n".join([*lines, footer, *self.notes])
 

@@ -1,0 +1,95 @@
+"""The plan's stage graph: which stage feeds which, with the values that travel, and its depth."""
+from __future__ import annotations
+
+import networkx as nx
+import torch
+from torch import nn
+
+from fxpipe import Plan, compile_pipeline, pipe_split
+from helpers import assert_call_and_grads_equal, twin
+
+
+class Towers(nn.Module):
+    """Two towers on the same input, summed, then a head: marked apart, the stages of the two
+    towers read only the input, and neither feeds the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.b1, self.b2 = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a2(torch.tanh(self.a1(x)))
+        pipe_split()
+        b = self.b2(torch.tanh(self.b1(x)))
+        pipe_split()
+        return self.head(a + b)
+
+
+class Skips(nn.Module):
+    """A chain whose first layer's output is read again three stages down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = h = torch.tanh(self.layers[0](x))
+        for layer in self.layers[1:]:
+            h = torch.tanh(layer(h))
+        return h + first
+
+
+def _edges(plan: Plan) -> dict[tuple[int, int], list[str]]:
+    return {(s, t): data["values"] for s, t, data in plan.stage_graph.edges(data=True)}
+
+
+def test_a_chain_is_its_stages_in_a_row_and_as_deep_as_its_stage_count() -> None:
+    pipe = compile_pipeline(nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]), torch.randn(4, 6), ["cpu"] * 3, chunks=2)
+    graph = pipe.plan.stage_graph
+    assert sorted(graph.nodes) == [0, 1, 2]  # neither the caller nor the output is a stage
+    assert sorted(graph.edges) == [(0, 1), (1, 2)]
+    assert all(len(values) == 1 for values in _edges(pipe.plan).values())
+    assert pipe.plan.depth == 3
+    assert "stage graph: 0->1, 1->2; depth 3 of 3 stages" in pipe.plan.summary()
+    pipe.close()
+
+
+def test_a_skip_is_an_edge_of_its_own_and_names_the_value_it_carries() -> None:
+    pipe = compile_pipeline(Skips(), torch.randn(4, 6), ["cpu"] * 4, chunks=2, split_points=["layers.1", "layers.2", "layers.3"])
+    edges = _edges(pipe.plan)
+    skips = {(e.src, e.dst): e.value for e in pipe.plan.skip_edges}
+    assert set(skips) == {(0, 3)}
+    assert edges[0, 3] == [skips[0, 3]]  # the stash/pop edge, straight to the stage that reads it
+    assert {(0, 1), (1, 2), (2, 3)} <= set(edges)
+    assert pipe.plan.depth == 4
+    pipe.close()
+
+
+def test_towers_marked_apart_read_only_the_input_and_the_graph_is_two_deep() -> None:
+    model, reference = twin(Towers())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    graph = pipe.plan.stage_graph
+    assert not graph.has_edge(0, 1) and not graph.has_edge(1, 0)  # the towers: side by side
+    assert set(graph.predecessors(2)) == {0, 1}
+    assert nx.is_directed_acyclic_graph(graph)
+    assert pipe.plan.depth == 2  # each tower, then the sum and the head
+    assert "depth 2 of 3 stages" in pipe.plan.summary()
+    pipe.close()
+
+
+def test_one_stage_is_one_deep_with_no_edges() -> None:
+    pipe = compile_pipeline(Skips(), torch.randn(4, 6), ["cpu"], chunks=2)
+    assert list(pipe.plan.stage_graph.nodes) == [0] and pipe.plan.stage_graph.number_of_edges() == 0
+    assert pipe.plan.depth == 1
+    pipe.close()
+
+
+def test_the_stage_graph_is_read_from_the_edges_and_not_kept_in_the_plans_data() -> None:
+    """Plans are compared across processes by their data: the graph adds nothing to it."""
+    pipe = compile_pipeline(Towers(), torch.randn(4, 6), ["cpu"] * 3, chunks=2)
+    assert "stage_graph" not in pipe.plan.to_dict() and "depth" not in pipe.plan.to_dict()
+    pipe.close()
