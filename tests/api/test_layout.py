@@ -3,6 +3,7 @@ import ast
 import importlib
 import itertools
 import pathlib
+import re
 import sys
 from typing import Iterator
 
@@ -128,6 +129,17 @@ def test_the_layout_guide_lists_every_module_as_its_docstring_says() -> None:
     text = DOCS.read_text()
     assert SECTION in text, f"{DOCS} has no section {SECTION!r}"
     assert text[text.index(SECTION):].rstrip() == modules_section().rstrip(), "docs/layout.md is stale: run python tests/api/test_layout.py"
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml lists the packages a wheel holds: a layer left out would import from a
+    checkout and fail from an install."""
+    text = (DOCS.parents[1] / "pyproject.toml").read_text()
+    found = re.search(r"^packages = \[(?P<names>[^\]]*)\]", text, re.M)
+    assert found, "pyproject.toml has no packages = [...] under [tool.setuptools]"
+    listed = re.findall(r'"([\w.]+)"', found["names"])
+    packages = {m for m, path in modules().items() if path.name == "__init__.py"}
+    assert set(listed) == packages, f"pyproject.toml lists {sorted(listed)}; the packages are {sorted(packages)}"
 
 
 def test_every_module_says_what_it_is_in_one_line_first() -> None:
