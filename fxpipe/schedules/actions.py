@@ -76,6 +76,25 @@ class Layout:
     def on_rank(self, rank: int) -> list[int]:
         return [s for s, r in enumerate(self.ranks) if r == rank]
 
+    def stages_after(self, stage: int) -> int:
+        """Stages after `stage` on the longest path from it through the stage graph: in a chain
+        n - 1 - stage; a branch that joins the others later counts only the stages it feeds."""
+        return self._remaining()[stage] - 1
+
+    @property
+    def depth(self) -> int:
+        """Stages on the longest path of the stage graph (a chain's stage count)."""
+        return max(self._remaining(), default=0)
+
+    def _remaining(self) -> list[int]:
+        """Per stage, the stages on the longest path from it to the end, itself included. Links
+        go from a stage to a later one (the cut follows one linear order), so one pass from the
+        last stage back suffices."""
+        remaining = [1] * self.stages
+        for src, dst in sorted(self.links, reverse=True):
+            remaining[src] = max(remaining[src], 1 + remaining[dst])
+        return remaining
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -129,13 +148,14 @@ def gpipe(layout: Layout, m: int) -> list[list[Action]]:
 
 
 def one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
-    """PipeDream-flush: stage s runs n - 1 - s forwards, then alternates one forward and one
-    backward, then drains; it never holds more than n - s micro-batches."""
+    """PipeDream-flush: stage s runs as many forwards as there are stages after it on the longest
+    path of the stage graph (n - 1 - s in a chain), then alternates one forward and one backward,
+    then drains; it never holds more micro-batches than that path has stages from it."""
     _one_stage_per_worker(layout, "1f1b")
     n = layout.stages
     per_rank = []
     for s in range(n):
-        warmup = min(n - 1 - s, m)
+        warmup = min(layout.stages_after(s), m)
         acts = [Action(FORWARD, s, i) for i in range(warmup)]
         for k in range(m - warmup):
             acts += [Action(FORWARD, s, warmup + k), Action(BACKWARD, s, k)]
@@ -181,11 +201,11 @@ def interleaved_one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
 def zb_h1(layout: Layout, m: int) -> list[list[Action]]:
     """Zero bubble, ZB-H1: each backward split into I, sent upstream at once, and W, which fills
     the time a worker would otherwise wait; no stage holds more micro-batches (F to W) than 1F1B's
-    first stage, n. The order comes from a unit-time list schedule: I first, then F while the
+    first stage: the depth of the stage graph (n in a chain). The order comes from a unit-time list schedule: I first, then F while the
     bound allows, then the oldest W. With F = I = W it takes 29 units for 4 stages and 8
     micro-batches, where 1F1B takes 33."""
     _one_stage_per_worker(layout, "zb-h1")
-    n = layout.stages
+    n, depth = layout.stages, layout.depth
     split = {(s, i) for s in range(n) for i in range(m)}  # every backward
     done: dict[Action, int] = {}  # action -> tick it finished
     per_rank: list[list[Action]] = [[] for _ in range(n)]
@@ -197,7 +217,7 @@ def zb_h1(layout: Layout, m: int) -> list[list[Action]]:
             candidates = []
             if next_i[s] < next_f[s]:
                 candidates.append(Action(INPUT_GRAD, s, next_i[s]))
-            if next_f[s] < m and next_f[s] - w_done[s] < n:
+            if next_f[s] < m and next_f[s] - w_done[s] < depth:
                 candidates.append(Action(FORWARD, s, next_f[s]))
             if w_done[s] < next_i[s]:
                 candidates.append(Action(WEIGHT_GRAD, s, w_done[s]))

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import networkx as nx
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import Plan, compile_pipeline, pipe_split
-from helpers import assert_call_and_grads_equal, twin
+from helpers import assert_call_and_grads_equal, assert_grads_equal, twin
 
 
 class Towers(nn.Module):
@@ -92,4 +94,21 @@ def test_the_stage_graph_is_read_from_the_edges_and_not_kept_in_the_plans_data()
     """Plans are compared across processes by their data: the graph adds nothing to it."""
     pipe = compile_pipeline(Towers(), torch.randn(4, 6), ["cpu"] * 3, chunks=2)
     assert "stage_graph" not in pipe.plan.to_dict() and "depth" not in pipe.plan.to_dict()
+    pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_towers_train_exactly_and_1f1b_holds_what_the_depth_needs(schedule: str) -> None:
+    """Each tower runs as many micro-batches ahead as the stages after it on the longest path:
+    one, not the two a chain's first stage would run."""
+    model, reference = twin(Towers())
+    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=6, checkpoint="never", schedule=schedule)
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    if schedule != "gpipe":
+        assert max(pipe.last_most_alive) <= pipe.plan.depth, pipe.last_most_alive
     pipe.close()

@@ -37,8 +37,38 @@ def layouts(draw: Any, one_per_worker: bool = True) -> Layout:
     return Layout(tuple(range(n)), frozenset(links), tuple(sorted(outputs)))
 
 
+@st.composite
+def dags(draw: Any) -> Layout:
+    """A stage graph whose links go forward but need not form a chain: each stage feeds one or
+    more later ones (branches side by side, joins), the last makes the output."""
+    n = draw(st.integers(2, 6))
+    links = {(s, draw(st.integers(s + 1, n - 1))) for s in range(n - 1)}
+    links |= {(a, b) for a in range(n) for b in range(a + 1, n) if draw(st.integers(0, 3)) == 0}
+    return Layout(tuple(range(n)), frozenset(links), (n - 1,))
+
+
+def test_the_longest_path_sets_the_depth_and_what_each_stage_waits_for() -> None:
+    towers = Layout((0, 1, 2), frozenset({(0, 2), (1, 2)}), (2,))  # two branches, then a join
+    assert towers.depth == 2 and [towers.stages_after(s) for s in range(3)] == [1, 1, 0]
+    skip = Layout((0, 1, 2, 3), frozenset({(0, 1), (1, 2), (2, 3), (0, 3)}), (3,))
+    assert skip.depth == 4 and [skip.stages_after(s) for s in range(4)] == [3, 2, 1, 0]
+    assert chain(5).depth == 5 and [chain(5).stages_after(s) for s in range(5)] == [4, 3, 2, 1, 0]
+
+
+def test_1f1b_warms_each_branch_up_by_the_stages_after_it_on_the_longest_path() -> None:
+    towers = Layout((0, 1, 2), frozenset({(0, 2), (1, 2)}), (2,))
+    schedule = make_schedule("1f1b", towers, 6, 0)
+    for stage, warmup in ((0, 1), (1, 1), (2, 0)):
+        kinds = [a.kind for a in schedule.actions[stage]]
+        assert kinds[: warmup + 1] == [FORWARD] * (warmup + 1) and kinds[warmup + 1] == BACKWARD, (stage, kinds)
+    timeline = simulate(schedule, towers, [StageCosts(1.0, 2.0)] * 3, 0).timeline
+    assert max(timeline.most_alive().values()) <= towers.depth  # the chain's first stage would hold 3
+    zb = make_schedule("zb-h1", towers, 6, 0)
+    assert max(simulate(zb, towers, [StageCosts(1.0, 2.0)] * 3, 0).timeline.most_alive().values()) <= towers.depth
+
+
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
-@given(layout=layouts(), m=st.integers(1, 9), name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), data=st.data())
+@given(layout=st.one_of(layouts(), dags()), m=st.integers(1, 9), name=st.sampled_from(["gpipe", "1f1b", "zb-h1"]), data=st.data())
 def test_every_schedule_is_complete_and_free_of_deadlock_on_stage_graphs(layout: Layout, m: int, name: str, data: Any) -> None:
     checkpointed = data.draw(st.integers(0, m))
     make_schedule.cache_clear()
