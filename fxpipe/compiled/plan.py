@@ -76,7 +76,7 @@ class Plan:
     def depth(self) -> int:
         """Stages on the longest path of `stage_graph`: a chain in which every stage feeds the
         next has its stage count; stages that read only the inputs run side by side."""
-        return nx.dag_longest_path_length(self.stage_graph) + 1 if self.stages else 0
+        return self.layout().depth
 
     def _graph_line(self) -> str:
         """`stage_graph` in one line for the summary: each edge, and the depth."""

@@ -275,7 +275,7 @@ class Step(StageTasks):
     def _buffers_put_back_on_error(self) -> Iterator[None]:
         """What this process's stages may write, as it was before the step; a step that fails
         puts it back (fxpipe/runtime/rollback.py)."""
-        self.rollback.keep([self.stages[j] for j in (self.layout.on_rank(self.rank) if self.rank is not None else range(len(self.stages)))])
+        self.rollback.keep(self.local_stages)
         try:
             yield
         except BaseException:

@@ -79,13 +79,14 @@ class Layout:
     def stages_after(self, stage: int) -> int:
         """Stages after `stage` on the longest path from it through the stage graph: in a chain
         n - 1 - stage; a branch that joins the others later counts only the stages it feeds."""
-        return self._remaining()[stage] - 1
+        return self._remaining[stage] - 1
 
     @property
     def depth(self) -> int:
         """Stages on the longest path of the stage graph (a chain's stage count)."""
-        return max(self._remaining(), default=0)
+        return max(self._remaining, default=0)
 
+    @cached_property
     def _remaining(self) -> list[int]:
         """Per stage, the stages on the longest path from it to the end, itself included. Links
         go from a stage to a later one (the cut follows one linear order), so one pass from the
