@@ -112,3 +112,29 @@ def test_towers_train_exactly_and_1f1b_holds_what_the_depth_needs(schedule: str)
     if schedule != "gpipe":
         assert max(pipe.last_most_alive) <= pipe.plan.depth, pipe.last_most_alive
     pipe.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_towers_by_depth_accumulate_recompute_and_recover_from_a_failed_step_as_the_plain_model(schedule: str, checkpoint: str) -> None:
+    """Under the depth's warm-up: checkpointed micro-batches, two steps into `.grad`, a step whose
+    loss fails in between (nothing added), and the loss alone under no_grad."""
+    model, reference = twin(Towers())
+    x, y = torch.randn(12, 6, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=6, checkpoint=checkpoint, schedule=schedule)
+
+    def failing(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a loss that fails")
+
+    for step in range(2):
+        pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        F.mse_loss(reference(x), y).backward()
+        if step == 0:
+            with pytest.raises(Exception, match="a loss that fails"):
+                pipe.train_step(x, target=y, loss_fn=failing)
+    assert_grads_equal(pipe, reference)
+    with torch.no_grad():
+        loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        torch.testing.assert_close(loss, F.mse_loss(reference(x), y), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)  # no_grad added nothing
+    pipe.close()
