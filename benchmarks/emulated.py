@@ -63,6 +63,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--chunks", type=int, default=32)
     p.add_argument("--schedule", default="1f1b")
     p.add_argument("--repeats", type=int, default=7, help="timed steps per row (the median is reported)")
+    p.add_argument("--balance", default="counts", choices=("counts", "time"),
+                   help="'counts': a kernel per stage by node counts; 'time': measured at compile, which zb-h1 orders by")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -102,7 +104,7 @@ def row(stages: int, forward: float, args: argparse.Namespace) -> list[str]:
     x, y = torch.randn(args.chunks * 2, 8), torch.randn(args.chunks * 2, 8)
     pipe = compile_pipeline(
         model, x, ["cpu"] * stages, chunks=args.chunks, schedule=args.schedule, checkpoint="never",
-        balance=[2] * stages,
+        balance=[2] * stages if args.balance == "counts" else "time",
     )  # fmt: skip
     for _ in range(2):
         pipe.train_step(x, target=y, loss_fn=F.mse_loss)
@@ -137,7 +139,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(1)
     for line in command_lines(reexecuted, "steady allocator"):
         print(line)
-    print(f"torch {torch.__version__}; schedule {args.schedule!r}; backward kernel = 2 x forward; efficiency = ideal / measured\n")
+    print(f"torch {torch.__version__}; schedule {args.schedule!r}; balance {args.balance!r}; backward kernel = 2 x forward; "
+          "efficiency = ideal / measured\n")  # fmt: skip
     rows = [row(int(s), float(k) / 1e3, args) for s in args.stages.split(",") for k in args.kernels_ms.split(",")]
     print_markdown(HEADER, rows)
 

@@ -20,7 +20,7 @@ from fxpipe.compiler.arguments import (
     refuse_lazy, refuse_nothing_split,
 )
 from fxpipe.compiler.build import build_program
-from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, report_model, stage_plans, times_basis
+from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
 from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiler.placement import place_state
 from fxpipe.core.attrs import tensors_read
@@ -29,7 +29,7 @@ from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
-from fxpipe.passes.costs import annotate_costs, cut_model
+from fxpipe.passes.costs import annotate_costs, cut_model, report_model
 from fxpipe.passes.edges import find_edges
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
@@ -46,7 +46,6 @@ from fxpipe.tracing.mode_reads import ModeReads
 from fxpipe.tracing.trace import LeafSpec
 
 
-StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward
 
 
 P = ParamSpec("P")
@@ -154,6 +153,7 @@ def compile_pipeline(
     schedule: str = "gpipe",
     stages_per_device: int = 1,
     compile_stages: Union[bool, dict[str, Any]] = False,
+    stage_graph: str = "auto",
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -196,9 +196,14 @@ def compile_pipeline(
             True, or a dict of torch.compile's `mode`, `dynamic`, `backend`, `fullgraph` and
             `options`, passed through (`{"mode": "reduce-overhead"}` for CUDA graphs).
             `pipe.compile_stats()` counts each stage's graphs, compile time and recompiles.
+        stage_graph: the shape of the automatic cut: 'chain' cuts one linear order of the
+            nodes; 'dag' also puts parallel branches of the model (towers, encoders of several
+            inputs) in stages of their own that run side by side; 'auto' keeps whichever the
+            cost model predicts faster under `schedule`. A cut by hand runs as the graph it gives.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
-    `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`.
+    `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`; a stage DAG, the one with the
+    least time on its longest path in place of the sum.
     """
     placement = _placement(devices, mesh, timeout)
     given = devices if placement is None else [placement.device] * placement.size
@@ -206,7 +211,7 @@ def compile_pipeline(
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
     stage_compile, compile_problems = compile_options(compile_stages)
     problems = [*model_problems(model, leaf_modules), *cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
-    parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems)
+    parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
     example_args = example if isinstance(example, tuple) else (example,)
@@ -254,9 +259,11 @@ def compile_pipeline(
         caps = memory_caps(device_memory, ranks)
         runs, stage_times = cut_runs(
             gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split,
+            stage_graph=stage_graph, schedule=schedule, ranks=ranks,
             # CPU stages in one process share its cores and interpreter lock: their workers are timed at once.
             placement=placement, workers=ranks if on_cpu and placement is None else None,
         )  # fmt: skip
+        order = [node for run in runs for node in run]  # a stage DAG lays the stages out in another order
         refuse_recomputed_writes(gm, runs, checkpoint, chunks)
         edges = find_edges(gm, len(parsed))
         pin_devices(gm, parsed)
@@ -281,7 +288,7 @@ def compile_pipeline(
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
-        compile_stages=stage_compile,
+        compile_stages=stage_compile, costs=plan.action_costs(),
     )
     compiled = Compiled(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
@@ -306,7 +313,7 @@ def compile_pipeline(
             devices=devices, chunks=chunks, checkpoint=checkpoint, split_points=split_points, balance=balance,
             leaf_modules=leaf_modules, device_memory=device_memory, param_scale=param_scale, bandwidth=bandwidth,
             flop_rate=flop_rate, chunk_spec=chunk_spec, deferred_batch_norm=deferred_batch_norm, schedule=schedule,
-            stages_per_device=stages_per_device, compile_stages=compile_stages,
+            stages_per_device=stages_per_device, compile_stages=compile_stages, stage_graph=stage_graph,
         )  # fmt: skip
         pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
     return pipe

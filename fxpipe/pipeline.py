@@ -411,8 +411,8 @@ class Pipeline(nn.Module):
         With `measure_memory`, the activation bytes each stage held at most, and per CUDA device
         the allocator's peak since the call began (read now: ask right after the step)."""
         peaks = self.last_meter.device_peaks() if self.last_meter is not None else {}
-        workers = self._programs[True].layout.workers
-        return Timeline(list(self.last_timeline), workers, dict(enumerate(self.last_peak_bytes)), peaks)
+        layout = self._programs[True].layout
+        return Timeline(list(self.last_timeline), layout.workers, dict(enumerate(self.last_peak_bytes)), peaks, layout.levels)
 
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         _refuse_capture()

@@ -1,6 +1,7 @@
 """Cost model: what each node weighs (bytes, FLOPs, measured time), and the cut model built on it."""
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import threading
@@ -154,8 +155,8 @@ def _rounds(
 
 def profile_stages(
     gm: fx.GraphModule, example: Sequence[Any], device: torch.device, runs: Sequence[Sequence[fx.Node]], warmup: int = 2,
-    repeats: int = 7, per_batch: int = 1, workers: Optional[Sequence[int]] = None,
-) -> list[tuple[float, float]]:
+    repeats: int = 7, per_batch: int = 1, workers: Optional[Sequence[int]] = None, split_backward: bool = False,
+) -> list[tuple[float, float, float]]:
     """Each stage's forward, and forward plus backward, in seconds per batch (as in
     `profile_times`), timed as the pipeline runs it: its nodes in one forward, one backward
     call. A stage costs more than its nodes' times apart: each of its ops keeps its fixed cost
@@ -163,7 +164,8 @@ def profile_stages(
     once, as a task does. `workers` (each stage's worker): every worker on a thread of its own
     at once, each timing its stages in turn, as CPU stages run in a pipeline's steady state,
     sharing the cores and the interpreter lock (two busy stages on two cores each run slower
-    than one alone)."""
+    than one alone). Third, the share of its backward that goes to its inputs' gradients
+    (zb-h1's I; the rest is W), with `split_backward`, else 0.5."""
     with preserved(gm):
         capture = _Capture(gm, keep_values=True)
         capture.run(*example)
@@ -172,7 +174,40 @@ def profile_stages(
             samples = _rounds_together(stage_runs, device, warmup, repeats, list(workers))
         else:
             samples = _rounds(stage_runs, device, warmup, repeats)
-    return [(per_batch * forward, per_batch * whole) for forward, whole in (_medians(samples[i]) for i in range(len(runs)))]
+        shares = _input_shares(gm, stage_runs, runs, device, warmup, repeats) if split_backward else [0.5] * len(runs)
+    times = [_medians(samples[i]) for i in range(len(runs))]
+    return [(per_batch * forward, per_batch * whole, share) for (forward, whole), share in zip(times, shares)]
+
+
+def _input_shares(
+    gm: fx.GraphModule, stage_runs: dict[int, Callable[[], Any]], runs: Sequence[Sequence[fx.Node]], device: torch.device,
+    warmup: int, repeats: int,
+) -> list[float]:
+    """Per stage, its backward with its parameters' gradients off (the inputs' alone) over its
+    whole backward, each stage timed alone (a flag turned off is the model's own, which a stage
+    on another thread would read)."""
+    keyed: dict[Any, Callable[[], Any]] = {}
+    for i, run in stage_runs.items():
+        params = [p for node in runs[i] for p in parameters_of(gm, node) if p.requires_grad]
+        keyed[i, "whole"], keyed[i, "inputs"] = run, functools.partial(_without_grads, run, params)
+    samples = _rounds(keyed, device, warmup, repeats)
+    shares = []
+    for i in range(len(runs)):
+        (f_whole, whole), (f_inputs, inputs) = _medians(samples[i, "whole"]), _medians(samples[i, "inputs"])
+        backward = whole - f_whole
+        shares.append(min(1.0, max(0.0, (inputs - f_inputs) / backward)) if backward > 0 else 0.5)
+    return shares
+
+
+def _without_grads(run: Callable[[], Any], params: list[torch.Tensor]) -> Any:
+    """`run()` recorded with `params` not requiring grad: its backward computes the inputs' alone."""
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        return run()
+    finally:
+        for p in params:
+            p.requires_grad_(True)
 
 
 def _rounds_together(
@@ -264,3 +299,13 @@ def cut_model(
         checkpointed=checkpointed,
         param_scale=param_scale,
     )
+
+
+def report_model(order: Sequence[fx.Node], costs: dict[str, Any]) -> CutModel:
+    """The model a plan's predictions use: seconds measured where every node is, else from FLOPs."""
+    return cut_model(order, "time" if measured(order) else "flops", **costs)
+
+
+def measured(order: Sequence[fx.Node]) -> bool:
+    """Whether every node of `order` has a measured time."""
+    return all("time" in n.meta for n in order)

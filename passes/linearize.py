@@ -19,7 +19,7 @@ from fxpipe.core.attrs import COMPUTE_OPS
 from fxpipe.core.writes import written_arguments
 from fxpipe.passes.state import reads_written_state
 
-__all__ = ["COMPUTE_OPS", "linearize", "open_bytes"]
+__all__ = ["COMPUTE_OPS", "keeps_traced_order", "linearize", "open_bytes"]
 
 
 
@@ -65,6 +65,12 @@ def _greedy(gm: fx.GraphModule, nodes: list[fx.Node]) -> list[fx.Node]:
     return order
 
 
+def keeps_traced_order(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
+    """Whether `nodes` write tensors in place or read by name a buffer another node writes: their
+    reads rely on the traced order, as no edge orders a read before a write."""
+    return any(written_arguments(gm, node) for node in nodes) or reads_written_state(gm, nodes)
+
+
 def linearize(gm: fx.GraphModule) -> list[fx.Node]:
     """The compute nodes in a topological order; stages are contiguous runs of this list.
 
@@ -77,7 +83,7 @@ def linearize(gm: fx.GraphModule) -> list[fx.Node]:
     which its reads rely on: a read before a write has no edge to the write that says so.
     """
     traced = [node for node in gm.graph.nodes if node.op in COMPUTE_OPS]
-    if any(written_arguments(gm, node) for node in traced) or reads_written_state(gm, traced):
+    if keeps_traced_order(gm, traced):
         return traced
     greedy = _greedy(gm, traced)
     return greedy if open_bytes(greedy) < open_bytes(traced) else traced

@@ -5,14 +5,14 @@ what crosses into it: every value made before s and used in [s, e), activation o
 once (bytes / bandwidth). Its memory is its parameters (times `param_scale`, for gradients and
 optimizer state) plus the activations it holds in flight for the chosen chunks and checkpointing.
 The pipeline's time is `sum(t_i) + (chunks - 1) * max(t_i)` (fill and drain, then the slowest
-stage sets the pace).
+stage sets the pace); of a stage DAG, the longest path's sum in place of the whole sum.
 """
 from __future__ import annotations
 
 import bisect
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch.fx as fx
 
@@ -94,6 +94,19 @@ class CutModel:
     def additive(self) -> bool:
         """Whether a stage's time is the plain sum of its nodes' times (nothing to receive)."""
         return self.bandwidth is None
+
+
+def dag_time(times: Sequence[float], links: Iterable[tuple[int, int]], chunks: int) -> float:
+    """The pipeline time of stages that form a DAG (`links`: producer, consumer pairs, from a
+    stage to a later one): the longest path's time, the fill and drain of its micro-batches,
+    plus `(chunks - 1) * max(t_i)`, the slowest stage's pace. A chain gives `pipeline_time`."""
+    producers: dict[int, list[int]] = {}
+    for src, dst in links:
+        producers.setdefault(dst, []).append(src)
+    longest: list[float] = []
+    for k, t in enumerate(times):
+        longest.append(t + max((longest[p] for p in producers.get(k, ())), default=0.0))
+    return max(longest, default=0.0) + (chunks - 1) * max(times, default=0.0)
 
 
 def kept_micro_batches(chunks: int, checkpointed: int) -> int:

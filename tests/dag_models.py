@@ -458,13 +458,14 @@ class Case:
     seed: int
     batch2: int = 0  # the second batch (two_forwards, the second train step, eval): 0 is `batch`
     schedule: str = "gpipe"  # what train_step runs ('scheduled')
+    stage_graph: str = "auto"  # 'dag': the graph search's cut (with the default balance)
 
     def describe(self, balance: Any = "?") -> str:
         bal = "default" if self.cuts_seed is None else f"balance={balance} (cuts_seed={self.cuts_seed})"
         return (
             f"use={self.use!r} stages={self.stages} chunks={self.chunks} checkpoint={self.mode!r} {bal} "
             f"batch={self.batch} batch2={self.batch2} seed={self.seed} width={self.spec.width} p={self.spec.p} "
-            f"schedule={self.schedule!r}\n"
+            f"schedule={self.schedule!r} stage_graph={self.stage_graph!r}\n"
             + textwrap.indent(source(self.spec), "    ")
         )
 
@@ -498,7 +499,7 @@ def balance_for(case: Case, model: nn.Module, x: torch.Tensor) -> Optional[list[
 
 
 def compiled(model: nn.Module, x: torch.Tensor, case: Case, mode: str, balance: Optional[list[int]]) -> Any:
-    kwargs: dict[str, Any] = dict(chunks=case.chunks, checkpoint=mode, schedule=case.schedule)
+    kwargs: dict[str, Any] = dict(chunks=case.chunks, checkpoint=mode, schedule=case.schedule, stage_graph=case.stage_graph)
     if balance is not None:
         kwargs["balance"] = balance
     devices = case.stages
@@ -601,7 +602,7 @@ def reproducer(case: Case, balance: Any = None) -> str:
         + "])\n"
         f"check(Case(spec, use={case.use!r}, stages={case.stages}, chunks={case.chunks}, mode={case.mode!r}, "
         f"cuts_seed={case.cuts_seed!r}, batch={case.batch}, seed={case.seed}, batch2={case.batch2}, "
-        f"schedule={case.schedule!r}))\n"
+        f"schedule={case.schedule!r}, stage_graph={case.stage_graph!r}))\n"
     )
 
 

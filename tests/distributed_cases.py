@@ -48,13 +48,24 @@ def _random_dag(seed: int) -> Made:
     return make_model(spec, 0.0, seed, torch.float64), pairs, lambda out, _: mean_loss_of(out)
 
 
+def _branches() -> Made:
+    """Three feature towers side by side, then residual blocks (examples/branches.py)."""
+    kind = example_module("branches").CandleUno
+    g = torch.Generator().manual_seed(3)
+    pairs = [(kind.example(n, torch.float64), torch.randn(n, 1, dtype=torch.float64, generator=g)) for n in (6, 9)]
+    return kind(dropout=0.0).double(), pairs, F.mse_loss
+
+
 MODELS: dict[str, Callable[[], Made]] = {
     "unet": lambda: _example("unet", [dict(batch_size=6, size=16), dict(batch_size=9, size=16)], base=4),
     "gpt": lambda: _example("gpt", [dict(batch_size=6), dict(batch_size=9, seq_len=12)], n_layer=3, n_embd=16),
     "fan_out": _fan_out,
     "dag_1": lambda: _random_dag(1),
     "dag_2": lambda: _random_dag(2),
+    "branches": _branches,
 }
+STAGE_DAGS = ("branches",)  # compiled with stage_graph='dag'
+
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -76,28 +87,32 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, ...]]) -> list[dic
         extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
         if posting == ["compiled"]:
             extra["compile_stages"] = {"backend": "aot_eager"}
+        if name in STAGE_DAGS:
+            extra["stage_graph"] = "dag"
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=world, checkpoint=mode, schedule=schedule, timeout=60, **extra)
         if posting == ["posted when read"]:
             assert pipe._channel is not None
             pipe._channel.early = False  # the NCCL path's posting, on gloo
         losses, expected = [], []
         for x, y in batches:
+            args = x if isinstance(x, tuple) else (x,)  # a model of several inputs takes a tuple
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "stage .* was compiled again")  # compiled: the second batch's shapes
-                losses.append(float(pipe.train_step(x, target=y, loss_fn=loss_fn)))
-            loss = loss_fn(reference(x), y)
+                losses.append(float(pipe.train_step(*args, target=y, loss_fn=loss_fn)))
+            loss = loss_fn(reference(*args), y)
             loss.backward()
             expected.append(loss.item())
         ref = dict(reference.named_parameters())
         grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        first = batches[0][0] if isinstance(batches[0][0], tuple) else (batches[0][0],)
         with torch.no_grad():
-            out = pipe(batches[0][0])
-            out_error = None if out is None else max(_max_diff(a, b) for a, b in zip(_tensors(out), _tensors(reference(batches[0][0]))))
+            out = pipe(*first)
+            out_error = None if out is None else max(_max_diff(a, b) for a, b in zip(_tensors(out), _tensors(reference(*first))))
         report.append(dict(
             case=(name, schedule, mode, *posting), losses=losses, expected=expected, grads=grads,
             names=sorted(n for n, p in ref.items() if p.grad is not None), all_state_keys=sorted(reference.state_dict()),
             missing=[n for n, p in pipe.named_parameters() if p.grad is None and ref[n].grad is not None],
-            out_error=out_error, state_keys=sorted(pipe.state_dict()),
+            out_error=out_error, state_keys=sorted(pipe.state_dict()), depth=pipe.plan.depth, stages=len(pipe.plan.stages),
         ))  # fmt: skip
     return report
 

@@ -30,6 +30,7 @@ class StagePlan:
     memory: int = 0  # predicted bytes held: parameters (scaled) and activations in flight
     activation_bytes: int = 0  # what the stage's nodes make, per batch (held until backward)
     forward_share: float = 1 / 3  # of `time`: measured where times are, else a forward in three
+    input_share: float = 0.5  # of the backward, the inputs' gradients (zb-h1's I): measured for zb-h1 with balance='time'
 
 
 @dataclass
@@ -88,20 +89,29 @@ class Plan:
         return sum(e.nbytes for e in self.edges if e.kind in kinds and (e.dst if incoming else e.src) == stage)
 
     def layout(self) -> Layout:
-        """What a schedule needs of this plan: each stage's worker, the links between stages."""
-        return Layout.of(self.edges, self.ranks or range(len(self.stages)))
+        """What a schedule needs of this plan: each stage's worker, the links between stages,
+        and the predicted F, I and W seconds per micro-batch of each stage."""
+        return Layout.of(self.edges, self.ranks or range(len(self.stages)), self.action_costs())
+
+    def action_costs(self) -> list[tuple[float, float, float]]:
+        """Per stage, the predicted seconds per micro-batch of its F, I and W."""
+        costs = []
+        for s in self.stages:
+            forward, backward = s.forward_share * s.time / self.chunks, (1 - s.forward_share) * s.time / self.chunks
+            costs.append((forward, s.input_share * backward, (1 - s.input_share) * backward))
+        return costs
 
     def prediction(self, schedule: Optional[str] = None) -> Prediction:
         """The simulated timeline of one training step under `schedule` (the plan's own by
         default), from the predicted stage times: a forward is a third of a stage's time, a
-        backward the rest; a micro-batch's activations are the stage's over `chunks`."""
+        backward the rest (each as measured, with balance='time'); a micro-batch's activations
+        are the stage's over `chunks`."""
         costs = [
             StageCosts(
-                forward=s.forward_share * s.time / self.chunks, backward=(1 - s.forward_share) * s.time / self.chunks,
-                activation_bytes=s.activation_bytes / self.chunks,
-                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
+                forward=forward, backward=input_grad + weight_grad, activation_bytes=s.activation_bytes / self.chunks,
+                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks, input_share=s.input_share,
             )
-            for s in self.stages
+            for s, (forward, input_grad, weight_grad) in zip(self.stages, self.action_costs())
         ]  # fmt: skip
         return self.simulate(costs, schedule)
 

@@ -68,7 +68,7 @@ def plan_to_graph(plan: Plan) -> graphviz.Digraph:
         head = "output" if edge.dst == sink else first_box[edge.dst]
         label = f"{edge.value}\n{_shape(edge.shape)}"
         if edge.kind == SKIP:
-            dot.edge(tail, head, label=label, style="dashed", color="#c0392b", fontcolor="#c0392b", constraint="false")
+            dot.edge(tail, head, label=label, style="dashed", color="#c0392b", fontcolor="#c0392b")
         elif edge.kind in (ACTIVATION, INPUT, OUTPUT):
             dot.edge(tail, head, label=label)
     return dot

@@ -11,13 +11,13 @@ from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.program import ChunkSpec
+from fxpipe.compiler.stage_graph import STAGE_GRAPHS
 from fxpipe.core.microbatch import batch_size_of, spec_dims
 from fxpipe.passes.costs import BALANCE_MODES
 from fxpipe.passes.partition import conflicting_options
 from fxpipe.schedules.actions import CHECKPOINT_MODES, SCHEDULES
 
 
-StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward
 
 
 
@@ -160,7 +160,7 @@ def _number_at_least(value: Any, positive: bool) -> bool:
 
 def check_arguments(
     devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any,
-    schedule: Any = "gpipe", stages_per_device: Any = 1, model_problems: Sequence[str] = (),
+    schedule: Any = "gpipe", stages_per_device: Any = 1, model_problems: Sequence[str] = (), stage_graph: Any = "auto",
 ) -> list[torch.device]:
     """The devices parsed; or one ValueError that lists every bad argument with its fix."""
     listed = _listed(devices)
@@ -173,9 +173,19 @@ def check_arguments(
     problems += _split_point_problems(split_points, balance)
     problems += _balance_problems(balance)
     problems += _schedule_problems(schedule, stages_per_device, chunks, len(parsed))
+    problems += _stage_graph_problems(stage_graph, split_points, balance)
     if problems:
         raise ValueError("compile_pipeline got bad arguments:\n" + "\n".join(f"  - {p}" for p in problems))
     return parsed
+
+
+def _stage_graph_problems(stage_graph: Any, split_points: Any, balance: Any) -> list[str]:
+    if stage_graph not in STAGE_GRAPHS:
+        return [f"stage_graph must be one of {', '.join(map(repr, STAGE_GRAPHS))} (got {stage_graph!r})"]
+    if stage_graph == "dag" and (split_points is not None or (balance is not None and not isinstance(balance, str))):
+        given = "split_points" if split_points is not None else "balance (node counts)"
+        return [f"stage_graph='dag' searches the cut, and {given} gives one by hand: give one of them (a cut by hand runs as the graph it gives)"]
+    return []
 
 
 def refuse_an_example_forward_does_not_take(

@@ -31,12 +31,14 @@ def build_program(
     owner: nn.Module, cut: Cut, *, devices: Sequence[torch.device], ranks: Sequence[int], deferred_batch_norm: bool,
     stored: frozenset[tuple[str, str]] = frozenset(), attributes: Optional[dict[str, Any]] = None,
     listed: Optional[frozenset[str]] = None, compile_stages: Optional[dict[str, Any]] = None,
+    costs: Sequence[tuple[float, float, float]] = (),
 ) -> Program:
     """The stages of `cut` generated on `owner`'s parameters and buffers. `stored`: the tensors
     that requiring grad, modules called whole store in forward (by module path and name);
     `attributes`: the plain attributes the trace read, with their values when compiled;
     `listed`: the containers whose members the trace listed (None: not known, every one);
-    `compile_stages`: torch.compile's arguments for every stage's forward (None: eager)."""
+    `compile_stages`: torch.compile's arguments for every stage's forward (None: eager);
+    `costs`: each stage's predicted F, I and W seconds per micro-batch, which zb-h1 orders by."""
     codes = generate_stages(cut.graph, cut.runs, cut.edges, owner)
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
@@ -80,7 +82,7 @@ def build_program(
         stages=stages,
         modules=[code.module for code in codes],
         shared=shared,
-        layout=Layout.of(cut.edges, ranks),
+        layout=Layout.of(cut.edges, ranks, costs),
         template=template,
         given={ref.name: resolve(ref.name) for ref in refs if ref.name not in inputs},
         parameters=_parameters_read(stages, shared),

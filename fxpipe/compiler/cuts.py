@@ -9,9 +9,10 @@ import torch.fx as fx
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import StagePlan
 from fxpipe.compiled.program import Cut
+from fxpipe.compiler.stage_graph import choose_stage_graph
 from fxpipe.core.microbatch import Dims, batch_size_of, scatter, split_sizes
 from fxpipe.distributed.ranks import agree_on_times, gathered
-from fxpipe.passes.costs import cut_model, profile_stages, profile_times
+from fxpipe.passes.costs import cut_model, measured, profile_stages, profile_times
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
 from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
 from fxpipe.passes.modes import follow_stages
@@ -24,7 +25,7 @@ from fxpipe.schedules.actions import checkpoint_stop
 from fxpipe.tracing.markers import cuts_from_markers
 
 
-StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward
+StageTimes = list[tuple[float, float, float]]  # per stage: seconds per batch of its forward, of forward plus backward, and the inputs' share of its backward
 
 
 
@@ -71,15 +72,21 @@ def cut_runs(
     costs: dict[str, Any],
     caps: Optional[list[float]],
     split: Dims,
+    stage_graph: str = "auto",
+    schedule: str = "gpipe",
+    ranks: Optional[list[int]] = None,
     placement: Optional[RankPlacement] = None,
     workers: Optional[list[int]] = None,
 ) -> tuple[list[list[fx.Node]], Optional[StageTimes]]:
-    """The stages: by split points, by node counts, or the best cut under a balance mode; and,
-    under balance='time', each stage's measured times (`workers`: each stage's worker, where
-    the stages are timed at once)."""
+    """The stages: by split points, by node counts, or the best cut under a balance mode, a chain
+    or a DAG as `stage_graph` says (see compiler/stage_graph.py); and, under balance='time', each
+    stage's measured times (`workers`: each stage's worker, where the stages are timed at once)."""
     together = state_write_spans(gm, order)
     chosen = _chosen_cut(order, len(devices), split_points, balance, together)
     if chosen is not None:
+        if stage_graph == "dag":  # split points and node counts are refused with the other arguments
+            refuse(["the model marks its stage boundaries with pipe_split(), and stage_graph='dag' searches the cut"],
+                   "How to fix: give one of them (a cut by hand runs as the graph it gives).")
         _refuse_over_caps(chosen, cut_model(order, "memory", **costs), caps)
         return chosen, None
     mode = balance if isinstance(balance, str) else "memory"
@@ -94,10 +101,16 @@ def cut_runs(
     together.update(view_write_spans(gm, order))
     together.update(input_write_spans(gm, order))
     runs = partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
+    runs = choose_stage_graph(
+        gm, order, runs, stage_graph=stage_graph, mode=mode, costs=costs, caps=caps, schedule=schedule,
+        ranks=ranks or list(range(len(devices))),
+    )  # fmt: skip
     if timed_on is None:
         return runs, None
     try:
-        times: Optional[StageTimes] = profile_stages(gm, timed_on[0], devices[0], runs, per_batch=timed_on[1], workers=workers)
+        times: Optional[StageTimes] = profile_stages(
+            gm, timed_on[0], devices[0], runs, per_batch=timed_on[1], workers=workers, split_backward=schedule == "zb-h1"
+        )
     except Exception:  # noqa: BLE001 - a stage that cannot run alone here is predicted from its nodes' times
         times = None
     return runs, times if placement is None else gathered(times, placement, "comparing the measured times")[0]
@@ -156,18 +169,9 @@ def refuse_recomputed_writes(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node
         )
 
 
-def report_model(order: list[fx.Node], costs: dict[str, Any]) -> CutModel:
-    """Predicted seconds: measured where measured, else from FLOPs."""
-    return cut_model(order, "time" if _measured(order) else "flops", **costs)
-
-
-def _measured(order: list[fx.Node]) -> bool:
-    return all("time" in n.meta for n in order)
-
-
 def times_basis(order: list[fx.Node], costs: dict[str, Any]) -> str:
     """Where the plan's stage times come from, said beside every prediction made from them."""
-    if _measured(order):
+    if measured(order):
         return "from measured times"
     return f"from FLOPs at an assumed {costs['flop_rate']:.3g} FLOP/s; balance='time' measures them"
 
@@ -181,9 +185,9 @@ def stage_plans(
     plans, start = [], 0
     for index, (run, device) in enumerate(zip(runs, devices)):
         end = start + len(run)
-        time, forward_share = report.time(start, end), 1 / 3
+        time, forward_share, input_share = report.time(start, end), 1 / 3, 0.5
         if stage_times is not None:  # measured whole: what receiving costs is added as the nodes' sum has it
-            forward, whole = stage_times[index]
+            forward, whole, input_share = stage_times[index]
             time, forward_share = whole + time - report.compute(start, end), forward / whole if whole > 0 else 1 / 3
         plans.append(
             StagePlan(
@@ -199,6 +203,7 @@ def stage_plans(
                 time=time,
                 memory=int(memory.memory(start, end)),
                 forward_share=forward_share,
+                input_share=input_share,
             )
         )
         start = end

@@ -10,7 +10,6 @@ from torch import nn
 from fxpipe.core.attrs import fetch_attr, tensors_read
 
 
-StageTimes = list[tuple[float, float]]  # per stage: seconds per batch of its forward, and of forward plus backward
 
 
 

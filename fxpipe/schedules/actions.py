@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Container, Iterable, Iterator, Sequence
+from typing import Any, Container, Iterable, Iterator, Sequence
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # zb-h1: fxpipe/schedules/zero_bubble.py
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,19 @@ class Layout:
     ranks: tuple[int, ...]  # the worker of each stage
     links: frozenset[tuple[int, int]]  # (producer, consumer) stage pairs
     output_stages: tuple[int, ...]
+    # Per stage, seconds per micro-batch of F, I and W (B is I + W), for schedules ordered by
+    # time (zb-h1); empty: every action takes one tick.
+    costs: tuple[tuple[float, float, float], ...] = ()
 
     @classmethod
-    def of(cls, edges: Iterable[Any], ranks: Sequence[int]) -> "Layout":
+    def of(cls, edges: Iterable[Any], ranks: Sequence[int], costs: Sequence[tuple[float, float, float]] = ()) -> "Layout":
         """From a plan's edges (`src`, `dst`: -1 is the caller, `len(ranks)` the output)."""
         sink = len(ranks)
         return cls(
             ranks=tuple(ranks),
             links=frozenset((e.src, e.dst) for e in edges if e.src >= 0 and e.dst < sink),
             output_stages=tuple(sorted({e.src for e in edges if e.dst == sink and e.src >= 0})),
+            costs=tuple(costs),
         )
 
     @property
@@ -85,6 +89,15 @@ class Layout:
     def depth(self) -> int:
         """Stages on the longest path of the stage graph (a chain's stage count)."""
         return max(self._remaining, default=0)
+
+    @cached_property
+    def levels(self) -> dict[int, int]:
+        """Per stage, the stages before it on the longest path that reaches it: stages of one
+        level read nothing from each other and run side by side (a chain has one per level)."""
+        level = [0] * self.stages
+        for src, dst in sorted(self.links):
+            level[dst] = max(level[dst], level[src] + 1)
+        return dict(enumerate(level))
 
     @cached_property
     def _remaining(self) -> list[int]:
@@ -152,7 +165,7 @@ def one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
     """PipeDream-flush: stage s runs as many forwards as there are stages after it on the longest
     path of the stage graph (n - 1 - s in a chain), then alternates one forward and one backward,
     then drains; it never holds more micro-batches than that path has stages from it."""
-    _one_stage_per_worker(layout, "1f1b")
+    one_stage_per_worker(layout, "1f1b")
     n = layout.stages
     per_rank = []
     for s in range(n):
@@ -199,56 +212,9 @@ def interleaved_one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
     return per_rank
 
 
-def zb_h1(layout: Layout, m: int) -> list[list[Action]]:
-    """Zero bubble, ZB-H1: each backward split into I, sent upstream at once, and W, which fills
-    the time a worker would otherwise wait; no stage holds more micro-batches (F to W) than 1F1B's
-    first stage: the depth of the stage graph (n in a chain). The order comes from a unit-time list schedule: I first, then F while the
-    bound allows, then the oldest W. With F = I = W it takes 29 units for 4 stages and 8
-    micro-batches, where 1F1B takes 33."""
-    _one_stage_per_worker(layout, "zb-h1")
-    n, depth = layout.stages, layout.depth
-    split = {(s, i) for s in range(n) for i in range(m)}  # every backward
-    done: dict[Action, int] = {}  # action -> tick it finished
-    per_rank: list[list[Action]] = [[] for _ in range(n)]
-    next_f, next_i, w_done = [0] * n, [0] * n, [0] * n
-    tick = 0
-    while any(w < m for w in w_done):
-        chosen: list[Action] = []
-        for s in range(n):
-            candidates = []
-            if next_i[s] < next_f[s]:
-                candidates.append(Action(INPUT_GRAD, s, next_i[s]))
-            if next_f[s] < m and next_f[s] - w_done[s] < depth:
-                candidates.append(Action(FORWARD, s, next_f[s]))
-            if w_done[s] < next_i[s]:
-                candidates.append(Action(WEIGHT_GRAD, s, w_done[s]))
-            action = next((a for a in candidates if all(done.get(d, tick) < tick for d in needs(layout, a, True, split))), None)
-            if action is not None:
-                chosen.append(action)
-        for action in chosen:
-            s = action.stage
-            per_rank[s].append(action)
-            done[action] = tick
-            next_f[s] += action.kind == FORWARD
-            next_i[s] += action.kind == INPUT_GRAD
-            w_done[s] += action.kind == WEIGHT_GRAD
-        tick += 1
-        if tick > 4 * n * m + 4 * n:  # cannot happen for a stage graph whose links go forward
-            raise RuntimeError("zb-h1 found no order for this stage graph")
-    return per_rank
-
-
-def _one_stage_per_worker(layout: Layout, name: str) -> None:
+def one_stage_per_worker(layout: Layout, name: str) -> None:
     if sorted(layout.ranks) != list(range(layout.stages)):
         raise ValueError(f"{name} runs one stage per device; use interleaved-1f1b for several stages per device")
-
-
-MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved-1f1b": interleaved_one_f_one_b,
-    "zb-h1": zb_h1,
-}
 
 
 # -- dependencies ---------------------------------------------------------------------------------

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 from collections import Counter
 from functools import lru_cache
+from typing import Callable
 
 import networkx as nx
 
 from fxpipe.schedules.actions import (
-    BACKWARD, FORWARD, INPUT_GRAD, MAKERS, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, needs, with_recompute,
+    BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, gpipe, interleaved_one_f_one_b, needs,
+    one_f_one_b, with_recompute,
 )
+from fxpipe.schedules.zero_bubble import zb_h1
+
+MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved-1f1b": interleaved_one_f_one_b,
+    "zb-h1": zb_h1,
+}
 
 
 class ScheduleError(ValueError):

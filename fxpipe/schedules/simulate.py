@@ -61,7 +61,7 @@ def simulate(
         end[action] = start + costs[action.stage].seconds(action.kind)
         records.append(Record(action.kind, action.stage, action.micro_batch, layout.ranks[action.stage], start, end[action]))
     records.sort(key=lambda r: (r.start, r.rank))
-    return Prediction(Timeline(records, layout.workers), _peak_bytes(records, costs, checkpointed))
+    return Prediction(Timeline(records, layout.workers, levels=layout.levels), _peak_bytes(records, costs, checkpointed))
 
 
 def _peak_bytes(records: list[Record], costs: list[StageCosts], checkpointed: int) -> dict[int, float]:

@@ -28,6 +28,7 @@ class Timeline:
     workers: int
     peak_bytes: dict[int, float] = field(default_factory=dict)  # per stage, when measured
     device_peak_bytes: dict[str, int] = field(default_factory=dict)  # per CUDA device, when measured
+    levels: dict[int, int] = field(default_factory=dict)  # per stage, its level in the stage graph (Layout.levels)
 
     @property
     def makespan(self) -> float:
@@ -63,7 +64,8 @@ class Timeline:
         return {stage: int(peak) for stage, peak in running_peaks(events).items()}
 
     def to_dict(self) -> dict[str, object]:
-        return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes, "device_peak_bytes": self.device_peak_bytes}
+        return {"workers": self.workers, "records": [asdict(r) for r in self.records], "peak_bytes": self.peak_bytes,
+                "device_peak_bytes": self.device_peak_bytes, "levels": self.levels}  # fmt: skip
 
     def to_chrome_trace(self, path: Optional[str] = None) -> str:
         """The timeline as Chrome trace JSON (Perfetto, chrome://tracing): one track per stage,
@@ -92,7 +94,8 @@ class Timeline:
         self, path: Optional[str] = None, predicted: Optional["Timeline"] = None, title: str = "measured", predicted_title: str = "predicted",
     ) -> str:
         """A Gantt chart, one row per worker; with `predicted`, the prediction is drawn below on
-        the same time scale (`predicted_title`: say where its times come from, `plan.times`)."""
+        the same time scale (`predicted_title`: say where its times come from, `plan.times`).
+        Workers whose stages run side by side (one level of a stage DAG) sit in one shaded band."""
         charts = [(title, self)] + ([(predicted_title, predicted)] if predicted is not None else [])
         svg = _gantt(charts)
         if path is not None:
@@ -114,8 +117,31 @@ def running_peaks(events: dict[int, list[tuple[float, float]]]) -> dict[int, flo
     return peaks
 
 
+def _rows_by_level(timeline: Timeline) -> list[tuple[Optional[int], list[int]]]:
+    """The workers grouped by the level of their first stage (in level order), or all in one
+    group when the timeline has no levels."""
+    if not timeline.levels:
+        return [(None, list(range(timeline.workers)))]
+    first: dict[int, int] = {}
+    for r in sorted(timeline.records, key=lambda r: r.stage):
+        first.setdefault(r.rank, timeline.levels.get(r.stage, 0))
+    groups: dict[int, list[int]] = {}
+    for rank in range(timeline.workers):
+        groups.setdefault(first.get(rank, 0), []).append(rank)
+    return sorted(groups.items())
+
+
+def _bar(r: Record, x: float, w: float, y: float, row: float) -> str:
+    bar = (f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{row - 4:.1f}" fill="{COLOURS[r.kind]}">'
+           f"<title>{r.kind}{r.micro_batch} stage {r.stage}</title></rect>")  # fmt: skip
+    if w > 14:
+        bar += f'<text x="{x + 2:.2f}" y="{y + 13:.1f}" font-size="9" fill="white">{r.kind}{r.micro_batch}</text>'
+    return bar
+
+
 def _gantt(charts: Sequence[tuple[str, Timeline]]) -> str:
-    width, row, left, gap = 900.0, 22.0, 90.0, 30.0
+    width, row, gap = 900.0, 22.0, 30.0
+    left = 130.0 if any(t.levels for _, t in charts) else 90.0
     span = max((t.makespan for _, t in charts), default=0.0) or 1.0
     scale = (width - left - 10) / span
     parts, y = [], 10.0
@@ -124,17 +150,16 @@ def _gantt(charts: Sequence[tuple[str, Timeline]]) -> str:
                      f"{timeline.makespan * 1e3:.3g} ms, bubble {timeline.bubble():.0%}</text>")  # fmt: skip
         y += 18
         origin = min((r.start for r in timeline.records), default=0.0)
-        for rank in range(timeline.workers):
-            parts.append(f'<text x="4" y="{y + 15:.1f}" font-size="11">worker {rank}</text>')
-            for r in (r for r in timeline.records if r.rank == rank):
-                x, w = left + (r.start - origin) * scale, max((r.end - r.start) * scale, 0.5)
-                parts.append(
-                    f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{row - 4:.1f}" fill="{COLOURS[r.kind]}">'
-                    f"<title>{r.kind}{r.micro_batch} stage {r.stage}</title></rect>"
-                )
-                if w > 14:
-                    parts.append(f'<text x="{x + 2:.2f}" y="{y + 13:.1f}" font-size="9" fill="white">{r.kind}{r.micro_batch}</text>')
-            y += row
+        rows = _rows_by_level(timeline)
+        for level, ranks in rows:
+            if level is not None and len(ranks) > 1:  # concurrent stages: one band
+                parts.append(f'<rect x="2" y="{y - 1:.1f}" width="{width - 4:.0f}" height="{row * len(ranks):.1f}" fill="#f2f2f2"/>')
+            for rank in ranks:
+                label = f"worker {rank}" + (f" · level {level}" if level is not None else "")
+                parts.append(f'<text x="4" y="{y + 15:.1f}" font-size="11">{label}</text>')
+                for r in (r for r in timeline.records if r.rank == rank):
+                    parts.append(_bar(r, left + (r.start - origin) * scale, max((r.end - r.start) * scale, 0.5), y, row))
+                y += row
         y += gap
     height = y
     return (

@@ -17,7 +17,8 @@ use on the pipeline and on the plain model run on the same micro-batches one aft
   parameter's `.grad` None.
 
 Parameters, gradients and buffers are compared both through the pipeline and on the model
-object itself. Float64 to 1e-10. Under autocast the pipeline is also compared with itself across
+object itself. Float64 to 1e-10. The same cases again under stage_graph='dag' (the default
+balance), where the branches of the random graph run in stages side by side. Under autocast the pipeline is also compared with itself across
 'always', 'except_last' and 'never' on the same cut, bit for bit (the bfloat16 tolerance against
 the plain model would hide a recompute that ran in float32). A model whose dropout draws in train mode (p > 0) is compared with the plain
 model at p = 0 (and at p > 0 in eval mode), and with itself across 'always', 'except_last' and
@@ -125,6 +126,20 @@ def _searched(examples: int) -> Any:
 @given(data=st.data())
 def test_pipeline_equals_plain_model(feature: str, use: str, data: st.DataObject) -> None:
     _run(data.draw(cases(feature, use), label="case"))
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@_searched(max(1, EXAMPLES // 2))
+@given(data=st.data())
+def test_stage_dags_of_random_graphs_equal_the_plain_model(feature: str, data: st.DataObject) -> None:
+    """The graph search's cut (stage_graph='dag'): random graphs have branches that read the same
+    values and join later, which it puts side by side; every use, every schedule."""
+    use = data.draw(st.sampled_from(USES), label="use")
+    case = data.draw(cases(feature, use), label="case")
+    case.cuts_seed, case.stage_graph = None, "dag"
+    if use != "scheduled":
+        case.schedule = data.draw(st.sampled_from(SCHEDULES), label="schedule")
+    _run(case)
 
 
 @pytest.mark.parametrize("feature", [f for f in FEATURES if f != "function"])  # export refuses an autograd Function

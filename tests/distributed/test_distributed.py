@@ -29,6 +29,7 @@ def three_ranks() -> list[list[dict[str, Any]]]:
     matrix: list[tuple[str, ...]] = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
     matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
     matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
+    matrix += [("branches", s, MODES[k % 3]) for k, s in enumerate(SCHEDULES)]
     return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
 
 
@@ -50,7 +51,7 @@ def _reports(three_ranks: list[list[dict[str, Any]]], name: str) -> list[tuple[d
     return [per_rank for per_rank in zip(*three_ranks) if per_rank[0]["case"][0] == name]
 
 
-@pytest.mark.parametrize("name", ["unet", "gpt", "fan_out", "dag_1", "dag_2"])
+@pytest.mark.parametrize("name", ["unet", "gpt", "fan_out", "dag_1", "dag_2", "branches"])
 def test_every_schedule_and_mode_gives_the_plain_models_loss_and_gradients(three_ranks: Any, name: str) -> None:
     reports = _reports(three_ranks, name)
     assert reports
@@ -72,6 +73,16 @@ def test_every_schedule_and_mode_gives_the_plain_models_loss_and_gradients(three
         keys = [set(r["state_keys"]) for r in per_rank]
         assert set().union(*keys) == set(per_rank[0]["all_state_keys"]), f"{case}: a state key is on no rank"
         assert sum(map(len, keys)) < 2 * len(per_rank[0]["all_state_keys"]), f"{case}: ranks hold far more than their part"
+
+
+def test_a_stage_dag_runs_its_branches_on_ranks_of_their_own(three_ranks: Any) -> None:
+    """Three feature towers on the mesh, cut with stage_graph='dag': the plan is shallower than
+    its stage count on every rank, and the same on each (losses and gradients: above)."""
+    for per_rank in _reports(three_ranks, "branches"):
+        depths = {(r["depth"], r["stages"]) for r in per_rank}
+        assert len(depths) == 1, depths
+        depth, stages = depths.pop()
+        assert depth < stages, (per_rank[0]["case"], depth, stages)
 
 
 def test_each_rank_holds_its_own_stages_only(three_ranks: Any) -> None:
