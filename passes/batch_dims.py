@@ -27,10 +27,10 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
 
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.eager_mode import EagerDispatchMode
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.random_ops import RandomSources, random_sources
@@ -46,7 +46,7 @@ _LOW_PRECISION = 5e-2
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit")
 
 
-class _FixedDraws(TorchDispatchMode):
+class _FixedDraws(EagerDispatchMode):
     """Random ops draw fixed values (a permutation draws none), and BatchNorm normalises by its
     running statistics: what either does differs between micro-batches by design."""
 

@@ -8,14 +8,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from fxpipe.core.eager_mode import EagerDispatchMode
 from fxpipe.core.snapshot import preserved
 
 
-class FlopCount(TorchDispatchMode):
+class FlopCount(EagerDispatchMode):
     """Counts FLOPs with torch.utils.flop_counter's formulas, without its per-module tracking."""
 
     def __init__(self) -> None:

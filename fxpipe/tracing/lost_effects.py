@@ -21,9 +21,9 @@ import torch
 import torch.utils.checkpoint as checkpoints
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.eager_mode import EagerDispatchMode
 from fxpipe.tracing.trace import TraceError
 
 
@@ -47,7 +47,7 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterat
                 yield t
 
 
-class _Outside(TorchDispatchMode):
+class _Outside(EagerDispatchMode):
     """Records each write to a storage that is neither `owned` nor made by an op while the
     mode is on, with a copy of the storage as it was before the first write."""
 
