@@ -75,6 +75,16 @@ class Branches:
     joins: list[fx.Node]
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """What the decomposition carries down: each node's place in the order, its weight, and the
+    least weight of a part worth looking into."""
+
+    position: dict[fx.Node, int]
+    weights: dict[fx.Node, float]
+    least: float
+
+
 def is_join(node: fx.Node, position: dict[fx.Node, int]) -> bool:
     """An add, cat or stack of two values or more that the graph makes independently (none
     made from another: `x + f(x)`, a residual, is no join of branches). `position`: a
@@ -101,13 +111,14 @@ def _made_from(node: fx.Node, earlier: list[fx.Node], position: dict[fx.Node, in
     return False
 
 
-def find_branches(order: Sequence[fx.Node], weights: dict[fx.Node, float]) -> Branches:
+def find_branches(order: Sequence[fx.Node], weights: dict[fx.Node, float], least: float = 0.0) -> Branches:
     """The series-parallel structure of `order` (compute nodes in a topological order), each
-    part carrying the summed `weights` of its nodes."""
+    part carrying the summed `weights` of its nodes. A part that weighs less than `least` is not
+    looked into (it stays a series of its nodes in order): no branch of it could weigh more."""
     position = {node: i for i, node in enumerate(order)}
     joins = [node for node in order if is_join(node, position)]
     graph = _flow_graph(order, set(joins))
-    tree = _series(graph, SOURCE, SINK, position)
+    tree = _series(graph, SOURCE, SINK, _Walk(position, weights, least))
     _add_times(tree, weights)
     return Branches(tree, joins)
 
@@ -138,7 +149,7 @@ def _flow_graph(order: Sequence[fx.Node], floating: set[fx.Node]) -> nx.DiGraph:
     return graph
 
 
-def _series(graph: nx.DiGraph, entry: Any, exit: Any, position: dict[fx.Node, int]) -> Series:
+def _series(graph: nx.DiGraph, entry: Any, exit: Any, walk: _Walk) -> Series:
     """The parts of `graph`, whose nodes all lie on paths from `entry` to `exit` (both left out)."""
     inner = [n for n in graph if n is not entry and n is not exit]
     if not inner:
@@ -149,7 +160,7 @@ def _series(graph: nx.DiGraph, entry: Any, exit: Any, position: dict[fx.Node, in
     dominators = nx.immediate_dominators(work, entry)
     points = _dominator_chain(dominators, entry, exit)
     if not points:
-        return _parallel_or_flat(work, entry, exit, inner, position, dominators)
+        return _parallel_or_flat(work, entry, exit, inner, walk, dominators)
     segments: dict[Any, list[fx.Node]] = {p: [] for p in [entry, *points]}
     marks = set(points)
     for node in inner:
@@ -165,9 +176,10 @@ def _series(graph: nx.DiGraph, entry: Any, exit: Any, position: dict[fx.Node, in
         if start is not entry:
             items.append(start)
         nodes = segments[start]
-        if nodes:
-            part = _series(work.subgraph([start, *nodes, end]).copy(), start, end, position)
-            items.extend(part.items)
+        if nodes and sum(walk.weights[n] for n in nodes) < walk.least:
+            items.extend(_in_order(nodes, walk).items)
+        elif nodes:
+            items.extend(_series(work.subgraph([start, *nodes, end]).copy(), start, end, walk).items)
     return Series(items)
 
 
@@ -181,19 +193,19 @@ def _dominator_chain(dominators: dict[Any, Any], entry: Any, exit: Any) -> list[
     return chain[::-1]
 
 
-def _parallel_or_flat(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], position: dict[fx.Node, int], dominators: dict[Any, Any]) -> Series:
+def _parallel_or_flat(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], walk: _Walk, dominators: dict[Any, Any]) -> Series:
     """No node dominates `exit`: independent branches if the nodes fall apart, else branches
     that start at the entry and merge later (a fan-in), else one series of the nodes in their
     order (a region of crossing paths, cut as a chain)."""
     components = list(nx.weakly_connected_components(graph.subgraph(inner)))
     if len(components) == 1:
-        return _fan_in(graph, entry, exit, inner, position, dominators)
-    branches = [_series(graph.subgraph([entry, *part, exit]).copy(), entry, exit, position) for part in components]
-    branches.sort(key=lambda b: min(position[n] for n in b.nodes()))
+        return _fan_in(graph, entry, exit, inner, walk, dominators)
+    branches = [_series(graph.subgraph([entry, *part, exit]).copy(), entry, exit, walk) for part in components]
+    branches.sort(key=lambda b: min(walk.position[n] for n in b.nodes()))
     return Series([Parallel(branches)])
 
 
-def _fan_in(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], position: dict[fx.Node, int], dominators: dict[Any, Any]) -> Series:
+def _fan_in(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], walk: _Walk, dominators: dict[Any, Any]) -> Series:
     """Branches that start at the entry and merge in several places (DLRM's bottom MLP feeds
     its interaction and its top): each node that reads only the entry roots a branch, the nodes
     it dominates, which read nothing else; the rest, which merges them, runs after them all.
@@ -204,7 +216,7 @@ def _fan_in(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], posi
     """
     roots = [n for n in inner if dominators[n] is entry and set(graph.predecessors(n)) == {entry}]
     if len(roots) < 2:
-        return _in_order(inner, position)
+        return _in_order(inner, walk)
     below: dict[Any, list[fx.Node]] = {}
     for node in inner:
         below.setdefault(dominators[node], []).append(node)
@@ -219,17 +231,17 @@ def _fan_in(graph: nx.DiGraph, entry: Any, exit: Any, inner: list[fx.Node], posi
         end = object()  # where the branch's values leave it
         part = graph.subgraph(nodes).copy()
         part.add_edges_from((n, end) for n in nodes if any(s not in part for s in graph.successors(n)))
-        branches.append(Series([root, *_series(part, root, end, position).items]))
+        branches.append(Series([root, *_series(part, root, end, walk).items]))
     rest = [n for n in inner if n not in taken]
     start = object()  # where the merging part's inputs come from
     after = graph.subgraph([*rest, exit]).copy()
     after.add_edges_from((start, n) for n in rest if any(p not in after for p in graph.predecessors(n)))
-    branches.sort(key=lambda b: min(position[n] for n in b.nodes()))
-    return Series([Parallel(branches), *_series(after, start, exit, position).items])
+    branches.sort(key=lambda b: min(walk.position[n] for n in b.nodes()))
+    return Series([Parallel(branches), *_series(after, start, exit, walk).items])
 
 
-def _in_order(nodes: list[fx.Node], position: dict[fx.Node, int]) -> Series:
-    return Series([node for node in sorted(nodes, key=position.__getitem__)])
+def _in_order(nodes: list[fx.Node], walk: _Walk) -> Series:
+    return Series([node for node in sorted(nodes, key=walk.position.__getitem__)])
 
 
 def _add_times(part: Union[Series, Parallel], weights: dict[fx.Node, float]) -> float:

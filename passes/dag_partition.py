@@ -41,9 +41,9 @@ def dag_partition(order: Sequence[fx.Node], weights: Sequence[float], stages: in
     order of their graph; None when the graph has no parallel region that counts (with `force`,
     any region of two branches or more counts)."""
     weight = dict(zip(order, weights))
-    found = find_branches(order, weight)
+    least = 0.0 if force else SIGNIFICANT * sum(weights) / stages
+    found = find_branches(order, weight, least)
     total = found.tree.time
-    least = 0.0 if force else SIGNIFICANT * total / stages
     kept = {id(r) for r in found.tree.regions() if _second_heaviest(r) > least or (force and len(r.branches) > 1)}
     if not kept or len(order) < stages:
         return None

@@ -717,8 +717,11 @@ def test_a_stage_that_writes_its_input_in_place_is_timed_whole() -> None:
     assert [n.target for n in order] == ["a", "add_", "b"]
     weight = model.a.weight.detach().clone()
     times = profile_stages(gm, (torch.randn(8, 4),), torch.device("cpu"), [order[:1], order[1:]], warmup=1, repeats=2, per_batch=4)
-    assert len(times) == 2 and all(0 < forward < whole for forward, whole in times)
+    assert len(times) == 2 and all(0 < forward < whole and share == 0.5 for forward, whole, share in times)
     assert model.a.weight.grad is None and torch.equal(model.a.weight, weight)  # the model as it was
+    split = profile_stages(gm, (torch.randn(8, 4),), torch.device("cpu"), [order[:1], order[1:]], warmup=1, repeats=2, split_backward=True)
+    assert all(0 <= share <= 1 for _, _, share in split)  # the inputs' share of each backward, measured
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())  # each weight's flag put back
 
 
 def test_balance_by_time_leaves_the_model_and_the_generator_as_they_were() -> None:
