@@ -46,8 +46,6 @@ from fxpipe.tracing.mode_reads import ModeReads
 from fxpipe.tracing.trace import LeafSpec
 
 
-
-
 P = ParamSpec("P")
 
 

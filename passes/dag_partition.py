@@ -12,8 +12,9 @@ and each of those stages reads from the region's entry and feeds its exit, not e
                  └─ [tower d] ─┘
 
 Each B of a sweep, and each rule (open a region only when it does not fit, or always; what
-follows the region in a stage of its own, or in the lightest stage that ends a branch) gives a cut; stages are then split, the slowest first, until there is one per device; the cut
-with the least `dag_time` is kept. The stages come out in a topological order of their graph,
+follows the region in a stage of its own, or in the lightest stage that ends a branch) gives a
+cut; stages are then split, the slowest first, until there is one per device; the cut with the
+least `dag_time` is kept. The stages come out in a topological order of their graph,
 so that the rest of the compiler sees runs of one linear order, as from the chain partitioner.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from fxpipe.passes.branches import Branches, Parallel, Series, find_branches
 from fxpipe.passes.objective import dag_time
 
 Group = list[fx.Node]
-# A region counts when its second-heaviest branch is at least this share of a stage's fair
+# A region counts when its second-heaviest branch weighs more than this share of a stage's fair
 # share of the time: lighter branches cannot shorten a path by enough to pay for a stage.
 SIGNIFICANT = 0.25
 SWEEP = 24  # bounds on a geometric grid, besides the times of the regions and their branches

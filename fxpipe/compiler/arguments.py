@@ -18,10 +18,6 @@ from fxpipe.passes.partition import conflicting_options
 from fxpipe.schedules.actions import CHECKPOINT_MODES, SCHEDULES
 
 
-
-
-
-
 Device = Union[str, int, torch.device]
 
 

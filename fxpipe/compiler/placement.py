@@ -10,10 +10,6 @@ from torch import nn
 from fxpipe.core.attrs import fetch_attr, tensors_read
 
 
-
-
-
-
 def _place(owner: nn.Module, gm: fx.GraphModule, name: str, tensor: torch.Tensor, device: torch.device) -> None:
     """Move one parameter (in place, keeping the object) or buffer to its stage's device (one
     on the meta device is made there when the pipeline is built: fxpipe/compiled/materialize.py)."""

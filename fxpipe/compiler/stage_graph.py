@@ -29,8 +29,7 @@ def choose_stage_graph(
     dag = dag_partition(order, weights, len(chain), costs["chunks"], force=stage_graph == "dag")
     if dag is None or keeps_traced_order(gm, order) or not _fits(gm, dag, costs, caps):
         return chain
-    chain_time, dag_time = (predicted_seconds(runs, costs, schedule, ranks) for runs in (chain, dag))
-    if stage_graph == "auto" and dag_time >= chain_time * (1 - 1e-6):
+    if stage_graph == "auto" and predicted_seconds(dag, costs, schedule, ranks) >= predicted_seconds(chain, costs, schedule, ranks) * (1 - 1e-6):
         return chain
     for index, run in enumerate(dag):
         for node in run:

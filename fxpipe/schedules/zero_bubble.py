@@ -5,13 +5,15 @@ would otherwise wait. No stage holds more micro-batches (F to W) than the stage 
 first stage in a chain). Without times (`layout.costs` empty) every action takes one tick; with
 them, a list schedule on the clock: each worker, when free, starts its I if the gradient is in,
 else its next F if the bound allows and its inputs are in, else a W that ends before either could
-start (or, with nothing else left or allowed, the oldest W):
+start (or, with nothing else left or allowed, the oldest W). F, I and W of one second each, two
+stages, three micro-batches:
 
-    F I W = 1 1 1, 2 stages:   worker 0: F0 F1 I0 W0 F2 I1 W1 I2 W2 ...
-    W nearly 0 (a backward all on the inputs): the same order as 1F1B, B split in two
+    worker 0: F0 F1 I0 W0 I1 F2 W1 I2 W2
+    worker 1: F0 I0 F1 I1 W0 W1 F2 I2 W2
 
-Of that order and 1F1B's, the one the same clock finishes first is kept: on stages whose W is
-nearly empty, splitting the backward cannot win, and 1F1B's order is as fast as it gets.
+Of that order and 1F1B's, the one the same clock finishes first is kept: where W is nearly empty
+(a backward all on the inputs), splitting the backward has little to fill the waits with, and
+an order that holds W back can be slower than 1F1B's; it is never taken then.
 """
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _compiled(model: nn.Module, example: Any, schedule: str = "gpipe", **options: Any) -> Any:
-    devices, extra = (["cpu"] * 2, dict(stages_per_device=2)) if schedule == "interleaved-1f1b" else (["cpu"] * 4, {})
+    extra: dict[str, Any] = dict(stages_per_device=2) if schedule == "interleaved-1f1b" else {}
+    devices = ["cpu"] * (2 if extra else 4)
     return compile_pipeline(model, example, devices, chunks=4, schedule=schedule, stage_graph="dag", balance="flops", **extra, **options)
 
 
@@ -80,9 +81,11 @@ def test_multi_branch_models_train_as_the_plain_model_under_every_schedule_and_c
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-10)
-    pipe.eval(), reference.eval()
+    pipe.eval()
+    reference.eval()
     torch.testing.assert_close(pipe(*example), reference(*example), rtol=0, atol=1e-12)
-    pipe.train(), reference.train()
+    pipe.train()
+    reference.train()
     with torch.no_grad():
         torch.testing.assert_close(pipe(*example), reference(*example), rtol=0, atol=1e-12)
     pipe.close()
@@ -102,7 +105,8 @@ def test_a_dag_plan_under_autograd_grad_and_autocast_in_every_checkpoint_mode(mo
         out, expected = pipe32(*floats), reference32(*floats)
     assert out.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    pipe.close(), pipe32.close()
+    pipe.close()
+    pipe32.close()
 
 
 def test_dropout_in_branches_draws_the_same_masks_in_every_checkpoint_mode() -> None:
@@ -170,11 +174,13 @@ def test_bad_stage_graph_arguments_are_refused_with_the_fix() -> None:
         compile_pipeline(Marked(), x, ["cpu"] * 2, stage_graph="dag")
 
 
-def test_a_dag_that_would_cut_a_buffers_writes_apart_is_not_taken() -> None:
+def test_a_graph_whose_writes_need_the_traced_order_is_cut_as_the_chain() -> None:
     """Each tower counts its calls in one shared buffer, and reads the count: the order of the
     writes is the traced one, so the stages follow it, as the chain's do."""
 
     class Counted(Towers):
+        calls: torch.Tensor
+
         def __init__(self) -> None:
             super().__init__()
             self.register_buffer("calls", torch.zeros(()))
@@ -193,7 +199,8 @@ def test_a_dag_that_would_cut_a_buffers_writes_apart_is_not_taken() -> None:
     assert pipe.plan.to_dict() == chain.plan.to_dict()
     assert_call_and_grads_equal(pipe, reference, x, tol=1e-10)
     assert torch.equal(model.calls, reference.calls)
-    pipe.close(), chain.close()
+    pipe.close()
+    chain.close()
 
 
 def test_the_gantt_chart_puts_workers_of_one_level_in_one_band() -> None:
