@@ -223,3 +223,33 @@ def test_the_plan_summary_and_picture_show_the_branches() -> None:
     assert all(f"stage {k}" in svg for k in range(4))
     pipe.close()
 
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads on it, each an output: the graph fans out and never joins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = (nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)]) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.trunk(x)
+        return {"a": self.a(h), "b": self.b(h)}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_two_heads_run_side_by_side_after_the_trunk_and_the_loss_waits_for_both(schedule: str) -> None:
+    model, reference = twin(TwoHeads())
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+
+    def loss_fn(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out["a"], target) + F.mse_loss(out["b"], target)
+
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=4, stage_graph="dag", balance="flops", schedule=schedule)
+    assert sorted(pipe.plan.stage_graph.edges) == [(0, 1), (0, 2)]
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    pipe.close()
