@@ -107,11 +107,11 @@ class Plan:
         backward the rest (each as measured, with balance='time'); a micro-batch's activations
         are the stage's over `chunks`."""
         costs = [
-            StageCosts(
-                forward=forward, backward=input_grad + weight_grad, activation_bytes=s.activation_bytes / self.chunks,
-                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks, input_share=s.input_share,
+            StageCosts.split(
+                *actions, activation_bytes=s.activation_bytes / self.chunks,
+                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
             )
-            for s, (forward, input_grad, weight_grad) in zip(self.stages, self.action_costs())
+            for s, actions in zip(self.stages, self.action_costs())
         ]  # fmt: skip
         return self.simulate(costs, schedule)
 

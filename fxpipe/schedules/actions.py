@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Container, Iterable, Iterator, Sequence
 
+import networkx as nx
+
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # zb-h1: fxpipe/schedules/zero_bubble.py
 
@@ -238,6 +240,20 @@ def needs(layout: Layout, action: Action, loss: bool, split: Container[tuple[int
     if loss and s in layout.output_stages:
         deps.append(Action(FORWARD, layout.loss_stage, i))
     return deps
+
+
+def dependency_graph(schedule: Schedule, layout: Layout, checkpointed: int) -> "nx.DiGraph[Action]":
+    """Each worker's order, and an edge from every action to each that `needs` it: the graph the
+    checker looks for cycles in and the simulator times."""
+    graph: nx.DiGraph[Action] = nx.DiGraph()
+    for acts in schedule.actions:
+        graph.add_nodes_from(acts)
+        graph.add_edges_from(zip(acts, acts[1:]))
+    for action in list(graph.nodes):
+        for dep in needs(layout, action, schedule.loss, schedule.split, checkpointed):
+            if dep in graph:
+                graph.add_edge(dep, action)
+    return graph
 
 
 def with_recompute(per_rank: list[list[Action]], checkpointed: int) -> list[list[Action]]:

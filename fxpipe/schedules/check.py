@@ -17,8 +17,8 @@ from typing import Callable
 import networkx as nx
 
 from fxpipe.schedules.actions import (
-    BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, gpipe, interleaved_one_f_one_b, needs,
-    one_f_one_b, with_recompute,
+    BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, dependency_graph, gpipe,
+    interleaved_one_f_one_b, one_f_one_b, with_recompute,
 )
 from fxpipe.schedules.zero_bubble import zb_h1
 
@@ -43,18 +43,6 @@ def expected_actions(layout: Layout, micro_batches: int, split: frozenset[tuple[
             kinds = [FORWARD, INPUT_GRAD, WEIGHT_GRAD] if (s, i) in split else [FORWARD, BACKWARD]
             actions |= {Action(k, s, i) for k in kinds}
     return actions | {Action(RECOMPUTE, s, i) for s in range(layout.stages) for i in range(min(checkpointed, micro_batches))}
-
-
-def dependency_graph(schedule: Schedule, layout: Layout, checkpointed: int) -> "nx.DiGraph[Action]":
-    graph: nx.DiGraph[Action] = nx.DiGraph()
-    for acts in schedule.actions:
-        graph.add_nodes_from(acts)
-        graph.add_edges_from(zip(acts, acts[1:]))
-    for action in list(graph.nodes):
-        for dep in needs(layout, action, schedule.loss, schedule.split, checkpointed):
-            if dep in graph:
-                graph.add_edge(dep, action)
-    return graph
 
 
 def check(schedule: Schedule, layout: Layout, checkpointed: int) -> None:

@@ -2,7 +2,7 @@
 
 Each action starts when its worker is free and everything it receives has arrived (the producer's
 end plus the transfer time of the link); the actions are taken in an order of the checker's
-dependency graph, so every start is known when it is needed.
+dependency graph (fxpipe/schedules/actions.py), so every start is known when it is needed.
 """
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
-from fxpipe.schedules.check import dependency_graph
+from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule, dependency_graph
 from fxpipe.schedules.timeline import Record, Timeline, running_peaks
 
 
@@ -24,6 +23,12 @@ class StageCosts:
     activation_bytes: float = 0.0  # held from F to the end of backward (not when checkpointed)
     input_bytes: float = 0.0  # held by a checkpointed micro-batch until its recompute
     input_share: float = 0.5
+
+    @classmethod
+    def split(cls, forward: float, input_grad: float, weight_grad: float, **held: float) -> "StageCosts":
+        """From the seconds of F, I and W (a Layout's `costs`), and the bytes `held`."""
+        backward = input_grad + weight_grad
+        return cls(forward, backward, **held, input_share=input_grad / backward if backward > 0 else 0.5)
 
     def seconds(self, kind: str) -> float:
         return {

@@ -18,8 +18,10 @@ an order that holds W back can be slower than 1F1B's; it is never taken then.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
-from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Layout, needs, one_f_one_b, one_stage_per_worker
+from fxpipe.schedules.actions import FORWARD, INPUT_GRAD, WEIGHT_GRAD, Action, Layout, Schedule, needs, one_f_one_b, one_stage_per_worker
+from fxpipe.schedules.simulate import StageCosts, simulate
 
 Order = list[list[Action]]
 
@@ -30,38 +32,34 @@ def zb_h1(layout: Layout, m: int) -> Order:
     if not layout.costs:
         return _by_ticks(layout, m)
     split, plain = _by_clock(layout, m), one_f_one_b(layout, m)
-    return split if makespan(split, layout) <= makespan(plain, layout) * (1 + 1e-9) else plain
+    return split if _makespan(split, layout, m) <= _makespan(plain, layout, m) * (1 + 1e-9) else plain
 
 
-def makespan(order: Order, layout: Layout) -> float:
-    """When the last action of `order` ends, each worker running its list in turn and each
-    action starting once what it receives has arrived, on `layout.costs`."""
-    split = frozenset((a.stage, a.micro_batch) for acts in order for a in acts if a.kind == INPUT_GRAD)
-    end: dict[Action, float] = {}
-    position = [0] * len(order)
-    free = [0.0] * len(order)
-    left = sum(map(len, order))
-    while left:
-        moved = False
-        for rank, acts in enumerate(order):
-            while position[rank] < len(acts):
-                action = acts[position[rank]]
-                deps = needs(layout, action, True, split)
-                if any(d not in end for d in deps):
-                    break
-                start = max([free[rank], *(end[d] for d in deps)])
-                end[action] = free[rank] = start + _seconds(layout, action)
-                position[rank] += 1
-                left -= 1
-                moved = True
-        if not moved:
-            return math.inf  # cannot happen for an order the checker passes
-    return max(free, default=0.0)
+def _makespan(order: Order, layout: Layout, m: int) -> float:
+    """The simulator's step time of `order` on `layout.costs`."""
+    schedule = Schedule("zb-h1", tuple(map(tuple, order)), m)
+    return simulate(schedule, layout, [StageCosts.split(*costs) for costs in layout.costs]).timeline.makespan
 
 
 def _seconds(layout: Layout, action: Action) -> float:
-    forward, input_grad, weight_grad = layout.costs[action.stage]
-    return {FORWARD: forward, BACKWARD: input_grad + weight_grad, INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad}[action.kind]
+    return StageCosts.split(*layout.costs[action.stage]).seconds(action.kind)
+
+
+def _next(s: int, m: int, depth: int, next_f: list[int], next_i: list[int], next_w: list[int]) -> tuple[list[Action], Optional[Action]]:
+    """Stage `s`'s candidates: what the pipeline waits for (its next I, then its next F while it
+    holds fewer micro-batches than `depth`), and its oldest W, if any."""
+    urgent = []
+    if next_i[s] < next_f[s]:
+        urgent.append(Action(INPUT_GRAD, s, next_i[s]))
+    if next_f[s] < m and next_f[s] - next_w[s] < depth:
+        urgent.append(Action(FORWARD, s, next_f[s]))
+    return urgent, Action(WEIGHT_GRAD, s, next_w[s]) if next_w[s] < next_i[s] else None
+
+
+def _count(action: Action, next_f: list[int], next_i: list[int], next_w: list[int]) -> None:
+    next_f[action.stage] += action.kind == FORWARD
+    next_i[action.stage] += action.kind == INPUT_GRAD
+    next_w[action.stage] += action.kind == WEIGHT_GRAD
 
 
 def _by_clock(layout: Layout, m: int) -> Order:
@@ -73,38 +71,28 @@ def _by_clock(layout: Layout, m: int) -> Order:
     free = [0.0] * n
     next_f, next_i, next_w = [0] * n, [0] * n, [0] * n
     while any(w < m for w in next_w):
-        choices = [c for s in range(n) if (c := _choice(layout, s, m, depth, split, end, free[s], next_f, next_i, next_w))]
+        choices = [c for s in range(n) if (c := _choice(layout, split, end, free[s], *_next(s, m, depth, next_f, next_i, next_w)))]
         if not choices:  # cannot happen for a stage graph whose links go forward
             raise RuntimeError("zb-h1 found no order for this stage graph")
         start, _, action = min(choices, key=lambda c: (c[0], c[1], c[2].stage))
-        s = action.stage
-        order[s].append(action)
-        end[action] = free[s] = start + _seconds(layout, action)
-        next_f[s] += action.kind == FORWARD
-        next_i[s] += action.kind == INPUT_GRAD
-        next_w[s] += action.kind == WEIGHT_GRAD
+        order[action.stage].append(action)
+        end[action] = free[action.stage] = start + _seconds(layout, action)
+        _count(action, next_f, next_i, next_w)
     return order
 
 
 def _choice(
-    layout: Layout, s: int, m: int, depth: int, split: set[tuple[int, int]], end: dict[Action, float], free: float,
-    next_f: list[int], next_i: list[int], next_w: list[int],
-) -> tuple[float, int, Action] | None:
-    """Stage `s`'s next action with the time it can start and its rank among I, F, W; None when
-    none of its candidates can start yet (they wait for actions not yet placed)."""
+    layout: Layout, split: set[tuple[int, int]], end: dict[Action, float], free: float, urgent: list[Action], weight: Optional[Action],
+) -> Optional[tuple[float, int, Action]]:
+    """Of a stage's candidates, the one to run next, with the time it can start and its rank
+    among I, F, W; None when none can start yet (they wait for actions not yet placed)."""
 
-    def ready(action: Action) -> float | None:
+    def ready(action: Action) -> Optional[float]:
         deps = needs(layout, action, True, split)
         return None if any(d not in end for d in deps) else max([free, *(end[d] for d in deps)])
 
-    urgent = []  # I, then F: what the pipeline waits for
-    if next_i[s] < next_f[s]:
-        urgent.append(Action(INPUT_GRAD, s, next_i[s]))
-    if next_f[s] < m and next_f[s] - next_w[s] < depth:
-        urgent.append(Action(FORWARD, s, next_f[s]))
     starts = [(t, rank, a) for rank, a in enumerate(urgent) if (t := ready(a)) is not None]
-    if next_w[s] < next_i[s]:
-        weight = Action(WEIGHT_GRAD, s, next_w[s])
+    if weight is not None:
         first = min((t for t, _, _ in starts), default=math.inf)
         # W now if it ends before I or F could start, or if nothing else is left to wait for.
         if free + _seconds(layout, weight) <= first or not urgent:
@@ -120,28 +108,20 @@ def _by_ticks(layout: Layout, m: int) -> Order:
     split = {(s, i) for s in range(n) for i in range(m)}  # every backward
     done: dict[Action, int] = {}  # action -> tick it finished
     per_rank: Order = [[] for _ in range(n)]
-    next_f, next_i, w_done = [0] * n, [0] * n, [0] * n
+    next_f, next_i, next_w = [0] * n, [0] * n, [0] * n
     tick = 0
-    while any(w < m for w in w_done):
+    while any(w < m for w in next_w):
         chosen: list[Action] = []
         for s in range(n):
-            candidates = []
-            if next_i[s] < next_f[s]:
-                candidates.append(Action(INPUT_GRAD, s, next_i[s]))
-            if next_f[s] < m and next_f[s] - w_done[s] < depth:
-                candidates.append(Action(FORWARD, s, next_f[s]))
-            if w_done[s] < next_i[s]:
-                candidates.append(Action(WEIGHT_GRAD, s, w_done[s]))
+            urgent, weight = _next(s, m, depth, next_f, next_i, next_w)
+            candidates = [*urgent, *([weight] if weight is not None else [])]
             action = next((a for a in candidates if all(done.get(d, tick) < tick for d in needs(layout, a, True, split))), None)
             if action is not None:
                 chosen.append(action)
         for action in chosen:
-            s = action.stage
-            per_rank[s].append(action)
+            per_rank[action.stage].append(action)
             done[action] = tick
-            next_f[s] += action.kind == FORWARD
-            next_i[s] += action.kind == INPUT_GRAD
-            w_done[s] += action.kind == WEIGHT_GRAD
+            _count(action, next_f, next_i, next_w)
         tick += 1
         if tick > 4 * n * m + 4 * n:  # cannot happen for a stage graph whose links go forward
             raise RuntimeError("zb-h1 found no order for this stage graph")

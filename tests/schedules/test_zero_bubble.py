@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -15,7 +14,6 @@ from fxpipe import compile_pipeline
 from fxpipe.schedules.actions import Layout
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
-from fxpipe.schedules.zero_bubble import makespan
 from test_schedules import chain, dags
 
 
@@ -24,8 +22,7 @@ def _with_costs(layout: Layout, costs: list[tuple[float, float, float]]) -> Layo
 
 
 def _simulated(name: str, layout: Layout, m: int) -> float:
-    stage_costs = [StageCosts(f, i + w, input_share=i / (i + w) if i + w else 0.5) for f, i, w in layout.costs]
-    return simulate(make_schedule(name, layout, m, 0), layout, stage_costs).timeline.makespan
+    return simulate(make_schedule(name, layout, m, 0), layout, [StageCosts.split(*costs) for costs in layout.costs]).timeline.makespan
 
 
 def test_a_backward_all_on_the_inputs_keeps_1f1bs_order() -> None:
@@ -45,7 +42,6 @@ def test_equal_f_i_and_w_still_fill_the_bubble() -> None:
     schedule = make_schedule("zb-h1", layout, 8, 0)
     assert schedule.split, "the backward is split into I and W"
     assert _simulated("zb-h1", layout, 8) < _simulated("1f1b", layout, 8)
-    assert makespan([list(acts) for acts in schedule.actions], layout) == pytest.approx(_simulated("zb-h1", layout, 8))
 
 
 @settings(max_examples=80, deadline=None, derandomize=True, database=None)
