@@ -69,10 +69,12 @@ class Series:
 
 @dataclass
 class Branches:
-    """The structure of a graph's non-join nodes, and the joins that float."""
+    """The structure of a graph's non-join nodes, the joins that float, and the graph it was
+    found on (an edge wherever a non-join node reads another, through joins too)."""
 
     tree: Series
     joins: list[fx.Node]
+    flow: nx.DiGraph
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def find_branches(order: Sequence[fx.Node], weights: dict[fx.Node, float], least
     graph = _flow_graph(order, set(joins))
     tree = _series(graph, SOURCE, SINK, _Walk(position, weights, least))
     _add_times(tree, weights)
-    return Branches(tree, joins)
+    return Branches(tree, joins, graph)
 
 
 def _flow_graph(order: Sequence[fx.Node], floating: set[fx.Node]) -> nx.DiGraph:

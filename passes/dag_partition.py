@@ -181,18 +181,11 @@ def _ordered(groups: list[Group], found: Branches, position: dict[fx.Node, int])
     """The groups in a topological order of the stage graph, each floating join put in the
     stage of its first consumer (or, feeding only the output, of its last producer); None if
     the groups read each other both ways."""
-    floating = set(found.joins)
     stage = {node: k for k, g in enumerate(groups) for node in g}
-    made_by: dict[fx.Node, set[int]] = {}  # a join -> the groups whose values it combines
     graph = nx.DiGraph()
     graph.add_nodes_from(range(len(groups)))
-    for join in found.joins:
-        made_by[join] = {s for n in join.all_input_nodes for s in (made_by.get(n, set()) if n in floating else {stage[n]} if n in stage else set())}
-    for k, group in enumerate(groups):
-        for node in group:
-            for n in node.all_input_nodes:
-                sources = made_by.get(n, set()) if n in floating else {stage[n]} if n in stage else set()
-                graph.add_edges_from((s, k) for s in sources if s != k)
+    # The groups read each other where their nodes do, through the floating joins too.
+    graph.add_edges_from((stage[p], stage[n]) for p, n in found.flow.edges if p in stage and n in stage and stage[p] != stage[n])
     if not nx.is_directed_acyclic_graph(graph):
         return None
     rank = {k: i for i, k in enumerate(nx.lexicographical_topological_sort(graph, key=lambda k: position[groups[k][0]]))}

@@ -306,7 +306,8 @@ def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[flo
     return [bounds[c] for c in cuts]
 
 
-def _check_together(order: Sequence[fx.Node], cuts: Sequence[int], together: dict[str, tuple[int, int]]) -> None:
+def split_apart(order: Sequence[fx.Node], cuts: Sequence[int], together: dict[str, tuple[int, int]]) -> list[str]:
+    """Each span of `together` that a stage boundary of `cuts` falls inside, as a problem."""
     problems = []
     for what, (first, last) in together.items():
         split = [c for c in cuts if first < c <= last]
@@ -315,7 +316,26 @@ def _check_together(order: Sequence[fx.Node], cuts: Sequence[int], together: dic
                 f"{what} runs from {order[first].name} to {order[last].name}, and a stage begins between "
                 f"them (at {order[split[0]].name}): split across stages it would not compute what the model does"
             )
-    refuse(problems, "How to fix: choose split points or node counts that keep each of these in one stage.")
+    return problems
+
+
+def over_caps(model: CutModel, lengths: Sequence[int], caps: Optional[Sequence[float]]) -> list[str]:
+    """Each stage of `lengths` positions of `model`'s order (in turn) that needs more memory than
+    its cap, as a problem."""
+    problems, start = [], 0
+    for index, (length, cap) in enumerate(zip(lengths, caps or [])):
+        needs = model.memory(start, start + length)
+        if needs > cap:
+            problems.append(f"stage {index} needs {needs:.0f} bytes, more than device_memory allows it ({cap:.0f})")
+        start += length
+    return problems
+
+
+def mark_stages(runs: Sequence[Sequence[fx.Node]]) -> None:
+    """Write each node's stage, its run's index, into `node.meta["stage"]`."""
+    for index, run in enumerate(runs):
+        for node in run:
+            node.meta["stage"] = index
 
 
 def partition(
@@ -354,12 +374,10 @@ def partition(
     else:
         model = model or CutModel([_weight(node) for node in order], [0.0] * len(order), [0.0] * len(order), [])
         cuts = _best_cuts_keeping(model, stages, caps, together)
-    _check_together(order, cuts, together)
+    refuse(split_apart(order, cuts, together), "How to fix: choose split points or node counts that keep each of these in one stage.")
     bounds = [0, *cuts, len(order)]
     runs = [list(order[a:b]) for a, b in zip(bounds, bounds[1:])]
-    for index, run in enumerate(runs):
-        for node in run:
-            node.meta["stage"] = index
+    mark_stages(runs)
     return runs
 
 

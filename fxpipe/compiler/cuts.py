@@ -9,18 +9,18 @@ import torch.fx as fx
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import StagePlan
 from fxpipe.compiled.program import Cut
-from fxpipe.compiler.stage_graph import choose_stage_graph
+from fxpipe.compiler.stage_graph import choose_stage_graph, kept_together
 from fxpipe.core.microbatch import Dims, batch_size_of, scatter, split_sizes
 from fxpipe.distributed.ranks import agree_on_times, gathered
 from fxpipe.passes.costs import cut_model, measured, profile_stages, profile_times
 from fxpipe.passes.edges import find_edges, stage_inputs, stage_outputs
-from fxpipe.passes.inplace import input_write_spans, redirect_reads_after_writes
+from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.modes import follow_stages
 from fxpipe.passes.objective import CutModel
-from fxpipe.passes.partition import cuts_from_split_points, partition, refuse
+from fxpipe.passes.partition import cuts_from_split_points, over_caps, partition, refuse
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.shapes import propagate_shapes
-from fxpipe.passes.state import rewritten_by_recompute, state_write_spans, view_write_spans
+from fxpipe.passes.state import rewritten_by_recompute, state_write_spans
 from fxpipe.schedules.actions import checkpoint_stop
 from fxpipe.tracing.markers import cuts_from_markers
 
@@ -49,15 +49,7 @@ def memory_caps(device_memory: Union[None, float, Sequence[float]], ranks: list[
 
 def _refuse_over_caps(runs: list[list[fx.Node]], model: CutModel, caps: Optional[list[float]]) -> None:
     """A cut the caller chose must fit device_memory too (the automatic ones are searched under it)."""
-    if caps is None:
-        return
-    problems, start = [], 0
-    for index, (run, cap) in enumerate(zip(runs, caps)):
-        needs = model.memory(start, start + len(run))
-        if needs > cap:
-            problems.append(f"stage {index} needs {needs:.0f} bytes, more than device_memory allows it ({cap:.0f})")
-        start += len(run)
-    refuse(problems, "How to fix: move the cut, or leave it to balance='memory' (or another mode), which fits "
+    refuse(over_caps(model, [len(run) for run in runs], caps), "How to fix: move the cut, or leave it to balance='memory' (or another mode), which fits "
                      "device_memory; or raise device_memory.")
 
 
@@ -98,11 +90,11 @@ def cut_runs(
     # An automatic cut also avoids the writes through views, and the inputs written by two
     # stages, that no cut can carry; a cut the caller chose is checked by the edges pass, whose
     # error names the line.
-    together.update(view_write_spans(gm, order))
-    together.update(input_write_spans(gm, order))
-    runs = partition(order, len(devices), model=cut_model(order, mode, **costs), caps=caps, together=together)
+    together = kept_together(gm, order, together)
+    model = cut_model(order, mode, **costs)
+    runs = partition(order, len(devices), model=model, caps=caps, together=together)
     runs = choose_stage_graph(
-        gm, order, runs, stage_graph=stage_graph, mode=mode, costs=costs, caps=caps, schedule=schedule,
+        gm, order, runs, model.times, stage_graph=stage_graph, costs=costs, caps=caps, schedule=schedule,
         ranks=ranks or list(range(len(devices))),
     )  # fmt: skip
     if timed_on is None:
