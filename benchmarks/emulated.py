@@ -31,7 +31,9 @@ from fxpipe.schedules.simulate import StageCosts
 from tables import print_markdown
 
 
-class _Kernel(torch.autograd.Function):
+class Sleep(torch.autograd.Function):
+    """An emulated kernel: forward sleeps `seconds`, backward twice that; the values pass through."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:  # type: ignore[override]
         ctx.seconds = seconds
@@ -53,7 +55,7 @@ class Kernel(nn.Module):
         self.linear, self.seconds = nn.Linear(8, 8), seconds
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Kernel.apply(self.linear(x), self.seconds)
+        return Sleep.apply(self.linear(x), self.seconds)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

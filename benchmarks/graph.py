@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from emulated import Sleep
 from environment import command_lines, ensure_malloc_env
 from tables import print_markdown
 
@@ -37,17 +38,12 @@ TOWERS_AUTO_VS_DAG = 1.10  # targets on the four towers: 'auto' within 1.1x of t
 TOWERS_AUTO_VS_CHAIN = 0.75  # ... and at most 0.75x of the best chain
 
 
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, seconds_per_row: float) -> torch.Tensor:  # type: ignore[override]
-        ctx.seconds = seconds_per_row * x.shape[0]
-        time.sleep(ctx.seconds)
-        return x.clone()
+class _SleepPerRow(Sleep):
+    """`Sleep` for `seconds_per_row` times the rows it gets."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        time.sleep(2 * ctx.seconds)
-        return grad, None
+    def forward(ctx: Any, x: torch.Tensor, seconds_per_row: float) -> torch.Tensor:  # type: ignore[override]
+        return Sleep.forward(ctx, x, seconds_per_row * x.shape[0])
 
 
 class Kernel(nn.Module):
@@ -58,7 +54,7 @@ class Kernel(nn.Module):
         self.linear, self.per_row = nn.Linear(8, 8), ms / 1e3 / rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(torch.tanh(self.linear(x)), self.per_row)
+        return _SleepPerRow.apply(torch.tanh(self.linear(x)), self.per_row)
 
 
 def _tower(costs: Sequence[float], rows: int) -> nn.Sequential:
