@@ -253,3 +253,31 @@ def test_two_heads_run_side_by_side_after_the_trunk_and_the_loss_waits_for_both(
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
     pipe.close()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_two_forwards_before_one_backward_and_a_step_after_a_failed_one_as_the_plain_model(schedule: str) -> None:
+    """On the searched DAG: two calls, one backward of their sum; then a train step whose loss
+    raises (nothing added to `.grad`), and a second step that adds what the plain model's does."""
+    model, example = _model("candle-uno")
+    reference = copy.deepcopy(model)
+    pipe = _compiled(model, example, schedule, checkpoint="except_last")
+    assert pipe.plan.depth < len(pipe.plan.stages)
+    other = branches.CandleUno.example(12, torch.float64)
+    (pipe(*example).square().mean() + pipe(*other).abs().mean()).backward()
+    (reference(*example).square().mean() + reference(*other).abs().mean()).backward()
+    assert_grads_equal(pipe, reference, tol=1e-10)
+
+    def failing(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a loss that fails")
+
+    target = torch.randn(8, 1, dtype=torch.float64)
+    with pytest.raises(Exception, match="a loss that fails"):
+        pipe.train_step(*example, target=target, loss_fn=failing)
+    assert_grads_equal(pipe, reference, tol=1e-10)
+    loss = pipe.train_step(*example, target=target, loss_fn=_loss)
+    expected = _loss(reference(*example), target)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-10)
+    pipe.close()
