@@ -143,7 +143,8 @@ class Pipeline(nn.Module):
     def _build(self) -> None:
         """(Re)build the stages of every mode's cut; after a dtype cast they must see the new buffers."""
         cuts = self._compiled.cuts
-        built = {id(cut): self._compiled.build(self._owner, cut) for cut in cuts.values()}
+        unique = {id(cut): cut for cut in cuts.values()}  # both modes share one cut where their graphs agree
+        built = {key: self._compiled.build(self._owner, cut) for key, cut in unique.items()}
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
         self.__dict__["stages"] = self._programs[True].modules
 

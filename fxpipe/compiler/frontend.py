@@ -101,6 +101,21 @@ def _in_both_modes(model: nn.Module, make: Callable[[], T], modes: tuple[bool, .
     return made
 
 
+def _traced_in_modes(model: nn.Module, read: Reads, traced: Callable[[], fx.GraphModule], traced_in: tuple[bool, ...]) -> dict[bool, fx.GraphModule]:
+    """`_in_both_modes(model, traced, traced_in)`, but the training trace serves eval mode where
+    nothing in it can differ there: it read no module's `training` flag, and setting the mode sets
+    the flags alone (no module overrides `train()`). Tracing twice is most of compiling's time."""
+    if traced_in != BOTH:
+        return _in_both_modes(model, traced, traced_in)
+    with _mode(model, True):
+        graph = traced()
+    if read.flags_read[True] == 0 and all(type(m).train is nn.Module.train for m in model.modules()):
+        read.same_in_eval()
+        return {True: graph, False: graph}
+    with _mode(model, False):
+        return {True: graph, False: traced()}
+
+
 def _check(
     model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder,
     modes: tuple[bool, ...] = BOTH,
@@ -152,7 +167,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
                 read.begin(model.training)
                 return trace(model, leaves, none=none)
 
-            graphs = _in_both_modes(model, traced, traced_in)
+            graphs = _traced_in_modes(model, read, traced, traced_in)
         _refuse_lost_counters(model, read)
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run. So

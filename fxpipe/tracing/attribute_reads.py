@@ -43,6 +43,7 @@ from fxpipe.tracing.global_reads import constant, module_reads, nested, settings
 _local = threading.local()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_NN = os.path.join(_TORCH, "nn") + os.sep  # torch's modules are the model's code
+_TORCH_FX = os.path.join(_TORCH, "fx") + os.sep  # the tracer's
 
 
 def from_the_model(filename: str) -> bool:
@@ -84,9 +85,17 @@ class Reads:
     codes: dict[bool, set[types.CodeType]] = field(default_factory=lambda: {True: set(), False: set()})  # run, by mode
     assigned: set[str] = field(default_factory=set)  # module-level values that code assigns (`global n; n += 1`)
     iterated: set[str] = field(default_factory=set)  # the containers (ModuleList, ...) whose members were listed
+    flags_read: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # `training` reads, by any code but the tracer's
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
+        self.flags_read[mode] = 0
+
+    def same_in_eval(self) -> None:
+        """The training trace serves eval mode too (it read no `training` flag): eval reads what it read."""
+        self.values[False] = set(self.values[True])
+        self.training[False] = dict(self.training[True])
+        self.codes[False] = set(self.codes[True])
 
     def ran(self, code: types.CodeType, module_globals: dict[str, Any]) -> None:
         """The model's `code` ran in the trace: the module-level constants it reads (`module:NAME`,
@@ -111,6 +120,8 @@ class Reads:
         a `DictReads`)."""
         paths = self.paths.get(id(owner))
         frame = sys._getframe(2)
+        if name == "training" and not (is_ours(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(_TORCH_FX)):
+            self.flags_read[self.mode] += 1
         if not paths or not from_the_model(frame.f_code.co_filename):
             return value
         if frame.f_code not in self.codes[self.mode]:

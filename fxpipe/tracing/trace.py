@@ -57,11 +57,36 @@ class _Tracer(fx.Tracer):
         self.failed_in: Optional[str] = None
         self.depth, self.returned = 0, None
         self.computed = 0  # tensors the forward computed from parameters outside the trace
+        self._names: Optional[dict[int, str]] = None  # parameters' and buffers' first names, by identity
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self.leaf_names or id(m) in self.leaf_ids or isinstance(m, self.leaf_types):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        # fx finds a parameter's or buffer's name by a walk over all of the root's, once per
+        # read: quadratic in the model's size (a 48-block GPT spent most of its trace there).
+        # By an index instead, checked on every hit, since forward may rebind a buffer.
+        name = self._name_of(attr_val) if isinstance(attr_val, torch.Tensor) and not self.param_shapes_constant else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
+
+    def _name_of(self, tensor: torch.Tensor) -> Optional[str]:
+        """The first name the root holds `tensor` under as a parameter or buffer, or None."""
+        for fresh in (False, True):
+            if fresh or self._names is None:
+                named = [*self.root.named_parameters(), *self.root.named_buffers()]
+                self._names = {}
+                for held_name, held in named:
+                    self._names.setdefault(id(held), held_name)
+            name = self._names.get(id(tensor))
+            if name is not None and _holds(self.root, name, tensor):
+                return name
+        return None
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
@@ -96,6 +121,16 @@ class _Tracer(fx.Tracer):
             if self.failed_in is None:  # the innermost module: the first to see the error
                 self.failed_in = self.path_of_module(m)
             raise
+
+
+def _holds(root: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether `root` holds `tensor` as the parameter or buffer `name` (read without attribute
+    lookups, which a trace may be watching)."""
+    *path, leaf = name.split(".")
+    module: Optional[nn.Module] = root
+    for part in path:
+        module = module._modules.get(part) if module is not None else None
+    return module is not None and (module._parameters.get(leaf) is tensor or module._buffers.get(leaf) is tensor)
 
 
 class DataclassFields(dict):  # type: ignore[type-arg]

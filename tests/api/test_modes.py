@@ -544,3 +544,59 @@ def test_an_encoder_given_a_padding_mask_compiles_under_autocast() -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     out.float().sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _ReadsNoFlag(nn.Module):
+    """Its forward reads no `training` flag: the dropout and the norm are called whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.norm, self.b = nn.Linear(6, 6), nn.Dropout(0.5), nn.BatchNorm1d(6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.drop(torch.tanh(self.a(x)))))
+
+
+def _traces(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The mode of each trace compiling makes."""
+    import fxpipe.compiler.frontend as frontend
+
+    made: list[bool] = []
+    real = frontend.trace
+
+    def counted(model: nn.Module, *args: object, **kwargs: object) -> object:
+        made.append(vars(model)["training"])  # not read through the module: a read the trace would note
+        return real(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(frontend, "trace", counted)
+    return made
+
+
+@pytest.mark.parametrize("compiled_in", ["train", "eval"])
+def test_a_forward_that_reads_no_flag_is_traced_once_for_both_modes(monkeypatch: pytest.MonkeyPatch, compiled_in: str) -> None:
+    traces = _traces(monkeypatch)
+    model, reference = twin(_ReadsNoFlag())
+    model.train(compiled_in == "train"), reference.train(compiled_in == "train")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert traces == [True] and pipe.program(True) is pipe.program(False)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    pipe.train(), reference.train()
+    out = pipe(x)  # each micro-batch draws its own mask and normalises by its own statistics
+    assert out.shape == (8, 6) and not torch.allclose(out, reference.eval()(x))
+
+
+@pytest.mark.parametrize("compiled_in", ["train", "eval"])
+def test_a_train_override_gets_an_eval_trace_of_its_own(monkeypatch: pytest.MonkeyPatch, compiled_in: str) -> None:
+    """An override of train() may set more than the flags (here a norm kept frozen): eval mode
+    is traced apart, and each mode runs the plain model's forward."""
+    traces = _traces(monkeypatch)
+    model, reference = twin(_KeepsItsNormFrozen())
+    model.train(compiled_in == "train"), reference.train(compiled_in == "train")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    assert sorted(traces) == [False, True]
+    for training in (False, True, False):
+        pipe.train(training), reference.train(training)
+        assert_call_and_grads_equal(pipe, reference, x)

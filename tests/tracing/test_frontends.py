@@ -1252,3 +1252,34 @@ def test_compiling_leaves_no_constant_of_the_trace_on_the_model() -> None:
     assert set(vars(model)) == before
     x = torch.randn(6, 4, dtype=torch.float64)
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+
+
+class _ReadsTensorsByManyNames(nn.Module):
+    """A weight tied under two names, a buffer read through a shared child, and a parameter read
+    directly (not through a submodule's call): each get_attr names what torch.fx's own walk names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.head = nn.Embedding(5, 6), nn.Linear(6, 5, bias=False)
+        self.head.weight = self.emb.weight
+        self.norm = nn.LayerNorm(6)
+        self.again = self.norm
+        self.register_buffer("shift", torch.ones(6))
+        self.scale = nn.Parameter(torch.full((6,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.again(self.emb(x)) * self.scale + self.shift
+        return h @ self.head.weight.t() + self.emb.weight.sum()
+
+
+def test_each_tensor_read_is_named_as_torch_fx_names_it() -> None:
+    """The tracer finds a read tensor's name by an index, not fx's walk over every parameter
+    (quadratic in the model's size): the names must be fx's, tied and shared ones included."""
+    from fxpipe.tracing.trace import trace
+
+    model = _ReadsTensorsByManyNames()
+    ours = [(n.op, str(n.target)) for n in trace(model).graph.nodes if n.op == "get_attr"]
+    plain = [(n.op, str(n.target)) for n in torch.fx.symbolic_trace(model).graph.nodes if n.op == "get_attr"]
+    assert ours == plain and ours
+    x = torch.randint(0, 5, (3, 4))
+    torch.testing.assert_close(compile_pipeline(model, x, ["cpu"] * 2, chunks=3)(x), model(x), rtol=0, atol=1e-6)
