@@ -46,6 +46,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default="never", help="checkpoint mode of every pipeline (default 'never')")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--gantt", default=None, help="write the Gantt chart of the MLP's zb-h1 step here (SVG)")
+    p.add_argument("--loops-only", action="store_true", help="only the train_steps table (1f1b against 2bw)")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.steps_per_block = args.steps_per_block or (1 if args.quick else 2)
@@ -166,6 +167,58 @@ def bench(w: Workload, args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
+LOOP_BATCHES = 8
+
+
+def plain_loop(w: Workload, lr: float) -> Callable[[], None]:
+    """The plain model's loop over LOOP_BATCHES batches: zero_grad, loss, backward, SGD's step."""
+    optimizer = torch.optim.SGD(w.model.parameters(), lr=lr)
+
+    def loop() -> None:
+        for _ in range(LOOP_BATCHES):
+            optimizer.zero_grad()
+            w.loss_fn(w.model(w.x), w.y).backward()
+            optimizer.step()
+
+    return loop
+
+
+def pipeline_loop(pipe: Any, w: Workload, lr: float) -> Callable[[], None]:
+    """`pipe.train_steps` over the same LOOP_BATCHES batches, with the same optimizer."""
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+    batches = [(w.x, w.y)] * LOOP_BATCHES
+
+    def loop() -> None:
+        for _ in pipe.train_steps(batches, loss_fn=w.loss_fn, optimizer=optimizer):
+            pass
+
+    return loop
+
+
+def loop_rows(w: Workload, args: argparse.Namespace) -> list[list[str]]:
+    """train_steps over LOOP_BATCHES batches: 1f1b flushes after each, 2bw never; E against the
+    plain model's loop, and the parameters' memory (2bw holds a second version per stage)."""
+    lr = 1e-6  # the loops train: a small step keeps the work alike from round to round
+    pipes = {name: pipeline(w, name, args.chunks, args.checkpoint) for name in ("1f1b", "2bw")}
+    plain = Contender("plain", plain_loop(w, lr))
+    contenders = [plain, *(Contender(name, pipeline_loop(pipe, w, lr)) for name, pipe in pipes.items())]
+    measure(contenders, args.repeats, 1, warmup=1)
+    params = sum(p.numel() * p.element_size() for p in w.model.parameters())
+    rows = []
+    for contender in contenders[1:]:
+        pipe = pipes[contender.name]
+        held = pipe.last_parameter_bytes if contender.name == "2bw" else params  # 1f1b's steps run on the parameters' own memory
+        rows.append([
+            w.name, contender.name, f"{LOOP_BATCHES} batches", f"{plain.median / (2 * contender.median):.3f}",
+            f"{plain.best / (2 * contender.best):.3f}", f"{contender.median / LOOP_BATCHES * 1e3:.1f}",
+            f"{held / 2**20:.1f}", f"{held / params:.2f}",
+        ])  # fmt: skip
+    return rows
+
+
+LOOP_HEADER = ["workload", "schedule", "loop", "E median", "E best", "ms per batch (median)", "parameter MiB (peak)", "x the model's"]
+
+
 def split_cost(quick: bool, repeats: int = 30) -> str:
     """B against I + W on one stage alone: 8 Linear+ReLU layers, one micro-batch, one thread."""
     import statistics
@@ -245,11 +298,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, one thread per worker; chunks {args.chunks}, "
           f"checkpoint {args.checkpoint!r}; E = T(plain) / (2 x T(step)); GPipe bound m/(m+n-1) = "
           f"{args.chunks / (args.chunks + 1):.3f}\n")  # fmt: skip
-    rows = [row for w in workloads(args.quick) for row in bench(w, args)]
-    print_markdown(HEADER, rows)
-    print(f"\n{BOUND}: each stage's work for the step in plain PyTorch on its own thread, on inputs made "
-          "beforehand (benchmarks/bound.py): what this machine needs for the step's arithmetic on two "
-          "shared cores, at micro-batch size, with no bubble and no schedule")  # fmt: skip
+    if not args.loops_only:
+        rows = [row for w in workloads(args.quick) for row in bench(w, args)]
+        print_markdown(HEADER, rows)
+        print(f"\n{BOUND}: each stage's work for the step in plain PyTorch on its own thread, on inputs made "
+              "beforehand (benchmarks/bound.py): what this machine needs for the step's arithmetic on two "
+              "shared cores, at micro-batch size, with no bubble and no schedule")  # fmt: skip
+    print(f"\n## train_steps over {LOOP_BATCHES} batches, SGD: 1f1b (a flush after each batch) against 2bw (none)\n")
+    print_markdown(LOOP_HEADER, loop_rows(workloads(args.quick)[0], args))
     print(split_cost(args.quick))
     print(f"load average at end={os.getloadavg()[0]:.2f}")
 

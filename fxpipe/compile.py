@@ -250,7 +250,7 @@ def compile_pipeline(
         costs = dict(
             chunks=chunks,
             checkpointed=checkpoint_stop(checkpoint, chunks),
-            param_scale=param_scale,
+            param_scale=param_scale + (1.0 if schedule == "2bw" else 0.0),  # 2bw keeps a second version of each weight
             bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
             flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
         )

@@ -7,7 +7,7 @@ import copy
 import inspect
 import threading
 import warnings
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, Optional
 
 import torch
 import torch.fx as fx
@@ -39,10 +39,12 @@ from fxpipe.runtime.losses import (
 )
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
+from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.timeline import Record, Timeline
+from fxpipe.train_steps import train_steps
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
@@ -103,8 +105,8 @@ class Pipeline(nn.Module):
         own = dict(
             _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
-            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
-            _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False,
+            last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_parameter_bytes=0, last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
+            _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _overlapping=None,
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -227,6 +229,7 @@ class Pipeline(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         _refuse_capture()
         _refuse_parametrization_cache()
+        self._refuse_while_steps_overlap("pipe(x)")
         if self._channel is not None:
             return forward_across(self._across(), args, kwargs)
         try:
@@ -351,6 +354,7 @@ class Pipeline(nn.Module):
         _refuse_capture()
         _refuse_parametrization_cache()
         _refuse_own_hooks(self)
+        self._refuse_while_steps_overlap("train_step")
         if self._channel is not None:
             return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
@@ -368,16 +372,54 @@ class Pipeline(nn.Module):
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
         return (total, outputs) if return_outputs else total
 
+    def train_steps(
+        self,
+        batches: Iterable[Any],
+        *,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+        optimizer: torch.optim.Optimizer,
+        reduction: str = "mean",
+        after_backward: Optional[Callable[[], Any]] = None,
+        after_step: Optional[Callable[[], Any]] = None,
+    ) -> Iterator[torch.Tensor]:
+        """Train on each `(inputs, target)` of `batches` (inputs a tensor, a tuple of positional
+        inputs or a dict of keyword inputs), yielding each batch's loss, detached, once its update
+        is made: per batch, `optimizer.zero_grad()`, `train_step`, `after_backward()` (clip the
+        gradients there: `lambda: pipe.clip_grad_norm_(1.0)`), `optimizer.step()`, `after_step()`
+        (a learning-rate scheduler's `step`). Between two losses the parameters hold the last
+        update whole (`state_dict()` is consistent there); a failure, in a stage or in `batches`,
+        says which batch it struck and leaves the parameters after the last update. Across
+        processes every rank gives the same batches; one whose batches end or fail early makes
+        every rank raise.
+
+            for loss in pipe.train_steps(loader, loss_fn=F.cross_entropy, optimizer=opt):
+                print(float(loss))
+        """
+        return train_steps(
+            self, batches, loss_fn=loss_fn, optimizer=optimizer, reduction=reduction, after_backward=after_backward,
+            after_step=after_step,
+        )
+
+    def _refuse_while_steps_overlap(self, what: str) -> None:
+        if self.__dict__.get("_overlapping"):
+            raise RuntimeError(
+                f"{what} during a train_steps loop with schedule='2bw': its stages run and update their weights "
+                "between the losses it gives, so no version of the model is whole until the loop ends.\nHow to "
+                "fix: call it after the loop; to stop early, break out of the loop (it completes the update of the "
+                "last batch whose loss it gave, and drops the rest), or close it (steps.close())."
+            )
+
     def _train_call(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads,
-        return_outputs: bool = False,
+        return_outputs: bool = False, versions: Optional[Versions] = None, batch: int = 0, held: Optional[Program] = None,
     ) -> tuple[Call, Step]:
         """A train step's call, split into micro-batches, and its step, with each micro-batch's
-        loss weighted to combine into the batch's (`kept` notes what else its backward reaches)."""
+        loss weighted to combine into the batch's (`kept` notes what else its backward reaches);
+        with `versions`, batch `batch` of a loop whose steps overlap."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
-        call = self._prepare(args, kwargs)
+        call = self._prepare(args, kwargs, held)
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
@@ -393,7 +435,7 @@ class Pipeline(nn.Module):
                 "for such a loss.",
                 stacklevel=2,
             )
-        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss)
+        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss, versions=versions, batch=batch)
         kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
         return call, step
 
@@ -415,7 +457,10 @@ class Pipeline(nn.Module):
         layout = self._programs[True].layout
         return Timeline(list(self.last_timeline), layout.workers, dict(enumerate(self.last_peak_bytes)), peaks, layout.levels)
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None) -> Call:
+        """The call split into micro-batches, on the program that runs it. `held`: that program,
+        checked against the model already (a loop of overlapping steps checks it once, before
+        its first step: later, its stages hold the model's parameter slots while they run)."""
         _refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
@@ -425,7 +470,7 @@ class Pipeline(nn.Module):
                 "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
                 "backward, or call the module itself inside the hook."
             )
-        program = self._held_program()
+        program = self._held_program() if held is None else held
         refuse_other_autocast(self._compiled)
         values = self._compiled.bind(args, kwargs)
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
@@ -439,12 +484,12 @@ class Pipeline(nn.Module):
                 "a sample without its batch dim? Its features would be split as samples.\n"
                 "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
             )
-        if self._compiled.unchecked is not None and batch is not None and batch > 1:
+        if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
             program = self._check_micro_batches(values, dims, args, kwargs)
         compiled = self._compiled
         return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
 
-    def _step(self, call: Call, schedule: str, loss: Any) -> Step:
+    def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:
         program = call.program
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
@@ -458,7 +503,7 @@ class Pipeline(nn.Module):
             call.micro_batches,
             grad=call.grad,
             checkpoint_stop=stop,
-            shared=self._shared(program, call.grad),
+            shared=self._shared(program, call.grad) if versions is None else [[] for _ in program.stages],
             output_device=self.devices[-1],
             input_devices=devices_of(call.values),
             context=call.context,
@@ -470,6 +515,8 @@ class Pipeline(nn.Module):
             mailbox=mailbox,
             rank=rank,
             global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
+            weights=versions,
+            batch=batch,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []
@@ -483,17 +530,24 @@ class Pipeline(nn.Module):
     # -- across processes: this rank's own parameters and buffers ---------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters; across processes, those of this rank's stages only."""
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            if not self._elsewhere(p):
-                yield name, p
+        with self._slots_held_still():
+            found = list(super().named_parameters(prefix, recurse, remove_duplicate))
+        yield from ((name, p) for name, p in found if not self._elsewhere(p))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
-            if not self._elsewhere(b):
-                yield name, b
+        with self._slots_held_still():
+            found = list(super().named_buffers(prefix, recurse, remove_duplicate))
+        yield from ((name, b) for name, b in found if not self._elsewhere(b))
+
+    def _slots_held_still(self) -> ContextManager[None]:
+        """During a loop whose steps overlap, its stages hold the model's parameter slots as they
+        run: the modules are read with every stage kept out of them (fxpipe/runtime/versions.py)."""
+        gate = self.__dict__.get("_overlapping")
+        return gate.shut() if gate else contextlib.nullcontext()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state under the model's own keys; across processes, this rank's part."""
+        self._refuse_while_steps_overlap("state_dict()")
         state = super().state_dict(*args, **kwargs)
         for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
             del state[key]
@@ -503,6 +557,7 @@ class Pipeline(nn.Module):
         """The model's state under its own keys; across processes, this rank takes its part of a
         whole model's state dict (keys of other ranks' stages are not unexpected). With `assign`,
         the stages are built again on the tensors put in place."""
+        self._refuse_while_steps_overlap("load_state_dict()")
         if self.__dict__.get("_channel") is None:
             result = super().load_state_dict(state_dict, strict, assign)
             if assign:

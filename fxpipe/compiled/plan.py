@@ -8,9 +8,11 @@ from typing import Any, Optional
 import networkx as nx
 
 from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
-from fxpipe.schedules.actions import Layout, checkpoint_stop
+from fxpipe.schedules.actions import Layout, Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import Prediction, StageCosts, simulate
+from fxpipe.schedules.timeline import UPDATE
+from fxpipe.schedules.two_bw import two_bw
 
 __all__ = ["ACTIVATION", "CALLER", "INPUT", "OUTPUT", "SKIP", "Edge", "Plan", "StagePlan"]
 
@@ -106,14 +108,31 @@ class Plan:
         default), from the predicted stage times: a forward is a third of a stage's time, a
         backward the rest (each as measured, with balance='time'); a micro-batch's activations
         are the stage's over `chunks`."""
-        costs = [
+        return self.simulate(self._stage_costs(), schedule)
+
+    def _stage_costs(self) -> list[StageCosts]:
+        return [
             StageCosts.split(
                 *actions, activation_bytes=s.activation_bytes / self.chunks,
                 input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
             )
             for s, actions in zip(self.stages, self.action_costs())
         ]  # fmt: skip
-        return self.simulate(costs, schedule)
+
+    def loop_time(self) -> float:
+        """Seconds per batch of a `train_steps` loop once it is under way: under 2bw, whose steps
+        overlap, the simulated time of four batches' streams less that of two, halved (the fill
+        and the drain cancel); under the other schedules, a step's."""
+        if self.schedule != "2bw":
+            return self.predicted_time()
+        costs, layout = self._stage_costs(), self.layout()
+        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+
+        def makespan(batches: int) -> float:
+            streams = [tuple(a for a in acts if a.kind != UPDATE) for acts in two_bw(layout, self.chunks, batches, checkpointed)]
+            return simulate(Schedule("2bw", tuple(streams), self.chunks * batches), layout, costs).timeline.makespan
+
+        return (makespan(4) - makespan(2)) / 2
 
     def simulate(self, costs: list[StageCosts], schedule: Optional[str] = None) -> Prediction:
         """The simulated timeline of one training step of this plan under `schedule` (the plan's
@@ -161,7 +180,8 @@ class Plan:
         footer = (
             f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
             f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
-            f"predicted peak activations per stage: {peaks}\n"
+            + (f"in a train_steps loop, no flush between batches: {self.loop_time() * 1e3:.3g} ms per batch\n" if self.schedule == "2bw" and self.chunks >= self.layout().depth else "")
+            + f"predicted peak activations per stage: {peaks}\n"
             f"stash/pop edges: {skips}\n"
             f"{self._graph_line()}"
         )

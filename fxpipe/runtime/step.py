@@ -39,6 +39,7 @@ from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.rollback import Rollback
 from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
 from fxpipe.runtime.tasks import LossFn, Saved, StageTasks, add_grads, requires_grad
+from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.weight_grad import Weights
 from fxpipe.runtime.worker import TaskGroup, Workers
 from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
@@ -73,11 +74,17 @@ class Step(StageTasks):
         mailbox: Any = None,
         rank: Optional[int] = None,
         global_rank: Optional[int] = None,
+        weights: Optional[Versions] = None,
+        batch: int = 0,
     ) -> None:
         self.stages, self.workers = stages, workers
         # Across processes: this process's worker, whose list alone runs here; `mailbox` sends
         # what the other ranks' stages receive.
         self.rank, self.global_rank = rank, global_rank
+        # Steps that overlap (2BW): batch `batch` of the loop, its weights' versions kept apart
+        # (fxpipe/runtime/versions.py); each stage's copies of tied weights made at its first forward.
+        self.versions, self.batch = weights, batch
+        self.copies_made = [weights is None] * len(stages)
         self.local_stages = [s for s in stages if rank is None or layout.ranks[s.index] == rank]
         self.schedule, self.layout = schedule, layout
         self.loss_stage = layout.loss_stage  # read by every task: the layout computes it
@@ -122,8 +129,10 @@ class Step(StageTasks):
         # does, for a `loss_fn` that draws too. Across processes whether a stage drew is known on
         # its own rank only: the ranks settle it at the end of the step (fxpipe/distributed/rank_call.py), so
         # that their generators stay alike (a DataLoader's shuffle after the step).
+        # Overlapping steps (2BW) take their seeds at once, in order: the next step starts before
+        # this one knows whether it drew, and must not peek the same seed.
         drawing = any(self.randomness) or any(self.hidden_randomness)
-        before = torch.get_rng_state() if drawing else None
+        before = torch.get_rng_state() if drawing and weights is None else None
         self.seed = draw_step_seed() if drawing else 0
         if before is not None:
             torch.set_rng_state(before)
@@ -140,44 +149,49 @@ class Step(StageTasks):
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:
         """Hand each worker its actions, in order, and wait for all of them."""
-        bodies: dict[str, Callable[[int, int], tuple[float, float]]] = {
-            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
-            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
-        }  # fmt: skip
-
-        def task(action: Action) -> Callable[[], None]:
-            body = bodies[action.kind]
-
-            def run() -> None:
-                error: Optional[BaseException] = None
-                try:
-                    if self.cancelled or self.mailbox.aborted:  # what it needs may never have been made
-                        raise Aborted()
-                    start, end = body(action.micro_batch, action.stage)
-                    rank = self.layout.ranks[action.stage]
-                    self.timeline.append(Record(action.kind, action.stage, action.micro_batch, rank, start, end))
-                except BaseException as e:  # noqa: BLE001 - handed to the caller thread
-                    error = e
-                    self.mailbox.abort()
-                group.finish(action, None if isinstance(error, Aborted) else error)
-
-            return run
-
         if self.rank is not None or len(actions) == 1:  # this process runs one list: its own
             mine = actions[self.rank or 0]
             group = TaskGroup(len(mine))
-            self._run_inline([task(action) for action in mine], group, self.rank or 0)
+            self._run_inline([self.task(action, group) for action in mine], group, self.rank or 0)
         else:
             group = TaskGroup(sum(map(len, actions)))
             for rank, acts in enumerate(actions):
                 for action in acts:
-                    self.workers.submit(rank, task(action))
+                    self.workers.submit(rank, self.task(action, group))
             try:
                 # Longer than a task's own wait: a task stuck on a value reports which one.
                 group.wait(None if WAIT_TIMEOUT is None else 2 * WAIT_TIMEOUT)
             except BaseException:  # Ctrl-C, or a hang: stop the step before giving up on it
                 self.cancel(group)
                 raise
+        self.settle(group)
+
+    def task(self, action: Action, group: TaskGroup) -> Callable[[], None]:
+        """What a worker runs for `action`: its body, timed, its error (if any) kept in `group`
+        and the step's mailbox aborted, so that no other task waits for ever."""
+        body: Callable[[int, int], tuple[float, float]] = {
+            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
+            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
+        }[action.kind]  # fmt: skip
+
+        def run() -> None:
+            error: Optional[BaseException] = None
+            try:
+                if self.cancelled or self.mailbox.aborted:  # what it needs may never have been made
+                    raise Aborted()
+                start, end = body(action.micro_batch, action.stage)
+                rank = self.layout.ranks[action.stage]
+                self.timeline.append(Record(action.kind, action.stage, action.micro_batch, rank, start, end))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller thread
+                error = e
+                self.mailbox.abort()
+            group.finish(action, None if isinstance(error, Aborted) else error)
+
+        return run
+
+    def settle(self, group: TaskGroup) -> None:
+        """Once `group`'s tasks ran: the caller's generator moved past the step's seed if a
+        stream drew, and the first failure (in the schedule's order) raised as a StageError."""
         self._take_the_seed_if_drawn()
         if group.errors:
             interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]

@@ -30,6 +30,7 @@ from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.raw_grads import raw_grads
 from fxpipe.runtime.rollback import Rollback
 from fxpipe.runtime.stage_error import LossError
+from fxpipe.runtime.versions import Versions, own_alias
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
 from fxpipe.schedules.actions import Schedule
 
@@ -126,6 +127,9 @@ class StageTasks:
     shared_views: list[Optional[list[torch.Tensor]]]
     weights: list[Optional[Weights]]
     grad_patterns: list[Optional[tuple[bool, ...]]]
+    versions: Optional[Versions]
+    batch: int
+    copies_made: list[bool]
 
     def _post_output_grads(self, i: int, grads: dict[str, Any]) -> None:
         for stage in self.stages:
@@ -152,8 +156,9 @@ class StageTasks:
             return []
         swaps = self.view_swaps[stage.index]
         if swaps is None:
+            leaf = own_alias if self.versions is not None else lambda p: p.detach().requires_grad_()
             with torch.enable_grad():
-                leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
+                leaves = [leaf(p) if p.requires_grad else p for p in stage.params]
                 views = [self._as_read(leaf) for leaf in leaves]
             if stage.compiled is not None and stage.compiled.static_outputs:
                 _own_grads([leaf for leaf in leaves if leaf.requires_grad])
@@ -199,6 +204,8 @@ class StageTasks:
                 if self.hidden_randomness[stage.index]:
                     stack.enter_context(TaskRandomness(stream))
             if views:
+                if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model
+                    stack.enter_context(self.versions.gate.entered())
                 stack.enter_context(swapped_slots(views))
             if buffers is not None:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
@@ -220,8 +227,10 @@ class StageTasks:
 
     def _params_read(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters, and its copies of shared ones (a copy on the parameter's
-        device is the parameter's memory: a write to one is seen by the other)."""
-        return [*self.stages[stage].params, *(t for t in self.shared[stage] if t.requires_grad)]
+        device is the parameter's memory: a write to one is seen by the other). Of overlapping
+        steps, the step's own leaves, which an update of the parameters leaves as they were."""
+        own = self.param_leaves[stage] if self.versions is not None else None
+        return [*(own if own is not None else self.stages[stage].params), *(t for t in self.shared[stage] if t.requires_grad)]
 
     def _upstream(self, stage: int) -> list[torch.Tensor]:
         """Every parameter and caller input requiring grad that stages up to `stage` read (the
@@ -236,6 +245,10 @@ class StageTasks:
     # (before it sends what it made: a receiver may start at once).
     def _forward_task(self, i: int, j: int) -> tuple[float, float]:
         stage = self.stages[j]
+        if not self.copies_made[j]:  # overlapping steps: this batch's version of the tied weights
+            assert self.versions is not None
+            self.shared[j] = self.versions.copies(j, self.batch, stage.device, self.grad)  # type: ignore[index]
+            self.copies_made[j] = True
         inputs = self.mailbox.take([("fwd", j, i, name) for name in stage.inputs])  # (1)
         start = time.perf_counter()
         checkpointed = self.grad and i < self.checkpoint_stop

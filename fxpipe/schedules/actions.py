@@ -23,7 +23,9 @@ from typing import Any, Container, Iterable, Iterator, Sequence
 import networkx as nx
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD, RECOMPUTE = "F", "B", "I", "W", "R"
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")  # zb-h1: fxpipe/schedules/zero_bubble.py
+# zb-h1: fxpipe/schedules/zero_bubble.py; 2bw: 1F1B within a step, and across the steps of
+# `train_steps` with no flush (fxpipe/schedules/two_bw.py).
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "2bw")
 
 
 @dataclass(frozen=True)

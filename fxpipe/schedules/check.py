@@ -27,6 +27,7 @@ MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_one_f_one_b,
     "zb-h1": zb_h1,
+    "2bw": one_f_one_b,  # one step alone; train_steps overlaps the steps (fxpipe/schedules/two_bw.py)
 }
 
 

@@ -9,12 +9,13 @@ from xml.sax.saxutils import escape
 
 from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD
 
-COLOURS = {FORWARD: "#4c78a8", BACKWARD: "#f58518", INPUT_GRAD: "#e45756", WEIGHT_GRAD: "#72b7b2", RECOMPUTE: "#b279a2"}
+UPDATE = "U"  # a stage's share of the optimizer's step, in a loop whose steps overlap (2bw)
+COLOURS = {FORWARD: "#4c78a8", BACKWARD: "#f58518", INPUT_GRAD: "#e45756", WEIGHT_GRAD: "#72b7b2", RECOMPUTE: "#b279a2", UPDATE: "#54a24b"}
 
 
 @dataclass(frozen=True)
 class Record:
-    kind: str  # F, B, I, W or R
+    kind: str  # F, B, I, W, R or U
     stage: int
     micro_batch: int
     rank: int  # the worker that ran it

@@ -1,0 +1,183 @@
+"""Two versions of the weights, for steps that overlap (2BW): what a batch's micro-batches run on, and the newest.
+
+Batch t runs on W(t - 1); each stage's update of batch t turns its part of W(t) into W(t + 1)
+while batch t + 1, started on W(t), is still in flight:
+
+    a step's leaves      share the parameter's memory, with a version counter of their own
+    an update U(t)@s     moves each of stage s's parameters (and the tied weights it reads first)
+                         to a copy of itself, then steps the optimizer on them: the in-flight
+                         step keeps the old memory, unchanged
+    a copy of a tied     made at the reader's first forward of the batch, once the owner's update
+    weight               of two batches before is done: the same version on both stages
+
+A stage's update waits for the batch's gradients to be in `.grad` (and the caller's
+`after_backward` run). A stage runs with its leaves in the model's parameter slots: while the
+caller's hooks run (which read `model.parameters()`), the gate keeps every stage out of them.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fxpipe.compiled.program import Program
+from fxpipe.runtime.devices import Aborted
+
+
+def own_alias(p: torch.Tensor) -> torch.Tensor:
+    """A leaf on `p`'s memory whose version counter is its own: `p` written in place (an
+    update) does not count as a write to what a step saved of it."""
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=p.dtype, device=p.device).set_(p.untyped_storage(), p.storage_offset(), p.size(), p.stride())
+    return alias.requires_grad_(p.requires_grad)
+
+
+class Gate:
+    """Stages enter while they hold the model's parameter slots; the caller's thread shuts it to
+    read the model (its hooks), waiting for those inside to leave."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self.inside = 0
+        self.shut_now = False
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        with self.changed:
+            while self.shut_now:
+                self.changed.wait()
+            self.inside += 1
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.inside -= 1
+                self.changed.notify_all()
+
+    @contextmanager
+    def shut(self) -> Iterator[None]:
+        with self.changed:
+            self.shut_now = True
+            while self.inside:
+                self.changed.wait()
+        try:
+            yield
+        finally:
+            with self.changed:
+                self.shut_now = False
+                self.changed.notify_all()
+
+
+class Versions:
+    """The updates of a loop of overlapping steps, by batch and stage, and the events they wait on."""
+
+    def __init__(self, program: Program, optimizer: torch.optim.Optimizer, timeout: Optional[float] = None) -> None:
+        self.program, self.optimizer, self.timeout = program, optimizer, timeout
+        # Who updates each parameter: the stage that holds it, or for one several stages read
+        # (a tied weight), the first of them: its first forward of a batch comes first.
+        self.owner = {id(p): s for s, stage in enumerate(program.stages) for p in stage.params}
+        for s, tensors in enumerate(program.shared):
+            for t in tensors:
+                if isinstance(t, nn.Parameter):
+                    self.owner.setdefault(id(t), s)
+        self.updates: list[list[nn.Parameter]] = [[] for _ in program.stages]
+        seen: set[int] = set()
+        for p in program.parameters:
+            if id(p) in self.owner and id(p) not in seen:
+                seen.add(id(p))
+                self.updates[self.owner[id(p)]].append(p)
+        self.lock = threading.Lock()  # one optimizer step at a time: each swaps the optimizer's groups
+        self._ready: dict[int, threading.Event] = {}
+        self._done: dict[tuple[int, int], threading.Event] = {}
+        self._events = threading.Lock()
+        self.aborted = False
+        self.gate = Gate()
+
+    # -- events ---------------------------------------------------------------------------
+    def _event(self, table: dict, key: object) -> threading.Event:  # type: ignore[type-arg]
+        with self._events:
+            return table.setdefault(key, threading.Event())
+
+    def ready(self, batch: int) -> None:
+        """Batch `batch`'s gradients are in `.grad`: its updates may run."""
+        self._event(self._ready, batch).set()
+
+    def is_ready(self, batch: int) -> bool:
+        return self._event(self._ready, batch).is_set()
+
+    def is_done(self, batch: int, stage: int) -> bool:
+        return self._event(self._done, (batch, stage)).is_set()
+
+    def abort(self) -> None:
+        """Every wait stops (raising Aborted): the loop failed or was stopped."""
+        self.aborted = True
+
+    def _wait(self, event: threading.Event, what: str) -> None:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        while not event.wait(0.05):
+            if self.aborted:
+                raise Aborted()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"waited {self.timeout} s for {what}: the loop is stuck")
+
+    # -- work -----------------------------------------------------------------------------
+    def update(self, batch: int, stage: int) -> None:
+        """U(batch)@stage: once the batch's gradients are in, the optimizer's step on the
+        stage's own parameters, each moved to a copy of its memory first."""
+        if self.aborted:
+            raise Aborted()
+        self._wait(self._event(self._ready, batch), f"the gradients of batch {batch}")
+        self.apply(batch, stage)
+
+    def apply(self, batch: int, stage: int) -> None:
+        params = [p for p in self.updates[stage] if p.grad is not None]
+        with self.lock:
+            with torch.no_grad():
+                for p in params:
+                    p.data = p.detach().clone()  # the in-flight step keeps the old memory
+            step_over(self.optimizer, params)
+        self._event(self._done, (batch, stage)).set()
+
+    def copies(self, stage: int, batch: int, device: torch.device, grad: bool) -> list[torch.Tensor]:
+        """The stage's copies, for batch `batch`, of the tensors other stages hold too: a tied
+        weight once its owner's update of batch - 2 is done (W(batch - 1))."""
+        copies = []
+        for tensor in self.program.shared[stage]:
+            if not isinstance(tensor, nn.Parameter):
+                copies.append(tensor.to(device))
+                continue
+            owner = self.owner.get(id(tensor))
+            if owner is not None and batch >= 2:
+                self._wait(self._event(self._done, (batch - 2, owner)), f"stage {owner}'s update of batch {batch - 2}")
+            copy_ = own_alias(tensor) if tensor.device == device else tensor.detach().to(device)
+            copies.append(copy_.requires_grad_(grad and tensor.requires_grad))
+        return copies
+
+
+def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+    """`optimizer.step()` on `params` alone: its groups hold only those for the call (each
+    parameter's state is its own, so the others are untouched)."""
+    if not params:
+        return
+    chosen = {id(p) for p in params}
+    groups = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, held in zip(optimizer.param_groups, groups):
+            group["params"] = [p for p in held if id(p) in chosen]
+        optimizer.step()
+    finally:
+        for group, held in zip(optimizer.param_groups, groups):
+            group["params"] = held
+
+
+def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct memory `tensors` lie on (aliases counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

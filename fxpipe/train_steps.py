@@ -1,0 +1,199 @@
+"""`Pipeline.train_steps`: a loop that owns several steps, batches in and each batch's loss out, the optimizer stepped after each."""
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from fxpipe.compiled.placement import RankPlacement
+from fxpipe.distributed.ranks import gathered
+
+from fxpipe.overlapped_steps import overlapped_steps
+
+if TYPE_CHECKING:
+    from fxpipe.pipeline import Pipeline
+
+Hook = Optional[Callable[[], Any]]
+
+
+def train_steps(
+    pipe: "Pipeline",
+    batches: Iterable[Any],
+    *,
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    reduction: str = "mean",
+    after_backward: Hook = None,
+    after_step: Hook = None,
+) -> Iterator[torch.Tensor]:
+    """Per batch: `optimizer.zero_grad()`, `pipe.train_step`, `after_backward()`,
+    `optimizer.step()`, `after_step()`, then the batch's loss is yielded. Between two losses the
+    parameters are those after the last update, whole; a failure says which batch it struck and
+    what the parameters are. The arguments are checked here, the batches read as the losses are."""
+    _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
+    if pipe.plan.schedule == "2bw":
+        _refuse_where_steps_cannot_overlap(pipe)
+        return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
+    return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)
+
+
+def _loop(
+    pipe: "Pipeline", source: Iterator[Any], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
+    after_backward: Hook, after_step: Hook,
+) -> Iterator[torch.Tensor]:
+    placement = pipe._compiled.placement
+    for index in itertools.count():
+        batch = _next_batch(source, index, placement)
+        if batch is None:
+            return
+        args, kwargs, target = _unpacked(batch, index)
+        yield _one_step(pipe, index, args, kwargs, target, loss_fn, optimizer, reduction, after_backward, after_step)
+
+
+def _unpacked_batches(source: Iterator[Any]) -> Iterator[tuple[int, tuple[Any, ...], dict[str, Any], Any]]:
+    for index, batch in enumerate(source):
+        yield (index, *_unpacked(batch, index))
+
+
+def _noted(losses: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The overlapping loop's losses; a failure says which updates the parameters hold: those of
+    every batch whose loss was given, and no other (the loop completes the last, drops the rest)."""
+    given = 0
+    try:
+        for loss in losses:
+            given += 1
+            yield loss
+    except BaseException as error:
+        if not isinstance(error, GeneratorExit):
+            held = "no update" if given == 0 else f"the updates of batches 0 to {given - 1}"
+            error.add_note(f"train_steps (schedule='2bw'): {given} losses were given; the parameters hold {held}.")
+        raise
+    finally:
+        close = getattr(losses, "close", None)
+        if close is not None:
+            close()  # a loop stopped early stops what it has in flight (see fxpipe/overlapped_steps.py)
+
+
+def _one_step(
+    pipe: "Pipeline", index: int, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any,
+    optimizer: torch.optim.Optimizer, reduction: str, after_backward: Hook, after_step: Hook,
+) -> torch.Tensor:
+    before = _as_before(index)
+    try:
+        optimizer.zero_grad()
+        loss = pipe.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, **kwargs)
+        if after_backward is not None:
+            after_backward()
+    except BaseException as error:
+        error.add_note(f"train_steps: batch {index} failed before its update; {before}.")
+        raise
+    try:
+        optimizer.step()
+    except BaseException as error:
+        error.add_note(
+            f"train_steps: the optimizer's step on batch {index} failed; parameters it reached first may hold "
+            f"their update while others do not (an optimizer's step is not undone); {before} otherwise."
+        )
+        raise
+    try:
+        if after_step is not None:
+            after_step()
+    except BaseException as error:
+        error.add_note(f"train_steps: after_step failed after batch {index}'s update, which the parameters hold.")
+        raise
+    return loss
+
+
+def _as_before(index: int) -> str:
+    return "the parameters are as the loop was given them" if index == 0 else f"the parameters are those after batch {index - 1}'s update"
+
+
+def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlacement]) -> Optional[Any]:
+    """The next batch, or None at the end; across processes, every rank reaches the end (or a
+    failure of its batches) at the same batch, or every rank raises."""
+    failure: Optional[BaseException] = None
+    try:
+        batch = next(source, _END)
+    except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
+        failure, batch = error, _END
+        error.add_note(f"train_steps: the batches raised before batch {index}; {_as_before(index)}.")
+    if placement is not None:
+        said = "failed" if failure is not None else "end" if batch is _END else "batch"
+        _agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}"), index, failure)
+    if failure is not None:
+        raise failure
+    return None if batch is _END else batch
+
+
+_END = object()
+
+
+def _agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException]) -> None:
+    """What every rank said of its batch `index`: all a batch, or all the end, or every rank raises."""
+    if failure is not None or len(set(said)) == 1:
+        return
+    failed = [rank for rank, word in enumerate(said) if word == "failed"]
+    if failed:
+        raise RuntimeError(
+            f"train_steps: the batches of rank(s) {failed} raised before batch {index} (their own error says why); "
+            f"{_as_before(index)} on every rank."
+        )
+    ended = [rank for rank, word in enumerate(said) if word == "end"]
+    raise ValueError(
+        f"train_steps: the batches of rank(s) {ended} ended after {index} batches, where the other ranks' went on; "
+        f"{_as_before(index)} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "
+        "run on the same batch), and as many."
+    )
+
+
+def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+    """A batch `(inputs, target)` as train_step's arguments: inputs a tensor, a tuple or list
+    of positional inputs, or a dict of keyword inputs."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
+        raise TypeError(
+            f"train_steps takes (inputs, target) pairs, and batch {index} is {kind}.\nHow to fix: yield "
+            "(x, y) from the batches; inputs may be a tensor, a tuple of the forward's positional inputs, "
+            "or a dict of its keyword inputs; target is None for a model that returns its own loss."
+        )
+    inputs, target = batch
+    if isinstance(inputs, dict):
+        return (), dict(inputs), target
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}, target
+    return (inputs,), {}, target
+
+
+def _refuse_where_steps_cannot_overlap(pipe: "Pipeline") -> None:
+    problems = []
+    if pipe._compiled.placement is not None:
+        problems.append("across processes: each rank would update its stages while the others' steps overlap, which "
+                        "this version does not coordinate; use schedule='1f1b' or 'zb-h1' there")
+    if not pipe.training:
+        problems.append("in eval mode: call pipe.train() first")
+    if not torch.is_grad_enabled():
+        problems.append("under torch.no_grad(): the loop computes gradients")
+    if problems:
+        raise RuntimeError("train_steps with schedule='2bw' cannot run " + "; and ".join(problems) + ".")
+
+
+def _refuse_bad_arguments(batches: Any, optimizer: Any, reduction: str, after_backward: Any, after_step: Any) -> None:
+    problems = []
+    if not isinstance(batches, Iterable):
+        problems.append(f"batches must be an iterable of (inputs, target) pairs, not a {type(batches).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        problems.append(
+            f"optimizer must be a torch.optim.Optimizer over the pipeline's parameters, not a {type(optimizer).__name__}"
+        )
+    if reduction not in ("mean", "sum"):
+        problems.append(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    for name, hook in (("after_backward", after_backward), ("after_step", after_step)):
+        if hook is not None and not callable(hook):
+            problems.append(f"{name} must be a callable taking no arguments, or None, not a {type(hook).__name__}")
+    if problems:
+        raise TypeError(
+            "train_steps cannot start:\n" + "\n".join(f"  - {p}" for p in problems)
+            + "\nHow to fix: pipe.train_steps(batches, loss_fn=..., optimizer=torch.optim.SGD(pipe.parameters(), lr=...), "
+            "after_backward=lambda: pipe.clip_grad_norm_(1.0), after_step=scheduler.step)."
+        )

@@ -1,0 +1,297 @@
+"""schedule='2bw' in `train_steps`: overlapping steps, each batch on the weights of the batch before last, against a plain loop."""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import FanOut, TiedEnds, example_module, twin
+from fxpipe import compile_pipeline
+from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Layout
+from fxpipe.schedules.two_bw import UPDATE, segment, two_bw
+
+Optimizer = Callable[[Any], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, Optimizer] = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _batches(n: int, seed: int = 0) -> Batches:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(n)]
+
+
+def reference_2bw(
+    model: nn.Module, batches: Batches, make_optimizer: Optimizer, loss_fn: Any = F.mse_loss,
+    after_backward: Optional[Callable[[nn.Module], Any]] = None, after_step: Optional[Callable[[], Any]] = None,
+) -> tuple[nn.Module, list[float]]:
+    """Two copies of the plain model: batch t's loss and gradient on W(t - 1) (`stale`), the
+    update applied to W(t) (`live`): W(t + 1) = W(t) - lr * grad f_t(W(t - 1))."""
+    live, stale = copy.deepcopy(model), copy.deepcopy(model)
+    optimizer = make_optimizer(live.parameters())
+    losses = []
+    for x, y in batches:
+        before = copy.deepcopy(live.state_dict())  # W(t), which batch t + 1 runs on
+        stale.zero_grad()
+        loss = loss_fn(stale(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        optimizer.zero_grad()
+        for p, q in zip(live.parameters(), stale.parameters()):
+            p.grad = None if q.grad is None else q.grad.clone()
+        if after_backward is not None:
+            after_backward(live)
+        optimizer.step()
+        if after_step is not None:
+            after_step()
+        stale.load_state_dict(before)
+    return live, losses
+
+
+def _assert_parameters_equal(got: nn.Module, expected: nn.Module, tol: float = 1e-10) -> None:
+    for (name, p), q in zip(got.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=tol, msg=name)
+
+
+def _pipe(model: nn.Module, x: Any, stages: int, **kwargs: Any) -> Any:
+    return compile_pipeline(model, x, ["cpu"] * stages, schedule="2bw", chunks=kwargs.pop("chunks", 4), **kwargs)
+
+
+# -- the schedule -----------------------------------------------------------------------------
+@pytest.mark.parametrize("stages,m,batches,checkpointed", [(2, 2, 4, 0), (3, 4, 5, 3), (4, 4, 3, 4), (4, 6, 1, 2)])
+def test_each_stage_updates_between_its_last_backward_of_a_batch_and_its_first_forward_two_batches_on(
+    stages: int, m: int, batches: int, checkpointed: int
+) -> None:
+    layout = Layout(tuple(range(stages)), frozenset((s, s + 1) for s in range(stages - 1)), (stages - 1,))
+    streams = two_bw(layout, m, batches, checkpointed)
+    for s, acts in enumerate(streams):
+        kinds = [(a.kind, a.micro_batch) for a in acts]
+        assert sorted(kinds) == sorted(
+            [(k, g) for g in range(m * batches) for k in (FORWARD, BACKWARD)]
+            + [(RECOMPUTE, g) for g in range(m * batches) if g % m < checkpointed]
+            + [(UPDATE, t) for t in range(batches)]
+        )  # fmt: skip
+        place = {k: n for n, k in enumerate(kinds)}
+        for t in range(batches):
+            assert place[(BACKWARD, t * m + m - 1)] < place[(UPDATE, t)]
+            if t + 2 < batches:
+                assert place[(FORWARD, (t + 1) * m)] < place[(UPDATE, t)] < place[(FORWARD, (t + 2) * m)]
+        # a segment cut for batch k ends where every longer loop's list goes on alike
+        for k in range(batches - 1):
+            longer = two_bw(layout, m, batches + 3, checkpointed)
+            cut = segment(two_bw(layout, m, k + 2, checkpointed), m, k)[s]
+            assert acts[:cut] == longer[s][:cut] == two_bw(layout, m, k + 2, checkpointed)[s][:cut]
+
+
+def test_too_few_micro_batches_for_the_depth_are_refused() -> None:
+    model = FanOut().double()
+    batches = _batches(2)
+    pipe = _pipe(model, batches[0][0], 4, chunks=2)
+    with pytest.raises(ValueError, match=r"chunks=4 or more"):
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+
+
+# -- exact against the reference loop --------------------------------------------------------
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("stages,checkpoint", [(2, "except_last"), (3, "always"), (4, "never")])
+@pytest.mark.parametrize("model_kind", [FanOut, TiedEnds])
+def test_2bw_equals_the_reference_loop(model_kind: type[nn.Module], stages: int, checkpoint: str, optimizer: str) -> None:
+    """Skips to several later stages (FanOut), a weight tied across the first and last stage
+    (TiedEnds): W(t + 1) = W(t) - lr * grad f_t(W(t - 1)), over six batches."""
+    model, plain = twin(model_kind())
+    batches = _batches(6)
+    expected_model, expected = reference_2bw(plain, batches, OPTIMIZERS[optimizer])
+    pipe = _pipe(model, batches[0][0], stages, checkpoint=checkpoint)
+    opt = OPTIMIZERS[optimizer](pipe.parameters())
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
+    assert expected[2] != pytest.approx(reference_sync_loss(plain, batches, OPTIMIZERS[optimizer])[2], abs=1e-6)  # not the synchronous loop's
+
+
+def reference_sync_loss(model: nn.Module, batches: Batches, make_optimizer: Optimizer) -> list[float]:
+    model = copy.deepcopy(model)
+    optimizer = make_optimizer(model.parameters())
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_dropout_draws_what_the_same_pipeline_draws_step_by_step_on_the_stale_weights() -> None:
+    """A GPT with dropout and its head tied to the embedding: each micro-batch draws its own
+    masks, so the reference is a twin pipeline stepping one batch at a time on W(t - 1)."""
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()
+    twin_model = copy.deepcopy(model)
+    batches = [gpt.make_batch(4, seed=k) for k in range(5)]
+    pipe = _pipe(model, batches[0][0], 2, chunks=2)
+    stepwise = compile_pipeline(twin_model, batches[0][0], ["cpu"] * 2, chunks=2, schedule="1f1b")
+    opt, twin_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(stepwise.parameters(), lr=1e-2)
+    torch.manual_seed(3)
+    losses = list(pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt))
+    torch.manual_seed(3)
+    params = list(stepwise.parameters())
+    stale = [p.detach().clone() for p in params]
+    expected = []
+    for x, y in batches:
+        live = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, old in zip(params, stale):
+                p.copy_(old)
+        twin_opt.zero_grad()
+        expected.append(stepwise.train_step(x, target=y, loss_fn=gpt.loss_fn))
+        with torch.no_grad():
+            for p, new in zip(params, live):
+                p.copy_(new)
+        twin_opt.step()
+        stale = live
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
+    _assert_parameters_equal(model, twin_model, tol=1e-12)
+
+
+def test_the_hooks_clip_and_schedule_as_in_the_reference_loop() -> None:
+    model, plain = twin(FanOut())
+    batches = _batches(6)
+    norms: list[float] = []
+    ref_norms: list[float] = []
+    made: dict[str, Any] = {}
+
+    def ref_optimizer(params: Any) -> torch.optim.Optimizer:
+        made["opt"] = torch.optim.SGD(params, lr=0.5)
+        made["sched"] = torch.optim.lr_scheduler.StepLR(made["opt"], 2, 0.5)
+        return made["opt"]
+
+    expected_model, expected = reference_2bw(
+        plain, batches, ref_optimizer, after_step=lambda: made["sched"].step(),
+        after_backward=lambda live: ref_norms.append(float(nn.utils.clip_grad_norm_(live.parameters(), 0.05))),
+    )  # fmt: skip
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    losses = list(pipe.train_steps(
+        batches, loss_fn=F.mse_loss, optimizer=opt, after_step=sched.step,
+        after_backward=lambda: norms.append(float(pipe.clip_grad_norm_(0.05))),
+    ))  # fmt: skip
+    assert [float(loss) for loss in losses] == pytest.approx(expected, rel=0, abs=1e-10)
+    assert norms == pytest.approx(ref_norms, rel=1e-10) and max(norms) > 0.05
+    assert opt.param_groups[0]["lr"] == made["opt"].param_groups[0]["lr"] == 0.0625
+    _assert_parameters_equal(model, expected_model)
+
+
+def test_the_workers_run_the_lists_with_no_flush_between_batches() -> None:
+    model, _ = twin(FanOut())
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, checkpoint="never")
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    streams = two_bw(pipe._programs[True].layout, 4, 4)
+    timeline = pipe.timeline()
+    for worker, acts in enumerate(streams):
+        assert timeline.order(worker) == [(a.kind, a.stage, a.micro_batch) for a in acts]
+    # stage 0 runs batch 1's forwards before batch 0's last backward: the steps overlap
+    order = timeline.order(0)
+    assert order.index((FORWARD, 0, 4)) < order.index((BACKWARD, 0, 3))
+
+
+# -- stopping ----------------------------------------------------------------------------------
+def test_a_loop_stopped_early_completes_the_update_of_the_last_loss_given() -> None:
+    model, plain = twin(TiedEnds())
+    batches = _batches(6)
+    pipe = _pipe(model, batches[0][0], 2)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for k, _ in zip(itertools.count(), pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)):
+        with pytest.raises(RuntimeError, match=r"state_dict\(\) during a train_steps loop"):
+            pipe.state_dict()
+        with pytest.raises(RuntimeError, match=r"train_step during a train_steps loop"):
+            pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss)
+        if k == 2:
+            break
+    expected_model, _ = reference_2bw(plain, batches[:3], OPTIMIZERS["adam"])
+    _assert_parameters_equal(model, expected_model)
+    pipe.state_dict()  # the loop is over: allowed again
+    _assert_a_train_step_is_exact(pipe, model, batches[5])
+
+
+def _assert_a_train_step_is_exact(pipe: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Nothing of the loop is left running: a train step afterwards is the plain model's."""
+    reference = copy.deepcopy(model)
+    for p in pipe.parameters():
+        p.grad = None
+    loss = pipe.train_step(*batch[:1], target=batch[1], loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(batch[0]), batch[1])
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("where", ["batches", "stage"])
+def test_a_failure_leaves_the_updates_of_the_losses_given_and_says_so(where: str) -> None:
+    model, plain = twin(FanOut())
+    batches = _batches(6)
+    pipe = _pipe(model, batches[0][0], 3)
+
+    def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from batches[:4]
+        if where == "batches":
+            raise OSError("the file went away")
+        yield torch.randn(8, 5, dtype=torch.float64), batches[4][1]  # a width the first stage refuses
+
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    given = []
+    with pytest.raises(Exception) as raised:
+        for loss in pipe.train_steps(source(), loss_fn=F.mse_loss, optimizer=opt):
+            given.append(loss)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert f"{len(given)} losses were given; the parameters hold the updates of batches 0 to {len(given) - 1}" in notes, notes
+    assert 2 <= len(given) <= 4
+    expected_model, _ = reference_2bw(plain, batches[: len(given)], OPTIMIZERS["sgd-momentum"])
+    _assert_parameters_equal(model, expected_model)
+    _assert_a_train_step_is_exact(pipe, model, batches[5])
+
+
+def test_what_2bw_cannot_run_is_refused() -> None:
+    model, _ = twin(FanOut())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], 2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    pipe.eval()
+    with pytest.raises(RuntimeError, match=r"in eval mode"):
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)
+    pipe.train()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"under torch.no_grad"):
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)
+    short = [*batches[:2], (batches[2][0][:3], batches[2][1][:3])]  # 3 samples: 3 micro-batches, not 4
+    with pytest.raises(ValueError, match=r"batch 2 splits into 3 micro-batches"):
+        list(pipe.train_steps(short, loss_fn=F.mse_loss, optimizer=opt))
+
+
+def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
+    x = torch.randn(16, 6)
+    plans = {name: compile_pipeline(FanOut(), x, ["cpu"] * 3, chunks=4, schedule=name, balance="memory").plan for name in ("1f1b", "2bw")}
+    one, two = plans["1f1b"], plans["2bw"]
+    assert one.loop_time() == one.predicted_time()  # a step, then a flush
+    assert two.loop_time() < two.predicted_time() == pytest.approx(one.predicted_time())  # the fill and drain once per loop
+    assert "in a train_steps loop, no flush between batches" in two.summary()
+    for a, b in zip(one.stages, two.stages):
+        assert b.memory == a.memory + b.param_bytes  # one more copy of the stage's weights
+
+
+def test_the_loop_holds_two_versions_of_the_parameters_at_most() -> None:
+    model, _ = twin(FanOut())
+    batches = _batches(5)
+    pipe = _pipe(model, batches[0][0], 2, checkpoint="never")
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params < pipe.last_parameter_bytes <= 2 * params
