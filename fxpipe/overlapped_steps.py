@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 
@@ -35,8 +35,8 @@ from fxpipe.schedules.actions import Action, checkpoint_stop
 from fxpipe.schedules.timeline import Record
 from fxpipe.schedules.two_bw import UPDATE, refuse_too_few_micro_batches, segment, two_bw
 
-if TYPE_CHECKING:
-    from fxpipe.pipeline import Pipeline
+# The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
+PipelineLike = Any
 
 Batch = tuple[int, tuple[Any, ...], dict[str, Any], Any]  # index, args, kwargs, target
 Hook = Optional[Callable[[], Any]]
@@ -53,7 +53,7 @@ class _InFlight:
 class _Overlap:
     """The state of one loop: its steps in flight, what each worker was given, the updates."""
 
-    def __init__(self, pipe: "Pipeline", optimizer: torch.optim.Optimizer, loss_fn: Any, reduction: str) -> None:
+    def __init__(self, pipe: PipelineLike, optimizer: torch.optim.Optimizer, loss_fn: Any, reduction: str) -> None:
         self.pipe, self.optimizer, self.loss_fn, self.reduction = pipe, optimizer, loss_fn, reduction
         self.program = pipe._programs[True]
         self.layout, self.m = self.program.layout, pipe.chunks
@@ -202,9 +202,9 @@ def _wait(group: TaskGroup) -> None:
 
 
 def overlapped_steps(
-    pipe: "Pipeline", batches: Iterator[Batch], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
+    pipe: PipelineLike, batches: Iterator[Batch], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
     after_backward: Hook, after_step: Hook,
-) -> Iterator[torch.Tensor]:
+) -> Generator[torch.Tensor, None, None]:
     """The loop: each batch's loss once its gradients are in `.grad`; the next batch is read
     (and started) before the caller's thread waits for a batch, so the workers never flush."""
     run = _Overlap(pipe, optimizer, loss_fn, reduction)

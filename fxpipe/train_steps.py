@@ -2,23 +2,22 @@
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
 
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.ranks import gathered
-
 from fxpipe.overlapped_steps import overlapped_steps
 
-if TYPE_CHECKING:
-    from fxpipe.pipeline import Pipeline
+# The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
+PipelineLike = Any
 
 Hook = Optional[Callable[[], Any]]
 
 
 def train_steps(
-    pipe: "Pipeline",
+    pipe: PipelineLike,
     batches: Iterable[Any],
     *,
     loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
@@ -39,7 +38,7 @@ def train_steps(
 
 
 def _loop(
-    pipe: "Pipeline", source: Iterator[Any], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
+    pipe: PipelineLike, source: Iterator[Any], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
     after_backward: Hook, after_step: Hook,
 ) -> Iterator[torch.Tensor]:
     placement = pipe._compiled.placement
@@ -56,7 +55,7 @@ def _unpacked_batches(source: Iterator[Any]) -> Iterator[tuple[int, tuple[Any, .
         yield (index, *_unpacked(batch, index))
 
 
-def _noted(losses: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
+def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor]:
     """The overlapping loop's losses; a failure says which updates the parameters hold: those of
     every batch whose loss was given, and no other (the loop completes the last, drops the rest)."""
     given = 0
@@ -70,13 +69,11 @@ def _noted(losses: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
             error.add_note(f"train_steps (schedule='2bw'): {given} losses were given; the parameters hold {held}.")
         raise
     finally:
-        close = getattr(losses, "close", None)
-        if close is not None:
-            close()  # a loop stopped early stops what it has in flight (see fxpipe/overlapped_steps.py)
+        losses.close()  # a loop stopped early stops what it has in flight (see fxpipe/overlapped_steps.py)
 
 
 def _one_step(
-    pipe: "Pipeline", index: int, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any,
+    pipe: PipelineLike, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any,
     optimizer: torch.optim.Optimizer, reduction: str, after_backward: Hook, after_step: Hook,
 ) -> torch.Tensor:
     before = _as_before(index)
@@ -165,7 +162,7 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
     return (inputs,), {}, target
 
 
-def _refuse_where_steps_cannot_overlap(pipe: "Pipeline") -> None:
+def _refuse_where_steps_cannot_overlap(pipe: PipelineLike) -> None:
     problems = []
     if pipe._compiled.placement is not None:
         problems.append("across processes: each rank would update its stages while the others' steps overlap, which "

@@ -325,6 +325,30 @@ def state(module: nn.Module) -> dict[str, Any]:
     }
 
 
+def delayed_loop(module: nn.Module, forward: Callable[[torch.Tensor], Any], batches: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
+    """PipeDream-2BW's updates in plain PyTorch: batch t's loss and gradients on W(t - 1), the
+    optimizer's step applied to W(t); buffers (one copy) move with every forward."""
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    params = list(module.parameters())
+    stale = [p.detach().clone() for p in params]
+    losses = []
+    for x, _ in batches:
+        live = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, old in zip(params, stale):
+                p.copy_(old)
+        optimizer.zero_grad()
+        loss = mean_loss_of(forward(x))
+        loss.backward()
+        losses.append(loss.detach().clone())
+        with torch.no_grad():
+            for p, new in zip(params, live):
+                p.copy_(new)
+        optimizer.step()
+        stale = live
+    return losses
+
+
 def detach(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(o.detach().clone() for o in as_tuple(out))
 
@@ -357,6 +381,16 @@ def run_use(use: str, module: nn.Module, forward: Callable[[torch.Tensor], Any],
             result[f"step {k + 1} state"] = state(module)
             torch.optim.SGD(module.parameters(), lr=0.1).step()
             module.zero_grad(set_to_none=True)
+    elif use == "loop_2bw":  # four batches of SGD with momentum, each on the weights of the batch before last
+        batches = [(batch, None) for batch in (x, x2, x, x2)]
+        if hasattr(module, "train_steps"):
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+            steps = cast(Pipeline, module).train_steps(batches, loss_fn=lambda o, _: mean_loss_of(o), optimizer=optimizer)
+            losses = list(steps)
+        else:
+            losses = delayed_loop(module, forward, batches)
+        result["losses"] = torch.stack(losses)
+        result["state after the loop"] = state(module)
     elif use == "eval":
         if not dropout_active:
             with torch.no_grad():
@@ -521,7 +555,7 @@ def check(case: Case) -> None:
     autocast = use == "autocast_bf16"
     dtype = torch.float32 if autocast else torch.float64
     # A train step sums the micro-batches' weighted losses: the last bits of a large loss may differ.
-    atol, rtol = (1e-2, 1.6e-2) if autocast else (1e-10, 1e-12 if use == "scheduled" else 0.0)
+    atol, rtol = (1e-2, 1.6e-2) if autocast else (1e-10, 1e-12 if use in ("scheduled", "loop_2bw") else 0.0)
     gen = torch.Generator().manual_seed(case.seed)
     xs = [torch.randn(b or case.batch, spec.width, generator=gen, dtype=dtype) for b in (case.batch, case.batch2)]
     dropout_active = spec.drops  # every use runs in train mode at some point
@@ -585,6 +619,9 @@ def check(case: Case) -> None:
         with torch.no_grad():
             plain_zero = detach(micro_batched(zero, case.chunks)(xs[0]))
         first = results[case.mode]
+        if use == "loop_2bw":  # a loop gives its losses alone
+            assert not torch.equal(first["losses"][0], mean_loss_of(plain_zero)), f"dropout p={spec.p} in train mode changed nothing in the loop's first loss"
+            return
         drawn = first.get("out", first.get("out1", first.get("step 1 out")))
         assert drawn is not None and not all(torch.equal(a, b) for a, b in zip(drawn, plain_zero)), (
             f"dropout p={spec.p} in train mode changed nothing in the pipeline's output"

@@ -26,13 +26,12 @@ def two_bw(layout: Layout, m: int, batches: int, checkpointed: int = 0) -> list[
     streams = one_f_one_b(layout, m * batches)
     streams = [_with_recompute_per_batch(acts, m, checkpointed) for acts in streams]
     out = []
-    for acts in streams:
+    for stage, acts in enumerate(streams):  # one stage per worker (1F1B's own rule)
         row: list[Action] = []
         for action in acts:
             if action.kind == FORWARD and action.micro_batch % m == 0 and action.micro_batch >= 2 * m:
                 row.append(Action(UPDATE, action.stage, action.micro_batch // m - 2))
             row.append(action)
-        stage = acts[0].stage
         row += [Action(UPDATE, stage, t) for t in range(max(0, batches - 2), batches)]
         out.append(row)
     return out

@@ -16,6 +16,8 @@ use on the pipeline and on the plain model run on the same micro-batches one aft
 - grad_inputs: `torch.autograd.grad(loss, x)` equals the plain model's and leaves every
   parameter's `.grad` None.
 
+And, apart, a loop of four batches through `train_steps` under schedule='2bw' against the plain
+model's loop with PipeDream-2BW's delayed updates (batch t on W(t - 1), the step applied to W(t)).
 Parameters, gradients and buffers are compared both through the pipeline and on the model
 object itself. Float64 to 1e-10. The same cases again under stage_graph='dag' (the default
 balance), where the branches of the random graph run in stages side by side. Under autocast the pipeline is also compared with itself across
@@ -126,6 +128,19 @@ def _searched(examples: int) -> Any:
 @given(data=st.data())
 def test_pipeline_equals_plain_model(feature: str, use: str, data: st.DataObject) -> None:
     _run(data.draw(cases(feature, use), label="case"))
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@_searched(max(1, EXAMPLES // 3))
+@given(data=st.data())
+def test_2bw_loops_of_random_graphs_equal_the_delayed_plain_loop(feature: str, data: st.DataObject) -> None:
+    """train_steps under schedule='2bw', four batches of SGD with momentum, against the plain
+    model's loop that evaluates batch t on W(t - 1) and updates W(t) (dag_models.delayed_loop)."""
+    case = data.draw(cases(feature, "loop_2bw"), label="case")
+    case.schedule, case.chunks = "2bw", max(case.chunks, case.stages)  # chunks >= the depth
+    least = 2 * case.chunks if case.spec.has("batchnorm") else case.chunks
+    case.batch, case.batch2 = max(case.batch, least), max(case.batch2 or case.batch, least)
+    _run(case)
 
 
 @pytest.mark.parametrize("feature", FEATURES)

@@ -275,6 +275,9 @@ def test_what_2bw_cannot_run_is_refused() -> None:
     short = [*batches[:2], (batches[2][0][:3], batches[2][1][:3])]  # 3 samples: 3 micro-batches, not 4
     with pytest.raises(ValueError, match=r"batch 2 splits into 3 micro-batches"):
         list(pipe.train_steps(short, loss_fn=F.mse_loss, optimizer=opt))
+    with pytest.raises(ValueError, match=r"batch 0 splits into 3 micro-batches"):  # nothing ran: nothing hangs
+        list(pipe.train_steps(short[2:], loss_fn=F.mse_loss, optimizer=opt))
+    _assert_a_train_step_is_exact(pipe, model, batches[0])
 
 
 def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
