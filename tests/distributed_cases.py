@@ -1483,3 +1483,54 @@ def a_loss_that_draws(rank: int, world: int, whole: bool) -> dict[str, Any]:
         "loss": abs(float(loss) - float(expected)), "grads": max(grads), "plain's generator": torch.equal(after, plain_after),
         "hash": hashlib.sha1(after.numpy().tobytes()).hexdigest(), "failed step's generator put back": torch.equal(left, torch.get_rng_state()),
     }  # fmt: skip
+
+
+def looped(rank: int, world: int) -> dict[str, Any]:
+    """pipe.train_steps across processes under 1f1b: the plain loop's losses and parameters on
+    every rank (tied weights included); batches that end early on one rank, or raise there,
+    make every rank raise at that batch with its parameters after the last update; schedule='2bw'
+    across processes is refused on every rank."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model, batches, loss_fn = MODELS["gpt"]()  # its head is tied to the embedding
+    batches = batches[:1] * 3 + batches[1:] * 2
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    opt, ref_opt = torch.optim.Adam(pipe.parameters(), lr=0.01), torch.optim.Adam(reference.parameters(), lr=0.01)
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=loss_fn, optimizer=opt)]
+    expected = []
+    for x, y in batches:
+        ref_opt.zero_grad()
+        loss = loss_fn(reference(x), y)
+        loss.backward()
+        ref_opt.step()
+        expected.append(float(loss.detach()))
+    ref = dict(reference.named_parameters())
+    params = {n: _max_diff(p, ref[n]) for n, p in pipe.named_parameters()}
+    # the last rank's batches end after two; rank 0's raise after three on another try
+    ended, raised = "", ""
+    try:
+        list(pipe.train_steps(batches[:2] if rank == world - 1 else batches, loss_fn=loss_fn, optimizer=opt))
+    except ValueError as e:
+        ended = str(e)
+    mine = copy.deepcopy({n: p.detach() for n, p in pipe.named_parameters()})
+
+    def failing() -> Any:
+        yield from batches[:3]
+        if rank == 0:
+            raise OSError("the file went away")
+        yield from batches[3:]
+
+    try:
+        list(pipe.train_steps(failing(), loss_fn=loss_fn, optimizer=opt))
+    except (OSError, RuntimeError) as e:
+        raised = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
+    after = {n: p.detach() for n, p in pipe.named_parameters()}
+    moved = all(not torch.equal(after[n], mine[n]) for n in mine)  # three updates ran
+    two_bw = compile_pipeline(copy.deepcopy(reference), batches[0][0], mesh=mesh, chunks=2, schedule="2bw", timeout=60)
+    try:
+        two_bw.train_steps(batches, loss_fn=loss_fn, optimizer=torch.optim.SGD(two_bw.parameters(), lr=0.1))
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return dict(losses=losses, expected=expected, params=params, ended=ended, raised=raised, moved=moved, refused=refused)

@@ -488,3 +488,13 @@ def test_steps_inside_no_sync_accumulate_and_the_next_step_syncs_them() -> None:
     for found in (first, second):
         assert found["no_grad_loss"] <= TOL and found["grads_kept"], found
         assert found["eval_out"] <= TOL, found
+
+
+def test_train_steps_across_processes_is_the_plain_loop_and_the_ranks_end_together() -> None:
+    for report in results_of(spawn_ranks(cases.looped, 2, timeout=240)):
+        assert report["losses"] == pytest.approx(report["expected"], rel=0, abs=TOL), report
+        assert max(report["params"].values()) <= TOL, report["params"]
+        assert "ended after 2 batches" in report["ended"] and "rank(s) [1]" in report["ended"], report["ended"]
+        assert "before batch 3" in report["raised"] and "after batch 2's update" in report["raised"], report["raised"]
+        assert report["moved"], "the three batches before the failure were trained"
+        assert "across processes" in report["refused"], report["refused"]
