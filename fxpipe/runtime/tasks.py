@@ -156,9 +156,9 @@ class StageTasks:
             return []
         swaps = self.view_swaps[stage.index]
         if swaps is None:
-            leaf = own_alias if self.versions is not None else lambda p: p.detach().requires_grad_()
+            made = own_alias if self.versions is not None else lambda p: p.detach().requires_grad_()
             with torch.enable_grad():
-                leaves = [leaf(p) if p.requires_grad else p for p in stage.params]
+                leaves = [made(p) if p.requires_grad else p for p in stage.params]
                 views = [self._as_read(leaf) for leaf in leaves]
             if stage.compiled is not None and stage.compiled.static_outputs:
                 _own_grads([leaf for leaf in leaves if leaf.requires_grad])

@@ -27,13 +27,20 @@ def test_a_closed_pipeline_refuses_to_run() -> None:
 
 
 class _SlowBackward(torch.autograd.Function):
+    interrupt = False  # whether the next backward asks for a Ctrl-C (once)
+
     @staticmethod
     def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return x.clone()
 
     @staticmethod
     def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        time.sleep(0.4)  # 1.6 s of backward in all: the 0.3 s timer lands inside it on a loaded machine too
+        if _SlowBackward.interrupt:
+            # Asked for from inside the first backward, so that it lands while the step runs
+            # however loaded the machine is (a timer thread can be late by more than the step).
+            _SlowBackward.interrupt = False
+            _thread.interrupt_main()
+        time.sleep(0.4)  # 1.6 s of backward in all
         return grad
 
 
@@ -58,11 +65,10 @@ def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages:
     balance = [4] if stages == 1 else [2, 2]
     pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4, leaf_modules=[Slow], balance=balance)
     loss = pipe(x).sum()
-    timer = threading.Timer(0.3, _thread.interrupt_main)
-    timer.start()
+    _SlowBackward.interrupt = True
     with pytest.raises(KeyboardInterrupt):
         loss.backward()
-    timer.join()
+    assert not _SlowBackward.interrupt
     time.sleep(1.0)  # what an abandoned step would still add, it would have added by now
     assert all(p.grad is None for p in pipe.parameters())
     pipe(x).sum().backward()
