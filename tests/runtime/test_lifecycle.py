@@ -5,7 +5,10 @@ from __future__ import annotations
 import _thread
 import copy
 import io
+import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -60,6 +63,20 @@ class WithSlow(nn.Module):
 
 @pytest.mark.parametrize("stages", [1, 2])  # one worker runs its tasks on the caller's thread
 def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages: int) -> None:
+    """In a process of its own: in a test process that ran some hundreds of tests before it (under
+    pytest-xdist), `_thread.interrupt_main()` raised nothing, even called from inside the step."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]\n"
+        f"from test_lifecycle import ctrl_c_during_backward; ctrl_c_during_backward({stages}); print('done')"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and run.stdout.strip().endswith("done"), run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def ctrl_c_during_backward(stages: int) -> None:
+    """A Ctrl-C in the middle of a backward: raised to the caller, nothing of the step left
+    running or in `.grad`, and the next step exact."""
     model, reference = twin(WithSlow())
     x = torch.randn(8, 6, dtype=torch.float64)
     balance = [4] if stages == 1 else [2, 2]
