@@ -164,7 +164,12 @@ class _Overlap:
         group = self.updates.pop(index)
         _wait(group)
         if group.errors:
-            raise next(iter(group.errors.values()))
+            error = next(iter(group.errors.values()))
+            error.add_note(
+                f"train_steps (schedule='2bw'): the optimizer's step on batch {index} failed on a stage: the stages "
+                "whose step ran hold that update, the others do not (an optimizer's step is not undone)."
+            )
+            raise error
         if after_step is not None:
             with self.versions.gate.shut():
                 after_step()

@@ -43,12 +43,12 @@ class Gate:
     def __init__(self) -> None:
         self.changed = threading.Condition()
         self.inside = 0
-        self.shut_now = False
+        self.shut_by = 0  # nested shuts (a hook that calls pipe.parameters()): open when all end
 
     @contextmanager
     def entered(self) -> Iterator[None]:
         with self.changed:
-            while self.shut_now:
+            while self.shut_by:
                 self.changed.wait()
             self.inside += 1
         try:
@@ -61,14 +61,14 @@ class Gate:
     @contextmanager
     def shut(self) -> Iterator[None]:
         with self.changed:
-            self.shut_now = True
+            self.shut_by += 1
             while self.inside:
                 self.changed.wait()
         try:
             yield
         finally:
             with self.changed:
-                self.shut_now = False
+                self.shut_by -= 1
                 self.changed.notify_all()
 
 

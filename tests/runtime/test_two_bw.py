@@ -298,3 +298,26 @@ def test_the_loop_holds_two_versions_of_the_parameters_at_most() -> None:
     list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert params < pipe.last_parameter_bytes <= 2 * params
+
+
+def test_the_gate_stays_shut_until_the_outermost_shut_ends() -> None:
+    """A hook that calls pipe.parameters() shuts the gate again inside the loop's own shut: the
+    stages stay out until the hook ends, not only until the inner read."""
+    import threading
+
+    from fxpipe.runtime.versions import Gate
+
+    gate, entered = Gate(), threading.Event()
+
+    def stage() -> None:
+        with gate.entered():
+            entered.set()
+
+    with gate.shut():
+        with gate.shut():
+            pass
+        worker = threading.Thread(target=stage)
+        worker.start()
+        assert not entered.wait(0.2)
+    assert entered.wait(5)
+    worker.join(5)
