@@ -63,11 +63,14 @@ class WithSlow(nn.Module):
 
 @pytest.mark.parametrize("stages", [1, 2])  # one worker runs its tasks on the caller's thread
 def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages: int) -> None:
-    """In a process of its own: in a test process that ran some hundreds of tests before it (under
-    pytest-xdist), `_thread.interrupt_main()` raised nothing, even called from inside the step."""
+    """In a process of its own, with Python's own Ctrl-C handler: in the full suite, a process
+    started from a pytest-xdist worker could inherit SIGINT ignored, and `_thread.interrupt_main()`
+    then raises nothing (in the worker itself too, late in the run), as a Ctrl-C would not."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
-        f"import sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]\n"
+        f"import signal, sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]\n"
+        "print('SIGINT handler inherited:', signal.getsignal(signal.SIGINT), file=sys.stderr)\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"from test_lifecycle import ctrl_c_during_backward; ctrl_c_during_backward({stages}); print('done')"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
