@@ -187,7 +187,9 @@ def compile_pipeline(
             GPipe), and their running statistics are updated once per step from the whole
             batch, as the plain model's would be on it.
         schedule: what `pipe.train_step` runs: 'gpipe', '1f1b', 'interleaved-1f1b' or 'zb-h1'
-            (fxpipe/schedules/actions.py draws them). `pipe(x)` and `loss.backward()` always run GPipe.
+            (fxpipe/schedules/actions.py draws them); or '2bw', 1F1B in a step, whose steps in
+            `pipe.train_steps` overlap with no flush (fxpipe/schedules/two_bw.py). `pipe(x)` and
+            `loss.backward()` always run GPipe.
         stages_per_device: with 'interleaved-1f1b', the model is cut into this many stages per
             device, placed round-robin: stage s on `devices[s % len(devices)]`.
         compile_stages: run each generated stage under `torch.compile`, forward and backward:
