@@ -325,28 +325,32 @@ def state(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def delayed_loop(module: nn.Module, forward: Callable[[torch.Tensor], Any], batches: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
-    """PipeDream-2BW's updates in plain PyTorch: batch t's loss and gradients on W(t - 1), the
-    optimizer's step applied to W(t); buffers (one copy) move with every forward."""
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    params = list(module.parameters())
+def delayed_loop(
+    params: list[torch.Tensor], optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]], step: Callable[[Any, Any], torch.Tensor],
+) -> list[torch.Tensor]:
+    """PipeDream-2BW's updates: batch t's loss and gradients (`step(x, y)`, which runs the
+    backward) on W(t - 1), the optimizer's step applied to W(t); buffers (one copy) move with
+    every forward."""
     stale = [p.detach().clone() for p in params]
     losses = []
-    for x, _ in batches:
+    for x, y in batches:
         live = [p.detach().clone() for p in params]
         with torch.no_grad():
             for p, old in zip(params, stale):
                 p.copy_(old)
         optimizer.zero_grad()
-        loss = mean_loss_of(forward(x))
-        loss.backward()
-        losses.append(loss.detach().clone())
+        losses.append(step(x, y).detach().clone())
         with torch.no_grad():
             for p, new in zip(params, live):
                 p.copy_(new)
         optimizer.step()
         stale = live
     return losses
+
+
+def _backward_of(loss: torch.Tensor) -> torch.Tensor:
+    loss.backward()
+    return loss
 
 
 def detach(out: Any) -> tuple[torch.Tensor, ...]:
@@ -388,7 +392,8 @@ def run_use(use: str, module: nn.Module, forward: Callable[[torch.Tensor], Any],
             steps = cast(Pipeline, module).train_steps(batches, loss_fn=lambda o, _: mean_loss_of(o), optimizer=optimizer)
             losses = list(steps)
         else:
-            losses = delayed_loop(module, forward, batches)
+            optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+            losses = delayed_loop(list(module.parameters()), optimizer, batches, lambda x, _: _backward_of(mean_loss_of(forward(x))))
         result["losses"] = torch.stack(losses)
         result["state after the loop"] = state(module)
     elif use == "eval":

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dag_models import delayed_loop
 from helpers import FanOut, TiedEnds, example_module, twin
 from fxpipe import compile_pipeline
 from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Layout
@@ -142,21 +143,8 @@ def test_dropout_draws_what_the_same_pipeline_draws_step_by_step_on_the_stale_we
     torch.manual_seed(3)
     losses = list(pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt))
     torch.manual_seed(3)
-    params = list(stepwise.parameters())
-    stale = [p.detach().clone() for p in params]
-    expected = []
-    for x, y in batches:
-        live = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, old in zip(params, stale):
-                p.copy_(old)
-        twin_opt.zero_grad()
-        expected.append(stepwise.train_step(x, target=y, loss_fn=gpt.loss_fn))
-        with torch.no_grad():
-            for p, new in zip(params, live):
-                p.copy_(new)
-        twin_opt.step()
-        stale = live
+    step = lambda x, y: stepwise.train_step(x, target=y, loss_fn=gpt.loss_fn)  # noqa: E731
+    expected = delayed_loop(list(stepwise.parameters()), twin_opt, batches, step)
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
     _assert_parameters_equal(model, twin_model, tol=1e-12)
 
