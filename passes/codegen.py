@@ -96,14 +96,17 @@ def tensors_held(gm: fx.GraphModule, owner: nn.Module, node: fx.Node) -> dict[st
     return {name: resolve(owner, gm, name) for name in tensors_read(gm, node)}
 
 
-def shared_tensors(gm: fx.GraphModule, owner: nn.Module, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
-    """Tensors read by more than one stage, as `owner` holds them now (`tensors_held`), keyed by
-    `id`, with the first name they are read by."""
+Held = dict[fx.Node, dict[str, torch.Tensor]]
+
+
+def shared_tensors(held: Held, runs: Sequence[Sequence[fx.Node]]) -> dict[int, str]:
+    """Tensors read by more than one stage, as `owner` holds them now (`held`: `tensors_held`
+    of each node), keyed by `id`, with the first name they are read by."""
     names: dict[int, str] = {}
     readers: dict[int, set[int]] = {}
     for index, run in enumerate(runs):
         for node in run:
-            for name, tensor in tensors_held(gm, owner, node).items():
+            for name, tensor in held[node].items():
                 names.setdefault(id(tensor), name)
                 readers.setdefault(id(tensor), set()).add(index)
     return {key: names[key] for key, stages in readers.items() if len(stages) > 1}
@@ -116,8 +119,8 @@ def _placeholder_name(name: str) -> str:
 class _StageBuilder:
     """Copies one stage's nodes into a fresh graph, resolving attributes against `owner`."""
 
-    def __init__(self, gm: fx.GraphModule, owner: nn.Module, shared: dict[int, str]) -> None:
-        self.gm, self.owner, self.shared = gm, owner, shared
+    def __init__(self, gm: fx.GraphModule, owner: nn.Module, held: Held, shared: dict[int, str]) -> None:
+        self.gm, self.owner, self.held, self.shared = gm, owner, held, shared
         self.graph = fx.Graph()
         self.env: dict[str, fx.Node] = {}
         self.attrs: dict[str, Any] = {}
@@ -139,7 +142,7 @@ class _StageBuilder:
         return self.attribute(node) if node.op == "get_attr" else self.env[node.name]
 
     def copy(self, node: fx.Node) -> None:
-        state = tensors_held(self.gm, self.owner, node) if node.op == "call_module" else {}
+        state = self.held[node] if node.op == "call_module" else {}
         tied = {name: t for name, t in state.items() if id(t) in self.shared}
         if not tied:
             if node.op == "call_module":
@@ -161,8 +164,8 @@ class _StageBuilder:
         self.env[node.name].meta[CALLS_MODULE] = private  # a call of that module, for the passes that look for one
 
 
-def _stage_shared(gm: fx.GraphModule, owner: nn.Module, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:
-    found = {shared[id(t)]: None for node in run for t in tensors_held(gm, owner, node).values() if id(t) in shared}
+def _stage_shared(held: Held, run: Sequence[fx.Node], shared: dict[int, str]) -> list[str]:
+    found = {shared[id(t)]: None for node in run for t in held[node].values() if id(t) in shared}
     return list(found)
 
 
@@ -177,14 +180,15 @@ def generate_stages(
     owner = owner if owner is not None else gm
     # Shared are the tensors the stages will read, the owner's now: the graph's own may be those
     # the model held when traced, replaced since.
-    shared = shared_tensors(gm, owner, runs)
+    held = {node: tensors_held(gm, owner, node) for run in runs for node in run}
+    shared = shared_tensors(held, runs)
     codes = []
     for index, run in enumerate(runs):
-        builder = _StageBuilder(gm, owner, shared)
+        builder = _StageBuilder(gm, owner, held, shared)
         inputs, outputs = stage_inputs(edges, index), stage_outputs(edges, index)
         for name in inputs:
             builder.env[name] = builder.graph.placeholder(name)
-        names = _stage_shared(gm, owner, run, shared)
+        names = _stage_shared(held, run, shared)
         for name in names:
             builder.shared_inputs[name] = builder.graph.placeholder(_placeholder_name(name))
         mutated = sorted(mutated_inputs(gm, run, inputs), key=inputs.index)

@@ -35,16 +35,32 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors an aten op writes: the arguments its schema marks as written (`self` of
-    `add_`, `out=`)."""
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[position] if position < len(args) else kwargs.get(argument.name)
-        for t in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(t, torch.Tensor):
-                yield t
+class _Schema:
+    """The arguments an aten op writes (`self` of `add_`, `out=`), by position and name, read
+    from its schema once per op."""
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.writes = [(k, a.name) for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+    def written(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+        for position, name in self.writes:
+            value = args[position] if position < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    yield t
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an op's arguments or results: tensors, in tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 class _Outside(EagerDispatchMode):
@@ -55,17 +71,18 @@ class _Outside(EagerDispatchMode):
         super().__init__()
         self.owned = owned
         self.written: dict[int, tuple[torch.Tensor, torch.UntypedStorage]] = {}
+        self.schemas: dict[Any, _Schema] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for t in _written(func, args, kwargs):
+        schema = self.schemas.get(func) or self.schemas.setdefault(func, _Schema(func))
+        for t in schema.written(args, kwargs):
             key = _storage(t)
             if key not in self.owned and key not in self.written and key != id(t):
                 self.written[key] = (t, t.untyped_storage().clone())
         out = func(*args, **kwargs)
         # A new storage is the model's own; an output on an argument's storage is a view of it.
-        read = {_storage(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        self.owned.update(k for k in (_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)) if k not in read)
+        self.owned |= {_storage(t) for t in _tensors(out)} - {_storage(t) for t in _tensors((args, kwargs))}
         return out
 
     def put_back(self) -> None:
