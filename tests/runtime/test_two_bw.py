@@ -149,6 +149,29 @@ def test_dropout_draws_what_the_same_pipeline_draws_step_by_step_on_the_stale_we
     _assert_parameters_equal(model, twin_model, tol=1e-12)
 
 
+@pytest.mark.parametrize("checkpoint", ["except_last", "always"])
+def test_under_the_callers_autocast_each_batch_casts_as_a_step_by_step_pipeline_does(checkpoint: str) -> None:
+    """The caller's autocast reaches every stage, the recompute and the loss of every batch of
+    the loop: bit for bit what a twin pipeline computes stepping one batch at a time on W(t - 1)
+    under the same autocast (the same micro-batches, so the same bfloat16 roundings), and not
+    what the loop computes without autocast."""
+    model = FanOut()
+    twin_model, uncast_model = copy.deepcopy(model), copy.deepcopy(model)
+    batches = [(x.float(), y.float()) for x, y in _batches(5)]
+    pipe = _pipe(model, batches[0][0], 3, checkpoint=checkpoint)
+    uncast = _pipe(uncast_model, batches[0][0], 3, checkpoint=checkpoint)
+    stepwise = compile_pipeline(twin_model, batches[0][0], ["cpu"] * 3, chunks=4, schedule="1f1b", checkpoint=checkpoint)
+    opt, twin_opt = (torch.optim.SGD(p.parameters(), lr=0.1, momentum=0.9) for p in (pipe, stepwise))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt))
+        step = lambda x, y: stepwise.train_step(x, target=y, loss_fn=F.mse_loss)  # noqa: E731
+        expected = delayed_loop(list(stepwise.parameters()), twin_opt, batches, step)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=0)
+    _assert_parameters_equal(model, twin_model, tol=0)
+    plain = list(uncast.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(uncast.parameters(), lr=0.1, momentum=0.9)))
+    assert (torch.stack(losses) - torch.stack(plain)).abs().max() > 1e-4  # bfloat16's roundings, so autocast was on
+
+
 def test_the_hooks_clip_and_schedule_as_in_the_reference_loop() -> None:
     model, plain = twin(FanOut())
     batches = _batches(6)
