@@ -46,6 +46,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; 2 with --quick)")
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--message", action="store_true", help="only the small message's round trip")
+    p.add_argument("--loops-only", action="store_true", help="only train_steps over 8 batches: 1f1b against 2bw")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 7)
     return args
@@ -139,6 +140,47 @@ def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, boo
     else:  # rank 1 waits at the barriers while rank 0 runs these
         found += [(f"fxpipe {s}, one process, 2 threads", False, lambda: None) for s in ("1f1b", "zb-h1")]
     return found, Workload(model, x, y, int(split), f"MLP {layers}x{width}, batch {batch}, chunks {args.chunks}, cut at {split!r}")
+
+
+LOOP_BATCHES = 8
+
+
+def loop_contenders(args: argparse.Namespace) -> list[tuple[str, bool, Step]]:
+    """train_steps over LOOP_BATCHES batches with SGD, across the two processes: 1f1b flushes
+    after each batch, 2bw never; the plain model's loop on one process as the baseline."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxpipe import compile_pipeline
+
+    torch.manual_seed(0)
+    layers, width, batch = (8, 128, 512) if args.quick else (16, 512, 2048)
+    model = make_mlp(layers, width)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    lr = 1e-6  # the loops train: a small step keeps the work alike from round to round
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    def plain_loop() -> None:
+        for _ in range(LOOP_BATCHES):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+    found: list[tuple[str, bool, Step]] = [("plain loop, one process", False, plain_loop)]
+    for schedule in ("1f1b", "2bw"):
+        pipe = compile_pipeline(copy.deepcopy(model), x, mesh=mesh, chunks=args.chunks, checkpoint="never", schedule=schedule)
+        found.append((f"fxpipe train_steps {schedule}, 2 processes", True, _loop_of(pipe, x, y, lr)))
+    return found
+
+
+def _loop_of(pipe: Any, x: torch.Tensor, y: torch.Tensor, lr: float) -> Step:
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=lr)
+
+    def loop() -> None:
+        for _ in pipe.train_steps([(x, y)] * LOOP_BATCHES, loss_fn=F.mse_loss, optimizer=optimizer):
+            pass
+
+    return loop
 
 
 def timed(found: list[tuple[str, bool, Step]], rank: int, repeats: int) -> dict[str, list[float]]:
@@ -399,6 +441,11 @@ def child(rank: int, port: int, args: argparse.Namespace, results: Any) -> None:
             if rank == 0:
                 results.put(("ok", (cost,)))
             return
+        if args.loops_only:
+            times = timed(loop_contenders(args), rank, args.repeats)
+            if rank == 0:
+                results.put(("ok", (times,)))
+            return
         found, work = contenders(rank, args)
         times = timed(found, rank, args.repeats)
         costs: list[Any] = [None, None]
@@ -441,6 +488,18 @@ def message_line(cost: dict[str, float]) -> str:
         f"{name} {us:.0f} ({us / raw:.2f}x raw)" for name, us in cost.items())  # fmt: skip
 
 
+def loop_table(times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; train_steps over "
+          f"{LOOP_BATCHES} batches, chunks {args.chunks}; {args.repeats} rounds; E = T(plain loop) / (2 x T(loop))\n")  # fmt: skip
+    base = times["plain loop, one process"]
+    print("| contender | E median | E best | ms per batch (median) |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        if not name.startswith("plain"):
+            e_median, e_best = statistics.median(base) / (2 * statistics.median(values)), min(base) / (2 * min(values))
+            print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) / LOOP_BATCHES * 1e3:.1f} |")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     reexecuted = ensure_malloc_env()
     args = parse_args(argv)
@@ -448,6 +507,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(line)
     if args.message:
         print(message_line(run(args)[0]).strip())
+        return
+    if args.loops_only:
+        loop_table(run(args)[0], args)
         return
     workload, times, limits, costs, cost, crossing, unet = run(args)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; {workload}; "

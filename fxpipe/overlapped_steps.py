@@ -11,6 +11,10 @@ worker, ahead of the stage's first forward of batch k + 1 (fxpipe/runtime/versio
 A loop that stops (the caller breaks out, a stage or the batches raise) waits for what is in
 flight, drops the batches whose loss it has not given, and completes the update of the last
 batch whose loss it gave: the parameters are then those of the synchronous loop stopped there.
+
+Across processes each rank runs its stage's list on a thread of its own, and the ranks agree on
+each batch before it runs and on its end before any rank updates on it
+(fxpipe/distributed/loop_ranks.py): a failure on one rank stops every rank at the same batch.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 
 from fxpipe.compiled.program import Program
+from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.distributed.loop_ranks import LoopRanks, in_words, summed_tied, tied_parts
+from fxpipe.distributed.rank_call import call_signature
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -29,8 +36,9 @@ from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads
 import fxpipe.runtime.step as steps
 from fxpipe.runtime.step import Step
+from fxpipe.runtime.stage_error import PHASES
 from fxpipe.runtime.versions import Versions, storage_bytes
-from fxpipe.runtime.worker import TaskGroup
+from fxpipe.runtime.worker import TaskGroup, Workers
 from fxpipe.schedules.actions import Action, checkpoint_stop
 from fxpipe.schedules.timeline import Record
 from fxpipe.schedules.two_bw import UPDATE, refuse_too_few_micro_batches, segment, two_bw
@@ -40,6 +48,16 @@ PipelineLike = Any
 
 Batch = tuple[int, tuple[Any, ...], dict[str, Any], Any]  # index, args, kwargs, target
 Hook = Optional[Callable[[], Any]]
+
+
+@dataclass
+class _Started:
+    """A batch read, its call made and its step built: nothing of it runs yet."""
+
+    index: int
+    call: Call
+    step: Step
+    target: Any
 
 
 @dataclass
@@ -59,7 +77,13 @@ class _Overlap:
         self.layout, self.m = self.program.layout, pipe.chunks
         refuse_too_few_micro_batches(self.layout, self.m)
         self.checkpointed = checkpoint_stop(pipe.checkpoint, self.m)
-        self.versions = Versions(self.program, optimizer, steps.WAIT_TIMEOUT)  # read now: tests bound it
+        placement = pipe._compiled.placement
+        # Across processes: this rank's stage alone, on a thread of its own.
+        self.ranks = None if placement is None else LoopRanks(pipe._across(), placement)
+        here = None if self.ranks is None else [s for s, rank in enumerate(self.layout.ranks) if rank == self.ranks.me]
+        self.local = list(range(self.layout.stages)) if here is None else here
+        self.versions = Versions(self.program, optimizer, steps.WAIT_TIMEOUT, here)  # read now: tests bound it
+        self.workers = pipe._workers if here is None else Workers([self.program.stages[here[0]].device], name="fxpipe-2bw")
         self.steps: dict[int, _InFlight] = {}
         self.updates: dict[int, TaskGroup] = {}
         self.given = [0] * self.layout.workers
@@ -69,8 +93,25 @@ class _Overlap:
         self.records: list[Record] = []  # what ran, for pipe.timeline()
 
     # -- submitting -----------------------------------------------------------------------
-    def start(self, batch: Batch) -> None:
-        """Batch `batch`'s step, and each worker's actions up to the first that needs the next batch."""
+    def next_batch(self, batches: Iterator[Batch]) -> Optional[_Started]:
+        """The next batch, its call made and its step built (nothing runs yet), or None at the
+        end; across processes, every rank agrees on it first (or every rank raises)."""
+        index, started, failure = self.read, None, None
+        try:
+            batch = next(batches, None)
+            started = None if batch is None else self._made(batch)
+        except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
+            if self.ranks is None:
+                raise
+            failure = error
+        if self.ranks is not None:
+            said = "failed" if failure is not None else "end" if started is None else "batch"
+            kind = f"train_steps, schedule='2bw', reduction={self.reduction!r}"
+            signature = None if started is None else call_signature(self.ranks.host, started.call, kind, started.target, started.step.seed)
+            self.ranks.start(index, said, signature, failure)
+        return started
+
+    def _made(self, batch: Batch) -> _Started:
         index, args, kwargs, target = batch
         call, step = self.pipe._train_call(
             args, kwargs, target, self.loss_fn, self.reduction, LeafGrads(), versions=self.versions, batch=index, held=self.held,
@@ -82,9 +123,14 @@ class _Overlap:
                 f"chunks={self.m}: every batch of the loop must (its samples at least chunks).\nHow to fix: drop the "
                 "last, smaller batch (DataLoader(drop_last=True))."
             )
+        return _Started(index, call, step, target)
+
+    def start(self, started: _Started) -> None:
+        """Batch `started`'s step, and each worker's actions up to the first that needs the next batch."""
+        index, step = started.index, started.step
         step._post_inputs()
-        self.steps[index] = _InFlight(call, step, TaskGroup(self.layout.stages * (2 * self.m + self.checkpointed)), target)
-        self.updates[index] = TaskGroup(self.layout.stages)
+        self.steps[index] = _InFlight(started.call, step, TaskGroup(len(self.local) * (2 * self.m + self.checkpointed)), started.target)
+        self.updates[index] = TaskGroup(len(self.local))
         self.read = index + 1
         streams = two_bw(self.layout, self.m, self.read + 1, self.checkpointed)
         self._submit(streams, segment(streams, self.m, index))
@@ -96,15 +142,35 @@ class _Overlap:
 
     def _submit(self, streams: list[list[Action]], cuts: list[int]) -> None:
         for worker, (acts, cut) in enumerate(zip(streams, cuts)):
+            if self.ranks is not None and worker != self.ranks.me:
+                continue  # another rank's list
             for action in acts[self.given[worker] : cut]:
-                self.pipe._workers.submit(worker, self._task(action))
+                self.workers.submit(worker if self.ranks is None else 0, self._task(action))
             self.given[worker] = max(self.given[worker], cut)
 
     def _task(self, action: Action) -> Callable[[], None]:
         if action.kind == UPDATE:
             return self._update_task(action)
         flight = self.steps[action.micro_batch // self.m]
-        return flight.step.task(Action(action.kind, action.stage, action.micro_batch % self.m), flight.group)
+        local = Action(action.kind, action.stage, action.micro_batch % self.m)
+        task = flight.step.task(local, flight.group)
+        if self.ranks is None:
+            return task
+        me = self.ranks.ranks[self.ranks.me]
+
+        def told() -> None:
+            task()
+            error = flight.group.errors.get(local)
+            if error is not None and not isinstance(error, RemoteFailure):
+                self._tell_the_others(Failure(me, local.stage, local.micro_batch, PHASES[local.kind], in_words(error)))
+
+        return told
+
+    def _tell_the_others(self, failure: Failure) -> None:
+        """Across processes: a failure here, sent at once, so that no other rank's stage waits
+        on a value this one will not send (best effort: a rank may be gone)."""
+        assert self.ranks is not None
+        self.ranks.host.channel.fail(failure)
 
     def _update_task(self, action: Action) -> Callable[[], None]:
         group = self.updates[action.micro_batch]
@@ -138,6 +204,34 @@ class _Overlap:
         loss, its gradients in `.grad` and `after_backward`; its own update may then run."""
         flight = self.steps[index]
         _wait(flight.group)
+        if self.ranks is None:
+            self._settled(index, flight, after_step)
+            input_grads = [flight.step._input_grads(i) for i in range(self.m)]
+            total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
+            grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
+        else:
+            input_grads, (total, grads) = [], self._agreed(index, flight, after_step)
+        failure = None
+        try:
+            self.optimizer.zero_grad()
+            accumulate(flight.call, input_grads, grads)
+            if after_backward is not None:
+                with self.versions.gate.shut():  # no stage holds the model's parameter slots meanwhile
+                    after_backward()
+        except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
+            failure = error
+        if self.ranks is not None:
+            self.ranks.hooks_ran(index, failure)
+        elif failure is not None:
+            raise failure
+        del self.steps[index]
+        self.versions.ready(index)
+        self.finished = index + 1
+        return total
+
+    def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
+        """The batch's failure raised, if any; its statistics committed, its timeline kept; the
+        update of the batch before it waited for."""
         flight.step.settle(flight.group)
         if flight.step.batch_stats is not None:
             flight.step.batch_stats.commit()
@@ -147,17 +241,28 @@ class _Overlap:
         self.pipe.__dict__["last_timeline"] = self.records
         if index >= 1:
             self._updated(index - 1, after_step)
-        input_grads = [flight.step._input_grads(i) for i in range(self.m)]
-        total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
-        self.optimizer.zero_grad()
-        accumulate(flight.call, input_grads, parameter_grads(flight.call.program, flight.step, flight.call.params))
-        if after_backward is not None:
-            with self.versions.gate.shut():  # no stage holds the model's parameter slots meanwhile
-                after_backward()
-        del self.steps[index]
-        self.versions.ready(index)
-        self.finished = index + 1
-        return total
+
+    def _agreed(self, index: int, flight: _InFlight, after_step: Hook) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+        """Across processes: `_settled`, then every rank agrees that batch `index` is done (or
+        every rank raises); the loss from the loss rank, tied weights' gradients summed."""
+        assert self.ranks is not None
+        program, params = flight.call.program, flight.call.params
+        failure, loss, drawn = None, None, None
+        grads: list[Optional[torch.Tensor]] = []
+        try:
+            self._settled(index, flight, after_step)
+            if program.layout.ranks[program.layout.loss_stage] == self.ranks.me:
+                before = torch.get_rng_state()
+                loss = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)[0].detach()
+                drawn = None if torch.equal(torch.get_rng_state(), before) else torch.get_rng_state()
+            grads = parameter_grads(program, flight.step, params)
+        except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
+            failure = error
+        tied = {} if failure is not None else tied_parts(program, params, grads, self.ranks.me)
+        total, parts, drawn_there = self.ranks.finish(index, failure, loss, tied, drawn)
+        if loss is None and drawn_there is not None:
+            torch.set_rng_state(drawn_there)  # as loss_fn left it on the loss rank: the generators stay alike
+        return total, summed_tied(program, params, grads, parts)
 
     def _updated(self, index: int, after_step: Hook) -> None:
         """Every stage's update of batch `index` done (raising the first that failed), then `after_step`."""
@@ -187,6 +292,9 @@ class _Overlap:
         """After a failure, or the caller's break: what is in flight stopped and waited for, and
         the update of the last batch whose loss was given completed on every stage."""
         self._stop_in_flight()
+        if self.ranks is not None:  # the other ranks' stages may wait on values from this one's
+            me = self.ranks.ranks[self.ranks.me]
+            self._tell_the_others(Failure(me, -1, -1, "train_steps (schedule='2bw')", "the loop stopped on this rank"))
         self.end()  # the rest of every list, which now returns at once: every group then finishes
         for group in [*(f.group for f in self.steps.values()), *self.updates.values()]:
             _wait(group)
@@ -194,7 +302,7 @@ class _Overlap:
         pending = self.finished - 1
         if pending < 0 or pending not in self.updates:
             return
-        for stage in range(self.layout.stages):
+        for stage in self.local:
             if not self.versions.is_done(pending, stage):
                 self.versions.apply(pending, stage)
         self.updates.pop(pending)
@@ -217,7 +325,9 @@ def overlapped_steps(
     done = False
     pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
     try:
-        first = next(batches, None)
+        if run.ranks is not None:
+            run.ranks.host.channel.begin()
+        first = run.next_batch(batches)
         if first is None:
             done = True
             return
@@ -225,7 +335,7 @@ def overlapped_steps(
         ended = False
         while run.finished < run.read:
             if not ended and run.read == run.finished + 1:  # start the next batch before waiting on this one
-                following = next(batches, None)
+                following = run.next_batch(batches)
                 if following is None:
                     ended = True
                     run.end()
@@ -233,8 +343,16 @@ def overlapped_steps(
                     run.start(following)
             yield run.finish(run.finished, after_backward, after_step)
         run.last_update(after_step)
+        if run.ranks is not None:
+            run.ranks.host.channel.finish()  # every rank's loop ends together
         done = True
     finally:
         pipe.__dict__["_overlapping"] = None
-        if not done:
-            run.stop(after_step)
+        try:
+            if not done:
+                run.stop(after_step)
+        finally:
+            if run.workers is not pipe._workers:
+                run.workers.close()
+
+

@@ -496,7 +496,7 @@ class Pipeline(nn.Module):
         if self._channel is not None:
             rank, layout = self._channel.me, program.layout
             home, source = routes(program.stages, layout.ranks, layout.loss_stage, rank)
-            mailbox = RankMailbox(self._channel, Mailbox(self._channel.timeout), home, source)
+            mailbox = RankMailbox(self._channel, Mailbox(self._channel.timeout), home, source, batch if versions is not None else None)
         step = Step(
             program.stages,
             self._workers,

@@ -7,6 +7,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 import torch
 
 from fxpipe.compiled.placement import RankPlacement
+from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before
 from fxpipe.distributed.ranks import gathered
 from fxpipe.overlapped_steps import overlapped_steps
 
@@ -76,7 +77,7 @@ def _one_step(
     pipe: PipelineLike, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any,
     optimizer: torch.optim.Optimizer, reduction: str, after_backward: Hook, after_step: Hook,
 ) -> torch.Tensor:
-    before = _as_before(index)
+    before = as_before(index)
     try:
         optimizer.zero_grad()
         loss = pipe.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, **kwargs)
@@ -102,10 +103,6 @@ def _one_step(
     return loss
 
 
-def _as_before(index: int) -> str:
-    return "the parameters are as the loop was given them" if index == 0 else f"the parameters are those after batch {index - 1}'s update"
-
-
 def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlacement]) -> Optional[Any]:
     """The next batch, or None at the end; across processes, every rank reaches the end (or a
     failure of its batches) at the same batch, or every rank raises."""
@@ -114,34 +111,16 @@ def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlace
         batch = next(source, _END)
     except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
         failure, batch = error, _END
-        error.add_note(f"train_steps: the batches raised before batch {index}; {_as_before(index)}.")
+        error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
     if placement is not None:
         said = "failed" if failure is not None else "end" if batch is _END else "batch"
-        _agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}"), index, failure)
+        agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}"), index, failure)
     if failure is not None:
         raise failure
     return None if batch is _END else batch
 
 
 _END = object()
-
-
-def _agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException]) -> None:
-    """What every rank said of its batch `index`: all a batch, or all the end, or every rank raises."""
-    if failure is not None or len(set(said)) == 1:
-        return
-    failed = [rank for rank, word in enumerate(said) if word == "failed"]
-    if failed:
-        raise RuntimeError(
-            f"train_steps: the batches of rank(s) {failed} raised before batch {index} (their own error says why); "
-            f"{_as_before(index)} on every rank."
-        )
-    ended = [rank for rank, word in enumerate(said) if word == "end"]
-    raise ValueError(
-        f"train_steps: the batches of rank(s) {ended} ended after {index} batches, where the other ranks' went on; "
-        f"{_as_before(index)} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "
-        "run on the same batch), and as many."
-    )
 
 
 def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
@@ -164,9 +143,10 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
 
 def _refuse_where_steps_cannot_overlap(pipe: PipelineLike) -> None:
     problems = []
-    if pipe._compiled.placement is not None:
-        problems.append("across processes: each rank would update its stages while the others' steps overlap, which "
-                        "this version does not coordinate; use schedule='1f1b' or 'zb-h1' there")
+    placement = pipe._compiled.placement
+    if placement is not None and placement.dp_group is not None:
+        problems.append("with data-parallel replicas (a mesh with a 'dp' dimension): their gradients would be averaged "
+                        "while the steps overlap, which this version does not do; use schedule='1f1b' there")
     if not pipe.training:
         problems.append("in eval mode: call pipe.train() first")
     if not torch.is_grad_enabled():

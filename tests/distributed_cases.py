@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
-from dag_models import Op, Spec, make_model, mean_loss_of
+from dag_models import Op, Spec, delayed_loop, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
 Made = tuple[nn.Module, list[tuple[Any, Any]], Callable[[Any, Any], torch.Tensor]]
@@ -1488,8 +1488,7 @@ def a_loss_that_draws(rank: int, world: int, whole: bool) -> dict[str, Any]:
 def looped(rank: int, world: int) -> dict[str, Any]:
     """pipe.train_steps across processes under 1f1b: the plain loop's losses and parameters on
     every rank (tied weights included); batches that end early on one rank, or raise there,
-    make every rank raise at that batch with its parameters after the last update; schedule='2bw'
-    across processes is refused on every rank."""
+    make every rank raise at that batch with its parameters after the last update."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model, batches, loss_fn = MODELS["gpt"]()  # its head is tied to the embedding
@@ -1527,10 +1526,153 @@ def looped(rank: int, world: int) -> dict[str, Any]:
         raised = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
     after = {n: p.detach() for n, p in pipe.named_parameters()}
     moved = all(not torch.equal(after[n], mine[n]) for n in mine)  # three updates ran
-    two_bw = compile_pipeline(copy.deepcopy(reference), batches[0][0], mesh=mesh, chunks=2, schedule="2bw", timeout=60)
+    return dict(losses=losses, expected=expected, params=params, ended=ended, raised=raised, moved=moved)
+
+
+_2BW_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def _held_here(pipe: Any, reference: nn.Module) -> dict[str, float]:
+    """Each parameter this rank holds against the reference's."""
+    ref = dict(reference.named_parameters(remove_duplicate=False))
+    return {n: _max_diff(p, ref[n]) for n, p in pipe.named_parameters() if p.device.type != "meta"}
+
+
+def _plain_2bw(
+    model: nn.Module, batches: list[tuple[Any, Any]], make: Callable[[Any], torch.optim.Optimizer], loss_fn: Any, clip: float = 0.0,
+) -> list[float]:
+    """The plain model trained as PipeDream-2BW trains: batch t on W(t - 1), its update on W(t);
+    with `clip`, its gradients clipped to that norm before each update."""
+
+    def step(x: Any, y: Any) -> torch.Tensor:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return loss
+
+    return [float(loss) for loss in delayed_loop(list(model.parameters()), make(model.parameters()), batches, step)]
+
+
+def looped_2bw(rank: int, world: int) -> dict[str, Any]:
+    """train_steps with schedule='2bw' across processes: the plain model's delayed loop on every
+    rank, for a weight tied across the ranks and for skips, SGD with momentum and Adam; dropout
+    as a twin pipeline stepping one batch at a time on the stale weights draws; gradients clipped
+    in `after_backward` by the norm of every rank's; batches that raise on one rank, differ on
+    one, or make a stage raise, stop every rank at the same batch, the updates of the losses
+    given applied on each; data-parallel replicas are refused."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(6)]
+    report: dict[str, Any] = {"exact": []}
+    cases = (("tied", "sgd-momentum", "except_last", 0.0), ("fan_out", "adam", "always", 0.0), ("tied", "adam", "never", 0.0),
+             ("tied", "sgd-momentum", "except_last", 0.05))  # fmt: skip
+    for kind, optimizer, checkpoint, clip in cases:
+        torch.manual_seed(0)
+        model = (TiedEnds() if kind == "tied" else FanOut()).double()
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", checkpoint=checkpoint, timeout=60)
+        norms: list[float] = []
+        clipped = (lambda: norms.append(float(pipe.clip_grad_norm_(clip)))) if clip else None
+        optimizer_ = _2BW_OPTIMIZERS[optimizer](pipe.parameters())
+        losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer_, after_backward=clipped)]
+        expected = _plain_2bw(reference, batches, _2BW_OPTIMIZERS[optimizer], F.mse_loss, clip)
+        report["exact"].append(dict(
+            case=(kind, optimizer, checkpoint, clip), losses=losses, expected=expected, params=_held_here(pipe, reference),
+            clipped=not clip or max(norms) > clip,
+        ))  # fmt: skip
+    report["dropout"] = _2bw_dropout(mesh)
+    report["failed"] = _2bw_failures(rank, world, mesh, batches)
+    replicas = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
+    pipe = compile_pipeline(FanOut().double(), batches[0][0], mesh=replicas, chunks=4, schedule="2bw", timeout=60)
     try:
-        two_bw.train_steps(batches, loss_fn=loss_fn, optimizer=torch.optim.SGD(two_bw.parameters(), lr=0.1))
-        refused = ""
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+        report["replicas"] = ""
     except RuntimeError as e:
-        refused = str(e)
-    return dict(losses=losses, expected=expected, params=params, ended=ended, raised=raised, moved=moved, refused=refused)
+        report["replicas"] = str(e)
+    return report
+
+
+def _2bw_dropout(mesh: Any) -> dict[str, Any]:
+    gpt = example_module("gpt")
+    torch.manual_seed(0)
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()  # its head tied to the embedding: on both ranks
+    twin = copy.deepcopy(model)
+    batches = [gpt.make_batch(4, seed=k) for k in range(5)]
+    pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="2bw", timeout=60)
+    stepwise = compile_pipeline(twin, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    opt, twin_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(stepwise.parameters(), lr=1e-2)
+    torch.manual_seed(3)
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt)]
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    step = lambda x, y: stepwise.train_step(x, target=y, loss_fn=gpt.loss_fn)  # noqa: E731
+    expected = [float(loss) for loss in delayed_loop([p for p in stepwise.parameters() if p.device.type != "meta"], twin_opt, batches, step)]
+    twin_params = dict(stepwise.named_parameters())
+    params = {n: _max_diff(p, twin_params[n]) for n, p in pipe.named_parameters() if p.device.type != "meta"}
+    return dict(losses=losses, expected=expected, params=params, generator=torch.equal(after, torch.get_rng_state()))
+
+
+def _raise_on(condition: bool) -> None:
+    if condition:
+        raise RuntimeError("the hook failed")
+
+
+class _Fussy(nn.Module):
+    """Refuses an input out of range: a stage that fails on one batch (kept whole: its check is Python)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x.abs().max() > 50):
+            raise ValueError("a value out of range")
+        return x
+
+
+class _FussyTied(nn.Module):
+    """TiedEnds with the input reaching the last stage, through `_Fussy`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.fussy, self.c = nn.Linear(6, 6), nn.Linear(6, 6), _Fussy(), nn.Linear(6, 6)
+        self.c.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.fussy(self.b(torch.tanh(self.a(x))) + x)))
+
+
+def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any]]) -> dict[str, Any]:
+    """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
+    raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
+    raises on batch 2."""
+    found: dict[str, Any] = {}
+    for how in ("raises", "differs", "stage", "hook"):
+        torch.manual_seed(0)
+        model = (_FussyTied() if how == "stage" else TiedEnds()).double()
+        reference = copy.deepcopy(model)
+        extra: dict[str, Any] = dict(split_points=["b"], leaf_modules=[_Fussy]) if how == "stage" else {}
+        pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=60, **extra)
+        make = _2BW_OPTIMIZERS["sgd-momentum"]
+
+        def given() -> Any:
+            yield from batches[:3]
+            if rank == 0 and how == "raises":
+                raise OSError("the file went away")
+            x, y = batches[3]
+            yield (x + 1, y) if rank == world - 1 and how == "differs" else (x + 100, y) if how == "stage" else (x, y)
+            yield from batches[4:]
+
+        losses: list[float] = []
+        hook = (lambda: _raise_on(len(losses) == 2 and rank == world - 1)) if how == "hook" else None
+        try:
+            for loss in pipe.train_steps(given(), loss_fn=F.mse_loss, optimizer=make(pipe.parameters()), after_backward=hook):
+                losses.append(float(loss))
+            error = ""
+        except (OSError, RuntimeError, StageError) as e:
+            error = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
+        _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
+        found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference))
+        # and the pipeline goes on: a synchronous step after the failed loop
+        found[how]["after"] = float(pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss))
+    return found

@@ -18,6 +18,7 @@ rank sends every other a `done` message and reads theirs: no rank leaves a step 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -96,6 +97,9 @@ class Channel:
         self.step = 0
         self.kept: dict[int, dict[Hashable, Any]] = {}  # per peer, values read ahead of need
         self.sending: list[tuple[Any, torch.Tensor]] = []  # works, and the bytes they read
+        # One message at a time: a loop of overlapping steps (2BW) sends from its stage thread,
+        # and, when it fails, from the caller's, and a message is several sends in a row.
+        self.sending_lock = threading.Lock()
         self.failed_peers: dict[int, Failure] = {}
         self.failed = False  # this step failed here: expect nothing in the next
         self.posted: dict[int, _Posted] = {}
@@ -108,6 +112,10 @@ class Channel:
 
     # -- sending ---------------------------------------------------------------------------
     def send(self, peer: int, key: Hashable, value: Any, kind: str = VALUE) -> None:
+        with self.sending_lock:
+            self._send(peer, key, value, kind)
+
+    def _send(self, peer: int, key: Hashable, value: Any, kind: str) -> None:
         sent = self.sent.setdefault(peer, [])
         expected = _at(self.sent_before.get(peer, []), len(sent)) if self.early else []
         message, frame, sizes = self._framed(kind, key, value, [])
@@ -290,11 +298,16 @@ class RankMailbox:
     for a stage on another rank is sent there, and taken from the rank that makes it.
 
     `home(key)` is the coordinate of the rank a key's value is for, and `source(key)` of the rank
-    that makes it (see fxpipe/runtime/step.py for the keys)."""
+    that makes it (see fxpipe/runtime/step.py for the keys). In a loop whose steps overlap, the
+    messages of several batches are in flight at once: each goes under `(batch, key)`."""
 
-    def __init__(self, channel: Channel, local: Any, home: Any, source: Any) -> None:
+    def __init__(self, channel: Channel, local: Any, home: Any, source: Any, batch: Optional[int] = None) -> None:
         self.channel, self.local = channel, local
         self.home, self.source = home, source
+        self.batch = batch
+
+    def _sent_as(self, key: Hashable) -> Hashable:
+        return key if self.batch is None else (self.batch, key)
 
     @property
     def aborted(self) -> bool:
@@ -305,12 +318,12 @@ class RankMailbox:
         if home == self.channel.me:
             self.local.put(key, parcel)
         else:
-            self.channel.send(home, key, parcel.value)
+            self.channel.send(home, self._sent_as(key), parcel.value)
 
     def take(self, keys: Sequence[Hashable]) -> list[Any]:
         sources = [self.source(key) for key in keys]
         local = iter(self.local.take([k for k, s in zip(keys, sources) if s == self.channel.me]))
-        return [next(local) if s == self.channel.me else self.channel.take(s, k) for k, s in zip(keys, sources)]
+        return [next(local) if s == self.channel.me else self.channel.take(s, self._sent_as(k)) for k, s in zip(keys, sources)]
 
     def abort(self) -> None:
         self.local.abort()

@@ -156,8 +156,19 @@ def _agree(pipe: Host, call: Call, kind: str, target: Any = None, seed: int = 0)
     the same data. A rank that ran another step's schedule would wait for values that never
     come, or pair its micro-batches with another call's; one given a batch of its own (loaded
     apart, as under DDP) would pair its inputs with another rank's targets."""
-    mine = {**_call_signature(pipe, call, kind, target), "seed": seed}
-    calls = {**pipe.channel.exchange("call", mine), pipe.channel.me: mine}
+    mine = call_signature(pipe, call, kind, target, seed)
+    refuse_calls_that_differ(pipe, {**pipe.channel.exchange("call", mine), pipe.channel.me: mine})
+
+
+def call_signature(pipe: Host, call: Call, kind: str, target: Any = None, seed: int = 0) -> dict[str, Any]:
+    """What the ranks compare of a call (`refuse_calls_that_differ`)."""
+    return {**_call_signature(pipe, call, kind, target), "seed": seed}
+
+
+def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied: bool = True) -> None:
+    """Raise, naming what differs, unless every rank's call (`calls`, by pipeline coordinate,
+    this rank's included) is this rank's; with `tied`, the copies of tied weights are compared too."""
+    mine = calls[pipe.channel.me]
     _refuse_generators_apart({pipe.channel.ranks[r]: c["seed"] for r, c in calls.items()})
     differing = [key for key in mine if key not in ("tied", "data", "seed") and any(c.get(key) != mine[key] for c in calls.values())]
     ranks = pipe.channel.ranks
@@ -173,7 +184,8 @@ def _agree(pipe: Host, call: Call, kind: str, target: Any = None, seed: int = 0)
             "pipeline share a batch; each data-parallel replica has its own share), under the same grad mode and "
             "autocast, and pipe.train() or pipe.eval() on every rank."
         )
-    _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
+    if tied:
+        _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
 
 
 def _refuse_tied_copies_that_differ(pipe: Host, tied: dict[int, dict[str, tuple[float, float]]]) -> None:

@@ -75,13 +75,18 @@ class Gate:
 class Versions:
     """The updates of a loop of overlapping steps, by batch and stage, and the events they wait on."""
 
-    def __init__(self, program: Program, optimizer: torch.optim.Optimizer, timeout: Optional[float] = None) -> None:
+    def __init__(
+        self, program: Program, optimizer: torch.optim.Optimizer, timeout: Optional[float] = None, here: Optional[Sequence[int]] = None,
+    ) -> None:
         self.program, self.optimizer, self.timeout = program, optimizer, timeout
         # Who updates each parameter: the stage that holds it, or for one several stages read
-        # (a tied weight), the first of them: its first forward of a batch comes first.
-        self.owner = {id(p): s for s, stage in enumerate(program.stages) for p in stage.params}
-        for s, tensors in enumerate(program.shared):
-            for t in tensors:
+        # (a tied weight), the first of them: its first forward of a batch comes first. Across
+        # processes, among the stages `here` only: each rank updates its own copy of a tied
+        # weight, with the gradient every rank's copies summed to.
+        stages = [s for s in range(len(program.stages)) if here is None or s in here]
+        self.owner = {id(p): s for s in stages for p in program.stages[s].params}
+        for s in stages:
+            for t in program.shared[s]:
                 if isinstance(t, nn.Parameter):
                     self.owner.setdefault(id(t), s)
         self.updates: list[list[nn.Parameter]] = [[] for _ in program.stages]

@@ -497,4 +497,26 @@ def test_train_steps_across_processes_is_the_plain_loop_and_the_ranks_end_togeth
         assert "ended after 2 batches" in report["ended"] and "rank(s) [1]" in report["ended"], report["ended"]
         assert "before batch 3" in report["raised"] and "after batch 2's update" in report["raised"], report["raised"]
         assert report["moved"], "the three batches before the failure were trained"
-        assert "across processes" in report["refused"], report["refused"]
+
+
+def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_every_rank_at_one_version() -> None:
+    for rank, report in enumerate(results_of(spawn_ranks(cases.looped_2bw, 2, timeout=300))):
+        for case in report["exact"]:
+            assert case["losses"] == pytest.approx(case["expected"], rel=0, abs=TOL), (rank, case)
+            assert case["params"] and max(case["params"].values()) <= TOL and case["clipped"], (rank, case)
+        dropout = report["dropout"]
+        assert dropout["losses"] == pytest.approx(dropout["expected"], rel=0, abs=1e-12), (rank, dropout)
+        assert dropout["params"] and max(dropout["params"].values()) <= 1e-12 and dropout["generator"], (rank, dropout)
+        raised, differed, stage, hook = (report["failed"][how] for how in ("raises", "differs", "stage", "hook"))
+        assert raised["given"] == differed["given"] == 2, (rank, report["failed"])  # losses of batches 0 and 1
+        assert "2 losses were given" in raised["error"], (rank, raised)
+        assert ("OSError: the file went away" if rank == 0 else "rank(s) [0] raised before batch 3") in raised["error"], (rank, raised)
+        assert "called differently" in differed["error"] and "data of x" in differed["error"], (rank, differed)
+        # batch 2 ran on every rank before the last stage failed on batch 3: its update is kept
+        assert stage["given"] == 3 and "a value out of range" in stage["error"] and "3 losses were given" in stage["error"], (rank, stage)
+        # a hook that fails on one rank: no rank updates on that batch
+        assert hook["given"] == 2 and ("the hook failed" if rank == 1 else "in after_backward on rank(s) [1]") in hook["error"], (rank, hook)
+        for failed in (raised, differed, stage, hook):
+            assert failed["params"] and max(failed["params"].values()) <= TOL, (rank, failed)  # W after the losses given
+            assert failed["after"] == failed["after"], "a step after the failed loop runs"
+        assert "data-parallel replicas" in report["replicas"], (rank, report["replicas"])

@@ -1,0 +1,139 @@
+"""The ranks of a loop whose steps overlap (2BW) agreeing batch by batch: on each batch before it runs, on each batch's end before any rank updates on it.
+
+Each rank's stage thread runs its list of actions without a flush; the caller's thread of every
+rank meets the others twice per batch, on the world's group (the stage threads' values travel on
+the pipeline's own groups meanwhile):
+
+    start(t)   every rank read batch t and made the same call of it, or every rank's batches
+               ended there, or every rank raises: nothing of batch t runs before
+    finish(t)  every rank ran its actions of batch t, or every rank raises: no rank updates on
+               batch t unless every rank does; the loss rank hands over the loss (and the
+               caller's generator as its loss_fn left it), and the ranks that hold a tied
+               weight sum their gradients of it, in rank order: the same bits on each
+
+A rank meets the others at finish(t) once its own actions of batch t are done, while its stage
+thread goes on with batch t + 1, and its update of batch t comes only before its first forward of
+batch t + 2: by then every rank is done with batch t (chunks >= depth), so no stage waits there.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fxpipe.compiled.placement import RankPlacement
+from fxpipe.distributed.rank_call import Host, refuse_calls_that_differ
+from fxpipe.distributed.ranks import gathered, holders
+
+TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
+
+
+def as_before(index: int) -> str:
+    return "the parameters are as the loop was given them" if index == 0 else f"the parameters are those after batch {index - 1}'s update"
+
+
+def agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException]) -> None:
+    """What every rank said of its batch `index` ("batch", "end" or "failed", in rank order):
+    all a batch, or all the end, or every rank raises."""
+    if failure is not None or len(set(said)) == 1:
+        return
+    failed = [rank for rank, word in enumerate(said) if word == "failed"]
+    if failed:
+        raise RuntimeError(
+            f"train_steps: the batches of rank(s) {failed} raised before batch {index} (their own error says why); "
+            f"{as_before(index)} on every rank."
+        )
+    ended = [rank for rank, word in enumerate(said) if word == "end"]
+    raise ValueError(
+        f"train_steps: the batches of rank(s) {ended} ended after {index} batches, where the other ranks' went on; "
+        f"{as_before(index)} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "
+        "run on the same batch), and as many."
+    )
+
+
+class LoopRanks:
+    """This rank's side of the agreements of one loop."""
+
+    def __init__(self, host: Host, placement: RankPlacement) -> None:
+        self.host, self.placement = host, placement
+        self.me, self.ranks = host.channel.me, host.channel.ranks  # global rank per pipeline coordinate
+
+    def _gathered(self, payload: Any, what: str) -> dict[int, Any]:
+        """Every rank's `payload`, by pipeline coordinate."""
+        every = gathered(payload, self.placement, what)
+        return {coord: every[rank] for coord, rank in enumerate(self.ranks)}
+
+    def start(self, index: int, said: str, call: Optional[dict[str, Any]], failure: Optional[BaseException]) -> None:
+        """Batch `index`: read on every rank ("batch", with `call` its signature), or the end on
+        every rank, or every rank raises (`failure`, this rank's own error, first)."""
+        got = self._gathered((said, call), f"train_steps' batch {index}")
+        agree_on_the_next_batch([got[coord][0] for coord in sorted(got)], index, failure)
+        if failure is not None:
+            raise failure
+        if said == "batch":  # tied copies are compared on the first batch: later, their updates may be apart in time
+            refuse_calls_that_differ(self.host, {coord: c for coord, (_, c) in got.items()}, tied=index == 0)
+
+    def finish(
+        self, index: int, failure: Optional[BaseException], loss: Optional[torch.Tensor], tied: TiedParts, drawn: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[int, list[tuple[bool, Optional[torch.Tensor]]]], Optional[torch.Tensor]]:
+        """Batch `index` done on every rank, or every rank raises (`failure` first): the loss,
+        every holder's part of each tied weight this rank holds (in rank order), and the
+        caller's generator as the loss rank's `loss_fn` left it (None: it drew nothing)."""
+        got = self._gathered((in_words(failure), loss, tied, drawn), f"the end of train_steps' batch {index}")
+        self._raise_if_any_failed(index, {coord: text for coord, (text, *_) in got.items()}, failure, "")
+        loss_coord = self.host.program().layout.ranks[self.host.program().layout.loss_stage]
+        parts = {k: [got[coord][2][k] for coord in sorted(got) if k in got[coord][2]] for k in tied}
+        return got[loss_coord][1], parts, got[loss_coord][3]
+
+
+    def hooks_ran(self, index: int, failure: Optional[BaseException]) -> None:
+        """`after_backward` ran on every rank for batch `index`, or every rank raises: no rank
+        updates on the batch unless every rank's hook ran."""
+        got = self._gathered(in_words(failure), f"after_backward of train_steps' batch {index}")
+        self._raise_if_any_failed(index, got, failure, " in after_backward")
+
+    def _raise_if_any_failed(self, index: int, said: dict[int, str], failure: Optional[BaseException], where: str) -> None:
+        if failure is not None:
+            raise failure
+        failed = {self.ranks[coord]: text for coord, text in sorted(said.items()) if text}
+        if failed:
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): batch {index} failed{where} on rank(s) {sorted(failed)}: "
+                + "; ".join(f"rank {rank}: {text}" for rank, text in failed.items()) + " (their own output says more)."
+            )
+
+
+def in_words(failure: Optional[BaseException]) -> str:
+    """A failure as the other ranks are told of it: its type and first line ("" for none)."""
+    if failure is None:
+        return ""
+    lines = str(failure).strip().splitlines()
+    return f"{type(failure).__name__}: {lines[0] if lines else ''}"
+
+
+def tied_parts(program: Any, params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], me: int) -> TiedParts:
+    """This rank's gradient of each parameter other ranks read too, and whether it trains here."""
+    mine = {id(p): (True, g) for p, g in zip(params, grads)}
+    return {
+        k: mine.get(id(p), (False, None))
+        for k, (p, ranks) in enumerate(zip(program.parameters, holders(program, program.parameters)))
+        if me in ranks and len(ranks) > 1
+    }
+
+
+def summed_tied(
+    program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], parts: dict[int, list[tuple[bool, Optional[torch.Tensor]]]],
+) -> list[Optional[torch.Tensor]]:
+    """`grads` with each tied weight's the sum of every holder's part, added in rank order."""
+    summed = {id(p): g for p, g in zip(params, grads)}
+    for k, held in parts.items():
+        p = program.parameters[k]
+        present = [g.to(p.device) for _, g in held if g is not None]
+        if len({trains for trains, _ in held}) > 1:
+            raise ValueError(
+                f"a parameter read on several ranks (the {k}th of the program) requires grad on some and not on others.\n"
+                "How to fix: set requires_grad alike on every rank that holds it."
+            )
+        summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+    return [summed[id(p)] for p in params]
