@@ -1,15 +1,17 @@
-"""The ranks of a loop whose steps overlap (2BW) agreeing batch by batch: on each batch before it runs, on each batch's end before any rank updates on it.
+"""The ranks of a loop whose steps overlap (2BW) agreeing batch by batch: before each batch runs, and at its end before any rank updates on it.
 
 Each rank's stage thread runs its list of actions without a flush; the caller's thread of every
-rank meets the others twice per batch, on the world's group (the stage threads' values travel on
-the pipeline's own groups meanwhile):
+rank meets the others three times per batch, on the world's group (the stage threads' values
+travel on the pipeline's own groups meanwhile):
 
-    start(t)   every rank read batch t and made the same call of it, or every rank's batches
-               ended there, or every rank raises: nothing of batch t runs before
-    finish(t)  every rank ran its actions of batch t, or every rank raises: no rank updates on
-               batch t unless every rank does; the loss rank hands over the loss (and the
-               caller's generator as its loss_fn left it), and the ranks that hold a tied
-               weight sum their gradients of it, in rank order: the same bits on each
+    start(t)      every rank read batch t and made the same call of it, or every rank's batches
+                  ended there, or every rank raises: nothing of batch t runs before
+    finish(t)     every rank ran its actions of batch t, or every rank raises; the loss rank
+                  hands over the loss (and the caller's generator as its loss_fn left it), and
+                  the ranks that hold a tied weight sum their gradients of it, in rank order:
+                  the same bits on each
+    hooks_ran(t)  every rank's after_backward ran: no rank updates on batch t unless every
+                  rank does
 
 A rank meets the others at finish(t) once its own actions of batch t are done, while its stage
 thread goes on with batch t + 1, and its update of batch t comes only before its first forward of
