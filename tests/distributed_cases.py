@@ -1645,9 +1645,9 @@ class _FussyTied(nn.Module):
 def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any]]) -> dict[str, Any]:
     """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
     raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
-    raises on batch 2."""
+    raises on batch 2, or the last rank's batch 3 holds half the samples."""
     found: dict[str, Any] = {}
-    for how in ("raises", "differs", "stage", "hook"):
+    for how in ("raises", "differs", "stage", "hook", "smaller"):
         torch.manual_seed(0)
         model = (_FussyTied() if how == "stage" else TiedEnds()).double()
         reference = copy.deepcopy(model)
@@ -1660,7 +1660,8 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
             if rank == 0 and how == "raises":
                 raise OSError("the file went away")
             x, y = batches[3]
-            yield (x + 1, y) if rank == world - 1 and how == "differs" else (x + 100, y) if how == "stage" else (x, y)
+            last = rank == world - 1
+            yield (x + 1, y) if last and how == "differs" else (x[:4], y[:4]) if last and how == "smaller" else (x + 100, y) if how == "stage" else (x, y)
             yield from batches[4:]
 
         losses: list[float] = []
