@@ -1645,9 +1645,10 @@ class _FussyTied(nn.Module):
 def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any]]) -> dict[str, Any]:
     """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
     raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
-    raises on batch 2, or the last rank's batch 3 holds half the samples."""
+    raises on batch 2, or the last rank's batch 3 holds half the samples; or every rank breaks out
+    of the loop after three losses."""
     found: dict[str, Any] = {}
-    for how in ("raises", "differs", "stage", "hook", "smaller"):
+    for how in ("raises", "differs", "stage", "hook", "smaller", "break"):
         torch.manual_seed(0)
         model = (_FussyTied() if how == "stage" else TiedEnds()).double()
         reference = copy.deepcopy(model)
@@ -1669,6 +1670,8 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
         try:
             for loss in pipe.train_steps(given(), loss_fn=F.mse_loss, optimizer=make(pipe.parameters()), after_backward=hook):
                 losses.append(float(loss))
+                if how == "break" and len(losses) == 3:
+                    break  # on every rank: the update of batch 2 completes, batch 3 in flight is dropped
             error = ""
         except (OSError, RuntimeError, StageError) as e:
             error = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
