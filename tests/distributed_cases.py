@@ -1580,9 +1580,10 @@ def looped_2bw(rank: int, world: int) -> dict[str, Any]:
         optimizer_ = _2BW_OPTIMIZERS[optimizer](pipe.parameters())
         losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer_, after_backward=clipped)]
         expected = _plain_2bw(reference, batches, _2BW_OPTIMIZERS[optimizer], F.mse_loss, clip)
+        held = sum(p.numel() * p.element_size() for p in {id(p): p for p in pipe.parameters() if p.device.type != "meta"}.values())
         report["exact"].append(dict(
             case=(kind, optimizer, checkpoint, clip), losses=losses, expected=expected, params=_held_here(pipe, reference),
-            clipped=not clip or max(norms) > clip,
+            clipped=not clip or max(norms) > clip, versions=pipe.last_parameter_bytes / held,
         ))  # fmt: skip
     report["dropout"] = _2bw_dropout(mesh)
     report["failed"] = _2bw_failures(rank, world, mesh, batches)

@@ -180,9 +180,12 @@ def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) 
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct memory `tensors` lie on (aliases counted once)."""
+    """Bytes of the distinct memory `tensors` lie on (aliases counted once; a tensor on the meta
+    device, another rank's parameter, holds none)."""
     seen: dict[int, int] = {}
     for t in tensors:
+        if t.device.type == "meta":
+            continue
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())

@@ -504,6 +504,7 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         for case in report["exact"]:
             assert case["losses"] == pytest.approx(case["expected"], rel=0, abs=TOL), (rank, case)
             assert case["params"] and max(case["params"].values()) <= TOL and case["clipped"], (rank, case)
+            assert 1.0 < case["versions"] <= 2.0, (rank, case)  # this rank's parameters, two versions at most
         dropout = report["dropout"]
         assert dropout["losses"] == pytest.approx(dropout["expected"], rel=0, abs=1e-12), (rank, dropout)
         assert dropout["params"] and max(dropout["params"].values()) <= 1e-12 and dropout["generator"], (rank, dropout)
