@@ -85,6 +85,7 @@ class Pipeline(nn.Module):
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
     last_meter: Optional[ActivationMeter]  # what measured them (it holds no tensors)
+    last_parameter_bytes: int  # the most parameter memory a train_steps loop under 2bw held, its versions included
     measure_memory: bool  # count the bytes autograd saves per stage (costs a hook per saved tensor)
     plan: Plan
     stages: list[fx.GraphModule]
