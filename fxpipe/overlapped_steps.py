@@ -27,7 +27,7 @@ import torch
 
 from fxpipe.compiled.program import Program
 from fxpipe.core.failures import Failure, RemoteFailure
-from fxpipe.distributed.loop_ranks import LoopRanks, in_words, summed_tied, tied_parts
+from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, in_words, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
@@ -204,15 +204,18 @@ class _Overlap:
         loss, its gradients in `.grad` and `after_backward`; its own update may then run."""
         flight = self.steps[index]
         _wait(flight.group)
+        parts = None
         if self.ranks is None:
             self._settled(index, flight, after_step)
             input_grads = [flight.step._input_grads(i) for i in range(self.m)]
             total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:
-            input_grads, (total, grads) = [], self._agreed(index, flight, after_step)
+            input_grads, (total, grads, parts) = [], self._agreed(index, flight, after_step)
         failure = None
         try:
+            if parts is not None:  # (a refusal here is one more failure the ranks agree on below)
+                grads = summed_tied(flight.call.program, flight.call.params, grads, parts, self.pipe._owner)
             self.optimizer.zero_grad()
             accumulate(flight.call, input_grads, grads)
             if after_backward is not None:
@@ -242,9 +245,10 @@ class _Overlap:
         if index >= 1:
             self._updated(index - 1, after_step)
 
-    def _agreed(self, index: int, flight: _InFlight, after_step: Hook) -> tuple[torch.Tensor, list[Optional[torch.Tensor]]]:
+    def _agreed(self, index: int, flight: _InFlight, after_step: Hook) -> tuple[torch.Tensor, list[Optional[torch.Tensor]], TiedSums]:
         """Across processes: `_settled`, then every rank agrees that batch `index` is done (or
-        every rank raises); the loss from the loss rank, tied weights' gradients summed."""
+        every rank raises); the loss from the loss rank, the gradients, and every holder's part
+        of each tied weight this rank holds."""
         assert self.ranks is not None
         program, params = flight.call.program, flight.call.params
         failure, loss, drawn = None, None, None
@@ -262,7 +266,7 @@ class _Overlap:
         total, parts, drawn_there = self.ranks.finish(index, failure, loss, tied, drawn)
         if loss is None and drawn_there is not None:
             torch.set_rng_state(drawn_there)  # as loss_fn left it on the loss rank: the generators stay alike
-        return total, summed_tied(program, params, grads, parts)
+        return total, grads, parts
 
     def _updated(self, index: int, after_step: Hook) -> None:
         """Every stage's update of batch `index` done (raising the first that failed), then `after_step`."""

@@ -29,6 +29,7 @@ from fxpipe.distributed.rank_call import Host, refuse_calls_that_differ
 from fxpipe.distributed.ranks import gathered, holders
 
 TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
+TiedSums = dict[int, list[tuple[bool, Optional[torch.Tensor]]]]  # every holder's part, in rank order
 
 
 def as_before(index: int) -> str:
@@ -78,7 +79,7 @@ class LoopRanks:
 
     def finish(
         self, index: int, failure: Optional[BaseException], loss: Optional[torch.Tensor], tied: TiedParts, drawn: Optional[torch.Tensor],
-    ) -> tuple[torch.Tensor, dict[int, list[tuple[bool, Optional[torch.Tensor]]]], Optional[torch.Tensor]]:
+    ) -> tuple[torch.Tensor, TiedSums, Optional[torch.Tensor]]:
         """Batch `index` done on every rank, or every rank raises (`failure` first): the loss,
         every holder's part of each tied weight this rank holds (in rank order), and the
         caller's generator as the loss rank's `loss_fn` left it (None: it drew nothing)."""
@@ -87,7 +88,6 @@ class LoopRanks:
         loss_coord = self.host.program().layout.ranks[self.host.program().layout.loss_stage]
         parts = {k: [got[coord][2][k] for coord in sorted(got) if k in got[coord][2]] for k in tied}
         return got[loss_coord][1], parts, got[loss_coord][3]
-
 
     def hooks_ran(self, index: int, failure: Optional[BaseException]) -> None:
         """`after_backward` ran on every rank for batch `index`, or every rank raises: no rank
@@ -125,17 +125,18 @@ def tied_parts(program: Any, params: Sequence[nn.Parameter], grads: Sequence[Opt
 
 
 def summed_tied(
-    program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], parts: dict[int, list[tuple[bool, Optional[torch.Tensor]]]],
+    program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], parts: TiedSums, owner: nn.Module,
 ) -> list[Optional[torch.Tensor]]:
     """`grads` with each tied weight's the sum of every holder's part, added in rank order."""
     summed = {id(p): g for p, g in zip(params, grads)}
     for k, held in parts.items():
         p = program.parameters[k]
-        present = [g.to(p.device) for _, g in held if g is not None]
         if len({trains for trains, _ in held}) > 1:
+            name = next((n for n, q in owner.named_parameters(remove_duplicate=False) if q is p), f"parameter {k}")
             raise ValueError(
-                f"a parameter read on several ranks (the {k}th of the program) requires grad on some and not on others.\n"
-                "How to fix: set requires_grad alike on every rank that holds it."
+                f"{name!r} is read on several ranks and requires grad on some of them only.\nHow to fix: set "
+                "requires_grad alike on every rank that holds it (through the model, or pipe.named_parameters())."
             )
+        present = [g.to(p.device) for _, g in held if g is not None]
         summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
     return [summed[id(p)] for p in params]
