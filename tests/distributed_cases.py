@@ -1646,16 +1646,18 @@ class _FussyTied(nn.Module):
 def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any]]) -> dict[str, Any]:
     """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
     raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
-    raises on batch 2, or the last rank's batch 3 holds half the samples; or every rank breaks out
-    of the loop after three losses."""
+    raises on batch 2, or the last rank's batch 3 holds half the samples, or the last rank froze
+    its copy of the tied weight; or every rank breaks out of the loop after three losses."""
     found: dict[str, Any] = {}
-    for how in ("raises", "differs", "stage", "hook", "smaller", "break"):
+    for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen"):
         torch.manual_seed(0)
         model = (_FussyTied() if how == "stage" else TiedEnds()).double()
         reference = copy.deepcopy(model)
         extra: dict[str, Any] = dict(split_points=["b"], leaf_modules=[_Fussy]) if how == "stage" else {}
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=60, **extra)
         make = _2BW_OPTIMIZERS["sgd-momentum"]
+        if how == "frozen" and rank == world - 1:
+            dict(pipe.named_parameters())["a.weight"].requires_grad_(False)  # the tied weight, on one rank only
 
         def given() -> Any:
             yield from batches[:3]
@@ -1674,8 +1676,10 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
                 if how == "break" and len(losses) == 3:
                     break  # on every rank: the update of batch 2 completes, batch 3 in flight is dropped
             error = ""
-        except (OSError, RuntimeError, StageError) as e:
+        except (OSError, RuntimeError, StageError, ValueError) as e:
             error = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
+        if how == "frozen":
+            dict(pipe.named_parameters())["a.weight"].requires_grad_(True)
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
         found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference))
         # and the pipeline goes on: a synchronous step after the failed loop

@@ -508,8 +508,8 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         dropout = report["dropout"]
         assert dropout["losses"] == pytest.approx(dropout["expected"], rel=0, abs=1e-12), (rank, dropout)
         assert dropout["params"] and max(dropout["params"].values()) <= 1e-12 and dropout["generator"], (rank, dropout)
-        raised, differed, stage, hook, smaller, broke = (
-            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break")
+        raised, differed, stage, hook, smaller, broke, frozen = (
+            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen")
         )
         assert raised["given"] == differed["given"] == 2, (rank, report["failed"])  # losses of batches 0 and 1
         assert "2 losses were given" in raised["error"], (rank, raised)
@@ -521,7 +521,8 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         assert hook["given"] == 2 and ("the hook failed" if rank == 1 else "in after_backward on rank(s) [1]") in hook["error"], (rank, hook)
         assert smaller["given"] == 2 and "called differently" in smaller["error"] and "micro-batch sizes" in smaller["error"], (rank, smaller)
         assert broke["given"] == 3 and not broke["error"], (rank, broke)
-        for failed in (raised, differed, stage, hook, smaller, broke):
+        assert frozen["given"] == 0 and "'a.weight' is read on several ranks" in frozen["error"], (rank, frozen)
+        for failed in (raised, differed, stage, hook, smaller, broke, frozen):
             assert failed["params"] and max(failed["params"].values()) <= TOL, (rank, failed)  # W after the losses given
             assert failed["after"] == failed["after"], "a step after the failed loop runs"
         assert "data-parallel replicas" in report["replicas"], (rank, report["replicas"])
