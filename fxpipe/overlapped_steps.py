@@ -203,7 +203,6 @@ class _Overlap:
         """Batch `index` done: the update of the batch before it (and `after_step`), then its
         loss, its gradients in `.grad` and `after_backward`; its own update may then run."""
         flight = self.steps[index]
-        _wait(flight.group)
         parts = None
         if self.ranks is None:
             self._settled(index, flight, after_step)
@@ -233,8 +232,9 @@ class _Overlap:
         return total
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
-        """The batch's failure raised, if any; its statistics committed, its timeline kept; the
-        update of the batch before it waited for."""
+        """The batch's actions waited for and its failure raised, if any; its statistics
+        committed, its timeline kept; the update of the batch before it waited for."""
+        _wait(flight.group)
         flight.step.settle(flight.group)
         if flight.step.batch_stats is not None:
             flight.step.batch_stats.commit()
