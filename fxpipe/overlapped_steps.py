@@ -27,6 +27,7 @@ import torch
 
 from fxpipe.compiled.program import Program
 from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, in_words, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature
 from fxpipe.runtime.batch_loss import loss_and_outputs
@@ -97,18 +98,19 @@ class _Overlap:
         """The next batch, its call made and its step built (nothing runs yet), or None at the
         end; across processes, every rank agrees on it first (or every rank raises)."""
         index, started, failure = self.read, None, None
-        try:
-            batch = next(batches, None)
-            started = None if batch is None else self._made(batch)
-        except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
-            if self.ranks is None:
-                raise
-            failure = error
-        if self.ranks is not None:
-            said = "failed" if failure is not None else "end" if started is None else "batch"
-            kind = f"train_steps, schedule='2bw', reduction={self.reduction!r}"
-            signature = None if started is None else call_signature(self.ranks.host, started.call, kind, started.target, started.step.seed)
-            self.ranks.start(index, said, signature, failure)
+        with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
+            try:
+                batch = next(batches, None)
+                started = None if batch is None else self._made(batch)
+            except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
+                if self.ranks is None:
+                    raise
+                failure = error
+            if self.ranks is not None:
+                said = "failed" if failure is not None else "end" if started is None else "batch"
+                kind = f"train_steps, schedule='2bw', reduction={self.reduction!r}"
+                signature = None if started is None else call_signature(self.ranks.host, started.call, kind, started.target, started.step.seed)
+                self.ranks.start(index, said, signature, failure)
         return started
 
     def _made(self, batch: Batch) -> _Started:

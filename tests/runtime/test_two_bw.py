@@ -272,6 +272,24 @@ def test_a_failure_leaves_the_updates_of_the_losses_given_and_says_so(where: str
     _assert_a_train_step_is_exact(pipe, model, batches[5])
 
 
+def test_a_batch_refused_leaves_the_generator_as_the_loop_before_it_left_it() -> None:
+    """A batch too small for chunks is refused after its step drew its seed: the generator is
+    then where a loop over the batches before it leaves it."""
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()
+    batches = [gpt.make_batch(4, seed=k) for k in range(2)]
+    small = gpt.make_batch(2, seed=9)
+    pipe = _pipe(model, batches[0][0], 2, chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.0)  # the same weights for both loops
+    torch.manual_seed(5)
+    list(pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt))
+    expected = torch.get_rng_state()
+    torch.manual_seed(5)
+    with pytest.raises(ValueError, match="splits into 2 micro-batches"):
+        list(pipe.train_steps([*batches, small], loss_fn=gpt.loss_fn, optimizer=opt))
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
 def test_what_2bw_cannot_run_is_refused() -> None:
     model, _ = twin(FanOut())
     batches = _batches(3)
