@@ -113,16 +113,27 @@ class Workload:
     text: str
 
 
-def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, bool, Step]], Workload]:
+def mlp_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Layers, width and batch of the MLP every contender trains."""
+    return (8, 128, 512) if args.quick else (16, 512, 2048)
+
+
+def mlp_on_two(args: argparse.Namespace) -> tuple[nn.Sequential, torch.Tensor, torch.Tensor, Any]:
+    """The MLP, its batch and target (seeded alike on both ranks), and the two ranks' "pp" mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fxpipe import compile_pipeline
-
     torch.manual_seed(0)
-    layers, width, batch = (8, 128, 512) if args.quick else (16, 512, 2048)
+    layers, width, batch = mlp_sizes(args)
     model = make_mlp(layers, width)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    return model, x, y, init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+
+
+def contenders(rank: int, args: argparse.Namespace) -> tuple[list[tuple[str, bool, Step]], Workload]:
+    from fxpipe import compile_pipeline
+
+    layers, width, batch = mlp_sizes(args)
+    model, x, y, mesh = mlp_on_two(args)
     found: list[tuple[str, bool, Step]] = [("plain, one process", False, plain(model, x, y))]
     split = ""
     for schedule in ("gpipe", "1f1b", "zb-h1"):
@@ -148,15 +159,9 @@ LOOP_BATCHES = 8
 def loop_contenders(args: argparse.Namespace) -> list[tuple[str, bool, Step]]:
     """train_steps over LOOP_BATCHES batches with SGD, across the two processes: 1f1b flushes
     after each batch, 2bw never; the plain model's loop on one process as the baseline."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from fxpipe import compile_pipeline
 
-    torch.manual_seed(0)
-    layers, width, batch = (8, 128, 512) if args.quick else (16, 512, 2048)
-    model = make_mlp(layers, width)
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    model, x, y, mesh = mlp_on_two(args)
     lr = 1e-6  # the loops train: a small step keeps the work alike from round to round
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
 
@@ -488,16 +493,23 @@ def message_line(cost: dict[str, float]) -> str:
         f"{name} {us:.0f} ({us / raw:.2f}x raw)" for name, us in cost.items())  # fmt: skip
 
 
+def e_table(times: dict[str, list[float]], baseline: str, column: str, steps: int = 1) -> None:
+    """Each contender's E against `baseline` (T(baseline) / (2 x T)), and its median ms per step
+    (`column`; a timed block holding `steps` of them)."""
+    base = times[baseline]
+    print(f"| contender | E median | E best | {column} |")
+    print("|---|---|---|---|")
+    for name, values in times.items():
+        if name.startswith("plain"):
+            continue
+        e_median, e_best = statistics.median(base) / (2 * statistics.median(values)), min(base) / (2 * min(values))
+        print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) / steps * 1e3:.1f} |")
+
+
 def loop_table(times: dict[str, list[float]], args: argparse.Namespace) -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; train_steps over "
           f"{LOOP_BATCHES} batches, chunks {args.chunks}; {args.repeats} rounds; E = T(plain loop) / (2 x T(loop))\n")  # fmt: skip
-    base = times["plain loop, one process"]
-    print("| contender | E median | E best | ms per batch (median) |")
-    print("|---|---|---|---|")
-    for name, values in times.items():
-        if not name.startswith("plain"):
-            e_median, e_best = statistics.median(base) / (2 * statistics.median(values)), min(base) / (2 * min(values))
-            print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) / LOOP_BATCHES * 1e3:.1f} |")
+    e_table(times, "plain loop, one process", "ms per batch (median)", LOOP_BATCHES)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -514,15 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     workload, times, limits, costs, cost, crossing, unet = run(args)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, gloo on 127.0.0.1, one thread per process; {workload}; "
           f"{args.repeats} rounds; E = T(plain) / (2 x T(step))\n")  # fmt: skip
+    e_table(times, "plain, one process", "ms/step median")
     base = times["plain, one process"]
-    print("| contender | E median | E best | ms/step median |")
-    print("|---|---|---|---|")
-    for name, values in times.items():
-        if name.startswith("plain"):
-            continue
-        e_median = statistics.median(base) / (2 * statistics.median(values))
-        e_best = min(base) / (2 * min(values))
-        print(f"| {name} | {e_median:.3f} | {e_best:.3f} | {statistics.median(values) * 1e3:.1f} |")
     print(f"| plain, one process | 0.5 by definition | | {statistics.median(base) * 1e3:.1f} |")
     bound = statistics.median(times[BOUND])
     for name, ratio in limits.items():
