@@ -28,8 +28,8 @@ import torch
 from fxpipe.compiled.program import Program
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
-from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, in_words, summed_tied, tied_parts
-from fxpipe.distributed.rank_call import call_signature
+from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
+from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -158,13 +158,13 @@ class _Overlap:
         task = flight.step.task(local, flight.group)
         if self.ranks is None:
             return task
-        me = self.ranks.ranks[self.ranks.me]
+        me = self.ranks.global_rank
 
         def told() -> None:
             task()
             error = flight.group.errors.get(local)
             if error is not None and not isinstance(error, RemoteFailure):
-                self._tell_the_others(Failure(me, local.stage, local.micro_batch, PHASES[local.kind], in_words(error)))
+                self._tell_the_others(Failure(me, local.stage, local.micro_batch, PHASES[local.kind], first_line(error)))
 
         return told
 
@@ -260,7 +260,8 @@ class _Overlap:
             if program.layout.ranks[program.layout.loss_stage] == self.ranks.me:
                 before = torch.get_rng_state()
                 loss = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)[0].detach()
-                drawn = None if torch.equal(torch.get_rng_state(), before) else torch.get_rng_state()
+                after = torch.get_rng_state()
+                drawn = None if torch.equal(after, before) else after
             grads = parameter_grads(program, flight.step, params)
         except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
             failure = error
@@ -299,8 +300,7 @@ class _Overlap:
         the update of the last batch whose loss was given completed on every stage."""
         self._stop_in_flight()
         if self.ranks is not None:  # the other ranks' stages may wait on values from this one's
-            me = self.ranks.ranks[self.ranks.me]
-            self._tell_the_others(Failure(me, -1, -1, "train_steps (schedule='2bw')", "the loop stopped on this rank"))
+            self._tell_the_others(Failure(self.ranks.global_rank, -1, -1, "train_steps (schedule='2bw')", "the loop stopped on this rank"))
         self.end()  # the rest of every list, which now returns at once: every group then finishes
         for group in [*(f.group for f in self.steps.values()), *self.updates.values()]:
             _wait(group)

@@ -325,6 +325,14 @@ def state(module: nn.Module) -> dict[str, Any]:
     }
 
 
+Optimizer = Callable[[Any], torch.optim.Optimizer]
+# The optimizers the delayed-update (2BW) loops are checked with, by name, from the parameters.
+OPTIMIZERS: dict[str, Optimizer] = {
+    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
 def delayed_loop(
     params: list[torch.Tensor], optimizer: torch.optim.Optimizer, batches: list[tuple[Any, Any]], step: Callable[[Any, Any], torch.Tensor],
 ) -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from helpers import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
-from dag_models import Op, Spec, delayed_loop, make_model, mean_loss_of
+from dag_models import OPTIMIZERS, Op, Spec, delayed_loop, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
 Made = tuple[nn.Module, list[tuple[Any, Any]], Callable[[Any, Any], torch.Tensor]]
@@ -1529,12 +1529,6 @@ def looped(rank: int, world: int) -> dict[str, Any]:
     return dict(losses=losses, expected=expected, params=params, ended=ended, raised=raised, moved=moved)
 
 
-_2BW_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
-}
-
-
 def _held_here(pipe: Any, reference: nn.Module) -> dict[str, float]:
     """Each parameter this rank holds against the reference's."""
     ref = dict(reference.named_parameters(remove_duplicate=False))
@@ -1577,9 +1571,9 @@ def looped_2bw(rank: int, world: int) -> dict[str, Any]:
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", checkpoint=checkpoint, timeout=60)
         norms: list[float] = []
         clipped = (lambda: norms.append(float(pipe.clip_grad_norm_(clip)))) if clip else None
-        optimizer_ = _2BW_OPTIMIZERS[optimizer](pipe.parameters())
+        optimizer_ = OPTIMIZERS[optimizer](pipe.parameters())
         losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer_, after_backward=clipped)]
-        expected = _plain_2bw(reference, batches, _2BW_OPTIMIZERS[optimizer], F.mse_loss, clip)
+        expected = _plain_2bw(reference, batches, OPTIMIZERS[optimizer], F.mse_loss, clip)
         held = sum(p.numel() * p.element_size() for p in {id(p): p for p in pipe.parameters() if p.device.type != "meta"}.values())
         report["exact"].append(dict(
             case=(kind, optimizer, checkpoint, clip), losses=losses, expected=expected, params=_held_here(pipe, reference),
@@ -1655,7 +1649,7 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
         reference = copy.deepcopy(model)
         extra: dict[str, Any] = dict(split_points=["b"], leaf_modules=[_Fussy]) if how == "stage" else {}
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=60, **extra)
-        make = _2BW_OPTIMIZERS["sgd-momentum"]
+        make = OPTIMIZERS["sgd-momentum"]
         if how == "frozen" and rank == world - 1:
             dict(pipe.named_parameters())["a.weight"].requires_grad_(False)  # the tied weight, on one rank only
 

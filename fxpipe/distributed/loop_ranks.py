@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from fxpipe.compiled.placement import RankPlacement
-from fxpipe.distributed.rank_call import Host, refuse_calls_that_differ
+from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ
 from fxpipe.distributed.ranks import gathered, holders
 
 TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
@@ -61,6 +61,7 @@ class LoopRanks:
     def __init__(self, host: Host, placement: RankPlacement) -> None:
         self.host, self.placement = host, placement
         self.me, self.ranks = host.channel.me, host.channel.ranks  # global rank per pipeline coordinate
+        self.global_rank = self.ranks[self.me]
 
     def _gathered(self, payload: Any, what: str) -> dict[int, Any]:
         """Every rank's `payload`, by pipeline coordinate."""
@@ -83,7 +84,7 @@ class LoopRanks:
         """Batch `index` done on every rank, or every rank raises (`failure` first): the loss,
         every holder's part of each tied weight this rank holds (in rank order), and the
         caller's generator as the loss rank's `loss_fn` left it (None: it drew nothing)."""
-        got = self._gathered((in_words(failure), loss, tied, drawn), f"the end of train_steps' batch {index}")
+        got = self._gathered((_in_words(failure), loss, tied, drawn), f"the end of train_steps' batch {index}")
         self._raise_if_any_failed(index, {coord: text for coord, (text, *_) in got.items()}, failure, "")
         loss_coord = self.host.program().layout.ranks[self.host.program().layout.loss_stage]
         parts = {k: [got[coord][2][k] for coord in sorted(got) if k in got[coord][2]] for k in tied}
@@ -92,7 +93,7 @@ class LoopRanks:
     def hooks_ran(self, index: int, failure: Optional[BaseException]) -> None:
         """`after_backward` ran on every rank for batch `index`, or every rank raises: no rank
         updates on the batch unless every rank's hook ran."""
-        got = self._gathered(in_words(failure), f"after_backward of train_steps' batch {index}")
+        got = self._gathered(_in_words(failure), f"after_backward of train_steps' batch {index}")
         self._raise_if_any_failed(index, got, failure, " in after_backward")
 
     def _raise_if_any_failed(self, index: int, said: dict[int, str], failure: Optional[BaseException], where: str) -> None:
@@ -106,12 +107,9 @@ class LoopRanks:
             )
 
 
-def in_words(failure: Optional[BaseException]) -> str:
+def _in_words(failure: Optional[BaseException]) -> str:
     """A failure as the other ranks are told of it: its type and first line ("" for none)."""
-    if failure is None:
-        return ""
-    lines = str(failure).strip().splitlines()
-    return f"{type(failure).__name__}: {lines[0] if lines else ''}"
+    return "" if failure is None else first_line(failure)
 
 
 def tied_parts(program: Any, params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], me: int) -> TiedParts:

@@ -120,7 +120,7 @@ def _train_across(
         if pipe.replicas is not None:  # the replicas must not wait for this one's gradients
             wanting = _wanting_grad(pipe) if call is None else len(call.params) if call.grad else 0
             with contextlib.suppress(Exception):
-                pipe.replicas.agree([False] * wanting, None, 0, True, _first_line(e), _alike(pipe, call))
+                pipe.replicas.agree([False] * wanting, None, 0, True, first_line(e), _alike(pipe, call))
         raise
     if not here:
         total, problem = got[loss_rank][:2]
@@ -282,7 +282,7 @@ def _leaf_signature(leaf: Any) -> Any:
     return leaf if isinstance(leaf, (int, float, bool, str, type(None))) else type(leaf).__name__
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """An error as a replica tells the others of it: its type and first line."""
     lines = str(error).strip().splitlines()
     return f"{type(error).__name__}: {lines[0] if lines else ''}"

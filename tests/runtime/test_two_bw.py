@@ -10,17 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dag_models import delayed_loop
+from dag_models import OPTIMIZERS, Optimizer, delayed_loop
 from helpers import FanOut, TiedEnds, example_module, twin
 from fxpipe import compile_pipeline
 from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Layout
 from fxpipe.schedules.two_bw import UPDATE, segment, two_bw
 
-Optimizer = Callable[[Any], torch.optim.Optimizer]
-OPTIMIZERS: dict[str, Optimizer] = {
-    "sgd-momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
-}
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
