@@ -1554,7 +1554,8 @@ def _plain_2bw(
 def looped_2bw(rank: int, world: int) -> dict[str, Any]:
     """train_steps with schedule='2bw' across processes: the plain model's delayed loop on every
     rank, for a weight tied across the ranks and for skips, SGD with momentum and Adam; dropout
-    as a twin pipeline stepping one batch at a time on the stale weights draws; gradients clipped
+    as a twin pipeline stepping one batch at a time on the stale weights draws, in float64 and
+    under the caller's bfloat16 autocast; gradients clipped
     in `after_backward` by the norm of every rank's; batches that raise on one rank, differ on
     one, or make a stage raise, stop every rank at the same batch, the updates of the losses
     given applied on each; data-parallel replicas are refused."""
@@ -1579,7 +1580,8 @@ def looped_2bw(rank: int, world: int) -> dict[str, Any]:
             case=(kind, optimizer, checkpoint, clip), losses=losses, expected=expected, params=_held_here(pipe, reference),
             clipped=not clip or max(norms) > clip, versions=pipe.last_parameter_bytes / held,
         ))  # fmt: skip
-    report["dropout"] = _2bw_dropout(mesh)
+    report["dropout"] = _2bw_against_stepwise(mesh, autocast=False)
+    report["autocast"] = _2bw_against_stepwise(mesh, autocast=True)
     report["failed"] = _2bw_failures(rank, world, mesh, batches)
     replicas = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     pipe = compile_pipeline(FanOut().double(), batches[0][0], mesh=replicas, chunks=4, schedule="2bw", timeout=60)
@@ -1591,21 +1593,27 @@ def looped_2bw(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def _2bw_dropout(mesh: Any) -> dict[str, Any]:
+def _2bw_against_stepwise(mesh: Any, autocast: bool) -> dict[str, Any]:
+    """A GPT with dropout, its head tied to the embedding (on both ranks): the 2bw loop against a
+    twin pipeline stepping one batch at a time on the stale weights, which draws the same masks;
+    with `autocast`, in float32 under the caller's bfloat16 autocast, else in float64."""
     gpt = example_module("gpt")
     torch.manual_seed(0)
-    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()  # its head tied to the embedding: on both ranks
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).to(torch.float32 if autocast else torch.float64)
     twin = copy.deepcopy(model)
     batches = [gpt.make_batch(4, seed=k) for k in range(5)]
     pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="2bw", timeout=60)
     stepwise = compile_pipeline(twin, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
     opt, twin_opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2), torch.optim.AdamW(stepwise.parameters(), lr=1e-2)
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     torch.manual_seed(3)
-    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt)]
+    with cast:
+        losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt)]
     after = torch.get_rng_state()
     torch.manual_seed(3)
     step = lambda x, y: stepwise.train_step(x, target=y, loss_fn=gpt.loss_fn)  # noqa: E731
-    expected = [float(loss) for loss in delayed_loop([p for p in stepwise.parameters() if p.device.type != "meta"], twin_opt, batches, step)]
+    with cast:
+        expected = [float(loss) for loss in delayed_loop([p for p in stepwise.parameters() if p.device.type != "meta"], twin_opt, batches, step)]
     twin_params = dict(stepwise.named_parameters())
     params = {n: _max_diff(p, twin_params[n]) for n, p in pipe.named_parameters() if p.device.type != "meta"}
     return dict(losses=losses, expected=expected, params=params, generator=torch.equal(after, torch.get_rng_state()))
@@ -1676,6 +1684,8 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
             dict(pipe.named_parameters())["a.weight"].requires_grad_(True)
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
         found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference))
-        # and the pipeline goes on: a synchronous step after the failed loop
-        found[how]["after"] = float(pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss))
+        # and the pipeline goes on: a synchronous step after the failed loop, as the plain model's
+        x, y = batches[0]
+        after = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
+        found[how]["after"] = abs(after - float(F.mse_loss(reference(x), y)))
     return found
