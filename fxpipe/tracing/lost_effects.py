@@ -35,13 +35,19 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
+# Ops whose schema declares no alias for their result, which returns a view of its input all the same.
+_UNDECLARED_VIEWS = ("_unsafe_view",)
+
+
 class _Schema:
-    """The arguments an aten op writes (`self` of `add_`, `out=`), by position and name, read
-    from its schema once per op."""
+    """What an aten op's schema says, read once per op: the arguments it writes (`self` of
+    `add_`, `out=`), by position and name; and whether its results are new storages (no result
+    aliases an argument: not a view, not an in-place op's `self`)."""
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.writes = [(k, a.name) for k, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        self.fresh = all(r.alias_info is None for r in schema.returns) and func._overloadpacket.__name__ not in _UNDECLARED_VIEWS
 
     def written(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
         for position, name in self.writes:
@@ -76,13 +82,16 @@ class _Outside(EagerDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         schema = self.schemas.get(func) or self.schemas.setdefault(func, _Schema(func))
-        for t in schema.written(args, kwargs):
-            key = _storage(t)
-            if key not in self.owned and key not in self.written and key != id(t):
-                self.written[key] = (t, t.untyped_storage().clone())
+        if schema.writes:
+            for t in schema.written(args, kwargs):
+                key = _storage(t)
+                if key not in self.owned and key not in self.written and key != id(t):
+                    self.written[key] = (t, t.untyped_storage().clone())
         out = func(*args, **kwargs)
-        # A new storage is the model's own; an output on an argument's storage is a view of it.
-        self.owned |= {_storage(t) for t in _tensors(out)} - {_storage(t) for t in _tensors((args, kwargs))}
+        # A new storage is the model's own; a view, or an in-place op's result, shares its
+        # argument's storage, which is the model's own only if the argument's is.
+        if schema.fresh:
+            self.owned.update(_storage(t) for t in _tensors(out))
         return out
 
     def put_back(self) -> None:
