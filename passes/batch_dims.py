@@ -46,7 +46,7 @@ _LOW_PRECISION = 5e-2
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit")
 
 
-class _FixedDraws(EagerDispatchMode):
+class FixedDraws(EagerDispatchMode):
     """Random ops draw fixed values (a permutation draws none), and BatchNorm normalises by its
     running statistics: what either does differs between micro-batches by design."""
 
@@ -117,7 +117,7 @@ def _batch_norm_by_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str
 
 class _Runner(Recorder):
     """Runs the graph without writing node.meta, keeping the values of the nodes in `keep`
-    (of every node when it is None); the nodes in `fixed` run under `_FixedDraws` (a Python
+    (of every node when it is None); the nodes in `fixed` run under `FixedDraws` (a Python
     call per op: only where it matters)."""
 
     def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node]) -> None:
@@ -127,7 +127,7 @@ class _Runner(Recorder):
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.fixed:
-            with _FixedDraws():
+            with FixedDraws():
                 value = fx.Interpreter.run_node(self, n)
         else:
             value = fx.Interpreter.run_node(self, n)

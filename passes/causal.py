@@ -1,0 +1,708 @@
+"""Which dims of each value hold positions of the sequence, and the proof that no position reads a later one.
+
+The graph runs once on the example. Each value gets a tag: the dims that index positions, each
+with a role, or nothing (weights, constants, other dims):
+
+    Q   the positions a slice owns: the inputs' sequence dim, and what is computed per position
+    K   every position up to the slice's last: the key dim of attention's scores
+    ?n  a table read by position (arange(T), a tril buffer narrowed to T, a rotary table [:T]),
+        its role decided by what it meets: added to Q values it is Q, a mask of scores' key dim K
+
+    x (B, T, C) Q@1 --linear, layernorm, gelu, view, transpose--> (B, H, T, D) Q@2
+    q @ k.transpose(-2, -1)        -> (B, H, T, T) Q@2 K@3         k is carried: it gains the
+    .masked_fill(tril == 0, -inf)  -> the keys after each query hold -inf   keys of earlier slices
+    softmax(-1)                    -> ... hold 0
+    att @ v                        -> (B, H, T, D) Q@2             v is carried as k is
+
+A value that mixes positions otherwise (a sum or mean over the sequence, scores that are not
+masked, a convolution, an op this pass does not know) is refused, naming the op and its line.
+What the proof finds is what `passes/sequence_slices.py` rewrites: the tables to offset, the
+keys and values to carry.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.snapshot import preserved
+from fxpipe.passes.validate import source_line
+
+Q, K = "q", "k"
+MINUS_INF, ZERO = "-inf", "0"  # what scores hold where the key follows the query
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A tensor whose dims in `dims` index positions, each with its role; `masked`: for scores
+    (a Q dim and a K dim), what they hold where the key follows the query ('' where unknown)."""
+
+    dims: tuple[tuple[int, str], ...]
+    masked: str = ""
+
+    def role(self, dim: int) -> Optional[str]:
+        return dict(self.dims).get(dim)
+
+
+@dataclass(frozen=True)
+class Length:
+    """The sequence's length as a number (`x.size(1)`, `x.shape[1]`)."""
+
+    role: str = Q
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """A tensor's size (`x.size()`, `x.shape`): the entries at `dims` are lengths."""
+
+    dims: tuple[tuple[int, str], ...]
+
+
+@dataclass
+class Proof:
+    """What the proof found: each node's tag (by name); the keys and values to carry, by the
+    node that makes them and the dim, with the nodes that read them as keys and the argument
+    (a position or a keyword); the tables to offset, by node, each dim the node cuts by the
+    length (of its output) with its role variable; and the roles the variables took."""
+
+    tags: dict[str, Any] = field(default_factory=dict)
+    carries: dict[tuple[str, int], list[tuple[str, Any]]] = field(default_factory=dict)
+    tables: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+    attention: list[str] = field(default_factory=list)  # scaled_dot_product_attention nodes, made causal by a mask
+    inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> its sequence dim
+    outputs: list[Optional[int]] = field(default_factory=list)  # each output leaf's sequence dim
+
+    def role_of(self, variable: str) -> str:
+        """A role variable's role: Q unless a use made it K."""
+        while variable in self.roles:
+            variable = self.roles[variable]
+        return variable if variable in (Q, K) else Q
+
+
+class CausalityError(ValueError):
+    """The model cannot run in slices of its sequence; `problems` name each op and its line."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            "the model cannot run in slices of its sequence: a slice must compute from its own positions and "
+            "the earlier ones, and these ops read otherwise (or are not known to this check):\n"
+            + "\n".join(f"  - {p}" for p in self.problems)
+            + "\nHow to fix: causal attention (scaled_dot_product_attention(..., is_causal=True), or scores "
+            "masked with a tril buffer narrowed to the length), position-wise layers elsewhere; or "
+            "sequence_chunks=1."
+        )
+
+
+# Ops that compute each element from the elements at the same index of their inputs.
+_POINTWISE_FUNCTIONS: set[Any] = {
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg, operator.pow,
+    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
+    operator.invert, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.log,
+    torch.tanh, torch.sigmoid, torch.sqrt, torch.rsqrt, torch.abs, torch.cos, torch.sin, torch.where, torch.eq,
+    torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.clamp, torch.maximum, torch.minimum, torch.erf,
+    torch.masked_fill, torch.reciprocal, torch.square, torch.logical_not, torch.relu, F.gelu, F.relu, F.silu,
+    F.tanh, F.sigmoid, F.dropout, F.softplus, F.mish, F.leaky_relu, F.elu, F.hardswish,
+}  # fmt: skip
+_POINTWISE_METHODS = {
+    "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "abs", "cos", "sin",
+    "float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", "detach", "masked_fill",
+    "eq", "ne", "lt", "le", "gt", "ge", "clamp", "relu", "bool", "long", "int", "logical_not", "reciprocal", "square",
+    "erf", "__and__", "__or__", "where",
+}  # fmt: skip
+_POINTWISE_MODULES = (
+    nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Mish,
+    nn.Softplus, nn.Hardswish, nn.ReLU6, nn.GLU,
+)  # fmt: skip
+# What keeps the mask of scores as it is: a copy, another dtype, a dropout (0 stays 0).
+_KEEPS_MASK = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", "detach", F.dropout}
+_SCALES = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
+_SHIFTS = {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as",
+             torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}  # fmt: skip
+_REDUCTIONS = {
+    "sum", "mean", "max", "amax", "min", "amin", "prod", "std", "var", "norm", "logsumexp", "all", "any", "argmax",
+    "argmin", "cumsum", "cumprod", torch.sum, torch.mean, torch.max, torch.amax, torch.min, torch.amin, torch.prod,
+    torch.std, torch.var, torch.norm, torch.logsumexp, torch.all, torch.any, torch.argmax, torch.argmin,
+    torch.cumsum, torch.cumprod,
+}  # fmt: skip
+_CUMULATIVE = {"cumsum", "cumprod", torch.cumsum, torch.cumprod}
+_SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
+_MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
+_FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.rand, torch.randn, torch.eye, torch.tril, torch.triu}
+_NORMS = {F.layer_norm, F.rms_norm} if hasattr(F, "rms_norm") else {F.layer_norm}
+
+
+def _key(node: fx.Node) -> Any:
+    return node.target if node.op == "call_function" else str(node.target)
+
+
+def _where(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The op, the module it runs in, and the model's line that made it."""
+    stack = node.meta.get("nn_module_stack") or {}
+    module = next(reversed(stack.values()))[0] if stack else (str(node.target) if node.op == "call_module" else "")
+    op = getattr(node.target, "__name__", str(node.target)) if node.op != "call_module" else type(fetch_attr(gm, str(node.target))).__name__
+    line = source_line(node)
+    return f"{op} ({node.name}{', in ' + module if module else ''}{', ' + line if line != 'an unknown line' else ''})"
+
+
+class _Prover(fx.Interpreter):
+    """Runs the graph on the example, tagging each value (module docstring)."""
+
+    def __init__(self, gm: fx.GraphModule, sequence_dim: int, length: int) -> None:
+        super().__init__(gm)
+        self.gm, self.sequence_dim, self.length = gm, sequence_dim, length
+        self.proof = Proof()
+        self.problems: list[str] = []
+        self.node: Optional[fx.Node] = None
+        self.fresh = 0
+
+    # -- roles ------------------------------------------------------------------------------
+    def _variable(self) -> str:
+        self.fresh += 1
+        return f"?{self.fresh}"
+
+    def _find(self, role: str) -> str:
+        while role in self.proof.roles:
+            role = self.proof.roles[role]
+        return role
+
+    def _unify(self, a: str, b: str) -> Optional[str]:
+        """The role both are, binding a variable to the other; None where they differ."""
+        a, b = self._find(a), self._find(b)
+        if a == b:
+            return a
+        if a.startswith("?"):
+            self.proof.roles[a] = b
+            return b
+        if b.startswith("?"):
+            self.proof.roles[b] = a
+            return a
+        return None
+
+    def _refuse(self, why: str) -> None:
+        assert self.node is not None
+        self.problems.append(f"{_where(self.gm, self.node)}: {why}")
+
+    # -- the walk ---------------------------------------------------------------------------
+    def run_node(self, n: fx.Node) -> Any:
+        self.node = n
+        value = super().run_node(n)
+        if n.op == "output":
+            return value
+        args, kwargs = self.fetch_args_kwargs_from_env(n) if n.op not in ("placeholder", "get_attr") else ((), {})
+        tags = fx.node.map_aggregate((n.args, n.kwargs), self._tag_of)
+        if any(t is BROKEN for t in _tags_in(tags)):
+            self.proof.tags[n.name] = BROKEN  # refused upstream: said once, there
+            return value
+        try:
+            tag = self._rule(n, value, args, kwargs, tags[0], tags[1])
+        except _Refused as refused:
+            self._refuse(str(refused))
+            tag = BROKEN
+        self.proof.tags[n.name] = tag
+        return value
+
+    def _tag_of(self, arg: Any) -> Any:
+        return self.proof.tags.get(arg.name) if isinstance(arg, fx.Node) else None
+
+    def _rule(self, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Any:
+        if n.op == "placeholder":
+            return self._input(n, value)
+        if n.op == "get_attr":
+            return None
+        if not _tags_in((tags, kwtags)):
+            return None
+        if n.op == "call_module":
+            return self._module(fetch_attr(self.gm, str(n.target)), value, args, tags)
+        return self._call(_key(n), n, value, args, kwargs, tags, kwtags)
+
+    def _input(self, n: fx.Node, value: Any) -> Any:
+        d = self.sequence_dim
+        if isinstance(value, torch.Tensor) and value.dim() > d and value.shape[d] == self.length:
+            self.proof.inputs[n.name] = d
+            return Positions(((d, Q),))
+        return None
+
+    # -- modules ----------------------------------------------------------------------------
+    def _module(self, module: nn.Module, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Any:
+        x, tag = args[0], tags[0]
+        if not isinstance(tag, Positions) or _tags_in(tags[1:]):
+            raise _Refused("a module called on positions other than through its first input")
+        if isinstance(module, _POINTWISE_MODULES):
+            return tag if isinstance(module, nn.Dropout) else _unmasked(tag)
+        if isinstance(module, nn.Linear):
+            return self._last_dims_free(tag, x, 1, "a linear layer over the sequence dim")
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return self._last_dims_free(tag, x, len(module.normalized_shape), "a norm over the sequence dim")
+        if isinstance(module, nn.Embedding):
+            return tag
+        if isinstance(module, nn.Softmax):
+            return self._softmax(tag, x, module.dim if module.dim is not None else -1)
+        raise _Refused(f"{type(module).__name__} is called whole, and this check does not know what it reads")
+
+    def _last_dims_free(self, tag: Positions, x: torch.Tensor, count: int, what: str) -> Positions:
+        if any(d >= x.dim() - count for d, _ in tag.dims):
+            raise _Refused(f"{what} mixes positions")
+        return _unmasked(tag)
+
+    # -- functions and methods --------------------------------------------------------------
+    def _call(self, key: Any, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Any:
+        if key == "size":
+            return self._size(tags[0], args[0], args[1] if len(args) > 1 else kwargs.get("dim"))
+        if key is getattr:
+            return self._attribute(tags[0], args[0], args[1])
+        if key is operator.getitem:
+            return self._getitem(n, value, args, tags)
+        if key in ("dim", "numel", "element_size", "get_device"):
+            return None
+        if key is torch.arange:
+            return self._arange(n, args, kwargs, tags, kwtags)
+        if key in _SOFTMAXES:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
+            return self._softmax(tags[0], args[0], dim)
+        if key in _MATMULS:
+            return self._matmul(n, args, tags)
+        if key is F.scaled_dot_product_attention:
+            return self._attention(n, args, kwargs, tags, kwtags)
+        if key is F.linear:
+            return self._last_dims_free(self._only_first(tags, kwtags), args[0], 1, "a linear layer over the sequence dim")
+        if key in _NORMS:
+            shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+            return self._last_dims_free(self._only_first(tags, kwtags), args[0], len(shape), "a norm over the sequence dim")
+        if key is F.embedding:
+            return self._only_first(tags, kwtags)
+        if key in ("narrow",) or key is torch.narrow:
+            return self._narrow(n, value, args, kwargs, tags)
+        if key in _RESHAPES:
+            return self._reshaped(tags[0], args[0], value)
+        if key in ("permute", torch.permute):
+            order = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+            return self._moved(tags[0], args[0], {int(o) % args[0].dim(): i for i, o in enumerate(order)})
+        if key in ("transpose", torch.transpose, "swapaxes", torch.swapaxes):
+            a, b = (int(args[1]) % args[0].dim(), int(args[2]) % args[0].dim())
+            return self._moved(tags[0], args[0], {a: b, b: a})
+        if key in ("t",) or key is torch.t:
+            return self._moved(tags[0], args[0], {0: 1, 1: 0})
+        if key in ("expand", "expand_as"):
+            return self._expanded(tags[0], args[0], value)
+        if key in ("split", "chunk", "unbind", torch.split, torch.chunk, torch.unbind):
+            return self._split(key, args, kwargs, tags, value)
+        if key in (torch.cat, torch.stack):
+            return self._joined(key, args, kwargs, tags)
+        if key in _REDUCTIONS:
+            return self._reduced(key, args, kwargs, tags, value)
+        if key in _POINTWISE_FUNCTIONS or key in _POINTWISE_METHODS:
+            return self._pointwise(key, n, value, args, kwargs, tags, kwtags)
+        if key in _FACTORIES:
+            raise _Refused(
+                "it builds a tensor of the sequence's length in forward (a mask made there), which a slice "
+                "would build for its own positions alone: register it as a buffer and narrow it to the length, "
+                "or compare two aranges"
+            )
+        raise _Refused("this check does not know how it reads positions")
+
+    def _only_first(self, tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
+        if not isinstance(tags[0], Positions) or _tags_in((tags[1:], kwtags)):
+            raise _Refused("positions reach it other than through its first input")
+        return _unmasked(tags[0])
+
+    # -- sizes and tables -------------------------------------------------------------------
+    def _size(self, tag: Any, x: torch.Tensor, dim: Optional[int]) -> Any:
+        if not isinstance(tag, Positions):
+            return None
+        if dim is None:
+            return Sizes(tag.dims)
+        role = tag.role(int(dim) % x.dim())
+        return Length(role) if role is not None else None
+
+    def _attribute(self, tag: Any, x: Any, name: str) -> Any:
+        if name == "shape":
+            return self._size(tag, x, None)
+        if name in ("device", "dtype", "ndim", "is_cuda", "requires_grad", "layout", "is_sparse"):
+            return None
+        if name in ("T", "mT") and isinstance(tag, Positions):
+            last = x.dim() - 1
+            return self._moved(tag, x, {last: last - 1, last - 1: last} if name == "mT" or x.dim() == 2 else {d: last - d for d in range(x.dim())})
+        raise _Refused(f"this check does not know what .{name} of a value made of positions is")
+
+    def _getitem(self, n: fx.Node, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Any:
+        tag, index = tags[0], args[1]
+        if isinstance(tag, Sizes):
+            if not isinstance(index, int):
+                raise _Refused("a slice of a size that holds the sequence's length")
+            return Length(dict(tag.dims)[index % len(args[0])]) if index % len(args[0]) in dict(tag.dims) else None
+        if isinstance(tag, tuple):
+            return tag[index]
+        if not isinstance(args[0], torch.Tensor):
+            raise _Refused("an item of a value made of positions")
+        return self._indexed(n, tag, args[0], index, tags[1])
+
+    def _indexed(self, n: fx.Node, tag: Optional[Positions], x: torch.Tensor, index: Any, index_tags: Any) -> Optional[Positions]:
+        """`x[index]`: ints drop a dim, None adds one, a slice keeps one (and cuts a table by the
+        length: `rope[:T]`)."""
+        items = list(index) if isinstance(index, tuple) else [index]
+        item_tags = list(index_tags) if isinstance(index_tags, tuple) else [index_tags]
+        if any(isinstance(i, (torch.Tensor, list)) for i in items):
+            raise _Refused("indexing by tensors")
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            fill = x.dim() - sum(1 for i in items if i is not None and i is not Ellipsis)
+            items[at : at + 1], item_tags[at : at + 1] = [slice(None)] * fill, [None] * fill
+        dims = dict(tag.dims) if tag is not None else {}
+        out: list[tuple[int, str]] = []
+        source, target = 0, 0
+        for item, item_tag in zip(items, item_tags + [None] * (len(items) - len(item_tags))):
+            if item is None:
+                target += 1
+                continue
+            role = dims.get(source)
+            if isinstance(item, int):
+                if role is not None:
+                    raise _Refused("it reads one position of the sequence")
+            elif isinstance(item, slice):
+                cut = self._window(n, item, item_tag, x.shape[source], role)
+                if cut is not None:
+                    self.proof.tables.setdefault(n.name, []).append((cut, target))
+                    out.append((target, cut))
+                elif role is not None:
+                    out.append((target, role))
+                target += 1
+            source += 1
+        for d in range(source, x.dim()):  # the dims after the index
+            if d in dims:
+                out.append((target, dims[d]))
+            target += 1
+        return Positions(tuple(out), tag.masked if tag is not None else "") if out else None
+
+    def _window(self, n: fx.Node, item: slice, item_tag: Any, size: int, role: Optional[str]) -> Optional[str]:
+        """The role variable of a table cut to the length (`[:T]`, `[0:T]`); None for a slice
+        that cuts nothing; refused for any other cut of a position dim or by the length."""
+        stop_tag = item_tag.stop if isinstance(item_tag, slice) else None
+        whole = item.start in (None, 0) and item.step in (None, 1) and (item.stop is None or item.stop >= size) and stop_tag is None
+        if whole:
+            return None
+        if isinstance(stop_tag, Length) and stop_tag.role == Q and item.start in (None, 0) and item.step in (None, 1) and role is None:
+            return self._variable()
+        if role is not None or isinstance(item_tag, slice) and any(isinstance(t, Length) for t in (item_tag.start, item_tag.step)):
+            raise _Refused("it cuts the sequence (a slice other than [:T] of a table)")
+        return None
+
+    def _narrow(self, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...]) -> Positions:
+        x, dim, start, length = args[0], int(args[1]) % args[0].dim(), args[2], args[3]
+        tag: Optional[Positions] = tags[0]
+        if tag is not None and tag.role(dim) is not None:
+            raise _Refused("it cuts the sequence")
+        if not (isinstance(tags[3], Length) and tags[3].role == Q and start == 0 and tags[2] is None):
+            raise _Refused("it cuts a dim by the sequence's length other than from 0 (narrow(dim, 0, T))")
+        variable = self._variable()
+        self.proof.tables[n.name] = [(variable, dim)]
+        return Positions(tuple(sorted([*(tag.dims if tag else ()), (dim, variable)])))
+
+    def _arange(self, n: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
+        numbers = [a for a in args]
+        if len(numbers) == 1 and isinstance(tags[0], Length) and tags[0].role == Q or (
+            len(numbers) == 2 and numbers[0] == 0 and tags[0] is None and isinstance(tags[1], Length) and tags[1].role == Q
+        ):
+            variable = self._variable()
+            self.proof.tables[n.name] = [(variable, 0)]
+            return Positions(((0, variable),))
+        raise _Refused("an arange made from the sequence's length other than arange(T) (or arange(0, T))")
+
+    # -- reshapes -------------------------------------------------------------------------
+    def _reshaped(self, tag: Any, x: torch.Tensor, out: torch.Tensor) -> Positions:
+        """The dim of `out` that holds each position dim of `x`: the one with the same elements
+        before it and through it (a reshape that merges or splits it is refused)."""
+        tag = _positions(tag)
+        before = [math.prod(x.shape[:d]) for d in range(x.dim() + 1)]
+        after = [math.prod(out.shape[:d]) for d in range(out.dim() + 1)]
+        dims = []
+        for d, role in tag.dims:
+            found = [e for e in range(out.dim()) if after[e] == before[d] and after[e + 1] == before[d + 1] and out.shape[e] == x.shape[d]]
+            if not found:
+                raise _Refused("a reshape merges the sequence dim with another, or splits it")
+            dims.append((found[-1] if x.shape[d] == 1 else found[0], role))
+        return Positions(tuple(sorted(dims)), tag.masked)
+
+    def _moved(self, tag: Any, x: torch.Tensor, to: dict[int, int]) -> Positions:
+        tag = _positions(tag)
+        return Positions(tuple(sorted((to.get(d, d), role) for d, role in tag.dims)), tag.masked)
+
+    def _expanded(self, tag: Any, x: torch.Tensor, out: torch.Tensor) -> Positions:
+        tag = _positions(tag)
+        shift = out.dim() - x.dim()
+        if any(out.shape[d + shift] != x.shape[d] for d, _ in tag.dims):
+            raise _Refused("it expands a position dim")
+        return Positions(tuple((d + shift, role) for d, role in tag.dims), tag.masked)
+
+    def _split(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> tuple[Any, ...]:
+        x, tag = args[0], tags[0]
+        default = 0
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", default)
+        if key in ("unbind", torch.unbind):
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        dim = int(dim) % x.dim()
+        if not isinstance(tag, Positions) or tag.role(dim) is not None:
+            raise _Refused("it splits the sequence")
+        if key in ("unbind", torch.unbind):
+            part = Positions(tuple((d - (d > dim), role) for d, role in tag.dims), tag.masked)
+        else:
+            part = tag
+        return tuple(part for _ in value)
+
+    def _joined(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...]) -> Positions:
+        parts, part_tags = args[0], tags[0]
+        dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0))
+        tensors = [p for p in parts if isinstance(p, torch.Tensor)]
+        rank = tensors[0].dim() + (key is torch.stack)
+        dim %= rank
+        found = [t for t in part_tags if t is not None]
+        if len(found) != len(parts):
+            raise _Refused("it joins values made of positions with values that are not")
+        dims = found[0].dims
+        for other in found[1:]:
+            if [d for d, _ in other.dims] != [d for d, _ in dims] or any(self._unify(a, b) is None for (_, a), (_, b) in zip(dims, other.dims)):
+                raise _Refused("it joins values whose positions lie on other dims")
+        if key is torch.stack:
+            dims = tuple((d + (d >= dim), role) for d, role in dims)
+        if any(d == dim for d, _ in dims):
+            raise _Refused("it joins along the sequence dim")
+        return Positions(dims)
+
+    def _reduced(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> Any:
+        x, tag = args[0], tags[0]
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(tag, Positions) or dim is None:
+            raise _Refused("it reduces over every position of the sequence")
+        dims = [int(d) % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+        if any(tag.role(d) is not None for d in dims):
+            raise _Refused("it reduces over the sequence (a sum, mean or cumulative op over positions)")
+        keep = key in _CUMULATIVE or (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        result = Positions(tuple((d if keep else d - sum(r < d for r in dims), role) for d, role in tag.dims))
+        return tuple(result for _ in value) if isinstance(value, tuple) else result
+
+    # -- pointwise, softmax, matmul, attention --------------------------------------------
+    def _aligned(self, value: torch.Tensor, operands: list[tuple[Any, Any]]) -> dict[int, str]:
+        """The roles of `value`'s dims from its operands, aligned from the right as broadcasting
+        does; an operand without positions must broadcast along theirs."""
+        roles: dict[int, str] = {}
+        rank = value.dim() if isinstance(value, torch.Tensor) else 0
+        for operand, tag in operands:
+            if isinstance(tag, (Length, Sizes)):
+                raise _Refused("it computes with the sequence's length as a number (it differs between slices)")
+            if not isinstance(operand, torch.Tensor):
+                continue
+            shift = rank - operand.dim()
+            for d, role in tag.dims if isinstance(tag, Positions) else ():
+                at = d + shift
+                have = roles.get(at)
+                roles[at] = role if have is None else self._unify(have, role) or _conflict()
+        for operand, tag in operands:
+            if isinstance(operand, torch.Tensor) and not isinstance(tag, Positions):
+                shift = rank - operand.dim()
+                if any(d - shift >= 0 and operand.shape[d - shift] != 1 for d in roles):
+                    raise _Refused("a tensor that does not follow the sequence meets one that does, along the sequence dim")
+        return roles
+
+    def _pointwise(self, key: Any, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
+        operands = [*zip(args, tags), *((value_, kwtags.get(name)) for name, value_ in kwargs.items())]
+        if any(isinstance(o, (list, tuple, dict, slice)) for o, _ in operands):
+            raise _Refused("an elementwise op given a container")
+        roles = self._aligned(value, operands)
+        tag = Positions(tuple(sorted(roles.items())))
+        scores = [d for d, r in roles.items() if self._find(r) == Q], [d for d, r in roles.items() if self._find(r) == K]
+        if not (scores[0] and scores[1]):
+            return tag
+        return replace(tag, masked=self._mask_after(key, value, args, tags, operands, scores[0][0], scores[1][0]))
+
+    def _mask_after(self, key: Any, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...], operands: list[tuple[Any, Any]], q: int, k: int) -> str:
+        """What scores hold where the key follows the query after this op."""
+        first = tags[0] if isinstance(tags[0], Positions) else None
+        before = first.masked if first is not None else ""
+        if key in ("masked_fill", torch.masked_fill):
+            fill = args[2]
+            hides = _future_all(args[1], value.shape, q, k)
+            if hides and isinstance(fill, (int, float)) and fill == 0:
+                return ZERO
+            return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= -1e4 else before if hides else ""
+        if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool:
+            other = args[2] if len(args) > 2 else None
+            hides = _future_all(~args[0], value.shape, q, k)
+            if hides and isinstance(other, (int, float)):
+                return ZERO if other == 0 else MINUS_INF if other <= -1e4 else ""
+            return ""
+        if key in _KEEPS_MASK:
+            return before
+        if key in _SCALES:
+            others = [o for o, t in operands if t is not first]
+            zero = any(t is not None and isinstance(t, Positions) and t.masked == ZERO for _, t in operands)
+            if zero:
+                return ZERO
+            return before if before == MINUS_INF and all(isinstance(o, (int, float)) and o > 0 for o in others) else ""
+        if key in _SHIFTS:
+            added = [o for o, t in operands if t is not first]
+            if before == MINUS_INF:
+                return MINUS_INF
+            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and _future_all(o == float("-inf"), value.shape, q, k) for o in added):
+                return MINUS_INF
+        return ""
+
+    def _softmax(self, tag: Any, x: torch.Tensor, dim: int) -> Positions:
+        if not isinstance(tag, Positions):
+            raise _Refused("positions reach a softmax other than through its input")
+        role = tag.role(int(dim) % x.dim())
+        role = self._find(role) if role is not None else None
+        if role == Q:
+            raise _Refused("a softmax over the sequence's positions")
+        if role == K:
+            return replace(tag, masked=ZERO if tag.masked == MINUS_INF else "")
+        if role is not None:
+            raise _Refused("a softmax over a table's positions")
+        return _unmasked(tag)
+
+    def _matmul(self, n: fx.Node, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Optional[Positions]:
+        """a (..., m, c) @ b (..., c, p): scores where a's rows and b's columns are both positions
+        (b's are carried); attention's output where a's columns are keys and b's rows the values
+        (b carried); refused where positions are contracted otherwise."""
+        a, b = args[0], args[1]
+        if a.dim() < 2 or b.dim() < 2:
+            raise _Refused("a matrix product of a vector")
+        ta, tb = (t if isinstance(t, Positions) else Positions(()) for t in tags[:2])
+        rank = max(a.dim(), b.dim())
+        roles: dict[int, str] = {}
+        for t, x in ((ta, a), (tb, b)):  # the batch dims, aligned from the right
+            for d, role in t.dims:
+                if d < x.dim() - 2:
+                    at = d + rank - x.dim()
+                    roles[at] = role if at not in roles else self._unify(roles[at], role) or _conflict()
+        rows, columns = ta.role(a.dim() - 2), tb.role(b.dim() - 1)
+        inner_a, inner_b = ta.role(a.dim() - 1), tb.role(b.dim() - 2)
+        if inner_a is None and inner_b is None:
+            if rows is not None and columns is not None:
+                if self._unify(rows, Q) is None or self._unify(columns, Q) is None:
+                    raise _Refused("a product of keys with keys")
+                self._carry(n, 1, b.dim() - 1)
+                roles[rank - 2], roles[rank - 1] = Q, K
+                return Positions(tuple(sorted(roles.items())))
+            if rows is not None:
+                roles[rank - 2] = rows
+            if columns is not None:
+                roles[rank - 1] = columns
+            return Positions(tuple(sorted(roles.items()))) if roles else None
+        keys = inner_a is not None and self._find(inner_a) == K and inner_b is not None and self._unify(inner_b, Q) == Q
+        if not keys:
+            raise _Refused("a matrix product sums over the sequence's positions")
+        if ta.masked != ZERO:
+            raise _Refused("attention reads keys after the query: its scores are not masked causally (bidirectional attention)")
+        self._carry(n, 1, b.dim() - 2)
+        if rows is not None:
+            roles[rank - 2] = rows
+        if columns is not None:
+            raise _Refused("a product of attention with positions along its columns")
+        return Positions(tuple(sorted(roles.items())))
+
+    def _attention(self, n: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        given = {**dict(zip(names, args)), **kwargs}
+        tagged = {**dict(zip(names, tags)), **kwtags}
+        if tagged.get("attn_mask") is not None or given.get("attn_mask") is not None or not given.get("is_causal", False):
+            raise _Refused("attention that is not causal (is_causal=False, or a mask this check cannot read): bidirectional attention reads later positions")
+        for name in ("query", "key", "value"):
+            x, tag = given[name], tagged.get(name)
+            if not isinstance(tag, Positions) or [d for d, _ in tag.dims] != [x.dim() - 2] or self._unify(tag.dims[0][1], Q) is None:
+                raise _Refused(f"attention's {name} holds the positions on another dim than its rows")
+        for position, name in ((1, "key"), (2, "value")):
+            self._carry(n, position if len(args) > position else name, given[name].dim() - 2)
+        self.proof.attention.append(n.name)
+        return Positions(((given["query"].dim() - 2, Q),))
+
+    def _carry(self, n: fx.Node, argument: Any, dim: int) -> None:
+        """`n` reads its `argument` (a position or a keyword) as keys: the slices before
+        carry theirs to it, along `dim`."""
+        source = n.args[argument] if isinstance(argument, int) else n.kwargs[argument]
+        assert isinstance(source, fx.Node)
+        self.proof.carries.setdefault((source.name, dim), []).append((n.name, argument))
+
+
+class _Refused(Exception):
+    """Why one op cannot run in slices."""
+
+
+BROKEN = "refused"  # the tag of a value an op refused made, and of what is made from it
+
+
+def _positions(tag: Any) -> Positions:
+    """`tag`, for an op that keeps the positions of its first input where it has any."""
+    if not isinstance(tag, Positions):
+        raise _Refused("it shapes a value by the sequence's length (a tensor made of that many elements)")
+    return tag
+
+
+def _tags_in(structure: Any) -> list[Any]:
+    """The tags in a structure of arguments' tags (tuples, lists, dicts, slices)."""
+    if isinstance(structure, (tuple, list)):
+        return [t for item in structure for t in _tags_in(item)]
+    if isinstance(structure, dict):
+        return _tags_in(list(structure.values()))
+    if isinstance(structure, slice):
+        return _tags_in([structure.start, structure.stop, structure.step])
+    return [] if structure is None else [structure]
+
+
+def _conflict() -> str:
+    raise _Refused(
+        "one value stands for both the slice's own positions and the keys' (an arange compared with itself "
+        "transposed): make one for each, torch.arange(T)[:, None] >= torch.arange(T)[None, :]"
+    )
+
+
+def _unmasked(tag: Positions) -> Positions:
+    return replace(tag, masked="") if tag.masked else tag
+
+
+def _future_all(condition: Any, shape: torch.Size, q: int, k: int) -> bool:
+    """Whether `condition` (broadcast to `shape`) holds wherever the key (dim `k`) follows the
+    query (dim `q`), on the example's positions."""
+    if not isinstance(condition, torch.Tensor) or condition.dtype != torch.bool:
+        return False
+    full = condition.expand(shape).movedim((q, k), (-2, -1))
+    later = torch.ones(full.shape[-2], full.shape[-1], dtype=torch.bool, device=full.device).triu(1)
+    return bool(full[..., later].all())
+
+
+def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 1) -> Proof:
+    """Run `gm` on `inputs` and prove each output's position i computed from positions <= i
+    alone (module docstring); raises CausalityError naming every op that reads otherwise."""
+    lengths = {t.shape[sequence_dim] for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor) and t.dim() > sequence_dim}
+    if not lengths:
+        raise CausalityError([f"no input has a dim {sequence_dim} to cut into slices (sequence_dim={sequence_dim})"])
+    length = max(lengths)
+    prover = _Prover(gm, sequence_dim, length)
+    with torch.no_grad(), preserved(gm):
+        out = prover.run(*inputs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves, _ = tree_flatten(output.args[0])
+    values, _ = tree_flatten(out)
+    proof = prover.proof
+    for leaf, value in zip(leaves, values):
+        tag = proof.tags.get(leaf.name) if isinstance(leaf, fx.Node) else None
+        if tag is BROKEN:
+            continue
+        qs = [d for d, role in tag.dims if proof.role_of(role) == Q] if isinstance(tag, Positions) else []
+        if isinstance(value, torch.Tensor) and len(qs) != 1:
+            prover.problems.append(f"the output {getattr(leaf, 'name', leaf)} does not hold the sequence along one dim: slices' outputs could not be joined")
+        proof.outputs.append(qs[0] if qs else None)
+    if not proof.inputs:
+        prover.problems.append(f"no input holds the sequence along dim {sequence_dim} at length {length}")
+    if prover.problems:
+        raise CausalityError(prover.problems)
+    return proof
