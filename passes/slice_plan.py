@@ -1,0 +1,86 @@
+"""The slice lengths that minimise a pipeline's time over one sequence, by a dynamic program over predicted slice times.
+
+Slices flow through `stages` stages one after another. With t(i) the time of slice i on a stage
+(later slices attend to more positions, so the same length costs more there), the last slice
+leaves the last stage after
+
+    sum_i t(i) + (stages - 1) * max_i t(i)
+
+    stage 0 |s0|s1 |s2  |
+    stage 1    |s0|s1 |s2  |          the slowest slice paces every stage after the first
+    stage 2       |s0|s1 |s2  |
+
+For each bound M on the slowest slice (every time a slice could take, smallest first), the
+program finds the cheapest cut whose slices all take at most M; the best M wins. A bound whose
+`(stages - 1) * M` plus the least sum of any cut exceeds the best total found ends the search.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+# Seconds of one slice on one stage, from its length and the positions before it.
+SliceTime = Callable[[int, int], float]
+
+
+def slice_time(per_position: float, per_pair: float, per_slice: float) -> SliceTime:
+    """A slice of `length` positions after `before` ones: position-wise work per position,
+    attention's per pair of a query and a key it reads, and a fixed cost per slice."""
+
+    def time(length: int, before: int) -> float:
+        pairs = length * before + length * (length + 1) / 2
+        return per_position * length + per_pair * pairs + per_slice
+
+    return time
+
+
+def pipeline_time(lengths: list[int], stages: int, time: SliceTime) -> float:
+    """The predicted time of `lengths` through `stages` stages (module docstring)."""
+    starts = np.cumsum([0, *lengths[:-1]])
+    times = [time(length, int(start)) for length, start in zip(lengths, starts)]
+    return float(sum(times) + (stages - 1) * max(times))
+
+
+def best_slices(length: int, stages: int, time: SliceTime, granularity: int = 1) -> list[int]:
+    """The slice lengths (multiples of `granularity`, but the last) of `length` positions whose
+    predicted pipeline time is least."""
+    if length < 1 or stages < 1 or granularity < 1:
+        raise ValueError(f"best_slices needs a length, stages and a granularity of 1 or more, not {length}, {stages}, {granularity}")
+    points = list(range(0, length, granularity)) + [length]  # where a slice may start or end
+    n = len(points) - 1
+    # cost[i, j]: the slice from points[i] to points[j] (j > i), inf elsewhere.
+    cost = np.full((n + 1, n + 1), np.inf)
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            cost[i, j] = time(points[j] - points[i], points[i])
+    best_total, best_cut = np.inf, [0, n]
+    floor, _ = _cheapest_under(cost, np.inf)  # no bound sums to less
+    for bound in np.unique(cost[np.isfinite(cost)]):
+        if floor + (stages - 1) * bound >= best_total:
+            break
+        total, cut = _cheapest_under(cost, bound)
+        if total + (stages - 1) * bound < best_total:
+            best_total, best_cut = total + (stages - 1) * bound, cut
+    return [points[j] - points[i] for i, j in zip(best_cut, best_cut[1:])]
+
+
+def _cheapest_under(cost: np.ndarray, bound: float) -> tuple[float, list[int]]:
+    """The least sum of slice costs from point 0 to the last with every slice at most `bound`,
+    and the points it cuts at; (inf, []) where no cut keeps to the bound."""
+    n = cost.shape[0] - 1
+    allowed = np.where(cost <= bound, cost, np.inf)
+    best = np.full(n + 1, np.inf)
+    came = np.zeros(n + 1, dtype=int)
+    best[0] = 0.0
+    for j in range(1, n + 1):
+        through = best[:j] + allowed[:j, j]
+        came[j] = int(np.argmin(through))
+        best[j] = through[came[j]]
+    if not np.isfinite(best[n]):
+        return np.inf, []
+    cut, j = [n], n
+    while j > 0:
+        j = int(came[j])
+        cut.append(j)
+    return float(best[n]), cut[::-1]

@@ -1,0 +1,50 @@
+"""The slice lengths chosen for one sequence are the best cut the predicted slice times allow (passes/slice_plan.py)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from fxpipe.passes.slice_plan import best_slices, pipeline_time, slice_time
+
+
+def compositions(length: int, granularity: int) -> list[list[int]]:
+    """Every cut of `length` into slices that start at multiples of `granularity`."""
+    points = list(range(granularity, length, granularity))
+    found = []
+    for r in range(len(points) + 1):
+        for inner in itertools.combinations(points, r):
+            ends = [0, *inner, length]
+            found.append([b - a for a, b in zip(ends, ends[1:])])
+    return found
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_the_program_finds_the_best_of_every_cut(seed: int, stages: int) -> None:
+    rng = random.Random(seed)
+    length, granularity = rng.choice([(9, 1), (12, 2), (11, 3)])
+    if seed % 2:  # a time of the model's kind
+        time = slice_time(rng.uniform(0, 2), rng.uniform(0, 0.5), rng.uniform(0, 4))
+    else:  # any time at all, looked up
+        table = {(n, b): rng.uniform(0.1, 5) for n in range(1, length + 1) for b in range(length)}
+        time = lambda n, b: table[n, b]  # noqa: E731
+    chosen = best_slices(length, stages, time, granularity)
+    assert sum(chosen) == length and all(n % granularity == 0 for n in chosen[:-1])
+    best = min(pipeline_time(cut, stages, time) for cut in compositions(length, granularity))
+    assert pipeline_time(chosen, stages, time) == pytest.approx(best, rel=1e-12)
+
+
+def test_later_slices_are_shorter_when_attention_costs_and_one_stage_keeps_one_slice() -> None:
+    time = slice_time(1.0, 0.01, 5.0)
+    chosen = best_slices(1024, 2, time, 16)
+    assert chosen == sorted(chosen, reverse=True) and len(chosen) > 8
+    for k in (1, 2, 4, 8, 16):
+        assert pipeline_time(chosen, 2, time) < pipeline_time([1024 // k] * k, 2, time)
+    assert best_slices(64, 1, time, 8) == [64]  # one stage: no pipeline to fill, each slice costs its overhead
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="1 or more"):
+        best_slices(0, 2, slice_time(1, 0, 0))
