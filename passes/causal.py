@@ -121,7 +121,7 @@ _POINTWISE_METHODS = {
 }  # fmt: skip
 _POINTWISE_MODULES = (
     nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Mish,
-    nn.Softplus, nn.Hardswish, nn.ReLU6, nn.GLU,
+    nn.Softplus, nn.Hardswish, nn.ReLU6,
 )  # fmt: skip
 # What keeps the mask of scores as it is: a copy, another dtype, a dropout (0 stays 0).
 _KEEPS_MASK = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", "detach", F.dropout}
