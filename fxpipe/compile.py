@@ -23,6 +23,7 @@ from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
 from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiler.placement import place_state
+from fxpipe.compiler.sequence import SequenceChunks, example_length, sequence_problems, slice_graphs, slices_note, with_costs
 from fxpipe.core.attrs import tensors_read
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -43,7 +44,7 @@ from fxpipe.tracing.export import shapes_note
 from fxpipe.tracing.global_reads import put_back_on_failure
 from fxpipe.tracing.markers import is_split
 from fxpipe.tracing.mode_reads import ModeReads
-from fxpipe.tracing.trace import LeafSpec
+from fxpipe.tracing.trace import LeafSpec, trace
 
 
 P = ParamSpec("P")
@@ -152,6 +153,8 @@ def compile_pipeline(
     stages_per_device: int = 1,
     compile_stages: Union[bool, dict[str, Any]] = False,
     stage_graph: str = "auto",
+    sequence_chunks: SequenceChunks = 1,
+    sequence_dim: int = 1,
 ) -> Pipeline:
     """Trace `model`, cut it into `len(devices)` stages and return them as a Pipeline.
 
@@ -200,6 +203,14 @@ def compile_pipeline(
             nodes; 'dag' also puts parallel branches of the model (towers, encoders of several
             inputs) in stages of their own that run side by side; 'auto' keeps whichever the
             cost model predicts faster under `schedule`. A cut by hand runs as the graph it gives.
+        sequence_chunks: for a causal model (each position computed from itself and earlier
+            ones: causal attention, position-wise layers), each micro-batch is cut into this many
+            slices of its sequence (or slices of these lengths), which flow through the stages one
+            after another, each slice's attention reading the keys and values of the slices before
+            it: stages keep busy with few sequences, one even. Compiling proves the model causal
+            (naming each op that reads later positions otherwise) and checks the slices against
+            the whole example. `pipe(x)` and `loss.backward()` run them; `train_step` not yet.
+        sequence_dim: the dim of the inputs that holds the sequence.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`; a stage DAG, the one with the
@@ -211,6 +222,7 @@ def compile_pipeline(
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
     stage_compile, compile_problems = compile_options(compile_stages)
     problems = [*model_problems(model, leaf_modules), *cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
+    problems += sequence_problems(sequence_chunks, sequence_dim, placement is not None, stage_compile is not None)
     parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
@@ -232,6 +244,10 @@ def compile_pipeline(
         _refuse_sequence_first(traced.graph, chunks, spec)
         bound = traced.bind(example_args, example_kwargs)
         inputs = tuple(bound.values())
+        slicing = None
+        if sequence_chunks != 1:
+            lined = functools.partial(trace, model, leaf_modules, record_lines=True)
+            slicing = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         try:
             propagate_shapes(gm, inputs)
@@ -249,13 +265,16 @@ def compile_pipeline(
         chosen = split_points is not None or any(is_split(n) for n in traced_order)
         order = traced_order if chosen else linearize(gm)
         on_cpu = all(d.type == "cpu" for d in parsed)
+        rate = flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13)
         costs = dict(
             chunks=chunks,
             checkpointed=checkpoint_stop(checkpoint, chunks),
             param_scale=param_scale + (1.0 if schedule == "2bw" else 0.0),  # 2bw keeps a second version of each weight
             bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
-            flop_rate=flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13),
+            flop_rate=rate,
         )
+        if slicing is not None:
+            slicing = with_costs(slicing, gm, inputs, len(parsed), rate, parsed[0].type)
         caps = memory_caps(device_memory, ranks)
         runs, stage_times = cut_runs(
             gm, order, parsed, inputs, split_points=split_points, balance=balance, costs=costs, caps=caps, split=split,
@@ -285,6 +304,8 @@ def compile_pipeline(
         ranks=ranks,
         times=times_basis(order, costs),
     )
+    if slicing is not None:
+        plan.notes.append(slices_note(slicing, sequence_dim, example_length(slicing, bound)))
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
@@ -294,6 +315,7 @@ def compile_pipeline(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
         *_reads(traced), traced.eval_only,
     )
+    compiled.slicing = slicing
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
         warnings.warn(
@@ -314,6 +336,7 @@ def compile_pipeline(
             leaf_modules=leaf_modules, device_memory=device_memory, param_scale=param_scale, bandwidth=bandwidth,
             flop_rate=flop_rate, chunk_spec=chunk_spec, deferred_batch_norm=deferred_batch_norm, schedule=schedule,
             stages_per_device=stages_per_device, compile_stages=compile_stages, stage_graph=stage_graph,
+            sequence_chunks=sequence_chunks, sequence_dim=sequence_dim,
         )  # fmt: skip
         pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
     return pipe

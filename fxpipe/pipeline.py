@@ -38,6 +38,7 @@ from fxpipe.runtime.losses import (
     LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
 )
 from fxpipe.runtime.memory import ActivationMeter
+from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.step import Step
 from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.worker import Workers
@@ -280,7 +281,10 @@ class Pipeline(nn.Module):
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
-        step = self._step(call, "gpipe", loss=None)
+        grid = SliceGrid(call.micro_batches, self._compiled.slicing) if self._compiled.slicing is not None else None
+        if grid is not None:
+            call = grid.call(call)
+        step = self._step(call, "gpipe", loss=None, slices=grid)
 
         def gather(outputs: list[dict[str, Any]]) -> Gathered:
             try:
@@ -419,6 +423,12 @@ class Pipeline(nn.Module):
         with `versions`, batch `batch` of a loop whose steps overlap."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+        if self._compiled.slicing is not None:
+            raise NotImplementedError(
+                "train_step and train_steps do not run slices of a sequence yet (sequence_chunks).\nHow to fix: "
+                "train with loss = loss_fn(pipe(x), y); loss.backward(); optimizer.step(), which runs them; or "
+                "compile with sequence_chunks=1."
+            )
         check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs, held)
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
@@ -490,7 +500,9 @@ class Pipeline(nn.Module):
         compiled = self._compiled
         return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
 
-    def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:
+    def _step(
+        self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0, slices: Optional[SliceGrid] = None,
+    ) -> Step:
         program = call.program
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
@@ -518,6 +530,7 @@ class Pipeline(nn.Module):
             global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
             weights=versions,
             batch=batch,
+            slices=slices,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []

@@ -1,12 +1,12 @@
 """The graph that runs one slice of the sequence, from what passes/causal.py proved, and its check against the whole.
 
-    forward(*inputs sliced, sequence_offset, carry_0=None, ...) -> (outputs of the slice, (carry_0, ...))
-
-A slice starts at `sequence_offset`. Its tables read the positions they stand for: arange(T)
-becomes arange(offset, offset + T) where it stands for the slice's positions (Q), arange(offset
-+ T) where it stands for keys (K); a table cut to T is cut the same way. Each value attention
-reads as keys or values gets those of the slices before it (`with_carry`), and hands the
-result on as a carry; causal attention gets the mask aligned to the lower right.
+The graph keeps its inputs and outputs; run inside `in_slice` (fxpipe/core/carry.py) on a slice
+of the inputs, it computes that slice of the outputs. Its tables read the positions they stand
+for: arange(T) becomes arange(offset, offset + T) where it stands for the slice's positions (Q),
+arange(offset + T) where it stands for keys (K); a table cut to T is cut the same way. Each value
+attention reads as keys or values gets those of the slices before it (`with_carry`), which the
+slice also hands on; causal attention gets the mask aligned to the lower right. Outside a slice
+the graph computes what it did.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fxpipe.core.carry import causal_mask, with_carry
+from fxpipe.core.carry import SliceState, causal_mask, in_slice, slice_offset, with_carry
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.batch_dims import FixedDraws
 from fxpipe.passes.causal import K, CausalityError, Proof
@@ -41,14 +41,11 @@ class _Slicer:
         nodes = list(self.gm.graph.nodes)
         for node in (n for n in nodes if n.op == "placeholder"):
             self.env[node.name] = self.graph.node_copy(node, self._arg)
-        self.offset = self.graph.placeholder("sequence_offset", type_expr=int)
-        self.carry_in = [self.graph.placeholder(f"carry_{i}", default_value=None) for i in range(len(self.keys))]
         for node in nodes:
             if node.op == "placeholder":
                 continue
             if node.op == "output":
-                carries = tuple(self.carried[key] for key in self.keys)
-                self.graph.output((fx.map_arg(node.args[0], self._arg), carries))
+                self.graph.node_copy(node, self._arg)
             elif node.name in self.proof.tables:
                 self.env[node.name] = self._table(node)
             elif node.name in self.proof.attention:
@@ -67,8 +64,7 @@ class _Slicer:
         if key is None:
             return value
         if key not in self.carried:
-            index = self.keys.index(key)
-            self.carried[key] = self.graph.call_function(with_carry, (self.carry_in[index], value, key[1]))
+            self.carried[key] = self.graph.call_function(with_carry, (self.keys.index(key), value, key[1]))
         return self.carried[key]
 
     def _copy(self, node: fx.Node) -> fx.Node:
@@ -101,12 +97,13 @@ class _Slicer:
     def _table(self, node: fx.Node) -> fx.Node:
         """A table read at the positions it stands for: arange, or a cut to the length."""
         cuts = self.proof.tables[node.name]
+        offset = self.graph.call_function(slice_offset, ())  # in the table's stage, wherever the cut falls
         if node.target is torch.arange:
             count = self._arg(_node(node.args[-1]))
             keys = self.proof.role_of(cuts[0][0]) == K
-            end = self.graph.call_function(operator.add, (self.offset, count))
-            start = 0 if keys else self.offset
-            return self.graph.call_function(torch.arange, (start, end), dict(node.kwargs))
+            end = self.graph.call_function(operator.add, (offset, count))
+            start = 0 if keys else offset
+            return self.graph.call_function(torch.arange, (start, end), fx.map_arg(dict(node.kwargs), self._arg))
         length: Optional[fx.Node] = None
         if node.target in ("narrow", torch.narrow):
             source, length = self._arg(_node(node.args[0])), self._arg(_node(node.args[3]))
@@ -116,9 +113,9 @@ class _Slicer:
         for variable, dim_cut in cuts:
             size = length if length is not None else _stop(node.args[1], self._arg)
             if self.proof.role_of(variable) == K:
-                start, size = 0, self.graph.call_function(operator.add, (self.offset, size))
+                start, size = 0, self.graph.call_function(operator.add, (offset, size))
             else:
-                start = self.offset
+                start = offset
             out = self.graph.call_function(torch.narrow, (out, dim_cut, start, size))
         return out
 
@@ -147,24 +144,18 @@ def slice_graph(gm: fx.GraphModule, proof: Proof) -> fx.GraphModule:
     return _Slicer(gm, proof).build()
 
 
-def slice_lengths(length: int, chunks: int) -> list[int]:
-    """`length` positions in `chunks` slices as even as can be, the longer first."""
-    if not 1 <= chunks <= length:
-        raise ValueError(f"sequence_chunks={chunks} cannot cut a sequence of {length} positions: give 1 to {length}")
-    base, extra = divmod(length, chunks)
-    return [base + (i < extra) for i in range(chunks)]
-
-
 def run_in_slices(sliced: fx.GraphModule, proof: Proof, inputs: Sequence[Any], lengths: Sequence[int]) -> Any:
     """`sliced` run on each slice of `inputs` in turn, each handed the carries of the one
-    before; the slices' outputs joined along their sequence dims."""
-    names = [n.name for n in sliced.graph.nodes if n.op == "placeholder"][: len(inputs)]
-    carries: tuple[Optional[torch.Tensor], ...] = (None,) * len(proof.carries)
+    before as they are (autograd goes through them); the slices' outputs joined along their
+    sequence dims."""
+    names = [n.name for n in sliced.graph.nodes if n.op == "placeholder"]
+    carried: dict[int, torch.Tensor] = {}
     outputs, offset = [], 0
     for length in lengths:
         part = [x.narrow(proof.inputs[name], offset, length) if name in proof.inputs else x for name, x in zip(names, inputs)]
-        out, carries = sliced(*part, offset, *carries)
-        outputs.append(out)
+        with in_slice(SliceState(offset, carried)) as state:
+            outputs.append(sliced(*part))
+        carried = state.made
         offset += length
     leaves = [tree_flatten(out)[0] for out in outputs]
     spec = tree_flatten(outputs[0])[1]

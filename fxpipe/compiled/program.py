@@ -22,6 +22,7 @@ from torch import nn
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.stage_compile import CompiledForward
+from fxpipe.schedules.slices import SliceSpec
 from fxpipe.core.edges import Edge
 from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import draws_now, runs_hooks
@@ -313,6 +314,8 @@ class Compiled:
     # Where the example had one sample: the halves' check, to run on the first call of two samples
     # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
     unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
+    # How each call's micro-batches are cut into slices of their sequence; None: they are not.
+    slicing: Optional[SliceSpec] = None
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:
@@ -335,4 +338,5 @@ class Compiled:
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
+            slicing=self.slicing,
         )  # fmt: skip

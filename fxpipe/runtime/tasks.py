@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.compiled.program import StageRuntime
 from fxpipe.compiled.stage_compile import own_values
+from fxpipe.core.carry import SliceState, in_slice
 from fxpipe.core.edges import CALLER
 from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.core.randomness import TaskRandomness, TaskStream, task_stream
@@ -130,6 +131,13 @@ class StageTasks:
     versions: Optional[Versions]
     batch: int
     copies_made: list[bool]
+    # Slices of a sequence (fxpipe/runtime/slices.py): by (stage, micro-batch), the carries each
+    # forward reads (leaves), those it made (for its backward), and their gradients (from the
+    # next slice's backward).
+    slices: Any
+    carry_in: dict[tuple[int, int], dict[int, torch.Tensor]]
+    carry_made: dict[tuple[int, int], dict[int, torch.Tensor]]
+    carry_grads: dict[tuple[int, int], dict[int, Optional[torch.Tensor]]]
 
     def _post_output_grads(self, i: int, grads: dict[str, Any]) -> None:
         for stage in self.stages:
@@ -186,6 +194,28 @@ class StageTasks:
         return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast else leaf
 
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
+        if self.slices is None:
+            return self._call_stage(stage, i, inputs, buffers)
+        # A slice of a sequence: it reads where it starts and what its row's earlier slice carried.
+        state = SliceState(self.slices.offset(i), self.carry_in.get((stage.index, i), {}))
+        with in_slice(state):
+            results = self._call_stage(stage, i, inputs, buffers)
+        self.carry_made[(stage.index, i)] = state.made
+        return results
+
+    def _hand_on_carries(self, i: int, j: int, checkpointed: bool) -> None:
+        """After slice `i`'s forward on stage `j`: what it carried, as leaves for the next slice
+        of its row. Kept for the backward where it has one (a recompute makes them again)."""
+        made = self.carry_made.get((j, i), {})
+        if not self.slices.last(i):
+            wants = self.grad
+            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(wants and t.is_floating_point()) for c, t in made.items()}
+        if not self.grad or checkpointed:
+            self.carry_made.pop((j, i), None)
+        if not self.grad:
+            self.carry_in.pop((j, i), None)
+
+    def _call_stage(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*inputs, *self._shared_views(stage)]
         views = self._param_views(stage)
         if stage.compiled is None:
@@ -281,6 +311,8 @@ class StageTasks:
             wants = requires_grad
         if self.grad and stage.stored:
             refuse_gradients_through(stage.stored, self._upstream(j))
+        if self.slices is not None:
+            self._hand_on_carries(i, j, checkpointed)
         end = time.perf_counter()
         for name, value in zip(stage.outputs, outputs):  # (3)
             posted = wants
@@ -416,13 +448,29 @@ class StageTasks:
         if loss is not None:
             tensors.append(loss)
             grad_tensors.append(torch.ones_like(loss))
+        if self.slices is not None:  # what the slice carried, with the gradients the next slice gave it
+            made = self.carry_made.pop((j, i), {})
+            if not self.slices.last(i) and (j, i) not in self.carry_grads and any(t.requires_grad for t in made.values()):
+                raise RuntimeError(
+                    f"stage {j} ran the backward of slice {i} before that of the slice after it, whose gradients "
+                    "it needs: slices of a sequence run under a schedule that runs each row's backwards in reverse."
+                )
+            given = self.carry_grads.pop((j, i), {})
+            for c, t in made.items():
+                grad = given.get(c)
+                if t.requires_grad and grad is not None:
+                    tensors.append(t)
+                    grad_tensors.append(grad)
         return start, tensors, grad_tensors
 
     def _backward_task(self, i: int, j: int) -> tuple[float, float]:
         stage, saved = self.stages[j], self.saved[(i, j)]
         start, tensors, grad_tensors = self._received(i, j, saved)
         self._release(i, j)
-        input_grads, _ = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors)  # (6)
+        carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
+        input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried)  # (6)
+        if carried_grads:
+            self.carry_grads[(j, i - 1)] = carried_grads
         del tensors, grad_tensors
         end = time.perf_counter()
         self._send_input_grads(stage, i, input_grads)  # (7)
@@ -436,7 +484,7 @@ class StageTasks:
         # A compiled stage's backward is one node that computes every gradient at once (and frees
         # what it saved): I runs all of it, and W has nothing left to do.
         split = stage.compiled is None
-        input_grads, pending = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split)
+        input_grads, pending, _ = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split)
         saved.pending = pending if pending is not None else PendingWeights()
         del tensors, grad_tensors
         end = time.perf_counter()
@@ -470,14 +518,17 @@ class StageTasks:
         return weights
 
     def _stage_gradients(
-        self, stage: StageRuntime, inputs: list[Any], tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor], split: bool = False
-    ) -> tuple[list[Any], Optional[PendingWeights]]:
-        """Gradients of the stage's inputs (returned, shaped like them). Those of its parameter
-        views and shared copies accumulate in their `.grad` over the step's micro-batches, added
-        by autograd as each is made (while it is still in cache); with `split`, later, by W,
-        from what is returned with the input gradients."""
+        self, stage: StageRuntime, inputs: list[Any], tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor], split: bool = False,
+        carried: Optional[dict[int, torch.Tensor]] = None,
+    ) -> tuple[list[Any], Optional[PendingWeights], dict[int, Optional[torch.Tensor]]]:
+        """Gradients of the stage's inputs (returned, shaped like them), and of the carries it
+        read (by index). Those of its parameter views and shared copies accumulate in their
+        `.grad` over the step's micro-batches, added by autograd as each is made (while it is
+        still in cache); with `split`, later, by W, from what is returned with the input gradients."""
+        carried = {c: t for c, t in (carried or {}).items() if t.requires_grad}
         flat_inputs = [([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        leaves += carried.values()
         pending = None
         compiled = stage.compiled.backward() if stage.compiled is not None else nullcontext()
         with raw_grads(leaves) as raw, compiled:  # sent back in the layout the producer's backward would get
@@ -494,7 +545,7 @@ class StageTasks:
         ]
         if stage.compiled is not None and stage.compiled.static_outputs:
             grads = own_values(grads)
-        return grads, pending
+        return grads, pending, {c: raw.of(t) for c, t in carried.items()}
 
 
 def _own_grads(leaves: Sequence[torch.Tensor]) -> None:

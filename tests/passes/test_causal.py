@@ -14,7 +14,8 @@ from torch import nn
 
 from sequence_models import BLOCK, RotaryGPT, SdpaGPT, Wrapped, tokens
 from fxpipe.passes.causal import K, Q, CausalityError, Positions, prove_causal
-from fxpipe.passes.sequence_slices import check_slices, run_in_slices, slice_graph, slice_lengths
+from fxpipe.schedules.slices import slice_lengths
+from fxpipe.passes.sequence_slices import check_slices, run_in_slices, slice_graph
 from fxpipe.tracing.trace import trace
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))

@@ -1,4 +1,4 @@
-"""The slice lengths that minimise a pipeline's time over one sequence, by a dynamic program over predicted slice times.
+"""Slices of a sequence: how a call's sequence is cut (SliceSpec), and the lengths that minimise a pipeline's time over it, by a dynamic program over predicted slice times.
 
 Slices flow through `stages` stages one after another. With t(i) the time of slice i on a stage
 (later slices attend to more positions, so the same length costs more there), the last slice
@@ -16,7 +16,8 @@ program finds the cheapest cut whose slices all take at most M; the best M wins.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -26,11 +27,11 @@ SliceTime = Callable[[int, int], float]
 
 def slice_time(per_position: float, per_pair: float, per_slice: float) -> SliceTime:
     """A slice of `length` positions after `before` ones: position-wise work per position,
-    attention's per pair of a query and a key it reads, and a fixed cost per slice."""
+    attention's per pair of a query and a key it scores (each query against every key up to the
+    slice's last: the masked ones are computed too), and a fixed cost per slice."""
 
     def time(length: int, before: int) -> float:
-        pairs = length * before + length * (length + 1) / 2
-        return per_position * length + per_pair * pairs + per_slice
+        return per_position * length + per_pair * length * (before + length) + per_slice
 
     return time
 
@@ -84,3 +85,44 @@ def _cheapest_under(cost: np.ndarray, bound: float) -> tuple[float, list[int]]:
         j = int(came[j])
         cut.append(j)
     return float(best[n]), cut[::-1]
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """How a pipeline cuts each micro-batch into slices of its sequence: `chunks` (a count, cut
+    as evenly as can be, or the lengths), the sequence's dim in each input that holds it and in
+    each leaf of each output value (by name; None: a leaf without it), and how many values
+    attention carries from slice to slice."""
+
+    chunks: Union[int, str, tuple[int, ...]]
+    inputs: dict[str, int]
+    outputs: dict[str, tuple[Optional[int], ...]]
+    carries: int
+    # With chunks='auto': seconds per position, per pair of positions scored and per slice on
+    # each stage, and the stages, from which `best_slices` cuts each call's sequence.
+    auto: Optional[tuple[float, float, float, int]] = None
+
+    def lengths(self, length: int) -> list[int]:
+        """The slice lengths of a sequence of `length` positions."""
+        if self.chunks == "auto":
+            if self.auto is None:  # before the cost model is known: any cut checks the rewrite
+                return slice_lengths(length, min(2, length))
+            per_position, per_pair, per_slice, stages = self.auto
+            return best_slices(length, stages, slice_time(per_position, per_pair, per_slice), granularity=max(1, length // 64))
+        if isinstance(self.chunks, int):
+            return slice_lengths(length, self.chunks)
+        assert not isinstance(self.chunks, str)
+        if sum(self.chunks) != length:
+            raise ValueError(
+                f"sequence_chunks={list(self.chunks)} cut {sum(self.chunks)} positions, and this call's sequence "
+                f"has {length}.\nHow to fix: give lengths that sum to the sequence's length, or a number of slices."
+            )
+        return list(self.chunks)
+
+
+def slice_lengths(length: int, chunks: int) -> list[int]:
+    """`length` positions in `chunks` slices as even as can be, the longer first."""
+    if not 1 <= chunks <= length:
+        raise ValueError(f"sequence_chunks={chunks} cannot cut a sequence of {length} positions: give 1 to {length}")
+    base, extra = divmod(length, chunks)
+    return [base + (i < extra) for i in range(chunks)]

@@ -1,4 +1,4 @@
-"""The slice lengths chosen for one sequence are the best cut the predicted slice times allow (passes/slice_plan.py)."""
+"""The slice lengths chosen for one sequence are the best cut the predicted slice times allow (fxpipe/schedules/slices.py)."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from fxpipe.passes.slice_plan import best_slices, pipeline_time, slice_time
+from fxpipe.schedules.slices import best_slices, pipeline_time, slice_time
 
 
 def compositions(length: int, granularity: int) -> list[list[int]]:
@@ -36,13 +36,16 @@ def test_the_program_finds_the_best_of_every_cut(seed: int, stages: int) -> None
     assert pipeline_time(chosen, stages, time) == pytest.approx(best, rel=1e-12)
 
 
-def test_later_slices_are_shorter_when_attention_costs_and_one_stage_keeps_one_slice() -> None:
+def test_later_slices_are_shorter_when_attention_costs_and_slices_pay_for_themselves() -> None:
     time = slice_time(1.0, 0.01, 5.0)
     chosen = best_slices(1024, 2, time, 16)
     assert chosen == sorted(chosen, reverse=True) and len(chosen) > 8
     for k in (1, 2, 4, 8, 16):
         assert pipeline_time(chosen, 2, time) < pipeline_time([1024 // k] * k, 2, time)
-    assert best_slices(64, 1, time, 8) == [64]  # one stage: no pipeline to fill, each slice costs its overhead
+    # One stage has no pipeline to fill: without attention, a slice only adds its own cost.
+    assert best_slices(64, 1, slice_time(1.0, 0.0, 5.0), 8) == [64]
+    # Attention's scores stop at each slice's last key: slicing saves the masked pairs.
+    assert len(best_slices(64, 1, slice_time(0.0, 1.0, 5.0), 8)) > 1
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -1,0 +1,130 @@
+"""Compiling for slices of a sequence: the model proved causal, its graphs rewritten to run one slice, checked on the example."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from fxpipe.compiler.frontend import Traced
+from fxpipe.core.snapshot import preserved
+from fxpipe.passes.shapes import FlopCount
+from fxpipe.schedules.slices import SliceSpec
+from fxpipe.passes.causal import CausalityError, Positions, Proof, Q, prove_causal
+from fxpipe.passes.sequence_slices import check_slices, slice_graph
+
+SequenceChunks = Union[int, str, Sequence[int]]
+
+# Seconds a slice adds on each stage whatever its length (its tasks' hand-offs and calls), by device type.
+SLICE_SECONDS = {"cpu": 3e-4, "cuda": 5e-5}
+
+
+def sequence_problems(chunks: SequenceChunks, dim: int, across: bool, compiled: bool) -> list[str]:
+    """What is wrong with `sequence_chunks` and `sequence_dim`, or what they cannot go with."""
+    if isinstance(chunks, bool) or not (isinstance(chunks, int) and chunks >= 1 or _lengths(chunks) or chunks == "auto"):
+        return [
+            "sequence_chunks must be a number of slices (1 or more), a list of slice lengths (each 1 or more) or "
+            f"'auto', not {chunks!r}"
+        ]
+    problems = []
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        problems.append(f"sequence_dim must be the dim of the inputs that holds the sequence, 1 or more (0 holds the batch), not {dim!r}")
+    if chunks != 1 and across:
+        problems.append("sequence_chunks is not supported across processes yet: compile with sequence_chunks=1 there")
+    if chunks != 1 and compiled:
+        problems.append("sequence_chunks is not supported with compile_stages yet: compile with one or the other")
+    return problems
+
+
+def _lengths(chunks: Any) -> bool:
+    return isinstance(chunks, (list, tuple)) and bool(chunks) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunks)
+
+
+def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule]) -> SliceSpec:
+    """Rewrite `traced`'s graphs (each mode's) to run one slice of the sequence, once each is
+    proved causal and its slices computed what the whole example does; raises CausalityError,
+    naming each op and its line (from `lined`, the model traced again with lines), otherwise."""
+    outputs: dict[str, tuple[Optional[int], ...]] = {}
+    spec: Optional[SliceSpec] = None
+    for attr in ("graph", "eval_graph"):
+        gm = getattr(traced, attr)
+        if gm is None:
+            continue
+        try:
+            proof = prove_causal(gm, inputs, dim)
+        except CausalityError as error:
+            try:
+                again = lined()
+            except Exception:  # noqa: BLE001 - the error without lines says it all the same
+                raise error from None
+            prove_causal(again, inputs, dim)  # raises again, with the model's lines
+            raise
+        made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries))
+        sliced = slice_graph(gm, proof)
+        check_slices(gm, sliced, proof, inputs, made.lengths(example_length(made, dict(zip(_placeholders(gm), inputs)))))
+        outputs.update(_output_dims(gm, proof))
+        setattr(traced, attr, sliced)
+        spec = spec or made
+    assert spec is not None
+    return spec
+
+
+def example_length(spec: SliceSpec, inputs: dict[str, Any]) -> int:
+    """The sequence's length in the example (inputs by placeholder name)."""
+    return next(int(inputs[name].shape[dim]) for name, dim in spec.inputs.items())
+
+
+def _placeholders(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _output_dims(gm: fx.GraphModule, proof: Proof) -> dict[str, tuple[Optional[int], ...]]:
+    """The sequence's dim in each leaf of each value the graph returns, by value name."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    found = {}
+    for node in output.all_input_nodes:
+        tags = tree_flatten(proof.tags.get(node.name), is_leaf=lambda t: t is None or isinstance(t, Positions))[0]
+        found[node.name] = tuple(_query_dim(tag, proof) for tag in tags)
+    return found
+
+
+def _query_dim(tag: Any, proof: Proof) -> Optional[int]:
+    if not isinstance(tag, Positions):
+        return None
+    return next((d for d, role in tag.dims if proof.role_of(role) == Q), None)
+
+
+def slices_note(spec: SliceSpec, dim: int, length: int) -> str:
+    """The plan's line on slices of a sequence."""
+    lengths = spec.lengths(length)
+    return (
+        f"sequence slices: each micro-batch's sequence (dim {dim}) in {len(lengths)} slices, {lengths} on the example, "
+        f"run in turn by every stage; {spec.carries} keys and values carried from slice to slice; pipe(x) runs them, "
+        "train_step does not yet"
+    )
+
+
+def with_costs(spec: SliceSpec, gm: fx.GraphModule, inputs: tuple[Any, ...], stages: int, flop_rate: float, device: str) -> SliceSpec:
+    """`spec` for sequence_chunks='auto': the time of a slice on each stage, from the FLOPs of the
+    graph's forward at the example's length and at half of it (position-wise work grows with the
+    length, attention's scores with its square), forward and backward (3x), shared evenly among
+    the stages; and a fixed cost per slice."""
+    if spec.chunks != "auto":
+        return spec
+    length = example_length(spec, dict(zip(_placeholders(gm), inputs)))
+    short = max(1, length // 2)
+    f_long, f_short = (_forward_flops(gm, inputs, spec, n) for n in (length, short))
+    per_pair = max((f_long / length - f_short / short) / (length - short), 0.0) if length > short else 0.0
+    per_position = max(f_long / length - per_pair * length, 0.0)
+    seconds = 3.0 / (flop_rate * stages)
+    return replace(spec, auto=(per_position * seconds, per_pair * seconds, SLICE_SECONDS.get(device, 5e-5), stages))
+
+
+def _forward_flops(gm: fx.GraphModule, inputs: tuple[Any, ...], spec: SliceSpec, length: int) -> float:
+    """The FLOPs of `gm`'s forward on the first `length` positions of the example."""
+    cut = [x.narrow(d, 0, length) if (d := spec.inputs.get(name)) is not None else x for name, x in zip(_placeholders(gm), inputs)]
+    with torch.no_grad(), preserved(gm), FlopCount() as counter:
+        gm(*cut)
+    return float(counter.flops)

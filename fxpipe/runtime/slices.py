@@ -1,0 +1,128 @@
+"""A call's micro-batches cut into slices of their sequence, which the stages run one after another, and the outputs joined again.
+
+    rows (micro-batches)    slices, run as micro-batches in this order
+    row 0                   0: [0, 4)   1: [4, 8)   2: [8, 12)
+    row 1                   3: [0, 4)   4: [4, 8)   5: [8, 12)
+
+GPipe runs every forward in this order and every backward in the reverse one: a slice's forward
+finds the keys and values its row's earlier slice carried (on the same stage), and its backward
+the gradients of what it carried, from the later slice's backward.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fxpipe.schedules.slices import SliceSpec
+from fxpipe.core.microbatch import leaves_of
+from fxpipe.runtime.call import Call
+from fxpipe.runtime.gather import Gathered
+
+
+class SliceGrid:
+    """The slices of a call's micro-batches (`rows`), as `spec` cuts them."""
+
+    def __init__(self, rows: Sequence[dict[str, Any]], spec: SliceSpec) -> None:
+        self.spec, self.rows = spec, len(rows)
+        self.length = _length(rows[0], spec)
+        self.lengths = spec.lengths(self.length)
+        self.starts = [sum(self.lengths[:k]) for k in range(len(self.lengths))]
+        self.micro_batches = [
+            {name: self._cut(name, value, start, size) for name, value in row.items()}
+            for row in rows for start, size in zip(self.starts, self.lengths)
+        ]  # fmt: skip
+
+    @property
+    def per_row(self) -> int:
+        return len(self.lengths)
+
+    def offset(self, i: int) -> int:
+        """Where micro-batch `i` starts in its sequence."""
+        return self.starts[i % self.per_row]
+
+    def first(self, i: int) -> bool:
+        return i % self.per_row == 0
+
+    def last(self, i: int) -> bool:
+        return i % self.per_row == self.per_row - 1
+
+    def _cut(self, name: str, value: Any, start: int, size: int) -> Any:
+        dim = self.spec.inputs.get(name)
+        if dim is None or not isinstance(value, torch.Tensor):
+            return value
+        return value.narrow(dim, start, size)
+
+    def join(self, per_slice: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each row's outputs: its slices' joined along the sequence's dim of each leaf."""
+        rows = []
+        for r in range(self.rows):
+            parts = per_slice[r * self.per_row : (r + 1) * self.per_row]
+            rows.append({name: self._joined(name, [p[name] for p in parts]) for name in parts[0]})
+        return rows
+
+    def _joined(self, name: str, parts: list[Any]) -> Any:
+        flats = [tree_flatten(p) for p in parts]
+        dims = self.spec.outputs.get(name, ())
+        leaves = []
+        for k in range(len(flats[0][0])):
+            dim = dims[k] if k < len(dims) else None
+            pieces = [f[0][k] for f in flats]
+            leaves.append(torch.cat(pieces, dim) if dim is not None and isinstance(pieces[0], torch.Tensor) else pieces[0])
+        return tree_unflatten(leaves, flats[0][1])
+
+    def split(self, per_row: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each row's output gradients, cut into its slices'."""
+        out: list[dict[str, Any]] = []
+        for grads in per_row:
+            for start, size in zip(self.starts, self.lengths):
+                out.append({name: self._sliced_grad(name, g, start, size) for name, g in grads.items()})
+        return out
+
+    def _sliced_grad(self, name: str, grad: Any, start: int, size: int) -> Any:
+        leaves, spec = tree_flatten(grad)
+        dims = self.spec.outputs.get(name, ())
+        cut = []
+        for k, g in enumerate(leaves):
+            dim = dims[k] if k < len(dims) else None
+            cut.append(g.narrow(dim, start, size) if isinstance(g, torch.Tensor) and dim is not None else g)
+        return tree_unflatten(cut, spec)
+
+    def call(self, call: Call) -> Call:
+        """`call` with its micro-batches cut into slices, and its outputs joined again."""
+        if call.input_slots:
+            names = sorted({slot.name for slot in call.input_slots})
+            raise ValueError(
+                f"with sequence_chunks, inputs that require grad are not supported yet: {', '.join(names)}.\n"
+                "How to fix: pass inputs that do not require grad (token ids, or embeddings.detach()), or "
+                "compile with sequence_chunks=1."
+            )
+        gather = call.gather
+
+        def joined(per_slice: list[dict[str, Any]]) -> Gathered:
+            return _SlicedGathered(gather(self.join(per_slice)), self)
+
+        sizes = [size for size in call.sizes for _ in self.lengths]
+        return dataclasses.replace(call, micro_batches=self.micro_batches, sizes=sizes, gather=joined)
+
+
+class _SlicedGathered(Gathered):
+    """The rows' outputs gathered; their gradients routed to the rows, then cut into slices."""
+
+    def __init__(self, rows: Gathered, grid: SliceGrid) -> None:  # takes the rows' state, made already
+        self.__dict__.update(rows.__dict__)
+        self.grid = grid
+
+    def route(self, grads: Sequence[Optional[torch.Tensor]]) -> list[dict[str, Any]]:
+        return self.grid.split(super().route(grads))
+
+
+def _length(row: dict[str, Any], spec: SliceSpec) -> int:
+    """The sequence's length in a call: that of the first input that holds it."""
+    for name, dim in spec.inputs.items():
+        for t in leaves_of(row.get(name)):
+            if isinstance(t, torch.Tensor) and t.dim() > dim:
+                return int(t.shape[dim])
+    raise ValueError(f"sequence_chunks: no input of this call holds the sequence (inputs {', '.join(spec.inputs)})")

@@ -1,0 +1,186 @@
+"""compile_pipeline(..., sequence_chunks=k): each micro-batch's sequence flows through the stages in slices, and the
+pipeline computes what the plain model does, in every mode; what it cannot run yet is refused (passes/causal.py,
+fxpipe/runtime/slices.py)."""
+from __future__ import annotations
+
+import copy
+import pathlib
+import sys
+from contextlib import closing
+from typing import Any, Callable, Union
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import assert_call_and_grads_equal, assert_grads_equal, twin
+from sequence_models import RotaryGPT, SdpaGPT, Wrapped, tokens
+from fxpipe import Pipeline, compile_pipeline
+from fxpipe.passes.causal import CausalityError
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+from gpt import make_model  # noqa: E402
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "gpt, tril buffer": lambda: make_model(n_layer=2, n_embd=16, n_head=2),
+    "gpt, causal sdpa": lambda: SdpaGPT(layers=3),
+    "rotary gpt, tril buffer": lambda: RotaryGPT(),
+    "rotary gpt, aranges compared": lambda: RotaryGPT(mask="aranges"),
+}
+GRID: list[tuple[int, Union[int, list[int]], str]] = [
+    (1, 2, "never"), (1, [5, 2, 5], "except_last"), (2, 4, "always"), (2, 12, "except_last"), (1, 3, "always"),
+]  # fmt: skip
+X = tokens(4, 12)
+
+
+def _pipes(name: str, chunks: int, sequence: Union[int, list[int]], checkpoint: str, stages: int = 3) -> tuple[Pipeline, nn.Module]:
+    torch.manual_seed(0)
+    model, plain = twin(MODELS[name]())
+    pipe = compile_pipeline(model, X, ["cpu"] * stages, chunks=chunks, sequence_chunks=sequence, checkpoint=checkpoint)
+    return pipe, plain
+
+
+@pytest.mark.parametrize("grid", GRID, ids=lambda g: f"chunks={g[0]}-slices={g[1]}-{g[2]}")
+@pytest.mark.parametrize("name", list(MODELS))
+def test_outputs_and_gradients_equal_the_plain_model(name: str, grid: tuple[int, Union[int, list[int]], str]) -> None:
+    pipe, plain = _pipes(name, *grid)
+    with closing(pipe):
+        out, expected = pipe(X), plain(X)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        weights = torch.randn_like(expected)
+        F.cross_entropy(out.flatten(0, 1), X.flatten(), reduction="sum").add((out * weights).sum()).backward()
+        F.cross_entropy(expected.flatten(0, 1), X.flatten(), reduction="sum").add((expected * weights).sum()).backward()
+        assert_grads_equal(pipe, plain, tol=1e-11)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eval_no_grad_autograd_grad_and_accumulation_equal_the_plain_model(name: str) -> None:
+    pipe, plain = _pipes(name, 2, 3, "except_last")
+    with closing(pipe):
+        assert_call_and_grads_equal(pipe, plain, X, tol=1e-11)
+        for _ in range(2):  # gradients accumulate over two calls, as the plain model's do
+            pipe(X).pow(2).sum().backward()
+            plain(X).pow(2).sum().backward()
+        assert_grads_equal(pipe, plain, tol=1e-10)
+        pipe.eval(), plain.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(X), plain(X), rtol=0, atol=1e-12)
+        shorter = tokens(2, 7, seed=3)  # another length: cut into the same count of slices
+        torch.testing.assert_close(pipe(shorter), plain(shorter), rtol=0, atol=1e-12)
+
+
+def test_under_autocast_the_pipeline_computes_as_the_plain_model_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    model = SdpaGPT()
+    plain = SdpaGPT()
+    plain.load_state_dict(model.state_dict())
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=3)
+    with closing(pipe), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = pipe(X), plain(X)
+        assert out.dtype == expected.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected.float(), rtol=0.05, atol=0.05)
+        out.float().pow(2).sum().backward()
+        expected.float().pow(2).sum().backward()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None
+        scale = q.grad.abs().max().item() or 1.0
+        assert (p.grad - q.grad).abs().max().item() <= 0.05 * scale, n
+
+
+def test_dropout_is_replayed_per_slice_by_every_checkpoint_mode() -> None:
+    results = []
+    for checkpoint in ("never", "except_last", "always"):
+        torch.manual_seed(0)
+        model = SdpaGPT(layers=2, dropout=0.3).double()
+        pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=3, checkpoint=checkpoint)
+        with closing(pipe):
+            torch.manual_seed(1)
+            out = pipe(X)
+            out.pow(2).sum().backward()
+            results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (out, grads), *others = results
+    for other, other_grads in others:
+        assert torch.equal(out, other) and all(torch.equal(a, b) for a, b in zip(grads, other_grads))
+    eval_out = compile_pipeline(SdpaGPT(layers=2, dropout=0.3).double().eval(), X, ["cpu"] * 2, sequence_chunks=3)
+    with closing(eval_out):
+        assert not torch.equal(out, eval_out(X))  # the masks were drawn
+
+
+def test_a_model_that_reads_later_positions_is_refused_at_compile_naming_the_op_and_its_line() -> None:
+    model = Wrapped(lambda m, h, idx: h - h.mean(1, keepdim=True))
+    with pytest.raises(CausalityError, match=r"(?s)mean .*test_sequence_chunks\.py:\d+.*reduces over the sequence.*How to fix"):
+        compile_pipeline(model, tokens(), ["cpu"] * 2, sequence_chunks=2)
+    with pytest.raises(CausalityError, match="bidirectional"):
+        compile_pipeline(SdpaGPT(causal=False), tokens(), ["cpu"] * 2, sequence_chunks=2)
+    compile_pipeline(SdpaGPT(causal=False), tokens(), ["cpu"] * 2).close()  # one slice: nothing to prove
+
+
+@pytest.mark.parametrize(
+    "options, words",
+    [
+        (dict(sequence_chunks=0), "sequence_chunks must be"),
+        (dict(sequence_chunks=[3, 0]), "sequence_chunks must be"),
+        (dict(sequence_chunks="many"), "sequence_chunks must be"),
+        (dict(sequence_chunks=[]), "sequence_chunks must be"),
+        (dict(sequence_chunks=2, sequence_dim=0), "sequence_dim must be"),
+        (dict(sequence_chunks=2, compile_stages=True), "not supported with compile_stages"),
+        (dict(sequence_chunks=13), "cannot cut a sequence of 12 positions"),
+        (dict(sequence_chunks=[5, 5]), "cut 10 positions"),
+    ],
+)
+def test_bad_options_are_refused(options: dict[str, Any], words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, **options)
+
+
+def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
+    model = SdpaGPT()
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8])
+    with closing(pipe):
+        with pytest.raises(NotImplementedError, match="loss.backward"):
+            pipe.train_step(X, target=X, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+        with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):
+            pipe(tokens(2, 7))
+
+    class Embedded(nn.Module):  # inputs that require grad: embeddings
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = SdpaGPT()
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return self.gpt.head(self.gpt.ln(self.gpt.blocks(h)))
+
+    torch.manual_seed(0)
+    embedded = Embedded().double()
+    plain = copy.deepcopy(embedded)
+    h = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(embedded, h.detach(), ["cpu"] * 2, sequence_chunks=3)
+    with closing(pipe):
+        torch.testing.assert_close(pipe(h.detach()), plain(h.detach()), rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="inputs that require grad are not supported yet: h"):
+            pipe(h)
+
+
+def test_the_plan_says_how_the_sequence_is_sliced() -> None:
+    pipe = compile_pipeline(SdpaGPT(layers=2), X, ["cpu"] * 2, sequence_chunks=[4, 8])
+    with closing(pipe):
+        assert "in 2 slices, [4, 8] on the example" in pipe.plan.summary()
+        assert "4 keys and values carried" in pipe.plan.summary()  # keys and values of 2 blocks
+
+
+def test_auto_cuts_later_slices_shorter_where_attention_costs_and_computes_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(make_model(n_layer=2, n_embd=32, n_head=2, block_size=256))
+    x = tokens(1, 256)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, sequence_chunks="auto", balance="flops")
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None
+        lengths = pipe._compiled.slicing.lengths(256)
+        assert sum(lengths) == 256 and len(lengths) > 1 and lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+        assert f"{lengths} on the example" in pipe.plan.summary()
+        out, expected = pipe(x), plain(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        assert_grads_equal(pipe, plain, tol=1e-10)
