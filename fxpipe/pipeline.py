@@ -30,7 +30,7 @@ from fxpipe.guards import refuse_other_autocast, traced_mode
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs, micro_batch_losses
 from fxpipe.runtime.batchnorm import BatchStatistics
-from fxpipe.runtime.call import Call, devices_of, differentiable, split_call
+from fxpipe.runtime.call import Call, devices_of, differentiable, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
@@ -283,7 +283,7 @@ class Pipeline(nn.Module):
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
         grid = SliceGrid(call.micro_batches, self._compiled.slicing) if self._compiled.slicing is not None else None
         if grid is not None:
-            call = grid.call(call)
+            call = sliced_call(call, grid)
         step = self._step(call, "gpipe", loss=None, slices=grid)
 
         def gather(outputs: list[dict[str, Any]]) -> Gathered:

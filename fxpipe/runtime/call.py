@@ -1,6 +1,7 @@
 """One call of a pipeline, prepared: its inputs split into micro-batches and checked, and what it asks of autograd."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -13,6 +14,7 @@ from fxpipe.core.microbatch import Dims, ExampleLeaves, off_batch, scatter, spli
 from fxpipe.runtime.autograd import InputSlot
 from fxpipe.runtime.context import CallerContext
 from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
+from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.transforms import refuse_transforms
 
 
@@ -156,3 +158,21 @@ def devices_of(values: dict[str, Any]) -> dict[str, torch.device]:
 def rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any:
     """One micro-batch's output in the model's structure, its tensors as they are (not copied)."""
     return as_returned(tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template))
+
+
+def sliced_call(call: Call, grid: SliceGrid) -> Call:
+    """`call` with its micro-batches cut into the slices of `grid`, and its outputs joined again."""
+    if call.input_slots:
+        names = sorted({slot.name for slot in call.input_slots})
+        raise ValueError(
+            f"with sequence_chunks, inputs that require grad are not supported yet: {', '.join(names)}.\n"
+            "How to fix: pass inputs that do not require grad (token ids, or embeddings.detach()), or "
+            "compile with sequence_chunks=1."
+        )
+    gather = call.gather
+
+    def joined(per_slice: list[dict[str, Any]]) -> Gathered:
+        return grid.gathered(gather(grid.join(per_slice)))
+
+    sizes = [size for size in call.sizes for _ in grid.lengths]
+    return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined)

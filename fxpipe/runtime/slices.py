@@ -10,7 +10,6 @@ the gradients of what it carried, from the later slice's backward.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional, Sequence
 
 import torch
@@ -18,7 +17,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.schedules.slices import SliceSpec
 from fxpipe.core.microbatch import leaves_of
-from fxpipe.runtime.call import Call
 from fxpipe.runtime.gather import Gathered
 
 
@@ -90,22 +88,9 @@ class SliceGrid:
             cut.append(g.narrow(dim, start, size) if isinstance(g, torch.Tensor) and dim is not None else g)
         return tree_unflatten(cut, spec)
 
-    def call(self, call: Call) -> Call:
-        """`call` with its micro-batches cut into slices, and its outputs joined again."""
-        if call.input_slots:
-            names = sorted({slot.name for slot in call.input_slots})
-            raise ValueError(
-                f"with sequence_chunks, inputs that require grad are not supported yet: {', '.join(names)}.\n"
-                "How to fix: pass inputs that do not require grad (token ids, or embeddings.detach()), or "
-                "compile with sequence_chunks=1."
-            )
-        gather = call.gather
-
-        def joined(per_slice: list[dict[str, Any]]) -> Gathered:
-            return _SlicedGathered(gather(self.join(per_slice)), self)
-
-        sizes = [size for size in call.sizes for _ in self.lengths]
-        return dataclasses.replace(call, micro_batches=self.micro_batches, sizes=sizes, gather=joined)
+    def gathered(self, rows: Gathered) -> Gathered:
+        """The rows' outputs, gathered: their gradients go back to the slices."""
+        return _SlicedGathered(rows, self)
 
 
 class _SlicedGathered(Gathered):

@@ -22,7 +22,7 @@ only what the caller asked for receives them, and each parameter's hooks fire on
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -37,6 +37,7 @@ from fxpipe.runtime.context import CallerContext, worker_state
 from fxpipe.runtime.devices import Aborted, Mailbox, on_device
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.rollback import Rollback
+from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
 from fxpipe.runtime.tasks import LossFn, Saved, StageTasks, add_grads, requires_grad
 from fxpipe.runtime.versions import Versions
@@ -45,9 +46,6 @@ from fxpipe.runtime.worker import TaskGroup, Workers
 from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, WEIGHT_GRAD, Action, Layout, Schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 from fxpipe.schedules.timeline import Record
-
-if TYPE_CHECKING:  # the grid's module reads the call's, which reads this one
-    from fxpipe.runtime.slices import SliceGrid
 
 # Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
 # Tests set a bound, so that a deadlock fails in seconds.
@@ -79,7 +77,7 @@ class Step(StageTasks):
         global_rank: Optional[int] = None,
         weights: Optional[Versions] = None,
         batch: int = 0,
-        slices: Optional["SliceGrid"] = None,
+        slices: Optional[SliceGrid] = None,
     ) -> None:
         self.stages, self.workers = stages, workers
         # Slices of a sequence (fxpipe/runtime/slices.py): the micro-batches are its slices.
