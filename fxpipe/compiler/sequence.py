@@ -55,6 +55,8 @@ def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks
         try:
             proof = prove_causal(gm, inputs, dim)
         except CausalityError as error:
+            if traced.fx_failure:
+                raise CausalityError([*error.problems, _exported(traced.fx_failure)]) from None
             try:
                 again = lined()
             except Exception:  # noqa: BLE001 - the error without lines says it all the same
@@ -69,6 +71,15 @@ def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks
         spec = spec or made
     assert spec is not None
     return spec
+
+
+def _exported(why: str) -> str:
+    return (
+        f"the model was captured by torch.export, whose graph holds aten ops, because torch.fx could not trace it "
+        f"({why.splitlines()[0]}): the proof reads torch.fx's graph of PyTorch's functions, methods and modules, "
+        "and has no rules for aten ops yet (a Hugging Face model, whose mask functions and **kwargs torch.fx cannot "
+        "trace, comes this way). A model torch.fx traces can be proved"
+    )
 
 
 def example_length(spec: SliceSpec, inputs: dict[str, Any]) -> int:

@@ -184,3 +184,17 @@ def test_auto_cuts_later_slices_shorter_where_attention_costs_and_computes_the_p
         out.pow(2).sum().backward()
         expected.pow(2).sum().backward()
         assert_grads_equal(pipe, plain, tol=1e-10)
+
+
+def test_an_exported_graph_is_refused_saying_the_proof_reads_torch_fx_graphs() -> None:
+    class Variadic(nn.Module):  # **kwargs: torch.fx cannot trace it, torch.export can
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = SdpaGPT(layers=1)
+
+        def forward(self, idx: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            return self.gpt(idx)
+
+    with pytest.warns(UserWarning, match="used torch.export"):
+        with pytest.raises(CausalityError, match=r"captured by torch.export.*no rules for aten ops yet"):
+            compile_pipeline(Variadic(), X, ["cpu"] * 2, sequence_chunks=2)
