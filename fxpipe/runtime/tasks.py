@@ -30,6 +30,7 @@ from fxpipe.runtime.losses import value_grads
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.raw_grads import raw_grads
 from fxpipe.runtime.rollback import Rollback
+from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.stage_error import LossError
 from fxpipe.runtime.versions import Versions, own_alias
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
@@ -134,7 +135,7 @@ class StageTasks:
     # Slices of a sequence (fxpipe/runtime/slices.py): by (stage, micro-batch), the carries each
     # forward reads (leaves), those it made (for its backward), and their gradients (from the
     # next slice's backward).
-    slices: Any
+    slices: Optional[SliceGrid]
     carry_in: dict[tuple[int, int], dict[int, torch.Tensor]]
     carry_made: dict[tuple[int, int], dict[int, torch.Tensor]]
     carry_grads: dict[tuple[int, int], dict[int, Optional[torch.Tensor]]]
@@ -206,10 +207,10 @@ class StageTasks:
     def _hand_on_carries(self, i: int, j: int, checkpointed: bool) -> None:
         """After slice `i`'s forward on stage `j`: what it carried, as leaves for the next slice
         of its row. Kept for the backward where it has one (a recompute makes them again)."""
+        assert self.slices is not None
         made = self.carry_made.get((j, i), {})
         if not self.slices.last(i):
-            wants = self.grad
-            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(wants and t.is_floating_point()) for c, t in made.items()}
+            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(self.grad and t.is_floating_point()) for c, t in made.items()}
         if not self.grad or checkpointed:
             self.carry_made.pop((j, i), None)
         if not self.grad:
