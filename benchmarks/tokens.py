@@ -1,8 +1,9 @@
 """One sequence through two stages: one micro-batch per step against slices of its sequence (sequence_chunks).
 
 A small GPT (examples/gpt.py) on one sequence (batch 1) is cut in 2 stages on 2 CPU devices. Each
-contender runs `pipe(x)`, a cross-entropy loss and `loss.backward()`, timed round-robin with the
-plain model on one thread (torch threads 1). E = T(plain) / (2 x T(pipe)).
+contender runs `pipe(x)`, a cross-entropy loss and `loss.backward()` (checkpoint 'never': no
+recompute), timed round-robin with the plain model on one thread (torch threads 1).
+E = T(plain) / (2 x T(pipe)).
 
 Predicted E comes from the model's FLOPs: counted at two lengths, they give a cost per position
 (a) and per pair of positions attention computes (b); a slice of l positions after p others costs
@@ -35,7 +36,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="a shorter sequence and fewer layers, for a smoke run")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; 2 with --quick)")
-    p.add_argument("--slices", type=int, default=8, help="sequence_chunks of the uniform contender")
+    p.add_argument("--slices", type=int, default=8, help="sequence_chunks of the even contender")
     args = p.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 7)
     args.length, args.layers = (256, 2) if args.quick else (1024, 4)
@@ -101,10 +102,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     x, y = tokens(args.length)
     a, b = costs(model, args.length)
     contenders: list[tuple[Contender, list[int]]] = []
-    for slices in (1, args.slices):
-        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * STAGES, sequence_chunks=slices, balance="flops")
-        lengths = [args.length] if slices == 1 else [args.length // slices] * slices
-        contenders.append((Contender(f"fxpipe, sequence_chunks={slices}", step(pipe, x, y), pipe=pipe), lengths))
+    for slices in (1, args.slices, "auto"):
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * STAGES, sequence_chunks=slices, balance="flops", checkpoint="never")
+        spec = pipe._compiled.slicing
+        lengths = spec.lengths(args.length) if spec is not None else [args.length]
+        name = f"fxpipe, sequence_chunks={slices!r}" + (f" ({len(lengths)} slices, {lengths[0]} to {lengths[-1]})" if slices == "auto" else "")
+        contenders.append((Contender(name, step(pipe, x, y), pipe=pipe), lengths))
     plain = Contender("plain model, one thread", step(model, x, y))
     measure([plain, *(c for c, _ in contenders)], args.repeats, 1, warmup=1)
     print("# One sequence through two stages: slices of the sequence\n")

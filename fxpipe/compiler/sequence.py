@@ -17,7 +17,10 @@ from fxpipe.passes.sequence_slices import check_slices, slice_graph
 
 SequenceChunks = Union[int, str, Sequence[int]]
 
-# Seconds a slice adds on each stage whatever its length (its tasks' hand-offs and calls), by device type.
+# Seconds a slice adds on each stage whatever its length, per op of the stage (its forward and
+# backward calls: on the CPU 15 us per op, fitted with benchmarks/tokens.py) and per slice
+# (its tasks' hand-offs), by device type.
+OP_SECONDS = {"cpu": 1.5e-5, "cuda": 5e-6}
 SLICE_SECONDS = {"cpu": 3e-4, "cuda": 5e-5}
 
 
@@ -121,7 +124,7 @@ def with_costs(spec: SliceSpec, gm: fx.GraphModule, inputs: tuple[Any, ...], sta
     """`spec` for sequence_chunks='auto': the time of a slice on each stage, from the FLOPs of the
     graph's forward at the example's length and at half of it (position-wise work grows with the
     length, attention's scores with its square), forward and backward (3x), shared evenly among
-    the stages; and a fixed cost per slice."""
+    the stages; and a fixed cost per slice, of its ops' calls and its tasks."""
     if spec.chunks != "auto":
         return spec
     length = example_length(spec, dict(zip(_placeholders(gm), inputs)))
@@ -130,7 +133,9 @@ def with_costs(spec: SliceSpec, gm: fx.GraphModule, inputs: tuple[Any, ...], sta
     per_pair = max((f_long / length - f_short / short) / (length - short), 0.0) if length > short else 0.0
     per_position = max(f_long / length - per_pair * length, 0.0)
     seconds = 3.0 / (flop_rate * stages)
-    return replace(spec, auto=(per_position * seconds, per_pair * seconds, SLICE_SECONDS.get(device, 5e-5), stages))
+    ops = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")) / stages
+    per_slice = SLICE_SECONDS.get(device, 5e-5) + ops * OP_SECONDS.get(device, 1e-5)
+    return replace(spec, auto=(per_position * seconds, per_pair * seconds, per_slice, stages))
 
 
 def _forward_flops(gm: fx.GraphModule, inputs: tuple[Any, ...], spec: SliceSpec, length: int) -> float:

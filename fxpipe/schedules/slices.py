@@ -16,6 +16,7 @@ program finds the cheapest cut whose slices all take at most M; the best M wins.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -107,8 +108,7 @@ class SliceSpec:
         if self.chunks == "auto":
             if self.auto is None:  # before the cost model is known: any cut checks the rewrite
                 return slice_lengths(length, min(2, length))
-            per_position, per_pair, per_slice, stages = self.auto
-            return best_slices(length, stages, slice_time(per_position, per_pair, per_slice), granularity=max(1, length // 64))
+            return list(_auto_lengths(self.auto, length))
         if isinstance(self.chunks, int):
             return slice_lengths(length, self.chunks)
         assert not isinstance(self.chunks, str)
@@ -118,6 +118,14 @@ class SliceSpec:
                 f"has {length}.\nHow to fix: give lengths that sum to the sequence's length, or a number of slices."
             )
         return list(self.chunks)
+
+
+@functools.lru_cache(maxsize=64)
+def _auto_lengths(auto: tuple[float, float, float, int], length: int) -> tuple[int, ...]:
+    """The best cut of `length` positions for these costs (SliceSpec.auto), once per length: the
+    program takes a fraction of a second, and a call's sequence is cut on every call."""
+    per_position, per_pair, per_slice, stages = auto
+    return tuple(best_slices(length, stages, slice_time(per_position, per_pair, per_slice), granularity=max(1, length // 64)))
 
 
 def slice_lengths(length: int, chunks: int) -> list[int]:

@@ -171,13 +171,13 @@ def test_the_plan_says_how_the_sequence_is_sliced() -> None:
 
 def test_auto_cuts_later_slices_shorter_where_attention_costs_and_computes_the_plain_model() -> None:
     torch.manual_seed(0)
-    model, plain = twin(make_model(n_layer=2, n_embd=32, n_head=2, block_size=256))
-    x = tokens(1, 256)
+    model, plain = twin(make_model(n_layer=2, n_embd=64, n_head=2, block_size=512))
+    x = tokens(1, 512)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, sequence_chunks="auto", balance="flops")
     with closing(pipe):
         assert pipe._compiled.slicing is not None
-        lengths = pipe._compiled.slicing.lengths(256)
-        assert sum(lengths) == 256 and len(lengths) > 1 and lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
+        lengths = pipe._compiled.slicing.lengths(512)
+        assert sum(lengths) == 512 and len(lengths) > 1 and lengths == sorted(lengths, reverse=True) and lengths[0] > lengths[-1]
         assert f"{lengths} on the example" in pipe.plan.summary()
         out, expected = pipe(x), plain(x)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
@@ -198,3 +198,12 @@ def test_an_exported_graph_is_refused_saying_the_proof_reads_torch_fx_graphs() -
     with pytest.warns(UserWarning, match="used torch.export"):
         with pytest.raises(CausalityError, match=r"captured by torch.export.*no rules for aten ops yet"):
             compile_pipeline(Variadic(), X, ["cpu"] * 2, sequence_chunks=2)
+
+
+def test_auto_keeps_one_slice_where_slices_cost_more_than_they_save() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(SdpaGPT())
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks="auto")
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None and pipe._compiled.slicing.lengths(12) == [12]
+        torch.testing.assert_close(pipe(X), plain(X), rtol=0, atol=1e-12)
