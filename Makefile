@@ -35,6 +35,7 @@ bench: setup
 	$(PY) benchmarks/schedules.py --gantt docs/gantt_zb_h1.svg
 	$(PY) benchmarks/balance.py
 	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/tokens.py
 
 # The GPU check, one command on a machine with CUDA and its own torch, which may reach no package
 # registry: what it needs beyond that torch comes from wheels fetched here beforehand (gpu-wheels),
