@@ -26,6 +26,11 @@ MIXING_KINDS = ("mean", "cumsum", "bidirectional", "last", "flip")
 class Layer(nn.Module):
     """One layer of a random model, (B, T, C) -> (B, T, C), a residual around the attention kinds."""
 
+    tril: torch.Tensor
+    minus: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, kind: str, width: int, heads: int) -> None:
         super().__init__()
         self.kind, self.heads = kind, heads
