@@ -423,18 +423,22 @@ class Pipeline(nn.Module):
         with `versions`, batch `batch` of a loop whose steps overlap."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        if self._compiled.slicing is not None:
-            raise NotImplementedError(
-                "train_step and train_steps do not run slices of a sequence yet (sequence_chunks).\nHow to fix: "
-                "train with loss = loss_fn(pipe(x), y); loss.backward(); optimizer.step(), which runs them; or "
-                "compile with sequence_chunks=1."
-            )
         check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs, held)
+        schedule = self.plan.schedule if call.grad else "gpipe"
+        if self._compiled.slicing is not None and schedule != "gpipe":
+            raise NotImplementedError(
+                f"schedule={schedule!r} does not run slices of a sequence yet (sequence_chunks): each row's slices must "
+                "run their backwards in reverse, which only 'gpipe' orders so.\nHow to fix: compile with "
+                "schedule='gpipe', or train with loss = loss_fn(pipe(x), y); loss.backward(), which runs GPipe."
+            )
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
+        grid = SliceGrid(call.micro_batches, self._compiled.slicing) if self._compiled.slicing is not None else None
+        if grid is not None:  # each row's slices run as micro-batches, each with its positions of the target
+            targets, weights, call = grid.targets(targets), grid.weights(weights, reduction), sliced_call(call, grid)
         micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
@@ -446,7 +450,7 @@ class Pipeline(nn.Module):
                 "for such a loss.",
                 stacklevel=2,
             )
-        step = self._step(call, self.plan.schedule if call.grad else "gpipe", loss=micro_batch_loss, versions=versions, batch=batch)
+        step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch, slices=grid)
         kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
         return call, step
 

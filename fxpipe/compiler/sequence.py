@@ -66,7 +66,7 @@ def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks
                 raise error from None
             prove_causal(again, inputs, dim)  # raises again, with the model's lines
             raise
-        made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries))
+        made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         sliced = slice_graph(gm, proof)
         check_slices(gm, sliced, proof, inputs, made.lengths(example_length(made, dict(zip(_placeholders(gm), inputs)))))
         outputs.update(_output_dims(gm, proof))
@@ -115,8 +115,7 @@ def slices_note(spec: SliceSpec, dim: int, length: int) -> str:
     lengths = spec.lengths(length)
     return (
         f"sequence slices: each micro-batch's sequence (dim {dim}) in {len(lengths)} slices, {lengths} on the example, "
-        f"run in turn by every stage; {spec.carries} keys and values carried from slice to slice; pipe(x) runs them, "
-        "train_step does not yet"
+        f"run in turn by every stage; {spec.carries} keys and values carried from slice to slice (GPipe)"
     )
 
 

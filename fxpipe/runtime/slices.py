@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.schedules.slices import SliceSpec
 from fxpipe.core.microbatch import leaves_of
@@ -87,6 +87,26 @@ class SliceGrid:
             dim = dims[k] if k < len(dims) else None
             cut.append(g.narrow(dim, start, size) if isinstance(g, torch.Tensor) and dim is not None else g)
         return tree_unflatten(cut, spec)
+
+    def targets(self, rows: Sequence[Any]) -> list[Any]:
+        """Each row's target (of a train step), cut into its slices' along the sequence's dim."""
+        return [tree_map(lambda t: self._target_piece(t, start, size), target) for target in rows for start, size in zip(self.starts, self.lengths)]
+
+    def _target_piece(self, t: Any, start: int, size: int) -> Any:
+        d = self.spec.dim
+        if not isinstance(t, torch.Tensor) or t.dim() <= d or t.shape[d] != self.length:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"with sequence_chunks, each slice's loss takes its positions of the target, and the target {shape} "
+                f"does not hold the sequence ({self.length} positions) along dim {d}.\nHow to fix: give a target per "
+                "position (next-token labels, batch first), or train with loss = loss_fn(pipe(x), y); loss.backward()."
+            )
+        return t.narrow(d, start, size)
+
+    def weights(self, rows: Sequence[float], reduction: str) -> list[float]:
+        """Each slice's weight in the batch's loss: its row's, times its share of the positions
+        for a mean (a mean over positions combines so), the row's for a sum."""
+        return [w * (size / self.length if reduction == "mean" else 1.0) for w in rows for size in self.lengths]
 
     def gathered(self, rows: Gathered) -> Gathered:
         """The rows' outputs, gathered: their gradients go back to the slices."""

@@ -99,6 +99,7 @@ class SliceSpec:
     inputs: dict[str, int]
     outputs: dict[str, tuple[Optional[int], ...]]
     carries: int
+    dim: int = 1  # sequence_dim: where a train step's target holds the sequence
     # With chunks='auto': seconds per position, per pair of positions scored and per slice on
     # each stage, and the stages, from which `best_slices` cuts each call's sequence.
     auto: Optional[tuple[float, float, float, int]] = None

@@ -134,12 +134,53 @@ def test_bad_options_are_refused(options: dict[str, Any], words: str) -> None:
         compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, **options)
 
 
+def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_train_step_and_train_steps_equal_the_plain_model(reduction: str) -> None:
+    torch.manual_seed(0)
+    model, plain = twin(RotaryGPT())
+    y = tokens(4, 12, seed=5)
+    loss_fn = _loss if reduction == "mean" else (lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum"))
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=[5, 7], checkpoint="always")
+    with closing(pipe):
+        loss = pipe.train_step(X, target=y, loss_fn=loss_fn, reduction=reduction)
+        expected = loss_fn(plain(X), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, plain, tol=1e-10)
+        # Two batches of SGD through train_steps, against the plain loop.
+        batches = [(tokens(4, 12, seed=s), tokens(4, 12, seed=s + 1)) for s in (7, 9)]
+        opt, plain_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(plain.parameters(), lr=0.1)
+        losses = list(pipe.train_steps(batches, loss_fn=loss_fn, optimizer=opt, reduction=reduction))
+        for (inputs, target), got in zip(batches, losses):
+            plain_opt.zero_grad()
+            want = loss_fn(plain(inputs), target)
+            want.backward()
+            plain_opt.step()
+            torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=0)
+        for p, q in zip(model.parameters(), plain.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused() -> None:
+    pipe = compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, sequence_chunks=3)
+    with closing(pipe):
+        with pytest.raises(ValueError, match=r"does not hold the sequence \(12 positions\) along dim 1"):
+            pipe.train_step(X, target=torch.zeros(4, dtype=torch.long), loss_fn=lambda out, t: F.cross_entropy(out[:, 0], t))
+        per_sequence = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum") / out.shape[0]  # noqa: E731
+        with pytest.raises(ValueError, match="is not a mean over samples"):
+            pipe.train_step(X, target=X, loss_fn=per_sequence)
+
+
 def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
     model = SdpaGPT()
-    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8])
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8], schedule="1f1b")
     with closing(pipe):
-        with pytest.raises(NotImplementedError, match="loss.backward"):
-            pipe.train_step(X, target=X, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+        with pytest.raises(NotImplementedError, match=r"(?s)schedule='1f1b' does not run slices.*schedule='gpipe'"):
+            pipe.train_step(X, target=X, loss_fn=_loss)
         with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):
             pipe(tokens(2, 7))
 
