@@ -23,7 +23,9 @@ from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
 from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiler.placement import place_state
-from fxpipe.compiler.sequence import SequenceChunks, example_length, sequence_problems, slice_graphs, slices_note, with_costs
+from fxpipe.compiler.sequence import (
+    SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
+)
 from fxpipe.core.attrs import tensors_read
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -305,7 +307,8 @@ def compile_pipeline(
         times=times_basis(order, costs),
     )
     if slicing is not None:
-        plan.notes.append(slices_note(slicing, sequence_dim, example_length(slicing, bound)))
+        count_carries(plan.stages, runs, slicing, example_length(slicing, bound))
+        plan.notes.append(slices_note(slicing, sequence_dim, example_length(slicing, bound), plan.stages))
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),

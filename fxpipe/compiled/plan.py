@@ -31,6 +31,7 @@ class StagePlan:
     time: float = 0.0  # predicted forward + backward seconds per batch, receiving included
     memory: int = 0  # predicted bytes held: parameters (scaled) and activations in flight
     activation_bytes: int = 0  # what the stage's nodes make, per batch (held until backward)
+    carry_bytes: int = 0  # slices of a sequence: the keys and values its slices carry, per batch (in `memory`)
     forward_share: float = 1 / 3  # of `time`: measured where times are, else a forward in three
     input_share: float = 0.5  # of the backward, the inputs' gradients (zb-h1's I): measured for zb-h1 with balance='time'
 

@@ -1,6 +1,7 @@
 """Compiling for slices of a sequence: the model proved causal, its graphs rewritten to run one slice, checked on the example."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -8,7 +9,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.compiled.plan import StagePlan, human_bytes
 from fxpipe.compiler.frontend import Traced
+from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import FlopCount
 from fxpipe.schedules.slices import SliceSpec
@@ -110,12 +113,14 @@ def _query_dim(tag: Any, proof: Proof) -> Optional[int]:
     return next((d for d, role in tag.dims if proof.role_of(role) == Q), None)
 
 
-def slices_note(spec: SliceSpec, dim: int, length: int) -> str:
+def slices_note(spec: SliceSpec, dim: int, length: int, stages: Sequence[StagePlan]) -> str:
     """The plan's line on slices of a sequence."""
     lengths = spec.lengths(length)
+    held = ", ".join(human_bytes(stage.carry_bytes) for stage in stages)
     return (
         f"sequence slices: each micro-batch's sequence (dim {dim}) in {len(lengths)} slices, {lengths} on the example, "
-        f"run in turn by every stage; {spec.carries} keys and values carried from slice to slice (GPipe)"
+        f"run in turn by every stage (GPipe); {spec.carries} keys and values carried from slice to slice, held until "
+        f"backward per stage (in memory): {held}"
     )
 
 
@@ -143,3 +148,15 @@ def _forward_flops(gm: fx.GraphModule, inputs: tuple[Any, ...], spec: SliceSpec,
     with torch.no_grad(), preserved(gm), FlopCount() as counter:
         gm(*cut)
     return float(counter.flops)
+
+
+def count_carries(stages: list[StagePlan], runs: Sequence[Sequence[fx.Node]], spec: SliceSpec, length: int) -> None:
+    """Add to each stage's memory the keys and values its slices carry, held until backward:
+    slice j keeps those of every position up to its last, so a batch's carries hold
+    sum_j (end_j / T) times the whole sequence's keys and values ((k + 1) / 2 for k even slices)."""
+    ends = list(itertools.accumulate(spec.lengths(length)))
+    share = sum(end / length for end in ends)
+    for stage, run in zip(stages, runs):
+        whole = sum(int(node.meta.get("bytes", 0)) for node in run if node.target is with_carry)
+        stage.carry_bytes = int(whole * share)
+        stage.memory += stage.carry_bytes

@@ -208,6 +208,10 @@ def test_the_plan_says_how_the_sequence_is_sliced() -> None:
     with closing(pipe):
         assert "in 2 slices, [4, 8] on the example" in pipe.plan.summary()
         assert "4 keys and values carried" in pipe.plan.summary()  # keys and values of 2 blocks
+        # Each block's keys and values, (4, 2, 12, 8) float32 a batch: slice 0 keeps positions 0-3, slice 1 all 12.
+        kv = 2 * 4 * 2 * 12 * 8 * 4
+        assert [s.carry_bytes for s in pipe.plan.stages] == [int(kv * (4 / 12 + 12 / 12))] * 2
+        assert "held until backward per stage (in memory): 8.0 KiB, 8.0 KiB" in pipe.plan.summary()
 
 
 def test_auto_cuts_later_slices_shorter_where_attention_costs_and_computes_the_plain_model() -> None:
