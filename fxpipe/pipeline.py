@@ -426,11 +426,10 @@ class Pipeline(nn.Module):
         check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs, held)
         schedule = self.plan.schedule if call.grad else "gpipe"
-        if self._compiled.slicing is not None and schedule != "gpipe":
+        if self._compiled.slicing is not None and schedule == "2bw":
             raise NotImplementedError(
-                f"schedule={schedule!r} does not run slices of a sequence yet (sequence_chunks): each row's slices must "
-                "run their backwards in reverse, which only 'gpipe' orders so.\nHow to fix: compile with "
-                "schedule='gpipe', or train with loss = loss_fn(pipe(x), y); loss.backward(), which runs GPipe."
+                "schedule='2bw' does not run slices of a sequence yet (sequence_chunks).\nHow to fix: compile with "
+                "a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'), which runs them."
             )
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
@@ -524,7 +523,7 @@ class Pipeline(nn.Module):
             output_device=self.devices[-1],
             input_devices=devices_of(call.values),
             context=call.context,
-            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None),
+            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None, slices.per_row if slices else 1),
             layout=program.layout,
             batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,

@@ -119,7 +119,7 @@ def slices_note(spec: SliceSpec, dim: int, length: int, stages: Sequence[StagePl
     held = ", ".join(human_bytes(stage.carry_bytes) for stage in stages)
     return (
         f"sequence slices: each micro-batch's sequence (dim {dim}) in {len(lengths)} slices, {lengths} on the example, "
-        f"run in turn by every stage (GPipe); {spec.carries} keys and values carried from slice to slice, held until "
+        f"run in turn by every stage; {spec.carries} keys and values carried from slice to slice, held until "
         f"backward per stage (in memory): {held}"
     )
 

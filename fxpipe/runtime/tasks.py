@@ -454,7 +454,7 @@ class StageTasks:
             if not self.slices.last(i) and (j, i) not in self.carry_grads and any(t.requires_grad for t in made.values()):
                 raise RuntimeError(
                     f"stage {j} ran the backward of slice {i} before that of the slice after it, whose gradients "
-                    "it needs: slices of a sequence run under a schedule that runs each row's backwards in reverse."
+                    "it needs: slices of a sequence run under a schedule made of rows (fxpipe/schedules/actions.py, by_rows)."
                 )
             given = self.carry_grads.pop((j, i), {})
             for c, t in made.items():
@@ -470,8 +470,7 @@ class StageTasks:
         self._release(i, j)
         carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
         input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried)  # (6)
-        if carried_grads:
-            self.carry_grads[(j, i - 1)] = carried_grads
+        self._hand_back_carries(i, j, carried_grads)
         del tensors, grad_tensors
         end = time.perf_counter()
         self._send_input_grads(stage, i, input_grads)  # (7)
@@ -485,12 +484,19 @@ class StageTasks:
         # A compiled stage's backward is one node that computes every gradient at once (and frees
         # what it saved): I runs all of it, and W has nothing left to do.
         split = stage.compiled is None
-        input_grads, pending, _ = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split)
+        carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
+        input_grads, pending, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split, carried=carried)
+        self._hand_back_carries(i, j, carried_grads)
         saved.pending = pending if pending is not None else PendingWeights()
         del tensors, grad_tensors
         end = time.perf_counter()
         self._send_input_grads(stage, i, input_grads)
         return start, end
+
+    def _hand_back_carries(self, i: int, j: int, grads: dict[int, Optional[torch.Tensor]]) -> None:
+        """The gradients of what slice `i` read as carries, for the backward of the slice before."""
+        if grads:
+            self.carry_grads[(j, i - 1)] = grads
 
     def _weight_grad_task(self, i: int, j: int) -> tuple[float, float]:
         """W: the gradients of the stage's parameters and shared copies, from what I kept."""

@@ -123,6 +123,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     micro_batches: int
     loss: bool = True
+    slices: int = 1  # per row: micro-batches i and i + 1 of a row pass a carry (fxpipe/schedules/slices.py)
 
     def __str__(self) -> str:
         return "\n".join(f"worker {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
@@ -244,6 +245,19 @@ def needs(layout: Layout, action: Action, loss: bool, split: Container[tuple[int
     return deps
 
 
+def carried(action: Action, slices: int, split: Container[tuple[int, int]]) -> list[Action]:
+    """Slices of a sequence (`slices` per row): a slice's forward reads the carry of the one
+    before it on its stage, and its backward the gradient of its own carry, from the one after."""
+    s, i = action.stage, action.micro_batch
+    if slices < 2:
+        return []
+    if action.kind == FORWARD and i % slices:
+        return [Action(FORWARD, s, i - 1)]
+    if action.kind in (BACKWARD, INPUT_GRAD) and i % slices != slices - 1:
+        return [Action(INPUT_GRAD if (s, i + 1) in split else BACKWARD, s, i + 1)]
+    return []
+
+
 def dependency_graph(schedule: Schedule, layout: Layout, checkpointed: int) -> "nx.DiGraph[Action]":
     """Each worker's order, and an edge from every action to each that `needs` it: the graph the
     checker looks for cycles in and the simulator times."""
@@ -252,10 +266,30 @@ def dependency_graph(schedule: Schedule, layout: Layout, checkpointed: int) -> "
         graph.add_nodes_from(acts)
         graph.add_edges_from(zip(acts, acts[1:]))
     for action in list(graph.nodes):
-        for dep in needs(layout, action, schedule.loss, schedule.split, checkpointed):
+        for dep in [*needs(layout, action, schedule.loss, schedule.split, checkpointed), *carried(action, schedule.slices, schedule.split)]:
             if dep in graph:
                 graph.add_edge(dep, action)
     return graph
+
+
+def by_rows(per_rank: list[list[Action]], slices: int) -> list[list[Action]]:
+    """A schedule of rows made one of their slices: each row's forward runs its slices in order,
+    each of its backward steps (B, I or W) in reverse, so that a slice's carry is made before the
+    next slice reads it and its gradient before its own backward needs it.
+
+        row schedule (1F1B)   F0 F1 B0 F2 B1 B2
+        two slices a row      F0 F1 F2 F3 B1 B0 F4 F5 B3 B2 B5 B4
+    """
+    if slices < 2:
+        return per_rank
+    out = []
+    for acts in per_rank:
+        row: list[Action] = []
+        for a in acts:
+            order = range(slices) if a.kind == FORWARD else reversed(range(slices))
+            row += [Action(a.kind, a.stage, a.micro_batch * slices + k) for k in order]
+        out.append(row)
+    return out
 
 
 def with_recompute(per_rank: list[list[Action]], checkpointed: int) -> list[list[Action]]:

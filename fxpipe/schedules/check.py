@@ -17,8 +17,8 @@ from typing import Callable
 import networkx as nx
 
 from fxpipe.schedules.actions import (
-    BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, dependency_graph, gpipe,
-    interleaved_one_f_one_b, one_f_one_b, with_recompute,
+    BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, by_rows, dependency_graph,
+    gpipe, interleaved_one_f_one_b, one_f_one_b, with_recompute,
 )
 from fxpipe.schedules.zero_bubble import zb_h1
 
@@ -81,12 +81,13 @@ def check(schedule: Schedule, layout: Layout, checkpointed: int) -> None:
 
 
 @lru_cache(maxsize=64)
-def make_schedule(name: str, layout: Layout, micro_batches: int, checkpointed: int, loss: bool = True) -> Schedule:
+def make_schedule(name: str, layout: Layout, micro_batches: int, checkpointed: int, loss: bool = True, slices: int = 1) -> Schedule:
     """The named schedule, checked: `checkpointed` micro-batches (the first ones) recompute.
-    Cached: a pipeline asks for the same few on every step."""
+    With `slices` per row (slices of a sequence), the schedule of the rows, each made its slices
+    (`by_rows`). Cached: a pipeline asks for the same few on every step."""
     if name not in MAKERS:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    per_rank = with_recompute(MAKERS[name](layout, micro_batches), checkpointed)
-    schedule = Schedule(name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss)
+    per_rank = with_recompute(by_rows(MAKERS[name](layout, micro_batches // slices), slices), checkpointed)
+    schedule = Schedule(name, tuple(tuple(acts) for acts in per_rank), micro_batches, loss, slices)
     check(schedule, layout, checkpointed)
     return schedule

@@ -165,6 +165,26 @@ def test_train_step_and_train_steps_equal_the_plain_model(reduction: str) -> Non
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
+SCHEDULES: dict[str, dict[str, Any]] = {"gpipe": {}, "1f1b": {}, "zb-h1": {}, "interleaved-1f1b": {"stages_per_device": 2}}
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_schedule_runs_each_row_s_slices_and_equals_the_plain_model(schedule: str, checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model, plain = twin(SdpaGPT(layers=4, dropout=0.0))
+    y = tokens(4, 12, seed=5)
+    pipe = compile_pipeline(
+        model, X, ["cpu"] * 2, chunks=4, sequence_chunks=[3, 5, 4], schedule=schedule, checkpoint=checkpoint, **SCHEDULES[schedule]
+    )  # fmt: skip
+    with closing(pipe):
+        loss = pipe.train_step(X, target=y, loss_fn=_loss)
+        expected = _loss(plain(X), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, plain, tol=1e-11)
+
+
 def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused() -> None:
     pipe = compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, sequence_chunks=3)
     with closing(pipe):
@@ -177,9 +197,9 @@ def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused
 
 def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
     model = SdpaGPT()
-    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8], schedule="1f1b")
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=[4, 8], schedule="2bw")
     with closing(pipe):
-        with pytest.raises(NotImplementedError, match=r"(?s)schedule='1f1b' does not run slices.*schedule='gpipe'"):
+        with pytest.raises(NotImplementedError, match=r"(?s)schedule='2bw' does not run slices.*'1f1b'"):
             pipe.train_step(X, target=X, loss_fn=_loss)
         with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):
             pipe(tokens(2, 7))

@@ -51,3 +51,21 @@ def test_later_slices_are_shorter_when_attention_costs_and_slices_pay_for_themse
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="1 or more"):
         best_slices(0, 2, slice_time(1, 0, 0))
+
+
+def test_rows_made_slices_keep_each_row_s_order_and_the_checker_holds_carries() -> None:
+    from fxpipe.schedules.actions import BACKWARD, FORWARD, Action, Layout, Schedule, by_rows, one_f_one_b
+    from fxpipe.schedules.check import ScheduleError, check, make_schedule
+
+    layout = Layout.of([], [0, 1])
+    rows = one_f_one_b(layout, 3)
+    expanded = by_rows(rows, 2)
+    # Stage 1 alternates at once: row 0's two forwards, then its backwards in reverse, and so on.
+    assert " ".join(map(str, expanded[1])) == "F0@1 F1@1 B1@1 B0@1 F2@1 F3@1 B3@1 B2@1 F4@1 F5@1 B5@1 B4@1"
+    schedule = make_schedule("1f1b", layout, 6, 0, True, 2)
+    assert schedule.slices == 2 and [list(a) for a in schedule.actions] == expanded
+    # A row's backwards in order would need a carry's gradient before it is made: refused.
+    wrong = [[Action(FORWARD, s, i) for i in range(4)] + [Action(BACKWARD, s, i) for i in range(4)] for s in range(2)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check(Schedule("gpipe", tuple(map(tuple, wrong)), 4, True, 2), layout, 0)
+    check(Schedule("gpipe", tuple(map(tuple, wrong)), 4, True, 1), layout, 0)  # the same order, without carries: fine
