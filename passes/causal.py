@@ -614,8 +614,11 @@ class _Prover(fx.Interpreter):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
         given = {**dict(zip(names, args)), **kwargs}
         tagged = {**dict(zip(names, tags)), **kwtags}
-        if tagged.get("attn_mask") is not None or given.get("attn_mask") is not None or not given.get("is_causal", False):
-            raise _Refused("attention that is not causal (is_causal=False, or a mask this check cannot read): bidirectional attention reads later positions")
+        mask = given.get("attn_mask")
+        if mask is not None:
+            self._causal_mask(mask, tagged.get("attn_mask"), given["query"].dim())
+        elif not given.get("is_causal", False):
+            raise _Refused("attention that is not causal (is_causal=False and no mask): bidirectional attention reads later positions")
         for name in ("query", "key", "value"):
             x, tag = given[name], tagged.get(name)
             if not isinstance(tag, Positions) or [d for d, _ in tag.dims] != [x.dim() - 2] or self._unify(tag.dims[0][1], Q) is None:
@@ -624,6 +627,22 @@ class _Prover(fx.Interpreter):
             self._carry(n, position if len(args) > position else name, given[name].dim() - 2)
         self.proof.attention.append(n.name)
         return Positions(((given["query"].dim() - 2, Q),))
+
+    def _causal_mask(self, mask: Any, tag: Any, rank: int) -> None:
+        """An attention mask whose last two dims are the queries' and the keys' positions (its
+        tables take those roles), hiding every key after its query on the example: False where
+        boolean, -inf where added."""
+        if not isinstance(mask, torch.Tensor) or not isinstance(tag, Positions):
+            raise _Refused("attention's mask does not follow the sequence (a mask made without the length, or no tensor)")
+        shift = rank - mask.dim()
+        for d, role in tag.dims:
+            at = d + shift
+            wanted = Q if at == rank - 2 else K if at == rank - 1 else None
+            if wanted is None or self._unify(role, wanted) is None:
+                raise _Refused("attention's mask holds positions on other dims than its last two (queries, keys)")
+        hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
+        if mask.dim() < 2 or not _future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
+            raise _Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
 
     def _carry(self, n: fx.Node, argument: Any, dim: int) -> None:
         """`n` reads its `argument` (a position or a keyword) as keys: the slices before

@@ -80,14 +80,16 @@ class _Slicer:
 
     def _attention(self, node: fx.Node) -> fx.Node:
         """scaled_dot_product_attention with carried keys and values, and the causal mask of a
-        slice in place of `is_causal`."""
+        slice in place of `is_causal` (a mask it was given reads the slice's rows and keys already:
+        its tables are cut so)."""
         given = {**dict(zip(_ATTENTION_ARGUMENTS, node.args)), **node.kwargs}
         given = {name: fx.map_arg(value, self._arg) for name, value in given.items()}
         position = {name: i for i, name in enumerate(_ATTENTION_ARGUMENTS)}
         for name in ("key", "value"):
             argument = position[name] if position[name] < len(node.args) else name
             given[name] = self._carried(node.name, argument, _node(given[name]))
-        given["attn_mask"] = self.graph.call_function(causal_mask, (given["query"], given["key"]))
+        if given.get("attn_mask") is None:  # is_causal, for a slice: the mask aligned to the lower right
+            given["attn_mask"] = self.graph.call_function(causal_mask, (given["query"], given["key"]))
         given["is_causal"] = False
         q, k, v = given.pop("query"), given.pop("key"), given.pop("value")
         new = self.graph.call_function(F.scaled_dot_product_attention, (q, k, v), given)

@@ -127,3 +127,27 @@ class Wrapped(nn.Module):
 
 def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+class MaskedSdpaGPT(nn.Module):
+    """SDPA given a mask cut from a buffer: boolean (True reads), additive (-inf hides), or one
+    that reads every key (not causal)."""
+
+    keep: torch.Tensor
+    minus: torch.Tensor
+
+    def __init__(self, mask: str = "boolean") -> None:
+        super().__init__()
+        self.tok, self.head, self.qkv = nn.Embedding(VOCAB, WIDTH), nn.Linear(WIDTH, VOCAB), nn.Linear(WIDTH, 3 * WIDTH)
+        self.register_buffer("keep", torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril() if mask == "boolean" else torch.ones(BLOCK, BLOCK, dtype=torch.bool))
+        self.register_buffer("minus", torch.full((BLOCK, BLOCK), float("-inf")).triu(1))
+        self.mask = mask
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(WIDTH, dim=-1)
+        q, k, v = (h.view(b, t, HEADS, c // HEADS).transpose(1, 2) for h in (q, k, v))
+        mask = self.minus[:t, :t] if self.mask == "additive" else self.keep[:t, :t]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(x + y.transpose(1, 2).reshape(b, t, c))

@@ -19,8 +19,8 @@ from fxpipe.passes.causal import CausalityError
 
 MAX_LENGTH, VOCAB = 16, 11
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "6"))  # per test, twice this (raise it for a longer search)
-CAUSAL_KINDS = ("linear", "norm", "sdpa", "tril", "aranges", "additive", "rotary", "positions", "dropout")
-MIXING_KINDS = ("mean", "cumsum", "bidirectional", "last", "flip")
+CAUSAL_KINDS = ("linear", "norm", "sdpa", "tril", "aranges", "additive", "rotary", "positions", "dropout", "sdpa_tril", "sdpa_minus")
+MIXING_KINDS = ("mean", "cumsum", "bidirectional", "last", "flip", "sdpa_full")
 
 
 class Layer(nn.Module):
@@ -75,6 +75,9 @@ class Layer(nn.Module):
             q, k = q * cos + _half(q) * sin, k * cos + _half(k) * sin
         if kind in ("sdpa", "rotary", "bidirectional"):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=kind != "bidirectional")
+        elif kind.startswith("sdpa_"):  # a mask given: boolean (True reads), or added
+            mask = {"sdpa_tril": self.tril != 0, "sdpa_full": self.tril >= 0, "sdpa_minus": self.minus}[kind]
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.narrow(0, 0, t).narrow(1, 0, t))
         else:
             att = q @ k.transpose(-2, -1) * 0.5
             if kind == "tril":

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sequence_models import BLOCK, RotaryGPT, SdpaGPT, Wrapped, tokens
+from sequence_models import BLOCK, MaskedSdpaGPT, RotaryGPT, SdpaGPT, Wrapped, tokens
 from fxpipe.passes.causal import K, Q, CausalityError, Positions, prove_causal
 from fxpipe.schedules.slices import slice_lengths
 from fxpipe.passes.sequence_slices import check_slices, run_in_slices, slice_graph
@@ -26,6 +26,8 @@ CAUSAL: dict[str, Callable[[], nn.Module]] = {
     "gpt with causal sdpa and learned positions": lambda: SdpaGPT(),
     "rotary gpt with a tril buffer (nanoGPT's attention)": lambda: RotaryGPT(),
     "rotary gpt masked by a comparison of two aranges": lambda: RotaryGPT(mask="aranges"),
+    "sdpa given a boolean tril mask": lambda: MaskedSdpaGPT("boolean"),
+    "sdpa given an additive mask": lambda: MaskedSdpaGPT("additive"),
 }
 LENGTHS = [[12], [6, 6], [5, 3, 4], [1] * 12, [2, 7, 3]]
 
@@ -161,6 +163,11 @@ def test_a_model_that_reads_later_positions_is_refused_naming_the_op(name: str) 
     assert "How to fix" in str(caught.value)
     if name != "bidirectional sdpa":  # the model's line is named (here, this file's lambda)
         assert any("test_causal.py" in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_attention_given_a_mask_that_reads_later_keys_is_refused() -> None:
+    with pytest.raises(CausalityError, match="lets a query read keys after it"):
+        prove_causal(trace(MaskedSdpaGPT("everything")), (tokens(),))
 
 
 def test_one_arange_for_both_roles_is_refused_saying_to_make_two() -> None:
