@@ -544,8 +544,9 @@ class _Prover(fx.Interpreter):
             return before
         if key in _SCALES:
             others = [o for o, t in operands if t is not first]
-            zero = any(t is not None and isinstance(t, Positions) and t.masked == ZERO for _, t in operands)
-            if zero:
+            # 0 times anything is 0; 0 divided by something, but nothing divided by 0.
+            zeros = operands if key in (operator.mul, torch.mul, "mul") else operands[:1]
+            if any(isinstance(t, Positions) and t.masked == ZERO for _, t in zeros):
                 return ZERO
             return before if before == MINUS_INF and all(isinstance(o, (int, float)) and o > 0 for o in others) else ""
         if key in _SHIFTS:
