@@ -38,22 +38,14 @@ class _Slicer:
         self.reads = {(user, argument): key for key, users in proof.carries.items() for user, argument in users}
 
     def build(self) -> fx.GraphModule:
-        nodes = list(self.gm.graph.nodes)
-        for node in (n for n in nodes if n.op == "placeholder"):
-            self.env[node.name] = self.graph.node_copy(node, self._arg)
-        for node in nodes:
-            if node.op == "placeholder":
-                continue
-            if node.op == "output":
-                self.graph.node_copy(node, self._arg)
-            elif node.name in self.proof.tables:
+        for node in self.gm.graph.nodes:
+            if node.name in self.proof.tables:
                 self.env[node.name] = self._table(node)
             elif node.name in self.proof.attention:
                 self.env[node.name] = self._attention(node)
             else:
                 self.env[node.name] = self._copy(node)
-        sliced = fx.GraphModule(self.gm, self.graph, f"{type(self.gm).__name__}Slice")
-        return sliced
+        return fx.GraphModule(self.gm, self.graph, f"{type(self.gm).__name__}Slice")
 
     def _arg(self, node: fx.Node) -> fx.Node:
         return self.env[node.name]
