@@ -4,9 +4,10 @@
     row 0                   0: [0, 4)   1: [4, 8)   2: [8, 12)
     row 1                   3: [0, 4)   4: [4, 8)   5: [8, 12)
 
-GPipe runs every forward in this order and every backward in the reverse one: a slice's forward
-finds the keys and values its row's earlier slice carried (on the same stage), and its backward
-the gradients of what it carried, from the later slice's backward.
+Every schedule runs a row's forwards in this order and its backwards in the reverse one
+(`by_rows` in fxpipe/schedules/actions.py): a slice's forward finds the keys and values its row's
+earlier slice carried (on the same stage), and its backward the gradients of what it carried,
+from the later slice's backward (fxpipe/runtime/tasks.py).
 """
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.schedules.slices import SliceSpec
 from fxpipe.core.microbatch import leaves_of
 from fxpipe.runtime.gather import Gathered
+from fxpipe.schedules.slices import SliceSpec
 
 
 class SliceGrid:
@@ -40,9 +41,6 @@ class SliceGrid:
     def offset(self, i: int) -> int:
         """Where micro-batch `i` starts in its sequence."""
         return self.starts[i % self.per_row]
-
-    def first(self, i: int) -> bool:
-        return i % self.per_row == 0
 
     def last(self, i: int) -> bool:
         return i % self.per_row == self.per_row - 1
