@@ -63,7 +63,8 @@ def test_eval_no_grad_autograd_grad_and_accumulation_equal_the_plain_model(name:
             pipe(X).pow(2).sum().backward()
             plain(X).pow(2).sum().backward()
         assert_grads_equal(pipe, plain, tol=1e-10)
-        pipe.eval(), plain.eval()
+        pipe.eval()
+        plain.eval()
         with torch.no_grad():
             torch.testing.assert_close(pipe(X), plain(X), rtol=0, atol=1e-12)
         shorter = tokens(2, 7, seed=3)  # another length: cut into the same count of slices

@@ -131,7 +131,8 @@ def test_random_causal_models_in_slices_equal_the_plain_model(case: dict[str, An
     note(repr(case))
     torch.manual_seed(case["seed"])
     model, plain = twin(Random(case["kinds"], case["width"], case["heads"]))
-    model.eval(), plain.eval()  # dropout draws per slice: what is compared here is the rest
+    model.eval()  # dropout draws per slice: what is compared here is the rest
+    plain.eval()
     chunks = min(case["chunks"], case["batch"])
     x = torch.randint(0, VOCAB, (case["batch"], case["length"]), generator=torch.Generator().manual_seed(case["seed"]))
     pipe = compile_pipeline(
