@@ -224,7 +224,7 @@ def compile_pipeline(
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
     stage_compile, compile_problems = compile_options(compile_stages)
     problems = [*model_problems(model, leaf_modules), *cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
-    problems += sequence_problems(sequence_chunks, sequence_dim, placement is not None, stage_compile is not None)
+    problems += sequence_problems(sequence_chunks, sequence_dim, stage_compile is not None)
     parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]

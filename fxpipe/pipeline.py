@@ -219,6 +219,7 @@ class Pipeline(nn.Module):
             owner=self._owner, channel=self._channel, replicas=self._replicas,
             training=lambda: self.training, program=lambda: self._programs[self.training],
             prepare=self._prepare, make_step=self._step, train_call=self._train_call, held_here=self._held_here,
+            slicing=self._compiled.slicing,
         )  # fmt: skip
 
     def _held_here(self, program: Program) -> list[nn.Parameter]:

@@ -1689,3 +1689,34 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
         after = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
         found[how]["after"] = abs(after - float(F.mse_loss(reference(x), y)))
     return found
+
+
+def sequence_slices_across(rank: int, world: int) -> dict[str, float]:
+    """A causal GPT compiled with sequence_chunks, each stage on its own rank: train_step under
+    1f1b and zb-h1 (rows of uneven slices, every checkpoint mode), and pipe(x) in eval, against the
+    plain model on every rank (each rank checking the parameters it holds)."""
+    from sequence_models import RotaryGPT, tokens
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    found: dict[str, float] = {}
+    loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    x, y = tokens(4, 12), tokens(4, 12, seed=5)
+    for schedule, checkpoint in (("1f1b", "except_last"), ("zb-h1", "always"), ("gpipe", "never")):
+        torch.manual_seed(0)
+        model = RotaryGPT(layers=2).double()
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, sequence_chunks=[5, 3, 4], schedule=schedule, checkpoint=checkpoint, timeout=60)
+        loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        found[f"{schedule} loss"] = abs(loss.item() - expected.item())
+        ref = dict(reference.named_parameters())
+        held = [(n, p) for n, p in pipe.named_parameters() if p.grad is not None]
+        found[f"{schedule} gradients"] = max(_max_diff(grad_of(p), grad_of(ref[n])) for n, p in held)
+        found[f"{schedule} held"] = float(len(held))
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        out = pipe(x)
+        found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
+    return found

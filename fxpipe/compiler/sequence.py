@@ -27,7 +27,7 @@ OP_SECONDS = {"cpu": 1.5e-5, "cuda": 5e-6}
 SLICE_SECONDS = {"cpu": 3e-4, "cuda": 5e-5}
 
 
-def sequence_problems(chunks: SequenceChunks, dim: int, across: bool, compiled: bool) -> list[str]:
+def sequence_problems(chunks: SequenceChunks, dim: int, compiled: bool) -> list[str]:
     """What is wrong with `sequence_chunks` and `sequence_dim`, or what they cannot go with."""
     if isinstance(chunks, bool) or not (isinstance(chunks, int) and chunks >= 1 or _lengths(chunks) or chunks == "auto"):
         return [
@@ -37,8 +37,6 @@ def sequence_problems(chunks: SequenceChunks, dim: int, across: bool, compiled: 
     problems = []
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         problems.append(f"sequence_dim must be the dim of the inputs that holds the sequence, 1 or more (0 holds the batch), not {dim!r}")
-    if chunks != 1 and across:
-        problems.append("sequence_chunks is not supported across processes yet: compile with sequence_chunks=1 there")
     if chunks != 1 and compiled:
         problems.append("sequence_chunks is not supported with compile_stages yet: compile with one or the other")
     return problems

@@ -19,10 +19,12 @@ from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
 from fxpipe.distributed.replicas import ReplicaFailed, Replicas
 from fxpipe.runtime.batch_loss import loss_and_outputs
-from fxpipe.runtime.call import Call
+from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
+from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.step import Step
+from fxpipe.schedules.slices import SliceSpec
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Host:
     make_step: Callable[..., Step]
     train_call: Callable[..., tuple[Call, Step]]
     held_here: Callable[[Program], list[nn.Parameter]]
+    slicing: Optional[SliceSpec] = None  # how calls are cut into slices of their sequence, if they are
 
 
 def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -54,7 +57,10 @@ def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
                 "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
             )
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
-        step = pipe.make_step(call, "gpipe", loss=None)
+        grid = SliceGrid(call.micro_batches, pipe.slicing) if pipe.slicing is not None else None
+        if grid is not None:
+            call = sliced_call(call, grid)
+        step = pipe.make_step(call, "gpipe", loss=None, slices=grid)
         _agree(pipe, call, "pipe(x)", seed=step.seed)
     with failing_together(channel):
         outputs = step.forward()

@@ -526,3 +526,12 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
             assert failed["params"] and max(failed["params"].values()) <= TOL, (rank, failed)  # W after the losses given
             assert failed["after"] <= TOL, (rank, failed)  # a step after the failed loop: the plain model's loss
         assert "data-parallel replicas" in report["replicas"], (rank, report["replicas"])
+
+
+def test_slices_of_a_sequence_train_and_evaluate_across_processes_as_the_plain_model() -> None:
+    got = results_of(spawn_ranks(cases.sequence_slices_across, 2, timeout=180))
+    for rank, found in enumerate(got):
+        for schedule in ("1f1b", "zb-h1", "gpipe"):
+            assert found[f"{schedule} loss"] <= TOL and found[f"{schedule} gradients"] <= TOL, found
+            assert found[f"{schedule} held"] > 0, found  # each rank checks the parameters its stages hold
+        assert (found["eval out"] == -1.0) if rank == 0 else (0 <= found["eval out"] <= 1e-12), found
