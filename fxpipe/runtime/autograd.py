@@ -69,7 +69,7 @@ class Run:
                 "own, one gradient at a time.\nHow to fix: compute Jacobians with the plain model."
             )
         input_grads = self.step.backward(self.gathered.route(grads))
-        return [*whole_input_grads(self.inputs, self.step.micro_batches, input_grads), *self.parameter_grads()]
+        return [*whole_input_grads(self.inputs, self.step.caller_micro_batches, input_grads), *self.parameter_grads()]
 
 
 def _batched(grad: torch.Tensor) -> bool:

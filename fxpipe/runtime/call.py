@@ -33,6 +33,7 @@ class Call:
     params: list[nn.Parameter]
     grad: bool
     gather: Callable[[list[dict[str, Any]]], Gathered]
+    rows: Optional[list[dict[str, Any]]] = None  # sliced: the micro-batches the slices were cut from
 
 
 def split_call(
@@ -162,17 +163,10 @@ def rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any
 
 def sliced_call(call: Call, grid: SliceGrid) -> Call:
     """`call` with its micro-batches cut into the slices of `grid`, and its outputs joined again."""
-    if call.input_slots:
-        names = sorted({slot.name for slot in call.input_slots})
-        raise ValueError(
-            f"with sequence_chunks, inputs that require grad are not supported yet: {', '.join(names)}.\n"
-            "How to fix: pass inputs that do not require grad (token ids, or embeddings.detach()), or "
-            "compile with sequence_chunks=1."
-        )
     gather = call.gather
 
     def joined(per_slice: list[dict[str, Any]]) -> Gathered:
         return grid.gathered(gather(grid.join(per_slice)))
 
     sizes = [size for size in call.sizes for _ in grid.lengths]
-    return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined)
+    return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined, rows=call.micro_batches)

@@ -25,7 +25,7 @@ class SliceGrid:
     """The slices of a call's micro-batches (`rows`), as `spec` cuts them."""
 
     def __init__(self, rows: Sequence[dict[str, Any]], spec: SliceSpec) -> None:
-        self.spec, self.rows = spec, len(rows)
+        self.spec, self.rows, self.rows_values = spec, len(rows), list(rows)
         self.length = _length(rows[0], spec)
         self.lengths = spec.lengths(self.length)
         self.starts = [sum(self.lengths[:k]) for k in range(len(self.lengths))]
@@ -85,6 +85,30 @@ class SliceGrid:
             dim = dims[k] if k < len(dims) else None
             cut.append(g.narrow(dim, start, size) if isinstance(g, torch.Tensor) and dim is not None else g)
         return tree_unflatten(cut, spec)
+
+    def join_input_grads(self, per_slice: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each row's input gradients from its slices': joined along the sequence's dim where the
+        input was cut (zeros for a slice that gave none), summed where every slice read it whole."""
+        rows = []
+        for r in range(self.rows):
+            first = r * self.per_row
+            names = {name for grads in per_slice[first : first + self.per_row] for name in grads}
+            rows.append({name: self._joined_grad(name, first, per_slice) for name in names})
+        return rows
+
+    def _joined_grad(self, name: str, first: int, per_slice: Sequence[dict[str, Any]]) -> Any:
+        parts = [per_slice[first + k].get(name) for k in range(self.per_row)]
+        dim = self.spec.inputs.get(name)
+        if dim is None:  # read whole by every slice
+            found = [p for p in parts if p is not None]
+            return tree_map(lambda *leaves: sum(leaves[1:], leaves[0]), *found) if found else None
+        pieces = [
+            p if p is not None else tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, self.micro_batches[first + k][name])
+            for k, p in enumerate(parts)
+        ]  # fmt: skip
+        if all(p is None for p in parts):
+            return None
+        return tree_map(lambda *leaves: torch.cat(leaves, dim), *pieces)
 
     def targets(self, rows: Sequence[Any]) -> list[Any]:
         """Each row's target (of a train step), cut into its slices' along the sequence's dim."""

@@ -287,7 +287,7 @@ class Step(StageTasks):
         if self.batch_stats is not None:
             self.batch_stats.commit()
         self.backward_done = True
-        return [self._input_grads(i) for i in range(len(self.micro_batches))] if self.grad else []
+        return self._caller_input_grads() if self.grad else []
 
     @contextmanager
     def _buffers_put_back_on_error(self) -> Iterator[None]:
@@ -319,7 +319,18 @@ class Step(StageTasks):
         for i, grads in enumerate(output_grads):
             self._post_output_grads(i, grads)
         self._run(self.schedule.rest())
-        return [self._input_grads(i) for i in range(len(self.micro_batches))]
+        return self._caller_input_grads()
+
+    @property
+    def caller_micro_batches(self) -> Sequence[dict[str, Any]]:
+        """The pieces the caller's inputs were split into: the micro-batches, or the rows their
+        slices were cut from."""
+        return self.slices.rows_values if self.slices is not None else self.micro_batches
+
+    def _caller_input_grads(self) -> list[dict[str, Any]]:
+        """Per piece of `caller_micro_batches`, the gradients of the caller's inputs."""
+        grads = [self._input_grads(i) for i in range(len(self.micro_batches))]
+        return self.slices.join_input_grads(grads) if self.slices is not None else grads
 
     def _input_grads(self, i: int) -> dict[str, Any]:
         grads: dict[str, Any] = {}

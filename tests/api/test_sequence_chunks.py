@@ -211,23 +211,6 @@ def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
         with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):
             pipe(tokens(2, 7))
 
-    class Embedded(nn.Module):  # inputs that require grad: embeddings
-        def __init__(self) -> None:
-            super().__init__()
-            self.gpt = SdpaGPT()
-
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return self.gpt.head(self.gpt.ln(self.gpt.blocks(h)))
-
-    torch.manual_seed(0)
-    embedded = Embedded().double()
-    plain = copy.deepcopy(embedded)
-    h = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
-    pipe = compile_pipeline(embedded, h.detach(), ["cpu"] * 2, sequence_chunks=3)
-    with closing(pipe):
-        torch.testing.assert_close(pipe(h.detach()), plain(h.detach()), rtol=0, atol=1e-12)
-        with pytest.raises(ValueError, match="inputs that require grad are not supported yet: h"):
-            pipe(h)
 
 
 def test_the_plan_says_how_the_sequence_is_sliced() -> None:
@@ -279,3 +262,43 @@ def test_auto_keeps_one_slice_where_slices_cost_more_than_they_save() -> None:
     with closing(pipe):
         assert pipe._compiled.slicing is not None and pipe._compiled.slicing.lengths(12) == [12]
         torch.testing.assert_close(pipe(X), plain(X), rtol=0, atol=1e-12)
+
+
+def test_inputs_that_require_grad_get_the_plain_model_s_gradients() -> None:
+    class Embedded(nn.Module):  # embeddings from outside, and a shift every position reads whole
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = SdpaGPT()
+
+        def forward(self, h: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+            return self.gpt.head(self.gpt.ln(self.gpt.blocks(h + shift)))
+
+    torch.manual_seed(0)
+    embedded = Embedded().double()
+    plain = copy.deepcopy(embedded)
+    h = torch.randn(2, 12, 16, dtype=torch.float64)
+    shift = torch.randn(16, dtype=torch.float64)
+    pipe = compile_pipeline(embedded, (h, shift), ["cpu"] * 2, sequence_chunks=[5, 3, 4], checkpoint="always")
+    with closing(pipe):
+        leaves = [h.clone().requires_grad_(), shift.clone().requires_grad_()]
+        others = [t.detach().clone().requires_grad_() for t in leaves]
+        out, expected = pipe(*leaves), plain(*others)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        for got, want in zip(leaves, others):
+            assert got.grad is not None and want.grad is not None
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10)
+        for (name, p), q in zip(embedded.named_parameters(), plain.parameters()):  # gpt.pos is not read: no gradient in both
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None and q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-10)
+        # and in a train step
+        for t in [*leaves, *others]:
+            t.grad = None
+        target = tokens(2, 12, seed=5)
+        pipe.train_step(*leaves, target=target, loss_fn=_loss)
+        _loss(plain(*others), target).backward()
+        for got, want in zip(leaves, others):
+            assert got.grad is not None and want.grad is not None
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10)
