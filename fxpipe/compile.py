@@ -211,7 +211,7 @@ def compile_pipeline(
             after another, each slice's attention reading the keys and values of the slices before
             it: stages keep busy with few sequences, one even. Compiling proves the model causal
             (naming each op that reads later positions otherwise) and checks the slices against
-            the whole example. `pipe(x)`, and `train_step` under any schedule but '2bw', run them.
+            the whole example. `pipe(x)`, `train_step` and `train_steps` run them, under every schedule.
         sequence_dim: the dim of the inputs that holds the sequence.
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time

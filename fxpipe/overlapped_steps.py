@@ -41,6 +41,7 @@ from fxpipe.runtime.stage_error import PHASES
 from fxpipe.runtime.versions import Versions, storage_bytes
 from fxpipe.runtime.worker import TaskGroup, Workers
 from fxpipe.schedules.actions import Action, checkpoint_stop
+from fxpipe.schedules.slices import SliceSpec
 from fxpipe.schedules.timeline import Record
 from fxpipe.schedules.two_bw import UPDATE, refuse_too_few_micro_batches, segment, two_bw
 
@@ -69,14 +70,28 @@ class _InFlight:
     target: Any
 
 
+def _slices_per_row(spec: Optional[SliceSpec]) -> int:
+    """How many slices each row of every batch runs as: a loop whose steps overlap fixes it."""
+    if spec is None:
+        return 1
+    if spec.chunks == "auto":
+        raise ValueError(
+            "train_steps with schedule='2bw' runs every batch in as many micro-batches, and sequence_chunks='auto' "
+            "cuts each sequence length its own way.\nHow to fix: give sequence_chunks as a number of slices or as "
+            "their lengths."
+        )
+    return spec.chunks if isinstance(spec.chunks, int) else len(spec.chunks)
+
+
 class _Overlap:
     """The state of one loop: its steps in flight, what each worker was given, the updates."""
 
     def __init__(self, pipe: PipelineLike, optimizer: torch.optim.Optimizer, loss_fn: Any, reduction: str) -> None:
         self.pipe, self.optimizer, self.loss_fn, self.reduction = pipe, optimizer, loss_fn, reduction
         self.program = pipe._programs[True]
-        self.layout, self.m = self.program.layout, pipe.chunks
-        refuse_too_few_micro_batches(self.layout, self.m)
+        self.layout, self.slices = self.program.layout, _slices_per_row(pipe._compiled.slicing)
+        refuse_too_few_micro_batches(self.layout, pipe.chunks)
+        self.m = pipe.chunks * self.slices  # micro-batches per batch: its rows' slices
         self.checkpointed = checkpoint_stop(pipe.checkpoint, self.m)
         placement = pipe._compiled.placement
         # Across processes: this rank's stage alone, on a thread of its own.
@@ -134,12 +149,12 @@ class _Overlap:
         self.steps[index] = _InFlight(started.call, step, TaskGroup(len(self.local) * (2 * self.m + self.checkpointed)), started.target)
         self.updates[index] = TaskGroup(len(self.local))
         self.read = index + 1
-        streams = two_bw(self.layout, self.m, self.read + 1, self.checkpointed)
+        streams = two_bw(self.layout, self.m, self.read + 1, self.checkpointed, self.slices)
         self._submit(streams, segment(streams, self.m, index))
 
     def end(self) -> None:
         """No batch after those read: every worker gets the rest of its list (the drain, the last updates)."""
-        streams = two_bw(self.layout, self.m, self.read, self.checkpointed)
+        streams = two_bw(self.layout, self.m, self.read, self.checkpointed, self.slices)
         self._submit(streams, [len(acts) for acts in streams])
 
     def _submit(self, streams: list[list[Action]], cuts: list[int]) -> None:
@@ -208,7 +223,7 @@ class _Overlap:
         parts = None
         if self.ranks is None:
             self._settled(index, flight, after_step)
-            input_grads = [flight.step._input_grads(i) for i in range(self.m)]
+            input_grads = flight.step._caller_input_grads()
             total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:

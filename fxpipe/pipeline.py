@@ -427,11 +427,6 @@ class Pipeline(nn.Module):
         check_loss_arguments(target, loss_fn)
         call = self._prepare(args, kwargs, held)
         schedule = self.plan.schedule if call.grad else "gpipe"
-        if self._compiled.slicing is not None and schedule == "2bw":
-            raise NotImplementedError(
-                "schedule='2bw' does not run slices of a sequence yet (sequence_chunks).\nHow to fix: compile with "
-                "a synchronous schedule ('gpipe', '1f1b', 'interleaved-1f1b', 'zb-h1'), which runs them."
-            )
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)

@@ -1719,4 +1719,21 @@ def sequence_slices_across(rank: int, world: int) -> dict[str, float]:
     with torch.no_grad():
         out = pipe(x)
         found["eval out"] = -1.0 if out is None else float((out - reference(x)).abs().max())
+    # A 2bw loop of slices, against the delayed plain loop.
+    torch.manual_seed(0)
+    model = RotaryGPT(layers=2).double()
+    reference = copy.deepcopy(model)
+    batches = [(tokens(4, 12, seed=s), tokens(4, 12, seed=s + 1)) for s in (1, 3, 5)]
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, sequence_chunks=[5, 3, 4], schedule="2bw", timeout=60)
+    losses = list(pipe.train_steps(batches, loss_fn=loss_fn, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)))
+
+    def step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        return loss
+
+    delayed = delayed_loop(list(reference.parameters()), torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), batches, step)
+    found["2bw losses"] = max(abs(a.item() - b.item()) for a, b in zip(losses, delayed))
+    ref = dict(reference.named_parameters())
+    found["2bw parameters"] = max(_max_diff(p, ref[n]) for n, p in pipe.named_parameters())
     return found

@@ -15,15 +15,16 @@ W(t - 1) for batch t's in-flight micro-batches and updates the newest: two versi
 """
 from __future__ import annotations
 
-from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Action, Layout, one_f_one_b
+from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Action, Layout, by_rows, one_f_one_b
 from fxpipe.schedules.timeline import UPDATE  # an update: Action(UPDATE, stage, batch)
 
 
-def two_bw(layout: Layout, m: int, batches: int, checkpointed: int = 0) -> list[list[Action]]:
+def two_bw(layout: Layout, m: int, batches: int, checkpointed: int = 0, slices: int = 1) -> list[list[Action]]:
     """Per worker, the actions of `batches` batches of `m` micro-batches each (global indices;
-    the first `checkpointed` of each batch recompute before their backward)."""
-    refuse_too_few_micro_batches(layout, m)
-    streams = one_f_one_b(layout, m * batches)
+    the first `checkpointed` of each batch recompute before their backward). With `slices` per
+    row (slices of a sequence), 1F1B runs over the rows, each made its slices (`by_rows`)."""
+    refuse_too_few_micro_batches(layout, m // slices)
+    streams = by_rows(one_f_one_b(layout, m // slices * batches), slices)
     streams = [_with_recompute_per_batch(acts, m, checkpointed) for acts in streams]
     out = []
     for stage, acts in enumerate(streams):  # one stage per worker (1F1B's own rule)

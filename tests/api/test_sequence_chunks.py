@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dag_models import delayed_loop
 from helpers import assert_call_and_grads_equal, assert_grads_equal, twin
 from sequence_models import RotaryGPT, SdpaGPT, Wrapped, tokens
 from fxpipe import Pipeline, compile_pipeline
@@ -192,6 +193,27 @@ def test_every_schedule_runs_each_row_s_slices_and_equals_the_plain_model(schedu
         assert_grads_equal(pipe, plain, tol=1e-11)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_2bw_loops_of_slices_are_the_delayed_plain_loop(checkpoint: str) -> None:
+    torch.manual_seed(0)
+    model, plain = twin(RotaryGPT())
+    batches = [(tokens(4, 12, seed=s), tokens(4, 12, seed=s + 1)) for s in (1, 3, 5, 7)]
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=[5, 3, 4], schedule="2bw", checkpoint=checkpoint)
+    with closing(pipe):
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses = list(pipe.train_steps(batches, loss_fn=_loss, optimizer=opt))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = _loss(plain(x), y)
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), batches, step)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-12, atol=0)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
 def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused() -> None:
     pipe = compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, sequence_chunks=3)
     with closing(pipe):
@@ -204,10 +226,13 @@ def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused
 
 def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
     model = SdpaGPT()
-    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=[4, 8], schedule="2bw")
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks="auto", schedule="2bw")
     with closing(pipe):
-        with pytest.raises(NotImplementedError, match=r"(?s)schedule='2bw' does not run slices.*'1f1b'"):
-            pipe.train_step(X, target=X, loss_fn=_loss)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"(?s)sequence_chunks='auto' cuts each sequence length its own way.*How to fix"):
+            list(pipe.train_steps([(X, X)], loss_fn=_loss, optimizer=opt))
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8])
+    with closing(pipe):
         with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):
             pipe(tokens(2, 7))
 
