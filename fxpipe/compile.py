@@ -307,8 +307,9 @@ def compile_pipeline(
         times=times_basis(order, costs),
     )
     if slicing is not None:
-        count_carries(plan.stages, runs, slicing, example_length(slicing, bound))
-        plan.notes.append(slices_note(slicing, sequence_dim, example_length(slicing, bound), plan.stages))
+        length = example_length(slicing, bound)
+        count_carries(plan.stages, runs, slicing, length)
+        plan.notes.append(slices_note(slicing, sequence_dim, length, plan.stages))
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),

@@ -72,15 +72,14 @@ class _InFlight:
 
 def _slices_per_row(spec: Optional[SliceSpec]) -> int:
     """How many slices each row of every batch runs as: a loop whose steps overlap fixes it."""
-    if spec is None:
-        return 1
-    if spec.chunks == "auto":
+    count = 1 if spec is None else spec.count()
+    if count is None:
         raise ValueError(
             "train_steps with schedule='2bw' runs every batch in as many micro-batches, and sequence_chunks='auto' "
             "cuts each sequence length its own way.\nHow to fix: give sequence_chunks as a number of slices or as "
             "their lengths."
         )
-    return spec.chunks if isinstance(spec.chunks, int) else len(spec.chunks)
+    return count
 
 
 class _Overlap:

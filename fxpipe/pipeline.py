@@ -38,7 +38,6 @@ from fxpipe.runtime.losses import (
     LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
 )
 from fxpipe.runtime.memory import ActivationMeter
-from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.step import Step
 from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.worker import Workers
@@ -282,10 +281,8 @@ class Pipeline(nn.Module):
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
-        grid = SliceGrid(call.micro_batches, self._compiled.slicing) if self._compiled.slicing is not None else None
-        if grid is not None:
-            call = sliced_call(call, grid)
-        step = self._step(call, "gpipe", loss=None, slices=grid)
+        call = sliced_call(call, self._compiled.slicing)
+        step = self._step(call, "gpipe", loss=None)
 
         def gather(outputs: list[dict[str, Any]]) -> Gathered:
             try:
@@ -431,9 +428,9 @@ class Pipeline(nn.Module):
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
-        grid = SliceGrid(call.micro_batches, self._compiled.slicing) if self._compiled.slicing is not None else None
-        if grid is not None:  # each row's slices run as micro-batches, each with its positions of the target
-            targets, weights, call = grid.targets(targets), grid.weights(weights, reduction), sliced_call(call, grid)
+        call = sliced_call(call, self._compiled.slicing)
+        if call.slices is not None:  # each row's slices run as micro-batches, each with its positions of the target
+            targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
         micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
 
         if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
@@ -445,7 +442,7 @@ class Pipeline(nn.Module):
                 "for such a loss.",
                 stacklevel=2,
             )
-        step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch, slices=grid)
+        step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
         kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
         return call, step
 
@@ -499,9 +496,7 @@ class Pipeline(nn.Module):
         compiled = self._compiled
         return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
 
-    def _step(
-        self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0, slices: Optional[SliceGrid] = None,
-    ) -> Step:
+    def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:
         program = call.program
         stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
@@ -519,7 +514,7 @@ class Pipeline(nn.Module):
             output_device=self.devices[-1],
             input_devices=devices_of(call.values),
             context=call.context,
-            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None, slices.per_row if slices else 1),
+            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None, call.slices.per_row if call.slices else 1),
             layout=program.layout,
             batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,
@@ -529,7 +524,7 @@ class Pipeline(nn.Module):
             global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
             weights=versions,
             batch=batch,
-            slices=slices,
+            slices=call.slices,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []

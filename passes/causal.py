@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -446,8 +446,7 @@ class _Prover(fx.Interpreter):
 
     def _split(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> tuple[Any, ...]:
         x, tag = args[0], tags[0]
-        default = 0
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", default)
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
         if key in ("unbind", torch.unbind):
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         dim = int(dim) % x.dim()

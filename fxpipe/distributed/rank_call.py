@@ -22,7 +22,6 @@ from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
-from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.step import Step
 from fxpipe.schedules.slices import SliceSpec
 
@@ -57,10 +56,8 @@ def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
                 "loss_fn=...), and call pipe(x) under torch.no_grad() for inference."
             )
         refuse_whole_batch_outputs_of_a_call(call.program.template, len(call.sizes))
-        grid = SliceGrid(call.micro_batches, pipe.slicing) if pipe.slicing is not None else None
-        if grid is not None:
-            call = sliced_call(call, grid)
-        step = pipe.make_step(call, "gpipe", loss=None, slices=grid)
+        call = sliced_call(call, pipe.slicing)
+        step = pipe.make_step(call, "gpipe", loss=None)
         _agree(pipe, call, "pipe(x)", seed=step.seed)
     with failing_together(channel):
         outputs = step.forward()

@@ -16,6 +16,7 @@ from fxpipe.runtime.context import CallerContext
 from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
 from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.transforms import refuse_transforms
+from fxpipe.schedules.slices import SliceSpec
 
 
 @dataclass
@@ -33,7 +34,13 @@ class Call:
     params: list[nn.Parameter]
     grad: bool
     gather: Callable[[list[dict[str, Any]]], Gathered]
-    rows: Optional[list[dict[str, Any]]] = None  # sliced: the micro-batches the slices were cut from
+    slices: Optional[SliceGrid] = None  # the micro-batches are slices of a sequence, cut from these rows
+
+    @property
+    def caller_micro_batches(self) -> list[dict[str, Any]]:
+        """The pieces the caller's inputs were split into: the micro-batches, or the rows their
+        slices were cut from."""
+        return self.slices.rows_values if self.slices is not None else self.micro_batches
 
 
 def split_call(
@@ -161,12 +168,15 @@ def rebuild(template: Any, values: dict[str, Any], given: dict[str, Any]) -> Any
     return as_returned(tree_map(lambda ref: (given if ref.given else values)[ref.name] if isinstance(ref, ValueRef) else ref, template))
 
 
-def sliced_call(call: Call, grid: SliceGrid) -> Call:
-    """`call` with its micro-batches cut into the slices of `grid`, and its outputs joined again."""
-    gather = call.gather
+def sliced_call(call: Call, spec: Optional[SliceSpec]) -> Call:
+    """`call` with its micro-batches cut into slices of their sequence as `spec` says (as it is
+    where `spec` is None), and its outputs joined again."""
+    if spec is None:
+        return call
+    grid, gather = SliceGrid(call.micro_batches, spec), call.gather
 
     def joined(per_slice: list[dict[str, Any]]) -> Gathered:
         return grid.gathered(gather(grid.join(per_slice)))
 
     sizes = [size for size in call.sizes for _ in grid.lengths]
-    return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined, rows=call.micro_batches)
+    return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined, slices=grid)

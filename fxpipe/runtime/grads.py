@@ -32,7 +32,7 @@ def parameter_grads(program: Program, step: Step, params: list[nn.Parameter]) ->
 def accumulate(call: Call, input_grads: list[dict[str, Any]], param_grads: list[Optional[torch.Tensor]]) -> None:
     """Hand the step's gradients to autograd, as the plain model's backward would: into `.grad`
     of leaves (through their hooks), on through the graph of inputs that are not leaves."""
-    grads = [*whole_input_grads(call.input_slots, call.rows or call.micro_batches, input_grads), *param_grads]
+    grads = [*whole_input_grads(call.input_slots, call.caller_micro_batches, input_grads), *param_grads]
     pairs = [(t, g) for t, g in zip([*(slot.tensor for slot in call.input_slots), *call.params], grads) if g is not None]
     if pairs:
         torch.autograd.backward([moved_into_grad(t, g) for t, g in pairs], [g for _, g in pairs])

@@ -59,12 +59,16 @@ class SliceGrid:
             rows.append({name: self._joined(name, [p[name] for p in parts]) for name in parts[0]})
         return rows
 
+    def _dim(self, name: str, leaf: int) -> Optional[int]:
+        """The sequence's dim in leaf `leaf` of output value `name` (None: it holds none)."""
+        dims = self.spec.outputs.get(name, ())
+        return dims[leaf] if leaf < len(dims) else None
+
     def _joined(self, name: str, parts: list[Any]) -> Any:
         flats = [tree_flatten(p) for p in parts]
-        dims = self.spec.outputs.get(name, ())
         leaves = []
         for k in range(len(flats[0][0])):
-            dim = dims[k] if k < len(dims) else None
+            dim = self._dim(name, k)
             pieces = [f[0][k] for f in flats]
             leaves.append(torch.cat(pieces, dim) if dim is not None and isinstance(pieces[0], torch.Tensor) else pieces[0])
         return tree_unflatten(leaves, flats[0][1])
@@ -79,10 +83,9 @@ class SliceGrid:
 
     def _sliced_grad(self, name: str, grad: Any, start: int, size: int) -> Any:
         leaves, spec = tree_flatten(grad)
-        dims = self.spec.outputs.get(name, ())
         cut = []
         for k, g in enumerate(leaves):
-            dim = dims[k] if k < len(dims) else None
+            dim = self._dim(name, k)
             cut.append(g.narrow(dim, start, size) if isinstance(g, torch.Tensor) and dim is not None else g)
         return tree_unflatten(cut, spec)
 

@@ -104,6 +104,10 @@ class SliceSpec:
     # each stage, and the stages, from which `best_slices` cuts each call's sequence.
     auto: Optional[tuple[float, float, float, int]] = None
 
+    def count(self) -> Optional[int]:
+        """How many slices every sequence is cut into; None for 'auto', which cuts each length its own way."""
+        return None if self.chunks == "auto" else self.chunks if isinstance(self.chunks, int) else len(self.chunks)
+
     def lengths(self, length: int) -> list[int]:
         """The slice lengths of a sequence of `length` positions."""
         if self.chunks == "auto":
