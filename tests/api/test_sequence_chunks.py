@@ -327,3 +327,46 @@ def test_inputs_that_require_grad_get_the_plain_model_s_gradients() -> None:
         for got, want in zip(leaves, others):
             assert got.grad is not None and want.grad is not None
             torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=1e-10)
+
+
+def test_two_forwards_before_one_backward_no_grad_steps_autocast_steps_and_a_step_after_a_refused_one() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(SdpaGPT(layers=2))
+    other, y = tokens(4, 12, seed=7), tokens(4, 12, seed=5)
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=[5, 3, 4], schedule="1f1b")
+    with closing(pipe):
+        # Two forwards, then one backward through both.
+        (pipe(X).pow(2).sum() + pipe(other).sum()).backward()
+        (plain(X).pow(2).sum() + plain(other).sum()).backward()
+        assert_grads_equal(pipe, plain, tol=1e-10)
+        pipe.zero_grad()
+        plain.zero_grad()
+        # A train step under no_grad gives the loss alone.
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.train_step(X, target=y, loss_fn=_loss), _loss(plain(X), y), rtol=1e-12, atol=0)
+        assert all(p.grad is None for p in model.parameters())
+        # A step refused (a target without the sequence), then a step that equals the plain model's.
+        with pytest.raises(ValueError, match="does not hold the sequence"):
+            pipe.train_step(X, target=torch.zeros(4, dtype=torch.long), loss_fn=lambda out, t: F.cross_entropy(out[:, 0], t))
+        assert all(p.grad is None for p in model.parameters())
+        loss = pipe.train_step(X, target=y, loss_fn=_loss)
+        expected = _loss(plain(X), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+        assert_grads_equal(pipe, plain, tol=1e-10)
+
+
+def test_a_train_step_under_autocast_computes_as_the_plain_model_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    model = SdpaGPT()
+    plain = copy.deepcopy(model)
+    y = tokens(4, 12, seed=5)
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=3, schedule="zb-h1")
+    with closing(pipe), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.train_step(X, target=y, loss_fn=_loss)
+        expected = _loss(plain(X), y)
+    expected.backward()
+    torch.testing.assert_close(loss.float(), expected.detach().float(), rtol=0.02, atol=0.02)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert (p.grad - q.grad).abs().max().item() <= 0.05 * (q.grad.abs().max().item() or 1.0), n
