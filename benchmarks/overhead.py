@@ -409,7 +409,28 @@ def bench_tasks(args: argparse.Namespace) -> list[Row]:
         # and the neighbours' load on this shared machine inflates it less than the wall clock.
         measure([sequential, pipe], args.repeats * 3, args.steps_per_block * 10, args.warmup, clock=time.thread_time)
         rows.append(per_task_row(name, sequential, pipe, chunks))
+    rows += per_step_and_per_task_rows(workloads[0][1], args)
     return rows
+
+
+def per_step_and_per_task_rows(model: nn.Module, args: argparse.Namespace, rows_each: int = 8, counts: tuple[int, int] = (1, 16)) -> list[Row]:
+    """What the runtime adds per call and per task, apart: the pipeline over the plain model in
+    turn at two counts of micro-batches of `rows_each` rows, fitted as a line in the tasks."""
+    extra: dict[int, tuple[float, float]] = {}
+    for chunks in counts:
+        x = torch.randn(rows_each * chunks, 64)
+        sequential = Contender("plain, micro-batches in turn", sequential_micro_batches_step(model, x, chunks, mean_square))
+        pipe = fxpipe_contender(model, x, mean_square, (1, chunks, "never"))
+        measure([sequential, pipe], args.repeats * 3, args.steps_per_block * 10, args.warmup, clock=time.thread_time)
+        extra[chunks] = (pipe.median - sequential.median, pipe.best - sequential.best)
+    few, many = counts
+    per_task = [(extra[many][k] - extra[few][k]) / (2 * (many - few)) for k in (0, 1)]
+    per_call = [extra[few][k] - 2 * few * per_task[k] for k in (0, 1)]
+    where = f"1 stage, micro-batches of {rows_each} rows, chunks {few} and {many}, 'never'"
+    return [
+        Row("small MLP 4x64", "fxpipe", where, "us per call, fitted (CPU time)", per_call[0] * 1e6, per_call[1] * 1e6),
+        Row("small MLP 4x64", "fxpipe", where, "us per task, fitted (CPU time)", per_task[0] * 1e6, per_task[1] * 1e6, "<= 30"),
+    ]
 
 
 class TinyGPT(nn.Module):

@@ -70,28 +70,18 @@ class _InFlight:
     target: Any
 
 
-def _slices_per_row(spec: Optional[SliceSpec]) -> int:
-    """How many slices each row of every batch runs as: a loop whose steps overlap fixes it."""
-    count = 1 if spec is None else spec.count()
-    if count is None:
-        raise ValueError(
-            "train_steps with schedule='2bw' runs every batch in as many micro-batches, and sequence_chunks='auto' "
-            "cuts each sequence length its own way.\nHow to fix: give sequence_chunks as a number of slices or as "
-            "their lengths."
-        )
-    return count
-
-
 class _Overlap:
     """The state of one loop: its steps in flight, what each worker was given, the updates."""
 
     def __init__(self, pipe: PipelineLike, optimizer: torch.optim.Optimizer, loss_fn: Any, reduction: str) -> None:
         self.pipe, self.optimizer, self.loss_fn, self.reduction = pipe, optimizer, loss_fn, reduction
         self.program = pipe._programs[True]
-        self.layout, self.slices = self.program.layout, _slices_per_row(pipe._compiled.slicing)
+        self.layout = self.program.layout
         refuse_too_few_micro_batches(self.layout, pipe.chunks)
-        self.m = pipe.chunks * self.slices  # micro-batches per batch: its rows' slices
-        self.checkpointed = checkpoint_stop(pipe.checkpoint, self.m)
+        # Every batch runs as many micro-batches: its rows' slices. With sequence_chunks='auto',
+        # the count the first batch is cut into, kept for the loop (`_fix_slices`).
+        self.spec: Optional[SliceSpec] = pipe._compiled.slicing
+        self._fix_slices(1 if self.spec is None else self.spec.count() or 1)
         placement = pipe._compiled.placement
         # Across processes: this rank's stage alone, on a thread of its own.
         self.ranks = None if placement is None else LoopRanks(pipe._across(), placement)
@@ -106,6 +96,11 @@ class _Overlap:
         self.finished = 0  # batches whose loss was given
         self.held: Optional[Program] = None
         self.records: list[Record] = []  # what ran, for pipe.timeline()
+
+    def _fix_slices(self, per_row: int) -> None:
+        self.slices = per_row
+        self.m = self.pipe.chunks * per_row
+        self.checkpointed = checkpoint_stop(self.pipe.checkpoint, self.m)
 
     # -- submitting -----------------------------------------------------------------------
     def next_batch(self, batches: Iterator[Batch]) -> Optional[_Started]:
@@ -131,8 +126,13 @@ class _Overlap:
         index, args, kwargs, target = batch
         call, step = self.pipe._train_call(
             args, kwargs, target, self.loss_fn, self.reduction, LeafGrads(), versions=self.versions, batch=index, held=self.held,
+            slicing=self.spec,
         )  # fmt: skip
         self.held = call.program  # checked against the model on the first batch, before anything ran
+        if self.spec is not None and self.spec.count() is None:  # 'auto': its cut of the first batch fixes the count
+            assert call.slices is not None
+            self.spec = dataclasses.replace(self.spec, fixed_count=call.slices.per_row)
+            self._fix_slices(call.slices.per_row)
         if len(call.sizes) != self.m:
             raise ValueError(
                 f"train_steps with schedule='2bw': batch {index} splits into {len(call.sizes)} micro-batches, not "

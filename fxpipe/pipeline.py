@@ -43,6 +43,7 @@ from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
+from fxpipe.schedules.slices import SliceSpec
 from fxpipe.schedules.timeline import Record, Timeline
 from fxpipe.train_steps import train_steps
 
@@ -415,10 +416,12 @@ class Pipeline(nn.Module):
     def _train_call(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads,
         return_outputs: bool = False, versions: Optional[Versions] = None, batch: int = 0, held: Optional[Program] = None,
+        slicing: Optional[SliceSpec] = None,
     ) -> tuple[Call, Step]:
         """A train step's call, split into micro-batches, and its step, with each micro-batch's
         loss weighted to combine into the batch's (`kept` notes what else its backward reaches);
-        with `versions`, batch `batch` of a loop whose steps overlap."""
+        with `versions`, batch `batch` of a loop whose steps overlap, its sequences cut into
+        slices as `slicing` says (the pipeline's own way where None)."""
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
@@ -428,7 +431,7 @@ class Pipeline(nn.Module):
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
-        call = sliced_call(call, self._compiled.slicing)
+        call = sliced_call(call, slicing or self._compiled.slicing)
         if call.slices is not None:  # each row's slices run as micro-batches, each with its positions of the target
             targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
         micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)

@@ -75,13 +75,15 @@ class StageRuntime:
     # The modules whose training flag and dropout rate decide what the stage computes.
     flagged: list[nn.Module] = field(default_factory=list)
 
-    def draws(self) -> bool:
-        """Whether a call now may draw random numbers (read once per step)."""
-        return self.random_always or draws_now(self.random_modules) or runs_hooks(self.called)
-
-    def draws_hidden(self) -> bool:
-        """Whether a call now may draw through an op that needs the dispatch mode."""
-        return self.hidden_always or draws_now(self.hidden_modules) or runs_hooks(self.called)
+    def draws(self) -> tuple[bool, bool]:
+        """Whether a call now may draw random numbers, and whether through an op that needs
+        the dispatch mode (read once per step; the modules' hooks are walked once for both)."""
+        if runs_hooks(self.called):
+            return True, True
+        return (
+            self.random_always or draws_now(self.random_modules),
+            self.hidden_always or draws_now(self.hidden_modules),
+        )
 
 
 

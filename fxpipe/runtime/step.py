@@ -124,8 +124,9 @@ class Step(StageTasks):
         # The flags and rates the forwards run under, for the recomputes: `pipe.eval()` or a rate
         # changed before the backward must not change what a recompute computes.
         self.flags = [flags_of(s.flagged) if grad and checkpoint_stop else None for s in stages]
-        self.randomness = [stage.draws() for stage in stages]
-        self.hidden_randomness = [stage.draws_hidden() for stage in stages]
+        draws = [stage.draws() for stage in stages]
+        self.randomness = [visible for visible, _ in draws]
+        self.hidden_randomness = [hidden for _, hidden in draws]
         # From the caller's generator, only where a stage may draw: a model without random ops
         # leaves it as the plain model does. The seed is only read: the generator moves past it
         # once a stage drew (after the forwards), so that a stage that only may (a module called

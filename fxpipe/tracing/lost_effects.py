@@ -14,13 +14,14 @@
 """
 from __future__ import annotations
 
+import functools
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.checkpoint as checkpoints
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.eager_mode import EagerDispatchMode
@@ -171,24 +172,50 @@ def rebound_buffers_refused(model: nn.Module) -> Iterator[None]:
         raise TraceError(f"{type(model).__name__} cannot be compiled: " + "\n".join(problems))
 
 
-class _TensorHooks(TorchFunctionMode):
-    """Counts the hooks registered on tensors while it is on."""
+class _HookCount:
+    """How many hooks were registered on tensors, by the thread that counts."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.count = 0
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if func is torch.Tensor.register_hook:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+
+# The counting thread's count while a block counts; `Tensor.register_hook` is wrapped while
+# any thread counts. A wrapped method, not a TorchFunctionMode, which would put a Python call
+# in front of every op of the run.
+_counting = threading.local()
+_wrapping = threading.Lock()
+_wrapped: list[Callable[..., Any]] = []  # the method as it was, while wrapped
+
+
+def _counted(register_hook: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(register_hook)
+    def register_hook_counted(self: torch.Tensor, hook: Callable[..., Any]) -> Any:
+        counter = getattr(_counting, "hooks", None)
+        if counter is not None:
+            counter.count += 1
+        return register_hook(self, hook)
+
+    return register_hook_counted
 
 
 @contextmanager
-def tensor_hooks_counted() -> Iterator[_TensorHooks]:
-    """Within this block, `.count` of what it yields counts the hooks registered on tensors."""
-    with _TensorHooks() as hooks:
-        yield hooks
+def tensor_hooks_counted() -> Iterator[_HookCount]:
+    """Within this block, `.count` of what it yields counts the hooks this thread registers on
+    tensors."""
+    counter, outer = _HookCount(), getattr(_counting, "hooks", None)
+    with _wrapping:
+        _wrapped.append(torch.Tensor.register_hook)
+        if len(_wrapped) == 1:
+            torch.Tensor.register_hook = _counted(_wrapped[0])  # type: ignore[method-assign]
+    _counting.hooks = counter
+    try:
+        yield counter
+    finally:
+        _counting.hooks = outer
+        with _wrapping:
+            original = _wrapped.pop()
+            if not _wrapped:
+                torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
 @contextmanager

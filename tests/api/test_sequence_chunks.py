@@ -4,6 +4,7 @@ fxpipe/runtime/slices.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
 import sys
 from contextlib import closing
@@ -224,13 +225,46 @@ def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused
             pipe.train_step(X, target=X, loss_fn=per_sequence)
 
 
+def test_2bw_loops_with_auto_slices_keep_the_first_batch_s_count_and_are_the_delayed_plain_loop() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(RotaryGPT())
+    # Batches of 12 and of 10 positions: costs under which 'auto' cuts 12 into 6 slices and 10
+    # into 10 (a small model's own costs cut no slices at these lengths).
+    batches = [(tokens(4, n, seed=s), tokens(4, n, seed=s + 1)) for s, n in ((1, 12), (3, 10), (5, 12), (7, 10))]
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks="auto", schedule="2bw", checkpoint="except_last")
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None
+        spec = pipe._compiled.slicing = dataclasses.replace(pipe._compiled.slicing, auto=(1.0, 0.0, 0.2, 2))
+        assert (len(spec.lengths(12)), len(spec.lengths(10))) == (6, 10)
+        assert spec.count() is None and dataclasses.replace(spec, fixed_count=6).lengths(10) == [1, 1, 2, 2, 2, 2]
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses = list(pipe.train_steps(batches, loss_fn=_loss, optimizer=opt))
+        ran = {r.micro_batch for r in pipe.timeline().records}
+        assert len(ran) == 4 * 2 * 6, "every batch runs its 2 rows in the first batch's 6 slices"
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = _loss(plain(x), y)
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), batches, step)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-12, atol=0)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_a_2bw_loop_refuses_a_sequence_shorter_than_its_count_of_slices() -> None:
+    pipe = compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, chunks=2, sequence_chunks="auto", schedule="2bw")
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None
+        pipe._compiled.slicing = dataclasses.replace(pipe._compiled.slicing, auto=(1.0, 0.0, 0.2, 2))
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"(?s)cuts every sequence into 6 slices.*has 4 positions.*How to fix"):
+            list(pipe.train_steps([(X, X), (tokens(4, 4), tokens(4, 4))], loss_fn=_loss, optimizer=opt))
+
+
 def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
     model = SdpaGPT()
-    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks="auto", schedule="2bw")
-    with closing(pipe):
-        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
-        with pytest.raises(ValueError, match=r"(?s)sequence_chunks='auto' cuts each sequence length its own way.*How to fix"):
-            list(pipe.train_steps([(X, X)], loss_fn=_loss, optimizer=opt))
     pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=[4, 8])
     with closing(pipe):
         with pytest.raises(ValueError, match="cut 12 positions, and this call's sequence has 7"):

@@ -95,23 +95,23 @@ def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Modu
 def test_ops_the_graph_shows_need_no_dispatch_mode() -> None:
     x = torch.randn(4, 8)
     shown = compile_pipeline(Draws(), x, ["cpu"] * 2, balance=None)
-    assert all(r.draws() and not r.draws_hidden() for r in shown.program().stages)
+    assert all(r.draws() == (True, False) for r in shown.program().stages)
     assert "dropout_module" in shown.stages[0].code
     hidden = compile_pipeline(Attention(), x, ["cpu"], balance=None)
-    assert hidden.program().stages[0].draws_hidden()
+    assert hidden.program().stages[0].draws()[1]
 
 
 def test_a_stage_without_random_ops_draws_nothing() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.0), nn.Linear(4, 4), nn.Dropout(0.5))
     pipe = compile_pipeline(model, torch.randn(4, 4), ["cpu"] * 2, balance=[2, 2])
     first, second = pipe.program().stages
-    assert not first.draws() and second.draws()
+    assert not first.draws()[0] and second.draws()[0]
     dropout = model[1]
     assert isinstance(dropout, nn.Dropout)
     dropout.p = 0.2
-    assert first.draws()
+    assert first.draws()[0]
     model.eval()
-    assert not first.draws() and not second.draws()
+    assert not first.draws()[0] and not second.draws()[0]
 
 
 @pytest.mark.parametrize(

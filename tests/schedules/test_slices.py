@@ -36,6 +36,21 @@ def test_the_program_finds_the_best_of_every_cut(seed: int, stages: int) -> None
     assert pipeline_time(chosen, stages, time) == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_count_of_slices_gets_the_best_cut_of_that_many(seed: int) -> None:
+    rng = random.Random(seed)
+    length, granularity, stages = 11, rng.choice([1, 2]), rng.choice([1, 2, 3])
+    time = slice_time(rng.uniform(0, 2), rng.uniform(0, 0.5), rng.uniform(0, 4))
+    cuts = compositions(length, granularity)
+    for count in sorted({len(cut) for cut in cuts}):
+        chosen = best_slices(length, stages, time, granularity, count)
+        assert len(chosen) == count and sum(chosen) == length and all(n % granularity == 0 for n in chosen[:-1])
+        best = min(pipeline_time(cut, stages, time) for cut in cuts if len(cut) == count)
+        assert pipeline_time(chosen, stages, time) == pytest.approx(best, rel=1e-12)
+    with pytest.raises(ValueError, match="into 12 slices"):
+        best_slices(length, stages, time, 1, 12)
+
+
 def test_later_slices_are_shorter_when_attention_costs_and_slices_pay_for_themselves() -> None:
     time = slice_time(1.0, 0.01, 5.0)
     chosen = best_slices(1024, 2, time, 16)
