@@ -296,7 +296,7 @@ class Pipeline(nn.Module):
             gathered = gather(step.forward())
             return gathered.rebuild(gathered.tensors)
         program, params = call.program, call.params
-        run = Run(step, call.input_slots, params, gather, lambda: parameter_grads(program, step, params))
+        run = Run(step, call.input_slots, call.caller_micro_batches, params, gather, lambda: parameter_grads(program, step, params))
         run.differentiable = lambda name: differentiable(program, call.values, name)
         return run_with_autograd(run)
 

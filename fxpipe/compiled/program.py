@@ -22,11 +22,11 @@ from torch import nn
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.stage_compile import CompiledForward
-from fxpipe.schedules.slices import SliceSpec
 from fxpipe.core.edges import Edge
 from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import draws_now, runs_hooks
 from fxpipe.schedules.actions import Layout
+from fxpipe.schedules.slices import SliceSpec
 from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
 from fxpipe.tracing.mode_reads import ModeReads
 

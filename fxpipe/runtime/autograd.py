@@ -33,18 +33,20 @@ class InputSlot:
 
 class Run:
     """One call of the pipeline with autograd: its step, the inputs and parameters that want
-    gradients, and the outputs once gathered. `parameter_grads()` gives the step's gradient of
-    each parameter, in the order of `parameters`."""
+    gradients (`pieces`: what the caller's inputs were split into, whose gradients the step
+    gives), and the outputs once gathered. `parameter_grads()` gives the step's gradient of each
+    parameter, in the order of `parameters`."""
 
     def __init__(
         self,
         step: Step,
         inputs: Sequence[InputSlot],
+        pieces: Sequence[dict[str, Any]],
         parameters: Sequence[torch.Tensor],
         gather: Callable[[list[dict[str, Any]]], Gathered],
         parameter_grads: Callable[[], list[Optional[torch.Tensor]]],
     ) -> None:
-        self.step, self.inputs, self.parameters, self.gather = step, list(inputs), list(parameters), gather
+        self.step, self.inputs, self.pieces, self.parameters, self.gather = step, list(inputs), pieces, list(parameters), gather
         self.parameter_grads = parameter_grads
         self.differentiable: Callable[[str], bool] = lambda name: True  # by output value
         self.gathered: Optional[Gathered] = None
@@ -69,7 +71,7 @@ class Run:
                 "own, one gradient at a time.\nHow to fix: compute Jacobians with the plain model."
             )
         input_grads = self.step.backward(self.gathered.route(grads))
-        return [*whole_input_grads(self.inputs, self.step.caller_micro_batches, input_grads), *self.parameter_grads()]
+        return [*whole_input_grads(self.inputs, self.pieces, input_grads), *self.parameter_grads()]
 
 
 def _batched(grad: torch.Tensor) -> bool:

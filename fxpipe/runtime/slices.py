@@ -105,12 +105,12 @@ class SliceGrid:
         if dim is None:  # read whole by every slice
             found = [p for p in parts if p is not None]
             return tree_map(lambda *leaves: sum(leaves[1:], leaves[0]), *found) if found else None
+        if all(p is None for p in parts):
+            return None
         pieces = [
             p if p is not None else tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, self.micro_batches[first + k][name])
             for k, p in enumerate(parts)
         ]  # fmt: skip
-        if all(p is None for p in parts):
-            return None
         return tree_map(lambda *leaves: torch.cat(leaves, dim), *pieces)
 
     def targets(self, rows: Sequence[Any]) -> list[Any]:

@@ -322,14 +322,9 @@ class Step(StageTasks):
         self._run(self.schedule.rest())
         return self._caller_input_grads()
 
-    @property
-    def caller_micro_batches(self) -> Sequence[dict[str, Any]]:
-        """The pieces the caller's inputs were split into: the micro-batches, or the rows their
-        slices were cut from."""
-        return self.slices.rows_values if self.slices is not None else self.micro_batches
-
     def _caller_input_grads(self) -> list[dict[str, Any]]:
-        """Per piece of `caller_micro_batches`, the gradients of the caller's inputs."""
+        """Per piece the caller's inputs were split into (`Call.caller_micro_batches`: the
+        micro-batches, or the rows their slices were cut from), the gradients of those inputs."""
         grads = [self._input_grads(i) for i in range(len(self.micro_batches))]
         return self.slices.join_input_grads(grads) if self.slices is not None else grads
 
