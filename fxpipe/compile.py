@@ -30,7 +30,7 @@ from fxpipe.core.attrs import tensors_read
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of
-from fxpipe.passes.batch_dims import annotate_batch_dims
+from fxpipe.passes.batch_dims import annotate_batch_dims, run_whole
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
 from fxpipe.passes.edges import find_edges
@@ -251,15 +251,19 @@ def compile_pipeline(
             lined = functools.partial(trace, model, leaf_modules, record_lines=True)
             slicing = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
-        try:
-            propagate_shapes(gm, inputs)
-        except Exception:
-            refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
-            raise
+        whole = run_whole(gm, inputs)  # the shapes, and the batch dims' run on the whole example
+        if whole is None:
+            try:
+                propagate_shapes(gm, inputs)
+            except Exception:
+                refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
+                raise
         split = spec_dims(signature, spec, example_args, example_kwargs)
         # One process may check micro-batches on its first call of two samples or more, where an
         # example of one has no halves; across processes every rank must refuse alike, here.
-        checked = annotate_batch_dims(gm, inputs, chunks, split, serves_eval=traced.eval_graph is None, defer_one_sample=placement is None)
+        checked = annotate_batch_dims(
+            gm, inputs, chunks, split, serves_eval=traced.eval_graph is None, defer_one_sample=placement is None, whole_run=whole,
+        )  # fmt: skip
         _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the halves' check
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.

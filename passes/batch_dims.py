@@ -19,7 +19,9 @@ on them in turn.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -116,21 +118,27 @@ def _batch_norm_by_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str
 
 
 class _Runner(Recorder):
-    """Runs the graph without writing node.meta, keeping the values of the nodes in `keep`
-    (of every node when it is None); the nodes in `fixed` run under `FixedDraws` (a Python
-    call per op: only where it matters)."""
+    """Runs the graph without writing node.meta (unless it `records` shapes, as `Recorder`
+    does), keeping the values of the nodes in `keep` (of every node when it is None); the nodes
+    in `fixed` run under `FixedDraws` (a Python call per op: only where it matters)."""
 
-    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node]) -> None:
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node], records: bool = False) -> None:
         super().__init__(gm, on_meta)
         self.keep, self.fixed = keep, fixed
         self.values: dict[fx.Node, Any] = {}
+        self.run_one = super().run_node if records else functools.partial(fx.Interpreter.run_node, self)
+
+    def _run_uncounted(self, n: fx.Node) -> Any:
+        # Without the shape pass's retry with gradients on: the halves run without them, and
+        # the whole example's run must fail where they would (`propagate_shapes` then retries).
+        return fx.Interpreter.run_node(self, n)
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.fixed:
             with FixedDraws():
-                value = fx.Interpreter.run_node(self, n)
+                value = self.run_one(n)
         else:
-            value = fx.Interpreter.run_node(self, n)
+            value = self.run_one(n)
         if self.keep is None or n in self.keep:
             self.values[n] = value
         return value
@@ -176,9 +184,32 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
         )
 
 
+@dataclass
+class WholeRun:
+    """The graph's run on the whole example, drawing nodes under `FixedDraws`: the values of
+    the nodes the graph returns, and the buffers the run wrote."""
+
+    values: dict[fx.Node, Any]
+    written: set[str] = field(default_factory=set)
+
+
+def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> Optional[WholeRun]:
+    """The run on the whole example that `annotate_batch_dims` makes, writing what
+    `propagate_shapes` does too (its draws fixed, which leaves the shapes alike): one run of
+    the graph for both passes. None where it fails: `propagate_shapes` then says why, or runs
+    the graph another way (for real where the meta device cannot)."""
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    whole = WholeRun({})
+    try:
+        (whole.values,) = _run(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=True)
+    except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
+        return None
+    return whole
+
+
 def annotate_batch_dims(
     gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None, serves_eval: bool = False,
-    defer_one_sample: bool = False,
+    defer_one_sample: bool = False, whole_run: Optional[WholeRun] = None,
 ) -> bool:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when the example's halves compute otherwise than the whole
@@ -186,7 +217,8 @@ def annotate_batch_dims(
     A graph that `serves_eval` too, whose runs wrote state (so that nothing was compared), is
     compared in eval mode, where its modules may write none. An example of one sample has no
     halves: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
-    False returned (the check is to run on inputs of two samples or more); True otherwise."""
+    False returned (the check is to run on inputs of two samples or more); True otherwise.
+    `whole_run`: the run on the whole example, made already (`run_whole`)."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
     if chunks < 2 or not batch:
@@ -207,7 +239,10 @@ def annotate_batch_dims(
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     written: set[str] = set()
     try:
-        (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
+        if whole_run is None:
+            (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
+        else:
+            whole, written = whole_run.values, set(whole_run.written)
     except Exception:  # noqa: BLE001 - not even the example runs here (on meta, say): nothing to tell
         return True
     try:
@@ -311,16 +346,18 @@ def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
 
 
 def _run(
-    gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None
+    gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None,
+    records: bool = False,
 ) -> list[dict[fx.Node, Any]]:
     """The values of the nodes in `keep` (of every node when None) on each of `examples`; the
-    buffers the runs may write that they did write are added to `written`."""
+    buffers the runs may write that they did write are added to `written`. With `records`, the
+    runs write the shapes and FLOPs into node.meta (`propagate_shapes`)."""
     runs = []
     fixed = _drawing_or_normalising(gm)
     with preserved(gm), torch.no_grad():
         before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
         for inputs in examples:
-            runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed)
+            runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed, records=records)
             with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
                 runner.run(*_cloned(inputs))
             runs.append(runner.values)
@@ -429,8 +466,16 @@ def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
 
 
 def _cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Copies of tensor inputs: a graph may write its inputs in place."""
-    return tree_map_only(torch.Tensor, torch.Tensor.clone, inputs)
+    """Copies of tensor inputs: a graph may write its inputs in place. An inference tensor's
+    copy is one too, which the graph fails to write as it would fail on the caller's."""
+    return tree_map_only(torch.Tensor, _clone, inputs)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_inference():
+        return t.clone()
+    with torch.inference_mode():
+        return t.clone()
 
 
 def _leaves(value: Any) -> list[Any]:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpipe.core.attrs import fetch_attr, tensors_read
 from fxpipe.core.edges import CALLER, Edge
@@ -175,8 +176,9 @@ def generate_stages(
     edges: Sequence[Edge],
     owner: nn.Module | None = None,
 ) -> list[StageCode]:
-    """One `GraphModule` per run of nodes; attributes are resolved against `owner` (the user's
-    model, whose modules and tensors the stages share) and then against `gm`."""
+    """One `GraphModule` per run of nodes, its code generated on first use (or by `ready`);
+    attributes are resolved against `owner` (the user's model, whose modules and tensors the
+    stages share) and then against `gm`."""
     owner = owner if owner is not None else gm
     # Shared are the tensors the stages will read, the owner's now: the graph's own may be those
     # the model held when traced, replaced since.
@@ -200,7 +202,15 @@ def generate_stages(
         for node in run:
             builder.copy(node)
         builder.graph.output((*(builder.env[name] for name in outputs), *copies))
-        module = fx.GraphModule(builder.attrs, builder.graph, f"Stage{index}")
+        # Its code is generated on first use: the passes after this one rewrite some stages, and
+        # generating a stage's code costs as much as all of them (`ready` generates it once).
+        module = _LazyGraphModule(builder.attrs, builder.graph, f"Stage{index}")
         codes.append(StageCode(module=module, inputs=inputs, outputs=outputs, shared=names, written=written))
     return codes
 
+
+
+def ready(stage: fx.GraphModule) -> fx.GraphModule:
+    """`stage` with its code generated, once every pass that rewrites it has run."""
+    _LazyGraphModule.force_recompile(stage)
+    return stage

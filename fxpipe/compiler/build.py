@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_of, hooks_of
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages
+from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages, ready
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
@@ -60,6 +60,8 @@ def build_program(
         for code in codes:
             drop_batch_counts(code.module, exported)
         _refuse_undeferred_statistics(codes)
+    for code in codes:
+        ready(code.module)
 
     def resolve(name: str) -> Any:
         try:

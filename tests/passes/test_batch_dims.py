@@ -14,7 +14,8 @@ from torch.nn.utils import prune
 from helpers import assert_grads_equal, real_tensors_only, twin
 from fxpipe import compile_pipeline
 from fxpipe.core.microbatch import VARIES
-from fxpipe.passes.batch_dims import annotate_batch_dims
+from fxpipe.passes.batch_dims import annotate_batch_dims, run_whole
+from fxpipe.passes.shapes import propagate_shapes
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # fixed whatever was imported first
 
@@ -695,3 +696,38 @@ def test_a_list_of_per_sample_values_is_refused_naming_it() -> None:
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     with pytest.raises(ValueError, match=r"(?s)a value that is not a tensor and depends on the batch.*per-sample values \(\.tolist\(\)\).*How to fix"):
         pipe(X)
+
+
+class Drawn(nn.Module):
+    """Dropout, attention with dropout, BatchNorm and a random op between matmuls: every kind of
+    node the batch-dims runs fix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.drop, self.b = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.norm(self.a(x))) + torch.rand_like(x[:, :1])
+        q = h.view(h.shape[0], 2, 1, 4)
+        return self.b(F.scaled_dot_product_attention(q, q, q, dropout_p=0.5).flatten(1))
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_the_whole_examples_run_writes_the_shapes_the_shape_pass_writes(exported: bool) -> None:
+    """Compiling runs the graph on the whole example once for both passes: what that run writes
+    into every node's meta is what the shape pass writes, and the running statistics and the
+    random state are left as they were."""
+    model = Drawn().double()
+    if exported:
+        gm: torch.fx.GraphModule = torch.export.export(model, (X,)).module()
+    else:
+        gm = torch.fx.symbolic_trace(model)
+    keys = ("shape", "dtype", "bytes", "flops", "opaque")
+    propagate_shapes(gm, (X,))
+    expected = {n.name: [n.meta.pop(k) for k in keys] for n in gm.graph.nodes if n.op != "output"}
+    buffers, state = copy.deepcopy(dict(gm.named_buffers())), torch.get_rng_state()
+    whole = run_whole(gm, (X,))
+    assert whole is not None and whole.values
+    assert {n.name: [n.meta[k] for k in keys] for n in gm.graph.nodes if n.op != "output"} == expected
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(b, buffers[name]) for name, b in gm.named_buffers())
