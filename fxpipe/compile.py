@@ -272,7 +272,7 @@ def compile_pipeline(
         order = traced_order if chosen else linearize(gm)
         on_cpu = all(d.type == "cpu" for d in parsed)
         rate = flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13)
-        costs = dict(
+        costs: dict[str, Any] = dict(
             chunks=chunks,
             checkpointed=checkpoint_stop(checkpoint, chunks),
             param_scale=param_scale + (1.0 if schedule == "2bw" else 0.0),  # 2bw keeps a second version of each weight

@@ -203,7 +203,7 @@ def stage_plans(
 
 
 def eval_cut(
-    graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device], annotate: Callable[[fx.GraphModule], None]
+    graph: fx.GraphModule, train: fx.GraphModule, inputs: tuple[Any, ...], devices: list[torch.device], annotate: Callable[[fx.GraphModule], object]
 ) -> Cut:
     """The eval-mode graph, cut like the training graph (see passes/modes.py)."""
     graph = redirect_reads_after_writes(graph, inputs)
