@@ -35,7 +35,16 @@ class AssignmentError(RuntimeError):
 
 
 def _public(module: nn.Module) -> dict[str, Any]:
-    return {name: value for name, value in vars(module).items() if not name.startswith("_") and name != "training"}
+    return {name: value for name, value in vars(module).items() if name[0] != "_" and name != "training"}
+
+
+# Each module by path, with its public attributes: read once for the several records of a run.
+Walk = list[tuple[str, nn.Module, dict[str, Any]]]
+
+
+def walk(model: nn.Module) -> Walk:
+    """`model`'s modules by path, each with its public attributes as they are now."""
+    return [(path, module, _public(module)) for path, module in model.named_modules()]
 
 
 def _fields(holder: Any) -> dict[str, Any]:
@@ -46,15 +55,15 @@ def _fields(holder: Any) -> dict[str, Any]:
 
 
 
-def _settings_held(model: nn.Module) -> tuple[dict[tuple[str, str], tuple[Any, dict[str, Any]]], set[tuple[str, str]]]:
-    """Each settings object `model`'s modules hold, once (a config many modules share is named by
+def _settings_held(modules: Walk) -> tuple[dict[tuple[str, str], tuple[Any, dict[str, Any]]], set[tuple[str, str]]]:
+    """Each settings object the modules hold, once (a config many modules share is named by
     the first), by module path and attribute, with its public attributes as they are now; and
     those several modules hold."""
     found: dict[tuple[str, str], tuple[Any, dict[str, Any]]] = {}
     first: dict[int, tuple[str, str]] = {}
     shared: set[tuple[str, str]] = set()
-    for path, module in model.named_modules():
-        for name, value in _public(module).items():
+    for path, _, public in modules:
+        for name, value in public.items():
             if id(value) in first:
                 shared.add(first[id(value)])
             elif holds_fields(value):
@@ -69,11 +78,11 @@ class Contents:
     trace then starts from what the model held, not from what an earlier run left there (a
     tensor it would bake into the graph as a constant)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, modules: Optional[Walk] = None) -> None:
         self.saved = [
             (path, name, value, copy.copy(value))
-            for path, module in model.named_modules()
-            for name, value in _public(module).items()
+            for path, _, public in (modules if modules is not None else walk(model))
+            for name, value in public.items()
             if isinstance(value, (dict, list, set))
         ]  # fmt: skip
 
@@ -171,9 +180,10 @@ class Assigned:
     putting them back. A settings object's attribute is named below the module holding it:
     `(path, "state.calls")`."""
 
-    def __init__(self, model: nn.Module, buffers: bool = False) -> None:
-        self.before = {path: (module, _public(module), dict(module._buffers) if buffers else {}) for path, module in model.named_modules()}
-        self.held, self.shared = _settings_held(model)
+    def __init__(self, model: nn.Module, buffers: bool = False, modules: Optional[Walk] = None) -> None:
+        modules = modules if modules is not None else walk(model)
+        self.before = {path: (module, public, dict(module._buffers) if buffers else {}) for path, module, public in modules}
+        self.held, self.shared = _settings_held(modules)
 
     def holder(self, key: tuple[str, str]) -> Optional[str]:
         """The path of the module holding what `since()` names `key`; None for an attribute of a
@@ -237,7 +247,8 @@ def assignments_recorded(model: nn.Module) -> Iterator[Changes]:
     dotted name, with the path of the module holding each) and put back as they were. A buffer
     counts: `self.count += 1` assigns it the traced sum, which a graph does not write into the
     buffer."""
-    assigned, contents = Assigned(model, buffers=True), Contents(model)
+    modules = walk(model)
+    assigned, contents = Assigned(model, buffers=True, modules=modules), Contents(model, modules)
     changed: Changes = {}
     try:
         yield changed
@@ -256,10 +267,11 @@ class StableAssignments:
     everything when the block raises. `undo()` puts back the kept ones too (compiling failed)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.assigned = Assigned(model)
+        modules = walk(model)
+        self.assigned = Assigned(model, modules=modules)
         self.ends: list[dict[tuple[str, str], Any]] = []
         self.kept: dict[tuple[str, str], Any] = {}
-        self.contents = Contents(model)
+        self.contents = Contents(model, modules)
         self.filled: list[str] = []  # containers whose contents the runs changed (put back)
         # Tensors a run stored on a module (`self.hidden = h`) that require grad, by path and name.
         self.differentiable: frozenset[tuple[str, str]] = frozenset()
@@ -353,7 +365,8 @@ def started_alike(model: nn.Module) -> Iterator[Callable[[], None]]:
     """For runs that must start from the same attributes (the model's, then its graph's): the
     block gets a function that puts back what the first run assigned, and at the end of the
     block the first run's assignments are made again, so that a record around it sees them."""
-    assigned, contents = Assigned(model), Contents(model)
+    modules = walk(model)
+    assigned, contents = Assigned(model, modules=modules), Contents(model, modules)
     made: dict[tuple[str, str], Any] = {}
 
     def put_back() -> None:
