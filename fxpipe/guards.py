@@ -1,8 +1,11 @@
-"""Checks at each call that the model is still what was traced: its modules, their code and
-hooks, the attributes and modes the trace read, and the autocast it asked about."""
+"""Checks at each call: that the model is still what was traced (its modules, their code and
+hooks, the attributes and modes the trace read, the autocast it asked about), and that the call
+is one a pipeline can run (not captured, not inside a parametrization cache, no hooks on itself)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fxpipe.compiled.program import Compiled, Program
 from fxpipe.tracing.mode_reads import modes_changed
@@ -91,3 +94,49 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
         "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
         "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
     )
+
+
+def refuse_capture() -> None:
+    """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting():
+        raise RuntimeError(NOT_CAPTURED)
+
+
+def refuse_parametrization_cache() -> None:
+    """A call inside `torch.nn.utils.parametrize.cached()`: the plain model computes each
+    parametrized weight once for the block and differentiates through that one tensor; the
+    stages, reading it per micro-batch on their workers (under no_grad where checkpointed),
+    would share one computed for another micro-batch, and lose gradients or backward twice."""
+    if parametrize._cache_enabled:
+        raise RuntimeError(
+            "a Pipeline cannot run inside torch.nn.utils.parametrize.cached(): its stages read each parametrized "
+            "weight per micro-batch, and the cache would hand them one computed for another micro-batch (its "
+            "gradient lost, or a backward through it run twice).\nHow to fix: call the pipeline outside the "
+            "cached() block; the stages compute each parametrized weight as the plain model without the cache does."
+        )
+
+
+def refuse_own_hooks(pipe: nn.Module) -> None:
+    """train_step runs the stages under its schedule without calling the pipeline as a module:
+    hooks registered on the pipeline itself would not run, where `pipe(x)` runs them."""
+    tables = {"forward pre-hooks": pipe._forward_pre_hooks, "forward hooks": pipe._forward_hooks,
+              "backward hooks": pipe._backward_hooks, "backward pre-hooks": pipe._backward_pre_hooks}  # fmt: skip
+    held = [kind for kind, table in tables.items() if table]
+    if held:
+        raise RuntimeError(
+            f"train_step cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
+            "under its schedule without calling the pipeline as a module, so they would be skipped, where "
+            "loss_fn(pipe(x), target).backward() runs them.\nHow to fix: call loss_fn(pipe(x), target).backward() "
+            "instead; or register the hooks on the model (or its modules) before compiling; or remove them "
+            "(handle.remove())."
+        )
+
+
+NOT_CAPTURED = (
+    "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "
+    "its stages on worker threads (or in other processes) under its schedule, which no captured graph holds.\n"
+    "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
+    "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
+)
+
+

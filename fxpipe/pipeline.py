@@ -12,7 +12,6 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.nn.utils import parametrize
 
 from fxpipe.compiled.materialize import materialize
 from fxpipe.compiled.plan import Plan
@@ -26,7 +25,7 @@ from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, routes, unread
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.guards import refuse_other_autocast, traced_mode
+from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_other_autocast, refuse_own_hooks, refuse_parametrization_cache, traced_mode
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs, micro_batch_losses
 from fxpipe.runtime.batchnorm import BatchStatistics
@@ -230,8 +229,8 @@ class Pipeline(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        _refuse_capture()
-        _refuse_parametrization_cache()
+        refuse_capture()
+        refuse_parametrization_cache()
         self._refuse_while_steps_overlap("pipe(x)")
         if self._channel is not None:
             return forward_across(self._across(), args, kwargs)
@@ -331,7 +330,7 @@ class Pipeline(nn.Module):
 
     def __prepare_scriptable__(self) -> NoReturn:
         """torch.jit.script calls this first: the pipeline refuses, saying why and what to script."""
-        raise RuntimeError(_NOT_CAPTURED)
+        raise RuntimeError(NOT_CAPTURED)
 
     def train_step(
         self,
@@ -355,9 +354,9 @@ class Pipeline(nn.Module):
         Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
-        _refuse_capture()
-        _refuse_parametrization_cache()
-        _refuse_own_hooks(self)
+        refuse_capture()
+        refuse_parametrization_cache()
+        refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")
         if self._channel is not None:
             return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)
@@ -471,7 +470,7 @@ class Pipeline(nn.Module):
         """The call split into micro-batches, on the program that runs it. `held`: that program,
         checked against the model already (a loop of overlapping steps checks it once, before
         its first step: later, its stages hold the model's parameter slots while they run)."""
-        _refuse_capture()
+        refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
         if threading.current_thread() in self._workers.threads:
@@ -677,49 +676,3 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
-
-
-def _refuse_capture() -> None:
-    """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
-    if torch.jit.is_tracing() or torch.compiler.is_exporting():
-        raise RuntimeError(_NOT_CAPTURED)
-
-
-def _refuse_parametrization_cache() -> None:
-    """A call inside `torch.nn.utils.parametrize.cached()`: the plain model computes each
-    parametrized weight once for the block and differentiates through that one tensor; the
-    stages, reading it per micro-batch on their workers (under no_grad where checkpointed),
-    would share one computed for another micro-batch, and lose gradients or backward twice."""
-    if parametrize._cache_enabled:
-        raise RuntimeError(
-            "a Pipeline cannot run inside torch.nn.utils.parametrize.cached(): its stages read each parametrized "
-            "weight per micro-batch, and the cache would hand them one computed for another micro-batch (its "
-            "gradient lost, or a backward through it run twice).\nHow to fix: call the pipeline outside the "
-            "cached() block; the stages compute each parametrized weight as the plain model without the cache does."
-        )
-
-
-def _refuse_own_hooks(pipe: nn.Module) -> None:
-    """train_step runs the stages under its schedule without calling the pipeline as a module:
-    hooks registered on the pipeline itself would not run, where `pipe(x)` runs them."""
-    tables = {"forward pre-hooks": pipe._forward_pre_hooks, "forward hooks": pipe._forward_hooks,
-              "backward hooks": pipe._backward_hooks, "backward pre-hooks": pipe._backward_pre_hooks}  # fmt: skip
-    held = [kind for kind, table in tables.items() if table]
-    if held:
-        raise RuntimeError(
-            f"train_step cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
-            "under its schedule without calling the pipeline as a module, so they would be skipped, where "
-            "loss_fn(pipe(x), target).backward() runs them.\nHow to fix: call loss_fn(pipe(x), target).backward() "
-            "instead; or register the hooks on the model (or its modules) before compiling; or remove them "
-            "(handle.remove())."
-        )
-
-
-_NOT_CAPTURED = (
-    "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "
-    "its stages on worker threads (or in other processes) under its schedule, which no captured graph holds.\n"
-    "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
-    "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
-)
-
-
