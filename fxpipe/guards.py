@@ -138,5 +138,3 @@ NOT_CAPTURED = (
     "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
     "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
 )
-
-

@@ -203,11 +203,10 @@ def generate_stages(
             builder.copy(node)
         builder.graph.output((*(builder.env[name] for name in outputs), *copies))
         # Its code is generated on first use: the passes after this one rewrite some stages, and
-        # generating a stage's code costs as much as all of them (`ready` generates it once).
+        # generating the code is the dearest part of building one (`ready` does it once, after them).
         module = _LazyGraphModule(builder.attrs, builder.graph, f"Stage{index}")
         codes.append(StageCode(module=module, inputs=inputs, outputs=outputs, shared=names, written=written))
     return codes
-
 
 
 def ready(stage: fx.GraphModule) -> fx.GraphModule:
