@@ -451,6 +451,26 @@ def test_buffer_returned_as_output() -> None:
     assert_same_output(pipe, reference, x64())
 
 
+def test_each_stage_s_code_is_generated_once_after_the_passes_that_rewrite_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a pipeline generates each stage's Python once, with the random-op rewrite in
+    it (the rewrite used to generate it a second time), and nothing is left to generate on a
+    worker's first call."""
+    generated: list[str] = []
+    real = fx.GraphModule.recompile
+
+    def counted(gm: fx.GraphModule) -> Any:
+        generated.append(gm.__class__.__name__)
+        return real(gm)
+
+    monkeypatch.setattr(fx.GraphModule, "recompile", counted)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.3), nn.Linear(WIDTH, WIDTH), nn.Dropout(0.2))
+    pipe = compile_pipeline(model, x64().float(), ["cpu"] * 2, balance=[2, 2])
+    assert generated.count("Stage0") == 1 and generated.count("Stage1") == 1, generated
+    assert all("dropout_module" in stage.code for stage in pipe.stages)
+    pipe(x64().float())
+    assert generated.count("Stage0") == 1 and generated.count("Stage1") == 1, generated
+
+
 # -- 6. trace -----------------------------------------------------------------------------------
 class Gate(nn.Module):
     def __init__(self) -> None:
