@@ -37,9 +37,10 @@ from fxpipe.runtime.context import CallerContext, worker_state
 from fxpipe.runtime.devices import Aborted, Mailbox, on_device
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.rollback import Rollback
+from fxpipe.runtime.saved import Saved
 from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
-from fxpipe.runtime.tasks import LossFn, Saved, StageTasks, add_grads, requires_grad
+from fxpipe.runtime.tasks import LossFn, StageTasks, add_grads, requires_grad
 from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.weight_grad import Weights
 from fxpipe.runtime.worker import TaskGroup, Workers

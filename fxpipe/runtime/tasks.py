@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 import weakref
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, ContextManager, Optional, Sequence
 
@@ -21,7 +20,7 @@ from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
 from fxpipe.core.randomness import TaskRandomness, TaskStream, task_stream
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting
 from fxpipe.runtime.checkpoint import (
-    Attributes, Flags, attributes_kept, attributes_of, checkpointing, flags_kept, recomputing, refuse_gradients_through,
+    Flags, attributes_kept, attributes_of, checkpointing, flags_kept, recomputing, refuse_gradients_through,
     swapped_slots, swapped_state,
 )
 from fxpipe.runtime.context import CallerContext
@@ -30,6 +29,7 @@ from fxpipe.runtime.losses import value_grads
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.raw_grads import raw_grads
 from fxpipe.runtime.rollback import Rollback
+from fxpipe.runtime.saved import Saved, refuse_inputs_written_since, refuse_parameters_written_since, refuse_written_leaves
 from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.stage_error import LossError
 from fxpipe.runtime.versions import Versions, own_alias
@@ -37,56 +37,9 @@ from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
 from fxpipe.schedules.actions import Schedule
 
 
-@dataclass
-class Saved:
-    """What a forward keeps for its backward, per stage and micro-batch."""
-
-    inputs: list[Any]
-    outputs: Optional[tuple[Any, ...]]  # None when checkpointed: recomputed in backward
-    buffers: Optional[dict[str, torch.Tensor]] = None  # for the recompute: as the forward saw them
-    pending: Optional[PendingWeights] = None  # between I and W: what W starts from
-    attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
-    versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
-    # For the recompute: the caller's tensors it reads, by input name, with their versions then.
-    input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
-
-
 # The loss of one micro-batch, weighted for the batch, given its index and its output values
 # (fresh leaves, or the loss stage's own values: see `StageTasks._fuses`).
 LossFn = Callable[[int, dict[str, Any]], torch.Tensor]
-
-
-def _refuse_parameters_written_since(params: list[torch.Tensor], versions: Optional[list[int]]) -> None:
-    """A recompute reads the parameters as they are now: one written in place since its forward
-    (an optimizer's step between forward and backward) would give the backward of another
-    forward. The plain model's backward raises for a parameter autograd saved, and otherwise
-    reads what it saved of the forward that ran."""
-    written = [p for p, version in zip(params, versions or ()) if p._version != version]
-    if written:
-        shapes = ", ".join(str(tuple(p.shape)) for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"{len(written)} parameter(s) of this stage (shapes {shapes}) were written in place between its forward "
-            "and its backward, and its recompute would not see what its forward saw.\nHow to fix: write parameters "
-            "after the backward (optimizer.step() after loss.backward()), or use checkpoint='never', whose backward "
-            "reads what its forward kept, as the plain model's does. A forward that writes its own parameters "
-            "(`self.w.clamp_(...)` under no_grad) writes them once per micro-batch: write them before the call."
-        )
-
-
-def _refuse_inputs_written_since(micro_batch: int, versions: list[tuple[str, torch.Tensor, int]]) -> None:
-    """A recompute reads the caller's inputs as they are now: one written in place since its
-    forward (a reused input buffer, a second forward into it) would give the backward of another
-    forward. The plain model's backward raises for an input autograd saved."""
-    written = sorted({name for name, t, version in versions if t._version != version})
-    if written:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"the pipeline's input {', '.join(map(repr, written))} was written in place between the forward and the "
-            f"backward (micro-batch {micro_batch}'s rows), and a checkpointed stage would recompute from the new values.\n"
-            "How to fix: write the input after the backward (or pass a copy, x.clone(), to the pipeline), or use "
-            "checkpoint='never', whose backward reads what its forward kept, as the plain model's does."
-        )
 
 
 class StageTasks:
@@ -405,7 +358,7 @@ class StageTasks:
                 pairs = [(t, final) for t, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value))
                          if isinstance(t, torch.Tensor) and t is not final and (final.is_inference() or final._version > 0)]  # fmt: skip
                 if self.grad:
-                    _refuse_written_leaves(name, [t for t, _ in pairs])
+                    refuse_written_leaves(name, [t for t, _ in pairs])
                 for target, final in pairs:
                     self.rollback.write_input(target, final)  # a failed step puts it back
         return outputs
@@ -413,8 +366,8 @@ class StageTasks:
     def _recompute_task(self, i: int, j: int) -> tuple[float, float]:  # (5)
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
-        _refuse_parameters_written_since(self._params_read(j), saved.versions)
-        _refuse_inputs_written_since(i, saved.input_versions)
+        refuse_parameters_written_since(self._params_read(j), saved.versions)
+        refuse_inputs_written_since(i, saved.input_versions)
         flags = self.flags[j]
         with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j), \
                 flags_kept(stage.flagged, flags) if flags is not None else nullcontext():  # fmt: skip
@@ -612,25 +565,3 @@ def _differentiable(outputs: Sequence[Any], grads: Sequence[Any]) -> tuple[list[
                 tensors.append(t)
                 grad_tensors.append(g)
     return tensors, grad_tensors
-
-
-def _refuse_written_leaves(name: str, written: list[torch.Tensor]) -> None:
-    """Under grad mode, an input written in place that requires grad (a micro-batch's slice of
-    it): a leaf, or a view of one, as the plain model's write refuses it; any other, since the
-    pipeline writes the caller's tensor outside autograd, and a gradient through its value after
-    the call would reach what it was before the write."""
-    for t in written:
-        base = t._base if t._is_view() and t._base is not None else t
-        if t.requires_grad and base.is_leaf:
-            raise RuntimeError(
-                f"the model writes its input {name!r} in place, and it is a leaf that requires grad (or a view of "
-                "one): PyTorch refuses that (\"a leaf Variable that requires grad is being used in an in-place "
-                "operation\").\nHow to fix: pass a copy (x.clone()), or write a copy of the input in the model."
-            )
-        if t.requires_grad:
-            raise RuntimeError(
-                f"the model writes its input {name!r} in place, and it requires grad: the pipeline writes the "
-                "caller's tensor outside autograd, so a gradient through its value after the call would miss the "
-                "write.\nHow to fix: write a copy of the input in the model (x = x * 2 in place of x.mul_(2)); or, "
-                "when the input's gradient is not needed, pass x.detach(), or call the pipeline under torch.no_grad()."
-            )
