@@ -123,15 +123,15 @@ class WholeRun:
     written: set[str] = field(default_factory=set)
 
 
-def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> Optional[WholeRun]:
-    """The run on the whole example that `annotate_batch_dims` makes, writing what
-    `propagate_shapes` does too (its draws fixed, which leaves the shapes alike): one run of
+def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True) -> Optional[WholeRun]:
+    """The run on the whole example that `annotate_batch_dims` makes; with `records`, writing
+    what `propagate_shapes` does too (its draws fixed, which leaves the shapes alike): one run of
     the graph for both passes. None where it fails: `propagate_shapes` then says why, or runs
     the graph another way (for real where the meta device cannot)."""
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     whole = WholeRun({})
     try:
-        (whole.values,) = _run(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=True)
+        (whole.values,) = _run(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records)
     except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
         return None
     return whole
@@ -167,14 +167,10 @@ def annotate_batch_dims(
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
     real = small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
-    written: set[str] = set()
-    try:
-        if whole_run is None:
-            (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
-        else:
-            whole, written = whole_run.values, set(whole_run.written)
-    except Exception:  # noqa: BLE001 - not even the example runs here (on meta, say): nothing to tell
+    whole_run = whole_run or run_whole(gm, inputs, records=False)
+    if whole_run is None:  # not even the example runs here (on meta, say): nothing to tell
         return True
+    whole, written = whole_run.values, set(whole_run.written)
     try:
         each = _run(gm, parts, real, keep=set(returned))
     except Exception as e:  # noqa: BLE001 - named in the refusal
