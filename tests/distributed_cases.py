@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import time
 import warnings
@@ -1737,4 +1738,35 @@ def sequence_slices_across(rank: int, world: int) -> dict[str, float]:
     found["2bw losses"] = max(abs(a.item() - b.item()) for a, b in zip(losses, delayed))
     ref = dict(reference.named_parameters())
     found["2bw parameters"] = max(_max_diff(p, ref[n]) for n, p in pipe.named_parameters())
+    found.update(_auto_slices_in_a_2bw_loop(mesh, x, loss_fn))
     return found
+
+
+def _auto_slices_in_a_2bw_loop(mesh: Any, x: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> dict[str, float]:
+    """sequence_chunks='auto' in a 2bw loop whose batches change length (12 and 10 positions): every
+    rank cuts each batch into the first batch's count of slices, and the loop is the delayed plain one."""
+    from sequence_models import RotaryGPT, tokens
+
+    torch.manual_seed(0)
+    model = RotaryGPT(layers=2).double()
+    reference = copy.deepcopy(model)
+    batches = [(tokens(4, n, seed=s), tokens(4, n, seed=s + 1)) for s, n in ((1, 12), (3, 10), (5, 12))]
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, sequence_chunks="auto", schedule="2bw", timeout=60)
+    assert pipe._compiled.slicing is not None
+    # Costs under which 'auto' cuts 12 positions into 6 slices (a small model's own cut none).
+    pipe._compiled.slicing = dataclasses.replace(pipe._compiled.slicing, auto=(1.0, 0.0, 0.2, 2))
+    losses = list(pipe.train_steps(batches, loss_fn=loss_fn, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)))
+    ran = {r.micro_batch for r in pipe.timeline().records}
+
+    def step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(reference(inputs), target)
+        loss.backward()
+        return loss
+
+    delayed = delayed_loop(list(reference.parameters()), torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9), batches, step)
+    ref = dict(reference.named_parameters())
+    return {
+        "2bw auto losses": max(abs(a.item() - b.item()) for a, b in zip(losses, delayed)),
+        "2bw auto parameters": max(_max_diff(p, ref[n]) for n, p in pipe.named_parameters()),
+        "2bw auto micro-batches": float(len(ran)),
+    }

@@ -250,6 +250,35 @@ def test_2bw_loops_with_auto_slices_keep_the_first_batch_s_count_and_are_the_del
     _assert_the_delayed_plain_loop(model, plain, batches, losses)
 
 
+def test_a_2bw_loop_of_auto_slices_under_autocast_is_the_delayed_plain_loop_in_bfloat16() -> None:
+    torch.manual_seed(0)
+    model = RotaryGPT().float()  # autocast casts float32, not float64
+    plain = copy.deepcopy(model)
+    start = [p.detach().clone() for p in plain.parameters()]
+    batches = [(tokens(4, n, seed=s), tokens(4, n, seed=s + 1)) for s, n in ((1, 12), (3, 10), (5, 12), (7, 10))]
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks="auto", schedule="2bw", checkpoint="except_last")
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None
+        pipe._compiled.slicing = dataclasses.replace(pipe._compiled.slicing, auto=(1.0, 0.0, 0.2, 2))
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = list(pipe.train_steps(batches, loss_fn=_loss, optimizer=opt))
+        assert len({r.micro_batch for r in pipe.timeline().records}) == 4 * 2 * 6
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(plain(x), y)
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), batches, step)
+    assert [loss.dtype for loss in losses] == [loss.dtype for loss in expected]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0.01, atol=0.01)
+    moved = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), start))
+    off = max((p - q).abs().max().item() for p, q in zip(model.parameters(), plain.parameters()))
+    assert off <= 0.01 * moved, (off, moved)  # bfloat16's rounding, not another update
+
+
 def test_a_2bw_loop_refuses_a_sequence_shorter_than_its_count_of_slices_and_the_next_loop_is_the_plain_one() -> None:
     torch.manual_seed(0)
     model, plain = twin(SdpaGPT())

@@ -536,3 +536,5 @@ def test_slices_of_a_sequence_train_and_evaluate_across_processes_as_the_plain_m
             assert found[f"{schedule} held"] > 0, found  # each rank checks the parameters its stages hold
         assert (found["eval out"] == -1.0) if rank == 0 else (0 <= found["eval out"] <= 1e-12), found
         assert found["2bw losses"] <= TOL and found["2bw parameters"] <= TOL, found
+        assert found["2bw auto losses"] <= TOL and found["2bw auto parameters"] <= TOL, found
+        assert found["2bw auto micro-batches"] == 3 * 2 * 6, found  # each batch's 2 rows in the first batch's 6 slices
