@@ -4,8 +4,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import inspect
-import threading
 import warnings
 from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, Optional
 
@@ -13,37 +11,29 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxpipe.calls import PipelineCalls
 from fxpipe.compiled.materialize import materialize
-from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
 from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
-from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, forward_signature, kept_whole, map_tensors, spec_dims
+from fxpipe.core.microbatch import forward_signature
 from fxpipe.core.randomness import generator_put_back_on_error
-from fxpipe.distributed.channel import Channel, RankMailbox
+from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
-from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, routes, unread
+from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_other_autocast, refuse_own_hooks, refuse_parametrization_cache, traced_mode
+from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_own_hooks, refuse_parametrization_cache
 from fxpipe.runtime.autograd import Run, run_with_autograd
-from fxpipe.runtime.batch_loss import loss_and_outputs, micro_batch_losses
-from fxpipe.runtime.batchnorm import BatchStatistics
-from fxpipe.runtime.call import Call, devices_of, differentiable, sliced_call, split_call
-from fxpipe.runtime.devices import Mailbox
+from fxpipe.runtime.batch_loss import loss_and_outputs
+from fxpipe.runtime.call import differentiable, sliced_call
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
-from fxpipe.runtime.losses import (
-    LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, refuse_whole_batch_outputs_of_a_call, split_target,
-)
-from fxpipe.runtime.memory import ActivationMeter
-from fxpipe.runtime.step import Step
-from fxpipe.runtime.versions import Versions
+from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
 from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
-from fxpipe.schedules.slices import SliceSpec
-from fxpipe.schedules.timeline import Record, Timeline
+from fxpipe.schedules.timeline import Timeline
 from fxpipe.train_steps import train_steps
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
@@ -53,10 +43,7 @@ class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
 
 
-# Kinds of call (arguments given or left out) a pipeline keeps compiled stages for.
-VARIANTS = 8
-
-class Pipeline(nn.Module):
+class Pipeline(PipelineCalls):
     """A model cut into stages, run as a pipeline over micro-batches.
 
     Made by `compile_pipeline`. `pipe(*args)` takes what the model takes and returns what it
@@ -66,32 +53,11 @@ class Pipeline(nn.Module):
     stage that uses them, under the model's own names.
     """
 
-    # Held outside the module tree (in __dict__), so that state_dict() keys stay the model's own
-    # and no name of the model's can clash with the pipeline's own attributes.
-    _owner: nn.Module
-    _compiled: Compiled
-    _programs: dict[bool, Program]
-    _workers: Workers
-    _channel: Optional[Channel]  # across processes: this rank's messages to the others
+    # Besides the state PipelineCalls declares (fxpipe/calls.py), held outside the module tree
+    # like it:
     _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
-    _signature: Optional[inspect.Signature]
-    _closed: bool
-    _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
-    # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
-    _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], "Pipeline"]]
-    _variants: "collections.OrderedDict[Any, Pipeline]"  # by kind of call, the most recent last
-    _variants_warned: bool  # it has said that more kinds of call came than it keeps
-    last_timeline: list[Record]  # what the last call ran (see `timeline()`)
-    last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
-    last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
-    last_meter: Optional[ActivationMeter]  # what measured them (it holds no tensors)
     last_parameter_bytes: int  # the most parameter memory a train_steps loop under 2bw held, its versions included
-    measure_memory: bool  # count the bytes autograd saves per stage (costs a hook per saved tensor)
-    plan: Plan
     stages: list[fx.GraphModule]
-    devices: list[torch.device]
-    chunks: int
-    checkpoint: str
 
     def __init__(self, model: nn.Module, compiled: Compiled) -> None:
         super().__init__()
@@ -151,17 +117,6 @@ class Pipeline(nn.Module):
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
         self.__dict__["stages"] = self._programs[True].modules
 
-    def _check_micro_batches(self, values: dict[str, Any], dims: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
-        """The first call of two samples or more, where the example had one: compiling's check
-        that micro-batches compute what the whole batch does, on this call's inputs (raising as
-        compiling would have); the stages are built again on what it found."""
-        assert self._compiled.unchecked is not None
-        detached = {name: map_tensors(torch.Tensor.detach, value) for name, value in values.items()}
-        self._compiled.unchecked(detached, dims, (args, kwargs))
-        self._compiled.unchecked = None
-        self._build()
-        return self._held_program()
-
     def compile_stats(self) -> list[StageCompiles]:
         """Per stage, under `compile_stages`: graphs compiled, seconds in the compiler, and the
         recompiles with the guard that failed, over both modes' stages ([] for eager stages)."""
@@ -178,38 +133,6 @@ class Pipeline(nn.Module):
     def program(self, training: bool = True) -> Program:
         """The graph, its cut and the generated stages that run in training (or eval) mode."""
         return self._programs[training]
-
-    def _held_program(self) -> Program:
-        """The program for this call, against what the model holds now: built again when it holds
-        other tensors than its stages were built on (the model itself cast, a parameter assigned);
-        refused (fxpipe/guards.py) where the model is no longer what was traced."""
-        # model.train()/eval() called on the model itself counts as on the pipeline: pipe.train()
-        # sets the model's flag too, so the model's is the latest.
-        self.__dict__["training"] = self._owner.training
-        mode = traced_mode(self._owner, self._programs, self._compiled)
-        if self._programs[mode].held.tensors_replaced():
-            self._build()
-        return self._programs[mode]
-
-    def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
-        """Each stage's own copy, for this step, of the tensors several stages read."""
-        shared = []
-        for index, (tensors, device) in enumerate(zip(program.shared, self.devices)):
-            copies = []
-            if not self._runs_here(program, index):
-                tensors = []  # another rank's stage
-            for tensor in tensors:
-                if isinstance(tensor, nn.Parameter):
-                    copy_ = tensor.detach().to(device)  # on the owner's device: a new leaf, same memory
-                    copies.append(copy_.requires_grad_() if grad and tensor.requires_grad else copy_)
-                else:
-                    copies.append(tensor.to(device))  # a buffer on its own device is the buffer itself
-            shared.append(copies)
-        return shared
-
-    def _runs_here(self, program: Program, stage: int) -> bool:
-        where = self._compiled.placement
-        return where is None or program.layout.ranks[stage] == where.me
 
     def _across(self) -> Host:
         """What a call across processes needs of this pipeline, and nothing else."""
@@ -240,43 +163,6 @@ class Pipeline(nn.Module):
         except OtherCall as other:  # raised by the binding, before anything ran
             variant = self._variant(other, args, kwargs)
         return self._ran(variant, variant.forward(*args, **kwargs))
-
-    def _variant(self, other: OtherCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "Pipeline":
-        """The pipeline for calls of another kind than the example (an optional argument left
-        out, or given where the example left it None): compiled on the first such call, from the
-        model as it is then and this call's arguments, and kept. Refused across processes, where
-        every rank would have to compile it at the same call."""
-        variants: collections.OrderedDict[Any, Pipeline] = self._variants
-        found = variants.get(other.key)
-        if found is not None:
-            variants.move_to_end(other.key)
-        elif self._recompile is None:
-            raise other
-        else:
-            try:
-                found = self._recompile(self._owner, args, kwargs)
-            except Exception as error:  # the model itself may refuse this call: say both
-                other.add_note(f"Compiling stages for this call failed too: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                raise other from error
-            if len(variants) >= VARIANTS:
-                variants.popitem(last=False)[1].close()
-                if not self._variants_warned:
-                    self.__dict__["_variants_warned"] = True
-                    warnings.warn(
-                        f"this pipeline has compiled stages for more than {VARIANTS} kinds of call (arguments given or "
-                        "left out, left None): it keeps the last ones, and compiles again for the others. Call it with "
-                        "fewer kinds of arguments, or compile a pipeline for each.",
-                        stacklevel=3,
-                    )
-            variants[other.key] = found
-        found.__dict__.update(checkpoint=self.checkpoint, measure_memory=self.measure_memory)
-        return found
-
-    def _ran(self, variant: "Pipeline", result: Any) -> Any:
-        """What `variant` ran, as this pipeline's last call (for `timeline()`)."""
-        for name in ("last_timeline", "last_most_alive", "last_peak_bytes", "last_meter"):
-            self.__dict__[name] = variant.__dict__[name]
-        return result
 
     def _forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call = self._prepare(args, kwargs)
@@ -412,42 +298,6 @@ class Pipeline(nn.Module):
                 "last batch whose loss it gave, and drops the rest), or close it (steps.close())."
             )
 
-    def _train_call(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, kept: LeafGrads,
-        return_outputs: bool = False, versions: Optional[Versions] = None, batch: int = 0, held: Optional[Program] = None,
-        slicing: Optional[SliceSpec] = None,
-    ) -> tuple[Call, Step]:
-        """A train step's call, split into micro-batches, and its step, with each micro-batch's
-        loss weighted to combine into the batch's (`kept` notes what else its backward reaches);
-        with `versions`, batch `batch` of a loop whose steps overlap, its sequences cut into
-        slices as `slicing` says (the pipeline's own way where None)."""
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
-        check_loss_arguments(target, loss_fn)
-        call = self._prepare(args, kwargs, held)
-        schedule = self.plan.schedule if call.grad else "gpipe"
-        if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
-            refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
-        targets = split_target(target, call.sizes, call.batch)
-        weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
-        call = sliced_call(call, slicing or self._compiled.slicing)
-        if call.slices is not None:  # each row's slices run as micro-batches, each with its positions of the target
-            targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
-        micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
-
-        if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
-            self.__dict__["_own_loss_warned"] = True
-            warnings.warn(
-                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, "
-                "and cannot check that it is one: a mean over a count that varies between micro-batches "
-                "(tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use chunks=1 "
-                "for such a loss.",
-                stacklevel=2,
-            )
-        step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
-        kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
-        return call, step
-
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The graph's input values, by name, for a call with these arguments."""
         return self._compiled.bind(args, kwargs)
@@ -465,77 +315,6 @@ class Pipeline(nn.Module):
         peaks = self.last_meter.device_peaks() if self.last_meter is not None else {}
         layout = self._programs[True].layout
         return Timeline(list(self.last_timeline), layout.workers, dict(enumerate(self.last_peak_bytes)), peaks, layout.levels)
-
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None) -> Call:
-        """The call split into micro-batches, on the program that runs it. `held`: that program,
-        checked against the model already (a loop of overlapping steps checks it once, before
-        its first step: later, its stages hold the model's parameter slots while they run)."""
-        refuse_capture()
-        if self._closed:
-            raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
-        if threading.current_thread() in self._workers.threads:
-            raise RuntimeError(
-                "the pipeline was called from inside one of its own stages (from a hook on a module it runs, say): "
-                "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
-                "backward, or call the module itself inside the hook."
-            )
-        program = self._held_program() if held is None else held
-        refuse_other_autocast(self._compiled)
-        values = self._compiled.bind(args, kwargs)
-        dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
-        batch = batch_size_of(list(values.values()), dims)
-        if batch == 0:
-            raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
-        unbatched = fewer_dims(values, self._compiled.example_leaves) if self.chunks > 1 else []
-        if unbatched:
-            raise ValueError(
-                f"inputs have fewer dims than the example's, whose batch they split: {', '.join(unbatched)}: "
-                "a sample without its batch dim? Its features would be split as samples.\n"
-                "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
-            )
-        if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
-            program = self._check_micro_batches(values, dims, args, kwargs)
-        compiled = self._compiled
-        return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
-
-    def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:
-        program = call.program
-        stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
-        mailbox, rank = None, None
-        if self._channel is not None:
-            rank, layout = self._channel.me, program.layout
-            home, source = routes(program.stages, layout.ranks, layout.loss_stage, rank)
-            mailbox = RankMailbox(self._channel, Mailbox(self._channel.timeout), home, source, batch if versions is not None else None)
-        step = Step(
-            program.stages,
-            self._workers,
-            call.micro_batches,
-            grad=call.grad,
-            checkpoint_stop=stop,
-            shared=self._shared(program, call.grad) if versions is None else [[] for _ in program.stages],
-            output_device=self.devices[-1],
-            input_devices=devices_of(call.values),
-            context=call.context,
-            schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None, call.slices.per_row if call.slices else 1),
-            layout=program.layout,
-            batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
-            loss=loss,
-            meter=ActivationMeter(len(program.stages), program.parameters, self.devices) if self.measure_memory else None,
-            mailbox=mailbox,
-            rank=rank,
-            global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
-            weights=versions,
-            batch=batch,
-            slices=call.slices,
-        )
-        self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
-        self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []
-        self.__dict__["last_meter"] = step.meter
-        return step
-
-    def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
-        """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""
-        return spec_dims(self._signature, self._compiled.chunk_spec, args, kwargs)
 
     # -- across processes: this rank's own parameters and buffers ---------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

@@ -45,9 +45,9 @@ def test_an_argument_left_none_where_the_example_gave_one_compiles_stages_for_th
 
 
 def test_the_kinds_of_call_kept_are_bounded_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fxpipe.pipeline
+    import fxpipe.calls
 
-    monkeypatch.setattr(fxpipe.pipeline, "VARIANTS", 1)
+    monkeypatch.setattr(fxpipe.calls, "VARIANTS", 1)
     model = TwoOptional()
     mask, shift = torch.rand(4, 6), torch.rand(6)
     pipe = compile_pipeline(model, (X, mask, shift), ["cpu", "cpu"], chunks=2)
