@@ -8,15 +8,16 @@ import torch.fx as fx
 from torch import nn
 
 COMPUTE_OPS = ("call_module", "call_function", "call_method")  # the nodes that compute a value
+_MISSING = object()
 
 
 def fetch_attr(root: nn.Module, target: str) -> Any:
     """The object at a dotted path below `root`, with an error that names the missing part."""
     obj: Any = root
     for i, part in enumerate(target.split(".")):
-        if not hasattr(obj, part):
+        obj = getattr(obj, part, _MISSING)  # one lookup: a module's goes through its __getattr__
+        if obj is _MISSING:
             raise AttributeError(f"{type(root).__name__} has no attribute {'.'.join(target.split('.')[: i + 1])!r}")
-        obj = getattr(obj, part)
     return obj
 
 

@@ -26,8 +26,14 @@ def _schemas(target: Any) -> list[Any]:
     if isinstance(target, torch._ops.OpOverload):
         return [target._schema]
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return [getattr(target, name)._schema for name in target.overloads()]
+        found = _PACKET_SCHEMAS.get(target)
+        if found is None:  # every overload looked up: the passes ask of each node several times
+            found = _PACKET_SCHEMAS[target] = [getattr(target, name)._schema for name in target.overloads()]
+        return found
     return []
+
+
+_PACKET_SCHEMAS: dict[Any, list[Any]] = {}
 
 
 def _written_positions(schema: Any) -> list[tuple[int, str]]:
