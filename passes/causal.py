@@ -18,12 +18,14 @@ A value that mixes positions otherwise (a sum or mean over the sequence, scores 
 masked, a convolution, an op this pass does not know) is refused, naming the op and its line.
 What the proof finds is what `passes/sequence_slices.py` rewrites: the tables to offset, the
 keys and values to carry.
+The tags, the proof's record and the families of ops the rules know are in
+`passes/position_tags.py`.
 """
 from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -34,125 +36,11 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.validate import source_line
-
-Q, K = "q", "k"
-MINUS_INF, ZERO = "-inf", "0"  # what scores hold where the key follows the query
-
-
-@dataclass(frozen=True)
-class Positions:
-    """A tensor whose dims in `dims` index positions, each with its role; `masked`: for scores
-    (a Q dim and a K dim), what they hold where the key follows the query ('' where unknown)."""
-
-    dims: tuple[tuple[int, str], ...]
-    masked: str = ""
-
-    def role(self, dim: int) -> Optional[str]:
-        return dict(self.dims).get(dim)
-
-
-@dataclass(frozen=True)
-class Length:
-    """The sequence's length as a number (`x.size(1)`, `x.shape[1]`)."""
-
-    role: str = Q
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """A tensor's size (`x.size()`, `x.shape`): the entries at `dims` are lengths."""
-
-    dims: tuple[tuple[int, str], ...]
-
-
-@dataclass
-class Proof:
-    """What the proof found: each node's tag (by name); the keys and values to carry, by the
-    node that makes them and the dim, with the nodes that read them as keys and the argument
-    (a position or a keyword); the tables to offset, by node, each dim the node cuts by the
-    length (of its output) with its role variable; and the roles the variables took."""
-
-    tags: dict[str, Any] = field(default_factory=dict)
-    carries: dict[tuple[str, int], list[tuple[str, Any]]] = field(default_factory=dict)
-    tables: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
-    roles: dict[str, str] = field(default_factory=dict)
-    attention: list[str] = field(default_factory=list)  # scaled_dot_product_attention nodes, made causal by a mask
-    inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> its sequence dim
-    outputs: list[Optional[int]] = field(default_factory=list)  # each output leaf's sequence dim
-
-    def role_of(self, variable: str) -> str:
-        """A role variable's role: Q unless a use made it K."""
-        while variable in self.roles:
-            variable = self.roles[variable]
-        return variable if variable in (Q, K) else Q
-
-
-class CausalityError(ValueError):
-    """The model cannot run in slices of its sequence; `problems` name each op and its line."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__(
-            "the model cannot run in slices of its sequence: a slice must compute from its own positions and "
-            "the earlier ones, and these ops read otherwise (or are not known to this check):\n"
-            + "\n".join(f"  - {p}" for p in self.problems)
-            + "\nHow to fix: causal attention (scaled_dot_product_attention(..., is_causal=True), or scores "
-            "masked with a tril buffer narrowed to the length), position-wise layers elsewhere; or "
-            "sequence_chunks=1."
-        )
-
-
-# Ops that compute each element from the elements at the same index of their inputs.
-_POINTWISE_FUNCTIONS: set[Any] = {
-    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv, operator.neg, operator.pow,
-    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
-    operator.invert, torch.add, torch.sub, torch.mul, torch.div, torch.neg, torch.pow, torch.exp, torch.log,
-    torch.tanh, torch.sigmoid, torch.sqrt, torch.rsqrt, torch.abs, torch.cos, torch.sin, torch.where, torch.eq,
-    torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.clamp, torch.maximum, torch.minimum, torch.erf,
-    torch.masked_fill, torch.reciprocal, torch.square, torch.logical_not, torch.relu, F.gelu, F.relu, F.silu,
-    F.tanh, F.sigmoid, F.dropout, F.softplus, F.mish, F.leaky_relu, F.elu, F.hardswish,
-}  # fmt: skip
-_POINTWISE_METHODS = {
-    "add", "sub", "mul", "div", "neg", "pow", "exp", "log", "tanh", "sigmoid", "sqrt", "rsqrt", "abs", "cos", "sin",
-    "float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", "detach", "masked_fill",
-    "eq", "ne", "lt", "le", "gt", "ge", "clamp", "relu", "bool", "long", "int", "logical_not", "reciprocal", "square",
-    "erf", "__and__", "__or__", "where",
-}  # fmt: skip
-_POINTWISE_MODULES = (
-    nn.Dropout, nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Identity, nn.LeakyReLU, nn.ELU, nn.Mish,
-    nn.Softplus, nn.Hardswish, nn.ReLU6,
+from fxpipe.passes.position_tags import (
+    CausalityError, Length, Positions, Proof, Refused, Sizes, conflict, future_all, key_of, positions_of, tags_in,
+    unmasked, op_and_line, BROKEN, CUMULATIVE, FACTORIES, K, KEEPS_MASK, MATMULS, MINUS_INF, NORMS, POINTWISE_FUNCTIONS,
+    POINTWISE_METHODS, POINTWISE_MODULES, Q, REDUCTIONS, RESHAPES, SCALES, SHIFTS, SOFTMAXES, ZERO,
 )  # fmt: skip
-# What keeps the mask of scores as it is: a copy, another dtype, a dropout (0 stays 0).
-_KEEPS_MASK = {"float", "double", "half", "bfloat16", "to", "type", "type_as", "contiguous", "clone", "detach", F.dropout}
-_SCALES = {operator.mul, operator.truediv, torch.mul, torch.div, "mul", "div"}
-_SHIFTS = {operator.add, operator.sub, torch.add, torch.sub, "add", "sub"}
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as",
-             torch.reshape, torch.flatten, torch.unflatten, torch.unsqueeze, torch.squeeze}  # fmt: skip
-_REDUCTIONS = {
-    "sum", "mean", "max", "amax", "min", "amin", "prod", "std", "var", "norm", "logsumexp", "all", "any", "argmax",
-    "argmin", "cumsum", "cumprod", torch.sum, torch.mean, torch.max, torch.amax, torch.min, torch.amin, torch.prod,
-    torch.std, torch.var, torch.norm, torch.logsumexp, torch.all, torch.any, torch.argmax, torch.argmin,
-    torch.cumsum, torch.cumprod,
-}  # fmt: skip
-_CUMULATIVE = {"cumsum", "cumprod", torch.cumsum, torch.cumprod}
-_SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
-_MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
-_FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.rand, torch.randn, torch.eye, torch.tril, torch.triu}
-_NORMS = {F.layer_norm, F.rms_norm} if hasattr(F, "rms_norm") else {F.layer_norm}
-
-
-def _key(node: fx.Node) -> Any:
-    return node.target if node.op == "call_function" else str(node.target)
-
-
-def _where(gm: fx.GraphModule, node: fx.Node) -> str:
-    """The op, the module it runs in, and the model's line that made it."""
-    stack = node.meta.get("nn_module_stack") or {}
-    module = next(reversed(stack.values()))[0] if stack else (str(node.target) if node.op == "call_module" else "")
-    op = getattr(node.target, "__name__", str(node.target)) if node.op != "call_module" else type(fetch_attr(gm, str(node.target))).__name__
-    line = source_line(node)
-    return f"{op} ({node.name}{', in ' + module if module else ''}{', ' + line if line != 'an unknown line' else ''})"
 
 
 class _Prover(fx.Interpreter):
@@ -191,7 +79,7 @@ class _Prover(fx.Interpreter):
 
     def _refuse(self, why: str) -> None:
         assert self.node is not None
-        self.problems.append(f"{_where(self.gm, self.node)}: {why}")
+        self.problems.append(f"{op_and_line(self.gm, self.node)}: {why}")
 
     # -- the walk ---------------------------------------------------------------------------
     def run_node(self, n: fx.Node) -> Any:
@@ -201,12 +89,12 @@ class _Prover(fx.Interpreter):
             return value
         args, kwargs = self.fetch_args_kwargs_from_env(n) if n.op not in ("placeholder", "get_attr") else ((), {})
         tags = fx.node.map_aggregate((n.args, n.kwargs), self._tag_of)
-        if any(t is BROKEN for t in _tags_in(tags)):
+        if any(t is BROKEN for t in tags_in(tags)):
             self.proof.tags[n.name] = BROKEN  # refused upstream: said once, there
             return value
         try:
             tag = self._rule(n, value, args, kwargs, tags[0], tags[1])
-        except _Refused as refused:
+        except Refused as refused:
             self._refuse(str(refused))
             tag = BROKEN
         self.proof.tags[n.name] = tag
@@ -220,11 +108,11 @@ class _Prover(fx.Interpreter):
             return self._input(n, value)
         if n.op == "get_attr":
             return None
-        if not _tags_in((tags, kwtags)):
+        if not tags_in((tags, kwtags)):
             return None
         if n.op == "call_module":
             return self._module(fetch_attr(self.gm, str(n.target)), value, args, tags)
-        return self._call(_key(n), n, value, args, kwargs, tags, kwtags)
+        return self._call(key_of(n), n, value, args, kwargs, tags, kwtags)
 
     def _input(self, n: fx.Node, value: Any) -> Any:
         d = self.sequence_dim
@@ -236,10 +124,10 @@ class _Prover(fx.Interpreter):
     # -- modules ----------------------------------------------------------------------------
     def _module(self, module: nn.Module, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Any:
         x, tag = args[0], tags[0]
-        if not isinstance(tag, Positions) or _tags_in(tags[1:]):
-            raise _Refused("a module called on positions other than through its first input")
-        if isinstance(module, _POINTWISE_MODULES):
-            return tag if isinstance(module, nn.Dropout) else _unmasked(tag)
+        if not isinstance(tag, Positions) or tags_in(tags[1:]):
+            raise Refused("a module called on positions other than through its first input")
+        if isinstance(module, POINTWISE_MODULES):
+            return tag if isinstance(module, nn.Dropout) else unmasked(tag)
         if isinstance(module, nn.Linear):
             return self._last_dims_free(tag, x, 1, "a linear layer over the sequence dim")
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
@@ -248,12 +136,12 @@ class _Prover(fx.Interpreter):
             return tag
         if isinstance(module, nn.Softmax):
             return self._softmax(tag, x, module.dim if module.dim is not None else -1)
-        raise _Refused(f"{type(module).__name__} is called whole, and this check does not know what it reads")
+        raise Refused(f"{type(module).__name__} is called whole, and this check does not know what it reads")
 
     def _last_dims_free(self, tag: Positions, x: torch.Tensor, count: int, what: str) -> Positions:
         if any(d >= x.dim() - count for d, _ in tag.dims):
-            raise _Refused(f"{what} mixes positions")
-        return _unmasked(tag)
+            raise Refused(f"{what} mixes positions")
+        return unmasked(tag)
 
     # -- functions and methods --------------------------------------------------------------
     def _call(self, key: Any, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Any:
@@ -267,23 +155,23 @@ class _Prover(fx.Interpreter):
             return None
         if key is torch.arange:
             return self._arange(n, args, kwargs, tags, kwtags)
-        if key in _SOFTMAXES:
+        if key in SOFTMAXES:
             dim = args[1] if len(args) > 1 else kwargs.get("dim", -1)
             return self._softmax(tags[0], args[0], dim)
-        if key in _MATMULS:
+        if key in MATMULS:
             return self._matmul(n, args, tags)
         if key is F.scaled_dot_product_attention:
             return self._attention(n, args, kwargs, tags, kwtags)
         if key is F.linear:
             return self._last_dims_free(self._only_first(tags, kwtags), args[0], 1, "a linear layer over the sequence dim")
-        if key in _NORMS:
+        if key in NORMS:
             shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
             return self._last_dims_free(self._only_first(tags, kwtags), args[0], len(shape), "a norm over the sequence dim")
         if key is F.embedding:
             return self._only_first(tags, kwtags)
         if key in ("narrow",) or key is torch.narrow:
             return self._narrow(n, value, args, kwargs, tags)
-        if key in _RESHAPES:
+        if key in RESHAPES:
             return self._reshaped(tags[0], args[0], value)
         if key in ("permute", torch.permute):
             order = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
@@ -299,22 +187,22 @@ class _Prover(fx.Interpreter):
             return self._split(key, args, kwargs, tags, value)
         if key in (torch.cat, torch.stack):
             return self._joined(key, args, kwargs, tags)
-        if key in _REDUCTIONS:
+        if key in REDUCTIONS:
             return self._reduced(key, args, kwargs, tags, value)
-        if key in _POINTWISE_FUNCTIONS or key in _POINTWISE_METHODS:
+        if key in POINTWISE_FUNCTIONS or key in POINTWISE_METHODS:
             return self._pointwise(key, n, value, args, kwargs, tags, kwtags)
-        if key in _FACTORIES:
-            raise _Refused(
+        if key in FACTORIES:
+            raise Refused(
                 "it builds a tensor of the sequence's length in forward (a mask made there), which a slice "
                 "would build for its own positions alone: register it as a buffer and narrow it to the length, "
                 "or compare two aranges"
             )
-        raise _Refused("this check does not know how it reads positions")
+        raise Refused("this check does not know how it reads positions")
 
     def _only_first(self, tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
-        if not isinstance(tags[0], Positions) or _tags_in((tags[1:], kwtags)):
-            raise _Refused("positions reach it other than through its first input")
-        return _unmasked(tags[0])
+        if not isinstance(tags[0], Positions) or tags_in((tags[1:], kwtags)):
+            raise Refused("positions reach it other than through its first input")
+        return unmasked(tags[0])
 
     # -- sizes and tables -------------------------------------------------------------------
     def _size(self, tag: Any, x: torch.Tensor, dim: Optional[int]) -> Any:
@@ -333,18 +221,18 @@ class _Prover(fx.Interpreter):
         if name in ("T", "mT") and isinstance(tag, Positions):
             last = x.dim() - 1
             return self._moved(tag, x, {last: last - 1, last - 1: last} if name == "mT" or x.dim() == 2 else {d: last - d for d in range(x.dim())})
-        raise _Refused(f"this check does not know what .{name} of a value made of positions is")
+        raise Refused(f"this check does not know what .{name} of a value made of positions is")
 
     def _getitem(self, n: fx.Node, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Any:
         tag, index = tags[0], args[1]
         if isinstance(tag, Sizes):
             if not isinstance(index, int):
-                raise _Refused("a slice of a size that holds the sequence's length")
+                raise Refused("a slice of a size that holds the sequence's length")
             return Length(dict(tag.dims)[index % len(args[0])]) if index % len(args[0]) in dict(tag.dims) else None
         if isinstance(tag, tuple):
             return tag[index]
         if not isinstance(args[0], torch.Tensor):
-            raise _Refused("an item of a value made of positions")
+            raise Refused("an item of a value made of positions")
         return self._indexed(n, tag, args[0], index, tags[1])
 
     def _indexed(self, n: fx.Node, tag: Optional[Positions], x: torch.Tensor, index: Any, index_tags: Any) -> Optional[Positions]:
@@ -353,7 +241,7 @@ class _Prover(fx.Interpreter):
         items = list(index) if isinstance(index, tuple) else [index]
         item_tags = list(index_tags) if isinstance(index_tags, tuple) else [index_tags]
         if any(isinstance(i, (torch.Tensor, list)) for i in items):
-            raise _Refused("indexing by tensors")
+            raise Refused("indexing by tensors")
         if Ellipsis in items:
             at = items.index(Ellipsis)
             fill = x.dim() - sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -368,7 +256,7 @@ class _Prover(fx.Interpreter):
             role = dims.get(source)
             if isinstance(item, int):
                 if role is not None:
-                    raise _Refused("it reads one position of the sequence")
+                    raise Refused("it reads one position of the sequence")
             elif isinstance(item, slice):
                 cut = self._window(n, item, item_tag, x.shape[source], role)
                 if cut is not None:
@@ -394,16 +282,16 @@ class _Prover(fx.Interpreter):
         if isinstance(stop_tag, Length) and stop_tag.role == Q and item.start in (None, 0) and item.step in (None, 1) and role is None:
             return self._variable()
         if role is not None or isinstance(item_tag, slice) and any(isinstance(t, Length) for t in (item_tag.start, item_tag.step)):
-            raise _Refused("it cuts the sequence (a slice other than [:T] of a table)")
+            raise Refused("it cuts the sequence (a slice other than [:T] of a table)")
         return None
 
     def _narrow(self, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...]) -> Positions:
         x, dim, start, length = args[0], int(args[1]) % args[0].dim(), args[2], args[3]
         tag: Optional[Positions] = tags[0]
         if tag is not None and tag.role(dim) is not None:
-            raise _Refused("it cuts the sequence")
+            raise Refused("it cuts the sequence")
         if not (isinstance(tags[3], Length) and tags[3].role == Q and start == 0 and tags[2] is None):
-            raise _Refused("it cuts a dim by the sequence's length other than from 0 (narrow(dim, 0, T))")
+            raise Refused("it cuts a dim by the sequence's length other than from 0 (narrow(dim, 0, T))")
         variable = self._variable()
         self.proof.tables[n.name] = [(variable, dim)]
         return Positions(tuple(sorted([*(tag.dims if tag else ()), (dim, variable)])))
@@ -416,32 +304,32 @@ class _Prover(fx.Interpreter):
             variable = self._variable()
             self.proof.tables[n.name] = [(variable, 0)]
             return Positions(((0, variable),))
-        raise _Refused("an arange made from the sequence's length other than arange(T) (or arange(0, T))")
+        raise Refused("an arange made from the sequence's length other than arange(T) (or arange(0, T))")
 
     # -- reshapes -------------------------------------------------------------------------
     def _reshaped(self, tag: Any, x: torch.Tensor, out: torch.Tensor) -> Positions:
         """The dim of `out` that holds each position dim of `x`: the one with the same elements
         before it and through it (a reshape that merges or splits it is refused)."""
-        tag = _positions(tag)
+        tag = positions_of(tag)
         before = [math.prod(x.shape[:d]) for d in range(x.dim() + 1)]
         after = [math.prod(out.shape[:d]) for d in range(out.dim() + 1)]
         dims = []
         for d, role in tag.dims:
             found = [e for e in range(out.dim()) if after[e] == before[d] and after[e + 1] == before[d + 1] and out.shape[e] == x.shape[d]]
             if not found:
-                raise _Refused("a reshape merges the sequence dim with another, or splits it")
+                raise Refused("a reshape merges the sequence dim with another, or splits it")
             dims.append((found[-1] if x.shape[d] == 1 else found[0], role))
         return Positions(tuple(sorted(dims)), tag.masked)
 
     def _moved(self, tag: Any, x: torch.Tensor, to: dict[int, int]) -> Positions:
-        tag = _positions(tag)
+        tag = positions_of(tag)
         return Positions(tuple(sorted((to.get(d, d), role) for d, role in tag.dims)), tag.masked)
 
     def _expanded(self, tag: Any, x: torch.Tensor, out: torch.Tensor) -> Positions:
-        tag = _positions(tag)
+        tag = positions_of(tag)
         shift = out.dim() - x.dim()
         if any(out.shape[d + shift] != x.shape[d] for d, _ in tag.dims):
-            raise _Refused("it expands a position dim")
+            raise Refused("it expands a position dim")
         return Positions(tuple((d + shift, role) for d, role in tag.dims), tag.masked)
 
     def _split(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> tuple[Any, ...]:
@@ -451,7 +339,7 @@ class _Prover(fx.Interpreter):
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
         dim = int(dim) % x.dim()
         if not isinstance(tag, Positions) or tag.role(dim) is not None:
-            raise _Refused("it splits the sequence")
+            raise Refused("it splits the sequence")
         if key in ("unbind", torch.unbind):
             part = Positions(tuple((d - (d > dim), role) for d, role in tag.dims), tag.masked)
         else:
@@ -466,26 +354,26 @@ class _Prover(fx.Interpreter):
         dim %= rank
         found = [t for t in part_tags if t is not None]
         if len(found) != len(parts):
-            raise _Refused("it joins values made of positions with values that are not")
+            raise Refused("it joins values made of positions with values that are not")
         dims = found[0].dims
         for other in found[1:]:
             if [d for d, _ in other.dims] != [d for d, _ in dims] or any(self._unify(a, b) is None for (_, a), (_, b) in zip(dims, other.dims)):
-                raise _Refused("it joins values whose positions lie on other dims")
+                raise Refused("it joins values whose positions lie on other dims")
         if key is torch.stack:
             dims = tuple((d + (d >= dim), role) for d, role in dims)
         if any(d == dim for d, _ in dims):
-            raise _Refused("it joins along the sequence dim")
+            raise Refused("it joins along the sequence dim")
         return Positions(dims)
 
     def _reduced(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> Any:
         x, tag = args[0], tags[0]
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(tag, Positions) or dim is None:
-            raise _Refused("it reduces over every position of the sequence")
+            raise Refused("it reduces over every position of the sequence")
         dims = [int(d) % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         if any(tag.role(d) is not None for d in dims):
-            raise _Refused("it reduces over the sequence (a sum, mean or cumulative op over positions)")
-        keep = key in _CUMULATIVE or (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+            raise Refused("it reduces over the sequence (a sum, mean or cumulative op over positions)")
+        keep = key in CUMULATIVE or (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
         result = Positions(tuple((d if keep else d - sum(r < d for r in dims), role) for d, role in tag.dims))
         return tuple(result for _ in value) if isinstance(value, tuple) else result
 
@@ -497,25 +385,25 @@ class _Prover(fx.Interpreter):
         rank = value.dim() if isinstance(value, torch.Tensor) else 0
         for operand, tag in operands:
             if isinstance(tag, (Length, Sizes)):
-                raise _Refused("it computes with the sequence's length as a number (it differs between slices)")
+                raise Refused("it computes with the sequence's length as a number (it differs between slices)")
             if not isinstance(operand, torch.Tensor):
                 continue
             shift = rank - operand.dim()
             for d, role in tag.dims if isinstance(tag, Positions) else ():
                 at = d + shift
                 have = roles.get(at)
-                roles[at] = role if have is None else self._unify(have, role) or _conflict()
+                roles[at] = role if have is None else self._unify(have, role) or conflict()
         for operand, tag in operands:
             if isinstance(operand, torch.Tensor) and not isinstance(tag, Positions):
                 shift = rank - operand.dim()
                 if any(d - shift >= 0 and operand.shape[d - shift] != 1 for d in roles):
-                    raise _Refused("a tensor that does not follow the sequence meets one that does, along the sequence dim")
+                    raise Refused("a tensor that does not follow the sequence meets one that does, along the sequence dim")
         return roles
 
     def _pointwise(self, key: Any, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
         operands = [*zip(args, tags), *((value_, kwtags.get(name)) for name, value_ in kwargs.items())]
         if any(isinstance(o, (list, tuple, dict, slice)) for o, _ in operands):
-            raise _Refused("an elementwise op given a container")
+            raise Refused("an elementwise op given a container")
         roles = self._aligned(value, operands)
         tag = Positions(tuple(sorted(roles.items())))
         scores = [d for d, r in roles.items() if self._find(r) == Q], [d for d, r in roles.items() if self._find(r) == K]
@@ -529,45 +417,45 @@ class _Prover(fx.Interpreter):
         before = first.masked if first is not None else ""
         if key in ("masked_fill", torch.masked_fill):
             fill = args[2]
-            hides = _future_all(args[1], value.shape, q, k)
+            hides = future_all(args[1], value.shape, q, k)
             if hides and isinstance(fill, (int, float)) and fill == 0:
                 return ZERO
             return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= -1e4 else before if hides else ""
         if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool:
             other = args[2] if len(args) > 2 else None
-            hides = _future_all(~args[0], value.shape, q, k)
+            hides = future_all(~args[0], value.shape, q, k)
             if hides and isinstance(other, (int, float)):
                 return ZERO if other == 0 else MINUS_INF if other <= -1e4 else ""
             return ""
-        if key in _KEEPS_MASK:
+        if key in KEEPS_MASK:
             return before
-        if key in _SCALES:
+        if key in SCALES:
             others = [o for o, t in operands if t is not first]
             # 0 times anything is 0; 0 divided by something, but nothing divided by 0.
             zeros = operands if key in (operator.mul, torch.mul, "mul") else operands[:1]
             if any(isinstance(t, Positions) and t.masked == ZERO for _, t in zeros):
                 return ZERO
             return before if before == MINUS_INF and all(isinstance(o, (int, float)) and o > 0 for o in others) else ""
-        if key in _SHIFTS:
+        if key in SHIFTS:
             added = [o for o, t in operands if t is not first]
             if before == MINUS_INF:
                 return MINUS_INF
-            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and _future_all(o == float("-inf"), value.shape, q, k) for o in added):
+            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o == float("-inf"), value.shape, q, k) for o in added):
                 return MINUS_INF
         return ""
 
     def _softmax(self, tag: Any, x: torch.Tensor, dim: int) -> Positions:
         if not isinstance(tag, Positions):
-            raise _Refused("positions reach a softmax other than through its input")
+            raise Refused("positions reach a softmax other than through its input")
         role = tag.role(int(dim) % x.dim())
         role = self._find(role) if role is not None else None
         if role == Q:
-            raise _Refused("a softmax over the sequence's positions")
+            raise Refused("a softmax over the sequence's positions")
         if role == K:
             return replace(tag, masked=ZERO if tag.masked == MINUS_INF else "")
         if role is not None:
-            raise _Refused("a softmax over a table's positions")
-        return _unmasked(tag)
+            raise Refused("a softmax over a table's positions")
+        return unmasked(tag)
 
     def _matmul(self, n: fx.Node, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Optional[Positions]:
         """a (..., m, c) @ b (..., c, p): scores where a's rows and b's columns are both positions
@@ -575,7 +463,7 @@ class _Prover(fx.Interpreter):
         (b carried); refused where positions are contracted otherwise."""
         a, b = args[0], args[1]
         if a.dim() < 2 or b.dim() < 2:
-            raise _Refused("a matrix product of a vector")
+            raise Refused("a matrix product of a vector")
         ta, tb = (t if isinstance(t, Positions) else Positions(()) for t in tags[:2])
         rank = max(a.dim(), b.dim())
         roles: dict[int, str] = {}
@@ -583,13 +471,13 @@ class _Prover(fx.Interpreter):
             for d, role in t.dims:
                 if d < x.dim() - 2:
                     at = d + rank - x.dim()
-                    roles[at] = role if at not in roles else self._unify(roles[at], role) or _conflict()
+                    roles[at] = role if at not in roles else self._unify(roles[at], role) or conflict()
         rows, columns = ta.role(a.dim() - 2), tb.role(b.dim() - 1)
         inner_a, inner_b = ta.role(a.dim() - 1), tb.role(b.dim() - 2)
         if inner_a is None and inner_b is None:
             if rows is not None and columns is not None:
                 if self._unify(rows, Q) is None or self._unify(columns, Q) is None:
-                    raise _Refused("a product of keys with keys")
+                    raise Refused("a product of keys with keys")
                 self._carry(n, 1, b.dim() - 1)
                 roles[rank - 2], roles[rank - 1] = Q, K
                 return Positions(tuple(sorted(roles.items())))
@@ -600,14 +488,14 @@ class _Prover(fx.Interpreter):
             return Positions(tuple(sorted(roles.items()))) if roles else None
         keys = inner_a is not None and self._find(inner_a) == K and inner_b is not None and self._unify(inner_b, Q) == Q
         if not keys:
-            raise _Refused("a matrix product sums over the sequence's positions")
+            raise Refused("a matrix product sums over the sequence's positions")
         if ta.masked != ZERO:
-            raise _Refused("attention reads keys after the query: its scores are not masked causally (bidirectional attention)")
+            raise Refused("attention reads keys after the query: its scores are not masked causally (bidirectional attention)")
         self._carry(n, 1, b.dim() - 2)
         if rows is not None:
             roles[rank - 2] = rows
         if columns is not None:
-            raise _Refused("a product of attention with positions along its columns")
+            raise Refused("a product of attention with positions along its columns")
         return Positions(tuple(sorted(roles.items())))
 
     def _attention(self, n: fx.Node, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
@@ -618,11 +506,11 @@ class _Prover(fx.Interpreter):
         if mask is not None:
             self._causal_mask(mask, tagged.get("attn_mask"), given["query"].dim())
         elif not given.get("is_causal", False):
-            raise _Refused("attention that is not causal (is_causal=False and no mask): bidirectional attention reads later positions")
+            raise Refused("attention that is not causal (is_causal=False and no mask): bidirectional attention reads later positions")
         for name in ("query", "key", "value"):
             x, tag = given[name], tagged.get(name)
             if not isinstance(tag, Positions) or [d for d, _ in tag.dims] != [x.dim() - 2] or self._unify(tag.dims[0][1], Q) is None:
-                raise _Refused(f"attention's {name} holds the positions on another dim than its rows")
+                raise Refused(f"attention's {name} holds the positions on another dim than its rows")
         for position, name in ((1, "key"), (2, "value")):
             self._carry(n, position if len(args) > position else name, given[name].dim() - 2)
         self.proof.attention.append(n.name)
@@ -633,16 +521,16 @@ class _Prover(fx.Interpreter):
         tables take those roles), hiding every key after its query on the example: False where
         boolean, -inf where added."""
         if not isinstance(mask, torch.Tensor) or not isinstance(tag, Positions):
-            raise _Refused("attention's mask does not follow the sequence (a mask made without the length, or no tensor)")
+            raise Refused("attention's mask does not follow the sequence (a mask made without the length, or no tensor)")
         shift = rank - mask.dim()
         for d, role in tag.dims:
             at = d + shift
             wanted = Q if at == rank - 2 else K if at == rank - 1 else None
             if wanted is None or self._unify(role, wanted) is None:
-                raise _Refused("attention's mask holds positions on other dims than its last two (queries, keys)")
+                raise Refused("attention's mask holds positions on other dims than its last two (queries, keys)")
         hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
-        if mask.dim() < 2 or not _future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
-            raise _Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
+        if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
+            raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
 
     def _carry(self, n: fx.Node, argument: Any, dim: int) -> None:
         """`n` reads its `argument` (a position or a keyword) as keys: the slices before
@@ -651,51 +539,6 @@ class _Prover(fx.Interpreter):
         assert isinstance(source, fx.Node)
         self.proof.carries.setdefault((source.name, dim), []).append((n.name, argument))
 
-
-class _Refused(Exception):
-    """Why one op cannot run in slices."""
-
-
-BROKEN = "refused"  # the tag of a value an op refused made, and of what is made from it
-
-
-def _positions(tag: Any) -> Positions:
-    """`tag`, for an op that keeps the positions of its first input where it has any."""
-    if not isinstance(tag, Positions):
-        raise _Refused("it shapes a value by the sequence's length (a tensor made of that many elements)")
-    return tag
-
-
-def _tags_in(structure: Any) -> list[Any]:
-    """The tags in a structure of arguments' tags (tuples, lists, dicts, slices)."""
-    if isinstance(structure, (tuple, list)):
-        return [t for item in structure for t in _tags_in(item)]
-    if isinstance(structure, dict):
-        return _tags_in(list(structure.values()))
-    if isinstance(structure, slice):
-        return _tags_in([structure.start, structure.stop, structure.step])
-    return [] if structure is None else [structure]
-
-
-def _conflict() -> str:
-    raise _Refused(
-        "one value stands for both the slice's own positions and the keys' (an arange compared with itself "
-        "transposed): make one for each, torch.arange(T)[:, None] >= torch.arange(T)[None, :]"
-    )
-
-
-def _unmasked(tag: Positions) -> Positions:
-    return replace(tag, masked="") if tag.masked else tag
-
-
-def _future_all(condition: Any, shape: torch.Size, q: int, k: int) -> bool:
-    """Whether `condition` (broadcast to `shape`) holds wherever the key (dim `k`) follows the
-    query (dim `q`), on the example's positions."""
-    if not isinstance(condition, torch.Tensor) or condition.dtype != torch.bool:
-        return False
-    full = condition.expand(shape).movedim((q, k), (-2, -1))
-    later = torch.ones(full.shape[-2], full.shape[-1], dtype=torch.bool, device=full.device).triu(1)
-    return bool(full[..., later].all())
 
 
 def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 1) -> Proof:

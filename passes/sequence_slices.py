@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.core.carry import SliceState, causal_mask, in_slice, slice_offset, with_carry
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.causal import K, CausalityError, Proof
+from fxpipe.passes.position_tags import K, CausalityError, Proof
 from fxpipe.passes.fixed_draws import FixedDraws
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -13,7 +13,8 @@ from fxpipe.compiled.plan import StagePlan, human_bytes
 from fxpipe.compiler.frontend import Traced
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.causal import CausalityError, Positions, Proof, Q, prove_causal
+from fxpipe.passes.causal import prove_causal
+from fxpipe.passes.position_tags import CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
 from fxpipe.passes.shapes import FlopCount
 from fxpipe.schedules.slices import SliceSpec

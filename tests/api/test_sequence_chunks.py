@@ -19,7 +19,7 @@ from dag_models import delayed_loop
 from helpers import assert_call_and_grads_equal, assert_grads_equal, twin
 from sequence_models import RotaryGPT, SdpaGPT, Wrapped, tokens
 from fxpipe import Pipeline, compile_pipeline
-from fxpipe.passes.causal import CausalityError
+from fxpipe.passes.position_tags import CausalityError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
 from gpt import make_model  # noqa: E402

@@ -15,7 +15,7 @@ from torch import nn
 
 from helpers import assert_grads_equal, twin
 from fxpipe import compile_pipeline
-from fxpipe.passes.causal import CausalityError
+from fxpipe.passes.position_tags import CausalityError
 
 MAX_LENGTH, VOCAB = 16, 11
 EXAMPLES = int(os.environ.get("FXPIPE_PROPERTY_EXAMPLES", "6"))  # per test, twice this (raise it for a longer search)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from sequence_models import BLOCK, MaskedSdpaGPT, RotaryGPT, SdpaGPT, Wrapped, tokens
-from fxpipe.passes.causal import K, Q, CausalityError, Positions, prove_causal
+from fxpipe.passes.causal import prove_causal
+from fxpipe.passes.position_tags import K, Q, CausalityError, Positions
 from fxpipe.schedules.slices import slice_lengths
 from fxpipe.passes.sequence_slices import check_slices, run_in_slices, slice_graph
 from fxpipe.tracing.trace import trace
