@@ -57,11 +57,20 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "How to fix: compile again after registering them."
         )
     if changed:
+        added = program.hooks_added_by()
+        libraries = [name for name in added if name != "__main__"]
+        origin = f" (the hooks added are defined in {', '.join(added)})" if added else ""
+        first_call = (
+            " If a library added them on a call with some option (transformers adds hooks that record outputs on "
+            "the first call with output_attentions=True or output_hidden_states=True), make such a call of the "
+            "model once before compiling, so that they are there when it is traced."
+        ) if libraries else ""
         raise RuntimeError(
             f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
-            "since compiling: the trace went through these modules, and their graph holds what their "
+            f"since compiling{origin}: the trace went through these modules, and their graph holds what their "
             f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
             f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
+            + first_call
         )
     return mode
 

@@ -228,6 +228,21 @@ class Program:
         global module hooks)."""
         return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
 
+    def hooks_added_by(self) -> list[str]:
+        """The Python modules that define the hooks added since to traced-through modules (a
+        library may add its own on a call with some option), each once."""
+        found: dict[str, None] = {}
+        for _, m, hooks in self.traced_hooks:
+            if m is None:
+                continue
+            tables = [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
+            for table, before in zip(tables, hooks):
+                for key, hook in table.items():
+                    if key not in before:
+                        function = getattr(hook, "func", hook)  # a functools.partial's function
+                        found.setdefault(getattr(function, "__module__", None) or "an unknown module")
+        return list(found)
+
     @cached_property
     def written_inputs(self) -> frozenset[str]:
         """The inputs some stage writes in place."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import sys
 import types
@@ -30,6 +31,26 @@ def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refu
     with pytest.raises(RuntimeError, match=r"hooks were added to, removed from or swapped on b since compiling(.|\n)*leaf_modules=\['b'\]"):
         pipe(X)
     handle.remove()
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+def test_a_hook_a_library_added_after_compiling_is_refused_naming_the_library_and_the_call_to_make_first() -> None:
+    """transformers adds output-recording hooks on a model's first call with output_attentions=True:
+    after compiling, every later call is refused, and the refusal says whose hooks and what to do."""
+    model = Blocks()
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+
+    def record(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        return None
+
+    record.__module__ = "somelibrary.output_capturing"
+    model.b.register_forward_hook(functools.partial(record))
+    with pytest.raises(RuntimeError, match=r"since compiling \(the hooks added are defined in somelibrary\.output_capturing\)"
+                       r"(.|\n)*make such a call of the model once before compiling"):
+        pipe(X)
+    model = Blocks()
+    model.b.register_forward_hook(record)  # there when the model is traced: nothing changes since
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
 
 
