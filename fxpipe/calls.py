@@ -16,7 +16,7 @@ from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, kept_whole, 
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import refuse_capture, refuse_other_autocast, traced_mode
-from fxpipe.runtime.batch_loss import micro_batch_losses
+from fxpipe.runtime.batch_loss import micro_batch_losses, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
@@ -151,12 +151,15 @@ class PipelineCalls(nn.Module):
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
+        counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" else None
         call = sliced_call(call, slicing or self._compiled.slicing)
         if call.slices is not None:  # each row's slices run as micro-batches, each with its positions of the target
             targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
+        elif counted is not None:  # the model's own mean over the targets it counts: weighted by their counts
+            weights = counted
         micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
 
-        if loss_fn is None and len(call.sizes) > 1 and not self._own_loss_warned:
+        if loss_fn is None and len(call.sizes) > 1 and counted is None and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
             warnings.warn(
                 f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, "

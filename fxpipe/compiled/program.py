@@ -222,6 +222,9 @@ class Program:
     unreached: list[str] = field(default_factory=list)
     # The parameters, buffers and tensor attributes the stages read, by the model's names.
     state_read: dict[str, torch.Tensor] = field(default_factory=dict)
+    # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
+    # inputs (passes/loss_counts.py); None where its own loss is no such mean.
+    loss_counter: Optional[Callable[[dict[str, Any]], int]] = None
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the

@@ -53,3 +53,26 @@ def micro_batch_losses(
         return scaled
 
     return micro_batch_loss
+
+
+def own_mean_weights(call: Call) -> Optional[list[float]]:
+    """Each micro-batch's share of the batch's loss where the model's own loss is a mean
+    cross-entropy over the targets it counts (passes/loss_counts.py): its count over the
+    batch's, so that the sum of the weighted losses is the plain model's mean; None where the
+    loss is no such mean, or one micro-batch holds the batch."""
+    counter = call.program.loss_counter
+    if counter is None or len(call.micro_batches) == 1:
+        return None
+    counts = [counter(values) for values in call.micro_batches]
+    total = sum(counts)
+    if min(counts) < 0 or total == 0:  # not a tensor; or no target counts: the plain model's mean is NaN too
+        return None
+    empty = [i for i, count in enumerate(counts) if count == 0]
+    if empty:
+        raise ValueError(
+            f"the model's own loss is a mean over the targets it counts (not ignore_index), and micro-batch"
+            f"{'es' if len(empty) > 1 else ''} {', '.join(map(str, empty))} of this batch count{'' if len(empty) > 1 else 's'} "
+            "none: its mean is 0 / 0, whose gradient is NaN, where the plain model's mean over the whole batch is "
+            "defined.\nHow to fix: fewer chunks, or batches whose micro-batches each hold a counted target."
+        )
+    return [count / total for count in counts]

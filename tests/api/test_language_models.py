@@ -112,3 +112,25 @@ def test_bert_compiled_with_token_type_ids_is_called_without_them() -> None:
             loss(out).backward()
             loss(expected).backward()
             assert_grads_equal(pipe, reference, tol=1e-9)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_train_step_on_the_model_s_own_loss_with_padded_labels_is_the_plain_model_s(make: Callable[[], nn.Module]) -> None:
+    """Labels padded with -100 unevenly across the batch: each micro-batch's own loss is a mean
+    over the positions it counts, and train_step weights it by that count, with nothing to warn of."""
+    torch.manual_seed(0)
+    model = make().double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (4, 12))
+    labels = ids.clone()
+    labels[0, 3:] = -100
+    labels[1, 7:] = -100
+    pipe = compile_pipeline(model, (ids,), ["cpu", "cpu"], chunks=4, example_kwargs={"labels": labels}, schedule="1f1b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loss = pipe.train_step(ids, labels=labels)
+    expected = reference(ids, labels=labels).loss
+    expected.backward()
+    # Llama's loss upcasts its logits to float32 (the plain model's and each micro-batch's alike).
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+    assert_grads_equal(pipe, reference, tol=1e-10)

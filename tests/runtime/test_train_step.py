@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -931,3 +932,91 @@ def test_uneven_micro_batches_weigh_a_mean_loss_by_their_sizes(schedule: str, lo
     expected.backward()
     torch.testing.assert_close(total, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class PaddedLM(nn.Module):
+    """A language model computing its own loss as Hugging Face's do: the labels shifted by one,
+    padding labelled -100, a cross-entropy averaged over the positions that count."""
+
+    def __init__(self, how: str = "function", vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        self.how, self.vocab = how, vocab
+        self.loss = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        if self.how == "module":
+            loss = self.loss(logits.view(-1, self.vocab), shifted.view(-1))
+        else:
+            loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def _padded(seed: int, pads: tuple[int, ...] = (7, 2, 0, 5, 6, 1, 3, 8)) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (len(pads), 10), generator=generator)
+    labels = ids.clone()
+    for row, pad in enumerate(pads):  # each sample counts another number of positions
+        labels[row, 10 - pad :] = -100
+    return ids, labels
+
+
+@pytest.mark.parametrize("how, schedule, mode, chunks", [
+    ("function", "gpipe", "except_last", 4), ("function", "1f1b", "always", 8), ("module", "zb-h1", "never", 3),
+    ("module", "interleaved-1f1b", "except_last", 4),
+])  # fmt: skip
+def test_a_model_s_own_mean_over_the_targets_it_counts_is_the_plain_model_s_without_loss_fn(how: str, schedule: str, mode: str, chunks: int) -> None:
+    """Micro-batches that count other numbers of positions: their losses are weighted by those
+    counts, read from each micro-batch's labels (shifted in the graph), so that train_step gives
+    the plain model's loss and gradients, with nothing to warn of."""
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLM(how))
+    ids, labels = _padded(1)
+    options: dict[str, Any] = {"stages_per_device": 2} if schedule == "interleaved-1f1b" else {}
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=chunks, schedule=schedule, checkpoint=mode, **options)
+    assert pipe.program().loss_counter is not None
+    for _ in range(2):  # accumulated over two steps, the second on other paddings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss = pipe.train_step(ids, labels)
+        expected = reference(ids, labels)["loss"]
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        ids, labels = _padded(2, pads=(0, 0, 8, 7, 3, 4, 6, 1))
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def test_a_2bw_loop_on_the_model_s_own_mean_is_the_delayed_plain_loop() -> None:
+    from dag_models import delayed_loop
+
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLM())
+    batches = [_padded(seed) for seed in (1, 2, 3)]
+    pipe = compile_pipeline(model, batches[0], ["cpu"] * 2, chunks=4, schedule="2bw")
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    losses = list(pipe.train_steps([((ids, labels), None) for ids, labels in batches], loss_fn=None, optimizer=optimizer))
+
+    def step(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = reference(ids, labels)["loss"]
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(reference.parameters()), torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9),
+                            [((ids, labels), None) for ids, labels in batches], lambda inputs, _: step(*inputs))  # fmt: skip
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-12, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_loss_keeps_the_sample_weights() -> None:
+    model = PaddedLM().double()
+    ids, labels = _padded(1, pads=(10, 10, 2, 3))
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=2)
+    with pytest.raises(ValueError, match=r"micro-batch 0 of this batch counts none: its mean is 0 / 0"):
+        pipe.train_step(ids, labels)
+    assert all(p.grad is None for p in model.parameters())
+    # A model whose own loss is no mean over counted targets keeps today's weights, and says it cannot check them.
+    pipe = compile_pipeline(OwnLoss().double(), (torch.randn(8, 6).double(), torch.randn(8, 6).double()), ["cpu"] * 2, chunks=2)
+    assert pipe.program().loss_counter is None

@@ -1,0 +1,124 @@
+"""How many targets a model's own mean cross-entropy counts in each micro-batch, so that their losses combine into the batch's exactly.
+
+A model that computes its own loss (`labels=` to a Hugging Face model) returns a cross-entropy
+averaged over the targets that count: not those equal to `ignore_index` (padding, -100). Over
+micro-batches that mean is not a mean of the micro-batches' means by samples:
+
+    batch:  sample 0 counts 2 targets, sample 1 counts 8      loss = (l0 + l1) / 10
+    micro-batches of one sample each, weighted by samples:   (l0 / 2 + l1 / 8) / 2   (another loss)
+    weighted by the targets each counts:                      2/10 * l0/2 + 8/10 * l1/8 = (l0 + l1) / 10
+
+Where the graph's loss output is such a cross-entropy (`F.cross_entropy`, `F.nll_loss`, or a
+`CrossEntropyLoss` / `NLLLoss` called whole, reduction 'mean', no class weights), this pass makes
+the part of the graph that computes its target from the inputs (a shift of the labels, a view),
+so that each micro-batch's count is read from its own inputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._pytree import GetAttrKey, MappingKey, tree_flatten_with_path
+
+from fxpipe.core.attrs import fetch_attr
+from fxpipe.passes.random_ops import random_sources
+
+Counter = Callable[[dict[str, Any]], int]
+
+_FUNCTIONS = (F.cross_entropy, F.nll_loss)
+_MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
+_ATEN = (torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default)
+_MEAN = 1  # aten's reduction: 0 none, 1 mean, 2 sum
+# Positions of the arguments read, in F.cross_entropy's and F.nll_loss's signatures alike.
+_TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4, 5, 6
+
+
+def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
+    """A function of one micro-batch's inputs (by placeholder name) giving how many targets its
+    loss counts; None where the model's own loss (the `loss` field of `template`, or the output
+    itself, whose leaves `name_of` names) is no mean cross-entropy whose target comes from the
+    inputs alone."""
+    node = _loss_node(gm, template, name_of)
+    found = _mean_loss(gm, node) if node is not None else None
+    if found is None:
+        return None
+    target, ignore_index = found
+    if not isinstance(target, fx.Node):
+        return None
+    counting = _inputs_to(gm, target)
+    if counting is None:
+        return None
+    graph, names = counting
+
+    def count(values: dict[str, Any]) -> int:
+        with torch.no_grad():
+            made = graph(*(values[name] for name in names))
+        return int((made != ignore_index).sum()) if isinstance(made, torch.Tensor) else -1
+
+    return count
+
+
+def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[fx.Node]:
+    """The graph's node that the model's own loss is."""
+    name = name_of(template)
+    if name is None:
+        for path, leaf in tree_flatten_with_path(template)[0]:
+            key = path[0] if len(path) == 1 else None
+            if isinstance(key, MappingKey) and key.key == "loss" or isinstance(key, GetAttrKey) and key.name == "loss":
+                name = name_of(leaf)
+    return next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else None
+
+
+def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, int]]:
+    """(its target, its ignore_index) for a mean cross-entropy or NLL loss without class weights:
+    a function's, torch.export's aten op's, or a loss module's called whole."""
+    if node.op == "call_function" and node.target in _FUNCTIONS:
+        def arg(position: int, name: str, default: Any) -> Any:
+            return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+        settings = (arg(_WEIGHT, "weight", None), arg(_SIZE_AVERAGE, "size_average", None), arg(_REDUCE, "reduce", None))
+        if any(s is not None for s in settings) or arg(_REDUCTION, "reduction", "mean") != "mean":
+            return None
+        return arg(_TARGET, "target", None), arg(_IGNORE_INDEX, "ignore_index", -100)
+    if node.op == "call_function" and node.target in _ATEN:  # torch.export's: (self, target, weight, reduction, ignore_index)
+        def at(position: int, name: str, default: Any) -> Any:
+            return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
+
+        if at(2, "weight", None) is not None or at(3, "reduction", _MEAN) != _MEAN:
+            return None
+        return at(1, "target", None), at(4, "ignore_index", -100)
+    if node.op == "call_module":
+        module = fetch_attr(gm, str(node.target))
+        if type(module) not in _MODULES or module.weight is not None or module.reduction != "mean" or node.kwargs:
+            return None
+        return (node.args[1] if len(node.args) > 1 else None), module.ignore_index
+    return None
+
+
+def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphModule, list[str]]]:
+    """A graph computing `value` from the placeholders it reads (their names, in order), where
+    it needs no parameter, module or random draw: only functions and methods of the inputs."""
+    needed: list[fx.Node] = []
+    todo, seen = [value], set()
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op not in ("placeholder", "call_function", "call_method"):
+            return None
+        needed.append(node)
+        todo += node.all_input_nodes
+    if random_sources(gm, needed).always:
+        return None
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    needed.sort(key=order.__getitem__)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in needed:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(env[value])
+    return fx.GraphModule(torch.nn.Module(), graph), [n.name for n in needed if n.op == "placeholder"]
