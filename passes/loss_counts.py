@@ -46,7 +46,7 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
     if found is None:
         return None
     target, ignore_index = found
-    if not isinstance(target, fx.Node):
+    if not isinstance(target, fx.Node) or not isinstance(ignore_index, int):
         return None
     counting = _inputs_to(gm, target)
     if counting is None:
@@ -56,7 +56,9 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
     def count(values: dict[str, Any]) -> int:
         with torch.no_grad():
             made = graph(*(values[name] for name in names))
-        return int((made != ignore_index).sum()) if isinstance(made, torch.Tensor) else -1
+        if not isinstance(made, torch.Tensor) or made.is_floating_point():  # class probabilities: a mean over samples
+            return -1
+        return int((made != ignore_index).sum())
 
     return count
 
@@ -72,30 +74,30 @@ def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optio
     return next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else None
 
 
-def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, int]]:
+def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:
     """(its target, its ignore_index) for a mean cross-entropy or NLL loss without class weights:
     a function's, torch.export's aten op's, or a loss module's called whole."""
     if node.op == "call_function" and node.target in _FUNCTIONS:
-        def arg(position: int, name: str, default: Any) -> Any:
-            return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-        settings = (arg(_WEIGHT, "weight", None), arg(_SIZE_AVERAGE, "size_average", None), arg(_REDUCE, "reduce", None))
-        if any(s is not None for s in settings) or arg(_REDUCTION, "reduction", "mean") != "mean":
+        legacy = (_argument(node, _SIZE_AVERAGE, "size_average", None), _argument(node, _REDUCE, "reduce", None))
+        if _argument(node, _WEIGHT, "weight", None) is not None or any(s is not None for s in legacy):
             return None
-        return arg(_TARGET, "target", None), arg(_IGNORE_INDEX, "ignore_index", -100)
-    if node.op == "call_function" and node.target in _ATEN:  # torch.export's: (self, target, weight, reduction, ignore_index)
-        def at(position: int, name: str, default: Any) -> Any:
-            return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
-
-        if at(2, "weight", None) is not None or at(3, "reduction", _MEAN) != _MEAN:
+        if _argument(node, _REDUCTION, "reduction", "mean") != "mean":
             return None
-        return at(1, "target", None), at(4, "ignore_index", -100)
+        return _argument(node, _TARGET, "target", None), _argument(node, _IGNORE_INDEX, "ignore_index", -100)
+    if node.op == "call_function" and node.target in _ATEN:  # (self, target, weight, reduction, ignore_index)
+        if _argument(node, 2, "weight", None) is not None or _argument(node, 3, "reduction", _MEAN) != _MEAN:
+            return None
+        return _argument(node, 1, "target", None), _argument(node, 4, "ignore_index", -100)
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
         if type(module) not in _MODULES or module.weight is not None or module.reduction != "mean" or node.kwargs:
             return None
         return (node.args[1] if len(node.args) > 1 else None), module.ignore_index
     return None
+
+
+def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
 
 
 def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphModule, list[str]]]:
