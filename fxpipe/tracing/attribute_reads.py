@@ -280,6 +280,9 @@ def _noting(cls: Any, lookup: str, own: Optional[Any]) -> Callable[[Any, str], A
     last = lookup == "__getattr__" or not hasattr(cls, "__getattr__")
 
     def noted(self: Any, name: str) -> Any:
+        # The inherited lookup is found on every read, not once: torch.fx patches nn.Module's
+        # __getattr__ while it traces (parameters read become get_attr nodes), and a lookup
+        # found before would go around the patch.
         try:
             value = own(self, name) if own is not None else getattr(super(cls, self), lookup)(name)
         except AttributeError:
