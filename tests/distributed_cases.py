@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from helpers import Counts, FanOut, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of
+from helpers import Counts, FanOut, PaddedLM, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of, padded_labels
 from dag_models import OPTIMIZERS, Op, Spec, delayed_loop, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -1063,6 +1063,18 @@ def modes_across(rank: int, world: int) -> dict[str, float]:
         expected = F.mse_loss(single(x.float()), y.float())
     found["bf16 loss"] = abs(loss.item() - expected.item()) / max(abs(expected.item()), 1e-6)
     found["bf16 outputs"] = -1.0 if out is None else float(out.dtype == torch.bfloat16)
+    # The model's own mean over the labels it counts (-100 padding, uneven between micro-batches).
+    torch.manual_seed(0)
+    own = PaddedLM().double()
+    own_reference = copy.deepcopy(own)
+    ids, labels = padded_labels(1)
+    own_pipe = compile_pipeline(own, (ids, labels), mesh=mesh, chunks=4, schedule="1f1b", timeout=60)
+    loss = own_pipe.train_step(ids, labels)
+    expected = own_reference(ids, labels)["loss"]
+    expected.backward()
+    found["own mean loss"] = abs(loss.item() - expected.item())
+    references = dict(own_reference.named_parameters())
+    found["own mean gradients"] = max(_max_diff(grad_of(p), grad_of(references[n])) for n, p in own_pipe.named_parameters())
     pipe.eval()
     reference.eval()
     with torch.no_grad():

@@ -6,6 +6,7 @@ import importlib
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -197,3 +198,33 @@ class Positions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.table
+
+
+class PaddedLM(nn.Module):
+    """A language model computing its own loss as Hugging Face's do: the labels shifted by one,
+    padding labelled -100, a cross-entropy averaged over the positions that count."""
+
+    def __init__(self, how: str = "function", vocab: int = 11, width: int = 8) -> None:
+        super().__init__()
+        self.embed, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
+        self.how, self.vocab = how, vocab
+        self.loss = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        if self.how == "module":
+            loss = self.loss(logits.view(-1, self.vocab), shifted.view(-1))
+        else:
+            loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+def padded_labels(seed: int, pads: tuple[int, ...] = (7, 2, 0, 5, 6, 1, 3, 8)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their labels, the last `pads[i]` positions of sample i labelled -100."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (len(pads), 10), generator=generator)
+    labels = ids.clone()
+    for row, pad in enumerate(pads):  # each sample counts another number of positions
+        labels[row, 10 - pad :] = -100
+    return ids, labels

@@ -424,6 +424,7 @@ def test_no_grad_sum_reduction_autocast_and_eval_across_processes() -> None:
         assert found["no_grad loss"] <= TOL and found["no_grad: gradients made"] == 0, found
         assert found["sum loss"] <= TOL and found["sum gradients"] <= TOL, found
         assert found["bf16 loss"] <= 2e-2 and found["bf16 outputs"] == (-1.0 if rank == 0 else 1.0), found
+        assert found["own mean loss"] <= TOL and found["own mean gradients"] <= TOL, found
         assert (found["eval out"] == -1.0) if rank == 0 else (0 <= found["eval out"] <= TOL), found
         assert found["dims loss"] <= TOL and found["dims gradients"] <= TOL, found
         assert (found["dims outputs"] == -1.0) if rank == 0 else (0 <= found["dims outputs"] <= TOL), found

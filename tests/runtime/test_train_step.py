@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import FanOut, assert_grads_equal, example_module, grad_of, twin
+from helpers import FanOut, PaddedLM, assert_grads_equal, example_module, grad_of, padded_labels, twin
 import fxpipe.runtime.losses
 from fxpipe import StageError, compile_pipeline
 from fxpipe.core.microbatch import split_sizes
@@ -934,35 +934,6 @@ def test_uneven_micro_batches_weigh_a_mean_loss_by_their_sizes(schedule: str, lo
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
-class PaddedLM(nn.Module):
-    """A language model computing its own loss as Hugging Face's do: the labels shifted by one,
-    padding labelled -100, a cross-entropy averaged over the positions that count."""
-
-    def __init__(self, how: str = "function", vocab: int = 11, width: int = 8) -> None:
-        super().__init__()
-        self.embed, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
-        self.how, self.vocab = how, vocab
-        self.loss = nn.CrossEntropyLoss(label_smoothing=0.1)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
-        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
-        if self.how == "module":
-            loss = self.loss(logits.view(-1, self.vocab), shifted.view(-1))
-        else:
-            loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), ignore_index=-100)
-        return {"loss": loss, "logits": logits}
-
-
-def _padded(seed: int, pads: tuple[int, ...] = (7, 2, 0, 5, 6, 1, 3, 8)) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 11, (len(pads), 10), generator=generator)
-    labels = ids.clone()
-    for row, pad in enumerate(pads):  # each sample counts another number of positions
-        labels[row, 10 - pad :] = -100
-    return ids, labels
-
-
 @pytest.mark.parametrize("how, schedule, mode, chunks", [
     ("function", "gpipe", "except_last", 4), ("function", "1f1b", "always", 8), ("module", "zb-h1", "never", 3),
     ("module", "interleaved-1f1b", "except_last", 4),
@@ -973,7 +944,7 @@ def test_a_model_s_own_mean_over_the_targets_it_counts_is_the_plain_model_s_with
     the plain model's loss and gradients, with nothing to warn of."""
     torch.manual_seed(0)
     model, reference = twin(PaddedLM(how))
-    ids, labels = _padded(1)
+    ids, labels = padded_labels(1)
     options: dict[str, Any] = {"stages_per_device": 2} if schedule == "interleaved-1f1b" else {}
     pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=chunks, schedule=schedule, checkpoint=mode, **options)
     assert pipe.program().loss_counter is not None
@@ -984,7 +955,7 @@ def test_a_model_s_own_mean_over_the_targets_it_counts_is_the_plain_model_s_with
         expected = reference(ids, labels)["loss"]
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
-        ids, labels = _padded(2, pads=(0, 0, 8, 7, 3, 4, 6, 1))
+        ids, labels = padded_labels(2, pads=(0, 0, 8, 7, 3, 4, 6, 1))
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
@@ -993,7 +964,7 @@ def test_a_2bw_loop_on_the_model_s_own_mean_is_the_delayed_plain_loop() -> None:
 
     torch.manual_seed(0)
     model, reference = twin(PaddedLM())
-    batches = [_padded(seed) for seed in (1, 2, 3)]
+    batches = [padded_labels(seed) for seed in (1, 2, 3)]
     pipe = compile_pipeline(model, batches[0], ["cpu"] * 2, chunks=4, schedule="2bw")
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
     losses = list(pipe.train_steps([((ids, labels), None) for ids, labels in batches], loss_fn=None, optimizer=optimizer))
@@ -1012,7 +983,7 @@ def test_a_2bw_loop_on_the_model_s_own_mean_is_the_delayed_plain_loop() -> None:
 
 def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_loss_keeps_the_sample_weights() -> None:
     model = PaddedLM().double()
-    ids, labels = _padded(1, pads=(10, 10, 2, 3))
+    ids, labels = padded_labels(1, pads=(10, 10, 2, 3))
     pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=2)
     with pytest.raises(ValueError, match=r"micro-batch 0 of this batch counts none: its mean is 0 / 0"):
         pipe.train_step(ids, labels)
