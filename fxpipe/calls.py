@@ -151,8 +151,8 @@ class PipelineCalls(nn.Module):
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
         targets = split_target(target, call.sizes, call.batch)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
-        counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" else None
         call = sliced_call(call, slicing or self._compiled.slicing)
+        counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" and call.slices is None else None
         if call.slices is not None:  # each row's slices run as micro-batches, each with its positions of the target
             targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
         elif counted is not None:  # the model's own mean over the targets it counts: weighted by their counts

@@ -981,6 +981,22 @@ def test_a_2bw_loop_on_the_model_s_own_mean_is_the_delayed_plain_loop() -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
+def test_the_model_s_own_mean_in_eval_mode_and_under_no_grad_is_the_plain_model_s() -> None:
+    model = PaddedLM().double()
+    ids, labels = padded_labels(3)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=4)
+    reference = copy.deepcopy(model)
+    expected = reference(ids, labels)["loss"]
+    with torch.no_grad():
+        torch.testing.assert_close(pipe.train_step(ids, labels), expected.detach(), rtol=1e-12, atol=1e-12)
+    assert all(p.grad is None for p in model.parameters())
+    pipe.eval()
+    reference.eval()
+    torch.testing.assert_close(pipe.train_step(ids, labels), expected.detach(), rtol=1e-12, atol=1e-12)
+    expected.backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_loss_keeps_the_sample_weights() -> None:
     model = PaddedLM().double()
     ids, labels = padded_labels(1, pads=(10, 10, 2, 3))
@@ -988,6 +1004,13 @@ def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_los
     with pytest.raises(ValueError, match=r"micro-batch 0 of this batch counts none: its mean is 0 / 0"):
         pipe.train_step(ids, labels)
     assert all(p.grad is None for p in model.parameters())
+    reference = copy.deepcopy(model)
+    ids, labels = padded_labels(2, pads=(9, 0, 2, 3))  # the next step, on a batch that counts in each micro-batch
+    loss = pipe.train_step(ids, labels)
+    expected = reference(ids, labels)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
     # A model whose own loss is no mean over counted targets keeps today's weights, and says it cannot check them.
     pipe = compile_pipeline(OwnLoss().double(), (torch.randn(8, 6).double(), torch.randn(8, 6).double()), ["cpu"] * 2, chunks=2)
     assert pipe.program().loss_counter is None
