@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.passes.random_ops import random_sources
+from fxpipe.passes.random_ops import argument, random_sources
 
 Counter = Callable[[dict[str, Any]], int]
 
@@ -78,26 +78,22 @@ def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:
     """(its target, its ignore_index) for a mean cross-entropy or NLL loss without class weights:
     a function's, torch.export's aten op's, or a loss module's called whole."""
     if node.op == "call_function" and node.target in _FUNCTIONS:
-        legacy = (_argument(node, _SIZE_AVERAGE, "size_average", None), _argument(node, _REDUCE, "reduce", None))
-        if _argument(node, _WEIGHT, "weight", None) is not None or any(s is not None for s in legacy):
+        legacy = (argument(node, "size_average", _SIZE_AVERAGE, None), argument(node, "reduce", _REDUCE, None))
+        if argument(node, "weight", _WEIGHT, None) is not None or any(s is not None for s in legacy):
             return None
-        if _argument(node, _REDUCTION, "reduction", "mean") != "mean":
+        if argument(node, "reduction", _REDUCTION, "mean") != "mean":
             return None
-        return _argument(node, _TARGET, "target", None), _argument(node, _IGNORE_INDEX, "ignore_index", -100)
+        return argument(node, "target", _TARGET, None), argument(node, "ignore_index", _IGNORE_INDEX, -100)
     if node.op == "call_function" and node.target in _ATEN:  # (self, target, weight, reduction, ignore_index)
-        if _argument(node, 2, "weight", None) is not None or _argument(node, 3, "reduction", _MEAN) != _MEAN:
+        if argument(node, "weight", 2, None) is not None or argument(node, "reduction", 3, _MEAN) != _MEAN:
             return None
-        return _argument(node, 1, "target", None), _argument(node, 4, "ignore_index", -100)
+        return argument(node, "target", 1, None), argument(node, "ignore_index", 4, -100)
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
         if type(module) not in _MODULES or module.weight is not None or module.reduction != "mean" or node.kwargs:
             return None
         return (node.args[1] if len(node.args) > 1 else None), module.ignore_index
     return None
-
-
-def _argument(node: fx.Node, position: int, name: str, default: Any) -> Any:
-    return node.args[position] if len(node.args) > position else node.kwargs.get(name, default)
 
 
 def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphModule, list[str]]]:

@@ -61,7 +61,8 @@ class RandomSources:
     modules: list[str] = field(default_factory=list)  # qualified names of modules that may draw
 
 
-def _argument(node: fx.Node, name: str, position: int, default: Any) -> Any:
+def argument(node: fx.Node, name: str, position: int, default: Any) -> Any:
+    """A call's argument, given by `name` or at `position`, else `default`."""
     if name and name in node.kwargs:
         return node.kwargs[name]
     if 0 <= position < len(node.args):
@@ -82,11 +83,11 @@ def _overload_is_random(node: fx.Node) -> bool:
         return False
     arguments = list(op._schema.arguments)  # type: ignore[union-attr]
     probability, training = None, None
-    for position, argument in enumerate(arguments):
-        if argument.name in _PROBABILITY_ARGS:
-            probability = _argument(node, argument.name, position, argument.default_value)
-        if argument.name in _TRAINING_ARGS:
-            training = _argument(node, argument.name, position, argument.default_value)
+    for position, declared in enumerate(arguments):
+        if declared.name in _PROBABILITY_ARGS:
+            probability = argument(node, declared.name, position, declared.default_value)
+        if declared.name in _TRAINING_ARGS:
+            training = argument(node, declared.name, position, declared.default_value)
     if probability is None and training is None:
         return True  # rand, bernoulli, randperm...
     return _gated_by_constants(probability, training)
@@ -98,7 +99,7 @@ def _function_is_random(node: fx.Node) -> bool:
         return _overload_is_random(node) if isinstance(target, torch._ops.OpOverload) else True
     if target in _GATED:
         (p_name, p_at, p_default), (t_name, t_at, t_default) = _GATED[target]
-        return _gated_by_constants(_argument(node, p_name, p_at, p_default), _argument(node, t_name, t_at, t_default))
+        return _gated_by_constants(argument(node, p_name, p_at, p_default), argument(node, t_name, t_at, t_default))
     if target in RANDOM_FUNCTIONS:
         return True
     module = (getattr(target, "__module__", None) or "").split(".")[0]

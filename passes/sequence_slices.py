@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxpipe.core.carry import SliceState, causal_mask, in_slice, slice_offset, with_carry
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.position_tags import K, CausalityError, Proof
 from fxpipe.passes.fixed_draws import FixedDraws
+from fxpipe.passes.position_tags import K, CausalityError, Proof
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 

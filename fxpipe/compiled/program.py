@@ -96,13 +96,15 @@ Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
 def hooks_of(module: Optional[nn.Module]) -> Hooks:
     """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
     for None, which global module hooks are registered."""
-    tables = (
-        [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
-         nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]
-        if module is None
-        else [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
-    )  # fmt: skip
-    return tuple(tuple(table) for table in tables)
+    return tuple(tuple(table) for table in _hook_tables(module))
+
+
+def _hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
+    """A module's forward, forward pre-, backward and backward pre-hooks, or the global ones for None."""
+    if module is None:
+        return [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
+                nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]  # fmt: skip
+    return [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
 
 
 def code_of(module: nn.Module, listed: bool = True) -> Code:
@@ -238,8 +240,7 @@ class Program:
         for _, m, hooks in self.traced_hooks:
             if m is None:
                 continue
-            tables = [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
-            for table, before in zip(tables, hooks):
+            for table, before in zip(_hook_tables(m), hooks):
                 for key, hook in table.items():
                     if key not in before:
                         function = getattr(hook, "func", hook)  # a functools.partial's function
