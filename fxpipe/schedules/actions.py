@@ -166,15 +166,18 @@ def gpipe(layout: Layout, m: int) -> list[list[Action]]:
     return per_rank
 
 
-def one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
+def one_f_one_b(layout: Layout, m: int, ahead: int = 0) -> list[list[Action]]:
     """PipeDream-flush: stage s runs as many forwards as there are stages after it on the longest
     path of the stage graph (n - 1 - s in a chain), then alternates one forward and one backward,
-    then drains; it never holds more micro-batches than that path has stages from it."""
+    then drains; it never holds more micro-batches than that path has stages from it. With
+    `ahead`, each stage that has stages after it runs that many forwards more first (and holds
+    as many micro-batches more)."""
     one_stage_per_worker(layout, "1f1b")
     n = layout.stages
     per_rank = []
     for s in range(n):
-        warmup = min(layout.stages_after(s), m)
+        after = layout.stages_after(s)
+        warmup = min(after + (ahead if after else 0), m)
         acts = [Action(FORWARD, s, i) for i in range(warmup)]
         for k in range(m - warmup):
             acts += [Action(FORWARD, s, warmup + k), Action(BACKWARD, s, k)]

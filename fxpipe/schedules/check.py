@@ -20,6 +20,7 @@ from fxpipe.schedules.actions import (
     BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, SCHEDULES, WEIGHT_GRAD, Action, Layout, Schedule, by_rows, dependency_graph,
     gpipe, interleaved_one_f_one_b, one_f_one_b, with_recompute,
 )
+from fxpipe.schedules.two_bw import two_bw_step
 from fxpipe.schedules.zero_bubble import zb_h1
 
 MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
@@ -27,7 +28,7 @@ MAKERS: dict[str, Callable[[Layout, int], list[list[Action]]]] = {
     "1f1b": one_f_one_b,
     "interleaved-1f1b": interleaved_one_f_one_b,
     "zb-h1": zb_h1,
-    "2bw": one_f_one_b,  # one step alone; train_steps overlaps the steps (fxpipe/schedules/two_bw.py)
+    "2bw": two_bw_step,  # one step alone; train_steps overlaps the steps (fxpipe/schedules/two_bw.py)
 }
 
 

@@ -74,6 +74,10 @@ def test_each_stage_updates_between_its_last_backward_of_a_batch_and_its_first_f
             + [(RECOMPUTE, g) for g in range(m * batches) if g % m < checkpointed]
             + [(UPDATE, t) for t in range(batches)]
         )  # fmt: skip
+        # one forward more in hand than 1F1B's minimum on every stage with stages after it
+        first_backward = next(n for n, (kind, _) in enumerate(kinds) if kind in (BACKWARD, RECOMPUTE))
+        ahead = stages - 1 - s + (1 if s < stages - 1 else 0)
+        assert sum(kind == FORWARD for kind, _ in kinds[:first_backward]) == min(ahead + 1, m * batches)
         place = {k: n for n, k in enumerate(kinds)}
         for t in range(batches):
             assert place[(BACKWARD, t * m + m - 1)] < place[(UPDATE, t)]
@@ -309,7 +313,7 @@ def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
     plans = {name: compile_pipeline(FanOut(), x, ["cpu"] * 3, chunks=4, schedule=name, balance="memory").plan for name in ("1f1b", "2bw")}
     one, two = plans["1f1b"], plans["2bw"]
     assert one.loop_time() == one.predicted_time()  # a step, then a flush
-    assert two.loop_time() < two.predicted_time() == pytest.approx(one.predicted_time())  # the fill and drain once per loop
+    assert two.loop_time() < two.predicted_time() <= one.predicted_time()  # the fill and drain once per loop
     assert "in a train_steps loop, no flush between batches" in two.summary()
     for a, b in zip(one.stages, two.stages):
         assert b.memory == a.memory + b.param_bytes  # one more copy of the stage's weights
