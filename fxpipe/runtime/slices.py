@@ -7,7 +7,7 @@
 Every schedule runs a row's forwards in this order and its backwards in the reverse one
 (`by_rows` in fxpipe/schedules/actions.py): a slice's forward finds the keys and values its row's
 earlier slice carried (on the same stage), and its backward the gradients of what it carried,
-from the later slice's backward (fxpipe/runtime/tasks.py).
+from the later slice's backward (fxpipe/runtime/tasks.py, fxpipe/runtime/backward_tasks.py).
 """
 from __future__ import annotations
 

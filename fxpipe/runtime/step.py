@@ -40,7 +40,8 @@ from fxpipe.runtime.rollback import Rollback
 from fxpipe.runtime.saved import Saved
 from fxpipe.runtime.slices import SliceGrid
 from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
-from fxpipe.runtime.tasks import LossFn, StageTasks, add_grads, requires_grad
+from fxpipe.runtime.backward_tasks import BackwardTasks, add_grads
+from fxpipe.runtime.tasks import LossFn, requires_grad
 from fxpipe.runtime.versions import Versions
 from fxpipe.runtime.weight_grad import Weights
 from fxpipe.runtime.worker import TaskGroup, Workers
@@ -53,7 +54,7 @@ from fxpipe.schedules.timeline import Record
 WAIT_TIMEOUT: Optional[float] = None
 
 
-class Step(StageTasks):
+class Step(BackwardTasks):
     """The state of one call of the pipeline, from forward to the end of backward."""
 
     def __init__(
