@@ -30,10 +30,11 @@ from fxpipe.core.attrs import tensors_read
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of
-from fxpipe.passes.batch_dims import annotate_batch_dims, run_whole
+from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
 from fxpipe.passes.edges import find_edges
+from fxpipe.passes.example_runs import run_whole
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
 from fxpipe.passes.placement import pin_devices

@@ -19,9 +19,7 @@ on them in turn.
 """
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -29,62 +27,21 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path, tree_map_only
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.fixed_draws import FixedDraws
+from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import RandomSources, random_sources
-from fxpipe.passes.shapes import Recorder, small_on_cpu
+from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.validate import source_line
-from fxpipe.tracing.assignments import assignments_recorded
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
 _LOW_PRECISION = 5e-2
-
-
-class _Runner(Recorder):
-    """Runs the graph without writing node.meta (unless it `records` shapes, as `Recorder`
-    does), keeping the values of the nodes in `keep` (of every node when it is None); the nodes
-    in `fixed` run under `FixedDraws` (a Python call per op: only where it matters)."""
-
-    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node], records: bool = False) -> None:
-        super().__init__(gm, on_meta)
-        self.keep, self.fixed = keep, fixed
-        self.values: dict[fx.Node, Any] = {}
-        self.run_one = super().run_node if records else functools.partial(fx.Interpreter.run_node, self)
-
-    def _run_uncounted(self, n: fx.Node) -> Any:
-        # Without the shape pass's retry with gradients on: the halves run without them, and
-        # the whole example's run must fail where they would (`propagate_shapes` then retries).
-        return fx.Interpreter.run_node(self, n)
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n in self.fixed:
-            with FixedDraws():
-                value = self.run_one(n)
-        else:
-            value = self.run_one(n)
-        if self.keep is None or n in self.keep:
-            self.values[n] = value
-        return value
-
-
-def _drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes that may draw random numbers or normalise by batch statistics."""
-    found = set()
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        module = fetch_attr(gm, str(node.target)) if node.op == "call_module" else None
-        norms = module is not None and any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
-        if norms or "batch_norm" in str(node.target) or random_sources(gm, [node]) != RandomSources():
-            found.add(node)
-    return found
 
 
 # scale_grad_by_freq's position among each embedding function's arguments.
@@ -112,29 +69,6 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
             "occurs in the batch (scale_grad_by_freq=True): each micro-batch would count its own indices, and the "
             "gradients would differ from the plain model's.\nHow to fix: scale_grad_by_freq=False, or chunks=1."
         )
-
-
-@dataclass
-class WholeRun:
-    """The graph's run on the whole example, drawing nodes under `FixedDraws`: the values of
-    the nodes the graph returns, and the buffers the run wrote."""
-
-    values: dict[fx.Node, Any]
-    written: set[str] = field(default_factory=set)
-
-
-def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True) -> Optional[WholeRun]:
-    """The run on the whole example that `annotate_batch_dims` makes; with `records`, writing
-    what `propagate_shapes` does too (its draws fixed, which leaves the shapes alike): one run of
-    the graph for both passes. None where it fails: `propagate_shapes` then says why, or runs
-    the graph another way (for real where the meta device cannot)."""
-    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
-    whole = WholeRun({})
-    try:
-        (whole.values,) = _run(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records)
-    except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
-        return None
-    return whole
 
 
 def annotate_batch_dims(
@@ -172,7 +106,7 @@ def annotate_batch_dims(
         return True
     whole, written = whole_run.values, set(whole_run.written)
     try:
-        each = _run(gm, parts, real, keep=set(returned))
+        each = run_on(gm, parts, real, keep=set(returned))
     except Exception as e:  # noqa: BLE001 - named in the refusal
         if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return True
@@ -184,8 +118,8 @@ def annotate_batch_dims(
     if not problems and real and not compare and serves_eval:
         with _in_eval(gm):
             written.clear()
-            (whole,) = _run(gm, [inputs], real, keep=set(returned), written=written)
-            each = _run(gm, parts, real, keep=set(returned))
+            (whole,) = run_on(gm, [inputs], real, keep=set(returned), written=written)
+            each = run_on(gm, parts, real, keep=set(returned))
             if not _keeps_state(gm, written):
                 problems, bad = _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
             if problems:  # (where it starts, in eval mode too)
@@ -271,39 +205,6 @@ def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
     return {str(stat.target).rpartition(".")[0] for node in gm.graph.nodes for stat in statistics_written(node)}
 
 
-def _run(
-    gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None,
-    records: bool = False,
-) -> list[dict[fx.Node, Any]]:
-    """The values of the nodes in `keep` (of every node when None) on each of `examples`; the
-    buffers the runs may write that they did write are added to `written`. With `records`, the
-    runs write the shapes and FLOPs into node.meta (`propagate_shapes`)."""
-    runs = []
-    fixed = _drawing_or_normalising(gm)
-    with preserved(gm), torch.no_grad():
-        before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
-        for inputs in examples:
-            runner = _Runner(gm, on_meta=not real, keep=keep, fixed=fixed, records=records)
-            with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
-                runner.run(*_cloned(inputs))
-            runs.append(runner.values)
-        if written is not None:
-            written.update(name for name, (b, version) in before.items() if _buffer(gm, name) is not b or version is None or _version(b) != version)
-    return runs
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    """Its version counter; None for an inference tensor, which keeps none (counted as written)."""
-    return None if t.is_inference() else t._version
-
-
-def _buffer(gm: fx.GraphModule, name: str) -> Optional[torch.Tensor]:
-    try:
-        return gm.get_buffer(name)
-    except AttributeError:
-        return None
-
-
 def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, chunks: int, dims: Dims, error: Exception) -> str:
     """The model runs on the whole example and fails on half of it: say so, and name the inputs
     kept whole that have a dim of the batch's size (an LSTM's initial state holds the batch on
@@ -378,7 +279,7 @@ def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
     before = {name: p.detach().clone() for name, p in gm.named_parameters()}
     try:
         with preserved(gm), torch.no_grad():
-            _Runner(gm, on_meta=False, keep=set(), fixed=_drawing_or_normalising(gm)).run(*_cloned(inputs))
+            ExampleRunner(gm, on_meta=False, keep=set(), fixed=drawing_or_normalising(gm)).run(*cloned(inputs))
             written = sorted(name for name, p in gm.named_parameters() if not torch.equal(p, before[name]))
     except Exception:  # noqa: BLE001 - it ran before; nothing more to say if not now
         return ""
@@ -389,19 +290,6 @@ def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
         "the samples that ran before (an Embedding with max_norm renormalises the rows it looks up: "
         "max_norm=None, or renormalise outside forward).\n"
     )
-
-
-def _cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Copies of tensor inputs: a graph may write its inputs in place. An inference tensor's
-    copy is one too, which the graph fails to write as it would fail on the caller's."""
-    return tree_map_only(torch.Tensor, _clone, inputs)
-
-
-def _clone(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_inference():
-        return t.clone()
-    with torch.inference_mode():
-        return t.clone()
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -510,7 +398,7 @@ def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tup
     disagreeing value that a later node makes agree again, the batch size given to `view`,
     starts nothing.)"""
     try:
-        every, *each = _run(gm, [whole, *parts], real=True, keep=None)
+        every, *each = run_on(gm, [whole, *parts], real=True, keep=None)
     except Exception:  # noqa: BLE001 - it ran once already; nothing more to say if not again
         return []
     agree = {n: _agrees(every[n], [e[n] for e in each]) for n in every}

@@ -14,7 +14,8 @@ from torch.nn.utils import prune
 from helpers import assert_grads_equal, real_tensors_only, twin
 from fxpipe import compile_pipeline
 from fxpipe.core.microbatch import VARIES
-from fxpipe.passes.batch_dims import annotate_batch_dims, run_whole
+from fxpipe.passes.batch_dims import annotate_batch_dims
+from fxpipe.passes.example_runs import run_whole
 from fxpipe.passes.shapes import propagate_shapes
 
 X = torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # fixed whatever was imported first

@@ -1,0 +1,133 @@
+"""Runs of a graph on example inputs for the batch-dim check: the values of chosen nodes, draws fixed, buffers written.
+
+The graph runs node by node (an fx Interpreter), with no gradients, from the state the model
+holds, which is put back after each run; nodes that draw random numbers or normalise by the
+batch's statistics run under `FixedDraws`, so that the example and its halves see alike draws.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.snapshot import preserved
+from fxpipe.passes.fixed_draws import FixedDraws
+from fxpipe.passes.random_ops import RandomSources, random_sources
+from fxpipe.passes.shapes import Recorder, small_on_cpu
+from fxpipe.passes.state import writable_buffer_names
+from fxpipe.tracing.assignments import assignments_recorded
+
+
+class ExampleRunner(Recorder):
+    """Runs the graph without writing node.meta (unless it `records` shapes, as `Recorder`
+    does), keeping the values of the nodes in `keep` (of every node when it is None); the nodes
+    in `fixed` run under `FixedDraws` (a Python call per op: only where it matters)."""
+
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node], records: bool = False) -> None:
+        super().__init__(gm, on_meta)
+        self.keep, self.fixed = keep, fixed
+        self.values: dict[fx.Node, Any] = {}
+        self.run_one = super().run_node if records else functools.partial(fx.Interpreter.run_node, self)
+
+    def _run_uncounted(self, n: fx.Node) -> Any:
+        # Without the shape pass's retry with gradients on: the halves run without them, and
+        # the whole example's run must fail where they would (`propagate_shapes` then retries).
+        return fx.Interpreter.run_node(self, n)
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n in self.fixed:
+            with FixedDraws():
+                value = self.run_one(n)
+        else:
+            value = self.run_one(n)
+        if self.keep is None or n in self.keep:
+            self.values[n] = value
+        return value
+
+
+def drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
+    """The nodes that may draw random numbers or normalise by batch statistics."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        module = fetch_attr(gm, str(node.target)) if node.op == "call_module" else None
+        norms = module is not None and any(isinstance(m, nn.modules.batchnorm._NormBase) for m in module.modules())
+        if norms or "batch_norm" in str(node.target) or random_sources(gm, [node]) != RandomSources():
+            found.add(node)
+    return found
+
+
+@dataclass
+class WholeRun:
+    """The graph's run on the whole example, drawing nodes under `FixedDraws`: the values of
+    the nodes the graph returns, and the buffers the run wrote."""
+
+    values: dict[fx.Node, Any]
+    written: set[str] = field(default_factory=set)
+
+
+def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True) -> Optional[WholeRun]:
+    """The run on the whole example that `annotate_batch_dims` makes; with `records`, writing
+    what `propagate_shapes` does too (its draws fixed, which leaves the shapes alike): one run of
+    the graph for both passes. None where it fails: `propagate_shapes` then says why, or runs
+    the graph another way (for real where the meta device cannot)."""
+    returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
+    whole = WholeRun({})
+    try:
+        (whole.values,) = run_on(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records)
+    except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
+        return None
+    return whole
+
+
+def run_on(
+    gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None,
+    records: bool = False,
+) -> list[dict[fx.Node, Any]]:
+    """The values of the nodes in `keep` (of every node when None) on each of `examples`; the
+    buffers the runs may write that they did write are added to `written`. With `records`, the
+    runs write the shapes and FLOPs into node.meta (`propagate_shapes`)."""
+    runs = []
+    fixed = drawing_or_normalising(gm)
+    with preserved(gm), torch.no_grad():
+        before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
+        for inputs in examples:
+            runner = ExampleRunner(gm, on_meta=not real, keep=keep, fixed=fixed, records=records)
+            with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
+                runner.run(*cloned(inputs))
+            runs.append(runner.values)
+        if written is not None:
+            written.update(name for name, (b, version) in before.items() if _buffer(gm, name) is not b or version is None or _version(b) != version)
+    return runs
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    """Its version counter; None for an inference tensor, which keeps none (counted as written)."""
+    return None if t.is_inference() else t._version
+
+
+def _buffer(gm: fx.GraphModule, name: str) -> Optional[torch.Tensor]:
+    try:
+        return gm.get_buffer(name)
+    except AttributeError:
+        return None
+
+
+def cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Copies of tensor inputs: a graph may write its inputs in place. An inference tensor's
+    copy is one too, which the graph fails to write as it would fail on the caller's."""
+    return tree_map_only(torch.Tensor, _clone, inputs)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_inference():
+        return t.clone()
+    with torch.inference_mode():
+        return t.clone()
