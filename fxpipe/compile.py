@@ -21,11 +21,12 @@ from fxpipe.compiler.arguments import (
 )
 from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
-from fxpipe.compiler.frontend import Traced, refuse_an_example_the_model_refuses, to_graph
+from fxpipe.compiler.frontend import refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiler.placement import place_state
 from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
 )
+from fxpipe.compiler.traced import Traced
 from fxpipe.core.attrs import tensors_read
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -14,53 +12,22 @@ from torch.utils._pytree import tree_map_only
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiled.program import Binder
-from fxpipe.compiler.binding import MicroBatchCheck, leaf_binder, micro_batch_check, none_as_traced, signature_binder
+from fxpipe.compiler.binding import leaf_binder, micro_batch_check, none_as_traced, signature_binder
+from fxpipe.compiler.effects import (
+    refuse_containers_filled_at_random, refuse_effects_a_trace_loses, refuse_lost_assignments, refuse_lost_counters,
+    refuse_reads_of_stored_tensors, warn_of_containers_left,
+)
+from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.shapes import small_on_cpu
-from fxpipe.passes.state import ASSIGNS
 from fxpipe.passes.validate import check_graph, first_line, raising_line
-from fxpipe.tracing.assignments import (
-    AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
-)
-from fxpipe.tracing.attribute_reads import (
-    Reads, assigned_while_traced, attribute_reads_recorded, counted_while_traced, unnoted, values_of,
-)
+from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
+from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph
 from fxpipe.tracing.functions import functions_applied
-from fxpipe.tracing.lost_effects import (
-    outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
-)
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
-
-T = TypeVar("T")
-
-
-@dataclass
-class Traced:
-    """A graph, how a call's arguments map onto its placeholders, and how it was made.
-
-    `graph` was traced in training mode. `eval_graph` was traced in eval mode, and is None when
-    its code is the same as `graph`'s (no Python branch on `self.training`): then `graph` serves
-    both modes. Both take the same arguments (`bind`), and both read the model's own parameters
-    and buffers (the same objects).
-    """
-
-    graph: fx.GraphModule
-    bind: Binder
-    note: Optional[str] = None
-    eval_graph: Optional[fx.GraphModule] = None
-    fx_failure: str = ""  # why torch.fx could not, where torch.export made the graph
-    check_micro_batch: Optional[MicroBatchCheck] = None  # export's guards on a call's micro-batches
-    stored_with_grad: frozenset[tuple[str, str]] = frozenset()  # tensors forward stores that require grad
-    reads: Optional[Reads] = None  # what the traces read of the modules' attributes, by mode
-    attributes: dict[str, Any] = field(default_factory=dict)  # the plain ones, as compiled, by qualified name
-    modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
-    eval_only: str = ""  # why training mode could not be traced, where `graph` was traced in eval mode alone
-
-
 
 
 class _Rejected(Exception):
@@ -72,47 +39,18 @@ class _Rejected(Exception):
         self.detail, self.summary, self.fix = detail, summary or detail, fix
 
 
-@contextmanager
-def _mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """The model in training (or eval) mode: as it is when it is in that mode already (modules
-    set apart keep their flags), else as `model.train(training)` sets it; flags restored after."""
-    flags = [(module, module.training) for module in model.modules()]
-    if model.training != training:
-        with unnoted():  # a train() override's reads are not the trace's
-            model.train(training)
-    try:
-        yield
-    finally:
-        for module, flag in flags:
-            module.training = flag
-
-
-BOTH: tuple[bool, ...] = (True, False)
-
-
-def _in_both_modes(model: nn.Module, make: Callable[[], T], modes: tuple[bool, ...] = BOTH) -> dict[bool, T]:
-    """`make()` in training mode (key True) and in eval mode (False): `self.training` branches
-    are decided while tracing. With `modes=(False,)`, the eval one serves both keys."""
-    made = {}
-    for training in modes:
-        with _mode(model, training):
-            made[training] = make()
-    made.setdefault(True, made[False])
-    return made
-
-
 def _traced_in_modes(model: nn.Module, read: Reads, traced: Callable[[], fx.GraphModule], traced_in: tuple[bool, ...]) -> dict[bool, fx.GraphModule]:
-    """`_in_both_modes(model, traced, traced_in)`, but the training trace serves eval mode where
+    """`in_both_modes(model, traced, traced_in)`, but the training trace serves eval mode where
     nothing in it can differ there: it read no module's `training` flag, and setting the mode sets
     the flags alone (no module overrides `train()`). Tracing twice is most of compiling's time."""
     if traced_in != BOTH:
-        return _in_both_modes(model, traced, traced_in)
-    with _mode(model, True):
+        return in_both_modes(model, traced, traced_in)
+    with in_mode(model, True):
         graph = traced()
     if read.flags_read[True] == 0 and all(type(m).train is nn.Module.train for m in model.modules()):
         read.same_in_eval()
         return {True: graph, False: graph}
-    with _mode(model, False):
+    with in_mode(model, False):
         return {True: graph, False: traced()}
 
 
@@ -126,7 +64,7 @@ def _check(
         gm = graphs[training]
         if not training and True in modes and gm.code == graphs[True].code:
             continue  # the same code as the training graph, checked already
-        with _mode(model, training):
+        with in_mode(model, training):
             try:
                 problem = check_graph(model, gm, example, inputs, kwargs)
             except Exception:  # the model itself fails on the example (the graph's failures are problems)
@@ -168,7 +106,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
                 return trace(model, leaves, none=none)
 
             graphs = _traced_in_modes(model, read, traced, traced_in)
-        _refuse_lost_counters(model, read)
+        refuse_lost_counters(model, read)
     except TraceError as error:
         # A submodule that stores attributes in forward is called whole: its assignments run. So
         # is one whose forward calls a function that takes real tensors only (einops, packing).
@@ -182,7 +120,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     if _check(model, graphs, example, kwargs, bind, traced_in) is None:
         return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).
-    lined = _in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none), traced_in)
+    lined = in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none), traced_in)
     raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in) or "its graph computes otherwise than the model")
 
 
@@ -227,8 +165,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
                 read.begin(model.training)
                 return _exported(model, example, kwargs)
 
-            exported = _in_both_modes(model, exported_now, traced_in)
-        _refuse_lost_counters(model, read)
+            exported = in_both_modes(model, exported_now, traced_in)
+        refuse_lost_counters(model, read)
     except TraceError as error:  # a value forward assigns, which the graph would hold
         detail, _, fix = str(error).partition("\nHow to fix: ")
         raise _Rejected(detail, first_line(error), f"How to fix: {fix}") from error
@@ -260,50 +198,6 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     return traced
 
 
-def _refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes) -> None:
-    """Attributes the model's forward assigned while tracing and checking are put back; those
-    outside the modules the graph calls whole would never be assigned by the pipeline."""
-    try:
-        refuse_assignments(changed, _called_whole(traced), exported=traced.fx_failure)
-    except AssignmentError as error:
-        raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
-    for gm in [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]:
-        for node in gm.graph.nodes:
-            if node.op == "call_module" and len(outside(changed, [str(node.target)])) < len(changed):
-                node.meta[ASSIGNS] = True
-
-
-def _refuse_lost_counters(model: nn.Module, read: Reads) -> None:
-    """A value the forward assigns that the check of assignments cannot follow is lost from any
-    graph, whichever front end traced it: a module-level one (`global calls; calls += 1`), or one
-    in a settings object with `__slots__`, or with a table of its own for its fields."""
-    for counted, where in ((assigned_while_traced(read), "module-level values"), (counted_while_traced(model, read), "attributes")):
-        if counted:
-            raise TraceError(
-                f"{type(model).__name__} cannot be compiled: its forward assigns {where}, which changed as it was "
-                f"traced: {', '.join(counted)}. A pipeline runs the traced graph, which never assigns them and holds "
-                "the value they had then.\nHow to fix: keep such a value in the module that changes it (self.calls "
-                "+= 1), which is then called whole; or in a buffer (self.register_buffer) updated in place; or return "
-                "it from forward."
-            )
-
-
-def _refuse_reads_of_stored_tensors(model: nn.Module, traced: Traced, stable: StableAssignments) -> None:
-    """A tensor a module called whole stores as it runs (`self.hidden = h`), read by the code
-    torch.fx traced (`self.a.hidden` after `self.a(x)`): the graph reads what it held when
-    traced, a constant, where the plain model reads what this call stored."""
-    stored = {f"{path}.{name}" if path else name for end in stable.ends for (path, name), value in end.items() if isinstance(value, torch.Tensor)}
-    graphs = [g for g in (traced.graph, traced.eval_graph) if g is not None]
-    read = sorted({str(n.target) for g in graphs for n in g.graph.nodes if n.op == "get_attr" and str(n.target) in stored})
-    if read:
-        raise TraceError(
-            f"{type(model).__name__}'s forward reads {', '.join(read)}, which a module called whole stores as it runs: "
-            "the pipeline's graph would read the tensor stored when it was traced, where the plain model reads the "
-            "one this call stores.\nHow to fix: return the value from that module's forward (return out, hidden) "
-            "and use what it returns."
-        )
-
-
 def to_graph(
     model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None
 ) -> Traced:
@@ -320,96 +214,24 @@ def to_graph(
     kwargs = kwargs or {}
     with preserved(model):
         with StableAssignments(model) as stable:
-            hooks = _refuse_effects_a_trace_loses(model, example, kwargs, stable)
+            hooks = refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
                 traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
             graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
             refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
-            _refuse_lost_assignments(model, traced, changed)
-            _refuse_reads_of_stored_tensors(model, traced, stable)
+            refuse_lost_assignments(model, traced, changed)
+            refuse_reads_of_stored_tensors(model, traced, stable)
         except BaseException:
             stable.undo()
             raise
     if stable.filled:
-        _refuse_containers_filled_at_random(model, example, kwargs)
+        refuse_containers_filled_at_random(model, example, kwargs)
     traced.stored_with_grad = stable.differentiable
     if traced.reads is not None:
         traced.attributes = values_of(model, traced.reads)
-    _warn_of_containers_left(model, traced, stable.filled)
+    warn_of_containers_left(model, traced, stable.filled)
     return traced
-
-
-def _refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A cache the forward fills and then reads (put back after compiling's runs) is computed
-    again by the graph on every call: the plain model's value only if it is one of the
-    parameters, not of random numbers drawn once (a random projection made on first use). Runs
-    in each mode from other seeds tell; a store each run writes anew is no cache."""
-    differ: list[str] = []
-    with preserved(model), assignments_recorded(model), torch.no_grad():
-        for training in (True, False):
-            with _mode(model, training):
-                runs = []
-                try:
-                    for seed in (1, 2):
-                        torch.manual_seed(seed)
-                        runs.append(cached(model, lambda: model(*example, **kwargs)))
-                except Exception:  # noqa: BLE001 - a mode the model does not run in fills nothing
-                    continue
-                differ += [path for path in differing_entries(*runs) if path not in differ]
-    if differ:
-        raise TraceError(
-            f"{type(model).__name__}'s forward fills {', '.join(differ)} with random values (another draw on each "
-            "run): the pipeline's generated stages would draw them again on every call and micro-batch, where the "
-            "plain model draws them once and keeps them.\nHow to fix: draw them in __init__ and register them as a "
-            "buffer (or a parameter), so that forward only reads them."
-        )
-
-
-def _called_whole(traced: Traced) -> set[str]:
-    """The paths of the modules the graphs call whole: their forwards run on every call."""
-    graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
-    return {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_module"}
-
-
-def _warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str]) -> None:
-    """The dicts, lists and sets the forward filled (put back after compiling's runs) outside the
-    modules called whole, whose forwards fill them on every call: the pipeline leaves those."""
-    left = outside(filled, _called_whole(traced))
-    if left:
-        owners = sorted({name.rpartition(".")[0] for name in left} - {""})
-        whole = f"keep the modules that fill them whole (leaf_modules={owners!r}), whose forwards run on every micro-batch" if owners else ""
-        root = "return from forward what the root module fills" if len(owners) < len({name.rpartition(".")[0] for name in left}) else ""
-        warnings.warn(
-            f"{type(model).__name__}'s forward changes the contents of {', '.join(left)}, which the pipeline's "
-            "generated stages do not: the graph computes from what the model held when compiled (a cache is "
-            "computed again on each call), and those containers stay as they were.\nTo have them filled: "
-            + "; or ".join(filter(None, [whole, root])) + ".",
-            stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
-        )
-
-
-def _refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments) -> int:
-    """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
-    then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many hooks
-    forward registered on tensors. Each run is told to `stable`, which keeps the plain values
-    every run assigns alike. A model that does not run is left to the front ends, whose errors
-    say why. Only a model small enough to run whole is run, as for the graph's check (on the
-    CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
-    if is_on_meta(model) or not small_on_cpu(model, (example, kwargs)):
-        return 0
-    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model), \
-            tensor_hooks_counted() as hooks:  # fmt: skip
-        try:
-            with torch.enable_grad():
-                def run() -> None:
-                    model(*example, **kwargs)
-                    stable.ran()
-
-                _in_both_modes(model, run)
-        except Exception:  # noqa: BLE001 - the front ends say why the model does not run
-            stable.ends.clear()
-    return hooks.count
 
 
 def refuse_an_example_the_model_refuses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.plan import StagePlan, human_bytes
-from fxpipe.compiler.frontend import Traced
+from fxpipe.compiler.traced import Traced
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal import prove_causal
