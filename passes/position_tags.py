@@ -57,12 +57,36 @@ class Proof:
     attention: list[str] = field(default_factory=list)  # scaled_dot_product_attention nodes, made causal by a mask
     inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> its sequence dim
     outputs: list[Optional[int]] = field(default_factory=list)  # each output leaf's sequence dim
+    fresh: int = 0  # role variables made so far
 
     def role_of(self, variable: str) -> str:
         """A role variable's role: Q unless a use made it K."""
-        while variable in self.roles:
-            variable = self.roles[variable]
-        return variable if variable in (Q, K) else Q
+        role = self.find(variable)
+        return role if role in (Q, K) else Q
+
+    def new_variable(self) -> str:
+        """A role variable no value holds yet ('?n')."""
+        self.fresh += 1
+        return f"?{self.fresh}"
+
+    def find(self, role: str) -> str:
+        """What `role` is bound to: a role, or a variable bound to nothing yet."""
+        while role in self.roles:
+            role = self.roles[role]
+        return role
+
+    def unify(self, a: str, b: str) -> Optional[str]:
+        """The role both are, binding a variable to the other; None where they differ."""
+        a, b = self.find(a), self.find(b)
+        if a == b:
+            return a
+        if a.startswith("?"):
+            self.roles[a] = b
+            return b
+        if b.startswith("?"):
+            self.roles[b] = a
+            return a
+        return None
 
 
 class CausalityError(ValueError):
