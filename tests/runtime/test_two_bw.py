@@ -315,6 +315,10 @@ def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
     assert one.loop_time() == one.predicted_time()  # a step, then a flush
     assert two.loop_time() < two.predicted_time() <= one.predicted_time()  # the fill and drain once per loop
     assert "in a train_steps loop, no flush between batches" in two.summary()
+    # more activations on every stage but the last, which holds no forward in hand
+    held_one, held_two = one.prediction().peak_bytes, two.prediction().peak_bytes
+    last = len(two.stages) - 1
+    assert held_two[last] == held_one[last] and all(held_two[s] > held_one[s] for s in range(last))
     for a, b in zip(one.stages, two.stages):
         assert b.memory == a.memory + b.param_bytes  # one more copy of the stage's weights
 
