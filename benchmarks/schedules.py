@@ -195,19 +195,43 @@ def pipeline_loop(pipe: Any, w: Workload, lr: float) -> Callable[[], None]:
     return loop
 
 
+MINIMUM = "2bw, 1F1B's minimum in hand"
+
+
+def minimum_in_hand(loop: Callable[[], None]) -> Callable[[], None]:
+    """`loop` with 2bw's stages keeping no forward in hand beyond 1F1B's minimum: what 2bw ran
+    before its stages kept one more (fxpipe/schedules/two_bw.py), for the difference it makes."""
+    import fxpipe.schedules.two_bw as two_bw
+    from fxpipe.schedules.actions import one_f_one_b
+
+    def run() -> None:
+        kept = two_bw.two_bw_step
+        two_bw.two_bw_step = one_f_one_b
+        try:
+            loop()
+        finally:
+            two_bw.two_bw_step = kept
+
+    return run
+
+
 def loop_rows(w: Workload, args: argparse.Namespace) -> list[list[str]]:
-    """train_steps over LOOP_BATCHES batches: 1f1b flushes after each, 2bw never; E against the
-    plain model's loop, and the parameters' memory (2bw holds a second version per stage)."""
+    """train_steps over LOOP_BATCHES batches: 1f1b flushes after each, 2bw never (and 2bw with
+    1F1B's minimum in hand, its order before); E against the plain model's loop, and the
+    parameters' memory (2bw holds a second version per stage)."""
     lr = 1e-6  # the loops train: a small step keeps the work alike from round to round
-    pipes = {name: pipeline(w, name, args.chunks, args.checkpoint) for name in ("1f1b", "2bw")}
+    schedules = {"1f1b": "1f1b", "2bw": "2bw", MINIMUM: "2bw"}
+    pipes = {name: pipeline(w, schedule, args.chunks, args.checkpoint) for name, schedule in schedules.items()}
     plain = Contender("plain", plain_loop(w, lr))
-    contenders = [plain, *(Contender(name, pipeline_loop(pipe, w, lr)) for name, pipe in pipes.items())]
+    loops = {name: pipeline_loop(pipe, w, lr) for name, pipe in pipes.items()}
+    loops[MINIMUM] = minimum_in_hand(loops[MINIMUM])
+    contenders = [plain, *(Contender(name, loop) for name, loop in loops.items())]
     measure(contenders, args.repeats, 1, warmup=1)
     params = sum(p.numel() * p.element_size() for p in w.model.parameters())
     rows = []
     for contender in contenders[1:]:
         pipe = pipes[contender.name]
-        held = pipe.last_parameter_bytes if contender.name == "2bw" else params  # 1f1b's steps run on the parameters' own memory
+        held = params if contender.name == "1f1b" else pipe.last_parameter_bytes  # 1f1b's steps run on the parameters' own memory
         rows.append([
             w.name, contender.name, f"{LOOP_BATCHES} batches", f"{plain.median / (2 * contender.median):.3f}",
             f"{plain.best / (2 * contender.best):.3f}", f"{contender.median / LOOP_BATCHES * 1e3:.1f}",
