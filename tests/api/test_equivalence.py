@@ -40,7 +40,9 @@ MODELS = {"unet": _unet, "resnet": _resnet, "gpt": _gpt, "fan_out": _fan_out}
 
 
 # With one micro-batch 'except_last' checkpoints nothing, as 'never': that pair is left out.
-GRID = [(s, c, m) for s, c, m in itertools.product([1, 2, 3, 4], [1, 3, 4, 8], MODES) if (c, m) != (1, "except_last")]
+# Chunks 3 split the 8 samples unevenly (3, 3, 2), 8 into one sample each; an even split of
+# several samples each is the property test's (tests/api/test_property.py), over random graphs.
+GRID = [(s, c, m) for s, c, m in itertools.product([1, 2, 3, 4], [1, 3, 8], MODES) if (c, m) != (1, "except_last")]
 
 
 @pytest.mark.parametrize("stages,chunks,mode", GRID)

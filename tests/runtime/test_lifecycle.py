@@ -61,20 +61,23 @@ class WithSlow(nn.Module):
         return self.b(self.slow(torch.tanh(self.a(x))))
 
 
-@pytest.mark.parametrize("stages", [1, 2])  # one worker runs its tasks on the caller's thread
-def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind(stages: int) -> None:
+def test_ctrl_c_during_backward_stops_the_step_and_leaves_nothing_behind() -> None:
     """In a process of its own, with Python's own Ctrl-C handler: in the full suite, a process
     started from a pytest-xdist worker could inherit SIGINT ignored, and `_thread.interrupt_main()`
-    then raises nothing (in the worker itself too, late in the run), as a Ctrl-C would not."""
+    then raises nothing (in the worker itself too, late in the run), as a Ctrl-C would not. One
+    stage (its worker runs its tasks on the caller's thread), then two, in the same process."""
     here = os.path.dirname(os.path.abspath(__file__))
     code = (
         f"import signal, sys; sys.path[:0] = [{os.path.dirname(here)!r}, {here!r}]\n"
         "print('SIGINT handler inherited:', signal.getsignal(signal.SIGINT), file=sys.stderr)\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-        f"from test_lifecycle import ctrl_c_during_backward; ctrl_c_during_backward({stages}); print('done')"
+        "from test_lifecycle import ctrl_c_during_backward\n"
+        "for stages in (1, 2):\n"
+        "    ctrl_c_during_backward(stages)\n"
+        "    print('done', stages)"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0 and run.stdout.strip().endswith("done"), run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0 and run.stdout.split() == ["done", "1", "done", "2"], run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def ctrl_c_during_backward(stages: int) -> None:
