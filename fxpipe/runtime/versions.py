@@ -7,8 +7,10 @@ while batch t + 1, started on W(t), is still in flight:
     an update U(t)@s     moves each of stage s's parameters (and the tied weights it reads first)
                          to a copy of itself, then steps the optimizer on them: the in-flight
                          step keeps the old memory, unchanged
-    a copy of a tied     made at the reader's first forward of the batch, once the owner's update
-    weight               of two batches before is done: the same version on both stages
+    a copy of a tied     made at the reader's first forward of the batch from the version the
+    weight               owner kept for that batch (W(batch - 1), kept by its update of two
+                         batches before): the same version on both stages, however far the owner
+                         has run ahead (its next update may already be done)
 
 A stage's update waits for the batch's gradients to be in `.grad` (and the caller's
 `after_backward` run). A stage runs with its leaves in the model's parameter slots: while the
@@ -95,6 +97,11 @@ class Versions:
             if id(p) in self.owner and id(p) not in seen:
                 seen.add(id(p))
                 self.updates[self.owner[id(p)]].append(p)
+        # Of each tied weight, the version each batch in reach runs on (W(batch - 1)), by batch:
+        # the initial one for batches 0 and 1, then what the owner's update of batch t - 2 made.
+        self.kept: dict[int, dict[int, torch.Tensor]] = {
+            id(t): {0: t.detach(), 1: t.detach()} for s in stages for t in program.shared[s] if isinstance(t, nn.Parameter)
+        }
         self.lock = threading.Lock()  # one optimizer step at a time: each swaps the optimizer's groups
         self._ready: dict[int, threading.Event] = {}
         self._done: dict[tuple[int, int], threading.Event] = {}
@@ -145,11 +152,18 @@ class Versions:
                 for p in params:
                     p.data = p.detach().clone()  # the in-flight step keeps the old memory
             step_over(self.optimizer, params)
+        for p in self.updates[stage]:  # (one without a gradient too: unchanged, it is that version)
+            versions = self.kept.get(id(p))
+            if versions is not None:  # batch + 2 runs on what this update made; batch's readers all ran
+                versions[batch + 2] = p.detach()
+                for done in [b for b in versions if b <= batch]:
+                    del versions[done]
         self._event(self._done, (batch, stage)).set()
 
     def copies(self, stage: int, batch: int, device: torch.device, grad: bool) -> list[torch.Tensor]:
-        """The stage's copies, for batch `batch`, of the tensors other stages hold too: a tied
-        weight once its owner's update of batch - 2 is done (W(batch - 1))."""
+        """The stage's copies, for batch `batch`, of the tensors other stages hold too: of a tied
+        weight, the version its owner kept for the batch (W(batch - 1)), once its update of
+        batch - 2 is done."""
         copies = []
         for tensor in self.program.shared[stage]:
             if not isinstance(tensor, nn.Parameter):
@@ -158,7 +172,9 @@ class Versions:
             owner = self.owner.get(id(tensor))
             if owner is not None and batch >= 2:
                 self._wait(self._event(self._done, (batch - 2, owner)), f"stage {owner}'s update of batch {batch - 2}")
-            copy_ = own_alias(tensor) if tensor.device == device else tensor.detach().to(device)
+            # Not the parameter as it is now: the owner may have run its next update already.
+            version = self.kept.get(id(tensor), {}).get(batch, tensor)
+            copy_ = own_alias(version) if version.device == device else version.detach().to(device)
             copies.append(copy_.requires_grad_(grad and tensor.requires_grad))
         return copies
 

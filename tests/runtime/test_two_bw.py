@@ -353,3 +353,29 @@ def test_the_gate_stays_shut_until_the_outermost_shut_ends() -> None:
         assert not entered.wait(0.2)
     assert entered.wait(5)
     worker.join(5)
+
+
+def test_a_tied_weight_s_copy_is_the_batch_s_version_however_late_the_reader_makes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With chunks at the depth, the owner of a tied weight (stage 0) may finish batch t - 1 and
+    run its update of it before the last stage, which reads the weight too, starts batch t: a
+    reader slowed before it copies (a busy core) must still copy W(t - 1), not W(t)."""
+    import time
+
+    from fxpipe.runtime.versions import Versions
+
+    copies = Versions.copies
+
+    def late(self: Versions, stage: int, batch: int, device: torch.device, grad: bool) -> list[torch.Tensor]:
+        if stage == 3 and batch >= 1:
+            time.sleep(0.3)  # the owner's next update runs meanwhile
+        return copies(self, stage, batch, device, grad)
+
+    monkeypatch.setattr(Versions, "copies", late)
+    model, plain = twin(TiedEnds())
+    batches = _batches(5)
+    expected_model, expected = reference_2bw(plain, batches, OPTIMIZERS["sgd-momentum"])
+    pipe = _pipe(model, batches[0][0], 4, checkpoint="never")
+    opt = OPTIMIZERS["sgd-momentum"](pipe.parameters())
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
