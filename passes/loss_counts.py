@@ -26,7 +26,7 @@ from torch.utils._pytree import GetAttrKey, MappingKey, tree_flatten_with_path
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.random_ops import argument, random_sources
 
-Counter = Callable[[dict[str, Any]], int]
+Counter = Callable[[dict[str, Any]], Optional[int]]
 
 _FUNCTIONS = (F.cross_entropy, F.nll_loss)
 _MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
@@ -38,7 +38,7 @@ _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
     """A function of one micro-batch's inputs (by placeholder name) giving how many targets its
-    loss counts; None where the model's own loss (the `loss` field of `template`, or the output
+    loss counts (None for a target of class probabilities); None where the model's own loss (the `loss` field of `template`, or the output
     itself, whose leaves `name_of` names) is no mean cross-entropy whose target comes from the
     inputs alone."""
     node = _loss_node(gm, template, name_of)
@@ -53,11 +53,12 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
         return None
     graph, names = counting
 
-    def count(values: dict[str, Any]) -> int:
+    def count(values: dict[str, Any]) -> Optional[int]:
+        """None where the target is no tensor of class indices (class probabilities: a mean over samples)."""
         with torch.no_grad():
             made = graph(*(values[name] for name in names))
-        if not isinstance(made, torch.Tensor) or made.is_floating_point():  # class probabilities: a mean over samples
-            return -1
+        if not isinstance(made, torch.Tensor) or made.is_floating_point():
+            return None
         return int((made != ignore_index).sum())
 
     return count

@@ -226,7 +226,7 @@ class Program:
     state_read: dict[str, torch.Tensor] = field(default_factory=dict)
     # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
-    loss_counter: Optional[Callable[[dict[str, Any]], int]] = None
+    loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the

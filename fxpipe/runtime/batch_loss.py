@@ -63,9 +63,10 @@ def own_mean_weights(call: Call) -> Optional[list[float]]:
     counter = call.program.loss_counter
     if counter is None or len(call.micro_batches) == 1:
         return None
-    counts = [counter(values) for values in call.micro_batches]
+    found = [counter(values) for values in call.micro_batches]
+    counts = [count for count in found if count is not None]
     total = sum(counts)
-    if min(counts) < 0 or total == 0:  # not a tensor; or no target counts: the plain model's mean is NaN too
+    if len(counts) < len(found) or total == 0:  # class probabilities; or no target counts: the plain model's mean is NaN too
         return None
     empty = [i for i, count in enumerate(counts) if count == 0]
     if empty:

@@ -997,7 +997,7 @@ def test_the_model_s_own_mean_in_eval_mode_and_under_no_grad_is_the_plain_model_
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
-def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_loss_keeps_the_sample_weights() -> None:
+def test_a_micro_batch_that_counts_no_target_is_refused_and_another_loss_has_no_counter() -> None:
     model = PaddedLM().double()
     ids, labels = padded_labels(1, pads=(10, 10, 2, 3))
     pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=2)
@@ -1014,3 +1014,31 @@ def test_a_micro_batch_that_counts_no_target_is_refused_and_a_sum_or_another_los
     # A model whose own loss is no mean over counted targets keeps today's weights, and says it cannot check them.
     pipe = compile_pipeline(OwnLoss().double(), (torch.randn(8, 6).double(), torch.randn(8, 6).double()), ["cpu"] * 2, chunks=2)
     assert pipe.program().loss_counter is None
+
+
+class SoftTargets(nn.Module):
+    """A model's own cross-entropy against class probabilities: a mean over samples, not over counted targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.cross_entropy(self.b(torch.tanh(self.a(x))), probs)}
+
+
+def test_a_model_s_own_cross_entropy_on_class_probabilities_weighs_micro_batches_by_samples() -> None:
+    """Its target counts no classes: the micro-batches of 3, 3 and 2 samples are weighted by
+    their samples, which is the plain model's mean, and train_step says it cannot check that."""
+    torch.manual_seed(0)
+    model, reference = twin(SoftTargets())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    probs = torch.softmax(torch.randn(8, 5, dtype=torch.float64), dim=-1)
+    pipe = compile_pipeline(model, (x, probs), ["cpu"] * 2, chunks=3)
+    assert pipe.program().loss_counter is not None  # a cross-entropy: its counter finds a float target
+    with pytest.warns(UserWarning, match=r"combines the model's own loss over micro-batches"):
+        loss = pipe.train_step(x, probs)
+    expected = reference(x, probs)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
