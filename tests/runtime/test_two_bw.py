@@ -379,3 +379,33 @@ def test_a_tied_weight_s_copy_is_the_batch_s_version_however_late_the_reader_mak
     losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)]
     assert losses == pytest.approx(expected, rel=0, abs=1e-10)
     _assert_parameters_equal(model, expected_model)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize("model_kind", [FanOut, TiedEnds])
+def test_one_call_in_2bw_s_order_is_the_plain_model_in_every_mode(model_kind: type[nn.Module], checkpoint: str) -> None:
+    """A call outside a loop runs 2bw's order for one step (a forward in hand on every stage but
+    the last): training, two forwards before one backward, autograd.grad, eval and no_grad, and
+    bf16 autocast, against the plain model."""
+    model, reference = twin(model_kind())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = _pipe(model, x, 3, checkpoint=checkpoint, chunks=4)
+    (pipe(x).sum() + pipe(2 * x).sum()).backward()  # two forwards, one backward
+    (reference(x).sum() + reference(2 * x).sum()).backward()
+    for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    xg = x.clone().requires_grad_()
+    (got,) = torch.autograd.grad(pipe(xg).square().sum(), xg)
+    (want,) = torch.autograd.grad(reference(xg).square().sum(), xg)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    pipe.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    model32 = model_kind()  # CPU autocast casts float32, not float64, to bfloat16
+    reference32 = copy.deepcopy(model32)
+    pipe32 = _pipe(model32, x.float(), 3, checkpoint=checkpoint, chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = pipe32(x.float()), reference32(x.float())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # bf16 matmuls of 2 rows against 8
