@@ -9,6 +9,7 @@ from torch import nn
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiler.traced import Traced, in_both_modes, in_mode
+from fxpipe.core.randomness import seed_started_generators
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.state import ASSIGNS
@@ -78,7 +79,7 @@ def refuse_containers_filled_at_random(model: nn.Module, example: tuple[Any, ...
                 runs = []
                 try:
                     for seed in (1, 2):
-                        torch.manual_seed(seed)
+                        seed_started_generators(seed)
                         runs.append(cached(model, lambda: model(*example, **kwargs)))
                 except Exception:  # noqa: BLE001 - a mode the model does not run in fills nothing
                     continue

@@ -49,6 +49,15 @@ def draw_step_seed() -> int:
     return int(torch.randint(0, 2**62, (), dtype=torch.int64).item())
 
 
+def seed_started_generators(seed: int) -> None:
+    """`torch.manual_seed(seed)` for the CPU and CUDA where it has started. torch's own also
+    queues the seed for a CUDA not started yet, to apply at its first use: after compiling has
+    put the generators back, it would reseed the caller's CUDA generator."""
+    torch.random.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
 @contextmanager
 def generator_put_back_on_error() -> Iterator[None]:
     """A call that fails leaves the caller's generator as it found it (as it leaves `.grad` and

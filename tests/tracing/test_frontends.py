@@ -570,8 +570,13 @@ def test_a_store_of_random_values_each_call_writes_anew_is_no_cache_to_refuse() 
     model.eval()
     reference.eval()
     x = torch.randn(8, 4, dtype=torch.float64)
+    rng, queued = torch.get_rng_state(), torch.cuda._lazy_seed_tracker.get_calls()
     with pytest.warns(UserWarning, match="changes the contents of features"):
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    # Its runs from other seeds put the generator back, and leave no seed queued for CUDA's
+    # first use (where it has not started), which would reseed the caller's CUDA generator then.
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.cuda._lazy_seed_tracker.get_calls() is queued, "compiling queued a seed for CUDA"
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 

@@ -130,6 +130,8 @@ def _state(model: nn.Module) -> dict[str, Any]:
         "grads": {name: (p.grad, None if p.grad is None else p.grad.clone()) for name, p in model.named_parameters()},
         "training": [m.training for m in model.modules()],
         "rng": torch.get_rng_state(),
+        # Seeds queued for CUDA's first use (where it has not started) would reseed it then.
+        "queued for cuda": torch.cuda._lazy_seed_tracker.get_calls(),
     }
 
 
@@ -156,6 +158,7 @@ def test_compiling_leaves_the_model_as_it_was(model_type: type, balance: str) ->
         assert (values is None and now_values is None) or torch.equal(now_values, values), name
     assert after["training"] == before["training"]
     assert torch.equal(after["rng"], before["rng"])
+    assert after["queued for cuda"] is before["queued for cuda"], "compiling queued a seed for CUDA's first use"
 
 
 class WritesItsInput(nn.Module):
