@@ -26,7 +26,7 @@ def choose_stage_graph(
     """`chain` (runs of `order`, cut on `weights`), or the stage DAG of the graph search on the
     same weights where it can run: with 'dag' whenever the search finds one, with 'auto' where
     it is predicted faster."""
-    if stage_graph == "chain":
+    if stage_graph == "chain" or len(chain) < 2:  # one stage is a chain and a DAG alike
         return chain
     dag = dag_partition(order, weights, len(chain), costs["chunks"], force=stage_graph == "dag")
     if dag is None or keeps_traced_order(gm, order) or not _fits(gm, dag, costs, caps):

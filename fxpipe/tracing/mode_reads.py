@@ -30,9 +30,9 @@ def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
     answers, by query and arguments (the first answer of each)."""
     read: ModeReads = {}
     thread = threading.get_ident()
-    originals = {name: getattr(torch, name) for name in _QUERIES if hasattr(torch, name)}
+    originals = _originals()
     homes = [vars(torch), *_aliasing(model, originals)]
-    put_back = [(home, key, home[key]) for home in homes for key in list(home) if _query_name(home[key], originals)]
+    put_back = [(home, key, value) for home in homes for key, value in list(home.items()) if id(value) in originals]
 
     def noting(name: str, query: Callable[..., Any]) -> Callable[..., Any]:
         def noted(*args: Any, **kwargs: Any) -> Any:
@@ -44,7 +44,7 @@ def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
         return noted
 
     for home, key, query in put_back:
-        home[key] = noting(_query_name(query, originals) or key, query)
+        home[key] = noting(originals[id(query)], query)
     try:
         yield read
     finally:
@@ -52,18 +52,18 @@ def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
             home[key] = query
 
 
-def _query_name(value: Any, originals: dict[str, Any]) -> str | None:
-    """The name in torch of the autocast query `value` is, if it is one."""
-    return next((name for name, query in originals.items() if value is query), None)
+def _originals() -> dict[int, str]:
+    """torch's autocast queries, by id: the name in torch of each."""
+    return {id(getattr(torch, name)): name for name in _QUERIES if hasattr(torch, name)}
 
 
-def _aliasing(model: nn.Module, originals: dict[str, Any]) -> list[dict[str, Any]]:
+def _aliasing(model: nn.Module, originals: dict[int, str]) -> list[dict[str, Any]]:
     """The globals of the Python modules that define `model`'s classes, where they hold a query."""
     found: dict[int, dict[str, Any]] = {}
     for cls in {type(m) for m in model.modules()}:
         home = sys.modules.get(cls.__module__)
         table = vars(home) if home is not None and home is not torch else None
-        if table is not None and any(_query_name(value, originals) for value in list(table.values())):
+        if table is not None and any(id(value) in originals for value in list(table.values())):
             found[id(table)] = table
     return list(found.values())
 
