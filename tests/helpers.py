@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import copy
 import importlib
-from typing import Any, TypeVar
+import itertools
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,19 @@ from torch import nn
 
 def example_module(name: str) -> Any:
     return importlib.import_module(name)
+
+
+def covering(names: Sequence[Any], axes: Sequence[Sequence[Any]], turning: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """Test cases `(name, *point, value)`: each name at every point of the grid `axes` once, with
+    one value of `turning` that turns with the point and the name. Where each axis is as long as
+    `turning`, each name meets every value along each axis; where the names are as many as the
+    values, together they run every (point, value): the full product in a fraction of its cases."""
+    indices = list(itertools.product(*(range(len(axis)) for axis in axes)))
+    return [
+        (name, *(axis[i] for axis, i in zip(axes, index)), turning[(k + sum(index)) % len(turning)])
+        for k, name in enumerate(names)
+        for index in indices
+    ]
 
 
 class Counts(nn.Module):

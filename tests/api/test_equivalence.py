@@ -7,7 +7,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from helpers import FanOut, WindowBlock, WindowGrid, assert_grads_equal, example_module, twin
+from helpers import FanOut, WindowBlock, WindowGrid, assert_grads_equal, covering, example_module, twin
 from fxpipe import compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -39,14 +39,14 @@ def _fan_out() -> tuple[Any, torch.Tensor, Callable[..., torch.Tensor]]:
 MODELS = {"unet": _unet, "resnet": _resnet, "gpt": _gpt, "fan_out": _fan_out}
 
 
-# With one micro-batch 'except_last' checkpoints nothing, as 'never': that pair is left out.
-# Chunks 3 split the 8 samples unevenly (3, 3, 2), 8 into one sample each; an even split of
-# several samples each is the property test's (tests/api/test_property.py), over random graphs.
-GRID = [(s, c, m) for s, c, m in itertools.product([1, 2, 3, 4], [1, 3, 8], MODES) if (c, m) != (1, "except_last")]
+# Each model runs every stage count with every chunk count, and every mode with each of them;
+# the models together run every (stages, chunks, mode) (helpers.covering). Chunks 3 split the 8
+# samples unevenly (3, 3, 2), 8 into one sample each; an even split of several samples each is
+# the property test's (tests/api/test_property.py), over random graphs.
+GRID = covering(list(MODELS), [(1, 2, 3, 4), (1, 3, 8)], MODES)
 
 
-@pytest.mark.parametrize("stages,chunks,mode", GRID)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name,stages,chunks,mode", GRID)
 def test_outputs_and_gradients_equal_plain_model(name: str, stages: int, chunks: int, mode: str) -> None:
     model, x, loss_fn = MODELS[name]()
     model, reference = twin(model)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import PartitionError, compile_pipeline, pipe_split
-from helpers import assert_call_and_grads_equal, assert_grads_equal, example_module, twin
+from helpers import assert_call_and_grads_equal, assert_grads_equal, covering, example_module, twin
 
 branches = example_module("branches")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -62,12 +62,11 @@ def test_auto_runs_four_towers_side_by_side_and_a_chain_for_a_model_without_bran
         pipe.close()
 
 
-@pytest.mark.parametrize("name", sorted(branches.MODELS))
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name,schedule,mode", covering(sorted(branches.MODELS), [SCHEDULES], MODES))
 def test_multi_branch_models_train_as_the_plain_model_under_every_schedule_and_checkpoint_mode(name: str, schedule: str, mode: str) -> None:
     """Two train steps into `.grad` (the second on another batch size), then the output in eval
-    mode and under no_grad."""
+    mode and under no_grad: each model under every schedule and every mode, and the models
+    together in every (schedule, mode)."""
     model, example = _model(name)
     reference = copy.deepcopy(model)
     pipe = _compiled(model, example, schedule, checkpoint=mode)

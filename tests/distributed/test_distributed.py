@@ -2,7 +2,6 @@
 loss and gradients; failures on one rank raised on all of them, in bounded time."""
 from __future__ import annotations
 
-import itertools
 import os
 from typing import Any
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 
 import distributed_cases as cases
-from helpers import FanOut
+from helpers import FanOut, covering
 from fxpipe import compile_pipeline
 from spawn_ranks import results_of, spawn_ranks
 
@@ -25,9 +24,11 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 @pytest.fixture(scope="module")
 def three_ranks() -> list[list[dict[str, Any]]]:
-    """Every case on one group of three processes (starting processes costs seconds)."""
-    matrix: list[tuple[str, ...]] = [(name, s, m) for name in ("unet", "gpt", "fan_out") for s, m in itertools.product(SCHEDULES, MODES)]
-    matrix += [(name, s, MODES[k % 3]) for name in ("dag_1", "dag_2") for k, s in enumerate(SCHEDULES)]
+    """Every case on one group of three processes (starting processes costs seconds). Each model
+    runs every schedule and every mode, and the models together every (schedule, mode)
+    (helpers.covering); one process runs each model in all of them in
+    tests/runtime/test_train_step.py."""
+    matrix: list[tuple[str, ...]] = covering(["unet", "gpt", "fan_out", "dag_1", "dag_2"], [SCHEDULES], MODES)
     matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
     matrix += [("branches", s, MODES[k % 3]) for k, s in enumerate(SCHEDULES)]
     return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
