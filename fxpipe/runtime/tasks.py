@@ -146,6 +146,17 @@ class StageTasks:
         passes its gradient on as it is: a sparse one (an embedding's) too."""
         return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast else leaf
 
+    def _values_as_read(self, values: Any) -> Any:
+        """Values another stage sent (leaves that take a gradient), as a stage or the loss reads
+        them: under the caller's autocast, through an alias, as the parameters are. Autocast
+        caches its casts of such leaves in one table that every thread shares and that any
+        thread's region empties as it closes: whether two uses of a value shared one cast (and
+        their gradients added up in bfloat16 before the cast back) would turn on the timing of
+        other stages. The plain model's activations are no leaves: it casts them at every use."""
+        if not self.context.autocast:
+            return values
+        return map_tensors(lambda t: self._as_read(t) if t.is_leaf else t, values)
+
     def _call(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         if self.slices is None:
             return self._call_stage(stage, i, inputs, buffers)
@@ -169,7 +180,7 @@ class StageTasks:
             self.carry_in.pop((j, i), None)
 
     def _call_stage(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
-        args = [*inputs, *self._shared_views(stage)]
+        args = [*self._values_as_read(inputs), *self._shared_views(stage)]
         views = self._param_views(stage)
         if stage.compiled is None:
             forward = stage.module.forward  # type: ignore[attr-defined]
@@ -308,7 +319,7 @@ class StageTasks:
         try:
             with torch.set_grad_enabled(self.grad), ExitStack() as stack:
                 self.context.enter(stack)
-                loss = self.loss(i, values)
+                loss = self.loss(i, self._values_as_read(values))
                 grads = value_grads(loss, values) if self.grad and not fused else {}
         except Exception as e:
             raise LossError() from e

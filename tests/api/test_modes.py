@@ -13,7 +13,7 @@ from torch import is_autocast_enabled as autocast_on
 from torch import nn
 
 from helpers import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, twin
-from fxpipe import compile_pipeline
+from fxpipe import compile_pipeline, pipe_split
 
 MODES = ("always", "except_last", "never")
 
@@ -197,6 +197,54 @@ def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str, stages: i
         # bfloat16 rounds differently on 2-row micro-batches than on the batch: a few ulps
         assert p.grad is not None and q.grad is not None, name
         assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm(), name
+
+
+class _ReadTwiceAfterTheCut(nn.Module):
+    """A float32 value read by two layers of the stage after the cut: autocast casts it at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).float().tanh()
+        pipe_split()
+        return (self.b(h) + self.c(h)).float().tanh()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_value_read_twice_after_the_cut_under_autocast_is_cast_at_each_use_as_in_the_plain_model(mode: str) -> None:
+    """Before, a stage's inputs were leaves, whose casts autocast caches in a table every thread
+    shares and any thread's closing region empties: whether the two reads shared one cast (their
+    gradients then added in bfloat16) turned on the other stage's timing, and gradients differed
+    from run to run and from the plain model. The loss reads the outputs the same way."""
+    model = _ReadTwiceAfterTheCut()
+    x, probe = torch.randn(8, 16), torch.randn(16, 16)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out @ probe) * (out @ probe.T)).float().mean()  # two casts of the float32 output
+
+    for _ in range(3):
+        pipe_model, reference = copy.deepcopy(model), copy.deepcopy(model)
+        pipe = compile_pipeline(pipe_model, x, ["cpu"] * 2, chunks=1, checkpoint=mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, expected = pipe(x), reference(x)
+            loss, expected_loss = loss_fn(out, x), loss_fn(expected, x)
+        loss.backward()
+        expected_loss.backward()
+        assert torch.equal(loss, expected_loss)
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), f"{name}: {(p.grad - q.grad).abs().max()}"
+        pipe_model.zero_grad()
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step_loss = pipe.train_step(x, target=x, loss_fn=loss_fn)
+            expected_loss = loss_fn(reference(x), x)
+        expected_loss.backward()
+        assert torch.equal(step_loss, expected_loss.detach())
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), f"train_step: {name}: {(p.grad - q.grad).abs().max()}"
+        pipe.close()
 
 
 def test_autograd_grad_on_inputs_leaves_parameters_alone() -> None:
