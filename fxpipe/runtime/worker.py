@@ -17,6 +17,11 @@ Task = Callable[[], None]
 
 def _loop(tasks: "queue.SimpleQueue[Optional[Task]]", device: torch.device) -> None:
     torch.set_grad_enabled(True)
+    # Autocast keeps its casts of leaves in one table that every thread shares, and empties it
+    # when a thread leaves its outermost region. A task's region (under the caller's autocast)
+    # is never this thread's outermost: the caller's region keeps its casts for as long as it
+    # lasts, as it does without a pipeline.
+    torch.autocast_increment_nesting()
     with on_device(device):
         while True:
             task = tasks.get()
