@@ -1,14 +1,15 @@
 """The caller's thread-local state, captured at a call and applied on the stage workers.
 
-Autocast, grad mode, inference mode and anomaly detection are per thread in PyTorch: a stage
-worker would otherwise run every forward in float32, with grad on, whatever the caller chose.
-A checkpointed micro-batch recomputes under the state its forward ran under.
+Autocast, grad mode, inference mode, anomaly detection and saved-tensor hooks are per thread in
+PyTorch: a stage worker would otherwise run every forward in float32, with grad on, saving its
+activations as they are, whatever the caller chose. A checkpointed micro-batch recomputes under
+the state its forward ran under.
 """
 from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -33,6 +34,9 @@ class CallerContext:
     # them, so that they run after what the caller queued there (the inputs) and what the caller
     # queues next (the loss) runs after them, as the plain model's kernels would.
     streams: tuple[Any, ...] = ()
+    # The caller's saved-tensor hooks (pack, unpack), as `torch.autograd.graph.saved_tensors_hooks`
+    # or `save_on_cpu` set them: what autograd saves in the stages goes through them too.
+    saved_hooks: Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]] = None
 
     @staticmethod
     def capture() -> "CallerContext":
@@ -43,7 +47,8 @@ class CallerContext:
             if torch.is_autocast_enabled(device)
         )
         anomaly = torch.is_anomaly_check_nan_enabled() if torch.is_anomaly_enabled() else None
-        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly, _side_streams())
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly, _side_streams(), hooks)
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state on the current thread, for as long as `stack` is open."""
@@ -55,11 +60,23 @@ class CallerContext:
             stack.enter_context(torch.autograd.set_detect_anomaly(True, check_nan=self.anomaly))
         for cast in self.autocast:
             stack.enter_context(torch.autocast(cast.device_type, cast.dtype, cache_enabled=cast.cache_enabled))
+        if self.saved_hooks is not None:
+            stack.enter_context(_after_this_threads(*self.saved_hooks))
 
     @property
     def plain(self) -> bool:
         """Nothing to enter: the common case, kept free of any context manager."""
-        return not self.autocast and not self.inference and self.anomaly is None and not self.streams
+        return not self.autocast and not self.inference and self.anomaly is None and not self.streams and self.saved_hooks is None
+
+
+def _after_this_threads(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> Any:
+    """Saved-tensor hooks that run `pack` on what the hooks this thread has on already (the
+    memory meter's) return, and `unpack` before theirs: only the innermost hooks run."""
+    inner = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if inner is None:
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    inner_pack, inner_unpack = inner
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(inner_pack(t)), lambda packed: inner_unpack(unpack(packed)))
 
 
 def _side_streams() -> tuple[Any, ...]:
@@ -73,12 +90,19 @@ def _side_streams() -> tuple[Any, ...]:
 @contextmanager
 def worker_state() -> Iterator[None]:
     """The thread-local state a stage worker starts with (grad on, no inference mode, no
-    autocast), for tasks run on the caller's own thread: they must compute what a worker would."""
+    autocast, no saved-tensor hooks), for tasks run on the caller's own thread: they must
+    compute what a worker would."""
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:  # the caller's: a task enters them itself
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_as_it_is, _as_it_is))
         if torch.is_inference_mode_enabled():
             stack.enter_context(torch.inference_mode(False))
         for device in _AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device):
                 stack.enter_context(torch.autocast(device, enabled=False))
         yield
+
+
+def _as_it_is(t: Any) -> Any:
+    return t

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from typing import Callable
 
 import pytest
@@ -261,6 +262,39 @@ def test_the_callers_autocast_region_keeps_its_casts_across_a_pipeline_call() ->
         out.sum().backward()
         grads.append(grad_of(outer.weight))
     assert torch.equal(grads[0], grads[1]), (grads[0] - grads[1]).abs().max()
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32) if t.dtype == torch.float64 else t
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_saved_tensor_hooks_of_the_caller_pack_what_every_stage_saves(mode: str, stages: int) -> None:
+    """Before, a stage worker saved its activations as they were, outside the caller's
+    `saved_tensors_hooks` (thread-local in PyTorch): hooks that store a float64 activation in
+    float32 changed the plain model's gradients by about 1e-8 and not the pipeline's. Every mode,
+    on stage workers and on the caller's thread (one stage), with the memory meter counting too;
+    `save_on_cpu` runs."""
+    model, reference = twin(FanOut(width=16).double())
+    x = torch.randn(8, 16, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=1, checkpoint=mode)
+    hooks = (lambda: torch.autograd.graph.saved_tensors_hooks(_rounded, _widened), torch.autograd.graph.save_on_cpu)
+    for measured, saving in itertools.product((False, True), hooks):
+        pipe.measure_memory = measured
+        with saving():
+            out, expected = pipe(x), reference(x)
+            out.pow(2).sum().backward()
+            expected.pow(2).sum().backward()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, reference, tol=1e-12)
+        assert not measured or max(pipe.last_peak_bytes) > 0, "the meter counts what the stages save"
+        model.zero_grad()
+        reference.zero_grad()
 
 
 def test_autograd_grad_on_inputs_leaves_parameters_alone() -> None:
