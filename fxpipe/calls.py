@@ -15,7 +15,7 @@ from fxpipe.compiled.program import Compiled, OtherCall, Program
 from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
-from fxpipe.guards import refuse_capture, refuse_other_autocast, traced_mode
+from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, traced_mode
 from fxpipe.runtime.batch_loss import micro_batch_losses, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
@@ -97,10 +97,11 @@ class PipelineCalls(nn.Module):
         self._build()
         return self._held_program()
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None) -> Call:
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None, overlapping: bool = False) -> Call:
         """The call split into micro-batches, on the program that runs it. `held`: that program,
         checked against the model already (a loop of overlapping steps checks it once, before
-        its first step: later, its stages hold the model's parameter slots while they run)."""
+        its first step: later, its stages hold the model's parameter slots while they run).
+        `overlapping`: a step of such a loop, whose stages run on the workers, even one alone."""
         refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
@@ -110,6 +111,7 @@ class PipelineCalls(nn.Module):
                 "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
                 "backward, or call the module itself inside the hook."
             )
+        refuse_modes_the_stages_would_miss(overlapping or (self._channel is None and len(self._workers.threads) > 1))
         program = self._held_program() if held is None else held
         refuse_other_autocast(self._compiled)
         values = self._compiled.bind(args, kwargs)
@@ -145,7 +147,7 @@ class PipelineCalls(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
-        call = self._prepare(args, kwargs, held)
+        call = self._prepare(args, kwargs, held, overlapping=versions is not None)
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fxpipe.compiled.program import Compiled, Program
 from fxpipe.tracing.mode_reads import modes_changed
@@ -109,6 +111,24 @@ def refuse_capture() -> None:
     """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         raise RuntimeError(NOT_CAPTURED)
+
+
+def refuse_modes_the_stages_would_miss(off_thread: bool) -> None:
+    """A call under TorchFunctionModes or TorchDispatchModes (FlopCounterMode, `with
+    torch.device(...)`, a mode of one's own), which PyTorch keeps per thread, where the stages
+    run on threads of their own (`off_thread`): the modes would see none of their ops."""
+    if not off_thread:
+        return
+    modes = [f"{type(m).__name__} (a TorchFunctionMode)" for m in _get_current_function_mode_stack()]
+    modes += [f"{type(m).__name__} (a TorchDispatchMode)" for m in _get_current_dispatch_mode_stack()]
+    if modes:
+        raise RuntimeError(
+            f"this call runs under {', '.join(modes)}, which PyTorch keeps per thread: the pipeline's stages run "
+            "on threads of their own, where the mode would see none of their ops, so the call would not compute "
+            "(nor count) what the plain model does under it.\nHow to fix: enter the mode around the plain model; "
+            "or compile the pipeline for one device, whose pipe(x) and train_step run the stages on the calling "
+            "thread, under the mode."
+        )
 
 
 def refuse_parametrization_cache() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import is_autocast_enabled as autocast_on
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import compile_pipeline, pipe_split
@@ -295,6 +296,46 @@ def test_saved_tensor_hooks_of_the_caller_pack_what_every_stage_saves(mode: str,
         assert not measured or max(pipe.last_peak_bytes) > 0, "the meter counts what the stages save"
         model.zero_grad()
         reference.zero_grad()
+
+
+class _Counts(TorchDispatchMode):
+    """Counts the aten ops this thread runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mode_the_stages_would_not_see_is_refused_naming_it() -> None:
+    """Modes are per thread. Before, a dispatch mode around pipe(x) on two devices saw 17 ops
+    (the call's own), the plain model's 29: a mode that counts or changes values was silently
+    left out of the stages. One device runs pipe(x) on the calling thread, under the mode."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    x = torch.randn(8, 16)
+    with _Counts() as plain:
+        model(x)
+    for devices in (["cpu"] * 2, ["cpu"]):
+        pipe = compile_pipeline(copy.deepcopy(model), x, devices, chunks=2)
+        for mode in (_Counts, lambda: torch.device("cpu")):
+            with mode() as counts:
+                if len(devices) > 1:
+                    with pytest.raises(RuntimeError, match=r"runs under (_Counts \(a TorchDispatchMode\)|DeviceContext \(a TorchFunctionMode\)), which PyTorch keeps per thread(?s:.)*How to fix: enter the mode around the plain model"):
+                        pipe(x)
+                else:
+                    pipe(x)
+                    assert not isinstance(counts, _Counts) or counts.ops > plain.ops
+        pipe.close()
+    # A loop of overlapping steps runs its stages on workers, even one alone.
+    pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"], chunks=2, schedule="2bw")
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with _Counts(), pytest.raises(RuntimeError, match="which PyTorch keeps per thread"):
+        list(pipe.train_steps([(x, x)], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(pipe.parameters(), before)), "nothing is left half-done"
+    pipe.close()
 
 
 def test_autograd_grad_on_inputs_leaves_parameters_alone() -> None:

@@ -146,10 +146,11 @@ class _NewMemory(TorchDispatchMode):
 @pytest.mark.parametrize("call", ["train_step", "backward"])
 def test_the_step_gradients_become_grad_without_a_copy(call: str) -> None:
     # Without care, autograd copies a gradient it is handed while its giver still holds it: a
-    # whole second copy of every stage's gradients at the end of each step.
+    # whole second copy of every stage's gradients at the end of each step. One device: its
+    # stages run on this thread, where the mode sees their ops too.
     model, reference = twin(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 7)))
     x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 7, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="zb-h1")
+    pipe = compile_pipeline(model, x, ["cpu"], chunks=4, schedule="zb-h1")
     with _NewMemory({tuple(p.shape) for p in model.parameters()}) as new_memory:
         if call == "train_step":
             pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
