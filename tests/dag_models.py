@@ -493,7 +493,8 @@ def assert_same(got: Any, expected: Any, path: str, atol: float, rtol: float, sc
             # the tolerance scales with the tensor's largest value.
             floating = expected.numel() and expected.is_floating_point()
             scale = max(1.0, float(expected.detach().abs().max())) if scaled and floating else 1.0
-            torch.testing.assert_close(got.cpu(), expected, atol=atol * scale, rtol=rtol, msg=lambda m: f"{path}: {m} (atol scaled by {scale:.3g})")
+            said = f" (atol scaled by {scale:.3g})" if scale != 1.0 else ""
+            torch.testing.assert_close(got.cpu(), expected, atol=atol * scale, rtol=rtol, msg=lambda m: f"{path}: {m}{said}")
     else:
         assert got == expected, f"{path}: {got!r} != {expected!r}"
 
