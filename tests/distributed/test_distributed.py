@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 def three_ranks() -> list[list[dict[str, Any]]]:
     """Every case on one group of three processes (starting processes costs seconds). Each model
     runs every schedule and every mode, and the models together every (schedule, mode)
-    (helpers.covering); one process runs each model in all of them in
+    (helpers.covering); one process runs the first three in all of them in
     tests/runtime/test_train_step.py."""
     matrix: list[tuple[str, ...]] = covering(["unet", "gpt", "fan_out", "dag_1", "dag_2"], [SCHEDULES], MODES)
     matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
