@@ -1,7 +1,6 @@
 """Outputs and every gradient equal the plain model's, for every stage count, chunk count and mode."""
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable
 
 import pytest
