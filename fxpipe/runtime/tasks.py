@@ -147,8 +147,8 @@ class StageTasks:
         return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast else leaf
 
     def _values_as_read(self, values: Any) -> Any:
-        """Values another stage sent (leaves that take a gradient), as a stage or the loss reads
-        them: under the caller's autocast, through an alias, as the parameters are. Autocast
+        """Values another stage or slice sent (leaves that take a gradient), as a stage or the
+        loss reads them: under the caller's autocast, through an alias, as the parameters are. Autocast
         caches its casts of such leaves in one table that every thread shares and that any
         thread's region empties as it closes: whether two uses of a value shared one cast (and
         their gradients added up in bfloat16 before the cast back) would turn on the timing of
@@ -161,7 +161,7 @@ class StageTasks:
         if self.slices is None:
             return self._call_stage(stage, i, inputs, buffers)
         # A slice of a sequence: it reads where it starts and what its row's earlier slice carried.
-        state = SliceState(self.slices.offset(i), self.carry_in.get((stage.index, i), {}))
+        state = SliceState(self.slices.offset(i), self._values_as_read(self.carry_in.get((stage.index, i), {})))
         with in_slice(state):
             results = self._call_stage(stage, i, inputs, buffers)
         self.carry_made[(stage.index, i)] = state.made
