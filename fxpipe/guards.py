@@ -53,10 +53,15 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         )
     changed = program.hooks_changed()
     if "*" in changed:
+        modes = [type(m).__name__ for m in [*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()]]
+        by_mode = (
+            f" The call runs under {', '.join(modes)}: a mode that tracks modules (FlopCounterMode does) adds such "
+            "hooks while it is entered; enter it around the plain model."
+        ) if modes else ""
         raise RuntimeError(
             "global module hooks (nn.modules.module.register_module_forward_hook, ...) were added or removed "
             "since compiling: the graph holds what they did then, on every module the trace went through.\n"
-            "How to fix: compile again after registering them."
+            "How to fix: compile again after registering them." + by_mode
         )
     if changed:
         added = program.hooks_added_by()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import is_autocast_enabled as autocast_on
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from helpers import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import compile_pipeline, pipe_split
@@ -329,6 +330,10 @@ def test_a_mode_the_stages_would_not_see_is_refused_naming_it() -> None:
                 else:
                     pipe(x)
                     assert not isinstance(counts, _Counts) or counts.ops > plain.ops
+        if len(devices) == 1:  # its module tracker adds global hooks, which the guards refuse: said so
+            with pytest.raises(RuntimeError, match=r"global module hooks(?s:.)*under _FlopCounterMode(?s:.)*around the plain model"):
+                with FlopCounterMode(display=False):
+                    pipe(x)
         pipe.close()
     # A loop of overlapping steps runs its stages on workers, even one alone.
     pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"], chunks=2, schedule="2bw")
