@@ -53,7 +53,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         )
     changed = program.hooks_changed()
     if "*" in changed:
-        modes = [type(m).__name__ for m in [*_get_current_function_mode_stack(), *_get_current_dispatch_mode_stack()]]
+        modes = _modes_entered()
         by_mode = (
             f" The call runs under {', '.join(modes)}: a mode that tracks modules (FlopCounterMode does) adds such "
             "hooks while it is entered; enter it around the plain model."
@@ -124,8 +124,7 @@ def refuse_modes_the_stages_would_miss(off_thread: bool) -> None:
     run on threads of their own (`off_thread`): the modes would see none of their ops."""
     if not off_thread:
         return
-    modes = [f"{type(m).__name__} (a TorchFunctionMode)" for m in _get_current_function_mode_stack()]
-    modes += [f"{type(m).__name__} (a TorchDispatchMode)" for m in _get_current_dispatch_mode_stack()]
+    modes = _modes_entered()
     if modes:
         raise RuntimeError(
             f"this call runs under {', '.join(modes)}, which PyTorch keeps per thread: the pipeline's stages run "
@@ -134,6 +133,13 @@ def refuse_modes_the_stages_would_miss(off_thread: bool) -> None:
             "or compile the pipeline for one device, whose pipe(x) and train_step run the stages on the calling "
             "thread, under the mode."
         )
+
+
+def _modes_entered() -> list[str]:
+    """The TorchFunctionModes and TorchDispatchModes this thread is under, each named with its kind."""
+    return [f"{type(m).__name__} (a TorchFunctionMode)" for m in _get_current_function_mode_stack()] + [
+        f"{type(m).__name__} (a TorchDispatchMode)" for m in _get_current_dispatch_mode_stack()
+    ]
 
 
 def refuse_parametrization_cache() -> None:

@@ -38,9 +38,9 @@ _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
     """A function of one micro-batch's inputs (by placeholder name) giving how many targets its
-    loss counts (None for a target of class probabilities); None where the model's own loss (the `loss` field of `template`, or the output
-    itself, whose leaves `name_of` names) is no mean cross-entropy whose target comes from the
-    inputs alone."""
+    loss counts (None for a target of class probabilities); None where the model's own loss
+    (the `loss` field of `template`, or the output itself, whose leaves `name_of` names) is no
+    mean cross-entropy whose target comes from the inputs alone."""
     node = _loss_node(gm, template, name_of)
     found = _mean_loss(gm, node) if node is not None else None
     if found is None:

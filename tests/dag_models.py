@@ -19,6 +19,8 @@ import torch.nn.functional as F  # noqa: F401  (used by the generated sources)
 from torch import nn
 
 from fxpipe import Pipeline, compile_pipeline
+# torch.manual_seed without its recording of the caller's stack for accelerators not started (slow here)
+from fxpipe.core.randomness import seed_started_generators
 
 MODES = ("always", "except_last", "never")
 USES = ("train_step", "eval", "no_grad", "autocast_bf16", "two_forwards", "grad_inputs", "scheduled")
@@ -277,14 +279,8 @@ def model_class(spec: Spec) -> type:
     return namespace["Model"]
 
 
-def seed_cpu(seed: int) -> None:
-    """torch.manual_seed on the CPU's generator alone, the one these models draw from (torch's
-    own also records the caller's stack for accelerators that have not started: slow here)."""
-    torch.random.default_generator.manual_seed(seed)
-
-
 def make_model(spec: Spec, p: Optional[float], seed: int, dtype: torch.dtype) -> nn.Module:
-    seed_cpu(seed)
+    seed_started_generators(seed)
     model = model_class(spec)(spec.p if p is None else p)
     return model.to(dtype)
 
@@ -593,14 +589,14 @@ def check(case: Case) -> None:
     p_ref = 0.0 if dropout_active and use != "eval" else None
     model = make_model(spec, p_ref, case.seed, dtype)
     reference = copy.deepcopy(model)
-    seed_cpu(1234)
+    seed_started_generators(1234)
     try:
         expected = run_use(use, reference, micro_batched(reference, case.chunks), xs, dropout_active and p_ref is None)
     except Exception as e:  # a BatchNorm on a one-row micro-batch, say: the plain model fails too
         raise NotACase(f"the plain model fails on these micro-batches: {type(e).__name__}: {e}") from e
     pipe = compiled(model, xs[0], case, case.mode, balance)
     try:
-        seed_cpu(1234)
+        seed_started_generators(1234)
         got = run_use(use, pipe, pipe, xs, dropout_active and p_ref is None)
         if not (dropout_active and use == "eval"):  # the model itself holds what the pipeline did
             got["the model's own state"], expected["the model's own state"] = state(model), state(reference)
@@ -626,7 +622,7 @@ def check(case: Case) -> None:
             pipe = compiled(m, xs[0], case, mode, balance)
             cuts[mode] = [stage.nodes for stage in pipe.plan.stages]
             try:
-                seed_cpu(4321)
+                seed_started_generators(4321)
                 results[mode] = run_use(use, pipe, pipe, xs, dropout_active)
             finally:
                 pipe.close()
@@ -641,7 +637,7 @@ def check(case: Case) -> None:
             return
         # and dropout does draw in train mode
         zero = make_model(spec, 0.0, case.seed, dtype)
-        seed_cpu(4321)
+        seed_started_generators(4321)
         with torch.no_grad():
             plain_zero = detach(micro_batched(zero, case.chunks)(xs[0]))
         first = results[case.mode]

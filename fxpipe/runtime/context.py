@@ -47,8 +47,7 @@ class CallerContext:
             if torch.is_autocast_enabled(device)
         )
         anomaly = torch.is_anomaly_check_nan_enabled() if torch.is_anomaly_enabled() else None
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly, _side_streams(), hooks)
+        return CallerContext(autocast, torch.is_inference_mode_enabled(), anomaly, _side_streams(), _saved_hooks_on())
 
     def enter(self, stack: ExitStack) -> None:
         """Enter this state on the current thread, for as long as `stack` is open."""
@@ -72,11 +71,16 @@ class CallerContext:
 def _after_this_threads(pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> Any:
     """Saved-tensor hooks that run `pack` on what the hooks this thread has on already (the
     memory meter's) return, and `unpack` before theirs: only the innermost hooks run."""
-    inner = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    inner = _saved_hooks_on()
     if inner is None:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
     inner_pack, inner_unpack = inner
     return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(inner_pack(t)), lambda packed: inner_unpack(unpack(packed)))
+
+
+def _saved_hooks_on() -> Optional[tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]]:
+    """The saved-tensor hooks this thread has on (the innermost: the only ones autograd runs)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def _side_streams() -> tuple[Any, ...]:
@@ -94,7 +98,7 @@ def worker_state() -> Iterator[None]:
     compute what a worker would."""
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:  # the caller's: a task enters them itself
+        if _saved_hooks_on() is not None:  # the caller's: a task enters them itself
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_as_it_is, _as_it_is))
         if torch.is_inference_mode_enabled():
             stack.enter_context(torch.inference_mode(False))
