@@ -245,6 +245,20 @@ def test_a_value_read_twice_after_the_cut_under_autocast_is_cast_at_each_use_as_
         expected_loss.backward()
         assert torch.equal(step_loss, expected_loss.detach())
         assert_grads_equal(pipe, reference, tol=0.0)
+        pipe_model.zero_grad()
+        reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # two forwards, then one backward
+            losses = [loss_fn(pipe(x), x), loss_fn(pipe(2 * x), x)]
+            expected_losses = [loss_fn(reference(x), x), loss_fn(reference(2 * x), x)]
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected_losses))
+        (losses[0] + losses[1]).backward()
+        (expected_losses[0] + expected_losses[1]).backward()
+        # Not bit for bit: the plain model casts each weight once for its whole region and adds
+        # the two forwards' gradients in bfloat16 before the cast back; each pipeline call casts
+        # its own and they add up in float32. One bfloat16 step of the largest, at most.
+        for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
+            got, want = grad_of(p), grad_of(q)
+            assert (got - want).abs().max() <= 2**-8 * want.abs().max(), name
         pipe.close()
 
 
@@ -297,6 +311,22 @@ def test_saved_tensor_hooks_of_the_caller_pack_what_every_stage_saves(mode: str,
         assert not measured or max(pipe.last_peak_bytes) > 0, "the meter counts what the stages save"
         model.zero_grad()
         reference.zero_grad()
+    # Two forwards under the hooks before one backward outside them; autograd.grad; eval.
+    with torch.autograd.graph.saved_tensors_hooks(_rounded, _widened):
+        outs, expected_outs = [pipe(x), pipe(2 * x)], [reference(x), reference(2 * x)]
+    sum(o.pow(2).sum() for o in outs).backward()
+    sum(o.pow(2).sum() for o in expected_outs).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    params, ref_params = list(pipe.parameters()), list(reference.parameters())
+    with torch.autograd.graph.saved_tensors_hooks(_rounded, _widened):
+        grads = torch.autograd.grad(pipe(x).pow(2).sum(), params)
+        expected_grads = torch.autograd.grad(reference(x).pow(2).sum(), ref_params)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    pipe.eval(), reference.eval()
+    with torch.autograd.graph.saved_tensors_hooks(_rounded, _widened):
+        out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
 
 class _Counts(TorchDispatchMode):
@@ -334,6 +364,18 @@ def test_a_mode_the_stages_would_not_see_is_refused_naming_it() -> None:
             with pytest.raises(RuntimeError, match=r"global module hooks(?s:.)*under _FlopCounterMode(?s:.)*around the plain model"):
                 with FlopCounterMode(display=False):
                     pipe(x)
+        # After a refusal, a call and its backward are the plain model's, and the generator is where it was.
+        pipe_model, reference = copy.deepcopy(model), copy.deepcopy(model)
+        pipe = compile_pipeline(pipe_model, x, devices, chunks=2)
+        generator = torch.get_rng_state()
+        with _Counts(), contextlib.suppress(RuntimeError):
+            pipe(x)
+        assert torch.equal(torch.get_rng_state(), generator)
+        out, expected = pipe(x), reference(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out.sum().backward()
+        expected.sum().backward()
+        assert_grads_equal(pipe, reference, tol=1e-6)
         pipe.close()
     # A loop of overlapping steps runs its stages on workers, even one alone.
     pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"], chunks=2, schedule="2bw")
