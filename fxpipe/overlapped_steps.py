@@ -157,12 +157,15 @@ class _Overlap:
         self._submit(streams, [len(acts) for acts in streams])
 
     def _submit(self, streams: list[list[Action]], cuts: list[int]) -> None:
+        lists: dict[int, list[Callable[[], None]]] = {}
         for worker, (acts, cut) in enumerate(zip(streams, cuts)):
             if self.ranks is not None and worker != self.ranks.me:
                 continue  # another rank's list
-            for action in acts[self.given[worker] : cut]:
-                self.workers.submit(worker if self.ranks is None else 0, self._task(action))
+            lists[worker] = [self._task(action) for action in acts[self.given[worker] : cut]]
             self.given[worker] = max(self.given[worker], cut)
+        for worker, tasks in lists.items():  # every list made before any worker starts on one
+            if tasks:
+                self.workers.submit(worker if self.ranks is None else 0, tasks)
 
     def _task(self, action: Action) -> Callable[[], None]:
         if action.kind == UPDATE:

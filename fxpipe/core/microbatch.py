@@ -5,7 +5,7 @@ import inspect
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 
 # How the caller asked to split particular input tensors, by `id`: along a dim, or None (whole).
@@ -144,7 +144,7 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
     into as many even pieces along it (`torch.tensor_split`), whatever its size there.
     """
     dims = dims or {}
-    leaves, spec = tree_flatten(value)
+    leaves, spec = flatten(value)
     pieces: list[Sequence[Any]] = []
     for t in leaves:
         dim = split_dim(t, batch_size, dims) if isinstance(t, torch.Tensor) else None
@@ -160,7 +160,7 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
             )
         else:
             pieces.append(torch.tensor_split(t, len(sizes), dim))
-    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
+    return [unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 
 def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: BatchDim = None) -> Any:
@@ -263,6 +263,17 @@ def map_tensors(fn: Any, value: Any) -> Any:
     if isinstance(value, torch.Tensor):  # the common case, without a pytree walk
         return fn(value)
     return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def flatten(value: Any) -> tuple[list[Any], Optional[TreeSpec]]:
+    """`tree_flatten`, where a tensor is its own leaf with None for a spec: the common case, once
+    per micro-batch and value, without a pytree walk."""
+    return ([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value)
+
+
+def unflatten(leaves: list[Any], spec: Optional[TreeSpec]) -> Any:
+    """What `flatten` took apart, put back together."""
+    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
 
 
 def leaves_of(value: Any) -> list[Any]:

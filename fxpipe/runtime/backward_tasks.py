@@ -17,10 +17,14 @@ from fxpipe.compiled.stage_compile import own_values
 from fxpipe.core.edges import CALLER
 from fxpipe.runtime.checkpoint import attributes_kept, flags_kept, recomputing
 from fxpipe.runtime.devices import send
+from fxpipe.runtime.engine import run_backward
 from fxpipe.runtime.raw_grads import raw_grads
 from fxpipe.runtime.saved import Saved, refuse_inputs_written_since, refuse_parameters_written_since
 from fxpipe.runtime.tasks import StageTasks, differentiable
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
+
+
+_NOTHING = nullcontext()  # reusable: it keeps no state
 
 
 class BackwardTasks(StageTasks):
@@ -153,7 +157,7 @@ class BackwardTasks(StageTasks):
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves += carried.values()
         pending = None
-        compiled = stage.compiled.backward() if stage.compiled is not None else nullcontext()
+        compiled = stage.compiled.backward() if stage.compiled is not None else _NOTHING
         with raw_grads(leaves) as raw, compiled:  # sent back in the layout the producer's backward would get
             if split:
                 pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
@@ -161,7 +165,7 @@ class BackwardTasks(StageTasks):
                 # Every leaf the stage's graph reaches that requires grad is wanted (compile refuses
                 # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
                 # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
-                torch.autograd.backward(tensors, grad_tensors, inputs=None if all(t.is_leaf for t in leaves) else wanted)
+                run_backward(tensors, grad_tensors, None if all(t.is_leaf for t in leaves) else wanted)
         grads = [
             raw.of(leaves_[0]) if spec is None else tree_unflatten([raw.of(t) for t in leaves_], spec)
             for leaves_, spec in flat_inputs

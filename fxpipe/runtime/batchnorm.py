@@ -77,6 +77,11 @@ def _update(module: _BatchNorm, count: int, mean: torch.Tensor, squares: torch.T
         module.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
 
 
+def collecting_now() -> bool:
+    """Whether BatchNorm calls on this thread record into a step's statistics now."""
+    return getattr(_local, "stats", None) is not None
+
+
 def collecting(stats: Optional[BatchStatistics]) -> "_Collecting":
     """Within this block, deferred BatchNorm calls on this thread record into `stats`."""
     return _Collecting(stats)

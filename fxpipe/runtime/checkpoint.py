@@ -60,16 +60,20 @@ def slot_of(module: nn.Module, name: str) -> Slot:
     return (owner._parameters if attr in owner._parameters else owner._buffers), attr
 
 
-@contextmanager
-def swapped_slots(swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> Iterator[None]:
-    """`swapped_state` on slots found already (a stage finds its parameters' once)."""
-    originals = [table[attr] for table, attr, _ in swaps]
-    for table, attr, tensor in swaps:
-        table[attr] = tensor
-    try:
-        yield
-    finally:
-        for (table, attr, _), original in zip(reversed(swaps), reversed(originals)):
+class swapped_slots:
+    """`swapped_state` on slots found already (a stage finds its parameters' once). A class, not
+    a generator: every forward task enters one."""
+
+    def __init__(self, swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> None:
+        self.swaps = swaps
+
+    def __enter__(self) -> None:
+        self.originals = [table[attr] for table, attr, _ in self.swaps]
+        for table, attr, tensor in self.swaps:
+            table[attr] = tensor
+
+    def __exit__(self, *exc: object) -> None:
+        for (table, attr, _), original in zip(reversed(self.swaps), reversed(self.originals)):
             table[attr] = original
 
 

@@ -63,16 +63,16 @@ def send(value: Any, device: torch.device, requires_grad: Optional[Callable[[tor
 
     `requires_grad(t)` says whether the leaf made from `t` requires grad (default: never).
     """
+    if isinstance(value, torch.Tensor) and value.device == device:  # the common case: no copy, no event
+        out = value.detach()
+        return Parcel(out.requires_grad_() if requires_grad is not None and requires_grad(value) else out, device, [])
+    if value is None:
+        return Parcel(None, device, [])
     streams: dict[torch.device, Any] = {}
 
     def move(t: torch.Tensor) -> torch.Tensor:
         out = t.detach() if t.device == device else _copy(t, device, streams)
         return out.requires_grad_() if requires_grad is not None and requires_grad(t) else out
-
-    if value is None:
-        return Parcel(None, device, [])
-    if isinstance(value, torch.Tensor) and value.device == device:  # the common case: no copy, no event
-        return Parcel(move(value), device, [])
 
     with torch.no_grad():
         result = map_tensors(move, value)
@@ -119,13 +119,18 @@ class Mailbox:
             taker.set()
 
     def take(self, keys: Sequence[Hashable]) -> list[Any]:
-        return [parcel.open() for parcel in self._taken(keys)]
+        return [parcel.value if not parcel.events else parcel.open() for parcel in self._taken(keys)]
 
     def _taken(self, keys: Sequence[Hashable]) -> list[Parcel]:
         with self.lock:
+            if self.aborted:
+                raise Aborted()
+            items = self.items
+            if len(keys) == 1 and keys[0] in items:  # no wait, one value: the common case
+                return [items.pop(keys[0])]
             missing = self._missing(keys)
-            if not missing:  # no wait: the common case
-                return [self.items.pop(k) for k in keys]
+            if not missing:
+                return [items.pop(k) for k in keys]
             woken = threading.Event()
             for key in missing:
                 self.waiting.setdefault(key, []).append(woken)

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils._pytree import MappingKey, register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.core.microbatch import BatchDim, gather_leaf, split_along
+from fxpipe.core.microbatch import BatchDim, flatten, gather_leaf, split_along, unflatten
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,9 @@ class Gathered:
         refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
         for ref in dict.fromkeys(refs):
             if ref.given:
-                self.values[ref.name] = tree_flatten(given[ref.name])
+                self.values[ref.name] = flatten(given[ref.name])
                 continue
-            flats = [tree_flatten(mb[ref.name]) for mb in per_micro_batch]
+            flats = [flatten(mb[ref.name]) for mb in per_micro_batch]
             leaves = []
             for k in range(len(flats[0][0])):
                 parts = [flat[0][k] for flat in flats]
@@ -103,7 +103,7 @@ class Gathered:
         values = {name: list(leaves) for name, (leaves, _) in self.values.items()}
         for (name, k, _, _), tensor in zip(self.slots, tensors):
             values[name][k] = tensor
-        built = {name: tree_unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
+        built = {name: unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
         self.tensors = []
         self.values = {name: ([None] * len(leaves), spec) for name, (leaves, spec) in self.values.items()}
         return as_returned(tree_map(lambda leaf: built[leaf.name] if isinstance(leaf, ValueRef) else leaf, self.template))
@@ -123,5 +123,5 @@ class Gathered:
                 leaves = per_value[i].setdefault(name, [None] * len(self.values[name][0]))
                 leaves[k] = piece  # each (value, leaf) is one slot: refs were deduplicated
         return [
-            {name: tree_unflatten(leaves, self.values[name][1]) for name, leaves in mb.items()} for mb in per_value
+            {name: unflatten(leaves, self.values[name][1]) for name, leaves in mb.items()} for mb in per_value
         ]

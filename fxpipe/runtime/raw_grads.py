@@ -11,9 +11,8 @@ BatchNorm before a permute (MaxViT's blocks) trained on wrong gradients.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -37,14 +36,19 @@ class RawGrads:
         return self._grads.get(id(tensor), tensor.grad)
 
 
-@contextmanager
-def raw_grads(tensors: Sequence[torch.Tensor]) -> Iterator[RawGrads]:
+class raw_grads:
     """Within this block, the gradients that backward gives `tensors` (which require grad) are
-    kept as they come, before `.grad` copies them into the tensors' layout."""
-    kept = RawGrads()
-    handles = [t.register_hook(partial(kept.keep, id(t))) for t in tensors]
-    try:
-        yield kept
-    finally:
-        for handle in handles:
+    kept as they come, before `.grad` copies them into the tensors' layout. A class, not a
+    generator: every backward task enters one."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors, self.kept = tensors, RawGrads()
+
+    def __enter__(self) -> RawGrads:
+        kept = self.kept
+        self.handles = [t.register_hook(partial(kept.keep, id(t))) for t in self.tensors]
+        return kept
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
             handle.remove()

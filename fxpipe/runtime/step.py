@@ -31,7 +31,7 @@ from fxpipe.core.edges import CALLER
 from fxpipe.core.failures import RemoteFailure
 from fxpipe.core.microbatch import clone_tree, leaves_of
 from fxpipe.core.randomness import TaskStream, draw_step_seed
-from fxpipe.runtime.batchnorm import BatchStatistics
+from fxpipe.runtime.batchnorm import BatchStatistics, collecting_now
 from fxpipe.runtime.checkpoint import flags_of
 from fxpipe.runtime.context import CallerContext, worker_state
 from fxpipe.runtime.devices import Aborted, Mailbox, on_device
@@ -152,6 +152,15 @@ class Step(BackwardTasks):
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.weights: list[Optional[Weights]] = [None] * len(stages)
         self.grad_patterns: list[Optional[tuple[bool, ...]]] = [None] * len(stages)
+        self._bodies: dict[str, Callable[[int, int], tuple[float, float]]] = {
+            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
+            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
+        }  # fmt: skip
+        # What a task need not enter (see `StageTasks._run_forward`): the caller's state is the
+        # worker's; no BatchNorm statistics to collect, here or in a step around this one (a
+        # pipeline called inside another's stage, on its thread); no memory to meter.
+        self.plain_context = context.plain
+        self.bare_forward = self.plain_context and batch_stats is None and self.meter is None and not collecting_now()
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:
@@ -162,9 +171,9 @@ class Step(BackwardTasks):
             self._run_inline([self.task(action, group) for action in mine], group, self.rank or 0)
         else:
             group = TaskGroup(sum(map(len, actions)))
-            for rank, acts in enumerate(actions):
-                for action in acts:
-                    self.workers.submit(rank, self.task(action, group))
+            lists = [[self.task(action, group) for action in acts] for acts in actions]
+            for rank, tasks in enumerate(lists):
+                self.workers.submit(rank, tasks)
             try:
                 # Longer than a task's own wait: a task stuck on a value reports which one.
                 group.wait(None if WAIT_TIMEOUT is None else 2 * WAIT_TIMEOUT)
@@ -176,10 +185,7 @@ class Step(BackwardTasks):
     def task(self, action: Action, group: TaskGroup) -> Callable[[], None]:
         """What a worker runs for `action`: its body, timed, its error (if any) kept in `group`
         and the step's mailbox aborted, so that no other task waits for ever."""
-        body: Callable[[int, int], tuple[float, float]] = {
-            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
-            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
-        }[action.kind]  # fmt: skip
+        body = self._bodies[action.kind]
 
         def run() -> None:
             error: Optional[BaseException] = None
@@ -220,6 +226,8 @@ class Step(BackwardTasks):
         with worker_state(), on_device(self.stages[local[0]].device if local else torch.device("cpu")):
             for run in tasks:
                 run()
+                if not group.errors:
+                    continue
                 interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
                 if interrupted:  # Ctrl-C: stop the step, and let the caller see it as it is
                     self.cancel()

@@ -53,6 +53,8 @@ class StageTasks:
     output_device: torch.device
     input_devices: dict[str, torch.device]
     context: CallerContext
+    plain_context: bool
+    bare_forward: bool
     schedule: Schedule
     batch_stats: Optional[BatchStatistics]
     loss: Optional[LossFn]
@@ -186,8 +188,12 @@ class StageTasks:
             forward = stage.module.forward  # type: ignore[attr-defined]
         else:
             forward = stage.compiled.runner(self.randomness[stage.index], self.hidden_randomness[stage.index], bool(views))
-        if self.context.plain and not self.randomness[stage.index] and not views and buffers is None:
-            return forward(*args)
+        if self.plain_context and not self.randomness[stage.index] and buffers is None:
+            if not views:
+                return forward(*args)
+            if self.versions is None:
+                with swapped_slots(views):
+                    return forward(*args)
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
@@ -267,8 +273,7 @@ class StageTasks:
                 known = stage.output_grads[pattern] = [t.requires_grad for v in outputs for t in leaves_of(v) if isinstance(t, torch.Tensor)]
             wants = _differentiable_outputs(outputs, known)
         else:
-            with torch.set_grad_enabled(self.grad), collecting(self.batch_stats), self._metered(i, j):
-                results = self._call(stage, i, inputs)
+            results = self._run_forward(stage, i, j, inputs)
             outputs = self._write_back(stage, i, results)
             if self.grad:
                 self._keep(i, j, Saved(inputs, outputs))
@@ -294,6 +299,16 @@ class StageTasks:
             self._loss_task(i, fused)  # its gradients go to stages that wait for them
             end = time.perf_counter()
         return start, end
+
+    def _run_forward(self, stage: StageRuntime, i: int, j: int, inputs: list[Any]) -> tuple[Any, ...]:
+        """(2) for a forward that keeps its graph (or, without grad, makes none): under the step's
+        grad mode, collecting the batch's BatchNorm statistics, metering what autograd saves;
+        without entering any of them where none changes anything (the common case), as they cost
+        as much as a small stage's own work."""
+        if self.bare_forward and torch.is_grad_enabled() == self.grad:
+            return self._call(stage, i, inputs)
+        with torch.set_grad_enabled(self.grad), collecting(self.batch_stats), self._metered(i, j):
+            return self._call(stage, i, inputs)
 
     def _keep(self, i: int, j: int, saved: Saved) -> None:
         self.saved[(i, j)] = saved
@@ -411,6 +426,11 @@ def differentiable(outputs: Sequence[Any], grads: Sequence[Any]) -> tuple[list[t
     tensors, grad_tensors = [], []
     for output, grad in zip(outputs, grads):
         if grad is None:
+            continue
+        if isinstance(output, torch.Tensor):  # the common case, without a pytree walk
+            if output.requires_grad:
+                tensors.append(output)
+                grad_tensors.append(grad)
             continue
         for t, g in zip(leaves_of(output), leaves_of(grad)):
             if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:

@@ -15,7 +15,7 @@ from fxpipe.runtime.devices import on_device
 Task = Callable[[], None]
 
 
-def _loop(tasks: "queue.SimpleQueue[Optional[Task]]", device: torch.device) -> None:
+def _loop(tasks: "queue.SimpleQueue[Optional[list[Task]]]", device: torch.device) -> None:
     torch.set_grad_enabled(True)
     # Autocast keeps its casts of leaves in one table that every thread shares, and empties it
     # when a thread leaves its outermost region. A task's region (under the caller's autocast)
@@ -24,11 +24,12 @@ def _loop(tasks: "queue.SimpleQueue[Optional[Task]]", device: torch.device) -> N
     torch.autocast_increment_nesting()
     with on_device(device):
         while True:
-            task = tasks.get()
-            if task is None:
+            batch = tasks.get()
+            if batch is None:
                 return
-            task()
-            del task  # drop what the task holds before blocking on the next one
+            batch.reverse()
+            while batch:
+                batch.pop()()  # dropped once run: what a task holds goes before the next one waits
 
 
 class Workers:
@@ -40,7 +41,7 @@ class Workers:
 
     def __init__(self, devices: Sequence[torch.device], name: str = "fxpipe") -> None:
         self.closed = False
-        self.queues: list[queue.SimpleQueue[Optional[Task]]] = [queue.SimpleQueue() for _ in devices]
+        self.queues: list[queue.SimpleQueue[Optional[list[Task]]]] = [queue.SimpleQueue() for _ in devices]
         self.threads = [
             threading.Thread(target=_loop, args=(q, d), name=f"{name}-stage{i}", daemon=True)
             for i, (q, d) in enumerate(zip(self.queues, devices))
@@ -48,13 +49,16 @@ class Workers:
         for thread in self.threads:
             thread.start()
 
-    def submit(self, stage: int, task: Task) -> None:
+    def submit(self, stage: int, tasks: list[Task]) -> None:
+        """Hand the stage's worker `tasks`, to run in order after what it was given before. A
+        list at once: one wake-up of the worker, not one per task, while the other workers,
+        already woken, compete for the interpreter lock with the thread that hands them out."""
         if self.closed:  # no thread would run it: the caller would wait for ever
             raise RuntimeError(
                 "the pipeline was closed (pipe.close()) while a step still had work to run (a backward, say).\n"
                 "How to fix: close it after the last backward, or compile the model again."
             )
-        self.queues[stage].put(task)
+        self.queues[stage].put(list(tasks))
 
     def close(self) -> None:
         self.closed = True
@@ -65,7 +69,7 @@ class Workers:
         weakref.finalize(owner, _stop, self.queues)
 
 
-def _stop(queues: Sequence["queue.SimpleQueue[Optional[Task]]"]) -> None:
+def _stop(queues: Sequence["queue.SimpleQueue[Optional[list[Task]]]"]) -> None:
     for q in queues:
         q.put(None)
 

@@ -544,3 +544,68 @@ def test_a_put_wakes_only_the_task_that_waits_for_its_key() -> None:
     for thread in threads:
         thread.join(10)
     assert sorted(stopped) == [0, 1, 2, 4, 5] and not box.waiting
+
+
+def test_a_worker_runs_each_list_it_is_given_in_order_and_lets_go_of_each_task_once_run() -> None:
+    """A stage's tasks are handed over as one list (one wake-up of its thread): they run in
+    order, after any list given before, and each task goes (with what it holds) once it ran,
+    before the next one waits."""
+    from fxpipe.runtime.worker import Workers
+
+    workers = Workers([torch.device("cpu")], name="test-workers")
+    ran: list[int] = []
+    gone: list[bool] = []
+    done = threading.Event()
+
+    class Held:
+        pass
+
+    def task(k: int, held: Held) -> Callable[[], None]:
+        return lambda: ran.append(k) if held is not None else None
+
+    first_held = Held()
+    first = weakref.ref(first_held)
+    workers.submit(0, [task(0, first_held), lambda: gone.append(first() is None), task(1, Held())])
+    del first_held
+    workers.submit(0, [task(2, Held()), done.set])
+    assert done.wait(10)
+    assert ran == [0, 1, 2] and gone == [True]
+    workers.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        workers.submit(0, [lambda: None])
+    for thread in workers.threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("inputs", ["all", "some"])
+def test_a_stage_backward_through_the_engine_gives_what_autograd_backward_gives(inputs: str) -> None:
+    """A stage's backward calls autograd's engine without torch's Python checks of the gradients
+    (made by autograd for those very tensors): `.grad` as `torch.autograd.backward` leaves it,
+    bit for bit, with `inputs=` too; inside a functorch transform, torch's own error."""
+    from fxpipe.runtime.engine import run_backward
+
+    def grads(backward: Callable[..., None]) -> list[Any]:
+        torch.manual_seed(0)
+        w, b, x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64, requires_grad=True), torch.randn(4, 5, dtype=torch.float64)
+        h = (x @ w + b).tanh()
+        outs = [h, h.sum(1)]
+        given = [torch.randn_like(h), torch.randn(4, dtype=torch.float64)]
+        backward(outs, given, [w] if inputs == "some" else None)
+        return [w.grad, b.grad]
+
+    ours = grads(run_backward)
+    theirs = grads(lambda outs, given, wanted: torch.autograd.backward(outs, given, inputs=wanted))
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ours[0] is not None and (ours[1] is None) == (inputs == "some")
+
+    def inside_a_transform(x: torch.Tensor) -> torch.Tensor:
+        y = (x * 2).sum()
+        run_backward([y], [torch.ones_like(y)])
+        return y
+
+    with pytest.raises(RuntimeError, match="functorch transform"):
+        torch.func.grad(inside_a_transform)(torch.randn(3))
