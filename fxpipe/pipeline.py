@@ -321,7 +321,7 @@ class Pipeline(PipelineCalls):
         """The model's parameters; across processes, those of this rank's stages only."""
         with self._slots_held_still():
             found = list(super().named_parameters(prefix, recurse, remove_duplicate))
-        yield from ((name, p) for name, p in found if not self._elsewhere(p))
+        yield from found if self.__dict__.get("_channel") is None else ((name, p) for name, p in found if not self._elsewhere(p))
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         with self._slots_held_still():

@@ -96,7 +96,7 @@ Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
 def hooks_of(module: Optional[nn.Module]) -> Hooks:
     """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
     for None, which global module hooks are registered."""
-    return tuple(tuple(table) for table in _hook_tables(module))
+    return tuple(map(tuple, _hook_tables(module)))  # read at every call: no generator per table
 
 
 def _hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
@@ -195,7 +195,10 @@ class HeldState:
         return changed([held for held in self.attributes if held[0] in read])
 
     def tensors_replaced(self) -> bool:
-        return any(table.get(key) is not tensor for table, key, tensor in self.tensors)
+        for table, key, tensor in self.tensors:  # at every call: a loop, not a generator
+            if table.get(key) is not tensor:
+                return True
+        return False
 
 
 @dataclass

@@ -265,13 +265,23 @@ def draw_rate(module: nn.Module) -> Optional[float]:
 def draws_now(modules: Sequence[nn.Module]) -> bool:
     """Whether any of these modules draws when called now: training, rate > 0
     (read once per step, so that a rate changed between steps takes effect)."""
-    for module in modules:
-        for m in module.modules():
-            if not m.training:
-                continue
-            if draw_rate(m):
-                return True
+    for m in _every_module(modules):
+        if m.training and draw_rate(m):
+            return True
     return False
+
+
+def _every_module(modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """These modules and all inside them, each once, as `modules()` gives them: read at every
+    step, so a walk of their tables, without `modules()`'s generator per level."""
+    found: dict[int, nn.Module] = {}
+    pending: list[Optional[nn.Module]] = list(modules)
+    while pending:
+        module = pending.pop()
+        if module is not None and id(module) not in found:  # (a child slot may hold None; a module, itself)
+            found[id(module)] = module
+            pending.extend(module._modules.values())
+    return list(found.values())
 
 
 def runs_hooks(modules: Sequence[nn.Module]) -> bool:
@@ -279,4 +289,7 @@ def runs_hooks(modules: Sequence[nn.Module]) -> bool:
     modules inside them, or global ones): a hook's draws do not show in the graph."""
     if modules and (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for module in modules for m in module.modules())
+    for m in _every_module(modules):
+        if m._forward_hooks or m._forward_pre_hooks:
+            return True
+    return False

@@ -7,9 +7,9 @@ the state its forward ran under.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -91,11 +91,21 @@ def _side_streams() -> tuple[Any, ...]:
     return tuple(s for s in current if s != torch.cuda.default_stream(s.device))
 
 
-@contextmanager
-def worker_state() -> Iterator[None]:
+def worker_state() -> ContextManager[None]:
     """The thread-local state a stage worker starts with (grad on, no inference mode, no
     autocast, no saved-tensor hooks), for tasks run on the caller's own thread: they must
-    compute what a worker would."""
+    compute what a worker would. Nothing to enter where the thread is in it already (the common
+    case, twice per call)."""
+    if (
+        torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and _saved_hooks_on() is None
+        and not any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+    ):  # fmt: skip
+        return nullcontext()
+    return _into_worker_state()
+
+
+@contextmanager
+def _into_worker_state() -> Iterator[None]:
     with ExitStack() as stack:
         stack.enter_context(torch.enable_grad())
         if _saved_hooks_on() is not None:  # the caller's: a task enters them itself

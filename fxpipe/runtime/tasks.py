@@ -119,10 +119,12 @@ class StageTasks:
             return []
         swaps = self.view_swaps[stage.index]
         if swaps is None:
-            made = own_alias if self.versions is not None else lambda p: p.detach().requires_grad_()
             with torch.enable_grad():
-                leaves = [made(p) if p.requires_grad else p for p in stage.params]
-                views = [self._as_read(leaf) for leaf in leaves]
+                if self.versions is not None:
+                    leaves = [own_alias(p) if p.requires_grad else p for p in stage.params]
+                else:  # once per parameter per step: no call per parameter
+                    leaves = [p.detach().requires_grad_() if p.requires_grad else p for p in stage.params]
+                views = [self._as_read(leaf) for leaf in leaves] if self.context.autocast else leaves
             if stage.compiled is not None and stage.compiled.static_outputs:
                 _own_grads([leaf for leaf in leaves if leaf.requires_grad])
             swaps = [(table, attr, view) for view, slots in zip(views, stage.param_slots) for table, attr in slots]

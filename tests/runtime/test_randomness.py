@@ -482,3 +482,23 @@ def test_two_dropouts_draw_apart_and_alike_at_any_stage_count() -> None:
         assert not torch.equal(first != 0, second != 0), "two dropouts drew one mask"
         assert not torch.equal(first[:4] != 0, first[4:] != 0), "two micro-batches drew one mask"
     assert all(torch.equal(a, b) for a, b in zip(masks[1], masks[2])), "the cut changed the masks"
+
+
+def test_the_per_step_reads_of_draws_and_hooks_walk_every_module_once() -> None:
+    """Whether a stage may draw, or runs hooks, is read at every step by a walk of the modules'
+    tables: it reaches modules nested at any depth, each once, and ends on a model that holds a
+    module twice or holds itself."""
+    from fxpipe.core.randomness import draws_now, runs_hooks
+
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Identity(), nn.Dropout(0.0)))
+    model = nn.Sequential(inner, nn.ReLU(), inner)
+    model.add_module("itself", model)
+    assert not draws_now([model]) and not runs_hooks([model])
+    inner[1][1].p = 0.3  # a rate raised after compiling, deep inside
+    assert draws_now([model])
+    inner[1][1].training = False  # (model.eval() would recurse into the model it holds)
+    assert not draws_now([model])
+    handle = inner[1][0].register_forward_pre_hook(lambda module, args: None)
+    assert runs_hooks([model])
+    handle.remove()
+    assert not runs_hooks([model])
