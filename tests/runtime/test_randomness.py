@@ -490,15 +490,16 @@ def test_the_per_step_reads_of_draws_and_hooks_walk_every_module_once() -> None:
     module twice or holds itself."""
     from fxpipe.core.randomness import draws_now, runs_hooks
 
-    inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Identity(), nn.Dropout(0.0)))
+    identity, dropout = nn.Identity(), nn.Dropout(0.0)
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Sequential(identity, dropout))
     model = nn.Sequential(inner, nn.ReLU(), inner)
     model.add_module("itself", model)
     assert not draws_now([model]) and not runs_hooks([model])
-    inner[1][1].p = 0.3  # a rate raised after compiling, deep inside
+    dropout.p = 0.3  # a rate raised after compiling, deep inside
     assert draws_now([model])
-    inner[1][1].training = False  # (model.eval() would recurse into the model it holds)
+    dropout.training = False  # (model.eval() would recurse into the model it holds)
     assert not draws_now([model])
-    handle = inner[1][0].register_forward_pre_hook(lambda module, args: None)
+    handle = identity.register_forward_pre_hook(lambda module, args: None)
     assert runs_hooks([model])
     handle.remove()
     assert not runs_hooks([model])
