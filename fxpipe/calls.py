@@ -5,6 +5,7 @@ import collections
 import inspect
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -171,7 +172,9 @@ class PipelineCalls(nn.Module):
                 stacklevel=2,
             )
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
-        kept.undo.append(step.put_back_buffers)  # a loss refused after the step: its writes too
+        # A loss refused after the step: its writes too. Held weakly: the step's loss holds `kept`,
+        # and a cycle would keep the step (its outputs) until the garbage collector runs.
+        kept.undo.append(weakref.WeakMethod(step.put_back_buffers))
         return call, step
 
     def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:

@@ -272,8 +272,8 @@ def draws_now(modules: Sequence[nn.Module]) -> bool:
 
 
 def _every_module(modules: Sequence[nn.Module]) -> list[nn.Module]:
-    """These modules and all inside them, each once, as `modules()` gives them: read at every
-    step, so a walk of their tables, without `modules()`'s generator per level."""
+    """These modules and all inside them, each once (those `modules()` gives, in another order):
+    read at every step, so a walk of their tables, without `modules()`'s generator per level."""
     found: dict[int, nn.Module] = {}
     pending: list[Optional[nn.Module]] = list(modules)
     while pending:

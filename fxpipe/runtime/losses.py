@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -168,7 +169,7 @@ class LeafGrads:
 
     def __init__(self) -> None:
         self.before: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        self.undo: list[Callable[[], None]] = []  # what else the step puts back (its buffer writes)
+        self.undo: list[weakref.WeakMethod[Callable[[], None]]] = []  # what else the step puts back (its buffer writes)
 
     def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
         """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs: fresh leaves,
@@ -195,7 +196,9 @@ class LeafGrads:
             for leaf, grad in self.before.values():
                 leaf.grad = grad
             for undo in self.undo:
-                undo()
+                put_back = undo()
+                if put_back is not None:  # (held weakly: a step the caller let go of wrote nothing since)
+                    put_back()
             raise
 
 

@@ -49,6 +49,12 @@ from fxpipe.schedules.actions import BACKWARD, FORWARD, INPUT_GRAD, RECOMPUTE, W
 from fxpipe.schedules.simulate import StageCosts, simulate
 from fxpipe.schedules.timeline import Record
 
+# The body of each kind of action: a method's name, so that a step holds no reference to itself.
+_BODIES = {
+    FORWARD: "_forward_task", RECOMPUTE: "_recompute_task", BACKWARD: "_backward_task",
+    INPUT_GRAD: "_input_grad_task", WEIGHT_GRAD: "_weight_grad_task",
+}  # fmt: skip
+
 # Seconds a task or the caller waits for a value before it reports a hang; None waits forever.
 # Tests set a bound, so that a deadlock fails in seconds.
 WAIT_TIMEOUT: Optional[float] = None
@@ -152,10 +158,6 @@ class Step(BackwardTasks):
         self.shared_views: list[Optional[list[torch.Tensor]]] = [None] * len(stages)
         self.weights: list[Optional[Weights]] = [None] * len(stages)
         self.grad_patterns: list[Optional[tuple[bool, ...]]] = [None] * len(stages)
-        self._bodies: dict[str, Callable[[int, int], tuple[float, float]]] = {
-            FORWARD: self._forward_task, RECOMPUTE: self._recompute_task, BACKWARD: self._backward_task,
-            INPUT_GRAD: self._input_grad_task, WEIGHT_GRAD: self._weight_grad_task,
-        }  # fmt: skip
         # What a task need not enter (see `StageTasks._run_forward`): the caller's state is the
         # worker's; no BatchNorm statistics to collect, here or in a step around this one (a
         # pipeline called inside another's stage, on its thread); no memory to meter.
@@ -185,7 +187,7 @@ class Step(BackwardTasks):
     def task(self, action: Action, group: TaskGroup) -> Callable[[], None]:
         """What a worker runs for `action`: its body, timed, its error (if any) kept in `group`
         and the step's mailbox aborted, so that no other task waits for ever."""
-        body = self._bodies[action.kind]
+        body: Callable[[int, int], tuple[float, float]] = getattr(self, _BODIES[action.kind])
 
         def run() -> None:
             error: Optional[BaseException] = None

@@ -609,3 +609,31 @@ def test_a_stage_backward_through_the_engine_gives_what_autograd_backward_gives(
 
     with pytest.raises(RuntimeError, match="functorch transform"):
         torch.func.grad(inside_a_transform)(torch.randn(3))
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_step_is_freed_without_the_garbage_collector_once_its_backward_ran(devices: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step holds no reference to itself: once its backward ran (and the caller let go of
+    the loss), reference counting frees it and all it holds (the micro-batches, the parameters'
+    leaves), without waiting for the cycle collector to run."""
+    from fxpipe.runtime import step as step_module
+
+    made: list[weakref.ref[Any]] = []
+    original = step_module.Step.__init__
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(step_module.Step, "__init__", recorded)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    pipe = compile_pipeline(model, x, ["cpu"] * devices, chunks=2)
+    gc.collect()
+    gc.disable()
+    try:
+        pipe(x).sum().backward()
+        pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss)
+        assert len(made) == 2 and all(ref() is None for ref in made)
+    finally:
+        gc.enable()
