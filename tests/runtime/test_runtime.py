@@ -563,11 +563,14 @@ def test_a_worker_runs_each_list_it_is_given_in_order_and_lets_go_of_each_task_o
     def task(k: int, held: Held) -> Callable[[], None]:
         return lambda: ran.append(k) if held is not None else None
 
-    first_held = Held()
-    first = weakref.ref(first_held)
-    workers.submit(0, [task(0, first_held), lambda: gone.append(first() is None), task(1, Held())])
-    del first_held
+    held = Held()
+    first = weakref.ref(held)
+    start = threading.Event()  # the worker waits until this test holds nothing of the first task
+    tasks = [lambda: None if start.wait(10) else None, task(0, held), lambda: gone.append(first() is None), task(1, Held())]
+    workers.submit(0, tasks)
+    del tasks, held
     workers.submit(0, [task(2, Held()), done.set])
+    start.set()
     assert done.wait(10)
     assert ran == [0, 1, 2] and gone == [True]
     workers.close()
