@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fxpipe.compiled.program import StageRuntime
 from fxpipe.compiled.stage_compile import own_values
 from fxpipe.core.edges import CALLER
+from fxpipe.core.microbatch import flatten
 from fxpipe.runtime.checkpoint import attributes_kept, flags_kept, recomputing
 from fxpipe.runtime.devices import send
 from fxpipe.runtime.engine import run_backward
@@ -153,7 +154,7 @@ class BackwardTasks(StageTasks):
         `.grad` over the step's micro-batches, added by autograd as each is made (while it is
         still in cache); with `split`, later, by W, from what is returned with the input gradients."""
         carried = {c: t for c, t in (carried or {}).items() if t.requires_grad}
-        flat_inputs = [([value], None) if isinstance(value, torch.Tensor) else tree_flatten(value) for value in inputs]
+        flat_inputs = [flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves += carried.values()
         pending = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
@@ -62,9 +63,10 @@ class CallerContext:
         if self.saved_hooks is not None:
             stack.enter_context(_after_this_threads(*self.saved_hooks))
 
-    @property
+    @cached_property
     def plain(self) -> bool:
-        """Nothing to enter: the common case, kept free of any context manager."""
+        """Nothing to enter: the common case, kept free of any context manager (read by every
+        task: computed once)."""
         return not self.autocast and not self.inference and self.anomaly is None and not self.streams and self.saved_hooks is None
 
 

@@ -161,8 +161,7 @@ class Step(BackwardTasks):
         # What a task need not enter (see `StageTasks._run_forward`): the caller's state is the
         # worker's; no BatchNorm statistics to collect, here or in a step around this one (a
         # pipeline called inside another's stage, on its thread); no memory to meter.
-        self.plain_context = context.plain
-        self.bare_forward = self.plain_context and batch_stats is None and self.meter is None and not collecting_now()
+        self.bare_forward = context.plain and batch_stats is None and self.meter is None and not collecting_now()
 
     # -- driving ---------------------------------------------------------------------------
     def _run(self, actions: Sequence[Sequence[Action]]) -> None:

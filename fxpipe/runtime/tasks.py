@@ -53,7 +53,6 @@ class StageTasks:
     output_device: torch.device
     input_devices: dict[str, torch.device]
     context: CallerContext
-    plain_context: bool
     bare_forward: bool
     schedule: Schedule
     batch_stats: Optional[BatchStatistics]
@@ -190,7 +189,7 @@ class StageTasks:
             forward = stage.module.forward  # type: ignore[attr-defined]
         else:
             forward = stage.compiled.runner(self.randomness[stage.index], self.hidden_randomness[stage.index], bool(views))
-        if self.plain_context and not self.randomness[stage.index] and buffers is None:
+        if self.context.plain and not self.randomness[stage.index] and buffers is None:
             if not views:
                 return forward(*args)
             if self.versions is None:
