@@ -1042,3 +1042,28 @@ def test_a_model_s_own_cross_entropy_on_class_probabilities_weighs_micro_batches
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_loss_refused_after_the_step_puts_back_the_buffers_it_wrote_and_the_next_step_is_the_plain_models(devices: int) -> None:
+    """The check of the micro-batches' losses runs after the step, whose BatchNorm wrote its
+    running statistics: a refusal there puts them back (the step is held weakly by what undoes
+    it, so that a step that ran is freed as soon as the caller lets go of it), and the step
+    after it computes the plain model's loss, gradients and statistics."""
+    model, reference = twin(Normed().double())
+    x, y = torch.randn(16, 6, dtype=torch.float64), torch.randn(16, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * devices, chunks=4)
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    summed = lambda out, target: F.mse_loss(out, target, reduction="sum")  # noqa: E731
+    with pytest.raises(ValueError, match="not a mean over samples"):
+        pipe.train_step(x, target=y, loss_fn=summed)
+    for name, b in model.named_buffers():
+        assert torch.equal(b, before[name]), name
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(x, target=y, loss_fn=summed, reduction="sum")
+    expected = sum(summed(reference(xi), yi) for xi, yi in zip(x.chunk(4), y.chunk(4)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    for (name, b), (_, plain) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(b, plain, rtol=0, atol=1e-12, msg=name)
