@@ -28,6 +28,7 @@ from fxpipe.compiler.sequence import (
 )
 from fxpipe.compiler.traced import Traced
 from fxpipe.core.attrs import tensors_read
+from fxpipe.core.collector import collector_paused
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of
@@ -59,8 +60,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     this puts back anything one missed, even when compiling fails: parameter values, buffers,
     `.grad`, `training` flags, the random states, and the example's tensors that a forward
     writes in place; and when it fails, the module-level values the model's code assigned.
-    A tensor placement moved keeps its device.
-    Then, across processes, data-parallel replicas copy replica 0's parameters, which that
+    A tensor placement moved keeps its device. The cyclic garbage collector is held off for the
+    length of the compile (fxpipe/core/collector.py). Then, across processes, data-parallel replicas copy replica 0's parameters, which that
     restore would undo."""
 
     @functools.wraps(compile)
@@ -71,7 +72,7 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
-            with preserved(model), inputs_preserved(example), put_back_on_failure(model):
+            with collector_paused(), preserved(model), inputs_preserved(example), put_back_on_failure(model):
                 pipe = compile(*args, **kwargs)
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):

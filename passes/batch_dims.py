@@ -106,7 +106,7 @@ def annotate_batch_dims(
         return True
     whole, written = whole_run.values, set(whole_run.written)
     try:
-        each = run_on(gm, parts, real, keep=set(returned))
+        each = run_on(gm, parts, real, keep=set(returned), fixed=whole_run.fixed)
     except Exception as e:  # noqa: BLE001 - named in the refusal
         if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return True
@@ -118,8 +118,8 @@ def annotate_batch_dims(
     if not problems and real and not compare and serves_eval:
         with _in_eval(gm):
             written.clear()
-            (whole,) = run_on(gm, [inputs], real, keep=set(returned), written=written)
-            each = run_on(gm, parts, real, keep=set(returned))
+            (whole,) = run_on(gm, [inputs], real, keep=set(returned), written=written, fixed=whole_run.fixed)
+            each = run_on(gm, parts, real, keep=set(returned), fixed=whole_run.fixed)
             if not _keeps_state(gm, written):
                 problems, bad = _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
             if problems:  # (where it starts, in eval mode too)

@@ -6,7 +6,6 @@ batch's statistics run under `FixedDraws`, so that the example and its halves se
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -33,12 +32,12 @@ class ExampleRunner(Recorder):
         super().__init__(gm, on_meta)
         self.keep, self.fixed = keep, fixed
         self.values: dict[fx.Node, Any] = {}
-        self.run_one = super().run_node if records else functools.partial(fx.Interpreter.run_node, self)
+        self.run_one = super().run_node if records else self.run_bare
 
     def _run_uncounted(self, n: fx.Node) -> Any:
         # Without the shape pass's retry with gradients on: the halves run without them, and
         # the whole example's run must fail where they would (`propagate_shapes` then retries).
-        return fx.Interpreter.run_node(self, n)
+        return self.run_bare(n)
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.fixed:
@@ -71,6 +70,7 @@ class WholeRun:
 
     values: dict[fx.Node, Any]
     written: set[str] = field(default_factory=set)
+    fixed: set[fx.Node] = field(default_factory=set)  # `drawing_or_normalising`'s nodes, for the next runs
 
 
 def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True) -> Optional[WholeRun]:
@@ -79,9 +79,11 @@ def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True)
     the graph for both passes. None where it fails: `propagate_shapes` then says why, or runs
     the graph another way (for real where the meta device cannot)."""
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
-    whole = WholeRun({})
+    whole = WholeRun({}, fixed=drawing_or_normalising(gm))
     try:
-        (whole.values,) = run_on(gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records)
+        (whole.values,) = run_on(
+            gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records, fixed=whole.fixed,
+        )  # fmt: skip
     except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
         return None
     return whole
@@ -89,13 +91,14 @@ def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True)
 
 def run_on(
     gm: fx.GraphModule, examples: list[tuple[Any, ...]], real: bool, keep: Optional[set[fx.Node]], written: Optional[set[str]] = None,
-    records: bool = False,
+    records: bool = False, fixed: Optional[set[fx.Node]] = None,
 ) -> list[dict[fx.Node, Any]]:
     """The values of the nodes in `keep` (of every node when None) on each of `examples`; the
     buffers the runs may write that they did write are added to `written`. With `records`, the
-    runs write the shapes and FLOPs into node.meta (`propagate_shapes`)."""
+    runs write the shapes and FLOPs into node.meta (`propagate_shapes`). `fixed`: the graph's
+    `drawing_or_normalising` nodes, where an earlier run found them."""
     runs = []
-    fixed = drawing_or_normalising(gm)
+    fixed = drawing_or_normalising(gm) if fixed is None else fixed
     with preserved(gm), torch.no_grad():
         before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
         for inputs in examples:

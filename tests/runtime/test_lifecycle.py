@@ -551,3 +551,37 @@ def test_eval_and_train_called_on_the_model_itself_reach_the_pipeline() -> None:
     model.train()
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
     assert pipe.training
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_compiling_holds_the_collector_off_and_leaves_it_as_it_was(monkeypatch: pytest.MonkeyPatch, collector_on: bool, fails: bool) -> None:
+    """A full collection walks every object of the process; compiling builds many that live to
+    its end, so it holds the cyclic collector off, and then leaves it on or off as it found it,
+    also when compiling fails."""
+    import gc
+
+    import fxpipe.compile as compiling
+
+    seen: list[bool] = []
+    costs = compiling.annotate_costs
+
+    def noting(gm: torch.fx.GraphModule) -> None:
+        seen.append(gc.isenabled())
+        if fails:
+            raise RuntimeError("a pass failed")
+        costs(gm)
+
+    monkeypatch.setattr(compiling, "annotate_costs", noting)
+    was_on = gc.isenabled()
+    (gc.enable if collector_on else gc.disable)()
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="a pass failed"):
+                compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2)
+        else:
+            compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2).close()
+        assert seen == [False], "the collector was off in the middle of compiling"
+        assert gc.isenabled() is collector_on, "and as it was after"
+    finally:
+        (gc.enable if was_on else gc.disable)()
