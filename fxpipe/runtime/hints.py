@@ -20,6 +20,13 @@ _HINTS = [
         "model does not support.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), or another "
         "schedule ('1f1b').",
     ),
+    (
+        ("Expected more than 1 value per channel when training",),
+        "BatchNorm in training mode normalises each micro-batch by its own statistics, and this micro-batch "
+        "holds one value per channel, where the whole batch the plain model is called on holds more.\nHow to "
+        "fix: fewer chunks, or a larger batch, so that each micro-batch holds more than one sample (or more "
+        "than one value per channel).",
+    ),
 ]
 
 

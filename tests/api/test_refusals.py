@@ -492,3 +492,32 @@ def test_a_reentrant_checkpoint_with_dropout_inside_is_not_taken_for_mixing_samp
     pipe.eval()
     model.eval()
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_micro_batch_too_small_for_batchnorm_says_to_use_fewer_chunks_and_leaves_the_model_as_it_was(stages: int) -> None:
+    """The plain model normalises the whole batch of four; four micro-batches hold one sample
+    each, one value per channel, which BatchNorm in training mode refuses. The call fails with
+    torch's error and the fix, and leaves the model's statistics and gradients as they were; with
+    two micro-batches the same pipeline computes what the plain model does on each in turn."""
+    from fxpipe import StageError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=4)
+    statistics = copy.deepcopy(model[1].state_dict())
+    with pytest.raises(StageError, match=r"(?s)Expected more than 1 value per channel.*How to fix: fewer chunks, or a larger batch"):
+        pipe(x).sum().backward()
+    assert all(torch.equal(value, statistics[key]) for key, value in model[1].state_dict().items()), "statistics as they were"
+    assert all(p.grad is None for p in model.parameters())
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=2)
+    out = pipe(x)
+    expected = torch.cat([plain(piece) for piece in x.tensor_split(2)])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    for key, value in model[1].state_dict().items():
+        torch.testing.assert_close(value, plain[1].state_dict()[key], rtol=0, atol=1e-12)
