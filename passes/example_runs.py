@@ -32,7 +32,13 @@ class ExampleRunner(Recorder):
         super().__init__(gm, on_meta)
         self.keep, self.fixed = keep, fixed
         self.values: dict[fx.Node, Any] = {}
-        self.run_one = super().run_node if records else self.run_bare
+        self.records = records
+
+    def run_one(self, n: fx.Node) -> Any:
+        # A method, not a bound method kept on the runner: that would be a reference cycle, and
+        # the runner (with the values it keeps) would wait for the cyclic collector, which
+        # compiling holds off.
+        return super().run_node(n) if self.records else self.run_bare(n)
 
     def _run_uncounted(self, n: fx.Node) -> Any:
         # Without the shape pass's retry with gradients on: the halves run without them, and

@@ -34,6 +34,8 @@ class FlopCount(EagerDispatchMode):
 def _describe(value: Any) -> dict[str, Any]:
     """Shapes, dtypes and total bytes of every tensor in a (nested) value; `opaque`, the types in
     it that hold tensors where pytree cannot see them."""
+    if isinstance(value, torch.Tensor):  # most nodes: what the walk below gives for one tensor, without it
+        return {"shape": tuple(value.shape), "dtype": value.dtype, "bytes": value.numel() * value.element_size(), "opaque": []}
     leaves, _ = tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     shapes = tree_map(lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None, value)
