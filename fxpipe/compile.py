@@ -61,7 +61,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     `.grad`, `training` flags, the random states, and the example's tensors that a forward
     writes in place; and when it fails, the module-level values the model's code assigned.
     A tensor placement moved keeps its device. The cyclic garbage collector is held off for the
-    length of the compile (fxpipe/core/collector.py). Then, across processes, data-parallel replicas copy replica 0's parameters, which that
+    length of the compile (fxpipe/core/collector.py).
+    Then, across processes, data-parallel replicas copy replica 0's parameters, which that
     restore would undo."""
 
     @functools.wraps(compile)
