@@ -213,3 +213,29 @@ def ready(stage: fx.GraphModule) -> fx.GraphModule:
     """`stage` with its code generated, once every pass that rewrites it has run."""
     _LazyGraphModule.force_recompile(stage)
     return stage
+
+
+def direct_lookups(stage: fx.GraphModule, owner: nn.Module) -> None:
+    """Let the stage's code reach its submodules without `nn.Module.__getattr__`.
+
+    The generated code reaches each module it calls from the stage, through the containers that
+    building it made for the module's path (`getattr(self.blocks, "0").attn.qkv`); a submodule
+    lives in its parent's `_modules`, so each step of a path first misses in the instance's
+    `__dict__`, raising and catching an AttributeError, then runs `__getattr__` in Python: a
+    microsecond each, hundreds per forward of a deep model. Each child of the stage and of its
+    containers is also put in that `__dict__`, where a lookup finds it at once. Only objects the
+    stage owns are touched (never a module of the model), and no name a class attribute has
+    (`forward`, say), which the `__dict__` would shadow. `nn.Module.__setattr__` drops such an
+    entry when a child is set again, so a later swap is seen as before.
+    """
+    theirs = {id(module) for module in owner.modules()}
+    todo: list[nn.Module] = [stage]
+    while todo:
+        container = todo.pop()
+        found = vars(container)
+        for name, child in container._modules.items():
+            if child is None or name in found or hasattr(type(container), name):
+                continue
+            found[name] = child
+            if type(child) is nn.Module and id(child) not in theirs:
+                todo.append(child)

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_of, hooks_of
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, generate_stages, ready
+from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
 from fxpipe.passes.loss_counts import loss_counter
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
@@ -63,6 +63,8 @@ def build_program(
         _refuse_undeferred_statistics(codes)
     for code in codes:
         ready(code.module)
+        if compile_stages is None:  # torch.compile reads the attributes itself
+            direct_lookups(code.module, owner)
 
     def resolve(name: str) -> Any:
         try:

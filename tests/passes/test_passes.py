@@ -569,3 +569,64 @@ def test_shapes_of_data_dependent_leaf_come_from_a_real_run() -> None:
     propagate_shapes(gm, (x,))
     node = next(n for n in gm.graph.nodes if n.target == "1")
     assert (node.meta["shape"], node.meta["dtype"], node.meta["bytes"]) == ((4,), torch.float64, 32)
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(torch.softmax(q * k, dim=-1) * v)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(8), _Attention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_to_the_model(
+    monkeypatch: pytest.MonkeyPatch, stages: int
+) -> None:
+    """The generated code reaches each module it calls through the containers the stage owns
+    (`getattr(self.blocks, "0").attn.qkv`): each finds its child in its own `__dict__`, not
+    through `nn.Module.__getattr__`; the model's modules gain no attribute; a child set again
+    afterwards is the one called; and the pipeline computes what the plain model does."""
+    torch.manual_seed(0)
+    model, plain = twin(nn.Sequential(nn.Linear(8, 8), _Block(), _Block(), nn.Linear(8, 4)))  # paths "1.attn.qkv", ...
+    attributes = {id(m): set(vars(m)) for m in model.modules()}
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=2)
+    assert {id(m): set(vars(m)) for m in model.modules()} == attributes, "the model's modules gained attributes"
+    theirs = {id(m) for m in model.modules()}
+    owned = {id(m) for stage in pipe.stages for m in stage.modules() if id(m) not in theirs}
+    looked_up: list[str] = []
+    original = nn.Module.__getattr__
+
+    def counting(self: nn.Module, name: str) -> Any:
+        if id(self) in owned and name in self._modules:
+            looked_up.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(nn.Module, "__getattr__", counting)
+    out = pipe(x)
+    monkeypatch.setattr(nn.Module, "__getattr__", original)
+    assert not looked_up, f"children of a stage's own containers found through __getattr__: {looked_up}"
+    expected = plain(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    # A child set again on a stage's container is the one its code calls.
+    stage = next(s for s in pipe.stages if any(n.op == "call_module" and n.target == "1.attn.qkv" for n in s.graph.nodes))
+    attention = stage.get_submodule("1.attn")
+    assert attention is not model[1].attn and "qkv" in vars(attention)
+    replacement = nn.Linear(8, 24).double()
+    attention.qkv = replacement
+    assert "qkv" not in vars(attention) and attention.qkv is replacement
