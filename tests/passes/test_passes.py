@@ -597,7 +597,7 @@ def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_
     """The generated code reaches each module it calls through the containers the stage owns
     (`getattr(self.blocks, "0").attn.qkv`): each finds its child in its own `__dict__`, not
     through `nn.Module.__getattr__`; the model's modules gain no attribute; a child set again
-    afterwards is the one called; and the pipeline computes what the plain model does."""
+    afterwards is the one found; and the pipeline computes what the plain model does."""
     torch.manual_seed(0)
     model, plain = twin(nn.Sequential(nn.Linear(8, 8), _Block(), _Block(), nn.Linear(8, 4)))  # paths "1.attn.qkv", ...
     attributes = {id(m): set(vars(m)) for m in model.modules()}
@@ -623,7 +623,7 @@ def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_
     out.pow(2).mean().backward()
     expected.pow(2).mean().backward()
     assert_grads_equal(model, plain, tol=1e-12)
-    # A child set again on a stage's container is the one its code calls.
+    # A child set again on a stage's container is the one found: its entry is dropped.
     stage = next(s for s in pipe.stages if any(n.op == "call_module" and n.target == "1.attn.qkv" for n in s.graph.nodes))
     attention = stage.get_submodule("1.attn")
     assert attention is not model[1].attn and "qkv" in vars(attention)
