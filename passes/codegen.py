@@ -215,8 +215,8 @@ def ready(stage: fx.GraphModule) -> fx.GraphModule:
     return stage
 
 
-def direct_lookups(stage: fx.GraphModule, owner: nn.Module) -> None:
-    """Let the stage's code reach its submodules without `nn.Module.__getattr__`.
+def direct_lookups(stages: Sequence[fx.GraphModule], owner: nn.Module) -> None:
+    """Let the stages' code reach their submodules without `nn.Module.__getattr__`.
 
     The generated code reaches each module it calls from the stage, through the containers that
     building it made for the module's path (`getattr(self.blocks, "0").attn.qkv`); a submodule
@@ -229,7 +229,7 @@ def direct_lookups(stage: fx.GraphModule, owner: nn.Module) -> None:
     entry when a child is set again, so a later swap is seen as before.
     """
     theirs = {id(module) for module in owner.modules()}
-    todo: list[nn.Module] = [stage]
+    todo: list[nn.Module] = list(stages)
     while todo:
         container = todo.pop()
         found = vars(container)

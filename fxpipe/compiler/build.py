@@ -63,8 +63,8 @@ def build_program(
         _refuse_undeferred_statistics(codes)
     for code in codes:
         ready(code.module)
-        if compile_stages is None:  # torch.compile reads the attributes itself
-            direct_lookups(code.module, owner)
+    if compile_stages is None:  # torch.compile reads the attributes itself
+        direct_lookups([code.module for code in codes], owner)
 
     def resolve(name: str) -> Any:
         try:

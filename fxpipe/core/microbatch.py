@@ -278,7 +278,7 @@ def unflatten(leaves: list[Any], spec: Optional[TreeSpec]) -> Any:
 
 def leaves_of(value: Any) -> list[Any]:
     """The leaves of a nested value (a tensor is its own only leaf)."""
-    return [value] if isinstance(value, torch.Tensor) else tree_flatten(value)[0]
+    return flatten(value)[0]
 
 
 def clone_tree(value: Any) -> Any:
