@@ -498,8 +498,9 @@ def test_a_reentrant_checkpoint_with_dropout_inside_is_not_taken_for_mixing_samp
 def test_a_micro_batch_too_small_for_batchnorm_says_to_use_fewer_chunks_and_leaves_the_model_as_it_was(stages: int) -> None:
     """The plain model normalises the whole batch of four; four micro-batches hold one sample
     each, one value per channel, which BatchNorm in training mode refuses. The call fails with
-    torch's error and the fix, and leaves the model's statistics and gradients as they were; with
-    two micro-batches the same pipeline computes what the plain model does on each in turn."""
+    torch's error and the fix, and leaves the model's statistics and gradients as they were; its
+    next call, on micro-batches of two, computes what the plain model does on each in turn, as
+    does a pipeline of two micro-batches compiled on the batch of four."""
     from fxpipe import StageError
 
     torch.manual_seed(0)
@@ -512,6 +513,22 @@ def test_a_micro_batch_too_small_for_batchnorm_says_to_use_fewer_chunks_and_leav
         pipe(x).sum().backward()
     assert all(torch.equal(value, statistics[key]) for key, value in model[1].state_dict().items()), "statistics as they were"
     assert all(p.grad is None for p in model.parameters())
+    # The same pipeline's next call, on a batch of eight (four micro-batches of two), computes
+    # what the plain model does on each micro-batch in turn.
+    x = torch.randn(8, 6, dtype=torch.float64)
+    out = pipe(x)
+    expected = torch.cat([plain(piece) for piece in x.tensor_split(4)])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    for key, value in model[1].state_dict().items():
+        torch.testing.assert_close(value, plain[1].state_dict()[key], rtol=0, atol=1e-12)
+    # And a pipeline of two micro-batches, on the batch of four, computes what the plain model does
+    # on each of its halves in turn.
+    for p in [*model.parameters(), *plain.parameters()]:
+        p.grad = None
+    x = x[:4]
     pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=2)
     out = pipe(x)
     expected = torch.cat([plain(piece) for piece in x.tensor_split(2)])

@@ -1,6 +1,7 @@
 """The passes one by one: plans and edges, partitioning, min-max cuts, codegen, tracing, shapes."""
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -623,6 +624,26 @@ def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_
     out.pow(2).mean().backward()
     expected.pow(2).mean().backward()
     assert_grads_equal(model, plain, tol=1e-12)
+    # The other ways a user calls it, through the same lookups.
+    for p in [*model.parameters(), *plain.parameters()]:
+        p.grad = None
+    first, second = pipe(x), pipe(x * 2)  # two forwards before one backward
+    (first.sum() + second.pow(2).sum()).backward()
+    (plain(x).sum() + plain(x * 2).pow(2).sum()).backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    xg, reference_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.testing.assert_close(
+        torch.autograd.grad(pipe(xg).sum(), xg)[0], torch.autograd.grad(plain(reference_x).sum(), reference_x)[0], rtol=0, atol=1e-12
+    )
+    single = copy.deepcopy(plain).float()  # autocast casts float32 (a float64 model it leaves as it is)
+    pipe32 = compile_pipeline(copy.deepcopy(single), x.float(), ["cpu"] * stages, chunks=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = pipe32(x.float()), single(x.float())
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
+    pipe.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
     # A child set again on a stage's container is the one found: its entry is dropped.
     stage = next(s for s in pipe.stages if any(n.op == "call_module" and n.target == "1.attn.qkv" for n in s.graph.nodes))
     attention = stage.get_submodule("1.attn")
