@@ -7,6 +7,7 @@ its own copy on its own device and sum the copies' gradients into the one `Param
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -209,9 +210,49 @@ def generate_stages(
     return codes
 
 
-def ready(stage: fx.GraphModule) -> fx.GraphModule:
-    """`stage` with its code generated, once every pass that rewrites it has run."""
-    _LazyGraphModule.force_recompile(stage)
+class BoundOperator(functools.partial):  # type: ignore[type-arg]
+    """An operator overload's C++ entry point, called without `OpOverload.__call__`'s frame.
+
+    A graph captured by torch.export calls every op as `torch.ops.aten.add.Tensor(...)`: four
+    attribute lookups, then a Python frame that only forwards to the overload's `_op`, about a
+    microsecond per op (a third of a small op's call), hundreds per forward. `partial`'s own call
+    is C. The generated code names it `aten_add_Tensor`, a global of its own."""
+
+    __name__: str
+
+
+# Bind only while `OpOverload.__call__` does nothing but forward to `_op`; a torch whose wrapper
+# does more keeps it (its subclasses, TorchBind's, are never bound).
+_FORWARDS_ONLY = torch._ops.OpOverload.__call__.__code__.co_names == ("_op",)
+
+
+@functools.cache
+def bound_operator(op: torch._ops.OpOverload) -> BoundOperator:
+    """The one `BoundOperator` of `op`, named for the generated code (`aten`, `add_Tensor`)."""
+    bound = BoundOperator(op._op)
+    bound.__module__ = op.namespace  # not "torch...": fx then names a global, not the full path
+    bound.__name__ = f"{op._overloadpacket.__name__}_{op._overloadname}"
+    return bound
+
+
+def _bindable(target: Any) -> bool:
+    return _FORWARDS_ONLY and type(target) is torch._ops.OpOverload and target.namespace != "torch"
+
+
+def ready(stage: fx.GraphModule, *, bind_operators: bool = True) -> fx.GraphModule:
+    """`stage` with its code generated, once every pass that rewrites it has run.
+
+    `bind_operators`: the code calls each operator overload through its `BoundOperator`. Only the
+    code changes: the graph's nodes keep their overloads, which the passes and pictures read."""
+    nodes = [n for n in stage.graph.nodes if n.op == "call_function" and bind_operators and _bindable(n.target)]
+    overloads = [node.target for node in nodes]
+    for node, op in zip(nodes, overloads):
+        node.target = bound_operator(op)
+    try:
+        _LazyGraphModule.force_recompile(stage)
+    finally:
+        for node, op in zip(nodes, overloads):
+            node.target = op
     return stage
 
 

@@ -61,9 +61,10 @@ def build_program(
         for code in codes:
             drop_batch_counts(code.module, exported)
         _refuse_undeferred_statistics(codes)
+    eager = compile_stages is None  # torch.compile reads the attributes and the overloads itself
     for code in codes:
-        ready(code.module)
-    if compile_stages is None:  # torch.compile reads the attributes itself
+        ready(code.module, bind_operators=eager)
+    if eager:
         direct_lookups([code.module for code in codes], owner)
 
     def resolve(name: str) -> Any:

@@ -651,3 +651,71 @@ def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_
     replacement = nn.Linear(8, 24).double()
     attention.qkv = replacement
     assert "qkv" not in vars(attention) and attention.qkv is replacement
+
+
+class _Exported(nn.Module):
+    """torch.fx cannot trace `*rest`, so torch.export captures it: every op an aten overload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_Block(), _Block())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return self.head(self.blocks(x).softmax(-1) * x)
+
+
+def _bound_names(stage: fx.GraphModule) -> set[str]:
+    overloads = {n.target for n in stage.graph.nodes if isinstance(n.target, torch._ops.OpOverload)}
+    return {f"{op.namespace}_{op._overloadpacket.__name__}_{op._overloadname}(" for op in overloads}
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_exported_stages_call_their_operators_straight_and_compute_what_the_model_does(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: str
+) -> None:
+    """The generated code calls each aten overload by a global of its own (`aten_add_Tensor(...)`),
+    not through `torch.ops.aten.add.Tensor` and `OpOverload.__call__`; the graphs keep their
+    overloads; and the pipeline computes what the plain model does, in every way it is called."""
+    torch.manual_seed(0)
+    model, plain = twin(_Exported())
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    for stage in pipe.stages:
+        names = _bound_names(stage)
+        assert names, "the stage's graph lost its overloads"
+        assert "torch.ops." not in stage.code and all(name in stage.code for name in names), stage.code
+    out, expected = pipe(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    for p in [*model.parameters(), *plain.parameters()]:
+        p.grad = None
+    first, second = pipe(x), pipe(x * 2)  # two forwards before one backward
+    (first.sum() + second.pow(2).sum()).backward()
+    (plain(x).sum() + plain(x * 2).pow(2).sum()).backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    xg, reference_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.testing.assert_close(
+        torch.autograd.grad(pipe(xg).sum(), xg)[0], torch.autograd.grad(plain(reference_x).sum(), reference_x)[0], rtol=0, atol=1e-12
+    )
+    single = copy.deepcopy(plain).float()
+    pipe32 = compile_pipeline(copy.deepcopy(single), x.float(), ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = pipe32(x.float()), single(x.float())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    pipe.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
+        twin_pipe = copy.deepcopy(pipe)  # builds its stages again, on the copied model
+        assert all("torch.ops." not in stage.code for stage in twin_pipe.stages)
+        torch.testing.assert_close(twin_pipe(x), plain(x), rtol=0, atol=1e-12)
+    # A torch whose `OpOverload.__call__` does more than forward to `_op` keeps the full path.
+    monkeypatch.setattr("fxpipe.passes.codegen._FORWARDS_ONLY", False)
+    kept = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    assert all("torch.ops.aten." in stage.code for stage in kept.stages)
+    with torch.no_grad():
+        torch.testing.assert_close(kept(x), plain(x), rtol=0, atol=1e-12)
