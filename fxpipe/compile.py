@@ -21,7 +21,7 @@ from fxpipe.compiler.arguments import (
 )
 from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
-from fxpipe.compiler.frontend import refuse_an_example_the_model_refuses, to_graph
+from fxpipe.compiler.frontend import none_in, refuse_an_example_the_model_refuses, to_graph
 from fxpipe.compiler.placement import place_state
 from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
@@ -252,7 +252,7 @@ def compile_pipeline(
         inputs = tuple(bound.values())
         slicing = None
         if sequence_chunks != 1:
-            lined = functools.partial(trace, model, leaf_modules, record_lines=True)
+            lined = functools.partial(trace, model, leaf_modules, record_lines=True, none=none_in(model, example_args, example_kwargs))
             slicing = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         whole = run_whole(gm, inputs)  # the shapes, and the batch dims' run on the whole example

@@ -347,11 +347,27 @@ class _Prover(LayoutRules, fx.Interpreter):
 
 def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 1) -> Proof:
     """Run `gm` on `inputs` and prove each output's position i computed from positions <= i
-    alone (module docstring); raises CausalityError naming every op that reads otherwise."""
-    lengths = {t.shape[sequence_dim] for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor) and t.dim() > sequence_dim}
-    if not lengths:
+    alone (module docstring); raises CausalityError naming every op that reads otherwise.
+
+    The sequence is the inputs' longest dim `sequence_dim`, or, where that is no sequence (a
+    conditioning vector wider than the sequence is long), the next longest that proves causal;
+    the error is the longest's."""
+    sizes = {t.shape[sequence_dim] for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor) and t.dim() > sequence_dim}
+    if not sizes:
         raise CausalityError([f"no input has a dim {sequence_dim} to cut into slices (sequence_dim={sequence_dim})"])
-    length = max(lengths)
+    longest: Optional[CausalityError] = None
+    for length in sorted(sizes, reverse=True):
+        try:
+            return _proved_at(gm, inputs, sequence_dim, length)
+        except CausalityError as error:
+            longest = longest or error
+    assert longest is not None
+    raise longest
+
+
+def _proved_at(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int, length: int) -> Proof:
+    """`prove_causal` with the sequence's length given: the inputs of that length along
+    `sequence_dim` hold it."""
     prover = _Prover(gm, sequence_dim, length)
     with torch.no_grad(), preserved(gm):
         out = prover.run(*inputs)

@@ -92,15 +92,18 @@ class Proof:
 class CausalityError(ValueError):
     """The model cannot run in slices of its sequence; `problems` name each op and its line."""
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    FIX = (
+        "causal attention (scaled_dot_product_attention(..., is_causal=True), or scores masked with a tril buffer "
+        "narrowed to the length), position-wise layers elsewhere; or sequence_chunks=1."
+    )
+
+    def __init__(self, problems: Sequence[str], fix: str = FIX) -> None:
         self.problems = list(problems)
         super().__init__(
             "the model cannot run in slices of its sequence: a slice must compute from its own positions and "
             "the earlier ones, and these ops read otherwise (or are not known to this check):\n"
             + "\n".join(f"  - {p}" for p in self.problems)
-            + "\nHow to fix: causal attention (scaled_dot_product_attention(..., is_causal=True), or scores "
-            "masked with a tril buffer narrowed to the length), position-wise layers elsewhere; or "
-            "sequence_chunks=1."
+            + f"\nHow to fix: {fix}"
         )
 
 

@@ -18,6 +18,7 @@ from fxpipe.compiler.effects import (
     refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
+from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
@@ -87,7 +88,7 @@ def _assigning_modules(error: TraceError) -> list[str]:
     return [] if "" in modules else modules
 
 
-def _none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
+def none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
     """The forward's arguments the example leaves None, given so or by default."""
     try:
         bound = inspect.signature(model.forward).bind(*example, **kwargs)
@@ -98,7 +99,7 @@ def _none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH) -> Traced:
-    none = _none_in(model, example, kwargs)
+    none = none_in(model, example, kwargs)
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             def traced() -> fx.GraphModule:
@@ -182,6 +183,13 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         )
     graphs = {training: gm for training, (gm, _) in exported.items()}
     if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
+        if batch_size_of([*example, *kwargs.values()]) == 1:
+            raise _Rejected(
+                "it fixes every dim of size 1 to that size, so from an example of one sample it makes a graph for "
+                "one sample alone, and micro-batches of other sizes cannot run",
+                fix="How to fix: give an example of two samples or more (torch.fx, which reads sizes as it runs, "
+                "takes one), or use chunks=1.",
+            )
         raise _Rejected(
             "it fixed the batch size to the example's (the model's code depends on it), so micro-batches "
             "of other sizes cannot run",

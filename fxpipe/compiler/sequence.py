@@ -60,14 +60,15 @@ def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks
         try:
             proof = prove_causal(gm, inputs, dim)
         except CausalityError as error:
-            if traced.fx_failure:
-                raise CausalityError([*error.problems, _exported(traced.fx_failure)]) from None
+            if traced.fx_failure:  # the ops it names are aten's, which the proof has no rules for
+                raise CausalityError([_exported(traced.fx_failure)], fix=_EXPORTED_FIX) from None
             try:
-                again = lined()
+                prove_causal(lined(), inputs, dim)  # raises again, with the model's lines
+            except CausalityError:
+                raise
             except Exception:  # noqa: BLE001 - the error without lines says it all the same
-                raise error from None
-            prove_causal(again, inputs, dim)  # raises again, with the model's lines
-            raise
+                pass
+            raise error from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         sliced = slice_graph(gm, proof)
         check_slices(gm, sliced, proof, inputs, made.lengths(example_length(made, dict(zip(_placeholders(gm), inputs)))))
@@ -83,8 +84,11 @@ def _exported(why: str) -> str:
         f"the model was captured by torch.export, whose graph holds aten ops, because torch.fx could not trace it "
         f"({why.splitlines()[0]}): the proof reads torch.fx's graph of PyTorch's functions, methods and modules, "
         "and has no rules for aten ops yet (a Hugging Face model, whose mask functions and **kwargs torch.fx cannot "
-        "trace, comes this way). A model torch.fx traces can be proved"
+        "trace, comes this way); a model torch.fx traces can be proved"
     )
+
+
+_EXPORTED_FIX = "sequence_chunks=1 (micro-batches split the batch alone), or a model torch.fx can trace (its reason above)."
 
 
 def example_length(spec: SliceSpec, inputs: dict[str, Any]) -> int:

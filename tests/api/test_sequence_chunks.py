@@ -122,6 +122,48 @@ def test_a_model_that_reads_later_positions_is_refused_at_compile_naming_the_op_
     compile_pipeline(SdpaGPT(causal=False), tokens(), ["cpu"] * 2).close()  # one slice: nothing to prove
 
 
+class _Conditioned(nn.Module):
+    """A causal model that also takes a per-sample vector (B, width): `width` along the sequence's
+    dim, which may be longer than the sequence; `position`, optional, is left None."""
+
+    def __init__(self, width: int, causal: bool = True) -> None:
+        super().__init__()
+        self.pos, self.cond = nn.Embedding(32, 16), nn.Linear(width, 16)
+        self.qkv, self.head, self.causal = nn.Linear(16, 48), nn.Linear(16, 8), causal
+
+    def forward(self, h: torch.Tensor, cond: torch.Tensor, position: Any = None) -> torch.Tensor:
+        b, t, _ = h.shape
+        h = h + self.pos(torch.arange(t) if position is None else position) + self.cond(cond)[:, None, :]
+        q, k, v = self.qkv(h).view(b, t, 3, 2, -1).permute(2, 0, 3, 1, 4)
+        return self.head(h + F.scaled_dot_product_attention(q, k, v, is_causal=self.causal).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("width", [8, 24], ids=["cond narrower than the sequence", "cond wider"])
+def test_the_sequence_is_the_longest_input_dim_that_proves_causal_not_a_wider_conditioning_vector(width: int) -> None:
+    """Before, the longest input along dim 1 was the sequence: a conditioning vector of 24 beside
+    16 positions was taken for it, and the model refused as 'a linear layer over the sequence dim'."""
+    torch.manual_seed(0)
+    model, plain = twin(_Conditioned(width))
+    h, cond = torch.randn(4, 16, 16, dtype=torch.float64), torch.randn(4, width, dtype=torch.float64)
+    with closing(compile_pipeline(model, (h, cond), ["cpu"] * 2, chunks=2, sequence_chunks=4)) as pipe:
+        assert "in 4 slices, [4, 4, 4, 4] on the example" in pipe.plan.notes[-1]  # 16 positions, not 24
+        assert_call_and_grads_equal(pipe, plain, h, cond, tol=1e-11)
+        pipe(h, cond).pow(2).sum().backward()
+        plain(h, cond).pow(2).sum().backward()
+        assert_grads_equal(pipe, plain, tol=1e-11)
+        pipe.eval(), plain.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(h[:, :8], cond), plain(h[:, :8], cond), rtol=0, atol=1e-12)
+
+
+def test_a_model_not_causal_with_an_argument_left_none_is_refused_naming_the_op_and_its_line() -> None:
+    """Before, the trace again with lines (for the message) traced `position` as given, and running
+    it on the example's None raised embedding()'s TypeError in place of the refusal."""
+    h, cond = torch.randn(2, 16, 16), torch.randn(2, 8)
+    with pytest.raises(CausalityError, match=r"(?s)scaled_dot_product_attention .*test_sequence_chunks\.py:\d+.*bidirectional"):
+        compile_pipeline(_Conditioned(8, causal=False), (h, cond), ["cpu"] * 2, sequence_chunks=2)
+
+
 @pytest.mark.parametrize(
     "options, words",
     [
@@ -344,8 +386,10 @@ def test_an_exported_graph_is_refused_saying_the_proof_reads_torch_fx_graphs() -
             return self.gpt(idx)
 
     with pytest.warns(UserWarning, match="used torch.export"):
-        with pytest.raises(CausalityError, match=r"captured by torch.export.*no rules for aten ops yet"):
+        with pytest.raises(CausalityError, match=r"captured by torch.export.*no rules for aten ops yet") as refused:
             compile_pipeline(Variadic(), X, ["cpu"] * 2, sequence_chunks=2)
+    # Only that reason, and its fix: the aten ops the proof does not know are not the model's problems.
+    assert len(refused.value.problems) == 1 and "How to fix: sequence_chunks=1" in str(refused.value)
 
 
 def test_auto_keeps_one_slice_where_slices_cost_more_than_they_save() -> None:

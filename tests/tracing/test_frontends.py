@@ -8,6 +8,7 @@ import threading
 import time
 import types
 import warnings
+from contextlib import closing
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -312,6 +313,19 @@ def test_an_exported_pipeline_called_unlike_the_example_compiles_stages_for_that
         x, scale = torch.randn(4, 8), torch.full((1,), 3.0)
         torch.testing.assert_close(pipe(x, scale=scale), model(x, scale=scale), rtol=0, atol=1e-6)
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_example_of_one_sample_through_torch_export_asks_for_two_samples_and_two_compile() -> None:
+    """torch.export fixes every dim of size 1: from one sample it makes a graph for one sample.
+    Before, the refusal blamed the model's code ('depends on the batch size')."""
+    model, reference = twin(VarArgs())
+    with pytest.raises(TraceError, match=r"(?s)torch.export: it fixes every dim of size 1.*example of two samples or more") as refused:
+        compile_pipeline(model, torch.randn(1, 8, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    assert "depends on" not in str(refused.value)
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with closing(compile_pipeline(model, x[:2], ["cpu"] * 2, chunks=2)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, x)
 
 
 def test_a_graph_module_from_any_tracer_is_accepted() -> None:
