@@ -244,7 +244,7 @@ def ready(stage: fx.GraphModule, *, bind_operators: bool = True) -> fx.GraphModu
 
     `bind_operators`: the code calls each operator overload through its `BoundOperator`. Only the
     code changes: the graph's nodes keep their overloads, which the passes and pictures read."""
-    nodes = [n for n in stage.graph.nodes if n.op == "call_function" and bind_operators and _bindable(n.target)]
+    nodes = [n for n in stage.graph.nodes if n.op == "call_function" and _bindable(n.target)] if bind_operators else []
     overloads = [node.target for node in nodes]
     for node, op in zip(nodes, overloads):
         node.target = bound_operator(op)
