@@ -29,7 +29,7 @@ from fxpipe.compiled.program import Program
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
-from fxpipe.distributed.rank_call import call_signature, first_line
+from fxpipe.distributed.rank_call import call_signature
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -37,7 +37,7 @@ from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads
 import fxpipe.runtime.step as steps
 from fxpipe.runtime.step import Step
-from fxpipe.runtime.stage_error import PHASES
+from fxpipe.runtime.stage_error import StageError, phase_and_cause
 from fxpipe.runtime.versions import Versions, storage_bytes
 from fxpipe.runtime.worker import TaskGroup, Workers
 from fxpipe.schedules.actions import Action, checkpoint_stop
@@ -175,13 +175,20 @@ class _Overlap:
         task = flight.step.task(local, flight.group)
         if self.ranks is None:
             return task
-        me = self.ranks.global_rank
+        me, channel = self.ranks.global_rank, self.ranks.host.channel
 
         def told() -> None:
             task()
             error = flight.group.errors.get(local)
-            if error is not None and not isinstance(error, RemoteFailure):
-                self._tell_the_others(Failure(me, local.stage, local.micro_batch, PHASES[local.kind], first_line(error)))
+            if error is None or channel.failed:
+                return
+            if isinstance(error, RemoteFailure):
+                # Passed on: a rank reads only from the ranks its stages take values from, so one
+                # that reads nothing from the failed rank hears of it from those it reads from.
+                self._tell_the_others(error.failure)
+                return
+            phase, cause = phase_and_cause(local, error)
+            self._tell_the_others(Failure(me, local.stage, local.micro_batch, phase, StageError(local.stage, local.micro_batch, phase, cause, rank=me).detail))
 
         return told
 

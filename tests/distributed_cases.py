@@ -8,7 +8,7 @@ import dataclasses
 import random
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -1702,6 +1702,61 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
         x, y = batches[0]
         after = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
         found[how]["after"] = abs(after - float(F.mse_loss(reference(x), y)))
+    return found
+
+
+class _FussyChain(nn.Module):
+    """Three stages (split at b and c); `_Fussy` checks the input in the first (`where` 0) or in
+    the second (1, the input reaching it on a skip), or nowhere (None)."""
+
+    def __init__(self, where: Optional[int]) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.fussy, self.where = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), _Fussy(), where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(self.fussy(x) if self.where == 0 else x))
+        h = torch.tanh(self.b(h) + (self.fussy(x) if self.where == 1 else x))
+        return self.c(h)
+
+
+def _fussy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if bool(target.abs().max() > 50):
+        raise ValueError("the loss refused its target")
+    return F.mse_loss(out, target)
+
+
+def failures_of_2bw_on_three_ranks(rank: int, world: int) -> dict[str, Any]:
+    """A 2bw loop over a chain of three ranks whose batch 1 makes the first stage raise (rank 2
+    reads nothing from rank 0), or the middle stage, or the loss function: how long the loop
+    took to stop, the error, the losses given, this rank's parameters against the delayed plain
+    loop of those losses, and a synchronous step after it against the plain model."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(4)]
+    found: dict[str, Any] = {}
+    for how, where in (("first", 0), ("middle", 1), ("loss", None)):
+        torch.manual_seed(0)
+        model = _FussyChain(where).double()
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(
+            model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=30, split_points=["b", "c"], leaf_modules=[_Fussy],
+        )  # fmt: skip
+        x, y = batches[1]
+        poisoned = [batches[0], (x, y + 100) if how == "loss" else (x + 100, y), *batches[2:]]
+        make = OPTIMIZERS["sgd-momentum"]
+        losses: list[float] = []
+        start = time.perf_counter()
+        try:
+            for loss in pipe.train_steps(poisoned, loss_fn=_fussy_loss, optimizer=make(pipe.parameters())):
+                losses.append(float(loss))
+            error = ""
+        except (RuntimeError, StageError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        seconds = time.perf_counter() - start
+        _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
+        x, y = batches[0]
+        after = abs(float(pipe.train_step(x, target=y, loss_fn=F.mse_loss)) - float(F.mse_loss(reference(x), y).detach()))
+        found[how] = dict(error=error, given=len(losses), seconds=seconds, params=_held_here(pipe, reference), after=after)
     return found
 
 

@@ -25,11 +25,14 @@ import torch
 from torch import nn
 
 from fxpipe.compiled.placement import RankPlacement
+from fxpipe.core.failures import Failure
 from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ
 from fxpipe.distributed.ranks import gathered, holders
+from fxpipe.runtime.stage_error import StageError, raised_here
 
 TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
 TiedSums = dict[int, list[tuple[bool, Optional[torch.Tensor]]]]  # every holder's part, in rank order
+Told = tuple[str, Optional[Failure]]  # a rank's failure in words ("" for none), and where, for a stage's
 
 
 def as_before(index: int) -> str:
@@ -84,8 +87,8 @@ class LoopRanks:
         """Batch `index` done on every rank, or every rank raises (`failure` first): the loss,
         every holder's part of each tied weight this rank holds (in rank order), and the
         caller's generator as the loss rank's `loss_fn` left it (None: it drew nothing)."""
-        got = self._gathered((_in_words(failure), loss, tied, drawn), f"the end of train_steps' batch {index}")
-        self._raise_if_any_failed(index, {coord: text for coord, (text, *_) in got.items()}, failure, "")
+        got = self._gathered((_told(failure), loss, tied, drawn), f"the end of train_steps' batch {index}")
+        self._raise_if_any_failed(index, {coord: told for coord, (told, *_) in got.items()}, failure, "")
         loss_coord = self.host.program().layout.ranks[self.host.program().layout.loss_stage]
         parts = {k: [got[coord][2][k] for coord in sorted(got) if k in got[coord][2]] for k in tied}
         return got[loss_coord][1], parts, got[loss_coord][3]
@@ -93,13 +96,16 @@ class LoopRanks:
     def hooks_ran(self, index: int, failure: Optional[BaseException]) -> None:
         """`after_backward` ran on every rank for batch `index`, or every rank raises: no rank
         updates on the batch unless every rank's hook ran."""
-        got = self._gathered(_in_words(failure), f"after_backward of train_steps' batch {index}")
+        got = self._gathered(_told(failure), f"after_backward of train_steps' batch {index}")
         self._raise_if_any_failed(index, got, failure, " in after_backward")
 
-    def _raise_if_any_failed(self, index: int, said: dict[int, str], failure: Optional[BaseException], where: str) -> None:
+    def _raise_if_any_failed(self, index: int, said: dict[int, Told], failure: Optional[BaseException], where: str) -> None:
         if failure is not None:
             raise failure
-        failed = {self.ranks[coord]: text for coord, text in sorted(said.items()) if text}
+        stages = [stage for _, (_, stage) in sorted(said.items()) if stage is not None]
+        if stages:  # a stage's failure, heard here late (a batch after the one it struck): the same error
+            raise raised_here(stages[0])
+        failed = {self.ranks[coord]: text for coord, (text, _) in sorted(said.items()) if text}
         if failed:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): batch {index} failed{where} on rank(s) {sorted(failed)}: "
@@ -107,9 +113,15 @@ class LoopRanks:
             )
 
 
-def _in_words(failure: Optional[BaseException]) -> str:
-    """A failure as the other ranks are told of it: its type and first line ("" for none)."""
-    return "" if failure is None else first_line(failure)
+def _told(failure: Optional[BaseException]) -> Told:
+    """A failure as the other ranks are told of it: its type and first line ("" for none), and,
+    for a stage's, where it struck, which every rank raises as the same StageError."""
+    if failure is None:
+        return "", None
+    stage = None
+    if isinstance(failure, StageError) and failure.rank is not None:
+        stage = Failure(failure.rank, failure.stage, failure.micro_batch, failure.phase, failure.detail)
+    return first_line(failure), stage
 
 
 def tied_parts(program: Any, params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]], me: int) -> TiedParts:

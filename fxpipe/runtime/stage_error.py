@@ -35,6 +35,14 @@ class LossError(Exception):
 PHASES = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward", INPUT_GRAD: "backward", WEIGHT_GRAD: "backward"}
 
 
+def phase_and_cause(action: Action, error: BaseException) -> tuple[str, BaseException]:
+    """Where `error`, raised by `action`'s task, struck, and the error to report: a loss
+    function's own error, in the phase 'loss'."""
+    if isinstance(error, LossError):
+        return "loss", error.__cause__ if error.__cause__ is not None else error
+    return PHASES[action.kind], error
+
+
 def marked(action: Action, error: BaseException) -> BaseException:
     """`error` with where it struck, for the other ranks' message (distributed.failing_together)."""
     error.fxpipe_where = (action.stage, action.micro_batch, PHASES[action.kind])  # type: ignore[attr-defined]

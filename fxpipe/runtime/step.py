@@ -39,7 +39,7 @@ from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.rollback import Rollback
 from fxpipe.runtime.saved import Saved
 from fxpipe.runtime.slices import SliceGrid
-from fxpipe.runtime.stage_error import PHASES, LossError, StageError, marked, raised_here
+from fxpipe.runtime.stage_error import StageError, marked, phase_and_cause, raised_here
 from fxpipe.runtime.backward_tasks import BackwardTasks, add_grads
 from fxpipe.runtime.tasks import LossFn, requires_grad
 from fxpipe.runtime.versions import Versions
@@ -216,8 +216,7 @@ class Step(BackwardTasks):
                 raise marked(action, error)
             if isinstance(error, RemoteFailure):
                 raise raised_here(error.failure) from error
-            phase = "loss" if isinstance(error, LossError) else PHASES[action.kind]
-            cause = error.__cause__ if isinstance(error, LossError) and error.__cause__ is not None else error
+            phase, cause = phase_and_cause(action, error)
             raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank) from cause
 
     def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup, rank: int = 0) -> None:

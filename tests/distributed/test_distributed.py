@@ -530,6 +530,28 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         assert "data-parallel replicas" in report["replicas"], (rank, report["replicas"])
 
 
+def test_a_2bw_failure_on_three_ranks_stops_every_rank_at_once_with_one_error() -> None:
+    """Before, a rank that reads nothing from the failed one (the last of a chain whose first
+    stage raised) waited out the timeout and the process group broke; a loss function's error
+    reached the other ranks as 'in forward: LossError: '; and the failing rank blamed another
+    that heard of its failure a batch late ('batch 0 failed on rank(s) [0]')."""
+    reports = results_of(spawn_ranks(cases.failures_of_2bw_on_three_ranks, 3, timeout=300))
+    expected = {
+        "first": "stage 0 (rank 0) failed on micro-batch 0 in forward: ValueError: a value out of range",
+        "middle": "stage 1 (rank 1) failed on micro-batch 0 in forward: ValueError: a value out of range",
+        "loss": "stage 2 (rank 2) failed on micro-batch 0 in loss: ValueError: the loss refused its target",
+    }
+    for how, words in expected.items():
+        errors = {report[how]["error"] for report in reports}
+        assert len(errors) == 1 and words in next(iter(errors)), (how, errors)
+        for rank, report in enumerate(reports):
+            found = report[how]
+            assert found["seconds"] < 10, (how, rank, found)  # the timeout is 30 s (the process's first loop takes 2-3 s)
+            # batch 0's loss is given where its actions all ran before the failure stopped them
+            assert found["given"] in (0, 1) and found["params"] and max(found["params"].values()) <= TOL, (how, rank, found)
+            assert found["after"] <= TOL, (how, rank, found)
+
+
 def test_slices_of_a_sequence_train_and_evaluate_across_processes_as_the_plain_model() -> None:
     got = results_of(spawn_ranks(cases.sequence_slices_across, 2, timeout=180))
     for rank, found in enumerate(got):
