@@ -591,6 +591,36 @@ class _Block(nn.Module):
         return x + self.attn(self.norm(x))
 
 
+def _computes_what_the_model_does(pipe: Pipeline, model: nn.Module, plain: nn.Module, x: torch.Tensor, stages: int, **options: Any) -> None:
+    """`pipe` (on `model`) against `plain` in every way a user calls it: a training step, two
+    forwards before one backward, autograd.grad, bf16 autocast (a float32 copy compiled with
+    `options`: autocast leaves a float64 model as it is), and eval under no_grad (both left in eval)."""
+    out, expected = pipe(x), plain(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).mean().backward()
+    expected.pow(2).mean().backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    for p in [*model.parameters(), *plain.parameters()]:
+        p.grad = None
+    first, second = pipe(x), pipe(x * 2)
+    (first.sum() + second.pow(2).sum()).backward()
+    (plain(x).sum() + plain(x * 2).pow(2).sum()).backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    xg, reference_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    torch.testing.assert_close(
+        torch.autograd.grad(pipe(xg).sum(), xg)[0], torch.autograd.grad(plain(reference_x).sum(), reference_x)[0], rtol=0, atol=1e-12
+    )
+    single = copy.deepcopy(plain).float()
+    pipe32 = compile_pipeline(copy.deepcopy(single), x.float(), ["cpu"] * stages, chunks=2, **options)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = pipe32(x.float()), single(x.float())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+    pipe.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("stages", [1, 2])
 def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_to_the_model(
     monkeypatch: pytest.MonkeyPatch, stages: int
@@ -619,31 +649,8 @@ def test_a_stage_reaches_its_submodules_without_module_getattr_and_adds_nothing_
     out = pipe(x)
     monkeypatch.setattr(nn.Module, "__getattr__", original)
     assert not looked_up, f"children of a stage's own containers found through __getattr__: {looked_up}"
-    expected = plain(x)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    out.pow(2).mean().backward()
-    expected.pow(2).mean().backward()
-    assert_grads_equal(model, plain, tol=1e-12)
-    # The other ways a user calls it, through the same lookups.
-    for p in [*model.parameters(), *plain.parameters()]:
-        p.grad = None
-    first, second = pipe(x), pipe(x * 2)  # two forwards before one backward
-    (first.sum() + second.pow(2).sum()).backward()
-    (plain(x).sum() + plain(x * 2).pow(2).sum()).backward()
-    assert_grads_equal(model, plain, tol=1e-12)
-    xg, reference_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    torch.testing.assert_close(
-        torch.autograd.grad(pipe(xg).sum(), xg)[0], torch.autograd.grad(plain(reference_x).sum(), reference_x)[0], rtol=0, atol=1e-12
-    )
-    single = copy.deepcopy(plain).float()  # autocast casts float32 (a float64 model it leaves as it is)
-    pipe32 = compile_pipeline(copy.deepcopy(single), x.float(), ["cpu"] * stages, chunks=2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, expected = pipe32(x.float()), single(x.float())
-    assert got.dtype == expected.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), expected.float(), rtol=1.6e-2, atol=1e-2)
-    pipe.eval(), plain.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, plain(x), rtol=0, atol=1e-12)
+    _computes_what_the_model_does(pipe, model, plain, x, stages)  # through the same lookups
     # A child set again on a stage's container is the one found: its entry is dropped.
     stage = next(s for s in pipe.stages if any(n.op == "call_module" and n.target == "1.attn.qkv" for n in s.graph.nodes))
     attention = stage.get_submodule("1.attn")
@@ -686,30 +693,8 @@ def test_exported_stages_call_their_operators_straight_and_compute_what_the_mode
         names = _bound_names(stage)
         assert names, "the stage's graph lost its overloads"
         assert "torch.ops." not in stage.code and all(name in stage.code for name in names), stage.code
-    out, expected = pipe(x), plain(x)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    out.pow(2).mean().backward()
-    expected.pow(2).mean().backward()
-    assert_grads_equal(model, plain, tol=1e-12)
-    for p in [*model.parameters(), *plain.parameters()]:
-        p.grad = None
-    first, second = pipe(x), pipe(x * 2)  # two forwards before one backward
-    (first.sum() + second.pow(2).sum()).backward()
-    (plain(x).sum() + plain(x * 2).pow(2).sum()).backward()
-    assert_grads_equal(model, plain, tol=1e-12)
-    xg, reference_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-    torch.testing.assert_close(
-        torch.autograd.grad(pipe(xg).sum(), xg)[0], torch.autograd.grad(plain(reference_x).sum(), reference_x)[0], rtol=0, atol=1e-12
-    )
-    single = copy.deepcopy(plain).float()
-    pipe32 = compile_pipeline(copy.deepcopy(single), x.float(), ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, want = pipe32(x.float()), single(x.float())
-    assert got.dtype == want.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
-    pipe.eval(), plain.eval()
+    _computes_what_the_model_does(pipe, model, plain, x, 2, checkpoint=checkpoint)
     with torch.no_grad():
-        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
         twin_pipe = copy.deepcopy(pipe)  # builds its stages again, on the copied model
         assert all("torch.ops." not in stage.code for stage in twin_pipe.stages)
         torch.testing.assert_close(twin_pipe(x), plain(x), rtol=0, atol=1e-12)
