@@ -1745,9 +1745,10 @@ def failures_of_2bw_on_three_ranks(rank: int, world: int) -> dict[str, Any]:
         poisoned = [batches[0], (x, y + 100) if how == "loss" else (x + 100, y), *batches[2:]]
         make = OPTIMIZERS["sgd-momentum"]
         losses: list[float] = []
+        optimizer = make(pipe.parameters())  # (a process's first imports torch._dynamo: seconds)
         start = time.perf_counter()
         try:
-            for loss in pipe.train_steps(poisoned, loss_fn=_fussy_loss, optimizer=make(pipe.parameters())):
+            for loss in pipe.train_steps(poisoned, loss_fn=_fussy_loss, optimizer=optimizer):
                 losses.append(float(loss))
             error = ""
         except (RuntimeError, StageError, ValueError) as e:

@@ -546,7 +546,7 @@ def test_a_2bw_failure_on_three_ranks_stops_every_rank_at_once_with_one_error() 
         assert len(errors) == 1 and words in next(iter(errors)), (how, errors)
         for rank, report in enumerate(reports):
             found = report[how]
-            assert found["seconds"] < 10, (how, rank, found)  # the timeout is 30 s (the process's first loop takes 2-3 s)
+            assert found["seconds"] < 5, (how, rank, found)  # the timeout is 30 s
             # batch 0's loss is given where its actions all ran before the failure stopped them
             assert found["given"] in (0, 1) and found["params"] and max(found["params"].values()) <= TOL, (how, rank, found)
             assert found["after"] <= TOL, (how, rank, found)
