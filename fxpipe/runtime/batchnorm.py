@@ -33,11 +33,19 @@ _local = threading.local()
 Site = tuple[int, int]  # a BatchNorm call: its stage, and its place among the stage's calls
 
 
+# A module's running mean, running variance and batch count, as its forward held them.
+Buffers = tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
 class BatchStatistics:
-    """Per-channel statistics of every micro-batch a step normalised, per call."""
+    """Per-channel statistics of every micro-batch a step normalised, per call.
+
+    The update goes to the buffers the module held when its forward recorded: under '2bw' a
+    step's commit runs while a worker recomputes the next step's micro-batch on copies of them
+    (fxpipe/runtime/checkpoint.py, `swapped_state`), which the module holds meanwhile."""
 
     def __init__(self) -> None:
-        self.records: dict[Site, tuple[_BatchNorm, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
+        self.records: dict[Site, tuple[_BatchNorm, Buffers, list[tuple[int, torch.Tensor, torch.Tensor]]]] = {}
         self.lock = threading.Lock()
 
     def record(self, module: _BatchNorm, x: torch.Tensor, site: Site) -> None:
@@ -47,11 +55,12 @@ class BatchStatistics:
             var, mean = torch.var_mean(values, dim=dims, correction=0)
         count = x.numel() // x.shape[1]
         with self.lock:
-            self.records.setdefault(site, (module, []))[1].append((count, mean, var * count))
+            buffers = (module.running_mean, module.running_var, module.num_batches_tracked)
+            self.records.setdefault(site, (module, buffers, []))[2].append((count, mean, var * count))
 
     def commit(self) -> None:
         """One running-statistics update per call, from all its micro-batches, in the calls' order."""
-        for _, (module, parts) in sorted(self.records.items(), key=lambda item: item[0]):
+        for _, (module, buffers, parts) in sorted(self.records.items(), key=lambda item: item[0]):
             count, mean, squares = parts[0]
             for n, m, s in parts[1:]:
                 delta = m - mean
@@ -59,22 +68,23 @@ class BatchStatistics:
                 mean = mean + delta * (n / total)
                 squares = squares + s + delta.pow(2) * (count * n / total)
                 count = total
-            _update(module, count, mean, squares)
+            _update(module, buffers, count, mean, squares)
         self.records.clear()
 
 
-def _update(module: _BatchNorm, count: int, mean: torch.Tensor, squares: torch.Tensor) -> None:
-    """What `nn.BatchNorm` does to its running statistics after normalising a batch."""
-    assert module.running_mean is not None and module.running_var is not None
+def _update(module: _BatchNorm, buffers: Buffers, count: int, mean: torch.Tensor, squares: torch.Tensor) -> None:
+    """What `nn.BatchNorm` does to its running statistics (`buffers`) after normalising a batch."""
+    running_mean, running_var, batches = buffers
+    assert running_mean is not None and running_var is not None
     factor = 0.0 if module.momentum is None else module.momentum
-    if module.num_batches_tracked is not None:
-        module.num_batches_tracked.add_(1)
+    if batches is not None:
+        batches.add_(1)
         if module.momentum is None:
-            factor = 1.0 / float(module.num_batches_tracked)
+            factor = 1.0 / float(batches)
     with torch.no_grad():
         unbiased = squares / max(count - 1, 1)
-        module.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        module.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
 
 
 def collecting_now() -> bool:

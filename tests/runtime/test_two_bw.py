@@ -148,6 +148,30 @@ def test_dropout_draws_what_the_same_pipeline_draws_step_by_step_on_the_stale_we
     _assert_parameters_equal(model, twin_model, tol=1e-12)
 
 
+def test_deferred_batch_norm_commits_each_batch_while_the_next_recomputes_as_a_step_by_step_pipeline_does() -> None:
+    """A batch's running statistics are committed on the caller's thread while a worker
+    recomputes the next batch's micro-batches on copies of the buffers. Before, the commit wrote
+    into those copies whenever the two met, and the update was lost (ten loops of six batches out
+    of ten lost one or more). The reference: a twin pipeline stepping batch by batch on W(t - 1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 6))
+    model = model.double()
+    for repeat in range(2):
+        looped, twin_model = copy.deepcopy(model), copy.deepcopy(model)
+        batches = _batches(6, seed=repeat)
+        pipe = _pipe(looped, batches[0][0], 2, checkpoint="always", deferred_batch_norm=True)
+        stepwise = compile_pipeline(twin_model, batches[0][0], ["cpu"] * 2, chunks=4, schedule="1f1b", checkpoint="always", deferred_batch_norm=True)
+        opt, twin_opt = torch.optim.SGD(pipe.parameters(), lr=0.05), torch.optim.SGD(stepwise.parameters(), lr=0.05)
+        losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt))
+        step = lambda x, y: stepwise.train_step(x, target=y, loss_fn=F.mse_loss)  # noqa: E731
+        expected = delayed_loop(list(stepwise.parameters()), twin_opt, batches, step)
+        torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
+        _assert_parameters_equal(looped, twin_model, tol=1e-12)
+        for (name, got), want in zip(looped.named_buffers(), twin_model.buffers()):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=f"{name}, loop {repeat}")
+        assert [int(m.get_buffer("num_batches_tracked")) for m in looped if isinstance(m, nn.BatchNorm1d)] == [6, 6]
+
+
 @pytest.mark.parametrize("checkpoint", ["except_last", "always"])
 def test_under_the_callers_autocast_each_batch_casts_as_a_step_by_step_pipeline_does(checkpoint: str) -> None:
     """The caller's autocast reaches every stage, the recompute and the loss of every batch of
