@@ -241,6 +241,7 @@ class _Overlap:
         try:
             if parts is not None:  # (a refusal here is one more failure the ranks agree on below)
                 grads = summed_tied(flight.call.program, flight.call.params, grads, parts, self.pipe._owner)
+            grads = _trained_now(flight.call.program, flight.call.params, grads, index, self.pipe._owner)
             self.optimizer.zero_grad()
             accumulate(flight.call, input_grads, grads)
             if after_backward is not None:
@@ -338,6 +339,24 @@ class _Overlap:
         self.updates.pop(pending)
         if after_step is not None:
             after_step()
+
+
+def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list[Optional[torch.Tensor]], index: int, owner: Any) -> list[Optional[torch.Tensor]]:
+    """Batch `index`'s gradients of `params` (those that required grad when it started) for the
+    parameters that still do. The plain loop runs batch t after the hooks of batch t - 1, where
+    the batch started before them here: a parameter frozen there gets no gradient, as in the
+    plain loop; one set to require grad there would get one the batch did not compute: refused."""
+    started = {id(p) for p in params}
+    late = [p for p in program.parameters if p.requires_grad and p.device.type != "meta" and id(p) not in started]
+    if late:
+        names = sorted({n for n, p in owner.named_parameters(remove_duplicate=False) if any(p is q for q in late)})
+        raise RuntimeError(
+            f"train_steps (schedule='2bw'): {', '.join(names)} began to require grad while batch {index} ran (in a "
+            "hook, say): under 2bw a batch starts before the hooks of the batch before it, so it computed no gradient "
+            "for them, where the plain loop would.\nHow to fix: set requires_grad before the loop (a loop of its own "
+            "per setting), or use a synchronous schedule (1f1b), whose batches start after the hooks."
+        )
+    return [g if p.requires_grad else None for p, g in zip(params, grads)]
 
 
 def _wait(group: TaskGroup) -> None:

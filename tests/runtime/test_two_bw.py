@@ -224,6 +224,57 @@ def test_the_hooks_clip_and_schedule_as_in_the_reference_loop() -> None:
     _assert_parameters_equal(model, expected_model)
 
 
+def test_a_parameter_frozen_in_a_hook_gets_no_gradient_from_the_next_batch_as_in_the_plain_loop() -> None:
+    """The plain loop runs batch t after the hooks of batch t - 1, where 2bw started it before
+    them. Before, the batch's gradient was still handed to the frozen parameter, and autograd
+    raised ("does not require grad and does not have a grad_fn")."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    frozen = lambda m: next(p for n, p in m.named_parameters() if n.endswith("weight"))  # noqa: E731
+    pipe = _pipe(model, batches[0][0], 3, checkpoint="always")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    updates = itertools.count()
+    freeze = lambda: next(updates) == 1 and frozen(model).requires_grad_(False)  # noqa: E731  after batch 1's update
+    losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=freeze))
+    taken = itertools.count()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if next(taken) == 2:  # batch 2 runs after batch 1's hooks
+            frozen(plain).requires_grad_(False)
+        loss = F.mse_loss(plain(x), y)
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), batches, step)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
+    _assert_parameters_equal(model, plain, tol=1e-12)
+    assert frozen(model).grad is None
+
+
+def test_a_parameter_set_to_require_grad_in_a_hook_is_refused_and_the_loop_stops_at_the_updates_given() -> None:
+    """The batch in flight computed no gradient for it, where the plain loop would give one."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    thawed = lambda m: next(p for n, p in m.named_parameters() if n.endswith("weight"))  # noqa: E731
+    thawed(model).requires_grad_(False), thawed(plain).requires_grad_(False)
+    pipe = _pipe(model, batches[0][0], 2)
+    updates, losses = itertools.count(), []
+    thaw = lambda: next(updates) == 1 and thawed(model).requires_grad_(True)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"(?s)began to require grad while batch 2 ran.*set requires_grad before the loop"):
+        for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), after_step=thaw):
+            losses.append(loss)
+    assert len(losses) == 2
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(plain(x), y)
+        loss.backward()
+        return loss
+
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1), batches[:2], step)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
+    _assert_parameters_equal(model, plain, tol=1e-12)  # the updates of the two losses given
+
+
 def test_the_workers_run_the_lists_with_no_flush_between_batches() -> None:
     model, _ = twin(FanOut())
     batches = _batches(4)
