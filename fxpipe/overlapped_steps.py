@@ -25,7 +25,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 
-from fxpipe.compiled.program import Program
+from fxpipe.compiled.program import OtherCall, Program
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
@@ -124,10 +124,18 @@ class _Overlap:
 
     def _made(self, batch: Batch) -> _Started:
         index, args, kwargs, target = batch
-        call, step = self.pipe._train_call(
-            args, kwargs, target, self.loss_fn, self.reduction, LeafGrads(), versions=self.versions, batch=index, held=self.held,
-            slicing=self.spec,
-        )  # fmt: skip
+        try:
+            call, step = self.pipe._train_call(
+                args, kwargs, target, self.loss_fn, self.reduction, LeafGrads(), versions=self.versions, batch=index, held=self.held,
+                slicing=self.spec,
+            )  # fmt: skip
+        except OtherCall as other:  # the synchronous schedules compile stages of their own for it
+            raise TypeError(
+                f"train_steps (schedule='2bw') runs every batch as the example's kind of call, and batch {index} is of "
+                f"another: {str(other).partition(chr(10) + 'How to fix')[0]}\nHow to fix: compile the pipeline with an "
+                "example of the loop's kind (the same arguments given, the same left None: example_kwargs=...), a "
+                "pipeline per kind; or use a synchronous schedule (1f1b), which compiles stages for each kind itself."
+            ) from other
         self.held = call.program  # checked against the model on the first batch, before anything ran
         if self.spec is not None and self.spec.count() is None:  # 'auto': its cut of the first batch fixes the count
             assert call.slices is not None

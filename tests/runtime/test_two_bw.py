@@ -383,6 +383,28 @@ def test_what_2bw_cannot_run_is_refused() -> None:
     _assert_a_train_step_is_exact(pipe, model, batches[0])
 
 
+class _Optional(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h if extra is None else h + self.extra(extra))
+
+
+def test_a_batch_of_another_kind_of_call_than_the_example_is_refused_saying_2bw_runs_the_example_s_kind() -> None:
+    """Before, the binding's refusal surfaced as it is, advising a pipeline per kind of call,
+    which the synchronous schedules compile themselves: it did not say that 2bw was the limit."""
+    model, plain = twin(_Optional())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], 2, example_kwargs={"extra": batches[0][0]})
+    # `extra` left None in every batch, where the example gave it
+    with pytest.raises(TypeError, match=r"(?s)2bw.*batch 0 is of another.*extra None.*synchronous schedule"):
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    _assert_parameters_equal(model, plain, tol=0)  # nothing ran
+
+
 def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
     x = torch.randn(16, 6)
     plans = {name: compile_pipeline(FanOut(), x, ["cpu"] * 3, chunks=4, schedule=name, balance="memory").plan for name in ("1f1b", "2bw")}
