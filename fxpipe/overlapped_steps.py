@@ -130,9 +130,10 @@ class _Overlap:
                 slicing=self.spec,
             )  # fmt: skip
         except OtherCall as other:  # the synchronous schedules compile stages of their own for it
+            reason = str(other).partition("\nHow to fix")[0]
             raise TypeError(
                 f"train_steps (schedule='2bw') runs every batch as the example's kind of call, and batch {index} is of "
-                f"another: {str(other).partition(chr(10) + 'How to fix')[0]}\nHow to fix: compile the pipeline with an "
+                f"another: {reason}\nHow to fix: compile the pipeline with an "
                 "example of the loop's kind (the same arguments given, the same left None: example_kwargs=...), a "
                 "pipeline per kind; or use a synchronous schedule (1f1b), which compiles stages for each kind itself."
             ) from other
