@@ -516,22 +516,20 @@ def test_a_micro_batch_too_small_for_batchnorm_says_to_use_fewer_chunks_and_leav
     # The same pipeline's next call, on a batch of eight (four micro-batches of two), computes
     # what the plain model does on each micro-batch in turn.
     x = torch.randn(8, 6, dtype=torch.float64)
-    out = pipe(x)
-    expected = torch.cat([plain(piece) for piece in x.tensor_split(4)])
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    out.pow(2).mean().backward()
-    expected.pow(2).mean().backward()
-    assert_grads_equal(model, plain, tol=1e-12)
-    for key, value in model[1].state_dict().items():
-        torch.testing.assert_close(value, plain[1].state_dict()[key], rtol=0, atol=1e-12)
+    _equals_plain_per_micro_batch(pipe, model, plain, x, 4)
     # And a pipeline of two micro-batches, on the batch of four, computes what the plain model does
     # on each of its halves in turn.
     for p in [*model.parameters(), *plain.parameters()]:
         p.grad = None
     x = x[:4]
-    pipe = compile_pipeline(model, x, ["cpu"] * stages, chunks=2)
+    _equals_plain_per_micro_batch(compile_pipeline(model, x, ["cpu"] * stages, chunks=2), model, plain, x, 2)
+
+
+def _equals_plain_per_micro_batch(pipe: nn.Module, model: nn.Sequential, plain: nn.Sequential, x: torch.Tensor, chunks: int) -> None:
+    """`pipe(x)` (on `model`) is the plain model run on each of the `chunks` micro-batches in turn:
+    outputs, gradients, and the BatchNorm's (`[1]`) running statistics."""
     out = pipe(x)
-    expected = torch.cat([plain(piece) for piece in x.tensor_split(2)])
+    expected = torch.cat([plain(piece) for piece in x.tensor_split(chunks)])
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     out.pow(2).mean().backward()
     expected.pow(2).mean().backward()
