@@ -197,7 +197,7 @@ class _Overlap:
                 self._tell_the_others(error.failure)
                 return
             phase, cause = phase_and_cause(local, error)
-            self._tell_the_others(Failure(me, local.stage, local.micro_batch, phase, StageError(local.stage, local.micro_batch, phase, cause, rank=me).detail))
+            self._tell_the_others(StageError(local.stage, local.micro_batch, phase, cause, rank=me).failure())
 
         return told
 

@@ -118,9 +118,7 @@ def _told(failure: Optional[BaseException]) -> Told:
     for a stage's, where it struck, which every rank raises as the same StageError."""
     if failure is None:
         return "", None
-    stage = None
-    if isinstance(failure, StageError) and failure.rank is not None:
-        stage = Failure(failure.rank, failure.stage, failure.micro_batch, failure.phase, failure.detail)
+    stage = failure.failure() if isinstance(failure, StageError) and failure.rank is not None else None
     return first_line(failure), stage
 
 

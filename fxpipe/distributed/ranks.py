@@ -311,8 +311,7 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
     try:
         yield
     except StageError as e:
-        rank = e.rank if e.rank is not None else channel.ranks[channel.me]
-        channel.fail(Failure(rank, e.stage, e.micro_batch, e.phase, e.detail))
+        channel.fail(e.failure(channel.ranks[channel.me]))
         raise
     except RemoteFailure as e:
         channel.fail(e.failure)

@@ -19,6 +19,13 @@ class StageError(RuntimeError):
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 
+    def failure(self, rank: Optional[int] = None) -> Failure:
+        """What the other ranks are told of it; `rank` is where it struck where the error does
+        not say (raised in one process)."""
+        struck = self.rank if self.rank is not None else rank
+        assert struck is not None, "a stage's failure names its rank"
+        return Failure(struck, self.stage, self.micro_batch, self.phase, self.detail)
+
 
 def raised_here(failure: Failure) -> Exception:
     """The error this rank raises for a failure on another: that stage's StageError, or, for a

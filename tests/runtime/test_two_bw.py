@@ -273,6 +273,13 @@ def test_a_parameter_set_to_require_grad_in_a_hook_is_refused_and_the_loop_stops
     expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1), batches[:2], step)
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=0, atol=1e-12)
     _assert_parameters_equal(model, plain, tol=1e-12)  # the updates of the two losses given
+    # The next loop, the parameter requiring grad from its start, is the plain delayed loop from there.
+    thawed(plain).requires_grad_(True)
+    again = list(pipe.train_steps(batches[2:], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    expected = delayed_loop(list(plain.parameters()), torch.optim.SGD(plain.parameters(), lr=0.1), batches[2:], step)
+    torch.testing.assert_close(torch.stack(again), torch.stack(expected), rtol=0, atol=1e-12)
+    _assert_parameters_equal(model, plain, tol=1e-12)
+    assert thawed(model).grad is not None
 
 
 def test_the_workers_run_the_lists_with_no_flush_between_batches() -> None:
