@@ -3,6 +3,8 @@ hooks, the attributes and modes the trace read, the autocast it asked about), an
 is one a pipeline can run (not captured, not inside a parametrization cache, no hooks on itself)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -116,6 +118,17 @@ def refuse_capture() -> None:
     """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
     if torch.jit.is_tracing() or torch.compiler.is_exporting():
         raise RuntimeError(NOT_CAPTURED)
+
+
+def warn_compiled_whole() -> None:
+    """A call traced by torch.compile (`torch.compile(pipe)`) of a pipeline whose stages are eager:
+    it runs them as they are."""
+    warnings.warn(
+        "torch.compile(pipe) runs the pipeline as it is, compiling none of it: its stages run on worker threads "
+        "under the schedule, which torch.compile does not trace.\nHow to compile the stages: "
+        "compile_pipeline(..., compile_stages=True), or a dict of torch.compile's options.",
+        stacklevel=2,
+    )
 
 
 def refuse_modes_the_stages_would_miss(off_thread: bool) -> None:

@@ -23,7 +23,7 @@ from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_own_hooks, refuse_parametrization_cache
+from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import differentiable, sliced_call
@@ -153,6 +153,16 @@ class Pipeline(PipelineCalls):
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_capture()
+        if torch.compiler.is_compiling():
+            # torch.compile(pipe) would trace the runtime's Python (threads, locks, the schedule)
+            # in pieces between graph breaks: slow to compile, and none of it a stage's kernel.
+            # Disabled here, not by a decorator, which would import torch._dynamo (seconds) with fxpipe.
+            return torch.compiler.disable(Pipeline._eager_call)(self, args, kwargs, under_compile=True)
+        return self._eager_call(args, kwargs, under_compile=False)
+
+    def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], under_compile: bool) -> Any:
+        if under_compile and not self.compile_stats():
+            warn_compiled_whole()
         refuse_parametrization_cache()
         self._refuse_while_steps_overlap("pipe(x)")
         if self._channel is not None:

@@ -4,6 +4,7 @@ import importlib
 import itertools
 import pathlib
 import re
+import subprocess
 import sys
 from typing import Iterator
 
@@ -166,3 +167,10 @@ def test_a_public_name_imports_from_its_old_module(old: str) -> None:
 if __name__ == "__main__":  # write docs/layout.md's list of modules again
     text = DOCS.read_text()
     DOCS.write_text(text[: text.index(SECTION)] + modules_section().rstrip() + "\n")
+
+
+def test_importing_fxpipe_leaves_the_compiler_stack_unimported() -> None:
+    """torch._dynamo alone takes seconds to import; a pipeline that compiles nothing never needs it."""
+    code = "import sys, fxpipe; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert found.stdout.strip() == "[]", found.stdout

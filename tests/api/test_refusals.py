@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -536,3 +537,41 @@ def _equals_plain_per_micro_batch(pipe: nn.Module, model: nn.Sequential, plain: 
     assert_grads_equal(model, plain, tol=1e-12)
     for key, value in model[1].state_dict().items():
         torch.testing.assert_close(value, plain[1].state_dict()[key], rtol=0, atol=1e-12)
+
+
+def test_torch_compile_of_a_pipeline_runs_it_as_it_is_and_says_how_to_compile_the_stages() -> None:
+    """Before, torch.compile traced the runtime's Python in pieces between graph breaks (threads,
+    locks, the schedule), warning of builtins it could not trace, for seconds and no kernel."""
+    torch.manual_seed(0)
+    model, reference = twin(FanOut())
+    pipe = compile_pipeline(model, X.double(), ["cpu", "cpu"], chunks=2)
+    compiled = torch.compile(pipe)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with pytest.warns(UserWarning, match=r"(?s)runs the pipeline as it is.*compile_stages=True") as caught:
+        for x in (X.double(), 2 * X.double()):
+            out = compiled(x)
+            out.square().sum().backward()
+            expected = reference(x)
+            expected.square().sum().backward()
+            torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, 1e-12)
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"], "no graph of the runtime is compiled"
+    assert all("Dynamo" not in str(w.message) for w in caught), [str(w.message)[:80] for w in caught]
+
+
+def test_torch_compile_of_a_pipeline_with_compiled_stages_runs_them_without_a_warning() -> None:
+    """Stages on the calling thread (one device): torch.compile's own compile of the stages still
+    runs inside the call that it leaves alone."""
+    torch.manual_seed(0)
+    model, reference = twin(FanOut())
+    pipe = compile_pipeline(model, X.double(), ["cpu"], chunks=2, compile_stages={"backend": "eager"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = torch.compile(pipe)(X.double())
+    out.square().sum().backward()
+    expected = reference(X.double())
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, 1e-12)
+    assert pipe.compile_stats()[0].graphs >= 1
