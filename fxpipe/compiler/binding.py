@@ -57,19 +57,27 @@ def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> 
     return checked
 
 
-def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module) -> Binder:
-    """Arguments flattened into leaves, as the exported graphs take them; a call whose shapes
-    differ where the graph of the model's mode (training or eval: each has its own branches)
-    fixed or guards them is refused before any stage runs."""
+def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any]) -> Binder:
+    """Arguments flattened into leaves, as the exported graphs take them. A call that differs
+    from the `example`'s leaves in structure or in kind (None, a tensor, another value: export
+    keeps no input for a None, and guards a tensor's sizes) is another call, compiled apart; one
+    whose shapes differ where the graph of the model's mode (training or eval: each has its own
+    branches) fixed or guards them is refused before any stage runs."""
     placeholders = [node for node in graphs[True].graph.nodes if node.op == "placeholder"]
     names = [node.name for node in placeholders]
     arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
     fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
+    kinds = [_kind(leaf) for leaf in example]
+    signature = inspect.signature(model.forward)
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
         if set(kwargs) == set(order):  # keywords in another order are the same call
             kwargs = {key: kwargs[key] for key in order}
         leaves, called = tree_flatten((args, kwargs))
@@ -80,6 +88,15 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 "How to fix: call it with the same positional and keyword arguments as the example.",
                 str(called),
             )
+        now = [_kind(leaf) for leaf in leaves]
+        if now != kinds:
+            differ = [f"{arguments[i]} ({now[i]}, the example's {kinds[i]})" for i in range(len(now)) if now[i] != kinds[i]]
+            raise OtherCall(
+                f"this call gives {', '.join(differ)}: the graph was exported from the example, which keeps no input "
+                "for a None and holds the value of an argument that is not a tensor.\nHow to fix: compile a pipeline "
+                "for calls of each kind, or pass the arguments as the example did.",
+                (str(called), tuple(now)),
+            )
         mode = model.training if model.training in graphs else True
         _check_fixed(leaves, fixed[mode], arguments)
         if guards[mode] is not None:
@@ -87,6 +104,11 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _kind(leaf: Any) -> str:
+    """What export made of a leaf of the arguments: no input (None), a tensor, or a value it holds."""
+    return "None" if leaf is None else "a tensor" if isinstance(leaf, torch.Tensor) else "a value"
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:

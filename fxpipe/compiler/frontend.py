@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiled.program import Binder
@@ -197,7 +197,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
             "computed from x.shape[0], asserts on it); or make the model traceable by torch.fx, which "
             "reads sizes as it runs.",
         )
-    bind = leaf_binder(graphs, exported[True][1], model)
+    bind = leaf_binder(graphs, exported[True][1], model, tree_flatten((example, kwargs))[0])
     problem = _check(model, graphs, example, kwargs, bind, traced_in)
     if problem is not None:
         raise _Rejected(problem)

@@ -118,3 +118,56 @@ def test_an_argument_named_like_a_parameter_given_where_the_example_left_it_none
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     bias = torch.rand(6)
     torch.testing.assert_close(pipe(X, bias), model(X, bias), rtol=0, atol=1e-6)
+
+
+class Moded(nn.Module):
+    """A str argument torch.fx cannot branch on: it goes through torch.export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mode: str, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if mode == "double":
+            h = h * 2
+        if extra is not None:
+            h = h * extra
+        return self.b(h)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("how", ["pipe(x)", "train_step"])
+def test_an_exported_pipeline_called_with_a_tensor_where_the_example_gave_none_compiles_stages_for_it(how: str) -> None:
+    """Before, a positional None of the example and a tensor of the call flattened alike: the
+    call ran the graph exported without the argument, 1.26 off with no error. A value where the
+    example gave a tensor failed inside export's guards (AttributeError: no attribute 'size')."""
+    model, reference = twin(Moded())
+    x, extra, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, "double", None), ["cpu", "cpu"], chunks=2)
+    assert "torch.export" in pipe.plan.notes[0]
+    for args in [(x, "double", extra), (x, "double", None), (x, "double", 0.5), (x, "double", extra)]:
+        pipe.zero_grad()
+        reference.zero_grad()
+        if how == "pipe(x)":
+            assert_call_and_grads_equal(pipe, reference, *args)
+        else:
+            loss = pipe.train_step(*args, target=y, loss_fn=nn.functional.mse_loss)
+            expected = nn.functional.mse_loss(reference(*args), y)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+            assert_grads_equal(pipe, reference)
+    assert len(pipe._variants) == 2, "one pipeline for the calls with a tensor, one for those with a number"
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_exported_pipeline_names_an_argument_the_forward_does_not_take() -> None:
+    """Before, a misspelt keyword was refused as a call 'shaped' unlike the example, with two
+    pytree structures and the advice to call it like the example."""
+    model = Moded()
+    pipe = compile_pipeline(model, (X, "double"), ["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"takes the traced model's arguments \(x.*unexpected keyword argument 'extar'"):
+        pipe(X, "double", extar=X)
+    with pytest.raises(TypeError, match="missing a required argument: 'mode'"):
+        pipe(X)
+    assert not pipe._variants
