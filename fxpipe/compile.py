@@ -16,8 +16,8 @@ from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, Cut
 from fxpipe.compiled.stage_compile import compile_options
 from fxpipe.compiler.arguments import (
-    Device, check_arguments, cost_problems, model_problems, refuse_an_example_forward_does_not_take, refuse_bad_chunk_spec,
-    refuse_lazy, refuse_nothing_split,
+    Device, check_arguments, cost_problems, mapping_problems, model_problems, refuse_an_example_forward_does_not_take,
+    refuse_bad_chunk_spec, refuse_lazy, refuse_nothing_split,
 )
 from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
@@ -229,6 +229,7 @@ def compile_pipeline(
     stage_compile, compile_problems = compile_options(compile_stages)
     problems = [*model_problems(model, leaf_modules), *cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
     problems += sequence_problems(sequence_chunks, sequence_dim, stage_compile is not None)
+    problems += mapping_problems(chunk_spec, example_kwargs)
     parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]

@@ -255,10 +255,11 @@ class Pipeline(PipelineCalls):
         refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")
         if self._channel is not None:
-            return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)
+            with _target_asked_by_keyword(target, loss_fn):
+                return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)
         kept = LeafGrads()
         try:
-            with generator_put_back_on_error():
+            with generator_put_back_on_error(), _target_asked_by_keyword(target, loss_fn):
                 call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
         except OtherCall as other:  # raised by the binding, before anything ran
             variant = self._variant(other, args, kwargs)
@@ -465,3 +466,16 @@ _PLACEMENT_MESSAGE = (
     "How to fix: choose devices when compiling (compile_pipeline(model, example, devices=[...])); "
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
+
+
+@contextlib.contextmanager
+def _target_asked_by_keyword(target: Any, loss_fn: Any) -> Iterator[None]:
+    """`pipe.train_step(x, y, loss_fn=...)`: the target given as one more input of the model."""
+    try:
+        yield
+    except OtherCall:
+        raise
+    except TypeError as error:
+        if target is None and loss_fn is not None and "too many positional arguments" in str(error):
+            raise TypeError(f"{error}\nHow to fix: give the target by keyword, pipe.train_step(x, target=y, loss_fn=...).") from None
+        raise

@@ -56,9 +56,14 @@ def cuts_from_split_points(order: Sequence[fx.Node], split_points: Sequence[str]
             "(devices times stages_per_device)"
         )
     cuts = []
+    twice = sorted({name for name in split_points if split_points.count(name) > 1})
+    if twice:
+        problems.append(f"{', '.join(map(repr, twice))} named more than once in split_points; each stage begins at a module of its own")
     for name in split_points:
         first = next((i for i, node in enumerate(order) if belongs_to(node, name)), None)
-        if first is None:
+        if name == "":
+            problems.append("split point '' is the whole model (its name in named_modules()), where the graph begins")
+        elif first is None:
             problems.append(f"split point {name!r} is not a module that runs in the traced graph{_modules_like(order, name)}")
         elif first == 0:
             problems.append(f"split point {name!r} is where the graph begins; stage 0 would be empty")

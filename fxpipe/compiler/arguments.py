@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -26,6 +26,8 @@ _STAGE_DEVICE_TYPES = ("cpu", "cuda")
 
 def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
     """The device, or the problem with it and its fix."""
+    if isinstance(device, int) and not isinstance(device, bool) and not torch.cuda.is_available():
+        return None, f"{device!r}: a number names a CUDA device, and CUDA is not available on this machine; use 'cpu' devices"
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
@@ -52,12 +54,12 @@ def _listed(devices: Any) -> Optional[list[Any]]:
 
 def _device_problems(devices: Any, listed: Optional[list[Any]]) -> tuple[list[torch.device], list[str]]:
     if listed is None:
-        example = [str(devices)] if isinstance(devices, (str, int, torch.device)) else ["cpu", "cpu"]
+        example = [devices] if isinstance(devices, int) else [str(devices)] if isinstance(devices, (str, torch.device)) else ["cpu", "cpu"]
         return [], [f"devices must be a list with one device per stage, e.g. devices={example!r} (got {devices!r})"]
     if not listed:
         return [], ["devices is empty: give one device per stage, e.g. devices=['cpu', 'cpu']"]
     found = [_parse_device(device) for device in listed]
-    return [d for d, _ in found if d is not None], [p for _, p in found if p is not None]
+    return [d for d, _ in found if d is not None], list(dict.fromkeys(p for _, p in found if p is not None))
 
 
 def _balance_problems(balance: Any) -> list[str]:
@@ -152,6 +154,16 @@ def _number_at_least(value: Any, positive: bool) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return value > 0 if positive else value >= 0
+
+
+def mapping_problems(chunk_spec: Any, example_kwargs: Any) -> list[str]:
+    """The two arguments given as dicts, or what is wrong with each."""
+    problems = []
+    if chunk_spec is not None and not isinstance(chunk_spec, Mapping):
+        problems.append(f"chunk_spec must be a dict from an argument's name to the dim that holds its batch, e.g. {{'h0': 1}} (got {chunk_spec!r})")
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        problems.append(f"example_kwargs must be a dict of the example call's keyword arguments, e.g. {{'mask': mask}} (got {type(example_kwargs).__name__})")
+    return problems
 
 
 def check_arguments(

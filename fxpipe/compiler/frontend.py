@@ -307,7 +307,12 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
         "How to fix: keep the module with data-dependent control flow (or with checks that "
         "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
         "or write the branch as tensor operations (torch.where) or with torch.cond."
+        + (_ROOT_FIX if _IN_ROOT in fx_failure.detail else "")
     )
+
+
+_IN_ROOT = "in module: the root module"
+_ROOT_FIX = " The model's own forward is never kept whole: move that code into a submodule, and keep the submodule whole."
 
 
 def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:

@@ -43,6 +43,20 @@ def test_a_device_that_is_not_one() -> None:
     assert "'gpu0' is not a device: write one like 'cpu' or 'cuda:0'" in _message(devices=["cpu", "gpu0"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a number names a CUDA device, which this machine has")
+def test_a_number_for_a_device_without_cuda_says_so_once() -> None:
+    """Before: "0 is not a device", once per stage; and `devices=0` was told to write ['0']."""
+    message = _message(devices=[0, 0])
+    assert message.count("0: a number names a CUDA device, and CUDA is not available on this machine") == 1, message
+    assert "e.g. devices=[0]" in _message(devices=0)
+
+
+@pytest.mark.parametrize("name,value", [("chunk_spec", [0]), ("chunk_spec", ("x", 0)), ("example_kwargs", [("mask", X)])])
+def test_a_mapping_argument_given_as_something_else_is_named(name: str, value: Any) -> None:
+    """Before, `dict(...)` of it raised a bare TypeError or ValueError naming no argument."""
+    assert f"{name} must be a dict" in _message(**{name: value})
+
+
 def test_a_device_type_that_cannot_run_a_stage() -> None:
     message = _message(devices=["cpu", "meta"])
     assert "'meta': stages run on 'cpu' and 'cuda' devices only; 'meta' cannot run one" in message
@@ -256,6 +270,16 @@ def test_leaf_modules_may_be_none_one_name_or_type_or_a_list(leaves: Any) -> Non
 def test_split_points_out_of_order() -> None:
     with pytest.raises(PartitionError, match="split points are out of order"):
         compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["third", "second"])
+
+
+def test_split_points_naming_the_whole_model_or_one_module_twice() -> None:
+    """Before, '' (the root's name in named_modules()) cut after the first module, and a name
+    given twice was called out of order."""
+    with pytest.raises(PartitionError, match="split point '' is the whole model"):
+        compile_pipeline(Nest(), X, ["cpu"] * 2, split_points=[""])
+    with pytest.raises(PartitionError, match="'second' named more than once in split_points") as twice:
+        compile_pipeline(Nest(), X, ["cpu"] * 3, split_points=["second", "second"])
+    assert "out of order" not in str(twice.value)
 
 
 def test_split_points_cut_where_the_modules_begin() -> None:

@@ -322,7 +322,7 @@ def test_split_points_through_compile_pipeline() -> None:
     "stages,kwargs,message",
     [
         (3, {"split_points": ["b3", "b1"]}, r"split points are out of order \('b3' at node 6, 'b1' at node 2\)"),
-        (3, {"split_points": ["b1", "b1"]}, r"out of order"),
+        (3, {"split_points": ["b1", "b1"]}, r"'b1' named more than once in split_points"),
         (2, {"split_points": ["nope"]}, r"split point 'nope' is not a module that runs in the traced graph"),
         (2, {"split_points": ["b0"]}, r"split point 'b0' is where the graph begins; stage 0 would be empty"),
         (3, {"split_points": ["b1"]}, r"1 split points for 3 stages; give one fewer than the stages"),

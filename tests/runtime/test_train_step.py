@@ -1067,3 +1067,18 @@ def test_a_loss_refused_after_the_step_puts_back_the_buffers_it_wrote_and_the_ne
     assert_grads_equal(pipe, reference)
     for (name, b), (_, plain) in zip(model.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(b, plain, rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_target_given_as_an_input_is_named_with_the_keyword_that_takes_it() -> None:
+    """`loss_fn(output, target)` makes `train_step(x, y, loss_fn=...)` a natural first try."""
+    model, reference = twin(FanOut())
+    x, y = torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"too many positional arguments\nHow to fix: give the target by keyword, pipe.train_step\(x, target=y"):
+        pipe.train_step(x, y, loss_fn=F.mse_loss)
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)

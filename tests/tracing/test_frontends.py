@@ -1302,3 +1302,23 @@ def test_each_tensor_read_is_named_as_torch_fx_names_it() -> None:
     assert ours == plain and ours
     x = torch.randint(0, 5, (3, 4))
     torch.testing.assert_close(compile_pipeline(model, x, ["cpu"] * 2, chunks=3)(x), model(x), rtol=0, atol=1e-6)
+
+
+class NumpyAtTheRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h) + float(h.detach().numpy().mean()) * 0
+
+
+def test_code_no_tracer_takes_in_the_models_own_forward_is_told_to_move_into_a_submodule() -> None:
+    """Before, both fixes said to keep the module whole (leaf_modules=[...]), which the model's own
+    class can never be; and torch.fx's spoke of control flow where float() stopped it."""
+    with pytest.raises(TraceError) as refused:
+        compile_pipeline(NumpyAtTheRoot(), torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+    message = str(refused.value)
+    assert "float(), .item() or numpy on a traced value" in message
+    assert message.count("move") == 2 and "the model's own forward is never kept whole" in message.lower(), message
