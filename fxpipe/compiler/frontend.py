@@ -24,7 +24,7 @@ from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
 from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
-from fxpipe.tracing.export import batch_is_specialized, export_graph
+from fxpipe.tracing.export import batch_is_specialized, export_graph, hooks_export_runs_once
 from fxpipe.tracing.functions import functions_applied
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
@@ -277,16 +277,16 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     ) from error
 
 
+def _root_hooked(model: nn.Module) -> bool:
+    return bool(model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks)
+
+
 def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     """How to fix a model neither front end captures: the fix of torch.export's reason where it
     has one (a key/value cache returned), else what stops both most often (control flow on
     values), unless the reason asks for torch.fx (an autograd Function), where torch.fx's reason
     says what stops it. leaf_modules needs torch.fx: a forward it cannot trace (one that takes
     **kwargs) is told so."""
-    if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
-        return export_failure.fix
-    if "cannot keep such an attribute up to date" in fx_failure.detail:
-        return ""  # torch.fx's reason, an assignment forward makes, says how to fix it
     global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
     if global_hooks and "computes otherwise" in fx_failure.detail:
         return (
@@ -295,6 +295,10 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
             "again where the stages call modules, and never around the model itself. Remove it (handle.remove()) and "
             "register it on the modules it is meant for (module.register_forward_hook) before compiling."
         )
+    if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
+        return export_failure.fix
+    if "cannot keep such an attribute up to date" in fx_failure.detail:
+        return ""  # torch.fx's reason, an assignment forward makes, says how to fix it
     if unknown_type(export_failure.detail):
         return UNKNOWN_TYPE_FIX
     if "needs each input named" in fx_failure.detail:
@@ -352,6 +356,14 @@ def _front_ends(
                 "it drops the hooks forward registers on tensors (register_hook), and the gradients "
                 "would miss what they do; torch.fx keeps them (and keeps a module whole with "
                 "leaf_modules=[...], whose forward then runs as it is)"
+            )
+        once = hooks_export_runs_once(model)
+        if once:
+            raise _Rejected(
+                f"it would run the model's hooks once, while capturing it, and never at a call: {', '.join(once)}",
+                fix="How to fix: make the model traceable by torch.fx, which calls a module with hooks whole at every "
+                "call; or remove those hooks (handle.remove()) before compiling"
+                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if _root_hooked(model) else "."),
             )
         traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:

@@ -35,6 +35,22 @@ class _Flat(nn.Module):
         return plain_dicts(returned)
 
 
+def hooks_export_runs_once(model: nn.Module) -> list[str]:
+    """The module hooks of the model (and the global ones), which torch.export would run once, while
+    it captures the model, and never at a call: each named with its module."""
+    tables = {"forward pre-hook": "_forward_pre_hooks", "forward hook": "_forward_hooks",
+              "backward hook": "_backward_hooks", "backward pre-hook": "_backward_pre_hooks"}  # fmt: skip
+    found = [f"{kind} {_hook_name(hook)} of {path or 'the model'}" for path, module in model.named_modules()
+             for kind, table in tables.items() for hook in getattr(module, table).values()]  # fmt: skip
+    found += [f"global {kind} {_hook_name(hook)}" for kind, table in tables.items()
+              for hook in getattr(nn.modules.module, f"_global{table}").values()]  # fmt: skip
+    return found
+
+
+def _hook_name(hook: Any) -> str:
+    return str(getattr(hook, "__qualname__", None) or type(hook).__qualname__)
+
+
 def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
     """Every dim of every tensor may vary (micro-batches are smaller than the example, sequence
     lengths change from step to step); torch.export fixes those the model ties to a size."""

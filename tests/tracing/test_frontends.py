@@ -1322,3 +1322,27 @@ def test_code_no_tracer_takes_in_the_models_own_forward_is_told_to_move_into_a_s
     message = str(refused.value)
     assert "float(), .item() or numpy on a traced value" in message
     assert message.count("move") == 2 and "the model's own forward is never kept whole" in message.lower(), message
+
+
+class StarArgs(nn.Module):
+    """forward(*args): torch.fx needs named inputs, so torch.export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(6, 6), nn.Dropout(0.0), nn.Linear(6, 6)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.b(self.drop(torch.tanh(self.a(args[0]))))
+
+
+def test_module_hooks_torch_export_would_run_once_are_refused_naming_each() -> None:
+    """Before, export ran them while capturing and baked in what they returned: a hook that
+    keeps features ran 0 times per call (2 in the plain model) and nothing said so."""
+    model = StarArgs()
+    features: list[torch.Tensor] = []
+    model.b.register_forward_hook(lambda module, inputs, output: features.append(output))
+    model.drop.register_forward_pre_hook(lambda module, inputs: None)
+    with pytest.raises(TraceError, match=r"(?s)never at a call: forward pre-hook .*<lambda> of drop, forward hook .*<lambda> of b\n"
+                       r"How to fix: make the model traceable by torch.fx.*remove those hooks"):  # fmt: skip
+        compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+
