@@ -29,7 +29,7 @@ from fxpipe.compiled.program import OtherCall, Program
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
-from fxpipe.distributed.rank_call import call_signature
+from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -145,7 +145,8 @@ class _Overlap:
         if len(call.sizes) != self.m:
             raise ValueError(
                 f"train_steps with schedule='2bw': batch {index} splits into {len(call.sizes)} micro-batches, not "
-                f"chunks={self.m}: every batch of the loop must (its samples at least chunks).\nHow to fix: drop the "
+                f"chunks={self.m}: every batch of the loop must split into chunks micro-batches, so have at least chunks "
+                "samples.\nHow to fix: drop the "
                 "last, smaller batch (DataLoader(drop_last=True))."
             )
         return _Started(index, call, step, target)
@@ -221,6 +222,10 @@ class _Overlap:
             except BaseException as e:  # noqa: BLE001 - the caller's thread raises it
                 error = e
                 self._stop_in_flight()
+                if self.ranks is not None and not isinstance(e, Aborted) and not self.ranks.host.channel.failed:
+                    # the other ranks' stages wait on values this one's will not send now
+                    where = f"the optimizer's step of stage {action.stage} on batch {action.micro_batch}"
+                    self._tell_the_others(Failure(self.ranks.global_rank, -1, -1, where, first_line(e)))
             group.finish(action, None if isinstance(error, Aborted) else error)
 
         return run
@@ -268,9 +273,12 @@ class _Overlap:
         return total
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
-        """The batch's actions waited for and its failure raised, if any; its statistics
-        committed, its timeline kept; the update of the batch before it waited for."""
+        """The batch's actions waited for and its failure raised, if any (the update of the batch
+        before it first, whose failure stops the batch); its statistics committed, its timeline
+        kept; the update of the batch before it waited for."""
         _wait(flight.group)
+        if index >= 1 and self.updates[index - 1].errors:
+            self._updated(index - 1, after_step)
         flight.step.settle(flight.group)
         if flight.step.batch_stats is not None:
             flight.step.batch_stats.commit()
@@ -315,6 +323,7 @@ class _Overlap:
                 f"train_steps (schedule='2bw'): the optimizer's step on batch {index} failed on a stage: the stages "
                 "whose step ran hold that update, the others do not (an optimizer's step is not undone)."
             )
+            error.fxpipe_failed_update = index  # type: ignore[attr-defined]  # for the loop's own note
             raise error
         if after_step is not None:
             with self.versions.gate.shut():

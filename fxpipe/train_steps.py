@@ -7,7 +7,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 import torch
 
 from fxpipe.compiled.placement import RankPlacement
-from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before
+from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
 from fxpipe.distributed.ranks import gathered
 from fxpipe.overlapped_steps import overlapped_steps
 
@@ -66,7 +66,10 @@ def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor
             yield loss
     except BaseException as error:
         if not isinstance(error, GeneratorExit):
-            held = "no update" if given == 0 else f"the updates of batches 0 to {given - 1}"
+            whole = getattr(error, "fxpipe_failed_update", given)  # an update that failed is held in part
+            held = "no update" if whole == 0 else f"the updates of batches 0 to {whole - 1}"
+            if whole < given:
+                held = ("" if whole == 0 else f"{held} whole, and ") + f"batch {whole}'s update in part (above)"
             error.add_note(f"train_steps (schedule='2bw'): {given} losses were given; the parameters hold {held}.")
         raise
     finally:
@@ -77,30 +80,44 @@ def _one_step(
     pipe: PipelineLike, index: int, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any,
     optimizer: torch.optim.Optimizer, reduction: str, after_backward: Hook, after_step: Hook,
 ) -> torch.Tensor:
+    """One batch. Across processes `train_step` fails on every rank or on none; what runs on each
+    rank alone after it (the hooks, the optimizer's step) is agreed on before the loop goes on:
+    after_backward before any rank updates, the update and after_step before the loss is given."""
+    placement: Optional[RankPlacement] = pipe._compiled.placement
     before = as_before(index)
     try:
         optimizer.zero_grad()
         loss = pipe.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, **kwargs)
         if after_backward is not None:
-            after_backward()
+            ran_on_every_rank(placement, "after_backward", index, _failure_of(after_backward))
     except BaseException as error:
         error.add_note(f"train_steps: batch {index} failed before its update; {before}.")
         raise
+    stepped = _failure_of(optimizer.step)
+    failure = stepped if stepped is not None or after_step is None else _failure_of(after_step)
     try:
-        optimizer.step()
+        ran_on_every_rank(placement, "the optimizer's step or after_step", index, failure, "the optimizer's step" if stepped else "after_step")
     except BaseException as error:
-        error.add_note(
-            f"train_steps: the optimizer's step on batch {index} failed; parameters it reached first may hold "
-            f"their update while others do not (an optimizer's step is not undone); {before} otherwise."
-        )
-        raise
-    try:
-        if after_step is not None:
-            after_step()
-    except BaseException as error:
-        error.add_note(f"train_steps: after_step failed after batch {index}'s update, which the parameters hold.")
+        if stepped is not None:
+            error.add_note(
+                f"train_steps: the optimizer's step on batch {index} failed; parameters it reached first may hold "
+                f"their update while others do not (an optimizer's step is not undone); {before} otherwise."
+            )
+        elif failure is not None:
+            error.add_note(f"train_steps: after_step failed after batch {index}'s update, which the parameters hold.")
+        else:
+            error.add_note(f"train_steps: this rank's parameters hold batch {index}'s update (a rank whose optimizer's step failed may hold part of it).")
         raise
     return loss
+
+
+def _failure_of(call: Callable[[], Any]) -> Optional[BaseException]:
+    """What `call()` raised, or None."""
+    try:
+        call()
+    except BaseException as error:  # noqa: BLE001 - raised once the other ranks know of it
+        return error
+    return None
 
 
 def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlacement]) -> Optional[Any]:

@@ -81,10 +81,12 @@ def _renorms(node: fx.Node) -> bool:
     return max_norm is not None
 
 
-def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]) -> list[str]:
-    """The parameters one stage's forward writes in place and another stage reads, each as a
-    line: a recompute of the writer writes them again while the reader may hold them for its
-    backward (autograd then finds them changed), as the plain model never does."""
+def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]], micro_batches: int) -> list[str]:
+    """The parameters a stage's forward writes in place, each as a line, where another stage
+    reads them (a recompute of the writer writes them again while the reader may hold them for
+    its backward) or, with several `micro_batches`, in any case (the next micro-batch's forward
+    writes them before this one's recompute): autograd then finds them changed, as the plain
+    model never does."""
     problems = []
     for index, run in enumerate(runs):
         for name, (tensor, writer) in parameters_written(gm, run).items():
@@ -92,6 +94,9 @@ def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]
             if others:
                 readers = f"stage {others[0]} reads" if len(others) == 1 else f"stages {others} read"
                 problems.append(f"{name!r}: stage {index} writes it in place ({writer}), and {readers} it")
+            elif micro_batches > 1:
+                problems.append(f"{name!r}: stage {index} writes it in place ({writer}) in each micro-batch's forward, "
+                                "the next one's before this one's recompute")  # fmt: skip
     return problems
 
 

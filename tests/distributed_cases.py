@@ -1838,3 +1838,56 @@ def _auto_slices_in_a_2bw_loop(mesh: Any, x: torch.Tensor, loss_fn: Callable[...
         "2bw auto parameters": max(_max_diff(p, ref[n]) for n, p in pipe.named_parameters()),
         "2bw auto micro-batches": float(len(ran)),
     }
+
+
+def one_rank_failing_in_the_loop(rank: int, world: int) -> dict[str, Any]:
+    """train_steps under 1f1b and 2bw where rank 1 alone fails on batch 1, in after_backward, in
+    the optimizer's step or in after_step: how long each rank took to stop, its error, the losses
+    given, and this rank's parameters against the plain loop after one update and after two."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(4)]
+    found: dict[str, Any] = {}
+    for schedule in ("1f1b", "2bw"):
+        for what in ("after_backward", "step", "after_step"):
+            torch.manual_seed(0)
+            model = FanOut().double()
+            reference = copy.deepcopy(model)
+            pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule=schedule, timeout=30)
+            calls = {"after_backward": 0, "step": 0, "after_step": 0}
+
+            def fails(where: str) -> None:
+                calls[where] += 1
+                if where == what and rank == 1 and calls[where] == 2:
+                    raise ValueError(f"{where} failed here")
+
+            class Failing(torch.optim.SGD):
+                def step(self, closure: Any = None) -> Any:
+                    fails("step")
+                    return super().step(closure)
+
+            losses: list[float] = []
+            start = time.perf_counter()
+            try:
+                for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=Failing(pipe.parameters(), lr=0.1),
+                                             after_backward=lambda: fails("after_backward"), after_step=lambda: fails("after_step")):  # fmt: skip
+                    losses.append(float(loss))
+                error = ""
+            except (RuntimeError, StageError, ValueError) as e:
+                error = f"{type(e).__name__}: {e} {getattr(e, '__notes__', '')}"
+            seconds = time.perf_counter() - start
+            held = {}
+            for updates in (1, 2):
+                plain = copy.deepcopy(reference)
+                make = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+                if schedule == "2bw":
+                    _plain_2bw(plain, batches[:updates], make, F.mse_loss)
+                else:
+                    optimizer = make(plain.parameters())
+                    for x, y in batches[:updates]:
+                        optimizer.zero_grad()
+                        F.mse_loss(plain(x), y).backward()
+                        optimizer.step()
+                held[updates] = max(_held_here(pipe, plain).values())
+            found[f"{schedule} {what}"] = dict(error=error, given=len(losses), seconds=seconds, held=held)
+    return found

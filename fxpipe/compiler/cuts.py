@@ -148,13 +148,14 @@ def _chosen_cut(
 
 
 def refuse_recomputed_writes(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]], checkpoint: str, chunks: int) -> None:
-    """A checkpointed stage whose forward writes a parameter in place that another stage reads
-    would write it again in its recompute; refused, as autograd would fail in backward."""
-    problems = rewritten_by_recompute(gm, runs) if checkpoint_stop(checkpoint, chunks) > 0 else []
+    """A checkpointed stage whose forward writes a parameter in place (that another stage reads,
+    or with several micro-batches) would find it written again when it recomputes; refused, as
+    autograd would fail in backward."""
+    problems = rewritten_by_recompute(gm, runs, chunks) if checkpoint_stop(checkpoint, chunks) > 0 else []
     if problems:
         raise ValueError(
-            f"with checkpoint={checkpoint!r} a recompute would write these parameters in place a second time, while "
-            "another stage holds them for its backward:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
+            f"with checkpoint={checkpoint!r} a recompute would find these parameters written in place since its "
+            "forward, while autograd holds them for backward:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
             "How to fix: checkpoint='never' (or 'except_last' with chunks=1); cut so that one stage holds every use "
             "(split_points=[...]); or write them outside forward (an Embedding's max_norm=None, and its rows "
             "renormalised before the step)."

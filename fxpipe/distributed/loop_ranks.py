@@ -58,6 +58,25 @@ def agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseE
     )
 
 
+def ran_on_every_rank(
+    placement: Optional[RankPlacement], what: str, index: int, failure: Optional[BaseException], where: str = "",
+) -> None:
+    """`what` (the caller's code, run on each rank alone) ran on every rank for batch `index`, or
+    every rank raises: this one `failure` (in `where`, a part of `what`), its own, the others an
+    error naming the ranks that failed and how. In one process (`placement` None) `failure` is
+    raised as it is."""
+    told = f"{where + ': ' if where else ''}{first_line(failure)}" if failure is not None else ""
+    said = [] if placement is None else gathered(told, placement, f"{what} of train_steps' batch {index}")
+    if failure is not None:
+        raise failure
+    failed = {rank: text for rank, text in enumerate(said) if text}
+    if failed:
+        raise RuntimeError(
+            f"train_steps: {what} of batch {index} failed on rank(s) {sorted(failed)}: "
+            + "; ".join(f"rank {rank}: {text}" for rank, text in failed.items()) + " (their own output says more)."
+        )
+
+
 class LoopRanks:
     """This rank's side of the agreements of one loop."""
 

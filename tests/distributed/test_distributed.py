@@ -562,3 +562,21 @@ def test_slices_of_a_sequence_train_and_evaluate_across_processes_as_the_plain_m
         assert found["2bw losses"] <= TOL and found["2bw parameters"] <= TOL, found
         assert found["2bw auto losses"] <= TOL and found["2bw auto parameters"] <= TOL, found
         assert found["2bw auto micro-batches"] == 3 * 2 * 6, found  # each batch's 2 rows in the first batch's 6 slices
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_loop_failing_on_one_rank_in_the_callers_code_or_the_optimizer_stops_every_rank_at_once(schedule: str) -> None:
+    """Before, under the synchronous schedules an after_backward, optimizer step or after_step
+    that raised on one rank went unheard: the others updated, gave the loss and waited out the
+    timeout at the next batch, and the ranks held different versions. Under 2bw an optimizer's
+    step that raised on a stage's thread was heard by no rank, not even its own."""
+    reports = results_of(spawn_ranks(cases.one_rank_failing_in_the_loop, 2, timeout=300))
+    for rank, report in enumerate(reports):
+        for what, updates in (("after_backward", 1), ("step", 1 if rank == 1 else 2), ("after_step", 2)):
+            found = report[f"{schedule} {what}"]
+            assert found["seconds"] < 10, (rank, what, found)  # the timeout is 30 s
+            assert f"{what} failed here" in found["error"], (rank, what, found)
+            assert "rank 1" in found["error"] or rank == 1, (rank, what, found)
+            assert found["held"][updates] <= TOL, (rank, what, found)  # the plain loop's parameters after those updates
+            given = 1 if what == "after_backward" or schedule == "1f1b" else 2
+            assert found["given"] == given, (rank, what, found)
