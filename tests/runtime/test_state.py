@@ -749,3 +749,34 @@ def test_buffers_written_under_the_models_own_checkpointing_are_refused(reentran
         x = torch.randn(8, 6, dtype=torch.float64)
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)  # nothing written: fine
         assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _CalledTwice(nn.Module):
+    """`a` at the start and near the end: cut in four, two stages call it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.d(torch.tanh(self.a(torch.tanh(self.c(h)))))
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "spectral_norm"])
+def test_a_parametrization_that_only_reads_its_buffers_may_be_called_by_two_stages(kind: str) -> None:
+    """Before, orthogonal's `base`, which its forward only reads, was taken for a buffer forward
+    writes, and four stages were refused ('which forward writes'); spectral_norm's vectors, which
+    its power iteration writes in training, keep the module's calls in one stage."""
+    torch.manual_seed(0)
+    model, reference = twin(_CalledTwice())
+    for m in (model, reference):
+        getattr(nn.utils.parametrizations, kind)(m.a)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    if kind == "spectral_norm":
+        with pytest.raises(Exception, match="a.parametrizations.weight.0._u'?, which forward writes"):
+            compile_pipeline(model, x, ["cpu"] * 4, chunks=2)
+        return
+    pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=2)
+    assert len(pipe.plan.stages) == 4
+    assert_call_and_grads_equal(pipe, reference, x)
