@@ -73,11 +73,14 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
 
+    positional = _children(spec)[0].num_children
+
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
-            signature.bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
         except TypeError as error:
             raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
+        args, kwargs = _laid_out(bound, positional) or (args, kwargs)
         if set(kwargs) == set(order):  # keywords in another order are the same call
             kwargs = {key: kwargs[key] for key in order}
         leaves, called = tree_flatten((args, kwargs))
@@ -104,6 +107,27 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """A call's arguments laid out as the example's: its first `positional` parameters given by
+    position, the rest by keyword (`model(x, mask=m)` and `model(x=x, mask=m)` are one call).
+    None where the call cannot be (its first parameters not all given, extra positional ones)."""
+    named: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind == inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                return None
+        elif kind == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = [p.name for p in bound.signature.parameters.values() if p.kind in kinds][:positional]
+    if len(first) < positional or not all(name in named for name in first):
+        return None
+    return tuple(named.pop(name) for name in first), named
 
 
 def _kind(leaf: Any) -> str:
