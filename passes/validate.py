@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import os
 import re
@@ -28,6 +29,9 @@ _TOLERANCES = {
 }
 _LOW_PRECISION = (1e-2, 1e-3)
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# numpy's code: a frame there was called by the model's line, which is the one named.
+_NUMPY = importlib.util.find_spec("numpy")
+_NUMPY_DIR: Optional[str] = next(iter(_NUMPY.submodule_search_locations or []), None) if _NUMPY else None
 
 
 def check_graph(
@@ -287,5 +291,5 @@ def source_line(node: fx.Node) -> str:
 
 
 def _library(filename: str) -> bool:
-    """Code of torch's or fxpipe's, not the model's."""
-    return filename.startswith(_TORCH_DIR) or is_ours(filename)
+    """Code of torch's, numpy's or fxpipe's, not the model's."""
+    return filename.startswith(_TORCH_DIR) or bool(_NUMPY_DIR and filename.startswith(_NUMPY_DIR)) or is_ours(filename)

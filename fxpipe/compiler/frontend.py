@@ -304,8 +304,9 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     if "needs each input named" in fx_failure.detail:
         return (
             "How to fix: write the branch as tensor operations (torch.where) or with torch.cond, or turn off "
-            "what takes it (a random layer drop, say); or name forward's arguments, so that torch.fx traces "
-            "the model, and keep the module with the branch whole with leaf_modules=[...]."
+            "what takes it (a random layer drop, say), or compile the model in eval mode to run it there; or name "
+            "forward's arguments, so that torch.fx traces the model, and keep the module with the branch whole "
+            "with leaf_modules=[...]."
         )
     return (
         "How to fix: keep the module with data-dependent control flow (or with checks that "

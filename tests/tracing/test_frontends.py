@@ -1346,3 +1346,24 @@ def test_module_hooks_torch_export_would_run_once_are_refused_naming_each() -> N
                        r"How to fix: make the model traceable by torch.fx.*remove those hooks"):  # fmt: skip
         compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
 
+
+
+class MaskedWithNumpy(nn.Module):
+    """forward(*args), so torch.export captures it, and numpy fills a mask from a tensor, which
+    export's traced values cannot give it (Wav2Vec2's time masking)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        h = self.a(args[0])
+        mask = np.zeros((4, 6))
+        np.put_along_axis(mask, np.array([[h.shape[0] - 1]] * 4), 1, -1)  # a traced size: no integer array
+        return h * torch.as_tensor(mask, dtype=h.dtype)
+
+
+def test_the_line_named_for_an_error_raised_inside_numpy_is_the_models_own() -> None:
+    """Before, the 'at' line was numpy's own, a frame below the model's call."""
+    with pytest.raises(TraceError, match=r"torch.export: .*\n  - at .*test_frontends.py:\d+ \(np.put_along_axis\(mask"):
+        compile_pipeline(MaskedWithNumpy(), torch.randn(4, 6), ["cpu", "cpu"])
