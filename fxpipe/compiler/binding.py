@@ -13,7 +13,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from fxpipe.compiled.program import Binder, OtherCall
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.validate import check_graph
-from fxpipe.tracing.export import fixed_dims
+from fxpipe.tracing.export import fixed_dims, held_static
 
 MicroBatchCheck = Callable[[Sequence[dict[str, Any]]], None]
 
@@ -67,6 +67,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     names = [node.name for node in placeholders]
     arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
     fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
+    held = held_static(graphs[True])
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
     kinds = [_kind(leaf) for leaf in example]
     signature = inspect.signature(model.forward)
@@ -101,6 +102,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 (str(called), tuple(now)),
             )
         mode = model.training if model.training in graphs else True
+        _another_image_size(leaves, [f for f in fixed[mode] if f[:2] in held], arguments)
         _check_fixed(leaves, fixed[mode], arguments)
         if guards[mode] is not None:
             _check_guards(guards[mode], leaves, arguments)
@@ -145,6 +147,19 @@ def _arguments(spec: TreeSpec) -> str:
     positional, keywords = _children(spec)
     names = ", ".join(map(str, keywords.context or [])) or "none"
     return f"{positional.num_children} positional, keywords {names} (structure {spec})"
+
+
+def _another_image_size(leaves: list[Any], held: list[tuple[int, int, int]], arguments: list[str]) -> None:
+    """A call whose images have another size than the example's, which the graph holds: another
+    kind of call, compiled for its size."""
+    moved = {arguments[i]: tuple(leaves[i].shape) for i, d, size in held if leaves[i].dim() > d and leaves[i].shape[d] != size}
+    if moved:
+        raise OtherCall(
+            f"this call's images have another size than the example's ({', '.join(f'{n} {s}' for n, s in moved.items())}), "
+            "which the exported graph holds.\nHow to fix: compile a pipeline for each size, or call it with the "
+            "example's.",
+            ("image sizes", tuple(leaves[i].shape[d] if leaves[i].dim() > d else None for i, d, _ in held)),
+        )
 
 
 def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments: list[str]) -> None:

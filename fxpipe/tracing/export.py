@@ -53,8 +53,24 @@ def _hook_name(hook: Any) -> str:
 
 def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
     """Every dim of every tensor may vary (micro-batches are smaller than the example, sequence
-    lengths change from step to step); torch.export fixes those the model ties to a size."""
-    return tuple({d: Dim.AUTO for d in range(t.dim())} if isinstance(t, torch.Tensor) and t.dim() > 0 else None for t in leaves)
+    lengths change from step to step); torch.export fixes those the model ties to a size. An
+    image batch varies in its batch dim alone (`held_static`): symbolic heights and widths can
+    cost export minutes (a Swin's window arithmetic), and another size compiles stages for it."""
+    return tuple(
+        ({0: Dim.AUTO} if _image_batch(t) else {d: Dim.AUTO for d in range(t.dim())}) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+        for t in leaves
+    )
+
+
+def _image_batch(value: Any) -> bool:
+    """Floats of four dims or more: images (batch, channels, height, width), or volumes."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 4
+
+
+def held_static(gm: fx.GraphModule) -> set[tuple[int, int]]:
+    """(input leaf, dim) of each dim export was asked to keep at the example's size."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {(i, d) for i, node in enumerate(placeholders) if _image_batch(value := node.meta.get("val")) for d in range(1, value.dim())}
 
 
 def _strip(target: str) -> str:

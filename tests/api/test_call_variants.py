@@ -193,3 +193,28 @@ def test_an_exported_pipeline_takes_arguments_by_keyword_or_by_position_as_one_c
         batches = [({"x": x + k, "mode": "double", "extra": extra} if given == "by keyword" else (x + k, "double", extra), x) for k in range(3)]
         losses.append([float(loss) for loss in looped.train_steps(batches, loss_fn=nn.functional.mse_loss, optimizer=torch.optim.SGD(looped.parameters(), lr=0.1))])
     assert losses[0] == losses[1] and len(losses[0]) == 3
+
+
+class ConvStarArgs(nn.Module):
+    """A conv net whose forward takes *args: torch.export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(args[0]))).mean((2, 3))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_exported_pipeline_keeps_image_sizes_and_compiles_stages_for_another() -> None:
+    """Images vary in their batch dim alone: symbolic heights and widths cost torch.export
+    minutes on a tiny Swin (415 s to compile, 5 s now). A call with another image size compiles
+    stages for it, once."""
+    model, reference = twin(ConvStarArgs())
+    pipe = compile_pipeline(model, torch.randn(4, 3, 8, 8, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+    for shape in [(6, 3, 8, 8), (4, 3, 12, 10), (2, 3, 12, 10)]:
+        pipe.zero_grad()
+        reference.zero_grad()
+        assert_call_and_grads_equal(pipe, reference, torch.randn(*shape, dtype=torch.float64))
+    assert len(pipe._variants) == 1, "one pipeline for the images of 12 x 10"
