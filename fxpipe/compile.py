@@ -121,10 +121,11 @@ def _refuse_micro_batches_the_model_refuses(model: nn.Module, example: tuple[tup
             ) from e
 
 
-def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec) -> None:
-    """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence."""
+def _refuse_sequence_first(gm: fx.GraphModule, chunks: int, spec: ChunkSpec, inputs: tuple[Any, ...], dims: Dims) -> None:
+    """Micro-batches split inputs along dim 0; a sequence-first layer's dim 0 is the sequence,
+    unless the model feeds it the batch on dim 1 itself."""
     splits_elsewhere = any(dim not in (None, 0) for dim in spec.values())  # {"x": 1}
-    found = sequence_first_calls(gm) if chunks > 1 and not splits_elsewhere else []
+    found = sequence_first_calls(gm, inputs, dims) if chunks > 1 and not splits_elsewhere else []
     if found:
         raise ValueError(
             f"these modules take the batch along dim 1 (batch_first=False): {', '.join(found)}, and "
@@ -248,9 +249,10 @@ def compile_pipeline(
     traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
     # The passes run the graph: what a module called whole assigns (a call counter) is put back.
     with assignments_recorded(model):
-        _refuse_sequence_first(traced.graph, chunks, spec)
         bound = traced.bind(example_args, example_kwargs)
         inputs = tuple(bound.values())
+        split = spec_dims(signature, spec, example_args, example_kwargs)
+        _refuse_sequence_first(traced.graph, chunks, spec, inputs, split)
         slicing = None
         if sequence_chunks != 1:
             lined = functools.partial(trace, model, leaf_modules, record_lines=True, none=none_in(model, example_args, example_kwargs))
@@ -263,7 +265,6 @@ def compile_pipeline(
             except Exception:
                 refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
                 raise
-        split = spec_dims(signature, spec, example_args, example_kwargs)
         # One process may check micro-batches on its first call of two samples or more, where an
         # example of one has no halves; across processes every rank must refuse alike, here.
         checked = annotate_batch_dims(

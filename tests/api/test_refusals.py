@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fxpipe import PlacementError, compile_pipeline
-from helpers import X, FanOut, assert_grads_equal, twin
+from helpers import X, FanOut, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
 def test_empty_batch() -> None:
@@ -227,6 +227,37 @@ def test_a_sequence_first_layer_is_refused_when_micro_batches_would_split_its_se
     model = SequenceFirst()
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-6)
+
+
+class TransposedInside(nn.Module):
+    """Batch-first at its boundary, sequence-first inside: x.transpose(0, 1) feeds the layers."""
+
+    def __init__(self, layer: str) -> None:
+        super().__init__()
+        self.inp, self.out, self.recurrent = nn.Linear(5, 8), nn.Linear(8, 3), layer == "LSTM"
+        self.inner: nn.Module = nn.LSTM(8, 8) if self.recurrent else nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0), 1, enable_nested_tensor=False)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(self.inp(x).transpose(0, 1))
+        return self.out((h[0] if self.recurrent else h).transpose(0, 1))
+
+
+@pytest.mark.parametrize("layer", ["LSTM", "TransformerEncoder"])
+def test_a_sequence_first_layer_the_model_feeds_the_batch_on_dim_1_is_split_as_the_plain_model(layer: str) -> None:
+    """Before, any layer with batch_first=False was refused with chunks > 1, and its fix
+    (chunk_spec={'x': 1}) split this model's sequence."""
+    torch.manual_seed(0)
+    model, reference = twin(TransposedInside(layer))
+    x, y = torch.randn(8, 4, 5, dtype=torch.float64), torch.randn(8, 4, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    pipe.zero_grad()
+    reference.zero_grad()
+    loss, expected = pipe.train_step(x, target=y, loss_fn=nn.functional.mse_loss), nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
 
 
 class _SequenceFirstWithState(nn.Module):
