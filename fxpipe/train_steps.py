@@ -96,7 +96,7 @@ def _one_step(
     stepped = _failure_of(optimizer.step)
     failure = stepped if stepped is not None or after_step is None else _failure_of(after_step)
     try:
-        ran_on_every_rank(placement, "the optimizer's step or after_step", index, failure, "the optimizer's step" if stepped else "after_step")
+        ran_on_every_rank(placement, "the optimizer's step or after_step", index, failure, "the optimizer's step" if stepped is not None else "after_step")
     except BaseException as error:
         if stepped is not None:
             error.add_note(

@@ -73,7 +73,6 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     signature = inspect.signature(model.forward)
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
-
     positional = _children(spec)[0].num_children
 
     def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -209,7 +209,7 @@ class ConvStarArgs(nn.Module):
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 def test_an_exported_pipeline_keeps_image_sizes_and_compiles_stages_for_another() -> None:
     """Images vary in their batch dim alone: symbolic heights and widths cost torch.export
-    minutes on a tiny Swin (415 s to compile, 5 s now). A call with another image size compiles
+    minutes on a tiny Swin (437 s to compile, 61 s now, under one load). A call with another image size compiles
     stages for it, once."""
     model, reference = twin(ConvStarArgs())
     pipe = compile_pipeline(model, torch.randn(4, 3, 8, 8, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
