@@ -130,7 +130,10 @@ class PipelineCalls(nn.Module):
         if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
             program = self._check_micro_batches(values, dims, args, kwargs)
         compiled = self._compiled
-        return split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
+        call = split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
+        if compiled.check_length is not None:
+            compiled.check_length(call.micro_batches[0], self.training)
+        return call
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
         """How to split each input tensor that `chunk_spec` names, keyed by the tensor's id."""

@@ -253,10 +253,10 @@ def compile_pipeline(
         inputs = tuple(bound.values())
         split = spec_dims(signature, spec, example_args, example_kwargs)
         _refuse_sequence_first(traced.graph, chunks, spec, inputs, split)
-        slicing = None
+        slicing, check_length = None, None
         if sequence_chunks != 1:
             lined = functools.partial(trace, model, leaf_modules, record_lines=True, none=none_in(model, example_args, example_kwargs))
-            slicing = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
+            slicing, check_length = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         whole = run_whole(gm, inputs)  # the shapes, and the batch dims' run on the whole example
         if whole is None:
@@ -329,7 +329,7 @@ def compile_pipeline(
         plan, cuts, traced.bind, build, parsed, spec, deferred_batch_norm, placement, example_leaves(bound, split), traced.check_micro_batch,
         *_reads(traced), traced.eval_only,
     )
-    compiled.slicing = slicing
+    compiled.slicing, compiled.check_length = slicing, check_length
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
         warnings.warn(

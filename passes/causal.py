@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import replace
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -47,9 +47,9 @@ from fxpipe.passes.position_tags import (
 class _Prover(LayoutRules, fx.Interpreter):
     """Runs the graph on the example, tagging each value (module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, sequence_dim: int, length: int) -> None:
+    def __init__(self, gm: fx.GraphModule, sequence_dim: int, length: int, holding: Optional[Collection[str]] = None) -> None:
         super().__init__(gm)
-        self.gm, self.sequence_dim, self.length = gm, sequence_dim, length
+        self.gm, self.sequence_dim, self.length, self.holding = gm, sequence_dim, length, holding
         self.proof = Proof()
         self.problems: list[str] = []
         self.node: Optional[fx.Node] = None
@@ -93,6 +93,8 @@ class _Prover(LayoutRules, fx.Interpreter):
 
     def _input(self, n: fx.Node, value: Any) -> Any:
         d = self.sequence_dim
+        if self.holding is not None and n.name not in self.holding:
+            return None
         if isinstance(value, torch.Tensor) and value.dim() > d and value.shape[d] == self.length:
             self.proof.inputs[n.name] = d
             return Positions(((d, Q),))
@@ -358,17 +360,19 @@ def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 
     longest: Optional[CausalityError] = None
     for length in sorted(sizes, reverse=True):
         try:
-            return _proved_at(gm, inputs, sequence_dim, length)
+            return prove_causal_at(gm, inputs, sequence_dim, length)
         except CausalityError as error:
             longest = longest or error
     assert longest is not None
     raise longest
 
 
-def _proved_at(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int, length: int) -> Proof:
+def prove_causal_at(
+    gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int, length: int, holding: Optional[Collection[str]] = None,
+) -> Proof:
     """`prove_causal` with the sequence's length given: the inputs of that length along
-    `sequence_dim` hold it."""
-    prover = _Prover(gm, sequence_dim, length)
+    `sequence_dim` hold it (of those `holding` names, where given: a proof made before knows)."""
+    prover = _Prover(gm, sequence_dim, length, holding)
     with torch.no_grad(), preserved(gm):
         out = prover.run(*inputs)
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -340,6 +340,9 @@ class Compiled:
     unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
     # How each call's micro-batches are cut into slices of their sequence; None: they are not.
     slicing: Optional[SliceSpec] = None
+    # With slicing: the proof of causality run again on a micro-batch (inputs by name) of a length
+    # it has not run at, in the mode given (True: training), refusing where it fails.
+    check_length: Optional[Callable[[dict[str, Any], bool], None]] = None
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:
@@ -362,5 +365,5 @@ class Compiled:
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
-            slicing=self.slicing,
+            slicing=self.slicing, check_length=self.check_length,
         )  # fmt: skip

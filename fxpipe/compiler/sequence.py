@@ -13,10 +13,10 @@ from fxpipe.compiled.plan import StagePlan, human_bytes
 from fxpipe.compiler.traced import Traced
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.causal import prove_causal
+from fxpipe.passes.causal import prove_causal, prove_causal_at
 from fxpipe.passes.position_tags import CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
-from fxpipe.passes.shapes import FlopCount
+from fxpipe.passes.shapes import FlopCount, small_on_cpu
 from fxpipe.schedules.slices import SliceSpec
 
 SequenceChunks = Union[int, str, Sequence[int]]
@@ -47,16 +47,21 @@ def _lengths(chunks: Any) -> bool:
     return isinstance(chunks, (list, tuple)) and bool(chunks) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunks)
 
 
-def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule]) -> SliceSpec:
+def slice_graphs(
+    traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule],
+) -> tuple[SliceSpec, LengthCheck]:
     """Rewrite `traced`'s graphs (each mode's) to run one slice of the sequence, once each is
     proved causal and its slices computed what the whole example does; raises CausalityError,
-    naming each op and its line (from `lined`, the model traced again with lines), otherwise."""
+    naming each op and its line (from `lined`, the model traced again with lines), otherwise.
+    With the spec, the check that proves each mode's graph again at a call's other length."""
     outputs: dict[str, tuple[Optional[int], ...]] = {}
     spec: Optional[SliceSpec] = None
+    whole: dict[bool, fx.GraphModule] = {}
     for attr in ("graph", "eval_graph"):
         gm = getattr(traced, attr)
         if gm is None:
             continue
+        whole[attr == "graph"] = gm
         try:
             proof = prove_causal(gm, inputs, dim)
         except CausalityError as error:
@@ -76,7 +81,35 @@ def slice_graphs(traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks
         setattr(traced, attr, sliced)
         spec = spec or made
     assert spec is not None
-    return spec
+    return spec, length_check(whole, spec, example_length(spec, dict(zip(_placeholders(next(iter(whole.values()))), inputs))))
+
+
+LengthCheck = Callable[[dict[str, Any], bool], None]
+
+
+def length_check(graphs: dict[bool, fx.GraphModule], spec: SliceSpec, example: int) -> LengthCheck:
+    """The proof again, on a micro-batch (inputs by name) of a length it has not run at, once per
+    length and mode (its graph, before slicing): a table of the length's size read from a buffer
+    (a mask narrowed to the length) may be causal at the example's length and not at another.
+    A graph that cannot run here (on the meta device, too large) keeps the example's proof."""
+    proved = {(mode, example) for mode in graphs}
+
+    def check(values: dict[str, Any], training: bool) -> None:
+        mode = training if training in graphs else next(iter(graphs))
+        length = example_length(spec, values)
+        inputs = tuple(values.values())
+        if (mode, length) in proved or not small_on_cpu(graphs[mode], inputs):
+            return
+        try:
+            prove_causal_at(graphs[mode], inputs, spec.dim, length, holding=set(spec.inputs))
+        except CausalityError as error:
+            raise CausalityError(
+                [f"at this call's length, {length} (the example's was {example}): {p}" for p in error.problems],
+                fix=f"call it with sequences of the example's length, {example}, or compile for this one; or sequence_chunks=1.",
+            ) from None
+        proved.add((mode, length))
+
+    return check
 
 
 def _exported(why: str) -> str:

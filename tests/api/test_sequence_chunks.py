@@ -17,7 +17,7 @@ from torch import nn
 
 from dag_models import delayed_loop
 from helpers import assert_call_and_grads_equal, assert_grads_equal, twin
-from sequence_models import RotaryGPT, SdpaGPT, Wrapped, tokens
+from sequence_models import VOCAB, RotaryGPT, SdpaGPT, Wrapped, tokens
 from fxpipe import Pipeline, compile_pipeline
 from fxpipe.passes.position_tags import CausalityError
 
@@ -482,3 +482,39 @@ def test_a_train_step_under_autocast_computes_as_the_plain_model_in_bfloat16() -
     for (n, p), q in zip(model.named_parameters(), plain.parameters()):
         assert p.grad is not None and q.grad is not None
         assert (p.grad - q.grad).abs().max().item() <= 0.05 * (q.grad.abs().max().item() or 1.0), n
+
+
+class _CausalUpTo(nn.Module):
+    """Attention masked with a buffer narrowed to the length, causal for the first `causal`
+    queries only: from there on a query reads every key."""
+
+    def __init__(self, causal: int) -> None:
+        super().__init__()
+        self.tok, self.qkv, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        keep = torch.ones(48, 48, dtype=torch.bool).tril()
+        keep[causal:, :] = True
+        self.keep: torch.Tensor
+        self.register_buffer("keep", keep)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~self.keep[:t, :t], float("-inf"))
+        return self.head(x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> None:
+    """Before, the proof ran at the example's length alone: a mask causal there and not beyond
+    ran a call of 24 positions in slices, 0.107 off the plain model, with no error."""
+    torch.manual_seed(0)
+    model, reference = twin(_CausalUpTo(causal=14))
+    pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    for length in (12, 9, 14):  # causal at each
+        assert_call_and_grads_equal(pipe, reference, tokens(2, length, seed=length))
+    with pytest.raises(CausalityError, match=r"(?s)at this call's length, 24 \(the example's was 12\): .*not masked causally.*"
+                       r"How to fix: call it with sequences of the example's length, 12"):  # fmt: skip
+        pipe(tokens(2, 24))
+    with pytest.raises(CausalityError, match="at this call's length, 24"):  # refused again, not proved once and let through
+        pipe.train_step(tokens(2, 24), target=tokens(2, 24, seed=3), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+    assert all(p.grad is None or torch.equal(p.grad, q.grad) for p, q in zip(pipe.parameters(), reference.parameters()))
