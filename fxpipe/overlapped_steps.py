@@ -26,6 +26,7 @@ from typing import Any, Callable, Generator, Iterator, Optional
 import torch
 
 from fxpipe.compiled.program import OtherCall, Program
+from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
@@ -109,8 +110,9 @@ class _Overlap:
         index, started, failure = self.read, None, None
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
-                batch = next(batches, None)
-                started = None if batch is None else self._made(batch)
+                with drawing_between_compiles():  # the caller's iterable and the step's seed may draw
+                    batch = next(batches, None)
+                    started = None if batch is None else self._made(batch)
             except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
                 if self.ranks is None:
                     raise
@@ -247,7 +249,8 @@ class _Overlap:
         if self.ranks is None:
             self._settled(index, flight, after_step)
             input_grads = flight.step._caller_input_grads()
-            total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
+            with drawing_between_compiles():  # a loss function may draw
+                total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:
             input_grads, (total, grads, parts) = [], self._agreed(index, flight, after_step)
@@ -301,7 +304,8 @@ class _Overlap:
             self._settled(index, flight, after_step)
             if program.layout.ranks[program.layout.loss_stage] == self.ranks.me:
                 before = torch.get_rng_state()
-                loss = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)[0].detach()
+                with drawing_between_compiles():
+                    loss = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)[0].detach()
                 after = torch.get_rng_state()
                 drawn = None if torch.equal(after, before) else after
             grads = parameter_grads(program, flight.step, params)

@@ -23,7 +23,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -144,6 +144,11 @@ class _CompileLock:
                 self._running -= 1
                 self._cond.notify_all()
 
+    # The caller's thread drawing from torch's default generator while stages run (a batch the
+    # caller's iterable makes, a step's seed, a loss): dynamo puts that generator back as it was
+    # when a compile began, which would take back a draw made meanwhile. No draw falls inside one.
+    drawing = running
+
     @contextmanager
     def compiling(self) -> Iterator[None]:
         with self._cond:
@@ -160,6 +165,11 @@ class _CompileLock:
 
 
 _LOCK = _CompileLock()
+
+
+def drawing_between_compiles() -> ContextManager[None]:
+    """The caller's thread may draw from torch's default generator: no stage compiles meanwhile."""
+    return _LOCK.drawing()
 _NESTED_TRACE = "FX to symbolically trace a dynamo-optimized function"
 
 

@@ -7,9 +7,11 @@ tests, which move it between schedules and checkpoint modes (its graphs do not d
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -348,3 +350,36 @@ def test_stages_whose_outputs_are_static_memory_hand_out_their_own_values() -> N
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
 
+
+
+def test_a_2bw_loop_draws_its_batches_between_the_compiles_of_its_stages() -> None:
+    """dynamo puts torch's default generator back as it was when a compile began: a batch the
+    caller's iterable drew while a stage compiled on its worker came again as the next one
+    (batch 2 equal to batch 1, losses 0.75 off). The iterable here draws as soon as a compile
+    has begun (or after a second): the loop makes it wait until the compile is done."""
+    begun = threading.Event()
+
+    def slow(gm: torch.fx.GraphModule, inputs: Any) -> Callable[..., Any]:
+        begun.set()
+        time.sleep(0.5)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    pipe = compile_pipeline(model, torch.randn(8, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=4, schedule="2bw", compile_stages={"backend": slow})
+    drawn: list[torch.Tensor] = []
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index in range(4):
+            if index:
+                begun.wait(1.0)
+            x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+            drawn.append(x)
+            yield x, y
+
+    torch.manual_seed(5)
+    list(pipe.train_steps(batches(), loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    g = torch.Generator().manual_seed(5)
+    expected = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 3, dtype=torch.float64, generator=g))[0] for _ in range(4)]
+    assert all(torch.equal(a, b) for a, b in zip(drawn, expected)), "a batch was drawn again"
+    pipe.close()
