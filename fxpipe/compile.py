@@ -31,7 +31,7 @@ from fxpipe.core.attrs import tensors_read
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
-from fxpipe.distributed.ranks import check_same_plan, connect, placement_of
+from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
@@ -339,7 +339,8 @@ def compile_pipeline(
         )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]
-        check_same_plan(plan, placement, freed_needed(model, read_here), unfillable(model, read_here))
+        computes = [what_it_computes(gm, run) for run in runs]
+        check_same_plan(plan, placement, freed_needed(model, read_here), unfillable(model, read_here), computes)
         connect(placement)
         for stage in plan.stages:
             stage.device = f"rank {placement.ranks[ranks[stage.index]]} {stage.device}"

@@ -356,7 +356,8 @@ class Pipeline(PipelineCalls):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """The model's state under its own keys; across processes, this rank takes its part of a
         whole model's state dict (keys of other ranks' stages are not unexpected). With `assign`,
-        the stages are built again on the tensors put in place."""
+        the stages are built again on the tensors put in place (across processes, on every rank:
+        the ranks agree on what each keeps)."""
         self._refuse_while_steps_overlap("load_state_dict()")
         if self.__dict__.get("_channel") is None:
             result = super().load_state_dict(state_dict, strict, assign)
@@ -372,8 +373,11 @@ class Pipeline(PipelineCalls):
                 f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
             )
         super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
-        if assign:
+        if assign:  # tensors put in place that this rank's stages no longer read (a tie undone) go, as at compile
             self._build()
+            placement = self._compiled.placement
+            assert placement is not None
+            keep_local_state(self._owner, list(self._programs.values()), placement)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _elsewhere(self, tensor: torch.Tensor) -> bool:

@@ -244,14 +244,16 @@ def unfillable_across(rank: int, world: int) -> str:
 
 
 def mismatched_plans(rank: int, world: int) -> list[str]:
-    """Ranks that compile different models (cut elsewhere; a layer wider on one rank): every
-    rank raises, naming what differs."""
+    """Ranks that compile different models (cut elsewhere; a layer wider on one rank; other
+    settings of the same layers): every rank raises, naming what differs."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     x = torch.randn(8, 6, dtype=torch.float64)
     width = 8 if rank == 1 else 6
     wider = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 6)).double()
+    # the same nodes and parameters, other settings: LayerNorm's eps, GELU's approximate=
+    settings = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6, eps=0.5 if rank else 1e-5), nn.GELU("tanh" if rank else "none"), nn.Linear(6, 6)).double()
     found = []
-    for model, splits in [(FanOut().double(), ["layers.2"] if rank == 0 else ["layers.4"]), (wider, ["2"])]:
+    for model, splits in [(FanOut().double(), ["layers.2"] if rank == 0 else ["layers.4"]), (wider, ["2"]), (settings, ["2"])]:
         try:
             compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=splits)
             found.append("no error")
@@ -1891,3 +1893,27 @@ def one_rank_failing_in_the_loop(rank: int, world: int) -> dict[str, Any]:
                 held[updates] = max(_held_here(pipe, plain).values())
             found[f"{schedule} {what}"] = dict(error=error, given=len(losses), seconds=seconds, held=held)
     return found
+
+
+def assigned_apart(rank: int, world: int) -> dict[str, Any]:
+    """A weight tied across two ranks, loaded with `assign=True` (which unties it, as in plain
+    PyTorch), then a step: the keys each rank's state dict holds, and how far each is from the
+    plain model loaded and stepped alike."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    whole = {k: v.clone() + 0.5 for k, v in TiedEnds().double().state_dict().items()}
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(TiedEnds().double(), x, mesh=mesh, chunks=2, split_points=["b"], timeout=60)
+    pipe.load_state_dict({k: v.clone() for k, v in whole.items()}, assign=True)
+    plain = TiedEnds().double()
+    plain.load_state_dict({k: v.clone() for k, v in whole.items()}, assign=True)
+    for model in (pipe, plain):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        if model is pipe:
+            pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+        else:
+            F.mse_loss(plain(x), y).backward()
+        optimizer.step()
+    expected = plain.state_dict()
+    held = {k: v for k, v in pipe.state_dict().items() if v.device.type != "meta"}
+    return {"keys": sorted(held), "apart": {k: _max_diff(v, expected[k]) for k, v in held.items()}}

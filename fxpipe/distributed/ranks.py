@@ -25,6 +25,7 @@ from torch import nn
 from fxpipe.compiled.materialize import freed_refusal, mark_freed, release_for_swap, unfillable_refusal
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
+from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.edges import CALLER
 from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
 from fxpipe.distributed.channel import Channel
@@ -146,23 +147,55 @@ def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
         node.meta["time"] = seconds
 
 
-def plan_parts(plan: Plan) -> dict[str, str]:
+def plan_parts(plan: Plan, computes: Sequence[str] = ()) -> dict[str, str]:
     """What every rank's plan must agree on, by part, each as a short digest: the stages' nodes
-    and parameter bytes (a layer built wider on one rank), and what travels. Not the shapes of
+    and parameter bytes (a layer built wider on one rank), what each computes (`computes`, by
+    stage: a constant, an option, a module's settings), and what travels. Not the shapes of
     what travels: data-parallel replicas may compile with shares of different sizes."""
     parts = {
         "options": repr((plan.chunks, plan.checkpoint, plan.schedule, plan.ranks)),
         "edges": repr([(e.value, e.src, e.dst, e.kind, e.dtype) for e in plan.edges]),
-        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs, s.param_bytes)) for s in plan.stages},
+        **{f"stage {s.index}": repr((s.nodes, s.inputs, s.outputs, s.param_bytes, computes[s.index] if computes else ""))
+           for s in plan.stages},  # fmt: skip
     }
     return {name: hashlib.sha256(text.encode()).hexdigest()[:16] for name, text in parts.items()}
 
 
-def check_same_plan(plan: Plan, placement: RankPlacement, freed: Sequence[str] = (), unfilled: Sequence[str] = ()) -> None:
+def what_it_computes(gm: fx.GraphModule, run: Sequence[fx.Node]) -> str:
+    """Each node's op, target and arguments (nodes by name, other values as plain data or their
+    type), and the settings of each module it calls: the same on every rank given the same model,
+    whatever the values of its tensors."""
+    return repr([
+        (node.op, _named(node.target), fx.node.map_aggregate((node.args, node.kwargs), _plain),
+         str(fetch_attr(gm, str(node.target))) if node.op == "call_module" else "")
+        for node in run
+    ])  # fmt: skip
+
+
+def _named(target: Any) -> str:
+    return target if isinstance(target, str) else f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format, type(Ellipsis))
+
+
+def _plain(value: Any) -> Any:
+    """A node by name, plain data as it is, anything else by its type (its repr may hold an address)."""
+    if isinstance(value, fx.Node):
+        return value.name
+    if isinstance(value, slice):
+        return (value.start, value.stop, value.step)
+    return value if isinstance(value, _PLAIN) else type(value).__qualname__
+
+
+def check_same_plan(
+    plan: Plan, placement: RankPlacement, freed: Sequence[str] = (), unfilled: Sequence[str] = (), computes: Sequence[str] = (),
+) -> None:
     """Every rank of the world compiled the same plan, and can make its stages (`freed`: the
     tensors they read that an earlier compile freed here; `unfilled`: buffers of a model built on
-    the meta device that nothing can fill); else one error on every rank."""
-    mine = plan_parts(plan)
+    the meta device that nothing can fill; `computes`: `what_it_computes` of each stage); else
+    one error on every rank."""
+    mine = plan_parts(plan, computes)
     every = gathered((mine, list(freed), list(unfilled)), placement, "comparing the plans")
     first = every[0][0]
     problems = []

@@ -27,6 +27,12 @@ class SliceGrid:
     def __init__(self, rows: Sequence[dict[str, Any]], spec: SliceSpec) -> None:
         self.spec, self.rows, self.rows_values = spec, len(rows), list(rows)
         self.length = _length(rows[0], spec)
+        if isinstance(spec.chunks, int) and spec.chunks > self.length:
+            raise ValueError(
+                f"this call's sequence has {self.length} positions, fewer than the sequence_chunks={spec.chunks} slices "
+                f"each sequence is cut into.\nHow to fix: give sequences of {spec.chunks} positions or more, or compile "
+                "with sequence_chunks='auto', which cuts each length its own way."
+            )
         self.lengths = spec.lengths(self.length)
         self.starts = [sum(self.lengths[:k]) for k in range(len(self.lengths))]
         self.micro_batches = [

@@ -518,3 +518,14 @@ def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> Non
     with pytest.raises(CausalityError, match="at this call's length, 24"):  # refused again, not proved once and let through
         pipe.train_step(tokens(2, 24), target=tokens(2, 24, seed=3), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
     assert all(p.grad is None or torch.equal(p.grad, q.grad) for p, q in zip(pipe.parameters(), reference.parameters()))
+
+
+def test_a_call_shorter_than_the_count_of_slices_says_so_with_the_fix() -> None:
+    """Before, it raised the compile-time message ('cannot cut a sequence of 3 positions: give 1
+    to 3'), which a caller cannot act on."""
+    torch.manual_seed(0)
+    model, reference = twin(SdpaGPT())
+    with closing(compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=4)) as pipe:
+        with pytest.raises(ValueError, match=r"sequence has 3 positions, fewer than the sequence_chunks=4 slices.*\nHow to fix: give sequences of 4"):
+            pipe(tokens(2, 3))
+        assert_call_and_grads_equal(pipe, reference, tokens(2, 5))

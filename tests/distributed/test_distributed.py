@@ -224,10 +224,12 @@ def test_a_meta_model_with_a_buffer_no_checkpoint_holds_is_refused_on_every_rank
 
 
 def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
-    for cut_elsewhere, wider in results_of(spawn_ranks(cases.mismatched_plans, 2, timeout=120)):
+    for cut_elsewhere, wider, settings in results_of(spawn_ranks(cases.mismatched_plans, 2, timeout=120)):
         assert "compiled different plans" in cut_elsewhere and "stage 0" in cut_elsewhere and "How to fix" in cut_elsewhere, cut_elsewhere
         # Before, a layer wider on one rank compiled, and failed at the first step on a shape.
         assert "rank 1 differs from rank 0 in: stage 0, stage 1" in wider, wider
+        # Before, other settings compiled and trained a mix of the two ranks' models, with no error.
+        assert "rank 1 differs from rank 0 in: stage 0, stage 1" in settings, settings
 
 
 def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> None:
@@ -580,3 +582,14 @@ def test_a_loop_failing_on_one_rank_in_the_callers_code_or_the_optimizer_stops_e
             assert found["held"][updates] <= TOL, (rank, what, found)  # the plain loop's parameters after those updates
             given = 1 if what == "after_backward" or schedule == "1f1b" else 2
             assert found["given"] == given, (rank, what, found)
+
+
+def test_a_weight_tied_across_ranks_loaded_with_assign_is_held_by_the_rank_that_reads_each_copy() -> None:
+    """Before, both ranks kept real tensors for both untied copies, each training the one its
+    stage reads: every rank's state dict (and a DCP checkpoint of them) held a stale copy."""
+    keys, held = set(), []
+    for report in results_of(spawn_ranks(cases.assigned_apart, 2, timeout=120)):
+        held.append(report["keys"])
+        keys.update(report["keys"])
+        assert max(report["apart"].values()) <= TOL, report
+    assert {"a.weight", "c.weight"} <= keys and not set(held[0]) & set(held[1]), held  # each key on one rank
