@@ -31,6 +31,7 @@ from torch import nn
 from torch.fx.graph_module import _forward_from_src
 from torch.utils._pytree import tree_map_only
 
+from fxpipe.core.eager_calls import EAGER_IN_COMPILED
 from fxpipe.core.randomness import DRAWS, MARKERS
 
 # What `compile_stages={...}` may hold: torch.compile's own arguments, passed through.
@@ -96,25 +97,30 @@ def _calling_context(training: bool) -> Hashable:
 
 
 @cache
-def _eager_draws() -> dict[Callable[..., Any], Callable[..., Any]]:
-    """Each draw, as dynamo runs it: outside the graph. Made on first use, since disabling
-    imports dynamo, a second or more that `import fxpipe` need not pay."""
-    return {f: torch.compiler.disable(f) for f in DRAWS}
+def _eager(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` (a draw, or the runtime's own bookkeeping) as dynamo runs it: outside the
+    graph. Made on first use, since disabling imports dynamo, a second or more that `import
+    fxpipe` need not pay."""
+    return torch.compiler.disable(function)
 
 
 def stage_forward(module: fx.GraphModule, draws: bool) -> Callable[..., Any]:
     """The stage's forward for the steps that draw, with its draws (`DRAWS`) run outside
     the compiled graph (dynamo breaks the graph at each, in the stage's own frame); or for the
-    others, without the marks of unseen draws (`MARKERS`), which would break it for nothing."""
+    others, without the marks of unseen draws (`MARKERS`), which would break it for nothing.
+    The runtime's own calls (`EAGER_IN_COMPILED`: a deferred BatchNorm) run outside it in both."""
     graph = fx.Graph()
     graph._codegen = module.graph._codegen
     graph.output(graph.graph_copy(module.graph, {}))
-    eager = _eager_draws()
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in eager:
+        if node.op != "call_function":
             continue
-        if draws:
-            node.target = eager[node.target]
+        if node.target in EAGER_IN_COMPILED:
+            node.target = _eager(node.target)
+        elif node.target not in DRAWS:
+            continue
+        elif draws:
+            node.target = _eager(node.target)
         elif node.target in MARKERS:
             graph.erase_node(node)
     code = graph.python_code(root_module="self")

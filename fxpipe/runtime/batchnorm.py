@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.core.attrs import submodule_or_none
+from fxpipe.core.eager_calls import runs_eagerly
 from fxpipe.runtime.checkpoint import is_recomputing
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
@@ -109,6 +110,7 @@ class _Collecting:
         _local.stats = self.previous
 
 
+@runs_eagerly  # under compile_stages: its record and its thread's statistics stay out of the graph
 def batch_norm_deferred(module: _BatchNorm, x: torch.Tensor, site: Site) -> torch.Tensor:
     """A BatchNorm call whose running statistics are updated later, for the whole batch."""
     stats: Optional[BatchStatistics] = getattr(_local, "stats", None)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -181,7 +181,10 @@ def test_an_exported_pipeline_takes_arguments_by_keyword_or_by_position_as_one_c
     model, reference = twin(Moded())
     x, extra = X.double(), torch.rand(4, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, "double"), ["cpu", "cpu"], chunks=2, example_kwargs={"extra": extra})
-    for args, kwargs in [((), {"x": x, "mode": "double", "extra": extra}), ((x, "double", extra), {}), ((x,), {"extra": extra, "mode": "double"})]:
+    calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        ((), {"x": x, "mode": "double", "extra": extra}), ((x, "double", extra), {}), ((x,), {"extra": extra, "mode": "double"}),
+    ]
+    for args, kwargs in calls:
         pipe.zero_grad()
         reference.zero_grad()
         assert_call_and_grads_equal(pipe, reference, *args, **kwargs)

@@ -517,7 +517,7 @@ def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> Non
         pipe(tokens(2, 24))
     with pytest.raises(CausalityError, match="at this call's length, 24"):  # refused again, not proved once and let through
         pipe.train_step(tokens(2, 24), target=tokens(2, 24, seed=3), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
-    assert all(p.grad is None or torch.equal(p.grad, q.grad) for p, q in zip(pipe.parameters(), reference.parameters()))
+    assert all(p.grad is None for p in pipe.parameters()), "nothing ran"
 
 
 def test_a_call_shorter_than_the_count_of_slices_says_so_with_the_fix() -> None:

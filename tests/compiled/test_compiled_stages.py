@@ -383,3 +383,26 @@ def test_a_2bw_loop_draws_its_batches_between_the_compiles_of_its_stages() -> No
     expected = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 3, dtype=torch.float64, generator=g))[0] for _ in range(4)]
     assert all(torch.equal(a, b) for a, b in zip(drawn, expected)), "a batch was drawn again"
     pipe.close()
+
+
+def test_deferred_batch_norm_runs_outside_the_compiled_graph_with_no_recompile() -> None:
+    """Before, dynamo traced the runtime's deferred BatchNorm: it guarded on the thread's batch
+    statistics and compiled stages again for them, warning the caller of a guard on fxpipe's own
+    state, and its frames, shared by every BatchNorm, hit the recompile limit at eight widths."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for i in range(10) for m in (nn.Linear(6 + i, 7 + i), nn.BatchNorm1d(7 + i), nn.Tanh())]).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipes = [compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=4, deferred_batch_norm=True, compile_stages=c)
+             for c in ({"backend": "aot_eager"}, False)]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for pipe in pipes:
+                pipe(x).square().sum().backward()
+    assert not [w for w in caught if "compiled again" in str(w.message)], [str(w.message)[:120] for w in caught]
+    compiled, eager = pipes
+    assert all(s.recompiles == [] for s in compiled.compile_stats()), compiled.compile_stats()
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+    for (name, buffer), other in zip(compiled.named_buffers(), eager.buffers()):
+        torch.testing.assert_close(buffer, other, rtol=0, atol=0, msg=name)
