@@ -222,16 +222,16 @@ class _Prover(LayoutRules, fx.Interpreter):
         first = tags[0] if isinstance(tags[0], Positions) else None
         before = first.masked if first is not None else ""
         if key in ("masked_fill", torch.masked_fill):
-            fill = args[2]
+            fill = _number(args[2])
             hides = future_all(args[1], value.shape, q, k)
             if hides and isinstance(fill, (int, float)) and fill == 0:
                 return ZERO
-            return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= -1e4 else before if hides else ""
+            return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= _HIDDEN else before if hides else ""
         if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool:
-            other = args[2] if len(args) > 2 else None
+            other = _number(args[2]) if len(args) > 2 else None
             hides = future_all(~args[0], value.shape, q, k)
             if hides and isinstance(other, (int, float)):
-                return ZERO if other == 0 else MINUS_INF if other <= -1e4 else ""
+                return ZERO if other == 0 else MINUS_INF if other <= _HIDDEN else ""
             return ""
         if key in KEEPS_MASK:
             return before
@@ -246,7 +246,8 @@ class _Prover(LayoutRules, fx.Interpreter):
             added = [o for o, t in operands if t is not first]
             if before == MINUS_INF:
                 return MINUS_INF
-            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o == float("-inf"), value.shape, q, k) for o in added):
+            # -inf, or a finite fill that no score outweighs (torch.finfo(dtype).min, -1e9): softmax gives it 0
+            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o <= _HIDDEN, value.shape, q, k) for o in added):
                 return MINUS_INF
         return ""
 
@@ -345,6 +346,14 @@ class _Prover(LayoutRules, fx.Interpreter):
         assert isinstance(source, fx.Node)
         self.proof.carries.setdefault((source.name, dim), []).append((n.name, argument))
 
+
+
+_HIDDEN = -1e4  # a score this far below any other has a softmax weight of exactly 0 (exp underflows)
+
+
+def _number(value: Any) -> Any:
+    """A fill given as a tensor of one element (a buffer holding -1e9), as the number it holds."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
 def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 1) -> Proof:

@@ -529,3 +529,40 @@ def test_a_call_shorter_than_the_count_of_slices_says_so_with_the_fix() -> None:
         with pytest.raises(ValueError, match=r"sequence has 3 positions, fewer than the sequence_chunks=4 slices.*\nHow to fix: give sequences of 4"):
             pipe(tokens(2, 3))
         assert_call_and_grads_equal(pipe, reference, tokens(2, 5))
+
+
+class _FiniteMask(nn.Module):
+    """Causal attention masked with a finite fill no score outweighs: an additive buffer of
+    torch.finfo(float32).min above the diagonal (Hugging Face's way), or masked_fill with a fill
+    held in a tensor."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.tok, self.qkv, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.keep: torch.Tensor
+        self.bias: torch.Tensor
+        self.register_buffer("keep", torch.ones(48, 48, dtype=torch.bool).tril())
+        self.register_buffer("bias", torch.full((48, 48), torch.finfo(torch.float32).min).triu(1))
+        self.register_buffer("fill", torch.tensor(-1e9))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / 8**0.5
+        if self.kind == "additive":
+            scores = scores + self.bias[:t, :t]
+        else:
+            scores = scores.masked_fill(~self.keep[:t, :t], self.fill)
+        return self.head(x + (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("kind", ["additive", "tensor fill"])
+def test_a_causal_mask_of_a_large_finite_fill_is_proved_and_computes_the_plain_model(kind: str) -> None:
+    """Before, both were refused as 'bidirectional attention' (a fill of -inf, or a number, was not)."""
+    torch.manual_seed(0)
+    model, reference = twin(_FiniteMask(kind))
+    with closing(compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:
+        for length in (12, 7):
+            assert_call_and_grads_equal(pipe, reference, tokens(2, length, seed=length))
