@@ -176,7 +176,7 @@ class _Prover(LayoutRules, fx.Interpreter):
                 "would build for its own positions alone: register it as a buffer and narrow it to the length, "
                 "or compare two aranges"
             )
-        raise Refused("this check does not know how it reads positions")
+        raise Refused("this check does not know how it reads positions" + _KNOWN_FORMS.get(getattr(key, "__name__", key), ""))
 
     def _only_first(self, tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:
         if not isinstance(tags[0], Positions) or tags_in((tags[1:], kwtags)):
@@ -347,6 +347,14 @@ class _Prover(LayoutRules, fx.Interpreter):
         self.proof.carries.setdefault((source.name, dim), []).append((n.name, argument))
 
 
+
+# Ops the proof does not know, each with a form it knows that computes the same.
+_KNOWN_FORMS = {
+    "repeat_interleave": " (repeat heads as x[:, :, None].expand(b, h, n, t, d).reshape(b, h * n, t, d))",
+    "repeat": " (repeat heads as x[:, :, None].expand(b, h, n, t, d).reshape(b, h * n, t, d))",
+    "outer": " (write it as a broadcast product: positions[:, None] * frequencies[None, :])",
+    "einsum": " (write it with matmul, or as a broadcast product: positions[:, None] * frequencies[None, :])",
+}
 
 _HIDDEN = -1e4  # a score this far below any other has a softmax weight of exactly 0 (exp underflows)
 

@@ -57,7 +57,7 @@ class LayoutRules:
         items = list(index) if isinstance(index, tuple) else [index]
         item_tags = list(index_tags) if isinstance(index_tags, tuple) else [index_tags]
         if any(isinstance(i, (torch.Tensor, list)) for i in items):
-            raise Refused("indexing by tensors")
+            raise Refused("indexing by tensors (a table read by position: cut it with table[:T], or look it up with F.embedding(positions, table))")
         if Ellipsis in items:
             at = items.index(Ellipsis)
             fill = x.dim() - sum(1 for i in items if i is not None and i is not Ellipsis)
@@ -120,7 +120,7 @@ class LayoutRules:
             variable = self.proof.new_variable()
             self.proof.tables[n.name] = [(variable, 0)]
             return Positions(((0, variable),))
-        raise Refused("an arange made from the sequence's length other than arange(T) (or arange(0, T))")
+        raise Refused("an arange made from the sequence's length other than arange(T) (or arange(0, T), with no step)")
 
     # -- reshapes -------------------------------------------------------------------------
     def _reshaped(self, tag: Any, x: torch.Tensor, out: torch.Tensor) -> Positions:

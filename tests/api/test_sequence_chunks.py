@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pathlib
+import re
 import sys
 from contextlib import closing
 from typing import Any, Callable, Union
@@ -566,3 +567,28 @@ def test_a_causal_mask_of_a_large_finite_fill_is_proved_and_computes_the_plain_m
     with closing(compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:
         for length in (12, 7):
             assert_call_and_grads_equal(pipe, reference, tokens(2, length, seed=length))
+
+
+class _Unknown(nn.Module):
+    """Causal, through ops the proof has no rules for: heads repeated by repeat_interleave,
+    rotary angles by torch.outer."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.tok, self.qkv, self.head = kind, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.kind == "repeat_interleave":
+            k, v = k[:, :1].repeat_interleave(2, dim=1), v[:, :1].repeat_interleave(2, dim=1)
+        else:
+            q = q * torch.outer(torch.arange(t).to(x.dtype), torch.ones(8, dtype=x.dtype)).cos()
+        return self.head(x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("kind,form", [("repeat_interleave", "expand(b, h, n, t, d).reshape"), ("outer", "positions[:, None] * frequencies")])
+def test_an_op_the_proof_does_not_know_is_refused_with_a_form_it_knows(kind: str, form: str) -> None:
+    with pytest.raises(CausalityError, match=rf"{kind} .*does not know how it reads positions \(.*{re.escape(form)}"):
+        compile_pipeline(_Unknown(kind).double(), tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
