@@ -195,15 +195,18 @@ class Pipeline(PipelineCalls):
         run.differentiable = lambda name: differentiable(program, call.values, name)
         return run_with_autograd(run)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: Optional[bool] = None,
+    ) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` over the model's parameters, by the norm of all of
         their gradients; returns that norm. In one process it is that function on
         `pipe.parameters()`. Across processes, where each rank holds its own stages' parameters,
         the norm is every rank's gradients together (a tied weight counted once), the same on
-        every rank, and each rank scales its own: call it on every rank."""
+        every rank, and each rank scales its own: call it on every rank (there `foreach`, which
+        changes only how fast, is not used)."""
         where = self._compiled.placement
         if where is None:
-            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(list(self.parameters()), max_norm, norm_type, error_if_nonfinite, foreach)
         params = list(self.parameters())
         counted = [min(ranks, default=where.me) == where.me for ranks in holders(self._programs[True], params)]
         return clip_across(params, counted, max_norm, float(norm_type), error_if_nonfinite, where.group, where.device, where.timeout)

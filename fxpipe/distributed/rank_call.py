@@ -178,8 +178,7 @@ def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied:
     lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
     apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
     if apart and not differing:  # (data of other shapes differs anyway)
-        everyone = [str(ranks[r]) for r in sorted(calls)]
-        lines.append(f"data of {', '.join(mine['data'])}: ranks {', '.join(everyone[:-1])} and {everyone[-1]} differ in {', '.join(apart)}")
+        lines += [_odd_ranks(name, {ranks[r]: c.get("data", {}).get(name) for r, c in calls.items()}) for name in apart]
     if lines:
         raise RuntimeError(
             "the ranks of the pipeline were called differently:\n" + "\n".join(f"  - {line}" for line in lines)
@@ -189,6 +188,15 @@ def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied:
         )
     if tied:
         _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
+
+
+def _odd_ranks(name: str, digests: dict[int, Any]) -> str:
+    """'data of x: rank(s) [2] differ from rank(s) [0, 1]': the ranks apart from the most alike."""
+    groups: dict[Any, list[int]] = {}
+    for rank in sorted(digests):
+        groups.setdefault(digests[rank], []).append(rank)
+    most = max(groups.values(), key=len)
+    return f"data of {name}: rank(s) {sorted(set(digests) - set(most))} differ from rank(s) {most}"
 
 
 def _refuse_tied_copies_that_differ(pipe: Host, tied: dict[int, dict[str, tuple[float, float]]]) -> None:

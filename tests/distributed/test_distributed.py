@@ -150,9 +150,9 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
                                 ("a plain argument of its own", "rank 0 {'x': [((8, 6), 'float64')], 'scale': [2.0]}, rank 1 {'x': [((8, 6), 'float64')], 'scale': [3.0]}"),
                                 ("autocast on one rank", "autocast: rank 0 off, rank 1 cpu torch.bfloat16"),
                                 ("another reduction", "call: rank 0 train_step, reduction='mean', rank 1 train_step, reduction='sum'"),
-                                ("other inputs on one rank", "data of x, target: ranks 0 and 1 differ in x"),
-                                ("other targets on one rank", "data of x, target: ranks 0 and 1 differ in target"),
-                                ("other inputs on one rank, forward", "data of x: ranks 0 and 1 differ in x")]:  # fmt: skip
+                                ("other inputs on one rank", "data of x: rank(s) [1] differ from rank(s) [0]"),
+                                ("other targets on one rank", "data of target: rank(s) [1] differ from rank(s) [0]"),
+                                ("other inputs on one rank, forward", "data of x: rank(s) [1] differ from rank(s) [0]")]:  # fmt: skip
             message, _ = report[what]
             assert "the ranks of the pipeline were called differently" in message and differing in message, (what, message)
         message, _ = report["another pipeline on one rank"]  # each rank waited for the whole timeout
@@ -593,3 +593,11 @@ def test_a_weight_tied_across_ranks_loaded_with_assign_is_held_by_the_rank_that_
         keys.update(report["keys"])
         assert max(report["apart"].values()) <= TOL, report
     assert {"a.weight", "c.weight"} <= keys and not set(held[0]) & set(held[1]), held  # each key on one rank
+
+
+def test_data_apart_on_one_rank_of_three_names_that_rank() -> None:
+    """Before: 'ranks 0, 1 and 2 differ in x', whichever rank was given other data."""
+    from fxpipe.distributed.rank_call import _odd_ranks
+
+    assert _odd_ranks("x", {0: "a", 1: "a", 2: "b"}) == "data of x: rank(s) [2] differ from rank(s) [0, 1]"
+    assert _odd_ranks("x", {0: "b", 1: "a", 2: "a"}) == "data of x: rank(s) [0] differ from rank(s) [1, 2]"

@@ -861,15 +861,15 @@ def test_zero_bubble_never_asks_group_norm_for_its_weights_alone(memory_format: 
     assert_grads_equal(pipe, reference)
 
 
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clip_grad_norm_in_one_process_is_torchs_over_the_model(norm_type: float) -> None:
+@pytest.mark.parametrize("norm_type,foreach", [(2.0, None), (float("inf"), False)])
+def test_clip_grad_norm_in_one_process_is_torchs_over_the_model(norm_type: float, foreach: bool | None) -> None:
     fan_out, x, y, _ = _fan_out()
     model, reference = twin(fan_out)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="zb-h1")
     pipe.train_step(x, target=y, loss_fn=F.mse_loss)
     F.mse_loss(reference(x), y).backward()
-    got = pipe.clip_grad_norm_(0.05, norm_type)
-    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type)
+    got = pipe.clip_grad_norm_(0.05, norm_type, foreach=foreach)  # torch's own argument, passed through
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05, norm_type, foreach=foreach)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
 
