@@ -333,8 +333,13 @@ class _Prover(LayoutRules, fx.Interpreter):
         for d, role in tag.dims:
             at = d + shift
             wanted = Q if at == rank - 2 else K if at == rank - 1 else None
-            if wanted is None or self.proof.unify(role, wanted) is None:
+            if wanted is None:
                 raise Refused("attention's mask holds positions on other dims than its last two (queries, keys)")
+            if self.proof.unify(role, wanted) is None:
+                raise Refused(
+                    "attention's mask reads the slice's own positions along its key dim (a key-padding mask made from "
+                    "the inputs, say), where a slice's keys are those of every slice up to it"
+                )
         hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
         if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
             raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")

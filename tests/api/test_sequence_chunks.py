@@ -592,3 +592,29 @@ class _Unknown(nn.Module):
 def test_an_op_the_proof_does_not_know_is_refused_with_a_form_it_knows(kind: str, form: str) -> None:
     with pytest.raises(CausalityError, match=rf"{kind} .*does not know how it reads positions \(.*{re.escape(form)}"):
         compile_pipeline(_Unknown(kind).double(), tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+
+
+class _PaddedKeys(nn.Module):
+    """Causal attention whose mask also hides padding keys, read from the input tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.qkv, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.keep: torch.Tensor
+        self.register_buffer("keep", torch.ones(48, 48, dtype=torch.bool).tril())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = self.keep[:t, :t][None, None] & (idx != 0)[:, None, None, :]
+        return self.head(x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, 16))
+
+
+def test_a_key_padding_mask_from_the_inputs_is_refused_for_what_it_reads() -> None:
+    """Before: 'holds positions on other dims than its last two', which it does not."""
+    idx = tokens(2, 12).clamp(min=1)
+    idx[1, 3] = 0
+    with pytest.raises(CausalityError, match="mask reads the slice's own positions along its key dim") as refused:
+        compile_pipeline(_PaddedKeys().double(), idx, ["cpu", "cpu"], sequence_chunks=3)
+    assert "other dims than its last two" not in str(refused.value)
