@@ -171,12 +171,12 @@ class _CompileLock:
 
 
 _LOCK = _CompileLock()
+_NESTED_TRACE = "FX to symbolically trace a dynamo-optimized function"
 
 
 def drawing_between_compiles() -> ContextManager[None]:
     """The caller's thread may draw from torch's default generator: no stage compiles meanwhile."""
     return _LOCK.drawing()
-_NESTED_TRACE = "FX to symbolically trace a dynamo-optimized function"
 
 
 class CompiledForward:
