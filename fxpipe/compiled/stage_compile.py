@@ -279,9 +279,14 @@ class CompiledForward:
                 f"stage {self.stats.stage} was compiled again: a guard of its compiled graph failed ({reason}). Each "
                 "recompile costs seconds, and torch.compile stops compiling a stage after "
                 f"{torch._dynamo.config.recompile_limit} of them (it then runs eagerly). pipe.compile_stats() counts "
-                "them.\nHow to fix: for a batch size that changes (an uneven last micro-batch, a last batch of an "
-                "epoch), compile with compile_stages={'dynamic': True} (micro-batches of one sample still compile "
-                "apart), or keep micro-batches the same size; otherwise keep the guarded value fixed between calls.",
+                "them.\nHow to fix: " + (
+                    "micro-batches of one sample compile apart even with dynamic=True (torch.compile specialises sizes "
+                    "0 and 1): keep two samples or more in each"
+                    if self.options.get("dynamic") else
+                    "for a batch size that changes (an uneven last micro-batch, a last batch of an epoch), compile "
+                    "with compile_stages={'dynamic': True} (micro-batches of one sample still compile apart), or keep "
+                    "micro-batches the same size"
+                ) + "; otherwise keep the guarded value fixed between calls.",
                 stacklevel=4,
             )
 

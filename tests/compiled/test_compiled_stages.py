@@ -286,6 +286,17 @@ def test_a_recompile_is_reported_once_naming_the_stage_and_the_guard(cases: dict
     assert len(stats[0].recompiles) >= 2 and "size" in stats[0].recompiles[0], stats
 
 
+def test_a_recompile_for_one_sample_under_dynamic_shapes_does_not_advise_dynamic_shapes(cases: dict[str, Case]) -> None:
+    """Before, it told a pipeline compiled with dynamic=True to compile with dynamic=True."""
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "aot_eager", "dynamic": True})
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe(x).sum().backward()  # micro-batches of 2 rows
+    with pytest.warns(UserWarning, match=r"compiled again.*\nHow to fix: micro-batches of one sample compile apart even with dynamic=True") as caught:
+        pipe(x[:4]).sum().backward()  # of 1 row
+    assert "compile with compile_stages={'dynamic': True}" not in str(caught[0].message)
+
+
 def test_dynamic_stages_take_every_batch_size_without_a_recompile(cases: dict[str, Case]) -> None:
     case = _case(cases, "mlp")
     pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=4, compile_stages={"backend": "aot_eager", "dynamic": True})
