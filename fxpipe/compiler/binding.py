@@ -68,6 +68,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     arguments = [str(node.meta.get("argument", node.name)) for node in placeholders]  # the model's names, for messages
     fixed = {mode: fixed_dims(gm) for mode, gm in graphs.items()}
     held = held_static(graphs[True])
+    images = {mode: [f for f in dims if f[:2] in held] for mode, dims in fixed.items()}  # the sizes held of each
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
     kinds = [_kind(leaf) for leaf in example]
     signature = inspect.signature(model.forward)
@@ -101,7 +102,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 (str(called), tuple(now)),
             )
         mode = model.training if model.training in graphs else True
-        _another_image_size(leaves, [f for f in fixed[mode] if f[:2] in held], arguments)
+        _another_image_size(leaves, images[mode], arguments)
         _check_fixed(leaves, fixed[mode], arguments)
         if guards[mode] is not None:
             _check_guards(guards[mode], leaves, arguments)
