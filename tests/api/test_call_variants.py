@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe import compile_pipeline
+from fxpipe import Pipeline, compile_pipeline
 from helpers import X, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
@@ -31,7 +31,13 @@ def test_an_argument_left_none_where_the_example_gave_one_compiles_stages_for_th
     model, reference = twin(Gated())
     x, mask, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2)
-    for args in [(x, mask), (x,), (x, None), (x, mask)]:
+    _each_equals_the_plain_model(pipe, reference, [(x, mask), (x,), (x, None), (x, mask)], how, y)
+    assert len(pipe._variants) == 1, "one pipeline for the calls without a mask, made once"
+
+
+def _each_equals_the_plain_model(pipe: Pipeline, reference: nn.Module, calls: list[tuple[Any, ...]], how: str, y: torch.Tensor) -> None:
+    """Each call, `pipe(x)` (with autograd.grad) or a train_step, against the plain model's."""
+    for args in calls:
         pipe.zero_grad()
         reference.zero_grad()
         if how == "pipe(x)":
@@ -42,7 +48,6 @@ def test_an_argument_left_none_where_the_example_gave_one_compiles_stages_for_th
             expected.backward()
             torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
             assert_grads_equal(pipe, reference)
-    assert len(pipe._variants) == 1, "one pipeline for the calls without a mask, made once"
 
 
 def test_the_kinds_of_call_kept_are_bounded_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,18 +152,11 @@ def test_an_exported_pipeline_called_with_a_tensor_where_the_example_gave_none_c
     x, extra, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, "double", None), ["cpu", "cpu"], chunks=2)
     assert "torch.export" in pipe.plan.notes[0]
-    for args in [(x, "double", extra), (x, "double", None), (x, "double", 0.5), (x, "double", extra)]:
-        pipe.zero_grad()
-        reference.zero_grad()
-        if how == "pipe(x)":
-            assert_call_and_grads_equal(pipe, reference, *args)
-        else:
-            loss = pipe.train_step(*args, target=y, loss_fn=nn.functional.mse_loss)
-            expected = nn.functional.mse_loss(reference(*args), y)
-            expected.backward()
-            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
-            assert_grads_equal(pipe, reference)
+    _each_equals_the_plain_model(pipe, reference, [(x, "double", extra), (x, "double", None), (x, "double", 0.5), (x, "double", extra)], how, y)
     assert len(pipe._variants) == 2, "one pipeline for the calls with a tensor, one for those with a number"
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x, "double", extra), reference(x, "double", extra), rtol=0, atol=1e-12)
 
 
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
@@ -221,3 +219,7 @@ def test_an_exported_pipeline_keeps_image_sizes_and_compiles_stages_for_another(
         reference.zero_grad()
         assert_call_and_grads_equal(pipe, reference, torch.randn(*shape, dtype=torch.float64))
     assert len(pipe._variants) == 1, "one pipeline for the images of 12 x 10"
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        images = torch.randn(4, 3, 12, 10, dtype=torch.float64)
+        torch.testing.assert_close(pipe(images), reference(images), rtol=0, atol=1e-12)
