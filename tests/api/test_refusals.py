@@ -258,6 +258,9 @@ def test_a_sequence_first_layer_the_model_feeds_the_batch_on_dim_1_is_split_as_t
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
 class _SequenceFirstWithState(nn.Module):

@@ -519,6 +519,11 @@ def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> Non
     with pytest.raises(CausalityError, match="at this call's length, 24"):  # refused again, not proved once and let through
         pipe.train_step(tokens(2, 24), target=tokens(2, 24, seed=3), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
     assert all(p.grad is None for p in pipe.parameters()), "nothing ran"
+    pipe.eval(), reference.eval()  # the eval graph is proved at each length too
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(tokens(2, 10)), reference(tokens(2, 10)), rtol=0, atol=1e-12)
+        with pytest.raises(CausalityError, match="at this call's length, 20"):
+            pipe(tokens(2, 20))
 
 
 def test_a_call_shorter_than_the_count_of_slices_says_so_with_the_fix() -> None:
@@ -567,6 +572,9 @@ def test_a_causal_mask_of_a_large_finite_fill_is_proved_and_computes_the_plain_m
     with closing(compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:
         for length in (12, 7):
             assert_call_and_grads_equal(pipe, reference, tokens(2, length, seed=length))
+        pipe.eval(), reference.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(tokens(2, 9)), reference(tokens(2, 9)), rtol=0, atol=1e-12)
 
 
 class _Unknown(nn.Module):
