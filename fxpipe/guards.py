@@ -12,6 +12,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fxpipe.compiled.program import Compiled, Program
+from fxpipe.core.hooks import KINDS, hook_tables
 from fxpipe.tracing.mode_reads import modes_changed
 
 
@@ -172,9 +173,7 @@ def refuse_parametrization_cache() -> None:
 def refuse_own_hooks(pipe: nn.Module) -> None:
     """train_step runs the stages under its schedule without calling the pipeline as a module:
     hooks registered on the pipeline itself would not run, where `pipe(x)` runs them."""
-    tables = {"forward pre-hooks": pipe._forward_pre_hooks, "forward hooks": pipe._forward_hooks,
-              "backward hooks": pipe._backward_hooks, "backward pre-hooks": pipe._backward_pre_hooks}  # fmt: skip
-    held = [kind for kind, table in tables.items() if table]
+    held = [kind + "s" for kind, table in zip(KINDS, hook_tables(pipe)) if table]
     if held:
         raise RuntimeError(
             f"train_step cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "

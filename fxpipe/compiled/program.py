@@ -23,6 +23,7 @@ from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.edges import Edge
+from fxpipe.core.hooks import hook_tables
 from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import draws_now, runs_hooks
 from fxpipe.schedules.actions import Layout
@@ -96,15 +97,7 @@ Code = tuple[type, Any, Any, Optional[tuple[str, ...]]]
 def hooks_of(module: Optional[nn.Module]) -> Hooks:
     """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
     for None, which global module hooks are registered."""
-    return tuple(map(tuple, _hook_tables(module)))  # read at every call: no generator per table
-
-
-def _hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
-    """A module's forward, forward pre-, backward and backward pre-hooks, or the global ones for None."""
-    if module is None:
-        return [nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks,
-                nn.modules.module._global_backward_hooks, nn.modules.module._global_backward_pre_hooks]  # fmt: skip
-    return [module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks]
+    return tuple(map(tuple, hook_tables(module)))  # read at every call: no generator per table
 
 
 def code_of(module: nn.Module, listed: bool = True) -> Code:
@@ -243,7 +236,7 @@ class Program:
         for _, m, hooks in self.traced_hooks:
             if m is None:
                 continue
-            for table, before in zip(_hook_tables(m), hooks):
+            for table, before in zip(hook_tables(m), hooks):
                 for key, hook in table.items():
                     if key not in before:
                         function = getattr(hook, "func", hook)  # a functools.partial's function

@@ -15,6 +15,8 @@ the guard.
 """
 from __future__ import annotations
 
+import difflib
+import re
 import threading
 import time
 import types
@@ -63,7 +65,23 @@ def compile_options(value: Any) -> tuple[Optional[dict[str, Any]], list[str]]:
         problems.append(f"compile_stages['backend'] must be a callable or one of {torch._dynamo.list_backends()} (got {backend!r})")
     if value.get("options") is not None and not isinstance(value["options"], dict):
         problems.append(f"compile_stages['options'] must be a dict of the backend's options (got {value['options']!r})")
+    problems = problems or _backend_problems(value)
     return (dict(value) if not problems else None), problems
+
+
+def _backend_problems(options: dict[str, Any]) -> list[str]:
+    """What the backend says of its options, said before anything is traced rather than at the
+    first stage it compiles: inductor checks each option's name and type as it is built."""
+    try:
+        _backend(options)
+    except (RuntimeError, TypeError, ValueError) as error:
+        unknown = re.match(r"Unexpected optimization option (\S+?),", str(error))
+        if unknown is None:
+            return [f"compile_stages['options']: {str(error).splitlines()[0]}"]
+        close = difflib.get_close_matches(unknown[1], torch._inductor.list_options(), n=3)
+        meant = f"did you mean {' or '.join(map(repr, close))}?" if close else "torch._inductor.list_options() lists them"
+        return [f"compile_stages['options'] has {unknown[1]!r}, which is not one of inductor's options ({meant})"]
+    return []
 
 
 @dataclass

@@ -18,6 +18,7 @@ from fxpipe.compiler.effects import (
     refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
+from fxpipe.core.hooks import hooked
 from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.validate import check_graph, first_line, raising_line
@@ -277,10 +278,6 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     ) from error
 
 
-def _root_hooked(model: nn.Module) -> bool:
-    return bool(model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks)
-
-
 def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     """How to fix a model neither front end captures: the fix of torch.export's reason where it
     has one (a key/value cache returned), else what stops both most often (control flow on
@@ -364,7 +361,7 @@ def _front_ends(
                 f"it would run the model's hooks once, while capturing it, and never at a call: {', '.join(once)}",
                 fix="How to fix: make the model traceable by torch.fx, which calls a module with hooks whole at every "
                 "call; or remove those hooks (handle.remove()) before compiling"
-                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if _root_hooked(model) else "."),
+                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if hooked(model) else "."),
             )
         traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:

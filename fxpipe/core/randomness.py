@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.hooks import hooked
 from fxpipe.core.scoped import scoped
 
 _MASK = (1 << 64) - 1
@@ -153,7 +154,7 @@ def dropout_module(module: nn.Dropout, x: torch.Tensor, *, draw_key: Optional[in
     stream: Optional[TaskStream] = getattr(_local, "stream", None)
     if stream is None:
         return module(x)
-    if _hooked(module):
+    if hooked(None) or hooked(module):
         previous, stream.key = stream.key, draw_key
         try:
             with TaskRandomness(stream):
@@ -161,13 +162,6 @@ def dropout_module(module: nn.Dropout, x: torch.Tensor, *, draw_key: Optional[in
         finally:
             stream.key = previous
     return _dropout(x, module.p, module.inplace, stream.generator(x.device, draw_key))
-
-
-def _hooked(module: nn.Module) -> bool:
-    hooks = nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
-        return True
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks)
 
 
 def dropout_function(

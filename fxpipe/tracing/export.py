@@ -11,6 +11,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.hooks import KINDS, hook_tables
 from fxpipe.tracing.trace import containers_of, fields_of_dataclasses, plain_dicts
 
 _PREFIX = "model."
@@ -38,12 +39,9 @@ class _Flat(nn.Module):
 def hooks_export_runs_once(model: nn.Module) -> list[str]:
     """The module hooks of the model (and the global ones), which torch.export would run once, while
     it captures the model, and never at a call: each named with its module."""
-    tables = {"forward pre-hook": "_forward_pre_hooks", "forward hook": "_forward_hooks",
-              "backward hook": "_backward_hooks", "backward pre-hook": "_backward_pre_hooks"}  # fmt: skip
     found = [f"{kind} {_hook_name(hook)} of {path or 'the model'}" for path, module in model.named_modules()
-             for kind, table in tables.items() for hook in getattr(module, table).values()]  # fmt: skip
-    found += [f"global {kind} {_hook_name(hook)}" for kind, table in tables.items()
-              for hook in getattr(nn.modules.module, f"_global{table}").values()]  # fmt: skip
+             for kind, table in zip(KINDS, hook_tables(module)) for hook in table.values()]  # fmt: skip
+    found += [f"global {kind} {_hook_name(hook)}" for kind, table in zip(KINDS, hook_tables(None)) for hook in table.values()]
     return found
 
 

@@ -325,6 +325,19 @@ def test_bad_compile_stages_are_refused_with_every_problem() -> None:
         compile_pipeline(model, x, ["cpu"], compile_stages={"backend": "no-such-backend"})
 
 
+def test_inductor_options_are_checked_before_the_model_is_traced() -> None:
+    """Before, a misspelt option came back from the first stage compiled, after tracing, as
+    inductor's own error listing its six hundred options."""
+    model, x = nn.Linear(4, 4), torch.randn(4, 4)
+    with pytest.raises(ValueError) as error:
+        compile_pipeline(model, x, ["cpu"], compile_stages={"options": {"max_autotunee": True}})
+    message = str(error.value)
+    assert "'max_autotunee', which is not one of inductor's options (did you mean 'max_autotune'" in message, message
+    assert len(message) < 1000, message
+    with pytest.raises(ValueError, match="compile_stages\\['options'\\]: .*max_autotune.*bool"):
+        compile_pipeline(model, x, ["cpu"], compile_stages={"options": {"max_autotune": 3}})
+
+
 def test_eager_stages_report_no_compiles() -> None:
     pipe = compile_pipeline(nn.Linear(4, 4), torch.randn(4, 4), ["cpu"])
     assert pipe.compile_stats() == []
