@@ -31,6 +31,7 @@ from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
+from fxpipe.guards import traced_mode
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -96,6 +97,7 @@ class _Overlap:
         self.read = 0  # batches read so far
         self.finished = 0  # batches whose loss was given
         self.held: Optional[Program] = None
+        self.modes = {name: m.training for name, m in pipe._owner.named_modules()}  # as the loop found them
         self.records: list[Record] = []  # what ran, for pipe.timeline()
 
     def _fix_slices(self, per_row: int) -> None:
@@ -110,6 +112,8 @@ class _Overlap:
         index, started, failure = self.read, None, None
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
+                if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
+                    self._refuse_changes(f"between two losses (after batch {index - 2}'s)", slots=False)
                 with drawing_between_compiles():  # the caller's iterable and the step's seed may draw
                     batch = next(batches, None)
                     started = None if batch is None else self._made(batch)
@@ -128,7 +132,7 @@ class _Overlap:
         index, args, kwargs, target = batch
         try:
             call, step = self.pipe._train_call(
-                args, kwargs, target, self.loss_fn, self.reduction, LeafGrads(), versions=self.versions, batch=index, held=self.held,
+                args, kwargs, target, self.loss_fn, self.reduction, _OutputsAlone(self.pipe._owner), versions=self.versions, batch=index, held=self.held,
                 slicing=self.spec,
             )  # fmt: skip
         except OtherCall as other:  # the synchronous schedules compile stages of their own for it
@@ -243,7 +247,8 @@ class _Overlap:
     # -- finishing ------------------------------------------------------------------------
     def finish(self, index: int, after_backward: Hook, after_step: Hook) -> torch.Tensor:
         """Batch `index` done: the update of the batch before it (and `after_step`), then its
-        loss, its gradients in `.grad` and `after_backward`; its own update may then run."""
+        loss, its gradients in `.grad` and `after_backward`, the optimizer's settings its update will
+        run with (it runs once the caller's code after the loss did)."""
         flight = self.steps[index]
         parts = None
         if self.ranks is None:
@@ -264,6 +269,8 @@ class _Overlap:
             if after_backward is not None:
                 with self.versions.gate.shut():  # no stage holds the model's parameter slots meanwhile
                     after_backward()
+                    self._refuse_changes(f"in after_backward of batch {index}", slots=True)
+            self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
         if self.ranks is not None:
@@ -271,7 +278,6 @@ class _Overlap:
         elif failure is not None:
             raise failure
         del self.steps[index]
-        self.versions.ready(index)
         self.finished = index + 1
         return total
 
@@ -332,6 +338,35 @@ class _Overlap:
         if after_step is not None:
             with self.versions.gate.shut():
                 after_step()
+                self._refuse_changes(f"in after_step of batch {index}", slots=True)
+
+    def _refuse_changes(self, where: str, slots: bool) -> None:
+        """The model as the loop's first batch found it, or refused: the batches after `where`
+        started before it, on the model as it was. `slots`: no stage holds the model's
+        parameter slots (the gate is shut), so that a tensor replaced there shows."""
+        found = self._changed(slots)
+        if found:
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "
+                "before that, on the model as it was, so the loop can neither follow the change from the next batch, "
+                "as a synchronous loop does, nor undo it.\nHow to fix: change the model between loops (break out of "
+                "this one, which completes the update of the last loss it gave; change it; start another), or use a "
+                "synchronous schedule (1f1b), which follows such a change from the next batch or says why it cannot."
+            )
+
+    def _changed(self, slots: bool) -> str:
+        pipe = self.pipe
+        flipped = [f"{name or 'the model'} ({'train' if was else 'eval'} -> {'eval' if was else 'train'})"
+                   for name, m in pipe._owner.named_modules() if (was := self.modes.get(name, m.training)) != m.training]  # fmt: skip
+        if flipped:
+            return f"the mode (train() or eval()) of {', '.join(flipped)}"
+        try:
+            traced_mode(pipe._owner, pipe._programs, pipe._compiled)
+        except RuntimeError as error:
+            return str(error).partition("\nHow to fix")[0].rstrip(".")
+        if slots and self.held is not None and self.held.held.tensors_replaced():
+            return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
+        return ""
 
     def last_update(self, after_step: Hook) -> None:
         if self.finished:
@@ -361,6 +396,30 @@ class _Overlap:
         self.updates.pop(pending)
         if after_step is not None:
             after_step()
+
+
+class _OutputsAlone(LeafGrads):
+    """A step's losses under 2bw reach the outputs alone: a batch's loss is computed while the
+    update of the batch before runs, so a tensor `loss_fn` reads besides the outputs (a model's
+    weight in a penalty, a loss module's own parameter) would be read at no version the delayed
+    update defines, and its gradient would reach no update."""
+
+    def __init__(self, owner: torch.nn.Module) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def note(self, loss: torch.Tensor, own: Any) -> None:
+        super().note(loss, own)
+        if self.before:
+            names = {id(p): f"the model's parameter {n}" for n, p in self.owner.named_parameters(remove_duplicate=False)}
+            read = [names.get(key, f"a tensor of shape {tuple(leaf.shape)}") for key, (leaf, _) in self.before.items()]
+            raise ValueError(
+                f"train_steps (schedule='2bw'): loss_fn reads tensors that require grad besides the model's outputs: "
+                f"{', '.join(read)}. Under 2bw a batch's loss is computed while the update of the batch before runs, "
+                "so such a tensor has no version the delayed update defines, and its gradient would reach no "
+                "update.\nHow to fix: compute that part of the loss in the model's forward (return it with the "
+                "outputs), make a learned loss parameter part of the model, or use a synchronous schedule (1f1b)."
+            )
 
 
 def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list[Optional[torch.Tensor]], index: int, owner: Any) -> list[Optional[torch.Tensor]]:
@@ -413,6 +472,7 @@ def overlapped_steps(
                 else:
                     run.start(following)
             yield run.finish(run.finished, after_backward, after_step)
+            run.versions.ready(run.finished - 1)  # its update runs after the caller's code that follows its loss
         run.last_update(after_step)
         if run.ranks is not None:
             run.ranks.host.channel.finish()  # every rank's loop ends together

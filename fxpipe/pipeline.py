@@ -287,7 +287,8 @@ class Pipeline(PipelineCalls):
     ) -> Iterator[torch.Tensor]:
         """Train on each `(inputs, target)` of `batches` (inputs a tensor, a tuple of positional
         inputs or a dict of keyword inputs), yielding each batch's loss, detached, once its update
-        is made: per batch, `optimizer.zero_grad()`, `train_step`, `after_backward()` (clip the
+        is made (under '2bw', once its gradients are: its update follows the caller's code after
+        the loss, with the optimizer's settings of before it): per batch, `optimizer.zero_grad()`, `train_step`, `after_backward()` (clip the
         gradients there: `lambda: pipe.clip_grad_norm_(1.0)`), `optimizer.step()`, `after_step()`
         (a learning-rate scheduler's `step`). Between two losses the parameters hold the last
         update whole (`state_dict()` is consistent there); a failure, in a stage or in `batches`,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -103,6 +103,10 @@ class Versions:
             id(t): {0: t.detach(), 1: t.detach()} for s in stages for t in program.shared[s] if isinstance(t, nn.Parameter)
         }
         self.lock = threading.Lock()  # one optimizer step at a time: each swaps the optimizer's groups
+        # Each batch's optimizer settings (lr, momentum, ...) as they were when its gradients were
+        # in, which its update runs with: a synchronous loop steps there, before the caller's
+        # code after the loss (a scheduler stepped on it) changes them for the next update.
+        self.settings: dict[int, list[dict[str, Any]]] = {}
         self._ready: dict[int, threading.Event] = {}
         self._done: dict[tuple[int, int], threading.Event] = {}
         self._events = threading.Lock()
@@ -114,8 +118,15 @@ class Versions:
         with self._events:
             return table.setdefault(key, threading.Event())
 
+    def hold_settings(self, batch: int) -> None:
+        """The optimizer's settings now, which batch `batch`'s update will run with."""
+        self.settings[batch] = group_settings(self.optimizer)
+        for old in [b for b in self.settings if b < batch - 2]:
+            del self.settings[old]
+
     def ready(self, batch: int) -> None:
-        """Batch `batch`'s gradients are in `.grad`: its updates may run."""
+        """Batch `batch`'s gradients are in `.grad` and the caller's code after its loss ran: its
+        updates may run."""
         self._event(self._ready, batch).set()
 
     def is_ready(self, batch: int) -> bool:
@@ -151,7 +162,7 @@ class Versions:
             with torch.no_grad():
                 for p in params:
                     p.data = p.detach().clone()  # the in-flight step keeps the old memory
-            step_over(self.optimizer, params)
+            step_over(self.optimizer, params, self.settings.get(batch))
         for p in self.updates[stage]:  # (one without a gradient too: unchanged, it is that version)
             versions = self.kept.get(id(p))
             if versions is not None:  # batch + 2 runs on what this update made; batch's readers all ran
@@ -179,20 +190,32 @@ class Versions:
         return copies
 
 
-def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's settings but its parameters (a tensor copied: a scheduler fills one in place)."""
+    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], settings: Optional[list[dict[str, Any]]] = None) -> None:
     """`optimizer.step()` on `params` alone: its groups hold only those for the call (each
-    parameter's state is its own, so the others are untouched)."""
+    parameter's state is its own, so the others are untouched), and `settings` where given,
+    each put back after the step unless the step itself set it."""
     if not params:
         return
     chosen = {id(p) for p in params}
-    groups = [group["params"] for group in optimizer.param_groups]
+    groups = [dict(group) for group in optimizer.param_groups]
     try:
-        for group, held in zip(optimizer.param_groups, groups):
-            group["params"] = [p for p in held if id(p) in chosen]
+        for group, held, given in zip(optimizer.param_groups, groups, settings or [{}] * len(groups)):
+            group.update(given)
+            group["params"] = [p for p in held["params"] if id(p) in chosen]
         optimizer.step()
     finally:
-        for group, held in zip(optimizer.param_groups, groups):
-            group["params"] = held
+        for group, held, given in zip(optimizer.param_groups, groups, settings or [{}] * len(groups)):
+            for key, value in given.items():
+                if group.get(key) is value and key in held:
+                    group[key] = held[key]
+                elif group.get(key) is value:
+                    del group[key]
+            group["params"] = held["params"]
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:
