@@ -146,19 +146,35 @@ def dropout_rate_of(module: nn.Module) -> Optional[float]:
     return float(rate) if isinstance(rate, (int, float)) and not isinstance(rate, bool) else None
 
 
+# The modules whose flags recomputes hold now, by id: the flags held, how many recomputes hold
+# them, and the module's own flags to put back when the last lets go. A module called in two
+# stages is one object: their recomputes, on two workers at once, share its flags.
+_held: dict[int, tuple[tuple[bool, Optional[float]], int, tuple[bool, Optional[float]]]] = {}
+_held_changed = threading.Condition()
+
+
 @contextmanager
 def flags_kept(modules: Sequence[nn.Module], flags: Flags) -> Iterator[None]:
     """The modules' flags and rates as `flags` holds them, for the block (a recompute runs under
-    its forward's), and as they are now after it."""
-    now = flags_of(modules)
-    if now == flags:
-        yield
-        return
-    _set_flags(modules, flags)
+    its forward's), and as they are now after it. Recomputes on other workers that need the
+    same flags share them; one that needs others waits for them to end."""
+    with _held_changed:
+        _held_changed.wait_for(lambda: all(_held.get(id(m), (flag,))[0] == flag for m, flag in zip(modules, flags)))
+        for module, flag in zip(modules, flags):
+            _, holders, own = _held.get(id(module), (flag, 0, flags_of([module])[0]))
+            _held[id(module)] = (flag, holders + 1, own)
+            _set_flags([module], [flag])
     try:
         yield
     finally:
-        _set_flags(modules, now)
+        with _held_changed:
+            for module in modules:
+                flag, holders, own = _held.pop(id(module))
+                if holders > 1:
+                    _held[id(module)] = (flag, holders - 1, own)
+                else:
+                    _set_flags([module], [own])
+            _held_changed.notify_all()
 
 
 def _set_flags(modules: Sequence[nn.Module], flags: Flags) -> None:

@@ -3,6 +3,8 @@ ran under, and from the inputs it read, or the call refuses, naming what changed
 from __future__ import annotations
 
 import copy
+import threading
+import time
 import warnings
 from typing import Callable
 
@@ -13,6 +15,7 @@ from torch import nn
 
 from helpers import assert_grads_equal, grad_of
 from fxpipe import StageError, compile_pipeline
+from fxpipe.runtime.checkpoint import flags_kept, flags_of
 
 CHECKPOINTED = ("always", "except_last")
 MODES = ("always", "except_last", "never")
@@ -71,6 +74,48 @@ def test_the_flags_are_put_back_after_the_recompute() -> None:
     model.drop.p = 0.9
     out.sum().backward()
     assert not any(m.training for m in model.modules()) and model.drop.p == 0.9
+
+
+def test_recomputes_on_two_workers_share_a_module_s_flags_until_both_end() -> None:
+    """A module called in two stages is one object, whose flags both stages' recomputes set at
+    once. Before, the second found the flags the first had set, kept nothing, and the first put
+    the caller's eval mode back while the second still ran: 2 to 26 steps in 300 recomputed a
+    dropout in eval mode (gradients 2.8 off), and a rate changed the same way."""
+    drop = nn.Dropout(0.5)
+    drop.eval()
+    drop.p = 0.1  # the caller's, after the forward
+    forward_flags = flags_of([nn.Dropout(0.5)])  # training, at 0.5
+    first_in, second_in, first_out, other_in = (threading.Event() for _ in range(4))
+    seen: dict[str, object] = {}
+
+    def first() -> None:
+        with flags_kept([drop], forward_flags):
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(5)
+        with flags_kept([drop], forward_flags):
+            second_in.set()
+            first_out.wait(5)
+            seen["second, after the first ended"] = (drop.training, drop.p)
+            time.sleep(0.1)
+            seen["other entered meanwhile"] = other_in.is_set()
+
+    def other() -> None:  # a recompute of a forward that ran in eval mode: waits for the others
+        first_out.wait(5)
+        with flags_kept([drop], [(False, 0.5)]):
+            other_in.set()
+            seen["other"] = (drop.training, drop.p)
+
+    threads = [threading.Thread(target=f) for f in (first, second, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"second, after the first ended": (True, 0.5), "other entered meanwhile": False, "other": (False, 0.5)}
+    assert (drop.training, drop.p) == (False, 0.1)
 
 
 @pytest.mark.parametrize("mode", CHECKPOINTED)
