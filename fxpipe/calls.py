@@ -52,6 +52,7 @@ class PipelineCalls(nn.Module):
     _channel: Optional[Channel]  # across processes: this rank's messages to the others
     _signature: Optional[inspect.Signature]
     _closed: bool
+    _one_call: threading.RLock  # held by a call (its forward, its backward, a train step): one at a time on the model
     _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
     # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
     _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]]
@@ -263,7 +264,8 @@ class PipelineCalls(nn.Module):
                         stacklevel=3,
                     )
             variants[other.key] = found
-        found.__dict__.update(checkpoint=self.checkpoint, measure_memory=self.measure_memory)
+        # One call at a time on the model, whichever of its pipelines runs it.
+        found.__dict__.update(checkpoint=self.checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call)
         return found
 
     def _ran(self, variant: "PipelineCalls", result: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import threading
 import warnings
 from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, Optional
 
@@ -74,6 +75,7 @@ class Pipeline(PipelineCalls):
             chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
             last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_parameter_bytes=0, last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
             _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _overlapping=None,
+            _one_call=threading.RLock(),
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -165,6 +167,10 @@ class Pipeline(PipelineCalls):
             warn_compiled_whole()
         refuse_parametrization_cache()
         self._refuse_while_steps_overlap("pipe(x)")
+        with self._one_call:  # another thread's call waits: its stages would swap the same slots
+            return self._call_now(args, kwargs)
+
+    def _call_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._channel is not None:
             return forward_across(self._across(), args, kwargs)
         try:
@@ -193,6 +199,8 @@ class Pipeline(PipelineCalls):
         program, params = call.program, call.params
         run = Run(step, call.input_slots, call.caller_micro_batches, params, gather, lambda: parameter_grads(program, step, params))
         run.differentiable = lambda name: differentiable(program, call.values, name)
+        run.owner = self  # the outputs' graph keeps the pipeline, whose workers its backward needs, alive
+        run.alone = self._one_call
         return run_with_autograd(run)
 
     def clip_grad_norm_(
@@ -257,6 +265,10 @@ class Pipeline(PipelineCalls):
         refuse_parametrization_cache()
         refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")
+        with self._one_call:
+            return self._train_step_now(args, kwargs, target, loss_fn, reduction, return_outputs)
+
+    def _train_step_now(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool) -> Any:
         if self._channel is not None:
             with _target_asked_by_keyword(target, loss_fn):
                 return train_across(self._across(), args, kwargs, target, loss_fn, reduction, return_outputs)

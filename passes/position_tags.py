@@ -98,13 +98,16 @@ class CausalityError(ValueError):
     )
 
     def __init__(self, problems: Sequence[str], fix: str = FIX) -> None:
-        self.problems = list(problems)
+        self.problems, self.fix = list(problems), fix
         super().__init__(
             "the model cannot run in slices of its sequence: a slice must compute from its own positions and "
             "the earlier ones, and these ops read otherwise (or are not known to this check):\n"
             + "\n".join(f"  - {p}" for p in self.problems)
             + f"\nHow to fix: {fix}"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.problems, self.fix), {k: v for k, v in self.__dict__.items() if k not in ("problems", "fix")}
 
 
 # Ops that compute each element from the elements at the same index of their inputs.

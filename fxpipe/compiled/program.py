@@ -301,6 +301,9 @@ class OtherCall(TypeError):
         super().__init__(message)
         self.key = key
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (str(self), self.key), {k: v for k, v in self.__dict__.items() if k != "key"}
+
 
 @dataclass
 class Compiled:

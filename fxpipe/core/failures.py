@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,9 @@ class RemoteFailure(Exception):
     def __init__(self, failure: Failure) -> None:
         super().__init__(failure.describe())
         self.failure = failure
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.failure,), {k: v for k, v in self.__dict__.items() if k != "failure"}
 
 
 class PeerLost(RuntimeError):

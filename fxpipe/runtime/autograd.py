@@ -12,7 +12,8 @@ as it would in the plain model, into `.grad` for `loss.backward()`, to the calle
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -51,6 +52,10 @@ class Run:
         self.differentiable: Callable[[str], bool] = lambda name: True  # by output value
         self.gathered: Optional[Gathered] = None
         self.output_grads: Optional[Sequence[Optional[torch.Tensor]]] = None
+        # What must live as long as the outputs' graph: the pipeline, whose garbage collection
+        # stops the workers the backward runs on (as the plain model's graph keeps its weights).
+        self.owner: Any = None
+        self.alone: ContextManager[Any] = nullcontext()  # held by the backward: one call on the model at a time
 
     def forward(self) -> None:
         self.gathered = self.gather(self.step.forward())
@@ -70,7 +75,8 @@ class Run:
                 "torch.autograd.grad(..., is_grads_batched=True)): its stages run each backward on tensors of their "
                 "own, one gradient at a time.\nHow to fix: compute Jacobians with the plain model."
             )
-        input_grads = self.step.backward(self.gathered.route(grads))
+        with self.alone:
+            input_grads = self.step.backward(self.gathered.route(grads))
         return [*whole_input_grads(self.inputs, self.pieces, input_grads), *self.parameter_grads()]
 
 

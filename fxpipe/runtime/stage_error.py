@@ -2,7 +2,7 @@
 and the same error on every rank."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Union
 
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.runtime.hints import hint_for
@@ -13,11 +13,20 @@ class StageError(RuntimeError):
     """An exception raised inside a stage; `__cause__` is the original. Across processes, `rank`
     is the rank the stage ran on, and every rank raises the same error."""
 
-    def __init__(self, stage: int, micro_batch: int, phase: str, error: BaseException, rank: Optional[int] = None) -> None:
+    def __init__(self, stage: int, micro_batch: int, phase: str, error: Union[BaseException, str], rank: Optional[int] = None) -> None:
+        """`error`: what the stage raised, or what it said (a StageError unpickled)."""
         where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
-        detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error)}"
+        if isinstance(error, str):
+            detail = error
+        else:
+            detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error)}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled (multiprocessing hands errors back that way) with what it says; its cause,
+        # which may not pickle, is not.
+        return type(self), (self.stage, self.micro_batch, self.phase, self.detail, self.rank), _picklable_state(self)
 
     def failure(self, rank: Optional[int] = None) -> Failure:
         """What the other ranks are told of it; `rank` is where it struck where the error does
@@ -33,6 +42,11 @@ def raised_here(failure: Failure) -> Exception:
     if failure.stage < 0:
         return RuntimeError(failure.describe())
     return StageError(failure.stage, failure.micro_batch, failure.phase, RemoteFailure(failure), rank=failure.rank)
+
+
+def _picklable_state(error: BaseException) -> dict[str, Any]:
+    """An error's own attributes (its notes among them) but those the constructor sets."""
+    return {k: v for k, v in error.__dict__.items() if k not in ("stage", "micro_batch", "phase", "rank", "detail")}
 
 
 class LossError(Exception):

@@ -2,6 +2,7 @@
 and groups of tasks the caller waits for together."""
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -41,6 +42,7 @@ class Workers:
 
     def __init__(self, devices: Sequence[torch.device], name: str = "fxpipe") -> None:
         self.closed = False
+        self.pid = os.getpid()  # a forked child has none of the threads
         self.queues: list[queue.SimpleQueue[Optional[list[Task]]]] = [queue.SimpleQueue() for _ in devices]
         self.threads = [
             threading.Thread(target=_loop, args=(q, d), name=f"{name}-stage{i}", daemon=True)
@@ -57,6 +59,13 @@ class Workers:
             raise RuntimeError(
                 "the pipeline was closed (pipe.close()) while a step still had work to run (a backward, say).\n"
                 "How to fix: close it after the last backward, or compile the model again."
+            )
+        if os.getpid() != self.pid:
+            raise RuntimeError(
+                "this pipeline is called in a process forked from the one that compiled it (a DataLoader worker, "
+                "multiprocessing with fork): its stage threads live in that process alone, and none would run the call.\n"
+                "How to fix: call the plain model in the child (the pipeline's parameters are the model's), compile "
+                "a pipeline in the child, or call the pipeline in the main process."
             )
         self.queues[stage].put(list(tasks))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import _thread
 import copy
+import gc
 import io
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -19,7 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import FanOut, assert_grads_equal, twin
+import fxpipe.runtime.step
 from fxpipe import StageError, compile_pipeline
+from fxpipe.compiled.program import OtherCall
+from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.passes.position_tags import CausalityError
+from fxpipe.runtime.worker import Workers
 
 
 def test_a_closed_pipeline_refuses_to_run() -> None:
@@ -341,7 +348,6 @@ def test_a_stage_error_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None
 
 def test_a_stuck_pipeline_fails_within_the_wait_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """A task whose input never comes (an edge lost, say) is reported, not waited on forever."""
-    import fxpipe.runtime.step
 
     monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 0.5)
     model = FanOut()
@@ -585,3 +591,124 @@ def test_compiling_holds_the_collector_off_and_leaves_it_as_it_was(monkeypatch: 
         assert gc.isenabled() is collector_on, "and as it was after"
     finally:
         (gc.enable if was_on else gc.disable)()
+
+
+def _loss_of_a_pipeline_let_go(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+    return F.mse_loss(pipe(x), y)  # the pipeline goes out of scope here; its output's graph lives on
+
+
+def test_a_pipeline_let_go_of_before_the_backward_of_its_output_lives_until_that_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the pipeline's garbage collection stopped its workers while its output's graph
+    still needed them: the backward waited for ever. The plain model's graph keeps its weights."""
+    monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 10.0)
+    model, plain = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    threads = threading.active_count()
+    loss = _loss_of_a_pipeline_let_go(model, x, y)
+    gc.collect()
+    loss.backward()
+    F.mse_loss(plain(x), y).backward()
+    assert_grads_equal(model, plain, tol=1e-12)
+    del loss
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() <= threads  # the workers stop once nothing needs them
+
+
+def test_two_threads_calling_one_pipeline_take_turns_and_each_gets_the_plain_model_s_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the two steps' task lists interleaved in the workers' queues in opposite orders
+    (a thread switch between one step's submits, forced here by a pause) and both waited on
+    each other; or one call saw the other's leaves in the model's slots and was refused as a
+    call of `torch.func.functional_call`."""
+    monkeypatch.setattr(fxpipe.runtime.step, "WAIT_TIMEOUT", 10.0)
+    model, plain = twin(FanOut())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="1f1b")
+    submit = Workers.submit
+
+    def paused(self: Workers, stage: int, tasks: list) -> None:  # type: ignore[type-arg]
+        submit(self, stage, tasks)
+        if stage == 0 and threading.current_thread().name == "first":
+            time.sleep(0.05)
+
+    monkeypatch.setattr(Workers, "submit", paused)
+    losses: dict[str, list[torch.Tensor]] = {"first": [], "second": []}
+    outputs: list[torch.Tensor] = []
+
+    def steps() -> None:
+        for _ in range(3):
+            losses[threading.current_thread().name].append(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
+            with torch.no_grad():
+                outputs.append(pipe(x))
+
+    threads = [threading.Thread(target=steps, name=name) for name in losses]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    expected = F.mse_loss(plain(x), y)
+    for _ in range(6):
+        expected.backward(retain_graph=True)
+    assert len(outputs) == 6 and all(torch.allclose(o, plain(x), rtol=0, atol=1e-12) for o in outputs)
+    assert all(torch.allclose(loss, expected.detach(), rtol=0, atol=1e-12) for found in losses.values() for loss in found)
+    assert_grads_equal(model, plain, tol=1e-11)
+
+
+def _call_in_child(pipe: object, x: torch.Tensor, conn: object) -> None:
+    try:
+        with torch.no_grad():
+            pipe(x)  # type: ignore[operator]
+        conn.send("ran")  # type: ignore[attr-defined]
+    except RuntimeError as error:
+        conn.send(str(error))  # type: ignore[attr-defined]
+
+
+def test_a_pipeline_called_in_a_forked_child_refuses_saying_why() -> None:
+    """Before, the call waited for ever on stage threads that a forked child (a DataLoader
+    worker) does not have."""
+    pipe = compile_pipeline(FanOut(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_call_in_child, args=(pipe, torch.randn(8, 6), send))
+    child.start()
+    try:
+        said = receive.recv() if receive.poll(60) else "nothing in 60 s"
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    assert "called in a process forked from the one that compiled it" in said and "How to fix" in said, said
+    pipe(torch.randn(8, 6))  # the parent's pipeline runs on
+
+
+def test_the_library_s_errors_pickle_as_they_were() -> None:
+    """multiprocessing hands a worker's error back pickled. Before, a StageError, a
+    RemoteFailure and an OtherCall failed to unpickle (a Pool's result thread died on it), and
+    a CausalityError came back with one line per letter of its message."""
+    model = nn.Sequential(nn.Linear(4, 4), _Fails(), nn.Linear(4, 4))
+    pipe = compile_pipeline(model, torch.randn(4, 4), ["cpu", "cpu"], chunks=2, leaf_modules=[_Fails])
+    with pytest.raises(StageError) as raised:
+        pipe(torch.full((4, 4), -1000.0))
+    raised.value.add_note("a note")
+    failure = Failure(1, 2, 0, "forward", "ValueError: no")
+    errors = [
+        raised.value, StageError(1, 2, "backward", RemoteFailure(failure), rank=1), RemoteFailure(failure),
+        CausalityError(["cumsum (h, line 3)"], fix="something"), OtherCall("another call", ("kind", 1)),
+    ]  # fmt: skip
+    for error in errors:
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+        assert {k: v for k, v in vars(again).items() if k != "failure"} == {k: v for k, v in vars(error).items() if k != "failure"}
+    assert pickle.loads(pickle.dumps(raised.value)).__notes__ == ["a note"]
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.min() < -100:
+            raise ValueError("an input below -100")
+        return x
