@@ -15,7 +15,8 @@ ops draw fixed values and BatchNorm uses fixed statistics in these runs: they ar
 by design (README, "Limits worth knowing"). A model too large to run on the CPU at compile time
 runs on the meta device, which gives the dims (not SAME from VARIES) and checks nothing; so does
 a model whose forward writes its buffers, whose micro-batches compute as the plain model would
-on them in turn.
+on them in turn (a value no split input reaches, which each half gives as the whole does, is
+still SAME: made from parameters alone).
 """
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def annotate_batch_dims(
     compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
-    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True)
+    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real)
     if not problems and real and not compare and serves_eval:
         with _in_eval(gm):
             written.clear()
@@ -132,10 +133,11 @@ def annotate_batch_dims(
 
 def _compared(
     gm: fx.GraphModule, returned: list[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]], compare: bool,
-    split: set[str], annotate: bool, mode: str = "",
+    split: set[str], annotate: bool, mode: str = "", real: bool = True,
 ) -> tuple[list[str], set[fx.Node]]:
     """What is wrong with each returned value of the halves' runs (`each`) against the whole's,
-    and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`)."""
+    and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`).
+    `real`: the runs computed values (not on the meta device), even where not `compare`d."""
     sources = output_sources(gm, gradients=False)
     apart = _apart_in_each_micro_batch(gm)
     problems, bad = [], set()
@@ -146,7 +148,7 @@ def _compared(
         # A value read from state the forward writes (a running mean), or drawn, differs between
         # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
         from_batch = bool(sources[node.name].inputs & split) or node in apart
-        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch) for k, w in enumerate(_leaves(whole[node]))]
+        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch, real) for k, w in enumerate(_leaves(whole[node]))]
         if annotate:
             node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
@@ -304,11 +306,13 @@ def _is_split(value: Any, batch: int, dims: Dims) -> bool:
     return any(isinstance(t, torch.Tensor) and split_dim(t, batch, dims) is not None for t in _leaves(value))
 
 
-def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False) -> tuple[BatchDim, str]:
+def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False, real: bool = True) -> tuple[BatchDim, str]:
     """Where the batch lies in one output leaf, and what is wrong with it ('' if nothing);
-    without `compare`, from the shapes alone (a number, made from shapes, is compared always).
-    A leaf whose values depend on a split input (`from_batch`) is never the same in every
-    micro-batch, even where the halves' values are (a loss from a zero-initialised head)."""
+    without `compare`, from the shapes alone (a number, made from shapes, is compared always),
+    but for a leaf of `real` values that no split input reaches and the halves gave bit for bit
+    as the whole (made from parameters alone: returned once, as the plain model's). A leaf whose
+    values depend on a split input (`from_batch`) is never the same in every micro-batch, even
+    where the halves' values are (a loss from a zero-initialised head)."""
     if isinstance(whole, (int, float)) and not isinstance(whole, bool):
         return (VARIES, "") if any(p != whole for p in parts) else (None, "")  # x.shape[0], say
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
@@ -319,11 +323,12 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
     if not changed:
         if from_batch:
             return VARIES, ""
-        if not compare:
-            return None, ""
         # Bit for bit: a loss near its starting value (ln V for a fresh language model) is the
         # same in each half within rounding, and is still made from the batch.
-        return (SAME, "") if all(_identical(p, whole) for p in parts) else (VARIES, "")
+        same = real and all(_identical(p, whole) for p in parts)
+        if not compare:  # state the runs write may make the halves differ: unknown, unless alike
+            return (SAME, "") if same else (None, "")
+        return (SAME, "") if same else (VARIES, "")
     if len(changed) > 1 or sum(p.shape[changed[0]] for p in parts) != whole.shape[changed[0]]:
         return VARIES, ""
     dim = changed[0]

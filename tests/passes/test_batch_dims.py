@@ -348,6 +348,39 @@ def test_an_output_made_from_parameters_alone_is_returned_once(checkpoint: str) 
     assert_grads_equal(pipe, reference)
 
 
+class CountingTable(WithTable):
+    """WithTable that counts its calls in a buffer: the compile-time check of the micro-batches
+    compares no values (each half's run writes the buffer); through torch.export where
+    `exported` (a shape check torch.fx cannot trace)."""
+
+    def __init__(self, exported: bool) -> None:
+        super().__init__()
+        self.exported = exported
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.exported and x.shape[1] != 6:
+            raise ValueError("6 features")
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_an_output_made_from_parameters_alone_by_a_model_that_writes_a_buffer_is_returned_once(exported: bool) -> None:
+    """Before, with the values unchecked, it was joined along dim 0, whose size happens to be the
+    micro-batch's: twice the plain model's rows, its gradient twice the plain model's."""
+    model, reference = twin(CountingTable(exported))
+    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    out, expected = pipe(X), reference(X)
+    assert out[1].shape == (4, 3)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    _loss(out).backward()
+    _loss(expected).backward()
+    assert_grads_equal(pipe, reference)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(X)[1], reference(X)[1], rtol=0, atol=0)
+
+
 def test_an_output_made_from_parameters_alone_under_autograd_grad_and_accumulation() -> None:
     model, reference = twin(WithTable())
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
