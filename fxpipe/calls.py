@@ -55,7 +55,7 @@ class PipelineCalls(nn.Module):
     _one_call: threading.RLock  # held by a call (its forward, its backward, a train step): one at a time on the model
     _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
     # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
-    _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], Any]]
+    _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any], list[str]], Any]]
     _variants: "collections.OrderedDict[Any, Any]"  # pipelines by kind of call, the most recent last
     _variants_warned: bool  # it has said that more kinds of call came than it keeps
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
@@ -236,6 +236,25 @@ class PipelineCalls(nn.Module):
         where = self._compiled.placement
         return where is None or program.layout.ranks[stage] == where.me
 
+    def _kept_whole_in(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+        """The arguments of a call of another kind that the example kept whole (a table, a mask),
+        each a tensor of as many dims here: its pipeline keeps them whole too, whatever the batch
+        size of the call it is compiled from."""
+        if self._signature is None:
+            return []
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return []
+        # Under torch.export the example's leaves are named by the graph's inputs: by argument here.
+        placeholders = [n for n in self._compiled.cuts[True].graph.graph.nodes if n.op == "placeholder"]
+        named = {n.name: str(n.meta.get("argument", n.name)) for n in placeholders}
+        example = {named.get(name, name): leaves for name, leaves in self._compiled.example_leaves.items()}
+        return [
+            name for name, value in bound.items()
+            if isinstance(value, torch.Tensor) and example.get(name) == ((value.dim(), True),)
+        ]  # fmt: skip
+
     def _variant(self: P, other: OtherCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P:
         """The pipeline for calls of another kind than the example (an optional argument left
         out, or given where the example left it None): compiled on the first such call, from the
@@ -249,10 +268,14 @@ class PipelineCalls(nn.Module):
             raise other
         else:
             try:
-                found = self._recompile(self._owner, args, kwargs)
-            except Exception as error:  # the model itself may refuse this call: say both
-                other.add_note(f"Compiling stages for this call failed too: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                raise other from error
+                found = self._recompile(self._owner, args, kwargs, self._kept_whole_in(args, kwargs))
+            except Exception as error:  # the model itself may refuse this call, or this call as an example
+                error.add_note(
+                    f"This call is of another kind than the example ({str(other).splitlines()[0]}): stages are compiled "
+                    "for each kind of call on its first call, with that call as their example, and compiling them from "
+                    "this one failed as above."
+                )
+                raise
             if len(variants) >= VARIANTS:
                 variants.popitem(last=False)[1].close()
                 if not self._variants_warned:

@@ -357,9 +357,11 @@ def compile_pipeline(
     return pipe
 
 
-def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
-    """A pipeline for a call of another kind than the example, the call as its example."""
-    return compile_pipeline(model, args, example_kwargs=kwargs or None, **options)
+def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], whole: list[str]) -> Pipeline:
+    """A pipeline for a call of another kind than the example, the call as its example; the
+    arguments `whole` kept whole, as the example kept them (unless chunk_spec says otherwise)."""
+    chunk_spec = {**{name: None for name in whole}, **(options["chunk_spec"] or {})}
+    return compile_pipeline(model, args, example_kwargs=kwargs or None, **{**options, "chunk_spec": chunk_spec or None})
 
 
 def _check_micro_batches_later(

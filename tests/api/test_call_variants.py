@@ -223,3 +223,56 @@ def test_an_exported_pipeline_keeps_image_sizes_and_compiles_stages_for_another(
     with torch.no_grad():
         images = torch.randn(4, 3, 12, 10, dtype=torch.float64)
         torch.testing.assert_close(pipe(images), reference(images), rtol=0, atol=1e-12)
+
+
+class WithTable(nn.Module):
+    """`vec` holds one value per feature, never per sample; through torch.export where
+    `exported` (a shape check torch.fx cannot trace)."""
+
+    def __init__(self, exported: bool) -> None:
+        super().__init__()
+        self.exported = exported
+        self.a, self.b = nn.Linear(12, 12), nn.Linear(12, 12)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.exported and x.shape[1] != 12:
+            raise ValueError("12 features")
+        h = torch.tanh(self.a(x)) + vec
+        return self.b(h if extra is None else h + extra)
+
+
+@pytest.mark.parametrize("how", ["pipe(x)", "train_step"])
+@pytest.mark.parametrize("exported", [False, True])
+def test_stages_for_another_kind_of_call_keep_whole_what_the_example_kept_whole(exported: bool, how: str) -> None:
+    """Before, stages compiled from a first call of another kind whose batch size happened to be
+    `vec`'s length split `vec` (the example, of 8 samples, kept it whole), and the call was
+    refused as an OtherCall; a first call of 8 samples compiled them right."""
+    model, reference = twin(WithTable(exported))
+    g = torch.Generator().manual_seed(0)
+    x, vec, extra = (torch.randn(*shape, dtype=torch.float64, generator=g) for shape in [(8, 12), (12,), (8, 12)])
+    x12, e12, y = (torch.randn(12, 12, dtype=torch.float64, generator=g) for _ in range(3))
+    pipe = compile_pipeline(model, (x, vec, extra), ["cpu", "cpu"], chunks=2)
+    _each_equals_the_plain_model(pipe, reference, [(x12, vec), (x12, vec, e12), (x12, vec)], how, y)
+    assert len(pipe._variants) == 1
+
+
+class OneSample(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.shape[1] != 6:  # torch.export
+            raise ValueError("6 features")
+        h = torch.tanh(self.a(x))
+        return self.b(h if extra is None else h * extra)
+
+
+def test_stages_for_another_kind_of_call_that_cannot_compile_from_it_say_why_and_which_call() -> None:
+    """Before, the binding's own refusal came out (an internal OtherCall, telling to call as the
+    example did, against the docs), the reason in a note."""
+    pipe = compile_pipeline(OneSample(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+    with pytest.raises(RuntimeError, match="two samples or more") as raised:
+        pipe(torch.randn(1, 6), extra=torch.randn(1, 6))  # torch.export makes a graph of one sample from one
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "This call is of another kind than the example" in notes and "with that call as their example" in notes, notes
