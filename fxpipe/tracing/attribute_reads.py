@@ -86,10 +86,17 @@ class Reads:
     assigned: set[str] = field(default_factory=set)  # module-level values that code assigns (`global n; n += 1`)
     iterated: set[str] = field(default_factory=set)  # the containers (ModuleList, ...) whose members were listed
     flags_read: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # `training` reads, by any code but the tracer's
+    forwards: list[tuple[types.CodeType, dict[str, Any]]] = field(default_factory=list)  # of the model's classes
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
         self.flags_read[mode] = 0
+        # The module-level values the forwards read, as they are before any runs: a forward may
+        # assign one (`global calls; calls += 1`) before the first attribute read that notes it.
+        for code, module_globals in self.forwards:
+            if from_the_model(code.co_filename) and settings_code(code.co_filename):
+                for qualified, value in module_reads(code, module_globals).constants.items():
+                    self.first.setdefault(qualified, value)
 
     def same_in_eval(self) -> None:
         """The training trace serves eval mode too (it read no `training` flag): eval reads what it read."""
@@ -214,6 +221,9 @@ def attribute_reads_recorded(model: nn.Module) -> Iterator[Reads]:
     for path, module in model.named_modules():
         paths.setdefault(id(module), [path])
     reads = Reads(paths)
+    for forward in dict.fromkeys(getattr(type(m), "forward", None) for m in model.modules()):
+        if isinstance(getattr(forward, "__code__", None), types.CodeType):
+            reads.forwards.append((forward.__code__, forward.__globals__))  # type: ignore[union-attr]
     try:
         with scoped(_local, "reads", reads):
             for cls in dict.fromkeys(type(m) for m in model.modules()):

@@ -725,10 +725,24 @@ class _CountsInItsModule(nn.Module):
         return self.lin(x) * _CALLS
 
 
-def test_a_forward_that_assigns_a_module_level_value_is_refused_naming_it() -> None:
+class _CountsFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _CALLS
+        _CALLS += 1  # before any attribute read
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("where", ["a submodule", "the model, first"])
+def test_a_forward_that_assigns_a_module_level_value_is_refused_naming_it(where: str) -> None:
     """Before, the graph check refused it as data-dependent control flow; and the refused
-    compile left the counter advanced by its runs of the model (by 7)."""
-    model = nn.Sequential(_CountsInItsModule(), nn.Tanh(), nn.Linear(4, 4))
+    compile left the counter advanced by its runs of the model (by 7). A forward that assigned
+    before its first attribute read was not refused at all (the value was first noted as
+    assigned), and its pipeline never counted."""
+    model = nn.Sequential(_CountsInItsModule(), nn.Tanh(), nn.Linear(4, 4)) if where == "a submodule" else _CountsFirst()
     before = _CALLS
     with pytest.raises(TraceError, match=re.escape(f"its forward assigns module-level values, which changed as it was traced: {__name__}:_CALLS (")):
         compile_pipeline(model, torch.randn(8, 4), ["cpu", "cpu"], chunks=2)
