@@ -434,10 +434,10 @@ def block_spread(gm: fx.GraphModule, profile: dict[str, float]) -> Optional[floa
 
 
 def node_spread(profiles: Sequence[dict[str, float]]) -> float:
-    """Median over nodes of the coefficient of variation of a node's time across profiles."""
-    return statistics.median(
-        statistics.pstdev([p[name] for p in profiles]) / statistics.fmean([p[name] for p in profiles]) for name in profiles[0]
-    )
+    """Median over nodes of the coefficient of variation of a node's time across profiles (nodes
+    timed at zero in every profile left out)."""
+    spreads = [statistics.pstdev(times) / statistics.fmean(times) for name in profiles[0] if statistics.fmean(times := [p[name] for p in profiles]) > 0]
+    return statistics.median(spreads) if spreads else 0.0
 
 
 def counts_of(cuts: Sequence[int], length: int) -> tuple[int, ...]:

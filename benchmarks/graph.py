@@ -138,7 +138,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=2, help="rows per micro-batch")
     p.add_argument("--schedule", default="gpipe")
     p.add_argument("--repeats", type=int, default=7, help="timed steps per pipeline (the median is reported)")
-    p.add_argument("--models", default=",".join(EMULATED), help="emulated models to run")
+    p.add_argument("--models", default=",".join(EMULATED), help=f"emulated models to run, comma-separated, of: {', '.join(EMULATED)}")
     p.add_argument("--real", action="store_true", help="also the example models on real kernels, one stage per core")
     return p.parse_args(argv)
 

@@ -4,7 +4,8 @@ Each takes several inputs, runs a tower per input, and joins the towers late: th
 stages side by side beat a chain. `python examples/branches.py` prints each model's plan as a
 chain and as a DAG, and trains the multi-modal one for a few steps.
 """
-from typing import Any
+import argparse
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -138,22 +139,27 @@ class CandleUno(nn.Module):
 MODELS: dict[str, Any] = {"multimodal": MultiModal, "dlrm": DLRM, "candle-uno": CandleUno}
 
 
-def main() -> None:
+def main(argv: Optional[Sequence[str]] = None) -> None:
     from fxpipe import compile_pipeline
 
+    parser = argparse.ArgumentParser(description="Multi-branch models cut as a chain and as a stage graph, then a few training steps.")
+    parser.add_argument("--steps", type=int, default=3, help="training steps of the multi-modal model")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--chunks", type=int, default=4)
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
     for name, kind in MODELS.items():
-        model, example = kind(), kind.example(16)
+        model, example = kind(), kind.example(args.batch)
         for stage_graph in ("chain", "dag"):
-            pipe = compile_pipeline(model, example, ["cpu"] * 4, chunks=4, stage_graph=stage_graph, balance="flops")
+            pipe = compile_pipeline(model, example, ["cpu"] * 4, chunks=args.chunks, stage_graph=stage_graph, balance="flops")
             print(f"{name}, stage_graph={stage_graph!r}: {pipe.plan.summary().splitlines()[-1 - len(pipe.plan.notes)]}")
             pipe.close()
     model = MultiModal()
-    pipe = compile_pipeline(model, MultiModal.example(16), ["cpu"] * 4, chunks=4, balance="flops")
+    pipe = compile_pipeline(model, MultiModal.example(args.batch), ["cpu"] * 4, chunks=args.chunks, balance="flops")
     optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-3)
-    for step in range(3):
-        text, image, audio = MultiModal.example(16)
-        target = torch.randint(0, 64, (16,))
+    for step in range(args.steps):
+        text, image, audio = MultiModal.example(args.batch)
+        target = torch.randint(0, 64, (args.batch,))
         loss = F.cross_entropy(pipe(text, image, audio), target)
         optimizer.zero_grad()
         loss.backward()

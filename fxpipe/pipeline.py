@@ -303,7 +303,8 @@ class Pipeline(PipelineCalls):
         the loss, with the optimizer's settings of before it): per batch, `optimizer.zero_grad()`, `train_step`, `after_backward()` (clip the
         gradients there: `lambda: pipe.clip_grad_norm_(1.0)`), `optimizer.step()`, `after_step()`
         (a learning-rate scheduler's `step`). Between two losses the parameters hold the last
-        update whole (`state_dict()` is consistent there); a failure, in a stage or in `batches`,
+        update whole (`state_dict()` is consistent there; under '2bw' it is refused until the loop
+        ends, as the stages run on); a failure, in a stage or in `batches`,
         says which batch it struck and leaves the parameters after the last update. Across
         processes every rank gives the same batches; one whose batches end or fail early makes
         every rank raise.

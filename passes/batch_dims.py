@@ -386,7 +386,8 @@ def _mixing_message(
     starts = _where_it_starts(gm, whole, parts, bad)
     return (
         f"with chunks={chunks} the micro-batches would compute otherwise than the whole batch: run on the two "
-        "halves of the example, the model gives other outputs than on the whole example. It mixes samples "
+        "halves of the inputs checked (the example's, or the first call of two samples or more where the example "
+        "had one), the model gives other outputs than on the whole of them. It mixes samples "
         "along the batch dim, or computes with the batch size.\n"
         + "".join(f"  - output {p}\n" for p in problems)
         + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
