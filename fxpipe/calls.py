@@ -99,6 +99,17 @@ class PipelineCalls(nn.Module):
         self._build()
         return self._held_program()
 
+    def _refuse_calls_from_its_stages(self) -> None:
+        """A call from a stage of this pipeline or of one for another kind of call (from a hook on
+        a module it runs) would wait on itself: for its own thread, and for the call in progress."""
+        here = threading.current_thread()
+        if any(here in pipe._workers.threads for pipe in (self, *self._variants.values())):
+            raise RuntimeError(
+                "the pipeline was called from inside one of its own stages (from a hook on a module it runs, say): "
+                "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
+                "backward, or call the module itself inside the hook."
+            )
+
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None, overlapping: bool = False) -> Call:
         """The call split into micro-batches, on the program that runs it. `held`: that program,
         checked against the model already (a loop of overlapping steps checks it once, before
@@ -107,12 +118,7 @@ class PipelineCalls(nn.Module):
         refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
-        if threading.current_thread() in self._workers.threads:
-            raise RuntimeError(
-                "the pipeline was called from inside one of its own stages (from a hook on a module it runs, say): "
-                "its stage threads would wait on themselves.\nHow to fix: call it outside its own forward and "
-                "backward, or call the module itself inside the hook."
-            )
+        self._refuse_calls_from_its_stages()
         refuse_modes_the_stages_would_miss(overlapping or (self._channel is None and len(self._workers.threads) > 1))
         program = self._held_program() if held is None else held
         refuse_other_autocast(self._compiled)

@@ -167,6 +167,7 @@ class Pipeline(PipelineCalls):
             warn_compiled_whole()
         refuse_parametrization_cache()
         self._refuse_while_steps_overlap("pipe(x)")
+        self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         with self._one_call:  # another thread's call waits: its stages would swap the same slots
             return self._call_now(args, kwargs)
 
@@ -265,6 +266,7 @@ class Pipeline(PipelineCalls):
         refuse_parametrization_cache()
         refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")
+        self._refuse_calls_from_its_stages()
         with self._one_call:
             return self._train_step_now(args, kwargs, target, loss_fn, reduction, return_outputs)
 

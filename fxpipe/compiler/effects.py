@@ -18,7 +18,7 @@ from fxpipe.tracing.assignments import (
 )
 from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, counted_while_traced
 from fxpipe.tracing.lost_effects import (
-    outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
+    DrawingRegion, outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, refuse_checkpointed_draws, tensor_hooks_counted,
 )
 from fxpipe.tracing.trace import TraceError
 
@@ -116,16 +116,18 @@ def warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str])
         )
 
 
-def refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments) -> int:
+def refuse_effects_a_trace_loses(
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments,
+) -> tuple[int, list[DrawingRegion]]:
     """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
     then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many hooks
-    forward registered on tensors. Each run is told to `stable`, which keeps the plain values
+    forward registered on tensors, and the regions of the model's own checkpointing that drew. Each run is told to `stable`, which keeps the plain values
     every run assigns alike. A model that does not run is left to the front ends, whose errors
     say why. Only a model small enough to run whole is run, as for the graph's check (on the
     CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
     if is_on_meta(model) or not small_on_cpu(model, (example, kwargs)):
-        return 0
-    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model), \
+        return 0, []
+    with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model) as drew, \
             tensor_hooks_counted() as hooks:  # fmt: skip
         try:
             with torch.enable_grad():
@@ -136,4 +138,10 @@ def refuse_effects_a_trace_loses(model: nn.Module, example: tuple[Any, ...], kwa
                 in_both_modes(model, run)
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
             stable.ends.clear()
-    return hooks.count
+    return hooks.count, drew
+
+
+def refuse_draws_torch_recomputes(model: nn.Module, traced: Traced, drew: list[DrawingRegion]) -> None:
+    """`refuse_checkpointed_draws`, with the modules the graphs call whole."""
+    if drew:
+        refuse_checkpointed_draws(model, drew, _called_whole(traced))

@@ -15,7 +15,7 @@ from fxpipe.compiled.program import Binder
 from fxpipe.compiler.binding import leaf_binder, micro_batch_check, none_as_traced, signature_binder
 from fxpipe.compiler.effects import (
     refuse_containers_filled_at_random, refuse_effects_a_trace_loses, refuse_lost_assignments, refuse_lost_counters,
-    refuse_reads_of_stored_tensors, warn_of_containers_left,
+    refuse_draws_torch_recomputes, refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
 from fxpipe.core.hooks import hooked
@@ -223,7 +223,7 @@ def to_graph(
     kwargs = kwargs or {}
     with preserved(model):
         with StableAssignments(model) as stable:
-            hooks = refuse_effects_a_trace_loses(model, example, kwargs, stable)
+            hooks, drew = refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
                 traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
@@ -231,6 +231,7 @@ def to_graph(
             refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
             refuse_lost_assignments(model, traced, changed)
             refuse_reads_of_stored_tensors(model, traced, stable)
+            refuse_draws_torch_recomputes(model, traced, drew)
         except BaseException:
             stable.undo()
             raise

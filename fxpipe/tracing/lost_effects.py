@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -218,13 +219,26 @@ def tensor_hooks_counted() -> Iterator[_HookCount]:
                 torch.Tensor.register_hook = original  # type: ignore[method-assign]
 
 
+# A region of the model's own activation checkpointing that drew random numbers in its forward:
+# whether reentrant, and the paths of the modules whose forwards it ran within (innermost first).
+DrawingRegion = tuple[bool, list[str]]
+
+
 @contextmanager
-def own_checkpoints_refused(model: nn.Module) -> Iterator[None]:
+def own_checkpoints_refused(model: nn.Module) -> Iterator[list[DrawingRegion]]:
     """Run the model within this block: buffers written inside a region of its own activation
     checkpointing (torch.utils.checkpoint, reentrant or not) are refused, put back by the caller's
-    runs as any buffer is."""
+    runs as any buffer is. The block gets the regions that drew random numbers (whose recompute
+    in backward draws again: `refuse_checkpointed_draws` says where that cannot be replayed)."""
     owners = {id(b): name.rpartition(".")[0] or type(model).__name__ for name, b in model.named_buffers()}
     written: dict[str, None] = {}
+    drew: list[DrawingRegion] = []
+    paths = {id(m): name for name, m in model.named_modules()}
+
+    def note_draws(before: torch.Tensor, reentrant: bool, run: Any = None) -> None:
+        if not torch.equal(torch.get_rng_state(), before):
+            ran = [paths[id(run)]] if isinstance(run, nn.Module) and id(run) in paths else []  # the module checkpointed
+            drew.append((reentrant, ran + _modules_on_the_stack(paths)))
 
     def versions() -> dict[int, int]:
         return {id(b): b._version for b in model.buffers() if not b.is_inference()}
@@ -237,26 +251,28 @@ def own_checkpoints_refused(model: nn.Module) -> Iterator[None]:
     def watched_generator(*args: Any, **kwargs: Any) -> Iterator[None]:
         inner = generator(*args, **kwargs)
         next(inner)  # before the checkpointed forward
-        before = versions()
+        before, state = versions(), torch.get_rng_state()
         try:
             yield
         except BaseException as e:  # noqa: BLE001 - handed on as checkpoint hands it on
             inner.throw(e)
             return
         note(before)
+        note_draws(state, reentrant=False)
         yield from inner
 
     def watched_forward(ctx: Any, run: Callable[..., Any], *args: Any) -> Any:
-        before = versions()
+        before, state = versions(), torch.get_rng_state()
         try:
             return reentrant(ctx, run, *args)
         finally:
             note(before)
+            note_draws(state, reentrant=True, run=run)
 
     checkpoints._checkpoint_without_reentrant_generator = watched_generator  # type: ignore[assignment]
     checkpoints.CheckpointFunction.forward = staticmethod(watched_forward)  # type: ignore[method-assign,assignment]
     try:
-        yield
+        yield drew
     finally:
         checkpoints._checkpoint_without_reentrant_generator = generator
         checkpoints.CheckpointFunction.forward = staticmethod(reentrant)  # type: ignore[method-assign,assignment]
@@ -269,6 +285,41 @@ def own_checkpoints_refused(model: nn.Module) -> Iterator[None]:
             "(torchvision's memory_efficient=False, timm's set_grad_checkpointing(False), Hugging Face's "
             "gradient_checkpointing_disable()); the pipeline's checkpoint= recomputes its stages instead, and "
             "writes buffers once."
+        )
+
+
+def _modules_on_the_stack(paths: dict[int, str]) -> list[str]:
+    """The paths of the model's modules whose code is running on this thread, innermost first."""
+    found: list[str] = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in paths and paths[id(owner)] not in found:
+            found.append(paths[id(owner)])
+        frame = frame.f_back  # type: ignore[assignment]
+    return found
+
+
+def refuse_checkpointed_draws(model: nn.Module, drew: list[DrawingRegion], called_whole: set[str]) -> None:
+    """A region of the model's own activation checkpointing that draws random numbers (dropout)
+    recomputes in backward, by torch's code: where the pipeline runs that code (a region
+    reentrant, or within a module called whole), the recompute draws other numbers than its
+    forward drew from the pipeline's per-micro-batch streams. A region of non-reentrant
+    checkpointing that a trace goes through (torch.fx's, torch.export's) is part of the graph,
+    which the pipeline's own checkpointing replays exactly."""
+    def replayed_by_torch(reentrant: bool, stack: list[str]) -> bool:
+        return reentrant or any(p == w or p.startswith(w + ".") for p in stack for w in called_whole)
+
+    where = list(dict.fromkeys(stack[0] or type(model).__name__ for reentrant, stack in drew if stack and replayed_by_torch(reentrant, stack)))
+    if where:
+        raise TraceError(
+            f"{type(model).__name__} cannot be compiled: its own activation checkpointing (torch.utils.checkpoint) "
+            f"recomputes random ops (dropout) in backward, in {_some(where)}: the pipeline draws them from streams of "
+            "its own per micro-batch, which torch's recompute does not replay, so the backward would use other masks "
+            "than the forward.\nHow to fix: turn the model's own checkpointing off (Hugging Face's "
+            "gradient_checkpointing_disable(), timm's set_grad_checkpointing(False), torchvision's "
+            "memory_efficient=False); the pipeline's checkpoint= recomputes its stages and replays dropout exactly. "
+            "Or use torch.utils.checkpoint(..., use_reentrant=False) in modules the trace goes through (not kept whole)."
         )
 
 
