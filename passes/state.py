@@ -284,6 +284,8 @@ def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
     redirected = []
     for read in [n for n in graph.nodes if n.op == "get_attr" and str(n.target) in writers]:
         name = str(read.target)
+        if any(read in written_arguments(gm, user) for user in read.users):
+            continue  # the graph writes it too (`self.n.add_(1)` in a module traced through): the live buffer, for every use
         for user in list(read.users):
             before = [w for w in writers[name] if order[w] < order[user]]
             if not before or user in writers[name]:
