@@ -97,7 +97,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
             differ = [f"{arguments[i]} ({now[i]}, the example's {kinds[i]})" for i in range(len(now)) if now[i] != kinds[i]]
             raise OtherCall(
                 f"this call gives {', '.join(differ)}: the graph was exported from the example, which keeps no input "
-                "for a None and holds the value of an argument that is not a tensor.\nHow to fix: compile a pipeline "
+                "for a None, holds the value of an argument that is not a tensor and the dtypes of the tensors.\nHow to fix: compile a pipeline "
                 "for calls of each kind, or pass the arguments as the example did.",
                 (str(called), tuple(now)),
             )
@@ -133,8 +133,11 @@ def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[
 
 
 def _kind(leaf: Any) -> str:
-    """What export made of a leaf of the arguments: no input (None), a tensor, or a value it holds."""
-    return "None" if leaf is None else "a tensor" if isinstance(leaf, torch.Tensor) else "a value"
+    """What export made of a leaf of the arguments: no input (None), a tensor of a dtype (which
+    the graph holds for what it makes from it: `torch.ones(n, dtype=x.dtype)`), or a value it holds."""
+    if isinstance(leaf, torch.Tensor):
+        return f"a {str(leaf.dtype).removeprefix('torch.')} tensor"
+    return "None" if leaf is None else "a value"
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:
