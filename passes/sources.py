@@ -68,3 +68,26 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True) -> dict[str, Sour
         sources[node] = own
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return {node.name: sources[node] for node in output.all_input_nodes}
+
+
+def reached_from(gm: fx.GraphModule, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[str]]:
+    """The placeholders (by position) and the attributes (get_attr targets, and the modules that
+    call_module nodes call) that the graph's returned values at positions `outputs` are computed
+    from: those a gradient from them reaches,
+    as the plain model's autograd graph would (a cut, `detach()`, counts as a path: a gradient
+    of zeros where autograd gives none is what this tells apart)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    stack: list[fx.Node] = []
+    for k in outputs:
+        if k < len(returned):
+            fx.node.map_arg(returned[k], stack.append)
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return (frozenset(i for i, n in enumerate(placeholders) if n in seen),
+            frozenset(str(n.target) for n in seen if n.op in ("get_attr", "call_module")))  # fmt: skip

@@ -25,7 +25,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache, partial
-from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_map_only
 
 from fxpipe.core.eager_calls import EAGER_IN_COMPILED
 from fxpipe.core.randomness import DRAWS, MARKERS
+from fxpipe.passes.sources import reached_from
 
 # What `compile_stages={...}` may hold: torch.compile's own arguments, passed through.
 COMPILE_KEYS = ("mode", "dynamic", "backend", "fullgraph", "options")
@@ -207,6 +208,8 @@ class CompiledForward:
         self._owner = owner
         self._local = threading.local()  # the context of the call in progress on this thread
         self._eager = module.forward
+        self._module = module
+        self._reached: dict[frozenset[int], tuple[frozenset[int], frozenset[str]]] = {}
         self._warned_eager = False
         self._unreported: Optional[str] = None  # the first recompile's guards, until reported
         self._backend = _backend(options)
@@ -226,6 +229,30 @@ class CompiledForward:
             backend=self._counted, nopython=bool(self.options.get("fullgraph", False)), dynamic=self.options.get("dynamic"),
             guard_fail_fn=self._guard_failed,
         )(forward)  # fmt: skip
+
+    def reached_from(self, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[str]]:
+        """The stage's inputs (by position) and attributes that its outputs at `outputs` are
+        computed from: the compiled backward gives every other one a gradient of zeros, where
+        the eager stage's autograd gives none (passes/sources.py)."""
+        found = self._reached.get(outputs)
+        if found is None:
+            found = self._reached[outputs] = reached_from(self._module, outputs)
+        return found
+
+    def unreached(self, outputs: frozenset[int], slots: Sequence[Sequence[tuple[dict[str, Any], str]]]) -> tuple[frozenset[int], list[int]]:
+        """The stage's inputs (by position) that its outputs at `outputs` reach, and the
+        parameters (by index, each held at its `slots`) that they do not."""
+        inputs, attributes = self.reached_from(outputs)
+        reached = set()
+        for target in attributes:
+            path, _, name = target.rpartition(".")
+            holder = self._module.get_submodule(path)
+            called = holder._modules.get(name)
+            if called is None:  # a parameter read
+                reached.add((id(holder._parameters), name))
+            else:  # a module called whole: every parameter in it
+                reached.update((id(m._parameters), key) for m in called.modules() for key in m._parameters)
+        return inputs, [k for k, held in enumerate(slots) if not any((id(table), name) in reached for table, name in held)]
 
     def runner(self, draws: bool, hidden: bool, swapped: bool) -> Callable[..., Any]:
         """What runs the stage in a step where it `draws` random numbers (ops its graph shows)
@@ -257,8 +284,9 @@ class CompiledForward:
         if self.options.get("dynamic") is not False:
             args = tuple(map(_at_offset_zero, args))
         # Which inputs require grad is part of it too: a recompute's inputs do, where the
-        # uncheckpointed forward's of a caller's input may not.
-        wants = tuple(a.requires_grad for a in args if isinstance(a, torch.Tensor))
+        # uncheckpointed forward's of a caller's input may not; and which are inference tensors
+        # (made under torch.inference_mode()), whose dispatch keys the graph is guarded on.
+        wants = tuple((a.requires_grad, a.is_inference()) for a in args if isinstance(a, torch.Tensor))
         context = (compiled is self._drawing, swapped, wants, _calling_context(self._owner.training))
         self._local.context = context
         calls = self._calls.get(context, 0)

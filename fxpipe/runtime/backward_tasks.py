@@ -65,11 +65,13 @@ class BackwardTasks(StageTasks):
         start = time.perf_counter()
         assert saved.outputs is not None, "a checkpointed micro-batch's backward runs after its recompute"
         tensors, grad_tensors = differentiable(saved.outputs, grads)
-        saved.outputs = None
+        outputs, saved.outputs = saved.outputs, None
         loss = self.fused.pop(i, None) if j == self.loss_stage else None
         if loss is not None:
             tensors.append(loss)
             grad_tensors.append(torch.ones_like(loss))
+        if self.stages[j].compiled is not None:
+            saved.given = frozenset(k for k, grad in enumerate(grads) if grad is not None) | _reached_by(loss, outputs)
         if self.slices is not None:  # what the slice carried, with the gradients the next slice gave it
             made = self.carry_made.pop((j, i), {})
             if not self.slices.last(i) and (j, i) not in self.carry_grads and any(t.requires_grad for t in made.values()):
@@ -90,7 +92,7 @@ class BackwardTasks(StageTasks):
         start, tensors, grad_tensors = self._received(i, j, saved)
         self._release(i, j)
         carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
-        input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried)  # (6)
+        input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried, given=saved.given)  # (6)
         self._hand_back_carries(i, j, carried_grads)
         del tensors, grad_tensors
         end = time.perf_counter()
@@ -106,7 +108,7 @@ class BackwardTasks(StageTasks):
         # what it saved): I runs all of it, and W has nothing left to do.
         split = stage.compiled is None
         carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
-        input_grads, pending, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split, carried=carried)
+        input_grads, pending, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split, carried=carried, given=saved.given)
         self._hand_back_carries(i, j, carried_grads)
         saved.pending = pending if pending is not None else PendingWeights()
         del tensors, grad_tensors
@@ -145,19 +147,35 @@ class BackwardTasks(StageTasks):
             self.weights[stage.index] = weights
         return weights
 
+    def _unreached(self, stage: StageRuntime, inputs: int, given: Optional[frozenset[int]]) -> tuple[Optional[frozenset[int]], list[torch.Tensor]]:
+        """Of a compiled stage, whose backward is one node that gives every input and parameter a
+        gradient (zeros where no output reaches it), the inputs its `given` outputs reach (None:
+        all, an eager stage), and the parameter leaves and shared copies they do not reach that
+        have no `.grad` yet: their `.grad` stays None, as the plain model's autograd leaves it."""
+        if stage.compiled is None or given is None:
+            return None, []
+        reached, params = stage.compiled.unreached(given, stage.param_slots)
+        leaves = self.param_leaves[stage.index] or []
+        shared = self.shared[stage.index]
+        untouched = [leaves[k] for k in params if k < len(leaves)]
+        untouched += [copy for m, copy in enumerate(shared) if inputs + m not in reached and isinstance(copy, torch.Tensor)]
+        return reached, [t for t in untouched if t.requires_grad and t.grad is None]
+
     def _stage_gradients(
         self, stage: StageRuntime, inputs: list[Any], tensors: list[torch.Tensor], grad_tensors: list[torch.Tensor], split: bool = False,
-        carried: Optional[dict[int, torch.Tensor]] = None,
+        carried: Optional[dict[int, torch.Tensor]] = None, given: Optional[frozenset[int]] = None,
     ) -> tuple[list[Any], Optional[PendingWeights], dict[int, Optional[torch.Tensor]]]:
         """Gradients of the stage's inputs (returned, shaped like them), and of the carries it
         read (by index). Those of its parameter views and shared copies accumulate in their
         `.grad` over the step's micro-batches, added by autograd as each is made (while it is
-        still in cache); with `split`, later, by W, from what is returned with the input gradients."""
+        still in cache); with `split`, later, by W, from what is returned with the input gradients.
+        `given`: of a compiled stage, the outputs a gradient reaches (see `_unreached`)."""
         carried = {c: t for c, t in (carried or {}).items() if t.requires_grad}
         flat_inputs = [flatten(value) for value in inputs]
         leaves = [t for leaves, _ in flat_inputs for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         leaves += carried.values()
         pending = None
+        inputs_reached, untouched = self._unreached(stage, len(inputs), given)
         compiled = stage.compiled.backward() if stage.compiled is not None else _NOTHING
         with raw_grads(leaves) as raw, compiled:  # sent back in the layout the producer's backward would get
             if split:
@@ -167,13 +185,38 @@ class BackwardTasks(StageTasks):
                 # loose ones), so autograd needs `inputs=`, whose graph walk costs ~10% of a small
                 # task, only to stop at an input that is not a leaf (a copy kept for a recompute).
                 run_backward(tensors, grad_tensors, None if all(t.is_leaf for t in leaves) else wanted)
+        for leaf in untouched:
+            leaf.grad = None
         grads = [
+            None if inputs_reached is not None and p not in inputs_reached else
             raw.of(leaves_[0]) if spec is None else tree_unflatten([raw.of(t) for t in leaves_], spec)
-            for leaves_, spec in flat_inputs
-        ]
+            for p, (leaves_, spec) in enumerate(flat_inputs)
+        ]  # fmt: skip
         if stage.compiled is not None and stage.compiled.static_outputs:
             grads = own_values(grads)
         return grads, pending, {c: raw.of(t) for c, t in carried.items()}
+
+
+def _reached_by(loss: Optional[torch.Tensor], outputs: Any) -> frozenset[int]:
+    """The positions of the `outputs` that a fused `loss` is computed from (none without one)."""
+    if loss is None or loss.grad_fn is None:
+        return frozenset()
+    ends = {(t.grad_fn, t.output_nr): k for k, out in enumerate(outputs or ()) for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None}  # fmt: skip
+    found: set[int] = set()
+    seen: set[Any] = set()
+    stack: list[Any] = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, nr in node.next_functions:
+            if (child, nr) in ends:
+                found.add(ends[child, nr])
+            else:
+                stack.append(child)
+    return frozenset(found)
 
 
 def add_grads(a: Any, b: Any) -> Any:

@@ -22,6 +22,8 @@ class Saved:
     versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
     # For the recompute: the caller's tensors it reads, by input name, with their versions then.
     input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
+    # For a compiled stage's backward: the positions of the outputs a gradient reaches.
+    given: Optional[frozenset[int]] = None
 
 
 def refuse_parameters_written_since(params: list[torch.Tensor], versions: Optional[list[int]]) -> None:

@@ -430,3 +430,70 @@ def test_deferred_batch_norm_runs_outside_the_compiled_graph_with_no_recompile()
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
     for (name, buffer), other in zip(compiled.named_buffers(), eager.buffers()):
         torch.testing.assert_close(buffer, other, rtol=0, atol=0, msg=name)
+
+
+class TwoHeads(nn.Module):
+    """Two outputs: `head` reaches only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.tanh(self.l[0](x))
+        c = torch.tanh(self.l[2](torch.tanh(self.l[1](a)))) + a
+        return self.head(c), c * 2
+
+
+@pytest.mark.parametrize("how", ["backward", "autograd.grad", "train_step"])
+def test_a_parameter_only_an_output_without_a_gradient_reaches_gets_none_as_in_the_plain_model(how: str) -> None:
+    """A compiled stage's backward is one node that gives every parameter a gradient, zeros for
+    one no output with a gradient reaches. Before, `head` got a `.grad` of zeros where the plain
+    model leaves None (an AdamW step then decayed it: 3.5e-3 off), autograd.grad gave zeros for
+    None, and without allow_unused raised nothing where the plain model raises."""
+    torch.manual_seed(0)
+    model = TwoHeads().double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule="1f1b", compile_stages={"backend": "aot_eager"})
+    if how == "train_step":
+        loss = pipe.train_step(x, target=y, loss_fn=lambda out, target: F.mse_loss(out[1], target))
+        expected = F.mse_loss(plain(x)[1], y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    elif how == "backward":
+        pipe(x)[1].square().sum().backward()
+        plain(x)[1].square().sum().backward()
+    else:
+        got = torch.autograd.grad(pipe(x)[1].square().sum(), list(model.parameters()), allow_unused=True)
+        want = torch.autograd.grad(plain(x)[1].square().sum(), list(plain.parameters()), allow_unused=True)
+        assert [g is None for g in got] == [w is None for w in want] == [False] * 6 + [True, True]
+        with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+            torch.autograd.grad(pipe(x)[1].sum(), list(model.parameters()))
+        return
+    assert model.head.weight.grad is None and plain.head.weight.grad is None
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+    opt, plain_opt = torch.optim.AdamW(model.parameters(), lr=0.1), torch.optim.AdamW(plain.parameters(), lr=0.1)
+    opt.step(), plain_opt.step()
+    torch.testing.assert_close(model.head.weight, plain.head.weight, rtol=0, atol=0)
+
+
+def test_a_call_under_inference_mode_is_a_calling_context_not_a_recompile() -> None:
+    """Before, a call under torch.inference_mode() after one under no_grad was reported as a
+    recompile (the guard on the inputs' dispatch keys), advising dynamic shapes for a batch size
+    that never changed."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager"})
+    with torch.no_grad():
+        pipe(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode():
+            out = pipe(x)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
+    assert not any(s.recompiles for s in pipe.compile_stats())
