@@ -330,6 +330,7 @@ def compile_pipeline(
         *_reads(traced), traced.eval_only,
     )
     compiled.slicing, compiled.check_length = slicing, check_length
+    compiled.aliased_buffers = aliased_buffers(model)
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
         warnings.warn(
@@ -355,6 +356,14 @@ def compile_pipeline(
         )  # fmt: skip
         pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
     return pipe
+
+
+def aliased_buffers(model: nn.Module) -> list[list[str]]:
+    """The names of each buffer the model holds under several (one tensor in two modules)."""
+    names: dict[int, list[str]] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], whole: list[str]) -> Pipeline:

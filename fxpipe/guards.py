@@ -4,6 +4,7 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -27,6 +28,13 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         raise RuntimeError(
             f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
             "the modules there computed when it was traced.\nHow to fix: compile the model again."
+        )
+    split = _aliases_apart(owner, compiled.aliased_buffers)
+    if split:
+        raise RuntimeError(
+            f"buffers that were one tensor under several names when compiling now hold different tensors: {', '.join(split)}. "
+            "The graph reads that tensor under one of the names, and would not see the others' new tensors.\nHow to "
+            "fix: compile the model again after rebinding them (or keep them one tensor)."
         )
     rewritten = programs[True].code_changed()
     if rewritten:
@@ -96,6 +104,26 @@ def refuse_other_autocast(compiled: Compiled) -> None:
             "under the autocast it runs under (a pipeline for each), or keep the module that asks whole "
             "(leaf_modules=[...]), which asks as it runs."
         )
+
+
+def _aliases_apart(owner: nn.Module, groups: list[list[str]]) -> list[str]:
+    """Of the buffers that were one tensor under several names, those whose names now hold
+    different values (different tensors of one value, as after `model.double()`, are alike)."""
+    apart = []
+    for names in groups:
+        held = [_buffer_or_none(owner, name) for name in names]
+        if any(t is not held[0] for t in held) and not all(
+            isinstance(t, torch.Tensor) and isinstance(held[0], torch.Tensor) and t.shape == held[0].shape and torch.equal(t, held[0]) for t in held
+        ):
+            apart.append(" and ".join(names))
+    return apart
+
+
+def _buffer_or_none(owner: nn.Module, name: str) -> Optional[torch.Tensor]:
+    try:
+        return owner.get_buffer(name)
+    except AttributeError:
+        return None
 
 
 def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[str, bool]]) -> bool:

@@ -22,6 +22,8 @@ from fxpipe.core.edges import CALLER, Edge
 from fxpipe.core.microbatch import clone_tree
 from fxpipe.passes.edges import stage_inputs, stage_outputs
 from fxpipe.passes.inplace import mutated_inputs
+from fxpipe.passes.partition import refuse
+from fxpipe.passes.state import buffers_written
 
 @dataclass
 class StageCode:
@@ -114,6 +116,27 @@ def shared_tensors(held: Held, runs: Sequence[Sequence[fx.Node]]) -> dict[int, s
     return {key: names[key] for key, stages in readers.items() if len(stages) > 1}
 
 
+def refuse_written_shared_buffers(gm: fx.GraphModule, owner: nn.Module, runs: Sequence[Sequence[fx.Node]], held: Held, shared: dict[int, str]) -> None:
+    """A buffer that forward writes, held under several names by modules in several stages, goes
+    to each as the model's tensor itself (as a tied weight does), which a recompute would write
+    again: refused, naming each of its names."""
+    written = {id(t): name for run in runs for node in run for name, t in buffers_written(gm, node).items()} if shared else {}
+    if not any(key in written for key in shared):
+        return
+    names: dict[int, list[str]] = {}
+    for name, buffer in owner.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
+    # (One name: the stages read it as one value of the graph, or a copy made after its write.)
+    said = [" and ".join(names[key]) for key in shared if key in written and len(names.get(key, ())) > 1]
+    if said:
+        refuse(
+            [f"the buffer {name} (one tensor), which forward writes, is read by more than one stage" for name in said],
+            "How to fix: register the buffer under one name, or cut so that the modules that hold it share a stage "
+            "(split_points=[...]): a recompute writes each stage's buffers on a copy, and a buffer read by several "
+            "stages is their shared tensor, which it would write again.",
+        )
+
+
 def _placeholder_name(name: str) -> str:
     return "shared_" + re.sub(r"\W", "_", name)
 
@@ -185,6 +208,7 @@ def generate_stages(
     # the model held when traced, replaced since.
     held = {node: tensors_held(gm, owner, node) for run in runs for node in run}
     shared = shared_tensors(held, runs)
+    refuse_written_shared_buffers(gm, owner, runs, held, shared)
     codes = []
     for index, run in enumerate(runs):
         builder = _StageBuilder(gm, owner, held, shared)

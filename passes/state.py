@@ -44,8 +44,8 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 
 def writable_buffer_names(gm: fx.GraphModule, run: Sequence[fx.Node]) -> list[str]:
-    """Qualified names of the buffers that `run` may write (`_buffers_written` of its nodes)."""
-    return list({name: None for node in run for name in _buffers_written(gm, node)})
+    """Qualified names of the buffers that `run` may write (`buffers_written` of its nodes)."""
+    return list({name: None for node in run for name in buffers_written(gm, node)})
 
 
 def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, torch.Tensor]:
@@ -70,7 +70,7 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
                 if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
                     found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
             continue
-        written, renorms = _buffers_written(gm, node), _renorms(node)
+        written, renorms = buffers_written(gm, node), _renorms(node)
         root = _state_root(gm, node.args[1]) if renorms and isinstance(node.args[1], fx.Node) else None
         if root is not None:
             written[str(root.target)] = fetch_attr(gm, str(root.target))
@@ -141,7 +141,7 @@ def state_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str,
     last write may be anywhere: a later stage gets the value of its own micro-batch. The copy
     `reads_after_hidden_writes` makes right after a write ends the span: a later stage copying
     the live buffer would copy a later micro-batch's write."""
-    writes = [_buffers_written(gm, node) for node in order]
+    writes = [buffers_written(gm, node) for node in order]
     names: dict[int, str] = {}
     last_write: dict[int, int] = {}
     for position, written_here in enumerate(writes):
@@ -203,7 +203,7 @@ def statistics_written(node: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
+def buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """The buffers `node` may write in forward, by qualified name: those of a module it calls
     whole that keeps running statistics or may write anything it holds, and the root of a
     tensor it writes in place (through views, earlier writes and subgraphs)."""
@@ -222,7 +222,7 @@ def _buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tenso
 def reads_written_state(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
     """Whether a node reads a buffer that another node writes (a running mean read by name, or
     its copy made after the norm): no edge orders the two, so only the traced order does."""
-    writes = [_buffers_written(gm, node) for node in nodes]
+    writes = [buffers_written(gm, node) for node in nodes]
     written = {id(tensor) for found in writes for tensor in found.values()}
     return bool(written) and any(
         id(tensor) in written and id(tensor) not in {id(t) for t in own.values()}
@@ -277,7 +277,7 @@ def reads_after_hidden_writes(gm: fx.GraphModule) -> fx.GraphModule:
     order = {node: i for i, node in enumerate(graph.nodes)}
     writers: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
-        hidden = _buffers_written(gm, node) if node.op == "call_module" else {str(b.target): b for b in statistics_written(node)}
+        hidden = buffers_written(gm, node) if node.op == "call_module" else {str(b.target): b for b in statistics_written(node)}
         for name in hidden:
             writers.setdefault(name, []).append(node)
     copies: dict[tuple[str, fx.Node], fx.Node] = {}

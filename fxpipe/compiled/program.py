@@ -339,6 +339,9 @@ class Compiled:
     # With slicing: the proof of causality run again on a micro-batch (inputs by name) of a length
     # it has not run at, in the mode given (True: training), refusing where it fails.
     check_length: Optional[Callable[[dict[str, Any], bool], None]] = None
+    # Buffers that were one tensor under several names when traced (registered in two modules):
+    # the graph reads that tensor under one name, so the names must keep one value.
+    aliased_buffers: list[list[str]] = field(default_factory=list)
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:
@@ -361,5 +364,5 @@ class Compiled:
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
-            slicing=self.slicing, check_length=self.check_length,
+            slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers,
         )  # fmt: skip
