@@ -3,7 +3,7 @@ change: the model's state after a step is the plain model's on the same micro-ba
 from __future__ import annotations
 
 import copy
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -783,6 +783,8 @@ def test_a_parametrization_that_only_reads_its_buffers_may_be_called_by_two_stag
 
 
 class _Counts(nn.Module):
+    n: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self) -> None:
         super().__init__()
         self.register_buffer("n", torch.zeros(1, dtype=torch.float64))
@@ -846,9 +848,10 @@ class _AliasedBuffers(nn.Module):
         self.writes = writes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = cast(torch.Tensor, self.a.scale)
         if self.writes:
-            self.a.scale.add_(1)
-        h = torch.tanh(self.a(x) * self.a.scale)
+            scale.add_(1)
+        h = torch.tanh(self.a(x) * scale)
         h = torch.tanh(self.c(torch.tanh(self.b(h))))
         return self.d(h) * self.d.scale
 
