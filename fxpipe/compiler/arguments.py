@@ -109,6 +109,11 @@ def refuse_lazy(model: nn.Module) -> None:
         )
 
 
+def _is_pipeline(module: nn.Module) -> bool:
+    """A Pipeline (fxpipe/pipeline.py, which imports this module: known by its class)."""
+    return any(cls.__name__ == "Pipeline" and cls.__module__ == "fxpipe.pipeline" for cls in type(module).__mro__)
+
+
 def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     """The model is a module, and each name in leaf_modules one of its submodules (a misspelt
     name would keep nothing whole, without a word)."""
@@ -121,6 +126,11 @@ def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     for name, m in model.named_modules():
         if isinstance(m, torch.jit.ScriptModule) and not any(name.startswith(f"{outer}.") for outer in scripted):
             scripted.append(name or "the model")
+    pipelines = [name or "the model itself" for name, m in model.named_modules() if _is_pipeline(m)]
+    if pipelines:
+        problems.append(f"the model is or holds a Pipeline ({', '.join(pipelines[:5])}): a pipeline runs its stages on "
+                        "threads of its own and is compiled once; compile the plain model it was compiled from (it "
+                        "holds the same parameters), or call the pipeline from a module of your own that is not compiled")  # fmt: skip
     if scripted:
         problems.append(f"the model holds TorchScript modules ({', '.join(scripted[:5])}), which fxpipe cannot trace nor "
                         "keep whole: compile the Python module itself (the one given to torch.jit.script)")  # fmt: skip

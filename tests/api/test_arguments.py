@@ -295,3 +295,25 @@ def test_more_stages_than_nodes() -> None:
 def test_balance_that_does_not_sum_to_the_node_count() -> None:
     with pytest.raises(PartitionError, match="balance sums to 4 but the graph has 5 nodes to place"):
         compile_pipeline(Nest(), X, ["cpu", "cpu"], balance=[2, 2])
+
+
+class _HoldsAPipeline(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.head = inner, nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+@pytest.mark.parametrize("how", ["the pipeline", "a model holding it", "kept whole"])
+def test_a_pipeline_compiled_again_is_refused_saying_to_compile_the_plain_model(how: str) -> None:
+    """Before, the trace's refusals advised naming forward's arguments or torch.cond, and
+    keeping it whole compiled, then failed at the first call inside the pipeline's own dispatch
+    mode, advising to enter 'the mode' around the plain model."""
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    pipe = compile_pipeline(plain, X, ["cpu", "cpu"], chunks=2)
+    model = pipe if how == "the pipeline" else _HoldsAPipeline(pipe)
+    leaves = ["inner"] if how == "kept whole" else []
+    with pytest.raises(ValueError, match=r"the model is or holds a Pipeline \((the model itself|inner)\).*compile the plain model"):
+        compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=leaves)
