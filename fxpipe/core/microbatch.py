@@ -148,8 +148,14 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
     pieces: list[Sequence[Any]] = []
     for t in leaves:
         dim = split_dim(t, batch_size, dims) if isinstance(t, torch.Tensor) else None
-        if dim is None:
+        if dim is None or (len(sizes) == 1 and t.layout != torch.strided):  # (a sparse one, whole: split has no kernel)
             pieces.append([t] * len(sizes))
+        elif t.layout != torch.strided:
+            raise ValueError(
+                f"an input that holds the batch is a {str(t.layout).removeprefix('torch.')} tensor of shape {tuple(t.shape)}, "
+                "which cannot be split into micro-batches.\nHow to fix: pass it dense (x.to_dense()); or keep it whole "
+                "(chunk_spec={name: None}) if every sample reads all of it; or use chunks=1."
+            )
         elif id(t) not in dims:
             pieces.append(t.split(list(sizes)))
         elif t.shape[dim] < len(sizes):

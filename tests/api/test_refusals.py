@@ -612,3 +612,30 @@ def test_torch_compile_of_a_pipeline_with_compiled_stages_runs_them_without_a_wa
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, 1e-12)
     assert pipe.compile_stats()[0].graphs >= 1
+
+
+class _SparseInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(8, 8, dtype=torch.float64)), nn.Linear(8, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(torch.sparse.mm(x, self.w)))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_input_runs_whole_and_is_refused_split_saying_so(layout: str) -> None:
+    """Before, compiling failed inside torch ('aten::as_strided ... SparseCPU', or 'Sparse CSR
+    tensors do not have strides'), and with chunks=1 every call did."""
+    model = _SparseInput()
+    dense = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = (dense * (dense > 0.3)).to_sparse() if layout == "coo" else (dense * (dense > 0.3)).to_sparse_csr()
+    with pytest.raises(ValueError, match=rf"an input that holds the batch is a sparse_{layout} tensor of shape \(8, 8\).*\n.*to_dense\(\)"):
+        compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
