@@ -264,14 +264,41 @@ def _split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor)]
     split = {name: None for name, value in tensors[1:] if id(value) not in dims and split_dim(value, batch, dims) == 0}
+    # Kept whole, with a dim a multiple of the batch's size: per-sample parts in one dim (an
+    # attention mask of (batch x heads, T, T)), which chunk_spec splits evenly.
+    multiple = {name: d for name, value in tensors if split_dim(value, batch, dims) is None and batch > 1
+                for d in [next((d for d, size in enumerate(value.shape) if size > batch and size % batch == 0), None)] if d is not None}  # fmt: skip
     shapes = {name: tuple(value.shape) for name, value in tensors}
-    if not split:
-        return ""
-    return (
-        f"These inputs are split along dim 0 as it has the batch's size {batch}: "
-        f"{', '.join(f'{n} {shapes[n]}' for n in split)}. One that holds no batch (a mask or a table "
-        f"that every sample shares) goes whole with chunk_spec={split!r}.\n"
-    )
+    lines = _bags_by_offsets(gm)
+    if split:
+        lines += (
+            f"These inputs are split along dim 0 as it has the batch's size {batch}: "
+            f"{', '.join(f'{n} {shapes[n]}' for n in split)}. One that holds no batch (a mask or a table "
+            f"that every sample shares) goes whole with chunk_spec={split!r}.\n"
+        )
+    if multiple:
+        lines += (
+            f"These inputs go whole to every micro-batch, with a dim a multiple of the batch's size {batch}: "
+            f"{', '.join(f'{n} {shapes[n]} (dim {d})' for n, d in multiple.items())}. One that holds a part per sample "
+            f"there (an attention mask of batch x heads) is split with chunk_spec={multiple!r}.\n"
+        )
+    return lines
+
+
+def _bags_by_offsets(gm: fx.GraphModule) -> str:
+    """A line saying that an EmbeddingBag given flat indices and offsets cannot be cut into
+    micro-batches ('' where none is): its batch is the offsets' count, not any input's dim 0."""
+    for node in gm.graph.nodes:
+        module = fetch_attr(gm, str(node.target)) if node.op == "call_module" else None
+        offsets = node.kwargs.get("offsets", node.args[1] if len(node.args) > 1 else None)
+        bag = isinstance(module, nn.EmbeddingBag) or (node.op == "call_function" and node.target is F.embedding_bag)
+        if bag and offsets is not None:
+            return (
+                f"{node.name} is an EmbeddingBag given flat indices and offsets: its bags cannot be cut into "
+                "micro-batches along an input's dim 0; give it 2-D indices (batch, bag length; padded with "
+                "padding_idx, or a per_sample_weights of 0), or use chunks=1.\n"
+            )
+    return ""
 
 
 def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:

@@ -353,6 +353,8 @@ class CountingTable(WithTable):
     compares no values (each half's run writes the buffer); through torch.export where
     `exported` (a shape check torch.fx cannot trace)."""
 
+    calls: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, exported: bool) -> None:
         super().__init__()
         self.exported = exported
@@ -765,3 +767,46 @@ def test_the_whole_examples_run_writes_the_shapes_the_shape_pass_writes(exported
     assert {n.name: [n.meta[k] for k in keys] for n in gm.graph.nodes if n.op != "output"} == expected
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(b, buffers[name]) for name, b in gm.named_buffers())
+
+
+class _MaskPerHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, kpm: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(self.mha(h, h, h, key_padding_mask=kpm, attn_mask=am)[0])
+
+
+def test_a_mask_of_batch_times_heads_kept_whole_is_named_with_the_chunk_spec_that_splits_it() -> None:
+    """Before, the refusal named only the key padding mask (to keep whole), and following it
+    named the same mask back (to split): the input to split, along its dim of batch x heads, went
+    unnamed."""
+    g = torch.Generator().manual_seed(0)
+    model = _MaskPerHead().double()
+    x, am = torch.randn(8, 5, 8, dtype=torch.float64, generator=g), torch.randn(16, 5, 5, dtype=torch.float64, generator=g)
+    kpm = torch.zeros(8, 5, dtype=torch.bool)
+    kpm[:, -1] = True
+    with pytest.raises(ValueError, match=r"am \(16, 5, 5\) \(dim 0\).*split with chunk_spec=\{'am': 0\}"):
+        compile_pipeline(copy.deepcopy(model), (x, kpm, am), ["cpu", "cpu"], chunks=4)
+    pipe = compile_pipeline(copy.deepcopy(model), (x, kpm, am), ["cpu", "cpu"], chunks=4, chunk_spec={"am": 0})
+    torch.testing.assert_close(pipe(x, kpm, am), model(x, kpm, am), rtol=0, atol=1e-12)
+
+
+class _Bags(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.a = nn.EmbeddingBag(20, 6, mode="sum"), nn.Linear(6, 6)
+
+    def forward(self, flat: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.e(flat, offsets, per_sample_weights=weights)))
+
+
+def test_an_embedding_bag_given_flat_indices_and_offsets_is_refused_saying_the_form_cannot_be_split() -> None:
+    """Before, the refusal advised keeping the weights whole, then splitting them again."""
+    model = _Bags().double()
+    flat, offsets = torch.randint(0, 20, (30,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 3, 5, 9, 14, 20, 22, 27])
+    with pytest.raises(ValueError, match=r"e is an EmbeddingBag given flat indices and offsets: its bags cannot be cut into micro-batches"):
+        compile_pipeline(model, (flat, offsets, torch.rand(30, dtype=torch.float64)), ["cpu", "cpu"], chunks=4)
