@@ -453,7 +453,8 @@ def overlapped_steps(
     run = _Overlap(pipe, optimizer, loss_fn, reduction)
     pipe.__dict__["last_parameter_bytes"] = storage_bytes(run.program.parameters)
     done = False
-    pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
+    with pipe._one_call:  # after another thread's call in progress; calls after this are refused
+        pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
     try:
         if run.ranks is not None:
             run.ranks.host.channel.begin()

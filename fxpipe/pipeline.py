@@ -169,6 +169,7 @@ class Pipeline(PipelineCalls):
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         with self._one_call:  # another thread's call waits: its stages would swap the same slots
+            self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
             return self._call_now(args, kwargs)
 
     def _call_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -268,6 +269,7 @@ class Pipeline(PipelineCalls):
         self._refuse_while_steps_overlap("train_step")
         self._refuse_calls_from_its_stages()
         with self._one_call:
+            self._refuse_while_steps_overlap("train_step")
             return self._train_step_now(args, kwargs, target, loss_fn, reduction, return_outputs)
 
     def _train_step_now(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool) -> Any:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
@@ -440,7 +442,9 @@ def test_a_loss_that_reads_tensors_besides_the_outputs_is_refused_naming_them(re
     batches = _batches(3)
     pipe = _pipe(model, batches[0][0], 2)
     uncertain = _Uncertain()
-    loss_fn = uncertain if reads == "a loss parameter" else lambda out, y: F.mse_loss(out, y) + 0.1 * model.layers[0].weight.square().sum()
+    first = model.layers[0]
+    assert isinstance(first, nn.Linear)
+    loss_fn = uncertain if reads == "a loss parameter" else lambda out, y: F.mse_loss(out, y) + 0.1 * first.weight.square().sum()
     opt = torch.optim.SGD([*pipe.parameters(), *uncertain.parameters()], lr=0.1)
     named = "a tensor of shape ()" if reads == "a loss parameter" else "the model's parameter layers.0.weight"
     with pytest.raises(Exception, match=rf"(?s)loss_fn reads tensors that require grad besides the model's outputs: {re.escape(named)}\..*How to fix"):
@@ -633,3 +637,34 @@ def test_one_call_in_2bw_s_order_is_the_plain_model_in_every_mode(model_kind: ty
         got, want = pipe32(x.float()), reference32(x.float())
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)  # bf16 matmuls of 2 rows against 8
+
+
+class _SlowStage(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return x
+
+
+def test_a_loop_begun_while_another_thread_s_train_step_runs_waits_for_it() -> None:
+    """Before, the loop began at once, beside the step: its first batch found the step's leaves
+    in the model's slots and was refused as a call of torch.func.functional_call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), _SlowStage(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 6)).double()
+    plain = copy.deepcopy(model)
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 2, leaf_modules=[_SlowStage])
+    started, found = threading.Event(), {}
+
+    def step() -> None:
+        started.set()
+        found["step"] = pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    started.wait(10)
+    time.sleep(0.02)  # the step is under way
+    losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
+    thread.join(30)
+    expected = F.mse_loss(plain(batches[0][0]), batches[0][1])
+    torch.testing.assert_close(found["step"], expected.detach(), rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(plain(x), y).detach() for x, y in batches]), rtol=0, atol=1e-12)
