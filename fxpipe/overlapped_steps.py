@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Iterator, Optional
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.program import OtherCall, Program
 from fxpipe.compiled.stage_compile import drawing_between_compiles
@@ -132,7 +133,7 @@ class _Overlap:
         index, args, kwargs, target = batch
         try:
             call, step = self.pipe._train_call(
-                args, kwargs, target, self.loss_fn, self.reduction, _OutputsAlone(self.pipe._owner), versions=self.versions, batch=index, held=self.held,
+                args, kwargs, target, self.loss_fn, self.reduction, _OutputsAlone(self.pipe._owner, target), versions=self.versions, batch=index, held=self.held,
                 slicing=self.spec,
             )  # fmt: skip
         except OtherCall as other:  # the synchronous schedules compile stages of their own for it
@@ -267,9 +268,7 @@ class _Overlap:
             self.optimizer.zero_grad()
             accumulate(flight.call, input_grads, grads)
             if after_backward is not None:
-                with self.versions.gate.shut():  # no stage holds the model's parameter slots meanwhile
-                    after_backward()
-                    self._refuse_changes(f"in after_backward of batch {index}", slots=True)
+                self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
@@ -336,15 +335,24 @@ class _Overlap:
             error.fxpipe_failed_update = index  # type: ignore[attr-defined]  # for the loop's own note
             raise error
         if after_step is not None:
-            with self.versions.gate.shut():
-                after_step()
-                self._refuse_changes(f"in after_step of batch {index}", slots=True)
+            self._run_hook(after_step, f"in after_step of batch {index}")
 
-    def _refuse_changes(self, where: str, slots: bool) -> None:
+    def _run_hook(self, hook: Callable[[], Any], where: str) -> None:
+        """The caller's hook, run while no stage holds the model's parameter slots; then the
+        model as the loop found it, its tensors' values too (a weight clamped in place), or refused."""
+        tensors = [*self.pipe._owner.named_parameters(remove_duplicate=False), *self.pipe._owner.named_buffers(remove_duplicate=False)]
+        with self.versions.gate.shut():
+            before = [t._version for _, t in tensors]
+            hook()
+            written = list(dict.fromkeys(name for (name, t), version in zip(tensors, before) if t._version != version))
+            self._refuse_changes(where, slots=True, written=written)
+
+    def _refuse_changes(self, where: str, slots: bool, written: Sequence[str] = ()) -> None:
         """The model as the loop's first batch found it, or refused: the batches after `where`
         started before it, on the model as it was. `slots`: no stage holds the model's
-        parameter slots (the gate is shut), so that a tensor replaced there shows."""
-        found = self._changed(slots)
+        parameter slots (the gate is shut), so that a tensor replaced there shows. `written`:
+        the model's tensors written in place there."""
+        found = self._changed(slots) or (f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''} written in place" if written else "")
         if found:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "
@@ -404,14 +412,16 @@ class _OutputsAlone(LeafGrads):
     weight in a penalty, a loss module's own parameter) would be read at no version the delayed
     update defines, and its gradient would reach no update."""
 
-    def __init__(self, owner: torch.nn.Module) -> None:
+    def __init__(self, owner: torch.nn.Module, target: Any) -> None:
         super().__init__()
         self.owner = owner
+        self.target = {id(t) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)}
 
     def note(self, loss: torch.Tensor, own: Any) -> None:
         super().note(loss, own)
         if self.before:
             names = {id(p): f"the model's parameter {n}" for n, p in self.owner.named_parameters(remove_duplicate=False)}
+            names.update((key, "the target (which requires grad: pass target.detach())") for key in self.target)
             read = [names.get(key, f"a tensor of shape {tuple(leaf.shape)}") for key, (leaf, _) in self.before.items()]
             raise ValueError(
                 f"train_steps (schedule='2bw'): loss_fn reads tensors that require grad besides the model's outputs: "
