@@ -18,7 +18,7 @@ from fxpipe.tracing.assignments import (
 )
 from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, counted_while_traced
 from fxpipe.tracing.lost_effects import (
-    DrawingRegion, outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, refuse_checkpointed_draws, tensor_hooks_counted,
+    CHECKPOINTED_DRAWS_FIX, DrawingRegion, checkpointed_draws, outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
 )
 from fxpipe.tracing.trace import TraceError
 
@@ -142,6 +142,12 @@ def refuse_effects_a_trace_loses(
 
 
 def refuse_draws_torch_recomputes(model: nn.Module, traced: Traced, drew: list[DrawingRegion]) -> None:
-    """`refuse_checkpointed_draws`, with the modules the graphs call whole."""
-    if drew:
-        refuse_checkpointed_draws(model, drew, _called_whole(traced))
+    """`checkpointed_draws`, with the modules the graphs call whole: refused for a model compiled
+    in training mode; one compiled in eval mode, which draws nothing, refuses calls in training
+    mode (`eval_only`)."""
+    problem = checkpointed_draws(model, drew, _called_whole(traced)) if drew else ""
+    if not problem:
+        return
+    if any(m.training for m in model.modules()):
+        raise TraceError(f"{type(model).__name__} cannot be compiled: {problem}.\nHow to fix: {CHECKPOINTED_DRAWS_FIX}")
+    traced.eval_only = traced.eval_only or f"in training mode {problem} ({CHECKPOINTED_DRAWS_FIX})"

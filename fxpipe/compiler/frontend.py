@@ -362,7 +362,10 @@ def _front_ends(
                 f"it would run the model's hooks once, while capturing it, and never at a call: {', '.join(once)}",
                 fix="How to fix: make the model traceable by torch.fx, which calls a module with hooks whole at every "
                 "call; or remove those hooks (handle.remove()) before compiling"
-                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if hooked(model) else "."),
+                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if hooked(model) else ".")
+                + (" Hugging Face's gradient_checkpointing_enable() registers make_inputs_require_grads: "
+                   "model.gradient_checkpointing_disable() removes it, and the pipeline's checkpoint= recomputes "
+                   "stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),
             )
         traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:

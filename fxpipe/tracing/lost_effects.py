@@ -300,27 +300,32 @@ def _modules_on_the_stack(paths: dict[int, str]) -> list[str]:
     return found
 
 
-def refuse_checkpointed_draws(model: nn.Module, drew: list[DrawingRegion], called_whole: set[str]) -> None:
+def checkpointed_draws(model: nn.Module, drew: list[DrawingRegion], called_whole: set[str]) -> str:
     """A region of the model's own activation checkpointing that draws random numbers (dropout)
     recomputes in backward, by torch's code: where the pipeline runs that code (a region
     reentrant, or within a module called whole), the recompute draws other numbers than its
     forward drew from the pipeline's per-micro-batch streams. A region of non-reentrant
     checkpointing that a trace goes through (torch.fx's, torch.export's) is part of the graph,
-    which the pipeline's own checkpointing replays exactly."""
+    which the pipeline's own checkpointing replays exactly. What is wrong, or ''."""
     def replayed_by_torch(reentrant: bool, stack: list[str]) -> bool:
         return reentrant or any(p == w or p.startswith(w + ".") for p in stack for w in called_whole)
 
     where = list(dict.fromkeys(stack[0] or type(model).__name__ for reentrant, stack in drew if stack and replayed_by_torch(reentrant, stack)))
-    if where:
-        raise TraceError(
-            f"{type(model).__name__} cannot be compiled: its own activation checkpointing (torch.utils.checkpoint) "
-            f"recomputes random ops (dropout) in backward, in {_some(where)}: the pipeline draws them from streams of "
-            "its own per micro-batch, which torch's recompute does not replay, so the backward would use other masks "
-            "than the forward.\nHow to fix: turn the model's own checkpointing off (Hugging Face's "
-            "gradient_checkpointing_disable(), timm's set_grad_checkpointing(False), torchvision's "
-            "memory_efficient=False); the pipeline's checkpoint= recomputes its stages and replays dropout exactly. "
-            "Or use torch.utils.checkpoint(..., use_reentrant=False) in modules the trace goes through (not kept whole)."
-        )
+    if not where:
+        return ""
+    return (
+        f"its own activation checkpointing (torch.utils.checkpoint) recomputes random ops (dropout) in backward, in "
+        f"{_some(where)}: the pipeline draws them from streams of its own per micro-batch, which torch's recompute "
+        "does not replay, so the backward would use other masks than the forward"
+    )
+
+
+CHECKPOINTED_DRAWS_FIX = (
+    "turn the model's own checkpointing off (Hugging Face's gradient_checkpointing_disable(), timm's "
+    "set_grad_checkpointing(False), torchvision's memory_efficient=False); the pipeline's checkpoint= recomputes its "
+    "stages and replays dropout exactly. Or use torch.utils.checkpoint(..., use_reentrant=False) in modules the trace "
+    "goes through (not kept whole)."
+)
 
 
 def _some(names: list[str], shown: int = 5) -> str:

@@ -351,3 +351,14 @@ def test_a_dropout_in_the_models_own_non_reentrant_checkpoint_that_the_trace_goe
     z = pipe(X.double())
     z.sum().backward()
     assert _mask_error(model.inner.w, z) < 1e-12
+
+
+def test_a_model_whose_own_checkpoint_recomputes_a_dropout_compiled_in_eval_mode_runs_in_eval_alone() -> None:
+    """Before, it was refused at compile time, though in eval mode nothing is drawn (a Hugging
+    Face model with gradient checkpointing on, compiled for inference)."""
+    model = _OwnCheckpoint(reentrant=True).double().eval()
+    pipe = compile_pipeline(model, X.double(), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X.double()), model(X.double()), rtol=0, atol=1e-12)
+    pipe.train()
+    with pytest.raises(RuntimeError, match=r"(?s)compiled for eval mode alone.*recomputes random ops \(dropout\) in backward.*gradient_checkpointing_disable"):
+        pipe(X.double())

@@ -1368,3 +1368,26 @@ def test_the_line_named_for_an_error_raised_inside_numpy_is_the_models_own() -> 
     """Before, the 'at' line was numpy's own, a frame below the model's call."""
     with pytest.raises(TraceError, match=r"torch.export: .*\n  - at .*test_frontends.py:\d+ \(np.put_along_axis\(mask"):
         compile_pipeline(MaskedWithNumpy(), torch.randn(4, 6), ["cpu", "cpu"])
+
+
+class _KwargsWithHook(nn.Module):
+    """A forward of **kwargs (torch.export captures it) with a hook on its embedding named as
+    Hugging Face's gradient_checkpointing_enable() names the one it registers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = nn.Embedding(10, 6), nn.Linear(6, 6)
+
+        def make_inputs_require_grads(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+            output.requires_grad_(True)
+
+        self.wte.register_forward_hook(make_inputs_require_grads)
+
+    def forward(self, **kwargs: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wte(kwargs["ids"])))
+
+
+def test_the_hook_of_gradient_checkpointing_enable_is_named_with_the_call_that_removes_it() -> None:
+    """Before, the refusal named an internal hook and a handle the user never had."""
+    with pytest.raises(TraceError, match=r"gradient_checkpointing_enable\(\) registers make_inputs_require_grads: model.gradient_checkpointing_disable\(\) removes it"):
+        compile_pipeline(_KwargsWithHook(), (), ["cpu", "cpu"], chunks=2, example_kwargs={"ids": torch.randint(0, 10, (8, 4))})
