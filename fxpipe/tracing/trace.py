@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpipe.core.attrs import submodule_or_none
+from fxpipe.core.own_code import is_ours
 from fxpipe.core.writes import written_value
 from fxpipe.tracing.assignments import AssignmentError, assignments_refused
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
@@ -196,7 +197,7 @@ def containers_of(value: Any) -> Any:
 
 def _user_frame(error: BaseException) -> str:
     """The innermost stack frame outside torch: the model's own line that tracing tripped on."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(_TORCH_DIR) and not is_ours(f.filename)]
     if not frames:
         return "an unknown line"
     frame = frames[-1]
@@ -315,6 +316,19 @@ UNKNOWN_TYPE_FIX = (
 )
 
 
+# A function or method handed to a call the trace records (a reentrant torch.utils.checkpoint's
+# autograd Function): a graph holds tensors and plain values, not callables.
+CALLABLE_FIX = (
+    "How to fix: a function or method is passed to a call the trace records (torch.utils.checkpoint(self.fn, "
+    "..., use_reentrant=True), say), which a graph cannot hold: pass a module instead (checkpoint(self.block, x)), "
+    "use use_reentrant=False, or keep the module that makes the call whole (leaf_modules=[...])."
+)
+
+
+def _a_callable(text: str) -> bool:
+    return any(f"argument of type: <class '{kind}'>" in text for kind in ("method", "function", "builtin_function_or_method", "functools.partial"))
+
+
 def unknown_type(text: str) -> bool:
     """Whether a front end's failure is a value of a class it does not know (see UNKNOWN_TYPE_FIX)."""
     return "argument of type: <class" in text or "which is not a known type" in text
@@ -390,7 +404,7 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"torch.fx cannot trace {type(model).__name__}: {type(error).__name__}: {error}\n"
         f"  - in module: {where or 'the root module'}\n"
         f"  - at: {_user_frame(error)}\n"
-        + (UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix),
+        + (CALLABLE_FIX if _a_callable(str(error)) else UNKNOWN_TYPE_FIX if unknown_type(str(error)) else fix),
         whole=where if where and (_stopped_on_a_traced_value(error) or _in_packing(error)) else None,
     )
 

@@ -210,3 +210,25 @@ def test_an_example_the_model_itself_fails_on_after_tracing_is_named_so() -> Non
         x = torch.randn(8, 6)
     with pytest.raises(ValueError, match=r"(?s)_WritesItsInput does not run on the example: RuntimeError: Inplace update to inference tensor.*How to fix"):
         compile_pipeline(_WritesItsInput(), x, ["cpu", "cpu"], chunks=2)
+
+
+class _ChecksAMethod(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def inner(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.b(h))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.utils.checkpoint.checkpoint(self.inner, torch.tanh(self.a(x)), use_reentrant=True))
+
+
+def test_a_method_given_to_a_reentrant_checkpoint_is_refused_with_its_line_and_the_fix() -> None:
+    """Before, the refusal pointed at fxpipe's own tracer and advised dataclasses."""
+    with pytest.raises(TraceError) as raised:
+        compile_pipeline(_ChecksAMethod(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+    message = str(raised.value)
+    assert "test_trace_errors.py" in message and "fxpipe/tracing/trace.py" not in message, message
+    assert "pass a module instead (checkpoint(self.block, x)), use use_reentrant=False" in message, message
+    assert "register_dataclass" not in message.split("torch.export:")[0], message
