@@ -304,14 +304,14 @@ class Pipeline(PipelineCalls):
         """Train on each `(inputs, target)` of `batches` (inputs a tensor, a tuple of positional
         inputs or a dict of keyword inputs), yielding each batch's loss, detached, once its update
         is made (under '2bw', once its gradients are: its update follows the caller's code after
-        the loss, with the optimizer's settings of before it): per batch, `optimizer.zero_grad()`, `train_step`, `after_backward()` (clip the
-        gradients there: `lambda: pipe.clip_grad_norm_(1.0)`), `optimizer.step()`, `after_step()`
-        (a learning-rate scheduler's `step`). Between two losses the parameters hold the last
-        update whole (`state_dict()` is consistent there; under '2bw' it is refused until the loop
-        ends, as the stages run on); a failure, in a stage or in `batches`,
-        says which batch it struck and leaves the parameters after the last update. Across
-        processes every rank gives the same batches; one whose batches end or fail early makes
-        every rank raise.
+        the loss, with the optimizer's settings of before it): per batch, `optimizer.zero_grad()`,
+        `train_step`, `after_backward()` (clip the gradients there: `lambda:
+        pipe.clip_grad_norm_(1.0)`), `optimizer.step()`, `after_step()` (a learning-rate
+        scheduler's `step`). Between two losses the parameters hold the last update whole
+        (`state_dict()` is consistent there; under '2bw' it is refused until the loop ends, as the
+        stages run on); a failure, in a stage or in `batches`, says which batch it struck and
+        leaves the parameters after the last update. Across processes every rank gives the same
+        batches; one whose batches end or fail early makes every rank raise.
 
             for loss in pipe.train_steps(loader, loss_fn=F.cross_entropy, optimizer=opt):
                 print(float(loss))

@@ -120,10 +120,10 @@ def refuse_effects_a_trace_loses(
     model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments,
 ) -> tuple[int, list[DrawingRegion]]:
     """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
-    then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many hooks
-    forward registered on tensors, and the regions of the model's own checkpointing that drew. Each run is told to `stable`, which keeps the plain values
-    every run assigns alike. A model that does not run is left to the front ends, whose errors
-    say why. Only a model small enough to run whole is run, as for the graph's check (on the
+    then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many
+    hooks forward registered on tensors, and the regions of the model's own checkpointing that
+    drew. Each run is told to `stable`, which keeps the plain values every run assigns alike. A
+    model that does not run is left to the front ends, whose errors say why. Only a model small enough to run whole is run, as for the graph's check (on the
     CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
     if is_on_meta(model) or not small_on_cpu(model, (example, kwargs)):
         return 0, []
