@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, ContextManager, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -110,11 +111,16 @@ class PipelineCalls(nn.Module):
                 "backward, or call the module itself inside the hook."
             )
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None, overlapping: bool = False) -> Call:
+    def _prepare(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None, overlapping: bool = False,
+        still: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+    ) -> Call:
         """The call split into micro-batches, on the program that runs it. `held`: that program,
         checked against the model already (a loop of overlapping steps checks it once, before
         its first step: later, its stages hold the model's parameter slots while they run).
-        `overlapping`: a step of such a loop, whose stages run on the workers, even one alone."""
+        `overlapping`: a step of such a loop, whose stages run on the workers, even one alone;
+        `still`: what holds the model still meanwhile (its stages out of the model, no update),
+        for a proof that runs on the model's tensors."""
         refuse_capture()
         if self._closed:
             raise RuntimeError("this Pipeline was closed (pipe.close()); compile the model again to run it")
@@ -139,7 +145,7 @@ class PipelineCalls(nn.Module):
         compiled = self._compiled
         call = split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
         if compiled.check_length is not None:
-            compiled.check_length(call.micro_batches[0], self.training)
+            compiled.check_length(call.micro_batches[0], self.training, still)
         return call
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
@@ -158,7 +164,7 @@ class PipelineCalls(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
-        call = self._prepare(args, kwargs, held, overlapping=versions is not None)
+        call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=versions.still if versions is not None else contextlib.nullcontext)
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)

@@ -13,7 +13,7 @@ import copy
 import functools
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, ContextManager, Hashable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -338,7 +338,7 @@ class Compiled:
     slicing: Optional[SliceSpec] = None
     # With slicing: the proof of causality run again on a micro-batch (inputs by name) of a length
     # it has not run at, in the mode given (True: training), refusing where it fails.
-    check_length: Optional[Callable[[dict[str, Any], bool], None]] = None
+    check_length: Optional[Callable[[dict[str, Any], bool, Callable[[], ContextManager[Any]]], None]] = None
     # Buffers that were one tensor under several names when traced (registered in two modules):
     # the graph reads that tensor under one name, so the names must keep one value.
     aliased_buffers: list[list[str]] = field(default_factory=list)

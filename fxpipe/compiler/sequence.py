@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
-from typing import Any, Callable, Optional, Sequence, Union
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -84,7 +85,9 @@ def slice_graphs(
     return spec, length_check(whole, spec, example_length(spec, dict(zip(_placeholders(next(iter(whole.values()))), inputs))))
 
 
-LengthCheck = Callable[[dict[str, Any], bool], None]
+# (a micro-batch's inputs by name, the training flag, and what holds the model still while the
+# proof runs on its tensors: a loop whose steps overlap updates them meanwhile)
+LengthCheck = Callable[[dict[str, Any], bool, Callable[[], ContextManager[Any]]], None]
 
 
 def length_check(graphs: dict[bool, fx.GraphModule], spec: SliceSpec, example: int) -> LengthCheck:
@@ -94,14 +97,15 @@ def length_check(graphs: dict[bool, fx.GraphModule], spec: SliceSpec, example: i
     A graph that cannot run here (on the meta device, too large) keeps the example's proof."""
     proved = {(mode, example) for mode in graphs}
 
-    def check(values: dict[str, Any], training: bool) -> None:
+    def check(values: dict[str, Any], training: bool, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         mode = training if training in graphs else next(iter(graphs))
         length = example_length(spec, values)
         inputs = tuple(values.values())
         if (mode, length) in proved or not small_on_cpu(graphs[mode], inputs):
             return
         try:
-            prove_causal_at(graphs[mode], inputs, spec.dim, length, holding=set(spec.inputs))
+            with still():  # the proof runs the graph on the model's tensors, and puts back what it wrote
+                prove_causal_at(graphs[mode], inputs, spec.dim, length, holding=set(spec.inputs))
         except CausalityError as error:
             raise CausalityError(
                 [f"at this call's length, {length} (the example's was {example}): {p}" for p in error.problems],

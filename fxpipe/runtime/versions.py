@@ -147,6 +147,12 @@ class Versions:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"waited {self.timeout} s for {what}: the loop is stuck")
 
+    @contextmanager
+    def still(self) -> Iterator[None]:
+        """The model held still: no stage in its parameter slots, no update running."""
+        with self.gate.shut(), self.lock:
+            yield
+
     # -- work -----------------------------------------------------------------------------
     def update(self, batch: int, stage: int) -> None:
         """U(batch)@stage: once the batch's gradients are in, the optimizer's step on the

@@ -264,6 +264,21 @@ def test_2bw_loops_of_slices_are_the_delayed_plain_loop(checkpoint: str) -> None
     _assert_the_delayed_plain_loop(model, plain, batches, losses)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_2bw_loops_of_batches_of_new_lengths_are_the_delayed_plain_loop(checkpoint: str) -> None:
+    """The proof of a new length runs the graph on the model's tensors and puts back what it
+    wrote: before, it ran while the loop's stages and updates went on, and put the parameters
+    back over an update (parameters up to 7.8e-2 off)."""
+    torch.manual_seed(0)
+    model, plain = twin(SdpaGPT())
+    batches = [(tokens(2, n, seed=s), tokens(2, n, seed=s + 1)) for s, n in ((1, 12), (3, 9), (5, 12), (7, 6), (9, 12))]
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=3, schedule="2bw", checkpoint=checkpoint)
+    with closing(pipe):
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        losses = list(pipe.train_steps(batches, loss_fn=_loss, optimizer=opt))
+    _assert_the_delayed_plain_loop(model, plain, batches, losses)
+
+
 def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused() -> None:
     pipe = compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, sequence_chunks=3)
     with closing(pipe):
