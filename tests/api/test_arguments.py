@@ -1,6 +1,7 @@
 """Bad arguments to compile_pipeline: one ValueError, every problem with its fix, before the model runs."""
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -317,3 +318,24 @@ def test_a_pipeline_compiled_again_is_refused_saying_to_compile_the_plain_model(
     leaves = ["inner"] if how == "kept whole" else []
     with pytest.raises(ValueError, match=r"the model is or holds a Pipeline \((the model itself|inner)\).*compile the plain model"):
         compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, leaf_modules=leaves)
+
+
+class _BankFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, bank: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + (h @ bank.t()) @ bank)
+
+
+def test_an_empty_side_input_kept_whole_is_no_empty_batch() -> None:
+    """Before, the batch was sized from the first input before chunk_spec kept it whole: an empty
+    memory bank made "the example batch is empty", where the plain model runs."""
+    model = _BankFirst().double()
+    bank, x = torch.zeros(0, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(model), (bank, x), ["cpu", "cpu"], chunks=4, chunk_spec={"bank": None})
+    torch.testing.assert_close(pipe(bank, x), model(bank, x), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="the example batch is empty"):
+        compile_pipeline(copy.deepcopy(model), (bank, x[:0]), ["cpu", "cpu"], chunks=4, chunk_spec={"bank": None})
