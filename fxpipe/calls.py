@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import Compiled, OtherCall, Program
-from fxpipe.core.microbatch import Dims, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims
+from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, traced_mode
@@ -168,7 +168,7 @@ class PipelineCalls(nn.Module):
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
-        targets = split_target(target, call.sizes, call.batch)
+        targets = split_target(target, call.sizes, call.batch, batch_dim_of(list(call.values.values()), call.dims))
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         call = sliced_call(call, slicing or self._compiled.slicing)
         counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" and call.slices is None else None

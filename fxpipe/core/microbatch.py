@@ -117,6 +117,18 @@ def split_dim(t: torch.Tensor, batch_size: int, dims: Dims) -> Optional[int]:
     return 0 if is_batched(t, batch_size) else None
 
 
+def batch_dim_of(values: Sequence[Any], dims: Optional[Dims] = None) -> int:
+    """The dim the first input tensor is split along (see `batch_size_of`): 0 but where a chunk
+    spec names another."""
+    dims = dims or {}
+    for t in tree_flatten(list(values))[0]:
+        if isinstance(t, torch.Tensor):
+            dim = dims.get(id(t), 0 if t.dim() > 0 else None)
+            if dim is not None:
+                return dim
+    return 0
+
+
 def batch_size_of(values: Sequence[Any], dims: Optional[Dims] = None) -> Optional[int]:
     """The batch size: the size of the first input tensor along the dim it is split along
     (dim 0 unless `dims` says otherwise; tensors kept whole do not count)."""

@@ -16,18 +16,21 @@ from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
 
 
-def split_target(target: Any, sizes: list[int], batch: Optional[int]) -> list[Any]:
-    """The target's piece for each micro-batch: split along dim 0 like the inputs."""
+def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int = 0) -> list[Any]:
+    """The target's piece for each micro-batch: split like the inputs, along their batch dim
+    `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
     leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
-    if any(t.dim() == 0 or t.shape[0] != batch for t in leaves):
+    along = {id(t): next((d for d in dict.fromkeys((dim, 0)) if t.dim() > d and t.shape[d] == batch), None) for t in leaves}
+    if any(d is None for d in along.values()):
         shapes = [tuple(t.shape) for t in leaves]
+        where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"
         raise ValueError(
-            f"the target must be split into micro-batches like the inputs, along dim 0 of size {batch}; "
-            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, batch first."
+            f"the target must be split into micro-batches like the inputs, {where}, of size {batch}; "
+            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
         )
-    return scatter(target, sizes, batch or 0)
+    return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
 
 
 def check_loss_arguments(target: Any, loss_fn: Any) -> None:

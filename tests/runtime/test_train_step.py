@@ -1089,3 +1089,31 @@ def test_a_target_given_as_an_input_is_named_with_the_keyword_that_takes_it() ->
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+
+
+class _SeqFirst(nn.Module):
+    """(T, B, d) -> (T, B, classes): its batch on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("length", [3, 8])
+def test_a_target_is_split_along_the_inputs_batch_dim(length: int) -> None:
+    """Before, the target was split along dim 0 whatever chunk_spec said: refused where its dim 0
+    was not the batch's size, and, where it happened to be (T == B), cut across the sequence and
+    refused as a loss that is 'not a mean over samples'."""
+    model, plain = twin(_SeqFirst())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(length, 8, 6, dtype=torch.float64, generator=g), torch.randint(0, 5, (length, 8), generator=g)
+    loss_fn = lambda out, t: F.cross_entropy(out.reshape(-1, 5), t.reshape(-1))  # noqa: E731
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1})
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain, tol=1e-12)
