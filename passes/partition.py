@@ -100,7 +100,7 @@ def cuts_from_balance(order: Sequence[fx.Node], balance: Sequence[int], stages: 
         problems.append(f"balance {list(balance)} has an entry below 1; every stage needs a node")
     if sum(balance) != len(order):
         problems.append(f"balance sums to {sum(balance)} but the graph has {len(order)} nodes to place")
-    refuse(problems, "How to fix: give one positive node count per device, adding up to the node count.")
+    refuse(problems, "How to fix: give one positive node count per stage (devices times stages_per_device), adding up to the node count.")
     return list(itertools.accumulate(balance))[:-1]
 
 
@@ -291,7 +291,8 @@ def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str
         while end < len(model) and model.memory(start, end + 1) <= cap:
             end += 1
         count, start = count + 1, end
-    return [f"no cut into {stages} stages fits {cap:.0f} bytes per device; about {count} devices of that size would"]
+    return [f"no cut into {stages} stages fits {cap:.0f} bytes per stage (the smallest stage's share of its device's "
+            f"memory); about {count} stages of that size would"]
 
 
 def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[float]], together: dict[str, tuple[int, int]]) -> list[int]:

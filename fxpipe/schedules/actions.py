@@ -198,7 +198,10 @@ def interleaved_one_f_one_b(layout: Layout, m: int) -> list[list[Action]]:
     if m % workers:
         raise ValueError(
             f"interleaved-1f1b needs the micro-batch count ({m}) to be a multiple of the device count "
-            f"({workers}).\nHow to fix: use chunks={max(workers, m - m % workers)}, or schedule='1f1b'."
+            f"({workers}); a batch splits into as many micro-batches as chunks, or as it has samples where it has "
+            f"fewer.\nHow to fix: compile with chunks a multiple of {workers} (chunks={max(workers, m - m % workers)}, say) "
+            "and give batches of at least chunks samples (drop a smaller last batch: DataLoader(drop_last=True)); "
+            "or compile with stages_per_device=1 and schedule='1f1b'."
         )
     per_rank = []
     for d in range(workers):

@@ -133,7 +133,7 @@ def check_infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> Non
     if too_big:
         assert f"node {too_big[0]} alone needs" in message, message
         return
-    found = re.search(r"about (\d+) devices of that size would", message)
+    found = re.search(r"about (\d+) stages of that size would", message)
     assert found, message
     count = int(found.group(1))
     assert brute_force(model, count, [cap] * count), f"{message}: but {count} devices of {cap} do not fit"
@@ -190,7 +190,7 @@ def test_a_node_over_the_cap_is_named() -> None:
 
 def test_too_small_devices_say_how_many_would_fit() -> None:
     model = CutModel([1.0] * 8, [10.0] * 8, [0.0] * 8, [])
-    with pytest.raises(PartitionError, match="about 4 devices of that size would"):
+    with pytest.raises(PartitionError, match="about 4 stages of that size would"):
         best_cuts(model, 2, [20, 20])
 
 
@@ -501,7 +501,7 @@ def test_room_to_spare_does_not_change_the_cut() -> None:
 @pytest.mark.parametrize("stages", [2, 4])
 def test_too_little_device_memory_says_how_many_would_fit(stages: int) -> None:
     whole = sum(s.memory for s in compile_example("gpt", stages).plan.stages)
-    with pytest.raises(PartitionError, match=r"about \d+ devices of that size would"):
+    with pytest.raises(PartitionError, match=r"about \d+ stages of that size would"):
         compile_example("gpt", stages, balance="flops", device_memory=whole / stages / 2)
 
 
@@ -740,3 +740,15 @@ def test_balance_by_time_leaves_the_model_and_the_generator_as_they_were() -> No
     assert_call_and_grads_equal(pipe, reference, x)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+def test_with_two_stages_per_device_the_refusals_count_stages() -> None:
+    """Before, they asked for one node count per device, and reported each stage's share of a
+    device's memory as the memory per device."""
+    from helpers import FanOut
+
+    x = torch.randn(8, 6)
+    with pytest.raises(ValueError, match=r"one positive node count per stage \(devices times stages_per_device\)"):
+        compile_pipeline(FanOut(), x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2, balance=[5, 5])
+    with pytest.raises(ValueError, match=r"bytes per stage \(the smallest stage's share of its device's memory\); about \d+ stages"):
+        compile_pipeline(FanOut(), x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2, device_memory=3000, balance="memory")

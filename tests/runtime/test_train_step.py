@@ -1117,3 +1117,13 @@ def test_a_target_is_split_along_the_inputs_batch_dim(length: int) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, plain, tol=1e-12)
+
+
+def test_a_batch_too_small_for_interleaved_says_how_to_fix_it() -> None:
+    """Before, the refusal advised chunks=2 (refused again for a batch of one) or schedule='1f1b'
+    (refused with stages_per_device=2)."""
+    model = FanOut().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2)
+    with pytest.raises(ValueError, match=r"(?s)micro-batch count \(3\).*drop a smaller last batch.*stages_per_device=1 and schedule='1f1b'"):
+        pipe.train_step(x[:3], target=x[:3], loss_fn=F.mse_loss)
