@@ -28,9 +28,13 @@ def choose_stage_graph(
     it is predicted faster."""
     if stage_graph == "chain" or len(chain) < 2:  # one stage is a chain and a DAG alike
         return chain
-    dag = dag_partition(order, weights, len(chain), costs["chunks"], force=stage_graph == "dag")
-    if dag is None or keeps_traced_order(gm, order) or not _fits(gm, dag, costs, caps):
+    # 'dag' takes every region of branches the search finds (force), or, where predicted faster,
+    # only those that count, as 'auto' does: a cheap running sum of branches nests regions.
+    found = [dag_partition(order, weights, len(chain), costs["chunks"], force=force) for force in ([False, True] if stage_graph == "dag" else [False])]
+    dags = [d for d in found if d is not None and _fits(gm, d, costs, caps)]
+    if not dags or keeps_traced_order(gm, order):
         return chain
+    dag = min(dags, key=lambda d: predicted_seconds(d, costs, schedule, ranks)) if len(dags) > 1 else dags[0]
     if stage_graph == "auto" and predicted_seconds(dag, costs, schedule, ranks) >= predicted_seconds(chain, costs, schedule, ranks) * (1 - 1e-6):
         return chain
     mark_stages(dag)
