@@ -237,11 +237,11 @@ def compile_pipeline(
     example_args = example if isinstance(example, tuple) else (example,)
     example_kwargs = dict(example_kwargs or {})
     signature, spec = forward_signature(model), dict(chunk_spec or {})
+    refuse_an_example_forward_does_not_take(model, signature, example_args, example_kwargs)
+    refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
     # (an input chunk_spec keeps whole, an empty table, holds no batch)
     if batch_size_of([*example_args, *example_kwargs.values()], spec_dims(signature, spec, example_args, example_kwargs)) == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
-    refuse_an_example_forward_does_not_take(model, signature, example_args, example_kwargs)
-    refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
     refuse_nothing_split(chunks, signature, spec, example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":

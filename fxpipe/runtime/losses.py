@@ -27,7 +27,7 @@ def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int =
         shapes = [tuple(t.shape) for t in leaves]
         where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"
         raise ValueError(
-            f"the target must be split into micro-batches like the inputs, {where}, of size {batch}; "
+            f"the target must be split into micro-batches like the inputs, {where} of size {batch}; "
             f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
         )
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
