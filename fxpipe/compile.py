@@ -27,7 +27,7 @@ from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
 )
 from fxpipe.compiler.traced import Traced
-from fxpipe.core.attrs import tensors_read
+from fxpipe.core.attrs import buffer_names, tensors_read
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -361,10 +361,7 @@ def compile_pipeline(
 
 def aliased_buffers(model: nn.Module) -> list[list[str]]:
     """The names of each buffer the model holds under several (one tensor in two modules)."""
-    names: dict[int, list[str]] = {}
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(buffer), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
+    return [names for names in buffer_names(model).values() if len(names) > 1]
 
 
 def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], whole: list[str]) -> Pipeline:

@@ -4,7 +4,6 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -13,6 +12,7 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fxpipe.compiled.program import Compiled, Program
+from fxpipe.core.attrs import buffer_or_none
 from fxpipe.core.hooks import KINDS, hook_tables
 from fxpipe.tracing.mode_reads import modes_changed
 
@@ -111,19 +111,12 @@ def _aliases_apart(owner: nn.Module, groups: list[list[str]]) -> list[str]:
     different values (different tensors of one value, as after `model.double()`, are alike)."""
     apart = []
     for names in groups:
-        held = [_buffer_or_none(owner, name) for name in names]
+        held = [buffer_or_none(owner, name) for name in names]
         if any(t is not held[0] for t in held) and not all(
             isinstance(t, torch.Tensor) and isinstance(held[0], torch.Tensor) and t.shape == held[0].shape and torch.equal(t, held[0]) for t in held
         ):
             apart.append(" and ".join(names))
     return apart
-
-
-def _buffer_or_none(owner: nn.Module, name: str) -> Optional[torch.Tensor]:
-    try:
-        return owner.get_buffer(name)
-    except AttributeError:
-        return None
 
 
 def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[str, bool]]) -> bool:

@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from fxpipe.core.attrs import fetch_attr, tensors_read
+from fxpipe.core.attrs import buffer_names, fetch_attr, tensors_read
 from fxpipe.core.edges import CALLER, Edge
 from fxpipe.core.microbatch import clone_tree
 from fxpipe.passes.edges import stage_inputs, stage_outputs
@@ -123,9 +123,7 @@ def refuse_written_shared_buffers(gm: fx.GraphModule, owner: nn.Module, runs: Se
     written = {id(t): name for run in runs for node in run for name, t in buffers_written(gm, node).items()} if shared else {}
     if not any(key in written for key in shared):
         return
-    names: dict[int, list[str]] = {}
-    for name, buffer in owner.named_buffers(remove_duplicate=False):
-        names.setdefault(id(buffer), []).append(name)
+    names = buffer_names(owner)
     # (One name: the stages read it as one value of the graph, or a copy made after its write.)
     said = [" and ".join(names[key]) for key in shared if key in written and len(names.get(key, ())) > 1]
     if said:

@@ -53,6 +53,17 @@ class WithPositions(nn.Module):
         return self.c(torch.tanh(self.a(x + pos)))
 
 
+class SeqFirst(nn.Module):
+    """Takes (time, batch, features) to (time, batch, classes): its batch along dim 1."""
+
+    def __init__(self, width: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
 class FanOut(nn.Module):
     """`a` feeds three later layers: cut in 4 stages, it is a skip to each of stages 2 and 3."""
 

@@ -29,6 +29,23 @@ def submodule_or_none(root: nn.Module, path: str) -> Optional[nn.Module]:
         return None
 
 
+def buffer_or_none(root: nn.Module, path: str) -> Optional[torch.Tensor]:
+    """The buffer at `path` below `root`, or None where there is none."""
+    try:
+        return root.get_buffer(path)
+    except AttributeError:
+        return None
+
+
+def buffer_names(root: nn.Module) -> dict[int, list[str]]:
+    """Each buffer's qualified names, by the tensor's id: one tensor registered in several
+    modules has several."""
+    names: dict[int, list[str]] = {}
+    for name, buffer in root.named_buffers(remove_duplicate=False):
+        names.setdefault(id(buffer), []).append(name)
+    return names
+
+
 def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """The state a node reads: a called module's parameters and buffers, or the tensors of the
     `get_attr` nodes it takes as arguments; keyed by qualified name."""

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import FanOut, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
+from helpers import FanOut, SeqFirst, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import compile_pipeline, pipe_split
 
 MODES = ("always", "except_last", "never")
@@ -491,17 +491,6 @@ def test_anomaly_mode_reaches_the_stages(stages: int) -> None:
             pipe(x).sum().backward()
 
 
-class _SeqFirst(nn.Module):
-    """Takes (time, batch, features): the batch is along dim 1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
-
-
 Changed = tuple[nn.Module, nn.Module, nn.Module, tuple[torch.Tensor, ...]]
 
 
@@ -529,7 +518,7 @@ def _kept_whole() -> Changed:
 
 
 def _along_dim_1() -> Changed:
-    model, reference = twin(_SeqFirst())
+    model, reference = twin(SeqFirst())
     pipe = compile_pipeline(model, torch.randn(5, 8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1})
     return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
 

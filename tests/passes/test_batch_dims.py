@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 from helpers import assert_grads_equal, real_tensors_only, twin
-from fxpipe import compile_pipeline
+from fxpipe import Pipeline, compile_pipeline
 from fxpipe.core.microbatch import VARIES
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.example_runs import run_whole
@@ -336,9 +336,9 @@ def _loss(out: Any) -> torch.Tensor:
     return sum(o.pow(2).sum() for o in out)  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_an_output_made_from_parameters_alone_is_returned_once(checkpoint: str) -> None:
-    model, reference = twin(WithTable())
+def _returned_once(model: nn.Module, checkpoint: str = "except_last") -> tuple[Pipeline, nn.Module]:
+    """The table output of a WithTable, once, with the plain model's values and gradients."""
+    model, reference = twin(model)
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
     out, expected = pipe(X), reference(X)
     assert out[1].shape == (4, 3)
@@ -346,6 +346,12 @@ def test_an_output_made_from_parameters_alone_is_returned_once(checkpoint: str) 
     _loss(out).backward()
     _loss(expected).backward()
     assert_grads_equal(pipe, reference)
+    return pipe, reference
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_an_output_made_from_parameters_alone_is_returned_once(checkpoint: str) -> None:
+    _returned_once(WithTable(), checkpoint)
 
 
 class CountingTable(WithTable):
@@ -371,14 +377,7 @@ class CountingTable(WithTable):
 def test_an_output_made_from_parameters_alone_by_a_model_that_writes_a_buffer_is_returned_once(exported: bool) -> None:
     """Before, with the values unchecked, it was joined along dim 0, whose size happens to be the
     micro-batch's: twice the plain model's rows, its gradient twice the plain model's."""
-    model, reference = twin(CountingTable(exported))
-    pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
-    out, expected = pipe(X), reference(X)
-    assert out[1].shape == (4, 3)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    _loss(out).backward()
-    _loss(expected).backward()
-    assert_grads_equal(pipe, reference)
+    pipe, reference = _returned_once(CountingTable(exported))
     with torch.no_grad():
         torch.testing.assert_close(pipe(X)[1], reference(X)[1], rtol=0, atol=0)
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import FanOut, PaddedLM, assert_grads_equal, example_module, grad_of, padded_labels, twin
+from helpers import FanOut, PaddedLM, SeqFirst, assert_grads_equal, example_module, grad_of, padded_labels, twin
 import fxpipe.runtime.losses
 from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.core.microbatch import split_sizes
@@ -1091,23 +1091,12 @@ def test_a_target_given_as_an_input_is_named_with_the_keyword_that_takes_it() ->
     assert_grads_equal(pipe, reference)
 
 
-class _SeqFirst(nn.Module):
-    """(T, B, d) -> (T, B, classes): its batch on dim 1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
-
-
 @pytest.mark.parametrize("length", [3, 8])
 def test_a_target_is_split_along_the_inputs_batch_dim(length: int) -> None:
     """Before, the target was split along dim 0 whatever chunk_spec said: refused where its dim 0
     was not the batch's size, and, where it happened to be (T == B), cut across the sequence and
     refused as a loss that is 'not a mean over samples'."""
-    model, plain = twin(_SeqFirst())
+    model, plain = twin(SeqFirst(6, 5))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(length, 8, 6, dtype=torch.float64, generator=g), torch.randint(0, 5, (length, 8), generator=g)
     loss_fn = lambda out, t: F.cross_entropy(out.reshape(-1, 5), t.reshape(-1))  # noqa: E731
