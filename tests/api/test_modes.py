@@ -523,10 +523,51 @@ def _along_dim_1() -> Changed:
     return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
 
 
+class _Counts(nn.Module):
+    n: torch.Tensor  # a buffer, registered in __init__
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return x * self.n.clone()
+
+
+class _CountingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.cnt = nn.Linear(4, 4), _Counts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cnt(torch.tanh(self.lin(x)))
+
+
+class _CountedTwice(nn.Module):
+    """A block kept whole counts in its child's buffer; the child, called again, counts again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.mid = _CountingBlock(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.cnt(torch.tanh(self.mid(self.block(x))))
+
+
+def _counted_twice() -> Changed:
+    model, reference = twin(_CountedTwice().double())
+    pipe = compile_pipeline(model, torch.randn(8, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2, leaf_modules=["block"])
+    return pipe, model, reference, (torch.randn(8, 4, dtype=torch.float64),)
+
+
 # A pipeline on a model changed after compiling, the plain model changed alike, and a call's
 # arguments: the model's own dtype cast, a parameter assigned, an input the example kept whole
-# at a batch size equal to its length, outputs with the batch along dim 1.
-CHANGED: dict[str, Callable[[], Changed]] = {"cast": _cast, "assigned": _assigned, "kept whole": _kept_whole, "batch along dim 1": _along_dim_1}
+# at a batch size equal to its length, outputs with the batch along dim 1; and a buffer that a
+# module kept whole writes and the graph writes again (each micro-batch counts twice, in turn).
+CHANGED: dict[str, Callable[[], Changed]] = {
+    "cast": _cast, "assigned": _assigned, "kept whole": _kept_whole, "batch along dim 1": _along_dim_1, "counted twice": _counted_twice,
+}
 
 
 @pytest.mark.parametrize("case", list(CHANGED))
@@ -567,8 +608,8 @@ def test_what_changed_after_compiling_in_every_mode(case: str, mode: str) -> Non
 
 def _in_turn(reference: nn.Module, args: tuple[torch.Tensor, ...], case: str) -> torch.Tensor:
     """The plain model on the whole batch; on the micro-batches in turn where BatchNorm in
-    training mode makes them differ."""
-    if case == "cast" and reference.training:
+    training mode, or a counter forward keeps, makes them differ."""
+    if (case == "cast" and reference.training) or case == "counted twice":
         return torch.cat([reference(piece) for piece in args[0].tensor_split(2)])
     return reference(*args)
 
