@@ -523,7 +523,7 @@ def _along_dim_1() -> Changed:
     return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
 
 
-class _Counts(nn.Module):
+class _Counter(nn.Module):
     n: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(self) -> None:
@@ -538,7 +538,7 @@ class _Counts(nn.Module):
 class _CountingBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.lin, self.cnt = nn.Linear(4, 4), _Counts()
+        self.lin, self.cnt = nn.Linear(4, 4), _Counter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.cnt(torch.tanh(self.lin(x)))
