@@ -446,7 +446,7 @@ class TwoHeads(nn.Module):
         return self.head(c), c * 2
 
 
-@pytest.mark.parametrize("how", ["backward", "autograd.grad", "train_step"])
+@pytest.mark.parametrize("how", ["backward", "two forwards", "autograd.grad", "train_step"])
 def test_a_parameter_only_an_output_without_a_gradient_reaches_gets_none_as_in_the_plain_model(how: str) -> None:
     """A compiled stage's backward is one node that gives every parameter a gradient, zeros for
     one no output with a gradient reaches. Before, `head` got a `.grad` of zeros where the plain
@@ -465,6 +465,9 @@ def test_a_parameter_only_an_output_without_a_gradient_reaches_gets_none_as_in_t
     elif how == "backward":
         pipe(x)[1].square().sum().backward()
         plain(x)[1].square().sum().backward()
+    elif how == "two forwards":  # one backward of both
+        (pipe(x)[1].square().sum() + pipe(2 * x)[1].sum()).backward()
+        (plain(x)[1].square().sum() + plain(2 * x)[1].sum()).backward()
     else:
         got = torch.autograd.grad(pipe(x)[1].square().sum(), list(model.parameters()), allow_unused=True)
         want = torch.autograd.grad(plain(x)[1].square().sum(), list(plain.parameters()), allow_unused=True)
