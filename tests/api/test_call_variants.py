@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import Pipeline, compile_pipeline
@@ -303,6 +304,22 @@ def test_an_exported_pipeline_cast_after_compiling_compiles_stages_for_calls_of_
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the new kind of call is captured by torch.export again, and says so
         out = pipe(x.to(dtype))
-    expected = torch.cat([reference(piece) for piece in x.to(dtype).chunk(2)])
+    pieces = [reference(piece) for piece in x.to(dtype).chunk(2)]
     assert out.dtype == dtype
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out, torch.cat(pieces), rtol=0, atol=0)
+    out.float().square().sum().backward()  # the new dtype's stages, recomputed ('except_last')
+    torch.stack([piece.float().square().sum() for piece in pieces]).sum().backward()
+    _assert_grads_exact(model, reference)
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    y = torch.randn(8, 8).to(dtype)
+    loss = pipe.train_step(x.to(dtype), target=y, loss_fn=F.mse_loss)
+    expected = torch.stack([F.mse_loss(reference(piece), target) for piece, target in zip(x.to(dtype).chunk(2), y.chunk(2))]).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=0)
+    _assert_grads_exact(model, reference)
+
+
+def _assert_grads_exact(model: nn.Module, reference: nn.Module) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)

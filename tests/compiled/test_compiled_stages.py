@@ -485,6 +485,29 @@ def test_a_parameter_only_an_output_without_a_gradient_reaches_gets_none_as_in_t
     torch.testing.assert_close(model.head.weight, plain.head.weight, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_under_autocast_compiled_stages_leave_none_where_the_eager_ones_do(checkpoint: str) -> None:
+    """A parameter no output with a gradient reaches keeps None under bfloat16 autocast too, in
+    every checkpoint mode (the recompute runs the compiled forward), and the others get the eager
+    pipeline's gradients bit for bit."""
+    torch.manual_seed(0)
+    model, x = TwoHeads(), torch.randn(8, 6)
+    grads = []
+    for compiled in ({"backend": "aot_eager"}, False):
+        copied = copy.deepcopy(model)
+        pipe = compile_pipeline(copied, x, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint, compile_stages=compiled)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pipe(x)[1]
+        assert out.dtype == torch.bfloat16
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in copied.parameters()])
+        pipe.close()
+    assert [g is None for g in grads[0]] == [g is None for g in grads[1]] == [False] * 6 + [True, True]
+    for got, expected in zip(*grads):
+        if expected is not None:
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_a_call_under_inference_mode_is_a_calling_context_not_a_recompile() -> None:
     """Before, a call under torch.inference_mode() after one under no_grad was reported as a
     recompile (the guard on the inputs' dispatch keys), advising dynamic shapes for a batch size

@@ -382,8 +382,12 @@ def test_an_output_made_from_parameters_alone_by_a_model_that_writes_a_buffer_is
         torch.testing.assert_close(pipe(X)[1], reference(X)[1], rtol=0, atol=0)
 
 
-def test_an_output_made_from_parameters_alone_under_autograd_grad_and_accumulation() -> None:
-    model, reference = twin(WithTable())
+_TABLES = {"reads": WithTable, "writes a buffer": lambda: CountingTable(False), "exported": lambda: CountingTable(True)}
+
+
+@pytest.mark.parametrize("table", list(_TABLES))
+def test_an_output_made_from_parameters_alone_under_autograd_grad_and_accumulation(table: str) -> None:
+    model, reference = twin(_TABLES[table]())
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     got = torch.autograd.grad(_loss(pipe(X)), [model.table])[0]
     expected = torch.autograd.grad(_loss(reference(X)), [reference.table])[0]
@@ -392,10 +396,19 @@ def test_an_output_made_from_parameters_alone_under_autograd_grad_and_accumulati
         _loss(pipe(X)).backward()
         _loss(reference(X)).backward()
     assert_grads_equal(pipe, reference)
+    assert_buffers_equal(pipe, reference)
 
 
-def test_train_step_returns_such_an_output_once() -> None:
-    model, reference = twin(WithTable())
+def assert_buffers_equal(pipe: nn.Module, reference: nn.Module) -> None:
+    """The call counts of a CountingTable: once per micro-batch, as the plain model's on the
+    micro-batches in turn (2 each), where the reference ran on whole batches."""
+    for (name, buffer), expected in zip(pipe.named_buffers(), reference.buffers()):
+        torch.testing.assert_close(buffer, 2 * expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("table", list(_TABLES))
+def test_train_step_returns_such_an_output_once(table: str) -> None:
+    model, reference = twin(_TABLES[table]())
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, schedule="1f1b")
     y = torch.randn(8, 6, dtype=torch.float64)
 
@@ -409,6 +422,7 @@ def test_train_step_returns_such_an_output_once() -> None:
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-12)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference)
+    assert_buffers_equal(pipe, reference)
 
 
 class TimeFirst(nn.Module):
