@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import MappingKey, register_pytree_node, tree_flatten, tree_map, tree_unflatten
 
 from fxpipe.core.microbatch import BatchDim, flatten, gather_leaf, split_along, unflatten
+from fxpipe.runtime.aliases import output_aliases, realiased
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Gathered:
         # value, leaf index, the dim its gradient splits along (None: whole to the first), sizes
         self.slots: list[tuple[str, int, Optional[int], list[int]]] = []
         refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
+        parts_of: list[list[torch.Tensor]] = []  # each gathered tensor's micro-batch parts, for `aliases`
         for ref in dict.fromkeys(refs):
             if ref.given:
                 self.values[ref.name] = flatten(given[ref.name])
@@ -95,13 +97,16 @@ class Gathered:
                     along = split_along(ref.dim(k))
                     self.tensors.append(leaf)
                     self.slots.append((ref.name, k, along, [p.shape[along] if p.dim() and along is not None else 1 for p in parts]))
+                    parts_of.append(parts)
                 leaves.append(leaf)
             self.values[ref.name] = (leaves, flats[0][1])
         self.micro_batches = len(per_micro_batch)
+        along_of = [along for _, _, along, _ in self.slots]
+        self.aliases = output_aliases(parts_of, along_of, [t.shape for t in self.tensors]) if len(self.tensors) > 1 else []
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
         values = {name: list(leaves) for name, (leaves, _) in self.values.items()}
-        for (name, k, _, _), tensor in zip(self.slots, tensors):
+        for (name, k, _, _), tensor in zip(self.slots, realiased(tensors, self.aliases)):
             values[name][k] = tensor
         built = {name: unflatten(values[name], spec) for name, (_, spec) in self.values.items()}
         self.tensors = []
