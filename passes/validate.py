@@ -55,7 +55,7 @@ def check_graph(
             state.restore()
             put_back()
             try:
-                got = gm(*_detached(inputs))
+                got = _quietly(gm, _detached(inputs))
             except Exception as error:
                 state.restore()
                 return f"does not run: {_failing_node(gm, inputs)}{first_line(error)}"
@@ -63,6 +63,14 @@ def check_graph(
         if problem is None:
             return None
         return f"computes otherwise than the model: {_locate(model, gm, example, kwargs, inputs, state)}{problem}"
+
+
+def _quietly(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> Any:
+    """`gm(*inputs)` without the traceback torch.fx prints to stderr when its generated code
+    raises: a failure here is a finding (the other front end, or a refusal that says why)."""
+    if getattr(gm, "_needs_recompile", lambda: False)():
+        gm.recompile()
+    return gm.forward(*inputs)
 
 
 def _runs(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> Optional[str]:

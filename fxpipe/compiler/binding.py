@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.compiled.program import Binder, OtherCall
 from fxpipe.passes.shapes import small_on_cpu
@@ -38,23 +38,33 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
 
 def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
     """`bind`, refusing a call that leaves an argument None where the example gave one, or the
-    reverse: torch.fx traced the model's `if mask is not None` branch as the example took it."""
-    absent = {name for name, value in traced.items() if value is None}
+    reverse, at the top or inside a container (`batch["mask"]`, `extras[0]`): torch.fx traced
+    the model's `if mask is not None` branches as the example took them."""
+    absent = {name: _nones(value) for name, value in traced.items()}
     argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
 
     def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         values = bind(args, kwargs)
-        differ = sorted(argument.get(name, name) for name, value in values.items() if (value is None) != (name in absent))
+        nones = {name: _nones(value) for name, value in values.items()}
+        differ = sorted(
+            argument.get(name, name) + path for name in values for path in nones[name].symmetric_difference(absent.get(name, frozenset()))
+        )  # fmt: skip
         if differ:
             raise OtherCall(
                 f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
                 "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
                 "for calls of each kind (with and without the argument), or pass it as the example did.",
-                frozenset(name for name, value in values.items() if value is None),
+                frozenset((name, path) for name, paths in nones.items() for path in paths),
             )
         return values
 
     return checked
+
+
+def _nones(value: Any) -> frozenset[str]:
+    """Where `value` holds None: '' for None itself, `['mask']` or `[0]` inside a container."""
+    leaves, _ = tree_flatten_with_path(value, is_leaf=lambda leaf: leaf is None)
+    return frozenset(keystr(path) for path, leaf in leaves if leaf is None)
 
 
 def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any]) -> Binder:

@@ -52,6 +52,61 @@ def _each_equals_the_plain_model(pipe: Pipeline, reference: nn.Module, calls: li
             assert_grads_equal(pipe, reference)
 
 
+class GatedByDict(Gated):
+    """Takes its inputs in a dict, the mask maybe None."""
+
+    def forward(self, batch: dict[str, Optional[torch.Tensor]]) -> torch.Tensor:  # type: ignore[override]
+        assert batch["x"] is not None
+        return super().forward(batch["x"], batch.get("mask"))
+
+
+class DefaultUnlessGiven(Gated):
+    """A learned default where the first of its extras is None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.default = nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor, extras: list[Optional[torch.Tensor]]) -> torch.Tensor:  # type: ignore[override]
+        h = torch.tanh(self.a(x))
+        h = h + self.default if extras[0] is None else h * extras[0]
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["pipe(x)", "train_step"])
+@pytest.mark.parametrize("held", ["dict", "list"])
+def test_a_none_inside_a_container_where_the_example_gave_a_tensor_compiles_stages_for_that_call(held: str, how: str) -> None:
+    """Before, only arguments left None at the top were another kind of call: a None in a list
+    silently ran the example's branch (1.15 off), one in a dict failed in a stage."""
+    x, mask, y = X.double(), torch.rand(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64)
+    model, reference = twin(GatedByDict() if held == "dict" else DefaultUnlessGiven())
+
+    def args(m: Optional[torch.Tensor]) -> tuple[Any, ...]:
+        return ({"x": x, "mask": m},) if held == "dict" else (x, [m])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the call without a mask may be captured by torch.export, and says so
+        pipe = compile_pipeline(model, args(mask), ["cpu", "cpu"], chunks=2)
+        for m in (mask, None, mask, None):
+            pipe.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            if how == "pipe(x)":
+                out, expected = pipe(*args(m)), reference(*args(m))
+                torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+                out.square().sum().backward()
+                expected.square().sum().backward()
+            else:
+                loss = pipe.train_step(*args(m), target=y, loss_fn=nn.functional.mse_loss)
+                expected = nn.functional.mse_loss(reference(*args(m)), y)
+                expected.backward()
+                torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+            for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if q.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
+    assert len(pipe._variants) == 1, "one pipeline for the calls without a mask, made once"
+
+
 def test_the_kinds_of_call_kept_are_bounded_and_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     import fxpipe.calls
 

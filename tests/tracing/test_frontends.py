@@ -75,6 +75,30 @@ def test_export_fallback_trains_like_the_plain_model(model_type: type, width: in
     assert_grads_equal(pipe, reference)
 
 
+class AddsANone(nn.Module):
+    """torch.fx traces `batch.get("bias") is not None` as true for a dict holding None: its graph
+    adds None and fails the check; torch.export captures the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch: dict[str, Optional[torch.Tensor]]) -> torch.Tensor:
+        h = self.a(batch["x"])
+        bias = batch.get("bias")
+        return self.b(h if bias is None else h + bias)
+
+
+def test_a_graph_that_fails_its_check_prints_nothing(capfd: pytest.CaptureFixture[str]) -> None:
+    """Before, torch.fx printed its traceback of the failing generated code to stderr, twice,
+    though compiling went on with torch.export and worked."""
+    model, x = AddsANone(), torch.randn(4, 8)
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, ({"x": x, "bias": None},), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe({"x": x, "bias": None}), model({"x": x, "bias": None}), rtol=0, atol=1e-6)
+    assert capfd.readouterr().err == ""
+
+
 def test_exported_ties_stay_tied() -> None:
     model = ShapeBranch()
     with warnings.catch_warnings():
