@@ -58,6 +58,9 @@ class StageRuntime:
     # does not show it; read at each step, as a hook may be added after compiling.
     called: list[nn.Module] = field(default_factory=list)
     writable_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # name in `module`
+    # The buffers it reads that no stage writes: a write between a forward and its recompute
+    # comes from outside the model (a load_state_dict), and is refused as for parameters.
+    read_buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)

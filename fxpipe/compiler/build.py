@@ -21,7 +21,7 @@ from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_loo
 from fxpipe.passes.loss_counts import loss_counter
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
-from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffers
+from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffer_names, writable_buffers
 from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.runtime.checkpoint import slot_of
 from fxpipe.runtime.gather import DataclassOutput, ValueRef
@@ -75,7 +75,8 @@ def build_program(
 
     shared = [[resolve(name) for name in code.shared] for code in codes]
     stored_by = _stored_by_module(owner, stored)
-    stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by) for index in range(len(codes))]
+    written = set(writable_buffer_names(cut.graph, [n for run in cut.runs for n in run]))
+    stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by, written) for index in range(len(codes))]
     if compile_stages is not None:
         for stage in stages:
             stage.compiled = CompiledForward(stage.index, stage.module, compile_stages, owner)  # type: ignore[arg-type]
@@ -139,7 +140,8 @@ def _stored_by_module(owner: nn.Module, stored: frozenset[tuple[str, str]]) -> d
 
 
 def _stage(
-    cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any], stored_by: dict[int, list[tuple[str, str]]]
+    cut: Cut, codes: Sequence[StageCode], index: int, device: torch.device, shared: Sequence[Any], stored_by: dict[int, list[tuple[str, str]]],
+    written: set[str],
 ) -> StageRuntime:
     code = codes[index]
     whole = _called_whole(code.module)
@@ -166,6 +168,7 @@ def _stage(
         hidden_modules=[code.module.get_submodule(name) for name in hidden.modules],
         called=_calls(code.module),
         writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
+        read_buffers={name: b for name, b in code.module.named_buffers() if name not in written and not b.is_inference()},
         state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
         written=code.written,
         whole_modules=whole,

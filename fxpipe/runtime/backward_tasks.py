@@ -20,7 +20,7 @@ from fxpipe.runtime.checkpoint import attributes_kept, flags_kept, recomputing
 from fxpipe.runtime.devices import send
 from fxpipe.runtime.engine import run_backward
 from fxpipe.runtime.raw_grads import raw_grads
-from fxpipe.runtime.saved import Saved, refuse_inputs_written_since, refuse_parameters_written_since
+from fxpipe.runtime.saved import Saved, refuse_buffers_written_since, refuse_inputs_written_since, refuse_parameters_written_since
 from fxpipe.runtime.tasks import StageTasks, differentiable
 from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
 
@@ -35,6 +35,7 @@ class BackwardTasks(StageTasks):
         start = time.perf_counter()
         stage, saved = self.stages[j], self.saved[(i, j)]
         refuse_parameters_written_since(self._params_read(j), saved.versions)
+        refuse_buffers_written_since(stage.read_buffers, saved.buffer_versions)
         refuse_inputs_written_since(i, saved.input_versions)
         flags = self.flags[j]
         with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j), \

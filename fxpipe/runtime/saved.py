@@ -20,6 +20,7 @@ class Saved:
     pending: Optional[PendingWeights] = None  # between I and W: what W starts from
     attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
     versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
+    buffer_versions: Optional[list[int]] = None  # the same, of the buffers it reads that no stage writes
     # For the recompute: the caller's tensors it reads, by input name, with their versions then.
     input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     # For a compiled stage's backward: the positions of the outputs a gradient reaches.
@@ -41,6 +42,22 @@ def refuse_parameters_written_since(params: list[torch.Tensor], versions: Option
             "after the backward (optimizer.step() after loss.backward()), or use checkpoint='never', whose backward "
             "reads what its forward kept, as the plain model's does. A forward that writes its own parameters "
             "(`self.w.clamp_(...)` under no_grad) writes them once per micro-batch: write them before the call."
+        )
+
+
+def refuse_buffers_written_since(buffers: dict[str, torch.Tensor], versions: Optional[list[int]]) -> None:
+    """A recompute reads the buffers as they are now: one that the model only reads, written in
+    place since its forward (`load_state_dict`, a `fill_`), would give the backward of another
+    forward. The plain model's backward raises for a buffer autograd saved, and otherwise reads
+    what it saved of the forward that ran."""
+    written = [name for (name, b), version in zip(buffers.items(), versions or ()) if b._version != version]
+    if written:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"the buffer(s) {', '.join(written)} of this stage, which the model only reads, were written in place "
+            "between its forward and its backward, and its recompute would not see what its forward saw.\nHow to fix: "
+            "write buffers after the backward (load_state_dict after loss.backward()), or use checkpoint='never', whose "
+            "backward reads what its forward kept, as the plain model's does."
         )
 
 

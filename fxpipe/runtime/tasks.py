@@ -266,7 +266,8 @@ class StageTasks:
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]
             versions = [p._version for p in self._params_read(j)]
-            self._keep(i, j, Saved(kept, None, buffers, attributes=attributes, versions=versions, input_versions=self._versions_read(stage, kept)))
+            read = [b._version for b in stage.read_buffers.values()]
+            self._keep(i, j, Saved(kept, None, buffers, attributes=attributes, versions=versions, buffer_versions=read, input_versions=self._versions_read(stage, kept)))
             if self.meter is not None:
                 self.meter.add(i, j, [t for v in kept for t in leaves_of(v)])
             outputs = self._write_back(stage, i, results)
