@@ -100,6 +100,9 @@ class _Overlap:
         self.held: Optional[Program] = None
         self.modes = {name: m.training for name, m in pipe._owner.named_modules()}  # as the loop found them
         self.records: list[Record] = []  # what ran, for pipe.timeline()
+        # The caller's generator before and after reading each batch (its iterable and its step's
+        # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
+        self.generator: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _fix_slices(self, per_row: int) -> None:
         self.slices = per_row
@@ -116,8 +119,11 @@ class _Overlap:
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
                     self._refuse_changes(f"between two losses (after batch {index - 2}'s)", slots=False)
                 with drawing_between_compiles():  # the caller's iterable and the step's seed may draw
+                    before = torch.get_rng_state()
                     batch = next(batches, None)
                     started = None if batch is None else self._made(batch)
+                if started is not None:
+                    self.generator[index] = (before, torch.get_rng_state())
             except BaseException as error:  # noqa: BLE001 - raised here, after the other ranks hear of it
                 if self.ranks is None:
                     raise
@@ -277,6 +283,7 @@ class _Overlap:
         elif failure is not None:
             raise failure
         del self.steps[index]
+        self.generator.pop(index, None)
         self.finished = index + 1
         return total
 
@@ -385,6 +392,16 @@ class _Overlap:
         for flight in self.steps.values():
             flight.step.cancel()
 
+    def _unread_dropped(self) -> None:
+        """The caller's generator as if the batches whose losses were not given had not been read
+        (the synchronous loop stopped there reads none of them), where nothing drew since the last
+        read (a loss_fn or the caller's code that draws leaves it where it is: draws cannot be
+        taken out of the middle of a stream)."""
+        dropped = [index for index in self.generator if index >= self.finished]
+        if dropped and torch.equal(torch.get_rng_state(), self.generator[max(dropped)][1]):
+            torch.set_rng_state(self.generator[min(dropped)][0])
+        self.generator.clear()
+
     def stop(self, after_step: Hook) -> None:
         """After a failure, or the caller's break: what is in flight stopped and waited for, and
         the update of the last batch whose loss was given completed on every stage."""
@@ -395,6 +412,7 @@ class _Overlap:
         for group in [*(f.group for f in self.steps.values()), *self.updates.values()]:
             _wait(group)
         self.steps.clear()
+        self._unread_dropped()
         pending = self.finished - 1
         if pending < 0 or pending not in self.updates:
             return

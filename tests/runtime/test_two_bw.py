@@ -1,6 +1,7 @@
 """schedule='2bw' in `train_steps`: overlapping steps, each batch on the weights of the batch before last, against a plain loop."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import re
@@ -357,8 +358,9 @@ def test_a_failure_leaves_the_updates_of_the_losses_given_and_says_so(where: str
 
 
 def test_a_batch_refused_leaves_the_generator_as_the_loop_before_it_left_it() -> None:
-    """A batch too small for chunks is refused after its step drew its seed: the generator is
-    then where a loop over the batches before it leaves it."""
+    """A batch too small for chunks is refused after its step drew its seed, and the batch read
+    before it (whose loss was not given yet) is dropped: the generator is then where a loop over
+    the batches whose losses were given leaves it."""
     gpt = example_module("gpt")
     model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()
     batches = [gpt.make_batch(4, seed=k) for k in range(2)]
@@ -366,12 +368,47 @@ def test_a_batch_refused_leaves_the_generator_as_the_loop_before_it_left_it() ->
     pipe = _pipe(model, batches[0][0], 2, chunks=4)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.0)  # the same weights for both loops
     torch.manual_seed(5)
-    list(pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt))
+    list(pipe.train_steps(batches[:1], loss_fn=gpt.loss_fn, optimizer=opt))
     expected = torch.get_rng_state()
     torch.manual_seed(5)
+    given = []
     with pytest.raises(ValueError, match="splits into 2 micro-batches"):
-        list(pipe.train_steps([*batches, small], loss_fn=gpt.loss_fn, optimizer=opt))
+        given += pipe.train_steps([*batches, small], loss_fn=gpt.loss_fn, optimizer=opt)
+    assert len(given) == 1
     assert torch.equal(torch.get_rng_state(), expected)
+
+
+@pytest.mark.parametrize("how", ["break", "the batches raise"])
+def test_a_loop_stopped_early_leaves_the_generator_as_a_loop_over_the_batches_given(how: str) -> None:
+    """The batch after the last loss given was read (its step drew its seed) before the stop.
+    Before, the generator stayed one batch's seed ahead, and a resumed loop drew other masks
+    than a loop never stopped."""
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16, dropout=0.2).double()
+    batches = [gpt.make_batch(4, seed=k) for k in range(5)]
+    pipe = _pipe(model, batches[0][0], 2, chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.0)  # the same weights for every loop
+
+    def source() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        yield from batches[:3]
+        raise OSError("the file went away")
+
+    torch.manual_seed(5)
+    whole = [float(loss) for loss in pipe.train_steps(batches, loss_fn=gpt.loss_fn, optimizer=opt)]
+    torch.manual_seed(5)
+    list(pipe.train_steps(batches[:2], loss_fn=gpt.loss_fn, optimizer=opt))
+    expected = torch.get_rng_state()
+    torch.manual_seed(5)
+    given = []
+    with pytest.raises(OSError) if how != "break" else contextlib.nullcontext():
+        for loss in pipe.train_steps(batches if how == "break" else source(), loss_fn=gpt.loss_fn, optimizer=opt):
+            given.append(float(loss))
+            if how == "break" and len(given) == 2:
+                break
+    assert len(given) == 2
+    assert torch.equal(torch.get_rng_state(), expected)
+    resumed = given + [float(loss) for loss in pipe.train_steps(batches[2:], loss_fn=gpt.loss_fn, optimizer=opt)]
+    assert resumed == whole
 
 
 def test_what_2bw_cannot_run_is_refused() -> None:
