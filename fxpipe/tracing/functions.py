@@ -20,6 +20,7 @@ _Function = torch.autograd.function.Function
 _original_apply = _Function.__dict__["apply"].__func__
 _appliers: dict[type, Callable[..., Any]] = {}
 _patch_lock = threading.Lock()
+_CUSTOM_OPS = "torch._library.autograd"  # where torch.library makes a custom op's autograd Function
 
 
 def applier(function: type) -> Callable[..., Any]:
@@ -66,13 +67,15 @@ def functions_as_calls() -> Iterator[None]:
 @contextmanager
 def functions_applied(seen: list[type]) -> Iterator[None]:
     """While this is open, every Function applied to a tensor that requires grad is listed in
-    `seen` (torch.export runs the model with its own tensors and inlines the forward)."""
+    `seen` (torch.export runs the model with its own tensors and inlines the forward); but not
+    the one torch.library makes for a custom op's registered backward, whose op torch.export
+    keeps as one node of the graph (its backward runs)."""
 
     tracing = threading.get_ident()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         differentiable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
-        if differentiable and threading.get_ident() == tracing:  # not another pipeline's workers
+        if differentiable and threading.get_ident() == tracing and cls.__module__ != _CUSTOM_OPS:  # not another pipeline's workers
             seen.append(cls)
         return _original_apply(cls, *args, **kwargs)
 

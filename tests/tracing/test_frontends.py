@@ -99,6 +99,53 @@ def test_a_graph_that_fails_its_check_prints_nothing(capfd: pytest.CaptureFixtur
     assert capfd.readouterr().err == ""
 
 
+@torch.library.custom_op("fxpipe_tests::scaled_mm", mutates_args=())
+def _scaled_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x @ w) * 2
+
+
+@_scaled_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _scaled_mm_setup(ctx: Any, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _scaled_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = ctx.saved_tensors
+    return grad @ w.T * 2, x.T @ grad * 2
+
+
+_scaled_mm.register_autograd(_scaled_mm_backward, setup_context=_scaled_mm_setup)
+
+
+class CustomOp(nn.Module):
+    """Calls a torch.library custom op with a backward of its own (as Hugging Face's MoE experts
+    do); `**kwargs` makes torch.fx give up and torch.export capture it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.b(_scaled_mm(torch.tanh(self.a(x)), self.w))
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_custom_op_with_its_own_backward_through_torch_export(mode: str) -> None:
+    """Before, torch.library's autograd Function for the op was taken for one torch.export would
+    inline, and the model was refused ("would lose its backward"): export keeps the op whole."""
+    torch.manual_seed(0)
+    model, reference = twin(CustomOp())
+    x = torch.randn(8, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="used torch.export"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint=mode)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 def test_exported_ties_stay_tied() -> None:
     model = ShapeBranch()
     with warnings.catch_warnings():
