@@ -29,6 +29,7 @@ from fxpipe.compiler.sequence import (
 from fxpipe.compiler.traced import Traced
 from fxpipe.core.attrs import buffer_names, tensors_read
 from fxpipe.core.collector import collector_paused
+from fxpipe.core.hooks import hooks_put_back_on_failure
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
@@ -73,7 +74,7 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
-            with collector_paused(), preserved(model), inputs_preserved(example), put_back_on_failure(model):
+            with collector_paused(), preserved(model), inputs_preserved(example), put_back_on_failure(model), hooks_put_back_on_failure(model):
                 pipe = compile(*args, **kwargs)
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):

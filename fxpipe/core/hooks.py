@@ -1,6 +1,7 @@
 """A module's four hook tables (or the global ones), by kind: the one place that names them."""
 
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -20,3 +21,23 @@ def hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
 def hooked(module: Optional[nn.Module]) -> bool:
     """Whether any hook is registered on the module (or globally, for None)."""
     return any(hook_tables(module))
+
+
+@contextmanager
+def hooks_put_back_on_failure(model: nn.Module) -> Iterator[None]:
+    """Run the body; if it raises, every module's hook tables hold what they held before, and
+    the attributes the body added to a module are gone: a refused compile whose runs of the model
+    made a library register hooks (and mark the module as hooked) leaves none behind. A body that
+    succeeds keeps them, as one call of the plain model would."""
+    before = [(module, [dict(table) for table in hook_tables(module)], set(vars(module))) for module in model.modules()]
+    try:
+        yield
+    except BaseException:
+        for module, tables, names in before:
+            for table, held in zip(hook_tables(module), tables):
+                if table != held:
+                    table.clear()
+                    table.update(held)
+            for name in set(vars(module)) - names:
+                del vars(module)[name]
+        raise

@@ -146,6 +146,31 @@ def test_a_custom_op_with_its_own_backward_through_torch_export(mode: str) -> No
     assert_call_and_grads_equal(pipe, reference, x)
 
 
+class HooksItselfOnFirstCall(nn.Module):
+    """Registers a forward hook on a submodule on its first call, and marks itself so (as Hugging
+    Face's output capturing does); `**kwargs` leaves it to torch.export, which refuses the hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if not getattr(self, "_hooked", False):
+            self.a.register_forward_hook(lambda module, args, out: out * 2)
+            self._hooked = True
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_refused_compile_leaves_no_hook_its_runs_of_the_model_registered() -> None:
+    """Before, the hook the compile's first run of the model registered stayed on the model, with
+    its mark: a pipeline compiled from the model before then refused every call (hooks added since
+    compiling), and the refused kind of call left them so for good."""
+    model = HooksItselfOnFirstCall()
+    with pytest.raises(TraceError, match="hooks"):
+        compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2)
+    assert not model.a._forward_hooks and "_hooked" not in vars(model)
+
+
 def test_exported_ties_stay_tied() -> None:
     model = ShapeBranch()
     with warnings.catch_warnings():
