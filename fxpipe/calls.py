@@ -168,7 +168,7 @@ class PipelineCalls(nn.Module):
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
-        targets = split_target(target, call.sizes, call.batch, batch_dim_of(list(call.values.values()), call.dims))
+        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, batch_dim_of(list(call.values.values()), call.dims))
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         call = sliced_call(call, slicing or self._compiled.slicing)
         counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" and call.slices is None else None

@@ -439,7 +439,8 @@ class _OutputsAlone(LeafGrads):
         super().note(loss, own)
         if self.before:
             names = {id(p): f"the model's parameter {n}" for n, p in self.owner.named_parameters(remove_duplicate=False)}
-            names.update((key, "the target (which requires grad: pass target.detach())") for key in self.target)
+            targets = [*self.target, *(id(made) for _, made in self.through)]  # (one computed with grad is a leaf of its own)
+            names.update((key, "the target (which requires grad: pass target.detach())") for key in targets)
             read = [names.get(key, f"a tensor of shape {tuple(leaf.shape)}") for key, (leaf, _) in self.before.items()]
             raise ValueError(
                 f"train_steps (schedule='2bw'): loss_fn reads tensors that require grad besides the model's outputs: "

@@ -289,6 +289,7 @@ class Pipeline(PipelineCalls):
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
         if call.grad:
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
+            kept.backward_targets()
         return (total, outputs) if return_outputs else total
 
     def train_steps(

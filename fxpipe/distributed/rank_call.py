@@ -132,6 +132,7 @@ def _train_across(
             raise ValueError(problem)
         if call.grad:
             accumulate(call, [], grads)
+            kept.backward_targets()
         return (total, outputs) if return_outputs else total
     present = [g is not None for g in grads]
     try:
@@ -144,6 +145,7 @@ def _train_across(
         raise ValueError(problem)
     if call.grad:
         pipe.replicas.accumulate(pipe.held_here(call.program), call.params, grads, scale)
+        kept.backward_targets()
     return (total, outputs) if return_outputs else total
 
 

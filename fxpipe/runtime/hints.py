@@ -27,6 +27,14 @@ _HINTS = [
         "fix: fewer chunks, or a larger batch, so that each micro-batch holds more than one sample (or more "
         "than one value per channel).",
     ),
+    (
+        ("Trying to backward through the graph a second time",),
+        "A train step runs each micro-batch's loss backward on its own: a tensor that loss_fn reads, computed "
+        "with gradients outside it (a temperature log_t.exp(), say), has one graph, which the first micro-batch's "
+        "backward frees.\nHow to fix: compute that tensor inside loss_fn, from its leaves (lambda out, t: "
+        "F.mse_loss(out * log_t.exp(), t)), or pass it detached if it is not to learn. (A target computed with "
+        "gradients is handled: its gradient goes through its graph once, after the step.)",
+    ),
 ]
 
 

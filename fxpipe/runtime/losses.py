@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only
 
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
 from fxpipe.runtime.gather import ValueRef
@@ -173,6 +173,29 @@ class LeafGrads:
     def __init__(self) -> None:
         self.before: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
         self.undo: list[weakref.WeakMethod[Callable[[], None]]] = []  # what else the step puts back (its buffer writes)
+        self.through: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a target computed with grad, its leaf)
+
+    def leaf_target(self, target: Any) -> Any:
+        """`target` with each tensor computed with gradients (a jointly trained teacher's output)
+        made a leaf of its own: every micro-batch's backward reaches its piece of the leaf, and
+        `backward_targets` takes the sum through the target's graph once, after the step, as the
+        plain model's one backward does (each micro-batch's would free that graph for the next)."""
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad or t.grad_fn is None:
+                return t
+            made = t.detach().requires_grad_()
+            self.through.append((t, made))
+            return made
+
+        return tree_map_only(torch.Tensor, leaf, target)
+
+    def backward_targets(self) -> None:
+        """The gradients the step's losses gave the targets' leaves, on through the targets' graphs."""
+        pairs = [(t, made.grad) for t, made in self.through if made.grad is not None]
+        self.through = []
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [grad for _, grad in pairs])
 
     def note(self, loss: torch.Tensor, own: Iterable[Any]) -> None:
         """Before `loss`'s backward: the leaves it reaches, less `own` (the outputs: fresh leaves,
@@ -246,11 +269,17 @@ def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
             torch.cuda.set_rng_state(cuda_before, device)
 
 
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    """A copy of an output that a loss_fn may differentiate (autograd.grad(loss, out), a hook on
+    out), as it may the micro-batches' outputs, with no graph behind it."""
+    return t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+
+
 def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
     """The micro-batches' losses, combined, must be the loss of the whole batch. The check draws
     nothing from the caller's generators; a loss that draws (label noise) cannot be checked."""
-    with torch.no_grad(), _generators_kept(total.device) as drew:
-        whole = loss_fn(outputs, target)
+    with torch.enable_grad(), _generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
+        whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
     if drew():
         warnings.warn(
             "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "

@@ -108,6 +108,68 @@ def test_a_sum_reduced_loss_is_summed_over_micro_batches() -> None:
     assert_grads_equal(pipe, reference)
 
 
+def _penalised(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A sum over samples plus a penalty on its gradient with respect to the outputs."""
+    loss = F.mse_loss(torch.tanh(out), target, reduction="sum")
+    (grad,) = torch.autograd.grad(loss, out, create_graph=True)
+    return loss + grad.pow(2).sum()
+
+
+def _hooked(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    out.register_hook(lambda g: g.clamp(-0.05, 0.05))
+    out.retain_grad()
+    return F.mse_loss(out, target, reduction="sum")
+
+
+@pytest.mark.parametrize("loss_fn", [_penalised, _hooked], ids=["autograd.grad", "hook"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_loss_fn_that_differentiates_its_outputs(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], schedule: str) -> None:
+    """Before, with more than one micro-batch, the check that the losses combine ran loss_fn on
+    outputs without grad, and torch's own error came out of train_step ("element 0 of tensors
+    does not require grad", "cannot register a hook")."""
+    torch.manual_seed(0)
+    model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule=schedule)
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn, reduction="sum")
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_target_computed_with_gradients_gives_its_graph_the_plain_models_gradient(schedule: str) -> None:
+    """A jointly trained teacher's output as the target. Before, the second micro-batch's backward
+    went through the target's graph, which the first had freed (torch's "backward through the
+    graph a second time", in a StageError)."""
+    torch.manual_seed(0)
+    model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)))
+    teacher, plain_teacher = twin(nn.Linear(8, 8))
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule=schedule)
+    loss = pipe.train_step(x, target=torch.tanh(teacher(x)), loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), torch.tanh(plain_teacher(x)))
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    assert_grads_equal(teacher, plain_teacher, tol=1e-12)
+
+
+def test_a_tensor_computed_with_gradients_outside_loss_fn_is_named_with_its_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+    log_t = nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+    temperature = log_t.exp()
+    with pytest.raises(StageError, match=r"compute that tensor inside loss_fn"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out * temperature, t))
+    assert log_t.grad is None and all(p.grad is None for p in model.parameters())
+    pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out * log_t.exp(), t))  # the fix
+    assert log_t.grad is not None
+
+
 def test_a_mean_over_a_varying_count_of_tokens_is_refused_with_a_fix_that_works() -> None:
     """The refusal's fix, a sum over the whole batch's count with reduction='sum', gives the plain
     model's loss and gradients; across processes, where pipe(x) runs forward only, it is the one

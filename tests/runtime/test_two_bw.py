@@ -717,10 +717,11 @@ def test_a_loop_begun_while_another_thread_s_train_step_runs_waits_for_it() -> N
     torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(plain(x), y).detach() for x, y in batches]), rtol=0, atol=1e-12)
 
 
-def test_a_target_that_requires_grad_is_refused_naming_the_target() -> None:
+@pytest.mark.parametrize("made", [False, True], ids=["leaf", "computed with grad"])
+def test_a_target_that_requires_grad_is_refused_naming_the_target(made: bool) -> None:
     """Before, it was named "a tensor of shape (8, 6)", with no word of the target."""
     model, plain = twin(FanOut())
-    batches = [(x, y.requires_grad_()) for x, y in _batches(3)]
+    batches = [(x, y.requires_grad_() * 1.0 if made else y.requires_grad_()) for x, y in _batches(3)]
     pipe = _pipe(model, batches[0][0], 2)
     with pytest.raises(Exception, match=r"loss_fn reads tensors that require grad besides the model's outputs: the target \(which requires grad: pass target.detach\(\)\)"):
         list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
