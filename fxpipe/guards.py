@@ -142,6 +142,20 @@ def refuse_capture() -> None:
         raise RuntimeError(NOT_CAPTURED)
 
 
+def refuse_outer_checkpoint() -> None:
+    """A call inside torch.utils.checkpoint(..., use_reentrant=False): its saved-tensor hooks
+    would recompute the pipeline from a stage's backward (a call from inside its own stages)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint":
+        raise RuntimeError(
+            "the pipeline is called inside torch.utils.checkpoint(..., use_reentrant=False), whose recompute in "
+            "backward would run the pipeline again from inside its own stages' backward.\nHow to fix: let the "
+            "pipeline checkpoint its stages itself (compile_pipeline(..., checkpoint='always'), which recomputes each "
+            "micro-batch's forward in its backward), keep the pipeline out of the checkpointed function, or use "
+            "torch.utils.checkpoint(..., use_reentrant=True), which runs the pipeline again as a call of its own."
+        )
+
+
 def warn_compiled_whole() -> None:
     """A call traced by torch.compile (`torch.compile(pipe)`) of a pipeline whose stages are eager:
     it runs them as they are."""

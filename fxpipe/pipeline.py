@@ -24,7 +24,7 @@ from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
+from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import differentiable, sliced_call
@@ -165,6 +165,7 @@ class Pipeline(PipelineCalls):
     def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], under_compile: bool) -> Any:
         if under_compile and not self.compile_stats():
             warn_compiled_whole()
+        refuse_outer_checkpoint()
         refuse_parametrization_cache()
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
@@ -264,6 +265,7 @@ class Pipeline(PipelineCalls):
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
         refuse_capture()
+        refuse_outer_checkpoint()
         refuse_parametrization_cache()
         refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")

@@ -640,3 +640,28 @@ def test_a_sparse_input_runs_whole_and_is_refused_split_saying_so(layout: str) -
     out.square().sum().backward()
     expected.square().sum().backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("where", ["the pipeline", "a block around it"])
+def test_a_pipeline_inside_a_non_reentrant_checkpoint_is_refused_and_a_reentrant_one_is_exact(where: str) -> None:
+    """Before, torch's non-reentrant checkpoint handed its saved-tensor hooks to the stages: its
+    recompute then called the pipeline from a stage's backward (refused as a call from a hook on
+    a module it runs), or torch raised its own CheckpointError, naming no pipeline."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+
+    def block(net: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        return net if where == "the pipeline" else lambda t: torch.tanh(net(t)) * 2
+
+    with pytest.raises(RuntimeError, match=r"inside torch.utils.checkpoint\(\.\.\., use_reentrant=False\).*\nHow to fix: let the pipeline checkpoint its stages itself"):
+        torch.utils.checkpoint.checkpoint(block(pipe), x, use_reentrant=False)
+    out = torch.utils.checkpoint.checkpoint(block(pipe), x, use_reentrant=True)
+    out.square().sum().backward()
+    plain_x = x.detach().clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(block(plain), plain_x, use_reentrant=True).square().sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, plain_x.grad, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain, 1e-12)
