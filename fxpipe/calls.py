@@ -184,7 +184,8 @@ class PipelineCalls(nn.Module):
                 f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, "
                 "and cannot check that it is one: a mean over a count that varies between micro-batches "
                 "(tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use chunks=1 "
-                "for such a loss.",
+                "for such a loss; pass reduction='sum' for a loss summed over samples, or divided by a count "
+                "given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives).",
                 stacklevel=2,
             )
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
