@@ -22,6 +22,7 @@ from fxpipe.runtime.batch_loss import micro_batch_losses, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
+from fxpipe.runtime.gather import output_batch_dims
 from fxpipe.runtime.losses import LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
@@ -168,7 +169,8 @@ class PipelineCalls(nn.Module):
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
-        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, batch_dim_of(list(call.values.values()), call.dims))
+        along = batch_dim_of(list(call.values.values()), call.dims)
+        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template))
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         call = sliced_call(call, slicing or self._compiled.slicing)
         counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" and call.slices is None else None

@@ -27,6 +27,12 @@ class ValueRef:
         return self.dims[leaf] if self.dims is not None and leaf < len(self.dims) else None
 
 
+def output_batch_dims(template: Any) -> frozenset[int]:
+    """The dims the outputs of a program hold their batch in, as compiling found them."""
+    refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
+    return frozenset(d for ref in refs for d in ref.dims or () if isinstance(d, int) and not isinstance(d, bool))
+
+
 class DataclassOutput(dict):  # type: ignore[type-arg]
     """In an output's structure, a dataclass the model returns that pytree does not know (its own
     output type): its fields by name, a pytree node of fxpipe's own (the model's type is never

@@ -16,13 +16,16 @@ from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
 
 
-def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int = 0) -> list[Any]:
+def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset()) -> list[Any]:
     """The target's piece for each micro-batch: split like the inputs, along their batch dim
-    `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size."""
+    `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size; where both
+    are, along the one the outputs hold their batch in (`outputs`: their batch dims), if one of
+    them (a batch-first target of a sequence-first model whose classes are as many as the samples)."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
     leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
-    along = {id(t): next((d for d in dict.fromkeys((dim, 0)) if t.dim() > d and t.shape[d] == batch), None) for t in leaves}
+    order = (0, dim) if dim and 0 in outputs and dim not in outputs else (dim, 0)
+    along = {id(t): next((d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch), None) for t in leaves}
     if any(d is None for d in along.values()):
         shapes = [tuple(t.shape) for t in leaves]
         where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"

@@ -1170,6 +1170,28 @@ def test_a_target_is_split_along_the_inputs_batch_dim(length: int) -> None:
     assert_grads_equal(pipe, plain, tol=1e-12)
 
 
+class Pooled(SeqFirst):
+    """Takes (time, batch, features) to (batch, classes): the sequence pooled, the output batch first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).mean(0)
+
+
+def test_a_batch_first_target_of_a_sequence_first_model_is_split_along_the_outputs_batch_dim() -> None:
+    """Before, a target of (batch, classes), its classes as many as the samples, was split along
+    dim 1 (the inputs' batch dim): across its classes, refused as 'not a mean over samples'
+    (advising reduction='sum') or failing in the loss."""
+    model, plain = twin(Pooled(6, 8))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, 8, 6, dtype=torch.float64, generator=g), torch.randn(8, 8, dtype=torch.float64, generator=g)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1})
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain, tol=1e-12)
+
+
 def test_a_batch_too_small_for_interleaved_says_how_to_fix_it() -> None:
     """Before, the refusal advised chunks=2 (refused again for a batch of one) or schedule='1f1b'
     (refused with stages_per_device=2)."""
