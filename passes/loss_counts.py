@@ -72,6 +72,9 @@ def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optio
             key = path[0] if len(path) == 1 else None
             if isinstance(key, MappingKey) and key.key == "loss" or isinstance(key, GetAttrKey) and key.name == "loss":
                 name = name_of(leaf)
+    if name is None and type(template) in (tuple, list) and template:  # (loss, logits): the first, if 0-dim
+        first = next((n for n in gm.graph.nodes if n.name == name_of(template[0])), None)
+        return first if first is not None and first.meta.get("shape") == () else None
     return next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else None
 
 

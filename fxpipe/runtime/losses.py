@@ -80,16 +80,19 @@ def loss_of(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: An
 
 
 def own_loss(output: Any) -> Any:
-    """The loss a model returns itself: the output, its `loss` field or key."""
+    """The loss a model returns itself: the output, its `loss` field or key, or the first of a
+    tuple or list that is a 0-dim tensor (`(loss, logits)`, Hugging Face's return_dict=False)."""
     if isinstance(output, torch.Tensor):
         loss = output if output.dim() == 0 else None
+    elif type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
+        loss = output[0]
     else:
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
     if loss is None:
         raise ValueError(
-            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, or an output "
-            f"with a `loss` field), and this one returns {describe(output)}.\nHow to fix: pass "
-            "loss_fn=..., and target=... if it takes one."
+            f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, an output "
+            f"with a `loss` field, or a tuple that begins with it), and this one returns {describe(output)}.\n"
+            "How to fix: pass loss_fn=..., and target=... if it takes one."
         )
     return loss
 

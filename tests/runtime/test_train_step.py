@@ -1028,6 +1028,32 @@ def test_a_model_s_own_mean_over_the_targets_it_counts_is_the_plain_model_s_with
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+class PaddedLMTuple(PaddedLM):
+    """PaddedLM returning `(loss, logits)`, as a Hugging Face model with return_dict=False."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        out = super().forward(ids, labels)
+        return out["loss"], out["logits"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_model_returning_its_loss_first_in_a_tuple_trains_without_loss_fn(schedule: str) -> None:
+    """Before, train_step without loss_fn refused a tuple (pass loss_fn), and with a loss_fn that
+    picks its first element refused that as made from the whole batch (call it without loss_fn)."""
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLMTuple())
+    ids, labels = padded_labels(1)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=4, schedule=schedule)
+    assert pipe.program().loss_counter is not None  # its mean over the positions that count, weighted by them
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.train_step(ids, labels)
+    expected = reference(ids, labels)[0]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 def test_a_2bw_loop_on_the_model_s_own_mean_is_the_delayed_plain_loop() -> None:
     from dag_models import delayed_loop
 
