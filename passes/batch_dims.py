@@ -138,7 +138,7 @@ def _compared(
     """What is wrong with each returned value of the halves' runs (`each`) against the whole's,
     and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`).
     `real`: the runs computed values (not on the meta device), even where not `compare`d."""
-    sources = output_sources(gm, gradients=False)
+    sources = output_sources(gm, gradients=False, every=True)
     apart = _apart_in_each_micro_batch(gm)
     problems, bad = [], set()
     for node in returned:
@@ -147,8 +147,9 @@ def _compared(
             continue  # another structure per half: the pipeline will say so
         # A value read from state the forward writes (a running mean), or drawn, differs between
         # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
-        from_batch = bool(sources[node.name].inputs & split) or node in apart
-        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch, real) for k, w in enumerate(_leaves(whole[node]))]
+        made = _fields(node, len(leaves[0])) or [node] * len(leaves[0])
+        from_batch = [bool(sources[m.name].inputs & split) or m in apart for m in made]
+        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch[k], real) for k, w in enumerate(_leaves(whole[node]))]
         if annotate:
             node.meta["batch_dims"] = [dim for dim, _ in found]
         for (_, why), path in zip(found, _paths(whole[node])):
@@ -156,6 +157,17 @@ def _compared(
                 problems.append(f"{node.name}{path}{mode}: {why}")
                 bad.add(node)
     return problems, bad
+
+
+def _fields(node: fx.Node, leaves: int) -> Optional[list[fx.Node]]:
+    """For a namedtuple made by one node of its fields (torch.fx records `Out(logits, reg)` so),
+    the node each leaf is; None for any other node (a tuple or dict returned is its values)."""
+    target = node.target
+    if node.op != "call_function" or not (isinstance(target, type) and issubclass(target, tuple) and hasattr(target, "_fields")):
+        return None
+    given = [*node.args, *(node.kwargs[name] for name in target._fields[len(node.args) :] if name in node.kwargs)]
+    fields = [f for f in given if isinstance(f, fx.Node)]
+    return fields if len(fields) == len(given) == leaves else None
 
 
 @contextmanager

@@ -50,9 +50,10 @@ def _own(gm: fx.GraphModule, node: fx.Node) -> Sources:
     return Sources()
 
 
-def output_sources(gm: fx.GraphModule, gradients: bool = True) -> dict[str, Sources]:
-    """For every value the output node reads, by node name, what it is computed from: what its
-    gradient reaches, or, without `gradients`, what its values depend on (through cuts too)."""
+def output_sources(gm: fx.GraphModule, gradients: bool = True, every: bool = False) -> dict[str, Sources]:
+    """For every value the output node reads (`every`: every node), by node name, what it is
+    computed from: what its gradient reaches, or, without `gradients`, what its values depend on
+    (through cuts too)."""
     sources: dict[fx.Node, Sources] = {}
     for node in gm.graph.nodes:
         if node.op != "output" and (node.meta.get("dtype") == () or (gradients and _cuts_gradient(node))):
@@ -66,6 +67,8 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True) -> dict[str, Sour
             own.inputs |= parent.inputs
             own.params |= parent.params
         sources[node] = own
+    if every:
+        return {node.name: found for node, found in sources.items()}
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return {node.name: sources[node] for node in output.all_input_nodes}
 

@@ -234,3 +234,39 @@ def test_an_output_that_is_a_view_of_another_stays_one_through_writes_in_place(h
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, plain, tol=1e-12)
     pipe.close()
+
+
+Regularised = NamedTuple("Regularised", [("logits", torch.Tensor), ("reg", torch.Tensor)])
+
+
+class NamedWithAPenalty(nn.Module):
+    """Returns a namedtuple whose second field is made from parameters alone (an L2 term)."""
+
+    def __init__(self, by_keyword: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.by_keyword = by_keyword
+
+    def forward(self, x: torch.Tensor) -> Regularised:
+        logits, reg = self.b(torch.tanh(self.a(x))), self.a.weight.pow(2).sum()
+        return Regularised(reg=reg, logits=logits) if self.by_keyword else Regularised(logits, reg)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_a_namedtuple_field_made_from_parameters_alone_is_returned_once(by_keyword: bool) -> None:
+    """Before, torch.fx's one node for the namedtuple made its parameter field depend on the batch
+    as its other field does: refused as "made from the whole batch", where a tuple ran."""
+    torch.manual_seed(0)
+    model = NamedWithAPenalty(by_keyword).double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule="1f1b")
+    out, expected = pipe(x), reference(x)
+    assert type(out) is Regularised
+    torch.testing.assert_close(tuple(out), tuple(expected), rtol=0, atol=1e-12)
+    loss_fn = lambda o, t: F.mse_loss(o.logits, t) + 1e-3 * o.reg  # noqa: E731
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected_loss = loss_fn(reference(x), y)
+    expected_loss.backward()
+    torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
