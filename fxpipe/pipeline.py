@@ -370,12 +370,17 @@ class Pipeline(PipelineCalls):
         return gate.shut() if gate else contextlib.nullcontext()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's state under the model's own keys; across processes, this rank's part."""
+        """The model's state dict (its keys, its extra state, hooks and overrides); across
+        processes, this rank's part."""
         self._refuse_while_steps_overlap("state_dict()")
-        state = super().state_dict(*args, **kwargs)
+        state = self._owner.state_dict(*args, **kwargs)
         for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
             del state[key]
         return state
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """The model's own loading of its top level: its load pre-hooks and extra state run."""
+        self._owner._load_from_state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """The model's state under its own keys; across processes, this rank takes its part of a

@@ -175,6 +175,53 @@ def test_state_dict_round_trip() -> None:
     torch.testing.assert_close(pipe(x), fresh(x), rtol=0, atol=0)
 
 
+class WithExtraState(nn.Module):
+    """Keeps a step count as extra state, and renames a legacy key when loading."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.steps = 0
+        self.register_load_state_dict_pre_hook(self._renamed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.steps = state["steps"]
+
+    @staticmethod
+    def _renamed(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if prefix + "first.weight" in state:
+            state[prefix + "a.weight"] = state.pop(prefix + "first.weight")
+
+
+def test_the_state_dict_is_the_models_with_its_extra_state_and_hooks() -> None:
+    """Before, the pipeline's state dict had no `_extra_state` (it would not load into the model,
+    nor the model's into it), and a load pre-hook of the model's never ran."""
+    model, x = WithExtraState(), torch.randn(4, 6)
+    model.steps = 3
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    state = pipe.state_dict()
+    assert list(state) == list(model.state_dict()) and state["_extra_state"] == {"steps": 3}
+    other = WithExtraState()
+    other.load_state_dict(state)
+    assert other.steps == 3
+    legacy = {("first.weight" if k == "a.weight" else k): v for k, v in WithExtraState().state_dict().items()}
+    legacy["_extra_state"] = {"steps": 7}
+    pipe.load_state_dict(legacy)
+    assert model.steps == 7
+    torch.testing.assert_close(model.a.weight, legacy["first.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=0)
+    wrapped = nn.Sequential(pipe)  # the pipeline inside a module of the caller's
+    assert wrapped.state_dict()["0._extra_state"] == {"steps": 7}
+    wrapped.load_state_dict({**{"0." + k: v for k, v in state.items()}})
+    assert model.steps == 3
+
+
 @pytest.mark.parametrize("batch,chunks", [(5, 8), (10, 4), (1, 3), (7, 7)])
 def test_uneven_and_small_batches(batch: int, chunks: int) -> None:
     model, reference = twin(FanOut())
