@@ -298,6 +298,7 @@ def cut_model(
         chunks=chunks,
         checkpointed=checkpointed,
         param_scale=param_scale,
+        names=[f"{n.name} ({n.target})" if n.op == "call_module" else n.name for n in order],
     )
 
 

@@ -38,6 +38,7 @@ class CutModel:
     chunks: int = 1
     checkpointed: int = 0  # how many micro-batches drop their activations
     param_scale: float = 1.0
+    names: Optional[list[str]] = None  # each position's node, for messages
     prefix_times: list[float] = field(init=False, repr=False)
     prefix_params: list[float] = field(init=False, repr=False)
     prefix_activations: list[float] = field(init=False, repr=False)

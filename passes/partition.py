@@ -284,7 +284,8 @@ def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str
     cap = min(caps) if caps else math.inf
     for position in range(len(model)):
         if model.memory(position, position + 1) > cap:
-            return [f"node {position} alone needs {model.memory(position, position + 1):.0f} bytes, more than {cap:.0f}"]
+            name = model.names[position] if model.names is not None else str(position)
+            return [f"node {name} alone needs {model.memory(position, position + 1):.0f} bytes, more than {cap:.0f} (the smallest stage's share of its device's memory)"]
     count, start = 0, 0
     while start < len(model):
         end = start + 1
@@ -292,7 +293,7 @@ def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str
             end += 1
         count, start = count + 1, end
     return [f"no cut into {stages} stages fits {cap:.0f} bytes per stage (the smallest stage's share of its device's "
-            f"memory); about {count} stages of that size would"]
+            f"memory); about {count} stages of that size would fit the model"]
 
 
 def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[float]], together: dict[str, tuple[int, int]]) -> list[int]:

@@ -505,6 +505,13 @@ def test_too_little_device_memory_says_how_many_would_fit(stages: int) -> None:
         compile_example("gpt", stages, balance="flops", device_memory=whole / stages / 2)
 
 
+def test_a_node_too_big_for_device_memory_is_named() -> None:
+    """Before, the refusal named it by its position in the order ("node 0 alone needs")."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+    with pytest.raises(PartitionError, match=r"node _0 \(0\) alone needs \d+ bytes, more than \d+ \(the smallest stage's share"):
+        compile_pipeline(model, torch.randn(4, 64), ["cpu", "cpu"], device_memory=20_000)
+
+
 def test_unknown_balance_mode_lists_the_modes() -> None:
     with pytest.raises(ValueError, match="'time', 'flops', 'params', 'memory'"):
         compile_example("gpt", 2, balance="bogus")
