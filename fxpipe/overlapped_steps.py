@@ -156,11 +156,13 @@ class _Overlap:
             self.spec = dataclasses.replace(self.spec, fixed_count=call.slices.per_row)
             self._fix_slices(call.slices.per_row)
         if len(call.sizes) != self.m:
+            per_row = call.slices.per_row if call.slices is not None else 1
             raise ValueError(
-                f"train_steps with schedule='2bw': batch {index} splits into {len(call.sizes)} micro-batches, not "
-                f"chunks={self.m}: every batch of the loop must split into chunks micro-batches, so have at least chunks "
-                "samples.\nHow to fix: drop the "
-                "last, smaller batch (DataLoader(drop_last=True))."
+                f"train_steps with schedule='2bw': batch {index} splits into {len(call.sizes) // per_row} micro-batches, not "
+                f"chunks={self.m // per_row}: every batch of the loop must split into chunks micro-batches, so have at least "
+                "chunks samples" + (f" (each cut into {per_row} slices of its sequence)" if per_row > 1 else "") + ".\nHow to fix: "
+                "drop the last, smaller batch (DataLoader(drop_last=True))"
+                + ("; a loop of batches smaller than chunks runs under a synchronous schedule (compile with schedule='1f1b')." if index == 0 else ".")
             )
         return _Started(index, call, step, target)
 

@@ -83,5 +83,7 @@ def refuse_too_few_micro_batches(layout: Layout, m: int) -> None:
         raise ValueError(
             f"schedule='2bw' needs at least as many micro-batches as the pipeline is deep ({layout.depth} stages on "
             f"its longest path), and chunks={m}: a stage would start batch t + 1 before its update of batch t - 1, on "
-            f"weights it no longer keeps.\nHow to fix: compile with chunks={layout.depth} or more."
+            f"weights it no longer keeps.\nHow to fix: compile with chunks={layout.depth} or more, and give each batch at "
+            f"least {layout.depth} samples (the slices of one sequence, with sequence_chunks, count as one: a batch of "
+            "one sequence runs under a synchronous schedule, pipe.train_step with schedule='1f1b')."
         )

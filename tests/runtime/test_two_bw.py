@@ -411,6 +411,21 @@ def test_a_loop_stopped_early_leaves_the_generator_as_a_loop_over_the_batches_gi
     assert resumed == whole
 
 
+def test_batches_of_one_sequence_in_slices_are_refused_with_a_fix_that_works() -> None:
+    """Before, chunks=1 was refused advising chunks=2, and chunks=2 refused each batch of one
+    sequence as 3 micro-batches, not 6, advising to drop a smaller last batch that was not there."""
+    gpt = example_module("gpt")
+    model = gpt.make_model(n_layer=2, n_embd=16).double()
+    x, y = gpt.make_batch(1, seed=0)
+    for chunks, refused in [
+        (1, r"give each batch at least 2 samples \(the slices of one sequence"),
+        (2, r"(?s)splits into 1 micro-batches, not chunks=2.*each cut into 3 slices.*schedule='1f1b'"),
+    ]:
+        pipe = _pipe(copy.deepcopy(model), x, 2, chunks=chunks, sequence_chunks=3)
+        with pytest.raises(ValueError, match=refused):
+            list(pipe.train_steps([(x, y)], loss_fn=gpt.loss_fn, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+
+
 def test_what_2bw_cannot_run_is_refused() -> None:
     model, _ = twin(FanOut())
     batches = _batches(3)
