@@ -352,7 +352,11 @@ class _Overlap:
         tensors = [*self.pipe._owner.named_parameters(remove_duplicate=False), *self.pipe._owner.named_buffers(remove_duplicate=False)]
         with self.versions.gate.shut():
             before = [t._version for _, t in tensors]
-            hook()
+            self.pipe.__dict__["_in_hook"] = True  # the model is whole: its state dict may be read
+            try:
+                hook()
+            finally:
+                self.pipe.__dict__["_in_hook"] = False
             written = list(dict.fromkeys(name for (name, t), version in zip(tensors, before) if t._version != version))
             self._refuse_changes(where, slots=True, written=written)
 

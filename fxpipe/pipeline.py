@@ -328,9 +328,10 @@ class Pipeline(PipelineCalls):
         if self.__dict__.get("_overlapping"):
             raise RuntimeError(
                 f"{what} during a train_steps loop with schedule='2bw': its stages run and update their weights "
-                "between the losses it gives, so no version of the model is whole until the loop ends.\nHow to "
-                "fix: call it after the loop; to stop early, break out of the loop (it completes the update of the "
-                "last batch whose loss it gave, and drops the rest), or close it (steps.close())."
+                "between the losses it gives, so no version of the model is whole until the loop ends, but in its "
+                "hooks.\nHow to fix: call it after the loop (or state_dict() in after_step, where the model is whole); "
+                "to stop early, break out of the loop (it completes the update of the last batch whose loss it gave, "
+                "and drops the rest), or close it (steps.close())."
             )
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -371,8 +372,9 @@ class Pipeline(PipelineCalls):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The model's state dict (its keys, its extra state, hooks and overrides); across
-        processes, this rank's part."""
-        self._refuse_while_steps_overlap("state_dict()")
+        processes, this rank's part. In a 2bw loop's hooks it is the version they see."""
+        if not self.__dict__.get("_in_hook"):
+            self._refuse_while_steps_overlap("state_dict()")
         state = self._owner.state_dict(*args, **kwargs)
         for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
             del state[key]

@@ -426,6 +426,24 @@ def test_batches_of_one_sequence_in_slices_are_refused_with_a_fix_that_works() -
             list(pipe.train_steps([(x, y)], loss_fn=gpt.loss_fn, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
 
 
+def test_the_state_dict_can_be_saved_in_after_step() -> None:
+    """The model is whole in the loop's hooks (no stage holds its slots). Before, pipe.state_dict()
+    there was refused as during the loop, and the fix advised stopping it."""
+    model, plain = twin(FanOut())
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    saved: list[dict[str, torch.Tensor]] = []
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=lambda: saved.append(copy.deepcopy(pipe.state_dict()))))
+    assert len(saved) == len(batches)
+    expected_model, _ = reference_2bw(plain, batches, OPTIMIZERS["sgd-momentum"])
+    for name, value in expected_model.state_dict().items():
+        torch.testing.assert_close(saved[-1][name], value, rtol=0, atol=1e-12, msg=name)
+    with pytest.raises(RuntimeError, match=r"state_dict\(\) in after_step, where the model is whole"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
+            pipe.state_dict()  # between two losses: the stages run
+
+
 def test_what_2bw_cannot_run_is_refused() -> None:
     model, _ = twin(FanOut())
     batches = _batches(3)
