@@ -23,7 +23,7 @@ from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
 from fxpipe.runtime.gather import output_batch_dims
-from fxpipe.runtime.losses import LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target
+from fxpipe.runtime.losses import LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target, with_own_loss_whole
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
 from fxpipe.runtime.versions import Versions
@@ -168,7 +168,8 @@ class PipelineCalls(nn.Module):
         call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=versions.still if versions is not None else contextlib.nullcontext)
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
-            refuse_outputs_of_the_whole_batch(call.program.template, len(call.sizes), asked=return_outputs)
+            template = call.program.template if loss_fn is not None else with_own_loss_whole(call.program.template)
+            refuse_outputs_of_the_whole_batch(template, len(call.sizes), asked=return_outputs)
         along = batch_dim_of(list(call.values.values()), call.dims)
         targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template))
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]

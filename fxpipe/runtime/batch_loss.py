@@ -8,7 +8,7 @@ import torch
 
 from fxpipe.core.microbatch import leaves_of
 from fxpipe.runtime.call import Call, given_values, rebuild
-from fxpipe.runtime.losses import LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss
+from fxpipe.runtime.losses import LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss, own_loss_ref, with_own_loss_whole
 from fxpipe.runtime.step import Step
 
 
@@ -24,8 +24,13 @@ def loss_and_outputs(
     # over the targets not ignored, whose count differs between micro-batches in some steps).
     check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
     if return_outputs or check:
-        check_gatherable(call.program.template, step.outputs[0], len(call.sizes), asked=return_outputs)
-        gathered = call.gather([step.outputs[i] for i in range(len(call.sizes))])
+        template, per_micro_batch = call.program.template, [step.outputs[i] for i in range(len(call.sizes))]
+        own = own_loss_ref(template) if loss_fn is None else None
+        if own is not None:  # the model's own loss, returned as the step combined it
+            template = with_own_loss_whole(template)
+            per_micro_batch = [{**values, own.name: total.detach()} for values in per_micro_batch]
+        check_gatherable(template, per_micro_batch[0], len(call.sizes), asked=return_outputs)
+        gathered = call.gather(per_micro_batch, template)
         outputs = gathered.rebuild(gathered.tensors)
         if check:
             assert loss_fn is not None

@@ -33,7 +33,7 @@ class Call:
     input_slots: list[InputSlot]
     params: list[nn.Parameter]
     grad: bool
-    gather: Callable[[list[dict[str, Any]]], Gathered]
+    gather: Callable[..., Gathered]  # (per-micro-batch outputs, template=the program's)
     slices: Optional[SliceGrid] = None  # the micro-batches are slices of a sequence, cut from these rows
 
     @property
@@ -72,8 +72,8 @@ def split_call(
     by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
     given = given_values(program, values)
 
-    def gather(per_micro_batch: list[dict[str, Any]]) -> Gathered:
-        return Gathered(program.template, per_micro_batch, given, sizes, not by_spec)
+    def gather(per_micro_batch: list[dict[str, Any]], template: Any = None) -> Gathered:
+        return Gathered(program.template if template is None else template, per_micro_batch, given, sizes, not by_spec)
 
     return Call(program, values, batch, dims, sizes, micro_batches, context, slots, params, grad, gather)
 

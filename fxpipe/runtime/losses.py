@@ -2,6 +2,7 @@
 gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 import weakref
@@ -95,6 +96,30 @@ def own_loss(output: Any) -> Any:
             "How to fix: pass loss_fn=..., and target=... if it takes one."
         )
     return loss
+
+
+def own_loss_ref(template: Any) -> Optional[ValueRef]:
+    """Where `own_loss` finds the model's own loss in the output's template: a value made from
+    the whole batch, which train_step combines from the micro-batches'; None where there is none."""
+    if isinstance(template, ValueRef):
+        found: Any = template
+    elif isinstance(template, dict):
+        found = template.get("loss")
+    elif type(template) in (tuple, list) and template:
+        found = template[0]
+    else:
+        found = getattr(template, "loss", None)
+    return found if isinstance(found, ValueRef) and not found.given and found.dims == (VARIES,) else None
+
+
+def with_own_loss_whole(template: Any) -> Any:
+    """The template with the model's own loss returned whole (the step's combined loss), not
+    put together from the micro-batches: for return_outputs=True without loss_fn."""
+    ref = own_loss_ref(template)
+    if ref is None:
+        return template
+    whole = dataclasses.replace(ref, dims=(SAME,))
+    return tree_map(lambda leaf: whole if leaf == ref else leaf, template)
 
 
 def output_leaves(template: Any, outputs: Optional[dict[str, Any]] = None) -> list[tuple[str, BatchDim, Any]]:

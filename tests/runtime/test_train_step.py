@@ -405,11 +405,20 @@ def test_a_model_that_returns_its_loss_needs_no_loss_function(schedule: str) -> 
     assert_grads_equal(pipe, reference)
 
 
-def test_outputs_of_a_model_that_returns_its_loss_cannot_be_gathered_and_say_so() -> None:
-    model = OwnLoss().double()
+class OwnLossAndSpread(OwnLoss):
+    """Returns its loss and a statistic over the batch, which no micro-batch's make."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.body(x)
+        return {"loss": F.mse_loss(out, y), "spread": out.var()}
+
+
+def test_an_output_besides_the_models_own_loss_made_from_the_whole_batch_cannot_be_gathered_and_says_so() -> None:
+    """The loss is returned as the step combined it; another value of the whole batch is named."""
+    model = OwnLossAndSpread().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, y), ["cpu"] * 2, chunks=4, schedule="1f1b")
-    with pytest.raises(ValueError, match=r"(?s)return_outputs=True puts the outputs .* together.*output\['loss'\], made from the whole batch.*No gradient was accumulated"):
+    with pytest.raises(ValueError, match=r"(?s)return_outputs=True puts the outputs .* together.*the model returns output\['spread'\], made from the whole batch.*No gradient was accumulated"):
         pipe.train_step(x, y, return_outputs=True)
     assert all(p.grad is None for p in pipe.parameters())
 
@@ -1051,6 +1060,25 @@ def test_a_model_returning_its_loss_first_in_a_tuple_trains_without_loss_fn(sche
     expected = reference(ids, labels)[0]
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("returned", ["dict", "tuple"])
+def test_return_outputs_with_the_models_own_loss_gives_the_combined_loss_in_its_place(returned: str) -> None:
+    """Before, return_outputs=True without loss_fn was refused: the loss field is made from the
+    whole batch, and the refusal advised the call being made."""
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLM() if returned == "dict" else PaddedLMTuple())
+    ids, labels = padded_labels(1)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=4, schedule="1f1b")
+    loss, out = pipe.train_step(ids, labels, return_outputs=True)
+    expected = reference(ids, labels)
+    own, logits = (out["loss"], out["logits"]) if returned == "dict" else out
+    plain_loss, plain_logits = (expected["loss"], expected["logits"]) if returned == "dict" else expected
+    plain_loss.backward()
+    torch.testing.assert_close(loss, plain_loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(own, loss, rtol=0, atol=0)
+    torch.testing.assert_close(logits, plain_logits.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
