@@ -10,8 +10,8 @@ view is made again from the gathered base, with `as_strided`:
     gathered:        B = cat(b_0, b_1, ...) on dim 0  A = B.as_strided(sizes summed on a's batch dim, stride, offset)
 
 which holds when each micro-batch's piece of a starts where its rows of b start (h[:, :2], h.t()
-and h.view(-1) do; h[:2] does not). Where it does not hold (a view across the batch dim, a transposed base),
-the outputs stay apart, as docs/limits.md says.
+and h.view(-1) do; h[:2] does not). Where it does not hold (a view across the batch dim, a
+transposed base), the outputs stay apart, as docs/limits.md says.
 """
 from __future__ import annotations
 
@@ -33,7 +33,12 @@ class Alias:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """Where its memory starts; a key of its own for a tensor with none to share (sparse, meta, empty)."""
+    try:
+        start = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        start = 0
+    return start if start else -id(t)
 
 
 def _within(view: torch.Tensor, base: torch.Tensor) -> Optional[int]:
