@@ -25,7 +25,7 @@ def loss_and_outputs(
     check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
     if return_outputs or check:
         template, per_micro_batch = call.program.template, [step.outputs[i] for i in range(len(call.sizes))]
-        own = own_loss_ref(template) if loss_fn is None else None
+        own = own_loss_ref(template) if loss_fn is None and call.slices is None else None
         if own is not None:  # the model's own loss, returned as the step combined it
             template = with_own_loss_whole(template)
             per_micro_batch = [{**values, own.name: total.detach()} for values in per_micro_batch]

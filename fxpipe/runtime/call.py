@@ -175,8 +175,8 @@ def sliced_call(call: Call, spec: Optional[SliceSpec]) -> Call:
         return call
     grid, gather = SliceGrid(call.micro_batches, spec), call.gather
 
-    def joined(per_slice: list[dict[str, Any]]) -> Gathered:
-        return grid.gathered(gather(grid.join(per_slice)))
+    def joined(per_slice: list[dict[str, Any]], template: Any = None) -> Gathered:
+        return grid.gathered(gather(grid.join(per_slice), template))
 
     sizes = [size for size in call.sizes for _ in grid.lengths]
     return dataclasses.replace(call, micro_batches=grid.micro_batches, sizes=sizes, gather=joined, slices=grid)
