@@ -246,7 +246,8 @@ def _refuse_opaque_values(cut: Cut) -> None:
             f"the model passes values that hold tensors pytree cannot see: {', '.join(found)}.\n"
             "A pipeline splits, sends and gathers values through torch.utils._pytree.\nHow to fix: "
             "register the type (torch.export.register_dataclass(T) for a dataclass, "
-            "torch.utils._pytree.register_pytree_node for another class), or return a tuple or dict."
+            "torch.utils._pytree.register_pytree_node for another class), or use a tuple or dict in its place (what "
+            "a submodule returns, or what the model takes as an argument)."
         )
 
 

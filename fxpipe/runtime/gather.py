@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils._pytree import MappingKey, register_pytree_node, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import MappingKey, keystr, register_pytree_node, tree_flatten, tree_flatten_with_path, tree_map, tree_unflatten
 
 from fxpipe.core.microbatch import BatchDim, flatten, gather_leaf, split_along, unflatten
 from fxpipe.runtime.aliases import output_aliases, realiased
@@ -25,6 +25,13 @@ class ValueRef:
 
     def dim(self, leaf: int) -> BatchDim:
         return self.dims[leaf] if self.dims is not None and leaf < len(self.dims) else None
+
+
+def _path_of(template: Any, ref: ValueRef, value: Any, leaf: int) -> str:
+    """Where leaf `leaf` of `ref`'s value is in the model's output (`['logits']`, `[1]`), for messages."""
+    outer = next((keystr(path) for path, found in tree_flatten_with_path(template)[0] if found == ref), "")
+    inner = tree_flatten_with_path(value)[0]
+    return outer + (keystr(inner[leaf][0]) if leaf < len(inner) else "")
 
 
 def output_batch_dims(template: Any) -> frozenset[int]:
@@ -98,7 +105,11 @@ class Gathered:
             leaves = []
             for k in range(len(flats[0][0])):
                 parts = [flat[0][k] for flat in flats]
-                leaf = gather_leaf(parts, sizes if checked else None, ref.dim(k))
+                try:
+                    leaf = gather_leaf(parts, sizes if checked else None, ref.dim(k))
+                except ValueError as error:
+                    error.add_note(f"(It is the model's output{_path_of(template, ref, per_micro_batch[0][ref.name], k)}.)")
+                    raise
                 if isinstance(leaf, torch.Tensor):
                     along = split_along(ref.dim(k))
                     self.tensors.append(leaf)

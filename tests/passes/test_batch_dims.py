@@ -3,6 +3,7 @@ together along the dim that holds the batch (passes/batch_dims.py)."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Callable
 
 import pytest
@@ -743,8 +744,10 @@ def test_an_exported_models_refusal_names_the_argument_not_the_graphs_placeholde
 def test_a_list_of_per_sample_values_is_refused_naming_it() -> None:
     model = AlsoReturns(lambda h, x: (h > 0).sum(-1).tolist()).double()  # type: ignore[arg-type,return-value]
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
-    with pytest.raises(ValueError, match=r"(?s)a value that is not a tensor and depends on the batch.*per-sample values \(\.tolist\(\)\).*How to fix"):
+    with pytest.raises(ValueError, match=r"(?s)a value that is not a tensor and depends on the batch.*per-sample values \(\.tolist\(\)\).*How to fix") as raised:
         pipe(X)
+    notes = getattr(raised.value, "__notes__", [])
+    assert any(re.fullmatch(r"\(It is the model's output\[1\]\[\d\]\.\)", note) for note in notes), notes  # the list, an entry that differs
 
 
 class Drawn(nn.Module):
