@@ -42,6 +42,31 @@ class Counts(nn.Module):
         return self.lin(x) * (self.count * 0.5 + 1)
 
 
+class BufferCounter(nn.Module):
+    """Counts its calls in a float64 buffer, and scales its input by the count."""
+
+    n: torch.Tensor  # a buffer, registered in __init__
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return x * self.n.clone()
+
+
+class CountingBlock(nn.Module):
+    """A Linear of `width`, then a BufferCounter: kept whole, it writes its child's buffer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.cnt = nn.Linear(width, width), BufferCounter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cnt(torch.tanh(self.lin(x)))
+
+
 class WithPositions(nn.Module):
     """`pos` holds one row per position, the same for every sample."""
 

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import FanOut, SeqFirst, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
+from helpers import CountingBlock, FanOut, SeqFirst, WithPositions, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import compile_pipeline, pipe_split
 
 MODES = ("always", "except_last", "never")
@@ -523,33 +523,12 @@ def _along_dim_1() -> Changed:
     return pipe, model, reference, (torch.randn(5, 6, 4, dtype=torch.float64),)
 
 
-class _Counter(nn.Module):
-    n: torch.Tensor  # a buffer, registered in __init__
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("n", torch.zeros(1, dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.n.add_(1)
-        return x * self.n.clone()
-
-
-class _CountingBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.cnt = nn.Linear(4, 4), _Counter()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cnt(torch.tanh(self.lin(x)))
-
-
 class _CountedTwice(nn.Module):
     """A block kept whole counts in its child's buffer; the child, called again, counts again."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.block, self.mid = _CountingBlock(), nn.Linear(4, 4)
+        self.block, self.mid = CountingBlock(4), nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.block.cnt(torch.tanh(self.mid(self.block(x))))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from helpers import assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
+from helpers import CountingBlock, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
 from fxpipe import Pipeline, StageError, TraceError, compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -782,34 +782,13 @@ def test_a_parametrization_that_only_reads_its_buffers_may_be_called_by_two_stag
     assert_call_and_grads_equal(pipe, reference, x)
 
 
-class _Counts(nn.Module):
-    n: torch.Tensor  # a buffer, registered in __init__
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("n", torch.zeros(1, dtype=torch.float64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.n.add_(1)
-        return x * self.n.clone()
-
-
-class _CountingBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.cnt = nn.Linear(6, 6), _Counts()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cnt(torch.tanh(self.lin(x)))
-
-
 class _WholeThenChild(nn.Module):
     """A block kept whole writes its child's buffer; the child, called directly later in a
     module traced through, writes it again."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.block, self.m = _CountingBlock(), nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.block, self.m = CountingBlock(6), nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.block(x)
