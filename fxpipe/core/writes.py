@@ -9,6 +9,15 @@ import torch.fx as fx
 
 from fxpipe.core.attrs import fetch_attr
 
+def storage_key(t: torch.Tensor) -> int:
+    """The storage `t` views (tensors of one storage share memory); a tensor without one
+    (sparse, nested) stands for itself."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
 # Ops that return a view of their first argument: an in-place op on such a view writes the input.
 _VIEW_METHODS = {
     "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "flatten",

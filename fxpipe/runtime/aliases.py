@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from fxpipe.core.writes import storage_key
+
 
 @dataclass(frozen=True)
 class Alias:
@@ -32,18 +34,9 @@ class Alias:
     offset: int
 
 
-def _storage(t: torch.Tensor) -> int:
-    """Where its memory starts; a key of its own for a tensor with none to share (sparse, meta, empty)."""
-    try:
-        start = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        start = 0
-    return start if start else -id(t)
-
-
 def _within(view: torch.Tensor, base: torch.Tensor) -> Optional[int]:
     """`view`'s offset from `base`'s start when every element of `view` lies in contiguous `base`."""
-    if not base.is_contiguous() or _storage(view) != _storage(base) or view.numel() == 0:
+    if not base.is_contiguous() or storage_key(view) != storage_key(base) or view.numel() == 0:
         return None
     offset = view.storage_offset() - base.storage_offset()
     last = offset + sum((n - 1) * s for n, s in zip(view.shape, view.stride()))
@@ -90,7 +83,7 @@ def output_aliases(parts: Sequence[Sequence[torch.Tensor]], dims: Sequence[Optio
     bases: set[int] = set()
     by_storage: dict[tuple[int, ...], list[int]] = {}
     for i, tensors in enumerate(parts):
-        by_storage.setdefault(tuple(_storage(t) for t in tensors), []).append(i)
+        by_storage.setdefault(tuple(storage_key(t) for t in tensors), []).append(i)
     for group in by_storage.values():
         if len(group) < 2:
             continue

@@ -13,10 +13,12 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from fxpipe.core.writes import storage_key
+
 
 class ActivationMeter:
     def __init__(self, stages: int, parameters: Sequence[torch.Tensor], devices: Sequence[torch.device] = ()) -> None:
-        self.excluded = {_storage(p) for p in parameters}  # and every view of them
+        self.excluded = {storage_key(p) for p in parameters}  # and every view of them
         self.cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
         self.base: dict[torch.device, int] = {}
         for device in self.cuda:
@@ -35,7 +37,7 @@ class ActivationMeter:
                 self._count(i, j, t)
 
     def _count(self, i: int, j: int, t: torch.Tensor) -> None:
-        if t.device.type == "meta" or _storage(t) in self.excluded:
+        if t.device.type == "meta" or storage_key(t) in self.excluded:
             return
         size = t.numel() * t.element_size()
         key = (t.data_ptr(), size)  # a view counts what it spans: micro-batches are views of the batch
@@ -75,7 +77,3 @@ class ActivationMeter:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()

@@ -26,15 +26,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.eager_mode import EagerDispatchMode
+from fxpipe.core.writes import storage_key
 from fxpipe.tracing.trace import TraceError
-
-
-def _storage(t: torch.Tensor) -> int:
-    """The storage `t` views; a tensor without one (sparse, nested) stands for itself."""
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):
-        return id(t)
 
 
 # Ops whose schema declares no alias for their result, which returns a view of its input all the same.
@@ -86,14 +79,14 @@ class _Outside(EagerDispatchMode):
         schema = self.schemas.get(func) or self.schemas.setdefault(func, _Schema(func))
         if schema.writes:
             for t in schema.written(args, kwargs):
-                key = _storage(t)
+                key = storage_key(t)
                 if key not in self.owned and key not in self.written and key != id(t):
                     self.written[key] = (t, t.untyped_storage().clone())
         out = func(*args, **kwargs)
         # A new storage is the model's own; a view, or an in-place op's result, shares its
         # argument's storage, which is the model's own only if the argument's is.
         if schema.fresh:
-            self.owned.update(_storage(t) for t in _tensors(out))
+            self.owned.update(storage_key(t) for t in _tensors(out))
         return out
 
     def put_back(self) -> None:
@@ -103,15 +96,15 @@ class _Outside(EagerDispatchMode):
 
 def _names(model: nn.Module, t: torch.Tensor) -> str:
     """Where the written tensor lives: a module's attribute, a global of a forward's module."""
-    key = _storage(t)
+    key = storage_key(t)
     for path, module in model.named_modules():
         for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and _storage(value) == key:
+            if isinstance(value, torch.Tensor) and storage_key(value) == key:
                 return f"the tensor attribute {'.'.join(filter(None, [path, name]))} of {type(module).__name__} (not a buffer)"
     for module in model.modules():
         found = getattr(type(module).forward, "__globals__", {})
         for name, value in found.items():
-            if isinstance(value, torch.Tensor) and _storage(value) == key:
+            if isinstance(value, torch.Tensor) and storage_key(value) == key:
                 return f"the global tensor {name} of {found.get('__name__', 'its module')}"
     return f"a tensor of shape {tuple(t.shape)} that is not a parameter, buffer or input of the model (a global, or one a closure holds)"
 
@@ -120,8 +113,8 @@ def _names(model: nn.Module, t: torch.Tensor) -> str:
 def outside_writes_refused(model: nn.Module, inputs: Any) -> Iterator[None]:
     """Run the model within this block: a write in place to a tensor that is not one of its
     parameters, buffers or `inputs` is refused, the tensor put back as it was."""
-    owned = {_storage(t) for t in [*model.parameters(), *model.buffers()]}
-    owned |= {_storage(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
+    owned = {storage_key(t) for t in [*model.parameters(), *model.buffers()]}
+    owned |= {storage_key(t) for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)}
     mode = _Outside(owned)
     try:
         with mode:
