@@ -3,6 +3,7 @@ with the plain model's values and gradients; outputs that cannot be put together
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 from typing import Any, NamedTuple, Optional
@@ -270,3 +271,30 @@ def test_a_namedtuple_field_made_from_parameters_alone_is_returned_once(by_keywo
     expected_loss.backward()
     torch.testing.assert_close(loss, expected_loss.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "autocast", "two forwards"])
+def test_an_output_that_is_a_view_of_another_stays_one_in_every_mode(mode: str) -> None:
+    """The view of the write-in-place test above, in the other modes a user calls in."""
+    torch.manual_seed(0)
+    model, x = Aliased("columns").double(), torch.randn(6, 4, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    if mode == "eval":
+        pipe.eval(), plain.eval()
+    results = []
+    for net in (pipe, plain):
+        with torch.no_grad() if mode == "no_grad" else torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext():
+            h, view = net(x)
+            h.mul_(2)
+        if mode == "two forwards":
+            h2, view2 = net(2 * x)
+            h2.mul_(3)
+            (view.square().sum() + view2.sum()).backward()
+        elif mode == "eval":
+            view.square().sum().backward()
+        results.append(view.detach().clone())
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-12)
+    if mode in ("eval", "two forwards"):
+        assert_grads_equal(pipe, plain, tol=1e-12)
+    pipe.close()
