@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from fxpipe.compiled.materialize import is_on_meta
-from fxpipe.compiler.traced import Traced, in_both_modes, in_mode
+from fxpipe.compiler.traced import Traced, in_mode
 from fxpipe.core.randomness import seed_started_generators
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import small_on_cpu
@@ -17,6 +17,7 @@ from fxpipe.tracing.assignments import (
     AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
 from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, counted_while_traced
+from fxpipe.tracing.flag_reads import flag_reads_counted
 from fxpipe.tracing.lost_effects import (
     CHECKPOINTED_DRAWS_FIX, DrawingRegion, checkpointed_draws, outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
 )
@@ -135,10 +136,23 @@ def refuse_effects_a_trace_loses(
                     model(*example, **kwargs)
                     stable.ran()
 
-                in_both_modes(model, run)
+                _in_both_modes_where_they_differ(model, run, stable)
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
             stable.ends.clear()
     return hooks.count, drew
+
+
+def _in_both_modes_where_they_differ(model: nn.Module, run: Callable[[], None], stable: StableAssignments) -> None:
+    """`run()` in training mode, then in eval mode unless the training run shows that eval mode
+    runs the same code: it read no module's `training` flag (no module overrides `train()`, which
+    could change more than the flags), and it left every attribute and container as it found them
+    (a cache filled by the first run sends the second down another path)."""
+    with in_mode(model, True), flag_reads_counted(model) as flags:
+        run()
+    if flags.none and stable.left_as_found() and all(type(m).train is nn.Module.train for m in model.modules()):
+        return
+    with in_mode(model, False):
+        run()
 
 
 def refuse_draws_torch_recomputes(model: nn.Module, traced: Traced, drew: list[DrawingRegion]) -> None:

@@ -294,6 +294,10 @@ class StableAssignments:
     def undo(self) -> None:
         self.assigned.put_back()
 
+    def left_as_found(self) -> bool:
+        """The runs so far assigned no attribute and changed no container's contents."""
+        return not self.assigned.since() and not self.contents.changed()
+
 
 def _changed(before: Any, after: Any) -> bool:
     """A new object that is not an equal plain value (torch.export swaps some attributes, such

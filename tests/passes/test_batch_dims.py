@@ -826,3 +826,65 @@ def test_an_embedding_bag_given_flat_indices_and_offsets_is_refused_saying_the_f
     flat, offsets = torch.randint(0, 20, (30,), generator=torch.Generator().manual_seed(0)), torch.tensor([0, 3, 5, 9, 14, 20, 22, 27])
     with pytest.raises(ValueError, match=r"e is an EmbeddingBag given flat indices and offsets: its bags cannot be cut into micro-batches"):
         compile_pipeline(model, (flat, offsets, torch.rand(30, dtype=torch.float64)), ["cpu", "cpu"], chunks=4)
+
+
+class _Returns(nn.Module):
+    """Returns the values the output node names in several shapes: nested, repeated, a node
+    whose value is a tuple, a constant beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.a(x)
+        return {"h": h, "both": [h, torch.tanh(h)], "pair": h.chunk(2, dim=1), "scale": 2.0}
+
+
+@pytest.mark.parametrize("exported", [False, True])
+def test_runs_by_the_graphs_own_code_keep_what_the_node_by_node_runs_do(exported: bool) -> None:
+    """The halves' runs keep only what the graph returns: where no node's draws are fixed they run
+    the generated code, whose result is paired back with the output's nodes; a graph whose code
+    returns another structure (torch.export's) runs node by node."""
+    from fxpipe.passes import example_runs
+
+    model = _Returns().double()
+    dynamic = ({0: torch.export.Dim("batch")},)
+    gm = torch.export.export(model, (X,), dynamic_shapes=dynamic).module() if exported else torch.fx.symbolic_trace(model)
+    returned = set(next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes)
+    halves = [(X[:4],), (X[4:],)]
+    fast = example_runs.run_on(gm, halves, True, keep=returned)
+    runners: list[example_runs.ExampleRunner] = []
+
+    class Counted(example_runs.ExampleRunner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            runners.append(self)
+
+    slow = []
+    for half in halves:
+        runner = example_runs.ExampleRunner(gm, on_meta=False, keep=returned, fixed=set())
+        runner.run(*half)
+        slow.append(runner.values)
+    for got, expected in zip(fast, slow):
+        assert got.keys() == expected.keys() == returned
+        for node in returned:
+            torch.testing.assert_close(got[node], expected[node], rtol=0, atol=0)
+    original = example_runs.ExampleRunner
+    example_runs.ExampleRunner = Counted  # type: ignore[misc]
+    try:
+        example_runs.run_on(gm, halves, True, keep=returned)
+    finally:
+        example_runs.ExampleRunner = original  # type: ignore[misc]
+    assert len(runners) == (2 if exported else 0)
+
+
+def test_a_dropout_that_draws_nothing_now_runs_without_fixed_draws() -> None:
+    """Rate 0, or eval mode: nothing to make alike between the whole example and its halves."""
+    from fxpipe.passes.example_runs import drawing_or_normalising
+
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.0), nn.Linear(6, 6), nn.Dropout(0.2), nn.BatchNorm1d(6))
+    gm = torch.fx.symbolic_trace(model)
+    assert sorted(n.name for n in drawing_or_normalising(gm)) == ["_3", "_4"]
+    gm.eval()
+    assert sorted(n.name for n in drawing_or_normalising(gm)) == ["_4"]  # the batch norm: normalised by running statistics

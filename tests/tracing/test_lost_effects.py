@@ -104,6 +104,90 @@ def test_a_forward_writing_only_tensors_it_makes_compiles() -> None:
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=0)
 
 
+class WritesOutsideInEval(nn.Module):
+    """Writes the global COUNTER in eval mode alone, asking `self.training` (`flag`) or a
+    submodule's flag, through a helper (`helper`)."""
+
+    def __init__(self, asks: str) -> None:
+        super().__init__()
+        self.asks = asks
+        self.first, self.drop = nn.Linear(6, 6), nn.Dropout(0.0)
+
+    def evaluating(self) -> bool:
+        return not (self.training if self.asks == "flag" else getattr(self.drop, "training"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.evaluating():
+            COUNTER.add_(1)
+        return self.drop(self.first(x))
+
+
+@pytest.mark.parametrize("asks", ["flag", "helper"])
+def test_a_write_outside_in_eval_mode_alone_is_refused_and_put_back(asks: str) -> None:
+    """Compiling runs the model eagerly in eval mode too where its code asks for a flag; the
+    training run alone would not see this write."""
+    with pytest.raises(TraceError, match="the global tensor COUNTER"):
+        compile_pipeline(WritesOutsideInEval(asks), X, ["cpu"] * 2, chunks=2)
+    assert COUNTER.eq(0).all()
+
+
+class FillsOnce(nn.Module):
+    """Fills a cache on its first call, and asks no mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.seen: dict[str, int] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.setdefault("calls", 1)
+        return self.second(self.first(x))
+
+
+@pytest.mark.parametrize(
+    "make, modes",
+    [
+        (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.1), nn.BatchNorm1d(6)), [True]),  # built-in layers' own flags
+        (lambda: WritesOutsideInEval("flag"), [True, False]),  # its code asks a flag
+        (FillsOnce, [True, False]),  # the first run changed what the second would start from
+    ],
+)
+def test_the_eager_run_in_eval_mode_is_left_out_only_where_it_runs_the_same_code(
+    make: Callable[[], nn.Module], modes: list[bool], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fxpipe.compiler import effects
+
+    entered: list[bool] = []
+    real = effects.in_mode
+
+    def in_mode(model: nn.Module, training: bool) -> Any:
+        entered.append(training)
+        return real(model, training)
+
+    monkeypatch.setattr(effects, "in_mode", in_mode)
+    model = make()
+    try:
+        compile_pipeline(model, X, ["cpu"] * 2, chunks=2)
+    except TraceError:
+        pass  # the write outside: refused after the runs counted here
+    assert entered[:2] == modes  # (after the two, FillsOnce's cache is checked in both modes)
+    assert COUNTER.eq(0).all()
+
+
+def test_the_flags_watch_is_taken_off_and_reads_and_writes_go_through() -> None:
+    from fxpipe.tracing.flag_reads import flag_reads_counted
+
+    model = WritesOutsideInEval("flag")
+    with flag_reads_counted(model) as reads:
+        model.drop(torch.ones(2))  # a built-in layer's read of its own flag: not counted
+        assert reads.none
+        model.eval()
+        assert not model.training and not model.drop.training and reads.count == 2  # eval() reads none; these two do
+    assert reads.count == 2 and "training" not in vars(WritesOutsideInEval) and "training" not in vars(nn.Dropout)
+    model.train()
+    assert model.training and model.drop.training
+
+
 class Counts(nn.Module):
     """Counts its calls in a buffer, in place (`+=`) or by replacing it with a new tensor."""
 
