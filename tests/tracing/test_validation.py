@@ -300,3 +300,45 @@ def test_a_nested_tensor_fast_path_the_graph_does_not_take_is_named_with_the_fix
     pipe.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x, src_key_padding_mask=pad), reference(x, src_key_padding_mask=pad), rtol=0, atol=1e-12)
+
+
+RUNS: list[bool] = []  # whether gradients were on, at each eager forward of CountsRuns
+
+
+class CountsRuns(nn.Module):
+    """Dropout and batch norm (draws and buffer writes, which the check compares), counting its
+    eager forwards; `writes_input` adds 1 to its input in place first."""
+
+    def __init__(self, writes_input: bool) -> None:
+        super().__init__()
+        self.writes_input = writes_input
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm, self.drop = nn.BatchNorm1d(8), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.fx.Proxy):
+            RUNS.append(torch.is_grad_enabled())
+        if self.writes_input:
+            x.add_(1)
+        return self.b(self.drop(self.norm(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.parametrize("writes_input, runs", [(False, [True]), (True, [True, False])])
+@pytest.mark.parametrize("training", [True, False])
+def test_the_graph_is_checked_against_the_eager_run_made_for_effects_where_it_started_alike(
+    writes_input: bool, runs: list[bool], training: bool,
+) -> None:
+    """One eager run (with gradients, for the effects a trace loses) serves the graph's check
+    too, from the state and random state it started from: no second run of the model, and no
+    difference found where there is none. A run that wrote its input cannot: the check runs the
+    model itself (without gradients)."""
+    model, reference = twin(CountsRuns(writes_input).train(training))
+    x = torch.randn(6, 8, dtype=torch.float64)
+    RUNS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a graph found to compute otherwise would be replaced, with a warning
+        pipe = compile_pipeline(model, x.clone(), ["cpu", "cpu"], chunks=2)
+    assert RUNS == runs
+    assert all(torch.equal(b, r) for b, r in zip(model.buffers(), reference.buffers()))
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x.clone()), reference(x.clone()), rtol=0, atol=1e-12)
