@@ -18,7 +18,7 @@ from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, traced_mode
-from fxpipe.runtime.batch_loss import micro_batch_losses, own_mean_weights
+from fxpipe.runtime.batch_loss import micro_batch_losses, own_loss_reduction, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
@@ -173,6 +173,8 @@ class PipelineCalls(nn.Module):
             refuse_outputs_of_the_whole_batch(template, len(call.sizes), asked=return_outputs)
         along = batch_dim_of(list(call.values.values()), call.dims)
         targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template))
+        if loss_fn is None:
+            reduction = own_loss_reduction(call, reduction, sliced=(slicing or self._compiled.slicing) is not None)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]
         call = sliced_call(call, slicing or self._compiled.slicing)
         counted = own_mean_weights(call) if loss_fn is None and reduction == "mean" and call.slices is None else None
@@ -182,14 +184,17 @@ class PipelineCalls(nn.Module):
             weights = counted
         micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
 
-        if loss_fn is None and len(call.sizes) > 1 and counted is None and not self._own_loss_warned:
+        if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
+            seen = call.program.own_loss_combines == "mean"
             warnings.warn(
-                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, "
-                "and cannot check that it is one: a mean over a count that varies between micro-batches "
-                "(tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use chunks=1 "
-                "for such a loss; pass reduction='sum' for a loss summed over samples, or divided by a count "
-                "given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives).",
+                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
+                + (" (as it is on the example's halves)" if seen else "")
+                + ", and cannot check that it is one on every batch: a mean over a count that varies between "
+                "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
+                "chunks=1 for such a loss"
+                + ("." if seen else "; pass reduction='sum' for a loss summed over samples, or divided by a count "
+                   "given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives)."),
                 stacklevel=2,
             )
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)

@@ -41,6 +41,9 @@ from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.validate import source_line
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
+# node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
+# the halves' (`_combines`): 'sum', 'mean' or None.
+COMBINES = "combines"
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
 _LOW_PRECISION = 5e-2
 
@@ -115,7 +118,7 @@ def annotate_batch_dims(
     compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
-    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real)
+    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real, sizes=split_sizes(batch, 2))
     if not problems and real and not compare and serves_eval:
         with _in_eval(gm):
             written.clear()
@@ -133,7 +136,7 @@ def annotate_batch_dims(
 
 def _compared(
     gm: fx.GraphModule, returned: list[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]], compare: bool,
-    split: set[str], annotate: bool, mode: str = "", real: bool = True,
+    split: set[str], annotate: bool, mode: str = "", real: bool = True, sizes: Optional[list[int]] = None,
 ) -> tuple[list[str], set[fx.Node]]:
     """What is wrong with each returned value of the halves' runs (`each`) against the whole's,
     and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`).
@@ -152,6 +155,11 @@ def _compared(
         found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch[k], real) for k, w in enumerate(_leaves(whole[node]))]
         if annotate:
             node.meta["batch_dims"] = [dim for dim, _ in found]
+            wholes = _leaves(whole[node])
+            node.meta[COMBINES] = [
+                _combines(w, [p[k] for p in leaves], sizes) if dim == VARIES and compare and sizes else None
+                for k, (w, (dim, _)) in enumerate(zip(wholes, found))
+            ]  # fmt: skip
         for (_, why), path in zip(found, _paths(whole[node])):
             if why:
                 problems.append(f"{node.name}{path}{mode}: {why}")
@@ -343,6 +351,20 @@ def _paths(value: Any) -> list[str]:
 
 def _is_split(value: Any, batch: int, dims: Dims) -> bool:
     return any(isinstance(t, torch.Tensor) and split_dim(t, batch, dims) is not None for t in _leaves(value))
+
+
+def _combines(whole: Any, parts: list[Any], sizes: list[int]) -> Optional[str]:
+    """How a number made from the whole batch (a loss) comes from the halves': 'sum' where it is
+    their sum (a sum over samples, or one divided by a count given whole), 'mean' where it is
+    their mean weighted by their sizes; None where neither, or both (0)."""
+    if not (isinstance(whole, torch.Tensor) and whole.dim() == 0 and whole.is_floating_point()):
+        return None
+    if not all(isinstance(p, torch.Tensor) and p.shape == whole.shape and p.dtype == whole.dtype for p in parts):
+        return None
+    rtol, atol = (1e-9, 1e-12) if whole.dtype == torch.float64 else (1e-5, 1e-7) if whole.dtype == torch.float32 else (1e-2, 1e-3)
+    sum_ = torch.isclose(whole, sum(parts), rtol=rtol, atol=atol)  # type: ignore[arg-type]
+    mean = torch.isclose(whole, sum(p * n for p, n in zip(parts, sizes)) / sum(sizes), rtol=rtol, atol=atol)  # type: ignore[arg-type]
+    return "sum" if sum_ and not mean else "mean" if mean and not sum_ else None
 
 
 def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False, real: bool = True) -> tuple[BatchDim, str]:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import GetAttrKey, MappingKey, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.passes.batch_dims import COMBINES
 from fxpipe.passes.random_ops import argument, random_sources
 
 Counter = Callable[[dict[str, Any]], Optional[int]]
@@ -34,6 +35,14 @@ _ATEN = (torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.defa
 _MEAN = 1  # aten's reduction: 0 none, 1 mean, 2 sum
 # Positions of the arguments read, in F.cross_entropy's and F.nll_loss's signatures alike.
 _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4, 5, 6
+
+
+def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[str]:
+    """How the model's own loss on the example came from its halves' losses (the batch-dim
+    check's runs): 'sum' or 'mean' over samples; None where it found neither, or ran no halves."""
+    node = _loss_node(gm, template, name_of)
+    found = node.meta.get(COMBINES) if node is not None else None
+    return found[0] if found and len(found) == 1 else None
 
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:

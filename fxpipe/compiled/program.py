@@ -226,6 +226,9 @@ class Program:
     # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
     loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
+    # How the model's own loss on the example came from its halves': 'sum' or 'mean' over
+    # samples (passes/batch_dims.py); None where compiling could not tell.
+    own_loss_combines: Optional[str] = None
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the

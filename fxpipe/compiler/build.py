@@ -18,7 +18,7 @@ from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
-from fxpipe.passes.loss_counts import loss_counter
+from fxpipe.passes.loss_counts import loss_counter, own_loss_combines
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffer_names, writable_buffers
@@ -100,8 +100,14 @@ def build_program(
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
         state_read=_state_read(codes, shared),
-        loss_counter=loss_counter(cut.graph, template, lambda leaf: leaf.name if isinstance(leaf, ValueRef) and not leaf.given else None),
+        loss_counter=loss_counter(cut.graph, template, _made_by_a_stage),
+        own_loss_combines=own_loss_combines(cut.graph, template, _made_by_a_stage),
     )
+
+
+def _made_by_a_stage(leaf: Any) -> Optional[str]:
+    """The name of an output leaf that a stage makes; None for any other."""
+    return leaf.name if isinstance(leaf, ValueRef) and not leaf.given else None
 
 
 def _unreached(owner: nn.Module) -> list[str]:

@@ -18,7 +18,7 @@ from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
 from fxpipe.distributed.replicas import ReplicaFailed, Replicas
-from fxpipe.runtime.batch_loss import loss_and_outputs
+from fxpipe.runtime.batch_loss import loss_and_outputs, own_loss_reduction
 from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
@@ -101,6 +101,8 @@ def _train_across(
     try:
         with failing_together(channel, "preparing the call"):
             call, step = pipe.train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+            if loss_fn is None:  # (as the call's losses were weighted)
+                reduction = own_loss_reduction(call, reduction, sliced=call.slices is not None)
             _agree(pipe, call, f"train_step, reduction={reduction!r}", target, seed=step.seed)
         layout = call.program.layout
         loss_rank = layout.ranks[layout.loss_stage]

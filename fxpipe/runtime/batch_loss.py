@@ -60,6 +60,21 @@ def micro_batch_losses(
     return micro_batch_loss
 
 
+def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
+    """How the model's own loss combines over micro-batches: as compiling found it on the
+    example's halves where it could tell ('sum' for a sum over samples, or for a sum divided by
+    a count given for the whole batch, as `num_items_in_batch`), else as `reduction` says.
+    Sliced calls keep `reduction`: their slices' losses are not the halves'."""
+    found = None if sliced else call.program.own_loss_combines
+    if found == "mean" and reduction == "sum":
+        raise ValueError(
+            "reduction='sum', but the model's own loss is a mean over samples: on the example it is the mean of its "
+            "halves' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
+            f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the default)."
+        )
+    return found or reduction
+
+
 def own_mean_weights(call: Call) -> Optional[list[float]]:
     """Each micro-batch's share of the batch's loss where the model's own loss is a mean
     cross-entropy over the targets it counts (passes/loss_counts.py): its count over the

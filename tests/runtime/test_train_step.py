@@ -1254,3 +1254,52 @@ def test_a_batch_too_small_for_interleaved_says_how_to_fix_it() -> None:
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2)
     with pytest.raises(ValueError, match=r"(?s)micro-batch count \(3\).*drop a smaller last batch.*stages_per_device=1 and schedule='1f1b'"):
         pipe.train_step(x[:3], target=x[:3], loss_fn=F.mse_loss)
+
+
+class SummedOwnLoss(nn.Module):
+    """Returns its loss: a sum over samples ('sum'), that sum divided by a count given for the
+    whole batch ('count': Hugging Face's num_items_in_batch), or a mean over samples ('mean')."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.body = FanOut()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.body(x)
+        if self.how == "mean":
+            return {"loss": F.mse_loss(out, y), "out": out}
+        loss = F.mse_loss(out, y, reduction="sum")
+        return {"loss": loss / count if self.how == "count" else loss, "out": out}
+
+
+@pytest.mark.parametrize("schedule, training", [("gpipe", True), ("1f1b", True), ("2bw", True), ("gpipe", False)])
+@pytest.mark.parametrize("how", ["sum", "count"])
+def test_a_models_own_loss_summed_over_samples_combines_as_a_sum(how: str, schedule: str, training: bool) -> None:
+    """Compiling sees, on the example's halves, that the model's own loss is their sum: train_step
+    sums the micro-batches' losses, under the default reduction, with nothing to warn of. Before,
+    it took their mean: the loss and every gradient 1/chunks of the plain model's, with a warning."""
+    model, reference = twin(SummedOwnLoss(how))
+    x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor(48.0, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y, count), ["cpu"] * 2, chunks=3, schedule=schedule)
+    assert pipe.program().own_loss_combines == "sum"
+    pipe.train(training), reference.train(training)
+    for step in range(2):  # gradients accumulated over two steps
+        x, y = x + step, y - step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            loss = pipe.train_step(x, y, count)
+        expected = reference(x, y, count)["loss"]
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def test_a_sum_asked_of_a_models_own_mean_loss_is_refused_before_the_step() -> None:
+    model = SummedOwnLoss("mean")
+    x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    pipe = compile_pipeline(model.double(), (x, y, count), ["cpu"] * 2, chunks=4)
+    assert pipe.program().own_loss_combines == "mean"
+    with pytest.raises(ValueError, match=r"(?s)reduction='sum', but the model's own loss is a mean over samples.*4 times.*leave reduction at 'mean'"):
+        pipe.train_step(x, y, count, reduction="sum")
+    assert all(p.grad is None for p in pipe.parameters())
