@@ -34,30 +34,12 @@ _NUMPY = importlib.util.find_spec("numpy")
 _NUMPY_DIR: Optional[str] = next(iter(_NUMPY.submodule_search_locations or []), None) if _NUMPY else None
 
 
-@dataclasses.dataclass
-class EagerRun:
-    """A run of the model on the example made already, in training mode, from the state `start`
-    holds (random states included), that assigned no attribute and wrote no input: its output
-    and the buffers it left, for the graph's check to compare with in place of running the model
-    again."""
-
-    output: Any
-    buffers: dict[str, torch.Tensor]
-    start: Snapshot
-
-
-def eager_run(model: nn.Module, output: Any, start: Snapshot) -> EagerRun:
-    """The model's run that returned `output`, as `check_graph` takes it (copies, detached)."""
-    return EagerRun(_detached(output), _buffers(model), start)
-
-
 def check_graph(
-    model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], inputs: tuple[Any, ...], kwargs: Optional[dict[str, Any]] = None,
-    ran: Optional[EagerRun] = None,
+    model: nn.Module, gm: fx.GraphModule, example: tuple[Any, ...], inputs: tuple[Any, ...], kwargs: Optional[dict[str, Any]] = None
 ) -> Optional[str]:
     """None when `gm` computes what `model` computes on `example` (and keyword arguments
     `kwargs`) in the model's present mode; else what differs. `inputs` are the example as `gm`'s
-    placeholders take them; `ran`, the model's run in this mode, where one was made already.
+    placeholders take them.
 
     Where the model is small enough to run whole (as the shape pass does) both run from the same
     state and random state, and outputs and buffers are compared; a larger one only has to run.
@@ -68,13 +50,9 @@ def check_graph(
             return _runs(gm, inputs)
         kwargs = kwargs or {}
         with started_alike(model) as put_back:  # the graph's run starts from the attributes the model's read
-            if ran is None:
-                expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
-                expected_buffers = _buffers(model)
-                state.restore()
-            else:  # (its start has the model's flags as they were before it: the present ones stay)
-                expected, expected_buffers = ran.output, ran.buffers
-                ran.start.restore(flags=False)
+            expected = model(*_detached(example), **_detached(kwargs))  # copies: either may write its inputs
+            expected_buffers = _buffers(model)
+            state.restore()
             put_back()
             try:
                 got = _quietly(gm, _detached(inputs))

@@ -2,20 +2,17 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiler.traced import Traced, in_mode
 from fxpipe.core.randomness import seed_started_generators
-from fxpipe.core.snapshot import Snapshot, preserved
+from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.state import ASSIGNS
-from fxpipe.passes.validate import EagerRun, eager_run
 from fxpipe.tracing.assignments import (
     AssignmentError, Changes, StableAssignments, assignments_recorded, cached, differing_entries, outside, refuse_assignments,
 )
@@ -120,63 +117,42 @@ def warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str])
         )
 
 
-@dataclass
-class EagerRuns:
-    """What the eager runs found: how many hooks forward registered on tensors, the regions of
-    the model's own checkpointing that drew, and the training run where the graph's check can
-    compare with it (`passes/validate.py`)."""
-
-    hooks: int = 0
-    drew: list[DrawingRegion] = field(default_factory=list)
-    training: Optional[EagerRun] = None
-
-
 def refuse_effects_a_trace_loses(
-    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments, start: Snapshot,
-) -> EagerRuns:
-    """Run the model eagerly (in eval mode too where that runs other code), with gradients
-    (hooks on tensors are registered only then), and refuse what a trace would lose
-    (fxpipe/tracing/lost_effects.py). Each run is told to `stable`, which keeps the plain values
-    every run assigns alike; `start` is the model's state before the runs. A model that does not
-    run is left to the front ends, whose errors say why. Only a model small enough to run whole
-    is run, as for the graph's check (on the CPU, under 1 GiB of parameters): a larger one, or
-    one on the meta device, is not."""
-    found = EagerRuns()
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], stable: StableAssignments,
+) -> tuple[int, list[DrawingRegion]]:
+    """Run the model eagerly in each mode, with gradients (hooks on tensors are registered only
+    then), and refuse what a trace would lose (fxpipe/tracing/lost_effects.py); return how many
+    hooks forward registered on tensors, and the regions of the model's own checkpointing that
+    drew. Each run is told to `stable`, which keeps the plain values every run assigns alike. A
+    model that does not run is left to the front ends, whose errors say why. Only a model small enough to run whole is run, as for the graph's check (on the
+    CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
     if is_on_meta(model) or not small_on_cpu(model, (example, kwargs)):
-        return found
-    inputs = [t for t in tree_flatten((example, kwargs))[0] if isinstance(t, torch.Tensor)]
-    versions = [None if t.is_inference() else t._version for t in inputs]
+        return 0, []
     with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model) as drew, \
             tensor_hooks_counted() as hooks:  # fmt: skip
         try:
             with torch.enable_grad():
-                def run(training: bool) -> None:
-                    output = model(*example, **kwargs)
+                def run() -> None:
+                    model(*example, **kwargs)
                     stable.ran()
-                    # Unchanged attributes and inputs: the graph's run can start where this one did.
-                    unwritten = versions == [None if t.is_inference() else t._version for t in inputs] and None not in versions
-                    if training and unwritten and stable.left_as_found():
-                        found.training = eager_run(model, output, start)
 
                 _in_both_modes_where_they_differ(model, run, stable)
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
             stable.ends.clear()
-            found.training = None
-    found.hooks, found.drew = hooks.count, drew
-    return found
+    return hooks.count, drew
 
 
-def _in_both_modes_where_they_differ(model: nn.Module, run: Callable[[bool], None], stable: StableAssignments) -> None:
-    """`run(training)` in training mode, then in eval mode unless the training run shows that
-    eval mode runs the same code: it read no module's `training` flag (no module overrides
-    `train()`, which could change more than the flags), and it left every attribute and
-    container as it found them (a cache filled by the first run sends the second down another path)."""
+def _in_both_modes_where_they_differ(model: nn.Module, run: Callable[[], None], stable: StableAssignments) -> None:
+    """`run()` in training mode, then in eval mode unless the training run shows that eval mode
+    runs the same code: it read no module's `training` flag (no module overrides `train()`, which
+    could change more than the flags), and it left every attribute and container as it found them
+    (a cache filled by the first run sends the second down another path)."""
     with in_mode(model, True), flag_reads_counted(model) as flags:
-        run(True)
+        run()
     if flags.none and stable.left_as_found() and all(type(m).train is nn.Module.train for m in model.modules()):
         return
     with in_mode(model, False):
-        run(False)
+        run()
 
 
 def refuse_draws_torch_recomputes(model: nn.Module, traced: Traced, drew: list[DrawingRegion]) -> None:

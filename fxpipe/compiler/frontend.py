@@ -14,14 +14,14 @@ from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiled.program import Binder
 from fxpipe.compiler.binding import leaf_binder, micro_batch_check, none_as_traced, signature_binder
 from fxpipe.compiler.effects import (
-    EagerRuns, refuse_containers_filled_at_random, refuse_effects_a_trace_loses, refuse_lost_assignments, refuse_lost_counters,
+    refuse_containers_filled_at_random, refuse_effects_a_trace_loses, refuse_lost_assignments, refuse_lost_counters,
     refuse_draws_torch_recomputes, refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
 from fxpipe.core.hooks import hooked
 from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.snapshot import preserved
-from fxpipe.passes.validate import EagerRun, check_graph, first_line, raising_line
+from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
 from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
@@ -58,10 +58,9 @@ def _traced_in_modes(model: nn.Module, read: Reads, traced: Callable[[], fx.Grap
 
 def _check(
     model: nn.Module, graphs: dict[bool, fx.GraphModule], example: tuple[Any, ...], kwargs: dict[str, Any], bind: Binder,
-    modes: tuple[bool, ...] = BOTH, ran: Optional[EagerRun] = None,
+    modes: tuple[bool, ...] = BOTH,
 ) -> Optional[str]:
-    """What goes wrong when each graph runs in its mode (of `modes`) next to the model, or None;
-    `ran`: the model's run in training mode, made already."""
+    """What goes wrong when each graph runs in its mode (of `modes`) next to the model, or None."""
     inputs = tuple(bind(example, kwargs).values())
     for training in modes:
         gm = graphs[training]
@@ -69,7 +68,7 @@ def _check(
             continue  # the same code as the training graph, checked already
         with in_mode(model, training):
             try:
-                problem = check_graph(model, gm, example, inputs, kwargs, ran if training else None)
+                problem = check_graph(model, gm, example, inputs, kwargs)
             except Exception:  # the model itself fails on the example (the graph's failures are problems)
                 refuse_an_example_the_model_refuses(model, example, kwargs)
                 raise
@@ -100,10 +99,7 @@ def none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) 
     return frozenset(name for name, value in bound.arguments.items() if value is None)
 
 
-def _by_fx(
-    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH,
-    ran: Optional[EagerRun] = None,
-) -> Traced:
+def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH) -> Traced:
     none = none_in(model, example, kwargs)
     try:
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
@@ -120,14 +116,14 @@ def _by_fx(
         wholes = [w for w in named if w is not None and w not in leaves]
         if not wholes:  # none, or none that is not called whole already
             raise _Rejected(str(error), first_line(error.__cause__ or error)) from error
-        return _by_fx(model, example, kwargs, [*leaves, *wholes], traced_in, ran)
+        return _by_fx(model, example, kwargs, [*leaves, *wholes], traced_in)
     binder = signature_binder(graphs[True], model)
     bind = none_as_traced(binder, binder(example, kwargs), graphs[True])
-    if _check(model, graphs, example, kwargs, bind, traced_in, ran) is None:
+    if _check(model, graphs, example, kwargs, bind, traced_in) is None:
         return _traced(graphs, bind, read, modes)
     # Again with source lines, which tracing records only for messages (it is slow).
     lined = in_both_modes(model, lambda: trace(model, leaves, record_lines=True, none=none), traced_in)
-    raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in, ran) or "its graph computes otherwise than the model")
+    raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in) or "its graph computes otherwise than the model")
 
 
 def _cache_fix(model: nn.Module, error: Exception) -> str:
@@ -162,9 +158,7 @@ def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]
     return made
 
 
-def _by_export(
-    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH, ran: Optional[EagerRun] = None,
-) -> Traced:
+def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
@@ -205,7 +199,7 @@ def _by_export(
             "reads sizes as it runs.",
         )
     bind = leaf_binder(graphs, exported[True][1], model, tree_flatten((example, kwargs))[0])
-    problem = _check(model, graphs, example, kwargs, bind, traced_in, ran)
+    problem = _check(model, graphs, example, kwargs, bind, traced_in)
     if problem is not None:
         raise _Rejected(problem)
     traced = _traced(graphs, bind, read, modes)
@@ -227,17 +221,17 @@ def to_graph(
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
-    with preserved(model) as start:
+    with preserved(model):
         with StableAssignments(model) as stable:
-            eager = refuse_effects_a_trace_loses(model, example, kwargs, stable, start)
+            hooks, drew = refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
-                traced = _in_its_modes(model, example, kwargs, leaves, chunks, eager)
+                traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
             graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
             refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
             refuse_lost_assignments(model, traced, changed)
             refuse_reads_of_stored_tensors(model, traced, stable)
-            refuse_draws_torch_recomputes(model, traced, eager.drew)
+            refuse_draws_torch_recomputes(model, traced, drew)
         except BaseException:
             stable.undo()
             raise
@@ -324,17 +318,17 @@ _IN_ROOT = "in module: the root module"
 _ROOT_FIX = " The model's own forward is never kept whole: move that code into a submodule, and keep the submodule whole."
 
 
-def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, eager: EagerRuns) -> Traced:
+def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
     """Traced in both modes; or, for a model compiled in eval mode whose training forward
     neither front end can capture (a layer drop, a mask drawn with numpy), in eval mode alone:
     the pipeline then refuses calls in training mode, saying why."""
     try:
-        return _front_ends(model, example, kwargs, leaves, chunks, eager)
+        return _front_ends(model, example, kwargs, leaves, chunks, hooks)
     except TraceError as error:
         if any(m.training for m in model.modules()):
             raise
         try:
-            traced = _front_ends(model, example, kwargs, leaves, chunks, eager, traced_in=(False,))
+            traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, traced_in=(False,))
         except TraceError:
             raise error from None
         traced.eval_only = str(error).partition("\nHow to fix")[0]
@@ -346,17 +340,17 @@ def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, 
 
 
 def _front_ends(
-    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, eager: EagerRuns,
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int,
     traced_in: tuple[bool, ...] = BOTH,
 ) -> Traced:
     """torch.fx, then torch.export (refused where forward registers hooks on tensors, which it
     drops); one error with both reasons when both fail."""
     try:
-        return _by_fx(model, example, kwargs, leaves, traced_in, eager.training)
+        return _by_fx(model, example, kwargs, leaves, traced_in)
     except _Rejected as rejected:  # kept without its traceback, whose frames hold the trace's tensors
         fx_failure = _Rejected(rejected.detail, rejected.summary, rejected.fix)
     try:
-        if eager.hooks:
+        if hooks:
             raise _Rejected(
                 "it drops the hooks forward registers on tensors (register_hook), and the gradients "
                 "would miss what they do; torch.fx keeps them (and keeps a module whole with "
@@ -373,7 +367,7 @@ def _front_ends(
                    "model.gradient_checkpointing_disable() removes it, and the pipeline's checkpoint= recomputes "
                    "stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),
             )
-        traced = _by_export(model, example, kwargs, chunks, traced_in, eager.training)
+        traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:
         refuse_an_example_the_model_refuses(model, example, kwargs)
         raise TraceError(

@@ -45,14 +45,14 @@ class Snapshot:
     cpu_rng: torch.Tensor
     cuda_rng: Optional[list[torch.Tensor]]
 
-    def restore(self, flags: bool = True) -> None:
-        """Put everything back (the `training` flags only with `flags`). A tensor moved to
-        another device since (placement) keeps its device and gets its old values there."""
+    def restore(self) -> None:
+        """Put everything back. A tensor moved to another device since (placement) keeps its
+        device and gets its old values there."""
         for slot in self.slots:
             _restore_slot(slot)
         for grad in self.grads:
             _restore_grad(grad)
-        for module, flag in self.training if flags else ():
+        for module, flag in self.training:
             module.training = flag
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
