@@ -111,7 +111,9 @@ def _holds_dropout(module: nn.Module) -> bool:
 
 
 def _built_in(module: nn.Module) -> bool:
-    return type(module).__module__.startswith("torch.nn.")
+    """Whether `module` and every module inside it are PyTorch's own layers: a built-in
+    container (nn.Sequential, nn.TransformerEncoder) may hold a layer of the model's that draws."""
+    return all(type(m).__module__.startswith("torch.nn.") for m in module.modules())
 
 
 def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSources:

@@ -149,7 +149,7 @@ def test_train_step_on_the_model_s_own_loss_over_num_items_in_batch_is_the_plain
     labels = ids.clone()
     labels[0, 3:] = -100
     count = torch.tensor(int((labels[:, 1:] != -100).sum()))
-    kwargs = {"labels": labels, "num_items_in_batch": count}
+    kwargs: dict[str, Any] = {"labels": labels, "num_items_in_batch": count}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx, where it does
         pipe = compile_pipeline(model, (ids,), ["cpu", "cpu"], chunks=4, example_kwargs=kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -82,7 +82,30 @@ def _step(make: Callable[[], nn.Module], mode: str, seed: int) -> tuple[torch.Te
     return out.detach(), [grad_of(p).clone() for p in pipe.parameters()]
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes])
+class _DropsPath(nn.TransformerEncoderLayer):
+    """An encoder layer of the model's own that drops its residual branch per sample (torch.rand)."""
+
+    def forward(self, src: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(src, *args, **kwargs)
+        keep = (torch.rand(src.shape[0], 1, 1, dtype=src.dtype) >= 0.5).to(src.dtype)
+        return src + (out - src) * keep * 2
+
+
+class DrawsInsideABuiltIn(nn.Module):
+    """The drawing layer inside a built-in container, which the graph calls whole, with
+    dropouts of rate 0: the container's dropouts draw nothing, its layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        layer = _DropsPath(8, 2, 16, dropout=0.0, batch_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.body(torch.tanh(self.a(x)).unsqueeze(1)).squeeze(1))
+
+
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):

@@ -131,6 +131,56 @@ def test_a_write_outside_in_eval_mode_alone_is_refused_and_put_back(asks: str) -
     assert COUNTER.eq(0).all()
 
 
+class WritesThroughADropout(nn.Module):
+    """Writes a tensor attribute through a dropout's output, which in eval mode is the tensor
+    itself (rate above 0; at rate 0 it is the tensor in both modes, and refused either way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.drop = nn.Linear(6, 6), nn.Dropout(0.1)
+        self.table = torch.ones(6)  # not registered: a plain attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first(x) * self.drop(self.table).add_(0.5)
+
+
+class _Flagged(nn.Module):
+    """Keeps its own `training` flag, in a property subclasses inherit."""
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        return bool(self.__dict__["_flag"])
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        self.__dict__["_flag"] = value
+
+
+class CountsOutsideWithItsOwnFlag(_Flagged):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.stats = torch.zeros(6)  # not registered: a plain attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x) if self.training else self.first(x).clone()
+        self.stats.add_(h.detach().mean(0))
+        return self.second(h)
+
+
+@pytest.mark.parametrize("make, name", [(WritesThroughADropout, "table"), (CountsOutsideWithItsOwnFlag, "stats")])
+def test_a_write_outside_is_refused_however_the_mode_is_asked(make: Callable[[], nn.Module], name: str) -> None:
+    """Before, a dropout's read of its flag was taken for one that changes no effect (in eval
+    mode it returns its input itself, which the model then wrote), and a class inheriting a
+    `training` property of its own had its property hidden by the watch's (the eager run failed,
+    and every effect went unseen)."""
+    model = make()
+    with pytest.raises(TraceError, match=f"the tensor attribute {name} of"):
+        compile_pipeline(model, X, ["cpu"] * 2, chunks=2)
+    assert getattr(model, name).eq(1 if name == "table" else 0).all()
+    assert "training" not in vars(CountsOutsideWithItsOwnFlag) and isinstance(vars(_Flagged)["training"], property)
+
+
 class FillsOnce(nn.Module):
     """Fills a cache on its first call, and asks no mode."""
 
@@ -147,7 +197,8 @@ class FillsOnce(nn.Module):
 @pytest.mark.parametrize(
     "make, modes",
     [
-        (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.1), nn.BatchNorm1d(6)), [True]),  # built-in layers' own flags
+        (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.0), nn.BatchNorm1d(6)), [True]),  # built-in layers' own flags
+        (lambda: nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.1), nn.Linear(6, 6)), [True, False]),  # in eval, its input itself
         (lambda: WritesOutsideInEval("flag"), [True, False]),  # its code asks a flag
         (FillsOnce, [True, False]),  # the first run changed what the second would start from
     ],
