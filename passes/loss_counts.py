@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import GetAttrKey, MappingKey, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.own_loss import own_loss_in
 from fxpipe.passes.batch_dims import COMBINES
 from fxpipe.passes.random_ops import argument, random_sources
 
@@ -74,17 +74,18 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
 
 
 def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[fx.Node]:
-    """The graph's node that the model's own loss is."""
-    name = name_of(template)
-    if name is None:
-        for path, leaf in tree_flatten_with_path(template)[0]:
-            key = path[0] if len(path) == 1 else None
-            if isinstance(key, MappingKey) and key.key == "loss" or isinstance(key, GetAttrKey) and key.name == "loss":
-                name = name_of(leaf)
-    if name is None and type(template) in (tuple, list) and template:  # (loss, logits): the first, if 0-dim
-        first = next((n for n in gm.graph.nodes if n.name == name_of(template[0])), None)
-        return first if first is not None and first.meta.get("shape") == () else None
-    return next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else None
+    """The graph's node that the model's own loss is (fxpipe/core/own_loss.py)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+
+    def node(leaf: Any) -> Optional[fx.Node]:
+        name = name_of(leaf)
+        return nodes.get(name) if name is not None else None
+
+    def zero_dim(leaf: Any) -> bool:
+        found = node(leaf)
+        return found is not None and found.meta.get("shape") == ()
+
+    return node(own_loss_in(template, lambda leaf: node(leaf) is not None, zero_dim))
 
 
 def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:

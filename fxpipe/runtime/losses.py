@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only
 
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
+from fxpipe.core.own_loss import own_loss_in
 from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
 
@@ -81,14 +82,10 @@ def loss_of(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: An
 
 
 def own_loss(output: Any) -> Any:
-    """The loss a model returns itself: the output, its `loss` field or key, or the first of a
-    tuple or list that is a 0-dim tensor (`(loss, logits)`, Hugging Face's return_dict=False)."""
-    if isinstance(output, torch.Tensor):
-        loss = output if output.dim() == 0 else None
-    elif type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor) and output[0].dim() == 0:
-        loss = output[0]
-    else:
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    """The loss a model returns itself (fxpipe/core/own_loss.py): the output, its `loss` field or
+    key, or the first of a tuple or list that is a 0-dim tensor (`(loss, logits)`, Hugging
+    Face's return_dict=False)."""
+    loss = own_loss_in(output, lambda v: isinstance(v, torch.Tensor), lambda t: t.dim() == 0)
     if loss is None:
         raise ValueError(
             f"train_step without loss_fn needs a model that returns its loss (a 0-dim tensor, an output "
@@ -101,14 +98,7 @@ def own_loss(output: Any) -> Any:
 def own_loss_ref(template: Any) -> Optional[ValueRef]:
     """Where `own_loss` finds the model's own loss in the output's template: a value made from
     the whole batch, which train_step combines from the micro-batches'; None where there is none."""
-    if isinstance(template, ValueRef):
-        found: Any = template
-    elif isinstance(template, dict):
-        found = template.get("loss")
-    elif type(template) in (tuple, list) and template:
-        found = template[0]
-    else:
-        found = getattr(template, "loss", None)
+    found = own_loss_in(template, lambda v: isinstance(v, ValueRef), lambda ref: True)
     return found if isinstance(found, ValueRef) and not found.given and found.dims == (VARIES,) else None
 
 
