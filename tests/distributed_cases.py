@@ -646,6 +646,38 @@ def replicated(rank: int, world: int, names: list[str]) -> list[dict[str, Any]]:
     return report
 
 
+class OwnSummedLoss(nn.Module):
+    """FanOut returning its own loss: squared errors summed over samples, divided by `count`,
+    given whole (as Hugging Face's Trainer gives num_items_in_batch, counted over every replica)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = FanOut()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": F.mse_loss(self.body(x), y, reduction="sum") / count}
+
+
+def replicated_own_sum(rank: int, world: int) -> dict[str, Any]:
+    """pp x dp = 2 x 2, the model's own loss a sum over samples (divided by the whole batch's
+    count): compiling finds it the sum of its halves', and the replicas' losses are summed too."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    share = slice(0, 4) if mesh.get_local_rank("dp") == 0 else slice(4, None)  # 4 samples and 5
+    torch.manual_seed(0)
+    model = OwnSummedLoss().double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(9, 6, dtype=torch.float64, generator=g), torch.randn(9, 6, dtype=torch.float64, generator=g)
+    count = torch.tensor(54.0, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x[share], y[share], count), mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+    losses = [pipe.train_step(x[share], y[share], count).item() for _ in range(2)]  # accumulated
+    expected = reference(x, y, count)["loss"]
+    (2 * expected).backward()
+    ref = dict(reference.named_parameters())
+    grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
+    return dict(losses=losses, expected=expected.item(), combines=pipe.program().own_loss_combines, grads=grads)
+
+
 def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_path: str, seed: int, meta: bool = False) -> list[str]:
     """Load a checkpoint (torch.distributed.checkpoint) into this rank's part of a freshly made
     model (`meta`: built on the meta device, each rank making its own stages only), run it,

@@ -278,6 +278,15 @@ def test_pipeline_times_data_parallel_equals_training_on_the_whole_batch() -> No
             assert held == set(per_rank[0]["names"]), f"{case}: no rank of a replica holds {set(per_rank[0]['names']) - held}"
 
 
+def test_replicas_sum_a_models_own_loss_that_compiling_found_to_be_a_sum() -> None:
+    """Before, each replica took the mean of its micro-batches' losses and the replicas a mean
+    weighted by their samples: the loss and gradients a fraction of the plain model's."""
+    for report in results_of(spawn_ranks(cases.replicated_own_sum, 4, timeout=300)):
+        assert report["combines"] == "sum"
+        assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), (report["losses"], report["expected"])
+        assert report["grads"] and max(report["grads"].values()) <= TOL, report["grads"]
+
+
 def test_a_checkpoint_moves_between_stage_counts_and_the_plain_model(tmp_path: Any) -> None:
     """plain model -> 2 stages -> 3 stages (a model built on the meta device) -> 2 stages, and 3
     stages -> plain model, through torch.distributed.checkpoint."""
