@@ -15,6 +15,7 @@ from torch import nn
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import Compiled, OtherCall, Program
 from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, traced_mode
@@ -195,7 +196,7 @@ class PipelineCalls(nn.Module):
                 "chunks=1 for such a loss"
                 + ("." if seen else "; pass reduction='sum' for a loss summed over samples, or divided by a count "
                    "given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives)."),
-                stacklevel=2,
+                stacklevel=caller_stacklevel(),
             )
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
         # A loss refused after the step: its writes too. Held weakly: the step's loss holds `kept`,
@@ -306,7 +307,7 @@ class PipelineCalls(nn.Module):
                         f"this pipeline has compiled stages for more than {VARIANTS} kinds of call (arguments given or "
                         "left out, left None): it keeps the last ones, and compiles again for the others. Call it with "
                         "fewer kinds of arguments, or compile a pipeline for each.",
-                        stacklevel=3,
+                        stacklevel=caller_stacklevel(),
                     )
             variants[other.key] = found
         # One call at a time on the model, whichever of its pipelines runs it.

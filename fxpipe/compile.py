@@ -31,6 +31,7 @@ from fxpipe.core.attrs import buffer_names, tensors_read
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.hooks import hooks_put_back_on_failure
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
 from fxpipe.passes.batch_dims import annotate_batch_dims
@@ -338,7 +339,7 @@ def compile_pipeline(
         warnings.warn(
             f"the example has one sample, which has no halves: the check that {chunks} micro-batches compute what the "
             "whole batch does runs on the first call of two samples or more (a call of one runs as one micro-batch).",
-            stacklevel=2,
+            stacklevel=caller_stacklevel(),
         )
     if placement is not None:
         read_here = [t for run, rank in zip(runs, ranks) if rank == placement.me for node in run for t in tensors_read(gm, node).values()]

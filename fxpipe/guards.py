@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from fxpipe.compiled.program import Compiled, Program
 from fxpipe.core.attrs import buffer_or_none
 from fxpipe.core.hooks import KINDS, hook_tables
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
 
 
@@ -163,7 +164,7 @@ def warn_compiled_whole() -> None:
         "torch.compile(pipe) runs the pipeline as it is, compiling none of it: its stages run on worker threads "
         "under the schedule, which torch.compile does not trace.\nHow to compile the stages: "
         "compile_pipeline(..., compile_stages=True), or a dict of torch.compile's options.",
-        stacklevel=2,
+        stacklevel=caller_stacklevel(),
     )
 
 

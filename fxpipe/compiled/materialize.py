@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from fxpipe.core.own_code import caller_stacklevel
+
 
 _FREED = "_fxpipe_freed"  # in a model's __dict__: the names of the tensors freed on this rank
 
@@ -174,5 +176,5 @@ def _fill_the_rest(owner: nn.Module, left: set[int]) -> None:
             f"the model was built on the meta device, and no reset_parameters() initialises {', '.join(sorted(set(names)))}: "
             "they hold NaN (0 if integer). Load a checkpoint into the pipeline (dcp.load into pipe.state_dict(), "
             "or pipe.load_state_dict) before training.",
-            stacklevel=3,
+            stacklevel=caller_stacklevel(),
         )

@@ -34,6 +34,7 @@ from torch.fx.graph_module import _forward_from_src
 from torch.utils._pytree import tree_map_only
 
 from fxpipe.core.eager_calls import EAGER_IN_COMPILED
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import DRAWS, MARKERS
 from fxpipe.passes.sources import reached_from
 
@@ -276,7 +277,7 @@ class CompiledForward:
                 f"stage {self.stats.stage} runs eagerly in steps where it draws random numbers that its graph does not "
                 "show (inside a module called whole, or an op torch.export left in the graph): only an eager stage can "
                 "hand them the task's stream, which its recompute replays. Its other steps run compiled.",
-                stacklevel=3,
+                stacklevel=caller_stacklevel(),
             )
         return self._eager
 
@@ -333,7 +334,7 @@ class CompiledForward:
                     "with compile_stages={'dynamic': True} (micro-batches of one sample still compile apart), or keep "
                     "micro-batches the same size"
                 ) + "; otherwise keep the guarded value fixed between calls.",
-                stacklevel=4,
+                stacklevel=caller_stacklevel(),
             )
 
     def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:

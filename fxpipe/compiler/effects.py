@@ -9,6 +9,7 @@ from torch import nn
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiler.traced import Traced, in_mode
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import seed_started_generators
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.shapes import small_on_cpu
@@ -113,7 +114,7 @@ def warn_of_containers_left(model: nn.Module, traced: Traced, filled: list[str])
             "generated stages do not: the graph computes from what the model held when compiled (a cache is "
             "computed again on each call), and those containers stay as they were.\nTo have them filled: "
             + "; or ".join(filter(None, [whole, root])) + ".",
-            stacklevel=5,  # the caller of compile_pipeline (through its wrapper)
+            stacklevel=caller_stacklevel(),
         )
 
 

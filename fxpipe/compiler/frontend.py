@@ -20,6 +20,7 @@ from fxpipe.compiler.effects import (
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
 from fxpipe.core.hooks import hooked
 from fxpipe.core.microbatch import batch_size_of
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
@@ -335,7 +336,7 @@ def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, 
         why = traced.eval_only.splitlines()[0]
     note = f"{type(model).__name__} is compiled for eval mode alone: in training mode, {why} A call in training mode is refused."
     traced.note = f"{traced.note}; {note}" if traced.note else note
-    warnings.warn(note, stacklevel=5)  # the caller of compile_pipeline (through its wrapper)
+    warnings.warn(note, stacklevel=caller_stacklevel())
     return traced
 
 
@@ -378,5 +379,5 @@ def _front_ends(
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
     traced.fx_failure = fx_failure.summary
-    warnings.warn(traced.note, stacklevel=6)  # the caller of compile_pipeline (through its wrapper and _in_its_modes)
+    warnings.warn(traced.note, stacklevel=caller_stacklevel())
     return traced

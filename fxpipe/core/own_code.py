@@ -1,9 +1,13 @@
 """Where fxpipe's own code lives, so that watches and errors point at the model's code, never at fxpipe's."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import sys
 from functools import cache
+
+import torch
 
 
 @cache
@@ -19,3 +23,16 @@ def library_dirs() -> tuple[str, ...]:
 def is_ours(filename: str) -> bool:
     """Whether `filename` is one of fxpipe's own files."""
     return filename.startswith(library_dirs())
+
+
+_PASSED_THROUGH = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py")
+
+
+def caller_stacklevel() -> int:
+    """`warnings.warn`'s `stacklevel`, from the function that warns, naming the first line outside
+    fxpipe, torch (`nn.Module.__call__`) and contextlib: the caller's, however deep fxpipe's own
+    frames are (a call compiled again for another kind of call is deeper than compile_pipeline)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (is_ours(frame.f_code.co_filename) or frame.f_code.co_filename.startswith(_PASSED_THROUGH)):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only
 
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_loss import own_loss_in
 from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
@@ -307,7 +308,7 @@ def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: An
             f"train_step cannot check that reduction={reduction!r} combines the micro-batches' losses into the "
             "whole batch's. Each micro-batch's loss draws its own, as dropout does: alike in distribution to the "
             "plain model's, not in value (chunks=1 draws the plain model's).",
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )
         return
     whole = whole.detach().to(total.device, total.dtype)

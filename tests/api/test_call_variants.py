@@ -378,3 +378,29 @@ def test_an_exported_pipeline_cast_after_compiling_compiles_stages_for_calls_of_
 def _assert_grads_exact(model: nn.Module, reference: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_warnings_name_the_callers_line_however_deep_the_call_compiles() -> None:
+    """Before, a warning of a kind of call compiled later (here: torch.export taking over again)
+    named a line of fxpipe/compile.py, and train_step's about the model's own loss one of
+    fxpipe's; each names the line of the call now, as compiling's own does."""
+    model, x = MakesOnes(), torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="used torch.export") as compiled:
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    pipe.double()
+    with pytest.warns(UserWarning, match="used torch.export") as called:
+        pipe(x.double())
+    own = compile_pipeline(_OwnMean(), (x, x), ["cpu", "cpu"], chunks=2)
+    with pytest.warns(UserWarning, match="cannot check that it is one") as stepped:
+        own.train_step(x, x)
+    for record in (*compiled, *called, *stepped):
+        assert record.filename == __file__, (record.filename, str(record.message)[:80])
+
+
+class _OwnMean(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
