@@ -1,10 +1,12 @@
 """`Pipeline.train_steps`: a loop that owns several steps, batches in and each batch's loss out, the optimizer stepped after each."""
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
+import torch.optim.optimizer as every_optimizer
 
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
@@ -33,7 +35,7 @@ def train_steps(
     what the parameters are. The arguments are checked here, the batches read as the losses are."""
     _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
     if pipe.plan.schedule == "2bw":
-        _refuse_where_steps_cannot_overlap(pipe)
+        _refuse_where_steps_cannot_overlap(pipe, optimizer)
         return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
     return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)
 
@@ -158,8 +160,16 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
     return (inputs,), {}, target
 
 
-def _refuse_where_steps_cannot_overlap(pipe: PipelineLike) -> None:
+def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.optim.Optimizer) -> None:
     problems = []
+    if _step_hooks(optimizer):
+        problems.append(
+            f"with hooks on the optimizer's step ({', '.join(_step_hooks(optimizer))}): each stage's share of the "
+            "update runs on its own, as soon as its gradients are in, and a hook would run once per stage, on that "
+            "stage's parameters alone. Do before the update what a pre-hook does (clipping) in after_backward=, "
+            "where every stage's gradients for the batch are in; after every stage's update what a post-hook does "
+            "(an average of the weights) in after_step="
+        )
     placement = pipe._compiled.placement
     if placement is not None and placement.dp_group is not None:
         problems.append("with data-parallel replicas (a mesh with a 'dp' dimension): their gradients would be averaged "
@@ -172,6 +182,22 @@ def _refuse_where_steps_cannot_overlap(pipe: PipelineLike) -> None:
         raise RuntimeError("train_steps with schedule='2bw' cannot run " + "; and ".join(problems) + ".")
 
 
+def _step_hooks(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The kinds of hooks that `optimizer.step()` runs: its own, and those of every optimizer."""
+    found = [(optimizer._optimizer_step_pre_hooks, "register_step_pre_hook"), (optimizer._optimizer_step_post_hooks, "register_step_post_hook")]
+    found += [(every_optimizer._global_optimizer_pre_hooks, "a global pre-hook"), (every_optimizer._global_optimizer_post_hooks, "a global post-hook")]
+    return [name for hooks, name in found if hooks]
+
+
+def _needs_a_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` must be given a closure (LBFGS evaluates the loss again)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 def _refuse_bad_arguments(batches: Any, optimizer: Any, reduction: str, after_backward: Any, after_step: Any) -> None:
     problems = []
     if not isinstance(batches, Iterable):
@@ -179,6 +205,12 @@ def _refuse_bad_arguments(batches: Any, optimizer: Any, reduction: str, after_ba
     if not isinstance(optimizer, torch.optim.Optimizer):
         problems.append(
             f"optimizer must be a torch.optim.Optimizer over the pipeline's parameters, not a {type(optimizer).__name__}"
+        )
+    elif _needs_a_closure(optimizer):
+        problems.append(
+            f"{type(optimizer).__name__}.step needs a closure that evaluates the loss again, which train_steps does not "
+            "give: write the loop, `for x, y in batches: optimizer.step(lambda: (optimizer.zero_grad(), "
+            "pipe.train_step(x, target=y, loss_fn=loss_fn))[1])`"
         )
     if reduction not in ("mean", "sum"):
         problems.append(f"reduction must be 'mean' or 'sum', not {reduction!r}")

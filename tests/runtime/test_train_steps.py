@@ -214,3 +214,22 @@ def test_parameters_between_losses_are_a_whole_version() -> None:
         state = pipe.state_dict()
         for name, value in reference.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_an_optimizer_that_needs_a_closure_is_refused_with_the_loop_that_trains_it(schedule: str) -> None:
+    """Before, LBFGS failed in torch's step with a bare TypeError (under 2bw after two batches had
+    run, with a note that the parameters held an update in part). The loop the refusal writes
+    out trains as the plain one."""
+    model, reference = twin(FanOut())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], schedule, stages=2)
+    lbfgs = torch.optim.LBFGS(pipe.parameters(), lr=0.5, max_iter=3)
+    with pytest.raises(TypeError, match=r"(?s)LBFGS.step needs a closure.*optimizer.step\(lambda: \(optimizer.zero_grad\(\), pipe.train_step"):
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=lbfgs)
+    assert all(p.grad is None for p in pipe.parameters())
+    plain = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=3)
+    for x, y in batches:
+        lbfgs.step(lambda: (lbfgs.zero_grad(), pipe.train_step(x, target=y, loss_fn=F.mse_loss))[1])
+        plain.step(lambda: (plain.zero_grad(), F.mse_loss(reference(x), y).backward(), F.mse_loss(reference(x), y))[2])
+    _assert_parameters_equal(model, reference)

@@ -463,6 +463,31 @@ def test_what_2bw_cannot_run_is_refused() -> None:
     _assert_a_train_step_is_exact(pipe, model, batches[0])
 
 
+@pytest.mark.parametrize("hook", ["pre", "post", "global"])
+def test_hooks_on_the_optimizer_s_step_are_refused_naming_where_their_work_goes(hook: str) -> None:
+    """Before, each ran once per stage per batch, on that stage's parameters alone: an average of
+    the weights kept in a post-hook was updated twice per batch (1.95e-3 off the plain loop's),
+    clipping in a pre-hook clipped each stage by its own norm (1.1e-3 off)."""
+    import torch.optim.optimizer as every_optimizer
+
+    model, _ = twin(FanOut())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], 2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    register = {
+        "pre": opt.register_step_pre_hook, "post": opt.register_step_post_hook,
+        "global": every_optimizer.register_optimizer_step_post_hook,
+    }[hook]  # fmt: skip
+    handle = register(lambda *args: None)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)hooks on the optimizer's step .*once per stage.*after_backward=.*after_step="):
+            pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in pipe.parameters())
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt))  # without them it runs
+
+
 def test_a_learning_rate_set_between_two_losses_reaches_the_next_batch_s_update_as_in_the_reference_loop() -> None:
     """The update of batch t runs after the caller's code that follows its loss, with the
     optimizer's settings as they were when its gradients were in: a synchronous loop steps
