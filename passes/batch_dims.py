@@ -38,6 +38,7 @@ from fxpipe.passes.random_ops import RandomSources, random_sources
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
+from fxpipe.passes.summed_loss import summed_over_the_batch
 from fxpipe.passes.validate import source_line
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
@@ -156,10 +157,13 @@ def _compared(
         if annotate:
             node.meta["batch_dims"] = [dim for dim, _ in found]
             wholes = _leaves(whole[node])
-            node.meta[COMBINES] = [
+            combines = [
                 _combines(w, [p[k] for p in leaves], sizes) if dim == VARIES and compare and sizes else None
                 for k, (w, (dim, _)) in enumerate(zip(wholes, found))
             ]  # fmt: skip
+            # A sum on the example is one on every batch where the graph makes it so (passes/summed_loss.py).
+            reaches = lambda n: bool(sources[n.name].inputs & split)  # noqa: E731
+            node.meta[COMBINES] = [c if c != "sum" or summed_over_the_batch(gm, made[k], reaches) else None for k, c in enumerate(combines)]
         for (_, why), path in zip(found, _paths(whole[node])):
             if why:
                 problems.append(f"{node.name}{path}{mode}: {why}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -1303,3 +1303,63 @@ def test_a_sum_asked_of_a_models_own_mean_loss_is_refused_before_the_step() -> N
     with pytest.raises(ValueError, match=r"(?s)reduction='sum', but the model's own loss is a mean over samples.*4 times.*leave reduction at 'mean'"):
         pipe.train_step(x, y, count, reduction="sum")
     assert all(p.grad is None for p in pipe.parameters())
+
+
+class TokenLoss(nn.Module):
+    """A loss over the tokens `mask` keeps, summed, then: divided by a count given whole
+    ('given'), by this batch's count, clamped ('clamped'), by its longest row ('longest'), or
+    added to a second sum and halved ('two sums')."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.norm = norm
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.b(torch.tanh(self.a(x)))
+        tok = (out - y).pow(2).sum(-1) * mask
+        if self.norm == "given":
+            loss = tok.sum() / count
+        elif self.norm == "clamped":
+            loss = tok.sum() / mask.sum().clamp(min=1)
+        elif self.norm == "longest":
+            loss = tok.sum() / mask.sum(1).max()
+        else:
+            loss = (tok.sum() + out.abs().sum()) * 0.5
+        return {"loss": loss, "out": out}
+
+
+@pytest.mark.parametrize("norm, example_mask, combines", [
+    ("given", "padded", "sum"), ("two sums", "padded", "sum"),
+    ("clamped", "second half empty", None), ("longest", "full", None),
+])  # fmt: skip
+def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: str, example_mask: str, combines: Optional[str]) -> None:
+    """A loss divided by something of this batch that the example's halves happen to share (its
+    longest row, on an example with none shorter; a clamped count, where one half counts none)
+    is a sum of the halves' on the example and not on later batches. Before, it was summed on
+    every batch with nothing to warn of: on a padded batch the loss 14.95 where the plain
+    model's is 11.37. Only a sum the graph makes (passes/summed_loss.py) is summed now."""
+    model, reference = twin(TokenLoss(norm))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 5, 6, dtype=torch.float64, generator=g), torch.randn(8, 5, 6, dtype=torch.float64, generator=g)
+    mask = torch.ones(8, 5, dtype=torch.float64)
+    if example_mask == "padded":
+        mask[1, 2:] = mask[6, 1:] = 0
+    elif example_mask == "second half empty":
+        mask[4:] = 0
+    count = mask.sum()
+    pipe = compile_pipeline(model, (x, y, mask, count), ["cpu"] * 2, chunks=2)
+    assert pipe.program().own_loss_combines == combines
+    mask = torch.ones(8, 5, dtype=torch.float64)
+    mask[0, 1:] = mask[5, 3:] = 0  # a batch whose halves differ
+    if combines is None:
+        with pytest.warns(UserWarning, match="cannot check that it is one"):
+            pipe.train_step(x, y, mask, mask.sum())
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.train_step(x, y, mask, mask.sum())
+    expected = reference(x, y, mask, mask.sum())["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
