@@ -658,24 +658,33 @@ class OwnSummedLoss(nn.Module):
         return {"loss": F.mse_loss(self.body(x), y, reduction="sum") / count}
 
 
-def replicated_own_sum(rank: int, world: int) -> dict[str, Any]:
-    """pp x dp = 2 x 2, the model's own loss a sum over samples (divided by the whole batch's
-    count): compiling finds it the sum of its halves', and the replicas' losses are summed too."""
+def replicated_own_losses(rank: int, world: int) -> list[dict[str, Any]]:
+    """pp x dp = 2 x 2, the model's own loss: a sum over samples divided by the whole batch's
+    count, which compiling finds the sum of its halves' and the replicas sum too; and a mean
+    cross-entropy over the labels not padded, which each replica weighs by the labels it counts."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
-    share = slice(0, 4) if mesh.get_local_rank("dp") == 0 else slice(4, None)  # 4 samples and 5
-    torch.manual_seed(0)
-    model = OwnSummedLoss().double()
-    reference = copy.deepcopy(model)
+    share = slice(0, 4) if mesh.get_local_rank("dp") == 0 else slice(4, None)  # 4 samples and 5 (4 and 4 labelled)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(9, 6, dtype=torch.float64, generator=g), torch.randn(9, 6, dtype=torch.float64, generator=g)
-    count = torch.tensor(54.0, dtype=torch.float64)
-    pipe = compile_pipeline(model, (x[share], y[share], count), mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
-    losses = [pipe.train_step(x[share], y[share], count).item() for _ in range(2)]  # accumulated
-    expected = reference(x, y, count)["loss"]
-    (2 * expected).backward()
-    ref = dict(reference.named_parameters())
-    grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
-    return dict(losses=losses, expected=expected.item(), combines=pipe.program().own_loss_combines, grads=grads)
+    ids, labels = padded_labels(1, pads=(7, 2, 0, 5, 6, 1, 3, 8))
+    cases: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {
+        "summed": (OwnSummedLoss(), (x, y, torch.tensor(54.0, dtype=torch.float64)), (x[share], y[share])),
+        "counted": (PaddedLM(), (ids, labels), (ids[share], labels[share])),
+    }
+    report = []
+    for name, (made, whole, mine) in cases.items():
+        torch.manual_seed(0)
+        model = made.double()
+        reference = copy.deepcopy(model)
+        given = (*mine, *whole[len(mine):])  # the count is given whole
+        pipe = compile_pipeline(model, given, mesh=mesh, chunks=2, schedule="1f1b", timeout=60)
+        losses = [pipe.train_step(*given).item() for _ in range(2)]  # accumulated
+        expected = reference(*whole)["loss"]
+        (2 * expected).backward()
+        ref = dict(reference.named_parameters())
+        grads = {n: _max_diff(p.grad, ref[n].grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        report.append(dict(case=name, losses=losses, expected=expected.item(), grads=grads, counted=pipe.program().loss_counter is not None))
+    return report
 
 
 def checkpoint_round(rank: int, world: int, load_from: str, save_to: str, out_path: str, seed: int, meta: bool = False) -> list[str]:

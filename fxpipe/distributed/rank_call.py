@@ -18,7 +18,7 @@ from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
 from fxpipe.distributed.replicas import ReplicaFailed, Replicas
-from fxpipe.runtime.batch_loss import loss_and_outputs, own_loss_reduction
+from fxpipe.runtime.batch_loss import loss_and_outputs, own_loss_reduction, own_mean_size
 from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
@@ -139,7 +139,8 @@ def _train_across(
     present = [g is not None for g in grads]
     try:
         failed = f"ValueError: {problem}" if problem else ""
-        scale, total = pipe.replicas.agree(present, total, sum(call.sizes), reduction == "mean", failed, _alike(pipe, call))
+        size = own_mean_size(call, reduction) if loss_fn is None else sum(call.sizes)
+        scale, total = pipe.replicas.agree(present, total, size, reduction == "mean", failed, _alike(pipe, call))
     except ReplicaFailed:
         if problem is None:
             raise

@@ -75,18 +75,34 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
     return found or reduction
 
 
+def _own_counts(call: Call) -> Optional[list[int]]:
+    """How many targets the model's own mean cross-entropy counts in each micro-batch; None where
+    its loss is no such mean, or its target holds class probabilities."""
+    counter = call.program.loss_counter
+    if counter is None:
+        return None
+    found = [counter(values) for values in call.micro_batches]
+    counts = [count for count in found if count is not None]
+    return counts if len(counts) == len(found) else None
+
+
+def own_mean_size(call: Call, reduction: str) -> int:
+    """What this call's mean loss is a mean over, for the replicas' shares of the whole batch's:
+    the targets the model's own mean cross-entropy counts (passes/loss_counts.py), else the samples."""
+    counts = _own_counts(call) if reduction == "mean" and call.slices is None else None
+    return sum(counts) if counts is not None else sum(call.sizes)
+
+
 def own_mean_weights(call: Call) -> Optional[list[float]]:
     """Each micro-batch's share of the batch's loss where the model's own loss is a mean
     cross-entropy over the targets it counts (passes/loss_counts.py): its count over the
     batch's, so that the sum of the weighted losses is the plain model's mean; None where the
     loss is no such mean, or one micro-batch holds the batch."""
-    counter = call.program.loss_counter
-    if counter is None or len(call.micro_batches) == 1:
+    counts = _own_counts(call)
+    if counts is None or len(call.micro_batches) == 1:
         return None
-    found = [counter(values) for values in call.micro_batches]
-    counts = [count for count in found if count is not None]
     total = sum(counts)
-    if len(counts) < len(found) or total == 0:  # class probabilities; or no target counts: the plain model's mean is NaN too
+    if total == 0:  # no target counts: the plain model's mean is NaN too
         return None
     empty = [i for i, count in enumerate(counts) if count == 0]
     if empty:

@@ -278,13 +278,16 @@ def test_pipeline_times_data_parallel_equals_training_on_the_whole_batch() -> No
             assert held == set(per_rank[0]["names"]), f"{case}: no rank of a replica holds {set(per_rank[0]['names']) - held}"
 
 
-def test_replicas_sum_a_models_own_loss_that_compiling_found_to_be_a_sum() -> None:
-    """Before, each replica took the mean of its micro-batches' losses and the replicas a mean
-    weighted by their samples: the loss and gradients a fraction of the plain model's."""
-    for report in results_of(spawn_ranks(cases.replicated_own_sum, 4, timeout=300)):
-        assert report["combines"] == "sum"
-        assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), (report["losses"], report["expected"])
-        assert report["grads"] and max(report["grads"].values()) <= TOL, report["grads"]
+def test_replicas_combine_a_models_own_loss_as_the_whole_batch_does() -> None:
+    """A sum over samples (divided by a count given whole): before, each replica took the mean of
+    its micro-batches' losses and the replicas a mean weighted by samples, a fraction of the plain
+    model's loss and gradients. A mean over the labels not padded: before, the replicas weighed
+    each other by samples, not by the labels each counts (2.43730 for 2.43868)."""
+    for per_case in results_of(spawn_ranks(cases.replicated_own_losses, 4, timeout=300)):
+        for report in per_case:
+            assert report["counted"] == (report["case"] == "counted"), report["case"]
+            assert all(abs(loss - report["expected"]) <= TOL for loss in report["losses"]), report
+            assert report["grads"] and max(report["grads"].values()) <= TOL, report
 
 
 def test_a_checkpoint_moves_between_stage_counts_and_the_plain_model(tmp_path: Any) -> None:
