@@ -41,8 +41,15 @@ def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any]
     """How the model's own loss on the example came from its halves' losses (the batch-dim
     check's runs): 'sum' or 'mean' over samples; None where it found neither, or ran no halves."""
     node = _loss_node(gm, template, name_of)
-    found = node.meta.get(COMBINES) if node is not None else None
-    return found[0] if found and len(found) == 1 else None
+    if node is not None:
+        found = node.meta.get(COMBINES)
+        return found[0] if found and len(found) == 1 else None
+    field = _loss_field(gm, template, name_of)
+    if field is None:
+        return None
+    made, position, _ = field
+    found = made.meta.get(COMBINES)
+    return found[position] if found and position < len(found) else None
 
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
@@ -51,6 +58,8 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
     (the `loss` field of `template`, or the output itself, whose leaves `name_of` names) is no
     mean cross-entropy whose target comes from the inputs alone."""
     node = _loss_node(gm, template, name_of)
+    field = _loss_field(gm, template, name_of) if node is None else None
+    node = field[2] if field is not None else node
     found = _mean_loss(gm, node) if node is not None else None
     if found is None:
         return None
@@ -86,6 +95,23 @@ def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optio
         return found is not None and found.meta.get("shape") == ()
 
     return node(own_loss_in(template, lambda leaf: node(leaf) is not None, zero_dim))
+
+
+def _loss_field(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[tuple[fx.Node, int, fx.Node]]:
+    """Where the output is a namedtuple made by one node of its fields (torch.fx records
+    `Out(loss, logits)` so), one of them `loss`: that node, the position of the field among its
+    leaves, and the node the field is."""
+    made = next((n for n in gm.graph.nodes if n.name == name_of(template)), None) if name_of(template) is not None else None
+    kind = made.target if made is not None and made.op == "call_function" else None
+    if made is None or not (isinstance(kind, type) and issubclass(kind, tuple) and "loss" in getattr(kind, "_fields", ())):
+        return None
+    fields: tuple[str, ...] = kind._fields  # type: ignore[attr-defined]
+    values = {**dict(zip(fields, made.args)), **made.kwargs}
+    if len(values) != len(fields) or not all(isinstance(v, fx.Node) and isinstance(v.meta.get("dtype"), torch.dtype) for v in values.values()):
+        return None  # a field of several tensors, or none: positions among the leaves do not line up
+    loss = values["loss"]
+    assert isinstance(loss, fx.Node)
+    return made, fields.index("loss"), loss
 
 
 def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:

@@ -1,6 +1,7 @@
 """`pipe.train_step` under every schedule gives the plain model's loss and gradients, in every mode."""
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import warnings
@@ -1360,6 +1361,43 @@ def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: st
         warnings.simplefilter("error")
         loss = pipe.train_step(x, y, mask, mask.sum())
     expected = reference(x, y, mask, mask.sum())["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+LossAndLogits = collections.namedtuple("LossAndLogits", ["loss", "logits"])
+
+
+class PaddedLMNamedTuple(PaddedLM):
+    """PaddedLM returning a namedtuple with a `loss` field; its loss summed over the labels that
+    count where `summed`."""
+
+    def __init__(self, summed: bool) -> None:
+        super().__init__()
+        self.summed = summed
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> LossAndLogits:  # type: ignore[override]
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), ignore_index=-100, reduction="sum" if self.summed else "mean")
+        return LossAndLogits(loss, logits)
+
+
+@pytest.mark.parametrize("summed", [False, True])
+def test_a_namedtuple_with_a_loss_field_is_the_models_own_loss_at_compile_time_too(summed: bool) -> None:
+    """Before, compiling found no own loss in a namedtuple (the template holds it as one value):
+    its mean over counted labels was not weighted by them (1.6306 where the plain model's is
+    1.6937), its sum was averaged (3.387 for 6.775)."""
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLMNamedTuple(summed))
+    ids, labels = padded_labels(1)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=4)
+    assert (pipe.program().own_loss_combines == "sum") if summed else (pipe.program().loss_counter is not None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.train_step(ids, labels)
+    expected = reference(ids, labels).loss
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
