@@ -187,17 +187,25 @@ class PipelineCalls(nn.Module):
 
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
-            seen = call.program.own_loss_combines == "mean"
-            warnings.warn(
-                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
-                + (" (as it is on the example's halves)" if seen else "")
-                + ", and cannot check that it is one on every batch: a mean over a count that varies between "
-                "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
-                "chunks=1 for such a loss"
-                + ("." if seen else "; pass reduction='sum' for a loss summed over samples, or divided by a count "
-                   "given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives)."),
-                stacklevel=caller_stacklevel(),
-            )
+            found = call.program.own_loss_combines
+            if found == "neither":
+                said = (
+                    f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, and on "
+                    "the example it is neither the sum nor the mean of its halves' losses (a term of the whole batch, "
+                    "a penalty added once): the result differs from the plain model's. Pass loss_fn (checked on every "
+                    "step) with the outputs it needs, or use chunks=1."
+                )
+            else:
+                said = (
+                    f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
+                    + (" (as it is on the example's halves)" if found == "mean" else "")
+                    + ", and cannot check that it is one on every batch: a mean over a count that varies between "
+                    "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
+                    "chunks=1 for such a loss"
+                    + ("." if found == "mean" else "; pass reduction='sum' for a loss summed over samples, or divided by "
+                       "a count given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives).")
+                )
+            warnings.warn(said, stacklevel=caller_stacklevel())
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
         # A loss refused after the step: its writes too. Held weakly: the step's loss holds `kept`,
         # and a cycle would keep the step (its outputs) until the garbage collector runs.

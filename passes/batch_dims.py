@@ -43,7 +43,7 @@ from fxpipe.passes.validate import source_line
 
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 # node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
-# the halves' (`_combines`): 'sum', 'mean' or None.
+# the halves' (`_combines`): 'sum', 'mean', 'neither' or None.
 COMBINES = "combines"
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
 _LOW_PRECISION = 5e-2
@@ -358,17 +358,18 @@ def _is_split(value: Any, batch: int, dims: Dims) -> bool:
 
 
 def _combines(whole: Any, parts: list[Any], sizes: list[int]) -> Optional[str]:
-    """How a number made from the whole batch (a loss) comes from the halves': 'sum' where it is
-    their sum (a sum over samples, or one divided by a count given whole), 'mean' where it is
-    their mean weighted by their sizes; None where neither, or both (0)."""
-    if not (isinstance(whole, torch.Tensor) and whole.dim() == 0 and whole.is_floating_point()):
+    """How a number made from the whole batch (a loss, of one element) comes from the halves':
+    'sum' where it is their sum (a sum over samples, or one divided by a count given whole),
+    'mean' where it is their mean weighted by their sizes, 'neither' where it is neither; None
+    where both (0), or it is no such number."""
+    if not (isinstance(whole, torch.Tensor) and whole.numel() == 1 and whole.is_floating_point()):
         return None
     if not all(isinstance(p, torch.Tensor) and p.shape == whole.shape and p.dtype == whole.dtype for p in parts):
         return None
     rtol, atol = (1e-9, 1e-12) if whole.dtype == torch.float64 else (1e-5, 1e-7) if whole.dtype == torch.float32 else (1e-2, 1e-3)
     sum_ = torch.isclose(whole, sum(parts), rtol=rtol, atol=atol)  # type: ignore[arg-type]
     mean = torch.isclose(whole, sum(p * n for p, n in zip(parts, sizes)) / sum(sizes), rtol=rtol, atol=atol)  # type: ignore[arg-type]
-    return "sum" if sum_ and not mean else "mean" if mean and not sum_ else None
+    return "sum" if sum_ and not mean else "mean" if mean and not sum_ else "neither" if not sum_ else None
 
 
 def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False, real: bool = True) -> tuple[BatchDim, str]:

@@ -39,7 +39,7 @@ _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4
 
 def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[str]:
     """How the model's own loss on the example came from its halves' losses (the batch-dim
-    check's runs): 'sum' or 'mean' over samples; None where it found neither, or ran no halves."""
+    check's runs): 'sum' or 'mean' over samples, or 'neither'; None where it ran no halves."""
     node = _loss_node(gm, template, name_of)
     if node is not None:
         found = node.meta.get(COMBINES)

@@ -227,7 +227,7 @@ class Program:
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
     loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
     # How the model's own loss on the example came from its halves': 'sum' or 'mean' over
-    # samples (passes/batch_dims.py); None where compiling could not tell.
+    # samples, or 'neither' (passes/batch_dims.py); None where compiling could not tell.
     own_loss_combines: Optional[str] = None
 
     def hooks_changed(self) -> list[str]:

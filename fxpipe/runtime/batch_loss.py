@@ -48,6 +48,8 @@ def micro_batch_losses(
     def micro_batch_loss(i: int, values: dict[str, Any]) -> torch.Tensor:
         output = rebuild(program.template, values, given_values(program, call.micro_batches[i]))
         loss = loss_of(loss_fn, output, targets[i]) if loss_fn is not None else own_loss(output)
+        if loss_fn is None and isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+            loss = loss.reshape(())  # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch under DataParallel)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
         scaled = loss * weights[i]
@@ -72,7 +74,7 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
             "halves' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
             f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the default)."
         )
-    return found or reduction
+    return found if found in ("sum", "mean") else reduction
 
 
 def _own_counts(call: Call) -> Optional[list[int]]:

@@ -1401,3 +1401,49 @@ def test_a_namedtuple_with_a_loss_field_is_the_models_own_loss_at_compile_time_t
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class CountedAsOneElement(SummedOwnLoss):
+    """SummedOwnLoss('count') given its count as a tensor of one element: its loss has shape (1,)."""
+
+    def __init__(self) -> None:
+        super().__init__("count")
+
+
+def test_an_own_loss_of_one_element_trains_as_the_plain_model() -> None:
+    """A count given as a tensor of one element (Hugging Face's Trainer gives num_items_in_batch
+    so under DataParallel) makes the plain model's loss one of shape (1,), whose backward works.
+    Before, a stage failed on it ('the loss of a micro-batch must be a 0-dim tensor')."""
+    model, reference = twin(CountedAsOneElement())
+    x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor([48.0], dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y, count), ["cpu"] * 2, chunks=2)
+    assert pipe.program().own_loss_combines == "sum"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = pipe.train_step(x, y, count)
+    expected = reference(x, y, count)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach().reshape(()), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class SumAndPenalty(SummedOwnLoss):
+    """A sum over samples plus a penalty on a weight, added once for the batch."""
+
+    def __init__(self) -> None:
+        super().__init__("sum")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = super().forward(x, y, count)
+        return {**out, "loss": out["loss"] + 0.01 * next(self.parameters()).pow(2).sum()}
+
+
+def test_an_own_loss_neither_the_sum_nor_the_mean_of_the_halves_says_so_without_advising_a_reduction() -> None:
+    """Before, the warning advised reduction='sum', which counts the penalty once per micro-batch."""
+    model = SumAndPenalty().double()
+    x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, y, count), ["cpu"] * 2, chunks=2)
+    assert pipe.program().own_loss_combines == "neither"
+    with pytest.warns(UserWarning, match=r"neither the sum nor the mean of its halves' losses.*differs from the plain model's") as said:
+        pipe.train_step(x, y, count)
+    assert "reduction='sum'" not in str(said[0].message)
