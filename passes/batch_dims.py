@@ -41,10 +41,10 @@ from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.summed_loss import summed_over_the_batch
 from fxpipe.passes.validate import source_line
 
-# Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 # node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
 # the halves' (`_combines`): 'sum', 'mean', 'neither' or None.
 COMBINES = "combines"
+# Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
 _LOW_PRECISION = 5e-2
 

@@ -128,6 +128,8 @@ def _run_once(
     plain = type(gm.graph._codegen) is fx.graph.CodeGen  # returns its output node's args as they are
     if real and plain and not records and not fixed and keep is not None and keep <= set(output.all_input_nodes):
         values: dict[fx.Node, Any] = {}
+        # (fx's plain code returns the output node's args as written: they pair up, or the
+        # interpreter runs after all.)
         if _returned(output.args[0], gm.forward(*inputs), values):
             return {node: value for node, value in values.items() if node in keep}
     runner = ExampleRunner(gm, on_meta=not real, keep=keep, fixed=fixed, records=records)
