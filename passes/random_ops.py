@@ -100,8 +100,8 @@ def _function_is_random(node: fx.Node) -> bool:
     if target in _GATED:
         (p_name, p_at, p_default), (t_name, t_at, t_default) = _GATED[target]
         return _gated_by_constants(argument(node, p_name, p_at, p_default), argument(node, t_name, t_at, t_default))
-    if target in RANDOM_FUNCTIONS:
-        return True
+    if target in RANDOM_FUNCTIONS or getattr(target, "applies", None) is not None:
+        return True  # (an autograd Function of the model's, applied: its forward is Python, which may draw)
     module = (getattr(target, "__module__", None) or "").split(".")[0]
     return target is not operator.getitem and module not in _DETERMINISTIC_MODULES
 

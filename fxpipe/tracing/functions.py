@@ -32,6 +32,7 @@ def applier(function: type) -> Callable[..., Any]:
 
         apply.__name__ = apply.__qualname__ = f"apply_{function.__name__}"
         apply.__module__ = __name__
+        apply.applies = function  # type: ignore[attr-defined]  # what the passes ask of its node (passes/random_ops.py)
         _appliers[function] = apply
     return _appliers[function]
 

@@ -105,7 +105,33 @@ class DrawsInsideABuiltIn(nn.Module):
         return self.b(self.body(torch.tanh(self.a(x)).unsqueeze(1)).squeeze(1))
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn])
+class _MaskedDropout(torch.autograd.Function):
+    """A dropout of the model's own: it draws its mask in forward and keeps it for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        mask = (torch.rand_like(x) > 0.5).to(x.dtype) * 2
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (mask,) = ctx.saved_tensors
+        return grad * mask
+
+
+class DrawsInAFunction(nn.Module):
+    """Its autograd Function draws: the graph holds one call of it, whose forward it cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_MaskedDropout.apply(torch.tanh(self.a(x))))
+
+
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):
