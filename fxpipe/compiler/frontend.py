@@ -274,9 +274,11 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     raise ValueError(
         f"{type(model).__name__} runs on the example only with gradients on: under torch.no_grad() it raises "
         f"{type(error).__name__}: {first_line(error).partition(': ')[2]}\nA pipeline checks its graph, and runs "
-        "checkpointed forwards, without gradients.\nHow to fix: let forward run under torch.no_grad() too "
-        "(register a hook on a tensor only `if h.requires_grad:`), and keep a module that registers hooks on "
-        "tensors whole (leaf_modules=[...]), so that its hooks are registered as it runs."
+        "checkpointed forwards, without gradients.\nHow to fix: let forward compute the same values under "
+        "torch.no_grad() too: a derivative it takes (torch.autograd.grad in forward) under `with torch.enable_grad():`, "
+        "a hook registered on a tensor only `if h.requires_grad:` (a hook changes no forward value); never a branch "
+        "on torch.is_grad_enabled() that computes otherwise. Keep a module that registers hooks on tensors whole "
+        "(leaf_modules=[...]), so that its hooks are registered as it runs."
     ) from error
 
 

@@ -1,6 +1,7 @@
 """Models a trace cannot take as they are: named with the module, the line and a fix that applies."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -232,3 +233,46 @@ def test_a_method_given_to_a_reentrant_checkpoint_is_refused_with_its_line_and_t
     assert "test_trace_errors.py" in message and "fxpipe/tracing/trace.py" not in message, message
     assert "pass a module instead (checkpoint(self.block, x)), use use_reentrant=False" in message, message
     assert "register_dataclass" not in message.split("torch.export:")[0], message
+
+
+class Penalised(nn.Module):
+    """Takes a derivative in forward (a gradient penalty); under `with torch.enable_grad():`
+    where `asks`, as the refusal of the plain form advises."""
+
+    def __init__(self, asks: bool) -> None:
+        super().__init__()
+        self.asks = asks
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.enable_grad() if self.asks else contextlib.nullcontext():
+            h = h if h.requires_grad else h.detach().requires_grad_()
+            y = torch.tanh(self.lin(h))
+            (g,) = torch.autograd.grad(y.sum(), h, create_graph=True)
+        return y, g.pow(2).sum(-1)
+
+
+class WithPenalty(nn.Module):
+    def __init__(self, asks: bool) -> None:
+        super().__init__()
+        self.a, self.pen, self.b = nn.Linear(6, 6), Penalised(asks), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, pen = self.pen(self.a(x))
+        return self.b(y), pen
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_derivative_in_forward_is_refused_with_a_fix_that_gives_the_plain_models_gradients(checkpoint: str) -> None:
+    """Before, the refusal advised letting forward run under no_grad, which a branch on
+    torch.is_grad_enabled() does: checkpointed micro-batches then returned the branch's other
+    value (a penalty 7.5 where the plain model's is 15.4)."""
+    with pytest.raises(ValueError, match=r"(?s)only with gradients on.*under `with torch.enable_grad\(\):`.*never a branch on torch.is_grad_enabled"):
+        compile_pipeline(WithPenalty(asks=False).double(), X.double(), ["cpu"] * 2, chunks=2, leaf_modules=[Penalised])
+    model, reference = twin(WithPenalty(asks=True))
+    pipe = compile_pipeline(model, X.double(), ["cpu"] * 2, chunks=2, checkpoint=checkpoint, leaf_modules=[Penalised])
+    (out, pen), (expected, expected_pen) = pipe(X.double()), reference(X.double())
+    torch.testing.assert_close(pen, expected_pen, rtol=0, atol=1e-12)
+    (out.pow(2).sum() + pen.sum()).backward()
+    (expected.pow(2).sum() + expected_pen.sum()).backward()
+    assert_grads_equal(pipe, reference)
