@@ -12,7 +12,7 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.hooks import KINDS, hook_tables
-from fxpipe.tracing.trace import containers_of, fields_of_dataclasses, plain_dicts
+from fxpipe.tracing.trace import SAVED_TENSOR_HOOKS, TraceError, containers_of, fields_of_dataclasses, plain_dicts, saved_tensor_hooks_watched
 
 _PREFIX = "model."
 
@@ -127,7 +127,10 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     leaves, spec = tree_flatten((args, kwargs))
     found: dict[str, Any] = {}
-    program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
+    with saved_tensor_hooks_watched() as hooked:
+        program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
+    if hooked:
+        raise TraceError(f"torch.export cannot capture {type(model).__name__}: {SAVED_TENSOR_HOOKS}")
     exported = program.module()
     graph = exported.graph
     attrs: dict[str, Any] = {}

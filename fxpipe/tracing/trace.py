@@ -257,7 +257,7 @@ def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphM
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
-                _autocast_watched() as entered:  # fmt: skip
+                _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked:  # fmt: skip
             graph = tracer.trace(model, concrete_args=dict.fromkeys(none) or None)
             _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
@@ -286,6 +286,8 @@ def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphM
             "they ran under.\nHow to fix: let torch.export capture the model, or keep the module that enters it "
             "whole (leaf_modules=[...])."
         )
+    if hooked:
+        raise TraceError(f"torch.fx cannot trace {type(model).__name__}: {SAVED_TENSOR_HOOKS}")
     _drop_tensor_defaults(graph)
     _none_taken_as_given(graph, set(none))
     name = type(model).__name__
@@ -470,6 +472,20 @@ def _autocast_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...
     """Each time the traced forward entered torch.autocast (`with torch.autocast("cuda",
     enabled=False):` in it)."""
     return _calls_watched(torch, "autocast_increment_nesting", lambda: True)
+
+
+SAVED_TENSOR_HOOKS = (
+    "its forward enters torch.autograd.graph.saved_tensors_hooks for a part (save_on_cpu, a compression of what "
+    "backward keeps), and a traced graph keeps the operations, not the hooks on what they save.\nHow to fix: keep "
+    "the module that enters them whole (leaf_modules=[...], with torch.fx), whose forward runs as it is; or enter "
+    "them around the pipeline's call and its backward."
+)
+
+
+def saved_tensor_hooks_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
+    """Each time the traced forward entered torch.autograd.graph.saved_tensors_hooks (or
+    save_on_cpu, made of it)."""
+    return _calls_watched(torch._C._autograd, "_push_saved_tensors_default_hooks", lambda *hooks: True)
 
 
 def _drop_tensor_defaults(graph: fx.Graph) -> None:
