@@ -98,9 +98,15 @@ def _keeper(kept: dict[Node, tuple[Optional[torch.Tensor], ...]], node: Node) ->
 
 
 # Nodes never asked for their weights' gradients alone: GroupNorm's backward kernel crashes the
-# process when its input is channels_last and the input's gradient is not asked for (torch 2.13).
-# I computes their weights' gradients along with the input gradients.
+# process when its input is channels_last and the input's gradient is not asked for (torch 2.13);
+# an autograd Function's backward is the model's own Python, which runs once per micro-batch in
+# the plain model (it may count its calls, or free what it kept on ctx). I computes their
+# weights' gradients along with the input gradients.
 _WHOLE_IN_I = frozenset({"NativeGroupNormBackward0"})
+
+
+def _whole_in_i(node: Node) -> bool:
+    return node.name() in _WHOLE_IN_I or isinstance(node, torch.autograd.function.BackwardCFunction)
 
 
 class _Graph:
@@ -144,7 +150,7 @@ class _Graph:
                     weight_side |= self.reach[child]
             if weight_side & input_side:
                 return None
-            if node.name() in _WHOLE_IN_I:
+            if _whole_in_i(node):
                 in_i |= weight_side
             elif weight_side:
                 plan[node] = weight_side

@@ -913,6 +913,51 @@ class ConvGroupNorm(nn.Module):
         return self.c3(torch.relu(h)).flatten(1)
 
 
+class _ScalesAndFrees(torch.autograd.Function):
+    """x * w, whose backward counts its calls into a buffer and frees what it kept on ctx."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, calls: torch.Tensor) -> torch.Tensor:
+        ctx.x, ctx.calls = x, calls
+        ctx.save_for_backward(w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x = ctx.x
+        del ctx.x  # kept for one backward: a second would fail
+        ctx.calls.add_(1)
+        (w,) = ctx.saved_tensors
+        return grad * w, (grad * x).sum(0), None
+
+
+class ScaledByAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        return self.c(torch.tanh(_ScalesAndFrees.apply(h, self.w, self.calls)))
+
+
+def test_zero_bubble_runs_an_autograd_function_s_backward_once() -> None:
+    """Before, I ran it for the input's gradient and W again for the weight's: twice per
+    micro-batch (a count 4 where the plain model, run on the micro-batches, counts 2), and a
+    backward that frees what it kept failed with its own AttributeError."""
+    model, reference = twin(ScaledByAFunction())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, schedule="zb-h1", checkpoint="never", split_points=["b"])
+    loss = pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+    expected = torch.stack([F.mse_loss(reference(half), target) for half, target in zip(x.chunk(2), y.chunk(2))]).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference)
+    assert model.calls.item() == reference.calls.item() == 2  # type: ignore[operator]
+
+
 @pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])
 def test_zero_bubble_never_asks_group_norm_for_its_weights_alone(memory_format: torch.memory_format) -> None:
     """GroupNorm's backward kernel crashes the process when asked for its weights' gradients
