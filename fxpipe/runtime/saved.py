@@ -54,10 +54,12 @@ def refuse_buffers_written_since(buffers: dict[str, torch.Tensor], versions: Opt
     if written:
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"the buffer(s) {', '.join(written)} of this stage, which the model only reads, were written in place "
-            "between its forward and its backward, and its recompute would not see what its forward saw.\nHow to fix: "
-            "write buffers after the backward (load_state_dict after loss.backward()), or use checkpoint='never', whose "
-            "backward reads what its forward kept, as the plain model's does."
+            f"the buffer(s) {', '.join(written)} of this stage, which the model's forward only reads, were written in "
+            "place between its forward and its backward (by the caller, or by a backward of the model's own: an "
+            "autograd Function's keeping a statistic of its gradient, in another micro-batch), and its recompute "
+            "would not see what its forward saw.\nHow to fix: write buffers after the backward (load_state_dict after "
+            "loss.backward()), or use checkpoint='never', whose backward reads what its forward kept, as the plain "
+            "model's does."
         )
 
 

@@ -475,7 +475,7 @@ def _autocast_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...
 
 
 SAVED_TENSOR_HOOKS = (
-    "its forward enters torch.autograd.graph.saved_tensors_hooks for a part (save_on_cpu, a compression of what "
+    "its forward enters torch.autograd.graph.saved_tensors_hooks of its own for a part (a compression of what "
     "backward keeps), and a traced graph keeps the operations, not the hooks on what they save.\nHow to fix: keep "
     "the module that enters them whole (leaf_modules=[...], with torch.fx), whose forward runs as it is; or enter "
     "them around the pipeline's call and its backward."
@@ -483,9 +483,15 @@ SAVED_TENSOR_HOOKS = (
 
 
 def saved_tensor_hooks_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
-    """Each time the traced forward entered torch.autograd.graph.saved_tensors_hooks (or
-    save_on_cpu, made of it)."""
-    return _calls_watched(torch._C._autograd, "_push_saved_tensors_default_hooks", lambda *hooks: True)
+    """Each time the traced forward entered torch.autograd.graph.saved_tensors_hooks of its own:
+    torch's (save_on_cpu, torch.utils.checkpoint's) change where or when a saved tensor is kept,
+    never its value."""
+    return _calls_watched(torch._C._autograd, "_push_saved_tensors_default_hooks", lambda pack, unpack: not _torch_s(pack))
+
+
+def _torch_s(function: Any) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_filename.startswith(_TORCH_DIR)
 
 
 def _drop_tensor_defaults(graph: fx.Graph) -> None:

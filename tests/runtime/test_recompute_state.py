@@ -187,7 +187,7 @@ def test_a_buffer_the_model_only_reads_written_between_forward_and_backward(mode
         out.sum().backward()
         assert_grads_equal(pipe, plain, tol=1e-12)
         return
-    with pytest.raises(StageError, match="the buffer\\(s\\) s of this stage, which the model only reads, were written in place"):
+    with pytest.raises(StageError, match="the buffer\\(s\\) s of this stage, which the model's forward only reads, were written in place"):
         out.sum().backward()
     pipe.zero_grad()
     pipe(x).sum().backward()  # the next call runs with the new value
