@@ -486,10 +486,10 @@ def saved_tensor_hooks_watched() -> contextlib.AbstractContextManager[list[tuple
     """Each time the traced forward entered torch.autograd.graph.saved_tensors_hooks of its own:
     torch's (save_on_cpu, torch.utils.checkpoint's) change where or when a saved tensor is kept,
     never its value."""
-    return _calls_watched(torch._C._autograd, "_push_saved_tensors_default_hooks", lambda pack, unpack: not _torch_s(pack))
+    return _calls_watched(torch._C._autograd, "_push_saved_tensors_default_hooks", lambda pack, unpack: not _from_torch(pack))
 
 
-def _torch_s(function: Any) -> bool:
+def _from_torch(function: Any) -> bool:
     code = getattr(function, "__code__", None)
     return code is not None and code.co_filename.startswith(_TORCH_DIR)
 
