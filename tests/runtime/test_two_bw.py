@@ -463,6 +463,36 @@ def test_what_2bw_cannot_run_is_refused() -> None:
     _assert_a_train_step_is_exact(pipe, model, batches[0])
 
 
+class CheckpointsABlock(nn.Module):
+    """Its middle block under the model's own torch.utils.checkpoint, reentrant or not."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.a, self.block, self.b = nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.b(torch.tanh(h))
+
+
+def test_the_model_s_own_reentrant_checkpoint_is_refused_and_its_non_reentrant_form_trains_as_the_reference_loop() -> None:
+    """Before, its backward ran autograd on the weights by itself, outside the version each batch
+    started on: from the third loss on, the loop's parameters differed from the reference's (0.013)."""
+    model, _ = twin(CheckpointsABlock(reentrant=True))
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 2)
+    with pytest.raises(RuntimeError, match=r"(?s)reentrant torch.utils.checkpoint \(use_reentrant=True: apply_checkpoint_function\).*use_reentrant=False"):
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+    model, plain = twin(CheckpointsABlock(reentrant=False))
+    expected_model, expected = reference_2bw(plain, batches, OPTIMIZERS["sgd-momentum"])
+    pipe = _pipe(model, batches[0][0], 2)
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=OPTIMIZERS["sgd-momentum"](pipe.parameters()))]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
+
+
 @pytest.mark.parametrize("hook", ["pre", "post", "global"])
 def test_hooks_on_the_optimizer_s_step_are_refused_naming_where_their_work_goes(hook: str) -> None:
     """Before, each ran once per stage per batch, on that stage's parameters alone: an average of
