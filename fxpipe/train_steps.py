@@ -171,9 +171,10 @@ def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.opti
             "Use use_reentrant=False (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
             "{'use_reentrant': False})), or turn it off, as the pipeline's checkpoint= recomputes stages in its place"
         )
-    if _step_hooks(optimizer):
+    hooks = _step_hooks(optimizer)
+    if hooks:
         problems.append(
-            f"with hooks on the optimizer's step ({', '.join(_step_hooks(optimizer))}): each stage's share of the "
+            f"with hooks on the optimizer's step ({', '.join(hooks)}): each stage's share of the "
             "update runs on its own, as soon as its gradients are in, and a hook would run once per stage, on that "
             "stage's parameters alone. Do before the update what a pre-hook does (clipping) in after_backward=, "
             "where every stage's gradients for the batch are in; after every stage's update what a post-hook does "

@@ -151,7 +151,7 @@ def _compared(
             continue  # another structure per half: the pipeline will say so
         # A value read from state the forward writes (a running mean), or drawn, differs between
         # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
-        made = _fields(node, len(leaves[0])) or [node] * len(leaves[0])
+        made = namedtuple_fields(node, len(leaves[0])) or [node] * len(leaves[0])
         from_batch = [bool(sources[m.name].inputs & split) or m in apart for m in made]
         found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch[k], real) for k, w in enumerate(_leaves(whole[node]))]
         if annotate:
@@ -171,7 +171,7 @@ def _compared(
     return problems, bad
 
 
-def _fields(node: fx.Node, leaves: int) -> Optional[list[fx.Node]]:
+def namedtuple_fields(node: fx.Node, leaves: int) -> Optional[list[fx.Node]]:
     """For a namedtuple made by one node of its fields (torch.fx records `Out(logits, reg)` so),
     the node each leaf is; None for any other node (a tuple or dict returned is its values)."""
     target = node.target

@@ -24,7 +24,7 @@ from torch import nn
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_loss import own_loss_in
-from fxpipe.passes.batch_dims import COMBINES
+from fxpipe.passes.batch_dims import COMBINES, namedtuple_fields
 from fxpipe.passes.random_ops import argument, random_sources
 
 Counter = Callable[[dict[str, Any]], Optional[int]]
@@ -40,16 +40,14 @@ _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4
 def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[str]:
     """How the model's own loss on the example came from its halves' losses (the batch-dim
     check's runs): 'sum' or 'mean' over samples, or 'neither'; None where it ran no halves."""
-    node = _loss_node(gm, template, name_of)
-    if node is not None:
-        found = node.meta.get(COMBINES)
-        return found[0] if found and len(found) == 1 else None
-    field = _loss_field(gm, template, name_of)
-    if field is None:
+    found = _own_loss(gm, template, name_of)
+    combines = found[0].meta.get(COMBINES) if found is not None else None
+    if found is None or not combines:
         return None
-    made, position, _ = field
-    found = made.meta.get(COMBINES)
-    return found[position] if found and position < len(found) else None
+    returned, position, loss = found
+    if returned is loss:
+        return combines[0] if len(combines) == 1 else None
+    return combines[position] if position < len(combines) else None
 
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
@@ -57,10 +55,8 @@ def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opt
     loss counts (None for a target of class probabilities); None where the model's own loss
     (the `loss` field of `template`, or the output itself, whose leaves `name_of` names) is no
     mean cross-entropy whose target comes from the inputs alone."""
-    node = _loss_node(gm, template, name_of)
-    field = _loss_field(gm, template, name_of) if node is None else None
-    node = field[2] if field is not None else node
-    found = _mean_loss(gm, node) if node is not None else None
+    own = _own_loss(gm, template, name_of)
+    found = _mean_loss(gm, own[2]) if own is not None else None
     if found is None:
         return None
     target, ignore_index = found
@@ -97,21 +93,29 @@ def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optio
     return node(own_loss_in(template, lambda leaf: node(leaf) is not None, zero_dim))
 
 
+def _own_loss(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[tuple[fx.Node, int, fx.Node]]:
+    """The model's own loss in the graph: the node the output returns it in, the loss's position
+    among that node's leaves, and the node that computes it (the same one, but for a namedtuple's
+    `loss` field)."""
+    node = _loss_node(gm, template, name_of)
+    return (node, 0, node) if node is not None else _loss_field(gm, template, name_of)
+
+
 def _loss_field(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[tuple[fx.Node, int, fx.Node]]:
     """Where the output is a namedtuple made by one node of its fields (torch.fx records
     `Out(loss, logits)` so), one of them `loss`: that node, the position of the field among its
     leaves, and the node the field is."""
-    made = next((n for n in gm.graph.nodes if n.name == name_of(template)), None) if name_of(template) is not None else None
+    name = name_of(template)
+    made = next((n for n in gm.graph.nodes if n.name == name), None) if name is not None else None
     kind = made.target if made is not None and made.op == "call_function" else None
     if made is None or not (isinstance(kind, type) and issubclass(kind, tuple) and "loss" in getattr(kind, "_fields", ())):
         return None
-    fields: tuple[str, ...] = kind._fields  # type: ignore[attr-defined]
-    values = {**dict(zip(fields, made.args)), **made.kwargs}
-    if len(values) != len(fields) or not all(isinstance(v, fx.Node) and isinstance(v.meta.get("dtype"), torch.dtype) for v in values.values()):
+    names: tuple[str, ...] = kind._fields  # type: ignore[attr-defined]
+    fields = namedtuple_fields(made, len(names))
+    if fields is None or not all(isinstance(f.meta.get("dtype"), torch.dtype) for f in fields):
         return None  # a field of several tensors, or none: positions among the leaves do not line up
-    loss = values["loss"]
-    assert isinstance(loss, fx.Node)
-    return made, fields.index("loss"), loss
+    position = names.index("loss")
+    return made, position, fields[position]
 
 
 def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:

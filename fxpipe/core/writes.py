@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxpipe.core.attrs import fetch_attr
 
+
 def storage_key(t: torch.Tensor) -> int:
     """The storage `t` views (tensors of one storage share memory); a tensor without one
     (sparse, nested) stands for itself."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from helpers import assert_grads_equal
-from fxpipe import compile_pipeline
+from fxpipe import Pipeline, compile_pipeline
 
 transformers = pytest.importorskip("transformers")  # a test dependency: installed by `make test`
 
@@ -118,18 +118,30 @@ def test_bert_compiled_with_token_type_ids_is_called_without_them() -> None:
 def test_train_step_on_the_model_s_own_loss_with_padded_labels_is_the_plain_model_s(make: Callable[[], nn.Module]) -> None:
     """Labels padded with -100 unevenly across the batch: each micro-batch's own loss is a mean
     over the positions it counts, and train_step weights it by that count, with nothing to warn of."""
+    model, reference, ids, labels = _padded(make, (3, 7))
+    pipe = compile_pipeline(model, (ids,), ["cpu", "cpu"], chunks=4, example_kwargs={"labels": labels}, schedule="1f1b")
+    _assert_trains_as_the_plain_model(pipe, reference, ids, {"labels": labels})
+
+
+def _padded(make: Callable[[], nn.Module], lengths: tuple[int, ...]) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """The model in float64, its plain twin, token ids and their labels, row i padded with -100
+    from position lengths[i] on."""
     torch.manual_seed(0)
     model = make().double()
     reference = copy.deepcopy(model)
     ids = torch.randint(0, 64, (4, 12))
     labels = ids.clone()
-    labels[0, 3:] = -100
-    labels[1, 7:] = -100
-    pipe = compile_pipeline(model, (ids,), ["cpu", "cpu"], chunks=4, example_kwargs={"labels": labels}, schedule="1f1b")
+    for row, length in enumerate(lengths):
+        labels[row, length:] = -100
+    return model, reference, ids, labels
+
+
+def _assert_trains_as_the_plain_model(pipe: Pipeline, reference: nn.Module, ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """train_step on the model's own loss, with nothing to warn of: the plain model's loss and gradients."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        loss = pipe.train_step(ids, labels=labels)
-    expected = reference(ids, labels=labels).loss
+        loss = pipe.train_step(ids, **kwargs)
+    expected = reference(ids, **kwargs).loss
     expected.backward()
     # Llama's loss upcasts its logits to float32 (the plain model's and each micro-batch's alike).
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
@@ -142,22 +154,11 @@ def test_train_step_on_the_model_s_own_loss_over_num_items_in_batch_is_the_plain
     over the positions counted, divided by the batch's count: compiling sees it is the sum of its
     halves', and train_step sums the micro-batches' losses, under the default reduction. Before,
     it took their mean, with a warning: the loss and gradients a quarter of the plain model's."""
-    torch.manual_seed(0)
-    model = make().double()
-    reference = copy.deepcopy(model)
-    ids = torch.randint(0, 64, (4, 12))
-    labels = ids.clone()
-    labels[0, 3:] = -100
+    model, reference, ids, labels = _padded(make, (3,))
     count = torch.tensor(int((labels[:, 1:] != -100).sum()))
     kwargs: dict[str, Any] = {"labels": labels, "num_items_in_batch": count}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx, where it does
         pipe = compile_pipeline(model, (ids,), ["cpu", "cpu"], chunks=4, example_kwargs=kwargs)
     assert pipe.program().own_loss_combines == "sum"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        loss = pipe.train_step(ids, **kwargs)
-    expected = reference(ids, **kwargs).loss
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
-    assert_grads_equal(pipe, reference, tol=1e-10)
+    _assert_trains_as_the_plain_model(pipe, reference, ids, kwargs)
