@@ -1339,6 +1339,10 @@ def test_a_models_own_loss_summed_over_samples_combines_as_a_sum(how: str, sched
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+    with torch.no_grad():  # the loss alone, summed alike
+        torch.testing.assert_close(pipe.train_step(x, y, count), reference(x, y, count)["loss"], rtol=1e-12, atol=1e-12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (float64 stays float64 under autocast: the same sum)
+        torch.testing.assert_close(pipe.train_step(x, y, count).detach(), reference(x, y, count)["loss"].detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_a_sum_asked_of_a_models_own_mean_loss_is_refused_before_the_step() -> None:
@@ -1346,9 +1350,16 @@ def test_a_sum_asked_of_a_models_own_mean_loss_is_refused_before_the_step() -> N
     x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     pipe = compile_pipeline(model.double(), (x, y, count), ["cpu"] * 2, chunks=4)
     assert pipe.program().own_loss_combines == "mean"
+    reference = copy.deepcopy(model)
     with pytest.raises(ValueError, match=r"(?s)reduction='sum', but the model's own loss is a mean over samples.*4 times.*leave reduction at 'mean'"):
         pipe.train_step(x, y, count, reduction="sum")
     assert all(p.grad is None for p in pipe.parameters())
+    with pytest.warns(UserWarning, match="as it is on the example's halves"):  # the step after the refusal
+        loss = pipe.train_step(x, y, count)
+    expected = reference(x, y, count)["loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 class TokenLoss(nn.Module):
