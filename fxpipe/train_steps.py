@@ -7,7 +7,6 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
 import torch.optim.optimizer as every_optimizer
-import torch.utils.checkpoint as checkpoints
 
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
@@ -163,14 +162,6 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
 
 def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.optim.Optimizer) -> None:
     problems = []
-    reentrant = _reentrant_checkpoints(pipe)
-    if reentrant:
-        problems.append(
-            f"with the model's own reentrant torch.utils.checkpoint (use_reentrant=True: {', '.join(reentrant)}): its "
-            "backward runs autograd on the weights by itself, outside the version of them each batch started on. "
-            "Use use_reentrant=False (Hugging Face: gradient_checkpointing_enable(gradient_checkpointing_kwargs="
-            "{'use_reentrant': False})), or turn it off, as the pipeline's checkpoint= recomputes stages in its place"
-        )
     hooks = _step_hooks(optimizer)
     if hooks:
         problems.append(
@@ -190,12 +181,6 @@ def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.opti
         problems.append("under torch.no_grad(): the loop computes gradients")
     if problems:
         raise RuntimeError("train_steps with schedule='2bw' cannot run " + "; and ".join(problems) + ".")
-
-
-def _reentrant_checkpoints(pipe: PipelineLike) -> list[str]:
-    """The graph's calls of torch.utils.checkpoint's reentrant Function, by node name."""
-    graph = pipe.program().cut.graph.graph
-    return [node.name for node in graph.nodes if getattr(node.target, "applies", None) is checkpoints.CheckpointFunction]
 
 
 def _step_hooks(optimizer: torch.optim.Optimizer) -> list[str]:

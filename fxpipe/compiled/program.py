@@ -78,6 +78,9 @@ class StageRuntime:
     compiled: Optional[CompiledForward] = None
     # The modules whose training flag and dropout rate decide what the stage computes.
     flagged: list[nn.Module] = field(default_factory=list)
+    # Whether its backward may run the model's modules again (a reentrant checkpoint's
+    # recompute, a module called whole): they must find the step's leaves in their slots then too.
+    reenters: bool = False
 
     def draws(self) -> tuple[bool, bool]:
         """Whether a call now may draw random numbers, and whether through an op that needs

@@ -180,6 +180,17 @@ def _stage(
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
         flagged=_flagged(code.module),
+        reenters=bool(whole) or _modules_handed_to_functions(code.module),
+    )  # fmt: skip
+
+
+def _modules_handed_to_functions(stage: fx.GraphModule) -> bool:
+    """Whether the stage hands a module to an autograd Function (torch.utils.checkpoint's
+    reentrant one, say), whose backward may run it again."""
+    return any(
+        getattr(node.target, "applies", None) is not None and any(isinstance(fetch_attr(stage, arg.target), nn.Module)
+        for arg in node.all_input_nodes if arg.op == "get_attr")
+        for node in stage.graph.nodes
     )  # fmt: skip
 
 

@@ -178,7 +178,7 @@ class BackwardTasks(StageTasks):
         pending = None
         inputs_reached, untouched = self._unreached(stage, len(inputs), given)
         compiled = stage.compiled.backward() if stage.compiled is not None else _NOTHING
-        with raw_grads(leaves) as raw, compiled:  # sent back in the layout the producer's backward would get
+        with raw_grads(leaves) as raw, compiled, self._slots_held(stage):  # sent back in the layout the producer's backward would get
             if split:
                 pending = backward_inputs(tensors, grad_tensors, leaves, self._weights(stage))
             elif tensors and (wanted := [*leaves, *self._weights(stage).tensors]):

@@ -130,6 +130,19 @@ class StageTasks:
             self.param_leaves[stage.index], self.view_swaps[stage.index] = leaves, swaps
         return swaps
 
+    def _slots_held(self, stage: StageRuntime) -> ContextManager[Any]:
+        """The step's leaves in the stage's parameter slots, for a backward that runs the model's
+        modules again (`StageRuntime.reenters`): a reentrant checkpoint's recompute reads what the
+        forward read, and its gradients go where the stage's others go."""
+        swaps = self.view_swaps[stage.index]
+        if not stage.reenters or not swaps:
+            return nullcontext()
+        stack = ExitStack()
+        if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model
+            stack.enter_context(self.versions.gate.entered())
+        stack.enter_context(swapped_slots(swaps))
+        return stack
+
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
         """The stage's copies of shared parameters as it reads them, made once per step: like
         its own parameters, aliases of them under the caller's autocast (it caches casts of leaves

@@ -286,6 +286,60 @@ def test_a_reentrant_checkpoint_on_a_value_without_grad_gives_its_block_none(mod
             torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
 
 
+class KeptWhole(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+
+
+class ReentrantBlocks(nn.Module):
+    """Its middle under the model's own reentrant torch.utils.checkpoint, called from its forward or
+    from a block kept whole."""
+
+    def __init__(self, whole: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.block: nn.Module = KeptWhole() if whole else Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h = self.block(h) if isinstance(self.block, KeptWhole) else torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["traced", "kept whole"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_weight_inside_the_model_s_own_reentrant_checkpoint_gets_its_gradient_once_and_only_when_asked(mode: str, whole: bool) -> None:
+    """Before, its backward ran autograd on the model's own weights after the step's forward had
+    ended: a hook on one fired once per micro-batch and once more with None, and
+    backward(inputs=[a.weight]) filled the block's `.grad` too."""
+    torch.manual_seed(0)
+    model = ReentrantBlocks(whole).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, checkpoint=mode, split_points=["b"], leaf_modules=[KeptWhole] if whole else [])
+    heard: dict[str, list[torch.Tensor]] = {"pipe": [], "plain": []}
+    for who, net in (("pipe", model), ("plain", reference)):
+        weight = net.get_parameter("block.block.lin.weight" if whole else "block.lin.weight")
+        weight.register_hook(lambda g, who=who: heard[who].append(g))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, on the no_grad example runs
+        pipe(x).square().mean().backward(inputs=[model.a.weight])
+    assert heard["pipe"] == [] and all(p.grad is None for name, p in model.named_parameters() if name != "a.weight")
+    asked = grad_of(model.a.weight)
+    model.zero_grad(set_to_none=True)
+    pipe(x).square().mean().backward()
+    reference(x).square().mean().backward()  # the plain model refuses inputs= here: torch's limit
+    torch.testing.assert_close(asked, grad_of(reference.a.weight), rtol=0, atol=1e-12)
+    assert len(heard["pipe"]) == 1 and len(heard["plain"]) == 1
+    torch.testing.assert_close(heard["pipe"][0], heard["plain"][0], rtol=0, atol=1e-12)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
+
+
 class WritesAValueWithoutGrad(nn.Module):
     """A value made from the input alone (a timestep's embedding) crosses to the next stage,
     which writes it in place: it requires no grad, so the write is fine, as in the plain model."""
