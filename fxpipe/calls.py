@@ -170,7 +170,7 @@ class PipelineCalls(nn.Module):
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             own_whole = loss_fn is None and (slicing or self._compiled.slicing) is None  # (slices' outputs are joined per row)
-            template = with_own_loss_whole(call.program.template) if own_whole else call.program.template
+            template = with_own_loss_whole(call.program.template, call.program.own_loss_leaf) if own_whole else call.program.template
             refuse_outputs_of_the_whole_batch(template, len(call.sizes), asked=return_outputs)
         along = batch_dim_of(list(call.values.values()), call.dims)
         targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template))

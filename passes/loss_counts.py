@@ -50,6 +50,14 @@ def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any]
     return combines[position] if position < len(combines) else None
 
 
+def own_loss_leaf(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[int]:
+    """Where the model's own loss is the `loss` field of a namedtuple that one graph value holds
+    whole (the output `Out(loss, logits)`): the field's position among that value's leaves; None
+    where the loss is a value of its own, or there is none."""
+    found = _own_loss(gm, template, name_of)
+    return found[1] if found is not None and found[0] is not found[2] else None
+
+
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
     """A function of one micro-batch's inputs (by placeholder name) giving how many targets its
     loss counts (None for a target of class probabilities); None where the model's own loss

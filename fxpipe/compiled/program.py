@@ -232,6 +232,9 @@ class Program:
     # How the model's own loss on the example came from its halves': 'sum' or 'mean' over
     # samples, or 'neither' (passes/batch_dims.py); None where compiling could not tell.
     own_loss_combines: Optional[str] = None
+    # Where the own loss is the `loss` field of a namedtuple one output value holds: its
+    # position among that value's leaves (passes/loss_counts.py); None otherwise.
+    own_loss_leaf: Optional[int] = None
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the

@@ -18,7 +18,7 @@ from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
-from fxpipe.passes.loss_counts import loss_counter, own_loss_combines
+from fxpipe.passes.loss_counts import loss_counter, own_loss_combines, own_loss_leaf
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffer_names, writable_buffers
@@ -102,6 +102,7 @@ def build_program(
         state_read=_state_read(codes, shared),
         loss_counter=loss_counter(cut.graph, template, _made_by_a_stage),
         own_loss_combines=own_loss_combines(cut.graph, template, _made_by_a_stage),
+        own_loss_leaf=own_loss_leaf(cut.graph, template, _made_by_a_stage),
     )
 
 

@@ -8,7 +8,9 @@ import torch
 
 from fxpipe.core.microbatch import leaves_of
 from fxpipe.runtime.call import Call, given_values, rebuild
-from fxpipe.runtime.losses import LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss, own_loss_ref, with_own_loss_whole
+from fxpipe.runtime.losses import (
+    LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss, own_loss_ref, own_loss_whole_in, with_own_loss_whole,
+)
 from fxpipe.runtime.step import Step
 
 
@@ -25,10 +27,11 @@ def loss_and_outputs(
     check = loss_fn is not None and len(call.sizes) > 1  # one micro-batch: nothing to combine
     if return_outputs or check:
         template, per_micro_batch = call.program.template, [step.outputs[i] for i in range(len(call.sizes))]
-        own = own_loss_ref(template) if loss_fn is None and call.slices is None else None
+        leaf = call.program.own_loss_leaf
+        own = own_loss_ref(template, leaf) if loss_fn is None and call.slices is None else None
         if own is not None:  # the model's own loss, returned as the step combined it
-            template = with_own_loss_whole(template)
-            per_micro_batch = [{**values, own.name: total.detach()} for values in per_micro_batch]
+            template = with_own_loss_whole(template, leaf)
+            per_micro_batch = [own_loss_whole_in(values, own, leaf, total.detach()) for values in per_micro_batch]
         check_gatherable(template, per_micro_batch[0], len(call.sizes), asked=return_outputs)
         gathered = call.gather(per_micro_batch, template)
         outputs = gathered.rebuild(gathered.tensors)

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only, tree_unflatten
 
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
 from fxpipe.core.own_code import caller_stacklevel
@@ -96,21 +96,37 @@ def own_loss(output: Any) -> Any:
     return loss
 
 
-def own_loss_ref(template: Any) -> Optional[ValueRef]:
+def own_loss_ref(template: Any, leaf: Optional[int] = None) -> Optional[ValueRef]:
     """Where `own_loss` finds the model's own loss in the output's template: a value made from
-    the whole batch, which train_step combines from the micro-batches'; None where there is none."""
+    the whole batch, which train_step combines from the micro-batches'; with `leaf`, the value
+    that holds it as that leaf (a namedtuple's `loss` field, `Program.own_loss_leaf`); None
+    where there is none."""
     found = own_loss_in(template, lambda v: isinstance(v, ValueRef), lambda ref: True)
-    return found if isinstance(found, ValueRef) and not found.given and found.dims == (VARIES,) else None
+    if not isinstance(found, ValueRef) or found.given:
+        return None
+    return found if (found.dims == (VARIES,) if leaf is None else found.dim(leaf) == VARIES) else None
 
 
-def with_own_loss_whole(template: Any) -> Any:
+def with_own_loss_whole(template: Any, leaf: Optional[int] = None) -> Any:
     """The template with the model's own loss returned whole (the step's combined loss), not
     put together from the micro-batches: for return_outputs=True without loss_fn."""
-    ref = own_loss_ref(template)
-    if ref is None:
+    ref = own_loss_ref(template, leaf)
+    if ref is None or ref.dims is None:
         return template
-    whole = dataclasses.replace(ref, dims=(SAME,))
-    return tree_map(lambda leaf: whole if leaf == ref else leaf, template)
+    dims = list(ref.dims)
+    dims[leaf or 0] = SAME
+    whole = dataclasses.replace(ref, dims=tuple(dims))
+    return tree_map(lambda found: whole if found == ref else found, template)
+
+
+def own_loss_whole_in(values: dict[str, Any], ref: ValueRef, leaf: Optional[int], loss: torch.Tensor) -> dict[str, Any]:
+    """One micro-batch's output values with the model's own loss (value `ref`, or its leaf
+    `leaf`) replaced by the batch's `loss`."""
+    if leaf is None:
+        return {**values, ref.name: loss}
+    leaves, spec = tree_flatten(values[ref.name])
+    leaves[leaf] = loss
+    return {**values, ref.name: tree_unflatten(leaves, spec)}
 
 
 def output_leaves(template: Any, outputs: Optional[dict[str, Any]] = None) -> list[tuple[str, BatchDim, Any]]:

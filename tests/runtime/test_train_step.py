@@ -1459,6 +1459,27 @@ def test_a_namedtuple_with_a_loss_field_is_the_models_own_loss_at_compile_time_t
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+@pytest.mark.parametrize("summed", [False, True])
+def test_a_namedtuple_own_loss_is_returned_with_the_outputs_as_the_plain_model_s(summed: bool) -> None:
+    """Before, return_outputs=True was refused as an output made from the whole batch, advising
+    to add the loss into a loss the model returns itself, which it does: the namedtuple is one
+    value of the outputs, whose `loss` field is now the step's combined loss."""
+    torch.manual_seed(0)
+    model, reference = twin(PaddedLMNamedTuple(summed))
+    ids, labels = padded_labels(1)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, outputs = pipe.train_step(ids, labels, return_outputs=True)
+    expected = reference(ids, labels)
+    expected.loss.backward()
+    assert type(outputs) is LossAndLogits
+    torch.testing.assert_close(outputs.loss, expected.loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outputs.logits, expected.logits.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 class CountedAsOneElement(SummedOwnLoss):
     """SummedOwnLoss('count') given its count as a tensor of one element: its loss has shape (1,)."""
 
