@@ -115,9 +115,10 @@ class PipelineCalls(nn.Module):
 
     def _prepare(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], held: Optional[Program] = None, overlapping: bool = False,
-        still: Callable[[], ContextManager[Any]] = contextlib.nullcontext,
+        still: Callable[[], ContextManager[Any]] = contextlib.nullcontext, slicing: Optional[SliceSpec] = None,
     ) -> Call:
-        """The call split into micro-batches, on the program that runs it. `held`: that program,
+        """The call split into micro-batches, on the program that runs it (its sequences cut as
+        `slicing` says, the pipeline's own way where None). `held`: that program,
         checked against the model already (a loop of overlapping steps checks it once, before
         its first step: later, its stages hold the model's parameter slots while they run).
         `overlapping`: a step of such a loop, whose stages run on the workers, even one alone;
@@ -147,7 +148,7 @@ class PipelineCalls(nn.Module):
         compiled = self._compiled
         call = split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
         if compiled.check_length is not None:
-            compiled.check_length(call.micro_batches[0], self.training, still)
+            compiled.check_length(call.micro_batches[0], self.training, slicing or compiled.slicing, still)
         return call
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:
@@ -166,7 +167,8 @@ class PipelineCalls(nn.Module):
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
-        call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=versions.still if versions is not None else contextlib.nullcontext)
+        still = versions.still if versions is not None else contextlib.nullcontext
+        call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=still, slicing=slicing)
         schedule = self.plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             own_whole = loss_fn is None and (slicing or self._compiled.slicing) is None  # (slices' outputs are joined per row)

@@ -40,7 +40,7 @@ from fxpipe.passes.causal_layout import LayoutRules
 from fxpipe.passes.position_tags import (
     CausalityError, Length, Positions, Proof, Refused, Sizes, conflict, future_all, key_of, tags_in,
     unmasked, op_and_line, BROKEN, FACTORIES, K, KEEPS_MASK, MATMULS, MINUS_INF, NORMS, POINTWISE_FUNCTIONS,
-    POINTWISE_METHODS, POINTWISE_MODULES, Q, REDUCTIONS, RESHAPES, SCALES, SHIFTS, SOFTMAXES, ZERO,
+    PAIRWISE, POINTWISE_METHODS, POINTWISE_MODULES, Q, REDUCTIONS, RESHAPES, SCALES, SHIFTS, SOFTMAXES, ZERO,
 )  # fmt: skip
 
 
@@ -166,6 +166,8 @@ class _Prover(LayoutRules, fx.Interpreter):
             return self._split(key, args, kwargs, tags, value)
         if key in (torch.cat, torch.stack):
             return self._joined(key, args, kwargs, tags)
+        if key in PAIRWISE and len(args) > 1 and isinstance(args[1], torch.Tensor):  # torch.max(a, b): elementwise
+            return self._pointwise(key, n, value, args, kwargs, tags, kwtags)
         if key in REDUCTIONS:
             return self._reduced(key, args, kwargs, tags, value)
         if key in POINTWISE_FUNCTIONS or key in POINTWISE_METHODS:

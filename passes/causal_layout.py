@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.position_tags import CUMULATIVE, Q, Length, Positions, Proof, Refused, Sizes, positions_of
+from fxpipe.passes.position_tags import CUMULATIVE, P_FIRST, STD_LIKE, Q, Length, Positions, Proof, Refused, Sizes, positions_of
 
 
 class LayoutRules:
@@ -183,12 +183,16 @@ class LayoutRules:
 
     def _reduced(self, key: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], value: Any) -> Any:
         x, tag = args[0], tags[0]
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        at = 2 if key in P_FIRST else 1  # where dim is given by position
+        dim = args[at] if len(args) > at else kwargs.get("dim")
+        if key in STD_LIKE and isinstance(dim, bool):  # x.std(False): unbiased, over every dim
+            dim = None
         if not isinstance(tag, Positions) or dim is None:
             raise Refused("it reduces over every position of the sequence")
         dims = [int(d) % x.dim() for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
         if any(tag.role(d) is not None for d in dims):
             raise Refused("it reduces over the sequence (a sum, mean or cumulative op over positions)")
-        keep = key in CUMULATIVE or (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        keep_at = 3 if key in P_FIRST or key in STD_LIKE else 2
+        keep = key in CUMULATIVE or (args[keep_at] if len(args) > keep_at else kwargs.get("keepdim", False))
         result = Positions(tuple((d if keep else d - sum(r < d for r in dims), role) for d, role in tag.dims))
         return tuple(result for _ in value) if isinstance(value, tuple) else result

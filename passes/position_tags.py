@@ -143,6 +143,11 @@ REDUCTIONS = {
     torch.cumsum, torch.cumprod,
 }  # fmt: skip
 CUMULATIVE = {"cumsum", "cumprod", torch.cumsum, torch.cumprod}
+PAIRWISE = {"max", "min", torch.max, torch.min}  # with a tensor second: elementwise, as torch.maximum
+# Reductions whose arguments are not (dim, keepdim): norm's are (p, dim, keepdim), std's and
+# var's (dim, unbiased, keepdim), or (unbiased) alone, a bool: a reduction over every dim.
+P_FIRST = {"norm", torch.norm}
+STD_LIKE = {"std", "var", torch.std, torch.var}
 SOFTMAXES = {F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, "softmax", "log_softmax"}
 MATMULS = {operator.matmul, torch.matmul, torch.bmm, "matmul", "bmm"}
 FACTORIES = {torch.ones, torch.zeros, torch.full, torch.empty, torch.rand, torch.randn, torch.eye, torch.tril, torch.triu}

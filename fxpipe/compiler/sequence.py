@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
@@ -57,12 +57,11 @@ def slice_graphs(
     With the spec, the check that proves each mode's graph again at a call's other length."""
     outputs: dict[str, tuple[Optional[int], ...]] = {}
     spec: Optional[SliceSpec] = None
-    whole: dict[bool, fx.GraphModule] = {}
+    checked: dict[bool, Checked] = {}
     for attr in ("graph", "eval_graph"):
         gm = getattr(traced, attr)
         if gm is None:
             continue
-        whole[attr == "graph"] = gm
         try:
             proof = prove_causal(gm, inputs, dim)
         except CausalityError as error:
@@ -80,40 +79,75 @@ def slice_graphs(
         check_slices(gm, sliced, proof, inputs, made.lengths(example_length(made, dict(zip(_placeholders(gm), inputs)))))
         outputs.update(_output_dims(gm, proof))
         setattr(traced, attr, sliced)
+        checked[attr == "graph"] = Checked(gm, sliced, proof)
         spec = spec or made
     assert spec is not None
-    return spec, length_check(whole, spec, example_length(spec, dict(zip(_placeholders(next(iter(whole.values()))), inputs))))
+    return spec, length_check(checked, example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs))))
 
 
-# (a micro-batch's inputs by name, the training flag, and what holds the model still while the
-# proof runs on its tensors: a loop whose steps overlap updates them meanwhile)
-LengthCheck = Callable[[dict[str, Any], bool, Callable[[], ContextManager[Any]]], None]
+@dataclass(frozen=True)
+class Checked:
+    """A mode's graph before slicing, after, and the proof that rewrote it."""
+
+    whole: fx.GraphModule
+    sliced: fx.GraphModule
+    proof: Proof
 
 
-def length_check(graphs: dict[bool, fx.GraphModule], spec: SliceSpec, example: int) -> LengthCheck:
-    """The proof again, on a micro-batch (inputs by name) of a length it has not run at, once per
-    length and mode (its graph, before slicing): a table of the length's size read from a buffer
-    (a mask narrowed to the length) may be causal at the example's length and not at another.
-    A graph that cannot run here (on the meta device, too large) keeps the example's proof."""
-    proved = {(mode, example) for mode in graphs}
+# (a micro-batch's inputs by name, the training flag, the slicing the call runs, and what holds
+# the model still while the checks run on its tensors: a loop whose steps overlap updates them)
+LengthCheck = Callable[[dict[str, Any], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
 
-    def check(values: dict[str, Any], training: bool, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
+
+def length_check(graphs: dict[bool, Checked], example: int) -> LengthCheck:
+    """The proof again, and the slices against the whole, on a micro-batch (inputs by name) of a
+    length or a cut into slices not checked yet, once each per mode: a table of the length's size
+    read from a buffer (a mask narrowed to the length) may be causal at the example's length and
+    not at another, and a slice of one position may take another shape (`squeeze()`). A graph
+    that cannot run here (on the meta device or another device, too large) keeps the example's
+    proof where it reads no such table, and is refused at another length where it does."""
+    checked: set[tuple[bool, int, tuple[int, ...]]] = set()
+
+    def check(values: dict[str, Any], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         mode = training if training in graphs else next(iter(graphs))
         length = example_length(spec, values)
-        inputs = tuple(values.values())
-        if (mode, length) in proved or not small_on_cpu(graphs[mode], inputs):
-            return
         try:
-            with still():  # the proof runs the graph on the model's tensors, and puts back what it wrote
-                prove_causal_at(graphs[mode], inputs, spec.dim, length, holding=set(spec.inputs))
+            lengths = tuple(spec.lengths(length))
+        except ValueError:  # a length the slicing cannot cut: the call's cut says so, with its fix
+            return
+        if (mode, length, lengths) in checked:
+            return
+        graph, inputs = graphs[mode], tuple(values.values())
+        try:
+            if small_on_cpu(graph.whole, inputs):
+                with still():  # the checks run the graph on the model's tensors, and put back what it wrote
+                    prove_causal_at(graph.whole, inputs, spec.dim, length, holding=set(spec.inputs))
+                    check_slices(graph.whole, graph.sliced, graph.proof, inputs, lengths)
+            elif length != example and (tables := _narrowed_tables(graph)):
+                raise CausalityError([_unprovable(tables, length, example)])
         except CausalityError as error:
             raise CausalityError(
                 [f"at this call's length, {length} (the example's was {example}): {p}" for p in error.problems],
                 fix=f"call it with sequences of the example's length, {example}, or compile for this one; or sequence_chunks=1.",
             ) from None
-        proved.add((mode, length))
+        checked.add((mode, length, lengths))
 
     return check
+
+
+def _narrowed_tables(graph: Checked) -> list[str]:
+    """The tables the graph narrows to the sequence's length (a mask buffer's `[:T, :T]`), by
+    node: their values past the example's length are not known (an arange's are)."""
+    nodes = {n.name: n for n in graph.whole.graph.nodes}
+    return sorted(name for name in graph.proof.tables if nodes[name].target is not torch.arange)
+
+
+def _unprovable(tables: list[str], length: int, example: int) -> str:
+    return (
+        f"it narrows tables to the sequence's length ({', '.join(tables)}), proved causal at {example} positions, and the proof "
+        f"at {length} runs the model's graph on the CPU, which it cannot here (its tensors are on another device, "
+        "or over 1 GiB)"
+    )
 
 
 def _exported(why: str) -> str:

@@ -541,6 +541,80 @@ def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> Non
             pipe(tokens(2, 20))
 
 
+def test_a_call_of_another_length_that_the_proof_cannot_run_here_is_refused_where_a_table_is_narrowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, a graph too large to run on the CPU (over 1 GiB, or on another device: any
+    accelerator) kept the example's proof at every length: the mask causal at 12 positions and
+    not at 24 ran in slices, 0.079 off the plain model. A model whose mask reads no table of the
+    length's size (causal sdpa) has nothing to prove again, and runs."""
+    import fxpipe.passes.shapes as shapes
+
+    torch.manual_seed(0)
+    model, reference = twin(_CausalUpTo(causal=14))
+    pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    causal, causal_reference = twin(SdpaGPT())
+    sdpa = compile_pipeline(causal, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    monkeypatch.setattr(shapes, "REAL_RUN_LIMIT", 0)  # nothing runs on the CPU for a proof now
+    assert_call_and_grads_equal(pipe, reference, tokens(2, 12))
+    with pytest.raises(CausalityError, match=r"(?s)at this call's length, 14 \(the example's was 12\): it narrows tables to the "
+                       r"sequence's length \(.*\), proved causal at 12 positions.*How to fix: call it with sequences of the example's length"):  # fmt: skip
+        pipe(tokens(2, 14))
+    assert_call_and_grads_equal(sdpa, causal_reference, tokens(2, 20))
+
+
+class _Squeezed(nn.Module):
+    """Position-wise, with a gate squeezed of all its dims of one: a slice of one position loses
+    its sequence dim too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.gate, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 1), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx)
+        return self.head(h * torch.sigmoid(self.gate(h)).squeeze().unsqueeze(-1))
+
+
+def test_a_call_whose_slices_compute_otherwise_is_refused_before_it_runs() -> None:
+    """Before, a call of 4 positions cut into [2, 1, 1] ran the slices no check had seen: the
+    output came back (3, 8, 13) for the plain model's (3, 4, 13), and backward failed inside a
+    stage. The slices of each new cut are checked against the whole first, as the example's are."""
+    torch.manual_seed(0)
+    model, reference = twin(_Squeezed())
+    pipe = compile_pipeline(model, tokens(3, 12), ["cpu", "cpu"], sequence_chunks=3)
+    assert_call_and_grads_equal(pipe, reference, tokens(3, 9))
+    with pytest.raises(CausalityError, match=r"(?s)at this call's length, 4 \(the example's was 12\): output 0: slices of \[2, 1, 1\] "
+                       r"give shape \(3, 8, 13\), the whole \(3, 4, 13\)"):  # fmt: skip
+        pipe(tokens(3, 4))
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _Reduced(nn.Module):
+    """Position-wise reductions written with their other arguments first: norm's p, std's
+    `unbiased`, and max and min of two tensors (elementwise); over the sequence where `over`."""
+
+    def __init__(self, over: bool) -> None:
+        super().__init__()
+        self.over, self.tok, self.a, self.b, self.head = over, nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx)
+        h = torch.max(self.a(h), self.b(h)) - torch.min(self.a(h), h)
+        h = h / h.norm(2, 1 if self.over else -1, keepdim=True)
+        return self.head(h * h.std(-1, False, True) + h.var(dim=-1, keepdim=True))
+
+
+def test_reductions_with_their_other_arguments_first_are_read_for_the_dims_they_reduce() -> None:
+    """Before, x.norm(2, 1) was read as a norm over dim 2: a norm over the sequence compiled from
+    a one-position example and ran longer calls 0.2-0.68 off the plain model; x.norm(2, -1) was
+    refused as one over the sequence, and torch.max(a, b) failed inside the proof."""
+    torch.manual_seed(0)
+    model, reference = twin(_Reduced(over=False))
+    pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    assert_call_and_grads_equal(pipe, reference, tokens(2, 12))
+    with pytest.raises(CausalityError, match=r"norm .*it reduces over the sequence"):
+        compile_pipeline(_Reduced(over=True).double(), tokens(2, 1), ["cpu", "cpu"], sequence_chunks="auto")
+
+
 def test_a_call_shorter_than_the_count_of_slices_says_so_with_the_fix() -> None:
     """Before, it raised the compile-time message ('cannot cut a sequence of 3 positions: give 1
     to 3'), which a caller cannot act on."""
