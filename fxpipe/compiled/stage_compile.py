@@ -264,19 +264,23 @@ class CompiledForward:
         context of its own."""
         if draws and self.options.get("fullgraph"):
             raise RuntimeError(
-                f"stage {self.stats.stage} draws random numbers (dropout, say), and compile_stages has fullgraph=True: "
-                "a compiled stage draws them outside its graph, from the task's stream, so that its recompute replays "
-                "them, and one graph cannot hold that.\nHow to fix: leave fullgraph out of compile_stages, or run "
-                "without the draws (eval mode, or a rate of 0)."
+                f"stage {self.stats.stage} may draw random numbers, and compile_stages has fullgraph=True: a dropout in "
+                "it, or code its graph does not show (a module called whole, a forward hook, an autograd Function of "
+                "the model's), which may draw. A compiled stage draws outside its graph, from the task's stream, so "
+                "that its recompute replays the draws, and one graph cannot hold that.\nHow to fix: leave fullgraph "
+                "out of compile_stages (the stage then runs eagerly where it may draw); or run it without what may "
+                "draw: dropout at rate 0 or in eval mode, no forward hooks, its modules traced through rather than "
+                "kept whole (leaf_modules)."
             )
         if not hidden:
             return partial(self._run, self._drawing if draws else self._quiet, swapped)
         if not self._warned_eager:
             self._warned_eager = True
             warnings.warn(
-                f"stage {self.stats.stage} runs eagerly in steps where it draws random numbers that its graph does not "
-                "show (inside a module called whole, or an op torch.export left in the graph): only an eager stage can "
-                "hand them the task's stream, which its recompute replays. Its other steps run compiled.",
+                f"stage {self.stats.stage} runs eagerly in steps where it may draw random numbers that its graph does "
+                "not show (in a module called whole, a forward hook, an autograd Function of the model's, or an op "
+                "torch.export left in the graph): only an eager stage can hand them the task's stream, which its "
+                "recompute replays. Steps where none of those may draw run compiled (pipe.compile_stats() counts them).",
                 stacklevel=caller_stacklevel(),
             )
         return self._eager

@@ -6,6 +6,7 @@ copy new parameters): the runtime calls it through `Compiled.build` and never re
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional, Sequence
 
 import torch
@@ -17,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_of, hooks_of
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
 from fxpipe.passes.loss_counts import loss_counter, own_loss_combines, own_loss_leaf
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
@@ -79,7 +81,8 @@ def build_program(
     stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by, written) for index in range(len(codes))]
     if compile_stages is not None:
         for stage in stages:
-            stage.compiled = CompiledForward(stage.index, stage.module, compile_stages, owner)  # type: ignore[arg-type]
+            if not _writes_lost_by_compile(stage):
+                stage.compiled = CompiledForward(stage.index, stage.module, compile_stages, owner)  # type: ignore[arg-type]
     template = _template(cut.graph)
     refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef) and leaf.given]
     inputs = {n.name for n in cut.graph.graph.nodes if n.op == "placeholder"}
@@ -183,6 +186,21 @@ def _stage(
         flagged=_flagged(code.module),
         reenters=bool(whole) or _modules_handed_to_functions(code.module),
     )  # fmt: skip
+
+
+def _writes_lost_by_compile(stage: StageRuntime) -> bool:
+    """Whether torch.compile would lose what the stage writes: in-place writes to a 0-dim float64
+    buffer (a counter, a running scalar) vanish from its graphs (torch 2.13), which the eager
+    stage keeps. Such a stage runs eagerly, with a warning that names the buffers."""
+    lost = [name for name, buffer in stage.writable_buffers.items() if buffer.dim() == 0 and buffer.dtype == torch.float64]
+    if lost:
+        warnings.warn(
+            f"compile_stages: stage {stage.index} runs eagerly: it writes the 0-dim float64 buffer{'s' if len(lost) > 1 else ''} "
+            f"{', '.join(lost)} in place, and torch.compile loses such writes. To compile it, give "
+            f"{'them' if len(lost) > 1 else 'it'} shape (1,) or another dtype.",
+            stacklevel=caller_stacklevel(),
+        )
+    return bool(lost)
 
 
 def _modules_handed_to_functions(stage: fx.GraphModule) -> bool:

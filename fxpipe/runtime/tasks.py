@@ -392,16 +392,22 @@ class StageTasks:
         outputs, written = results[: len(stage.outputs)], results[len(stage.outputs) :]
         for name, value in zip(stage.written, written):
             if stage.sources[name] == CALLER:
-                # The stage wrote its own copy (cloned on entry, `_version` 0): a leaf it changed
-                # has a version above 0.
-                # (An inference tensor keeps no version: it is copied back whether written or not.)
                 pairs = [(t, final) for t, final in zip(leaves_of(self.micro_batches[i][name]), leaves_of(value))
-                         if isinstance(t, torch.Tensor) and t is not final and (final.is_inference() or final._version > 0)]  # fmt: skip
+                         if isinstance(t, torch.Tensor) and t is not final and _changed(t, final, stage.compiled is not None)]  # fmt: skip
                 if self.grad:
                     refuse_written_leaves(name, [t for t, _ in pairs])
                 for target, final in pairs:
                     self.rollback.write_input(target, final)  # a failed step puts it back
         return outputs
+
+def _changed(given: torch.Tensor, final: torch.Tensor, compiled: bool) -> bool:
+    """Whether a stage wrote its copy of an input leaf (cloned on entry, `_version` 0): its
+    version is above 0. A compiled stage returns a new tensor for what it wrote (its graph is
+    made functional), and an inference tensor keeps no version: their values tell."""
+    if compiled or final.is_inference():
+        return final.shape != given.shape or not torch.equal(final, given.to(final.device))
+    return final._version > 0
+
 
 def _own_grads(leaves: Sequence[torch.Tensor]) -> None:
     """For leaves a CUDA graph's backward reaches: the first gradient each receives is copied

@@ -523,3 +523,87 @@ def test_a_call_under_inference_mode_is_a_calling_context_not_a_recompile() -> N
             out = pipe(x)
     torch.testing.assert_close(out, model(x), rtol=0, atol=1e-12)
     assert not any(s.recompiles for s in pipe.compile_stats())
+
+
+class WritesItsInput(nn.Module):
+    """A forward that writes one of its inputs in place, read by both stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        buf.mul_(2)
+        return self.b(torch.tanh(self.a(x) + buf)) * buf
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+def test_an_input_a_compiled_stage_writes_in_place_is_written_back_as_the_plain_model_writes_it(grad: bool) -> None:
+    """Before, the caller's tensor was left as it was (each row up to 2.6 off the plain model's):
+    a compiled stage returns a new tensor for the copy it wrote, whose version counter says
+    nothing was written."""
+    torch.manual_seed(0)
+    model, x, buf = WritesItsInput().double(), torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    pipe = compile_pipeline(model, (x, buf.clone()), ["cpu", "cpu"], chunks=4, split_points=["b"], compile_stages={"backend": "aot_eager"})
+    mine, theirs = buf.clone(), buf.clone()
+    with torch.set_grad_enabled(grad):
+        out, expected = pipe(x, mine), plain(x, theirs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    if grad:
+        out.sum().backward()
+        expected.sum().backward()
+        assert_grads_equal(pipe, plain, tol=1e-12)
+
+
+def test_a_stage_with_a_forward_hook_under_fullgraph_is_refused_naming_what_may_draw() -> None:
+    """Before, it was refused as a stage that 'draws random numbers (dropout, say)', advising eval
+    mode, which was refused the same way: the hook's code, which the graph does not show, may draw."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    model[0].register_forward_hook(lambda module, args, out: None)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager", "fullgraph": True})
+    pipe.eval()
+    with pytest.raises(RuntimeError, match=r"(?s)stage 0 may draw random numbers.*a forward hook.*How to fix: .*no forward hooks"):
+        pipe(x)
+    pipe = compile_pipeline(plain, x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager", "fullgraph": True})
+    torch.testing.assert_close(pipe(x), copy.deepcopy(plain)(x), rtol=0, atol=1e-12)
+    assert all(s.graphs >= 1 for s in pipe.compile_stats())
+
+
+class CountsInFloat64(nn.Module):
+    """Counters its forward writes in place: a 0-dim float64 one, and others torch.compile keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.steps64: torch.Tensor
+        self.steps32: torch.Tensor
+        self.vector64: torch.Tensor
+        self.register_buffer("steps64", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("steps32", torch.zeros((), dtype=torch.float32))
+        self.register_buffer("vector64", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.steps64.add_(1)
+        self.steps32.add_(1)
+        return self.b(h) + self.vector64.add_(1)
+
+
+def test_a_stage_writing_a_0_dim_float64_buffer_runs_eagerly_with_a_warning_and_counts_as_the_plain_model() -> None:
+    """Before, the compiled stage's writes to it vanished (0 where the plain model counts 8):
+    torch.compile loses in-place writes to a 0-dim float64 tensor."""
+    model, x = CountsInFloat64(), torch.randn(8, 6)
+    plain = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match=r"stage 0 runs eagerly: it writes the 0-dim float64 buffer steps64 in place"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["b"], compile_stages={"backend": "aot_eager"})
+    for _ in range(2):
+        out = pipe(x)
+        out.sum().backward()
+        for part in x.chunk(4):
+            plain(part)
+    assert [b.item() for b in pipe.buffers()] == [b.item() for b in plain.buffers()] == [8.0, 8.0, 8.0]
+    assert [(s.stage, s.graphs >= 1) for s in pipe.compile_stats()] == [(1, True)]  # the other stage runs compiled
