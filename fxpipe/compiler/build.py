@@ -46,14 +46,7 @@ def build_program(
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
     _refuse_backward_hooks_traced_through(traced)
-    loose = [name for code in codes for name in _loose_grad_tensors(code.module)]
-    if loose:
-        raise ValueError(
-            "the model reads tensors that require grad but are not parameters: "
-            f"{', '.join(sorted(set(loose)))}.\nA pipeline hands gradients to parameters only, and "
-            "would leave these without theirs.\nHow to fix: register each as an nn.Parameter "
-            "(self.x = nn.Parameter(...)), or, if it is not meant to learn, call .requires_grad_(False)."
-        )
+    _refuse_grad_tensors_held([found for code in codes for found in _grad_tensors_held(code.module)])
     exported: set[str] = set()
     for index, code in enumerate(codes):
         draw_from_task_streams(code.module)
@@ -319,16 +312,43 @@ def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -
         )
 
 
-def _loose_grad_tensors(stage: fx.GraphModule) -> list[str]:
-    """The stage's tensor attributes and buffers that are autograd leaves requiring grad but
-    not parameters: the plain model's backward would give them a `.grad`."""
+def _grad_tensors_held(stage: fx.GraphModule) -> list[tuple[str, bool]]:
+    """The stage's tensor attributes and buffers that require grad but are not parameters, each
+    with whether it is an autograd leaf (the plain model's backward would give it a `.grad`) or
+    was computed from a parameter outside forward (its one graph serves one backward). A module
+    with forward pre-hooks may compute its attributes again at every call (the hook form of
+    weight_norm): its non-leaves are its hooks' to keep."""
     found = []
     for prefix, module in stage.named_modules():
         held = {**{k: v for k, v in vars(module).items() if not k.startswith("_")}, **module._buffers}
         for name, value in held.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad and value.is_leaf:
-                found.append(f"{prefix}.{name}" if prefix else name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
+                if value.is_leaf or not module._forward_pre_hooks:
+                    found.append((f"{prefix}.{name}" if prefix else name, value.is_leaf))
     return found
+
+
+def _refuse_grad_tensors_held(found: list[tuple[str, bool]]) -> None:
+    leaves = sorted({name for name, leaf in found if leaf})
+    computed = sorted({name for name, leaf in found if not leaf})
+    problems = []
+    if leaves:
+        problems.append(
+            f"tensors that require grad but are not parameters: {', '.join(leaves)}. A pipeline hands gradients to "
+            "parameters only, and would leave these without theirs"
+        )
+    if computed:
+        problems.append(
+            f"tensors computed with gradients outside forward (self.scale = self.log_scale.exp() in __init__, say): "
+            f"{', '.join(computed)}. Their one graph serves one backward: each micro-batch's runs through it (the plain "
+            "model's second backward would fail on it)"
+        )
+    if problems:
+        raise ValueError(
+            f"the model reads {'; and '.join(problems)}.\nHow to fix: register each tensor that learns as an "
+            "nn.Parameter (self.x = nn.Parameter(...)), or call .requires_grad_(False) on one that does not; compute "
+            "one made from parameters inside forward (self.log_scale.exp() there), where each call makes its own."
+        )
 
 
 def _calls(stage: fx.GraphModule) -> list[nn.Module]:

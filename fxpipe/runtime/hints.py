@@ -29,11 +29,12 @@ _HINTS = [
     ),
     (
         ("Trying to backward through the graph a second time",),
-        "A train step runs each micro-batch's loss backward on its own: a tensor that loss_fn reads, computed "
-        "with gradients outside it (a temperature log_t.exp(), say), has one graph, which the first micro-batch's "
-        "backward frees.\nHow to fix: compute that tensor inside loss_fn, from its leaves (lambda out, t: "
-        "F.mse_loss(out * log_t.exp(), t)), or pass it detached if it is not to learn. (A target computed with "
-        "gradients is handled: its gradient goes through its graph once, after the step.)",
+        "Each micro-batch's backward runs on its own: a tensor computed with gradients outside the forward and "
+        "outside loss_fn, that the model reads (a tensor a hook or the caller made from parameters) or that "
+        "loss_fn reads (a temperature log_t.exp(), say), has one graph, which the first micro-batch's backward "
+        "frees.\nHow to fix: compute that tensor where it is read, inside the forward or inside loss_fn "
+        "(lambda out, t: F.mse_loss(out * log_t.exp(), t)), or pass it detached if it is not to learn. (A target "
+        "computed with gradients is handled: its gradient goes through its graph once, after the step.)",
     ),
 ]
 

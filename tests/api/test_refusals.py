@@ -72,8 +72,24 @@ class LooseScale(nn.Module):
 
 
 def test_tensor_that_requires_grad_but_is_no_parameter_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"require grad but are not parameters: scale\.\n(.|\n)*How to fix: register each as an nn\.Parameter"):
+    with pytest.raises(ValueError, match=r"require grad but are not parameters: scale\. (.|\n)*How to fix: register each tensor that learns as an nn\.Parameter"):
         compile_pipeline(LooseScale(), X, ["cpu", "cpu"], chunks=2)
+
+
+class ScaleMadeOutsideForward(LooseScale):
+    def __init__(self) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(6))
+        self.scale = self.log_scale.exp()
+
+
+def test_a_tensor_computed_with_gradients_outside_forward_is_refused() -> None:
+    """Before, it compiled, and the first backward failed in a stage ('backward through the graph a
+    second time'), with a hint about loss_fn that no call had; the plain model's first backward
+    works, its second fails the same way."""
+    with pytest.raises(ValueError, match=r"(?s)tensors computed with gradients outside forward .*: scale\..*"
+                       r"How to fix: .*compute one made from parameters inside forward"):  # fmt: skip
+        compile_pipeline(ScaleMadeOutsideForward(), X, ["cpu", "cpu"], chunks=2)
 
 
 def test_the_same_tensor_without_grad_is_a_constant() -> None:

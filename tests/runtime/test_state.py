@@ -586,6 +586,21 @@ def test_a_call_inside_parametrize_cached_is_refused_and_exact_outside_it(call: 
         assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+def test_a_2bw_loop_inside_parametrize_cached_is_refused_leaving_the_parameters_as_they_were() -> None:
+    """Before, the loop ran, and its second micro-batch's backward failed in a stage ('backward
+    through the graph a second time') with a hint about loss_fn."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.utils.parametrizations.weight_norm(nn.Linear(6, 6)), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, schedule="2bw", balance=[2, 3])
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with nn.utils.parametrize.cached(), pytest.raises(RuntimeError, match=r"(?s)cannot run inside torch.nn.utils.parametrize.cached\(\).*How to fix"):
+        for _ in pipe.train_steps([(x, y)] * 3, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
+            pass
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before))
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 @pytest.mark.parametrize("new_style", [False, True], ids=["hook", "parametrization"])
 def test_spectral_norm_in_eval_and_under_no_grad_is_the_plain_model(new_style: bool) -> None:
     """In eval mode spectral_norm does not iterate: the whole batch and its micro-batches agree."""
