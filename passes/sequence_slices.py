@@ -22,6 +22,7 @@ from fxpipe.core.carry import SliceState, causal_mask, in_slice, slice_offset, w
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.fixed_draws import FixedDraws
 from fxpipe.passes.position_tags import K, CausalityError, Proof
+from fxpipe.passes.validate import first_line
 
 _ATTENTION_ARGUMENTS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -170,7 +171,14 @@ def check_slices(gm: fx.GraphModule, sliced: fx.GraphModule, proof: Proof, input
     slices draw masks of their own shapes; the model's state is left as it was."""
     with torch.no_grad(), preserved(gm), FixedDraws():
         whole = tree_flatten(gm(*inputs))[0]
-        parts = tree_flatten(run_in_slices(sliced, proof, inputs, lengths))[0]
+        try:
+            parts = tree_flatten(run_in_slices(sliced, proof, inputs, lengths))[0]
+        except Exception as error:  # noqa: BLE001 - the whole ran: what fails is the cut into slices
+            raise CausalityError([
+                f"slices of {list(lengths)} do not run ({first_line(error)}): a value that holds the sequence along two "
+                "dims, such as an attention mask of (batch, T, T) given as an input or attention weights returned, "
+                "cannot be cut into slices of positions"
+            ]) from None
     problems = []
     for k, (w, p) in enumerate(zip(whole, parts)):
         if not isinstance(w, torch.Tensor):

@@ -37,7 +37,7 @@ def loss_and_outputs(
         outputs = gathered.rebuild(gathered.tensors)
         if check:
             assert loss_fn is not None
-            check_combined_loss(loss_fn, outputs, target, total, reduction)
+            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None)
     return total, outputs
 
 

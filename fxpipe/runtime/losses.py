@@ -313,9 +313,34 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
 
 
-def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str) -> None:
-    """The micro-batches' losses, combined, must be the loss of the whole batch. The check draws
-    nothing from the caller's generators; a loss that draws (label noise) cannot be checked."""
+def _combined_loss_problem(reduction: str) -> str:
+    other = "sum" if reduction == "mean" else "mean"
+    return (
+        f"the loss is not a {reduction} over samples.\nHow to fix: pass reduction={other!r} if the loss is a {other} "
+        "over samples. A loss that is neither (a mean over a varying count of tokens, say) cannot be split into "
+        "micro-batches as it is: divide its sum by the whole batch's count, counted before the step, and pass "
+        "reduction='sum' (count = (y != -100).sum(); loss_fn = lambda out, t: F.cross_entropy(out, t, "
+        "ignore_index=-100, reduction='sum') / count); or, in one process, use pipe(x) and loss.backward()."
+    )
+
+
+def _sliced_loss_problem(reduction: str) -> str:
+    return (
+        f"with sequence_chunks, each micro-batch is a slice of the sequences, and its loss the loss of that slice's "
+        f"positions: the loss must be a {reduction} over positions as well as samples. A loss_fn that shifts the "
+        "positions itself (out[:, :-1] against t[:, 1:]) drops each slice's last position.\nHow to fix: give "
+        "train_step the target shifted already, aligned with the outputs position by position (t = F.pad(idx[:, 1:], "
+        "(0, 1), value=-100)), and a loss_fn that does not shift, summed (reduction='sum') or divided by the whole "
+        "batch's count of targets; or sequence_chunks=1."
+    )
+
+
+def check_combined_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
+) -> None:
+    """The micro-batches' losses, combined, must be the loss of the whole batch (`sliced`: the
+    micro-batches are slices of the sequences). The check draws nothing from the caller's
+    generators; a loss that draws (label noise) cannot be checked."""
     with torch.enable_grad(), _generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
         whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
     if drew():
@@ -334,14 +359,5 @@ def check_combined_loss(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: An
     rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
     atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
-        other = "sum" if reduction == "mean" else "mean"
-        raise ValueError(
-            f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the "
-            f"loss of the whole batch is {float(whole):.6g}: the loss is not a {reduction} over samples.\n"
-            f"How to fix: pass reduction={other!r} if the loss is a {other} over samples. A loss that is "
-            "neither (a mean over a varying count of tokens, say) cannot be split into micro-batches as it is: "
-            "divide its sum by the whole batch's count, counted before the step, and pass reduction='sum' "
-            "(count = (y != -100).sum(); loss_fn = lambda out, t: F.cross_entropy(out, t, ignore_index=-100, "
-            "reduction='sum') / count); or, in one process, use pipe(x) and loss.backward(). No gradient was "
-            "accumulated into the model's parameters."
-        )
+        said = f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the loss of the whole batch is {float(whole):.6g}"
+        raise ValueError(f"{said}: {_sliced_loss_problem(reduction) if sliced else _combined_loss_problem(reduction)} No gradient was accumulated into the model's parameters.")

@@ -561,6 +561,58 @@ def test_a_call_of_another_length_that_the_proof_cannot_run_here_is_refused_wher
     assert_call_and_grads_equal(sdpa, causal_reference, tokens(2, 20))
 
 
+def test_a_loss_that_shifts_positions_itself_is_refused_with_a_target_shifted_before_that_works() -> None:
+    """Before, it was told the loss is 'not a sum over samples', and advised reduction='mean' or a
+    count of ignored tokens, neither of which fixes it: each slice's loss dropped its last position."""
+    torch.manual_seed(0)
+    model, reference = twin(SdpaGPT())
+    x = tokens(2, 12)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, sequence_chunks=3)
+
+    def shifting(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out[:, :-1].flatten(0, 1), t[:, 1:].flatten(), reduction="sum")
+
+    with pytest.raises(ValueError, match=r"(?s)with sequence_chunks, each micro-batch is a slice.*drops each slice's last position.*"
+                       r"How to fix: give train_step the target shifted already"):  # fmt: skip
+        pipe.train_step(x, target=x, loss_fn=shifting, reduction="sum")
+    shifted = F.pad(x[:, 1:], (0, 1), value=-100)
+    loss = pipe.train_step(x, target=shifted, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100, reduction="sum"), reduction="sum")
+    expected = shifting(reference(x), x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-10)
+
+
+class _TwoSequenceDims(nn.Module):
+    """Causal attention whose mask is an input of (batch, T, T) (documents packed in a row), or
+    that returns its attention weights (batch, heads, T, T) beside its logits."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.tok, self.qkv, self.head = kind, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.tril: torch.Tensor
+        self.register_buffer("tril", torch.ones(32, 32, dtype=torch.bool).tril())
+
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor) -> Any:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        keep = mask[:, None] if self.kind == "mask input" else self.tril[:t, :t]
+        weights = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(~keep, float("-inf")).softmax(-1)
+        out = self.head(x + (weights @ v).transpose(1, 2).reshape(b, t, 16))
+        return out if self.kind == "mask input" else (out, weights)
+
+
+@pytest.mark.parametrize("kind", ["mask input", "weights returned"])
+def test_a_value_holding_the_sequence_along_two_dims_is_refused_saying_so(kind: str) -> None:
+    """Before, compiling failed with torch's shape error from inside the slices' run."""
+    idx = tokens(2, 12)
+    documents = torch.tensor([0] * 5 + [1] * 7)
+    mask = ((documents[:, None] == documents[None, :]) & torch.ones(12, 12, dtype=torch.bool).tril()).expand(2, 12, 12).clone()
+    with pytest.raises(CausalityError, match=r"slices of \[4, 4, 4\] do not run \(RuntimeError: .*\): a value that holds the sequence along two dims"):
+        compile_pipeline(_TwoSequenceDims(kind).double(), (idx, mask), ["cpu", "cpu"], sequence_chunks=3)
+
+
 class _Squeezed(nn.Module):
     """Position-wise, with a gate squeezed of all its dims of one: a slice of one position loses
     its sequence dim too."""
