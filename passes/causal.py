@@ -245,11 +245,15 @@ class _Prover(LayoutRules, fx.Interpreter):
                 return ZERO
             return before if before == MINUS_INF and all(isinstance(o, (int, float)) and o > 0 for o in others) else ""
         if key in SHIFTS:
-            added = [o for o, t in operands if t is not first]
             if before == MINUS_INF:
                 return MINUS_INF
-            # -inf, or a finite fill that no score outweighs (torch.finfo(dtype).min, -1e9): softmax gives it 0
-            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o <= _HIDDEN, value.shape, q, k) for o in added):
+            subtracted = key in (operator.sub, torch.sub, "sub")
+            if first is None and subtracted:
+                return ""  # scores subtracted from something: negated, not hidden
+            # -inf, or a finite fill that no score outweighs (torch.finfo(dtype).min, -1e9): softmax gives it 0;
+            # subtracted, a fill that large the other way (GPT-2's w * b - 1e4 * (1 - b))
+            shifts = [-o if subtracted and isinstance(o, torch.Tensor) else o for o, t in operands if t is not first]
+            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o <= _HIDDEN, value.shape, q, k) for o in shifts):
                 return MINUS_INF
         return ""
 
@@ -312,6 +316,8 @@ class _Prover(LayoutRules, fx.Interpreter):
         given = {**dict(zip(names, args)), **kwargs}
         tagged = {**dict(zip(names, tags)), **kwtags}
         mask = given.get("attn_mask")
+        if not any(isinstance(tagged.get(name), Positions) and tagged[name].dims for name in ("key", "value", "attn_mask")):
+            return self._cross_attention(given["query"], tagged.get("query"))
         if mask is not None:
             self._causal_mask(mask, tagged.get("attn_mask"), given["query"].dim())
         elif not given.get("is_causal", False):
@@ -324,6 +330,13 @@ class _Prover(LayoutRules, fx.Interpreter):
             self._carry(n, position if len(args) > position else name, given[name].dim() - 2)
         self.proof.attention.append(n.name)
         return Positions(((given["query"].dim() - 2, Q),))
+
+    def _cross_attention(self, query: torch.Tensor, tag: Any) -> Positions:
+        """Attention whose keys and values hold no position of the sequence (an encoder's memory,
+        another input): each query reads what every slice reads, position by position."""
+        if not isinstance(tag, Positions) or [d for d, _ in tag.dims] != [query.dim() - 2] or self.proof.unify(tag.dims[0][1], Q) is None:
+            raise Refused("attention's query holds the positions on another dim than its rows")
+        return Positions(((query.dim() - 2, Q),))
 
     def _causal_mask(self, mask: Any, tag: Any, rank: int) -> None:
         """An attention mask whose last two dims are the queries' and the keys' positions (its

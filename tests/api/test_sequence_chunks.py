@@ -613,6 +613,71 @@ def test_a_value_holding_the_sequence_along_two_dims_is_refused_saying_so(kind: 
         compile_pipeline(_TwoSequenceDims(kind).double(), (idx, mask), ["cpu", "cpu"], sequence_chunks=3)
 
 
+class _Gpt2Mask(nn.Module):
+    """Scores masked as OpenAI's GPT-2 code does, w * b - 1e4 * (1 - b) (the future's scores are
+    -1e4), or with the sign turned, which raises the future's scores instead."""
+
+    def __init__(self, sign: float) -> None:
+        super().__init__()
+        self.sign, self.tok, self.qkv, self.head = sign, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.bias: torch.Tensor
+        self.register_buffer("bias", torch.ones(32, 32).tril().view(1, 1, 32, 32))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        w = q @ k.transpose(-2, -1) / 8**0.5
+        kept = self.bias[:, :, :t, :t]
+        w = w * kept - self.sign * 1e4 * (1 - kept)
+        return self.head(x + (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+def test_gpt_2_s_own_mask_is_proved_causal_and_one_that_raises_the_future_is_refused() -> None:
+    """Before, GPT-2's form was refused as bidirectional attention (a subtracted 1e4 was not read
+    as hiding the future), and the sign turned was taken for a mask."""
+    torch.manual_seed(0)
+    model, reference = twin(_Gpt2Mask(sign=1.0))
+    pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    assert_call_and_grads_equal(pipe, reference, tokens(2, 12))
+    with pytest.raises(CausalityError, match="not masked causally"):
+        compile_pipeline(_Gpt2Mask(sign=-1.0).double(), tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+
+
+class _Decoder(nn.Module):
+    """Causal self-attention, then cross-attention to an encoder's memory, another input, whose
+    positions are no positions of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.qkv, self.q2, self.kv2 = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, 16), nn.Linear(16, 32)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        q2 = self.q2(x).view(b, t, 2, 8).transpose(1, 2)
+        k2, v2 = self.kv2(memory).view(b, memory.shape[1], 2, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.head(x + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, c))
+
+
+def test_cross_attention_to_another_input_runs_in_slices_as_the_plain_model() -> None:
+    """Before, it was refused as bidirectional attention: its keys hold no position of the sequence."""
+    torch.manual_seed(0)
+    model, reference = twin(_Decoder())
+    idx, memory = tokens(4, 12), torch.randn(4, 5, 16, dtype=torch.float64, requires_grad=True)
+    pipe = compile_pipeline(model, (idx, memory), ["cpu", "cpu"], chunks=2, sequence_chunks=3)
+    assert_call_and_grads_equal(pipe, reference, idx, memory)
+    got, = torch.autograd.grad(pipe(idx, memory).square().sum(), memory)
+    want, = torch.autograd.grad(reference(idx, memory).square().sum(), memory)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(tokens(4, 9), memory), reference(tokens(4, 9), memory), rtol=0, atol=1e-12)
+
+
 class _Squeezed(nn.Module):
     """Position-wise, with a gate squeezed of all its dims of one: a slice of one position loses
     its sequence dim too."""
