@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import warnings
 from typing import Any, Callable, Iterable, Optional
 
@@ -31,6 +32,11 @@ from fxpipe.tracing.functions import functions_applied
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
+
+
+# The hooks torch.nn.utils registers on a module: pruning's methods, and the hook forms of
+# spectral_norm and weight_norm (named by their classes in `hooks_export_runs_once`).
+_TORCH_WEIGHT_HOOKS = re.compile(r"SpectralNorm|WeightNorm|Unstructured|Structured|PruningContainer|CustomFromMask|Identity")
 
 
 class _Rejected(Exception):
@@ -366,6 +372,10 @@ def _front_ends(
                 fix="How to fix: make the model traceable by torch.fx, which calls a module with hooks whole at every "
                 "call; or remove those hooks (handle.remove()) before compiling"
                 + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if hooked(model) else ".")
+                + (" Those of torch.nn.utils are removed by its own functions, not handle.remove(), which would leave "
+                   "the weight the hook last computed: prune.remove(module, 'weight') makes a pruned weight permanent; "
+                   "torch.nn.utils.parametrizations.spectral_norm and weight_norm, which torch.export captures, replace "
+                   "the hook forms." if any(_TORCH_WEIGHT_HOOKS.search(hook) for hook in once) else "")
                 + (" Hugging Face's gradient_checkpointing_enable() registers make_inputs_require_grads: "
                    "model.gradient_checkpointing_disable() removes it, and the pipeline's checkpoint= recomputes "
                    "stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),

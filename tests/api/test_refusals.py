@@ -9,6 +9,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from fxpipe import PlacementError, TraceError, compile_pipeline
 from helpers import X, FanOut, assert_call_and_grads_equal, assert_grads_equal, twin
@@ -681,3 +682,26 @@ def test_a_pipeline_inside_a_non_reentrant_checkpoint_is_refused_and_a_reentrant
     assert x.grad is not None
     torch.testing.assert_close(x.grad, plain_x.grad, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, plain, 1e-12)
+
+
+class PrunedTakingRest(nn.Module):
+    """Only torch.export captures it (its forward takes *rest), and a layer of it is pruned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        prune.l1_unstructured(self.second, "weight", amount=0.5)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_torch_s_own_weight_hooks_that_export_would_run_once_are_refused_naming_their_remove_functions() -> None:
+    """Before, the advice was handle.remove(), for hooks the user holds no handle of, which would
+    leave the weight the hook last computed; prune.remove makes the pruned weight permanent."""
+    model = PrunedTakingRest()
+    with pytest.raises(TraceError, match=r"(?s)run the model's hooks once.*prune\.remove\(module, 'weight'\) makes a pruned weight permanent"):
+        compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    prune.remove(model.second, "weight")
+    pipe = compile_pipeline(copy.deepcopy(model), X, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
