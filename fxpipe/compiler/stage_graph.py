@@ -55,12 +55,13 @@ def predicted_seconds(runs: Sequence[Sequence[fx.Node]], costs: dict[str, Any], 
     report, chunks = report_model(order, costs), costs["chunks"]
     bounds = [0, *itertools.accumulate(len(run) for run in runs)]
     times = [report.time(a, b) / chunks for a, b in zip(bounds, bounds[1:])]
-    layout = Layout(tuple(ranks), frozenset(stage_links(runs)), _output_stages(runs))
+    actions = [(t / 3, t / 3, t / 3) for t in times]  # F, I and W, as the plan splits a stage's time without measures
+    layout = Layout(tuple(ranks), frozenset(stage_links(runs)), _output_stages(runs), tuple(actions))  # zb-h1 orders by them
     try:
         made = make_schedule(schedule, layout, chunks, costs["checkpointed"])
     except ValueError:  # a schedule this cut cannot run is refused later, with its reason
         made = make_schedule("gpipe", layout, chunks, costs["checkpointed"])
-    stage_costs = [StageCosts(t / 3, 2 * t / 3) for t in times]
+    stage_costs = [StageCosts.split(*action) for action in actions]
     return simulate(made, layout, stage_costs, costs["checkpointed"]).timeline.makespan
 
 
