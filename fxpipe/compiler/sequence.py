@@ -82,7 +82,8 @@ def slice_graphs(
         checked[attr == "graph"] = Checked(gm, sliced, proof)
         spec = spec or made
     assert spec is not None
-    return spec, length_check(checked, example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs))))
+    length = example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs)))
+    return spec, length_check(checked, length, tuple(spec.lengths(length)))
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,14 @@ class Checked:
 LengthCheck = Callable[[dict[str, Any], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
 
 
-def length_check(graphs: dict[bool, Checked], example: int) -> LengthCheck:
+def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...]) -> LengthCheck:
     """The proof again, and the slices against the whole, on a micro-batch (inputs by name) of a
     length or a cut into slices not checked yet, once each per mode: a table of the length's size
     read from a buffer (a mask narrowed to the length) may be causal at the example's length and
     not at another, and a slice of one position may take another shape (`squeeze()`). A graph
     that cannot run here (on the meta device or another device, too large) keeps the example's
     proof where it reads no such table, and is refused at another length where it does."""
-    checked: set[tuple[bool, int, tuple[int, ...]]] = set()
+    checked = {(mode, example, example_cut) for mode in graphs}  # checked while compiling
 
     def check(values: dict[str, Any], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         mode = training if training in graphs else next(iter(graphs))

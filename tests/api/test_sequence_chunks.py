@@ -285,7 +285,7 @@ def test_a_train_step_whose_target_or_loss_does_not_follow_the_slices_is_refused
         with pytest.raises(ValueError, match=r"does not hold the sequence \(12 positions\) along dim 1"):
             pipe.train_step(X, target=torch.zeros(4, dtype=torch.long), loss_fn=lambda out, t: F.cross_entropy(out[:, 0], t))
         per_sequence = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten(), reduction="sum") / out.shape[0]  # noqa: E731
-        with pytest.raises(ValueError, match="is not a mean over samples"):
+        with pytest.raises(ValueError, match="the loss must be a mean over positions as well as samples"):
             pipe.train_step(X, target=X, loss_fn=per_sequence)
 
 
