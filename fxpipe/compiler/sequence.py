@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass, replace
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Optional, Sequence, Union
@@ -12,10 +13,11 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.plan import StagePlan, human_bytes
 from fxpipe.compiler.traced import Traced
+from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal import prove_causal, prove_causal_at
-from fxpipe.passes.position_tags import CausalityError, Positions, Proof, Q
+from fxpipe.passes.position_tags import K, CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
 from fxpipe.passes.shapes import FlopCount, small_on_cpu
 from fxpipe.schedules.slices import SliceSpec
@@ -124,7 +126,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
                 with still():  # the checks run the graph on the model's tensors, and put back what it wrote
                     prove_causal_at(graph.whole, inputs, spec.dim, length, holding=set(spec.inputs))
                     check_slices(graph.whole, graph.sliced, graph.proof, inputs, lengths)
-            elif length != example and (tables := _narrowed_tables(graph)):
+            elif length > example and (tables := [name for name in _narrowed_tables(graph) if not _hides_alike(graph, name, example, length)]):
                 raise CausalityError([_unprovable(tables, length, example)])
         except CausalityError as error:
             raise CausalityError(
@@ -141,6 +143,32 @@ def _narrowed_tables(graph: Checked) -> list[str]:
     node: their values past the example's length are not known (an arange's are)."""
     nodes = {n.name: n for n in graph.whole.graph.nodes}
     return sorted(name for name in graph.proof.tables if nodes[name].target is not torch.arange)
+
+
+def _hides_alike(graph: Checked, name: str, example: int, length: int) -> bool:
+    """Whether the table node `name` cuts to the length hides the future at `length` as it did at
+    the example's, where the proof ran: a table of one position dim (a rotary table) mixes no
+    positions; a mask (a query dim and a key dim, cut from a tensor the model holds) holds, where
+    a key follows its query up to `length`, only values it held there up to the example's length."""
+    node = next(n for n in graph.whole.graph.nodes if n.name == name)
+    roles = {graph.proof.role_of(variable): dim for variable, dim in graph.proof.tables[name]}
+    if len(graph.proof.tables[name]) < 2:
+        return True
+    source = node.args[0] if node.args else None
+    index = node.args[1] if node.target is operator.getitem and len(node.args) > 1 else ()
+    aligned = all(isinstance(item, slice) for item in (index if isinstance(index, tuple) else (index,)))  # its dims the table's
+    if Q not in roles or K not in roles or not aligned or not isinstance(source, fx.Node) or source.op != "get_attr":
+        return False
+    table = fetch_attr(graph.whole, str(source.target))
+    q, k = roles[Q], roles[K]
+    if not isinstance(table, torch.Tensor) or table.is_meta or table.dim() <= max(q, k) or min(table.shape[q], table.shape[k]) < length:
+        return False
+    square = table.movedim((q, k), (-2, -1))[..., :length, :length]
+    future = torch.ones(length, length, dtype=torch.bool, device=square.device).triu(1)
+    before, now = square[..., :example, :example][..., future[:example, :example]].unique(), square[..., future].unique()
+    if now.dtype == torch.bool:  # isin takes no booleans
+        before, now = before.to(torch.uint8), now.to(torch.uint8)
+    return bool(torch.isin(now, before).all())
 
 
 def _unprovable(tables: list[str], length: int, example: int) -> str:

@@ -541,24 +541,26 @@ def test_a_call_of_another_length_is_proved_causal_at_that_length_first() -> Non
             pipe(tokens(2, 20))
 
 
-def test_a_call_of_another_length_that_the_proof_cannot_run_here_is_refused_where_a_table_is_narrowed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_call_of_another_length_that_the_proof_cannot_run_here_runs_where_its_masks_hide_the_future_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before, a graph too large to run on the CPU (over 1 GiB, or on another device: any
-    accelerator) kept the example's proof at every length: the mask causal at 12 positions and
-    not at 24 ran in slices, 0.079 off the plain model. A model whose mask reads no table of the
-    length's size (causal sdpa) has nothing to prove again, and runs."""
+    accelerator, or across processes) kept the example's proof at every length: the mask causal
+    at 14 positions and not beyond ran a call of 24 in slices, 0.079 off the plain model. Where the
+    proof cannot run, a mask the model narrows to the length must hold, where a key follows its
+    query, only the values it held there at the example's length; a tril buffer does at any length."""
     import fxpipe.passes.shapes as shapes
 
     torch.manual_seed(0)
     model, reference = twin(_CausalUpTo(causal=14))
     pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
-    causal, causal_reference = twin(SdpaGPT())
-    sdpa = compile_pipeline(causal, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    tril, tril_reference = twin(_CausalUpTo(causal=48))
+    everywhere = compile_pipeline(tril, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
     monkeypatch.setattr(shapes, "REAL_RUN_LIMIT", 0)  # nothing runs on the CPU for a proof now
-    assert_call_and_grads_equal(pipe, reference, tokens(2, 12))
-    with pytest.raises(CausalityError, match=r"(?s)at this call's length, 14 \(the example's was 12\): it narrows tables to the "
+    for length in (12, 9, 14):  # causal at each
+        assert_call_and_grads_equal(pipe, reference, tokens(2, length, seed=length))
+    with pytest.raises(CausalityError, match=r"(?s)at this call's length, 24 \(the example's was 12\): it narrows tables to the "
                        r"sequence's length \(.*\), proved causal at 12 positions.*How to fix: call it with sequences of the example's length"):  # fmt: skip
-        pipe(tokens(2, 14))
-    assert_call_and_grads_equal(sdpa, causal_reference, tokens(2, 20))
+        pipe(tokens(2, 24))
+    assert_call_and_grads_equal(everywhere, tril_reference, tokens(2, 24))
 
 
 def test_a_loss_that_shifts_positions_itself_is_refused_with_a_target_shifted_before_that_works() -> None:
