@@ -86,6 +86,8 @@ def writes_first_argument(gm: torch.nn.Module, node: fx.Node) -> bool:
         return False
     if node.target is operator.setitem or bool(node.kwargs.get("inplace", False)):
         return True
+    if getattr(node.target, "applies", None) is not None:  # an autograd Function: as runs of it found
+        return 0 in getattr(node.target, "writes", ())
     by_schema = _schema_writes_first(node.target)
     if by_schema is not None:
         return by_schema
@@ -101,6 +103,10 @@ def written_value(gm: torch.nn.Module, node: fx.Node) -> Optional[fx.Node]:
     out = node.kwargs.get("out")
     if isinstance(out, fx.Node):
         return out
+    for k in sorted(getattr(node.target, "writes", ())) if node.op == "call_function" else []:
+        value = node.args[k] if k < len(node.args) else None
+        if isinstance(value, fx.Node):
+            return value
     for schema in _schemas(node.target) if node.op == "call_function" else []:
         for i, name in _written_positions(schema):
             value = node.args[i] if i < len(node.args) else node.kwargs.get(name)

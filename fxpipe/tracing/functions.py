@@ -28,13 +28,30 @@ def applier(function: type) -> Callable[..., Any]:
     if function not in _appliers:
 
         def apply(*args: Any, **kwargs: Any) -> Any:
-            return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+            versions = _versions(args)
+            out = function.apply(*args, **kwargs)  # type: ignore[attr-defined]
+            if versions:
+                apply.writes |= {k for k, version in versions.items() if _version(args[k]) != version}  # type: ignore[attr-defined]
+            return out
 
         apply.__name__ = apply.__qualname__ = f"apply_{function.__name__}"
         apply.__module__ = __name__
         apply.applies = function  # type: ignore[attr-defined]  # what the passes ask of its node (passes/random_ops.py)
+        # The positional arguments a call wrote in place (a Function that marks them dirty), as
+        # any run of the graph finds them (the example's, before the passes that ask: core/writes.py).
+        apply.writes = set()  # type: ignore[attr-defined]
         _appliers[function] = apply
     return _appliers[function]
+
+
+def _versions(args: tuple[Any, ...]) -> dict[int, int]:
+    """The version counters of the positional tensor arguments, by position."""
+    found = {k: _version(a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    return None if t.is_inference() else t._version
 
 
 def _proxy_in(args: Any) -> Optional[fx.Proxy]:
