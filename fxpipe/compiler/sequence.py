@@ -78,7 +78,7 @@ def slice_graphs(
             raise error from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         sliced = slice_graph(gm, proof)
-        check_slices(gm, sliced, proof, inputs, made.lengths(example_length(made, dict(zip(_placeholders(gm), inputs)))))
+        check_slices(gm, sliced, proof, inputs, _example_cut(made, dict(zip(_placeholders(gm), inputs))))
         outputs.update(_output_dims(gm, proof))
         setattr(traced, attr, sliced)
         checked[attr == "graph"] = Checked(gm, sliced, proof)
@@ -86,6 +86,21 @@ def slice_graphs(
     assert spec is not None
     length = example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs)))
     return spec, length_check(checked, length, tuple(spec.lengths(length)))
+
+
+def _example_cut(spec: SliceSpec, inputs: dict[str, Any]) -> list[int]:
+    """The example's sequence cut into slices; refused, saying where the sequence was looked for,
+    where it is shorter than the slices (a sequence-first input holds its batch on dim 1)."""
+    length = example_length(spec, inputs)
+    try:
+        return list(spec.lengths(length))
+    except ValueError as error:
+        names = ", ".join(f"{name} {tuple(inputs[name].shape)}" for name in spec.inputs)
+        raise ValueError(
+            f"{error}: the example's sequence is dim {spec.dim} of {names} (sequence_dim={spec.dim}).\nHow to fix: an "
+            "example with a longer sequence; for inputs of (positions, batch), sequence-first, batch-first ones "
+            "(x.transpose(0, 1), and a model that reads them so), as slices cut sequence_dim and micro-batches dim 0."
+        ) from None
 
 
 @dataclass(frozen=True)
