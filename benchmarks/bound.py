@@ -25,7 +25,14 @@ def stage_work(
     """The step's work of the stage before `cut` and of the stage from it, on copies of the
     model's layers: gradients accumulate over the micro-batches as the pipeline's do (a mean
     loss weighted by each micro-batch's share of the batch)."""
-    first, second = copy.deepcopy(model[:cut]), copy.deepcopy(model[cut:])
+    return stage_work_on(copy.deepcopy(model[:cut]), copy.deepcopy(model[cut:]), x, y, chunks, loss_fn)
+
+
+def stage_work_on(
+    first: nn.Module, second: nn.Module, x: torch.Tensor, y: torch.Tensor, chunks: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> tuple[Step, Step]:  # fmt: skip
+    """`stage_work` on the two stages' layers given (an optimizer may step them between steps)."""
     xs, ys = x.chunk(chunks), y.chunk(chunks)
     with torch.no_grad():
         middles = [first(xc) for xc in xs]  # the second stage's inputs, never waited for

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bound import stage_work
+from bound import stage_work, stage_work_on
 from environment import command_lines, ensure_malloc_env
 from tables import print_markdown
 from overhead import ROOT, Contender, make_mlp, measure
@@ -226,10 +226,17 @@ def loop_rows(w: Workload, args: argparse.Namespace) -> list[list[str]]:
     loops = {name: pipeline_loop(pipe, w, lr) for name, pipe in pipes.items()}
     loops[MINIMUM] = minimum_in_hand(loops[MINIMUM])
     contenders = [plain, *(Contender(name, loop) for name, loop in loops.items())]
+    bound = unwaited_loop(w, pipes["2bw"], args.chunks, lr)
+    if bound is not None:
+        contenders.append(Contender(BOUND, bound))
     measure(contenders, args.repeats, 1, warmup=1)
     params = sum(p.numel() * p.element_size() for p in w.model.parameters())
     rows = []
     for contender in contenders[1:]:
+        if contender.name == BOUND:
+            rows.append([w.name, BOUND, f"{LOOP_BATCHES} batches", f"{plain.median / (2 * contender.median):.3f}",
+                         f"{plain.best / (2 * contender.best):.3f}", f"{contender.median / LOOP_BATCHES * 1e3:.1f}", "-", "-"])  # fmt: skip
+            continue
         pipe = pipes[contender.name]
         held = params if contender.name == "1f1b" else pipe.last_parameter_bytes  # 1f1b's steps run on the parameters' own memory
         rows.append([
@@ -238,6 +245,32 @@ def loop_rows(w: Workload, args: argparse.Namespace) -> list[list[str]]:
             f"{held / 2**20:.1f}", f"{held / params:.2f}",
         ])  # fmt: skip
     return rows
+
+
+def unwaited_loop(w: Workload, pipe: Any, chunks: int, lr: float) -> Optional[Callable[[], None]]:
+    """The no-dependency bound of the loop (bound.py): each stage's work for LOOP_BATCHES batches,
+    and an SGD step of its layers after each, on a thread of its own, waiting for nothing. Only
+    for a Sequential cut in two."""
+    stages = pipe.plan.stages
+    if not isinstance(w.model, nn.Sequential) or len(stages) != 2:
+        return None
+    cut = int(stages[1].modules[0])
+    parts = copy.deepcopy(w.model[:cut]), copy.deepcopy(w.model[cut:])
+    first, second = stage_work_on(*parts, w.x, w.y, chunks, w.loss_fn)
+    steps = [torch.optim.SGD(part.parameters(), lr=lr) for part in parts]
+    helper = ThreadPoolExecutor(1)
+
+    def batches(work: Callable[[], None], optimizer: torch.optim.Optimizer) -> None:
+        for _ in range(LOOP_BATCHES):
+            work()
+            optimizer.step()
+
+    def loop() -> None:
+        done = helper.submit(batches, first, steps[0])
+        batches(second, steps[1])
+        done.result()
+
+    return loop
 
 
 LOOP_HEADER = ["workload", "schedule", "loop", "E median", "E best", "ms per batch (median)", "parameter MiB (peak)", "x the model's"]
