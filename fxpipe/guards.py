@@ -45,6 +45,14 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "compile the model again after changing them, or keep such modules whole (compile_pipeline(..., "
             "leaf_modules=[...])): a module kept whole runs its own code on every call."
         )
+    settings = programs[True].settings_changed()
+    if settings:
+        raise RuntimeError(
+            f"settings of modules the graph calls whole changed since compiling: {', '.join(settings)}. Compiling "
+            "planned the stages by them (which values are copied before a module writes them in place, whether "
+            "micro-batches may split the batch a module sees, which weights forward writes).\nHow to fix: compile "
+            "the model again after changing them."
+        )
     mode = _mode(owner.training, programs[True].held.named, compiled.flags)
     if compiled.eval_only and (mode or owner.training):
         raise RuntimeError(

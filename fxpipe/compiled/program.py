@@ -94,6 +94,19 @@ class StageRuntime:
 
 
 
+# Settings of PyTorch's modules that compiling plans by when the graph calls one whole: whether
+# it writes its input (which values are copied before), whether micro-batches may split the batch
+# it sees (its gradient scaled by counts in the batch, its batch on dim 1), whether forward writes
+# its weight.
+SETTINGS = ("inplace", "scale_grad_by_freq", "batch_first", "max_norm")
+UNSET = object()
+
+
+def settings_of(module: nn.Module) -> tuple[Any, ...]:
+    """The module's `SETTINGS`, `UNSET` for those it has not."""
+    return tuple(getattr(module, name, UNSET) for name in SETTINGS)
+
+
 Hooks = tuple[tuple[int, ...], ...]
 # What a traced-through module's code was: its class, a forward set on the module itself, the
 # class's forward, and a container's members (the graph holds one pass over them).
@@ -219,6 +232,9 @@ class Program:
     traced_hooks: list[tuple[str, Optional[nn.Module], Hooks]] = field(default_factory=list)
     # The same modules' code then (`code_of`): the graph holds what it computed.
     traced_code: list[tuple[str, nn.Module, Code]] = field(default_factory=list)
+    # Each module the graph calls whole that has settings compiling planned by, with their values
+    # then (`SETTINGS`): a change since would run the plan made for the old ones.
+    settings: list[tuple[str, nn.Module, tuple[Any, ...]]] = field(default_factory=list)
 
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
@@ -259,6 +275,15 @@ class Program:
     def written_inputs(self) -> frozenset[str]:
         """The inputs some stage writes in place."""
         return frozenset(name for stage in self.stages for name in stage.written)
+
+    def settings_changed(self) -> list[str]:
+        """The settings of modules called whole that changed since compiling, each with its values."""
+        found = []
+        for name, module, values in self.settings:
+            now = settings_of(module)
+            if now != values:
+                found += [f"{name}.{attr} ({then!r} -> {value!r})" for attr, then, value in zip(SETTINGS, values, now) if then != value]
+        return found
 
     def code_changed(self) -> list[str]:
         """The traced-through modules whose code changed since, each with what changed."""

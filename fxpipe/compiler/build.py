@@ -15,7 +15,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.compiled.program import Cut, HeldState, Program, StageRuntime, code_of, hooks_of
+from fxpipe.compiled.program import UNSET, Cut, HeldState, Program, StageRuntime, code_of, hooks_of, settings_of
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_code import caller_stacklevel
@@ -93,6 +93,7 @@ def build_program(
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
         traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
         traced_code=[(name, m, code_of(m, listed is None or name in listed)) for name, m in traced],
+        settings=_settings(cut.graph),
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
         unreached=_unreached(owner),
         state_read=_state_read(codes, shared),
@@ -179,6 +180,18 @@ def _stage(
         flagged=_flagged(code.module),
         reenters=bool(whole) or _modules_handed_to_functions(code.module),
     )  # fmt: skip
+
+
+def _settings(graph: fx.GraphModule) -> list[tuple[str, nn.Module, tuple[Any, ...]]]:
+    """Each module the graph calls whole that has any of `SETTINGS`, with their values now."""
+    found = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_module":
+            module = fetch_attr(graph, str(node.target))
+            values = settings_of(module)
+            if any(value is not UNSET for value in values):
+                found[str(node.target)] = (str(node.target), module, values)
+    return list(found.values())
 
 
 def _writes_lost_by_compile(stage: StageRuntime) -> bool:
