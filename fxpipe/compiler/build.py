@@ -72,6 +72,7 @@ def build_program(
     stored_by = _stored_by_module(owner, stored)
     written = set(writable_buffer_names(cut.graph, [n for run in cut.runs for n in run]))
     stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by, written) for index in range(len(codes))]
+    _reentered_by_one_stage(stages)
     if compile_stages is not None:
         for stage in stages:
             if not _writes_lost_by_compile(stage):
@@ -178,8 +179,20 @@ def _stage(
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
         flagged=_flagged(code.module),
-        reenters=bool(whole) or _modules_handed_to_functions(code.module),
+        reenters=_reentered_alone(code.module, whole, shared_ids),
     )  # fmt: skip
+
+
+def _reentered_by_one_stage(stages: list[StageRuntime]) -> None:
+    """A stage whose parameters another stage reads as its own too (a module both call whole, or
+    hand to a Function) cannot hold their slots in backward while the other may: it does not."""
+    seen: dict[int, int] = {}
+    for stage in stages:
+        for p in stage.params:
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    for stage in stages:
+        if stage.reenters and any(seen[id(p)] > 1 for p in stage.params):
+            stage.reenters = False
 
 
 def _settings(graph: fx.GraphModule) -> list[tuple[str, nn.Module, tuple[Any, ...]]]:
@@ -209,14 +222,18 @@ def _writes_lost_by_compile(stage: StageRuntime) -> bool:
     return bool(lost)
 
 
-def _modules_handed_to_functions(stage: fx.GraphModule) -> bool:
-    """Whether the stage hands a module to an autograd Function (torch.utils.checkpoint's
-    reentrant one, say), whose backward may run it again."""
-    return any(
-        getattr(node.target, "applies", None) is not None and any(isinstance(fetch_attr(stage, arg.target), nn.Module)
-        for arg in node.all_input_nodes if arg.op == "get_attr")
-        for node in stage.graph.nodes
-    )  # fmt: skip
+def _reentered_alone(stage: fx.GraphModule, whole: list[nn.Module], shared_ids: set[int]) -> bool:
+    """Whether the stage's backward may run the model's modules again (a module handed to an
+    autograd Function, torch.utils.checkpoint's reentrant one, or called whole), on parameters
+    no other stage reads: those its leaves can stand for in their slots while it runs. Where a
+    stage shares one (a weight tied across stages, a block two stages run), the modules read the
+    model's own parameters there, as in forward."""
+    handed = [
+        module for node in stage.graph.nodes if getattr(node.target, "applies", None) is not None
+        for arg in node.all_input_nodes if arg.op == "get_attr" and isinstance(module := fetch_attr(stage, arg.target), nn.Module)
+    ]  # fmt: skip
+    reentered = [*whole, *handed]
+    return bool(reentered) and not any(id(p) in shared_ids for m in reentered for p in m.parameters())
 
 
 def _flagged(stage: fx.GraphModule) -> list[nn.Module]:
@@ -327,17 +344,20 @@ def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -
 
 def _grad_tensors_held(stage: fx.GraphModule) -> list[tuple[str, bool]]:
     """The stage's tensor attributes and buffers that require grad but are not parameters, each
-    with whether it is an autograd leaf (the plain model's backward would give it a `.grad`) or
-    was computed from a parameter outside forward (its one graph serves one backward). A module
-    with forward pre-hooks may compute its attributes again at every call (the hook form of
-    weight_norm): its non-leaves are its hooks' to keep."""
+    with whether it is an autograd leaf (the plain model's backward would give it a `.grad`) or,
+    read by the graph itself, was computed from parameters outside forward (its one graph serves
+    one backward). A view of a parameter (`self.w_t = self.lin.weight.t()`) saves nothing for
+    backward and serves any number; what a module called whole holds, its own forward makes again
+    at every call (an output it keeps, the weight a weight_norm hook computes)."""
+    read = {str(n.target) for n in stage.graph.nodes if n.op == "get_attr"}
     found = []
     for prefix, module in stage.named_modules():
         held = {**{k: v for k, v in vars(module).items() if not k.startswith("_")}, **module._buffers}
         for name, value in held.items():
+            path = f"{prefix}.{name}" if prefix else name
             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
-                if value.is_leaf or not module._forward_pre_hooks:
-                    found.append((f"{prefix}.{name}" if prefix else name, value.is_leaf))
+                if value.is_leaf or (path in read and not value._is_view()):
+                    found.append((path, value.is_leaf))
     return found
 
 

@@ -705,3 +705,57 @@ def test_torch_s_own_weight_hooks_that_export_would_run_once_are_refused_naming_
     prune.remove(model.second, "weight")
     pipe = compile_pipeline(copy.deepcopy(model), X, ["cpu", "cpu"], chunks=2)
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+class ViewOfAWeight(nn.Module):
+    """A view of a parameter made in __init__: its backward saves nothing, and serves any number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6, bias=False)
+        self.transposed = self.second.weight.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.first(x)) @ self.transposed
+
+
+class KeepsItsOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.lin(x))
+        self.last = y  # kept for inspection, as attention maps often are
+        return y
+
+
+class HoldsAKeeper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.inner, self.b = nn.Linear(6, 6), KeepsItsOutput(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.inner(self.a(x)))
+
+
+@pytest.mark.parametrize("case", ["a view of a weight", "an output a module kept whole keeps"])
+def test_tensors_with_gradients_that_every_call_can_use_are_not_refused(case: str) -> None:
+    """Before (the last commits), both were refused as tensors computed with gradients outside
+    forward: a view saves nothing for backward, and a module kept whole makes its output again at
+    every call (here after a step of the model before compiling)."""
+    kind = ViewOfAWeight if case == "a view of a weight" else HoldsAKeeper
+    torch.manual_seed(0)
+    model = kind().double()
+    torch.manual_seed(0)
+    reference = kind().double()
+    for net in (model, reference):  # a view made after the cast, of the weight the model holds
+        if isinstance(net, ViewOfAWeight):
+            net.transposed = net.second.weight.t()
+    model(X.double()).square().mean().backward()  # a step before compiling: what a module kept whole keeps is left over
+    model.zero_grad(set_to_none=True)
+    pipe = compile_pipeline(model, X.double(), ["cpu", "cpu"], chunks=2, leaf_modules=[KeepsItsOutput])
+    for _ in range(2):  # the view serves every backward
+        pipe(X.double()).square().mean().backward()
+        reference(X.double()).square().mean().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
