@@ -170,12 +170,13 @@ def _hides_alike(graph: Checked, name: str, example: int, length: int) -> bool:
     if len(graph.proof.tables[name]) < 2:
         return True
     source = node.args[0] if node.args else None
-    index = node.args[1] if node.target is operator.getitem and len(node.args) > 1 else ()
-    aligned = all(isinstance(item, slice) for item in (index if isinstance(index, tuple) else (index,)))  # its dims the table's
-    if Q not in roles or K not in roles or not aligned or not isinstance(source, fx.Node) or source.op != "get_attr":
+    if Q not in roles or K not in roles or not isinstance(source, fx.Node) or source.op != "get_attr":
         return False
     table = fetch_attr(graph.whole, str(source.target))
-    q, k = roles[Q], roles[K]
+    dims = _table_dims(node, table.dim()) if isinstance(table, torch.Tensor) else {}
+    if roles[Q] not in dims or roles[K] not in dims:
+        return False
+    q, k = dims[roles[Q]], dims[roles[K]]
     if not isinstance(table, torch.Tensor) or table.is_meta or table.dim() <= max(q, k) or min(table.shape[q], table.shape[k]) < length:
         return False
     square = table.movedim((q, k), (-2, -1))[..., :length, :length]
@@ -184,6 +185,31 @@ def _hides_alike(graph: Checked, name: str, example: int, length: int) -> bool:
     if now.dtype == torch.bool:  # isin takes no booleans
         before, now = before.to(torch.uint8), now.to(torch.uint8)
     return bool(torch.isin(now, before).all())
+
+
+def _table_dims(node: fx.Node, rank: int) -> dict[int, int]:
+    """For a node that cuts a table (`table[None, :, :T, :T]`, `table[..., :T, :T]`,
+    `narrow`), the table's dim each of its output's dims comes from; {} for an index it cannot
+    follow (a tensor, an int past the dims)."""
+    if node.target is not operator.getitem:
+        return {d: d for d in range(rank)}
+    index = node.args[1] if len(node.args) > 1 else ()
+    items = list(index) if isinstance(index, tuple) else [index]
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at : at + 1] = [slice(None)] * (rank - sum(1 for i in items if i is not None and i is not Ellipsis))
+    found, source, target = {}, 0, 0
+    for item in [*items, *[slice(None)] * max(0, rank - sum(1 for i in items if i is not None))]:
+        if item is None:
+            target += 1
+        elif isinstance(item, int):
+            source += 1
+        elif isinstance(item, slice):
+            found[target] = source
+            source, target = source + 1, target + 1
+        else:
+            return {}
+    return found
 
 
 def _unprovable(tables: list[str], length: int, example: int) -> str:

@@ -680,6 +680,44 @@ def test_cross_attention_to_another_input_runs_in_slices_as_the_plain_model() ->
         torch.testing.assert_close(pipe(tokens(4, 9), memory), reference(tokens(4, 9), memory), rtol=0, atol=1e-12)
 
 
+class _TrilIndexed(nn.Module):
+    """A tril buffer narrowed to the length in one of the ways models write it."""
+
+    def __init__(self, index: str) -> None:
+        super().__init__()
+        self.index, self.tok, self.qkv, self.head = index, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.b4: torch.Tensor
+        self.b2: torch.Tensor
+        self.register_buffer("b4", torch.ones(32, 32).tril().view(1, 1, 32, 32))
+        self.register_buffer("b2", torch.ones(32, 32).tril())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        if self.index == "[:, :, :t, :t]":
+            mask = self.b4[:, :, :t, :t]
+        elif self.index == "[..., :t, :t]":
+            mask = self.b4[..., :t, :t]
+        else:
+            mask = self.b2[None, None, :t, :t]
+        w = (q @ k.transpose(-2, -1) / 8**0.5).masked_fill(mask == 0, float("-inf"))
+        return self.head(x + (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
+
+
+@pytest.mark.parametrize("index", ["[:, :, :t, :t]", "[..., :t, :t]", "[None, None, :t, :t]"])
+def test_a_tril_buffer_narrowed_any_way_runs_longer_calls_where_the_proof_cannot_run(index: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the check of the table's values past the example followed a plain slice alone:
+    [..., :t, :t] and [None, None, :t, :t] were refused at longer calls."""
+    import fxpipe.passes.shapes as shapes
+
+    torch.manual_seed(0)
+    model, reference = twin(_TrilIndexed(index))
+    pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+    monkeypatch.setattr(shapes, "REAL_RUN_LIMIT", 0)  # nothing runs on the CPU for a proof now
+    assert_call_and_grads_equal(pipe, reference, tokens(2, 20))
+
+
 class _Squeezed(nn.Module):
     """Position-wise, with a gate squeezed of all its dims of one: a slice of one position loses
     its sequence dim too."""
