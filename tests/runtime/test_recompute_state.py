@@ -504,3 +504,34 @@ def test_a_weight_tied_across_stages_under_the_model_s_own_reentrant_checkpoint_
         pipe(x).square().mean().backward()
     reference(x).square().mean().backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class BlockTwiceUnderCheckpoint(nn.Module):
+    """One block run at two depths, each under the model's own checkpoint, the two in two stages."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.m, self.b, self.block, self.reentrant = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), Block(), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, self.a(x), use_reentrant=self.reentrant)
+        h = torch.utils.checkpoint.checkpoint(self.block, self.m(h), use_reentrant=self.reentrant)
+        return self.b(h)
+
+
+def test_a_block_two_stages_hand_to_a_reentrant_checkpoint_is_refused_and_the_fix_trains_as_the_plain_model() -> None:
+    """Before, both stages held the block's parameters as their own and swapped its slots at once:
+    its gradients were off, and now and then a slot kept a stage's leaf, so that every later call
+    was refused as if the caller had swapped the parameters."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"(?s)read as their own by several stages: block.lin.bias \(stages 0, 1\).*use_reentrant=False"):
+        compile_pipeline(BlockTwiceUnderCheckpoint(reentrant=True).double(), x, ["cpu", "cpu"], chunks=8, split_points=["m"])
+    model = BlockTwiceUnderCheckpoint(reentrant=False).double()
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=8, split_points=["m"])
+    for _ in range(5):
+        model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+        pipe(x).square().mean().backward()
+        reference(x).square().mean().backward()
+        assert_grads_equal(pipe, reference, tol=1e-12)
