@@ -531,7 +531,8 @@ def test_a_block_two_stages_hand_to_a_reentrant_checkpoint_is_refused_and_the_fi
     reference = copy.deepcopy(model)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=8, split_points=["m"])
     for _ in range(5):
-        model.zero_grad(set_to_none=True), reference.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
         pipe(x).square().mean().backward()
         reference(x).square().mean().backward()
         assert_grads_equal(pipe, reference, tol=1e-12)
