@@ -21,10 +21,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_loss import own_loss_in
-from fxpipe.passes.batch_dims import COMBINES, namedtuple_fields
+from fxpipe.passes.batch_dims import COMBINES
 from fxpipe.passes.random_ops import argument, random_sources
 
 Counter = Callable[[dict[str, Any]], Optional[int]]
@@ -119,11 +120,17 @@ def _loss_field(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opti
     if made is None or not (isinstance(kind, type) and issubclass(kind, tuple) and "loss" in getattr(kind, "_fields", ())):
         return None
     names: tuple[str, ...] = kind._fields  # type: ignore[attr-defined]
-    fields = namedtuple_fields(made, len(names))
-    if fields is None or not all(isinstance(f.meta.get("dtype"), torch.dtype) for f in fields):
-        return None  # a field of several tensors, or none: positions among the leaves do not line up
+    given = [*made.args, *(made.kwargs[n] for n in names[len(made.args) :] if n in made.kwargs)]
     position = names.index("loss")
-    return made, position, fields[position]
+    loss = given[position] if len(given) == len(names) else None
+    if not isinstance(loss, fx.Node) or not isinstance(loss.meta.get("dtype"), torch.dtype):
+        return None
+    before = 0  # the leaves of the fields before it, as the returned value flattens: None holds none, an int one
+    for leaf in tree_flatten(given[:position])[0]:
+        if isinstance(leaf, fx.Node) and not isinstance(leaf.meta.get("dtype"), torch.dtype):
+            return None  # a value of several tensors made by one node: its leaves are not counted here
+        before += 1
+    return made, before, loss
 
 
 def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:

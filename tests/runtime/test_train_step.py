@@ -1480,6 +1480,44 @@ def test_a_namedtuple_own_loss_is_returned_with_the_outputs_as_the_plain_model_s
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+PastLossLogits = collections.namedtuple("PastLossLogits", ["past", "loss", "logits"])
+
+
+class LossAfterOtherFields(nn.Module):
+    """A namedtuple whose `loss` field follows one of no tensor, a number, or two tensors."""
+
+    def __init__(self, past: str) -> None:
+        super().__init__()
+        self.past, self.a, self.b = past, nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> PastLossLogits:
+        h = torch.tanh(self.a(x))
+        logits = self.b(h)
+        past = None if self.past == "none" else 3 if self.past == "int" else (h, h * 2)
+        return PastLossLogits(past, F.cross_entropy(logits, labels), logits)
+
+
+@pytest.mark.parametrize("past", ["none", "int", "tuple"])
+def test_a_namedtuple_own_loss_after_fields_of_other_kinds_is_returned_as_the_plain_model_s(past: str) -> None:
+    """Before, a field that was no single tensor before or beside the loss made compiling give up
+    on the field: return_outputs=True was refused with the advice the model already followed."""
+    torch.manual_seed(0)
+    model, reference = twin(LossAfterOtherFields(past).double())
+    x, labels = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, (x, labels), ["cpu"] * 2, chunks=4, split_points=["b"])
+    loss, outputs = pipe.train_step(x, labels, return_outputs=True)
+    expected = reference(x, labels)
+    expected.loss.backward()
+    torch.testing.assert_close(outputs.loss, expected.loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, expected.loss.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outputs.logits, expected.logits.detach(), rtol=0, atol=1e-12)
+    if past == "tuple":
+        torch.testing.assert_close(outputs.past[1], expected.past[1].detach(), rtol=0, atol=1e-12)
+    else:
+        assert outputs.past == expected.past
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 class CountedAsOneElement(SummedOwnLoss):
     """SummedOwnLoss('count') given its count as a tensor of one element: its loss has shape (1,)."""
 
