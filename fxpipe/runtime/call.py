@@ -84,19 +84,32 @@ def refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> No
     written = program.written_inputs
     if not written:
         return
-    holders: dict[int, list[str]] = {}  # storage -> the inputs with a tensor in it
+    holders: dict[int, list[tuple[str, torch.Tensor]]] = {}  # storage -> the inputs' tensors in it
     for name, value in values.items():
         for leaf in tree_flatten(value)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.numel() and not leaf.is_meta:
-                holders.setdefault(leaf.untyped_storage().data_ptr(), []).append(name)
-    for names in holders.values():
-        for name in dict.fromkeys(n for n in names if n in written and len(names) > 1):
-            others = [n for n in names if n != name] or [name]  # (two parts of one input)
-            raise ValueError(
-                f"the model writes its input {name!r} in place, and {others[0]!r} shares its memory (the same "
-                "tensor, or a view of it): the plain model's write shows through it, where each stage writes "
-                "a copy of what it is given.\nHow to fix: pass a copy of one of them (y.clone())."
-            )
+                holders.setdefault(leaf.untyped_storage().data_ptr(), []).append((name, leaf))
+    for held in holders.values():
+        for i, (name, tensor) in enumerate(held):
+            other = next((n for k, (n, t) in enumerate(held) if k != i and overlap(t, tensor)), None) if name in written else None
+            if other is not None:
+                raise ValueError(
+                    f"the model writes its input {name!r} in place, and {other!r} shares its memory (the same "
+                    "tensor, or a view of it): the plain model's write shows through it, where each stage writes "
+                    "a copy of what it is given.\nHow to fix: pass a copy of one of them (y.clone())."
+                )
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage share an element (views of its disjoint parts do not;
+    a tensor passed twice does); of different dtypes, taken to."""
+    if a.dtype != b.dtype or a.device != b.device:
+        return True
+    if a.size() == b.size() and a.stride() == b.stride() and a.storage_offset() == b.storage_offset():
+        return True
+    marks = torch.zeros(a.untyped_storage().nbytes() // a.element_size(), dtype=torch.bool, device=a.device)
+    marks.as_strided(a.size(), a.stride(), a.storage_offset()).fill_(True)
+    return bool(marks.as_strided(b.size(), b.stride(), b.storage_offset()).any())
 
 
 def refuse_off_batch(values: dict[str, Any], example_leaves: ExampleLeaves, batch: int, dims: Dims) -> None:

@@ -493,6 +493,22 @@ def test_an_input_written_in_place_that_shares_memory_with_another_is_refused(st
     torch.testing.assert_close(x, 2 * t, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("stages,chunks", [(1, 1), (2, 4)])
+def test_disjoint_views_of_one_tensor_one_written_in_place_run_as_the_plain_model(stages: int, chunks: int) -> None:
+    """Before, they were refused as sharing memory, though neither write shows through the other."""
+    model, reference = twin(WritesOneReadsOther())
+    example = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (example, example.clone()), ["cpu"] * stages, chunks=chunks)
+    packed = torch.randn(8, 12, dtype=torch.float64)
+    theirs = packed.clone()
+    with torch.no_grad():
+        out, expected = pipe(packed[:, :6], packed[:, 6:]), reference(theirs[:, :6], theirs[:, 6:])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(packed, theirs, rtol=0, atol=0)
+    with torch.no_grad(), pytest.raises(ValueError, match="writes its input 'x' in place, and 'y' shares its memory"):
+        pipe(packed[:, :6], packed[:, 3:9])  # overlapping columns
+
+
 def test_a_cut_between_two_writes_of_an_input_is_refused() -> None:
     with pytest.raises(ValueError, match=r"the input 'x' is written in place by stages \[0, 1\]"):
         compile_pipeline(WritesItsInputTwice(), torch.randn(8, 6), ["cpu"] * 2, chunks=4, split_points=["a"])
