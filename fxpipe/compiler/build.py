@@ -72,7 +72,8 @@ def build_program(
     stored_by = _stored_by_module(owner, stored)
     written = set(writable_buffer_names(cut.graph, [n for run in cut.runs for n in run]))
     stages = [_stage(cut, codes, index, devices[index], shared[index], stored_by, written) for index in range(len(codes))]
-    _refuse_parameters_two_stages_hold(stages, owner)
+    _refuse_slots_two_stages_hold(stages, owner)
+    _reentered_by_one_stage(stages)
     if compile_stages is not None:
         for stage in stages:
             if not _writes_lost_by_compile(stage):
@@ -183,25 +184,42 @@ def _stage(
     )  # fmt: skip
 
 
-def _refuse_parameters_two_stages_hold(stages: list[StageRuntime], owner: nn.Module) -> None:
-    """Each stage holds its own parameters' slots while it runs, on its worker: a parameter two
-    stages hold as their own (a module each hands to an autograd Function, torch.utils.checkpoint's
-    reentrant one) would have its slot swapped by both at once."""
-    holders: dict[int, list[int]] = {}
+def _refuse_slots_two_stages_hold(stages: list[StageRuntime], owner: nn.Module) -> None:
+    """Each stage holds its own parameters' slots while it runs, on its worker: a slot two stages
+    hold (a module each hands to an autograd Function, torch.utils.checkpoint's reentrant one)
+    would be swapped by both at once. (One parameter in two slots, a weight tied between two
+    modules, is two stages' own without a clash.)"""
+    holders: dict[tuple[int, str], list[int]] = {}
     for stage in stages:
-        for p in stage.params:
-            holders.setdefault(id(p), []).append(stage.index)
-    names = {id(p): name for name, p in owner.named_parameters(remove_duplicate=False)}
-    both = sorted({f"{names.get(key, '?')} (stages {', '.join(map(str, held))})" for key, held in holders.items() if len(held) > 1})
+        for slots in stage.param_slots:
+            for table, attr in slots:
+                holders.setdefault((id(table), attr), []).append(stage.index)
+    tables = {id(m._parameters): name for name, m in owner.named_modules(remove_duplicate=False)}
+    both = sorted({
+        f"{tables.get(table, '?')}.{attr} (stages {', '.join(map(str, sorted(set(held))))})".lstrip(".")
+        for (table, attr), held in holders.items() if len(set(held)) > 1
+    })  # fmt: skip
     if both:
         raise ValueError(
-            f"parameters are read as their own by several stages: {', '.join(both)}, through a module each stage "
+            f"parameters are held in their slots by several stages: {', '.join(both)}, through a module each stage "
             "hands to an autograd Function (torch.utils.checkpoint(self.block, ..., use_reentrant=True), say), whose "
             "code reads the module's own slots: the stages, running at once, would swap those slots under each "
             "other.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), which the trace goes through (its "
             "parameters are then shared between the stages as any are), or split_points that put every call of "
             "the module in one stage."
         )
+
+
+def _reentered_by_one_stage(stages: list[StageRuntime]) -> None:
+    """A stage whose parameters another stage reads as its own too (a weight tied between a module
+    each runs) cannot hold their slots in backward for both: it does not."""
+    seen: dict[int, int] = {}
+    for stage in stages:
+        for p in stage.params:
+            seen[id(p)] = seen.get(id(p), 0) + 1
+    for stage in stages:
+        if stage.reenters and any(seen[id(p)] > 1 for p in stage.params):
+            stage.reenters = False
 
 
 def _settings(graph: fx.GraphModule) -> list[tuple[str, nn.Module, tuple[Any, ...]]]:

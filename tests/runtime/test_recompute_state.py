@@ -525,7 +525,7 @@ def test_a_block_two_stages_hand_to_a_reentrant_checkpoint_is_refused_and_the_fi
     was refused as if the caller had swapped the parameters."""
     torch.manual_seed(0)
     x = torch.randn(16, 6, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"(?s)read as their own by several stages: block.lin.bias \(stages 0, 1\).*use_reentrant=False"):
+    with pytest.raises(ValueError, match=r"(?s)held in their slots by several stages: block.lin.bias \(stages 0, 1\).*use_reentrant=False"):
         compile_pipeline(BlockTwiceUnderCheckpoint(reentrant=True).double(), x, ["cpu", "cpu"], chunks=8, split_points=["m"])
     model = BlockTwiceUnderCheckpoint(reentrant=False).double()
     reference = copy.deepcopy(model)
