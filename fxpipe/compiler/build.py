@@ -252,9 +252,9 @@ def _writes_lost_by_compile(stage: StageRuntime) -> bool:
 def _reentered_alone(stage: fx.GraphModule, whole: list[nn.Module], shared_ids: set[int]) -> bool:
     """Whether the stage's backward may run the model's modules again (a module handed to an
     autograd Function, torch.utils.checkpoint's reentrant one, or called whole), on parameters
-    no other stage reads: those its leaves can stand for in their slots while it runs. Where a
-    stage shares one (a weight tied across stages, a block two stages run), the modules read the
-    model's own parameters there, as in forward."""
+    shared with no other stage: those its leaves can stand for in their slots while it runs.
+    Where it shares one (a weight tied across stages), the modules read the model's own
+    parameters there, as in forward (`_reentered_by_one_stage` sees the rest)."""
     handed = [
         module for node in stage.graph.nodes if getattr(node.target, "applies", None) is not None
         for arg in node.all_input_nodes if arg.op == "get_attr" and isinstance(module := fetch_attr(stage, arg.target), nn.Module)

@@ -122,8 +122,9 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
     length or a cut into slices not checked yet, once each per mode: a table of the length's size
     read from a buffer (a mask narrowed to the length) may be causal at the example's length and
     not at another, and a slice of one position may take another shape (`squeeze()`). A graph
-    that cannot run here (on the meta device or another device, too large) keeps the example's
-    proof where it reads no such table, and is refused at another length where it does."""
+    that cannot run here (its tensors on another device or rank, too large) keeps the example's
+    proof where the masks it narrows hide the future past the example's length as they did up to
+    it (`_hides_alike`), and is refused at a longer length where one does not."""
     checked = {(mode, example, example_cut) for mode in graphs}  # checked while compiling
 
     def check(values: dict[str, Any], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
