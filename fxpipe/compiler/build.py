@@ -194,12 +194,11 @@ def _refuse_slots_two_stages_hold(stages: list[StageRuntime], owner: nn.Module) 
         for slots in stage.param_slots:
             for table, attr in slots:
                 holders.setdefault((id(table), attr), []).append(stage.index)
-    tables = {id(m._parameters): name for name, m in owner.named_modules(remove_duplicate=False)}
-    both = sorted({
-        f"{tables.get(table, '?')}.{attr} (stages {', '.join(map(str, sorted(set(held))))})".lstrip(".")
-        for (table, attr), held in holders.items() if len(set(held)) > 1
-    })  # fmt: skip
-    if both:
+    clashes = {key: held for key, held in holders.items() if len(set(held)) > 1}
+    if clashes:
+        tables = {id(m._parameters): name for name, m in owner.named_modules(remove_duplicate=False)}
+        both = sorted(f"{tables.get(table, '?')}.{attr} (stages {', '.join(map(str, sorted(set(held))))})".lstrip(".")
+                      for (table, attr), held in clashes.items())  # fmt: skip
         raise ValueError(
             f"parameters are held in their slots by several stages: {', '.join(both)}, through a module each stage "
             "hands to an autograd Function (torch.utils.checkpoint(self.block, ..., use_reentrant=True), say), whose "
