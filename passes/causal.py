@@ -395,11 +395,16 @@ def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 
     if not sizes:
         raise CausalityError([f"no input has a dim {sequence_dim} to cut into slices (sequence_dim={sequence_dim})"])
     longest: Optional[CausalityError] = None
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     for length in sorted(sizes, reverse=True):
-        try:
-            return prove_causal_at(gm, inputs, sequence_dim, length)
-        except CausalityError as error:
-            longest = longest or error
+        holders = [name for name, t in zip(placeholders, inputs) if isinstance(t, torch.Tensor) and t.dim() > sequence_dim and t.shape[sequence_dim] == length]
+        # Every input of the length holds the sequence; else one alone (an encoder's memory as long
+        # as the sequence is no sequence to a decoder's cross-attention): the first that proves.
+        for holding in [None, *([{name} for name in holders] if len(holders) > 1 else [])]:
+            try:
+                return prove_causal_at(gm, inputs, sequence_dim, length, holding=holding)
+            except CausalityError as error:
+                longest = longest or error
     assert longest is not None
     raise longest
 

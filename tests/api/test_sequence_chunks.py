@@ -665,11 +665,13 @@ class _Decoder(nn.Module):
         return self.head(x + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, c))
 
 
-def test_cross_attention_to_another_input_runs_in_slices_as_the_plain_model() -> None:
-    """Before, it was refused as bidirectional attention: its keys hold no position of the sequence."""
+@pytest.mark.parametrize("memory_length", [5, 12])
+def test_cross_attention_to_another_input_runs_in_slices_as_the_plain_model(memory_length: int) -> None:
+    """Before, it was refused as bidirectional attention: its keys hold no position of the
+    sequence; and a memory as long as the sequence was taken for a second sequence."""
     torch.manual_seed(0)
     model, reference = twin(_Decoder())
-    idx, memory = tokens(4, 12), torch.randn(4, 5, 16, dtype=torch.float64, requires_grad=True)
+    idx, memory = tokens(4, 12), torch.randn(4, memory_length, 16, dtype=torch.float64, requires_grad=True)
     pipe = compile_pipeline(model, (idx, memory), ["cpu", "cpu"], chunks=2, sequence_chunks=3)
     assert_call_and_grads_equal(pipe, reference, idx, memory)
     got, = torch.autograd.grad(pipe(idx, memory).square().sum(), memory)
