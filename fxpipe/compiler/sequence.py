@@ -142,7 +142,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
                 with still():  # the checks run the graph on the model's tensors, and put back what it wrote
                     prove_causal_at(graph.whole, inputs, spec.dim, length, holding=set(spec.inputs))
                     check_slices(graph.whole, graph.sliced, graph.proof, inputs, lengths)
-            elif length > example and (tables := [name for name in _narrowed_tables(graph) if not _hides_alike(graph, name, example, length)]):
+            elif length > example and (tables := [n.name for n in _narrowed_tables(graph) if not _hides_alike(graph, n, example, length)]):
                 raise CausalityError([_unprovable(tables, length, example)])
         except CausalityError as error:
             raise CausalityError(
@@ -154,31 +154,33 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
     return check
 
 
-def _narrowed_tables(graph: Checked) -> list[str]:
-    """The tables the graph narrows to the sequence's length (a mask buffer's `[:T, :T]`), by
-    node: their values past the example's length are not known (an arange's are)."""
+def _narrowed_tables(graph: Checked) -> list[fx.Node]:
+    """The nodes that narrow a table to the sequence's length (a mask buffer's `[:T, :T]`), by
+    name: their values past the example's length are not known (an arange's are)."""
     nodes = {n.name: n for n in graph.whole.graph.nodes}
-    return sorted(name for name in graph.proof.tables if nodes[name].target is not torch.arange)
+    return [nodes[name] for name in sorted(graph.proof.tables) if nodes[name].target is not torch.arange]
 
 
-def _hides_alike(graph: Checked, name: str, example: int, length: int) -> bool:
-    """Whether the table node `name` cuts to the length hides the future at `length` as it did at
-    the example's, where the proof ran: a table of one position dim (a rotary table) mixes no
+def _hides_alike(graph: Checked, node: fx.Node, example: int, length: int) -> bool:
+    """Whether the table `node` cuts to the length hides the future at `length` as it did at the
+    example's, where the proof ran: a table of one position dim (a rotary table) mixes no
     positions; a mask (a query dim and a key dim, cut from a tensor the model holds) holds, where
     a key follows its query up to `length`, only values it held there up to the example's length."""
-    node = next(n for n in graph.whole.graph.nodes if n.name == name)
-    roles = {graph.proof.role_of(variable): dim for variable, dim in graph.proof.tables[name]}
-    if len(graph.proof.tables[name]) < 2:
+    cuts = graph.proof.tables[node.name]
+    if len(cuts) < 2:
         return True
+    roles = {graph.proof.role_of(variable): dim for variable, dim in cuts}
     source = node.args[0] if node.args else None
     if Q not in roles or K not in roles or not isinstance(source, fx.Node) or source.op != "get_attr":
         return False
     table = fetch_attr(graph.whole, str(source.target))
-    dims = _table_dims(node, table.dim()) if isinstance(table, torch.Tensor) else {}
+    if not isinstance(table, torch.Tensor) or table.is_meta:
+        return False
+    dims = _table_dims(node, table.dim())
     if roles[Q] not in dims or roles[K] not in dims:
         return False
     q, k = dims[roles[Q]], dims[roles[K]]
-    if not isinstance(table, torch.Tensor) or table.is_meta or table.dim() <= max(q, k) or min(table.shape[q], table.shape[k]) < length:
+    if table.dim() <= max(q, k) or min(table.shape[q], table.shape[k]) < length:
         return False
     square = table.movedim((q, k), (-2, -1))[..., :length, :length]
     future = torch.ones(length, length, dtype=torch.bool, device=square.device).triu(1)
