@@ -340,6 +340,55 @@ def test_a_weight_inside_the_model_s_own_reentrant_checkpoint_gets_its_gradient_
         torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("how", ["two forwards", "autograd.grad", "train_step", "no_grad", "autocast", "after a failed step"])
+def test_the_model_s_own_reentrant_checkpoint_in_every_mode_is_the_plain_model(how: str) -> None:
+    """The step's leaves held in their slots in backward, in each way a user calls: gradients
+    equal the plain model's (under autocast, its bfloat16 rounding), and a step after a refused one too."""
+    torch.manual_seed(0)
+    model = ReentrantBlocks(whole=False).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["b"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, on runs under no_grad
+        if how == "two forwards":
+            (pipe(x).square().mean() + pipe(2 * x).sum()).backward()
+            (reference(x).square().mean() + reference(2 * x).sum()).backward()
+        elif how == "autograd.grad":
+            got = torch.autograd.grad(pipe(x).square().mean(), list(model.parameters()))
+            reference(x).square().mean().backward()  # the plain model refuses autograd.grad here: torch's limit
+            for g, w in zip(got, reference.parameters()):
+                torch.testing.assert_close(g, grad_of(w), rtol=0, atol=1e-12)
+            assert all(p.grad is None for p in model.parameters())
+            return
+        elif how == "train_step":
+            loss = pipe.train_step(x, target=torch.zeros(8, 6, dtype=torch.float64), loss_fn=F.mse_loss)
+            expected = F.mse_loss(reference(x), torch.zeros(8, 6, dtype=torch.float64))
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+        elif how == "no_grad":
+            with torch.no_grad():
+                torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+            return
+        elif how == "autocast":
+            model.float(), reference.float()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, expected = pipe(x.float()), reference(x.float())
+            torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=0)
+            out.float().square().mean().backward()
+            expected.float().square().mean().backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                torch.testing.assert_close(grad_of(p), grad_of(q), rtol=0, atol=2e-2)
+            return
+        else:
+            with pytest.raises(ValueError):
+                pipe.train_step(x, target=torch.zeros(8, 6, dtype=torch.float64), loss_fn=F.mse_loss, reduction="median")
+            pipe(x).square().mean().backward()
+            reference(x).square().mean().backward()
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grad_of(pipe.get_parameter(name)), grad_of(param), rtol=0, atol=1e-12)
+
+
 class WritesAValueWithoutGrad(nn.Module):
     """A value made from the input alone (a timestep's embedding) crosses to the next stage,
     which writes it in place: it requires no grad, so the write is fine, as in the plain model."""

@@ -1534,3 +1534,23 @@ def test_an_autograd_function_that_writes_its_input_in_place_is_taken_for_a_writ
     out.sum().backward()
     expected.sum().backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["no_grad", "train_step"])
+def test_an_autograd_function_writing_its_input_in_place_under_no_grad_and_train_step_is_the_plain_model(how: str) -> None:
+    torch.manual_seed(0)
+    model, reference = twin(_WritesAcrossStages())
+    x, buf = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, buf.clone()), ["cpu", "cpu"], chunks=2, split_points=["b"])
+    mine, theirs = buf.clone(), buf.clone()
+    if how == "no_grad":
+        with torch.no_grad():
+            torch.testing.assert_close(pipe(x, mine), reference(x, theirs), rtol=0, atol=1e-12)
+    else:
+        target = torch.zeros(8, 4, dtype=torch.float64)
+        loss = pipe.train_step(x, mine, target=target, loss_fn=torch.nn.functional.mse_loss)
+        expected = torch.nn.functional.mse_loss(reference(x, theirs), target)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, reference, tol=1e-12)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
