@@ -98,7 +98,7 @@ class _Overlap:
         self.read = 0  # batches read so far
         self.finished = 0  # batches whose loss was given
         self.held: Optional[Program] = None
-        self.modes = {name: m.training for name, m in pipe._owner.named_modules()}  # as the loop found them
+        self.modes: dict[str, bool] = {}  # as the loop's first batch found them (`_after_reading`)
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -121,6 +121,7 @@ class _Overlap:
                 with drawing_between_compiles():  # the caller's iterable and the step's seed may draw
                     before = torch.get_rng_state()
                     batch = next(batches, None)
+                    self._after_reading(index, batch)
                     started = None if batch is None else self._made(batch)
                 if started is not None:
                     self.generator[index] = (before, torch.get_rng_state())
@@ -134,6 +135,14 @@ class _Overlap:
                 signature = None if started is None else call_signature(self.ranks.host, started.call, kind, started.target, started.step.seed)
                 self.ranks.start(index, said, signature, failure)
         return started
+
+    def _after_reading(self, index: int, batch: Optional[Batch]) -> None:
+        """The caller's iterable ran there: before the first batch nothing is in flight, and
+        the loop takes the model as it is then; after it, batches are (the one before, at least)."""
+        if index == 0:
+            self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
+        elif batch is not None:
+            self._refuse_changes(f"in the batches' iterable, while batch {index} was read", slots=False)
 
     def _made(self, batch: Batch) -> _Started:
         index, args, kwargs, target = batch

@@ -608,7 +608,7 @@ class _Scaled(nn.Module):
 # A tensor assigned or written between two losses races with the stages, which hold the slots
 # and read the memory while they run (docs/limits.md): in a hook, the stages are kept out.
 @pytest.mark.parametrize("where,change", [
-    (w, c) for w in ("after_step", "between two losses") for c in _changes()
+    (w, c) for w in ("after_step", "between two losses", "in the iterable") for c in _changes()
     if w == "after_step" or c not in ("a parameter assigned", "a weight clamped in place")
 ])
 def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: str, where: str) -> None:
@@ -616,7 +616,8 @@ def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: s
     there can be neither followed from the next batch nor undone. Before, the loop checked the
     model at its first batch only: eval() and a changed constant were ignored, a BatchNorm set
     to eval applied two batches late (or failed inside autograd), a replaced module's old
-    parameters were the ones trained."""
+    parameters were the ones trained. A change the iterable made while the batch before ran
+    was blamed on the next after_step, or failed inside a stage."""
     model = _Scaled().double()
     batches = _batches(5)
     pipe = _pipe(model, batches[0][0], 3, chunks=4)
@@ -624,15 +625,42 @@ def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: s
     count = itertools.count()
     do = _changes()[change]
     hook = (lambda: next(count) == 1 and do(model)) if where == "after_step" else None
+
+    def read() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index, batch in enumerate(batches):
+            if where == "in the iterable" and index == 2:
+                do(model)
+            yield batch
+
     given = 0
     with pytest.raises(RuntimeError) as raised:
-        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=hook):
+        for _ in pipe.train_steps(read(), loss_fn=F.mse_loss, optimizer=opt, after_step=hook):
             given += 1
-            if where != "after_step" and given == 2:
+            if where == "between two losses" and given == 2:
                 do(model)
-    said = "in after_step of batch 1" if where == "after_step" else "between two losses (after batch 1's)"
+    said = {"after_step": "in after_step of batch 1", "between two losses": "between two losses (after batch 1's)",
+            "in the iterable": "in the batches' iterable, while batch 2 was read"}[where]  # fmt: skip
     assert f"train_steps (schedule='2bw'): the model changed {said}" in str(raised.value), str(raised.value)
     assert "How to fix: change the model between loops" in str(raised.value)
+
+
+def test_a_change_the_iterable_makes_before_the_first_batch_is_the_model_the_loop_trains() -> None:
+    """Nothing runs before the first batch is read: the loop takes the model as it is then, as
+    the synchronous loop does. Before, eval() there was refused two batches later as a change
+    between two losses."""
+    model, plain = twin(_Scaled())
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+    def read() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        model.eval()
+        yield from batches
+
+    losses = [float(loss) for loss in pipe.train_steps(read(), loss_fn=F.mse_loss, optimizer=opt)]
+    expected_model, expected = reference_2bw(plain.eval(), batches, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert losses == pytest.approx(expected, abs=1e-12)
+    _assert_parameters_equal(model, expected_model, tol=1e-12)
 
 
 def test_a_mode_changed_and_put_back_between_two_losses_is_no_change() -> None:
