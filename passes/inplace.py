@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.core.writes import is_view, view_root, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import is_view, may_copy, view_root, writes_first_argument, written_arguments, written_value
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls
@@ -34,31 +34,16 @@ def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     return value
 
 
-_VIEW_OR_COPY = {"reshape", "reshape_as", "contiguous", "flatten"}
-
-
-def _view_or_copy(node: fx.Node) -> bool:
-    target = node.target
-    if node.op == "call_method":
-        return str(target) in _VIEW_OR_COPY
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.partition("::")[2] in _VIEW_OR_COPY
-    return target in (torch.reshape, torch.flatten)
-
-
 def mark_copies(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> None:
-    """`meta["copies"] = True` on each op that returns a view or a copy as its input's layout
-    decides (`reshape`, `contiguous`, `flatten`), that a write in place goes through, and that
-    returned a copy on the example: the write is then to the copy, not to its input (BEiT's
-    `permute(...).contiguous()` index, then written). Runs the graph once, only where such a
-    write exists."""
-    suspects = set()
-    for writer in gm.graph.nodes:
-        node = written_value(gm, writer)
-        while node is not None and is_view(node):
-            if _view_or_copy(node):
-                suspects.add(node)
-            node = node.args[0] if isinstance(node.args[0], fx.Node) else None
+    """`meta["copies"] = True` on each op that returns a view or a copy as its input decides
+    (`reshape`, `contiguous`, `to`: `may_copy`), of a tensor written in place, that returned a
+    copy on the example: a write through it is to the copy, not to its input (BEiT's
+    `permute(...).contiguous()` index, then written), and a write to its input does not show
+    through it (`h.transpose(1, 2).reshape(...)` made before `h.relu_()`). Runs the graph once,
+    only where such an op and such a write exist."""
+    targets = [written_value(gm, writer) for writer in gm.graph.nodes]
+    written = {_alias_root(gm, target) for target in targets if target is not None}
+    suspects = {node for node in gm.graph.nodes if may_copy(node) and _alias_root(gm, node) in written} if written else set()
     if suspects:
         from fxpipe.passes.shapes import run_watching  # the shape pass's runner: real or on meta
 
@@ -154,20 +139,23 @@ def _views_of(root: fx.Node) -> list[fx.Node]:
 
 def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: fx.Node, position: dict[fx.Node, float]) -> None:
     """A view of `root` made before the write and read after it: the reader gets the same view
-    made again from `after`, so that it sees the write whichever stage it runs in."""
+    made again from `after`, so that it sees the write whichever stage it runs in; so do the
+    views it is made from (`h.view(...)` then `[0]`), whose readers before the write keep theirs."""
+    views = [v for v in sorted(_views_of(root), key=position.__getitem__) if position[v] < position[writer] and v is not writer.args[0]]
+    late = {v: [r for r in v.users if position[r] > position[writer] and r is not writer] for v in views}
+    first: dict[fx.Node, fx.Node] = {}  # the first reader after the write of it or of a view made from it
+    for view in reversed(views):
+        readers = late[view] + [first[user] for user in view.users if user in first]
+        if readers:
+            first[view] = min(readers, key=position.__getitem__)
     remade: dict[fx.Node, fx.Node] = {root: after}
-    for view in sorted(_views_of(root), key=position.__getitem__):
-        if position[view] > position[writer] or view is writer.args[0]:
-            continue
-        late = [r for r in view.users if position[r] > position[writer] and r is not writer]
-        if not late:
-            continue
+    for view in (v for v in views if v in first):
         base = remade.get(view.args[0], view.args[0])  # type: ignore[arg-type]
-        with graph.inserting_before(min(late, key=position.__getitem__)):
+        with graph.inserting_before(first[view]):
             copy = graph.node_copy(view, lambda n: base if n is view.args[0] else n)
-        position[copy] = min(position[r] for r in late) - 0.25
+        position[copy] = position[first[view]] - 0.25
         remade[view] = copy
-        for reader in late:
+        for reader in late[view]:
             reader.replace_input_with(view, copy)
 
 

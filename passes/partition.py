@@ -364,6 +364,11 @@ def partition(
     say), each by what it holds.
     """
     together = together or {}
+    if not order:
+        refuse(
+            ["the graph computes nothing: the model returns its inputs, its own tensors or constants as they are, so there is no work to place on a stage"],
+            "How to fix: call the model itself; a pipeline is for a forward that computes something from its inputs.",
+        )
     if len(order) < stages:
         refuse(
             [f"{stages} stages but the graph has only {len(order)} nodes to place"],

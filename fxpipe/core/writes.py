@@ -19,15 +19,21 @@ def storage_key(t: torch.Tensor) -> int:
         return id(t)
 
 
-# Ops that return a view of their first argument: an in-place op on such a view writes the input.
-_VIEW_METHODS = {
-    "view", "view_as", "reshape", "transpose", "permute", "narrow", "select", "flatten",
-    "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "t", "unfold", "chunk", "split",
-    "as_strided", "diagonal", "contiguous", "detach", "unbind", "movedim", "swapaxes", "T", "mT",
+# Ops that always return a view of their first argument (or the argument itself): an in-place
+# op on such a view writes the input.
+_VIEWS = {
+    "view", "view_as", "transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t",
+    "adjoint", "narrow", "select", "slice", "squeeze", "unsqueeze", "unflatten", "expand",
+    "expand_as", "broadcast_to", "unfold", "chunk", "split", "split_with_sizes", "tensor_split",
+    "hsplit", "vsplit", "dsplit", "unbind", "as_strided", "diagonal", "detach", "alias",
+    "view_as_real", "view_as_complex", "atleast_1d", "atleast_2d", "atleast_3d",
 }  # fmt: skip
-_VIEW_FUNCTIONS = {operator.getitem, torch.transpose, torch.flatten, torch.reshape, torch.narrow,
-                   torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.permute,
-                   torch.select, torch.unbind, torch.movedim, torch.t, torch.detach}  # fmt: skip
+# Ops that return a view, or the argument itself, where the input's layout, dtype or device
+# allow, else a copy: what they returned on the example decides (`passes/inplace.mark_copies`).
+# So does an op whose schema alone says its result may alias its input.
+_VIEWS_OR_COPIES = {"reshape", "reshape_as", "contiguous", "flatten", "to"}
+# Tensor attributes that are views (`h.T`): torch.fx records them as `getattr(h, "T")`.
+_ATTRIBUTE_VIEWS = {"T", "mT", "H", "mH", "real", "imag"}
 _NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
 
 
@@ -60,18 +66,6 @@ def _schema_writes_first(target: Any) -> Optional[bool]:
     if not schemas:
         return None
     return all(any(i == 0 for i, _ in _written_positions(s)) for s in schemas)
-
-
-def _schema_is_view(target: Any) -> bool:
-    """An aten op whose result aliases its first argument without writing it (`aten.slice`)."""
-    schemas = _schemas(target)
-
-    def view(schema: Any) -> bool:
-        first = schema.arguments[0].alias_info if schema.arguments else None
-        ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
-        return first is not None and not first.is_write and ret is not None and not ret.is_write
-
-    return bool(schemas) and all(view(s) for s in schemas)
 
 
 def writes_first_argument(gm: torch.nn.Module, node: fx.Node) -> bool:
@@ -179,21 +173,76 @@ def _basic_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
 
 
-def is_view(node: fx.Node) -> bool:
-    """Whether `node` returns a view of (or a tuple of views of) its first argument; an op that
-    returned a copy on the example (`mark_copies`) does not."""
-    if not node.args or not isinstance(node.args[0], fx.Node) or node.meta.get("copies"):
-        return False
+def _op_name(node: fx.Node) -> Optional[str]:
+    """The name of the torch op a node calls: a Tensor method, a function of `torch` (or
+    `Tensor.name` called as one), an aten op's; None for anything else (a user's function)."""
+    target = node.target
     if node.op == "call_method":
-        return str(node.target) in _VIEW_METHODS
-    if node.op != "call_function":
-        return False
+        return str(target)
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.partition("::")[2]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.partition("::")[2]
+    if getattr(target, "__module__", None) in ("torch", "torch.functional") or getattr(target, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):
+        return getattr(target, "__name__", None)
+    return None
+
+
+def _aliases_by_schema(name: str) -> bool:
+    """Whether the aten op of that name returns what may alias its first argument, in every
+    overload taking a Tensor first (`aten.positive`: `Tensor(a) self -> Tensor(a)`)."""
+    found = _ALIASES.get(name)
+    if found is None:
+        try:
+            packet = getattr(torch.ops.aten, name) if name.isidentifier() else None
+        except (AttributeError, RuntimeError):
+            packet = None
+        schemas = _schemas(packet) if isinstance(packet, torch._ops.OpOverloadPacket) else []
+        tensor_first = [s for s in schemas if s.arguments and isinstance(s.arguments[0].type, torch.TensorType)]
+        found = _ALIASES[name] = bool(tensor_first) and all(_aliases_first(s) for s in tensor_first)
+    return found
+
+
+def _aliases_first(schema: Any) -> bool:
+    first = schema.arguments[0].alias_info if schema.arguments else None
+    ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    return first is not None and not first.is_write and ret is not None and not ret.is_write
+
+
+_ALIASES: dict[str, bool] = {}
+
+
+def _view_kind(node: fx.Node) -> Optional[str]:
+    """'view' for an op that always returns a view of its first argument, 'view or copy' for one
+    that may return a copy, None for anything else."""
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.op not in ("call_method", "call_function"):
+        return None
     if node.target is operator.getitem:
-        return len(node.args) > 1 and _basic_index(node.args[1])
-    return node.target in _VIEW_FUNCTIONS or _schema_is_view(node.target)
+        return "view" if len(node.args) > 1 and _basic_index(node.args[1]) else None
+    if node.target is getattr:
+        return "view" if len(node.args) > 1 and node.args[1] in _ATTRIBUTE_VIEWS else None
+    name = _op_name(node)
+    if name is None:
+        return None
+    if name in _VIEWS:
+        return "view"
+    if isinstance(node.target, torch._ops.OpOverload):
+        aliases = name in _VIEWS_OR_COPIES or _aliases_first(node.target._schema)
+    else:
+        aliases = name in _VIEWS_OR_COPIES or _aliases_by_schema(name)
+    return "view or copy" if aliases else None
 
 
-# Ops that return a view where their input's layout allows, else a copy.
+def may_copy(node: fx.Node) -> bool:
+    """Whether `node` returns a view of its first argument or a copy as the values it is given
+    decide (`reshape`, `contiguous`, `to`): `is_view` until the example says otherwise."""
+    return _view_kind(node) == "view or copy"
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether `node` returns a view of (or a tuple of views of) its first argument, or that
+    argument itself; an op that returned a copy on the example (`mark_copies`) does not."""
+    return not node.meta.get("copies") and _view_kind(node) is not None
 
 
 def view_root(node: fx.Node) -> fx.Node:
