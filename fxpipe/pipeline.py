@@ -118,6 +118,8 @@ class Pipeline(PipelineCalls):
         built = {key: self._compiled.build(self._owner, cut) for key, cut in unique.items()}
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
         self.__dict__["stages"] = self._programs[True].modules
+        if self._compiled.placement is not None:
+            _refuse_tied_reads_in_backward_across_ranks(self._programs[True], self._owner)
 
     def compile_stats(self) -> list[StageCompiles]:
         """Per stage, under `compile_stages`: graphs compiled, seconds in the compiler, and the
@@ -514,3 +516,18 @@ def _target_asked_by_keyword(target: Any, loss_fn: Any) -> Iterator[None]:
         if target is None and loss_fn is not None and "too many positional arguments" in str(error):
             raise TypeError(f"{error}\nHow to fix: give the target by keyword, pipe.train_step(x, target=y, loss_fn=...).") from None
         raise
+
+
+def _refuse_tied_reads_in_backward_across_ranks(program: Program, owner: nn.Module) -> None:
+    """A module a stage's backward runs again reads a weight tied across stages as the model
+    holds it, and puts its gradient in that rank's `.grad` itself: the ranks that hold the other
+    copies would never get that part."""
+    read = program.tied_reads_in_backward(owner)
+    across = [name for name, p in read.items() if len(program.readers.get(id(p), ())) > 1]
+    if across:
+        raise ValueError(
+            f"a module that a stage's backward runs again (torch.utils.checkpoint(..., use_reentrant=True), or one "
+            f"handed to an autograd Function) reads {', '.join(across)}, tied to a stage on another rank: its gradient "
+            "there would reach this rank's copy alone.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), "
+            "which the trace goes through, or split_points that put every reader of the tied weight on one rank."
+        )

@@ -175,6 +175,14 @@ def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.opti
     if placement is not None and placement.dp_group is not None:
         problems.append("with data-parallel replicas (a mesh with a 'dp' dimension): their gradients would be averaged "
                         "while the steps overlap, which this version does not do; use schedule='1f1b' there")
+    tied = list(pipe._programs[True].tied_reads_in_backward(pipe._owner))
+    if tied:
+        problems.append(
+            f"with a module that a stage's backward runs again (torch.utils.checkpoint(..., use_reentrant=True), or one "
+            f"handed to an autograd Function) reading {', '.join(tied)}, tied to another stage: it reads the weight as "
+            "the model holds it, whose version moves on while the batch runs; use use_reentrant=False, which the "
+            "trace goes through"
+        )
     if not pipe.training:
         problems.append("in eval mode: call pipe.train() first")
     if not torch.is_grad_enabled():

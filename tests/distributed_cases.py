@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from helpers import Counts, FanOut, PaddedLM, RenormTied, TiedEnds, WindowBlock, WithPositions, example_module, grad_of, padded_labels
+from helpers import Counts, FanOut, PaddedLM, RenormTied, TiedEnds, TiedUnderReentrant, WindowBlock, WithPositions, example_module, grad_of, padded_labels
 from dag_models import OPTIMIZERS, Op, Spec, delayed_loop, make_model, mean_loss_of
 from fxpipe import StageError, compile_pipeline
 
@@ -293,6 +293,11 @@ def refusals(rank: int, world: int) -> list[str]:
     errors.append(f"{len(list(bare.parameters()))} parameters")
     try:
         compile_pipeline(_CentresItsInput().double(), x.clone(), mesh=mesh, chunks=2)
+        errors.append("no error")
+    except ValueError as e:
+        errors.append(str(e))
+    try:
+        compile_pipeline(TiedUnderReentrant().double(), torch.randint(0, 16, (4, 5)), mesh=mesh, chunks=2, split_points=["mid"])
         errors.append("no error")
     except ValueError as e:
         errors.append(str(e))

@@ -278,3 +278,18 @@ def padded_labels(seed: int, pads: tuple[int, ...] = (7, 2, 0, 5, 6, 1, 3, 8)) -
     for row, pad in enumerate(pads):  # each sample counts another number of positions
         labels[row, 10 - pad :] = -100
     return ids, labels
+
+
+class TiedUnderReentrant(nn.Module):
+    """An embedding tied to a head that runs under the model's own reentrant checkpoint, in
+    another stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.emb(idx))))
+        return torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=True)

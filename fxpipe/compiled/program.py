@@ -81,6 +81,10 @@ class StageRuntime:
     # Whether its backward may run the model's modules again (a reentrant checkpoint's
     # recompute, a module called whole): they must find the step's leaves in their slots then too.
     reenters: bool = False
+    # Where it may, but shares a parameter with another stage (a weight tied across stages):
+    # those parameters, which its modules then read as the model holds them in backward, and
+    # whose gradients they put in `.grad` themselves.
+    reads_in_backward: list[nn.Parameter] = field(default_factory=list)
 
     def draws(self) -> tuple[bool, bool]:
         """Whether a call now may draw random numbers, and whether through an op that needs
@@ -314,6 +318,15 @@ class Program:
         runtime = self.stages[stage]
         module = self.modules[stage]
         return [*module.parameters(), *module.buffers(), *self.shared[stage], *runtime.writable_buffers.values()]
+
+    def tied_reads_in_backward(self, owner: nn.Module) -> dict[str, nn.Parameter]:
+        """By name in `owner`, the parameters a stage's own modules read in backward as the
+        model holds them (`StageRuntime.reads_in_backward`): their gradients skip the step."""
+        found = {id(p): p for stage in self.stages for p in stage.reads_in_backward}
+        names: dict[int, str] = {}
+        for name, p in owner.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        return {names.get(key, "a parameter"): p for key, p in found.items()}
 
     @cached_property
     def readers(self) -> dict[int, set[int]]:

@@ -161,6 +161,9 @@ def _stage(
     paths: dict[int, list[str]] = {}
     for name, p in code.module.named_parameters(remove_duplicate=False):
         paths.setdefault(id(p), []).append(name)
+    handed = _handed(code.module)
+    shared_read = list({id(p): p for m in handed for p in m.parameters() if id(p) in shared_ids}.values())
+    reentered = [*whole, *handed]
     random = random_sources(cut.graph, cut.runs[index])
     hidden = random_sources(code.module, list(code.module.graph.nodes))
     nodes = {node.name: node for node in cut.runs[index]}
@@ -180,7 +183,8 @@ def _stage(
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
         flagged=_flagged(code.module),
-        reenters=_reentered_alone(code.module, whole, shared_ids),
+        reenters=bool(reentered) and not any(id(p) in shared_ids for m in reentered for p in m.parameters()),
+        reads_in_backward=shared_read,
     )  # fmt: skip
 
 
@@ -219,6 +223,8 @@ def _reentered_by_one_stage(stages: list[StageRuntime]) -> None:
     for stage in stages:
         if stage.reenters and any(seen[id(p)] > 1 for p in stage.params):
             stage.reenters = False
+            handed = {id(p) for m in _handed(stage.module) for p in m.parameters()}  # type: ignore[arg-type]
+            stage.reads_in_backward = [p for p in stage.params if seen[id(p)] > 1 and id(p) in handed]
 
 
 def _settings(graph: fx.GraphModule) -> list[tuple[str, nn.Module, tuple[Any, ...]]]:
@@ -248,18 +254,17 @@ def _writes_lost_by_compile(stage: StageRuntime) -> bool:
     return bool(lost)
 
 
-def _reentered_alone(stage: fx.GraphModule, whole: list[nn.Module], shared_ids: set[int]) -> bool:
-    """Whether the stage's backward may run the model's modules again (a module handed to an
-    autograd Function, torch.utils.checkpoint's reentrant one, or called whole), on parameters
-    shared with no other stage: those its leaves can stand for in their slots while it runs.
-    Where it shares one (a weight tied across stages), the modules read the model's own
-    parameters there, as in forward (`_reentered_by_one_stage` sees the rest)."""
-    handed = [
+def _handed(stage: fx.GraphModule) -> list[nn.Module]:
+    """The model's modules the stage hands to an autograd Function (torch.utils.checkpoint's
+    reentrant one): its backward runs them again, outside the stage's forward. With those it
+    calls whole, they are the modules its backward may run: on parameters shared with no other
+    stage, the step's leaves stand for them in their slots while it runs (`reenters`); where it
+    shares one (a weight tied across stages), they read the model's own parameters there, as in
+    forward (`_reentered_by_one_stage` sees the rest)."""
+    return [
         module for node in stage.graph.nodes if getattr(node.target, "applies", None) is not None
         for arg in node.all_input_nodes if arg.op == "get_attr" and isinstance(module := fetch_attr(stage, arg.target), nn.Module)
     ]  # fmt: skip
-    reentered = [*whole, *handed]
-    return bool(reentered) and not any(id(p) in shared_ids for m in reentered for p in m.parameters())
 
 
 def _flagged(stage: fx.GraphModule) -> list[nn.Module]:

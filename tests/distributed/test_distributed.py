@@ -235,7 +235,8 @@ def test_ranks_with_different_plans_refuse_naming_the_difference() -> None:
 def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> None:
     """And a rank left without parameters by the cut warns, before its optimizer would raise. A
     model that writes its input in place is refused: before, the loss rank read a target that
-    was the input unwritten (loss 0.22 off)."""
+    was the input unwritten (loss 0.22 off). A weight tied across ranks that a reentrant
+    checkpoint reads is refused: before, its gradient there reached one rank's copy alone."""
     for rank, errors in enumerate(results_of(spawn_ranks(cases.refusals, 2, timeout=120))):
         assert "pipe(x) runs forward only" in errors[0] and "torch.no_grad()" in errors[0], errors[0]
         assert "inputs that require grad" in errors[1], errors[1]
@@ -244,6 +245,7 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         assert ("this rank (1) holds none of the model's parameters" in errors[4]) == (rank == 1), errors[4]
         assert errors[5] == ("0 parameters" if rank == 1 else "2 parameters"), errors[5]
         assert "the model writes its input 'x' in place: across processes only the rank" in errors[6], errors[6]
+        assert "reads emb.weight, tied to a stage on another rank" in errors[7] and "use_reentrant=False" in errors[7], errors[7]
 
 
 def test_devices_or_mesh_one_of_them() -> None:

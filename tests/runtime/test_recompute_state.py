@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import X, assert_grads_equal, grad_of
+from helpers import X, TiedUnderReentrant, assert_grads_equal, grad_of
 from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.runtime.checkpoint import flags_kept, flags_of
 
@@ -521,21 +521,6 @@ def test_a_model_whose_own_checkpoint_recomputes_a_dropout_compiled_in_eval_mode
     pipe.train()
     with pytest.raises(RuntimeError, match=r"(?s)compiled for eval mode alone.*recomputes random ops \(dropout\) in backward.*gradient_checkpointing_disable"):
         pipe(X.double())
-
-
-class TiedUnderReentrant(nn.Module):
-    """An embedding tied to a head that runs under the model's own reentrant checkpoint, in
-    another stage."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb, self.mid = nn.Embedding(16, 8), nn.Linear(8, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.mid(torch.tanh(self.emb(idx))))
-        return torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
