@@ -35,6 +35,7 @@ from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call
+from fxpipe.runtime.checkpoint import dropout_rate_of
 from fxpipe.runtime.devices import Aborted
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads
@@ -98,7 +99,9 @@ class _Overlap:
         self.read = 0  # batches read so far
         self.finished = 0  # batches whose loss was given
         self.held: Optional[Program] = None
-        self.modes: dict[str, bool] = {}  # as the loop's first batch found them (`_after_reading`)
+        # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
+        self.modes: dict[str, bool] = {}
+        self.rates: dict[str, Optional[float]] = {}
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -141,6 +144,7 @@ class _Overlap:
         the loop takes the model as it is then; after it, batches are (the one before, at least)."""
         if index == 0:
             self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
+            self.rates = {name: dropout_rate_of(m) for name, m in self.pipe._owner.named_modules()}
         elif batch is not None:
             self._refuse_changes(f"in the batches' iterable, while batch {index} was read", slots=False)
 
@@ -390,6 +394,12 @@ class _Overlap:
                    for name, m in pipe._owner.named_modules() if (was := self.modes.get(name, m.training)) != m.training]  # fmt: skip
         if flipped:
             return f"the mode (train() or eval()) of {', '.join(flipped)}"
+        # The stages read a dropout's rate as they run: the batch in flight would take a new one
+        # at some micro-batch, as the threads' timing decides.
+        rated = [f"{name} ({was} -> {now})" for name, m in pipe._owner.named_modules()
+                 if (was := self.rates.get(name)) != (now := dropout_rate_of(m)) and name in self.rates]  # fmt: skip
+        if rated:
+            return f"the dropout rate of {', '.join(rated)}"
         try:
             traced_mode(pipe._owner, pipe._programs, pipe._compiled)
         except RuntimeError as error:

@@ -606,6 +606,7 @@ def _changes() -> dict[str, Callable[[nn.Module], Any]]:
         "a module replaced": lambda m: setattr(m, "b", nn.Linear(6, 6).double()),
         "a parameter assigned": lambda m: setattr(m.c, "bias", nn.Parameter(torch.zeros(6, dtype=torch.float64))),
         "a weight clamped in place": _clamped,
+        "a dropout rate": lambda m: setattr(m.drop, "p", 0.5),
     }
 
 
@@ -613,10 +614,11 @@ class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b, self.c, self.bn, self.scale = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.BatchNorm1d(6), 0.5
+        self.drop = nn.Dropout(0.0)  # a rate the stages read as they run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x)) * self.scale  # a number: a constant of the graph
-        return self.c(self.bn(torch.tanh(self.b(h))))
+        return self.c(self.bn(torch.tanh(self.b(self.drop(h)))))
 
 
 # A tensor assigned or written between two losses races with the stages, which hold the slots
@@ -631,7 +633,8 @@ def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: s
     model at its first batch only: eval() and a changed constant were ignored, a BatchNorm set
     to eval applied two batches late (or failed inside autograd), a replaced module's old
     parameters were the ones trained. A change the iterable made while the batch before ran
-    was blamed on the next after_step, or failed inside a stage."""
+    was blamed on the next after_step, or failed inside a stage. A dropout rate was taken by the
+    batch in flight at a micro-batch the threads' timing chose."""
     model = _Scaled().double()
     batches = _batches(5)
     pipe = _pipe(model, batches[0][0], 3, chunks=4)
