@@ -23,7 +23,7 @@ from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.edges import Edge
-from fxpipe.core.hooks import hook_tables
+from fxpipe.core.hooks import hook_tables, output_hook
 from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import draws_now, runs_hooks
 from fxpipe.schedules.actions import Layout
@@ -121,6 +121,12 @@ def hooks_of(module: Optional[nn.Module]) -> Hooks:
     """Which hooks a module has (their handles' ids, so a hook swapped for another counts), or,
     for None, which global module hooks are registered."""
     return tuple(map(tuple, hook_tables(module)))  # read at every call: no generator per table
+
+
+def hooks_that_count(module: Optional[nn.Module]) -> Hooks:
+    """`hooks_of`, without the hooks whose whole effect is in the model's own output, which a
+    trace captures (`output_hook`): those a library adds after compiling change nothing."""
+    return tuple(tuple(key for key, hook in table.items() if not output_hook(hook)) for table in hook_tables(module))
 
 
 def code_of(module: nn.Module, listed: bool = True) -> Code:
@@ -259,7 +265,7 @@ class Program:
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the
         global module hooks)."""
-        return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks]
+        return [name for name, m, hooks in self.traced_hooks if hooks_of(m) != hooks and hooks_that_count(m) != hooks]
 
     def hooks_added_by(self) -> list[str]:
         """The Python modules that define the hooks added since to traced-through modules (a

@@ -15,7 +15,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from fxpipe.compiled.program import UNSET, Cut, HeldState, Program, StageRuntime, code_of, hooks_of, settings_of
+from fxpipe.compiled.program import UNSET, Cut, HeldState, Program, StageRuntime, code_of, hooks_that_count, settings_of
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_code import caller_stacklevel
@@ -93,7 +93,7 @@ def build_program(
         parameters=_parameters_read(stages, shared),
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
-        traced_hooks=[("*", None, hooks_of(None)), *((name, m, hooks_of(m)) for name, m in traced)],
+        traced_hooks=[("*", None, hooks_that_count(None)), *((name, m, hooks_that_count(m)) for name, m in traced)],
         traced_code=[(name, m, code_of(m, listed is None or name in listed)) for name, m in traced],
         settings=_settings(cut.graph),
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),

@@ -184,9 +184,12 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
     if functions:
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
+        checkpoint = "torch.utils.checkpoint's reentrant Function: use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs=" \
+            "{'use_reentrant': False}), which torch.export goes through, or the pipeline's checkpoint= in its place; " \
+            if any(f.__qualname__ == "CheckpointFunction" for f in functions) else ""  # fmt: skip
         raise _Rejected(
             f"it inlines the forward of the autograd Function {names}, which would lose its backward; "
-            "make the model traceable by torch.fx, which keeps the Function's call (and keeps a module "
+            f"{checkpoint}make the model traceable by torch.fx, which keeps the Function's call (and keeps a module "
             "whole with leaf_modules=[...], which torch.export cannot)"
         )
     graphs = {training: gm for training, (gm, _) in exported.items()}
@@ -377,8 +380,9 @@ def _front_ends(
                    "torch.nn.utils.parametrizations.spectral_norm and weight_norm, which torch.export captures, replace "
                    "the hook forms." if any(_TORCH_WEIGHT_HOOKS.search(hook) for hook in once) else "")
                 + (" Hugging Face's gradient_checkpointing_enable() registers make_inputs_require_grads: "
-                   "model.gradient_checkpointing_disable() removes it, and the pipeline's checkpoint= recomputes "
-                   "stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),
+                   "model.disable_input_require_grads() removes it (gradient_checkpointing_disable() may not); the "
+                   "model's own checkpointing with use_reentrant=False may stay, or the pipeline's checkpoint= "
+                   "recomputes stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),
             )
         traced = _by_export(model, example, kwargs, chunks, traced_in)
     except _Rejected as export_failure:

@@ -18,6 +18,14 @@ def hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
     return [getattr(module, table) for table in KINDS.values()]
 
 
+def output_hook(hook: Any) -> bool:
+    """A forward hook whose whole effect is in the model's own output: Hugging Face's output
+    capturing (`output_hidden_states=True`, `output_attentions=True`), which hands a module's
+    output to a collector that only the model's forward sets up and reads, within the call. A
+    trace of that call captures what it collects; a call without a collector finds it idle."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
 def hooked(module: Optional[nn.Module]) -> bool:
     """Whether any hook is registered on the module (or globally, for None)."""
     return any(hook_tables(module))

@@ -96,6 +96,34 @@ def test_a_config_value_changed_after_compiling_is_refused_and_runs_once_back(ma
     torch.testing.assert_close(first(pipe(ids)), first(model(ids)), rtol=0, atol=1e-9)
 
 
+def _hidden(output: Any) -> list[torch.Tensor]:
+    return [output["last_hidden_state"], *(output.get("hidden_states") or ())]
+
+
+def test_hidden_states_come_back_as_the_plain_model_s_with_the_hooks_transformers_installs_for_them() -> None:
+    """transformers hands each layer's output to the model's forward through forward hooks it
+    installs the first time a call asks for hidden states. Before, hooks installed after
+    compiling refused every call, and a call asking for hidden states (its own kind of call,
+    compiled then, with the hooks in place) was refused ("it would run the model's hooks
+    once"), with advice that left the plain model returning no hidden states."""
+    torch.manual_seed(0)
+    model, ids = bert().double(), torch.randint(0, 64, (4, 12))
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, ids, ["cpu"] * 2, chunks=2)
+        with torch.no_grad():
+            model(ids, output_hidden_states=True), reference(ids, output_hidden_states=True)  # install the hooks
+        for kwargs in ({}, {"output_hidden_states": True}):
+            out, expected = _hidden(pipe(ids, **kwargs)), _hidden(reference(ids, **kwargs))
+            assert len(out) == len(expected) == (4 if kwargs else 1)
+            for got, want in zip(out, expected):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+            for output in (pipe(ids, **kwargs), reference(ids, **kwargs)):
+                (loss(output) + sum(h.square().mean() for h in output.get("hidden_states") or ())).backward()
+            assert_grads_equal(pipe, reference, tol=1e-9)
+
+
 def test_bert_compiled_with_token_type_ids_is_called_without_them() -> None:
     """Before, the call was refused ("the pipeline was exported for arguments shaped like the
     example"); the plain model takes both."""

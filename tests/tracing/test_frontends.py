@@ -1485,8 +1485,27 @@ class _KwargsWithHook(nn.Module):
 
 def test_the_hook_of_gradient_checkpointing_enable_is_named_with_the_call_that_removes_it() -> None:
     """Before, the refusal named an internal hook and a handle the user never had."""
-    with pytest.raises(TraceError, match=r"gradient_checkpointing_enable\(\) registers make_inputs_require_grads: model.gradient_checkpointing_disable\(\) removes it"):
+    with pytest.raises(TraceError, match=r"gradient_checkpointing_enable\(\) registers make_inputs_require_grads: model.disable_input_require_grads\(\) removes it"):
         compile_pipeline(_KwargsWithHook(), (), ["cpu", "cpu"], chunks=2, example_kwargs={"ids": torch.randint(0, 10, (8, 4))})
+
+
+class _KwargsWithReentrantCheckpoint(nn.Module):
+    """A forward of **kwargs (torch.export captures it) that checkpoints a block, reentrant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.block = nn.Embedding(10, 6), nn.Linear(6, 6)
+
+    def forward(self, **kwargs: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, torch.tanh(self.wte(kwargs["ids"])), use_reentrant=True)
+
+
+def test_a_reentrant_checkpoint_torch_export_would_inline_is_refused_naming_use_reentrant_false() -> None:
+    """Before, the one fix named was a torch.fx trace, which such a model cannot have."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own, on an input that does not require grad
+        with pytest.raises(TraceError, match=r"CheckpointFunction, which would lose its backward; torch.utils.checkpoint's reentrant Function: use_reentrant=False"):
+            compile_pipeline(_KwargsWithReentrantCheckpoint(), (), ["cpu", "cpu"], chunks=2, example_kwargs={"ids": torch.randint(0, 10, (8, 4))})
 
 
 class _DoubledInPlace(torch.autograd.Function):
