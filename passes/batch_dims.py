@@ -34,7 +34,7 @@ from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
-from fxpipe.passes.random_ops import RandomSources, random_sources
+from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
@@ -111,11 +111,12 @@ def annotate_batch_dims(
         return True
     whole, written = whole_run.values, set(whole_run.written)
     try:
-        each = run_on(gm, parts, real, keep=set(returned), fixed=whole_run.fixed)
+        each = run_on(gm, parts, real, keep={*returned, *whole_run.fixed}, fixed=whole_run.fixed)
     except Exception as e:  # noqa: BLE001 - named in the refusal
         if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return True
         raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
+    _mark_whole_batch_draws(whole_run.fixed, whole, each)
     compare = real and not _keeps_state(gm, written)
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
@@ -133,6 +134,24 @@ def annotate_batch_dims(
         hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
         raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
     return True
+
+
+def _mark_whole_batch_draws(drawing: set[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]]) -> None:
+    """`WHOLE_BATCH_DRAW` on each drawing node whose value has one shape on the whole example and
+    on each half: it draws for the whole batch, not per sample."""
+    for node in drawing:
+        shapes = [_shapes(run.get(node)) for run in (whole, *each)]
+        if shapes[0] is not None and all(shape == shapes[0] for shape in shapes[1:]):
+            node.meta[WHOLE_BATCH_DRAW] = True
+
+
+def _shapes(value: Any) -> Optional[tuple[Any, ...]]:
+    """The shape of a tensor, or of each of a tuple's; None for anything else."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return tuple(tuple(v.shape) for v in value)
+    return None
 
 
 def _compared(

@@ -75,7 +75,7 @@ def drawing_or_normalising(gm: fx.GraphModule) -> set[fx.Node]:
 @dataclass
 class WholeRun:
     """The graph's run on the whole example, drawing nodes under `FixedDraws`: the values of
-    the nodes the graph returns, and the buffers the run wrote."""
+    the nodes the graph returns and of those drawing nodes, and the buffers the run wrote."""
 
     values: dict[fx.Node, Any]
     written: set[str] = field(default_factory=set)
@@ -91,7 +91,7 @@ def run_whole(gm: fx.GraphModule, inputs: tuple[Any, ...], records: bool = True)
     whole = WholeRun({}, fixed=drawing_or_normalising(gm))
     try:
         (whole.values,) = run_on(
-            gm, [inputs], small_on_cpu(gm, inputs), keep=set(returned), written=whole.written, records=records, fixed=whole.fixed,
+            gm, [inputs], small_on_cpu(gm, inputs), keep={*returned, *whole.fixed}, written=whole.written, records=records, fixed=whole.fixed,
         )  # fmt: skip
     except Exception:  # noqa: BLE001 - propagate_shapes says why, or runs it another way
         return None

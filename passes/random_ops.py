@@ -53,6 +53,12 @@ _PROBABILITY_ARGS = ("p", "dropout_p", "dropout")
 _TRAINING_ARGS = ("train", "training")
 
 
+# On a node that drew a value of one shape for the whole example and for each of its halves: a
+# draw for the whole batch (stochastic depth in torchvision's mode="batch", a noise shared by every
+# sample), which every micro-batch of a step then draws alike, as the plain model draws it once.
+WHOLE_BATCH_DRAW = "draws_for_the_whole_batch"
+
+
 @dataclass
 class RandomSources:
     """What decides whether a stage draws random numbers when it runs."""
@@ -146,7 +152,7 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
     graph = stage.graph
     changed = False  # a stage that draws nothing keeps its code: generating it costs milliseconds
     for node in list(graph.nodes):
-        key = draw_key(node.name)
+        key = draw_key(node.name, whole_batch=bool(node.meta.get(WHOLE_BATCH_DRAW)))
         replacement: Optional[tuple[Callable[..., Any], tuple[Any, ...]]] = None
         if node.op == "call_module" and type(stage.get_submodule(str(node.target))) is nn.Dropout:
             with graph.inserting_before(node):

@@ -75,10 +75,16 @@ def generator_put_back_on_error() -> Iterator[None]:
 _NODE_KEYS = 1 << 32
 
 
-def draw_key(name: str) -> int:
+# A key at or above this one draws alike in every micro-batch of a step (`WHOLE_BATCH_DRAW`).
+_WHOLE_BATCH = 1 << 32
+_ANY_MICRO_BATCH = 1 << 31  # the micro-batch coordinate such a draw is seeded with
+
+
+def draw_key(name: str, whole_batch: bool = False) -> int:
     """A node's key among the draws of a task: from its name in the traced graph, which every cut
-    of the graph keeps."""
-    return zlib.crc32(name.encode())
+    of the graph keeps; `whole_batch`: a value drawn once for the whole batch, alike in every
+    micro-batch of the step."""
+    return zlib.crc32(name.encode()) + (_WHOLE_BATCH if whole_batch else 0)
 
 
 class TaskStream:
@@ -98,7 +104,8 @@ class TaskStream:
         slot = self.stage if key is None else _NODE_KEYS + key
         found = self.generators.get((slot, device))
         if found is None:
-            seed = task_seed(self.step_seed, self.micro_batch, slot)
+            micro_batch = _ANY_MICRO_BATCH if key is not None and key >= _WHOLE_BATCH else self.micro_batch
+            seed = task_seed(self.step_seed, micro_batch, slot)
             found = self.generators[(slot, device)] = (torch.Generator(device=device).manual_seed(seed), seed)
         return found[0]
 

@@ -131,7 +131,7 @@ class DrawsInAFunction(nn.Module):
         return self.b(_MaskedDropout.apply(torch.tanh(self.a(x))))
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction])
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch")])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):
@@ -531,6 +531,49 @@ def test_two_dropouts_draw_apart_and_alike_at_any_stage_count() -> None:
         assert not torch.equal(first != 0, second != 0), "two dropouts drew one mask"
         assert not torch.equal(first[:4] != 0, first[4:] != 0), "two micro-batches drew one mask"
     assert all(torch.equal(a, b) for a, b in zip(masks[1], masks[2])), "the cut changed the masks"
+
+
+def _stochastic_depth(x: torch.Tensor, p: float, mode: str) -> torch.Tensor:
+    """As torchvision.ops.stochastic_depth writes it: mode "batch" draws one number for the batch."""
+    size = [x.shape[0]] + [1] * (x.ndim - 1) if mode == "row" else [1] * x.ndim
+    noise = torch.empty(size, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    return x * noise.div_(1 - p)
+
+
+class _StochasticDepth(nn.Module):
+    """A residual branch kept or dropped by stochastic depth; with `parts`, the branch and a
+    noise drawn once for every sample are returned too."""
+
+    def __init__(self, mode: str, parts: bool = False) -> None:
+        super().__init__()
+        self.mode, self.parts, self.branch, self.head = mode, parts, nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        kept = x + _stochastic_depth(self.branch(x), 0.5, self.mode)
+        if not self.parts:
+            return self.head(kept)
+        return self.head(kept), kept - x, torch.randn(8, dtype=x.dtype).expand(x.shape[0], 8)
+
+
+@pytest.mark.parametrize("mode", ["batch", "row"])
+def test_a_draw_for_the_whole_batch_is_drawn_alike_by_every_micro_batch(mode: str) -> None:
+    """Before, each micro-batch drew its own: one call dropped the branch of some samples and
+    kept the others' (19 calls in 20), where the plain model keeps or drops it for all."""
+    torch.manual_seed(0)
+    model = _StochasticDepth(mode, parts=True).double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["head"])
+    patterns = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            _, branch, noise = pipe(x)
+        patterns.add(tuple(bool(row.abs().sum() > 0) for row in branch))
+        assert torch.equal(noise, noise[:1].expand(8, 8)), "a noise drawn once is every sample's"
+    if mode == "batch":
+        assert patterns == {(True,) * 8, (False,) * 8}, patterns
+    else:
+        assert any(len(set(pattern)) == 2 for pattern in patterns), "row mode draws per sample"
 
 
 def test_the_per_step_reads_of_draws_and_hooks_walk_every_module_once() -> None:
