@@ -571,6 +571,9 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     odd["another reduction"] = lambda: pipe.train_step(x, target=y, loss_fn=_summed if last else F.mse_loss, reduction="sum" if last else "mean")
     odd["tied copies apart, forward"] = lambda: _under(torch.no_grad(), lambda: apart(x))
     odd["tied copies apart, step"] = lambda: apart.train_step(x, target=y, loss_fn=F.mse_loss)
+    torch.manual_seed(0)
+    drops = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 6)).double(), x, mesh=mesh, chunks=2, split_points=["2"], timeout=20)
+    odd["eval on one rank, a model that draws"] = lambda: _in_mode(drops, not last, lambda: drops.train_step(x, target=y, loss_fn=F.mse_loss))
     report: dict[str, Any] = {}
     for what, call in odd.items():
         start = time.monotonic()

@@ -177,10 +177,11 @@ def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied:
     """Raise, naming what differs, unless every rank's call (`calls`, by pipeline coordinate,
     this rank's included) is this rank's; with `tied`, the copies of tied weights are compared too."""
     mine = calls[pipe.channel.me]
-    _refuse_generators_apart({pipe.channel.ranks[r]: c["seed"] for r, c in calls.items()})
     differing = [key for key in mine if key not in ("tied", "data", "seed") and any(c.get(key) != mine[key] for c in calls.values())]
     ranks = pipe.channel.ranks
     lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
+    if not lines:  # (a call in another mode draws no seed: its seed differs anyway)
+        _refuse_generators_apart({ranks[r]: c["seed"] for r, c in calls.items()})
     apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
     if apart and not differing:  # (data of other shapes differs anyway)
         lines += [_odd_ranks(name, {ranks[r]: c.get("data", {}).get(name) for r, c in calls.items()}) for name in apart]
