@@ -52,11 +52,13 @@ class _Prover(LayoutRules, fx.Interpreter):
         self.gm, self.sequence_dim, self.length, self.holding = gm, sequence_dim, length, holding
         self.proof = Proof()
         self.problems: list[str] = []
+        self.at_fault: list[fx.Node] = []
         self.node: Optional[fx.Node] = None
 
     def _refuse(self, why: str) -> None:
         assert self.node is not None
         self.problems.append(f"{op_and_line(self.gm, self.node)}: {why}")
+        self.at_fault.append(self.node)
 
     # -- the walk ---------------------------------------------------------------------------
     def run_node(self, n: fx.Node) -> Any:
@@ -432,5 +434,33 @@ def prove_causal_at(
     if not proof.inputs:
         prover.problems.append(f"no input holds the sequence along dim {sequence_dim} at length {length}")
     if prover.problems:
-        raise CausalityError(prover.problems)
+        losses = _reduced_outputs_alone(prover.at_fault, leaves, values)
+        raise CausalityError(prover.problems, *([_LOSS_FIX.format(", ".join(losses))] if losses else []))
     return proof
+
+
+_LOSS_FIX = (
+    "the ops above compute only what the model returns as one number for the whole sequence ({}: a loss "
+    "computed in forward, which no slice can compute alone). Return the values per position (call the model "
+    "without its labels) and give the loss as train_step(..., loss_fn=...), which the pipeline combines over "
+    "slices; or sequence_chunks=1."
+)
+
+
+def _reduced_outputs_alone(at_fault: Sequence[fx.Node], leaves: Sequence[Any], values: Sequence[Any]) -> list[str]:
+    """The outputs that are one number (0-dim: a loss computed in forward), where the ops at
+    fault reach those outputs alone; else []."""
+    reduced = {leaf for leaf, value in zip(leaves, values) if isinstance(leaf, fx.Node) and isinstance(value, torch.Tensor) and value.dim() == 0}
+    others = {leaf for leaf in leaves if isinstance(leaf, fx.Node)} - reduced
+    if not reduced or not at_fault:
+        return []
+    reached: set[fx.Node] = set()
+    frontier = list(at_fault)
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user not in reached:
+                reached.add(user)
+                frontier.append(user)
+    reached |= set(at_fault)
+    return [leaf.name for leaf in reduced if leaf in reached] if not reached & others else []

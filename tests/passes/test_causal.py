@@ -172,6 +172,26 @@ def test_a_model_that_reads_later_positions_is_refused_naming_the_op(name: str) 
         assert any("test_causal.py" in problem for problem in caught.value.problems), caught.value.problems
 
 
+class _OwnLoss(nn.Module):
+    """A causal LM that returns its own loss: one number for the whole sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = SdpaGPT(layers=1)
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.gpt(idx)
+        return {"loss": F.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_a_loss_computed_in_forward_is_refused_saying_to_give_it_as_loss_fn() -> None:
+    """Before, the advice was causal attention, which the model had."""
+    with pytest.raises(CausalityError, match=r"How to fix: the ops above compute only what the model returns as one number for the whole sequence \(cross_entropy.*loss_fn="):
+        prove_causal(trace(_OwnLoss()), (tokens(), tokens(seed=1)))
+    with pytest.raises(CausalityError, match="How to fix: causal attention"):  # the same advice where other outputs read them too
+        prove_causal(trace(Wrapped(lambda m, h, idx: h + h.flatten(0, 1).sum())), (tokens(),))
+
+
 def test_attention_given_a_mask_that_reads_later_keys_is_refused() -> None:
     with pytest.raises(CausalityError, match="lets a query read keys after it"):
         prove_causal(trace(MaskedSdpaGPT("everything")), (tokens(),))
