@@ -304,8 +304,10 @@ class PipelineCalls(nn.Module):
             try:
                 found = self._recompile(self._owner, args, kwargs, self._kept_whole_in(args, kwargs))
             except Exception as error:  # the model itself may refuse this call, or this call as an example
+                first, *rest = [line.strip(" -") for line in str(other).partition("\nHow to fix")[0].splitlines()]
+                differs = " ".join([first, "; ".join(rest)]).strip().rstrip(".")
                 error.add_note(
-                    f"This call is of another kind than the example ({str(other).splitlines()[0]}): stages are compiled "
+                    f"This call is of another kind than the example ({differs}): stages are compiled "
                     "for each kind of call on its first call, with that call as their example, and compiling them from "
                     "this one failed as above."
                 )

@@ -41,6 +41,7 @@ from fxpipe.passes.edges import find_edges
 from fxpipe.passes.example_runs import run_whole
 from fxpipe.passes.inplace import redirect_reads_after_writes
 from fxpipe.passes.linearize import COMPUTE_OPS, linearize
+from fxpipe.passes.partition import NodeCountError
 from fxpipe.passes.placement import pin_devices
 from fxpipe.passes.shapes import propagate_shapes
 from fxpipe.passes.state import reads_after_hidden_writes
@@ -183,7 +184,9 @@ def compile_pipeline(
         split_points: qualified module names where stages 1, 2, ... begin.
         balance: a node count per stage, or what to balance: 'memory' (the default: parameters,
             gradients and optimizer state, plus activations in flight), 'params', 'flops', or
-            'time' (measures every node's forward and backward on `devices[0]`).
+            'time' (measures every node's forward and backward on `devices[0]`). Node counts are
+            the example's graph's: a call of another kind whose graph has another count is cut
+            as with None, with a warning.
         leaf_modules: module types or qualified names to keep whole instead of tracing into.
         device_memory: bytes each device may hold (one number, or one per device), shared
             evenly among a device's stages with stages_per_device; a cut given by hand must fit too.
@@ -370,7 +373,19 @@ def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[An
     """A pipeline for a call of another kind than the example, the call as its example; the
     arguments `whole` kept whole, as the example kept them (unless chunk_spec says otherwise)."""
     chunk_spec = {**{name: None for name in whole}, **(options["chunk_spec"] or {})}
-    return compile_pipeline(model, args, example_kwargs=kwargs or None, **{**options, "chunk_spec": chunk_spec or None})
+    options = {**options, "chunk_spec": chunk_spec or None}
+    try:
+        return compile_pipeline(model, args, example_kwargs=kwargs or None, **options)
+    except NodeCountError:  # counted on the example's graph: this kind of call has its own
+        if not isinstance(options["balance"], (list, tuple)):
+            raise
+        warnings.warn(
+            f"balance={list(options['balance'])} counts the nodes of the example's graph; this kind of call has a graph "
+            "of its own, with another count, which is cut as with balance=None (by memory). Give split_points=[...] (module "
+            "names) to cut every kind of call at the same modules.",
+            stacklevel=caller_stacklevel(),
+        )
+        return compile_pipeline(model, args, example_kwargs=kwargs or None, **{**options, "balance": None})
 
 
 def _check_micro_batches_later(

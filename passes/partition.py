@@ -20,10 +20,14 @@ class PartitionError(ValueError):
     """The requested cut is impossible; the message lists every problem and the fix."""
 
 
-def refuse(problems: list[str], fix: str) -> None:
+class NodeCountError(PartitionError):
+    """`balance` counts other than the graph's nodes: counted on another graph (of another kind of call)."""
+
+
+def refuse(problems: list[str], fix: str, error: type[PartitionError] = PartitionError) -> None:
     """Raise one PartitionError listing every problem, with the fix (nothing when none)."""
     if problems:
-        raise PartitionError("cannot partition the graph:\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{fix}")
+        raise error("cannot partition the graph:\n" + "\n".join(f"  - {p}" for p in problems) + f"\n{fix}")
 
 
 def _scopes(node: fx.Node) -> list[str]:
@@ -98,9 +102,13 @@ def cuts_from_balance(order: Sequence[fx.Node], balance: Sequence[int], stages: 
         problems.append(f"balance has {len(balance)} entries for {stages} stages (devices times stages_per_device)")
     if any(not isinstance(b, int) or b < 1 for b in balance):
         problems.append(f"balance {list(balance)} has an entry below 1; every stage needs a node")
-    if sum(balance) != len(order):
+    miscounted = sum(balance) != len(order)
+    if miscounted:
         problems.append(f"balance sums to {sum(balance)} but the graph has {len(order)} nodes to place")
-    refuse(problems, "How to fix: give one positive node count per stage (devices times stages_per_device), adding up to the node count.")
+    refuse(
+        problems, "How to fix: give one positive node count per stage (devices times stages_per_device), adding up to the node count.",
+        NodeCountError if miscounted else PartitionError,
+    )
     return list(itertools.accumulate(balance))[:-1]
 
 

@@ -333,6 +333,18 @@ def test_stages_for_another_kind_of_call_that_cannot_compile_from_it_say_why_and
         pipe(torch.randn(1, 6), extra=torch.randn(1, 6))  # torch.export makes a graph of one sample from one
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "This call is of another kind than the example" in notes and "with that call as their example" in notes, notes
+    assert "this call differs:)" not in notes and "extra" in notes, "the note says what differs"
+
+
+def test_balance_as_node_counts_cuts_another_kind_of_call_as_balance_none_saying_so() -> None:
+    """The counts are the example's graph's. Before, a call of another kind (a mask left out)
+    failed: its graph has another node count, and no one list fits both."""
+    model, reference = twin(Gated())
+    x, mask = X.double(), torch.rand(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, mask), ["cpu", "cpu"], chunks=2, balance=[2, 2])
+    with pytest.warns(UserWarning, match=r"balance=\[2, 2\] counts the nodes of the example's graph.*cut as with balance=None.*split_points"):
+        assert_call_and_grads_equal(pipe, reference, x)
+    assert_call_and_grads_equal(pipe, reference, x, mask)
 
 
 class MakesOnes(nn.Module):
