@@ -23,6 +23,7 @@ from fxpipe.core.hooks import hooked
 from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import preserved
+from fxpipe.passes.asserts import show_values_in_asserts
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
 from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
@@ -112,7 +113,7 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             def traced() -> fx.GraphModule:
                 read.begin(model.training)
-                return trace(model, leaves, none=none)
+                return show_values_in_asserts(trace(model, leaves, none=none))
 
             graphs = _traced_in_modes(model, read, traced, traced_in)
         refuse_lost_counters(model, read)
