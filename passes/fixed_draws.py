@@ -61,9 +61,11 @@ def _ungated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
 
 
 def _fix(t: torch.Tensor, name: str) -> None:
-    """A random op's output as a draw the same in every run: a permutation leaves the order."""
+    """A random op's output as a draw the same in every run: a permutation reverses the order (one
+    that left it would hide a model that shuffles its batch: `h[torch.randperm(batch)]`, whose
+    halves, each reversed, then read other rows than the whole)."""
     if name == "randperm":
-        t.copy_(torch.arange(t.numel(), dtype=t.dtype, device=t.device))
+        t.copy_(torch.arange(t.numel() - 1, -1, -1, dtype=t.dtype, device=t.device))
     else:
         t.fill_(1 if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool else 0)
 

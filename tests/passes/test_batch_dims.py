@@ -42,6 +42,8 @@ MIXING = {
     "normalised over the whole tensor": (lambda h, x: h / h.abs().max(), r"max"),
     "rows in reverse": (lambda h, x: h.flip(0), r"flip"),
     "centred after dropout": (lambda h, x: F.dropout(h, 0.5, True) - h.mean(0), r"mean"),
+    # Before, a permutation drawn in the check left the order: the shuffle went unseen.
+    "rows shuffled (in-batch negatives)": (lambda h, x: h - h[torch.randperm(x.shape[0])], r"getattr\(x, 'shape'\)"),
 }
 
 
@@ -308,6 +310,10 @@ def test_random_ops_and_batch_norm_are_not_taken_for_mixing() -> None:
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
     pipe.eval(), reference.eval()
     torch.testing.assert_close(pipe(X), reference(X), rtol=0, atol=1e-12)
+
+
+def test_features_shuffled_alike_in_every_sample_are_not_taken_for_mixing() -> None:
+    compile_pipeline(Mixer(lambda h, x: h[:, torch.randperm(h.shape[1])]).double(), X, ["cpu", "cpu"], chunks=2)
 
 
 def test_compiling_leaves_the_random_state_and_running_statistics_as_they_were() -> None:
