@@ -176,7 +176,7 @@ def test_an_integer_output_made_sample_by_sample_is_exact_in_every_mode() -> Non
     assert_grads_equal(pipe, reference)
 
 
-@pytest.mark.parametrize("case", [case for case in MIXING if "dropout" not in case])
+@pytest.mark.parametrize("case", [case for case in MIXING if "dropout" not in case and "shuffled" not in case])  # what draws, aside
 def test_the_same_model_with_one_micro_batch_is_the_plain_model(case: str) -> None:
     model, reference = twin(Mixer(MIXING[case][0]))
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=1)
