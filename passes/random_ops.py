@@ -108,8 +108,29 @@ def _function_is_random(node: fx.Node) -> bool:
         return _gated_by_constants(argument(node, p_name, p_at, p_default), argument(node, t_name, t_at, t_default))
     if target in RANDOM_FUNCTIONS or getattr(target, "applies", None) is not None:
         return True  # (an autograd Function of the model's, applied: its forward is Python, which may draw)
-    module = (getattr(target, "__module__", None) or "").split(".")[0]
-    return target is not operator.getitem and module not in _DETERMINISTIC_MODULES
+    module = getattr(target, "__module__", None) or ""
+    if module == "torch.nn.init":  # noise drawn as a weight is initialised: nn.init.normal_(torch.empty(...))
+        return getattr(target, "__name__", "") not in _INIT_DETERMINISTIC
+    if module == "torch" and _seeded(getattr(target, "__name__", "")):
+        return True  # torch.binomial, and any other op torch tags as drawing
+    return target is not operator.getitem and module.split(".")[0] not in _DETERMINISTIC_MODULES
+
+
+_INIT_DETERMINISTIC = {"calculate_gain", "constant_", "ones_", "zeros_", "eye_", "dirac_"}
+_SEEDED: dict[str, bool] = {}
+
+
+def _seeded(name: str) -> bool:
+    """Whether the aten op of that name draws random numbers in some overload (its schema's tag)."""
+    found = _SEEDED.get(name)
+    if found is None:
+        try:
+            packet = getattr(torch.ops.aten, name) if name.isidentifier() else None
+        except (AttributeError, RuntimeError):
+            packet = None
+        overloads = [getattr(packet, o) for o in packet.overloads()] if isinstance(packet, torch._ops.OpOverloadPacket) else []
+        found = _SEEDED[name] = any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads)
+    return found
 
 
 def _holds_dropout(module: nn.Module) -> bool:
@@ -159,9 +180,9 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
                 replacement = (dropout_module, (graph.get_attr(str(node.target)), *node.args))
         elif node.op == "call_function" and node.target is F.dropout:
             replacement = (dropout_function, node.args)
-        elif node.op == "call_function" and _torch_name(node.target) and "generator" not in node.kwargs:
+        elif node.op == "call_function" and _torch_name(node.target) and node.kwargs.get("generator") is None:
             replacement = (with_generator, (_torch_name(node.target), *node.args))
-        elif node.op == "call_method" and node.target in RANDOM_METHODS and "generator" not in node.kwargs:
+        elif node.op == "call_method" and node.target in RANDOM_METHODS and node.kwargs.get("generator") is None:
             replacement = (method_with_generator, (node.target, *node.args))
         elif _draws_unseen(stage, node):
             _mark(graph, node, key)
@@ -169,8 +190,9 @@ def draw_from_task_streams(stage: fx.GraphModule) -> fx.GraphModule:
         if replacement is None:
             continue
         changed = True
+        kwargs = {name: value for name, value in node.kwargs.items() if name != "generator"}  # (None: the default one's)
         with graph.inserting_before(node):
-            call = graph.call_function(replacement[0], replacement[1], {**node.kwargs, "draw_key": key})
+            call = graph.call_function(replacement[0], replacement[1], {**kwargs, "draw_key": key})
         node.replace_all_uses_with(call)
         graph.erase_node(node)
     if changed:

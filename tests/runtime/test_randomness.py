@@ -131,7 +131,24 @@ class DrawsInAFunction(nn.Module):
         return self.b(_MaskedDropout.apply(torch.tanh(self.a(x))))
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch")])
+class DrawsOtherwise(nn.Module):
+    """Noise drawn by nn.init on a fresh tensor, and by torch.binomial: before, neither was known
+    to draw, and a checkpointed micro-batch's recompute drew anew (gradients 1.4 and 5.0 off);
+    and a draw given generator=None (diffusers' randn_tensor), which failed at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        eps = nn.init.normal_(torch.empty_like(h))
+        counts = torch.binomial(torch.full_like(h, 3.0), torch.full_like(h, 0.5))
+        shift = torch.randn(h.shape, generator=None, dtype=h.dtype)
+        return self.b(h * (1 + 0.1 * eps) + 0.1 * counts * h + 0.1 * shift)
+
+
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch"), DrawsOtherwise])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):
