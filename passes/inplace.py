@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.core.writes import is_view, may_copy, view_root, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, view_root, writes_first_argument, written_arguments, written_value
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls
@@ -182,6 +182,8 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
         returns_target = writer.target is not operator.setitem
         if returns_target:
             _redirect(target, writer, writer, position)
+        if changes_metadata_only(writer):  # (`h.transpose_(1, 2)`: the values stay; older views keep their shapes)
+            continue
         if target is root and returns_target:
             after = writer
         elif root.op == "get_attr":

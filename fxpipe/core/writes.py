@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from fxpipe.core.attrs import fetch_attr
 
@@ -31,10 +32,32 @@ _VIEWS = {
 # Ops that return a view, or the argument itself, where the input's layout, dtype or device
 # allow, else a copy: what they returned on the example decides (`passes/inplace.mark_copies`).
 # So does an op whose schema alone says its result may alias its input.
-_VIEWS_OR_COPIES = {"reshape", "reshape_as", "contiguous", "flatten", "to"}
+_VIEWS_OR_COPIES = {
+    "reshape", "reshape_as", "contiguous", "flatten", "to", "type", "type_as", "double", "float", "half",
+    "bfloat16", "int", "long", "short", "bool", "byte", "cpu", "cuda", "positive", "resolve_conj", "resolve_neg",
+}  # fmt: skip
+# So do a dropout (its input itself in eval mode or at rate 0) and `+h`.
+_FUNCTIONS_VIEWS_OR_COPIES = {
+    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, operator.pos,
+}  # fmt: skip
 # Tensor attributes that are views (`h.T`): torch.fx records them as `getattr(h, "T")`.
-_ATTRIBUTE_VIEWS = {"T", "mT", "H", "mH", "real", "imag"}
+_ATTRIBUTE_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
+# In-place ops that change what a tensor looks at (its shape, strides or storage), not the values
+# it holds: the views made of it before keep theirs.
+_METADATA_WRITES = {
+    "transpose_", "t_", "swapaxes_", "swapdims_", "unsqueeze_", "squeeze_", "as_strided_", "resize_",
+    "resize_as_", "set_", "detach_",
+}  # fmt: skip
+
+
+def changes_metadata_only(node: fx.Node) -> bool:
+    """Whether `node` is an in-place op that changes its first argument's shape, strides or
+    storage, not the values it holds (`h.transpose_(1, 2)`)."""
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "") if node.op == "call_function" else ""
+    if isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._schema.name.partition("::")[2]
+    return name in _METADATA_WRITES
 
 
 def _schemas(target: Any) -> list[Any]:
@@ -215,8 +238,12 @@ _ALIASES: dict[str, bool] = {}
 def _view_kind(node: fx.Node) -> Optional[str]:
     """'view' for an op that always returns a view of its first argument, 'view or copy' for one
     that may return a copy, None for anything else."""
-    if not node.args or not isinstance(node.args[0], fx.Node) or node.op not in ("call_method", "call_function"):
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.op not in ("call_method", "call_function", "call_module"):
         return None
+    if node.op == "call_module":
+        return _module_view_kind(node)
+    if node.target in _FUNCTIONS_VIEWS_OR_COPIES:
+        return "view or copy"
     if node.target is operator.getitem:
         return "view" if len(node.args) > 1 and _basic_index(node.args[1]) else None
     if node.target is getattr:
@@ -231,6 +258,15 @@ def _view_kind(node: fx.Node) -> Optional[str]:
     else:
         aliases = name in _VIEWS_OR_COPIES or _aliases_by_schema(name)
     return "view or copy" if aliases else None
+
+
+def _module_view_kind(node: fx.Node) -> Optional[str]:
+    """An nn.Identity returns its input itself; a dropout does in eval mode or at rate 0."""
+    owner = node.graph.owning_module
+    module = fetch_attr(owner, str(node.target)) if owner is not None else None
+    if isinstance(module, torch.nn.Identity):
+        return "view"
+    return "view or copy" if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) else None
 
 
 def may_copy(node: fx.Node) -> bool:
