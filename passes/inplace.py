@@ -142,10 +142,11 @@ def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: 
     made again from `after`, so that it sees the write whichever stage it runs in; so do the
     views it is made from (`h.view(...)` then `[0]`), whose readers before the write keep theirs."""
     views = [v for v in sorted(_views_of(root), key=position.__getitem__) if position[v] < position[writer] and v is not writer.args[0]]
-    late = {v: [r for r in v.users if position[r] > position[writer] and r is not writer] for v in views}
+    late = {v: [(r, alias) for alias in _written_as(graph, v, writer, position) for r in alias.users
+                if position[r] > position[writer] and r is not writer and r.target is not written] for v in views}  # fmt: skip
     first: dict[fx.Node, fx.Node] = {}  # the first reader after the write of it or of a view made from it
     for view in reversed(views):
-        readers = late[view] + [first[user] for user in view.users if user in first]
+        readers = [r for r, _ in late[view]] + [first[user] for user in view.users if user in first]
         if readers:
             first[view] = min(readers, key=position.__getitem__)
     remade: dict[fx.Node, fx.Node] = {root: after}
@@ -155,8 +156,22 @@ def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: 
             copy = graph.node_copy(view, lambda n: base if n is view.args[0] else n)
         position[copy] = position[first[view]] - 0.25
         remade[view] = copy
-        for reader in late[view]:
-            reader.replace_input_with(view, copy)
+        for reader, alias in late[view]:
+            reader.replace_input_with(alias, copy)
+
+
+def _written_as(graph: fx.Graph, view: fx.Node, writer: fx.Node, position: dict[fx.Node, float]) -> list[fx.Node]:
+    """`view`, and what in-place writes of it before `writer` returned (`v.mul_(0.5)` is `v`):
+    a reader of either after the write reads the view as the write left it."""
+    found, frontier, owner = [view], [view], graph.owning_module
+    while frontier and owner is not None:
+        node = frontier.pop()
+        for user in node.users:
+            if user is not writer and position[user] < position[writer] and user.args and user.args[0] is node \
+                    and user.target is not operator.setitem and writes_first_argument(owner, user) and user not in found:  # fmt: skip
+                found.append(user)
+                frontier.append(user)
+    return found
 
 
 def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> fx.GraphModule:
@@ -194,8 +209,11 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
             after._rename(f"{root.name}_written")
             position[after] = position[writer] + 0.5
             _redirect(root, after, writer, position)
-        if root.op != "get_attr":
+        while root.op != "get_attr":
             _rebase_stale_views(graph, root, after, writer, position)
+            if not (root.op == "call_function" and root.target is written):
+                break
+            root = root.args[0]  # type: ignore[assignment]  # as an earlier write left it: its views too
     if changed:
         gm.recompile()
     return gm
@@ -227,7 +245,7 @@ def _stage(node: fx.Node) -> int:
 
 def _write_problems(gm: fx.GraphModule, writer: fx.Node, target: fx.Node, position: dict[fx.Node, int]) -> list[str]:
     problems, view = [], target
-    while is_view(view):
+    while is_view(view) or (writes_first_argument(gm, view) and bool(view.args) and isinstance(view.args[0], fx.Node) and is_view(view.args[0])):
         if _stage(view) != _stage(writer):
             problems.append(
                 f"{_describe(writer)} in stage {_stage(writer)} writes through the view `{view.name}` "

@@ -233,7 +233,9 @@ def reads_written_state(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> bool:
 
 def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
     """Each in-place write through a view: the writer, the `written` node that carries the write
-    on, and the views it writes through, which one stage must run together."""
+    on, and the views it writes through, which one stage must run together; and the writes
+    before it through the same view (`v.mul_(g)` then `v.add_(s)`: the second writes what the
+    first returned)."""
     chains = []
     for node in gm.graph.nodes:
         target = written_value(gm, node)
@@ -241,12 +243,17 @@ def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
             continue
         chain = [node, *(user for user in node.users if user.target is written)]
         view = target
-        while is_view(view) and isinstance(view.args[0], fx.Node):
+        while (is_view(view) or _writes_a_view(gm, view)) and isinstance(view.args[0], fx.Node):
             chain.append(view)
             view = view.args[0]
         if len(chain) > 1:
             chains.append(chain)
     return chains
+
+
+def _writes_a_view(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """An in-place write whose result is a view of another tensor (it returns what it wrote)."""
+    return writes_first_argument(gm, node) and bool(node.args) and isinstance(node.args[0], fx.Node) and is_view(node.args[0])
 
 
 def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:

@@ -340,6 +340,44 @@ def test_a_write_through_what_returns_its_input_itself_reaches_every_reader(alia
         compile_pipeline(copy.deepcopy(model), x64(), ["cpu"] * 3, chunks=2, split_points=["act", "out"])
 
 
+class _TwoWritesOfOneView(nn.Module):
+    """Two writes through one view (`v.mul_(gain)` then `v.add_(shift)`), or one through the view
+    and then one of its base, which the view sees."""
+
+    def __init__(self, second: str) -> None:
+        super().__init__()
+        self.second = second
+        self.inp, self.shift, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 3), nn.Linear(WIDTH, WIDTH)
+        self.proj = nn.Linear(3, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        v = h[:, :3]
+        v.mul_(0.5)
+        s = self.shift(x)
+        if self.second == "the view":
+            v.add_(s)
+        else:
+            h.mul_(torch.sigmoid(s).repeat(1, 2))
+        return self.head(h) + self.proj(v)
+
+
+@pytest.mark.parametrize("second", ["the view", "the base"])
+def test_a_second_write_after_a_write_through_a_view_reaches_every_reader(second: str) -> None:
+    """Before, with a cut between the two writes the second was lost for the other's readers: 0.12
+    off (the shift's parameters got no gradient), 0.16 off. A cut between two writes through one
+    view is refused, as between a view and its write; the automatic cut keeps them together."""
+    if second == "the view":
+        with pytest.raises(InplaceError, match="`add_` .* in stage 1 writes through the view `mul_` made in stage 0"):
+            compiled(_TwoWritesOfOneView(second), 2, chunks=2, split_points=["shift"])
+    else:
+        pipe, reference = compiled(_TwoWritesOfOneView(second), 2, chunks=2, split_points=["shift"])
+        assert_same_everywhere(pipe, reference)
+    for stages in (3, 4):
+        pipe, reference = compiled(_TwoWritesOfOneView(second), stages, chunks=2)
+        assert_same_everywhere(pipe, reference)
+
+
 def test_a_model_that_returns_its_input_is_refused_saying_so() -> None:
     class Identity(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
