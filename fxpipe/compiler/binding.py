@@ -211,7 +211,7 @@ def _check_guards(guards: Any, leaves: list[Any], arguments: list[str], what: st
     took. The failed guard names the forward's arguments (export names leaves by index)."""
     try:
         guards(*leaves)
-    except AssertionError as error:
+    except (AssertionError, IndexError) as error:  # (an IndexError: a guard on a dim the call's tensor lacks)
         failed = re.sub(r"\bleaves_(\d+)\b", lambda m: arguments[int(m.group(1))], str(error))
         shapes = "".join(f"\n  - {name}: shape {tuple(t.shape)}" for name, t in zip(arguments, leaves) if isinstance(t, torch.Tensor))
         raise ValueError(

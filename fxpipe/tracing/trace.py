@@ -253,11 +253,30 @@ def _constants_taken_back(model: nn.Module) -> Iterator[None]:
             delattr(model, name)
 
 
+@contextlib.contextmanager
+def _is_tensor_watched() -> Iterator[list[bool]]:
+    """Whether forward asked `torch.is_tensor` of a traced value (a Proxy, which it calls no
+    tensor) while the block ran."""
+    asked: list[bool] = []
+    original = torch.is_tensor
+
+    def is_tensor(obj: Any) -> bool:
+        if isinstance(obj, fx.Proxy):
+            asked.append(True)
+        return original(obj)
+
+    torch.is_tensor = is_tensor  # type: ignore[assignment]
+    try:
+        yield asked
+    finally:
+        torch.is_tensor = original  # type: ignore[assignment]
+
+
 def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphModule:
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
-                _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked:  # fmt: skip
+                _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked, _is_tensor_watched() as asked:  # fmt: skip
             graph = tracer.trace(model, concrete_args=dict.fromkeys(none) or None)
             _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
@@ -288,6 +307,12 @@ def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphM
         )
     if hooked:
         raise TraceError(f"torch.fx cannot trace {type(model).__name__}: {SAVED_TENSOR_HOOKS}")
+    if asked:
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: its forward asks torch.is_tensor of a traced value, which "
+            "torch.fx answers False for every tensor: the graph would keep the branch for numbers (diffusers' "
+            "timesteps, say).\nHow to fix: let torch.export capture the model."
+        )
     _drop_tensor_defaults(graph)
     _none_taken_as_given(graph, set(none))
     name = type(model).__name__

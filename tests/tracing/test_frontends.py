@@ -1508,6 +1508,35 @@ def test_a_reentrant_checkpoint_torch_export_would_inline_is_refused_naming_use_
             compile_pipeline(_KwargsWithReentrantCheckpoint(), (), ["cpu", "cpu"], chunks=2, example_kwargs={"ids": torch.randint(0, 10, (8, 4))})
 
 
+class _Timestepped(nn.Module):
+    """diffusers' UNet2DModel takes a number or a tensor of timesteps so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temb, self.a = nn.Linear(1, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, t: Any) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            t = torch.tensor([t], dtype=x.dtype)
+        elif t.dim() == 0:
+            t = t[None] * 2  # (the two branches compute apart)
+        return self.a(x) + self.temb(t.expand(x.shape[0])[:, None])
+
+
+def test_torch_is_tensor_of_a_traced_value_hands_the_model_to_torch_export() -> None:
+    """torch.fx answers False for every traced tensor: before, the graph kept the branch for
+    numbers, silently. And a call whose tensor lacks a dim the example's had was refused by
+    torch's raw IndexError from export's guards."""
+    model = _Timestepped().double()
+    x, t = torch.randn(8, 6, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"torch.is_tensor of a traced value.*used torch.export"):
+        pipe = compile_pipeline(model, (x, t), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(x, t), model(x, t), rtol=0, atol=1e-12)
+    per_sample = compile_pipeline(model, (x, torch.rand(8, dtype=torch.float64)), ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"torch.export made the graph for calls like the example, and this call differs(.|\n)*t: shape \(\)"):
+        per_sample(x, t)
+
+
 class _DoubledInPlace(torch.autograd.Function):
     """Doubles its input in place, marking it dirty."""
 
