@@ -174,6 +174,30 @@ def _written_as(graph: fx.Graph, view: fx.Node, writer: fx.Node, position: dict[
     return found
 
 
+def _carry_write(graph: fx.Graph, writer: fx.Node, target: fx.Node, returns_target: bool, position: dict[fx.Node, float]) -> None:
+    """Readers after `writer`, which writes `target` in place, read what it left (the rules above)."""
+    root = view_root(target)
+    if returns_target:
+        _redirect(target, writer, writer, position)
+    if changes_metadata_only(writer):  # (`h.transpose_(1, 2)`: the values stay; older views keep their shapes)
+        return
+    if target is root and returns_target:
+        after = writer
+    elif root.op == "get_attr":
+        return
+    else:
+        with graph.inserting_after(writer):
+            after = graph.call_function(written, (root, writer))
+        after._rename(f"{root.name}_written")
+        position[after] = position[writer] + 0.5
+        _redirect(root, after, writer, position)
+    while root.op != "get_attr":
+        _rebase_stale_views(graph, root, after, writer, position)
+        if not (root.op == "call_function" and root.target is written):
+            break
+        root = root.args[0]  # type: ignore[assignment]  # as an earlier write left it: its views too
+
+
 def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> fx.GraphModule:
     """Make every reader that comes after an in-place write read what the write left.
 
@@ -189,31 +213,11 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
     position = {node: float(i) for i, node in enumerate(graph.nodes)}
     changed = False  # a graph without writes keeps its code: generating it costs milliseconds
     for writer in list(graph.nodes):
-        target = written_value(gm, writer)
-        if target is None:
-            continue
-        changed = True
-        root = view_root(target)
-        returns_target = writer.target is not operator.setitem
-        if returns_target:
-            _redirect(target, writer, writer, position)
-        if changes_metadata_only(writer):  # (`h.transpose_(1, 2)`: the values stay; older views keep their shapes)
-            continue
-        if target is root and returns_target:
-            after = writer
-        elif root.op == "get_attr":
-            continue
-        else:
-            with graph.inserting_after(writer):
-                after = graph.call_function(written, (root, writer))
-            after._rename(f"{root.name}_written")
-            position[after] = position[writer] + 0.5
-            _redirect(root, after, writer, position)
-        while root.op != "get_attr":
-            _rebase_stale_views(graph, root, after, writer, position)
-            if not (root.op == "call_function" and root.target is written):
-                break
-            root = root.args[0]  # type: ignore[assignment]  # as an earlier write left it: its views too
+        direct = written_value(gm, writer)
+        # A write in a subgraph (torch.export's `no_grad` region) writes the operands it names.
+        for target in [direct] if direct is not None else written_arguments(gm, writer):
+            changed = True
+            _carry_write(graph, writer, target, returns_target=direct is not None and writer.target is not operator.setitem, position=position)
     if changed:
         gm.recompile()
     return gm

@@ -378,6 +378,38 @@ def test_a_second_write_after_a_write_through_a_view_reaches_every_reader(second
         assert_same_everywhere(pipe, reference)
 
 
+class _ClampsWithoutGrad(nn.Module):
+    """Writes `h` in place inside a `no_grad` block (torch.export captures it as a region of its
+    own), through a view or whole, with a view of `h` taken before."""
+
+    def __init__(self, through_a_view: bool) -> None:
+        super().__init__()
+        self.through_a_view = through_a_view
+        self.inp, self.head, self.proj = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(3, WIDTH)
+        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        skip = h[:, :3]
+        y = self.body(x)
+        with torch.no_grad():
+            h[:, 3:].clamp_(-0.5, 0.5) if self.through_a_view else h.clamp_(-0.5, 0.5)
+        return self.head(h) + self.proj(skip) + y
+
+
+@pytest.mark.parametrize("through_a_view", [True, False], ids=["through a view", "whole, a view taken before"])
+def test_a_write_in_a_no_grad_block_reaches_the_later_stages(through_a_view: bool) -> None:
+    """Before, the write was lost for the stages after the one that made it (0.34 off), or the
+    view taken before it was read unwritten (0.27 off)."""
+    model, reference = twin(_ClampsWithoutGrad(through_a_view))
+    x = x64(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=2)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 def test_a_model_that_returns_its_input_is_refused_saying_so() -> None:
     class Identity(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
