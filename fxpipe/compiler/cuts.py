@@ -156,9 +156,10 @@ def refuse_recomputed_writes(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node
         raise ValueError(
             f"with checkpoint={checkpoint!r} a recompute would find these parameters written in place since its "
             "forward, while autograd holds them for backward:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
-            "How to fix: checkpoint='never' (or 'except_last' with chunks=1); cut so that one stage holds every use "
-            "(split_points=[...]); or write them outside forward (an Embedding's max_norm=None, and its rows "
-            "renormalised before the step)."
+            "How to fix: write them outside forward (after optimizer.step(), under torch.no_grad(); an Embedding's "
+            "max_norm=None, and its rows renormalised before the step); or chunks=1, cut so that one stage holds "
+            "every use (split_points=[...]). checkpoint='never' serves only where no op holds them for backward "
+            "(an Embedding's renorm): the next micro-batch's forward writes them before this one's backward too."
         )
 
 

@@ -28,6 +28,13 @@ _HINTS = [
         "than one value per channel).",
     ),
     (
+        ("modified by an inplace operation",),
+        "Where the model's forward writes a parameter in place (self.scale.clamp_(...) under torch.no_grad()), "
+        "each micro-batch's forward writes it before the backward of the micro-batches before it, which holds "
+        "it: the plain model, with one forward per backward, never does.\nHow to fix: keep it in range outside "
+        "forward (after optimizer.step(), under torch.no_grad()), or chunks=1.",
+    ),
+    (
         ("Trying to backward through the graph a second time",),
         "Each micro-batch's backward runs on its own: a tensor computed with gradients outside the forward and "
         "outside loss_fn, that the model reads (a tensor a hook or the caller made from parameters) or that "

@@ -93,6 +93,29 @@ def test_a_tensor_computed_with_gradients_outside_forward_is_refused() -> None:
         compile_pipeline(ScaleMadeOutsideForward(), X, ["cpu", "cpu"], chunks=2)
 
 
+class _ClampsItsScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.scale = nn.Linear(6, 6), nn.Linear(6, 6), nn.Parameter(torch.linspace(-2, 2, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.scale.clamp_(0.1, 1.0)
+        return self.b(self.a(x) * self.scale)
+
+
+def test_a_forward_that_keeps_its_parameter_in_range_is_refused_with_a_fix_that_works() -> None:
+    """Before, compiling advised checkpoint='never', whose backward then failed with torch's bare
+    'modified by an inplace operation'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over from torch.fx
+        with pytest.raises(ValueError, match=r"(?s)How to fix: write them outside forward \(after optimizer.step\(\).*or chunks=1"):
+            compile_pipeline(_ClampsItsScale().double(), X.double(), ["cpu"], chunks=2)
+        pipe = compile_pipeline(_ClampsItsScale().double(), X.double(), ["cpu"], chunks=2, checkpoint="never")
+    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*keep it in range outside forward.*or chunks=1"):
+        pipe(X.double()).sum().backward()
+
+
 def test_the_same_tensor_without_grad_is_a_constant() -> None:
     model = LooseScale()
     model.scale.requires_grad_(False)
