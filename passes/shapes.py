@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
@@ -38,6 +39,13 @@ def _describe(value: Any) -> dict[str, Any]:
         return {"shape": tuple(value.shape), "dtype": value.dtype, "bytes": value.numel() * value.element_size(), "opaque": []}
     leaves, _ = tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    if any(isinstance(v, PackedSequence) for v in tree_flatten(value, is_leaf=lambda v: isinstance(v, PackedSequence))[0]):
+        raise ValueError(
+            "a PackedSequence is a value of the graph (the model's input, or what a module kept whole returns): its "
+            "samples are packed together, sorted by length, so no stage can take a micro-batch of it, nor send it "
+            "on.\nHow to fix: pass the padded batch and its lengths, and keep the packing, the RNN and the "
+            "unpacking (pad_packed_sequence(..., total_length=...)) in one module kept whole (leaf_modules=[...])."
+        )
     shapes = tree_map(lambda v: tuple(v.shape) if isinstance(v, torch.Tensor) else None, value)
     return {
         "shape": shapes,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from fxpipe import PlacementError, TraceError, compile_pipeline
 from helpers import X, FanOut, assert_call_and_grads_equal, assert_grads_equal, twin
@@ -114,6 +115,23 @@ def test_a_forward_that_keeps_its_parameter_in_range_is_refused_with_a_fix_that_
         pipe = compile_pipeline(_ClampsItsScale().double(), X.double(), ["cpu"], chunks=2, checkpoint="never")
     with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*keep it in range outside forward.*or chunks=1"):
         pipe(X.double()).sum().backward()
+
+
+class _TakesPacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.LSTM(6, 8, batch_first=True), nn.Linear(8, 5)
+
+    def forward(self, packed: Any) -> torch.Tensor:
+        _, (h, _) = self.rnn(packed)
+        return self.out(h[-1])
+
+
+def test_a_packed_sequence_as_a_value_of_the_graph_is_refused_naming_the_layout_that_works() -> None:
+    """Before, compiling failed with torch's 'tuple' object has no attribute 'device', at chunks=1 too."""
+    packed = pack_padded_sequence(torch.randn(4, 7, 6), torch.tensor([4, 7, 2, 5]), batch_first=True, enforce_sorted=False)
+    with pytest.raises(ValueError, match=r"a PackedSequence is a value of the graph.*\nHow to fix: pass the padded batch and its lengths"):
+        compile_pipeline(_TakesPacked(), (packed,), ["cpu", "cpu"], chunks=1)
 
 
 def test_the_same_tensor_without_grad_is_a_constant() -> None:
