@@ -36,10 +36,12 @@ _VIEWS_OR_COPIES = {
     "reshape", "reshape_as", "contiguous", "flatten", "to", "type", "type_as", "double", "float", "half",
     "bfloat16", "int", "long", "short", "bool", "byte", "cpu", "cuda", "positive", "resolve_conj", "resolve_neg",
 }  # fmt: skip
-# So do a dropout (its input itself in eval mode or at rate 0) and `+h`.
-_FUNCTIONS_VIEWS_OR_COPIES = {
-    F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, operator.pos,
-}  # fmt: skip
+# So does `+h`. A dropout returns its input itself in eval mode or at rate 0, and a copy in
+# training: both modes share a graph where they agree, and the rate may change after compiling,
+# so it counts as a view (a write through it then orders the reads of its input after it, which
+# holds what the input holds either way).
+_FUNCTIONS_VIEWS_OR_COPIES = {operator.pos}
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout}
 # Tensor attributes that are views (`h.T`): torch.fx records them as `getattr(h, "T")`.
 _ATTRIBUTE_VIEWS = {"T", "mT", "H", "mH", "real", "imag", "data"}
 _NOT_MUTATING = {"requires_grad_", "retain_grad_", "share_memory_"}
@@ -242,6 +244,8 @@ def _view_kind(node: fx.Node) -> Optional[str]:
         return None
     if node.op == "call_module":
         return _module_view_kind(node)
+    if node.target in _DROPOUTS:
+        return "view"
     if node.target in _FUNCTIONS_VIEWS_OR_COPIES:
         return "view or copy"
     if node.target is operator.getitem:
@@ -261,12 +265,10 @@ def _view_kind(node: fx.Node) -> Optional[str]:
 
 
 def _module_view_kind(node: fx.Node) -> Optional[str]:
-    """An nn.Identity returns its input itself; a dropout does in eval mode or at rate 0."""
+    """An nn.Identity returns its input itself; a dropout does in eval mode or at rate 0 (`_DROPOUTS`)."""
     owner = node.graph.owning_module
     module = fetch_attr(owner, str(node.target)) if owner is not None else None
-    if isinstance(module, torch.nn.Identity):
-        return "view"
-    return "view or copy" if isinstance(module, (torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) else None
+    return "view" if isinstance(module, (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) else None
 
 
 def may_copy(node: fx.Node) -> bool:

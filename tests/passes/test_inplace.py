@@ -340,6 +340,19 @@ def test_a_write_through_what_returns_its_input_itself_reaches_every_reader(alia
         compile_pipeline(copy.deepcopy(model), x64(), ["cpu"] * 3, chunks=2, split_points=["act", "out"])
 
 
+def test_a_dropout_compiled_in_training_is_its_input_itself_in_eval_mode_and_at_rate_0() -> None:
+    """Both modes share one graph, and the rate may change after compiling: before, a ReLU
+    (inplace=True) on the dropout's output in eval mode wrote `h` for that stage alone (1.12 off)."""
+    model, reference = twin(_WritesWhatAliasesReturn("nn.Dropout in eval mode"))
+    pipe = compile_pipeline(model, x64(8), ["cpu"] * 3, chunks=2)
+    x = x64(8)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
+    pipe.train(), reference.train()
+    model.norm.p = reference.norm.p = 0.0  # type: ignore[union-attr]
+    assert_same_everywhere(pipe, reference)
+
+
 class _TwoWritesOfOneView(nn.Module):
     """Two writes through one view (`v.mul_(gain)` then `v.add_(shift)`), or one through the view
     and then one of its base, which the view sees."""
