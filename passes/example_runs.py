@@ -170,6 +170,16 @@ def cloned(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
     if not t.is_inference():
-        return t.clone()
+        return _clone_as_laid_out(t)
     with torch.inference_mode():
+        return _clone_as_laid_out(t)
+
+
+def _clone_as_laid_out(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t`, a view of a copy of its base where the base is small (a half of the
+    example): at a call, a micro-batch is a view of the caller's tensor, and an op that reads the
+    storage from an offset of its own (`x.as_strided(size, stride, 0)`) reads otherwise there."""
+    base = t._base
+    if base is None or base.numel() > 4 * t.numel():
         return t.clone()
+    return base.clone().as_strided(t.size(), t.stride(), t.storage_offset())

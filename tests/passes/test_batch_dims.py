@@ -44,6 +44,9 @@ MIXING = {
     "centred after dropout": (lambda h, x: F.dropout(h, 0.5, True) - h.mean(0), r"mean"),
     # Before, a permutation drawn in the check left the order: the shuffle went unseen.
     "rows shuffled (in-batch negatives)": (lambda h, x: h - h[torch.randperm(x.shape[0])], r"getattr\(x, 'shape'\)"),
+    # Before, the halves were copies, whose storage starts at their first row: a micro-batch, a
+    # view of the caller's tensor, does not, and read micro-batch 0's rows.
+    "rows read from the storage's start": (lambda h, x: h + x.as_strided(x.shape, x.stride(), 0), r"as_strided|getattr"),
 }
 
 
