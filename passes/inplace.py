@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, view_root, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, view_root, writes_a_view, writes_first_argument, written_arguments, written_value
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls
@@ -249,7 +249,7 @@ def _stage(node: fx.Node) -> int:
 
 def _write_problems(gm: fx.GraphModule, writer: fx.Node, target: fx.Node, position: dict[fx.Node, int]) -> list[str]:
     problems, view = [], target
-    while is_view(view) or (writes_first_argument(gm, view) and bool(view.args) and isinstance(view.args[0], fx.Node) and is_view(view.args[0])):
+    while is_view(view) or writes_a_view(gm, view):
         if _stage(view) != _stage(writer):
             problems.append(
                 f"{_describe(writer)} in stage {_stage(writer)} writes through the view `{view.name}` "

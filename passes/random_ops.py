@@ -10,6 +10,7 @@ A node is one of three things:
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -23,6 +24,7 @@ from fxpipe.core.randomness import (
     begin_draws, draw_key, draw_rate, dropout_function, dropout_module, end_draws, method_with_generator, runs_hooks,
     with_generator,
 )
+from fxpipe.core.writes import aten_overloads
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
 
 # Functions whose randomness depends on a probability and a training flag:
@@ -117,20 +119,10 @@ def _function_is_random(node: fx.Node) -> bool:
 
 
 _INIT_DETERMINISTIC = {"calculate_gain", "constant_", "ones_", "zeros_", "eye_", "dirac_"}
-_SEEDED: dict[str, bool] = {}
-
-
+@functools.cache
 def _seeded(name: str) -> bool:
     """Whether the aten op of that name draws random numbers in some overload (its schema's tag)."""
-    found = _SEEDED.get(name)
-    if found is None:
-        try:
-            packet = getattr(torch.ops.aten, name) if name.isidentifier() else None
-        except (AttributeError, RuntimeError):
-            packet = None
-        overloads = [getattr(packet, o) for o in packet.overloads()] if isinstance(packet, torch._ops.OpOverloadPacket) else []
-        found = _SEEDED[name] = any(torch.Tag.nondeterministic_seeded in op.tags for op in overloads)
-    return found
+    return any(torch.Tag.nondeterministic_seeded in op.tags for op in aten_overloads(name))
 
 
 def _holds_dropout(module: nn.Module) -> bool:

@@ -37,9 +37,9 @@ def _describe(value: Any) -> dict[str, Any]:
     it that hold tensors where pytree cannot see them."""
     if isinstance(value, torch.Tensor):  # most nodes: what the walk below gives for one tensor, without it
         return {"shape": tuple(value.shape), "dtype": value.dtype, "bytes": value.numel() * value.element_size(), "opaque": []}
-    leaves, _ = tree_flatten(value)
+    leaves, _ = tree_flatten(value, is_leaf=lambda v: isinstance(v, PackedSequence))
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    if any(isinstance(v, PackedSequence) for v in tree_flatten(value, is_leaf=lambda v: isinstance(v, PackedSequence))[0]):
+    if any(isinstance(leaf, PackedSequence) for leaf in leaves):
         raise ValueError(
             "a PackedSequence is a value of the graph (the model's input, or what a module kept whole returns): its "
             "samples are packed together, sorted by length, so no stage can take a micro-batch of it, nor send it "

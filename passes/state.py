@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.core.writes import is_view, operand_returned, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import is_view, operand_returned, writes_a_view, writes_first_argument, written_arguments, written_value
 from fxpipe.passes.inplace import written
 
 
@@ -243,17 +243,12 @@ def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
             continue
         chain = [node, *(user for user in node.users if user.target is written)]
         view = target
-        while (is_view(view) or _writes_a_view(gm, view)) and isinstance(view.args[0], fx.Node):
+        while (is_view(view) or writes_a_view(gm, view)) and isinstance(view.args[0], fx.Node):
             chain.append(view)
             view = view.args[0]
         if len(chain) > 1:
             chains.append(chain)
     return chains
-
-
-def _writes_a_view(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """An in-place write whose result is a view of another tensor (it returns what it wrote)."""
-    return writes_first_argument(gm, node) and bool(node.args) and isinstance(node.args[0], fx.Node) and is_view(node.args[0])
 
 
 def view_write_spans(gm: fx.GraphModule, order: Sequence[fx.Node]) -> dict[str, tuple[int, int]]:

@@ -1,6 +1,7 @@
 """What a torch op writes in place and what it returns a view of, from its schema or its name."""
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Optional, Sequence
 
@@ -56,10 +57,7 @@ _METADATA_WRITES = {
 def changes_metadata_only(node: fx.Node) -> bool:
     """Whether `node` is an in-place op that changes its first argument's shape, strides or
     storage, not the values it holds (`h.transpose_(1, 2)`)."""
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "") if node.op == "call_function" else ""
-    if isinstance(node.target, torch._ops.OpOverload):
-        name = node.target._schema.name.partition("::")[2]
-    return name in _METADATA_WRITES
+    return node.op in ("call_method", "call_function") and _op_name(node) in _METADATA_WRITES
 
 
 def _schemas(target: Any) -> list[Any]:
@@ -213,19 +211,23 @@ def _op_name(node: fx.Node) -> Optional[str]:
     return None
 
 
+@functools.cache
+def aten_overloads(name: str) -> tuple[Any, ...]:
+    """The overloads of the aten op of that name; none where no aten op has it."""
+    try:
+        packet = getattr(torch.ops.aten, name) if name.isidentifier() else None
+    except (AttributeError, RuntimeError):
+        packet = None
+    return tuple(getattr(packet, o) for o in packet.overloads()) if isinstance(packet, torch._ops.OpOverloadPacket) else ()
+
+
+@functools.cache
 def _aliases_by_schema(name: str) -> bool:
     """Whether the aten op of that name returns what may alias its first argument, in every
     overload taking a Tensor first (`aten.positive`: `Tensor(a) self -> Tensor(a)`)."""
-    found = _ALIASES.get(name)
-    if found is None:
-        try:
-            packet = getattr(torch.ops.aten, name) if name.isidentifier() else None
-        except (AttributeError, RuntimeError):
-            packet = None
-        schemas = _schemas(packet) if isinstance(packet, torch._ops.OpOverloadPacket) else []
-        tensor_first = [s for s in schemas if s.arguments and isinstance(s.arguments[0].type, torch.TensorType)]
-        found = _ALIASES[name] = bool(tensor_first) and all(_aliases_first(s) for s in tensor_first)
-    return found
+    schemas = [op._schema for op in aten_overloads(name)]
+    tensor_first = [s for s in schemas if s.arguments and isinstance(s.arguments[0].type, torch.TensorType)]
+    return bool(tensor_first) and all(_aliases_first(s) for s in tensor_first)
 
 
 def _aliases_first(schema: Any) -> bool:
@@ -233,8 +235,6 @@ def _aliases_first(schema: Any) -> bool:
     ret = schema.returns[0].alias_info if len(schema.returns) == 1 else None
     return first is not None and not first.is_write and ret is not None and not ret.is_write
 
-
-_ALIASES: dict[str, bool] = {}
 
 
 def _view_kind(node: fx.Node) -> Optional[str]:
@@ -269,6 +269,11 @@ def _module_view_kind(node: fx.Node) -> Optional[str]:
     owner = node.graph.owning_module
     module = fetch_attr(owner, str(node.target)) if owner is not None else None
     return "view" if isinstance(module, (torch.nn.Identity, torch.nn.modules.dropout._DropoutNd, torch.nn.AlphaDropout)) else None
+
+
+def writes_a_view(gm: torch.nn.Module, node: fx.Node) -> bool:
+    """An in-place write of a view (`v.mul_(g)`): what it returns is that view, as written."""
+    return writes_first_argument(gm, node) and bool(node.args) and isinstance(node.args[0], fx.Node) and is_view(node.args[0])
 
 
 def may_copy(node: fx.Node) -> bool:
