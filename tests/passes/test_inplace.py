@@ -36,8 +36,9 @@ def compiled(model: nn.Module, stages: int, **kwargs: Any) -> tuple[Pipeline, nn
 
 
 def assert_same_everywhere(pipe: Pipeline, reference: nn.Module) -> None:
-    """Equal outputs in eval mode, under no_grad, and equal outputs and gradients in training."""
-    x = x64()
+    """Equal outputs in eval mode, under no_grad, and equal outputs and gradients in training:
+    by torch.autograd.grad, and by two forwards before one backward."""
+    x, other = x64(), x64()
     pipe.eval(), reference.eval()
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-10)
     with torch.no_grad():
@@ -45,8 +46,12 @@ def assert_same_everywhere(pipe: Pipeline, reference: nn.Module) -> None:
     pipe.train(), reference.train()
     out, expected = pipe(x), reference(x)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
-    out.pow(2).sum().backward()
-    expected.pow(2).sum().backward()
+    got = torch.autograd.grad(out.pow(2).sum(), list(pipe.parameters()))
+    want = torch.autograd.grad(expected.pow(2).sum(), list(reference.parameters()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+    (pipe(x).pow(2).sum() + pipe(other).sum()).backward()
+    (reference(x).pow(2).sum() + reference(other).sum()).backward()
     assert_grads_equal(pipe, reference)
 
 
