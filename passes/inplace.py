@@ -160,6 +160,14 @@ def _rebase_stale_views(graph: fx.Graph, root: fx.Node, after: fx.Node, writer: 
             reader.replace_input_with(alias, copy)
 
 
+def _reads_of(graph: fx.Graph, root: fx.Node) -> list[fx.Node]:
+    """`root`, and for a parameter or buffer every other `get_attr` node of it: each read by name
+    is a node of its own, and a read after the write must see it as a read of `root` does."""
+    if root.op != "get_attr":
+        return [root]
+    return [root, *(n for n in graph.nodes if n.op == "get_attr" and n.target == root.target and n is not root)]
+
+
 def _written_as(graph: fx.Graph, view: fx.Node, writer: fx.Node, position: dict[fx.Node, float]) -> list[fx.Node]:
     """`view`, and what in-place writes of it before `writer` returned (`v.mul_(0.5)` is `v`):
     a reader of either after the write reads the view as the write left it."""
@@ -183,14 +191,13 @@ def _carry_write(graph: fx.Graph, writer: fx.Node, target: fx.Node, returns_targ
         return
     if target is root and returns_target:
         after = writer
-    elif root.op == "get_attr":
-        return
     else:
         with graph.inserting_after(writer):
             after = graph.call_function(written, (root, writer))
         after._rename(f"{root.name}_written")
         position[after] = position[writer] + 0.5
-        _redirect(root, after, writer, position)
+    for read in _reads_of(graph, root):  # a buffer read by name again (`self.ema`) is another node
+        _redirect(read, after, writer, position)
     while root.op != "get_attr":
         _rebase_stale_views(graph, root, after, writer, position)
         if not (root.op == "call_function" and root.target is written):
@@ -205,8 +212,10 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
     of `a` read the writer. A write through a view (`h[:, :4].mul_(2)`, `aten.slice` then
     `aten.mul_`) or one that returns nothing (`h[0] = 1`) gets a `written(h, write)` node right
     after it, which later readers of `h` read; views of `h` made before the write and read after
-    it are made again from that node. Writes through views of parameters and buffers are left to
-    the state passes (passes/state.py), which keep them in one stage.
+    it are made again from that node. A parameter or buffer written through a view is read after the
+    write as `written(buffer, write)` too, by every read of it by name: a later stage receives it
+    from the stage that wrote it, as written by the same micro-batch (passes/state.py keeps its
+    reads before the write and its writes in one stage).
     """
     mark_copies(gm, inputs)
     graph = gm.graph

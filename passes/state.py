@@ -125,6 +125,8 @@ def _state_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
         returned = operand_returned(gm, node)
         if returned is not None:
             node = returned
+        elif node.op == "call_function" and node.target is written:  # the buffer, as a write through a view left it
+            node = node.args[0]  # type: ignore[assignment]
         elif node.args and isinstance(node.args[0], fx.Node) and (is_view(node) or writes_first_argument(gm, node)):
             node = node.args[0]
         else:

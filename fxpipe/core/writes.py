@@ -132,6 +132,38 @@ def written_value(gm: torch.nn.Module, node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
+def _also_written(node: fx.Node) -> list[fx.Node]:
+    """Every argument the op's schema marks written, of an op that writes several: an aten op's,
+    or a torch function's of that name (`torch.fused_moving_avg_obs_fake_quant`, which fake
+    quantisation's observers call, writes its four statistics)."""
+    if node.op != "call_function":
+        return []
+    schemas = _schemas(node.target)
+    written = [_written_positions(s) for s in schemas] if schemas else _torch_function_writes(node.target)
+    found = []
+    for positions in written:
+        for i, name in positions:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+            if isinstance(value, fx.Node) and value not in found:
+                found.append(value)
+    return found
+
+
+def _torch_function_writes(target: Any) -> list[list[tuple[int, str]]]:
+    """For a torch function that binds an aten op of its name, the arguments written in place
+    that every overload writes at the same place: torch's functions take the op's arguments."""
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str) or getattr(target, "__module__", None) != "torch" or not callable(target):
+        return []
+    return [list(_written_everywhere(name))]
+
+
+@functools.cache
+def _written_everywhere(name: str) -> tuple[tuple[int, str], ...]:
+    positions = [set(_written_positions(op._schema)) for op in aten_overloads(name)]
+    return tuple(sorted(set.intersection(*positions))) if positions else ()
+
+
 def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The values `node` writes in place: `written_value`, or, for a higher-order op that runs a
     subgraph on its operands (torch.export's `wrap_with_set_grad_enabled` around a `no_grad`
@@ -139,7 +171,8 @@ def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     subgraph, operands = _subgraph_call(gm, node)
     if subgraph is None:
         target = written_value(gm, node)
-        return [target] if target is not None else []
+        found = [target] if target is not None else []
+        return found + [value for value in _also_written(node) if value not in found]
     placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
     found = []
     for inner in subgraph.graph.nodes:

@@ -14,7 +14,7 @@ from torch import nn
 
 from helpers import RenormTied, assert_grads_equal, twin
 from fxpipe import Pipeline, compile_pipeline
-from fxpipe.core.writes import is_view, writes_first_argument, written_value
+from fxpipe.core.writes import is_view, writes_first_argument, written_arguments, written_value
 from fxpipe.passes.inplace import InplaceError
 
 MODES = ("always", "except_last", "never")
@@ -90,6 +90,22 @@ def test_aten_inplace_ops_write_their_first_argument(target: Any, args: tuple[An
 def test_aten_out_of_place_ops_write_nothing(target: Any, args: tuple[Any, ...]) -> None:
     gm, node = _call(target, *args)
     assert not writes_first_argument(gm, node) and written_value(gm, node) is None and not is_view(node)
+
+
+@pytest.mark.parametrize("target", [torch.fused_moving_avg_obs_fake_quant, aten.fused_moving_avg_obs_fake_quant.default])
+def test_an_op_that_writes_several_arguments_writes_each(target: Any) -> None:
+    """Fake quantisation's observer writes its running min, max, scale and zero point: a torch
+    function, found by the aten op of its name, as the aten op itself."""
+    graph = fx.Graph()
+    x, on, mn, mx, scale, zero = (graph.placeholder(name) for name in ("x", "on", "mn", "mx", "scale", "zero"))
+    node = graph.call_function(target, (x, on, on, mn, mx, scale, zero, 0.01, 0, 255, -1))
+    graph.output(node)
+    assert written_arguments(fx.GraphModule({}, graph), node) == [mn, mx, scale, zero]
+
+
+def test_a_torch_function_that_writes_nothing_writes_nothing() -> None:
+    gm, node = _call(torch.add, "x", "y")
+    assert written_arguments(gm, node) == []
 
 
 def test_out_argument_is_written() -> None:

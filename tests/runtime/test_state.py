@@ -3,6 +3,7 @@ change: the model's state after a step is the plain model's on the same micro-ba
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, TypeVar, cast
 
 import pytest
@@ -78,6 +79,68 @@ def test_buffer_writes_reach_the_model_once_per_micro_batch_in_order(mode: str, 
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), in_turn(reference, x, 4), rtol=0, atol=1e-10)
     assert_state_equal(pipe, reference)
+
+
+class SliceWritten(nn.Module):
+    """Keeps a running mean of half its features in a slice of a buffer, which two later stages
+    read by name (each read a node of its own)."""
+
+    ema: torch.Tensor
+
+    def __init__(self, no_grad: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+        self.register_buffer("ema", torch.zeros(5))
+        self.no_grad = no_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.set_grad_enabled(not self.no_grad):
+            self.ema[:3].lerp_(h.detach().mean(0)[:3], 0.5)
+        h = torch.tanh(self.b(h)) + 2 * self.ema
+        return self.c(h) + self.ema
+
+
+@pytest.mark.parametrize(("mode", "no_grad"), [*((mode, False) for mode in MODES), ("except_last", True)])
+def test_a_buffer_written_through_a_slice_reaches_later_stages_as_its_micro_batch_left_it(mode: str, no_grad: bool) -> None:
+    x = torch.randn(8, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the export form says it used torch.export
+        pipe, reference = compiled(SliceWritten(no_grad).double(), x, 3, chunks=4, checkpoint=mode, split_points=["b", "c"])
+    step_as_in_turn(pipe, reference, x, 4, atol=1e-10)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), in_turn(reference, x, 4), rtol=0, atol=1e-10)
+    assert_state_equal(pipe, reference)
+
+
+def test_fake_quantisation_observes_once_per_micro_batch_whatever_the_checkpointing() -> None:
+    """Quantisation-aware training's default observer is one torch function that writes four
+    statistics in place: a recompute must not observe a second time, nor backward run on
+    statistics its forward did not use."""
+    import torch.ao.quantization as tq
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
+
+    torch.manual_seed(0)
+    model = Quantised()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(model.train(), inplace=True)
+    pipe, reference = compiled(model, torch.randn(8, 6), 2, chunks=1, checkpoint="always")
+    for _ in range(3):
+        x = torch.randn(8, 6)
+        out, expected = pipe(x), reference(x)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-6)
+    assert_state_equal(pipe, reference, tol=0)
 
 
 class Normed(nn.Module):
