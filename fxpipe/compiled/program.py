@@ -185,18 +185,22 @@ class HeldState:
     # module for a module-level value), the path from it, the value when compiled.
     attributes: list[tuple[str, Any, str, Any]] = field(default_factory=list)
     named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
+    # Each module's parameter and buffer tables with their sizes: a parameter added after compiling
+    # (an adapter's, read by a hook or a patched forward of a module called whole) must be seen.
+    sizes: list[tuple[dict[str, Any], int]] = field(default_factory=list)
 
     @staticmethod
     def of(owner: nn.Module, read: Iterable[str] = (), attributes: Optional[dict[str, Any]] = None) -> "HeldState":
         """What `owner` holds; with the tensor attributes among `read` (the graph's get_attr
         targets: `self.scale = torch.tensor(2.0)`, never registered), which a call may rebind,
         and where it holds the plain `attributes` the trace read (their values when compiled)."""
-        modules, tensors, held = [], [], []
+        modules, tensors, held, sizes = [], [], [], []
         found = dict(owner.named_modules())
         for path, module in found.items():
             modules += [(f"{path}.{key}" if path else key, module._modules, key, child) for key, child in module._modules.items()]
             for table in (module._parameters, module._buffers):
                 tensors += [(table, key, tensor) for key, tensor in table.items()]
+                sizes.append((table, len(table)))
         for target in read:
             path, _, key = target.rpartition(".")
             module = found.get(path)
@@ -207,7 +211,7 @@ class HeldState:
             place = holder(found, qualified)
             if place is not None:
                 held.append((qualified, *place, value))
-        return HeldState(modules, tensors, held, found)
+        return HeldState(modules, tensors, held, found, sizes)
 
     def modules_replaced(self) -> list[str]:
         return [name for name, table, key, module in self.modules if table.get(key) is not module]
@@ -217,8 +221,12 @@ class HeldState:
         return changed([held for held in self.attributes if held[0] in read])
 
     def tensors_replaced(self) -> bool:
+        """Whether a parameter or buffer was replaced, added or removed since."""
         for table, key, tensor in self.tensors:  # at every call: a loop, not a generator
             if table.get(key) is not tensor:
+                return True
+        for table, size in self.sizes:
+            if len(table) != size:
                 return True
         return False
 

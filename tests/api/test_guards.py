@@ -7,7 +7,7 @@ import functools
 import re
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import pytest
 import torch
@@ -162,6 +162,39 @@ def test_a_parameter_several_stages_read_assigned_after_compiling_gets_its_gradi
     assert_grads_equal(pipe, reference, tol=1e-12)
     mse(pipe(x), y).backward()
     mse(reference(x), y).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def _adapted(linear: nn.Linear) -> None:
+    """A low-rank adapter added to a layer called whole: two new parameters, which a forward
+    hook reads."""
+    generator = torch.Generator().manual_seed(1)
+    linear.lora_a = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=torch.float64) * 0.3)
+    linear.lora_b = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=torch.float64) * 0.3)
+    linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
+
+
+@pytest.mark.parametrize(("schedule", "frozen"), [("gpipe", True), ("1f1b", True), ("zb-h1", False)])
+def test_parameters_added_after_compiling_to_a_module_called_whole_get_their_gradients(schedule: str, frozen: bool) -> None:
+    """Before, the stages kept the parameter list of compile time: the adapter's `.grad` stayed
+    None under train_step (the plain model's has norm 0.06), or backward raised that nothing
+    required a gradient where the rest was frozen."""
+    model, reference = twin(nn.Sequential(*(nn.Linear(6, 6) for _ in range(3))).double())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule=schedule)
+    for m in (model, reference):
+        _adapted(cast(nn.Linear, m[1]))
+        for name, p in m.named_parameters():
+            p.requires_grad_(not frozen or "lora" in name)
+    mse = nn.functional.mse_loss
+    mse(pipe(x), y).backward()
+    mse(reference(x), y).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    pipe.zero_grad()
+    reference.zero_grad()
+    loss, expected = pipe.train_step(x, target=y, loss_fn=mse), mse(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
