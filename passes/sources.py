@@ -70,7 +70,19 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True, every: bool = Fal
     if every:
         return {node.name: found for node, found in sources.items()}
     output = next(n for n in gm.graph.nodes if n.op == "output")
-    return {node.name: sources[node] for node in output.all_input_nodes}
+    return {node.name: _returned(gm, node, sources) for node in output.all_input_nodes}
+
+
+def _returned(gm: fx.GraphModule, node: fx.Node, sources: dict[fx.Node, Sources]) -> Sources:
+    """What a returned value is computed from. One that held no tensor on the example (None:
+    `need_weights=False` there) may hold one on another call: it depends on what its node reads."""
+    if node.meta.get("dtype") != () or node.op == "placeholder":
+        return sources[node]
+    own = _own(gm, node)
+    for parent in node.all_input_nodes:
+        own.inputs |= sources[parent].inputs
+        own.params |= sources[parent].params
+    return own
 
 
 def reached_from(gm: fx.GraphModule, outputs: frozenset[int]) -> tuple[frozenset[int], frozenset[str]]:

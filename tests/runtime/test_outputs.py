@@ -298,3 +298,35 @@ def test_an_output_that_is_a_view_of_another_stays_one_in_every_mode(mode: str) 
     if mode in ("eval", "two forwards"):
         assert_grads_equal(pipe, plain, tol=1e-12)
     pipe.close()
+
+
+class Attends(nn.Module):
+    """Returns attention weights where the call asks for them, None otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, need_weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h = self.a(x)
+        out, weights = self.attention(h, h, h, need_weights=need_weights)
+        return self.b(out), weights
+
+
+def test_an_output_that_was_none_on_the_example_carries_its_gradient_when_a_call_returns_it() -> None:
+    """Before, the weights came back without a gradient (the example had none to say what they
+    are made of): a loss on them changed no parameter's gradient (0.09 off), with no error."""
+    torch.manual_seed(0)
+    reference = Attends().double()
+    model = copy.deepcopy(reference)
+    x = torch.randn(6, 5, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, False), ["cpu", "cpu"], chunks=2, split_points=["attention"])
+    (out, weights), (expected, expected_weights) = pipe(x, True), reference(x, True)
+    assert weights is not None and weights.requires_grad
+    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+    (out.square().mean() + weights.square().sum()).backward()
+    (expected.square().mean() + expected_weights.square().sum()).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    got = torch.autograd.grad(pipe(x, True)[1].square().sum(), model.a.weight)[0]
+    torch.testing.assert_close(got, torch.autograd.grad(reference(x, True)[1].square().sum(), reference.a.weight)[0], rtol=0, atol=1e-12)
