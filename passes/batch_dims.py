@@ -32,6 +32,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
@@ -42,7 +43,8 @@ from fxpipe.passes.summed_loss import summed_over_the_batch
 from fxpipe.passes.validate import source_line
 
 # node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
-# the halves' (`_combines`): 'sum', 'mean', 'neither' or None.
+# the halves' (`_combines`): 'sum', 'mean', 'neither' or None; SUMMED_ON_EXAMPLE for a sum the
+# graph does not make one on every batch (a sum divided by a count the model is given).
 COMBINES = "combines"
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-3, torch.complex128: 1e-9, torch.complex64: 1e-3}
@@ -182,7 +184,7 @@ def _compared(
             ]  # fmt: skip
             # A sum on the example is one on every batch where the graph makes it so (passes/summed_loss.py).
             reaches = lambda n: bool(sources[n.name].inputs & split)  # noqa: E731
-            node.meta[COMBINES] = [c if c != "sum" or summed_over_the_batch(gm, made[k], reaches) else None for k, c in enumerate(combines)]
+            node.meta[COMBINES] = [c if c != "sum" or summed_over_the_batch(gm, made[k], reaches) else SUMMED_ON_EXAMPLE for k, c in enumerate(combines)]
         for (_, why), path in zip(found, _paths(whole[node])):
             if why:
                 problems.append(f"{node.name}{path}{mode}: {why}")
@@ -271,6 +273,7 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
+    hint = _first_may_be_shared(names, inputs, batch, dims) + hint
     hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims)
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
@@ -278,6 +281,20 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         "How to fix: split every input that holds the batch along its batch dim (chunk_spec={name: dim}), "
         "or use chunks=1."
     )
+
+
+def _first_may_be_shared(names: list[str], inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:
+    """A line saying where the batch's size was read, dim 0 of the first input chunk_spec does not
+    name, when another input has more dims or another size there: a table every sample shares
+    (positions) passed first, whose split the other inputs' sizes then follow; '' otherwise."""
+    tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor) and value.dim() > 0]
+    if len(tensors) < 2 or id(tensors[0][1]) in dims:
+        return ""
+    first, value = tensors[0]
+    if not any(t.dim() > value.dim() or (id(t) not in dims and t.shape[0] != batch) for _, t in tensors[1:]):
+        return ""
+    return (f"The batch's size, {batch}, is read from the first input, {first} {tuple(value.shape)}, along dim 0. If "
+            f"{first} holds no batch (a table every sample shares), keep it whole: chunk_spec={{{first!r}: None}}.\n")
 
 
 def _batch_read_from(names: list[str], inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:

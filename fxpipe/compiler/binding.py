@@ -39,8 +39,12 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
 def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
     """`bind`, refusing a call that leaves an argument None where the example gave one, or the
     reverse, at the top or inside a container (`batch["mask"]`, `extras[0]`): torch.fx traced
-    the model's `if mask is not None` branches as the example took them."""
+    the model's `if mask is not None` branches as the example took them. A string other than the
+    example's (`reduction="sum"`) is another call too: the graph passes it on, but what the
+    compiler proved on the example (how an own loss adds up over micro-batches, which outputs
+    hold the batch) was proved for the example's."""
     absent = {name: _nones(value) for name, value in traced.items()}
+    words = {name: _strings(value) for name, value in traced.items()}
     argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
 
     def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -49,22 +53,43 @@ def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> 
         differ = sorted(
             argument.get(name, name) + path for name in values for path in nones[name].symmetric_difference(absent.get(name, frozenset()))
         )  # fmt: skip
+        key = frozenset((name, path) for name, paths in nones.items() for path in paths)
         if differ:
             raise OtherCall(
                 f"this call leaves {', '.join(differ)} None where the example gave a value, or the reverse; the "
                 "graph was traced from the example, with the branches it took.\nHow to fix: compile a pipeline "
                 "for calls of each kind (with and without the argument), or pass it as the example did.",
-                frozenset((name, path) for name, paths in nones.items() for path in paths),
+                key,
+            )
+        strings = {name: _strings(value) for name, value in values.items()}
+        other = sorted(f"{argument.get(name, name)}{path}={word!r}" for name in values for path, word in strings[name].items()
+                       if words.get(name, {}).get(path, word) != word)  # fmt: skip
+        if other:
+            raise OtherCall(
+                f"this call passes {', '.join(other)}, where the example passed another string; what compiling "
+                "proved on the example holds for the example's.\nHow to fix: compile a pipeline for calls of each "
+                "kind, or pass what the example did.",
+                (key, tuple(sorted((name, path, word) for name, found in strings.items() for path, word in found.items()))),
             )
         return values
 
     return checked
 
 
+def _paths(value: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """`value`'s leaves with their paths (`['mask']`, `[0]`)."""
+    leaves, _ = tree_flatten_with_path(value, is_leaf=is_leaf)
+    return [(keystr(path), leaf) for path, leaf in leaves]
+
+
 def _nones(value: Any) -> frozenset[str]:
     """Where `value` holds None: '' for None itself, `['mask']` or `[0]` inside a container."""
-    leaves, _ = tree_flatten_with_path(value, is_leaf=lambda leaf: leaf is None)
-    return frozenset(keystr(path) for path, leaf in leaves if leaf is None)
+    return frozenset(path for path, leaf in _paths(value, lambda leaf: leaf is None) if leaf is None)
+
+
+def _strings(value: Any) -> dict[str, str]:
+    """The strings `value` holds, by path ('' for a string itself)."""
+    return {path: leaf for path, leaf in _paths(value, lambda leaf: leaf is None) if isinstance(leaf, str)}
 
 
 def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any]) -> Binder:

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+# How the own loss came from the example's halves' losses where it was their sum but the graph
+# does not make it one on every batch (a sum divided by a count the model is given): a mean of
+# the micro-batches' losses is then wrong for certain, their sum right on the example at least.
+SUMMED_ON_EXAMPLE = "sum on the example"
+
 
 def own_loss_in(output: Any, is_leaf: Callable[[Any], bool], zero_dim: Callable[[Any], bool]) -> Any:
     """The part of `output` that is the model's own loss, or None.

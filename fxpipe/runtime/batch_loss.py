@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxpipe.core.microbatch import leaves_of
+from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.runtime.call import Call, given_values, rebuild
 from fxpipe.runtime.losses import (
     LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss, own_loss_ref, own_loss_whole_in, with_own_loss_whole,
@@ -76,6 +77,13 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
             "reduction='sum', but the model's own loss is a mean over samples: on the example it is the mean of its "
             "halves' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
             f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the default)."
+        )
+    if found == SUMMED_ON_EXAMPLE and reduction == "mean":
+        raise ValueError(
+            "reduction='mean', but on the example the model's own loss is the sum of its halves' losses, not their "
+            f"mean: averaged, the micro-batches' losses would give 1/{len(call.sizes)} of the plain model's loss and "
+            "gradients.\nHow to fix: pass reduction='sum' (for a loss summed over samples, or divided by a count given "
+            "to the model for the whole batch, as num_items_in_batch), or pass loss_fn."
         )
     return found if found in ("sum", "mean") else reduction
 

@@ -416,3 +416,36 @@ class _OwnMean(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
+
+
+class _OwnLoss(nn.Module):
+    """Returns its own loss, reduced as the call says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), labels, reduction=reduction)
+
+
+def test_a_string_other_than_the_examples_compiles_stages_for_that_call() -> None:
+    """Before, what compiling proved on the example's `reduction='mean'` judged a call's 'sum':
+    train_step refused reduction='sum', and its advice (leave it at 'mean') gave half the plain
+    model's loss and gradients; an example of 'none' made pipe(x, y, 'mean') fail in torch."""
+    model, reference = twin(_OwnLoss())
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, (x, y), ["cpu", "cpu"], chunks=2)
+    with pytest.warns(UserWarning, match="cannot check that it is one on every batch"):
+        loss = pipe.train_step(x, y, "sum", reduction="sum")
+    expected = reference(x, y, "sum")
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    with pytest.raises(ValueError, match=r"(?s)on the example the model's own loss is the sum of its halves' losses.*pass reduction='sum'"):
+        pipe.train_step(x, y, "sum")
+    assert len(pipe._variants) == 1
+    per_sample = compile_pipeline(copy.deepcopy(reference), (x, y, "none"), ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(per_sample(x, y, "none"), reference(x, y, "none"), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="a value made from the whole batch"):
+        per_sample(x, y, "mean")

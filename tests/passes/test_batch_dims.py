@@ -598,6 +598,30 @@ def test_a_table_split_for_its_length_is_named_with_the_chunk_spec_that_keeps_it
     assert torch.allclose(pipe(x, table), model(x, table), rtol=0, atol=1e-12)
 
 
+class _PositionsFirst(nn.Module):
+    """Takes a table of positions every sample shares before its batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x + pos)
+        return self.b(((h @ h.transpose(1, 2)).softmax(-1) @ h).relu())
+
+
+@pytest.mark.parametrize("length", [5, 6], ids=["another length", "the batch's length"])
+def test_a_shared_table_passed_first_is_named_with_the_chunk_spec_that_keeps_it_whole(length: int) -> None:
+    """Before, the refusal named only `x`, and its chunk_spec advice failed again or went round
+    in a loop; `pos`, which sets the batch's size, was never named."""
+    model = _PositionsFirst().double()
+    pos, x = torch.randn(length, 8, dtype=torch.float64), torch.randn(6, length, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"read from the first input, pos \({length}, 8\), along dim 0.*chunk_spec=\{{'pos': None\}}"):
+        compile_pipeline(model, (pos, x), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (pos, x), ["cpu", "cpu"], chunks=2, chunk_spec={"pos": None})
+    torch.testing.assert_close(pipe(pos, x), model(pos, x), rtol=0, atol=1e-12)
+
+
 class _MixesSamples(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -16,6 +16,7 @@ from helpers import FanOut, PaddedLM, SeqFirst, assert_grads_equal, example_modu
 import fxpipe.runtime.losses
 from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.core.microbatch import split_sizes
+from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 
 MODES = ("always", "except_last", "never")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
@@ -1388,14 +1389,15 @@ class TokenLoss(nn.Module):
 
 @pytest.mark.parametrize("norm, example_mask, combines", [
     ("given", "padded", "sum"), ("two sums", "padded", "sum"),
-    ("clamped", "second half empty", None), ("longest", "full", None),
+    ("clamped", "second half empty", SUMMED_ON_EXAMPLE), ("longest", "full", SUMMED_ON_EXAMPLE),
 ])  # fmt: skip
 def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: str, example_mask: str, combines: Optional[str]) -> None:
     """A loss divided by something of this batch that the example's halves happen to share (its
     longest row, on an example with none shorter; a clamped count, where one half counts none)
     is a sum of the halves' on the example and not on later batches. Before, it was summed on
     every batch with nothing to warn of: on a padded batch the loss 14.95 where the plain
-    model's is 11.37. Only a sum the graph makes (passes/summed_loss.py) is summed now."""
+    model's is 11.37. Only a sum the graph makes (passes/summed_loss.py) is summed now; a mean,
+    which the example shows wrong, is refused, and a sum asked for is warned of."""
     model, reference = twin(TokenLoss(norm))
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 5, 6, dtype=torch.float64, generator=g), torch.randn(8, 5, 6, dtype=torch.float64, generator=g)
@@ -1409,9 +1411,11 @@ def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: st
     assert pipe.program().own_loss_combines == combines
     mask = torch.ones(8, 5, dtype=torch.float64)
     mask[0, 1:] = mask[5, 3:] = 0  # a batch whose halves differ
-    if combines is None:
-        with pytest.warns(UserWarning, match="cannot check that it is one"):
+    if combines == SUMMED_ON_EXAMPLE:
+        with pytest.raises(ValueError, match="on the example the model's own loss is the sum of its halves' losses"):
             pipe.train_step(x, y, mask, mask.sum())
+        with pytest.warns(UserWarning, match="cannot check that it is one"):
+            pipe.train_step(x, y, mask, mask.sum(), reduction="sum")
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error")
