@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from fxpipe.compiled.program import Compiled, Program
 from fxpipe.core.attrs import buffer_or_none
-from fxpipe.core.hooks import KINDS, hook_tables
+from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
 
@@ -72,6 +72,8 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             f"which the pipeline reads as it runs{whole}."
         )
     changed = program.hooks_changed()
+    if "*" in changed and global_backward_hooks():
+        raise RuntimeError(GLOBAL_BACKWARD_HOOKS)
     if "*" in changed:
         modes = _modes_entered()
         by_mode = (

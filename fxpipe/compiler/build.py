@@ -19,6 +19,7 @@ from fxpipe.compiled.program import UNSET, Cut, HeldState, Program, StageRuntime
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, global_backward_hooks
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
 from fxpipe.passes.loss_counts import loss_counter, own_loss_combines, own_loss_leaf
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
@@ -336,7 +337,8 @@ def _refuse_opaque_values(cut: Cut) -> None:
             f"the model passes values that hold tensors pytree cannot see: {', '.join(found)}.\n"
             "A pipeline splits, sends and gathers values through torch.utils._pytree.\nHow to fix: "
             "register the type (torch.export.register_dataclass(T) for a dataclass, "
-            "torch.utils._pytree.register_pytree_node for another class), or use a tuple or dict in its place (what "
+            "torch.utils._pytree.register_pytree_node(T, flatten_fn, unflatten_fn, flatten_with_keys_fn=...) for another "
+            "class: values are named by their keys), or use a tuple or dict in its place (what "
             "a submodule returns, or what the model takes as an argument)."
         )
 
@@ -356,14 +358,8 @@ def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, 
 def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -> None:
     """A module the trace went through is no call in the stages: its backward hooks, and the global
     ones, would never fire for it. Those of a module called whole (and of the modules inside it) do."""
-    if traced and (nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks):
-        raise ValueError(
-            "global backward hooks are registered (nn.modules.module.register_module_full_backward_hook or "
-            "register_module_full_backward_pre_hook): they would never fire for the modules the trace goes through, "
-            "the model itself among them, where the plain model's backward fires them for every module.\n"
-            "How to fix: remove them (handle.remove()) before compiling, or hook a tensor or a parameter instead "
-            "(tensor.register_hook)."
-        )
+    if traced and global_backward_hooks():
+        raise ValueError(GLOBAL_BACKWARD_HOOKS)
     hooked = [name or "the model itself" for name, m in traced if m._backward_hooks or m._backward_pre_hooks]
     if hooked:
         raise ValueError(

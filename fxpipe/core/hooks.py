@@ -18,6 +18,21 @@ def hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
     return [getattr(module, table) for table in KINDS.values()]
 
 
+# Why global backward hooks are refused, at compile time or when registered after.
+GLOBAL_BACKWARD_HOOKS = (
+    "global backward hooks are registered (nn.modules.module.register_module_full_backward_hook or "
+    "register_module_full_backward_pre_hook): they would never fire for the modules the trace goes through, "
+    "the model itself among them, where the plain model's backward fires them for every module.\n"
+    "How to fix: remove them (handle.remove()) before compiling, or hook a tensor or a parameter instead "
+    "(tensor.register_hook)."
+)
+
+
+def global_backward_hooks() -> bool:
+    """Whether a global backward hook or backward pre-hook is registered."""
+    return bool(nn.modules.module._global_backward_hooks or nn.modules.module._global_backward_pre_hooks)
+
+
 def output_hook(hook: Any) -> bool:
     """A forward hook whose whole effect is in the model's own output: Hugging Face's output
     capturing (`output_hidden_states=True`, `output_attentions=True`), which hands a module's

@@ -44,6 +44,13 @@ def test_a_global_backward_hook_is_refused_and_the_model_left_as_it_was(register
         assert torch.equal(value, state[name])
     pipe = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)  # once removed, it compiles
     pipe(X).sum().backward()
+    handle = register(lambda module, *grads: None)  # registered after compiling: refused alike
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)global backward hooks are registered.*How to fix: remove them"):
+            pipe(X)
+    finally:
+        handle.remove()
+    pipe(X).sum().backward()
 
 
 def test_a_global_forward_hook_that_changes_outputs_is_refused_naming_it() -> None:
