@@ -27,7 +27,7 @@ from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
-from fxpipe.runtime.call import differentiable, sliced_call
+from fxpipe.runtime.call import Call, differentiable, sliced_call
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
@@ -284,6 +284,7 @@ class Pipeline(PipelineCalls):
         try:
             with generator_put_back_on_error(), _target_asked_by_keyword(target, loss_fn):
                 call, step = self._train_call(args, kwargs, target, loss_fn, reduction, kept, return_outputs)
+                _refuse_nothing_to_train(call)
         except OtherCall as other:  # raised by the binding, before anything ran
             variant = self._variant(other, args, kwargs)
             return self._ran(variant, variant.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
@@ -504,6 +505,20 @@ _PLACEMENT_MESSAGE = (
     "dtype casts such as pipe.to(torch.float64) or pipe.double() are allowed."
 )
 
+
+
+def _refuse_nothing_to_train(call: Call) -> None:
+    """A step in grad mode where no parameter and no input requires grad: the plain model's
+    `loss.backward()` raises there (or trains a loss_fn's own parameters alone), and a step that
+    trains nothing must not pass for one."""
+    if torch.is_grad_enabled() and not call.context.inference and not call.grad:
+        raise RuntimeError(
+            "train_step: no parameter the model's stages read requires grad, and no input does, so its backward "
+            "would reach nothing: the plain model's loss.backward() raises here ('element 0 of tensors does not "
+            "require grad'), or, where loss_fn holds parameters of its own (a probe on a frozen model), trains "
+            "those alone.\nHow to fix: unfreeze what should train (p.requires_grad_(True)); for a loss_fn with "
+            "parameters, loss_fn(pipe(x), target).backward() trains them; for the loss alone, run under torch.no_grad()."
+        )
 
 @contextlib.contextmanager
 def _target_asked_by_keyword(target: Any, loss_fn: Any) -> Iterator[None]:

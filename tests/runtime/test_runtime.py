@@ -364,6 +364,20 @@ def test_frozen_model_and_plain_input_run_without_autograd() -> None:
     torch.testing.assert_close(out, model(x))
 
 
+def test_a_train_step_that_would_train_nothing_is_refused_as_the_plain_backward_raises() -> None:
+    """Before, train_step returned the loss of a frozen model and left every `.grad` None (a probe
+    in loss_fn too), where the plain model's backward raises."""
+    model = FanOut().requires_grad_(False)
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)element 0 of tensors does not require grad.*How to fix: unfreeze"):
+        pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    with pytest.raises(RuntimeError, match="element 0 of tensors does not require grad"):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    with torch.no_grad():  # the loss alone, as documented
+        torch.testing.assert_close(pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss), torch.nn.functional.mse_loss(model(x), y))
+
+
 class Containers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
