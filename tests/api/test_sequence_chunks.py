@@ -106,12 +106,12 @@ def test_dropout_is_replayed_per_slice_by_every_checkpoint_mode() -> None:
             out = pipe(X)
             out.pow(2).sum().backward()
             results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+            with torch.no_grad():
+                drawn = not torch.equal(out, pipe.eval()(X))  # the masks were drawn
     (out, grads), *others = results
     for other, other_grads in others:
         assert torch.equal(out, other) and all(torch.equal(a, b) for a, b in zip(grads, other_grads))
-    eval_out = compile_pipeline(SdpaGPT(layers=2, dropout=0.3).double().eval(), X, ["cpu"] * 2, sequence_chunks=3)
-    with closing(eval_out):
-        assert not torch.equal(out, eval_out(X))  # the masks were drawn
+    assert drawn
 
 
 def test_a_model_that_reads_later_positions_is_refused_at_compile_naming_the_op_and_its_line() -> None:
