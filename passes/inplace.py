@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, view_root, writes_a_view, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, returns_written, view_root, writes_a_view, writes_first_argument, written_arguments, written_value
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls
@@ -226,7 +226,7 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
         # A write in a subgraph (torch.export's `no_grad` region) writes the operands it names.
         for target in [direct] if direct is not None else written_arguments(gm, writer):
             changed = True
-            _carry_write(graph, writer, target, returns_target=direct is not None and writer.target is not operator.setitem, position=position)
+            _carry_write(graph, writer, target, returns_target=direct is not None and returns_written(writer, target), position=position)
     if changed:
         gm.recompile()
     return gm

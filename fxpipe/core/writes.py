@@ -84,11 +84,34 @@ def _written_positions(schema: Any) -> list[tuple[int, str]]:
 
 
 def _schema_writes_first(target: Any) -> Optional[bool]:
-    """Whether every overload of an aten op writes its first argument; None without a schema."""
+    """Whether every overload of an op writes its first argument and returns it (`add_`, unlike a
+    custom op that writes an argument, which returns nothing or a new tensor); None without a schema."""
     schemas = _schemas(target)
     if not schemas:
         return None
-    return all(any(i == 0 for i, _ in _written_positions(s)) for s in schemas)
+    return all(any(i == 0 for i, _ in _written_positions(s)) and _returns_argument(s, 0) for s in schemas)
+
+
+def _returns_argument(schema: Any, position: int) -> bool:
+    """Whether the op returns its argument at `position` (the same alias set: `Tensor(a!)`)."""
+    alias = schema.arguments[position].alias_info if position < len(schema.arguments) else None
+    return alias is not None and any(r.alias_info is not None and r.alias_info.before_set == alias.before_set for r in schema.returns)
+
+
+def returns_written(node: fx.Node, target: fx.Node) -> bool:
+    """Whether `node`, which writes `target` in place, returns it: aten's in-place ops and `out=`
+    ops do; `setitem` and a custom op that writes an argument (which returns nothing or a new
+    tensor) do not."""
+    if node.op != "call_function":
+        return True  # a method or a module: `x.add_(1)` returns x, an in-place ReLU its input
+    if node.target is operator.setitem:
+        return False
+    schemas = _schemas(node.target)
+    if not schemas:
+        return True
+    places = [(s, i) for s in schemas for i, name in _written_positions(s)
+              if (node.args[i] if i < len(node.args) else node.kwargs.get(name)) is target]  # fmt: skip
+    return bool(places) and all(_returns_argument(s, i) for s, i in places)
 
 
 def writes_first_argument(gm: torch.nn.Module, node: fx.Node) -> bool:
@@ -270,6 +293,15 @@ def _aliases_first(schema: Any) -> bool:
 
 
 
+def _namespace(target: Any) -> Optional[str]:
+    """The library of a torch op (`aten`, or a user's `torch.library` namespace); None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.partition("::")[0]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.partition("::")[0]
+    return None
+
+
 def _view_kind(node: fx.Node) -> Optional[str]:
     """'view' for an op that always returns a view of its first argument, 'view or copy' for one
     that may return a copy, None for anything else."""
@@ -285,6 +317,9 @@ def _view_kind(node: fx.Node) -> Optional[str]:
         return "view" if len(node.args) > 1 and _basic_index(node.args[1]) else None
     if node.target is getattr:
         return "view" if len(node.args) > 1 and node.args[1] in _ATTRIBUTE_VIEWS else None
+    if _namespace(node.target) not in (None, "aten"):
+        schemas = _schemas(node.target)  # an op of its own library: its schema says, not a namesake of aten's
+        return "view or copy" if schemas and all(_aliases_first(s) for s in schemas) else None
     name = _op_name(node)
     if name is None:
         return None

@@ -444,6 +444,79 @@ def test_a_write_in_a_no_grad_block_reaches_the_later_stages(through_a_view: boo
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
+@torch.library.custom_op("fxpipe_tests::add_one_", mutates_args=("x",))
+def _add_one_(x: torch.Tensor) -> None:
+    """A library's op that writes its argument and returns nothing, as custom ops that write do."""
+    x.add_(1)
+
+
+@torch.library.custom_op("fxpipe_tests::clamp_keeping_", mutates_args=("x",))
+def _clamp_keeping_(x: torch.Tensor) -> torch.Tensor:
+    """Clamps its argument in place and returns half of what it held: another tensor."""
+    before = x.clone()
+    x.clamp_(min=0)
+    return before * 0.5
+
+
+@_clamp_keeping_.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+torch.library.define("fxpipe_tests::halves", "(Tensor(a) x) -> Tensor(a)")
+torch.library.impl("fxpipe_tests::halves", "CompositeImplicitAutograd")(lambda x: x.narrow(1, 0, WIDTH // 2))  # autograd sees the view
+
+
+class _LibraryWrites(nn.Module):
+    """Writes a value with a library's op, then reads it in a later stage."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.a(x)
+        h = z.detach().clone()  # (a library's op that writes is no autograd op)
+        if self.op == "returns nothing":
+            _add_one_(h)
+            return self.c(self.b(h)) + z
+        kept = _clamp_keeping_(h)
+        return self.c(self.b(h) + kept) + z
+
+
+@pytest.mark.parametrize("op", ["returns nothing", "returns another tensor"])
+def test_a_library_op_that_writes_its_argument_is_read_as_written_not_as_what_it_returns(op: str) -> None:
+    """Before, readers after the write read what the op returned: None (compiling failed in an
+    unnamed `linear`), or another tensor (outputs 0.29 off, with no error)."""
+    pipe, reference = compiled(_LibraryWrites(op), 3, chunks=2, split_points=["b", "c"])
+    assert_same_everywhere(pipe, reference)
+
+
+class _WritesThroughALibraryView(nn.Module):
+    """Writes half of `h` through a library's view op, called by its packet as a library calls it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) * 1.5
+        half = torch.ops.fxpipe_tests.halves(h)
+        g = self.b(x)
+        half.mul_(2)
+        return self.c(h) + g
+
+
+def test_a_library_op_whose_schema_returns_a_view_is_one() -> None:
+    """Before, its packet was looked up among aten's ops by name: a write through it in a later
+    stage never reached its input (outputs 0.81 off)."""
+    with pytest.raises(InplaceError, match="writes through the view"):
+        compiled(_WritesThroughALibraryView(), 2, chunks=2, split_points=["b"])
+    pipe, reference = compiled(_WritesThroughALibraryView(), 2, chunks=2)
+    assert_same_everywhere(pipe, reference)
+
+
 def test_a_model_that_returns_its_input_is_refused_saying_so() -> None:
     class Identity(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
