@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.core.randomness import (
-    begin_draws, draw_key, draw_rate, dropout_function, dropout_module, end_draws, method_with_generator, runs_hooks,
+    TORCH_NAMESPACES, begin_draws, draw_key, draw_rate, dropout_function, dropout_module, end_draws, method_with_generator, runs_hooks,
     with_generator,
 )
 from fxpipe.core.writes import aten_overloads
@@ -87,6 +87,8 @@ def _gated_by_constants(probability: Any, training: Any) -> bool:
 
 def _overload_is_random(node: fx.Node) -> bool:
     op = node.target
+    if op.namespace not in TORCH_NAMESPACES:  # type: ignore[union-attr]
+        return True  # a library's own op (torch.library.custom_op): its kernel may draw, unseen
     if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
         return False
     arguments = list(op._schema.arguments)  # type: ignore[union-attr]

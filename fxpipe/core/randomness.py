@@ -211,6 +211,11 @@ DRAWS = (dropout_module, dropout_function, with_generator, method_with_generator
 MARKERS = (begin_draws, end_draws)  # no draw themselves: a step that draws nothing skips them
 
 
+# Namespaces of torch's own ops, whose schemas' tags say whether they draw; a library's own op
+# (torch.library.custom_op) may draw in its kernel, unseen.
+TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed", "_quantized", "quantized"})
+
+
 class TaskRandomness(TorchDispatchMode):
     """Within this mode, random ops draw from the generators of a task's stream."""
 
@@ -220,12 +225,13 @@ class TaskRandomness(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags or kwargs.get("generator") is not None:
+        drawing = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in TORCH_NAMESPACES
+        if not drawing or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
         own = self.stream.generator(_device_of(args, kwargs))
         if any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments):
             return func(*args, **kwargs, generator=own)
-        # No generator argument (native_dropout, say): swap the device's default generator.
+        # No generator argument (native_dropout, a library's own op): swap the device's default generator.
         with _SWAP_LOCK:
             default = _default_generator(own.device)
             saved = default.get_state()

@@ -131,6 +131,42 @@ class DrawsInAFunction(nn.Module):
         return self.b(_MaskedDropout.apply(torch.tanh(self.a(x))))
 
 
+@torch.library.custom_op("fxpipe_tests::masked_dropout", mutates_args=())
+def _library_dropout(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused dropout of a library's own: its kernel draws, unseen by the graph."""
+    mask = (torch.rand_like(x) > 0.5).to(x.dtype) * 2
+    return x * mask, mask
+
+
+@_library_dropout.register_fake
+def _(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _keep_mask(ctx: Any, inputs: Any, output: Any) -> None:
+    ctx.save_for_backward(output[1])
+
+
+def _through_mask(ctx: Any, grad: torch.Tensor, _: Any) -> torch.Tensor:
+    (mask,) = ctx.saved_tensors
+    return grad * mask
+
+
+_library_dropout.register_autograd(_through_mask, setup_context=_keep_mask)
+
+
+class DrawsInALibraryOp(nn.Module):
+    """Before, a library's op counted as drawing nothing: a checkpointed micro-batch's recompute
+    drew another mask, and the gradients were those of that mask (1.2 off)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_library_dropout(torch.tanh(self.a(x)))[0])
+
+
 class DrawsOtherwise(nn.Module):
     """Noise drawn by nn.init on a fresh tensor, and by torch.binomial: before, neither was known
     to draw, and a checkpointed micro-batch's recompute drew anew (gradients 1.4 and 5.0 off);
@@ -148,7 +184,7 @@ class DrawsOtherwise(nn.Module):
         return self.b(h * (1 + 0.1 * eps) + 0.1 * counts * h + 0.1 * shift)
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch"), DrawsOtherwise])
+@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch"), DrawsOtherwise, DrawsInALibraryOp])
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):
