@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, scatter, split_dim, split_sizes
+from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, joined, scatter, split_dim, split_sizes
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
@@ -437,8 +437,8 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
     if not compare:
         return dim, ""
     if not (whole.is_floating_point() or whole.is_complex()):
-        return dim, _exact_difference(torch.cat(parts, dim), whole, dim)
-    off = _difference(torch.cat(parts, dim), whole)
+        return dim, _exact_difference(joined(parts, dim), whole, dim)
+    off = _difference(joined(parts, dim), whole)
     return dim, (f"the halves' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
                  f"(relative to its largest value)" if off else "")  # fmt: skip
 

@@ -201,7 +201,7 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
     along = dim if isinstance(dim, int) else 0
     _refuse_other_sizes(parts, along)
     if isinstance(dim, int):
-        return torch.cat(list(parts), dim)
+        return joined(parts, dim)
     if first.dim() == 0:
         raise ValueError(
             "the model returns a 0-dim tensor (a loss or a scalar?), and outputs are concatenated "
@@ -224,7 +224,18 @@ def gather_leaf(parts: Sequence[Any], sizes: Optional[Sequence[int]], dim: Batch
             "plain model's.\nHow to fix: return per-sample values (batch first) and reduce them "
             "outside the pipeline, or use chunks=1."
         )
-    return torch.cat(list(parts))
+    return joined(parts, 0)
+
+
+def joined(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """`torch.cat` of the micro-batches' pieces outside the caller's autocast, which would cast
+    them (and refuses pieces of another low precision than its own: a float16 output under
+    bfloat16): put together, they keep the dtype the model gave them."""
+    device = parts[0].device.type
+    if torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return torch.cat(list(parts), dim)
+    return torch.cat(list(parts), dim)
 
 
 def _refuse_other_sizes(parts: Sequence[torch.Tensor], along: int) -> None:
@@ -269,7 +280,7 @@ def gather_grads(parts: Sequence[Optional[torch.Tensor]], like: Sequence[torch.T
         return None
     filled = [p if p is not None else torch.zeros_like(piece) for p, piece in zip(parts, like)]
     if dim is not None:
-        return torch.cat(filled, dim)
+        return joined(filled, dim)
     total = filled[0].clone()
     for p in filled[1:]:
         total += p

@@ -202,6 +202,31 @@ def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str, stages: i
         assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm(), name
 
 
+class _HalfOut(nn.Module):
+    """Returns its features in float16, whatever the caller's autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu()).half()
+
+
+def test_an_output_of_another_low_precision_than_the_callers_autocast_comes_back_as_the_model_gave_it() -> None:
+    """Before, putting the micro-batches' float16 outputs together under bfloat16 autocast raised
+    torch's "Unexpected floating ScalarType in at::autocast::prioritize", at compile time too."""
+    model, x = _HalfOut(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+        out, expected = pipe(x), reference(x)
+        assert out.dtype == expected.dtype == torch.float16
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        loss = pipe.train_step(x, target=torch.zeros(8, 16), loss_fn=lambda o, t: (o.float() - t).pow(2).mean())
+    torch.testing.assert_close(loss, (expected.float() - 0).pow(2).mean(), rtol=1e-3, atol=1e-3)
+
+
 class _ReadTwiceAfterTheCut(nn.Module):
     """A float32 value read by two layers of the stage after the cut: autocast casts it at each."""
 
