@@ -34,9 +34,11 @@ from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
+from fxpipe.guards import first_floating_dtype
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
+from fxpipe.passes.dtype_constants import floating_dtypes_held
 from fxpipe.passes.edges import find_edges
 from fxpipe.passes.example_runs import run_whole
 from fxpipe.passes.inplace import redirect_reads_after_writes
@@ -337,6 +339,8 @@ def compile_pipeline(
     )
     compiled.slicing, compiled.check_length = slicing, check_length
     compiled.aliased_buffers = aliased_buffers(model)
+    compiled.traced_dtype = first_floating_dtype(model)
+    compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
         warnings.warn(

@@ -4,6 +4,7 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
@@ -16,6 +17,21 @@ from fxpipe.core.attrs import buffer_or_none
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
+
+
+def first_floating_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of the model's first floating parameter (what `self.dtype` reads); None without one."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _cast_since(owner: nn.Module, compiled: Compiled) -> str:
+    """'from float32 to float64' where the model was cast since compiling and the graph torch.fx
+    traced holds the dtype it had; '' otherwise."""
+    before = compiled.traced_dtype
+    if before is None or before not in compiled.graph_dtypes or compiled.front_end != "torch.fx":
+        return ""  # (an exported graph's binder compiles stages for the model as it is now)
+    now = first_floating_dtype(owner)
+    return f"from {before} to {now}" if now is not None and now != before else ""
 
 
 def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compiled) -> bool:
@@ -52,6 +68,14 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "planned the stages by them (which values are copied before a module writes them in place, whether "
             "micro-batches may split the batch a module sees, which weights forward writes).\nHow to fix: compile "
             "the model again after changing them."
+        )
+    cast = _cast_since(owner, compiled)
+    if cast:
+        raise RuntimeError(
+            f"the model was cast {cast} since compiling, and the graph holds {compiled.traced_dtype} where the trace "
+            "read it (the model's own dtype, `self.dtype`, say, or a dtype its code names): its stages would still "
+            "compute in it, where the plain model follows its new dtype.\nHow to fix: compile the model again after "
+            "casting it (or cast it before compiling)."
         )
     mode = _mode(owner.training, programs[True].held.named, compiled.flags)
     if compiled.eval_only and (mode or owner.training):

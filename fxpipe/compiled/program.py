@@ -406,6 +406,11 @@ class Compiled:
     # Buffers that were one tensor under several names when traced (registered in two modules):
     # the graph reads that tensor under one name, so the names must keep one value.
     aliased_buffers: list[list[str]] = field(default_factory=list)
+    # The dtype of the model's first floating parameter when traced, and the floating dtypes the
+    # graphs hold as constants: one of them read from the model (`self.dtype`) stays in the graph
+    # through a later cast of the model, as the plain model's forward would not.
+    traced_dtype: Optional[torch.dtype] = None
+    graph_dtypes: frozenset[torch.dtype] = frozenset()
 
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:

@@ -107,6 +107,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
     kinds = [_kind(leaf) for leaf in example]
     signature = inspect.signature(model.forward)
+    exported_in = _model_dtype(model)  # export holds the model's dtype too (`self.dtype`, a branch on it)
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
     positional = _children(spec)[0].num_children
@@ -128,6 +129,13 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 str(called),
             )
         now = [_kind(leaf) for leaf in leaves]
+        dtype = _model_dtype(model)
+        if dtype != exported_in:
+            raise OtherCall(
+                f"the model was cast from {exported_in} to {dtype} since the graph was exported, which holds the dtype "
+                "the model had (a branch on it, `self.dtype`).\nHow to fix: compile a pipeline for the model as it is now.",
+                (str(called), tuple(now), str(dtype)),
+            )
         if now != kinds:
             differ = [f"{arguments[i]} ({now[i]}, the example's {kinds[i]})" for i in range(len(now)) if now[i] != kinds[i]]
             raise OtherCall(
@@ -144,6 +152,11 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _model_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of the model's first floating parameter; None without one."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:

@@ -387,6 +387,40 @@ def test_an_exported_pipeline_cast_after_compiling_compiles_stages_for_calls_of_
     _assert_grads_exact(model, reference)
 
 
+class _ReadsItsDtype(nn.Module):
+    """Embeds a time step in the model's own dtype (`self.dtype`, as diffusers' and Hugging
+    Face's models do), and clamps where it is float64, a branch torch.fx cannot trace."""
+
+    def __init__(self, branches: bool) -> None:
+        super().__init__()
+        self.branches = branches
+        self.embed, self.a, self.b = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        dtype = next(self.parameters()).dtype
+        h = torch.tanh(self.a(self.embed(ids))) + t[:, None].to(dtype) / 7
+        if self.branches and h.dtype == torch.float64:
+            h = h.clamp(-0.5, 0.5)
+        return self.b(h)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("exported", [False, True], ids=["torch.fx", "torch.export"])
+def test_a_model_that_reads_its_own_dtype_cast_after_compiling_is_refused_or_compiled_again(exported: bool) -> None:
+    """Before, the graph kept the dtype the trace read: after pipe.double() the stages cast to
+    float32 (outputs 1.5e-6 off, silently), and an exported graph kept its float32 branch (2.97
+    off after pipe.half()). Token ids keep their dtype: the call's kind alone did not change."""
+    model, ids, t = _ReadsItsDtype(exported), torch.randint(0, 10, (8,)), torch.arange(8)
+    reference = copy.deepcopy(model).double()
+    pipe = compile_pipeline(model, (ids, t), ["cpu", "cpu"], chunks=2)
+    pipe.double()
+    if not exported:
+        with pytest.raises(RuntimeError, match=r"cast from torch.float32 to torch.float64 since compiling.*\n.*compile the model again"):
+            pipe(ids, t)
+        pipe = compile_pipeline(model, (ids, t), ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, ids, t, tol=1e-12)
+
+
 def _assert_grads_exact(model: nn.Module, reference: nn.Module) -> None:
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
