@@ -28,7 +28,7 @@ demo: setup
 # mypy reads no package-dir mapping: passes/ is linked in where the package installs it
 # (fxpipe.passes) for the check, so that the library's calls into the passes are typed too.
 test: setup
-	$(PY) -m pytest -q -n auto  # one test process per core
+	$(PY) -m pytest -q -n auto --dist worksteal  # one test process per core; an idle one takes tests queued for another
 	ln -sfn ../passes fxpipe/passes
 	$(PY) -m mypy fxpipe tests benchmarks examples; status=$$?; rm -f fxpipe/passes; exit $$status
 

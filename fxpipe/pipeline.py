@@ -506,7 +506,6 @@ _PLACEMENT_MESSAGE = (
 )
 
 
-
 def _refuse_nothing_to_train(call: Call) -> None:
     """A step in grad mode where no parameter and no input requires grad: the plain model's
     `loss.backward()` raises there (or trains a loss_fn's own parameters alone), and a step that
@@ -519,6 +518,7 @@ def _refuse_nothing_to_train(call: Call) -> None:
             "those alone.\nHow to fix: unfreeze what should train (p.requires_grad_(True)); for a loss_fn with "
             "parameters, loss_fn(pipe(x), target).backward() trains them; for the loss alone, run under torch.no_grad()."
         )
+
 
 @contextlib.contextmanager
 def _target_asked_by_keyword(target: Any, loss_fn: Any) -> Iterator[None]:

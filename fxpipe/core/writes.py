@@ -292,7 +292,6 @@ def _aliases_first(schema: Any) -> bool:
     return first is not None and not first.is_write and ret is not None and not ret.is_write
 
 
-
 def _namespace(target: Any) -> Optional[str]:
     """The library of a torch op (`aten`, or a user's `torch.library` namespace); None for anything else."""
     if isinstance(target, torch._ops.OpOverload):

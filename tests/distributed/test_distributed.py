@@ -17,7 +17,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 MODES = ("always", "except_last", "never")
 TOL = 1e-10
 # Random graphs per feature in the sweep below; FXPIPE_DISTRIBUTED_SEEDS=10 searches harder.
-SEEDS = int(os.environ.get("FXPIPE_DISTRIBUTED_SEEDS", "2"))
+SEEDS = int(os.environ.get("FXPIPE_DISTRIBUTED_SEEDS", "1"))
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 
@@ -350,8 +350,8 @@ def test_balance_by_time_cuts_alike_on_every_rank() -> None:
 
 def test_random_graphs_with_every_feature_train_and_evaluate_as_the_plain_model() -> None:
     """The property test's features (BatchNorm, buffers written in forward, in-place writes
-    through views, training branches, custom Functions, aliases, dict outputs, ...), two seeds
-    each (FXPIPE_DISTRIBUTED_SEEDS), on three processes under drawn schedules and checkpoint
+    through views, training branches, custom Functions, aliases, dict outputs, ...), a seed
+    each (FXPIPE_DISTRIBUTED_SEEDS for more), on three processes under drawn schedules and checkpoint
     modes: losses, outputs, and every parameter, gradient and buffer each rank holds, then an
     eval forward."""
     from dag_models import FEATURES
