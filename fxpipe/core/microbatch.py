@@ -291,6 +291,8 @@ def map_tensors(fn: Any, value: Any) -> Any:
     """Apply `fn` to every tensor in a nested value, leaving everything else as it is."""
     if isinstance(value, torch.Tensor):  # the common case, without a pytree walk
         return fn(value)
+    if isinstance(value, torch.Size):  # no tensor in it, and pytree would make it a tuple
+        return value
     return tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
 
 
@@ -301,8 +303,11 @@ def flatten(value: Any) -> tuple[list[Any], Optional[TreeSpec]]:
 
 
 def unflatten(leaves: list[Any], spec: Optional[TreeSpec]) -> Any:
-    """What `flatten` took apart, put back together."""
-    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
+    """What `flatten` took apart, put back together; a torch.Size as one (pytree makes it a tuple)."""
+    if spec is None:
+        return leaves[0]
+    value = tree_unflatten(leaves, spec)
+    return torch.Size(value) if spec.type is torch.Size else value
 
 
 def leaves_of(value: Any) -> list[Any]:

@@ -330,3 +330,21 @@ def test_an_output_that_was_none_on_the_example_carries_its_gradient_when_a_call
     assert_grads_equal(pipe, reference, tol=1e-12)
     got = torch.autograd.grad(pipe(x, True)[1].square().sum(), model.a.weight)[0]
     torch.testing.assert_close(got, torch.autograd.grad(reference(x, True)[1].square().sum(), reference.a.weight)[0], rtol=0, atol=1e-12)
+
+
+class _ReturnsItsSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        h = self.b(self.a(x).relu())
+        return h, h.shape[1:]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_size_returned_comes_back_as_a_size(chunks: int) -> None:
+    """Before, it came back a tuple (pytree takes a torch.Size apart into one): `.numel()` failed."""
+    model, x = _ReturnsItsSize(), torch.randn(6, 4, 8)
+    out, size = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=chunks)(x)
+    assert type(size) is torch.Size and size == model(x)[1] and size.numel() == 32
