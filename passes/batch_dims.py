@@ -33,6 +33,7 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, joined, scatter, split_dim, split_sizes
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
+from fxpipe.core.randomness import TORCH_NAMESPACES
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
@@ -526,11 +527,17 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
     args += [f"{k}={v.name if isinstance(v, fx.Node) else repr(v)}" for k, v in node.kwargs.items()]
     call = f"{args.pop(0)}.{node.target}" if node.op == "call_method" and args else _target(node)
     text = f"{node.name} = {call}({', '.join(args)})"
-    if isinstance(whole, (int, float, tuple)) and not isinstance(whole, bool):  # a size, or a shape
+    numbers = isinstance(whole, tuple) and all(isinstance(v, (int, float)) for v in whole)
+    if (isinstance(whole, (int, float)) or numbers) and not isinstance(whole, bool):  # a size, or a shape
         shown = tuple(whole) if isinstance(whole, tuple) else whole
         text += f", {shown} for the whole example and {tuple(part) if isinstance(part, tuple) else part} for a half"
     line = source_line(node)
-    return text if line == "an unknown line" else f"{text} at {line}"
+    text = text if line == "an unknown line" else f"{text} at {line}"
+    library = getattr(node.target, "namespace", None) if isinstance(node.target, torch._ops.OpOverload) else None
+    if library is not None and library not in TORCH_NAMESPACES:  # (torch's own random ops draw fixed values here)
+        text += (f" (an op of the library {library!r}: if it draws random numbers, this check cannot hold them fixed "
+                 "nor tell them from samples mixed, and such an op runs with chunks=1 alone)")
+    return text
 
 
 def _agrees(whole: Any, parts: list[Any]) -> bool:

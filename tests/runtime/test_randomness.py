@@ -167,6 +167,17 @@ class DrawsInALibraryOp(nn.Module):
         return self.b(_library_dropout(torch.tanh(self.a(x)))[0])
 
 
+def test_a_library_op_that_draws_under_the_check_of_micro_batches_is_named_as_such() -> None:
+    """Its draws cannot be held fixed by the check of the example's halves: the refusal says so
+    of the op where the difference starts, rather than blame the model for mixing samples alone."""
+    class Twice(DrawsInALibraryOp):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(_library_dropout(_library_dropout(torch.tanh(self.a(x)))[0])[0])
+
+    with pytest.raises(ValueError, match=r"masked_dropout\.default\(tanh\) \(an op of the library 'fxpipe_tests': if it draws random numbers"):
+        compile_pipeline(Twice().double(), torch.randn(8, 8, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+
+
 class DrawsOtherwise(nn.Module):
     """Noise drawn by nn.init on a fresh tensor, and by torch.binomial: before, neither was known
     to draw, and a checkpointed micro-batch's recompute drew anew (gradients 1.4 and 5.0 off);
