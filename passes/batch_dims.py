@@ -275,7 +275,7 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
     hint = _first_may_be_shared(names, inputs, batch, dims) + hint
-    hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims)
+    hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
         f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
@@ -296,6 +296,19 @@ def _first_may_be_shared(names: list[str], inputs: tuple[Any, ...], batch: int, 
         return ""
     return (f"The batch's size, {batch}, is read from the first input, {first} {tuple(value.shape)}, along dim 0. If "
             f"{first} holds no batch (a table every sample shares), keep it whole: chunk_spec={{{first!r}: None}}.\n")
+
+
+def _state_of_the_batch_size(gm: fx.GraphModule, batch: int) -> str:
+    """A line naming the buffers the graph reads that have a dim of the batch's size (an RNN's
+    state kept between calls, one row per sample), which micro-batches cannot split; '' if none."""
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    found = {name: tuple(b.shape) for name, b in gm.named_buffers() if name in read and batch in b.shape} if batch > 1 else {}
+    if not found:
+        return ""
+    return (f"These buffers the model holds have a dim of the batch's size {batch}: "
+            f"{', '.join(f'{name} {shape}' for name, shape in found.items())}. State kept per sample (an RNN's, carried "
+            "between calls) cannot be split into micro-batches: pass it as an input, split with chunk_spec={name: dim}, "
+            "or use chunks=1.\n")
 
 
 def _batch_read_from(names: list[str], inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:

@@ -622,6 +622,26 @@ def test_a_shared_table_passed_first_is_named_with_the_chunk_spec_that_keeps_it_
     torch.testing.assert_close(pipe(pos, x), model(pos, x), rtol=0, atol=1e-12)
 
 
+class _CarriesItsState(nn.Module):
+    """A GRU whose state is a buffer of the batch's size, carried from call to call."""
+
+    def __init__(self, batch: int) -> None:
+        super().__init__()
+        self.inp, self.rnn, self.out = nn.Linear(6, 12), nn.GRU(12, 10, batch_first=True), nn.Linear(10, 5)
+        self.register_buffer("h", torch.zeros(1, batch, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, last = self.rnn(torch.tanh(self.inp(x)), self.h)
+        self.h.copy_(last.detach())
+        return self.out(y)
+
+
+def test_state_of_the_batch_size_that_micro_batches_cannot_split_is_named() -> None:
+    """Before, the refusal blamed the inputs alone, advising a chunk_spec that cannot reach it."""
+    with pytest.raises(ValueError, match=r"buffers the model holds have a dim of the batch's size 4: h \(1, 4, 10\)"):
+        compile_pipeline(_CarriesItsState(4), torch.randn(4, 7, 6), ["cpu", "cpu"], chunks=2)
+
+
 class _MixesSamples(nn.Module):
     def __init__(self) -> None:
         super().__init__()
