@@ -445,6 +445,8 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
         if not compare:  # state the runs write may make the halves differ: unknown, unless alike
             return (SAME, "") if same else (None, "")
         return (SAME, "") if same else (VARIES, "")
+    if len(changed) > 1 and _trimmed_to_the_longest(whole, parts, changed):
+        return 0, ""  # put together only where the micro-batches agree (core/microbatch.py says why not)
     if len(changed) > 1 or sum(p.shape[changed[0]] for p in parts) != whole.shape[changed[0]]:
         return VARIES, ""
     dim = changed[0]
@@ -473,6 +475,15 @@ def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> st
         return ""
     return (f"the halves' values, concatenated along dim {dim}, differ from the whole example's in {differing} of "
             f"{expected.numel()} elements" + (f", {rows_at_one_place} samples at one place" if rows_at_one_place > 1 else ""))  # fmt: skip
+
+
+def _trimmed_to_the_longest(whole: torch.Tensor, parts: list[torch.Tensor], changed: list[int]) -> bool:
+    """Whether the halves hold the batch along dim 0 and, in their other dims that differ, are as
+    long as their own longest sample, the whole as the whole's (`pad_packed_sequence` without
+    `total_length`): micro-batches that happen to agree there make the whole batch's value."""
+    if changed[0] != 0 or sum(p.shape[0] for p in parts) != whole.shape[0]:
+        return False
+    return all(max(p.shape[d] for p in parts) == whole.shape[d] for d in changed[1:])
 
 
 def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:

@@ -150,6 +150,23 @@ def test_outputs_of_other_sizes_per_micro_batch_are_refused_naming_the_dims() ->
         pipe(x, mask)
 
 
+def test_outputs_trimmed_on_the_example_s_halves_are_put_together_where_the_micro_batches_agree() -> None:
+    """An example whose halves trim to other lengths: before, every call was refused as "a value
+    made from the whole batch", advising per-sample values, which the output already is."""
+    model = TrimsPadding().double()
+    x, mask = torch.randn(4, 6, 4, dtype=torch.float64), torch.ones(4, 6, dtype=torch.long)
+    mask[2:, 3:] = 0
+    pipe = compile_pipeline(copy.deepcopy(model), (x, mask), ["cpu", "cpu"], chunks=2, split_points=["b"])
+    with pytest.raises(ValueError, match=r"(?s)differ in dim 1 besides the batch's \(dim 0\).*pad to a fixed length"):
+        pipe(x, mask)
+    mask[:, 3:] = 0  # every micro-batch as long as the batch: the plain model's output, put together
+    out, expected = pipe(x, mask), model(x, mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_equal(pipe, model)
+
+
 @dataclasses.dataclass
 class RegisteredWithoutKeys:
     """As a library registers its output type with pytree (diffusers' outputs): no keys."""
