@@ -79,7 +79,7 @@ def slice_graphs(
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         sliced = slice_graph(gm, proof)
         check_slices(gm, sliced, proof, inputs, _example_cut(made, dict(zip(_placeholders(gm), inputs))))
-        outputs.update(_output_dims(gm, proof))
+        outputs.update(_output_dims(gm, sliced, proof))
         setattr(traced, attr, sliced)
         checked[attr == "graph"] = Checked(gm, sliced, proof)
         spec = spec or made
@@ -244,14 +244,20 @@ def _placeholders(gm: fx.GraphModule) -> list[str]:
     return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _output_dims(gm: fx.GraphModule, proof: Proof) -> dict[str, tuple[Optional[int], ...]]:
-    """The sequence's dim in each leaf of each value the graph returns, by value name."""
-    output = next(n for n in gm.graph.nodes if n.op == "output")
+def _output_dims(gm: fx.GraphModule, sliced: fx.GraphModule, proof: Proof) -> dict[str, tuple[Optional[int], ...]]:
+    """The sequence's dim in each leaf of each value the graph returns, by the name the value
+    has in the `sliced` graph that runs (slicing makes some nodes again: `add` may be `add_1`)."""
     found = {}
-    for node in output.all_input_nodes:
+    for node, ran in zip(_returned_nodes(gm), _returned_nodes(sliced)):
         tags = tree_flatten(proof.tags.get(node.name), is_leaf=lambda t: t is None or isinstance(t, Positions))[0]
-        found[node.name] = tuple(_query_dim(tag, proof) for tag in tags)
+        found[ran.name] = tuple(_query_dim(tag, proof) for tag in tags)
     return found
+
+
+def _returned_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes the graph returns, in the order of its output's leaves."""
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [leaf for leaf in tree_flatten(output.args[0])[0] if isinstance(leaf, fx.Node)]
 
 
 def _query_dim(tag: Any, proof: Proof) -> Optional[int]:

@@ -874,3 +874,29 @@ def test_a_key_padding_mask_from_the_inputs_is_refused_for_what_it_reads() -> No
     with pytest.raises(CausalityError, match="mask reads the slice's own positions along its key dim") as refused:
         compile_pipeline(_PaddedKeys().double(), idx, ["cpu", "cpu"], sequence_chunks=3)
     assert "other dims than its last two" not in str(refused.value)
+
+
+class _ReturnsItsPositions(nn.Module):
+    """Returns its hidden states, positions added, beside the logits: a value slicing makes again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.pos, self.head = nn.Linear(16, 16), nn.Embedding(32, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.inp(x)) + self.pos(torch.arange(x.shape[1]))
+        return self.head(h), h
+
+
+def test_a_returned_value_that_slicing_makes_again_is_joined_from_every_slice() -> None:
+    """Before, the hidden states came back holding the first slice alone ((4, 4, 16) where the
+    plain model's are (4, 12, 16)), and the positions' gradient was 30 off: the runtime looked
+    the value's sequence dim up by its name in the graph before slicing."""
+    model, reference = twin(_ReturnsItsPositions())
+    x = torch.randn(4, 12, 16, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, sequence_chunks=3)
+    (logits, hidden), (expected_logits, expected_hidden) = pipe(x), reference(x)
+    torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=1e-12)
+    (logits.sum() + hidden.square().sum()).backward()
+    (expected_logits.sum() + expected_hidden.square().sum()).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
