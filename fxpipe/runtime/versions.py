@@ -207,13 +207,24 @@ def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], 
     each put back after the step unless the step itself set it."""
     if not params:
         return
+    if settings is not None and len(settings) != len(optimizer.param_groups):
+        raise RuntimeError(
+            f"under '2bw' a batch's update runs after the caller's code that follows its loss, with the optimizer's "
+            f"settings of before it, and that code changed its groups ({len(settings)} then, {len(optimizer.param_groups)} "
+            "now: optimizer.add_param_group, say): the update would step groups its batch did not have.\nHow to fix: "
+            "change the optimizer's groups in after_step (train_steps(..., after_step=...)), where the next batch's "
+            "update sees them, or use a synchronous schedule ('1f1b')."
+        )
     chosen = {id(p) for p in params}
     groups = [dict(group) for group in optimizer.param_groups]
     try:
         for group, held, given in zip(optimizer.param_groups, groups, settings or [{}] * len(groups)):
             group.update(given)
             group["params"] = [p for p in held["params"] if id(p) in chosen]
+        before = group_settings(optimizer) if settings is not None else []
         optimizer.step()
+        if settings is not None:
+            _refuse_settings_the_step_changes(optimizer, before)
     finally:
         for group, held, given in zip(optimizer.param_groups, groups, settings or [{}] * len(groups)):
             for key, value in given.items():
@@ -222,6 +233,33 @@ def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], 
                 elif group.get(key) is value:
                     del group[key]
             group["params"] = held["params"]
+
+
+def _refuse_settings_the_step_changes(optimizer: torch.optim.Optimizer, before: list[dict[str, Any]]) -> None:
+    """A step over one stage's parameters that changes its groups' settings (a step count kept
+    per group, as timm's Lamb keeps) would count once per stage, each from the settings of its
+    batch: refused, naming them. torch's optimizers keep their counts per parameter."""
+    changed = sorted({
+        key for group, held in zip(optimizer.param_groups, before) for key in {*group, *held} - {"params"}
+        if key not in held or key not in group or not _same_setting(group[key], held[key])
+    })  # fmt: skip
+    if changed:
+        raise RuntimeError(
+            f"under '2bw' each stage steps the optimizer over its own parameters, and {type(optimizer).__name__}'s step "
+            f"changes its groups' settings ({', '.join(map(repr, changed))}: a count kept per group, say): it would count "
+            "each stage's step, and a batch's update would not run with the settings of its batch.\nHow to fix: use a "
+            "synchronous schedule ('1f1b') with train_steps, or an optimizer that keeps such state per parameter "
+            "(optimizer.state[p]), as torch.optim's do."
+        )
+
+
+def _same_setting(now: Any, before: Any) -> bool:
+    if isinstance(now, torch.Tensor) or isinstance(before, torch.Tensor):
+        return isinstance(now, torch.Tensor) and isinstance(before, torch.Tensor) and torch.equal(now, before)
+    try:
+        return bool(now == before)
+    except Exception:  # noqa: BLE001 - a value that does not compare: taken as unchanged
+        return True
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:

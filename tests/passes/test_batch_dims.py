@@ -625,6 +625,8 @@ def test_a_shared_table_passed_first_is_named_with_the_chunk_spec_that_keeps_it_
 class _CarriesItsState(nn.Module):
     """A GRU whose state is a buffer of the batch's size, carried from call to call."""
 
+    h: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, batch: int) -> None:
         super().__init__()
         self.inp, self.rnn, self.out = nn.Linear(6, 12), nn.GRU(12, 10, batch_first=True), nn.Linear(10, 5)
