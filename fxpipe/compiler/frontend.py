@@ -287,8 +287,9 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
         "checkpointed forwards, without gradients.\nHow to fix: let forward compute the same values under "
         "torch.no_grad() too: a derivative it takes (torch.autograd.grad in forward) under `with torch.enable_grad():`, "
         "a hook registered on a tensor only `if h.requires_grad:` (a hook changes no forward value); never a branch "
-        "on torch.is_grad_enabled() that computes otherwise. Keep a module that registers hooks on tensors whole "
-        "(leaf_modules=[...]), so that its hooks are registered as it runs."
+        "on torch.is_grad_enabled() that computes otherwise. And for a hook, keep the module that registers it whole "
+        "too (leaf_modules=[...]), so that it is registered as the module runs: a trace holds no hook, and cannot "
+        "follow `if h.requires_grad:`. Both together."
     ) from error
 
 
