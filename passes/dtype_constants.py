@@ -5,7 +5,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
 
 
 def floating_dtypes_held(gm: fx.GraphModule) -> frozenset[torch.dtype]:
@@ -13,11 +12,20 @@ def floating_dtypes_held(gm: fx.GraphModule) -> frozenset[torch.dtype]:
     (a model's `self.dtype`) became, beside those its code names."""
     found: set[torch.dtype] = set()
     for node in gm.graph.nodes:
-        for value in tree_leaves((node.args, node.kwargs)):
-            if _floating(value):
-                found.add(value)
+        _collect(node.args, found)
+        _collect(node.kwargs, found)
     return frozenset(found)
 
 
-def _floating(value: Any) -> bool:
-    return isinstance(value, torch.dtype) and value.is_floating_point
+def _collect(value: Any, found: set[torch.dtype]) -> None:
+    """The floating dtypes in `value`, through tuples, lists and dicts (no pytree walk: every
+    node's arguments are read)."""
+    if isinstance(value, torch.dtype):
+        if value.is_floating_point:
+            found.add(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect(item, found)

@@ -161,14 +161,31 @@ def _also_written(node: fx.Node) -> list[fx.Node]:
     quantisation's observers call, writes its four statistics)."""
     if node.op != "call_function":
         return []
-    schemas = _schemas(node.target)
-    written = [_written_positions(s) for s in schemas] if schemas else _torch_function_writes(node.target)
     found = []
-    for positions in written:
-        for i, name in positions:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
-            if isinstance(value, fx.Node) and value not in found:
-                found.append(value)
+    for i, name in _positions_written(node.target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        if isinstance(value, fx.Node) and value not in found:
+            found.append(value)
+    return found
+
+
+_WRITTEN_BY: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _positions_written(target: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of every argument the op writes in any overload (the passes ask of each
+    node several times: looked up once per op)."""
+    try:
+        return _WRITTEN_BY[target]
+    except (KeyError, TypeError):  # (TypeError: a target that cannot be hashed, looked up each time)
+        pass
+    schemas = _schemas(target)
+    lists = [_written_positions(s) for s in schemas] if schemas else _torch_function_writes(target)
+    found = tuple(dict.fromkeys(place for positions in lists for place in positions))
+    try:
+        _WRITTEN_BY[target] = found
+    except TypeError:
+        pass
     return found
 
 
