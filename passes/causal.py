@@ -100,6 +100,9 @@ class _Prover(LayoutRules, fx.Interpreter):
         if isinstance(value, torch.Tensor) and value.dim() > d and value.shape[d] == self.length:
             self.proof.inputs[n.name] = d
             return Positions(((d, Q),))
+        if isinstance(value, torch.Tensor) and d > 0 and value.dim() == d and value.shape[d - 1] == self.length:
+            self.proof.inputs[n.name] = d - 1  # no batch dim: positions every sample shares, (T,) ids
+            return Positions(((d - 1, Q),))
         return None
 
     # -- modules ----------------------------------------------------------------------------

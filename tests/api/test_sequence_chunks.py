@@ -900,3 +900,33 @@ def test_a_returned_value_that_slicing_makes_again_is_joined_from_every_slice() 
     (logits.sum() + hidden.square().sum()).backward()
     (expected_logits.sum() + expected_hidden.square().sum()).backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class _PositionsGiven(nn.Module):
+    """Adds position embeddings of ids given as an input, one row for every sample: (T,)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, 16), nn.Embedding(64, 16)
+        self.qkv, self.head = nn.Linear(16, 48), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx) + self.pos(position_ids)
+        q, k, v = self.qkv(h).chunk(3, -1)
+        return self.head(h + F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("shape", ["(T,)", "(1, T)"])
+def test_position_ids_without_a_batch_dim_hold_the_sequence(shape: str) -> None:
+    """Before, (T,) ids were refused, blaming the add that meets them with the tokens, with advice
+    about causal attention that the model already uses; (1, T) ran."""
+    model, reference = twin(_PositionsGiven())
+    ids = torch.arange(12) + 2
+    ids = ids if shape == "(T,)" else ids[None]
+    pipe = compile_pipeline(model, (X, ids), ["cpu"] * 2, chunks=2, sequence_chunks=3)
+    assert_call_and_grads_equal(pipe, reference, X, ids, tol=1e-12)
+    loss = pipe.train_step(X, ids, target=X, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    expected = F.cross_entropy(reference(X, ids).flatten(0, 1), X.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
