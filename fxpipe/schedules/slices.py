@@ -141,7 +141,8 @@ class SliceSpec:
         if sum(self.chunks) != length:
             raise ValueError(
                 f"sequence_chunks={list(self.chunks)} cut {sum(self.chunks)} positions, and this call's sequence "
-                f"has {length}.\nHow to fix: give lengths that sum to the sequence's length, or a number of slices."
+                f"has {length}.\nHow to fix: call it with sequences of {sum(self.chunks)} positions, or compile with "
+                "sequence_chunks as lengths that sum to this call's, or as a number of slices (which cuts any length)."
             )
         return list(self.chunks)
 
