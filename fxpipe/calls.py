@@ -87,7 +87,16 @@ class PipelineCalls(nn.Module):
         # sets the model's flag too, so the model's is the latest.
         self.__dict__["training"] = self._owner.training
         mode = traced_mode(self._owner, self._programs, self._compiled)
-        if self._programs[mode].held.tensors_replaced():
+        held = self._programs[mode].held
+        if held.tensors_replaced():
+            added = held.tensors_added() if self._compiled.placement is not None else []
+            if added:
+                raise RuntimeError(
+                    f"parameters or buffers were added to the model since compiling: {', '.join(added)}. Across processes "
+                    "each rank holds the state of its own stages alone, placed when compiling: another rank's copy would "
+                    "stay, untrained, in its state_dict().\nHow to fix: compile the model again after adding them, on "
+                    "every rank."
+                )
             self._build()
         return self._programs[mode]
 

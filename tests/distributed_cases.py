@@ -951,7 +951,7 @@ def stale_copies(rank: int, world: int) -> list[str]:
 def held_elsewhere(rank: int, world: int) -> dict[str, Any]:
     """An output of the plain model kept with its graph, which holds the weights every rank would
     free: every rank refuses, naming them, with nothing moved; compiled again once it is dropped,
-    a step is exact."""
+    a step is exact; a parameter added afterwards is refused on every rank."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(4)]).double()
@@ -972,6 +972,12 @@ def held_elsewhere(rank: int, world: int) -> dict[str, Any]:
     theirs = dict(reference.named_parameters())
     report["loss"] = abs(float(loss) - expected.item())
     report["grads"] = max(_max_diff(p.grad, theirs[name].grad) for name, p in model.named_parameters() if not p.is_meta)
+    # A parameter added since (an adapter): a rank that does not hold the layer would keep a copy.
+    model[0].adapter = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    try:
+        pipe(x)
+    except RuntimeError as e:
+        report["added"] = str(e)
     return report
 
 

@@ -230,6 +230,15 @@ class HeldState:
                 return True
         return False
 
+    def tensors_added(self) -> list[str]:
+        """The parameters and buffers added since, by qualified name."""
+        held = {id(table): {key for t, key, _ in self.tensors if t is table} for table, _ in self.sizes}
+        found = []
+        for path, module in self.named.items():
+            for table in (module._parameters, module._buffers):
+                found += [f"{path}.{key}" if path else key for key in table if key not in held.get(id(table), set())]
+        return found
+
 
 @dataclass
 class Program:

@@ -382,6 +382,8 @@ def test_tensors_held_elsewhere_are_refused_on_every_rank_and_nothing_is_moved()
         assert "could not free the tensors of other ranks' stages (on rank 0: " in report.get("refused", ""), report
         assert "on rank 1: " in report["refused"] and "How to fix: drop such outputs" in report["refused"], report
         assert report["on meta"] == [] and report["loss"] <= TOL and report["grads"] <= TOL, report
+        # Before, the rank that does not hold layer 0 kept its adapter, untrained, in its state_dict().
+        assert "added to the model since compiling: 0.adapter" in report["added"] and "on every rank" in report["added"], report
 
 
 def test_a_parameter_read_in_eval_mode_alone_is_held_by_the_rank_that_reads_it() -> None:
