@@ -78,6 +78,13 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
             "halves' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
             f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the default)."
         )
+    if reduction == "sum" and not sliced and _own_counts(call) is not None:
+        raise ValueError(
+            "reduction='sum', but the model's own loss is a mean cross-entropy over the targets it counts (those not "
+            "ignore_index): summed, the micro-batches' means would give about "
+            f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the "
+            "default), which weights each micro-batch's mean by the targets it counts."
+        )
     if found == SUMMED_ON_EXAMPLE and reduction == "mean":
         raise ValueError(
             "reduction='mean', but on the example the model's own loss is the sum of its halves' losses, not their "

@@ -1084,6 +1084,17 @@ def test_a_model_s_own_mean_over_the_targets_it_counts_is_the_plain_model_s_with
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+def test_reduction_sum_of_a_model_s_own_mean_over_the_targets_it_counts_is_refused() -> None:
+    """Before, the micro-batches' means were summed (twice the plain model's loss and gradients at
+    two micro-batches), with a warning that the loss was neither a sum nor a mean."""
+    model = PaddedLM("function")
+    ids, labels = padded_labels(1)
+    pipe = compile_pipeline(model, (ids, labels), ["cpu"] * 2, chunks=2)
+    with pytest.raises(ValueError, match=r"(?s)reduction='sum', but the model's own loss is a mean cross-entropy over the targets it counts.*leave reduction at 'mean'"):
+        pipe.train_step(ids, labels, reduction="sum")
+    assert all(p.grad is None for p in pipe.parameters())
+
+
 class PaddedLMTuple(PaddedLM):
     """PaddedLM returning `(loss, logits)`, as a Hugging Face model with return_dict=False."""
 
