@@ -362,8 +362,10 @@ class _Overlap:
     def _run_hook(self, hook: Callable[[], Any], where: str) -> None:
         """The caller's hook, run while no stage holds the model's parameter slots; then the
         model as the loop found it, its tensors' values too (a weight clamped in place), or refused."""
-        tensors = [*self.pipe._owner.named_parameters(remove_duplicate=False), *self.pipe._owner.named_buffers(remove_duplicate=False)]
         with self.versions.gate.shut():
+            # Read once the stages are out of the model's slots: a stage in flight holds its own
+            # tensors there, whose counts would not see the hook write the model's.
+            tensors = [*self.pipe._owner.named_parameters(remove_duplicate=False), *self.pipe._owner.named_buffers(remove_duplicate=False)]
             before = [t._version for _, t in tensors]
             self.pipe.__dict__["_in_hook"] = True  # the model is whole: its state dict may be read
             try:
