@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map_only
 from fxpipe.compiled.materialize import FreedState, freed_needed, freed_note, is_on_meta, unfillable
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
-from fxpipe.compiled.program import ChunkSpec, Compiled, Cut
+from fxpipe.compiled.program import ChunkSpec, Compiled, Cut, first_floating_dtype
 from fxpipe.compiled.stage_compile import compile_options
 from fxpipe.compiler.arguments import (
     Device, check_arguments, cost_problems, mapping_problems, model_problems, refuse_an_example_forward_does_not_take,
@@ -34,7 +34,6 @@ from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
-from fxpipe.guards import first_floating_dtype
 from fxpipe.passes.batch_dims import annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model

@@ -4,7 +4,6 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
@@ -12,16 +11,11 @@ from torch.nn.utils import parametrize
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from fxpipe.compiled.program import Compiled, Program
+from fxpipe.compiled.program import Compiled, Program, first_floating_dtype
 from fxpipe.core.attrs import buffer_or_none
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
-
-
-def first_floating_dtype(model: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of the model's first floating parameter (what `self.dtype` reads); None without one."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _cast_since(owner: nn.Module, compiled: Compiled) -> str:

@@ -35,6 +35,7 @@ from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, 
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.randomness import TORCH_NAMESPACES
 from fxpipe.core.snapshot import preserved
+from fxpipe.core.writes import op_namespace
 from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
 from fxpipe.passes.shapes import small_on_cpu
@@ -557,7 +558,7 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
         text += f", {shown} for the whole example and {tuple(part) if isinstance(part, tuple) else part} for a half"
     line = source_line(node)
     text = text if line == "an unknown line" else f"{text} at {line}"
-    library = getattr(node.target, "namespace", None) if isinstance(node.target, torch._ops.OpOverload) else None
+    library = op_namespace(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
     if library is not None and library not in TORCH_NAMESPACES:  # (torch's own random ops draw fixed values here)
         text += (f" (an op of the library {library!r}: if it draws random numbers, this check cannot hold them fixed "
                  "nor tell them from samples mixed, and such an op runs with chunks=1 alone)")

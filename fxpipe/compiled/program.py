@@ -378,6 +378,11 @@ class OtherCall(TypeError):
         return type(self), (str(self), self.key), {k: v for k, v in self.__dict__.items() if k != "key"}
 
 
+def first_floating_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype of the model's first floating parameter (what `self.dtype` reads); None without one."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 @dataclass
 class Compiled:
     """The one contract between compile_pipeline and the runtime."""

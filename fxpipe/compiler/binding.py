@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from fxpipe.compiled.program import Binder, OtherCall
+from fxpipe.compiled.program import Binder, OtherCall, first_floating_dtype
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.validate import check_graph
 from fxpipe.tracing.export import fixed_dims, held_static
@@ -43,13 +43,15 @@ def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> 
     example's (`reduction="sum"`) is another call too: the graph passes it on, but what the
     compiler proved on the example (how an own loss adds up over micro-batches, which outputs
     hold the batch) was proved for the example's."""
-    absent = {name: _nones(value) for name, value in traced.items()}
-    words = {name: _strings(value) for name, value in traced.items()}
+    example = _leaves(traced)
+    absent = {name: _nones(leaves) for name, leaves in example.items()}
+    words = {name: _strings(leaves) for name, leaves in example.items()}
     argument = {node.name: str(node.target) for node in gm.graph.nodes if node.op == "placeholder"}  # `bias` for bias_1
 
     def checked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         values = bind(args, kwargs)
-        nones = {name: _nones(value) for name, value in values.items()}
+        leaves = _leaves(values)  # one walk of each argument, for its Nones and its strings
+        nones = {name: _nones(found) for name, found in leaves.items()}
         differ = sorted(
             argument.get(name, name) + path for name in values for path in nones[name].symmetric_difference(absent.get(name, frozenset()))
         )  # fmt: skip
@@ -61,7 +63,7 @@ def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> 
                 "for calls of each kind (with and without the argument), or pass it as the example did.",
                 key,
             )
-        strings = {name: _strings(value) for name, value in values.items()}
+        strings = {name: _strings(found) for name, found in leaves.items()}
         other = sorted(f"{argument.get(name, name)}{path}={word!r}" for name in values for path, word in strings[name].items()
                        if words.get(name, {}).get(path, word) != word)  # fmt: skip
         if other:
@@ -76,20 +78,24 @@ def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> 
     return checked
 
 
-def _paths(value: Any, is_leaf: Callable[[Any], bool]) -> list[tuple[str, Any]]:
-    """`value`'s leaves with their paths (`['mask']`, `[0]`)."""
-    leaves, _ = tree_flatten_with_path(value, is_leaf=is_leaf)
-    return [(keystr(path), leaf) for path, leaf in leaves]
+def _leaves(values: dict[str, Any]) -> dict[str, list[tuple[str, Any]]]:
+    """Each argument's leaves with their paths (`['mask']`, `[0]`; '' for the argument itself),
+    None among them."""
+    found = {}
+    for name, value in values.items():
+        leaves, _ = tree_flatten_with_path(value, is_leaf=lambda leaf: leaf is None)
+        found[name] = [(keystr(path), leaf) for path, leaf in leaves]
+    return found
 
 
-def _nones(value: Any) -> frozenset[str]:
-    """Where `value` holds None: '' for None itself, `['mask']` or `[0]` inside a container."""
-    return frozenset(path for path, leaf in _paths(value, lambda leaf: leaf is None) if leaf is None)
+def _nones(leaves: list[tuple[str, Any]]) -> frozenset[str]:
+    """Where an argument holds None: '' for None itself, `['mask']` or `[0]` inside a container."""
+    return frozenset(path for path, leaf in leaves if leaf is None)
 
 
-def _strings(value: Any) -> dict[str, str]:
-    """The strings `value` holds, by path ('' for a string itself)."""
-    return {path: leaf for path, leaf in _paths(value, lambda leaf: leaf is None) if isinstance(leaf, str)}
+def _strings(leaves: list[tuple[str, Any]]) -> dict[str, str]:
+    """The strings an argument holds, by path ('' for a string itself)."""
+    return {path: leaf for path, leaf in leaves if isinstance(leaf, str)}
 
 
 def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any]) -> Binder:
@@ -107,7 +113,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
     kinds = [_kind(leaf) for leaf in example]
     signature = inspect.signature(model.forward)
-    exported_in = _model_dtype(model)  # export holds the model's dtype too (`self.dtype`, a branch on it)
+    exported_in = first_floating_dtype(model)  # export holds the model's dtype too (`self.dtype`, a branch on it)
 
     order = list(_children(spec)[1].context or [])  # the example's keyword arguments, in its order
     positional = _children(spec)[0].num_children
@@ -129,7 +135,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 str(called),
             )
         now = [_kind(leaf) for leaf in leaves]
-        dtype = _model_dtype(model)
+        dtype = first_floating_dtype(model)
         if dtype != exported_in:
             raise OtherCall(
                 f"the model was cast from {exported_in} to {dtype} since the graph was exported, which holds the dtype "
@@ -152,11 +158,6 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         return dict(zip(names, leaves))
 
     return bind
-
-
-def _model_dtype(model: nn.Module) -> Optional[torch.dtype]:
-    """The dtype of the model's first floating parameter; None without one."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:

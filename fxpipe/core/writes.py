@@ -180,8 +180,8 @@ def _positions_written(target: Any) -> tuple[tuple[int, str], ...]:
     except (KeyError, TypeError):  # (TypeError: a target that cannot be hashed, looked up each time)
         pass
     schemas = _schemas(target)
-    lists = [_written_positions(s) for s in schemas] if schemas else _torch_function_writes(target)
-    found = tuple(dict.fromkeys(place for positions in lists for place in positions))
+    places = [place for s in schemas for place in _written_positions(s)] if schemas else list(_torch_function_writes(target))
+    found = tuple(dict.fromkeys(places))
     try:
         _WRITTEN_BY[target] = found
     except TypeError:
@@ -189,13 +189,13 @@ def _positions_written(target: Any) -> tuple[tuple[int, str], ...]:
     return found
 
 
-def _torch_function_writes(target: Any) -> list[list[tuple[int, str]]]:
+def _torch_function_writes(target: Any) -> tuple[tuple[int, str], ...]:
     """For a torch function that binds an aten op of its name, the arguments written in place
     that every overload writes at the same place: torch's functions take the op's arguments."""
     name = getattr(target, "__name__", None)
     if not isinstance(name, str) or getattr(target, "__module__", None) != "torch" or not callable(target):
-        return []
-    return [list(_written_everywhere(name))]
+        return ()
+    return _written_everywhere(name)
 
 
 @functools.cache
@@ -309,7 +309,7 @@ def _aliases_first(schema: Any) -> bool:
     return first is not None and not first.is_write and ret is not None and not ret.is_write
 
 
-def _namespace(target: Any) -> Optional[str]:
+def op_namespace(target: Any) -> Optional[str]:
     """The library of a torch op (`aten`, or a user's `torch.library` namespace); None for anything else."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema.name.partition("::")[0]
@@ -333,7 +333,7 @@ def _view_kind(node: fx.Node) -> Optional[str]:
         return "view" if len(node.args) > 1 and _basic_index(node.args[1]) else None
     if node.target is getattr:
         return "view" if len(node.args) > 1 and node.args[1] in _ATTRIBUTE_VIEWS else None
-    if _namespace(node.target) not in (None, "aten"):
+    if op_namespace(node.target) not in (None, "aten"):
         schemas = _schemas(node.target)  # an op of its own library: its schema says, not a namesake of aten's
         return "view or copy" if schemas and all(_aliases_first(s) for s in schemas) else None
     name = _op_name(node)
