@@ -1,0 +1,167 @@
+"""Models that needed a fix of their own, each tried in every way a user calls a model."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Optional, cast
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe import compile_pipeline
+from uses import AUTOCAST, EVERY_USE, assert_alike_in_every_use
+
+MODES = ("always", "except_last", "never")
+NOT_LOW_PRECISION = tuple(use for use in EVERY_USE if use is not AUTOCAST)
+
+
+def _squares(out: Any) -> torch.Tensor:
+    """A loss on every floating tensor the model returns."""
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    return sum((t.float().square().mean() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()), torch.zeros(()))
+
+
+class _SliceWritten(nn.Module):
+    """A running mean kept in a slice of a buffer that later stages read."""
+
+    ema: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5)
+        self.register_buffer("ema", torch.zeros(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            self.ema[:3].lerp_(h.mean(0)[:3], 0.5)
+        return self.c(torch.tanh(self.b(h)) + 2 * self.ema) + self.ema
+
+
+@pytest.mark.parametrize(("mode", "chunks"), [("always", 1), ("except_last", 2), ("never", 4)])
+def test_a_buffer_written_through_a_slice(mode: str, chunks: int) -> None:
+    """The plain model runs the micro-batches in turn: each writes the buffer the next reads."""
+    torch.manual_seed(0)
+    plain = _SliceWritten().double()
+    x = torch.randn(8, 5, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the export form says it used torch.export
+        pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 3, chunks=chunks, checkpoint=mode, split_points=["b", "c"])
+
+    def in_turn(model: nn.Module) -> torch.Tensor:
+        return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
+
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION, plain_call=in_turn)
+
+
+class _Attends(nn.Module):
+    """Attention weights returned where the call asks for them, None otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, need_weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h = self.a(x)
+        out, weights = self.attention(h, h, h, need_weights=need_weights)
+        return self.b(out), weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_an_output_none_on_the_example_and_a_tensor_on_the_call(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    plain = _Attends().to(dtype)
+    x = torch.randn(6, 5, 8, dtype=dtype)
+    pipe = compile_pipeline(copy.deepcopy(plain), (x, False), ["cpu", "cpu"], chunks=2, split_points=["attention"])
+    uses = NOT_LOW_PRECISION if dtype == torch.float64 else (AUTOCAST,)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x, True), _squares, uses, tol=1e-10 if dtype == torch.float64 else 1e-5)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x, False), _squares, uses, tol=1e-10 if dtype == torch.float64 else 1e-5)
+
+
+class _ReturnsItsSize(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        h = self.b(self.a(x).relu())
+        return h, h.shape[1:]
+
+
+def test_a_size_returned() -> None:
+    plain, x = _ReturnsItsSize().double(), torch.randn(6, 4, 8, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu", "cpu"], chunks=2)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
+
+
+def _adapted(linear: nn.Linear) -> None:
+    """A low-rank adapter, added after compiling, that a forward hook reads."""
+    generator = torch.Generator().manual_seed(1)
+    linear.lora_a = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=linear.weight.dtype) * 0.3)
+    linear.lora_b = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=linear.weight.dtype) * 0.3)
+    linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_parameters_added_after_compiling(frozen: bool) -> None:
+    plain = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    model = copy.deepcopy(plain)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for m in (model, plain):
+        _adapted(cast(nn.Linear, m[2]))
+        for name, p in m.named_parameters():
+            p.requires_grad_(not frozen or "lora" in name)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
+
+
+class _OwnLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), labels, reduction=reduction)
+
+
+def test_a_model_returning_its_own_loss_called_with_another_string() -> None:
+    """Per sample on the call, a mean on the example (a sum comes whole from train_step only)."""
+    torch.manual_seed(0)
+    plain = _OwnLoss().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(copy.deepcopy(plain), (x, y), ["cpu", "cpu"], chunks=2)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x, y, "none"), _squares, NOT_LOW_PRECISION)
+
+
+def test_a_model_cast_after_compiling() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 3))
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu", "cpu"], chunks=2)
+    pipe.double()
+    plain.double()
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x.double()), _squares, NOT_LOW_PRECISION)
+
+
+def test_fake_quantisation() -> None:
+    import torch.ao.quantization as tq
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
+
+    torch.manual_seed(0)
+    plain = Quantised()
+    plain.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(plain.train(), inplace=True)
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu", "cpu"], chunks=1, checkpoint="always")
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION, tol=1e-6)
