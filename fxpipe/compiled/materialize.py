@@ -2,8 +2,8 @@
 
 A model too big for one host is built under `torch.device("meta")` (shapes, no memory) and
 compiled as it is. Each stage that runs in this process gets its parameters and buffers made on
-its device (`torch.empty`), and every module whose tensors are all made runs its own
-`reset_parameters()`. What no module initialises is filled with NaN (0 for integers), named in a
+its device (holding NaN, 0 if integer), and every module whose tensors are all made runs its own
+`reset_parameters()`. What no module initialises keeps its NaN (0 for integers), named in a
 warning: load a checkpoint into it (`dcp.load` into `pipe.state_dict()`) before training. A buffer
 no checkpoint holds either (persistent=False) and no module makes is refused.
 
@@ -94,7 +94,7 @@ def materialize(
     made: set[int] = set()
     for tensor, device in [*wanted, *also]:
         if tensor.is_meta and id(tensor) not in made:
-            torch.utils.swap_tensors(tensor, _empty_like(tensor, device))
+            torch.utils.swap_tensors(tensor, _made_like(tensor, device))
             made.add(id(tensor))
     if not made:
         return
@@ -105,8 +105,14 @@ def materialize(
         if own and callable(reset) and any(id(t) in made for t in own) and not any(t.is_meta for t in own):
             with torch.no_grad():
                 reset()
-            initialised.update(id(t) for t in own)
+            initialised.update(id(t) for t in own if not _left_unset(t))
     _fill_the_rest(owner, made - initialised)
+
+
+def _left_unset(tensor: torch.Tensor) -> bool:
+    """Whether a made tensor still holds NaN where it was made (`_made_like`) after its module's
+    reset_parameters(), which set only some of the module's tensors (a subclass's own scale)."""
+    return (tensor.is_floating_point() or tensor.is_complex()) and bool(tensor.isnan().any())
 
 
 def unfillable(owner: nn.Module, tensors: Sequence[torch.Tensor]) -> list[str]:
@@ -159,9 +165,11 @@ def _refuse_freed(owner: nn.Module, needed: list[torch.Tensor]) -> None:
         raise freed_refusal({"this rank": names})
 
 
-def _empty_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-    return nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+def _made_like(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` made on `device`, holding NaN (0 if integer) until something initialises it."""
+    filler = float("nan") if tensor.is_floating_point() or tensor.is_complex() else 0
+    made = torch.full(tensor.shape, filler, dtype=tensor.dtype, device=device)
+    return nn.Parameter(made, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else made
 
 
 def _fill_the_rest(owner: nn.Module, left: set[int]) -> None:

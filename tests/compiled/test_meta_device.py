@@ -71,6 +71,28 @@ def test_what_no_module_initialises_is_nan_and_named() -> None:
     assert torch.equal(pipe.state_dict()["scale"], torch.ones(4))
 
 
+class _GainedLinear(nn.Linear):
+    """A Linear with a scale of its own, which Linear's reset_parameters() leaves alone."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, width)
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+def test_a_parameter_its_modules_reset_leaves_alone_is_nan_and_named() -> None:
+    """Before, every tensor of a module with reset_parameters() counted as set: the gain kept
+    whatever memory torch.empty gave it (6.9e-310, 0, ...), with no warning."""
+    with torch.device("meta"):
+        model = nn.Sequential(_GainedLinear(4), nn.Tanh(), _GainedLinear(4))
+    with pytest.warns(UserWarning, match=r"no reset_parameters\(\) initialises 0\.gain, 2\.gain: they hold NaN"):
+        pipe = compile_pipeline(model, torch.randn(4, 4), ["cpu", "cpu"])
+    state = pipe.state_dict()
+    assert torch.isnan(state["0.gain"]).all() and torch.isfinite(state["0.weight"]).all() and torch.isfinite(state["2.bias"]).all()
+
+
 def test_balance_by_time_cannot_time_a_model_on_the_meta_device() -> None:
     with torch.device("meta"):
         model = FanOut()
