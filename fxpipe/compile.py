@@ -16,8 +16,8 @@ from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, Cut, first_floating_dtype
 from fxpipe.compiled.stage_compile import compile_options
 from fxpipe.compiler.arguments import (
-    Device, check_arguments, cost_problems, mapping_problems, model_problems, refuse_an_example_forward_does_not_take,
-    refuse_bad_chunk_spec, refuse_lazy, refuse_nothing_split,
+    Device, check_arguments, cost_problems, mapping_problems, model_problems, plain_values, refuse_an_example_forward_does_not_take,
+    refuse_bad_chunk_spec, refuse_lazy, refuse_nothing_split, timeout_problems,
 )
 from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
@@ -229,15 +229,19 @@ def compile_pipeline(
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`; a stage DAG, the one with the
     least time on its longest path in place of the sum.
     """
+    devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks = (
+        plain_values(v) for v in (devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks)
+    )
     placement = _placement(devices, mesh, timeout)
     given = devices if placement is None else [placement.device] * placement.size
     assert given is not None
     leaf_modules = [leaf_modules] if isinstance(leaf_modules, (str, type)) else list(leaf_modules or ())
     stage_compile, compile_problems = compile_options(compile_stages)
     problems = [*model_problems(model, leaf_modules), *cost_problems(device_memory, param_scale, bandwidth, flop_rate), *compile_problems]
+    problems += timeout_problems(timeout)
     problems += sequence_problems(sequence_chunks, sequence_dim, stage_compile is not None)
     problems += mapping_problems(chunk_spec, example_kwargs)
-    parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph)
+    parsed = check_arguments(given, chunks, checkpoint, split_points, balance, schedule, stages_per_device, problems, stage_graph, device_memory)
     ranks = [s % len(parsed) for s in range(stages_per_device * len(parsed))]
     parsed = [parsed[r] for r in ranks]
     example_args = example if isinstance(example, tuple) else (example,)
@@ -421,8 +425,11 @@ def _placement(devices: Any, mesh: Any, timeout: Any) -> Optional[RankPlacement]
             "(a DeviceMesh with a 'pp' dimension, one process per stage)"
             + (f", not both (got devices={devices!r})" if mesh is not None else "")
         )
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"timeout must be a positive number of seconds (got {timeout!r})")
-    return None if mesh is None else placement_of(mesh, timeout)
+    if mesh is None:
+        return None  # a bad timeout is listed with the other arguments' problems
+    problems = timeout_problems(timeout)
+    if problems:
+        raise ValueError(problems[0])
+    return placement_of(mesh, timeout)
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+import numbers
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -45,6 +46,24 @@ def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
     return parsed, None
 
 
+def plain_values(value: Any) -> Any:
+    """`value` with NumPy's numbers and arrays as Python ints, floats and lists, and an iterator
+    as a list (read once here: a call of another kind compiles again from the same options)."""
+    if isinstance(value, (bool, str, bytes, torch.device, torch.Tensor)) or value is None:
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, float):
+        return float(value)
+    if type(value).__module__ == "numpy" and callable(getattr(value, "tolist", None)):
+        return plain_values(value.tolist())
+    if isinstance(value, Iterator):
+        value = list(value)
+    if type(value) in (list, tuple):
+        return type(value)(plain_values(v) for v in value)
+    return value
+
+
 def _listed(devices: Any) -> Optional[list[Any]]:
     """The devices as a list, or None when `devices` is not a list of them (one device, say)."""
     if isinstance(devices, (str, int, torch.device)) or not isinstance(devices, Iterable):
@@ -54,7 +73,11 @@ def _listed(devices: Any) -> Optional[list[Any]]:
 
 def _device_problems(devices: Any, listed: Optional[list[Any]]) -> tuple[list[torch.device], list[str]]:
     if listed is None:
-        example = [devices] if isinstance(devices, int) else [str(devices)] if isinstance(devices, (str, torch.device)) else ["cpu", "cpu"]
+        if isinstance(devices, int) and not isinstance(devices, bool):
+            shown = ["cpu"] * devices if 1 <= devices <= 8 else ["cpu", "cpu"]
+            return [], [f"devices must be a list with one device per stage, not a count: e.g. devices={shown!r}, or "
+                        f"{[f'cuda:{i}' for i in range(len(shown))]!r} (got {devices!r})"]  # fmt: skip
+        example = [str(devices)] if isinstance(devices, (str, torch.device)) else ["cpu", "cpu"]
         return [], [f"devices must be a list with one device per stage, e.g. devices={example!r} (got {devices!r})"]
     if not listed:
         return [], ["devices is empty: give one device per stage, e.g. devices=['cpu', 'cpu']"]
@@ -62,14 +85,17 @@ def _device_problems(devices: Any, listed: Optional[list[Any]]) -> tuple[list[to
     return [d for d, _ in found if d is not None], list(dict.fromkeys(p for _, p in found if p is not None))
 
 
-def _balance_problems(balance: Any) -> list[str]:
+def _balance_problems(balance: Any, stages: Optional[int]) -> list[str]:
+    """`stages`: how many the devices make, where they parse."""
     modes = ", ".join(map(repr, BALANCE_MODES))
     if balance is None or (isinstance(balance, str) and balance in BALANCE_MODES):
         return []
     counts = not isinstance(balance, (str, bytes)) and isinstance(balance, Sequence)
     if not counts or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in balance):
         return [f"balance must be one of {modes}, or a list of node counts per stage, each at least 1 (got {balance!r})"]
-    return []  # how many, and their sum, the partition checks against the graph
+    if stages is not None and len(balance) != stages:
+        return [f"balance has {len(balance)} entries for {stages} stages (devices times stages_per_device): give one node count per stage"]
+    return []  # their sum the partition checks against the graph
 
 
 def _split_point_problems(split_points: Any, balance: Any) -> list[str]:
@@ -176,20 +202,31 @@ def mapping_problems(chunk_spec: Any, example_kwargs: Any) -> list[str]:
     return problems
 
 
+def timeout_problems(timeout: Any) -> list[str]:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        return [f"timeout must be a positive number of seconds (got {timeout!r})"]
+    return []
+
+
 def check_arguments(
     devices: Sequence[Device], chunks: int, checkpoint: str, split_points: Any, balance: Any,
     schedule: Any = "gpipe", stages_per_device: Any = 1, model_problems: Sequence[str] = (), stage_graph: Any = "auto",
+    device_memory: Any = None,
 ) -> list[torch.device]:
     """The devices parsed; or one ValueError that lists every bad argument with its fix."""
     listed = _listed(devices)
     parsed, problems = _device_problems(devices, listed)
     problems = [*model_problems, *problems]
+    if listed and isinstance(device_memory, (list, tuple)) and len(device_memory) != len(listed):
+        entries = f"{len(device_memory)} entr{'y' if len(device_memory) == 1 else 'ies'}"
+        problems.append(f"device_memory has {entries} for {len(listed)} devices: give one per device, or one number")
+    whole = isinstance(stages_per_device, int) and not isinstance(stages_per_device, bool) and stages_per_device >= 1
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         problems.append(f"chunks must be a whole number of micro-batches, at least 1 (got {chunks!r})")
     if checkpoint not in CHECKPOINT_MODES:
         problems.append(f"checkpoint must be one of {', '.join(map(repr, CHECKPOINT_MODES))} (got {checkpoint!r})")
     problems += _split_point_problems(split_points, balance)
-    problems += _balance_problems(balance)
+    problems += _balance_problems(balance, len(listed) * stages_per_device if listed and whole else None)
     problems += _schedule_problems(schedule, stages_per_device, chunks, len(parsed))
     problems += _stage_graph_problems(stage_graph, split_points, balance)
     if problems:

@@ -49,7 +49,12 @@ def test_a_number_for_a_device_without_cuda_says_so_once() -> None:
     """Before: "0 is not a device", once per stage; and `devices=0` was told to write ['0']."""
     message = _message(devices=[0, 0])
     assert message.count("0: a number names a CUDA device, and CUDA is not available on this machine") == 1, message
-    assert "e.g. devices=[0]" in _message(devices=0)
+    assert "not a count: e.g. devices=['cpu', 'cpu']" in _message(devices=0)
+
+
+def test_a_stage_count_for_devices_is_answered_with_a_list_of_that_many() -> None:
+    """Before, devices=2 was told to write [2], which names CUDA device 2."""
+    assert "devices must be a list with one device per stage, not a count: e.g. devices=['cpu', 'cpu'], or ['cuda:0', 'cuda:1'] (got 2)" in _message(devices=2)
 
 
 @pytest.mark.parametrize("name,value", [("chunk_spec", [0]), ("chunk_spec", ("x", 0)), ("example_kwargs", [("mask", X)])])
@@ -113,6 +118,47 @@ def test_every_problem_is_listed_in_one_message() -> None:
     assert len(problems) == 6, message
     assert "'meta': stages run on" in message and "'cuda:7':" in message and "'nonsense' is not a device" in message
     assert "chunks must" in message and "checkpoint must" in message and "balance must" in message
+
+
+def test_counts_known_from_the_arguments_are_listed_with_the_other_problems() -> None:
+    """Before, the timeout was refused alone, and device_memory's and balance's lengths only once
+    every other argument was right: five attempts to see five problems."""
+    message = _message(devices=["cpu", "cpu"], chunks=0, device_memory=[1e9], balance=[1, 1, 1], timeout=-1)
+    problems = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 4, message
+    assert "timeout must be a positive number of seconds (got -1)" in message and "chunks must" in message
+    assert "device_memory has 1 entry for 2 devices" in message and "balance has 3 entries for 2 stages" in message
+
+
+def test_numbers_and_arrays_from_numpy_are_taken_as_python_s() -> None:
+    """Before, chunks=np.int64(2) was "not a whole number", and np.diff's cut not node counts."""
+    np = pytest.importorskip("numpy")
+    model = nn.Sequential(*(nn.Linear(6, 6) for _ in range(4)))
+    plain = compile_pipeline(model, X, ["cpu", "cpu"], chunks=2, balance=[2, 2], device_memory=2**30)
+    given = compile_pipeline(model, X, np.array(["cpu", "cpu"]), chunks=np.int64(2), balance=np.diff([0, 2, 4]), device_memory=np.int64(2**30))
+    assert given.plan.to_dict() == plain.plan.to_dict()
+    given.close()
+    plain.close()
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: Any = None) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h if scale is None else h * scale)
+
+
+def test_devices_given_as_an_iterator_serve_calls_of_another_kind() -> None:
+    """Before, the iterator compiling read was kept for later calls: the first call of another
+    kind (a tensor where the example had None) was refused as "devices is empty"."""
+    model = _Scaled()
+    pipe = compile_pipeline(model, X, iter(["cpu", "cpu"]), chunks=2)
+    scale = torch.rand(4, 6)
+    torch.testing.assert_close(pipe(X, scale), model(X, scale), rtol=0, atol=0)
+    pipe.close()
 
 
 def test_one_device_string_is_listed_with_the_other_problems() -> None:

@@ -345,7 +345,7 @@ def test_partition_errors_name_the_problem(stages: int, kwargs: dict[str, Any], 
         (0, {}, ValueError, r"devices is empty"),
         (2, {"chunks": 0}, ValueError, r"chunks must be a whole number of micro-batches, at least 1 \(got 0\)"),
         (2, {"checkpoint": "sometimes"}, ValueError, r"checkpoint must be one of .* \(got 'sometimes'\)"),
-        (3, {"balance": [4, 4]}, PartitionError, r"balance has 2 entries for 3 stages"),
+        (3, {"balance": [4, 4]}, ValueError, r"balance has 2 entries for 3 stages"),
         (2, {"split_points": ["b9"]}, PartitionError, r"split point 'b9' is not a module"),
     ],
 )
