@@ -155,7 +155,7 @@ def test_devices_given_as_an_iterator_serve_calls_of_another_kind() -> None:
     """Before, the iterator compiling read was kept for later calls: the first call of another
     kind (a tensor where the example had None) was refused as "devices is empty"."""
     model = _Scaled()
-    pipe = compile_pipeline(model, X, iter(["cpu", "cpu"]), chunks=2)
+    pipe = compile_pipeline(model, X, iter(["cpu", "cpu"]), chunks=2)  # type: ignore[arg-type]
     scale = torch.rand(4, 6)
     torch.testing.assert_close(pipe(X, scale), model(X, scale), rtol=0, atol=0)
     pipe.close()
