@@ -109,13 +109,26 @@ def run_on(
     runs = []
     fixed = drawing_or_normalising(gm) if fixed is None else fixed
     with preserved(gm), torch.no_grad():
-        before = {name: (b, _version(b)) for name in writable_buffer_names(gm, list(gm.graph.nodes)) if (b := _buffer(gm, name)) is not None}
+        names = writable_buffer_names(gm, list(gm.graph.nodes)) if written is not None else []
+        before = {name: (b, _version(b), b.clone()) for name in names if (b := _buffer(gm, name)) is not None}
         for inputs in examples:
             with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
                 runs.append(_run_once(gm, cloned(inputs), real, keep, fixed, records))
         if written is not None:
-            written.update(name for name, (b, version) in before.items() if _buffer(gm, name) is not b or version is None or _version(b) != version)
+            written.update(name for name, kept in before.items() if _written(_buffer(gm, name), *kept))
     return runs
+
+
+def _written(now: Optional[torch.Tensor], buffer: torch.Tensor, version: Optional[int], values: torch.Tensor) -> bool:
+    """Whether a run wrote `buffer`: replaced it, bumped its version, or changed its values (a
+    fused kernel, quantisation's observer, writes without bumping the version)."""
+    if now is not buffer or version is None or _version(buffer) != version:
+        return True
+    if buffer.is_meta or buffer.shape != values.shape:
+        return buffer.shape != values.shape
+    if buffer.is_floating_point() or buffer.is_complex():  # NaN where it was NaN is unchanged
+        return not torch.allclose(buffer, values, rtol=0, atol=0, equal_nan=True)
+    return not torch.equal(buffer, values)
 
 
 def _run_once(
