@@ -47,6 +47,8 @@ class Rollback:
         to the attributes of modules called whole, undone."""
         with torch.no_grad():
             for buffer, values in self.buffers:
+                if buffer.shape != values.shape:  # resized in place (an observer's first statistics)
+                    buffer.resize_(values.shape)
                 buffer.copy_(values)
             for target, values in reversed(self.inputs):
                 copy_into(target, values)

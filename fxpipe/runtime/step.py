@@ -307,8 +307,11 @@ class Step(BackwardTasks):
         self.rollback.keep(self.local_stages)
         try:
             yield
-        except BaseException:
-            self.put_back_buffers()
+        except BaseException as error:
+            try:
+                self.put_back_buffers()
+            except Exception as failure:  # noqa: BLE001 - the step's own error is the one to see
+                error.add_note(f"What the failed step wrote could not all be put back: {type(failure).__name__}: {failure}")
             raise
 
     def put_back_buffers(self) -> None:

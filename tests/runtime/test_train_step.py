@@ -305,6 +305,30 @@ def test_a_failed_step_writes_no_buffer(failure: str, schedule: str) -> None:
         torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=1e-12)
 
 
+def test_a_failed_step_puts_back_buffers_its_forward_resized_and_says_why_it_failed() -> None:
+    """Quantisation-aware training's observers resize their empty statistics on the first
+    forward. Before, the put-back of a failed step raised on their shapes: the step's own error
+    was lost ("size of tensor a (6) must match ... (0)"), and every buffer stayed as written."""
+    import torch.ao.quantization as tq
+
+    torch.manual_seed(0)
+    model = nn.Sequential(tq.QuantStub(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3), tq.DeQuantStub())
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(model.train(), inplace=True)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(StageError, match=r"in loss: RuntimeError: The size of tensor a \(3\) must match the size of tensor b \(2\)"):
+        pipe.train_step(x, target=y[:, :2], loss_fn=F.mse_loss)
+    for key, value in model.state_dict().items():
+        assert value.shape == before[key].shape and torch.equal(value, before[key]), f"{key} was left as the failed step wrote it"
+    loss, expected = pipe.train_step(x, target=y, loss_fn=F.mse_loss), F.mse_loss(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-6)
+    assert_grads_equal(pipe, reference, tol=1e-6)
+
+
 @pytest.mark.parametrize("call", ["train_step", "pipe(x)"])
 def test_a_failed_step_leaves_the_callers_generator_as_it_was(call: str) -> None:
     """As across processes: before, in one process a step that failed after its dropout or its
