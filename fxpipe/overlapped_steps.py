@@ -89,9 +89,11 @@ class _Overlap:
         placement = pipe._compiled.placement
         # Across processes: this rank's stage alone, on a thread of its own.
         self.ranks = None if placement is None else LoopRanks(pipe._across(), placement)
-        here = None if self.ranks is None else [s for s, rank in enumerate(self.layout.ranks) if rank == self.ranks.me]
+        self.here = None if self.ranks is None else [s for s, rank in enumerate(self.layout.ranks) if rank == self.ranks.me]
+        here = self.here
         self.local = list(range(self.layout.stages)) if here is None else here
         self.versions = Versions(self.program, optimizer, steps.WAIT_TIMEOUT, here)  # read now: tests bound it
+        self._take_the_model()
         self.workers = pipe._workers if here is None else Workers([self.program.stages[here[0]].device], name="fxpipe-2bw")
         self.steps: dict[int, _InFlight] = {}
         self.updates: dict[int, TaskGroup] = {}
@@ -106,6 +108,15 @@ class _Overlap:
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
         self.generator: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _take_the_model(self) -> None:
+        """The stages built again on what the model holds now, where it holds other tensors than
+        they were built on (a parameter added since compiling, or by the iterable before its first
+        batch), and the versions kept of theirs: else the versions would update the old ones."""
+        self.pipe._held_program()
+        if self.pipe._programs[True] is not self.program:
+            self.program = self.pipe._programs[True]
+            self.versions = Versions(self.program, self.optimizer, steps.WAIT_TIMEOUT, self.here)
 
     def _fix_slices(self, per_row: int) -> None:
         self.slices = per_row
@@ -143,6 +154,7 @@ class _Overlap:
         """The caller's iterable ran there: before the first batch nothing is in flight, and
         the loop takes the model as it is then; after it, batches are (the one before, at least)."""
         if index == 0:
+            self._take_the_model()
             self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
             self.rates = {name: dropout_rate_of(m) for name, m in self.pipe._owner.named_modules()}
         elif batch is not None:

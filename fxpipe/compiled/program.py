@@ -185,8 +185,9 @@ class HeldState:
     # module for a module-level value), the path from it, the value when compiled.
     attributes: list[tuple[str, Any, str, Any]] = field(default_factory=list)
     named: dict[str, nn.Module] = field(default_factory=dict)  # the modules by qualified name
-    # Each module's parameter and buffer tables with their sizes: a parameter added after compiling
-    # (an adapter's, read by a hook or a patched forward of a module called whole) must be seen.
+    # Each module's parameter, buffer and submodule tables with their sizes: a parameter or a
+    # module added after compiling (an adapter, read by a hook or a patched forward of a module
+    # called whole) must be seen.
     sizes: list[tuple[dict[str, Any], int]] = field(default_factory=list)
 
     @staticmethod
@@ -201,6 +202,7 @@ class HeldState:
             for table in (module._parameters, module._buffers):
                 tensors += [(table, key, tensor) for key, tensor in table.items()]
                 sizes.append((table, len(table)))
+            sizes.append((module._modules, len(module._modules)))
         for target in read:
             path, _, key = target.rpartition(".")
             module = found.get(path)
@@ -221,7 +223,7 @@ class HeldState:
         return changed([held for held in self.attributes if held[0] in read])
 
     def tensors_replaced(self) -> bool:
-        """Whether a parameter or buffer was replaced, added or removed since."""
+        """Whether a parameter or buffer was replaced, added or removed since, or a module added."""
         for table, key, tensor in self.tensors:  # at every call: a loop, not a generator
             if table.get(key) is not tensor:
                 return True
@@ -233,10 +235,15 @@ class HeldState:
     def tensors_added(self) -> list[str]:
         """The parameters and buffers added since, by qualified name."""
         held = {id(table): {key for t, key, _ in self.tensors if t is table} for table, _ in self.sizes}
+        known = {id(module) for module in self.named.values()}
         found = []
         for path, module in self.named.items():
             for table in (module._parameters, module._buffers):
                 found += [f"{path}.{key}" if path else key for key in table if key not in held.get(id(table), set())]
+            for key, child in module._modules.items():
+                if child is not None and id(child) not in known:  # a module added, with all it holds
+                    prefix = f"{path}.{key}" if path else key
+                    found += [f"{prefix}.{name}" for name, _ in [*child.named_parameters(), *child.named_buffers()]]
         return found
 
 

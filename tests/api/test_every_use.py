@@ -97,22 +97,40 @@ def test_a_size_returned() -> None:
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
 
 
-def _adapted(linear: nn.Linear) -> None:
-    """A low-rank adapter, added after compiling, that a forward hook reads."""
-    generator = torch.Generator().manual_seed(1)
-    linear.lora_a = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=linear.weight.dtype) * 0.3)
-    linear.lora_b = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=linear.weight.dtype) * 0.3)
-    linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
+class _LowRank(nn.Module):
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1)
+        self.a = nn.Parameter(torch.randn(2, width, generator=generator, dtype=dtype) * 0.3)
+        self.b = nn.Parameter(torch.randn(width, 2, generator=generator, dtype=dtype) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.a.T @ self.b.T
+
+
+def _adapted(linear: nn.Linear, as_module: bool) -> None:
+    """A low-rank adapter added after compiling, as parameters of the layer or as a module of
+    its own, that a forward hook reads."""
+    adapter = _LowRank(linear.in_features, linear.weight.dtype)
+    if as_module:
+        linear.lora = adapter
+        linear.register_forward_hook(lambda module, args, out: out + module.lora(args[0]))
+    else:
+        linear.lora_a, linear.lora_b = adapter.a, adapter.b
+        linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
 
 
 @pytest.mark.parametrize("frozen", [False, True])
-def test_parameters_added_after_compiling(frozen: bool) -> None:
+@pytest.mark.parametrize("as_module", [False, True], ids=["parameters", "a module"])
+def test_parameters_added_after_compiling(frozen: bool, as_module: bool) -> None:
+    """Before, an adapter added as a module went unseen: autograd.grad gave it None (and wrote
+    its .grad), and with the rest frozen backward raised that nothing required a gradient."""
     plain = nn.Sequential(nn.Linear(6, 6), nn.GELU(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
     x = torch.randn(8, 6, dtype=torch.float64)
     model = copy.deepcopy(plain)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     for m in (model, plain):
-        _adapted(cast(nn.Linear, m[2]))
+        _adapted(cast(nn.Linear, m[2]), as_module)
         for name, p in m.named_parameters():
             p.requires_grad_(not frozen or "lora" in name)
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)

@@ -7,7 +7,7 @@ import itertools
 import re
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import pytest
 import torch
@@ -706,6 +706,69 @@ def test_a_change_the_iterable_makes_before_the_first_batch_is_the_model_the_loo
     expected_model, expected = reference_2bw(plain.eval(), batches, lambda params: torch.optim.SGD(params, lr=0.1))
     assert losses == pytest.approx(expected, abs=1e-12)
     _assert_parameters_equal(model, expected_model, tol=1e-12)
+
+
+class _Adapter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1)
+        self.down = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=torch.float64) * 0.3)
+        self.up = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=torch.float64) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.down.T @ self.up.T
+
+
+def _made(how: str) -> nn.Module:
+    """What the change puts in the model: a weight, parameters of a layer, an adapter module."""
+    made = nn.Module()
+    if how == "replaced":
+        made.weight = nn.Parameter(torch.full((6, 6), 0.05, dtype=torch.float64))
+    elif how == "parameters added":
+        made.down = nn.Parameter(torch.full((2, 6), 0.1, dtype=torch.float64))
+    else:
+        made.adapter = _Adapter()
+    return made
+
+
+def _change(model: nn.Module, made: nn.Module, how: str) -> None:
+    """A weight replaced, a parameter added to a layer called whole, or an adapter module added
+    to it; a hook reads what was added."""
+    layers = cast(nn.Sequential, model)
+    if how == "replaced":
+        layers[4].weight = made.weight
+    elif how == "parameters added":
+        layers[2].down = made.down
+        layers[2].register_forward_hook(lambda m, args, out: out + args[0] @ m.down.T @ m.down)
+    else:
+        layers[2].adapter = made.adapter
+        layers[2].register_forward_hook(lambda m, args, out: out + m.adapter(args[0]))
+
+
+@pytest.mark.parametrize("how", ["replaced", "parameters added", "a module added"])
+@pytest.mark.parametrize("when", ["before the loop", "in the iterable"])
+def test_parameters_replaced_or_added_after_compiling_are_trained_as_in_the_reference_loop(how: str, when: str) -> None:
+    """Before, the loop kept the versions of the stages as compiled: a weight replaced or added
+    after compiling moved by 0 (the plain loop's by 0.04), silently."""
+    model, plain = twin(nn.Sequential(*(layer for _ in range(3) for layer in (nn.Linear(6, 6), nn.Tanh())), nn.Linear(6, 6)))
+    batches = _batches(5)
+    pipe = _pipe(model, batches[0][0], 2, chunks=2)
+    made = _made(how)
+    _change(plain, copy.deepcopy(made), how)
+    expected_model, expected = reference_2bw(plain, batches, lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
+
+    def read() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if when == "in the iterable":
+            _change(model, made, how)
+        yield from batches
+
+    if when == "before the loop":
+        _change(model, made, how)
+    kept = [p for name, p in model.named_parameters() if name != "4.weight" or how != "replaced"]  # not what was replaced
+    opt = torch.optim.SGD(list({id(p): p for p in [*kept, *made.parameters()]}.values()), lr=0.1, momentum=0.9)
+    losses = [float(loss) for loss in pipe.train_steps(read(), loss_fn=F.mse_loss, optimizer=opt)]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
 
 
 def test_a_mode_changed_and_put_back_between_two_losses_is_no_change() -> None:
