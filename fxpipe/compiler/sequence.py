@@ -92,10 +92,16 @@ def _example_cut(spec: SliceSpec, inputs: dict[str, Any]) -> list[int]:
     """The example's sequence cut into slices; refused, saying where the sequence was looked for,
     where it is shorter than the slices (a sequence-first input holds its batch on dim 1)."""
     length = example_length(spec, inputs)
+    names = ", ".join(f"{name} {tuple(inputs[name].shape)}" for name in spec.inputs)
+    if isinstance(spec.chunks, (list, tuple)) and sum(spec.chunks) != length:
+        raise ValueError(
+            f"sequence_chunks={list(spec.chunks)} cut {sum(spec.chunks)} positions, and the example's sequence has "
+            f"{length}: dim {spec.dim} of {names} (sequence_dim={spec.dim}).\nHow to fix: give lengths that sum to "
+            f"the example's, {length}, or sequence_chunks as a number of slices (which cuts any length)."
+        )
     try:
         return list(spec.lengths(length))
     except ValueError as error:
-        names = ", ".join(f"{name} {tuple(inputs[name].shape)}" for name in spec.inputs)
         raise ValueError(
             f"{error}: the example's sequence is dim {spec.dim} of {names} (sequence_dim={spec.dim}).\nHow to fix: an "
             "example with a longer sequence; for inputs of (positions, batch), sequence-first, batch-first ones "

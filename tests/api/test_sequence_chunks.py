@@ -364,6 +364,16 @@ def test_what_is_not_built_yet_is_refused_with_the_way_that_works() -> None:
 
 
 
+@pytest.mark.parametrize("lengths", [[5, 5], [8, 8]])
+def test_lengths_that_do_not_sum_to_the_example_s_are_refused_with_the_fix(lengths: list[int]) -> None:
+    """Before, the refusal of a call's length ran into one of a short example, with two fixes,
+    the second (a longer sequence) wrong for [5, 5]."""
+    with pytest.raises(ValueError, match=rf"(?s)sequence_chunks={re.escape(str(lengths))} cut {sum(lengths)} positions, and the example's "
+                       r"sequence has 12: dim 1 of .*How to fix: give lengths that sum to the example's, 12, or sequence_chunks as a number") as info:
+        compile_pipeline(SdpaGPT(layers=2), X, ["cpu"] * 2, sequence_chunks=lengths)
+    assert str(info.value).count("How to fix") == 1
+
+
 def test_the_plan_says_how_the_sequence_is_sliced() -> None:
     pipe = compile_pipeline(SdpaGPT(layers=2), X, ["cpu"] * 2, sequence_chunks=[4, 8])
     with closing(pipe):
