@@ -4,6 +4,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import numbers
+import re
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
@@ -23,6 +24,7 @@ Device = Union[str, int, torch.device]
 
 
 _STAGE_DEVICE_TYPES = ("cpu", "cuda")
+_UNWRITABLE = re.compile(r'["\\\n]')  # in a name: what the generated code's string literals cannot hold
 
 
 def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
@@ -160,6 +162,15 @@ def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     if scripted:
         problems.append(f"the model holds TorchScript modules ({', '.join(scripted[:5])}), which fxpipe cannot trace nor "
                         "keep whole: compile the Python module itself (the one given to torch.jit.script)")  # fmt: skip
+    unwritable: list[str] = []
+    for name in [*names, *(n for n, _ in model.named_parameters()), *(n for n, _ in model.named_buffers())]:
+        if _UNWRITABLE.search(name) and not any(name.startswith(f"{outer}.") for outer in unwritable):
+            unwritable.append(name)
+    if unwritable:
+        shown = ", ".join(f"'{name}'" for name in unwritable[:5])
+        problems.append(f"the model holds modules or tensors whose names torch.fx and torch.export cannot write into the "
+                        f"code they generate ({shown}): a double quote or a backslash ends the "
+                        "string it is written in; rename them (a ModuleDict's keys, say) without those characters")  # fmt: skip
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
             close = difflib.get_close_matches(leaf, names, n=3)

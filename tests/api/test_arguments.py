@@ -161,6 +161,27 @@ def test_devices_given_as_an_iterator_serve_calls_of_another_kind() -> None:
     pipe.close()
 
 
+class _Heads(nn.Module):
+    def __init__(self, names: list[str]) -> None:
+        super().__init__()
+        self.heads = nn.ModuleDict({name: nn.Linear(6, 6) for name in names})  # keys from a dataset's labels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.heads:
+            x = torch.tanh(self.heads[name](x))
+        return x
+
+
+@pytest.mark.parametrize("name", ['6" screen', "path\\"])
+def test_a_name_the_generated_code_cannot_hold_is_refused_naming_it(name: str) -> None:
+    """Before, both front ends' code failed to compile (a SyntaxError), and the advice was to
+    keep a module with control flow whole, which did not help."""
+    with pytest.raises(ValueError, match=rf"(?s)bad arguments.*cannot write into the code they generate \('heads\.{re.escape(name)}'\).*rename them"):
+        compile_pipeline(_Heads([name, "b"]), X, ["cpu", "cpu"], chunks=2)
+    model = _Heads(["screen", "b"])
+    torch.testing.assert_close(compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)(X), model(X), rtol=0, atol=0)
+
+
 def test_one_device_string_is_listed_with_the_other_problems() -> None:
     message = _message(devices="cpu", chunks=0, split_points="a")
     assert "devices must be a list" in message and "chunks must" in message and "split_points must" in message
