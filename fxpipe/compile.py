@@ -250,8 +250,10 @@ def compile_pipeline(
     refuse_an_example_forward_does_not_take(model, signature, example_args, example_kwargs)
     refuse_bad_chunk_spec(signature, spec, example_args, example_kwargs)
     # (an input chunk_spec keeps whole, an empty table, holds no batch)
-    if batch_size_of([*example_args, *example_kwargs.values()], spec_dims(signature, spec, example_args, example_kwargs)) == 0:
+    example_batch = batch_size_of([*example_args, *example_kwargs.values()], spec_dims(signature, spec, example_args, example_kwargs))
+    if example_batch == 0:
         raise ValueError("the example batch is empty (size 0 along dim 0): give at least one sample")
+    planned = _micro_batches_planned(chunks, example_batch, schedule, len(parsed))
     refuse_nothing_split(chunks, signature, spec, example_args, example_kwargs)
     if is_on_meta(model):  # compiled on shapes alone; each stage is made where it runs
         if balance == "time":
@@ -290,8 +292,8 @@ def compile_pipeline(
         on_cpu = all(d.type == "cpu" for d in parsed)
         rate = flop_rate if flop_rate is not None else (5e10 if on_cpu else 1e13)
         costs: dict[str, Any] = dict(
-            chunks=chunks,
-            checkpointed=checkpoint_stop(checkpoint, chunks),
+            chunks=planned,
+            checkpointed=checkpoint_stop(checkpoint, planned),
             param_scale=param_scale + (1.0 if schedule == "2bw" else 0.0),  # 2bw keeps a second version of each weight
             bandwidth=bandwidth if bandwidth is not None else (None if on_cpu else 12e9),
             flop_rate=rate,
@@ -320,9 +322,11 @@ def compile_pipeline(
         stages=stage_plans(runs, parsed, edges, report, memory, stage_times),
         edges=edges,
         chunks=chunks,
+        example_micro_batches=planned if planned != chunks else 0,
         checkpoint=checkpoint,
         balance=balance if isinstance(balance, str) else ("split_points" if split_points else "counts" if balance else "memory"),
-        notes=[traced.note, shapes_note(gm)] if traced.note else ["input shapes: every dim dynamic (torch.fx)"],
+        notes=[*([traced.note, shapes_note(gm)] if traced.note else ["input shapes: every dim dynamic (torch.fx)"]),
+               *([f"chunks={chunks}: the example's {example_batch} samples run as {planned} micro-batches, which the plan is for"] if planned != chunks else [])],
         schedule=schedule,
         ranks=ranks,
         times=times_basis(order, costs),
@@ -369,6 +373,16 @@ def compile_pipeline(
         )  # fmt: skip
         pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
     return pipe
+
+
+def _micro_batches_planned(chunks: int, batch: Optional[int], schedule: str, devices: int) -> int:
+    """How many micro-batches the example runs as, which the plan and the cut search are for: a
+    batch smaller than `chunks` runs one per sample. An example of one sample stands for the
+    calls (its check waits for a larger one), and interleaved-1f1b needs a multiple of the
+    devices: `chunks` for both."""
+    if batch is None or batch < 2 or batch >= chunks or (schedule == "interleaved-1f1b" and batch % devices):
+        return chunks
+    return batch
 
 
 def aliased_buffers(model: nn.Module) -> list[list[str]]:

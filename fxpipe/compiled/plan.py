@@ -50,6 +50,13 @@ class Plan:
     ranks: list[int] = field(default_factory=list)  # the worker (device slot) of each stage
     # Where the stage times (and so every prediction) come from: measured, or FLOPs at a rate.
     times: str = "measured"
+    # The micro-batches the example runs as, which every prediction is for: `chunks`, or one per
+    # sample of an example smaller than it (0: `chunks`).
+    example_micro_batches: int = 0
+
+    @property
+    def micro_batches(self) -> int:
+        return self.example_micro_batches or self.chunks
 
     def edges_of_kind(self, kind: str) -> list[Edge]:
         return [e for e in self.edges if e.kind == kind]
@@ -100,7 +107,7 @@ class Plan:
         """Per stage, the predicted seconds per micro-batch of its F, I and W."""
         costs = []
         for s in self.stages:
-            forward, backward = s.forward_share * s.time / self.chunks, (1 - s.forward_share) * s.time / self.chunks
+            forward, backward = s.forward_share * s.time / self.micro_batches, (1 - s.forward_share) * s.time / self.micro_batches
             costs.append((forward, s.input_share * backward, (1 - s.input_share) * backward))
         return costs
 
@@ -114,8 +121,8 @@ class Plan:
     def _stage_costs(self) -> list[StageCosts]:
         return [
             StageCosts.split(
-                *actions, activation_bytes=s.activation_bytes / self.chunks,
-                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.chunks,
+                *actions, activation_bytes=s.activation_bytes / self.micro_batches,
+                input_bytes=self._bytes(s.index, (ACTIVATION, INPUT, SKIP), True) / self.micro_batches,
             )
             for s, actions in zip(self.stages, self.action_costs())
         ]  # fmt: skip
@@ -127,20 +134,20 @@ class Plan:
         if self.schedule != "2bw":
             return self.predicted_time()
         costs, layout = self._stage_costs(), self.layout()
-        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+        checkpointed = checkpoint_stop(self.checkpoint, self.micro_batches)
 
         def makespan(batches: int) -> float:
-            streams = [tuple(a for a in acts if a.kind != UPDATE) for acts in two_bw(layout, self.chunks, batches, checkpointed)]
-            return simulate(Schedule("2bw", tuple(streams), self.chunks * batches), layout, costs).timeline.makespan
+            streams = [tuple(a for a in acts if a.kind != UPDATE) for acts in two_bw(layout, self.micro_batches, batches, checkpointed)]
+            return simulate(Schedule("2bw", tuple(streams), self.micro_batches * batches), layout, costs).timeline.makespan
 
         return (makespan(4) - makespan(2)) / 2
 
     def simulate(self, costs: list[StageCosts], schedule: Optional[str] = None) -> Prediction:
         """The simulated timeline of one training step of this plan under `schedule` (the plan's
         own by default) on the given per-micro-batch stage costs."""
-        checkpointed = checkpoint_stop(self.checkpoint, self.chunks)
+        checkpointed = checkpoint_stop(self.checkpoint, self.micro_batches)
         layout = self.layout()
-        sched = make_schedule(schedule or self.schedule, layout, self.chunks, checkpointed)
+        sched = make_schedule(schedule or self.schedule, layout, self.micro_batches, checkpointed)
         return simulate(sched, layout, costs, checkpointed)
 
     def predicted_time(self) -> float:
@@ -181,7 +188,7 @@ class Plan:
         footer = (
             f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
             f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
-            + (f"in a train_steps loop, no flush between batches: {self.loop_time() * 1e3:.3g} ms per batch\n" if self.schedule == "2bw" and self.chunks >= self.layout().depth else "")
+            + (f"in a train_steps loop, no flush between batches: {self.loop_time() * 1e3:.3g} ms per batch\n" if self.schedule == "2bw" and self.micro_batches >= self.layout().depth else "")
             + f"predicted peak activations per stage: {peaks}\n"
             f"stash/pop edges: {skips}\n"
             f"{self._graph_line()}"

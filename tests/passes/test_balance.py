@@ -555,6 +555,20 @@ def test_predicted_bubble_follows_the_stage_times() -> None:
     assert plan.predicted_bubble() == pytest.approx(1 - busy / (len(times) * plan.predicted_time()), rel=1e-12)
 
 
+def test_chunks_beyond_the_example_s_batch_plan_the_micro_batches_it_runs_as() -> None:
+    """Before, a batch of 8 with chunks=100 was planned as 100 micro-batches: peak activations
+    predicted 12.5x below what the 8 that run hold, and a bubble of 1%."""
+    model, x = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6))), torch.randn(8, 16)
+    exact, beyond = (compile_pipeline(model, x, ["cpu", "cpu"], chunks=chunks, schedule="1f1b") for chunks in (8, 100))
+    assert beyond.chunks == 100 and beyond.plan.chunks == 100 and beyond.plan.micro_batches == 8
+    assert beyond.plan.prediction().peak_bytes == exact.plan.prediction().peak_bytes
+    assert beyond.plan.predicted_bubble() == pytest.approx(exact.plan.predicted_bubble(), rel=1e-12)
+    assert [s.index for s in beyond.plan.stages] == [s.index for s in exact.plan.stages]
+    assert "chunks=100: the example's 8 samples run as 8 micro-batches" in beyond.plan.summary()
+    exact.close()
+    beyond.close()
+
+
 @pytest.mark.parametrize("stages, chunks", [(2, 1), (2, 4), (4, 8), (3, 5)])
 def test_equal_stages_bubble(stages: int, chunks: int) -> None:
     chain = [Edge(f"v{i}", i - 1, i, "activation", (4,), torch.float32, 16) for i in range(stages + 1)]
@@ -755,7 +769,7 @@ def test_with_two_stages_per_device_the_refusals_count_stages() -> None:
     from helpers import FanOut
 
     x = torch.randn(8, 6)
-    with pytest.raises(ValueError, match=r"one positive node count per stage \(devices times stages_per_device\)"):
+    with pytest.raises(ValueError, match=r"balance has 2 entries for 4 stages \(devices times stages_per_device\): give one node count per stage"):
         compile_pipeline(FanOut(), x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2, balance=[5, 5])
     with pytest.raises(ValueError, match=r"bytes per stage \(the smallest stage's share of its device's memory\); about \d+ stages"):
         compile_pipeline(FanOut(), x, ["cpu", "cpu"], chunks=4, schedule="interleaved-1f1b", stages_per_device=2, device_memory=3000, balance="memory")
