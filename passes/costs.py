@@ -258,6 +258,11 @@ def _stage_run(capture: _Capture, run: Sequence[fx.Node]) -> Callable[[], Any]:
     return go
 
 
+def held_bytes(node: fx.Node) -> int:
+    """What a node holds for backward: its output, and what a module called whole saves inside."""
+    return int(node.meta.get("held_bytes", node.meta.get("bytes", 0)))
+
+
 def node_weights(order: Sequence[fx.Node], mode: str, *, param_scale: float, kept: float, flop_rate: float) -> list[float]:
     """What each node weighs in the objective: seconds ('time', and 'flops' at `flop_rate`, counted
     forward plus backward as three forwards), or bytes ('params', 'memory')."""
@@ -270,7 +275,7 @@ def node_weights(order: Sequence[fx.Node], mode: str, *, param_scale: float, kep
         return [3.0 * float(n.meta.get("flops", 0)) / flop_rate for n in order]
     if mode == "params":
         return [float(n.meta.get("param_bytes", 0)) for n in order]
-    return [param_scale * n.meta.get("param_bytes", 0) + kept * n.meta.get("bytes", 0) for n in order]
+    return [param_scale * n.meta.get("param_bytes", 0) + kept * held_bytes(n) for n in order]
 
 
 def cut_model(
@@ -292,7 +297,7 @@ def cut_model(
     return CutModel(
         times=node_weights(order, mode, param_scale=param_scale, kept=kept, flop_rate=flop_rate),
         params=[float(n.meta.get("param_bytes", 0)) for n in order],
-        activations=[float(n.meta.get("bytes", 0)) for n in order],
+        activations=[float(held_bytes(n)) for n in order],
         values=crossing_values(order),
         bandwidth=bandwidth if mode in ("time", "flops") else None,
         chunks=chunks,

@@ -131,7 +131,33 @@ class Recorder(fx.Interpreter):
                 flops = self.estimated_flops(n)
         if n.op != "output":
             n.meta.update(_describe(value), flops=flops)
+            n.meta.pop("held_bytes", None)
+            if n.op == "call_module" and not self.on_meta and _holds_inside(self.fetch_attr(str(n.target))):
+                n.meta["held_bytes"] = n.meta["bytes"] + self.saved_inside(n)
         return value
+
+    def saved_inside(self, n: fx.Node) -> int:
+        """Bytes that autograd saves inside a module called whole for its backward, besides its
+        inputs, outputs and own tensors (a TransformerEncoderLayer's attention weights and
+        hidden layer): its node's output alone would count a tenth of what it holds. One more
+        run of the module, with gradients, from its state and random state as they are."""
+        module = self.fetch_attr(str(n.target))
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = tree_map(lambda v: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        given = {_storage(t) for t in tree_flatten((args, kwargs, [*module.parameters(), *module.buffers()]))[0] if isinstance(t, torch.Tensor)}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[_storage(t)] = t.untyped_storage().nbytes()
+            return t
+
+        try:
+            with preserved(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = module(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the node's output stands for it, as for any node
+            return 0
+        given |= {_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        return sum(size for storage, size in saved.items() if storage not in given)
 
     def _run_uncounted(self, n: fx.Node) -> Any:
         """`n` run without counting; with grad on where it fails without: nn.TransformerEncoder's
@@ -180,6 +206,16 @@ class Recorder(fx.Interpreter):
                 return lambda out: 2 * out.numel() * first.shape[-1]
             return None if any(word in name for word in _FLOP_WORDS) else lambda out: 0
         return lambda out: 0
+
+
+def _holds_inside(module: nn.Module) -> bool:
+    """A module called whole that computes more than one op: built-in composites, and any with
+    submodules (one kept whole by leaf_modules)."""
+    return isinstance(module, _COMPOSITE_MODULES) or next(module.children(), None) is not None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class _Watching(Recorder):

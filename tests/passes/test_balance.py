@@ -555,6 +555,31 @@ def test_predicted_bubble_follows_the_stage_times() -> None:
     assert plan.predicted_bubble() == pytest.approx(1 - busy / (len(times) * plan.predicted_time()), rel=1e-12)
 
 
+class _Encoded(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(width, width), nn.Linear(width, width)
+        self.layer = nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True)  # called whole
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layer(self.inp(x)))
+
+
+def test_the_memory_a_module_called_whole_holds_inside_is_predicted() -> None:
+    """Before, its node's output alone was counted: 32 KiB predicted for the encoder layer's
+    stage, 392 KiB measured; balance='memory' and device_memory cut by that."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
+    pipe = compile_pipeline(_Encoded(), x, ["cpu"] * 3, chunks=4, split_points=["layer", "out"], checkpoint="never")
+    pipe.measure_memory = True
+    pipe.train_step(x, target=y, loss_fn=torch.nn.functional.mse_loss)
+    predicted, measured = pipe.plan.prediction().peak_bytes, pipe.timeline().peak_bytes
+    assert measured[1] > 8 * measured[0]  # the layer's stage holds far more than its output
+    for stage in range(3):
+        assert predicted[stage] == pytest.approx(measured[stage], rel=0.25), (predicted, measured)
+    pipe.close()
+
+
 def test_chunks_beyond_the_example_s_batch_plan_the_micro_batches_it_runs_as() -> None:
     """Before, a batch of 8 with chunks=100 was planned as 100 micro-batches: peak activations
     predicted 12.5x below what the 8 that run hold, and a bubble of 1%."""
