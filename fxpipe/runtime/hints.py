@@ -29,10 +29,12 @@ _HINTS = [
     ),
     (
         ("modified by an inplace operation",),
-        "Where the model's forward writes a parameter in place (self.scale.clamp_(...) under torch.no_grad()), "
-        "each micro-batch's forward writes it before the backward of the micro-batches before it, which holds "
-        "it: the plain model, with one forward per backward, never does.\nHow to fix: keep it in range outside "
-        "forward (after optimizer.step(), under torch.no_grad()), or chunks=1.",
+        "Where the model's forward writes a parameter or a buffer in place (self.scale.clamp_(...) under "
+        "torch.no_grad(), a counter self.n.add_(1) that an op then multiplies by), each micro-batch's forward "
+        "writes it before the backward of the micro-batches before it, which holds it: the plain model, with one "
+        "forward per backward, never does.\nHow to fix: keep a parameter in range outside forward (after "
+        "optimizer.step(), under torch.no_grad()); have ops read a copy of a buffer (self.n.clone()), or "
+        "checkpoint='always', whose recompute reads the value each micro-batch's forward read; or chunks=1.",
     ),
     (
         ("Trying to backward through the graph a second time",),

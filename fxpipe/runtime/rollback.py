@@ -49,7 +49,10 @@ class Rollback:
             for buffer, values in self.buffers:
                 if buffer.shape != values.shape:  # resized in place (an observer's first statistics)
                     buffer.resize_(values.shape)
-                buffer.copy_(values)
+                # Through `.data`, which moves no version counter: an earlier call's backward that
+                # saved the buffer (BatchNorm saves its running statistics, which its kernel
+                # writes without a bump) runs after a failed call as after none.
+                buffer.data.copy_(values)
             for target, values in reversed(self.inputs):
                 copy_into(target, values)
         put_back_attributes(self.attributes)

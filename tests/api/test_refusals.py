@@ -113,8 +113,38 @@ def test_a_forward_that_keeps_its_parameter_in_range_is_refused_with_a_fix_that_
         with pytest.raises(ValueError, match=r"(?s)How to fix: write them outside forward \(after optimizer.step\(\).*or chunks=1"):
             compile_pipeline(_ClampsItsScale().double(), X.double(), ["cpu"], chunks=2)
         pipe = compile_pipeline(_ClampsItsScale().double(), X.double(), ["cpu"], chunks=2, checkpoint="never")
-    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*keep it in range outside forward.*or chunks=1"):
+    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*keep a parameter in range outside forward.*or chunks=1"):
         pipe(X.double()).sum().backward()
+
+
+class _CountsItsCalls(nn.Module):
+    n: torch.Tensor
+
+    def __init__(self, copied: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.copied = nn.Linear(6, 6), nn.Linear(6, 6), copied
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.n.add_(1)
+        return self.b(self.a(x) * (self.n.clone() if self.copied else self.n))
+
+
+def test_a_counter_an_op_saves_is_refused_without_checkpoints_with_fixes_that_work() -> None:
+    """Before, the hint spoke of a parameter written in forward, which the model has none of."""
+    x = X.double()
+    # (one stage: a value sent to the next stage is a copy of its own)
+    pipe = compile_pipeline(_CountsItsCalls(copied=False).double(), x, ["cpu"], chunks=2, checkpoint="never")
+    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*a counter self.n.add_\(1\).*read a copy of a buffer \(self.n.clone\(\)\), or\s+checkpoint='always'"):
+        pipe(x).sum().backward()
+    for copied, checkpoint in ((True, "never"), (False, "always")):
+        model = _CountsItsCalls(copied).double()
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(model, x, ["cpu"], chunks=2, checkpoint=checkpoint)
+        pipe(x).sum().backward()
+        for piece in x.tensor_split(2):  # the micro-batches in turn, each backward after its forward
+            reference(piece).sum().backward()
+        assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 class _TakesPacked(nn.Module):
