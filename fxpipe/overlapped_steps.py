@@ -512,16 +512,33 @@ def _wait(group: TaskGroup) -> None:
     group.wait(None if steps.WAIT_TIMEOUT is None else 2 * steps.WAIT_TIMEOUT)
 
 
+def _refuse_a_second_loop(pipe: PipelineLike) -> None:
+    """One loop at a time: a second would take the weights the first has in flight (two loaders
+    zipped, say), and its end would lift the first's guard."""
+    if pipe.__dict__.get("_overlapping"):
+        error = RuntimeError(
+            "train_steps with schedule='2bw' while another train_steps loop of this pipeline runs: each loop's "
+            "stages run ahead on the weights of its own batches and update them between its losses, so two "
+            "loops at once would train each on the other's updates.\nHow to fix: one loop at a time (break out "
+            "of the first, which completes the update of its last loss given, or close it); for batches of two "
+            "loaders, one loop over them in turn (itertools.chain.from_iterable(zip(a, b)))."
+        )
+        error.fxpipe_loop_not_started = True  # type: ignore[attr-defined]
+        raise error
+
+
 def overlapped_steps(
     pipe: PipelineLike, batches: Iterator[Batch], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
     after_backward: Hook, after_step: Hook,
 ) -> Generator[torch.Tensor, None, None]:
     """The loop: each batch's loss once its gradients are in `.grad`; the next batch is read
     (and started) before the caller's thread waits for a batch, so the workers never flush."""
+    _refuse_a_second_loop(pipe)
     run = _Overlap(pipe, optimizer, loss_fn, reduction)
     pipe.__dict__["last_parameter_bytes"] = storage_bytes(run.program.parameters)
     done = False
     with pipe._one_call:  # after another thread's call in progress; calls after this are refused
+        _refuse_a_second_loop(pipe)  # (one begun while this waited)
         pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
     try:
         if run.ranks is not None:

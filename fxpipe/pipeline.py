@@ -427,8 +427,11 @@ class Pipeline(PipelineCalls):
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
-        """A pipeline on a deep copy of the model, with its own stage workers."""
-        owner = copy.deepcopy(self._owner, memo)
+        """A pipeline on a deep copy of the model, with its own stage workers; made between calls
+        (after another thread's call in progress), and in a 2bw loop with its stages out of the
+        model's parameter slots, where they hold the version each runs on."""
+        with self._one_call, self._slots_held_still():
+            owner = copy.deepcopy(self._owner, memo)
         copied = Pipeline(owner, self._compiled.copy(memo)).train(self.training)
         copied.__dict__["_recompile"] = self._recompile  # its kinds of call compile again on it
         return copied

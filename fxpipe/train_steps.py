@@ -67,7 +67,7 @@ def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor
             given += 1
             yield loss
     except BaseException as error:
-        if not isinstance(error, GeneratorExit):
+        if not isinstance(error, GeneratorExit) and not getattr(error, "fxpipe_loop_not_started", False):
             whole = getattr(error, "fxpipe_failed_update", given)  # an update that failed is held in part
             held = "no update" if whole == 0 else f"the updates of batches 0 to {whole - 1}"
             if whole < given:

@@ -771,6 +771,45 @@ def test_parameters_replaced_or_added_after_compiling_are_trained_as_in_the_refe
     _assert_parameters_equal(model, expected_model)
 
 
+def test_a_second_loop_while_one_runs_is_refused_and_the_first_goes_on_as_alone() -> None:
+    """Before, a second loop (two loaders zipped) hung, or trained each loop on the other's
+    updates, and its end lifted the first loop's guard on pipe(x)."""
+    model, plain = twin(FanOut())
+    batches, others = _batches(4), _batches(3, seed=1)
+    pipe = _pipe(model, batches[0][0], 2, chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    first = pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)
+    losses = [float(next(first))]
+    with pytest.raises(RuntimeError, match=r"(?s)while another train_steps loop of this pipeline runs.*one loop over them in turn") as info:
+        next(iter(pipe.train_steps(others, loss_fn=F.mse_loss, optimizer=opt)))
+    assert "losses were given" not in str(info.value) and not getattr(info.value, "__notes__", None)
+    with pytest.raises(RuntimeError, match="pipe\\(x\\) during a train_steps loop"):
+        pipe(batches[0][0])
+    losses += [float(loss) for loss in first]
+    expected_model, expected = reference_2bw(plain, batches, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
+
+
+def test_a_deep_copy_between_two_losses_is_a_whole_model_that_trains() -> None:
+    """Before, a copy made while a stage ran took the stage's own leaves for parameters (5 of 8
+    copies), and refused to train, blaming torch.func.functional_call."""
+    model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(16, 16), nn.Tanh()))).double()
+    batches = [(torch.randn(32, 16, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)) for _ in range(6)]
+    pipe = _pipe(model, batches[0][0], 2, chunks=4)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    copies = [copy.deepcopy(pipe) for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)]
+    for copied in copies:
+        assert all(type(p) is nn.Parameter for p in copied.parameters())
+        plain = copy.deepcopy(copied._owner)
+        x, y = batches[0]
+        loss = copied.train_step(x, target=y, loss_fn=F.mse_loss)
+        expected = F.mse_loss(plain(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+        copied.close()
+
+
 def test_a_mode_changed_and_put_back_between_two_losses_is_no_change() -> None:
     """An evaluation of the plain model between two losses leaves it as it was."""
     model, plain = twin(FanOut())
