@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -10,6 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.compiled.program import Program
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.microbatch import Dims, ExampleLeaves, off_batch, scatter, split_dim, split_sizes
 from fxpipe.runtime.autograd import InputSlot
 from fxpipe.runtime.context import CallerContext
@@ -68,6 +70,13 @@ def split_call(
         raise ValueError(
             "across processes, inputs that require grad are not supported: their gradients would be "
             "made on several ranks.\nHow to fix: pass inputs that do not require grad (x.detach())."
+        )
+    if context.saved_hooks is not None and grad and any(stage.compiled is not None for stage in program.stages):
+        warnings.warn(
+            "compile_stages: under saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu) the "
+            "stages run uncompiled, as the model does: a compiled backward saves tensors the model never saves "
+            "(a ReLU's bool mask), which a hook that casts what it packs would hand back in another dtype.",
+            stacklevel=caller_stacklevel(),
         )
     by_spec = any(dim is not None for dim in dims.values())  # outputs follow the spec's sizes
     given = given_values(program, values)

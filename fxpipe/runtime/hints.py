@@ -37,6 +37,13 @@ _HINTS = [
         "checkpoint='always', whose recompute reads the value each micro-batch's forward read; or chunks=1.",
     ),
     (
+        ("BackendCompilerFailed",),
+        "compile_stages: torch.compile could not compile this stage; the failure may be the model's own (an "
+        "in-place write to a value autograd saved fails the plain model's backward too), which torch.compile "
+        "meets while it traces the backward.\nHow to fix: compile_stages=False runs the stage as the model "
+        "runs, and shows the model's own error where it has one.",
+    ),
+    (
         ("Trying to backward through the graph a second time",),
         "Each micro-batch's backward runs on its own: a tensor computed with gradients outside the forward and "
         "outside loss_fn, that the model reads (a tensor a hook or the caller made from parameters) or that "
@@ -48,7 +55,17 @@ _HINTS = [
 ]
 
 
-def hint_for(error: BaseException) -> str:
-    """The hint for `error` ('' for none), to append to the stage's error message."""
-    text = str(error)
-    return "".join(f"\n{hint}" for pieces, hint in _HINTS if any(piece in text for piece in pieces))
+# The hints that speak of what one micro-batch's forward does to another's: none with one alone.
+_BETWEEN_MICRO_BATCHES = ("modified by an inplace operation",)
+
+
+def hint_for(error: BaseException, micro_batches: int = 2) -> str:
+    """The hint for `error` ('' for none), to append to the stage's error message; a step of
+    one micro-batch fails as the plain model does, where no hint about several applies."""
+    text = f"{type(error).__name__}: {error}"
+    # torch.compile's failure met while it traced one micro-batch's backward: not between two.
+    alone = micro_batches == 1 or type(error).__name__ == "BackendCompilerFailed"
+    return "".join(
+        f"\n{hint}" for pieces, hint in _HINTS
+        if any(piece in text for piece in pieces) and not (alone and set(pieces) & set(_BETWEEN_MICRO_BATCHES))
+    )

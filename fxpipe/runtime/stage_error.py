@@ -13,13 +13,16 @@ class StageError(RuntimeError):
     """An exception raised inside a stage; `__cause__` is the original. Across processes, `rank`
     is the rank the stage ran on, and every rank raises the same error."""
 
-    def __init__(self, stage: int, micro_batch: int, phase: str, error: Union[BaseException, str], rank: Optional[int] = None) -> None:
-        """`error`: what the stage raised, or what it said (a StageError unpickled)."""
+    def __init__(
+        self, stage: int, micro_batch: int, phase: str, error: Union[BaseException, str], rank: Optional[int] = None, micro_batches: int = 2,
+    ) -> None:
+        """`error`: what the stage raised, or what it said (a StageError unpickled); the step ran
+        `micro_batches`, which some hints need more than one of."""
         where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
         if isinstance(error, str):
             detail = error
         else:
-            detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error)}"
+            detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error, micro_batches)}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 

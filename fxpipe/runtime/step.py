@@ -217,7 +217,7 @@ class Step(BackwardTasks):
             if isinstance(error, RemoteFailure):
                 raise raised_here(error.failure) from error
             phase, cause = phase_and_cause(action, error)
-            raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank) from cause
+            raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank, micro_batches=len(self.micro_batches)) from cause
 
     def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup, rank: int = 0) -> None:
         """One worker: nothing to overlap, so the caller's thread runs its list itself, and no

@@ -198,7 +198,10 @@ class StageTasks:
     def _call_stage(self, stage: StageRuntime, i: int, inputs: list[Any], buffers: Optional[dict[str, torch.Tensor]] = None) -> tuple[Any, ...]:
         args = [*self._values_as_read(inputs), *self._shared_views(stage)]
         views = self._param_views(stage)
-        if stage.compiled is None:
+        # Under the caller's saved-tensor hooks a compiled stage runs as the model does: its
+        # compiled backward saves tensors the model never saves (a ReLU's bool mask), which a
+        # hook that casts what it packs would hand back in another dtype, unchecked.
+        if stage.compiled is None or self.context.saved_hooks is not None:
             forward = stage.module.forward  # type: ignore[attr-defined]
         else:
             forward = stage.compiled.runner(self.randomness[stage.index], self.hidden_randomness[stage.index], bool(views))

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_grads_equal
+from helpers import assert_grads_equal, grad_of
 from fxpipe import Pipeline, compile_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -248,7 +248,7 @@ def test_compiled_stages_replay_the_masks_their_forward_drew(checkpoint: str) ->
     model = MaskProbe().double()
     x = torch.rand(8, 64, dtype=torch.float64) + 0.5
     results = []
-    for compiled in (False, {"backend": "aot_eager"}):
+    for compiled in (False, True):  # (inductor: its partition saves the mask)
         pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=4, checkpoint=checkpoint, split_points=["drop2"], compile_stages=compiled)
         leaf = x.clone().requires_grad_()
         torch.manual_seed(7)
@@ -607,3 +607,66 @@ def test_a_stage_writing_a_0_dim_float64_buffer_runs_eagerly_with_a_warning_and_
             plain(part)
     assert [b.item() for b in pipe.buffers()] == [b.item() for b in plain.buffers()] == [8.0, 8.0, 8.0]
     assert [(s.stage, s.graphs >= 1) for s in pipe.compile_stats()] == [(1, True)]  # the other stage runs compiled
+
+
+class _Rounded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(self.drop(torch.relu(self.a(x))))))
+
+
+def test_under_saved_tensor_hooks_that_cast_the_stages_run_as_the_model_does() -> None:
+    """Before, a hook that packs to bfloat16 gave gradients up to 1.58 off: the compiled backward
+    saves ReLU's bool mask, which the model never saves, and took it back as a float."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16)
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float64)
+
+    model = _Rounded().double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    results = []
+    for compiled in (False, True):  # (inductor: its partition saves the mask)
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=2, split_points=["b"], compile_stages=compiled)
+        torch.manual_seed(0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe(x).square().sum().backward()
+        assert any("stages run uncompiled" in str(w.message) for w in caught) == bool(compiled)
+        results.append({name: grad_of(p) for name, p in pipe.named_parameters()})
+        pipe.close()
+    for name, grad in results[0].items():
+        assert torch.equal(grad, results[1][name]), name
+
+
+class _WritesWhatSigmoidSaved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.a(x))
+        h.mul_(2)  # sigmoid saved its output: the plain model's backward raises
+        return self.b(h)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_model_whose_own_backward_fails_is_told_apart_from_what_pipelining_does(chunks: int) -> None:
+    """Before, every such error advised chunks=1 for a parameter written in forward (none is),
+    and a compiled stage's failure in forward did not say the model itself may be at fault."""
+    model, x = _WritesWhatSigmoidSaved().double(), torch.randn(8, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    for compiled in (False, {"backend": "aot_eager"}):
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=chunks, split_points=["b"], compile_stages=compiled)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as info:
+            pipe(x).sum().backward()
+        assert ("or chunks=1" in str(info.value)) == (chunks > 1 and not compiled)
+        assert ("compile_stages=False runs the stage as the model runs" in str(info.value)) == bool(compiled)
+        pipe.close()
