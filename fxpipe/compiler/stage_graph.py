@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any, Optional, Sequence
 
 import torch.fx as fx
@@ -15,6 +16,7 @@ from fxpipe.passes.state import state_write_spans, view_write_spans
 from fxpipe.schedules.actions import Layout
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
+from fxpipe.schedules.two_bw import refuse_too_few_micro_batches
 
 STAGE_GRAPHS = ("auto", "chain", "dag")
 
@@ -58,9 +60,11 @@ def predicted_seconds(runs: Sequence[Sequence[fx.Node]], costs: dict[str, Any], 
     actions = [(t / 3, t / 3, t / 3) for t in times]  # F, I and W, as the plan splits a stage's time without measures
     layout = Layout(tuple(ranks), frozenset(stage_links(runs)), _output_stages(runs), tuple(actions))  # zb-h1 orders by them
     try:
+        if schedule == "2bw":
+            refuse_too_few_micro_batches(layout, chunks)
         made = make_schedule(schedule, layout, chunks, costs["checkpointed"])
-    except ValueError:  # a schedule this cut cannot run is refused later, with its reason
-        made = make_schedule("gpipe", layout, chunks, costs["checkpointed"])
+    except ValueError:  # a cut the schedule cannot run (2bw's deeper than chunks) is never the faster; refused later
+        return math.inf
     stage_costs = [StageCosts.split(*action) for action in actions]
     return simulate(made, layout, stage_costs, costs["checkpointed"]).timeline.makespan
 

@@ -306,3 +306,31 @@ def test_dag_keeps_the_best_stage_graph_the_search_finds_and_2bw_runs_it() -> No
     pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 5, chunks=2, schedule="2bw", stage_graph="dag", balance="flops")
     losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
     torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(plain(x), y).detach() for x, y in batches]), rtol=0, atol=1e-12)
+
+
+class _UnevenTowers(nn.Module):
+    """Six layers beside one, summed: a chain on five devices is five deep, the DAG four."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        def tower(n: int) -> nn.Sequential:
+            return nn.Sequential(*(m for _ in range(n) for m in (nn.Linear(8, 8), nn.Tanh())))
+
+        self.towers = nn.ModuleList([tower(6), tower(1)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(sum(t(x) for t in self.towers))
+
+
+def test_auto_under_2bw_keeps_a_stage_graph_2bw_can_run() -> None:
+    """Before, 'auto' kept the chain on a tie of predicted times, five deep, which 2bw refused at
+    chunks=4, advising more chunks, where the DAG it found, four deep, runs."""
+    model, plain = twin(_UnevenTowers())
+    batches = [(torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)) for _ in range(3)]
+    pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 5, chunks=4, schedule="2bw", balance="flops")
+    assert pipe.plan.depth == 4
+    losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
+    torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(plain(x), y).detach() for x, y in batches]), rtol=0, atol=1e-12)
+    pipe.close()
