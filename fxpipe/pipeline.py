@@ -443,6 +443,13 @@ class Pipeline(PipelineCalls):
             "plain model, or into a pipeline compiled again."
         )
 
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """`with compile_pipeline(...) as pipe:` closes the pipeline at the end of the block."""
+        self.close()
+
     def close(self) -> None:
         """Stop the stage workers now (they stop anyway when the pipeline is garbage-collected);
         the pipeline cannot run afterwards."""

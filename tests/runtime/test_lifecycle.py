@@ -36,6 +36,20 @@ def test_a_closed_pipeline_refuses_to_run() -> None:
         pipe(torch.randn(4, 6))
 
 
+def test_a_with_block_closes_the_pipeline_at_its_end() -> None:
+    """Before, `with` raised Python's own TypeError: no context manager."""
+    before = set(threading.enumerate())
+    with compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2) as pipe:
+        pipe(torch.randn(4, 6)).sum().backward()
+        workers = [t for t in threading.enumerate() if t not in before and t.name.startswith("fxpipe")]
+    assert len(workers) == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        pipe(torch.randn(4, 6))
+    for worker in workers:  # they stop once they see the close
+        worker.join(timeout=10)
+        assert not worker.is_alive()
+
+
 class _SlowBackward(torch.autograd.Function):
     interrupt = False  # whether the next backward asks for a Ctrl-C (once)
 
