@@ -204,12 +204,16 @@ def refuse_modes_the_stages_would_miss(off_thread: bool) -> None:
         return
     modes = _modes_entered()
     if modes:
+        # A mode that tracks modules (FlopCounterMode) registers global module hooks, which a
+        # pipeline on one device refuses too: that route is no fix for it.
+        tracks = bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
         raise RuntimeError(
             f"this call runs under {', '.join(modes)}, which PyTorch keeps per thread: the pipeline's stages run "
             "on threads of their own, where the mode would see none of their ops, so the call would not compute "
-            "(nor count) what the plain model does under it.\nHow to fix: enter the mode around the plain model; "
-            "or compile the pipeline for one device, whose pipe(x) and train_step run the stages on the calling "
-            "thread, under the mode."
+            "(nor count) what the plain model does under it.\nHow to fix: enter the mode around the plain model"
+            + (" (it tracks modules with global hooks, which a pipeline refuses on any device)." if tracks else
+               "; or compile the pipeline for one device, whose pipe(x) and train_step run the stages on the calling "
+               "thread, under the mode.")
         )
 
 

@@ -1,4 +1,4 @@
-"""What forward does that a traced graph loses, watched as the model runs eagerly (in eval mode too where its code asks):
+"""What forward does that a traced graph loses, watched as the model runs eagerly (in eval mode too where its code asks).
 
     a write in place to a tensor    a trace makes it once, while tracing (when it involves no
     the model does not own          traced value), or the pipeline makes it again in each

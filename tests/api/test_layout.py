@@ -47,9 +47,9 @@ def modules() -> dict[str, pathlib.Path]:
 
 
 def layer_of(module: str) -> str:
-    """The layer a module belongs to: its sub-package, or 'api' for the package's top-level modules."""
+    """The layer a module or sub-package belongs to: its sub-package, or 'api' for the package's top-level modules."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in LAYERS else "api"
+    return parts[1] if len(parts) >= 2 and parts[1] in LAYERS else "api"
 
 
 def imports_of(path: pathlib.Path, known: dict[str, pathlib.Path]) -> Iterator[tuple[str, int]]:
