@@ -47,7 +47,9 @@ def build_program(
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
     _refuse_backward_hooks_traced_through(traced)
-    _refuse_grad_tensors_held([found for code in codes for found in _grad_tensors_held(code.module)])
+    # What sits in the model's parameter tables (a functional_call's swap) the call refuses, by its name.
+    swapped = {id(t) for path, module in owner.named_modules() for t in module._parameters.values() if t is not None}
+    _refuse_grad_tensors_held([found for code in codes for found in _grad_tensors_held(code.module, swapped)])
     exported: set[str] = set()
     for index, code in enumerate(codes):
         draw_from_task_streams(code.module)
@@ -369,20 +371,21 @@ def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -
         )
 
 
-def _grad_tensors_held(stage: fx.GraphModule) -> list[tuple[str, bool]]:
+def _grad_tensors_held(stage: fx.GraphModule, parameters: set[int]) -> list[tuple[str, bool]]:
     """The stage's tensor attributes and buffers that require grad but are not parameters, each
     with whether it is an autograd leaf (the plain model's backward would give it a `.grad`) or,
     read by the graph itself, was computed from parameters outside forward (its one graph serves
     one backward). A view of a parameter (`self.w_t = self.lin.weight.t()`) saves nothing for
     backward and serves any number; what a module called whole holds, its own forward makes again
-    at every call (an output it keeps, the weight a weight_norm hook computes)."""
+    at every call (an output it keeps, the weight a weight_norm hook computes). Those in the
+    model's `parameters` tables (ids), swapped in for its parameters, are the call's to refuse."""
     read = {str(n.target) for n in stage.graph.nodes if n.op == "get_attr"}
     found = []
     for prefix, module in stage.named_modules():
         held = {**{k: v for k, v in vars(module).items() if not k.startswith("_")}, **module._buffers}
         for name, value in held.items():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad:
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and value.requires_grad and id(value) not in parameters:
                 if value.is_leaf or (path in read and not value._is_view()):
                     found.append((path, value.is_leaf))
     return found

@@ -516,6 +516,34 @@ def test_functional_call_with_tensors_that_do_not_require_grad_runs_on_them() ->
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
 
 
+class _BranchesOnAShape(nn.Module):
+    """torch.fx cannot trace the branch: torch.export captures the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h.relu() if h.shape[1] > 4 else h)
+
+
+def test_functional_call_with_tensors_that_require_grad_is_refused_as_such_on_an_exported_graph() -> None:
+    """Before, the stages built on the swapped tensors refused them as the model's own tensors
+    that are not parameters, advising nn.Parameter: they are, and functional_call was not named."""
+    from torch.func import functional_call
+
+    model = _BranchesOnAShape().double()
+    reference, x = copy.deepcopy(model), X.double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that torch.export took over
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    wanting = {name: p.detach().clone().requires_grad_() for name, p in pipe.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"(?s)swapped for tensors that require grad but are not nn.Parameters.*functional_call"):
+        functional_call(pipe, wanting, (x,))
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 def test_a_sample_without_its_batch_dim_is_refused_not_split_along_its_features() -> None:
     pipe = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2)), X, ["cpu", "cpu"], chunks=2)
     with pytest.raises(ValueError, match=r"(?s)fewer dims than the example's.*input_1 \(6,\) \(the example's had 2 dims\).*x.unsqueeze\(0\)"):
