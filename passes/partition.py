@@ -190,7 +190,7 @@ def best_cuts(model: CutModel, stages: int, caps: Optional[Sequence[float]] = No
             break
         units *= 2
     if cuts is None:
-        refuse(_infeasible(model, stages, caps or []), "How to fix: use more devices, or raise device_memory.")
+        refuse(*_infeasible(model, stages, caps or []))
     return [bounds[c] for c in cuts or []]
 
 
@@ -287,21 +287,29 @@ def coarsen_at(model: CutModel, bounds: Sequence[int]) -> CutModel:
     )  # fmt: skip
 
 
-def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> list[str]:
-    """Why no cut fits: the node that alone exceeds the memory, or how many devices would do."""
+def _infeasible(model: CutModel, stages: int, caps: Sequence[float]) -> tuple[list[str], str]:
+    """Why no cut fits, and the fix: the node that alone exceeds the memory (no number of
+    devices helps), or how many devices would do."""
     cap = min(caps) if caps else math.inf
     for position in range(len(model)):
         if model.memory(position, position + 1) > cap:
             name = model.names[position] if model.names is not None else str(position)
-            return [f"node {name} alone needs {model.memory(position, position + 1):.0f} bytes, more than {cap:.0f} (the smallest stage's share of its device's memory)"]
+            return (
+                [f"node {name} alone needs {model.memory(position, position + 1):.0f} bytes, more than {cap:.0f} (the smallest stage's share of its device's memory)"],
+                "How to fix: raise device_memory (more devices cannot help: a stage holds one node at least); or have "
+                "each node hold less: more chunks (smaller micro-batches), checkpoint='always', or a smaller batch.",
+            )
     count, start = 0, 0
     while start < len(model):
         end = start + 1
         while end < len(model) and model.memory(start, end + 1) <= cap:
             end += 1
         count, start = count + 1, end
-    return [f"no cut into {stages} stages fits {cap:.0f} bytes per stage (the smallest stage's share of its device's "
-            f"memory); about {count} stages of that size would fit the model"]
+    return (
+        [f"no cut into {stages} stages fits {cap:.0f} bytes per stage (the smallest stage's share of its device's "
+         f"memory); about {count} stages of that size would fit the model"],
+        "How to fix: use more devices, or raise device_memory.",
+    )
 
 
 def _best_cuts_keeping(model: CutModel, stages: int, caps: Optional[Sequence[float]], together: dict[str, tuple[int, int]]) -> list[int]:

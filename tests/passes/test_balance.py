@@ -183,9 +183,13 @@ def test_float_ties_go_to_the_smaller_bottleneck() -> None:
 
 
 def test_a_node_over_the_cap_is_named() -> None:
+    """Before, the fix said to use more devices, which cannot help one node."""
     model = CutModel([1.0] * 4, [1, 1, 50, 1], [0.0] * 4, [])
-    with pytest.raises(PartitionError, match="node 2 alone needs 50 bytes, more than 20"):
+    with pytest.raises(PartitionError, match=r"(?s)node 2 alone needs 50 bytes, more than 20.*How to fix: raise device_memory \(more devices cannot help") as info:
         best_cuts(model, 2, [20, 20])
+    assert "use more devices" not in str(info.value)
+    with pytest.raises(PartitionError, match=r"(?s)about 4 stages of that size would fit.*How to fix: use more devices"):
+        best_cuts(CutModel([1.0] * 4, [10, 10, 10, 10], [0.0] * 4, []), 2, [15, 15])
 
 
 def test_too_small_devices_say_how_many_would_fit() -> None:
