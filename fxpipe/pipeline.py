@@ -301,8 +301,8 @@ class Pipeline(PipelineCalls):
         self,
         batches: Iterable[Any],
         *,
-        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
         optimizer: torch.optim.Optimizer,
+        loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None,
         reduction: str = "mean",
         after_backward: Optional[Callable[[], Any]] = None,
         after_step: Optional[Callable[[], Any]] = None,
@@ -317,7 +317,8 @@ class Pipeline(PipelineCalls):
         (`state_dict()` is consistent there; under '2bw' it is refused until the loop ends, as the
         stages run on); a failure, in a stage or in `batches`, says which batch it struck and
         leaves the parameters after the last update. Across processes every rank gives the same
-        batches; one whose batches end or fail early makes every rank raise.
+        batches; one whose batches end or fail early makes every rank raise. A model that returns
+        its own loss needs no `loss_fn`: its batches are `(inputs, None)`.
 
             for loss in pipe.train_steps(loader, loss_fn=F.cross_entropy, optimizer=opt):
                 print(float(loss))

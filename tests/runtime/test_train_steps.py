@@ -233,3 +233,24 @@ def test_an_optimizer_that_needs_a_closure_is_refused_with_the_loop_that_trains_
         lbfgs.step(lambda: (lbfgs.zero_grad(), pipe.train_step(x, target=y, loss_fn=F.mse_loss))[1])
         plain.step(lambda: (plain.zero_grad(), F.mse_loss(reference(x), y).backward(), F.mse_loss(reference(x), y))[2])
     _assert_parameters_equal(model, reference)
+
+
+class _OwnLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.b(torch.tanh(self.a(x))), labels)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_model_that_returns_its_own_loss_trains_without_a_loss_fn(schedule: str) -> None:
+    """Before, loss_fn was a required keyword of train_steps (not of train_step)."""
+    model, plain = twin(_OwnLoss())
+    g = torch.Generator().manual_seed(0)
+    batches = [((torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 4, generator=g, dtype=torch.float64)), None) for _ in range(3)]
+    pipe = compile_pipeline(model, batches[0][0], ["cpu", "cpu"], chunks=2, schedule=schedule)
+    losses = [float(loss) for loss in pipe.train_steps(batches, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0))]
+    assert losses == pytest.approx([float(plain(*inputs)) for inputs, _ in batches], rel=0, abs=1e-12)
+    pipe.close()
