@@ -218,7 +218,8 @@ def compile_pipeline(
             cost model predicts faster under `schedule`. A cut by hand runs as the graph it gives.
         sequence_chunks: for a causal model (each position computed from itself and earlier
             ones: causal attention, position-wise layers), each micro-batch is cut into this many
-            slices of its sequence (or slices of these lengths), which flow through the stages one
+            slices of its sequence (or slices of these lengths; 'auto': as many as the cost model
+            finds fastest for each length), which flow through the stages one
             after another, each slice's attention reading the keys and values of the slices before
             it: stages keep busy with few sequences, one even. Compiling proves the model causal
             (naming each op that reads later positions otherwise) and checks the slices against

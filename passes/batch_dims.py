@@ -74,7 +74,8 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
     found = [str(n.target) if n.op == "call_module" else n.name for n in gm.graph.nodes if _scales_by_frequency(gm, n)]
     if found:
         raise ValueError(
-            f"with chunks={chunks}, {', '.join(found)} scale each embedding row's gradient by how often its index "
+            f"with chunks={chunks}, {'the embedding' if len(found) == 1 else 'the embeddings'} {', '.join(found)} "
+            f"scale{'s' if len(found) == 1 else ''} each row's gradient by how often its index "
             "occurs in the batch (scale_grad_by_freq=True): each micro-batch would count its own indices, and the "
             "gradients would differ from the plain model's.\nHow to fix: scale_grad_by_freq=False, or chunks=1."
         )
