@@ -230,8 +230,8 @@ def compile_pipeline(
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`; a stage DAG, the one with the
     least time on its longest path in place of the sum.
     """
-    devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks = (
-        plain_values(v) for v in (devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks)
+    devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks, timeout = (
+        plain_values(v) for v in (devices, chunks, split_points, balance, device_memory, stages_per_device, sequence_chunks, timeout)
     )
     placement = _placement(devices, mesh, timeout)
     given = devices if placement is None else [placement.device] * placement.size
@@ -440,11 +440,7 @@ def _placement(devices: Any, mesh: Any, timeout: Any) -> Optional[RankPlacement]
             "(a DeviceMesh with a 'pp' dimension, one process per stage)"
             + (f", not both (got devices={devices!r})" if mesh is not None else "")
         )
-    if mesh is None:
-        return None  # a bad timeout is listed with the other arguments' problems
-    problems = timeout_problems(timeout)
-    if problems:
-        raise ValueError(problems[0])
-    return placement_of(mesh, timeout)
+    # A bad timeout is listed with the other arguments' problems (placing reads the mesh alone).
+    return None if mesh is None else placement_of(mesh, None if timeout_problems(timeout) else timeout)
 
 

@@ -14,6 +14,7 @@ from torch.utils.flop_counter import flop_registry
 
 from fxpipe.core.eager_mode import EagerDispatchMode
 from fxpipe.core.snapshot import preserved
+from fxpipe.tracing.assignments import assignments_recorded
 
 
 class FlopCount(EagerDispatchMode):
@@ -147,12 +148,14 @@ class Recorder(fx.Interpreter):
         given = {_storage(t) for t in tree_flatten((args, kwargs, [*module.parameters(), *module.buffers()]))[0] if isinstance(t, torch.Tensor)}
         saved: dict[int, int] = {}
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> None:
+            # Counted, not kept: nothing runs backward, and an output kept with its graph would
+            # hold the graph (and the module's parameters) in a cycle no collector sees.
             saved[_storage(t)] = t.untyped_storage().nbytes()
-            return t
 
         try:
-            with preserved(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            # (what the module assigns, a call counter, put back too: the graph's later nodes read it)
+            with preserved(module), assignments_recorded(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
                 out = module(*args, **kwargs)
         except Exception:  # noqa: BLE001 - the node's output stands for it, as for any node
             return 0
@@ -212,6 +215,10 @@ def _holds_inside(module: nn.Module) -> bool:
     """A module called whole that computes more than one op: built-in composites, and any with
     submodules (one kept whole by leaf_modules)."""
     return isinstance(module, _COMPOSITE_MODULES) or next(module.children(), None) is not None
+
+
+def _never_unpacked(packed: None) -> torch.Tensor:
+    raise RuntimeError("saved_inside's run has no backward")
 
 
 def _storage(t: torch.Tensor) -> int:

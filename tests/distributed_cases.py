@@ -301,6 +301,14 @@ def refusals(rank: int, world: int) -> list[str]:
         errors.append("no error")
     except ValueError as e:
         errors.append(str(e))
+    try:  # a bad timeout listed with the others, on every rank, before anything is sent
+        compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=0, checkpoint="sometimes", timeout=0)
+        errors.append("no error")
+    except ValueError as e:
+        errors.append(str(e))
+    import numpy  # (a test dependency)
+
+    errors.append(f"{compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=numpy.int64(2), timeout=numpy.int64(60)).chunks} chunks")  # type: ignore[arg-type]
     return errors
 
 

@@ -250,6 +250,8 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         assert errors[5] == ("0 parameters" if rank == 1 else "2 parameters"), errors[5]
         assert "the model writes its input 'x' in place: across processes only the rank" in errors[6], errors[6]
         assert "reads emb.weight, tied to a stage on another rank" in errors[7] and "use_reentrant=False" in errors[7], errors[7]
+        assert all(f in errors[8] for f in ("timeout must be a positive", "chunks must be", "checkpoint must be")), errors[8]  # before, the timeout alone
+        assert errors[9] == "2 chunks", errors[9]  # before, a NumPy timeout was "not a positive number"
 
 
 def test_devices_or_mesh_one_of_them() -> None:
