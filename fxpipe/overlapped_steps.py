@@ -104,6 +104,7 @@ class _Overlap:
         # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
         self.modes: dict[str, bool] = {}
         self.rates: dict[str, Optional[float]] = {}
+        self.hooks: dict[str, tuple[int, ...]] = {}  # each module's forward hooks, by handle id
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -156,6 +157,7 @@ class _Overlap:
         if index == 0:
             self._take_the_model()
             self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
+            self.hooks = _hooks_of(self.pipe._owner)
             self.rates = {name: dropout_rate_of(m) for name, m in self.pipe._owner.named_modules()}
         elif batch is not None:
             self._refuse_changes(f"in the batches' iterable, while batch {index} was read", slots=False)
@@ -418,6 +420,15 @@ class _Overlap:
             traced_mode(pipe._owner, pipe._programs, pipe._compiled)
         except RuntimeError as error:
             return str(error).partition("\nHow to fix")[0].rstrip(".")
+        # A module called whole runs its hooks as it runs: the batch in flight would take a new one
+        # at some micro-batch, as the threads' timing decides.
+        hooked = [name or "the model" for name, now in _hooks_of(pipe._owner).items() if now != self.hooks.get(name, ())]
+        if hooked:
+            return f"the forward hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
+        # Added tensors show whatever the stages hold in the slots: they add no key to a table.
+        added = self.held.held.tensors_added() if self.held is not None else []
+        if added:
+            return f"parameters or buffers were added ({', '.join(added[:5])}{' and more' if len(added) > 5 else ''})"
         if slots and self.held is not None and self.held.held.tensors_replaced():
             return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
         return ""
@@ -510,6 +521,11 @@ def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list
 
 def _wait(group: TaskGroup) -> None:
     group.wait(None if steps.WAIT_TIMEOUT is None else 2 * steps.WAIT_TIMEOUT)
+
+
+def _hooks_of(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each module's forward hooks and pre-hooks, by their handles' ids."""
+    return {name: (*m._forward_pre_hooks, *m._forward_hooks) for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
 
 
 def _refuse_a_second_loop(pipe: PipelineLike) -> None:

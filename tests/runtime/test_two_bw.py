@@ -635,6 +635,8 @@ def _changes() -> dict[str, Callable[[nn.Module], Any]]:
         "a parameter assigned": lambda m: setattr(m.c, "bias", nn.Parameter(torch.zeros(6, dtype=torch.float64))),
         "a weight clamped in place": _clamped,
         "a dropout rate": lambda m: setattr(m.drop, "p", 0.5),
+        "a hook on a module called whole": lambda m: m.c.register_forward_hook(lambda module, args, out: 2 * out),
+        "a parameter added": lambda m: setattr(m.c, "extra", nn.Parameter(torch.zeros(6, dtype=torch.float64))),
     }
 
 
@@ -662,7 +664,8 @@ def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: s
     to eval applied two batches late (or failed inside autograd), a replaced module's old
     parameters were the ones trained. A change the iterable made while the batch before ran
     was blamed on the next after_step, or failed inside a stage. A dropout rate was taken by the
-    batch in flight at a micro-batch the threads' timing chose."""
+    batch in flight at a micro-batch the threads' timing chose; so were a hook and an adapter
+    added in the iterable or between two losses (one process or two)."""
     model = _Scaled().double()
     batches = _batches(5)
     pipe = _pipe(model, batches[0][0], 3, chunks=4)
