@@ -89,13 +89,14 @@ class PipelineCalls(nn.Module):
         mode = traced_mode(self._owner, self._programs, self._compiled)
         held = self._programs[mode].held
         if held.tensors_replaced():
-            added = held.tensors_added() if self._compiled.placement is not None else []
+            added = [*held.tensors_added(), *held.replaced_across()] if self._compiled.placement is not None else []
             if added:
                 raise RuntimeError(
-                    f"parameters or buffers were added to the model since compiling: {', '.join(added)}. Across processes "
-                    "each rank holds the state of its own stages alone, placed when compiling: another rank's copy would "
-                    "stay, untrained, in its state_dict().\nHow to fix: compile the model again after adding them, on "
-                    "every rank."
+                    f"parameters or buffers were added to the model since compiling, or replaced: {', '.join(added)}. "
+                    "Across processes each rank holds the state of its own stages "
+                    "alone, placed when compiling: another rank's copy would stay, untrained, in its state_dict() (and "
+                    "a checkpoint could save it).\nHow to fix: compile the model again after adding or replacing them, "
+                    "on every rank."
                 )
             self._build()
         return self._programs[mode]

@@ -980,12 +980,23 @@ def held_elsewhere(rank: int, world: int) -> dict[str, Any]:
     theirs = dict(reference.named_parameters())
     report["loss"] = abs(float(loss) - expected.item())
     report["grads"] = max(_max_diff(p.grad, theirs[name].grad) for name, p in model.named_parameters() if not p.is_meta)
-    # A parameter added since (an adapter): a rank that does not hold the layer would keep a copy.
-    model[0].adapter = nn.Parameter(torch.zeros(6, dtype=torch.float64))
-    try:
-        pipe(x)
-    except RuntimeError as e:
-        report["added"] = str(e)
+    # A parameter added since (an adapter), or replaced (a layer initialised again), a module of
+    # them added: a rank that does not hold the layer would keep a copy, untrained.
+    changes = {
+        "added": lambda: setattr(model[0], "adapter", nn.Parameter(torch.zeros(6, dtype=torch.float64))),
+        "replaced": lambda: setattr(model[3], "weight", nn.Parameter(torch.zeros(6, 6, dtype=torch.float64))),
+        "module added": lambda: setattr(model[0], "lora", nn.Linear(6, 2).double()),
+    }
+    for what, change in changes.items():
+        before = dict(model[3]._parameters)
+        change()
+        try:
+            pipe(x)
+        except RuntimeError as e:
+            report[what] = str(e)
+        model[3]._parameters.update(before)  # put back: the next change alone
+        model[0]._parameters.pop("adapter", None)
+        model[0]._modules.pop("lora", None)
     return report
 
 

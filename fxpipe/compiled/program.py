@@ -232,6 +232,24 @@ class HeldState:
                 return True
         return False
 
+    def replaced_across(self) -> list[str]:
+        """Across processes, what was replaced that the ranks cannot build again on: a parameter
+        replaced (on every rank: each refuses, whether its stage holds it or another's does),
+        and a buffer slot that held another rank's tensor (its shape alone, on the meta device)
+        and holds a tensor of this rank's now. (A cast keeps the parameters, and turns another
+        rank's buffers into meta buffers again.)"""
+        held = {(id(table), key): tensor for table, key, tensor in self.tensors}
+        found = []
+        for path, module in self.named.items():
+            for table in (module._parameters, module._buffers):
+                for key, now in table.items():
+                    was = held.get((id(table), key))
+                    if was is None or now is None or was is now:
+                        continue
+                    if table is module._parameters or (was.is_meta and not now.is_meta):
+                        found.append(f"{path}.{key}" if path else key)
+        return found
+
     def tensors_added(self) -> list[str]:
         """The parameters and buffers added since, by qualified name."""
         held = {id(table): {key for t, key, _ in self.tensors if t is table} for table, _ in self.sizes}

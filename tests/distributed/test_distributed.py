@@ -385,7 +385,10 @@ def test_tensors_held_elsewhere_are_refused_on_every_rank_and_nothing_is_moved()
         assert "on rank 1: " in report["refused"] and "How to fix: drop such outputs" in report["refused"], report
         assert report["on meta"] == [] and report["loss"] <= TOL and report["grads"] <= TOL, report
         # Before, the rank that does not hold layer 0 kept its adapter, untrained, in its state_dict().
-        assert "added to the model since compiling: 0.adapter" in report["added"] and "on every rank" in report["added"], report
+        assert "added to the model since compiling" in report["added"] and ": 0.adapter." in report["added"] and "on every rank" in report["added"], report
+        assert "0.lora.weight, 0.lora.bias" in report["module added"], report
+        # Before, replaced on every rank, rank 0 kept layer 3's new weight, untrained, in its state_dict().
+        assert "since compiling, or replaced: 3.weight." in report.get("replaced", ""), report
 
 
 def test_a_parameter_read_in_eval_mode_alone_is_held_by_the_rank_that_reads_it() -> None:
