@@ -36,7 +36,7 @@ from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.randomness import TORCH_NAMESPACES
 from fxpipe.core.snapshot import preserved
 from fxpipe.core.writes import op_namespace
-from fxpipe.passes.example_runs import ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
+from fxpipe.passes.example_runs import DrawsOf, ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
 from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.sources import output_sources
@@ -141,12 +141,16 @@ def annotate_batch_dims(
     return True
 
 
-def _mark_whole_batch_draws(drawing: set[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]]) -> None:
+def _mark_whole_batch_draws(drawing: set[fx.Node], whole: dict[Any, Any], each: list[dict[Any, Any]]) -> None:
     """`WHOLE_BATCH_DRAW` on each drawing node whose value has one shape on the whole example and
-    on each half: it draws for the whole batch, not per sample."""
+    on each half, or whose draws do (a function or module that draws one number for the batch
+    and returns a value per sample: stochastic depth's mode='batch'): it draws for the whole
+    batch, not per sample."""
     for node in drawing:
         shapes = [_shapes(run.get(node)) for run in (whole, *each)]
-        if shapes[0] is not None and all(shape == shapes[0] for shape in shapes[1:]):
+        draws = [run.get(DrawsOf(node)) for run in (whole, *each)]
+        alike = shapes[0] is not None and all(shape == shapes[0] for shape in shapes[1:])
+        if alike or (draws[0] and all(d == draws[0] for d in draws[1:])):
             node.meta[WHOLE_BATCH_DRAW] = True
 
 
@@ -536,7 +540,7 @@ def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tup
         every, *each = run_on(gm, [whole, *parts], real=True, keep=None)
     except Exception:  # noqa: BLE001 - it ran once already; nothing more to say if not again
         return []
-    agree = {n: _agrees(every[n], [e[n] for e in each]) for n in every}
+    agree = {n: _agrees(every[n], [e[n] for e in each]) for n in every if isinstance(n, fx.Node)}  # (not DrawsOf keys)
     leading, stack = set(), list(bad)
     while stack:  # back from the bad outputs, through values that disagree
         node = stack.pop()

@@ -7,7 +7,7 @@ batch's statistics run under `FixedDraws`, so that the example and its halves se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -24,6 +24,12 @@ from fxpipe.passes.state import writable_buffer_names
 from fxpipe.tracing.assignments import assignments_recorded
 
 
+class DrawsOf(NamedTuple):
+    """The key of a node's draws' shapes among a run's values (`FixedDraws.shapes`)."""
+
+    node: fx.Node
+
+
 class ExampleRunner(Recorder):
     """Runs the graph without writing node.meta (unless it `records` shapes, as `Recorder`
     does), keeping the values of the nodes in `keep` (of every node when it is None); the nodes
@@ -32,7 +38,7 @@ class ExampleRunner(Recorder):
     def __init__(self, gm: fx.GraphModule, on_meta: bool, keep: Optional[set[fx.Node]], fixed: set[fx.Node], records: bool = False) -> None:
         super().__init__(gm, on_meta)
         self.keep, self.fixed = keep, fixed
-        self.values: dict[fx.Node, Any] = {}
+        self.values: dict[Any, Any] = {}  # by node, and the shapes of its draws by DrawsOf(node)
         self.records = records
 
     def run_one(self, n: fx.Node) -> Any:
@@ -48,8 +54,10 @@ class ExampleRunner(Recorder):
 
     def run_node(self, n: fx.Node) -> Any:
         if n in self.fixed:
-            with FixedDraws():
+            with FixedDraws() as draws:
                 value = self.run_one(n)
+            if self.keep is None or n in self.keep:
+                self.values[DrawsOf(n)] = draws.shapes
         else:
             value = self.run_one(n)
         if self.keep is None or n in self.keep:

@@ -15,6 +15,12 @@ class FixedDraws(EagerDispatchMode):
     """Random ops draw fixed values (a permutation draws none), and BatchNorm normalises by its
     running statistics: what either does differs between micro-batches by design."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The shape of each draw, in order: a node whose draws keep their shapes on the batch's
+        # halves draws for the whole batch (stochastic depth's one number), whatever it returns.
+        self.shapes: list[tuple[int, ...]] = []
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
@@ -22,12 +28,15 @@ class FixedDraws(EagerDispatchMode):
             return _batch_norm_by_statistics(func, args, kwargs)
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if seeded and _gated(func):  # dropout, attention with dropout: run without, the values still tell
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            self.shapes.append(tuple(first.shape) if first is not None else ())
             positional, named = _ungated(func, args, kwargs)
             return func(*positional, **named)
         out = func(*args, **kwargs)
         if seeded:
             for t in (out if isinstance(out, (tuple, list)) else [out]):
                 if isinstance(t, torch.Tensor):
+                    self.shapes.append(tuple(t.shape))
                     _fix(t, name)
         return out
 

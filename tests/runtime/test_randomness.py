@@ -604,29 +604,54 @@ def _stochastic_depth(x: torch.Tensor, p: float, mode: str) -> torch.Tensor:
     return x * noise.div_(1 - p)
 
 
-class _StochasticDepth(nn.Module):
-    """A residual branch kept or dropped by stochastic depth; with `parts`, the branch and a
-    noise drawn once for every sample are returned too."""
+def _wrapped_depth(x: torch.Tensor, p: float, mode: str) -> torch.Tensor:
+    """As torchvision's own: a function torch.fx keeps whole (torch.fx.wrap), one node."""
+    return _stochastic_depth(x, p, mode)
 
-    def __init__(self, mode: str, parts: bool = False) -> None:
+
+torch.fx.wrap("_wrapped_depth")
+
+
+class _Depth(nn.Module):
+    """As torchvision.ops.StochasticDepth, a module; kept whole here by leaf_modules."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _stochastic_depth(x, 0.5, self.mode)
+
+
+class _StochasticDepth(nn.Module):
+    """A residual branch kept or dropped by stochastic depth (traced, a wrapped function, or a
+    module kept whole); with `parts`, the branch and a noise drawn once for every sample are
+    returned too."""
+
+    def __init__(self, mode: str, parts: bool = False, form: str = "traced") -> None:
         super().__init__()
         self.mode, self.parts, self.branch, self.head = mode, parts, nn.Linear(8, 8), nn.Linear(8, 8)
+        self.form, self.depth = form, _Depth(mode)
 
     def forward(self, x: torch.Tensor) -> Any:
-        kept = x + _stochastic_depth(self.branch(x), 0.5, self.mode)
+        h = self.branch(x)
+        dropped = {"traced": _stochastic_depth, "wrapped": _wrapped_depth}[self.form](h, 0.5, self.mode) if self.form != "module" else self.depth(h)
+        kept = x + dropped
         if not self.parts:
             return self.head(kept)
         return self.head(kept), kept - x, torch.randn(8, dtype=x.dtype).expand(x.shape[0], 8)
 
 
-@pytest.mark.parametrize("mode", ["batch", "row"])
-def test_a_draw_for_the_whole_batch_is_drawn_alike_by_every_micro_batch(mode: str) -> None:
+@pytest.mark.parametrize("mode,form", [("batch", "traced"), ("row", "traced"), ("batch", "wrapped"), ("batch", "module"), ("row", "module")])
+def test_a_draw_for_the_whole_batch_is_drawn_alike_by_every_micro_batch(mode: str, form: str) -> None:
     """Before, each micro-batch drew its own: one call dropped the branch of some samples and
-    kept the others' (19 calls in 20), where the plain model keeps or drops it for all."""
+    kept the others' (19 calls in 20), where the plain model keeps or drops it for all; and
+    where the draw was inside one node (torchvision's StochasticDepth module, its function
+    wrapped), still 18 in 20, the node's output being per sample."""
     torch.manual_seed(0)
-    model = _StochasticDepth(mode, parts=True).double()
+    model = _StochasticDepth(mode, parts=True, form=form).double()
     x = torch.randn(8, 8, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["head"])
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["head"], leaf_modules=[_Depth])
     patterns = set()
     for seed in range(6):
         torch.manual_seed(seed)
