@@ -282,6 +282,12 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     )
     hint = _first_may_be_shared(names, inputs, batch, dims) + hint
     hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
+    if isinstance(error, IndexError) or "out of bounds" in str(error) or "index out of range" in str(error):
+        hint += (
+            "An index out of range on half the batch: an input may hold indices into the batch (a box's image "
+            "index, as roi_align's boxes do in their first column), which a micro-batch's own rows cannot "
+            "follow, split or whole: use chunks=1 for such a model.\n"
+        )
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
         f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"

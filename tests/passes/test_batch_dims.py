@@ -577,6 +577,30 @@ def test_a_shared_mask_split_for_a_length_equal_to_the_batch_is_named_with_the_c
 
 
 
+class _PooledBoxes(nn.Module):
+    """Boxes as rows (image index, x0, x1), as roi_align takes them: indices into the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, boxes: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        rows = h[boxes[:, 0].long()]  # each box's image, by its index in the batch
+        return self.b(rows * boxes[:, 1:2])
+
+
+@pytest.mark.parametrize("spec", [None, {"boxes": None}, {"boxes": 0}])
+def test_an_input_of_indices_into_the_batch_is_named_as_such_with_the_fix_that_works(spec: Any) -> None:
+    """Before, the refusal of splitting the boxes advised keeping them whole, whose refusal
+    advised splitting them: only chunks=1 works, and no message said why."""
+    x, boxes = torch.randn(4, 8), torch.tensor([[0, 1.0, 0], [1, 0.5, 0], [2, 2.0, 0], [3, 1.5, 0]])
+    with pytest.raises(ValueError, match=r"(?s)fails on half of it.*an input may hold indices into the batch.*use chunks=1 for such a model"):
+        compile_pipeline(_PooledBoxes(), (x, boxes), ["cpu", "cpu"], chunks=2, chunk_spec=spec)
+    model = _PooledBoxes()
+    torch.testing.assert_close(compile_pipeline(model, (x, boxes), ["cpu", "cpu"], chunks=1)(x, boxes), model(x, boxes), rtol=0, atol=0)
+
+
 class _Table(nn.Module):
     """`table` picks positions that every sample shares; its length is the batch's by chance."""
 
