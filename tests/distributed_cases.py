@@ -188,7 +188,16 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
         interrupted = "no error"
     except BaseException as e:  # noqa: BLE001 - what the test inspects
         interrupted = f"{type(e).__name__}: {e}"
-    return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None, interrupted=interrupted)
+
+    def interrupting(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise KeyboardInterrupt
+
+    try:  # in the loss: the others say so (before, "in forward")
+        pipe.train_step(x, target=zeros, loss_fn=interrupting)
+        in_loss = "no error"
+    except BaseException as e:  # noqa: BLE001 - what the test inspects
+        in_loss = f"{type(e).__name__}: {e}"
+    return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None, interrupted=interrupted, in_loss=in_loss)
 
 
 def dying_rank(rank: int, world: int) -> dict[str, Any]:

@@ -69,5 +69,6 @@ def phase_and_cause(action: Action, error: BaseException) -> tuple[str, BaseExce
 
 def marked(action: Action, error: BaseException) -> BaseException:
     """`error` with where it struck, for the other ranks' message (distributed.failing_together)."""
-    error.fxpipe_where = (action.stage, action.micro_batch, PHASES[action.kind])  # type: ignore[attr-defined]
+    phase = getattr(error, "fxpipe_phase", PHASES[action.kind])  # (an interrupt in the loss says so)
+    error.fxpipe_where = (action.stage, action.micro_batch, phase)  # type: ignore[attr-defined]
     return error

@@ -356,6 +356,9 @@ class StageTasks:
                 grads = value_grads(loss, values) if self.grad and not fused else {}
         except Exception as e:
             raise LossError() from e
+        except BaseException as e:  # an interrupt goes as it is: marked as struck in the loss
+            e.fxpipe_phase = "loss"  # type: ignore[attr-defined]
+            raise
         self.losses[i] = loss.detach()
         self.outputs[i] = {name: map_tensors(torch.Tensor.detach, v) for name, v in values.items()}
         if fused:

@@ -113,6 +113,8 @@ def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None
     assert interrupted.count("KeyboardInterrupt: ") == 1, interrupted
     named = [text for text in interrupted if text != "KeyboardInterrupt: "]
     assert all(f"stage {stage} (rank {rank}) failed on micro-batch 2 in forward: KeyboardInterrupt" in text for text in named), named
+    in_loss = [r["in_loss"] for r in got]
+    assert in_loss.count("KeyboardInterrupt: ") == 1 and all("failed on micro-batch 0 in loss: KeyboardInterrupt" in t for t in in_loss if t != "KeyboardInterrupt: "), in_loss
 
 
 def test_clip_grad_norm_clips_by_the_norm_of_every_ranks_gradients() -> None:
