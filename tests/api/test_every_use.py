@@ -191,3 +191,26 @@ def test_fake_quantisation(chunks: int) -> None:
         return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
 
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION, tol=1e-6, plain_call=in_turn)
+
+
+class _Encoded(nn.Module):
+    """A TransformerEncoderLayer called whole, with a BatchNorm-free head: the memory model runs
+    it once more with gradients at compile time, which must leave nothing behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 3)
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.layer(torch.tanh(self.inp(x))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_composite_module_called_whole(mode: str) -> None:
+    torch.manual_seed(0)
+    plain = _Encoded().double()
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 3, chunks=2, checkpoint=mode, split_points=["layer", "out"])
+    assert pipe.plan.stages[1].activation_bytes > 4 * pipe.plan.stages[0].activation_bytes  # what it saves inside counts
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
