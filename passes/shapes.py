@@ -147,19 +147,24 @@ class Recorder(fx.Interpreter):
         args, kwargs = tree_map(lambda v: v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         given = {_storage(t) for t in tree_flatten((args, kwargs, [*module.parameters(), *module.buffers()]))[0] if isinstance(t, torch.Tensor)}
         saved: dict[int, int] = {}
+        # Alive for the run (a freed tensor's memory, taken again, would count once), then let go:
+        # the graph holds this hook, and an output kept here with its graph would hold the graph
+        # (and the module's parameters) in a cycle no collector sees.
+        alive: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> None:
-            # Counted, not kept: nothing runs backward, and an output kept with its graph would
-            # hold the graph (and the module's parameters) in a cycle no collector sees.
+            alive.append(t)
             saved[_storage(t)] = t.untyped_storage().nbytes()
 
         try:
             # (what the module assigns, a call counter, put back too: the graph's later nodes read it)
             with preserved(module), assignments_recorded(module), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
                 out = module(*args, **kwargs)
+            given |= {_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
         except Exception:  # noqa: BLE001 - the node's output stands for it, as for any node
             return 0
-        given |= {_storage(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        finally:
+            alive.clear()
         return sum(size for storage, size in saved.items() if storage not in given)
 
     def _run_uncounted(self, n: fx.Node) -> Any:
