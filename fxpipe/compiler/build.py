@@ -47,9 +47,10 @@ def build_program(
     _refuse_opaque_values(cut)
     traced = _traced_through(owner, cut.graph)
     _refuse_backward_hooks_traced_through(traced)
-    # What sits in the model's parameter tables (a functional_call's swap) the call refuses, by its name.
-    swapped = {id(t) for path, module in owner.named_modules() for t in module._parameters.values() if t is not None}
-    _refuse_grad_tensors_held([found for code in codes for found in _grad_tensors_held(code.module, swapped)])
+    # What sits in the model's parameter tables and is no Parameter (a functional_call's swap) the
+    # call refuses, by its name.
+    in_tables = {id(t) for _, module in owner.named_modules() for t in module._parameters.values() if t is not None}
+    _refuse_grad_tensors_held([found for code in codes for found in _grad_tensors_held(code.module, in_tables)])
     exported: set[str] = set()
     for index, code in enumerate(codes):
         draw_from_task_streams(code.module)
