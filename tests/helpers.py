@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
-from typing import Any, Sequence, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -296,3 +296,85 @@ class TiedUnderReentrant(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.mid(torch.tanh(self.emb(idx))))
         return torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=True)
+
+
+class Attends(nn.Module):
+    """Returns attention weights where the call asks for them, None otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor, need_weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        h = self.a(x)
+        out, weights = self.attention(h, h, h, need_weights=need_weights)
+        return self.b(out), weights
+
+
+class ReturnsItsSize(nn.Module):
+    """Returns a torch.Size beside its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
+        h = self.b(self.a(x).relu())
+        return h, h.shape[1:]
+
+
+class OwnLoss(nn.Module):
+    """Returns its own loss, reduced as the call says."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), labels, reduction=reduction)
+
+
+def prepared_for_qat() -> nn.Module:
+    """A small model prepared for quantisation-aware training: fused observers that write their
+    statistics in forward, and fake quantisation (6 features in, 3 out)."""
+    import torch.ao.quantization as tq
+
+    class Quantised(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
+
+    model = Quantised()
+    model.qconfig = tq.get_default_qat_qconfig("x86")
+    tq.prepare_qat(model.train(), inplace=True)
+    return model
+
+
+class LowRank(nn.Module):
+    """A low-rank adapter of a square layer, from a fixed generator."""
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1)
+        self.a = nn.Parameter(torch.randn(2, width, generator=generator, dtype=dtype) * 0.3)
+        self.b = nn.Parameter(torch.randn(width, 2, generator=generator, dtype=dtype) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.a.T @ self.b.T
+
+
+def add_low_rank_adapter(linear: nn.Linear, as_module: bool = False) -> None:
+    """A low-rank adapter added to a layer called whole (after compiling, say), as parameters of
+    the layer (`lora_a`, `lora_b`) or as a module of its own (`lora`), that a forward hook reads."""
+    adapter = LowRank(linear.in_features, linear.weight.dtype)
+    if as_module:
+        linear.lora = adapter
+        linear.register_forward_hook(lambda module, args, out: out + module.lora(args[0]))
+    else:
+        linear.lora_a, linear.lora_b = adapter.a, adapter.b
+        linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import Pipeline, compile_pipeline
-from helpers import X, assert_call_and_grads_equal, assert_grads_equal, twin
+from helpers import X, OwnLoss, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
 class Gated(nn.Module):
@@ -452,22 +452,11 @@ class _OwnMean(nn.Module):
         return F.mse_loss(self.b(torch.tanh(self.a(x))), y)
 
 
-class _OwnLoss(nn.Module):
-    """Returns its own loss, reduced as the call says."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), labels, reduction=reduction)
-
-
 def test_a_string_other_than_the_examples_compiles_stages_for_that_call() -> None:
     """Before, what compiling proved on the example's `reduction='mean'` judged a call's 'sum':
     train_step refused reduction='sum', and its advice (leave it at 'mean') gave half the plain
     model's loss and gradients; an example of 'none' made pipe(x, y, 'mean') fail in torch."""
-    model, reference = twin(_OwnLoss())
+    model, reference = twin(OwnLoss())
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
     pipe = compile_pipeline(model, (x, y), ["cpu", "cpu"], chunks=2)
     with pytest.warns(UserWarning, match="cannot check that it is one on every batch"):

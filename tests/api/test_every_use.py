@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import compile_pipeline
+from helpers import Attends, OwnLoss, ReturnsItsSize, add_low_rank_adapter, prepared_for_qat
 from uses import AUTOCAST, EVERY_USE, assert_alike_in_every_use
 
 MODES = ("always", "except_last", "never")
@@ -56,24 +56,10 @@ def test_a_buffer_written_through_a_slice(mode: str, chunks: int) -> None:
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION, plain_call=in_turn)
 
 
-class _Attends(nn.Module):
-    """Attention weights returned where the call asks for them, None otherwise."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
-
-    def forward(self, x: torch.Tensor, need_weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        h = self.a(x)
-        out, weights = self.attention(h, h, h, need_weights=need_weights)
-        return self.b(out), weights
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_an_output_none_on_the_example_and_a_tensor_on_the_call(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    plain = _Attends().to(dtype)
+    plain = Attends().to(dtype)
     x = torch.randn(6, 5, 8, dtype=dtype)
     pipe = compile_pipeline(copy.deepcopy(plain), (x, False), ["cpu", "cpu"], chunks=2, split_points=["attention"])
     uses = NOT_LOW_PRECISION if dtype == torch.float64 else (AUTOCAST,)
@@ -81,43 +67,10 @@ def test_an_output_none_on_the_example_and_a_tensor_on_the_call(dtype: torch.dty
     assert_alike_in_every_use(pipe, plain, lambda m: m(x, False), _squares, uses, tol=1e-10 if dtype == torch.float64 else 1e-5)
 
 
-class _ReturnsItsSize(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
-        h = self.b(self.a(x).relu())
-        return h, h.shape[1:]
-
-
 def test_a_size_returned() -> None:
-    plain, x = _ReturnsItsSize().double(), torch.randn(6, 4, 8, dtype=torch.float64)
+    plain, x = ReturnsItsSize().double(), torch.randn(6, 4, 8, dtype=torch.float64)
     pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu", "cpu"], chunks=2)
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
-
-
-class _LowRank(nn.Module):
-    def __init__(self, width: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(1)
-        self.a = nn.Parameter(torch.randn(2, width, generator=generator, dtype=dtype) * 0.3)
-        self.b = nn.Parameter(torch.randn(width, 2, generator=generator, dtype=dtype) * 0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.a.T @ self.b.T
-
-
-def _adapted(linear: nn.Linear, as_module: bool) -> None:
-    """A low-rank adapter added after compiling, as parameters of the layer or as a module of
-    its own, that a forward hook reads."""
-    adapter = _LowRank(linear.in_features, linear.weight.dtype)
-    if as_module:
-        linear.lora = adapter
-        linear.register_forward_hook(lambda module, args, out: out + module.lora(args[0]))
-    else:
-        linear.lora_a, linear.lora_b = adapter.a, adapter.b
-        linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
 
 
 @pytest.mark.parametrize("frozen", [False, True])
@@ -130,25 +83,16 @@ def test_parameters_added_after_compiling(frozen: bool, as_module: bool) -> None
     model = copy.deepcopy(plain)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     for m in (model, plain):
-        _adapted(cast(nn.Linear, m[2]), as_module)
+        add_low_rank_adapter(cast(nn.Linear, m[2]), as_module)
         for name, p in m.named_parameters():
             p.requires_grad_(not frozen or "lora" in name)
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
 
 
-class _OwnLoss(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.cross_entropy(self.c(torch.tanh(self.b(torch.relu(self.a(x))))), labels, reduction=reduction)
-
-
 def test_a_model_returning_its_own_loss_called_with_another_string() -> None:
     """Per sample on the call, a mean on the example (a sum comes whole from train_step only)."""
     torch.manual_seed(0)
-    plain = _OwnLoss().double()
+    plain = OwnLoss().double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 4, (8,))
     pipe = compile_pipeline(copy.deepcopy(plain), (x, y), ["cpu", "cpu"], chunks=2)
     assert_alike_in_every_use(pipe, plain, lambda m: m(x, y, "none"), _squares, NOT_LOW_PRECISION)
@@ -169,21 +113,8 @@ def test_fake_quantisation(chunks: int) -> None:
     """Its observers write their statistics in a fused kernel that bumps no version counter:
     before, compiling with chunks=2 compared the halves as if nothing were written, and refused
     the model as one that mixes samples. Micro-batches observe in turn, as BatchNorm's do."""
-    import torch.ao.quantization as tq
-
-    class Quantised(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
-            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
-
     torch.manual_seed(0)
-    plain = Quantised()
-    plain.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.prepare_qat(plain.train(), inplace=True)
+    plain = prepared_for_qat()
     x = torch.randn(8, 6)
     pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu", "cpu"], chunks=chunks, checkpoint="always")
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import model_settings
 from fxpipe import TraceError, compile_pipeline
-from helpers import X, Blocks, Counts, assert_call_and_grads_equal, assert_grads_equal, twin
+from helpers import X, Blocks, Counts, add_low_rank_adapter, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
 def test_a_forward_hook_added_after_compiling_to_a_module_traced_through_is_refused() -> None:
@@ -165,15 +165,6 @@ def test_a_parameter_several_stages_read_assigned_after_compiling_gets_its_gradi
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
-def _adapted(linear: nn.Linear) -> None:
-    """A low-rank adapter added to a layer called whole: two new parameters, which a forward
-    hook reads."""
-    generator = torch.Generator().manual_seed(1)
-    linear.lora_a = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=torch.float64) * 0.3)
-    linear.lora_b = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=torch.float64) * 0.3)
-    linear.register_forward_hook(lambda module, args, out: out + args[0] @ module.lora_a.T @ module.lora_b.T)
-
-
 @pytest.mark.parametrize(("schedule", "frozen"), [("gpipe", True), ("1f1b", True), ("zb-h1", False)])
 def test_parameters_added_after_compiling_to_a_module_called_whole_get_their_gradients(schedule: str, frozen: bool) -> None:
     """Before, the stages kept the parameter list of compile time: the adapter's `.grad` stayed
@@ -183,7 +174,7 @@ def test_parameters_added_after_compiling_to_a_module_called_whole_get_their_gra
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule=schedule)
     for m in (model, reference):
-        _adapted(cast(nn.Linear, m[1]))
+        add_low_rank_adapter(cast(nn.Linear, m[1]))
         for name, p in m.named_parameters():
             p.requires_grad_(not frozen or "lora" in name)
     mse = nn.functional.mse_loss

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from helpers import assert_grads_equal
+from helpers import Attends, ReturnsItsSize, assert_grads_equal
 from fxpipe import compile_pipeline
 
 
@@ -317,20 +317,6 @@ def test_an_output_that_is_a_view_of_another_stays_one_in_every_mode(mode: str) 
     pipe.close()
 
 
-class Attends(nn.Module):
-    """Returns attention weights where the call asks for them, None otherwise."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
-
-    def forward(self, x: torch.Tensor, need_weights: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        h = self.a(x)
-        out, weights = self.attention(h, h, h, need_weights=need_weights)
-        return self.b(out), weights
-
-
 def test_an_output_that_was_none_on_the_example_carries_its_gradient_when_a_call_returns_it() -> None:
     """Before, the weights came back without a gradient (the example had none to say what they
     are made of): a loss on them changed no parameter's gradient (0.09 off), with no error."""
@@ -349,19 +335,9 @@ def test_an_output_that_was_none_on_the_example_carries_its_gradient_when_a_call
     torch.testing.assert_close(got, torch.autograd.grad(reference(x, True)[1].square().sum(), reference.a.weight)[0], rtol=0, atol=1e-12)
 
 
-class _ReturnsItsSize(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
-        h = self.b(self.a(x).relu())
-        return h, h.shape[1:]
-
-
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_a_size_returned_comes_back_as_a_size(chunks: int) -> None:
     """Before, it came back a tuple (pytree takes a torch.Size apart into one): `.numel()` failed."""
-    model, x = _ReturnsItsSize(), torch.randn(6, 4, 8)
+    model, x = ReturnsItsSize(), torch.randn(6, 4, 8)
     out, size = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=chunks)(x)
     assert type(size) is torch.Size and size == model(x)[1] and size.numel() == 32

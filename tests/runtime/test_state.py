@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from helpers import CountingBlock, assert_call_and_grads_equal, assert_grads_equal, grad_of, twin
+from helpers import CountingBlock, assert_call_and_grads_equal, assert_grads_equal, grad_of, prepared_for_qat, twin
 from fxpipe import Pipeline, StageError, TraceError, compile_pipeline
 
 MODES = ("always", "except_last", "never")
@@ -117,21 +117,8 @@ def test_fake_quantisation_observes_once_per_micro_batch_whatever_the_checkpoint
     """Quantisation-aware training's default observer is one torch function that writes four
     statistics in place: a recompute must not observe a second time, nor backward run on
     statistics its forward did not use."""
-    import torch.ao.quantization as tq
-
-    class Quantised(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.quant, self.dequant = tq.QuantStub(), tq.DeQuantStub()
-            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.dequant(self.b(torch.relu(self.a(self.quant(x)))))
-
     torch.manual_seed(0)
-    model = Quantised()
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.prepare_qat(model.train(), inplace=True)
+    model = prepared_for_qat()
     pipe, reference = compiled(model, torch.randn(8, 6), 2, chunks=1, checkpoint="always")
     for _ in range(3):
         x = torch.randn(8, 6)

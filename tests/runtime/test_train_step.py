@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import FanOut, PaddedLM, SeqFirst, assert_grads_equal, example_module, grad_of, padded_labels, twin
+from helpers import FanOut, PaddedLM, SeqFirst, assert_grads_equal, example_module, grad_of, padded_labels, prepared_for_qat, twin
 import fxpipe.runtime.losses
 from fxpipe import StageError, TraceError, compile_pipeline
 from fxpipe.core.microbatch import split_sizes
@@ -309,12 +309,8 @@ def test_a_failed_step_puts_back_buffers_its_forward_resized_and_says_why_it_fai
     """Quantisation-aware training's observers resize their empty statistics on the first
     forward. Before, the put-back of a failed step raised on their shapes: the step's own error
     was lost ("size of tensor a (6) must match ... (0)"), and every buffer stayed as written."""
-    import torch.ao.quantization as tq
-
     torch.manual_seed(0)
-    model = nn.Sequential(tq.QuantStub(), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3), tq.DeQuantStub())
-    model.qconfig = tq.get_default_qat_qconfig("x86")
-    tq.prepare_qat(model.train(), inplace=True)
+    model = prepared_for_qat()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 6), torch.randn(8, 3)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)

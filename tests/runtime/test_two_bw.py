@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dag_models import OPTIMIZERS, Optimizer, delayed_loop
-from helpers import FanOut, TiedEnds, TiedUnderReentrant, example_module, twin
+from helpers import FanOut, LowRank, TiedEnds, TiedUnderReentrant, example_module, twin
 from fxpipe import compile_pipeline
 from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Layout
 from fxpipe.schedules.two_bw import UPDATE, segment, two_bw
@@ -711,17 +711,6 @@ def test_a_change_the_iterable_makes_before_the_first_batch_is_the_model_the_loo
     _assert_parameters_equal(model, expected_model, tol=1e-12)
 
 
-class _Adapter(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(1)
-        self.down = nn.Parameter(torch.randn(2, 6, generator=generator, dtype=torch.float64) * 0.3)
-        self.up = nn.Parameter(torch.randn(6, 2, generator=generator, dtype=torch.float64) * 0.3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.down.T @ self.up.T
-
-
 def _made(how: str) -> nn.Module:
     """What the change puts in the model: a weight, parameters of a layer, an adapter module."""
     made = nn.Module()
@@ -730,7 +719,7 @@ def _made(how: str) -> nn.Module:
     elif how == "parameters added":
         made.down = nn.Parameter(torch.full((2, 6), 0.1, dtype=torch.float64))
     else:
-        made.adapter = _Adapter()
+        made.adapter = LowRank(6, torch.float64)
     return made
 
 
