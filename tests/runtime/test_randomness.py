@@ -665,6 +665,25 @@ def test_a_draw_for_the_whole_batch_is_drawn_alike_by_every_micro_batch(mode: st
         assert any(len(set(pattern)) == 2 for pattern in patterns), "row mode draws per sample"
 
 
+@pytest.mark.parametrize("form", ["wrapped", "module"])
+def test_a_draw_for_the_whole_batch_inside_one_node_trains_alike_in_every_checkpoint_mode(form: str) -> None:
+    """The recompute of a whole-batch draw made inside one node draws what its forward drew:
+    every checkpoint mode, from one seed, gives the same outputs and gradients."""
+    x = torch.randn(8, 8, dtype=torch.float64)
+    results = []
+    for mode in ("never", "except_last", "always"):
+        torch.manual_seed(0)
+        model = _StochasticDepth("batch", form=form).double()
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, split_points=["head"], leaf_modules=[_Depth], checkpoint=mode)
+        torch.manual_seed(1)
+        out = pipe(x)
+        out.square().sum().backward()
+        results.append((out.detach(), [grad_of(p).clone() for p in pipe.parameters()]))
+        pipe.close()
+    for out, grads in results[1:]:
+        assert torch.equal(out, results[0][0]) and all(torch.equal(a, b) for a, b in zip(grads, results[0][1]))
+
+
 def test_the_per_step_reads_of_draws_and_hooks_walk_every_module_once() -> None:
     """Whether a stage may draw, or runs hooks, is read at every step by a walk of the modules'
     tables: it reaches modules nested at any depth, each once, and ends on a model that holds a
