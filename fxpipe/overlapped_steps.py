@@ -26,7 +26,7 @@ from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.compiled.program import OtherCall, Program
+from fxpipe.compiled.program import Hooks, OtherCall, Program, hooks_that_count
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.randomness import generator_put_back_on_error
@@ -104,7 +104,7 @@ class _Overlap:
         # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
         self.modes: dict[str, bool] = {}
         self.rates: dict[str, Optional[float]] = {}
-        self.hooks: dict[str, tuple[int, ...]] = {}  # each module's forward hooks, by handle id
+        self.hooks: dict[str, Hooks] = {}  # each module's hooks, by their handles' ids
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -422,9 +422,10 @@ class _Overlap:
             return str(error).partition("\nHow to fix")[0].rstrip(".")
         # A module called whole runs its hooks as it runs: the batch in flight would take a new one
         # at some micro-batch, as the threads' timing decides.
-        hooked = [name or "the model" for name, now in _hooks_of(pipe._owner).items() if now != self.hooks.get(name, ())]
+        hooks = _hooks_of(pipe._owner)
+        hooked = [name or "the model" for name in sorted({*hooks, *self.hooks}) if hooks.get(name) != self.hooks.get(name)]
         if hooked:
-            return f"the forward hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
+            return f"the hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
         # Added tensors show whatever the stages hold in the slots: they add no key to a table.
         added = self.held.held.tensors_added() if self.held is not None else []
         if added:
@@ -523,9 +524,9 @@ def _wait(group: TaskGroup) -> None:
     group.wait(None if steps.WAIT_TIMEOUT is None else 2 * steps.WAIT_TIMEOUT)
 
 
-def _hooks_of(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Each module's forward hooks and pre-hooks, by their handles' ids."""
-    return {name: (*m._forward_pre_hooks, *m._forward_hooks) for name, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks}
+def _hooks_of(model: torch.nn.Module) -> dict[str, Hooks]:
+    """The hooks of each module that has any (`hooks_that_count`), by module name."""
+    return {name: found for name, m in model.named_modules() if any(found := hooks_that_count(m))}
 
 
 def _refuse_a_second_loop(pipe: PipelineLike) -> None:

@@ -214,7 +214,7 @@ def mapping_problems(chunk_spec: Any, example_kwargs: Any) -> list[str]:
 
 
 def timeout_problems(timeout: Any) -> list[str]:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+    if timeout is not None and not _number_at_least(timeout, True):
         return [f"timeout must be a positive number of seconds (got {timeout!r})"]
     return []
 

@@ -783,6 +783,17 @@ def test_a_second_loop_while_one_runs_is_refused_and_the_first_goes_on_as_alone(
     _assert_parameters_equal(model, expected_model)
 
 
+def test_a_hook_removed_between_two_losses_is_refused_as_one_added() -> None:
+    """The batch in flight ran it at some micro-batches and not at others."""
+    model = _Scaled().double()
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+    handle = model.c.register_forward_hook(lambda module, args, out: 2 * out)
+    with pytest.raises(RuntimeError, match=r"the model changed between two losses \(after batch 0's\): the hooks of c \(added or removed\)"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
+            handle.remove()
+
+
 def test_a_deep_copy_between_two_losses_is_a_whole_model_that_trains() -> None:
     """Before, a copy made while a stage ran took the stage's own leaves for parameters (5 of 8
     copies), and refused to train, blaming torch.func.functional_call."""
