@@ -227,7 +227,7 @@ def never_compiles(rank: int, world: int, dies: bool) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     if rank == world - 1:
         if not dies:
-            time.sleep(8)
+            time.sleep(6)
         os._exit(0)
     start = time.monotonic()
     try:
@@ -1295,7 +1295,7 @@ def clipped_on_one_rank(rank: int, world: int) -> dict[str, Any]:
     pipe, _, x, y = _fan_out_on(mesh, timeout=3)
     pipe.train_step(x, target=y, loss_fn=F.mse_loss)
     if rank != 0:
-        time.sleep(6)  # past rank 0's timeout, alive
+        time.sleep(4.5)  # past rank 0's timeout, alive
         return dict(error="", took=0.0)
     start = time.monotonic()
     try:

@@ -70,8 +70,9 @@ def spawn_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float =
             except queue.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
-        # Every result in: a rank still in its last barrier after a peer's failure is not waited out.
-        leave_by = min(deadline, time.monotonic() + (5.0 if len(got) == world else 15.0 * world))
+        # Every result in, nothing is read any more: a rank still in its last barrier after a peer's
+        # failure (a collective it posted alone) is not waited out.
+        leave_by = min(deadline, time.monotonic() + (1.0 if len(got) == world else 15.0 * world))
         for p in procs:
             p.join(max(0.1, leave_by - time.monotonic()))
     finally:

@@ -22,16 +22,25 @@ SEEDS = int(os.environ.get("FXPIPE_DISTRIBUTED_SEEDS", "1"))
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
 
 
-@pytest.fixture(scope="module")
-def three_ranks() -> list[list[dict[str, Any]]]:
-    """Every case on one group of three processes (starting processes costs seconds). Each model
-    runs every schedule and every mode, and the models together every (schedule, mode)
-    (helpers.covering); one process runs the first three in all of them in
-    tests/runtime/test_train_step.py."""
+def test_every_schedule_and_mode_gives_the_plain_models_loss_and_gradients() -> None:
+    """Every case on one group of three processes, started once (a fixture shared by several
+    tests would start it once per test process). Each model runs every schedule and every mode,
+    and the models together every (schedule, mode) (helpers.covering); one process runs the first
+    three in all of them in tests/runtime/test_train_step.py. Then: the stage DAG is shallower
+    than its stage count on every rank, and each rank holds its own stages' state."""
     matrix: list[tuple[str, ...]] = covering(["unet", "gpt", "fan_out", "dag_1", "dag_2"], [SCHEDULES], MODES)
-    matrix += [("unet", s, "except_last", "posted when read") for s in SCHEDULES]
+    # Receives posted only when read (the NCCL path), under the schedules whose orders of sends
+    # and receives interleave most: stages per device, and the I/W split.
+    matrix += [("unet", s, "except_last", "posted when read") for s in ("interleaved-1f1b", "zb-h1")]
     matrix += [("branches", s, MODES[k % 3]) for k, s in enumerate(SCHEDULES)]
-    return results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
+    three_ranks = results_of(spawn_ranks(cases.train_cases, 3, matrix, timeout=400))
+    for name in ("unet", "gpt", "fan_out", "dag_1", "dag_2", "branches"):
+        reports = _reports(three_ranks, name)
+        assert reports, name
+        for per_rank in reports:
+            _check_case(per_rank)
+    _check_the_dag_is_shallower(_reports(three_ranks, "branches"))
+    _check_each_rank_holds_its_own(_reports(three_ranks, "gpt"))
 
 
 def test_compiled_stages_across_two_processes() -> None:
@@ -52,43 +61,42 @@ def _reports(three_ranks: list[list[dict[str, Any]]], name: str) -> list[tuple[d
     return [per_rank for per_rank in zip(*three_ranks) if per_rank[0]["case"][0] == name]
 
 
-@pytest.mark.parametrize("name", ["unet", "gpt", "fan_out", "dag_1", "dag_2", "branches"])
-def test_every_schedule_and_mode_gives_the_plain_models_loss_and_gradients(three_ranks: Any, name: str) -> None:
-    reports = _reports(three_ranks, name)
+def _check_case(per_rank: tuple[dict[str, Any], ...]) -> None:
+    """One case's losses, gradients, outputs and state keys on every rank."""
+    case = per_rank[0]["case"]
+    losses = [r["losses"] for r in per_rank]
+    assert all(loss == losses[0] for loss in losses), f"{case}: ranks returned different losses {losses}"
+    for got, expected in zip(losses[0], per_rank[0]["expected"]):
+        assert abs(got - expected) <= TOL, f"{case}: loss {got} != {expected}"
+    checked: set[str] = set()
+    for rank, report in enumerate(per_rank):
+        assert not report["missing"], f"{case}: rank {rank} has no gradient for {report['missing']}"
+        worst = max(report["grads"].values(), default=0.0)
+        assert worst <= TOL, f"{case}: rank {rank}: gradient differs by {worst}"
+        checked |= set(report["grads"])
+    assert checked == set(per_rank[0]["names"]), f"{case}: no rank holds {set(per_rank[0]['names']) - checked}"
+    outputs = [r["out_error"] for r in per_rank]
+    assert outputs[:-1] == [None] * (len(outputs) - 1) and outputs[-1] is not None and outputs[-1] <= TOL, (case, outputs)
+    keys = [set(r["state_keys"]) for r in per_rank]
+    assert set().union(*keys) == set(per_rank[0]["all_state_keys"]), f"{case}: a state key is on no rank"
+    assert sum(map(len, keys)) < 2 * len(per_rank[0]["all_state_keys"]), f"{case}: ranks hold far more than their part"
+
+
+def _check_the_dag_is_shallower(reports: list[tuple[dict[str, Any], ...]]) -> None:
+    """Three feature towers on the mesh, cut with stage_graph='dag': the plan is shallower than
+    its stage count on every rank, and the same on each."""
     assert reports
     for per_rank in reports:
-        case = per_rank[0]["case"]
-        losses = [r["losses"] for r in per_rank]
-        assert all(loss == losses[0] for loss in losses), f"{case}: ranks returned different losses {losses}"
-        for got, expected in zip(losses[0], per_rank[0]["expected"]):
-            assert abs(got - expected) <= TOL, f"{case}: loss {got} != {expected}"
-        checked: set[str] = set()
-        for rank, report in enumerate(per_rank):
-            assert not report["missing"], f"{case}: rank {rank} has no gradient for {report['missing']}"
-            worst = max(report["grads"].values(), default=0.0)
-            assert worst <= TOL, f"{case}: rank {rank}: gradient differs by {worst}"
-            checked |= set(report["grads"])
-        assert checked == set(per_rank[0]["names"]), f"{case}: no rank holds {set(per_rank[0]['names']) - checked}"
-        outputs = [r["out_error"] for r in per_rank]
-        assert outputs[:-1] == [None] * (len(outputs) - 1) and outputs[-1] is not None and outputs[-1] <= TOL, (case, outputs)
-        keys = [set(r["state_keys"]) for r in per_rank]
-        assert set().union(*keys) == set(per_rank[0]["all_state_keys"]), f"{case}: a state key is on no rank"
-        assert sum(map(len, keys)) < 2 * len(per_rank[0]["all_state_keys"]), f"{case}: ranks hold far more than their part"
-
-
-def test_a_stage_dag_runs_its_branches_on_ranks_of_their_own(three_ranks: Any) -> None:
-    """Three feature towers on the mesh, cut with stage_graph='dag': the plan is shallower than
-    its stage count on every rank, and the same on each (losses and gradients: above)."""
-    for per_rank in _reports(three_ranks, "branches"):
         depths = {(r["depth"], r["stages"]) for r in per_rank}
         assert len(depths) == 1, depths
         depth, stages = depths.pop()
         assert depth < stages, (per_rank[0]["case"], depth, stages)
 
 
-def test_each_rank_holds_its_own_stages_only(three_ranks: Any) -> None:
+def _check_each_rank_holds_its_own(reports: list[tuple[dict[str, Any], ...]]) -> None:
     """State keys are the model's own, split between the ranks; only tied weights are on two."""
-    for per_rank in _reports(three_ranks, "gpt"):
+    assert reports
+    for per_rank in reports:
         keys = [set(r["state_keys"]) for r in per_rank]
         shared = (keys[0] & keys[1]) | (keys[1] & keys[2]) | (keys[0] & keys[2])
         assert shared <= {"tok_emb.weight", "head.weight"}, (per_rank[0]["case"], shared)
