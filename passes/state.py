@@ -25,6 +25,8 @@ def _writes_its_buffers(module: nn.Module) -> bool:
     updates its vectors in place)."""
     if has_forward_hooks(module) or (parametrize.is_parametrized(module) and _parametrizations_write(module)):
         return True
+    if isinstance(module, parametrize.ParametrizationList):  # a parametrized tensor read apart from its module's forward
+        return _chain_writes(module)
     if isinstance(module, nn.modules.batchnorm._NormBase):  # `track_running_stats` may be turned on later
         return module.track_running_stats or module.running_mean is not None
     return not type(module).__module__.startswith("torch.nn.")
@@ -34,7 +36,12 @@ def _parametrizations_write(module: nn.Module) -> bool:
     """spectral_norm's parametrization updates its vectors in training; torch's others (orthogonal,
     weight_norm) only read what they hold, and one of the user's may write anything."""
     chains: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
-    kinds = [type(p) for chain in chains.values() for p in chain.children()]
+    return any(_chain_writes(chain) for chain in chains.values())
+
+
+def _chain_writes(chain: nn.Module) -> bool:
+    """Whether one tensor's chain of parametrizations may write what it holds."""
+    kinds = [type(p) for p in chain.children()]
     return any(kind.__module__ != "torch.nn.utils.parametrizations" or kind.__name__ == "_SpectralNorm" for kind in kinds)
 
 

@@ -144,3 +144,57 @@ def test_a_composite_module_called_whole() -> None:
     pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 3, chunks=2, split_points=["layer", "out"])
     assert pipe.plan.stages[1].activation_bytes > 4 * pipe.plan.stages[0].activation_bytes  # what it saves inside counts
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
+
+
+class _Counts(nn.Module):
+    """A parametrization that writes what it holds in training: it counts its calls."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.calls.add_(1)
+        return weight * (1 + 0.1 * self.calls)
+
+
+class _ReadApart(nn.Module):
+    """Parametrized tensors read apart from their module's own forward: the root's own
+    parameter, and a child's weight read by the parent (torch.fx calls the chain of
+    parametrizations in the graph, not inside a module called whole)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+        for module, name in ((self, "w"), (self.b, "weight")):
+            if kind == "spectral_norm":
+                nn.utils.parametrizations.spectral_norm(module, name)
+            else:
+                nn.utils.parametrize.register_parametrization(module, name, _Counts())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x) @ self.w)
+        return torch.nn.functional.linear(h, self.b.weight, self.b.bias)
+
+
+@pytest.mark.parametrize("compiled_in", ["train", "eval"])
+@pytest.mark.parametrize(("mode", "chunks"), [("always", 1), ("except_last", 2), ("never", 2), ("always", 2)])
+@pytest.mark.parametrize("kind", ["spectral_norm", "counts"])
+def test_a_parametrization_that_writes_read_apart_from_its_module(kind: str, mode: str, chunks: int, compiled_in: str) -> None:
+    """Before, its writes went unseen: the recompute wrote again (a count of 5 where the plain
+    model counted 3), more than one micro-batch was refused as mixing samples, and compiled in
+    eval mode a training call blamed the caller for writing the buffers."""
+    torch.manual_seed(0)
+    plain = _ReadApart(kind).double().train(compiled_in == "train")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=chunks, checkpoint=mode, split_points=["b"])
+
+    def in_turn(model: nn.Module) -> torch.Tensor:
+        return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
+
+    assert_alike_in_every_use(pipe, plain.train(), lambda m: m(x), _squares, NOT_LOW_PRECISION, plain_call=in_turn)
