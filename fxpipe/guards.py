@@ -52,8 +52,9 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         raise RuntimeError(
             f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
             "holds what their code computed when it was traced (one pass over a container's members).\nHow to fix: "
-            "compile the model again after changing them, or keep such modules whole (compile_pipeline(..., "
-            "leaf_modules=[...])): a module kept whole runs its own code on every call."
+            "compile the model again after changing them"
+            + _or_kept_whole(compiled, ", or keep such modules whole (compile_pipeline(..., leaf_modules=[...])): a "
+                             "module kept whole runs its own code on every call") + "."
         )
     settings = programs[True].settings_changed()
     if settings:
@@ -81,8 +82,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     program = programs[mode]
     attributes = program.held.attributes_changed(compiled.attributes_read.get(mode, frozenset()))
     if attributes:
-        whole = (", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs"
-                 if compiled.front_end == "torch.fx" else "")  # torch.export keeps no module whole
+        whole = _or_kept_whole(compiled, ", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs")
         raise RuntimeError(
             f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
             "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
@@ -115,9 +115,9 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         raise RuntimeError(
             f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
             f"since compiling{origin}: the trace went through these modules, and their graph holds what their "
-            f"hooks did then.\nHow to fix: compile again, or keep such modules whole "
-            f"(compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), whose hooks run on every call."
-            + first_call
+            f"hooks did then.\nHow to fix: compile again"
+            + _or_kept_whole(compiled, f", or keep such modules whole (compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), "
+                             "whose hooks run on every call") + "." + first_call
         )
     return mode
 
@@ -130,9 +130,15 @@ def refuse_other_autocast(compiled: Compiled) -> None:
         raise RuntimeError(
             f"the model's forward asks torch about autocast, and the answers differ from when it was traced: "
             f"{'; '.join(changed)}. The graph holds the answers it got then.\nHow to fix: compile the model "
-            "under the autocast it runs under (a pipeline for each), or keep the module that asks whole "
-            "(leaf_modules=[...]), which asks as it runs."
+            "under the autocast it runs under (a pipeline for each)"
+            + _or_kept_whole(compiled, ", or keep the module that asks whole (leaf_modules=[...]), which asks as it runs") + "."
         )
+
+
+def _or_kept_whole(compiled: Compiled, advice: str) -> str:
+    """`advice` to keep a module whole, where the graph came from torch.fx: torch.export keeps no
+    module whole, whatever leaf_modules says."""
+    return advice if compiled.front_end == "torch.fx" else ""
 
 
 def _aliases_apart(owner: nn.Module, groups: list[list[str]]) -> list[str]:

@@ -395,7 +395,9 @@ def _front_ends(
             f"torch.export: {export_failure.detail}\n"
             f"{_fix_for(export_failure, fx_failure)}".rstrip()
         ) from export_failure.__cause__
-    traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export"
+    traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export" + (
+        ", which keeps no module whole: leaf_modules has no effect" if leaves else ""
+    )
     traced.fx_failure = fx_failure.summary
     warnings.warn(traced.note, stacklevel=caller_stacklevel())
     return traced

@@ -75,6 +75,25 @@ def test_export_fallback_trains_like_the_plain_model(model_type: type, width: in
     assert_grads_equal(pipe, reference)
 
 
+def test_under_torch_export_no_advice_names_leaf_modules() -> None:
+    """torch.export keeps no module whole: leaf_modules given to a model only it captures is
+    said to do nothing, and a change refused later is not told to use it (before, the refusal
+    of a module rewritten after compiling advised leaf_modules, which then gave the same
+    refusal)."""
+    for leaves in ([], ["a"]):
+        model = VarArgs().double()
+        x = torch.randn(8, 8, dtype=torch.float64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, leaf_modules=leaves)
+        noted = " ".join(str(w.message) for w in caught)
+        assert "used torch.export" in noted and (("leaf_modules has no effect" in noted) == bool(leaves)), noted
+        nn.utils.parametrizations.weight_norm(model.a)
+        with pytest.raises(RuntimeError, match="the code of modules the trace went through changed") as refused:
+            pipe(x)
+        assert "leaf_modules" not in str(refused.value) and "compile the model again" in str(refused.value)
+
+
 class AddsANone(nn.Module):
     """torch.fx traces `batch.get("bias") is not None` as true for a dict holding None: its graph
     adds None and fails the check; torch.export captures the model."""
