@@ -326,6 +326,10 @@ def refuse_assignments(changed: Mapping[str, Optional[str]], called_whole: Itera
     lost = [*outside([name for name in changed if name not in shared], called_whole), *shared]
     if lost:
         whole = _whole_advice(lost, exported)
+        rooted = [name for name in lost if changed[name] == ""]
+        if rooted:  # the model itself is cut into stages, never kept whole
+            whole = (f"The model itself holds {', '.join(repr(name) for name in rooted)}, and is never kept whole: keep "
+                     "such a value in a submodule that changes it, which is then called whole (leaf_modules=[...]).")
         if shared:  # no module to keep whole: which one's forward assigns it is not known
             whole = (f"{', '.join(repr(name) for name in shared)} belongs to a settings object several modules hold (a "
                      "shared config): keep such a value in the module that changes it (self.calls += 1), which is then "

@@ -806,6 +806,57 @@ def test_torch_s_own_weight_hooks_that_export_would_run_once_are_refused_naming_
     torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
 
 
+class _OwnWeight(nn.Module):
+    """A weight the model itself holds, beside its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)) @ self.w)
+
+
+@pytest.mark.parametrize("hook", ["prune", "weight_norm"])
+def test_a_weight_hook_of_torch_on_the_model_itself_is_refused_naming_it_and_what_works(hook: str) -> None:
+    """Before, it was blamed on the model's forward, with advice to keep the module that stores
+    the weight whole: the model itself, which leaf_modules refuses."""
+    model = _OwnWeight()
+    if hook == "prune":
+        prune.l1_unstructured(model, "w", amount=0.5)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the hook form's deprecation
+            nn.utils.weight_norm(model, "w")
+    with pytest.raises(TraceError, match=r"(?s)a hook of torch.nn.utils on the model itself assigns 'w' \((L1Unstructured|WeightNorm)\).*How to fix: make it permanent") as refused:
+        compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
+    assert "leaf_modules" not in str(refused.value)
+    if hook == "prune":
+        prune.remove(model, "w")
+    else:
+        nn.utils.remove_weight_norm(model, "w")
+    pipe = compile_pipeline(copy.deepcopy(model), X, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(X), model(X), rtol=0, atol=1e-6)
+
+
+class _AssignsItsOwn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.last = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        self.last = h.mean()
+        return self.second(h)
+
+
+def test_an_attribute_the_model_itself_assigns_is_refused_without_asking_to_keep_the_model_whole() -> None:
+    with pytest.raises(TraceError, match=r"(?s)assigns 'last'.*The model itself holds 'last', and is never kept whole: keep such a value in a submodule"):
+        compile_pipeline(_AssignsItsOwn(), X, ["cpu", "cpu"], chunks=2)
+
+
 class ViewOfAWeight(nn.Module):
     """A view of a parameter made in __init__: its backward saves nothing, and serves any number."""
 
