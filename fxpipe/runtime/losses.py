@@ -335,6 +335,23 @@ def _sliced_loss_problem(reduction: str) -> str:
     )
 
 
+def _float_dtypes(outputs: Any) -> list[torch.dtype]:
+    return [t.dtype for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _autocast_dtypes(device: torch.device) -> list[torch.dtype]:
+    """The dtype autocast computes in on `device`, where it is on (the caller's, which the loss runs under)."""
+    kind = device.type
+    return [torch.get_autocast_dtype(kind)] if torch.is_autocast_enabled(kind) else []
+
+
+def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
+    """The relative difference a few roundings in the least precise of `dtypes` may make."""
+    if all(dtype == torch.float64 for dtype in dtypes):
+        return 1e-10
+    return max(1e-4, max(4 * torch.finfo(dtype).eps for dtype in dtypes))
+
+
 def check_combined_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
 ) -> None:
@@ -353,10 +370,11 @@ def check_combined_loss(
         )
         return
     whole = whole.detach().to(total.device, total.dtype)
-    # What reordering the sums may change: a few roundings in bfloat16 and float16. A NaN in
+    # What reordering the sums may change: a few roundings in the lowest precision the loss went
+    # through (a bfloat16 term of a float32 loss under autocast rounds as bfloat16). A NaN in
     # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
     # the caller (or a GradScaler) to see.
-    rtol = 1e-10 if total.dtype == torch.float64 else max(1e-4, 4 * torch.finfo(total.dtype).eps)
+    rtol = _rounding_allowed([total.dtype, *_float_dtypes(outputs), *_autocast_dtypes(total.device)])
     atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
         said = f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the loss of the whole batch is {float(whole):.6g}"

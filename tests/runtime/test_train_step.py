@@ -784,6 +784,55 @@ def test_under_autocast_train_step_casts_as_the_plain_model_does(schedule: str, 
         torch.testing.assert_close(p.grad, q.grad, rtol=3e-2, atol=3e-3)
 
 
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = x = self.layers[0](x).relu()
+        for layer in self.layers[1:]:
+            x = layer(x).tanh() + x
+        return self.head(x + first)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_a_float32_loss_with_a_low_precision_term_is_checked_at_that_precision(dtype: torch.dtype) -> None:
+    """Cross-entropy (float32 under autocast) plus a penalty on the logits (left in bfloat16), or
+    a float16 loss times GradScaler's float32 scale: before, the check of the combined loss took
+    float32's tolerance, and refused most steps as not a mean over samples."""
+    torch.manual_seed(0)
+    model = _Residual()
+    pipe = compile_pipeline(copy.deepcopy(model), torch.randn(16, 16), ["cpu", "cpu"], chunks=4, schedule="1f1b")
+    scale = torch.tensor(65536.0)
+
+    def penalised(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out, t) + 0.1 * out.pow(2).mean()
+
+    def scaled(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return out.mean() * scale
+
+    loss_fn = penalised if dtype == torch.bfloat16 else scaled
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        x, y = torch.randn(16, 16, generator=g) * 3, torch.randint(0, 4, (16,), generator=g)
+        with torch.autocast("cpu", dtype=dtype):
+            loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+            expected = loss_fn(model(x), y)
+        assert loss.dtype == expected.dtype == torch.float32
+        torch.testing.assert_close(loss, expected.detach(), rtol=4 * torch.finfo(dtype).eps, atol=0)
+        pipe.zero_grad()
+
+
+def test_a_float32_loss_that_is_no_mean_is_refused_under_autocast_too() -> None:
+    """The precision the check allows is a few roundings, not a loss that combines otherwise."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    pipe = compile_pipeline(model, torch.randn(16, 16), ["cpu", "cpu"], chunks=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="not a mean over samples"):
+        pipe.train_step(torch.randn(16, 16), target=None, loss_fn=lambda out, _: out.float().pow(2).sum())
+
+
 def test_under_inference_mode_train_step_computes_the_loss_alone() -> None:
     model, x, y, loss_fn = _fan_out()
     model, reference = twin(model)
