@@ -105,6 +105,8 @@ class _Overlap:
         self.modes: dict[str, bool] = {}
         self.rates: dict[str, Optional[float]] = {}
         self.hooks: dict[str, Hooks] = {}  # each module's hooks, by their handles' ids
+        self.gradient_hooks: dict[str, tuple[int, ...]] = {}  # each parameter's hooks on its gradient
+        self.names: dict[int, str] = {}  # each parameter's name, by id
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -156,8 +158,12 @@ class _Overlap:
         the loop takes the model as it is then; after it, batches are (the one before, at least)."""
         if index == 0:
             self._take_the_model()
+            _refuse_steps_in_backward(self.pipe._owner)
             self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
             self.hooks = _hooks_of(self.pipe._owner)
+            # Read from the parameters themselves: a stage in flight holds its own tensors in the slots.
+            self.names = {id(p): name for name, p in self.pipe._owner.named_parameters()}
+            self.gradient_hooks = self._gradient_hooks()
             self.rates = {name: dropout_rate_of(m) for name, m in self.pipe._owner.named_modules()}
         elif batch is not None:
             self._refuse_changes(f"in the batches' iterable, while batch {index} was read", slots=False)
@@ -301,7 +307,11 @@ class _Overlap:
                 grads = summed_tied(flight.call.program, flight.call.params, grads, parts, self.pipe._owner)
             grads = _trained_now(flight.call.program, flight.call.params, grads, index, self.pipe._owner)
             self.optimizer.zero_grad()
-            accumulate(flight.call, input_grads, grads)
+            if _gradient_hooked(flight.call.params):  # they may step an optimizer of their own, as the stages run
+                where = f"in the hooks on the parameters' gradients (register_post_accumulate_grad_hook, register_hook) of batch {index}"
+                self._run_hook(lambda: accumulate(flight.call, input_grads, grads), where)
+            else:
+                accumulate(flight.call, input_grads, grads)
             if after_backward is not None:
                 self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
@@ -426,6 +436,10 @@ class _Overlap:
         hooked = [name or "the model" for name in sorted({*hooks, *self.hooks}) if hooks.get(name) != self.hooks.get(name)]
         if hooked:
             return f"the hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
+        gradient_hooks = self._gradient_hooks()
+        hooked = sorted(name for name in {*gradient_hooks, *self.gradient_hooks} if gradient_hooks.get(name) != self.gradient_hooks.get(name))
+        if hooked:
+            return f"the hooks on the gradients of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
         # Added tensors show whatever the stages hold in the slots: they add no key to a table.
         added = self.held.held.tensors_added() if self.held is not None else []
         if added:
@@ -433,6 +447,16 @@ class _Overlap:
         if slots and self.held is not None and self.held.held.tensors_replaced():
             return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
         return ""
+
+    def _gradient_hooks(self) -> dict[str, tuple[int, ...]]:
+        """The hooks on each parameter's gradient (register_hook, register_post_accumulate_grad_hook),
+        by the parameter's name: the ids of their handles."""
+        found = {}
+        for p in self.program.parameters:
+            ids = tuple([*(p._backward_hooks or {}), *(p._post_accumulate_grad_hooks or {})])
+            if ids:
+                found[self.names.get(id(p), "?")] = ids
+        return found
 
     def last_update(self, after_step: Hook) -> None:
         if self.finished:
@@ -522,6 +546,27 @@ def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list
 
 def _wait(group: TaskGroup) -> None:
     group.wait(None if steps.WAIT_TIMEOUT is None else 2 * steps.WAIT_TIMEOUT)
+
+
+def _gradient_hooked(params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether a parameter runs hooks of the caller's as its gradient arrives (where one could
+    write the parameter)."""
+    return any(p._post_accumulate_grad_hooks or p._backward_hooks for p in params)
+
+
+def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
+    """Hooks after a parameter's gradient is accumulated step an optimizer in backward: under 2bw
+    a batch's gradients arrive while the next batch runs on the same weights."""
+    stepped = [name for name, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+    if stepped:
+        raise RuntimeError(
+            f"train_steps (schedule='2bw'): parameters have hooks that run once their gradient is accumulated "
+            f"(register_post_accumulate_grad_hook): {', '.join(stepped[:5])}{' and more' if len(stepped) > 5 else ''}. "
+            "Such a hook steps an optimizer in backward; under 2bw a batch's gradients arrive while the next batch "
+            "runs on the same weights, and a step there would write them under it.\nHow to fix: give that optimizer "
+            "to train_steps (optimizer=...), whose step 2bw applies to the version each batch ran on, and remove the "
+            "hooks; or keep them under a synchronous schedule (1f1b), where the hooks run as they do on the plain model."
+        )
 
 
 def _hooks_of(model: torch.nn.Module) -> dict[str, Hooks]:

@@ -637,6 +637,7 @@ def _changes() -> dict[str, Callable[[nn.Module], Any]]:
         "a dropout rate": lambda m: setattr(m.drop, "p", 0.5),
         "a hook on a module called whole": lambda m: m.c.register_forward_hook(lambda module, args, out: 2 * out),
         "a parameter added": lambda m: setattr(m.c, "extra", nn.Parameter(torch.zeros(6, dtype=torch.float64))),
+        "a hook on a parameter's gradient": lambda m: m.a.weight.register_hook(lambda g: 2 * g),
     }
 
 
@@ -792,6 +793,74 @@ def test_a_hook_removed_between_two_losses_is_refused_as_one_added() -> None:
     with pytest.raises(RuntimeError, match=r"the model changed between two losses \(after batch 0's\): the hooks of c \(added or removed\)"):
         for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
             handle.remove()
+
+
+def _steps_in_backward(model: nn.Module) -> None:
+    """torch's recipe for an optimizer stepped in backward: one per parameter, in its hook."""
+    optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step(p: torch.Tensor) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+def test_an_optimizer_stepped_in_backward_is_refused_before_anything_runs_and_runs_under_1f1b() -> None:
+    """Before, its steps wrote the weights while the next batch ran on them: another result on
+    every run. Under a synchronous schedule the hooks run as on the plain model."""
+    model, plain = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)))
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+    _steps_in_backward(pipe)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    with pytest.raises(RuntimeError, match=r"(?s)parameters have hooks that run once their gradient is accumulated.*0\.weight.*How to fix: give that optimizer to train_steps"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)):
+            pass
+    assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before)) and all(p.grad is None for p in pipe.parameters())
+    synchronous = compile_pipeline(model, batches[0][0], ["cpu"] * 3, chunks=4, schedule="1f1b")
+    _steps_in_backward(plain)
+    for x, y in batches:
+        synchronous.train_step(x, target=y, loss_fn=F.mse_loss)
+        F.mse_loss(plain(x), y).backward()
+    _assert_parameters_equal(synchronous, plain)
+
+
+def test_a_hook_on_a_parameter_s_gradient_trains_as_in_the_reference_loop() -> None:
+    """It runs as the gradient reaches the parameter, before the update: as scaling the gradient
+    in after_backward does in the reference loop."""
+    middle = nn.Linear(6, 6)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), middle, nn.Tanh(), nn.Linear(6, 6)).double()
+    batches = _batches(5)
+
+    def halved(live: nn.Module) -> None:
+        grad = live.get_parameter("2.weight").grad
+        assert grad is not None
+        grad.mul_(0.5)
+
+    expected, losses = reference_2bw(model, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), after_backward=halved)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+    middle.weight.register_hook(lambda g: 0.5 * g)
+    got = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9))]
+    assert got == pytest.approx(losses, rel=0, abs=1e-12)
+    _assert_parameters_equal(pipe, expected)
+
+
+def test_a_hook_on_a_parameter_s_gradient_that_writes_a_parameter_is_refused() -> None:
+    model = _Scaled().double()
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+
+    def shrinks(g: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            model.b.weight.mul_(0.9)
+        return g
+
+    pipe.a.weight.register_hook(shrinks)
+    with pytest.raises(RuntimeError, match=r"the model changed in the hooks on the parameters' gradients .* of batch 0: b.weight written in place"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
+            pass
 
 
 def test_a_deep_copy_between_two_losses_is_a_whole_model_that_trains() -> None:
