@@ -66,10 +66,10 @@ class PipelineCalls(nn.Module):
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
     last_meter: Optional[ActivationMeter]  # what measured them (it holds no tensors)
     measure_memory: bool  # count the bytes autograd saves per stage (costs a hook per saved tensor)
-    plan: Plan
-    devices: list[torch.device]
-    chunks: int
-    checkpoint: str
+    _plan: Plan  # `pipe.plan` and `pipe.devices` to the caller (fxpipe/pipeline.py), read here by these names
+    _devices: list[torch.device]
+    _chunks: int  # `pipe.chunks` and `pipe.checkpoint` to the caller
+    _checkpoint: str
 
     def _build(self) -> None:
         """(Re)build the stages of every mode's cut (the Pipeline's)."""
@@ -146,7 +146,7 @@ class PipelineCalls(nn.Module):
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
             raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
-        unbatched = fewer_dims(values, self._compiled.example_leaves) if self.chunks > 1 else []
+        unbatched = fewer_dims(values, self._compiled.example_leaves) if self._chunks > 1 else []
         if unbatched:
             raise ValueError(
                 f"inputs have fewer dims than the example's, whose batch they split: {', '.join(unbatched)}: "
@@ -156,7 +156,7 @@ class PipelineCalls(nn.Module):
         if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
             program = self._check_micro_batches(values, dims, args, kwargs)
         compiled = self._compiled
-        call = split_call(program, values, batch, dims, self.chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
+        call = split_call(program, values, batch, dims, self._chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
         if compiled.check_length is not None:
             compiled.check_length(call.micro_batches[0], self.training, slicing or compiled.slicing, still)
         return call
@@ -180,7 +180,7 @@ class PipelineCalls(nn.Module):
         refuse_parametrization_cache()  # each batch of a loop too: its caller may enter the block between two
         still = versions.still if versions is not None else contextlib.nullcontext
         call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=still, slicing=slicing)
-        schedule = self.plan.schedule if call.grad else "gpipe"
+        schedule = self._plan.schedule if call.grad else "gpipe"
         if loss_fn is not None or return_outputs:  # the outputs are put together from the micro-batches
             own_whole = loss_fn is None and (slicing or self._compiled.slicing) is None  # (slices' outputs are joined per row)
             template = with_own_loss_whole(call.program.template, call.program.own_loss_leaf) if own_whole else call.program.template
@@ -227,7 +227,7 @@ class PipelineCalls(nn.Module):
 
     def _step(self, call: Call, schedule: str, loss: Any, versions: Optional[Versions] = None, batch: int = 0) -> Step:
         program = call.program
-        stop = checkpoint_stop(self.checkpoint, len(call.sizes)) if self.training and call.grad else 0
+        stop = checkpoint_stop(self._checkpoint, len(call.sizes)) if self.training and call.grad else 0
         mailbox, rank = None, None
         if self._channel is not None:
             rank, layout = self._channel.me, program.layout
@@ -240,14 +240,14 @@ class PipelineCalls(nn.Module):
             grad=call.grad,
             checkpoint_stop=stop,
             shared=self._shared(program, call.grad) if versions is None else [[] for _ in program.stages],
-            output_device=self.devices[-1],
+            output_device=self._devices[-1],
             input_devices=devices_of(call.values),
             context=call.context,
             schedule=make_schedule(schedule, program.layout, len(call.sizes), stop, loss is not None, call.slices.per_row if call.slices else 1),
             layout=program.layout,
             batch_stats=BatchStatistics() if self._compiled.deferred_batch_norm and self.training else None,
             loss=loss,
-            meter=ActivationMeter(len(program.stages), program.parameters, self.devices) if self.measure_memory else None,
+            meter=ActivationMeter(len(program.stages), program.parameters, self._devices) if self.measure_memory else None,
             mailbox=mailbox,
             rank=rank,
             global_rank=None if self._channel is None else self._channel.ranks[self._channel.me],
@@ -263,7 +263,7 @@ class PipelineCalls(nn.Module):
     def _shared(self, program: Program, grad: bool) -> list[list[torch.Tensor]]:
         """Each stage's own copy, for this step, of the tensors several stages read."""
         shared = []
-        for index, (tensors, device) in enumerate(zip(program.shared, self.devices)):
+        for index, (tensors, device) in enumerate(zip(program.shared, self._devices)):
             copies = []
             if not self._runs_here(program, index):
                 tensors = []  # another rank's stage
@@ -334,7 +334,7 @@ class PipelineCalls(nn.Module):
                     )
             variants[other.key] = found
         # One call at a time on the model, whichever of its pipelines runs it.
-        found.__dict__.update(checkpoint=self.checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call)
+        found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call)
         return found
 
     def _ran(self, variant: "PipelineCalls", result: Any) -> Any:

@@ -81,7 +81,7 @@ class _Overlap:
         self.pipe, self.optimizer, self.loss_fn, self.reduction = pipe, optimizer, loss_fn, reduction
         self.program = pipe._programs[True]
         self.layout = self.program.layout
-        refuse_too_few_micro_batches(self.layout, pipe.chunks)
+        refuse_too_few_micro_batches(self.layout, pipe._chunks)
         # Every batch runs as many micro-batches: its rows' slices. With sequence_chunks='auto',
         # the count the first batch is cut into, kept for the loop (`_fix_slices`).
         self.spec: Optional[SliceSpec] = pipe._compiled.slicing
@@ -123,8 +123,8 @@ class _Overlap:
 
     def _fix_slices(self, per_row: int) -> None:
         self.slices = per_row
-        self.m = self.pipe.chunks * per_row
-        self.checkpointed = checkpoint_stop(self.pipe.checkpoint, self.m)
+        self.m = self.pipe._chunks * per_row
+        self.checkpointed = checkpoint_stop(self.pipe._checkpoint, self.m)
 
     # -- submitting -----------------------------------------------------------------------
     def next_batch(self, batches: Iterator[Batch]) -> Optional[_Started]:

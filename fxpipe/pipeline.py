@@ -14,6 +14,7 @@ from torch import nn
 
 from fxpipe.calls import PipelineCalls
 from fxpipe.compiled.materialize import materialize
+from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
 from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
@@ -25,6 +26,7 @@ from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
+from fxpipe.own_names import OwnUnlessAChild
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call, differentiable, sliced_call
@@ -58,7 +60,12 @@ class Pipeline(PipelineCalls):
     # like it:
     _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
     last_parameter_bytes: int  # the most parameter memory a train_steps loop under 2bw held, its versions included
-    stages: list[fx.GraphModule]
+    # The pipeline's own, unless the model has a child so named (fxpipe/own_names.py).
+    stages: OwnUnlessAChild[list[fx.GraphModule]] = OwnUnlessAChild()
+    plan: OwnUnlessAChild[Plan] = OwnUnlessAChild()
+    devices: OwnUnlessAChild[list[torch.device]] = OwnUnlessAChild()
+    chunks: OwnUnlessAChild[int] = OwnUnlessAChild()
+    checkpoint: OwnUnlessAChild[str] = OwnUnlessAChild()
 
     def __init__(self, model: nn.Module, compiled: Compiled) -> None:
         super().__init__()
@@ -71,8 +78,8 @@ class Pipeline(PipelineCalls):
         self.training = model.training
         plan = compiled.plan
         own = dict(
-            _owner=model, _compiled=compiled, plan=plan, devices=list(compiled.devices),
-            chunks=plan.chunks, checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
+            _owner=model, _compiled=compiled, _plan=plan, _devices=list(compiled.devices),
+            _chunks=plan.chunks, _checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
             last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_parameter_bytes=0, last_meter=None, _own_loss_warned=False, _signature=forward_signature(model),
             _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _overlapping=None,
             _one_call=threading.RLock(),
@@ -81,7 +88,7 @@ class Pipeline(PipelineCalls):
         ranks = plan.layout().ranks
         where = compiled.placement
         # Across processes each rank runs its own list on the caller's thread: no workers.
-        devices = [self.devices[ranks.index(r)] for r in range(max(ranks) + 1)] if where is None else []
+        devices = [self._devices[ranks.index(r)] for r in range(max(ranks) + 1)] if where is None else []
         self.__dict__["_workers"] = Workers(devices)
         self._workers.bind(self)
         channel = None if where is None else Channel(where.group, where.ranks, where.me, where.device, where.timeout, where.directions)
@@ -117,7 +124,7 @@ class Pipeline(PipelineCalls):
         unique = {id(cut): cut for cut in cuts.values()}  # both modes share one cut where their graphs agree
         built = {key: self._compiled.build(self._owner, cut) for key, cut in unique.items()}
         self.__dict__["_programs"] = {mode: built[id(cut)] for mode, cut in cuts.items()}
-        self.__dict__["stages"] = self._programs[True].modules
+        self.__dict__["_stages"] = self._programs[True].modules
         if self._compiled.placement is not None:
             _refuse_tied_reads_in_backward_across_ranks(self._programs[True], self._owner)
 
@@ -126,7 +133,7 @@ class Pipeline(PipelineCalls):
         recompiles with the guard that failed, over both modes' stages ([] for eager stages)."""
         programs = list({id(p): p for p in self._programs.values()}.values())
         totals: list[StageCompiles] = []
-        for index in range(len(self.devices)):
+        for index in range(len(self._devices)):
             found = [s.compiled.stats for p in programs if (s := p.stages[index]).compiled is not None]
             if found:
                 totals.append(StageCompiles(
@@ -345,8 +352,8 @@ class Pipeline(PipelineCalls):
     def schedule(self, micro_batches: Optional[int] = None) -> Schedule:
         """The checked action lists `train_step` runs in training mode on `micro_batches`
         (by default `chunks`); print it to see each worker's order."""
-        m = micro_batches or self.chunks
-        return make_schedule(self.plan.schedule, self._programs[True].layout, m, checkpoint_stop(self.checkpoint, m))
+        m = micro_batches or self._chunks
+        return make_schedule(self._plan.schedule, self._programs[True].layout, m, checkpoint_stop(self._checkpoint, m))
 
     def timeline(self) -> Timeline:
         """What the last call ran: per action its stage, micro-batch, kind, worker, start and end.
@@ -496,7 +503,7 @@ class Pipeline(PipelineCalls):
         """The stage graph as SVG text; also written to `path` when given."""
         from fxpipe.compiled.viz import plan_to_svg
 
-        svg = plan_to_svg(self.plan)
+        svg = plan_to_svg(self._plan)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(svg)
@@ -506,8 +513,8 @@ class Pipeline(PipelineCalls):
         return self.to_svg()
 
     def extra_repr(self) -> str:
-        devices = ", ".join(str(d) for d in self.devices)
-        return f"stages={len(self.devices)}, devices=[{devices}], chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+        devices = ", ".join(str(d) for d in self._devices)
+        return f"stages={len(self._devices)}, devices=[{devices}], chunks={self._chunks}, checkpoint={self._checkpoint!r}"
 
 
 _PLACEMENT_MESSAGE = (

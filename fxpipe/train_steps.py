@@ -34,7 +34,7 @@ def train_steps(
     parameters are those after the last update, whole; a failure says which batch it struck and
     what the parameters are. The arguments are checked here, the batches read as the losses are."""
     _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
-    if pipe.plan.schedule == "2bw":
+    if pipe._plan.schedule == "2bw":
         _refuse_where_steps_cannot_overlap(pipe, optimizer)
         return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
     return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)

@@ -142,11 +142,11 @@ def configured(pipe: Pipeline, schedule: str, checkpoint: str) -> Iterator[None]
     """The pipeline under another schedule and checkpoint mode: its stages, and so their
     compiled graphs, are the same under all of them."""
     saved = pipe.plan.schedule, pipe.checkpoint
-    pipe.plan.schedule, pipe.__dict__["checkpoint"] = schedule, checkpoint
+    pipe.plan.schedule, pipe.checkpoint = schedule, checkpoint
     try:
         yield
     finally:
-        pipe.plan.schedule, pipe.__dict__["checkpoint"] = saved
+        pipe.plan.schedule, pipe.checkpoint = saved
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -22,7 +22,7 @@ from torch import nn
 
 from helpers import FanOut, assert_grads_equal, twin
 import fxpipe.runtime.step
-from fxpipe import StageError, compile_pipeline
+from fxpipe import Pipeline, StageError, compile_pipeline
 from fxpipe.compiled.program import OtherCall
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.passes.position_tags import CausalityError
@@ -196,16 +196,35 @@ class Clashing(nn.Module):
 
 
 def test_a_model_may_name_its_children_like_the_pipeline_attributes() -> None:
+    """They are the model's, by name too, as torch's tools reach them: before, `pipe.stages` was
+    the generated stages, so get_submodule('stages.0'), get_parameter and functional_call
+    failed (timm's ConvNeXt, RegNet and CSPNet hold `stages`)."""
     model, reference = twin(Clashing())
     x = torch.randn(6, 4, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2, checkpoint="never")
     assert list(pipe.state_dict()) == list(reference.state_dict())
     out = pipe(x)
     torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
     out.sum().backward()
     reference(x).sum().backward()
     assert_grads_equal(pipe, reference)
-    assert len(pipe.stages) == 3 and pipe.chunks == 2
+    for name in ("stages", "plan", "devices", "chunks", "checkpoint"):
+        assert getattr(pipe, name) is getattr(model, name), name
+    assert pipe.get_submodule("stages.2") is model.stages[2] and pipe.get_parameter("plan.weight") is model.plan.weight
+    doubled = {name: 2 * p.detach() for name, p in reference.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(pipe, doubled, (x,)), torch.func.functional_call(reference, doubled, (x,)), rtol=0, atol=1e-12)
+    # The pipeline's own, whatever the model's children are called:
+    assert len(Pipeline.stages.own(pipe)) == 3 and Pipeline.chunks.own(pipe) == 2 and Pipeline.checkpoint.own(pipe) == "never"
+    assert Pipeline.plan.own(pipe).chunks == 2 and Pipeline.devices.own(pipe) == [torch.device("cpu")] * 3
+
+
+def test_the_pipeline_s_own_attributes_where_no_child_takes_their_names() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    pipe = compile_pipeline(model, torch.randn(6, 4, dtype=torch.float64), ["cpu"] * 2, chunks=3, checkpoint="always")
+    assert len(pipe.stages) == 2 and pipe.plan.chunks == 3 and pipe.devices == [torch.device("cpu")] * 2
+    assert pipe.chunks == 3 and pipe.checkpoint == "always"
+    pipe.checkpoint = "never"  # set as before: the next call checkpoints nothing
+    assert pipe.checkpoint == "never" == Pipeline.checkpoint.own(pipe)
 
 
 class Loss(nn.Module):
