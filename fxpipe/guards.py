@@ -244,13 +244,14 @@ def refuse_parametrization_cache() -> None:
         )
 
 
-def refuse_own_hooks(pipe: nn.Module) -> None:
-    """train_step runs the stages under its schedule without calling the pipeline as a module:
-    hooks registered on the pipeline itself would not run, where `pipe(x)` runs them."""
+def refuse_own_hooks(pipe: nn.Module, caller: str = "train_step") -> None:
+    """train_step (and train_steps) run the stages under their schedule without calling the
+    pipeline as a module: hooks registered on the pipeline itself would not run, where `pipe(x)`
+    runs them."""
     held = [kind + "s" for kind, table in zip(KINDS, hook_tables(pipe)) if table]
     if held:
         raise RuntimeError(
-            f"train_step cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
+            f"{caller} cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
             "under its schedule without calling the pipeline as a module, so they would be skipped, where "
             "loss_fn(pipe(x), target).backward() runs them.\nHow to fix: call loss_fn(pipe(x), target).backward() "
             "instead; or register the hooks on the model (or its modules) before compiling; or remove them "

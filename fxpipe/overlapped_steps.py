@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.compiled.program import Hooks, OtherCall, Program, hooks_that_count
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
+from fxpipe.core.hooks import hook_tables
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
@@ -430,6 +431,8 @@ class _Overlap:
             traced_mode(pipe._owner, pipe._programs, pipe._compiled)
         except RuntimeError as error:
             return str(error).partition("\nHow to fix")[0].rstrip(".")
+        if any(hook_tables(pipe)):  # hooks on the pipeline itself, which no step of the loop calls
+            return "hooks were registered on the Pipeline itself, which train_steps runs no call of"
         # A module called whole runs its hooks as it runs: the batch in flight would take a new one
         # at some micro-batch, as the threads' timing decides.
         hooks = _hooks_of(pipe._owner)

@@ -11,6 +11,7 @@ import torch.optim.optimizer as every_optimizer
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
 from fxpipe.distributed.ranks import gathered
+from fxpipe.guards import refuse_own_hooks
 from fxpipe.overlapped_steps import overlapped_steps
 
 # The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
@@ -35,6 +36,7 @@ def train_steps(
     what the parameters are. The arguments are checked here, the batches read as the losses are."""
     _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
     if pipe._plan.schedule == "2bw":
+        refuse_own_hooks(pipe, "train_steps")
         _refuse_where_steps_cannot_overlap(pipe, optimizer)
         return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
     return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)

@@ -795,6 +795,29 @@ def test_a_hook_removed_between_two_losses_is_refused_as_one_added() -> None:
             handle.remove()
 
 
+@pytest.mark.parametrize("when", ["before the loop", "between two losses"])
+def test_hooks_on_the_pipeline_itself_are_refused_as_train_step_refuses_them(when: str) -> None:
+    """No step of the loop calls the pipeline as a module. Before, 2bw skipped them: a hook that
+    doubled the output gave the loss without it (1.17 where the plain model gave 1.61)."""
+    model = _Scaled().double()
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    if when == "before the loop":
+        pipe.register_forward_hook(lambda module, args, out: 2 * out)
+    given = 0
+    with pytest.raises(RuntimeError) as raised:
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
+            given += 1
+            if given == 1:
+                pipe.register_forward_hook(lambda module, args, out: 2 * out)
+    if when == "before the loop":
+        assert "train_steps cannot run the forward hooks registered on the Pipeline itself" in str(raised.value)
+        assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before))
+    else:
+        assert "the model changed between two losses (after batch 0's): hooks were registered on the Pipeline itself" in str(raised.value)
+
+
 def _steps_in_backward(model: nn.Module) -> None:
     """torch's recipe for an optimizer stepped in backward: one per parameter, in its hook."""
     optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
