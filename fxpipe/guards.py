@@ -259,6 +259,18 @@ def refuse_own_hooks(pipe: nn.Module, caller: str = "train_step") -> None:
         )
 
 
+def refuse_partial_backward_hooks(pipe: nn.Module) -> None:
+    """A hook of the deprecated `register_backward_hook` on the pipeline sees the gradients of the
+    last operation the call ran, which on a pipeline is its own, not the model's."""
+    if pipe._backward_hooks and pipe._is_full_backward_hook is False and torch.is_grad_enabled():
+        raise RuntimeError(
+            "a backward hook registered on the Pipeline with register_backward_hook (deprecated by torch) would see "
+            "the gradients of the pipeline's own last operation, not those of the model's output, and what it "
+            "returns would reach no parameter.\nHow to fix: register it with register_full_backward_hook, which "
+            "the pipeline runs as the plain model does (its grad_input is the gradients of the inputs)."
+        )
+
+
 NOT_CAPTURED = (
     "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "
     "its stages on worker threads (or in other processes) under its schedule, which no captured graph holds.\n"

@@ -25,7 +25,10 @@ from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
-from fxpipe.guards import NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, warn_compiled_whole
+from fxpipe.guards import (
+    NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, refuse_partial_backward_hooks,
+    warn_compiled_whole,
+)
 from fxpipe.own_names import OwnUnlessAChild
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
@@ -44,6 +47,10 @@ __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
 class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
+
+
+# The model's own tables, which a pipeline shares (`Pipeline.__init__`).
+_SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
 class Pipeline(PipelineCalls):
@@ -73,7 +80,7 @@ class Pipeline(PipelineCalls):
         # alias (`self.p1 = self.p0`) keeps its name, as in the model's state dict, and what is
         # set on the pipeline's top level (by functional_call, load_state_dict(assign=True)) is
         # set on the model's, whose tensors the stages read.
-        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        for table in _SHARED_TABLES:
             self.__dict__[table] = model.__dict__[table]
         self.training = model.training
         plan = compiled.plan
@@ -176,6 +183,7 @@ class Pipeline(PipelineCalls):
             warn_compiled_whole()
         refuse_outer_checkpoint()
         refuse_parametrization_cache()
+        refuse_partial_backward_hooks(self)
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         with self._one_call:  # another thread's call waits: its stages would swap the same slots
@@ -386,14 +394,27 @@ class Pipeline(PipelineCalls):
         processes, this rank's part. In a 2bw loop's hooks it is the version they see."""
         if not self.__dict__.get("_in_hook"):
             self._refuse_while_steps_overlap("state_dict()")
+        prefix, keep_vars = kwargs.get("prefix", ""), kwargs.get("keep_vars", False)
+        for pre in self._state_dict_pre_hooks.values():  # the pipeline's own hooks, around the model's state dict
+            pre(self, prefix, keep_vars)
         state = self._owner.state_dict(*args, **kwargs)
         for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
             del state[key]
+        metadata = getattr(state, "_metadata", {}).get(prefix[:-1], {})
+        for post in self._state_dict_hooks.values():
+            replaced = post(self, state, prefix, metadata)
+            if replaced is not None:  # as on any module: the private form may return another dict
+                if getattr(post, "_from_public_api", False):
+                    raise RuntimeError("state_dict post-hook must return None")
+                state = replaced
         return state
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        """The model's own loading of its top level: its load pre-hooks and extra state run."""
-        self._owner._load_from_state_dict(*args, **kwargs)
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
+        """The model's own loading of its top level: its load pre-hooks and extra state run,
+        after the pipeline's own load pre-hooks."""
+        for pre in self._load_state_dict_pre_hooks.values():
+            pre(state_dict, prefix, *rest)
+        self._owner._load_from_state_dict(state_dict, prefix, *rest)
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """The model's state under its own keys; across processes, this rank takes its part of a
@@ -434,6 +455,12 @@ class Pipeline(PipelineCalls):
         self.training = mode
         return self
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "Pipeline":
+        """`model.apply(fn)`: `fn` on each of the model's modules, and on the model itself last (an
+        initialisation that picks the model by its class reaches its own parameters)."""
+        self._owner.apply(fn)
+        return self
+
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers; made between calls
         (after another thread's call in progress), and in a 2bw loop with its stages out of the
@@ -442,6 +469,12 @@ class Pipeline(PipelineCalls):
             owner = copy.deepcopy(self._owner, memo)
         copied = Pipeline(owner, self._compiled.copy(memo)).train(self.training)
         copied.__dict__["_recompile"] = self._recompile  # its kinds of call compile again on it
+        # What the caller set on the pipeline itself, as a module's copy keeps it: its hooks (the
+        # tables nn.Module makes) and its own attributes.
+        fresh = nn.Module().__dict__
+        for key, value in self.__dict__.items():
+            if key in fresh and key not in _SHARED_TABLES or key not in copied.__dict__:
+                copied.__dict__[key] = copy.deepcopy(value, memo)
         return copied
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Optional
 
 import pytest
@@ -225,6 +226,104 @@ def test_the_pipeline_s_own_attributes_where_no_child_takes_their_names() -> Non
     assert pipe.chunks == 3 and pipe.checkpoint == "always"
     pipe.checkpoint = "never"  # set as before: the next call checkpoints nothing
     assert pipe.checkpoint == "never" == Pipeline.checkpoint.own(pipe)
+
+
+class _WithPositions(nn.Module):
+    """A parameter of the model's own top level, beside its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(4))
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x + self.pos)))
+
+
+def _pair() -> tuple[nn.Module, Pipeline, torch.Tensor]:
+    torch.manual_seed(0)
+    plain = _WithPositions().double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    return plain, compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=2), x
+
+
+def test_state_dict_hooks_on_the_pipeline_itself_run_as_on_the_plain_model() -> None:
+    """Before, the pipeline's own state-dict pre- and post-hooks and load pre-hooks never ran: an
+    old checkpoint whose keys a load pre-hook renames loaded nothing, silently with strict=False."""
+    plain, pipe, _ = _pair()
+    old = {"old." + k: torch.full_like(v, 0.5) for k, v in plain.state_dict().items()}
+    seen = {}
+    for name, module in (("plain", plain), ("pipe", pipe)):
+        calls: list[str] = []
+        module.register_state_dict_pre_hook(lambda m, prefix, keep_vars, calls=calls: calls.append("pre"))
+
+        def post(m: nn.Module, state: dict[str, torch.Tensor], prefix: str, local: dict[str, object], calls: list[str] = calls) -> None:
+            calls.append("post")
+            state["format"] = torch.tensor(2)
+
+        def renamed(m: nn.Module, state: dict[str, torch.Tensor], prefix: str, *rest: object, calls: list[str] = calls) -> None:
+            calls.append("load pre")
+            for key in [k for k in state if k.startswith("old.")]:
+                state[key[4:]] = state.pop(key)
+            state.pop("format", None)
+
+        module.register_state_dict_post_hook(post)
+        module.register_load_state_dict_pre_hook(renamed)
+        keys = list(module.state_dict())
+        result = module.load_state_dict(dict(old))
+        seen[name] = (calls, keys, result.missing_keys, result.unexpected_keys, module.get_parameter("a.weight").detach().clone())
+    assert seen["pipe"][:4] == seen["plain"][:4] and seen["plain"][0] == ["pre", "post", "load pre"], seen
+    torch.testing.assert_close(seen["pipe"][4], torch.full((4, 4), 0.5, dtype=torch.float64), rtol=0, atol=0)
+
+
+def test_a_deep_copy_keeps_what_was_set_on_the_pipeline_itself() -> None:
+    """Before, the copy lost the hooks and attributes set on the pipeline: a pre-hook that scaled
+    the input made the copies of the plain model and of the pipeline differ by 0.5."""
+    plain, pipe, x = _pair()
+    for module in (plain, pipe):
+        module.register_forward_pre_hook(lambda m, args: (2 * args[0],))
+        module.register_full_backward_hook(lambda m, grad_in, grad_out: (3 * grad_in[0],))  # type: ignore[index]
+    pipe.note = "kept"  # type: ignore[assignment]
+    plain_copy, pipe_copy = copy.deepcopy(plain), copy.deepcopy(pipe)
+    assert pipe_copy.note == "kept" and pipe_copy._forward_pre_hooks and pipe_copy._backward_hooks
+    given = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    out, expected = pipe_copy(given[0]), plain_copy(given[1])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(given[0].grad, given[1].grad, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe_copy, plain_copy)
+
+
+def test_apply_reaches_the_model_itself_as_on_the_plain_model() -> None:
+    """Before, `fn` ran on the pipeline in the model's place: an initialisation that picks the
+    model by its class left its own parameters as they were."""
+    plain, pipe, x = _pair()
+
+    def init(m: nn.Module) -> None:
+        if isinstance(m, _WithPositions):
+            nn.init.normal_(m.pos, std=0.5)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.3)
+
+    for module in (plain, pipe):
+        torch.manual_seed(1)
+        assert module.apply(init) is module
+    assert plain.get_parameter("pos").abs().sum() > 0
+    torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)
+
+
+def test_a_backward_hook_of_the_deprecated_form_on_the_pipeline_is_refused_naming_the_full_one() -> None:
+    """It would see the gradient of the pipeline's own last operation, and what it returned
+    reached no parameter: before, every gradient was half the plain model's."""
+    plain, pipe, x = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of the form
+        pipe.register_backward_hook(lambda m, grad_in, grad_out: None)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x), rtol=0, atol=1e-12)  # nothing to hook: it runs
+    with pytest.raises(RuntimeError, match="How to fix: register it with register_full_backward_hook"):
+        pipe(x)
 
 
 class Loss(nn.Module):
