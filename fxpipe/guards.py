@@ -172,8 +172,8 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
 
 
 def refuse_capture() -> None:
-    """A call while torch.jit.trace or torch.export captures it (before any state is read)."""
-    if torch.jit.is_tracing() or torch.compiler.is_exporting():
+    """A call while torch.jit.trace, torch.export or torch.fx captures it (before any state is read)."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
         raise RuntimeError(NOT_CAPTURED)
 
 
@@ -272,7 +272,7 @@ def refuse_partial_backward_hooks(pipe: nn.Module) -> None:
 
 
 NOT_CAPTURED = (
-    "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export or ONNX export: it runs "
+    "a Pipeline cannot be captured by torch.jit.script, torch.jit.trace, torch.export, torch.fx or ONNX export: it runs "
     "its stages on worker threads (or in other processes) under its schedule, which no captured graph holds.\n"
     "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
     "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."

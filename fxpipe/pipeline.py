@@ -49,6 +49,13 @@ class PlacementError(RuntimeError):
     """Devices of a Pipeline are chosen at compile time."""
 
 
+# Why torch.compile breaks its graph at a pipeline's call (fullgraph=True raises with it).
+_NOT_ONE_GRAPH = (
+    "a Pipeline runs its stages on worker threads under its schedule, which no one graph holds: torch.compile "
+    "breaks its graph around the call (fullgraph=True cannot). To compile the stages themselves, compile with "
+    "compile_pipeline(..., compile_stages=True); or drop fullgraph=True."
+)
+
 # The model's own tables, which a pipeline shares (`Pipeline.__init__`).
 _SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
@@ -175,7 +182,7 @@ class Pipeline(PipelineCalls):
             # torch.compile(pipe) would trace the runtime's Python (threads, locks, the schedule)
             # in pieces between graph breaks: slow to compile, and none of it a stage's kernel.
             # Disabled here, not by a decorator, which would import torch._dynamo (seconds) with fxpipe.
-            return torch.compiler.disable(Pipeline._eager_call)(self, args, kwargs, under_compile=True)
+            return _around_compiled(self, args, kwargs)
         return self._eager_call(args, kwargs, under_compile=False)
 
     def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], under_compile: bool) -> Any:
@@ -597,3 +604,15 @@ def _refuse_tied_reads_in_backward_across_ranks(program: Program, owner: nn.Modu
             "there would reach this rank's copy alone.\nHow to fix: torch.utils.checkpoint(..., use_reentrant=False), "
             "which the trace goes through, or split_points that put every reader of the tied weight on one rank."
         )
+
+
+
+def _around_compiled(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A call of the pipeline under torch.compile, run eagerly."""
+    return torch.compiler.disable(Pipeline._eager_call)(pipe, args, kwargs, under_compile=True)
+
+
+# torch.compile reads these as `torch.compiler.disable` leaves them (without importing torch._dynamo
+# with fxpipe): the call breaks its graph there, and fullgraph=True raises saying why.
+_around_compiled._torchdynamo_disable = True  # type: ignore[attr-defined]
+_around_compiled._torchdynamo_disable_msg = _NOT_ONE_GRAPH  # type: ignore[attr-defined]

@@ -713,6 +713,34 @@ def test_torch_compile_of_a_pipeline_runs_it_as_it_is_and_says_how_to_compile_th
     assert all("Dynamo" not in str(w.message) for w in caught), [str(w.message)[:80] for w in caught]
 
 
+def test_torch_fx_tracing_a_pipeline_is_refused_as_the_other_capture_tools_are() -> None:
+    """Before, torch.fx.symbolic_trace(pipe) failed inside the pipeline's binding of its arguments
+    ("Proxy object cannot be iterated"), and a model holding a pipeline traced through it."""
+    pipe = compile_pipeline(FanOut().double(), X.double(), ["cpu", "cpu"], chunks=2)
+
+    class Holds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pipe = pipe
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.pipe(x) + 1
+
+    for root in (pipe, Holds()):
+        with pytest.raises(RuntimeError, match="a Pipeline cannot be captured by .*torch.fx"):
+            torch.fx.symbolic_trace(root)
+
+
+@pytest.mark.parametrize("how", ["the pipeline", "a function calling it"])
+def test_torch_compile_with_fullgraph_says_why_a_pipeline_is_no_one_graph(how: str) -> None:
+    """Before, torch's message named its own `disable` and asked to file an issue to PyTorch."""
+    pipe = compile_pipeline(FanOut().double(), X.double(), ["cpu", "cpu"], chunks=2)
+    torch._dynamo.reset()
+    compiled = torch.compile(pipe, fullgraph=True) if how == "the pipeline" else torch.compile(lambda v: pipe(v).sum(), fullgraph=True)
+    with pytest.raises(Exception, match=r"(?s)a Pipeline runs its stages on worker threads.*compile_stages=True\); or drop fullgraph=True"):
+        compiled(X.double())
+
+
 def test_torch_compile_of_a_pipeline_with_compiled_stages_runs_them_without_a_warning() -> None:
     """Stages on the calling thread (one device): torch.compile's own compile of the stages still
     runs inside the call that it leaves alone."""
