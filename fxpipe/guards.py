@@ -37,7 +37,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     replaced = programs[True].held.modules_replaced()
     if replaced:
         raise RuntimeError(
-            f"modules of the model were replaced since compiling: {', '.join(replaced)}. The graph holds what "
+            f"modules of the model were replaced or removed since compiling: {', '.join(replaced)}. The graph holds what "
             "the modules there computed when it was traced.\nHow to fix: compile the model again."
         )
     split = _aliases_apart(owner, compiled.aliased_buffers)

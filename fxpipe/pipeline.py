@@ -486,9 +486,9 @@ class Pipeline(PipelineCalls):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
-            "a Pipeline cannot be pickled: it holds stage threads and generated code.\n"
-            "How to fix: save pipe.state_dict() (its keys are the model's own), and load it into the "
-            "plain model, or into a pipeline compiled again."
+            "a Pipeline cannot be pickled or shallow-copied (copy.copy): it holds stage threads and generated code.\n"
+            "How to fix: copy.deepcopy(pipe) gives an independent pipeline; to save it, save pipe.state_dict() (its "
+            "keys are the model's own), and load it into the plain model, or into a pipeline compiled again."
         )
 
     def __enter__(self) -> "Pipeline":

@@ -216,7 +216,9 @@ class HeldState:
         return HeldState(modules, tensors, held, found, sizes)
 
     def modules_replaced(self) -> list[str]:
-        return [name for name, table, key, module in self.modules if table.get(key) is not module]
+        """The modules the trace went through that are no longer there, or another one is (a
+        parametrization removed counts: its module was the trace's)."""
+        return [name if key in table else f"{name} (removed)" for name, table, key, module in self.modules if table.get(key) is not module]
 
     def attributes_changed(self, read: frozenset[str]) -> list[str]:
         """Of the plain attributes in `read`, those changed since compiling."""

@@ -326,8 +326,8 @@ class Step(BackwardTasks):
             raise RuntimeError(
                 "backward through this pipeline step ran already and its saved state is freed.\n"
                 "How to fix: run the forward again for a second backward (retain_graph is not supported). "
-                "torch.autograd.functional.jacobian and hessian run one backward per output element: use the "
-                "plain model for them."
+                "torch.autograd.functional.jacobian and hessian, and torch.autograd.gradcheck, run one backward per "
+                "output element: use the plain model for them."
             )
         self.backward_done = True
         for i, grads in enumerate(output_grads):

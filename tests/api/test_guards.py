@@ -189,12 +189,31 @@ def test_parameters_added_after_compiling_to_a_module_called_whole_get_their_gra
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+def test_a_parametrization_removed_after_compiling_is_named_as_removed() -> None:
+    """Before, its modules were said to be replaced."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)))
+    x = torch.randn(8, 4)
+
+    class Reads(nn.Module):  # the parametrized weight read apart from its module: traced through
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = model
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(self.m[1](self.m[0](x)), getattr(self.m[2], "weight"))
+
+    pipe = compile_pipeline(Reads(), x, ["cpu", "cpu"], chunks=2)
+    nn.utils.parametrize.remove_parametrizations(model[2], "weight")
+    with pytest.raises(RuntimeError, match=r"replaced or removed since compiling: m\.2\.parametrizations \(removed\)"):
+        pipe(x)
+
+
 def test_a_module_replaced_after_compiling_is_refused() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     x = torch.randn(8, 4)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     model[2] = nn.Linear(4, 4)
-    with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 2\.(.|\n)*compile the model again"):
+    with pytest.raises(RuntimeError, match=r"modules of the model were replaced or removed since compiling: 2\.(.|\n)*compile the model again"):
         pipe(x)
 
 
@@ -317,7 +336,7 @@ def test_a_module_replaced_that_read_its_mode_is_refused_as_replaced() -> None:
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     model[0] = nn.Identity()
     for mode in (False, True):
-        with pytest.raises(RuntimeError, match=r"modules of the model were replaced since compiling: 0\b"):
+        with pytest.raises(RuntimeError, match=r"modules of the model were replaced or removed since compiling: 0\b"):
             pipe.train(mode)(x)
 
 

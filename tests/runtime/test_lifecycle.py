@@ -179,6 +179,8 @@ def test_pickling_says_to_save_the_state_dict() -> None:
         pickle.dumps(pipe)
     with pytest.raises(TypeError, match="state_dict"):
         torch.save(pipe, io.BytesIO())
+    with pytest.raises(TypeError, match=r"shallow-copied \(copy.copy\).*\nHow to fix: copy.deepcopy\(pipe\) gives an independent pipeline"):
+        copy.copy(pipe)
 
 
 class Clashing(nn.Module):
