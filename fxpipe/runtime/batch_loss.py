@@ -2,6 +2,7 @@
 checked against the loss of the whole batch's outputs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,32 +39,50 @@ def loss_and_outputs(
         outputs = gathered.rebuild(gathered.tensors)
         if check:
             assert loss_fn is not None
-            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None)
+            pieces = None
+            if isinstance(step.loss, MicroBatchLoss) and call.slices is None:  # for the check in float64
+                parts = step.loss
+                pieces = [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
+            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces)
     return total, outputs
 
 
-def micro_batch_losses(
-    call: Call, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: list[Any], weights: list[float], kept: LeafGrads
-) -> Callable[[int, dict[str, Any]], torch.Tensor]:
+@dataclass
+class MicroBatchLoss:
     """The loss of micro-batch i from its outputs' values, weighted to combine into the batch's
     (`kept` notes what else its backward reaches)."""
-    program = call.program
 
-    def micro_batch_loss(i: int, values: dict[str, Any]) -> torch.Tensor:
-        output = rebuild(program.template, values, given_values(program, call.micro_batches[i]))
-        loss = loss_of(loss_fn, output, targets[i]) if loss_fn is not None else own_loss(output)
+    call: Call
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]]
+    targets: list[Any]
+    weights: list[float]
+    kept: LeafGrads
+
+    def output(self, i: int, values: dict[str, Any]) -> Any:
+        """Micro-batch i's output, as the model returns it, from its values."""
+        program = self.call.program
+        return rebuild(program.template, values, given_values(program, self.call.micro_batches[i]))
+
+    def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
+        output = self.output(i, values)
+        loss_fn = self.loss_fn
+        loss = loss_of(loss_fn, output, self.targets[i]) if loss_fn is not None else own_loss(output)
         if loss_fn is None and isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             loss = loss.reshape(())  # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch under DataParallel)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
-        scaled = loss * weights[i]
-        if not call.grad:
+        scaled = loss * self.weights[i]
+        if not self.call.grad:
             return scaled.detach()
         if scaled.requires_grad:
-            kept.note(scaled, leaves_of(values))
+            self.kept.note(scaled, leaves_of(values))
         return scaled
 
-    return micro_batch_loss
+
+def micro_batch_losses(
+    call: Call, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: list[Any], weights: list[float], kept: LeafGrads
+) -> MicroBatchLoss:
+    return MicroBatchLoss(call, loss_fn, targets, weights, kept)
 
 
 def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:

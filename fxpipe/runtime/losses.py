@@ -2,6 +2,7 @@
 gradients of its outputs, and the micro-batches' losses checked against the whole batch's."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import warnings
@@ -339,12 +340,6 @@ def _float_dtypes(outputs: Any) -> list[torch.dtype]:
     return [t.dtype for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _autocast_dtypes(device: torch.device) -> list[torch.dtype]:
-    """The dtype autocast computes in on `device`, where it is on (the caller's, which the loss runs under)."""
-    kind = device.type
-    return [torch.get_autocast_dtype(kind)] if torch.is_autocast_enabled(kind) else []
-
-
 def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
     """The relative difference a few roundings in the least precise of `dtypes` may make."""
     if all(dtype == torch.float64 for dtype in dtypes):
@@ -354,10 +349,13 @@ def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
 
 def check_combined_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
+    pieces: Optional[list[tuple[Any, Any, float]]] = None,
 ) -> None:
     """The micro-batches' losses, combined, must be the loss of the whole batch (`sliced`: the
     micro-batches are slices of the sequences). The check draws nothing from the caller's
-    generators; a loss that draws (label noise) cannot be checked."""
+    generators; a loss that draws (label noise) cannot be checked. `pieces` (each micro-batch's
+    outputs, target and weight): where the outputs are in half precision, whose rounding would
+    hide a loss that does not combine, the check runs again on them in float64."""
     with torch.enable_grad(), _generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
         whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
     if drew():
@@ -369,13 +367,39 @@ def check_combined_loss(
             stacklevel=caller_stacklevel(),
         )
         return
+    whole_dtype = whole.dtype
     whole = whole.detach().to(total.device, total.dtype)
     # What reordering the sums may change: a few roundings in the lowest precision the loss went
     # through (a bfloat16 term of a float32 loss under autocast rounds as bfloat16). A NaN in
     # both is the plain model's NaN (a diverged step, or a bad sample): returned as it is, for
     # the caller (or a GradScaler) to see.
-    rtol = _rounding_allowed([total.dtype, *_float_dtypes(outputs), *_autocast_dtypes(total.device)])
+    rtol = _rounding_allowed([total.dtype, whole_dtype, *_float_dtypes(outputs)])
     atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
+    exact = _in_float64(loss_fn, outputs, target, pieces) if rtol > 1e-4 and pieces is not None else None
+    if exact is not None:  # the same check without the half precision's rounding
+        total, whole, rtol, atol = exact[0], exact[1], 1e-6, 1e-8 * max(1.0, float(exact[1].abs()))
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
-        said = f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the loss of the whole batch is {float(whole):.6g}"
+        again = " (recomputed in float64 from the outputs)" if exact is not None else ""
+        said = f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the loss of the whole batch is {float(whole):.6g}{again}"
         raise ValueError(f"{said}: {_sliced_loss_problem(reduction) if sliced else _combined_loss_problem(reduction)} No gradient was accumulated into the model's parameters.")
+
+
+def _in_float64(
+    loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, pieces: list[tuple[Any, Any, float]],
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The micro-batches' losses combined, and the whole batch's, from the outputs in float64 with
+    autocast off; None where loss_fn cannot run on them (a class weight it holds in float32, say)."""
+    def wide(tree: Any) -> Any:
+        return tree_map_only(torch.Tensor, lambda t: t.detach().double() if t.is_floating_point() else t.detach(), tree)
+
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False), _autocast_off_on_cuda():
+            total = sum((loss_fn(wide(out), t).double().cpu() * weight for out, t, weight in pieces), torch.zeros((), dtype=torch.float64))
+            whole = loss_fn(wide(outputs), target).double().cpu()
+    except Exception:  # noqa: BLE001 - the check in the outputs' own precision stands
+        return None
+    return total, whole
+
+
+def _autocast_off_on_cuda() -> Any:
+    return torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext()
