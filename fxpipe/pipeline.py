@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import threading
 import warnings
 from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, Optional
@@ -55,6 +56,11 @@ _NOT_ONE_GRAPH = (
     "breaks its graph around the call (fullgraph=True cannot). To compile the stages themselves, compile with "
     "compile_pipeline(..., compile_stages=True); or drop fullgraph=True."
 )
+
+def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe: nn.Module, keys: Any) -> Any:
+    """A load post-hook of the model's, called by torch's loading of the pipeline: on the model."""
+    return hook(model, keys)
+
 
 # The model's own tables, which a pipeline shares (`Pipeline.__init__`).
 _SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
@@ -177,7 +183,7 @@ class Pipeline(PipelineCalls):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        refuse_capture()
+        refuse_capture(args, kwargs)
         if torch.compiler.is_compiling():
             # torch.compile(pipe) would trace the runtime's Python (threads, locks, the schedule)
             # in pieces between graph breaks: slow to compile, and none of it a stage's kernel.
@@ -430,7 +436,8 @@ class Pipeline(PipelineCalls):
         the ranks agree on what each keeps)."""
         self._refuse_while_steps_overlap("load_state_dict()")
         if self.__dict__.get("_channel") is None:
-            result = super().load_state_dict(state_dict, strict, assign)
+            with self._models_post_hooks_too():
+                result = super().load_state_dict(state_dict, strict, assign)
             if assign:
                 self._build()
             return result
@@ -442,13 +449,31 @@ class Pipeline(PipelineCalls):
                 f"this rank's part of the state dict does not match: missing keys {missing}, unexpected keys "
                 f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
             )
-        super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
+        with self._models_post_hooks_too():
+            super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
         if assign:  # tensors put in place that this rank's stages no longer read (a tie undone) go, as at compile
             self._build()
             placement = self._compiled.placement
             assert placement is not None
             keep_local_state(self._owner, list(self._programs.values()), placement)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @contextlib.contextmanager
+    def _models_post_hooks_too(self) -> Iterator[None]:
+        """The model's own load post-hooks, run by torch's loading as the pipeline's are, before
+        them (torch runs those of the module it loads from, which is the pipeline): they may
+        mend the keys a strict load checks."""
+        own = self._load_state_dict_post_hooks
+        model = self._owner
+        merged = collections.OrderedDict(
+            [*((("model", key), functools.partial(_on_the_model, hook, model)) for key, hook in model._load_state_dict_post_hooks.items()),
+             *own.items()]
+        )  # fmt: skip
+        self.__dict__["_load_state_dict_post_hooks"] = merged
+        try:
+            yield
+        finally:
+            self.__dict__["_load_state_dict_post_hooks"] = own
 
     def _elsewhere(self, tensor: torch.Tensor) -> bool:
         """Held by another rank (this one keeps its shape only, on the meta device)."""
@@ -475,6 +500,7 @@ class Pipeline(PipelineCalls):
         with self._one_call, self._slots_held_still():
             owner = copy.deepcopy(self._owner, memo)
         copied = Pipeline(owner, self._compiled.copy(memo)).train(self.training)
+        memo[id(self)] = copied  # what refers to the pipeline (a hook that holds it) refers to the copy
         copied.__dict__["_recompile"] = self._recompile  # its kinds of call compile again on it
         # What the caller set on the pipeline itself, as a module's copy keeps it: its hooks (the
         # tables nn.Module makes) and its own attributes.

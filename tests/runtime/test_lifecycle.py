@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -278,6 +278,25 @@ def test_state_dict_hooks_on_the_pipeline_itself_run_as_on_the_plain_model() -> 
     torch.testing.assert_close(seen["pipe"][4], torch.full((4, 4), 0.5, dtype=torch.float64), rtol=0, atol=0)
 
 
+def test_the_model_s_own_load_post_hooks_run_as_on_the_plain_model() -> None:
+    """Registered on the model before compiling, they may mend the keys a strict load checks.
+    Before, pipe.load_state_dict skipped them: a load the plain model takes was refused."""
+    plain, pipe, _ = _pair()
+    state = {k: v for k, v in plain.state_dict().items() if k != "pos"}
+    seen: list[str] = []
+
+    def mends(module: nn.Module, keys: Any) -> None:
+        seen.append(type(module).__name__)
+        if "pos" in keys.missing_keys:
+            keys.missing_keys.remove("pos")
+
+    for module in (plain, pipe):  # the pipeline's model is its own copy: its hook, registered on it
+        owner = module if module is plain else pipe._owner
+        owner.register_load_state_dict_post_hook(mends)
+        module.load_state_dict(state)
+    assert seen == ["_WithPositions", "_WithPositions"], seen
+
+
 def test_a_deep_copy_keeps_what_was_set_on_the_pipeline_itself() -> None:
     """Before, the copy lost the hooks and attributes set on the pipeline: a pre-hook that scaled
     the input made the copies of the plain model and of the pipeline differ by 0.5."""
@@ -286,7 +305,14 @@ def test_a_deep_copy_keeps_what_was_set_on_the_pipeline_itself() -> None:
         module.register_forward_pre_hook(lambda m, args: (2 * args[0],))
         module.register_full_backward_hook(lambda m, grad_in, grad_out: (3 * grad_in[0],))  # type: ignore[index]
     pipe.note = "kept"  # type: ignore[assignment]
+    loaded: list[nn.Module] = []
+    for module in (plain, pipe):
+        module.register_load_state_dict_pre_hook(lambda m, *rest: loaded.append(m))
     plain_copy, pipe_copy = copy.deepcopy(plain), copy.deepcopy(pipe)
+    # A hook that holds its module holds the copy (before: the original, dead, or a third pipeline).
+    for copied in (plain_copy, pipe_copy):
+        copied.load_state_dict(copied.state_dict())
+    assert loaded == [plain_copy, pipe_copy], loaded
     assert pipe_copy.note == "kept" and pipe_copy._forward_pre_hooks and pipe_copy._backward_hooks
     given = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     out, expected = pipe_copy(given[0]), plain_copy(given[1])
