@@ -4,12 +4,15 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
 
 from fxpipe.compiled.program import Compiled, Program, first_floating_dtype
 from fxpipe.core.attrs import buffer_or_none
@@ -171,9 +174,10 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
     )
 
 
-def refuse_capture() -> None:
-    """A call while torch.jit.trace, torch.export or torch.fx captures it (before any state is read)."""
-    if torch.jit.is_tracing() or torch.compiler.is_exporting() or torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+def refuse_capture(*values: Any) -> None:
+    """A call while torch.jit.trace or torch.export captures it, or given torch.fx's proxies of
+    `values` (before any state is read)."""
+    if torch.jit.is_tracing() or torch.compiler.is_exporting() or any(isinstance(v, torch.fx.Proxy) for v in tree_leaves(values)):
         raise RuntimeError(NOT_CAPTURED)
 
 
