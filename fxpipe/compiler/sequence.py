@@ -19,6 +19,7 @@ from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal import prove_causal, prove_causal_at
 from fxpipe.passes.position_tags import K, CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
+from fxpipe.passes.state import buffers_written
 from fxpipe.passes.shapes import FlopCount, small_on_cpu
 from fxpipe.schedules.slices import SliceSpec
 
@@ -46,6 +47,20 @@ def sequence_problems(chunks: SequenceChunks, dim: int, compiled: bool) -> list[
     return problems
 
 
+def _refuse_writes_per_slice(gm: fx.GraphModule) -> None:
+    """A node that writes buffers in training forward (spectral_norm's power iteration, a
+    running statistic) would write them once per slice, where the plain model writes them once
+    per call."""
+    written = {str(node): sorted(found) for node in gm.graph.nodes if (found := buffers_written(gm, node))}
+    if written:
+        problems = [f"{node} writes the buffer(s) {', '.join(names)} in training forward: in slices it would write them once per "
+                    "slice, where the plain model writes them once per call" for node, names in written.items()]  # fmt: skip
+        raise CausalityError(problems, fix=(
+            "sequence_chunks=1 (the default): micro-batches of samples alone, each of which writes them once, as the "
+            "plain model run on them in turn does."
+        ))
+
+
 def _lengths(chunks: Any) -> bool:
     return isinstance(chunks, (list, tuple)) and bool(chunks) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunks)
 
@@ -57,6 +72,7 @@ def slice_graphs(
     proved causal and its slices computed what the whole example does; raises CausalityError,
     naming each op and its line (from `lined`, the model traced again with lines), otherwise.
     With the spec, the check that proves each mode's graph again at a call's other length."""
+    _refuse_writes_per_slice(traced.graph)
     outputs: dict[str, tuple[Optional[int], ...]] = {}
     spec: Optional[SliceSpec] = None
     checked: dict[bool, Checked] = {}

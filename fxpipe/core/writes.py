@@ -131,6 +131,8 @@ def writes_first_argument(gm: torch.nn.Module, node: fx.Node) -> bool:
     by_schema = _schema_writes_first(node.target)
     if by_schema is not None:
         return by_schema
+    if getattr(node.target, "__module__", None) == "_operator":  # `a & b` is operator.and_, which writes nothing
+        return False
     name = getattr(node.target, "__name__", "")
     return name.endswith("_") and not name.startswith("_") and name not in _NOT_MUTATING
 

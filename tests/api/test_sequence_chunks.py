@@ -940,3 +940,13 @@ def test_position_ids_without_a_batch_dim_hold_the_sequence(shape: str) -> None:
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def test_a_buffer_written_in_forward_is_refused_in_slices_naming_it() -> None:
+    """spectral_norm's power iteration (on a block's projection, called whole) would run once per
+    slice. Before, it was taken for a non-causal op (float64, with advice to use causal attention,
+    which the model has) or ran per slice (float32, its vectors 7e-5 off the plain model's)."""
+    model = SdpaGPT().double()
+    nn.utils.parametrizations.spectral_norm(model.get_submodule("blocks.0.proj"))
+    with pytest.raises(CausalityError, match=r"(?s)writes the buffer\(s\) blocks\.0\.proj\.parametrizations\.weight\.0\._u.*once per slice.*How to fix: sequence_chunks=1"):
+        compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)

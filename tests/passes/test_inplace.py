@@ -108,6 +108,14 @@ def test_a_torch_function_that_writes_nothing_writes_nothing() -> None:
     assert written_arguments(gm, node) == []
 
 
+@pytest.mark.parametrize("target", [operator.and_, operator.or_, operator.not_, operator.is_])
+def test_python_s_operators_named_with_an_underscore_write_nothing(target: Any) -> None:
+    """`mask & keep` is operator.and_: before, its name took it for an in-place op, and a mask
+    buffer read by it counted as written (refused under sequence_chunks, copied before the op)."""
+    gm, node = _call(target, "x", "y") if target is not operator.not_ else _call(target, "x")
+    assert not writes_first_argument(gm, node) and written_arguments(gm, node) == []
+
+
 def test_out_argument_is_written() -> None:
     gm, node = _call(torch.add, "x", "y")
     node.kwargs = {"out": node.args[0]}
