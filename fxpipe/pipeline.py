@@ -188,7 +188,7 @@ class Pipeline(PipelineCalls):
             # torch.compile(pipe) would trace the runtime's Python (threads, locks, the schedule)
             # in pieces between graph breaks: slow to compile, and none of it a stage's kernel.
             # Disabled here, not by a decorator, which would import torch._dynamo (seconds) with fxpipe.
-            return _around_compiled(self, args, kwargs)
+            return _around_compiled(lambda: self._eager_call(args, kwargs, under_compile=True))
         return self._eager_call(args, kwargs, under_compile=False)
 
     def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], under_compile: bool) -> Any:
@@ -294,6 +294,8 @@ class Pipeline(PipelineCalls):
         Returns the batch's loss, detached, on the last stage's device; with `return_outputs`,
         `(loss, outputs)`. Under `torch.no_grad()` it computes the loss alone.
         """
+        if torch.compiler.is_compiling():  # as pipe(x): run as it is, the caller's graph broken around it
+            return _around_compiled(lambda: self.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
         refuse_capture()
         refuse_outer_checkpoint()
         refuse_parametrization_cache()
@@ -633,9 +635,9 @@ def _refuse_tied_reads_in_backward_across_ranks(program: Program, owner: nn.Modu
 
 
 
-def _around_compiled(pipe: Pipeline, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A call of the pipeline under torch.compile, run eagerly."""
-    return torch.compiler.disable(Pipeline._eager_call)(pipe, args, kwargs, under_compile=True)
+def _around_compiled(run: Callable[[], Any]) -> Any:
+    """A call of the pipeline under torch.compile, run as it is."""
+    return torch.compiler.disable(run)()
 
 
 # torch.compile reads these as `torch.compiler.disable` leaves them (without importing torch._dynamo
