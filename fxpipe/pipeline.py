@@ -57,6 +57,7 @@ _NOT_ONE_GRAPH = (
     "compile_pipeline(..., compile_stages=True); or drop fullgraph=True."
 )
 
+
 def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe: nn.Module, keys: Any) -> Any:
     """A load post-hook of the model's, called by torch's loading of the pipeline: on the model."""
     return hook(model, keys)
