@@ -177,8 +177,14 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
 def refuse_capture(*values: Any) -> None:
     """A call while torch.jit.trace or torch.export captures it, or given torch.fx's proxies of
     `values` (before any state is read)."""
+    if torch.compiler.is_exporting() and torch.compiler.is_dynamo_compiling():
+        _refused_capture()  # strict export: where torch says why it stops (a raise here it would bury)
     if torch.jit.is_tracing() or torch.compiler.is_exporting() or any(isinstance(v, torch.fx.Proxy) for v in tree_leaves(values)):
         raise RuntimeError(NOT_CAPTURED)
+
+
+def _refused_capture() -> None:
+    raise RuntimeError(NOT_CAPTURED)
 
 
 def refuse_outer_checkpoint() -> None:
@@ -281,3 +287,9 @@ NOT_CAPTURED = (
     "How to fix: capture the plain model. It has the same parameters: the pipeline shares them (across "
     "processes, load pipe.state_dict() into it through torch.distributed.checkpoint first)."
 )
+
+
+# torch.export(strict=True) reads these as `torch.compiler.disable` leaves them (without importing
+# torch._dynamo with fxpipe): it stops at the call, saying why.
+_refused_capture._torchdynamo_disable = True  # type: ignore[attr-defined]
+_refused_capture._torchdynamo_disable_msg = NOT_CAPTURED  # type: ignore[attr-defined]

@@ -714,6 +714,17 @@ def test_torch_compile_of_a_pipeline_runs_it_as_it_is_and_says_how_to_compile_th
     assert all("Dynamo" not in str(w.message) for w in caught), [str(w.message)[:80] for w in caught]
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_of_a_pipeline_says_why_strict_or_not(strict: bool) -> None:
+    """Before, strict export buried the refusal under torch's "Observed exception"."""
+    pipe = compile_pipeline(FanOut().double(), X.double(), ["cpu", "cpu"], chunks=2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"(?s)a Pipeline cannot be captured by .*torch.export.*How to fix: capture the plain model") as refused:
+        torch.export.export(pipe, (X.double(),), strict=strict)
+    said = str(refused.value).partition("Developer debug context")[0]  # what torch shows first
+    assert "a Pipeline cannot be captured" in said and "Observed exception" not in said, said[:300]
+
+
 def test_torch_fx_tracing_a_pipeline_is_refused_as_the_other_capture_tools_are() -> None:
     """Before, torch.fx.symbolic_trace(pipe) failed inside the pipeline's binding of its arguments
     ("Proxy object cannot be iterated"), and a model holding a pipeline traced through it."""
