@@ -19,7 +19,7 @@ from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, refuse_parametrization_cache, traced_mode
-from fxpipe.runtime.batch_loss import micro_batch_losses, own_loss_reduction, own_mean_weights
+from fxpipe.runtime.batch_loss import MicroBatchLoss, own_loss_reduction, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
@@ -196,7 +196,7 @@ class PipelineCalls(nn.Module):
             targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
         elif counted is not None:  # the model's own mean over the targets it counts: weighted by their counts
             weights = counted
-        micro_batch_loss = micro_batch_losses(call, loss_fn, targets, weights, kept)
+        micro_batch_loss = MicroBatchLoss(call, loss_fn, targets, weights, kept)
 
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True

@@ -4,7 +4,7 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.fx
@@ -19,6 +19,8 @@ from fxpipe.core.attrs import buffer_or_none
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _cast_since(owner: nn.Module, compiled: Compiled) -> str:
@@ -183,10 +185,6 @@ def refuse_capture(*values: Any) -> None:
         raise RuntimeError(NOT_CAPTURED)
 
 
-def _refused_capture() -> None:
-    raise RuntimeError(NOT_CAPTURED)
-
-
 def refuse_outer_checkpoint() -> None:
     """A call inside torch.utils.checkpoint(..., use_reentrant=False): its saved-tensor hooks
     would recompute the pipeline from a stage's backward (a call from inside its own stages)."""
@@ -289,7 +287,18 @@ NOT_CAPTURED = (
 )
 
 
-# torch.export(strict=True) reads these as `torch.compiler.disable` leaves them (without importing
-# torch._dynamo with fxpipe): it stops at the call, saying why.
-_refused_capture._torchdynamo_disable = True  # type: ignore[attr-defined]
-_refused_capture._torchdynamo_disable_msg = NOT_CAPTURED  # type: ignore[attr-defined]
+def stops_torch_compile(why: str) -> Callable[[F], F]:
+    """Mark `fn` as `torch.compiler.disable(fn, reason=why)` marks it, without importing
+    torch._dynamo with fxpipe: a call of it breaks the graph being compiled (fullgraph=True and
+    strict export stop there, saying `why`)."""
+    def mark(fn: F) -> F:
+        fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+        fn._torchdynamo_disable_msg = why  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+@stops_torch_compile(NOT_CAPTURED)
+def _refused_capture() -> None:
+    raise RuntimeError(NOT_CAPTURED)

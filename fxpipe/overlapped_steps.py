@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.compiled.program import Hooks, OtherCall, Program, hooks_that_count
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
-from fxpipe.core.hooks import hook_tables
+from fxpipe.core.hooks import gradient_hooks, hook_tables, steps_after_accumulating
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
@@ -456,7 +456,7 @@ class _Overlap:
         by the parameter's name: the ids of their handles."""
         found = {}
         for p in self.program.parameters:
-            ids = tuple([*(p._backward_hooks or {}), *(p._post_accumulate_grad_hooks or {})])
+            ids = gradient_hooks(p)
             if ids:
                 found[self.names.get(id(p), "?")] = ids
         return found
@@ -554,13 +554,13 @@ def _wait(group: TaskGroup) -> None:
 def _gradient_hooked(params: Sequence[torch.nn.Parameter]) -> bool:
     """Whether a parameter runs hooks of the caller's as its gradient arrives (where one could
     write the parameter)."""
-    return any(p._post_accumulate_grad_hooks or p._backward_hooks for p in params)
+    return any(gradient_hooks(p) for p in params)
 
 
 def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
     """Hooks after a parameter's gradient is accumulated step an optimizer in backward: under 2bw
     a batch's gradients arrive while the next batch runs on the same weights."""
-    stepped = [name for name, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+    stepped = [name for name, p in model.named_parameters() if steps_after_accumulating(p)]
     if stepped:
         raise RuntimeError(
             f"train_steps (schedule='2bw'): parameters have hooks that run once their gradient is accumulated "

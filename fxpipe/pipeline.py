@@ -28,7 +28,7 @@ from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_i
 from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import (
     NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, refuse_partial_backward_hooks,
-    warn_compiled_whole,
+    stops_torch_compile, warn_compiled_whole,
 )
 from fxpipe.own_names import OwnUnlessAChild
 from fxpipe.runtime.autograd import Run, run_with_autograd
@@ -509,7 +509,7 @@ class Pipeline(PipelineCalls):
         # tables nn.Module makes) and its own attributes.
         fresh = nn.Module().__dict__
         for key, value in self.__dict__.items():
-            if key in fresh and key not in _SHARED_TABLES or key not in copied.__dict__:
+            if (key in fresh and key not in _SHARED_TABLES) or key not in copied.__dict__:
                 copied.__dict__[key] = copy.deepcopy(value, memo)
         return copied
 
@@ -636,12 +636,7 @@ def _refuse_tied_reads_in_backward_across_ranks(program: Program, owner: nn.Modu
 
 
 
+@stops_torch_compile(_NOT_ONE_GRAPH)
 def _around_compiled(run: Callable[[], Any]) -> Any:
-    """A call of the pipeline under torch.compile, run as it is."""
+    """A call of the pipeline under torch.compile, run as it is (its graph broken here)."""
     return torch.compiler.disable(run)()
-
-
-# torch.compile reads these as `torch.compiler.disable` leaves them (without importing torch._dynamo
-# with fxpipe): the call breaks its graph there, and fullgraph=True raises saying why.
-_around_compiled._torchdynamo_disable = True  # type: ignore[attr-defined]
-_around_compiled._torchdynamo_disable_msg = _NOT_ONE_GRAPH  # type: ignore[attr-defined]

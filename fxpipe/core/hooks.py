@@ -1,8 +1,9 @@
-"""A module's four hook tables (or the global ones), by kind: the one place that names them."""
+"""Hook tables by kind, a module's four (or the global ones) and a tensor's on its gradient: the one place naming them."""
 
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
+import torch
 from torch import nn
 
 # Each kind as messages name it, and the table that holds it on a module (prefixed "_global" in
@@ -16,6 +17,17 @@ def hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
     if module is None:
         return [getattr(nn.modules.module, "_global" + table) for table in KINDS.values()]
     return [getattr(module, table) for table in KINDS.values()]
+
+
+def gradient_hooks(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The ids of the hooks on a tensor's gradient: register_hook's, then
+    register_post_accumulate_grad_hook's (which run once it is accumulated into `.grad`)."""
+    return tuple([*(tensor._backward_hooks or {}), *(tensor._post_accumulate_grad_hooks or {})])
+
+
+def steps_after_accumulating(tensor: torch.Tensor) -> bool:
+    """Whether a hook runs once the tensor's gradient is accumulated (an optimizer stepped in backward)."""
+    return bool(tensor._post_accumulate_grad_hooks)
 
 
 # Why global backward hooks are refused, at compile time or when registered after.

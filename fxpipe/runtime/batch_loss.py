@@ -39,11 +39,13 @@ def loss_and_outputs(
         outputs = gathered.rebuild(gathered.tensors)
         if check:
             assert loss_fn is not None
-            pieces = None
-            if isinstance(step.loss, MicroBatchLoss) and call.slices is None:  # for the check in float64
-                parts = step.loss
-                pieces = [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
-            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces)
+            parts = step.loss if isinstance(step.loss, MicroBatchLoss) and call.slices is None else None
+
+            def pieces() -> list[tuple[Any, Any, float]]:  # for a check in float64, made only where it runs
+                assert parts is not None
+                return [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
+
+            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None)
     return total, outputs
 
 
@@ -77,12 +79,6 @@ class MicroBatchLoss:
         if scaled.requires_grad:
             self.kept.note(scaled, leaves_of(values))
         return scaled
-
-
-def micro_batch_losses(
-    call: Call, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], targets: list[Any], weights: list[float], kept: LeafGrads
-) -> MicroBatchLoss:
-    return MicroBatchLoss(call, loss_fn, targets, weights, kept)
 
 
 def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:

@@ -349,13 +349,13 @@ def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
 
 def check_combined_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
-    pieces: Optional[list[tuple[Any, Any, float]]] = None,
+    pieces: Optional[Callable[[], list[tuple[Any, Any, float]]]] = None,
 ) -> None:
     """The micro-batches' losses, combined, must be the loss of the whole batch (`sliced`: the
     micro-batches are slices of the sequences). The check draws nothing from the caller's
     generators; a loss that draws (label noise) cannot be checked. `pieces` (each micro-batch's
-    outputs, target and weight): where the outputs are in half precision, whose rounding would
-    hide a loss that does not combine, the check runs again on them in float64."""
+    outputs, target and weight, made when asked): where the outputs are in half precision, whose
+    rounding would hide a loss that does not combine, the check runs again on them in float64."""
     with torch.enable_grad(), _generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
         whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
     if drew():
@@ -375,7 +375,7 @@ def check_combined_loss(
     # the caller (or a GradScaler) to see.
     rtol = _rounding_allowed([total.dtype, whole_dtype, *_float_dtypes(outputs)])
     atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
-    exact = _in_float64(loss_fn, outputs, target, pieces) if rtol > 1e-4 and pieces is not None else None
+    exact = _in_float64(loss_fn, outputs, target, pieces()) if rtol > 1e-4 and pieces is not None else None
     if exact is not None:  # the same check without the half precision's rounding
         total, whole, rtol, atol = exact[0], exact[1], 1e-6, 1e-8 * max(1.0, float(exact[1].abs()))
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):

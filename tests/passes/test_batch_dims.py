@@ -576,7 +576,6 @@ def test_a_shared_mask_split_for_a_length_equal_to_the_batch_is_named_with_the_c
     torch.testing.assert_close(out, reference(x, mask), rtol=0, atol=1e-12)
 
 
-
 class _PooledBoxes(nn.Module):
     """Boxes as rows (image index, x0, x1), as roi_align takes them: indices into the batch."""
 

@@ -839,8 +839,7 @@ def test_an_optimizer_stepped_in_backward_is_refused_before_anything_runs_and_ru
     _steps_in_backward(pipe)
     before = [p.detach().clone() for p in pipe.parameters()]
     with pytest.raises(RuntimeError, match=r"(?s)parameters have hooks that run once their gradient is accumulated.*0\.weight.*How to fix: give that optimizer to train_steps"):
-        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)):
-            pass
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
     assert all(torch.equal(p, q) for p, q in zip(pipe.parameters(), before)) and all(p.grad is None for p in pipe.parameters())
     synchronous = compile_pipeline(model, batches[0][0], ["cpu"] * 3, chunks=4, schedule="1f1b")
     _steps_in_backward(plain)
@@ -882,8 +881,7 @@ def test_a_hook_on_a_parameter_s_gradient_that_writes_a_parameter_is_refused() -
 
     pipe.a.weight.register_hook(shrinks)
     with pytest.raises(RuntimeError, match=r"the model changed in the hooks on the parameters' gradients .* of batch 0: b.weight written in place"):
-        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)):
-            pass
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
 
 
 def test_a_deep_copy_between_two_losses_is_a_whole_model_that_trains() -> None:
