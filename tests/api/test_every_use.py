@@ -198,3 +198,37 @@ def test_a_parametrization_that_writes_read_apart_from_its_module(kind: str, mod
         return torch.cat([model(piece) for piece in x.tensor_split(chunks)])
 
     assert_alike_in_every_use(pipe, plain.train(), lambda m: m(x), _squares, NOT_LOW_PRECISION, plain_call=in_turn)
+
+
+class _NamedLikeThePipeline(nn.Module):
+    """Children named like the pipeline's attributes, which the names now give (timm's `stages`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.plan, self.checkpoint = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.checkpoint(torch.tanh(self.plan(self.stages(x))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_children_named_like_the_pipeline_s_attributes(mode: str) -> None:
+    torch.manual_seed(0)
+    plain = _NamedLikeThePipeline().double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 3, chunks=2, checkpoint=mode)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
+
+
+def test_a_deep_copy_with_hooks_set_on_the_pipeline() -> None:
+    """The copy keeps the pipeline's own hooks (a pre-hook scaling the input, a full backward hook
+    scaling its gradient), as a copy of the plain model keeps the model's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5)).double()
+    x = torch.randn(6, 5, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=2)
+    for module in (plain, pipe):
+        module.register_forward_pre_hook(lambda m, args: (2 * args[0],))
+        module.register_full_backward_hook(lambda m, grad_in, grad_out: (3 * grad_in[0],))  # type: ignore[index]
+    assert_alike_in_every_use(copy.deepcopy(pipe), copy.deepcopy(plain), lambda m: m(x.clone().requires_grad_()), _squares, NOT_LOW_PRECISION)
