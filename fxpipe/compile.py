@@ -50,6 +50,7 @@ from fxpipe.pipeline import Pipeline
 from fxpipe.schedules.actions import checkpoint_stop
 from fxpipe.tracing.assignments import assignments_recorded
 from fxpipe.tracing.export import shapes_note
+from fxpipe.tracing.functions import writes_watched
 from fxpipe.tracing.global_reads import put_back_on_failure
 from fxpipe.tracing.markers import is_split
 from fxpipe.tracing.mode_reads import ModeReads
@@ -77,7 +78,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
-            with collector_paused(), preserved(model), inputs_preserved(example), put_back_on_failure(model), hooks_put_back_on_failure(model):
+            with collector_paused(), writes_watched(), preserved(model), inputs_preserved(example), put_back_on_failure(model), \
+                    hooks_put_back_on_failure(model):
                 pipe = compile(*args, **kwargs)
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):

@@ -25,7 +25,7 @@ from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.edges import Edge
 from fxpipe.core.hooks import hook_tables, output_hook
 from fxpipe.core.microbatch import ExampleLeaves
-from fxpipe.core.randomness import draws_now, runs_hooks
+from fxpipe.core.randomness import Unseen, draws_now, runs_hooks
 from fxpipe.schedules.actions import Layout
 from fxpipe.schedules.slices import SliceSpec
 from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
@@ -86,15 +86,13 @@ class StageRuntime:
     # whose gradients they put in `.grad` themselves.
     reads_in_backward: list[nn.Parameter] = field(default_factory=list)
 
-    def draws(self) -> tuple[bool, bool]:
-        """Whether a call now may draw random numbers, and whether through an op that needs
-        the dispatch mode (read once per step; the modules' hooks are walked once for both)."""
+    def draws(self) -> tuple[bool, Unseen]:
+        """Whether a call now may draw random numbers, and where through ops that need the
+        dispatch mode (read once per step; the modules' hooks are walked once for both)."""
         if runs_hooks(self.called):
-            return True, True
-        return (
-            self.random_always or draws_now(self.random_modules),
-            self.hidden_always or draws_now(self.hidden_modules),
-        )
+            return True, Unseen.ANYWHERE
+        hidden = self.hidden_always or draws_now(self.hidden_modules)
+        return self.random_always or draws_now(self.random_modules), Unseen.MARKED if hidden else Unseen.NOWHERE
 
 
 

@@ -10,12 +10,15 @@ memory the default balance counts, or another stage count) trains on the same nu
 The random ops a stage's graph shows (`nn.Dropout`, `F.dropout`, `torch.rand*`, `x.bernoulli_()`,
 ...) are rewritten to take their node's generator: no Python runs for the other ops. A random op
 hidden from the graph (inside a module called whole, attention with dropout, an exported aten op)
-makes its stage run under `TaskRandomness`, a dispatch mode that hands every random aten op the
-generator of the node that runs (marked by `begin_draws`); a draw no node is marked for (in a
-forward hook on any module) takes the stage's own generator.
+runs under `TaskRandomness`, a dispatch mode that hands every random aten op the generator of the
+node that runs: only while that node runs (between its `begin_draws` and `end_draws`), since the
+mode costs a Python call per op. A forward hook may draw around any op: while a stage's modules
+have hooks the mode covers the whole stage, and a draw no node is marked for takes the stage's
+own generator.
 """
 from __future__ import annotations
 
+import enum
 import threading
 import zlib
 from contextlib import contextmanager
@@ -87,14 +90,25 @@ def draw_key(name: str, whole_batch: bool = False) -> int:
     return zlib.crc32(name.encode()) + (_WHOLE_BATCH if whole_batch else 0)
 
 
+class Unseen(enum.Enum):
+    """Where a stage's draws may hide from its graph: where `TaskRandomness` must run."""
+
+    NOWHERE = 0
+    MARKED = 1  # in nodes marked by `begin_draws`: the mode runs while one of them does
+    ANYWHERE = 2  # in forward hooks too, around any op: the mode runs around the whole stage
+
+
 class TaskStream:
     """The random stream of one task: a generator per graph node that draws (per device), made on
-    first use; `key` marks the node whose hidden draws run now (`begin_draws`)."""
+    first use; `key` marks the node whose hidden draws run now (`begin_draws`), and `mode` is the
+    dispatch mode entered for it, where the stage runs under none of its own."""
 
-    def __init__(self, step_seed: int, micro_batch: int, stage: int) -> None:
+    def __init__(self, step_seed: int, micro_batch: int, stage: int, per_node: bool = False) -> None:
         self.step_seed, self.micro_batch, self.stage = step_seed, micro_batch, stage
         self.key: Optional[int] = None
         self.generators: dict[tuple[int, torch.device], tuple[torch.Generator, int]] = {}
+        self.per_node = per_node  # `begin_draws` enters the dispatch mode (`Unseen.MARKED`)
+        self.mode: Optional[TaskRandomness] = None
 
     def generator(self, device: torch.device, key: Optional[int] = None) -> torch.Generator:
         """The generator of node `key` (default: the node marked now, else the stage's own)."""
@@ -120,9 +134,13 @@ class TaskStream:
 
 @contextmanager
 def task_stream(stream: TaskStream) -> Iterator[None]:
-    """Random ops rewritten by `draw_from_task_streams` draw from `stream` on this thread."""
-    with scoped(_local, "stream", stream):
-        yield
+    """Random ops rewritten by `draw_from_task_streams` draw from `stream` on this thread; a
+    marked node that raised before its `end_draws` has its dispatch mode left here."""
+    try:
+        with scoped(_local, "stream", stream):
+            yield
+    finally:
+        _leave_node_mode(stream)
 
 
 def _generator(device: torch.device, key: Optional[int]) -> Optional[torch.Generator]:
@@ -135,12 +153,22 @@ def begin_draws(key: int) -> None:
     stream: Optional[TaskStream] = getattr(_local, "stream", None)
     if stream is not None:
         stream.key = key
+        if stream.per_node and stream.mode is None:
+            stream.mode = TaskRandomness(stream)
+            stream.mode.__enter__()
 
 
 def end_draws() -> None:
     stream: Optional[TaskStream] = getattr(_local, "stream", None)
     if stream is not None:
         stream.key = None
+        _leave_node_mode(stream)
+
+
+def _leave_node_mode(stream: TaskStream) -> None:
+    mode, stream.mode = stream.mode, None
+    if mode is not None:
+        mode.__exit__(None, None, None)
 
 
 # -- the rewritten random ops ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from fxpipe.compiled.program import StageRuntime
 from fxpipe.core.edges import CALLER
 from fxpipe.core.failures import RemoteFailure
 from fxpipe.core.microbatch import clone_tree, leaves_of
-from fxpipe.core.randomness import TaskStream, draw_step_seed
+from fxpipe.core.randomness import TaskStream, Unseen, draw_step_seed
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting_now
 from fxpipe.runtime.checkpoint import flags_of
 from fxpipe.runtime.context import CallerContext, worker_state
@@ -144,7 +144,7 @@ class Step(BackwardTasks):
         # that their generators stay alike (a DataLoader's shuffle after the step).
         # Overlapping steps (2BW) take their seeds at once, in order: the next step starts before
         # this one knows whether it drew, and must not peek the same seed.
-        drawing = any(self.randomness) or any(self.hidden_randomness)
+        drawing = any(self.randomness) or any(h is not Unseen.NOWHERE for h in self.hidden_randomness)
         before = torch.get_rng_state() if drawing and weights is None else None
         self.seed = draw_step_seed() if drawing else 0
         if before is not None:

@@ -17,7 +17,7 @@ from fxpipe.compiled.program import StageRuntime
 from fxpipe.core.carry import SliceState, in_slice
 from fxpipe.core.edges import CALLER
 from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
-from fxpipe.core.randomness import TaskRandomness, TaskStream, task_stream
+from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, task_stream
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting
 from fxpipe.runtime.checkpoint import (
     Flags, attributes_of, checkpointing, refuse_gradients_through, swapped_slots, swapped_state,
@@ -72,7 +72,7 @@ class StageTasks:
     most_alive: list[int]
     flags: list[Optional[Flags]]
     randomness: list[bool]
-    hidden_randomness: list[bool]
+    hidden_randomness: list[Unseen]
     seed: int
     _peeked: bool
     _streams: list[TaskStream]
@@ -204,7 +204,8 @@ class StageTasks:
         if stage.compiled is None or self.context.saved_hooks is not None:
             forward = stage.module.forward  # type: ignore[attr-defined]
         else:
-            forward = stage.compiled.runner(self.randomness[stage.index], self.hidden_randomness[stage.index], bool(views))
+            hidden = self.hidden_randomness[stage.index] is not Unseen.NOWHERE
+            forward = stage.compiled.runner(self.randomness[stage.index], hidden, bool(views))
         if self.context.plain and not self.randomness[stage.index] and buffers is None:
             if not views:
                 return forward(*args)
@@ -214,11 +215,12 @@ class StageTasks:
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
-                stream = TaskStream(self.seed, i, stage.index)
+                unseen = self.hidden_randomness[stage.index]
+                stream = TaskStream(self.seed, i, stage.index, per_node=unseen is Unseen.MARKED)
                 if self._peeked:
                     self._streams.append(stream)
                 stack.enter_context(task_stream(stream))
-                if self.hidden_randomness[stage.index]:
+                if unseen is Unseen.ANYWHERE:
                     stack.enter_context(TaskRandomness(stream))
             if views:
                 if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model

@@ -28,6 +28,8 @@ def applier(function: type) -> Callable[..., Any]:
     if function not in _appliers:
 
         def apply(*args: Any, **kwargs: Any) -> Any:
+            if not _watchers:
+                return function.apply(*args, **kwargs)  # type: ignore[attr-defined]
             versions = _versions(args)
             out = function.apply(*args, **kwargs)  # type: ignore[attr-defined]
             if versions:
@@ -38,10 +40,29 @@ def applier(function: type) -> Callable[..., Any]:
         apply.__module__ = __name__
         apply.applies = function  # type: ignore[attr-defined]  # what the passes ask of its node (passes/random_ops.py)
         # The positional arguments a call wrote in place (a Function that marks them dirty), as
-        # any run of the graph finds them (the example's, before the passes that ask: core/writes.py).
+        # the runs of the graph while compiling find them (the example's, before the passes that
+        # ask: core/writes.py). A stage's calls look only then: each look is two torch calls per
+        # argument, and on a worker each torch call may wait for the interpreter lock.
         apply.writes = set()  # type: ignore[attr-defined]
         _appliers[function] = apply
     return _appliers[function]
+
+
+_watchers = 0  # compiles in progress, in any thread
+_watchers_lock = threading.Lock()
+
+
+@contextmanager
+def writes_watched() -> Iterator[None]:
+    """While this is open (a compile), applied Functions note which arguments they write."""
+    global _watchers
+    with _watchers_lock:
+        _watchers += 1
+    try:
+        yield
+    finally:
+        with _watchers_lock:
+            _watchers -= 1
 
 
 def _versions(args: tuple[Any, ...]) -> dict[int, int]:

@@ -15,6 +15,7 @@ from torch import nn
 import fxpipe
 from helpers import assert_grads_equal, grad_of
 from fxpipe import compile_pipeline
+from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, begin_draws, task_stream
 
 
 class Draws(nn.Module):
@@ -208,10 +209,100 @@ def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Modu
 def test_ops_the_graph_shows_need_no_dispatch_mode() -> None:
     x = torch.randn(4, 8)
     shown = compile_pipeline(Draws(), x, ["cpu"] * 2, balance=None)
-    assert all(r.draws() == (True, False) for r in shown.program().stages)
+    assert all(r.draws() == (True, Unseen.NOWHERE) for r in shown.program().stages)
     assert "dropout_module" in shown.stages[0].code
-    hidden = compile_pipeline(Attention(), x, ["cpu"], balance=None)
-    assert hidden.program().stages[0].draws()[1]
+    attention = Attention()
+    hidden = compile_pipeline(attention, x, ["cpu"], balance=None)
+    assert hidden.program().stages[0].draws() == (True, Unseen.MARKED)
+    attention.q.register_forward_hook(lambda m, i, o: None)  # a hook may draw around any op
+    assert hidden.program().stages[0].draws() == (True, Unseen.ANYWHERE)
+
+
+@contextmanager
+def _ops_seen_by_the_dispatch_mode() -> Iterator[list[str]]:
+    seen: list[str] = []
+    original = TaskRandomness.__torch_dispatch__
+
+    def spy(self: TaskRandomness, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        seen.append(func.__name__)
+        return original(self, func, types, args, kwargs)
+
+    TaskRandomness.__torch_dispatch__ = spy  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        TaskRandomness.__torch_dispatch__ = original  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_the_dispatch_mode_runs_only_around_the_nodes_that_may_draw_unseen(checkpoint: str) -> None:
+    """It costs a Python call per op: the rest of the stage (its Linears, its tanh) runs without
+    it, and the draws in the Function take the task's stream (that every checkpoint mode draws
+    the same masks is checked above)."""
+    torch.manual_seed(0)
+    model = DrawsInAFunction().double()
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * 2, chunks=2, balance=None, checkpoint=checkpoint)
+    with _ops_seen_by_the_dispatch_mode() as seen:
+        out = pipe(x)
+        out.sum().backward()
+    assert seen and not any(name.startswith(("addmm", "tanh", "t.")) for name in seen), seen
+    assert any(name.startswith(("rand_like", "uniform_")) for name in seen), seen
+
+
+class _RaisesWhenAsked(torch.autograd.Function):
+    fail = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand_like(x)
+        if _RaisesWhenAsked.fail:
+            raise ValueError("asked to fail")
+        return x + noise
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class RaisesInAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_RaisesWhenAsked.apply(torch.tanh(self.a(x))))
+
+
+def test_a_node_that_raises_while_it_may_draw_leaves_no_dispatch_mode_behind() -> None:
+    """The mode entered before the node is left by the task, which the node's failure ends: the
+    workers' next calls run the stage's other ops without it, and compute what they did."""
+    x = torch.randn(8, 8)
+    pipe = compile_pipeline(RaisesInAFunction(), x, ["cpu"] * 2, chunks=2, balance=None)
+    torch.manual_seed(1)
+    before = pipe(x)
+    _RaisesWhenAsked.fail = True
+    try:
+        with pytest.raises(fxpipe.StageError, match="asked to fail"):
+            pipe(x)
+    finally:
+        _RaisesWhenAsked.fail = False
+    with _ops_seen_by_the_dispatch_mode() as seen:
+        torch.manual_seed(1)
+        after = pipe(x)
+    assert not any(name.startswith(("addmm", "tanh")) for name in seen), seen
+    assert torch.equal(before, after)
+
+
+def test_a_task_stream_leaves_the_mode_a_failed_node_entered() -> None:
+    stream = TaskStream(0, 0, 0, per_node=True)
+    depth = torch._C._len_torch_dispatch_stack()
+    with pytest.raises(RuntimeError, match="inside"):
+        with task_stream(stream):
+            begin_draws(7)
+            assert torch._C._len_torch_dispatch_stack() == depth + 1
+            raise RuntimeError("inside the node")
+    assert torch._C._len_torch_dispatch_stack() == depth and stream.mode is None
 
 
 def test_a_stage_without_random_ops_draws_nothing() -> None:
