@@ -5,8 +5,9 @@ A node is one of three things:
     never random   Linear, add, a dropout with p=0 or training=False written into the graph
     random if      a dropout module or RReLU (or a module holding one): while training with p > 0,
                    read when the stage runs, so a rate changed between steps takes effect
-    always random  rand*, bernoulli, a dropout whose p or training flag is a value, a module or
-                   function the graph does not show the inside of, a module run with forward hooks
+    always random  rand*, bernoulli, a dropout whose p or training flag is a value, a fractional
+                   max pool (in eval mode too), a module or function the graph does not show the
+                   inside of, a module run with forward hooks
 """
 from __future__ import annotations
 
@@ -41,7 +42,17 @@ _GATED: dict[Any, tuple[tuple[str, int, float], tuple[str, int, bool]]] = {
     torch.feature_dropout: (("p", 1, 0.5), ("train", 2, True)),
     F.scaled_dot_product_attention: (("dropout_p", 4, 0.0), ("", -1, True)),
     F.rrelu: (("", -1, 1.0), ("training", 3, False)),
+    F.multi_head_attention_forward: (("dropout_p", 10, 0.0), ("training", 13, True)),
 }
+# Functions that draw in every mode unless handed what they would draw: (argument, position).
+_UNLESS_GIVEN: dict[Any, tuple[str, int]] = {
+    F.fractional_max_pool2d: ("_random_samples", 5),
+    F.fractional_max_pool3d: ("_random_samples", 5),
+    F.fractional_max_pool2d_with_indices: ("_random_samples", 5),
+    F.fractional_max_pool3d_with_indices: ("_random_samples", 5),
+}
+# Built-in modules that draw in every mode, unless they hold what they would draw.
+_FRACTIONAL_POOLS = (nn.FractionalMaxPool2d, nn.FractionalMaxPool3d)
 RANDOM_FUNCTIONS = {
     torch.rand, torch.randn, torch.randint, torch.rand_like, torch.randn_like, torch.randint_like,
     torch.bernoulli, torch.multinomial, torch.normal, torch.poisson, torch.randperm, F.gumbel_softmax,
@@ -110,6 +121,8 @@ def _function_is_random(node: fx.Node) -> bool:
     if target in _GATED:
         (p_name, p_at, p_default), (t_name, t_at, t_default) = _GATED[target]
         return _gated_by_constants(argument(node, p_name, p_at, p_default), argument(node, t_name, t_at, t_default))
+    if target in _UNLESS_GIVEN:
+        return argument(node, *_UNLESS_GIVEN[target], None) is None
     if target in RANDOM_FUNCTIONS or getattr(target, "applies", None) is not None:
         return True  # (an autograd Function of the model's, applied: its forward is Python, which may draw)
     module = getattr(target, "__module__", None) or ""
@@ -131,6 +144,12 @@ def _holds_dropout(module: nn.Module) -> bool:
     return any(draw_rate(m) is not None for m in module.modules())
 
 
+def _draws_in_every_mode(module: nn.Module) -> bool:
+    """Whether `module` holds a layer that draws whatever its training flag (a fractional max
+    pool draws its regions in eval mode too)."""
+    return any(isinstance(m, _FRACTIONAL_POOLS) and m._random_samples is None for m in module.modules())
+
+
 def _built_in(module: nn.Module) -> bool:
     """Whether `module` and every module inside it are PyTorch's own layers: a built-in
     container (nn.Sequential, nn.TransformerEncoder) may hold a layer of the model's that draws."""
@@ -147,7 +166,7 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
         elif node.op == "call_method" and str(node.target) in RANDOM_METHODS:
             sources.always = True
         elif module is not None:
-            if not _built_in(module) or runs_hooks([module]):
+            if not _built_in(module) or runs_hooks([module]) or _draws_in_every_mode(module):
                 sources.always = True  # called whole: its inside (and its hooks') is not in the graph
             elif _holds_dropout(module):
                 sources.modules.append(str(node.target) if node.op == "call_module" else node.meta[CALLS_MODULE])
@@ -200,7 +219,7 @@ def _draws_unseen(stage: fx.GraphModule, node: fx.Node) -> bool:
     can be handed to (attention with dropout, RReLU, an exported aten op)."""
     module = called_module(stage, node)
     if module is not None:
-        return not _built_in(module) or _holds_dropout(module)
+        return not _built_in(module) or _holds_dropout(module) or _draws_in_every_mode(module)
     return node.op == "call_function" and _function_is_random(node)
 
 

@@ -196,7 +196,42 @@ class DrawsOtherwise(nn.Module):
         return self.b(h * (1 + 0.1 * eps) + 0.1 * counts * h + 0.1 * shift)
 
 
-@pytest.mark.parametrize("make", [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch"), DrawsOtherwise, DrawsInALibraryOp])
+class FractionalPool(nn.Module):
+    """A fractional max pool draws its pooling regions, in eval mode too: as a module, or as
+    the function, which torch.fx keeps as one call."""
+
+    def __init__(self, functional: bool = False) -> None:
+        super().__init__()
+        self.functional = functional
+        self.a, self.pool, self.b = nn.Linear(8, 50), nn.FractionalMaxPool2d(2, output_size=3), nn.Linear(18, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.a(x)).view(-1, 2, 5, 5)  # (5 rows into 3 regions of 2: where they start is drawn)
+        y = F.fractional_max_pool2d(y, 2, output_size=3) if self.functional else self.pool(y)
+        return self.b(y.flatten(1))
+
+
+class FunctionalAttention(nn.Module):
+    """Attention through `F.multi_head_attention_forward`, whose dropout_p draws while training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, q = self.attention, x.unsqueeze(0)  # (one position, the samples, features)
+        out, _ = F.multi_head_attention_forward(
+            q, q, q, 8, 2, a.in_proj_weight, a.in_proj_bias, None, None, False, 0.3, a.out_proj.weight, a.out_proj.bias,
+            training=self.training, need_weights=False,
+        )  # fmt: skip
+        return out.squeeze(0)
+
+
+DRAWING = [Draws, Attention, RandomSlopes, DrawsInsideABuiltIn, DrawsInAFunction, lambda: _StochasticDepth("batch"), DrawsOtherwise,
+           DrawsInALibraryOp, FractionalPool, lambda: FractionalPool(functional=True), FunctionalAttention]  # fmt: skip
+
+
+@pytest.mark.parametrize("make", DRAWING)
 def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Module]) -> None:
     out, grads = _step(make, "never", seed=5)
     for mode in ("always", "except_last"):
@@ -204,6 +239,13 @@ def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Modu
         assert torch.equal(out, other), mode
         assert all(torch.equal(g, h) for g, h in zip(grads, other_grads)), mode
     assert not torch.equal(out, _step(make, "never", seed=6)[0]), "the step's seed must matter"
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_a_fractional_pool_draws_alike_in_every_checkpoint_mode_in_eval_mode_too(functional: bool) -> None:
+    out, grads = _step(lambda: FractionalPool(functional).eval(), "never", seed=5)
+    other, other_grads = _step(lambda: FractionalPool(functional).eval(), "always", seed=5)
+    assert torch.equal(out, other) and all(torch.equal(g, h) for g, h in zip(grads, other_grads))
 
 
 def test_ops_the_graph_shows_need_no_dispatch_mode() -> None:
