@@ -441,7 +441,7 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
     as the whole (made from parameters alone: returned once, as the plain model's). A leaf whose
     values depend on a split input (`from_batch`) is never the same in every micro-batch, even
     where the halves' values are (a loss from a zero-initialised head)."""
-    if isinstance(whole, (int, float)) and not isinstance(whole, bool):
+    if isinstance(whole, (int, float)):  # a bool too: x.shape[0] > 4
         return (VARIES, "") if any(p != whole for p in parts) else (None, "")  # x.shape[0], say
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
         return None, ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import pytest
 import torch
@@ -378,17 +378,22 @@ def test_a_chunk_spec_naming_the_state_but_not_the_sequence_first_input_names_th
 
 
 class CountsItsBatch(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, compared: bool = False) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.compared = compared
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return self.b(self.a(x)), x.shape[0]
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Union[int, bool]]:
+        return self.b(self.a(x)), x.shape[0] > 4 if self.compared else x.shape[0]
 
 
-def test_an_output_that_is_no_tensor_and_differs_between_micro_batches_is_refused() -> None:
-    pipe = compile_pipeline(CountsItsBatch(), X, ["cpu", "cpu"], chunks=2)
-    for x in (torch.randn(5, 6), X):  # even halves give equal sizes: compiling saw the size differ from the whole batch's
+@pytest.mark.parametrize("compared", [False, True], ids=["the size", "a bool from it"])
+def test_an_output_that_is_no_tensor_and_differs_between_micro_batches_is_refused(compared: bool) -> None:
+    """A bool made from the batch size was returned as the first micro-batch's (False where the
+    plain model gives True), where the example's halves showed it differ: 8 > 4, 4 > 4."""
+    example = torch.randn(8, 6) if compared else X
+    pipe = compile_pipeline(CountsItsBatch(compared), example, ["cpu", "cpu"], chunks=2)
+    for x in (torch.randn(5, 6), example):  # even halves give equal sizes: compiling saw the size differ from the whole batch's
         with pytest.raises(ValueError, match=r"(?s)returns output\[1\], a value made from the whole batch \(.*its size.*How to fix"):
             pipe(x)
 
