@@ -44,7 +44,7 @@ def _leafy(value: Any, buffers: set[int]) -> Any:
     def leaf(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        return t.detach().requires_grad_(t.is_floating_point() and id(t) not in buffers)
+        return t.detach().requires_grad_((t.is_floating_point() or t.is_complex()) and id(t) not in buffers)
 
     return tree_map(leaf, value)
 

@@ -189,7 +189,7 @@ class StageTasks:
         assert self.slices is not None
         made = self.carry_made.get((j, i), {})
         if not self.slices.last(i):
-            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(self.grad and t.is_floating_point()) for c, t in made.items()}
+            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(self.grad and (t.is_floating_point() or t.is_complex())) for c, t in made.items()}
         if not self.grad or checkpointed:
             self.carry_made.pop((j, i), None)
         if not self.grad:

@@ -1366,6 +1366,34 @@ def test_a_loss_through_a_tensor_a_module_stored_is_refused_in_backward(checkpoi
     assert_grads_equal(pipe, reference)
 
 
+class StoresSpectrum(nn.Module):
+    """Stores a complex tensor for a penalty on it (a spectral one, in an FNO-like block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex128) * 0.3)
+        self.last: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spectrum = torch.fft.fft(x) @ self.w
+        self.last = spectrum
+        return torch.fft.ifft(spectrum).real
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_a_loss_through_a_complex_tensor_a_module_stored_is_refused_in_backward(checkpoint: str) -> None:
+    """Before: a complex one was not watched as a real one is: under 'always' its gradient was
+    lost without a word (160 off), under 'never' autograd's own error was raised."""
+    model = nn.Sequential(nn.Linear(4, 4), StoresSpectrum(), nn.Linear(4, 4)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=checkpoint)
+    out = pipe(x)
+    stored = model[1]
+    assert isinstance(stored, StoresSpectrum) and stored.last is not None and stored.last.requires_grad
+    with pytest.raises(RuntimeError, match=r"(?s)a gradient reached 1.last, a tensor that its module stored.*How to fix: return the tensor"):
+        (out.sum() + stored.last.abs().pow(2).sum()).backward()
+
+
 _SHIFT = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)  # a global the forward reads
 
 
