@@ -30,7 +30,7 @@ from fxpipe.compiled.program import Hooks, OtherCall, Program, hooks_that_count
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.hooks import gradient_hooks, hook_tables, steps_after_accumulating
-from fxpipe.core.randomness import generator_put_back_on_error
+from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
@@ -136,7 +136,7 @@ class _Overlap:
             try:
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
                     self._refuse_changes(f"between two losses (after batch {index - 2}'s)", slots=False)
-                with drawing_between_compiles():  # the caller's iterable and the step's seed may draw
+                with drawing_between_compiles(), default_generator_held():  # the caller's iterable and the step's seed may draw
                     before = torch.get_rng_state()
                     batch = next(batches, None)
                     self._after_reading(index, batch)
@@ -297,7 +297,7 @@ class _Overlap:
         if self.ranks is None:
             self._settled(index, flight, after_step)
             input_grads = flight.step._caller_input_grads()
-            with drawing_between_compiles():  # a loss function may draw
+            with drawing_between_compiles(), default_generator_held():  # a loss function may draw
                 total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:
@@ -356,7 +356,7 @@ class _Overlap:
             self._settled(index, flight, after_step)
             if program.layout.ranks[program.layout.loss_stage] == self.ranks.me:
                 before = torch.get_rng_state()
-                with drawing_between_compiles():
+                with drawing_between_compiles(), default_generator_held():
                     loss = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)[0].detach()
                 after = torch.get_rng_state()
                 drawn = None if torch.equal(after, before) else after

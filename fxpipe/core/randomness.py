@@ -35,7 +35,7 @@ from fxpipe.core.scoped import scoped
 
 _MASK = (1 << 64) - 1
 # Guards the swap of a device's default generator, for random ops that take no generator.
-_SWAP_LOCK = threading.Lock()
+_SWAP_LOCK = threading.RLock()
 _local = threading.local()
 
 
@@ -257,9 +257,14 @@ class TaskRandomness(TorchDispatchMode):
         if not drawing or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
         own = self.stream.generator(_device_of(args, kwargs))
-        if any(a.name == "generator" and a.kwarg_only for a in func._schema.arguments):
+        at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
+        if at is not None and at >= len(args):  # (RReLU's takes it by position too; given so, it is None)
             return func(*args, **kwargs, generator=own)
-        # No generator argument (native_dropout, a library's own op): swap the device's default generator.
+        if at is not None:
+            return func(*args[:at], own, *args[at + 1 :], **kwargs)
+        # No generator argument (native_dropout, a library's own op): swap the device's default
+        # generator. Other draws fxpipe runs meanwhile (a loss, the caller's side of a 2bw loop)
+        # wait for it (`default_generator_held`).
         with _SWAP_LOCK:
             default = _default_generator(own.device)
             saved = default.get_state()
@@ -270,6 +275,14 @@ class TaskRandomness(TorchDispatchMode):
             finally:
                 default.set_state(saved)
         return result
+
+
+@contextmanager
+def default_generator_held() -> Iterator[None]:
+    """Around draws from torch's default generators that run beside the stages (a loss on a
+    worker, a 2bw loop's caller side): no stage swaps one for its stream meanwhile."""
+    with _SWAP_LOCK:
+        yield
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

@@ -17,7 +17,7 @@ from fxpipe.compiled.program import StageRuntime
 from fxpipe.core.carry import SliceState, in_slice
 from fxpipe.core.edges import CALLER
 from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
-from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, task_stream
+from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, default_generator_held, task_stream
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting
 from fxpipe.runtime.checkpoint import (
     Flags, attributes_of, checkpointing, refuse_gradients_through, swapped_slots, swapped_state,
@@ -354,7 +354,8 @@ class StageTasks:
         try:
             with torch.set_grad_enabled(self.grad), ExitStack() as stack:
                 self.context.enter(stack)
-                loss = self.loss(i, self._values_as_read(values))
+                with default_generator_held():  # a loss that draws (label noise) draws the caller's numbers
+                    loss = self.loss(i, self._values_as_read(values))
                 grads = value_grads(loss, values) if self.grad and not fused else {}
         except Exception as e:
             raise LossError() from e

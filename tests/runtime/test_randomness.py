@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -239,6 +240,65 @@ def test_every_checkpoint_mode_draws_the_same_numbers(make: Callable[[], nn.Modu
         assert torch.equal(out, other), mode
         assert all(torch.equal(g, h) for g, h in zip(grads, other_grads)), mode
     assert not torch.equal(out, _step(make, "never", seed=6)[0]), "the step's seed must matter"
+
+
+@torch.library.custom_op("fxpipe_tests::slow_dropout", mutates_args=())
+def _slow_dropout(x: torch.Tensor) -> torch.Tensor:
+    """A library's dropout whose kernel takes a while: its draw takes no generator, so the stage
+    lends it the task's stream as torch's default generator for that long."""
+    keep = torch.rand_like(x) > 0.5
+    time.sleep(0.01)
+    return x * keep * 2
+
+
+@_slow_dropout.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_slow_dropout.register_autograd(lambda ctx, g: g * (ctx.saved_tensors[0] != 0) * 2, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(output))
+
+
+class DrawsSlowly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(_slow_dropout(torch.tanh(self.a(x))))))
+
+
+def _noisy_slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.002)
+    return ((out - target) * torch.rand_like(out)).pow(2).sum()
+
+
+def test_a_loss_that_draws_beside_a_stage_lending_its_stream_draws_the_callers_numbers() -> None:
+    """Before, the loss (on the last stage's worker) drew from the stream the first stage had
+    lent the default generator meanwhile: the same seed gave other losses, gradients and
+    generator states from one checkpoint mode (and one run) to the next."""
+    torch.manual_seed(0)
+    model = DrawsSlowly().double()
+    x, y = torch.randn(16, 8, dtype=torch.float64), torch.randn(16, 8, dtype=torch.float64)
+    seen = []
+    for mode in ("never", "always", "never"):
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * 2, chunks=8, checkpoint=mode, schedule="1f1b", split_points=["b"])
+        torch.manual_seed(3)
+        with pytest.warns(UserWarning, match="loss_fn draws random numbers"):
+            loss = pipe.train_step(x, target=y, loss_fn=_noisy_slow_loss, reduction="sum")
+        seen.append((loss, grad_of(pipe.a.weight).clone(), torch.rand(())))
+    for other in seen[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(seen[0], other))
+
+
+def test_rrelu_takes_its_generator_by_position_without_lending_the_default_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    lent: list[torch.device] = []
+    lend = fxpipe.core.randomness._default_generator
+    monkeypatch.setattr(fxpipe.core.randomness, "_default_generator", lambda device: lent.append(device) or lend(device))
+    out, grads = _step(RandomSlopes, "never", seed=5)
+    other, other_grads = _step(RandomSlopes, "always", seed=5)
+    assert torch.equal(out, other) and all(torch.equal(g, h) for g, h in zip(grads, other_grads))
+    assert not lent
 
 
 @pytest.mark.parametrize("functional", [False, True])
