@@ -16,6 +16,7 @@ from torch import nn
 import fxpipe
 from helpers import assert_grads_equal, grad_of
 from fxpipe import compile_pipeline
+import fxpipe.core.randomness as randomness
 from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, begin_draws, task_stream
 
 
@@ -286,15 +287,20 @@ def test_a_loss_that_draws_beside_a_stage_lending_its_stream_draws_the_callers_n
         torch.manual_seed(3)
         with pytest.warns(UserWarning, match="loss_fn draws random numbers"):
             loss = pipe.train_step(x, target=y, loss_fn=_noisy_slow_loss, reduction="sum")
-        seen.append((loss, grad_of(pipe.a.weight).clone(), torch.rand(())))
+        seen.append((loss, grad_of(pipe.parameters().__next__()).clone(), torch.rand(())))
     for other in seen[1:]:
         assert all(torch.equal(a, b) for a, b in zip(seen[0], other))
 
 
 def test_rrelu_takes_its_generator_by_position_without_lending_the_default_one(monkeypatch: pytest.MonkeyPatch) -> None:
     lent: list[torch.device] = []
-    lend = fxpipe.core.randomness._default_generator
-    monkeypatch.setattr(fxpipe.core.randomness, "_default_generator", lambda device: lent.append(device) or lend(device))
+    lend = randomness._default_generator
+
+    def lent_and_lend(device: torch.device) -> torch.Generator:
+        lent.append(device)
+        return lend(device)
+
+    monkeypatch.setattr(randomness, "_default_generator", lent_and_lend)
     out, grads = _step(RandomSlopes, "never", seed=5)
     other, other_grads = _step(RandomSlopes, "always", seed=5)
     assert torch.equal(out, other) and all(torch.equal(g, h) for g, h in zip(grads, other_grads))
