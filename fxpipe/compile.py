@@ -348,6 +348,7 @@ def compile_pipeline(
         *_reads(traced), traced.eval_only,
     )
     compiled.slicing, compiled.check_length = slicing, check_length
+    compiled.grad_mode_only = traced.grad_mode_only
     compiled.aliased_buffers = aliased_buffers(model)
     compiled.traced_dtype = first_floating_dtype(model)
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))

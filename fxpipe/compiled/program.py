@@ -434,6 +434,8 @@ class Compiled:
     modes_read: ModeReads = field(default_factory=dict)
     # Why training mode could not be traced, for a model traced in eval mode alone (else "").
     eval_only: str = ""
+    # The grad mode its graphs serve alone (torch.is_grad_enabled()), and why; None: either.
+    grad_mode_only: Optional[tuple[bool, str]] = None
     # Where the example had one sample: the halves' check, to run on the first call of two samples
     # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
     unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
@@ -473,4 +475,5 @@ class Compiled:
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
             slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers,
+            grad_mode_only=self.grad_mode_only,
         )  # fmt: skip

@@ -12,7 +12,10 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.hooks import KINDS, hook_tables, output_hook
-from fxpipe.tracing.trace import SAVED_TENSOR_HOOKS, TraceError, containers_of, fields_of_dataclasses, plain_dicts, saved_tensor_hooks_watched
+from fxpipe.tracing.trace import (
+    INFERENCE_MODE, SAVED_TENSOR_HOOKS, TraceError, containers_of, fields_of_dataclasses, grad_mode_message, inference_mode_watched, plain_dicts,
+    saved_tensor_hooks_watched, unseen_grad_modes_watched,
+)
 
 _PREFIX = "model."
 
@@ -128,10 +131,14 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     leaves, spec = tree_flatten((args, kwargs))
     found: dict[str, Any] = {}
-    with saved_tensor_hooks_watched() as hooked:
+    under_no_grad = not torch.is_grad_enabled()
+    with saved_tensor_hooks_watched() as hooked, inference_mode_watched() as inferred, unseen_grad_modes_watched() as unseen:
         program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
     if hooked:
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: {SAVED_TENSOR_HOOKS}")
+    if inferred:
+        raise TraceError(f"torch.export cannot capture {type(model).__name__}: {INFERENCE_MODE}")
+    grad_mode_only = (not under_no_grad, grad_mode_message(unseen, under_no_grad)) if unseen else None
     exported = program.module()
     graph = exported.graph
     attrs: dict[str, Any] = {}
@@ -165,6 +172,9 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
     gm.meta["input_guards"] = guards  # export's checks of a call's inputs: the sizes and values it assumed
+    # A grad mode the forward set to the one it was captured in, which the graph does not hold: it
+    # serves calls in that mode alone (the mode, and why).
+    gm.meta["grad_mode_only"] = grad_mode_only
     return gm, spec
 
 

@@ -9,6 +9,7 @@ import copy
 import inspect
 import operator
 import os
+import sys
 import threading
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
@@ -276,21 +277,18 @@ def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphM
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
-                _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked, _is_tensor_watched() as asked:  # fmt: skip
+                inference_mode_watched() as inferred, _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked, \
+                _is_tensor_watched() as asked:  # fmt: skip
             graph = tracer.trace(model, concrete_args=dict.fromkeys(none) or None)
             _buffer_updates_written(model, graph, buffers)
     except AssignmentError as error:
         raise TraceError(str(error)) from error
     except Exception as error:
         raise _untraceable(model, tracer, error) from error
+    if inferred:
+        raise TraceError(f"torch.fx cannot trace {type(model).__name__}: {INFERENCE_MODE}")
     if switched:
-        raise TraceError(
-            f"torch.fx cannot trace {type(model).__name__}: its forward switches gradients "
-            f"{'off' if (False,) in switched else 'on'} for a part (torch.no_grad(), torch.set_grad_enabled), "
-            "and a traced graph keeps the operations, not the mode they ran in.\n"
-            "How to fix: use .detach() on what the part must not differentiate, or let torch.export "
-            "capture the model."
-        )
+        raise TraceError(f"torch.fx cannot trace {type(model).__name__}: {grad_mode_message(switched, not torch.is_grad_enabled(), by_fx=True)}")
     if tracer.computed:
         raise TraceError(
             f"torch.fx cannot trace {type(model).__name__}: its forward computes a tensor from parameters on "
@@ -488,9 +486,78 @@ def _calls_watched(owner: Any, name: str, counts: Callable[..., bool]) -> Iterat
 
 
 def _grad_mode_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
-    """The grad modes the traced forward switched to (`with torch.no_grad():` in it, say): the
-    graph would run those parts with gradients as the caller has them."""
-    return _calls_watched(torch._C, "_set_grad_enabled", lambda enabled: enabled != torch.is_grad_enabled())
+    """The grad modes the traced forward set (`with torch.no_grad():` in it, say), even to the
+    one it was traced in (compiled under no_grad): the graph would run those parts with
+    gradients as the caller has them."""
+    return _calls_watched(torch._C, "_set_grad_enabled", lambda enabled: _set_by_the_model())
+
+
+@contextlib.contextmanager
+def unseen_grad_modes_watched() -> Iterator[list[tuple[bool]]]:
+    """The grad modes the captured forward set to the one it already ran in, which torch.export
+    does not record (`torch.enable_grad()` in a forward captured with gradients on, or
+    `torch.no_grad()` in one captured under no_grad): the graph would run those parts with
+    gradients as the caller has them. Watched at torch's context managers, which call
+    `torch._C._set_grad_enabled` itself, as torch.export records it."""
+    calls: list[tuple[bool]] = []
+    tracing = threading.get_ident()
+    grad_mode = torch.autograd.grad_mode
+    set_init, enable_enter = grad_mode.set_grad_enabled.__init__, grad_mode.enable_grad.__enter__
+
+    def noted(mode: bool) -> None:
+        if threading.get_ident() == tracing and mode == torch.is_grad_enabled() and _set_by_the_model():
+            calls.append((mode,))
+
+    def init(self: Any, mode: bool) -> None:
+        noted(mode)
+        set_init(self, mode)
+
+    def enter(self: Any) -> None:
+        noted(True)
+        enable_enter(self)
+
+    grad_mode.set_grad_enabled.__init__, grad_mode.enable_grad.__enter__ = init, enter  # type: ignore[method-assign]
+    try:
+        yield calls
+    finally:
+        grad_mode.set_grad_enabled.__init__, grad_mode.enable_grad.__enter__ = set_init, enable_enter  # type: ignore[method-assign]
+
+
+_GRAD_MODE_FILES = ("grad_mode.py", "_contextlib.py", "contextlib.py")
+
+
+def _set_by_the_model(depth: int = 3) -> bool:
+    """Whether the grad mode being set was asked for by code outside torch (the model's),
+    through torch's context managers or directly; `depth`: the frames of the watch above."""
+    frame = sys._getframe(depth)
+    while frame is not None and frame.f_code.co_filename.endswith(_GRAD_MODE_FILES):
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None and not frame.f_code.co_filename.startswith(_TORCH_DIR)
+
+
+def grad_mode_message(switched: list[tuple[Any, ...]], captured_under_no_grad: bool, by_fx: bool = False) -> str:
+    """Why a front end's graph cannot serve a forward that sets gradients for a part."""
+    off = (False,) in switched
+    how = "off for a part (torch.no_grad(), torch.set_grad_enabled)" if off else "on for a part (torch.enable_grad())"
+    if captured_under_no_grad and off:
+        fix = "compile outside torch.no_grad(), so that the capture records the part's switch"
+    elif off:
+        fix = "use .detach() on what the part must not differentiate" + (", or let torch.export capture the model" if by_fx else "")
+    else:
+        fix = "keep the module that switches them on whole (leaf_modules=[...], with torch.fx), whose forward runs as it is"
+    return f"its forward switches gradients {how}, and a captured graph keeps the operations, not the mode they ran in.\nHow to fix: {fix}."
+
+
+def inference_mode_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:
+    """Each time the traced forward entered torch.inference_mode()."""
+    return _calls_watched(torch._C, "_InferenceMode", lambda mode=True: bool(mode))
+
+
+INFERENCE_MODE = (
+    "its forward enters torch.inference_mode() for a part, and a captured graph keeps the operations, not the "
+    "mode they ran in: the pipeline would train what the part computes.\nHow to fix: use .detach() on what the "
+    "part must not differentiate (and torch.no_grad() around it, which torch.export keeps)."
+)
 
 
 def _autocast_watched() -> contextlib.AbstractContextManager[list[tuple[Any, ...]]]:

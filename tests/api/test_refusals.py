@@ -265,6 +265,66 @@ def test_no_grad_inside_forward_is_kept() -> None:
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
+def test_no_grad_inside_forward_compiled_under_no_grad_serves_calls_under_no_grad_alone() -> None:
+    """Compiled under no_grad, the part's no_grad() changed no mode: torch.fx kept its operations,
+    and the pipeline trained the part's parameters (1.38 where the plain model has no gradient)."""
+    model, reference = twin(SwitchesGradOff())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with torch.no_grad(), pytest.warns(UserWarning, match="switches gradients off"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(RuntimeError, match=r"(?s)compiled under torch.no_grad\(\).*made with gradients on.*How to fix: call it under torch.no_grad\(\); or compile outside"):
+        pipe(x)
+    with pytest.raises(RuntimeError, match="compiled under torch.no_grad"):
+        pipe.train_step(x, target=x, loss_fn=torch.nn.functional.mse_loss)
+    assert all(p.grad is None for p in model.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class SwitchesGradOn(nn.Module):
+    """Gradients on for a part, whatever the caller's: under no_grad its output still requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.enable_grad():
+            return self.b(h)
+
+
+def test_enable_grad_inside_forward_serves_calls_with_gradients_on_alone() -> None:
+    """torch.fx refuses it, and torch.export's graph does not hold a switch to the mode it ran in:
+    under the caller's no_grad the output had no gradient where the plain model's has one."""
+    model, reference = twin(SwitchesGradOn())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="switches gradients on"):
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"(?s)compiled with gradients on.*under torch.no_grad\(\).*How to fix: call it with gradients on; or keep the module"):
+        pipe(x)
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class EntersInferenceMode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.inference_mode():
+            gate = torch.sigmoid(self.b(h.detach()))
+        return self.c(h * gate.clone())
+
+
+def test_inference_mode_inside_forward_is_refused_by_both_front_ends() -> None:
+    """Both kept the part's operations without the mode: the pipeline trained b (1.38 where the
+    plain model has no gradient)."""
+    with pytest.raises(Exception, match=r"(?s)torch.fx: .*enters torch.inference_mode\(\).*torch.export: .*enters torch.inference_mode\(\).*How to fix: use .detach\(\)"):
+        compile_pipeline(EntersInferenceMode(), torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+
+
 class ReturnsCut(nn.Module):
     """Returns a value beside its cut copies: detached, and made under no_grad (torch.export)."""
 
