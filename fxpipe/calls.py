@@ -142,6 +142,10 @@ class PipelineCalls(nn.Module):
         program = self._held_program() if held is None else held
         refuse_other_autocast(self._compiled)
         values = self._compiled.bind(args, kwargs)
+        for name in self._compiled.marked_for_grad:  # as the plain model's forward marks the caller's tensor
+            value = values.get(name)
+            if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
+                value.requires_grad_()
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:

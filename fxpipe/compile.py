@@ -349,6 +349,7 @@ def compile_pipeline(
     )
     compiled.slicing, compiled.check_length = slicing, check_length
     compiled.grad_mode_only = traced.grad_mode_only
+    compiled.marked_for_grad = inputs_marked_for_grad(traced.graph)
     compiled.aliased_buffers = aliased_buffers(model)
     compiled.traced_dtype = first_floating_dtype(model)
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
@@ -425,6 +426,19 @@ def _check_micro_batches_later(
     if evaluation is not train:
         annotate_batch_dims(evaluation.graph, inputs, chunks, dims, serves_eval=True)
     _check_example_micro_batches(traced, bound, chunks, dims, model, call)
+
+
+def inputs_marked_for_grad(gm: fx.GraphModule) -> frozenset[str]:
+    """The placeholders the forward calls `requires_grad_()` (or `requires_grad_(True)`) on."""
+    found = set()
+    for node in gm.graph.nodes:
+        method = node.op == "call_method" and node.target == "requires_grad_"
+        function = node.op == "call_function" and node.target is torch.Tensor.requires_grad_
+        if (method or function) and node.args and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
+            flag = node.args[1] if len(node.args) > 1 else node.kwargs.get("requires_grad", True)
+            if flag is True:
+                found.add(node.args[0].name)
+    return frozenset(found)
 
 
 def _reads(traced: Traced) -> tuple[dict[bool, dict[str, bool]], dict[bool, frozenset[str]], str, ModeReads]:

@@ -436,6 +436,9 @@ class Compiled:
     eval_only: str = ""
     # The grad mode its graphs serve alone (torch.is_grad_enabled()), and why; None: either.
     grad_mode_only: Optional[tuple[bool, str]] = None
+    # The inputs (placeholder names) the forward marks as requiring grad (`x.requires_grad_()`):
+    # the caller's tensors, which the stages see only micro-batches of, are marked at each call.
+    marked_for_grad: frozenset[str] = frozenset()
     # Where the example had one sample: the halves' check, to run on the first call of two samples
     # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
     unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
@@ -475,5 +478,5 @@ class Compiled:
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
             slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers,
-            grad_mode_only=self.grad_mode_only,
+            grad_mode_only=self.grad_mode_only, marked_for_grad=self.marked_for_grad,
         )  # fmt: skip

@@ -472,3 +472,34 @@ def test_a_string_other_than_the_examples_compiles_stages_for_that_call() -> Non
     torch.testing.assert_close(per_sample(x, y, "none"), reference(x, y, "none"), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="a value made from the whole batch"):
         per_sample(x, y, "mean")
+
+
+class MarksItsInput(nn.Module):
+    """Marks its input as requiring grad, for a saliency map read from x.grad after backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.requires_grad_()
+        return self.b(torch.tanh(self.a(x))) * x
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_an_input_the_forward_marks_as_requiring_grad_is_the_callers_tensor(grad: bool) -> None:
+    """Before, the stages marked their micro-batches of it: the caller's tensor stayed unmarked
+    and got no gradient, where the plain model's x.grad holds the saliency."""
+    model, reference = twin(MarksItsInput())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x.clone(), ["cpu", "cpu"], chunks=2)
+    mine, theirs = x.clone(), x.clone()
+    with torch.set_grad_enabled(grad):
+        out, expected = pipe(mine), reference(theirs)
+    assert mine.requires_grad and theirs.requires_grad
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    if grad:
+        out.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, reference)
