@@ -56,7 +56,8 @@ def dag_partition(order: Sequence[fx.Node], weights: Sequence[float], stages: in
             groups = _pack(tree, bound, rule, weight)
             if len(groups) > stages:
                 continue
-            runs = _ordered(_filled(groups, stages, weight, position), found, position)
+            filled = _filled(groups, stages, weight, position)
+            runs = None if filled is None else _ordered(filled, found, position)
             if runs is None:
                 continue
             value = dag_time([sum(weight[n] for n in run) for run in runs], stage_links(runs), chunks)
@@ -160,11 +161,14 @@ def _open(region: Parallel, bound: float, rule: tuple[bool, bool], weight: dict[
     return groups + [nodes for _, nodes in bins], ends
 
 
-def _filled(groups: list[Group], stages: int, weight: dict[fx.Node, float], position: dict[fx.Node, int]) -> list[Group]:
-    """Split the heaviest splittable group at its most even point until there are `stages`."""
+def _filled(groups: list[Group], stages: int, weight: dict[fx.Node, float], position: dict[fx.Node, int]) -> Optional[list[Group]]:
+    """Split the heaviest splittable group at its most even point until there are `stages`;
+    None where every group is one node before that (a chain may still cut that many)."""
     groups = [sorted(g, key=position.__getitem__) for g in groups]
     while len(groups) < stages:
         splittable = [k for k, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            return None
         k = max(splittable, key=lambda i: sum(weight[n] for n in groups[i]))
         group = groups[k]
         prefix, total = 0.0, sum(weight[n] for n in group)

@@ -334,3 +334,23 @@ def test_auto_under_2bw_keeps_a_stage_graph_2bw_can_run() -> None:
     losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
     torch.testing.assert_close(torch.stack(losses), torch.stack([F.mse_loss(plain(x), y).detach() for x, y in batches]), rtol=0, atol=1e-12)
     pipe.close()
+
+
+class _TwoHeadsAdded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.j, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.c(h) + self.j(h)
+
+
+@pytest.mark.parametrize("stage_graph", ["auto", "dag"])
+def test_a_branching_graph_of_as_many_nodes_as_stages_is_cut(stage_graph: str) -> None:
+    """Before, the graph search ran out of groups to split and raised its own 'max() arg is an
+    empty sequence'."""
+    model, reference = twin(_TwoHeadsAdded())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 4, chunks=4, stage_graph=stage_graph)
+    assert_call_and_grads_equal(pipe, reference, x)
