@@ -115,6 +115,7 @@ def annotate_batch_dims(
     if whole_run is None:  # not even the example runs here (on meta, say): nothing to tell
         return True
     whole, written = whole_run.values, set(whole_run.written)
+    _refuse_sparse_outputs(returned, whole, chunks)
     try:
         each = run_on(gm, parts, real, keep={*returned, *whole_run.fixed}, fixed=whole_run.fixed)
     except Exception as e:  # noqa: BLE001 - named in the refusal
@@ -139,6 +140,18 @@ def annotate_batch_dims(
         hint = _split_for_their_size(gm, inputs, batch, dims) + (_written_parameters(gm, inputs) if real else "")
         raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
     return True
+
+
+def _refuse_sparse_outputs(returned: list[fx.Node], whole: dict[Any, Any], chunks: int) -> None:
+    """Micro-batches' outputs are put together, and their gradients split, along the batch dim:
+    a sparse tensor has no strided views to split into."""
+    sparse = [n.name for n in returned if any(isinstance(t, torch.Tensor) and t.layout != torch.strided for t in _leaves(whole.get(n)))]
+    if sparse:
+        raise ValueError(
+            f"the model returns sparse tensors ({', '.join(sparse)}), and with chunks={chunks} the pipeline puts "
+            "the micro-batches' outputs together and splits their gradients along the batch dim, which a sparse "
+            "tensor cannot be split along.\nHow to fix: return it dense (.to_dense()), or use chunks=1."
+        )
 
 
 def _mark_whole_batch_draws(drawing: set[fx.Node], whole: dict[Any, Any], each: list[dict[Any, Any]]) -> None:
@@ -478,7 +491,7 @@ def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> st
     rounding that differs between batch sizes."""
     if got.shape != expected.shape:
         return f"the halves' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
-    differs = got != expected
+    differs = _dense(got) != _dense(expected)
     differing = int(differs.sum())
     # A rounding flips isolated elements; a value computed across the batch differs in several
     # samples at one place (a column `h[:, :1] > h[:, :1].mean(0)` beside per-sample ones).
@@ -498,7 +511,13 @@ def _trimmed_to_the_longest(whole: torch.Tensor, parts: list[torch.Tensor], chan
     return all(max(p.shape[d] for p in parts) == whole.shape[d] for d in changed[1:])
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A sparse value as the dense one it stands for: the comparisons have no sparse kernels."""
+    return t if t.layout == torch.strided else t.to_dense()
+
+
 def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    got, expected = _dense(got), _dense(expected)
     if not (expected.is_floating_point() or expected.is_complex()):
         return torch.equal(got, expected)
     return bool(torch.isclose(got, expected, rtol=0, atol=0, equal_nan=True).all())
@@ -508,6 +527,7 @@ def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference relative to the expected value's largest magnitude; 0 within rounding."""
     if got.shape != expected.shape:
         return float("inf")
+    got, expected = _dense(got), _dense(expected)
     if not (expected.is_floating_point() or expected.is_complex()):
         return 0.0 if torch.equal(got, expected) else 1.0
     if not expected.numel():

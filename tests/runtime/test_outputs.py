@@ -6,7 +6,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import pytest
 import torch
@@ -341,3 +341,58 @@ def test_a_size_returned_comes_back_as_a_size(chunks: int) -> None:
     model, x = ReturnsItsSize(), torch.randn(6, 4, 8)
     out, size = compile_pipeline(copy.deepcopy(model), x, ["cpu", "cpu"], chunks=chunks)(x)
     assert type(size) is torch.Size and size == model(x)[1] and size.numel() == 32
+
+
+class SparseGraph(nn.Module):
+    """A GCN's layers over a sparse adjacency it holds as a buffer; with `sparse_out`, a sparse output too."""
+
+    def __init__(self, layout: torch.layout, sparse_out: bool = False) -> None:
+        super().__init__()
+        adjacency = (torch.rand(8, 8, generator=torch.Generator().manual_seed(0)) < 0.3).double()
+        self.register_buffer("adj", adjacency.to_sparse() if layout == torch.sparse_coo else adjacency.to_sparse_csr())
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.sparse_out = sparse_out
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.relu(torch.sparse.mm(self.adj, self.a(x)))
+        out = torch.sparse.mm(self.adj, self.b(h))
+        return (out, (h * (h > 0.3)).to_sparse()) if self.sparse_out else out
+
+
+def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    return make().double()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_sparse_buffer_and_a_sparse_output_compile_with_one_micro_batch(layout: torch.layout, checkpoint: str) -> None:
+    """Before, compiling failed in the graph's check (torch has no sparse isclose)."""
+    x = torch.randn(8, 6, dtype=torch.float64)
+    for sparse_out in (False, True):
+        model, reference = (_seeded(lambda: SparseGraph(layout, sparse_out)) for _ in range(2))  # (torch cannot deepcopy a CSR tensor)
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1, checkpoint=checkpoint)
+        got, expected = pipe(x), reference(x)
+        if sparse_out:
+            assert got[1].layout == expected[1].layout == torch.sparse_coo
+            torch.testing.assert_close(got[1].to_dense(), expected[1].to_dense(), rtol=0, atol=0)
+            got, expected = got[0], expected[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+        got.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        assert_grads_equal(pipe, reference)
+
+
+def test_a_sparse_output_with_micro_batches_is_refused_with_the_fix() -> None:
+    class SparseOut(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = torch.relu(self.a(x))
+            return h, (h * (h > 0.3)).to_sparse()
+
+    with pytest.raises(ValueError, match=r"(?s)returns sparse tensors.*How to fix: return it dense \(.to_dense\(\)\), or use chunks=1"):
+        compile_pipeline(SparseOut(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
