@@ -84,12 +84,14 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             f"it): {compiled.eval_only}\nHow to fix: call it in eval mode (pipe.eval(), every module); to "
             "train, make the training forward traceable and compile again."
         )
-    if compiled.grad_mode_only is not None and compiled.grad_mode_only[0] != torch.is_grad_enabled():
-        enabled, why = compiled.grad_mode_only
+    only = compiled.grad_mode_only.get(mode)
+    if only is not None and only[0] != torch.is_grad_enabled():
+        enabled, why = only
         then, now = ("with gradients on", "under torch.no_grad()") if enabled else ("under torch.no_grad()", "with gradients on")
         problem, _, fix = why.partition("\nHow to fix: ")
         raise RuntimeError(
-            f"this pipeline was compiled {then}, and its graph serves calls made so alone; this one is made {now}: {problem}\n"
+            f"this pipeline was compiled {then}, and its graph for {'training' if mode else 'eval'} mode serves calls made so "
+            f"alone; this one is made {now}: {problem}\n"
             f"How to fix: call it {then}; or {fix[:1].lower()}{fix[1:]}"
         )
     program = programs[mode]

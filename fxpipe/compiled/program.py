@@ -434,8 +434,8 @@ class Compiled:
     modes_read: ModeReads = field(default_factory=dict)
     # Why training mode could not be traced, for a model traced in eval mode alone (else "").
     eval_only: str = ""
-    # The grad mode its graphs serve alone (torch.is_grad_enabled()), and why; None: either.
-    grad_mode_only: Optional[tuple[bool, str]] = None
+    # By training flag, the grad mode its graph serves alone (torch.is_grad_enabled()), and why.
+    grad_mode_only: dict[bool, tuple[bool, str]] = field(default_factory=dict)
     # The inputs (placeholder names) the forward marks as requiring grad (`x.requires_grad_()`):
     # the caller's tensors, which the stages see only micro-batches of, are marked at each call.
     marked_for_grad: frozenset[str] = frozenset()

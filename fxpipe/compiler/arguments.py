@@ -142,6 +142,15 @@ def _is_pipeline(module: nn.Module) -> bool:
     return any(cls.__name__ == "Pipeline" and cls.__module__ == "fxpipe.pipeline" for cls in type(module).__mro__)
 
 
+def _overrides_torch(cls: type) -> bool:
+    """Whether a tensor class runs code of its own on torch's calls (weight noise in
+    __torch_function__, a quantised or distributed tensor's __torch_dispatch__)."""
+    override = getattr(cls, "__torch_function__")
+    function = getattr(override, "__func__", override)
+    own_function = function not in (getattr(torch.Tensor.__torch_function__, "__func__"), torch._C._disabled_torch_function_impl)
+    return own_function or getattr(cls, "__torch_dispatch__") is not torch._C._disabled_torch_dispatch_impl
+
+
 def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
     """The model is a module, and each name in leaf_modules one of its submodules (a misspelt
     name would keep nothing whole, without a word)."""
@@ -171,6 +180,12 @@ def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
         problems.append(f"the model holds modules or tensors whose names torch.fx and torch.export cannot write into the "
                         f"code they generate ({shown}): a double quote or a backslash ends the "
                         "string it is written in; rename them (a ModuleDict's keys, say) without those characters")  # fmt: skip
+    overriding = [f"{name} ({type(t).__name__})" for name, t in [*model.named_parameters(), *model.named_buffers()] if _overrides_torch(type(t))]
+    if overriding:
+        problems.append(f"the model holds tensors of classes that override __torch_function__ or __torch_dispatch__ "
+                        f"({', '.join(overriding[:5])}): its stages run on plain tensors that stand for the model's "
+                        "parameters and buffers, and the override would not run there; apply what it does in a module's "
+                        "forward (or with torch.nn.utils.parametrize), on a plain nn.Parameter")  # fmt: skip
     for leaf in leaf_modules:
         if isinstance(leaf, str) and leaf not in names:
             close = difflib.get_close_matches(leaf, names, n=3)

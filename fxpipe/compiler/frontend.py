@@ -215,7 +215,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         raise _Rejected(problem)
     traced = _traced(graphs, bind, read, modes)
     traced.check_micro_batch = micro_batch_check(model, graphs, exported[True][1])
-    traced.grad_mode_only = next((gm.meta["grad_mode_only"] for gm in graphs.values() if gm.meta.get("grad_mode_only")), None)
+    traced.grad_mode_only = {training: gm.meta["grad_mode_only"] for training, gm in graphs.items() if gm.meta.get("grad_mode_only")}
     return traced
 
 

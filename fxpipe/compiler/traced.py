@@ -37,7 +37,7 @@ class Traced:
     attributes: dict[str, Any] = field(default_factory=dict)  # the plain ones, as compiled, by qualified name
     modes_read: ModeReads = field(default_factory=dict)  # what the forward asked of autocast, answered when traced
     eval_only: str = ""  # why training mode could not be traced, where `graph` was traced in eval mode alone
-    grad_mode_only: Optional[tuple[bool, str]] = None  # the grad mode the graph serves alone, and why
+    grad_mode_only: dict[bool, tuple[bool, str]] = field(default_factory=dict)  # by training flag: the grad mode its graph serves alone, and why
 
 
 @contextmanager

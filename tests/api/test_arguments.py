@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import PartitionError, compile_pipeline
@@ -407,3 +408,27 @@ def test_an_empty_side_input_kept_whole_is_no_empty_batch() -> None:
     torch.testing.assert_close(pipe(bank, x), model(bank, x), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="the example batch is empty"):
         compile_pipeline(copy.deepcopy(model), (bank, x[:0]), ["cpu", "cpu"], chunks=4, chunk_spec={"bank": None})
+
+
+class _DoublesLinear(nn.Parameter):
+    """A weight whose class doubles F.linear's output, in __torch_function__."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out * 2 if func is F.linear else out
+
+
+def test_a_tensor_class_that_overrides_torch_function_is_refused_naming_it() -> None:
+    """Before, the stages ran on plain tensors standing for it, and the override never ran: the
+    pipeline computed the model without it (0.23 off), without a word."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    first.weight = _DoublesLinear(first.weight.detach())
+    with pytest.raises(ValueError, match=r"(?s)override __torch_function__ or __torch_dispatch__ \(0.weight \(_DoublesLinear\)\).*apply what it does in a module's"):
+        compile_pipeline(model, X, ["cpu", "cpu"])
+    plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    plain.kept = nn.Buffer(torch.zeros(2))  # torch's own tensor classes are not refused
+    assert compile_pipeline(plain, X, ["cpu"]).plan is not None

@@ -108,7 +108,10 @@ def test_a_buffer_written_through_a_slice_reaches_later_stages_as_its_micro_batc
         warnings.simplefilter("ignore")  # the export form says it used torch.export
         pipe, reference = compiled(SliceWritten(no_grad).double(), x, 3, chunks=4, checkpoint=mode, split_points=["b", "c"])
     step_as_in_turn(pipe, reference, x, 4, atol=1e-10)
-    with torch.no_grad():
+    if not no_grad:  # torch.set_grad_enabled(True) for a part: under the caller's no_grad the plain model turns them on
+        with torch.no_grad(), pytest.raises(RuntimeError, match="compiled with gradients on, and its graph for training mode"):
+            pipe(x)
+    with torch.set_grad_enabled(not no_grad):
         torch.testing.assert_close(pipe(x), in_turn(reference, x, 4), rtol=0, atol=1e-10)
     assert_state_equal(pipe, reference)
 
