@@ -166,6 +166,12 @@ def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]
     return made
 
 
+def _functorch_levels(gm: fx.GraphModule) -> list[str]:
+    """The torch.func transforms (vmap, grad, jvp) whose levels the graph enters."""
+    names = (getattr(node.target, "__name__", "") for node in gm.graph.nodes if node.op == "call_function")
+    return [name.removeprefix("_").removesuffix("_increment_nesting") for name in names if name.endswith("_increment_nesting")]
+
+
 def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
@@ -194,6 +200,15 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
             "whole with leaf_modules=[...], which torch.export cannot)"
         )
     graphs = {training: gm for training, (gm, _) in exported.items()}
+    transforms = sorted({name for gm in graphs.values() for name in _functorch_levels(gm)})
+    if transforms:
+        raise _Rejected(
+            f"it applies torch.func transforms in forward ({', '.join(transforms)}), whose levels its graph holds as "
+            "calls that must run in their order, on one thread, around the calls they transform: a stage cannot "
+            "keep that",
+            fix="How to fix: move the transformed call into a submodule and keep that whole (leaf_modules=[...], "
+            "with torch.fx): a module kept whole runs its own forward, transforms included.",
+        )
     if chunks > 1 and any(batch_is_specialized(gm) for gm in graphs.values()):
         if batch_size_of([*example, *kwargs.values()]) == 1:
             raise _Rejected(

@@ -1649,3 +1649,33 @@ def test_an_autograd_function_writing_its_input_in_place_under_no_grad_and_train
         torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
         assert_grads_equal(pipe, reference, tol=1e-12)
     torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+class _PerSample(nn.Module):
+    """A per-sample function under torch.vmap."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.vmap(lambda row: torch.tanh(self.b(row)) * row)(self.a(x))
+
+
+class _VmapsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.c = _PerSample(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.vmap(lambda row: torch.tanh(self.inner.b(row)) * row)(self.inner.a(x)))
+
+
+def test_a_vmap_in_forward_is_refused_and_the_fix_it_names_works() -> None:
+    """Before, it compiled, and every call failed in functorch ('your tensor may have escaped')."""
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(TraceError, match=r"(?s)torch.func transforms in forward \(vmap\).*How to fix: move the transformed call into a submodule and keep that whole"):
+        compile_pipeline(_VmapsInForward().double(), x, ["cpu", "cpu"], chunks=2)
+    model, reference = twin(nn.Sequential(_PerSample(), nn.Linear(4, 4)))
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, leaf_modules=[_PerSample])
+    assert_call_and_grads_equal(pipe, reference, x)
