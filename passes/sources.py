@@ -29,6 +29,27 @@ class Sources:
 _DETACH = {torch.detach, torch.Tensor.detach, torch.ops.aten.detach.default, torch.ops.aten.detach}
 
 
+# What reads only the shape, dtype and device of its first argument, not its values: a constant
+# made "like" an activation (`h.new_zeros(())`, `torch.zeros_like(h[0])`) depends on no input.
+_LIKE_METHODS = {"new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"}
+_LIKE_FUNCTIONS = {
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.ops.aten.zeros_like.default,
+    torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default, torch.ops.aten.full_like.default,
+    torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
+    torch.ops.aten.new_full.default,
+}  # fmt: skip
+
+
+def _value_inputs(node: fx.Node) -> list[fx.Node]:
+    """The nodes whose values `node`'s value depends on."""
+    like = (node.op == "call_method" and node.target in _LIKE_METHODS) or (node.op == "call_function" and node.target in _LIKE_FUNCTIONS)
+    if not like or not node.args or not isinstance(node.args[0], fx.Node):
+        return node.all_input_nodes
+    rest: list[fx.Node] = []
+    fx.node.map_arg((node.args[1:], node.kwargs), rest.append)
+    return list(dict.fromkeys(rest))
+
+
 def _cuts_gradient(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target == "detach"
@@ -59,7 +80,7 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True, every: bool = Fal
         if node.op != "output" and (node.meta.get("dtype") == () or (gradients and _cuts_gradient(node))):
             sources[node] = Sources()  # no tensor in it (x.shape, x.dtype), or cut: no gradient flows through
             continue
-        own, parents = _own(gm, node), [sources[p] for p in node.all_input_nodes]
+        own, parents = _own(gm, node), [sources[p] for p in _value_inputs(node)]
         if not own.inputs and not own.params and len(parents) == 1:
             sources[node] = parents[0]  # shared, never changed: a chain of ops costs no copies
             continue

@@ -396,3 +396,33 @@ def test_a_sparse_output_with_micro_batches_is_refused_with_the_fix() -> None:
 
     with pytest.raises(ValueError, match=r"(?s)returns sparse tensors.*How to fix: return it dense \(.to_dense\(\)\), or use chunks=1"):
         compile_pipeline(SparseOut(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+
+
+class ReturnsAConstantLikeItsActivation(nn.Module):
+    """An auxiliary value made "like" an activation (a zero aux loss where routing is off, say)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b(torch.relu(self.a(x)))
+        made = {"new_zeros": lambda: h.new_zeros(()), "new_ones": lambda: h.new_ones(4), "zeros_like": lambda: torch.zeros_like(h[0])}
+        return h, made[self.kind]()
+
+
+@pytest.mark.parametrize("kind", ["new_zeros", "new_ones", "zeros_like"])
+def test_a_constant_made_like_an_activation_is_returned_once(kind: str) -> None:
+    """Before, it was refused as made from the whole batch: its node reads the activation, for
+    its dtype, device or shape alone."""
+    model, reference = (_seeded(lambda: ReturnsAConstantLikeItsActivation(kind)) for _ in range(2))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    (out, aux), (expected, expected_aux) = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(aux, expected_aux, rtol=0, atol=0)
+    assert not aux.requires_grad and not expected_aux.requires_grad
+    loss, (_, stepped) = pipe.train_step(x, target=x, loss_fn=lambda o, t: F.mse_loss(o[0], t), return_outputs=True)
+    torch.testing.assert_close(stepped, expected_aux, rtol=0, atol=0)
+    torch.testing.assert_close(loss, F.mse_loss(expected, x), rtol=0, atol=1e-12)
