@@ -149,6 +149,8 @@ def refuse_effects_a_trace_loses(
     CPU, under 1 GiB of parameters): a larger one, or one on the meta device, is not."""
     if is_on_meta(model) or not small_on_cpu(model, (example, kwargs)):
         return 0, []
+    generators = _held_generators(model)
+    before = [g.get_state() for _, g in generators]
     with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model) as drew, \
             tensor_hooks_counted() as hooks:  # fmt: skip
         try:
@@ -160,7 +162,27 @@ def refuse_effects_a_trace_loses(
                 _in_both_modes_where_they_differ(model, run, stable)
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
             stable.ends.clear()
+    moved = [name for (name, g), state in zip(generators, before) if not torch.equal(g.get_state(), state)]
+    for (_, g), state in zip(generators, before):
+        g.set_state(state)
+    if moved:
+        raise TraceError(
+            f"{type(model).__name__} cannot be compiled: its forward draws from torch.Generator objects it holds "
+            f"({', '.join(moved)}): a pipeline draws each micro-batch's numbers from a stream of its own, which a "
+            "checkpointed micro-batch's recompute replays, and a generator of the model's moves on with each draw "
+            "instead.\nHow to fix: draw without generator= (every checkpoint mode then draws alike, from the step's "
+            "seed: torch.manual_seed before a call makes it reproducible); or keep fixed noise in a buffer, drawn "
+            "once in __init__."
+        )
     return hooks.count, drew
+
+
+def _held_generators(model: nn.Module) -> list[tuple[str, torch.Generator]]:
+    """The torch.Generator objects the model's modules hold as attributes, by qualified name."""
+    return [
+        (f"{name}.{attribute}" if name else attribute, value)
+        for name, module in model.named_modules() for attribute, value in vars(module).items() if isinstance(value, torch.Generator)
+    ]  # fmt: skip
 
 
 def _in_both_modes_where_they_differ(model: nn.Module, run: Callable[[], None], stable: StableAssignments) -> None:

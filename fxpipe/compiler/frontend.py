@@ -253,7 +253,11 @@ def to_graph(
             hooks, drew = refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
-                traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
+                try:
+                    traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
+                except TraceError:  # a graph that computes otherwise, for a forward that seeds what it draws from
+                    refuse_seeding(seeded, [])
+                    raise
             graphs = [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]
             refuse_seeding(seeded, [name for gm in graphs for name in generators_held(gm)])
             refuse_lost_assignments(model, traced, changed)

@@ -498,10 +498,21 @@ class _MakesItsGenerator(_Reseeds):
         return self.b(h + torch.randn(h.shape, generator=generator, dtype=h.dtype))
 
 
-@pytest.mark.parametrize("cls", [_Reseeds, _MakesItsGenerator], ids=["manual_seed", "a generator made in forward"])
+class _ReseedsAForkedState(_Reseeds):
+    """Fixed noise under torch.random.fork_rng(): the caller's generator is put back after."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.random.fork_rng():
+            torch.manual_seed(42)
+            noise = torch.randn(8, 8, dtype=x.dtype)
+        return self.b(self.a(x) @ noise)
+
+
+@pytest.mark.parametrize("cls", [_Reseeds, _MakesItsGenerator, _ReseedsAForkedState], ids=["manual_seed", "a generator made in forward", "fork_rng"])
 def test_a_forward_that_sets_the_random_state_it_draws_from_is_refused(cls: type[nn.Module]) -> None:
     """Before, the graph kept the draws and lost the seeding: 1.2 off the plain model (drawing
-    from the pipeline's streams), or 1.8 off (one generator made while tracing, drawn on and on)."""
+    from the pipeline's streams), or 1.8 off (one generator made while tracing, drawn on and on);
+    under fork_rng the graph's check failed first, and its refusal blamed data-dependent control flow."""
     model, x = cls().double(), torch.randn(4, 8, dtype=torch.float64)
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match=r"(?s)forward sets the random state it draws from \((torch.manual_seed at .*test_randomness.py:\d+|a generator made in forward, drawn from by randn)\).*How to fix: draw the fixed numbers once"):
@@ -902,3 +913,26 @@ def test_the_per_step_reads_of_draws_and_hooks_walk_every_module_once() -> None:
     assert runs_hooks([model])
     handle.remove()
     assert not runs_hooks([model])
+
+
+class DrawsFromItsOwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.noise = torch.Generator().manual_seed(7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * torch.empty_like(x).bernoulli_(0.5, generator=self.noise))
+
+
+@pytest.mark.parametrize("kept_whole", [False, True])
+def test_a_generator_the_model_holds_and_draws_from_is_refused_naming_it(kept_whole: bool) -> None:
+    """Before, the graph's check failed ('computes otherwise than the model') with advice about
+    data-dependent control flow, which keeping the module whole did not fix."""
+    model = nn.Sequential(nn.Linear(8, 8), DrawsFromItsOwnGenerator())
+    inner = model[1]
+    assert isinstance(inner, DrawsFromItsOwnGenerator)
+    state = inner.noise.get_state()
+    with pytest.raises(fxpipe.TraceError, match=r"(?s)draws from torch.Generator objects it holds \(1.noise\).*How to fix: draw without generator="):
+        compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2, leaf_modules=[DrawsFromItsOwnGenerator] if kept_whole else ())
+    assert torch.equal(inner.noise.get_state(), state), "the model's generator is left as it was"
