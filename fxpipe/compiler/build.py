@@ -347,9 +347,12 @@ def _refuse_opaque_values(cut: Cut) -> None:
 
 
 def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, nn.Module]]:
-    """The modules the trace went through: neither called whole by the graph nor inside one
+    """The modules the trace went through: neither called whole by the graph (nor handed to an
+    autograd Function that calls them, torch.utils.checkpoint's reentrant one) nor inside one
     that is (their hooks ran at compile time, or run inside the whole one's call)."""
     whole = {str(n.target) for n in graph.graph.nodes if n.op == "call_module"}
+    whole |= {str(arg.target) for n in graph.graph.nodes if getattr(n.target, "applies", None) is not None
+              for arg in n.all_input_nodes if arg.op == "get_attr" and isinstance(fetch_attr(graph, str(arg.target)), nn.Module)}  # fmt: skip
 
     def inside_whole(name: str) -> bool:
         parts = name.split(".")
