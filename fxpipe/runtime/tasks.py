@@ -159,8 +159,11 @@ class StageTasks:
     def _as_read(self, leaf: torch.Tensor) -> torch.Tensor:
         """What a stage reads for a leaf of its parameters or shared copies: an alias of it under
         the caller's autocast, else the leaf itself (see `_param_views`). An alias's backward
-        passes its gradient on as it is: a sparse one (an embedding's) too."""
-        return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast else leaf
+        passes its gradient on as it is: a sparse one (an embedding's) too. Not in a forward run
+        without gradients (a checkpointed one), which accumulates none: there an alias would be a
+        view made under no_grad, which a module differentiating its input under enable_grad (a
+        gradient penalty kept whole) could not differentiate."""
+        return torch.ops.aten.alias.default(leaf) if leaf.requires_grad and self.context.autocast and torch.is_grad_enabled() else leaf
 
     def _values_as_read(self, values: Any) -> Any:
         """Values another stage or slice sent (leaves that take a gradient), as a stage or the
