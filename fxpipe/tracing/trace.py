@@ -544,7 +544,8 @@ def grad_mode_message(switched: list[tuple[Any, ...]], captured_under_no_grad: b
     elif off:
         fix = "use .detach() on what the part must not differentiate" + (", or let torch.export capture the model" if by_fx else "")
     else:
-        fix = "keep the module that switches them on whole (leaf_modules=[...], with torch.fx), whose forward runs as it is"
+        fix = ("keep the module that switches them on whole (leaf_modules=[...], with torch.fx), whose forward runs as it "
+               "is (the model's own forward is never kept whole: move that code into a submodule)")
     return f"its forward switches gradients {how}, and a captured graph keeps the operations, not the mode they ran in.\nHow to fix: {fix}."
 
 

@@ -318,6 +318,28 @@ class EntersInferenceMode(nn.Module):
         return self.c(h * gate.clone())
 
 
+class _DerivativeInItsForward(nn.Module):
+    """A physics-informed term in the model's own forward, under enable_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 1), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            u = self.b(torch.tanh(self.a(x)))
+            (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+        return self.c(du) + u
+
+
+def test_a_derivative_in_the_models_own_forward_is_refused_with_the_fix_that_works() -> None:
+    """Before, the refusal blamed data-dependent control flow and advised torch.cond."""
+    with pytest.raises(Exception, match=r"(?s)switches gradients on for a part.*move that code into a submodule") as refused:
+        compile_pipeline(_DerivativeInItsForward(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
+    assert "torch.cond" not in str(refused.value)
+
+
 def test_inference_mode_inside_forward_is_refused_by_both_front_ends() -> None:
     """Both kept the part's operations without the mode: the pipeline trained b (1.38 where the
     plain model has no gradient)."""
