@@ -293,7 +293,7 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"{', '.join(f'{n} {shapes[n]}' for n in hints)}. If that dim holds "
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
-    hint = _first_may_be_shared(names, inputs, batch, dims) + hint
+    hint = _first_may_be_shared(names, inputs, batch, dims) + hint + _between_samples(names, inputs, batch)
     hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
     if isinstance(error, IndexError) or "out of bounds" in str(error) or "index out of range" in str(error):
         hint += (
@@ -306,6 +306,18 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
         f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
         "How to fix: split every input that holds the batch along its batch dim (chunk_spec={name: dim}), "
         "or use chunks=1."
+    )
+
+
+def _between_samples(names: list[str], inputs: tuple[Any, ...], batch: int) -> str:
+    """A line naming the inputs with the batch's size on two dims or more: a matrix between the
+    samples (a graph's adjacency over its nodes), which makes each sample read the others."""
+    square = [f"{name} {tuple(value.shape)}" for name, value in zip(names, inputs)
+              if isinstance(value, torch.Tensor) and sum(size == batch for size in value.shape) >= 2]  # fmt: skip
+    return (
+        f"These inputs have the batch's size {batch} on two dims: {', '.join(square)}. If one is a matrix between the "
+        "samples (a graph's adjacency over its nodes, an affinity), each sample reads the others, which no split "
+        "into micro-batches computes, split or whole: such a model runs with chunks=1.\n" if square else ""
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -966,3 +966,23 @@ def test_a_dropout_that_draws_nothing_now_runs_without_fixed_draws() -> None:
     assert sorted(n.name for n in drawing_or_normalising(gm)) == ["_3", "_4"]
     gm.eval()
     assert sorted(n.name for n in drawing_or_normalising(gm)) == ["_4"]  # the batch norm: normalised by running statistics
+
+
+class _GraphConvolution(nn.Module):
+    """A GCN over the batch's nodes: each node reads its neighbours through the adjacency."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, adjacency: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(adjacency @ self.a(x)))
+
+
+@pytest.mark.parametrize("spec", [None, {"adjacency": None}], ids=["split", "whole"])
+def test_a_matrix_between_the_samples_is_named_with_chunks_1_as_the_fix(spec: Optional[dict[str, Optional[int]]]) -> None:
+    """Before, splitting it was advised where it was kept whole, and keeping it whole where it
+    was split: neither computes what the model does."""
+    x, adjacency = torch.randn(8, 6), (torch.rand(8, 8) < 0.3).float()
+    with pytest.raises(ValueError, match=r"(?s)fails on half of it.*adjacency \(8, 8\).*If one is a matrix between the samples.*runs with chunks=1"):
+        compile_pipeline(_GraphConvolution(), (x, adjacency), ["cpu", "cpu"], chunks=2, chunk_spec=spec)
