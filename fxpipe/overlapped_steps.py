@@ -516,10 +516,11 @@ class _OutputsAlone(LeafGrads):
     def note(self, loss: torch.Tensor, own: Any) -> None:
         super().note(loss, own)
         if self.before:
-            names = {id(p): f"the model's parameter {n}" for n, p in self.owner.named_parameters(remove_duplicate=False)}
+            named = list(self.owner.named_parameters(remove_duplicate=False))
+            names = {id(p): f"the model's parameter {n}" for n, p in named}
             targets = [*self.target, *(id(made) for _, made in self.through)]  # (one computed with grad is a leaf of its own)
             names.update((key, "the target (which requires grad: pass target.detach())") for key in targets)
-            read = [names.get(key, f"a tensor of shape {tuple(leaf.shape)}") for key, (leaf, _) in self.before.items()]
+            read = [names.get(key) or _by_shape(leaf, named) for key, (leaf, _) in self.before.items()]
             raise ValueError(
                 f"train_steps (schedule='2bw'): loss_fn reads tensors that require grad besides the model's outputs: "
                 f"{', '.join(read)}. Under 2bw a batch's loss is computed while the update of the batch before runs, "
@@ -527,6 +528,14 @@ class _OutputsAlone(LeafGrads):
                 "update.\nHow to fix: compute that part of the loss in the model's forward (return it with the "
                 "outputs), make a learned loss parameter part of the model, or use a synchronous schedule (1f1b)."
             )
+
+
+def _by_shape(tensor: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str:
+    """A tensor the loss read that is no parameter the model holds now: while a stage runs, its
+    parameters' slots hold the step's tensors standing for them, which the loss may have read."""
+    alike = [n for n, p in named if p.shape == tensor.shape and p.dtype == tensor.dtype]
+    where = f" (the shape of the model's parameter{'s' if len(alike) > 1 else ''} {', '.join(alike)}, whose slot holds a tensor standing for it while its stage runs)" if alike else ""
+    return f"a tensor of shape {tuple(tensor.shape)}{where}"
 
 
 def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list[Optional[torch.Tensor]], index: int, owner: Any) -> list[Optional[torch.Tensor]]:

@@ -254,12 +254,13 @@ class TaskRandomness(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         drawing = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in TORCH_NAMESPACES
-        if not drawing or kwargs.get("generator") is not None:
+        at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
+        given = kwargs.get("generator") if at is None or at >= len(args) else args[at]  # (RReLU's comes by position)
+        if not drawing or given is not None:
             return func(*args, **kwargs)
         own = self.stream.generator(_device_of(args, kwargs))
-        at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
-        if at is not None and at >= len(args):  # (RReLU's takes it by position too; given so, it is None)
-            return func(*args, **kwargs, generator=own)
+        if at is not None and at >= len(args):
+            return func(*args, **{**kwargs, "generator": own})
         if at is not None:
             return func(*args[:at], own, *args[at + 1 :], **kwargs)
         # No generator argument (native_dropout, a library's own op): swap the device's default

@@ -936,3 +936,15 @@ def test_a_generator_the_model_holds_and_draws_from_is_refused_naming_it(kept_wh
     with pytest.raises(fxpipe.TraceError, match=r"(?s)draws from torch.Generator objects it holds \(1.noise\).*How to fix: draw without generator="):
         compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2, leaf_modules=[DrawsFromItsOwnGenerator] if kept_whole else ())
     assert torch.equal(inner.noise.get_state(), state), "the model's generator is left as it was"
+
+
+def test_the_dispatch_mode_keeps_a_generator_the_op_was_given_and_fills_one_given_as_none() -> None:
+    stream = TaskStream(0, 0, 0)
+    mine, slopes = torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(3))
+    with TaskRandomness(stream):
+        drawn = torch.rand(4, generator=mine)  # given: kept
+        masked = torch.bernoulli(torch.full((4,), 0.5), generator=None)  # given as None: the stream's
+        torch.ops.aten.rrelu_with_noise(torch.randn(4), torch.empty(4), 0.1, 0.3, True, slopes)  # by position: kept
+    assert torch.equal(drawn, expected) and masked.shape == (4,)
+    assert not torch.equal(slopes.get_state(), torch.Generator().manual_seed(5).get_state()), "the op drew from the one it was given"
