@@ -42,7 +42,7 @@ from fxpipe.passes.shapes import small_on_cpu
 from fxpipe.passes.sources import output_sources
 from fxpipe.passes.state import statistics_written, writable_buffer_names
 from fxpipe.passes.summed_loss import summed_over_the_batch
-from fxpipe.passes.validate import source_line
+from fxpipe.passes.validate import dense, source_line
 
 # node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
 # the halves' (`_combines`): 'sum', 'mean', 'neither' or None; SUMMED_ON_EXAMPLE for a sum the
@@ -503,7 +503,7 @@ def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> st
     rounding that differs between batch sizes."""
     if got.shape != expected.shape:
         return f"the halves' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
-    differs = _dense(got) != _dense(expected)
+    differs = dense(got) != dense(expected)
     differing = int(differs.sum())
     # A rounding flips isolated elements; a value computed across the batch differs in several
     # samples at one place (a column `h[:, :1] > h[:, :1].mean(0)` beside per-sample ones).
@@ -523,13 +523,8 @@ def _trimmed_to_the_longest(whole: torch.Tensor, parts: list[torch.Tensor], chan
     return all(max(p.shape[d] for p in parts) == whole.shape[d] for d in changed[1:])
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """A sparse value as the dense one it stands for: the comparisons have no sparse kernels."""
-    return t if t.layout == torch.strided else t.to_dense()
-
-
 def _identical(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    got, expected = _dense(got), _dense(expected)
+    got, expected = dense(got), dense(expected)
     if not (expected.is_floating_point() or expected.is_complex()):
         return torch.equal(got, expected)
     return bool(torch.isclose(got, expected, rtol=0, atol=0, equal_nan=True).all())
@@ -539,7 +534,7 @@ def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest difference relative to the expected value's largest magnitude; 0 within rounding."""
     if got.shape != expected.shape:
         return float("inf")
-    got, expected = _dense(got), _dense(expected)
+    got, expected = dense(got), dense(expected)
     if not (expected.is_floating_point() or expected.is_complex()):
         return 0.0 if torch.equal(got, expected) else 1.0
     if not expected.numel():

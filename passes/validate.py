@@ -91,16 +91,16 @@ def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """A sparse tensor (a GCN's adjacency) as the dense one it stands for: the comparisons
-    below have no sparse kernels."""
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """A sparse tensor (a GCN's adjacency) as the dense one it stands for: torch's comparisons
+    (isclose, eq) have no sparse kernels."""
     return t if t.layout == torch.strided else t.to_dense()
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     if got.shape != expected.shape or got.dtype != expected.dtype or got.layout != expected.layout:
         return False
-    got, expected = _dense(got), _dense(expected)
+    got, expected = dense(got), dense(expected)
     if not (got.is_floating_point() or got.is_complex()):
         return torch.equal(got, expected)
     rtol, atol = _TOLERANCES.get(got.dtype, _LOW_PRECISION)
@@ -122,7 +122,7 @@ def _leaf_difference(got: Any, expected: Any) -> Optional[str]:
         return f"layout {got.layout} instead of {expected.layout}"
     if _close(got, expected):
         return None
-    got, expected = _dense(got), _dense(expected)
+    got, expected = dense(got), dense(expected)
     difference = (got.detach().cpu().double() - expected.detach().cpu().double()).abs().nan_to_num(float("inf"))
     return f"max abs difference {difference.max().item():.3g}"
 
