@@ -40,6 +40,9 @@ _LIKE_FUNCTIONS = {
 }  # fmt: skip
 
 
+_LIKE = {*_LIKE_METHODS, *_LIKE_FUNCTIONS}
+
+
 def _value_inputs(node: fx.Node) -> list[fx.Node]:
     """The nodes whose values `node`'s value depends on."""
     like = (node.op == "call_method" and node.target in _LIKE_METHODS) or (node.op == "call_function" and node.target in _LIKE_FUNCTIONS)
@@ -80,7 +83,8 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True, every: bool = Fal
         if node.op != "output" and (node.meta.get("dtype") == () or (gradients and _cuts_gradient(node))):
             sources[node] = Sources()  # no tensor in it (x.shape, x.dtype), or cut: no gradient flows through
             continue
-        own, parents = _own(gm, node), [sources[p] for p in _value_inputs(node)]
+        inputs = _value_inputs(node) if node.target in _LIKE else node.all_input_nodes  # (a set lookup: no call per node)
+        own, parents = _own(gm, node), [sources[p] for p in inputs]
         if not own.inputs and not own.params and len(parents) == 1:
             sources[node] = parents[0]  # shared, never changed: a chain of ops costs no copies
             continue
