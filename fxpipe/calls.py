@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import Compiled, OtherCall, Program
-from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims
+from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims, takes_gradients
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
@@ -144,7 +144,7 @@ class PipelineCalls(nn.Module):
         values = self._compiled.bind(args, kwargs)
         for name in self._compiled.marked_for_grad:  # as the plain model's forward marks the caller's tensor
             value = values.get(name)
-            if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad and (value.is_floating_point() or value.is_complex()):
+            if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad and takes_gradients(value):
                 value.requires_grad_()
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)

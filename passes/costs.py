@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.core.attrs import parameters_of
+from fxpipe.core.microbatch import takes_gradients
 from fxpipe.core.snapshot import preserved
 from fxpipe.core.writes import writes_first_argument
 from fxpipe.passes.linearize import COMPUTE_OPS
@@ -44,7 +45,7 @@ def _leafy(value: Any, buffers: set[int]) -> Any:
     def leaf(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        return t.detach().requires_grad_((t.is_floating_point() or t.is_complex()) and id(t) not in buffers)
+        return t.detach().requires_grad_(takes_gradients(t) and id(t) not in buffers)
 
     return tree_map(leaf, value)
 

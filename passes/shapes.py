@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from fxpipe.core.eager_mode import EagerDispatchMode
+from fxpipe.core.microbatch import takes_gradients
 from fxpipe.core.snapshot import preserved
 from fxpipe.tracing.assignments import assignments_recorded
 
@@ -144,7 +145,7 @@ class Recorder(fx.Interpreter):
         run of the module, with gradients, from its state and random state as they are."""
         module = self.fetch_attr(str(n.target))
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        args, kwargs = tree_map(lambda v: v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) if isinstance(v, torch.Tensor) else v, (args, kwargs))
+        args, kwargs = tree_map(lambda v: v.detach().requires_grad_(takes_gradients(v)) if isinstance(v, torch.Tensor) else v, (args, kwargs))
         given = {_storage(t) for t in tree_flatten((args, kwargs, [*module.parameters(), *module.buffers()]))[0] if isinstance(t, torch.Tensor)}
         saved: dict[int, int] = {}
         # Alive for the run (a freed tensor's memory, taken again, would count once), then let go:

@@ -310,6 +310,11 @@ def unflatten(leaves: list[Any], spec: Optional[TreeSpec]) -> Any:
     return torch.Size(value) if spec.type is torch.Size else value
 
 
+def takes_gradients(t: torch.Tensor) -> bool:
+    """Whether a tensor's dtype can carry a gradient: a floating or a complex one."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def leaves_of(value: Any) -> list[Any]:
     """The leaves of a nested value (a tensor is its own only leaf)."""
     return flatten(value)[0]

@@ -19,7 +19,7 @@ import torch
 from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.core.microbatch import gather_grads
+from fxpipe.core.microbatch import gather_grads, takes_gradients
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.step import Step
 
@@ -123,7 +123,7 @@ class _Outputs(torch.autograd.Function):
         tensors = run.gathered.tensors
         fixed = [
             t for t, (name, _, _, _) in zip(tensors, run.gathered.slots)
-            if not (t.is_floating_point() or t.is_complex()) or not run.differentiable(name)
+            if not takes_gradients(t) or not run.differentiable(name)
         ]  # fmt: skip
         ctx.mark_non_differentiable(*fixed)
         return tuple(tensors)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fxpipe.compiled.program import Slot
+from fxpipe.core.microbatch import takes_gradients
 from fxpipe.core.scoped import scoped
 from fxpipe.core.settings import holds_fields
 
@@ -213,6 +214,6 @@ def refuse_gradients_through(stored: Sequence[tuple[nn.Module, str, str]], upstr
     reaches it too, and none goes without a word."""
     for module, name, path in stored:
         value = vars(module).get(name)
-        if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()) and not isinstance(value.grad_fn, _Stored._backward_cls):
+        if isinstance(value, torch.Tensor) and takes_gradients(value) and not isinstance(value.grad_fn, _Stored._backward_cls):
             anchors = upstream or [torch.zeros((), device=value.device, requires_grad=True)]
             vars(module)[name] = _Stored.apply(value.detach(), path, *anchors)

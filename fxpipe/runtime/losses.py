@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_map, tree_map_only, tree_unflatten
 
-from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter
+from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter, takes_gradients
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_loss import own_loss_in
 from fxpipe.runtime.gather import ValueRef
@@ -311,7 +311,7 @@ def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     """A copy of an output that a loss_fn may differentiate (autograd.grad(loss, out), a hook on
     out), as it may the micro-batches' outputs, with no graph behind it."""
-    return t.detach().requires_grad_(t.is_floating_point() or t.is_complex())
+    return t.detach().requires_grad_(takes_gradients(t))
 
 
 def _combined_loss_problem(reduction: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from fxpipe.compiled.program import StageRuntime
 from fxpipe.core.carry import SliceState, in_slice
 from fxpipe.core.edges import CALLER
-from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors
+from fxpipe.core.microbatch import clone_tree, leaves_of, map_tensors, takes_gradients
 from fxpipe.core.randomness import TaskRandomness, TaskStream, Unseen, default_generator_held, task_stream
 from fxpipe.runtime.batchnorm import BatchStatistics, collecting
 from fxpipe.runtime.checkpoint import (
@@ -192,7 +192,7 @@ class StageTasks:
         assert self.slices is not None
         made = self.carry_made.get((j, i), {})
         if not self.slices.last(i):
-            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(self.grad and (t.is_floating_point() or t.is_complex())) for c, t in made.items()}
+            self.carry_in[(j, i + 1)] = {c: t.detach().requires_grad_(self.grad and takes_gradients(t)) for c, t in made.items()}
         if not self.grad or checkpointed:
             self.carry_made.pop((j, i), None)
         if not self.grad:
