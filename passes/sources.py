@@ -38,9 +38,7 @@ _LIKE_FUNCTIONS = {
     torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default, torch.ops.aten.new_empty.default,
     torch.ops.aten.new_full.default,
 }  # fmt: skip
-
-
-_LIKE = {*_LIKE_METHODS, *_LIKE_FUNCTIONS}
+_LIKE = {*_LIKE_METHODS, *_LIKE_FUNCTIONS}  # (looked up per node before the call that sorts them)
 
 
 def _value_inputs(node: fx.Node) -> list[fx.Node]:

@@ -265,10 +265,15 @@ def _handed(stage: fx.GraphModule) -> list[nn.Module]:
     stage, the step's leaves stand for them in their slots while it runs (`reenters`); where it
     shares one (a weight tied across stages), they read the model's own parameters there, as in
     forward (`_reentered_by_one_stage` sees the rest)."""
-    return [
-        module for node in stage.graph.nodes if getattr(node.target, "applies", None) is not None
-        for arg in node.all_input_nodes if arg.op == "get_attr" and isinstance(module := fetch_attr(stage, arg.target), nn.Module)
-    ]  # fmt: skip
+    return list(_handed_by_target(stage).values())
+
+
+def _handed_by_target(gm: fx.GraphModule) -> dict[str, nn.Module]:
+    """The modules the graph hands to an autograd Function, by the get_attr target that reads each."""
+    return {
+        str(arg.target): module for node in gm.graph.nodes if getattr(node.target, "applies", None) is not None
+        for arg in node.all_input_nodes if arg.op == "get_attr" and isinstance(module := fetch_attr(gm, str(arg.target)), nn.Module)
+    }  # fmt: skip
 
 
 def _flagged(stage: fx.GraphModule) -> list[nn.Module]:
@@ -350,9 +355,7 @@ def _traced_through(owner: nn.Module, graph: fx.GraphModule) -> list[tuple[str, 
     """The modules the trace went through: neither called whole by the graph (nor handed to an
     autograd Function that calls them, torch.utils.checkpoint's reentrant one) nor inside one
     that is (their hooks ran at compile time, or run inside the whole one's call)."""
-    whole = {str(n.target) for n in graph.graph.nodes if n.op == "call_module"}
-    whole |= {str(arg.target) for n in graph.graph.nodes if getattr(n.target, "applies", None) is not None
-              for arg in n.all_input_nodes if arg.op == "get_attr" and isinstance(fetch_attr(graph, str(arg.target)), nn.Module)}  # fmt: skip
+    whole = {str(n.target) for n in graph.graph.nodes if n.op == "call_module"} | set(_handed_by_target(graph))
 
     def inside_whole(name: str) -> bool:
         parts = name.split(".")

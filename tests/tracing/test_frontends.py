@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
+from helpers import Block, assert_call_and_grads_equal, assert_grads_equal, real_tensors_only, twin
 from fxpipe import PartitionError, Pipeline, StageError, TraceError, compile_pipeline
 
 
@@ -1681,33 +1681,24 @@ def test_a_vmap_in_forward_is_refused_and_the_fix_it_names_works() -> None:
     assert_call_and_grads_equal(pipe, reference, x)
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
-
-
 class _ChecksItsBlock(nn.Module):
     """Hands a block to torch.utils.checkpoint's reentrant Function, which calls it whole."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.block, self.b = nn.Linear(4, 4), _Block(), nn.Linear(4, 4)
+        self.a, self.block, self.b = nn.Linear(6, 6), Block(), nn.Linear(6, 6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.utils.checkpoint.checkpoint(self.block, torch.tanh(self.a(x)), use_reentrant=True))
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
-@pytest.mark.parametrize("hooked", ["block", "block.lin"])
+@pytest.mark.parametrize("hooked", ["block", "block.linear"])
 def test_a_hook_added_to_a_module_a_reentrant_checkpoint_calls_runs_as_in_the_plain_model(hooked: str) -> None:
     """Before, it was refused as added to a module the trace went through, with advice to keep it
     whole (leaf_modules) that changed nothing: the checkpoint's Function calls it whole."""
     model, reference = twin(_ChecksItsBlock())
-    x = torch.randn(8, 4, dtype=torch.float64)
+    x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
     for m in (model, reference):
         m.get_submodule(hooked).register_forward_hook(lambda module, args, out: out * 2)
