@@ -232,3 +232,26 @@ def test_a_deep_copy_with_hooks_set_on_the_pipeline() -> None:
         module.register_forward_pre_hook(lambda m, args: (2 * args[0],))
         module.register_full_backward_hook(lambda m, grad_in, grad_out: (3 * grad_in[0],))  # type: ignore[index]
     assert_alike_in_every_use(copy.deepcopy(pipe), copy.deepcopy(plain), lambda m: m(x.clone().requires_grad_()), _squares, NOT_LOW_PRECISION)
+
+
+class _MadeLikeAndMarked(nn.Module):
+    """A constant made like an activation, returned beside an output from an input marked as
+    requiring grad in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 1), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.requires_grad_()
+        h = torch.tanh(self.a(x))
+        return self.c(h) * x, h.new_zeros(())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_constant_made_like_an_activation_and_an_input_marked_for_grad(mode: str) -> None:
+    torch.manual_seed(0)
+    plain = _MadeLikeAndMarked().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x.clone(), ["cpu"] * 2, chunks=2, checkpoint=mode)
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
