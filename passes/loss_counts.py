@@ -157,7 +157,8 @@ def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:
 
 def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphModule, list[str]]]:
     """A graph computing `value` from the placeholders it reads (their names, in order), where
-    it needs no parameter, module or random draw: only functions and methods of the inputs."""
+    it needs no parameter, module or random draw: only functions and methods of the inputs and
+    of constants (`torch.tensor(-100)` made in forward: a tensor the graph holds)."""
     needed: list[fx.Node] = []
     todo, seen = [value], set()
     while todo:
@@ -165,7 +166,7 @@ def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphMod
         if node in seen:
             continue
         seen.add(node)
-        if node.op not in ("placeholder", "call_function", "call_method"):
+        if node.op not in ("placeholder", "call_function", "call_method") and not _constant(gm, node):
             return None
         needed.append(node)
         todo += node.all_input_nodes
@@ -178,4 +179,12 @@ def _inputs_to(gm: fx.GraphModule, value: fx.Node) -> Optional[tuple[fx.GraphMod
     for node in needed:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(env[value])
-    return fx.GraphModule(torch.nn.Module(), graph), [n.name for n in needed if n.op == "placeholder"]
+    return fx.GraphModule(gm, graph), [n.name for n in needed if n.op == "placeholder"]  # (its constants copied from gm)
+
+
+def _constant(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A tensor the graph holds that no gradient reaches: no parameter."""
+    if node.op != "get_attr":
+        return False
+    value = fetch_attr(gm, str(node.target))
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.requires_grad
