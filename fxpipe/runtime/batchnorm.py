@@ -51,6 +51,11 @@ class BatchStatistics:
 
     def record(self, module: _BatchNorm, x: torch.Tensor, site: Site) -> None:
         dims = [d for d in range(x.dim()) if d != 1]
+        if x.numel() == 0:  # no rows: nothing to merge (`commit` counts the call alone)
+            with self.lock:
+                buffers = (module.running_mean, module.running_var, module.num_batches_tracked)
+                self.records.setdefault(site, (module, buffers, []))
+            return
         with torch.no_grad():
             values = x.detach().to(module.running_mean.dtype) if module.running_mean is not None else x.detach()
             var, mean = torch.var_mean(values, dim=dims, correction=0)
@@ -62,6 +67,9 @@ class BatchStatistics:
     def commit(self) -> None:
         """One running-statistics update per call, from all its micro-batches, in the calls' order."""
         for _, (module, buffers, parts) in sorted(self.records.items(), key=lambda item: item[0]):
+            if not parts:  # no micro-batch gave it rows: as nn.BatchNorm on an empty batch, counted, statistics kept
+                _update(module, buffers, 0, None, None)
+                continue
             count, mean, squares = parts[0]
             for n, m, s in parts[1:]:
                 delta = m - mean
@@ -73,8 +81,9 @@ class BatchStatistics:
         self.records.clear()
 
 
-def _update(module: _BatchNorm, buffers: Buffers, count: int, mean: torch.Tensor, squares: torch.Tensor) -> None:
-    """What `nn.BatchNorm` does to its running statistics (`buffers`) after normalising a batch."""
+def _update(module: _BatchNorm, buffers: Buffers, count: int, mean: Optional[torch.Tensor], squares: Optional[torch.Tensor]) -> None:
+    """What `nn.BatchNorm` does to its running statistics (`buffers`) after normalising a batch
+    (of no rows where `mean` is None: the batch counted alone)."""
     running_mean, running_var, batches = buffers
     assert running_mean is not None and running_var is not None
     factor = 0.0 if module.momentum is None else module.momentum
@@ -82,6 +91,8 @@ def _update(module: _BatchNorm, buffers: Buffers, count: int, mean: torch.Tensor
         batches.add_(1)
         if module.momentum is None:
             factor = 1.0 / float(batches)
+    if mean is None or squares is None:
+        return
     with torch.no_grad():
         unbiased = squares / max(count - 1, 1)
         running_mean.mul_(1 - factor).add_(mean, alpha=factor)

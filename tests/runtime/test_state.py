@@ -24,7 +24,7 @@ def in_turn(model: nn.Module, x: torch.Tensor, chunks: int) -> torch.Tensor:
     return torch.cat([model(piece) for piece in torch.tensor_split(x, chunks)])
 
 
-def compiled(model: M, x: torch.Tensor, stages: int, **kwargs: object) -> tuple[Pipeline, M]:
+def compiled(model: M, x: Any, stages: int, **kwargs: object) -> tuple[Pipeline, M]:
     """A pipeline of `model` and an untouched copy, taken before compiling."""
     reference = copy.deepcopy(model)
     pipe = compile_pipeline(model, x, ["cpu"] * stages, **kwargs)  # type: ignore[arg-type]
@@ -298,6 +298,39 @@ def test_deferred_batch_norm_commits_the_full_batch_statistics_once(mode: str, m
     assert_state_equal(pipe, full)
     pipe.eval(), full.eval()
     torch.testing.assert_close(pipe(x), full(x), rtol=0, atol=1e-10)
+
+
+class NormedTokens(nn.Module):
+    """BatchNorm over the tokens a mask keeps: a micro-batch of padding alone gives it no rows."""
+
+    def __init__(self, momentum: float | None) -> None:
+        super().__init__()
+        self.a, self.bn, self.b = nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=momentum), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.b(self.bn(self.a(x)[mask]))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("empty", ["one micro-batch", "every micro-batch"])
+def test_deferred_batch_norm_counts_a_micro_batch_that_gives_it_no_rows_as_nothing(momentum: float | None, empty: str) -> None:
+    """Before, its record (no rows: a NaN mean) made the running statistics NaN, and every
+    output in eval mode after it."""
+    torch.manual_seed(0)
+    model = NormedTokens(momentum).double()
+    x = torch.randn(8, 5, 6, dtype=torch.float64)
+    example = torch.ones(8, 5, dtype=torch.bool)
+    example[:4, 1:] = False
+    pipe, reference = compiled(model, (x, example), 2, chunks=2, deferred_batch_norm=True)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    mask[: 4 if empty == "one micro-batch" else 8] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe(x, mask).sum().backward()
+    reference(x, mask).sum().backward()
+    assert_state_equal(pipe, reference)
+    pipe.eval(), reference.eval()
+    torch.testing.assert_close(pipe(x, example), reference(x, example), rtol=0, atol=1e-10)
 
 
 class NormedTwice(nn.Module):
