@@ -102,12 +102,14 @@ class PipelineCalls(nn.Module):
         return self._programs[mode]
 
     def _check_micro_batches(self, values: dict[str, Any], dims: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
-        """The first call of two samples or more, where the example had one: compiling's check
-        that micro-batches compute what the whole batch does, on this call's inputs (raising as
-        compiling would have); the stages are built again on what it found."""
+        """The first call of two samples or more (whose halves differ), where the example had one
+        (or halves alike): compiling's check that micro-batches compute what the whole batch does,
+        on this call's inputs (raising as compiling would have); the stages are built again on
+        what it found."""
         assert self._compiled.unchecked is not None
         detached = {name: map_tensors(torch.Tensor.detach, value) for name, value in values.items()}
-        self._compiled.unchecked(detached, dims, (args, kwargs))
+        if not self._compiled.unchecked(detached, dims, (args, kwargs)):  # its halves alike: for a later call
+            return self._held_program()
         self._compiled.unchecked = None
         self._build()
         return self._held_program()
@@ -149,7 +151,7 @@ class PipelineCalls(nn.Module):
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
-            raise ValueError("the input batch is empty (size 0 along dim 0); give at least one sample")
+            raise ValueError(f"the input batch is empty (size 0 along dim {batch_dim_of(list(values.values()), dims)}); give at least one sample")
         unbatched = fewer_dims(values, self._compiled.example_leaves) if self._chunks > 1 else []
         if unbatched:
             raise ValueError(
@@ -300,7 +302,7 @@ class PipelineCalls(nn.Module):
         example = {named.get(name, name): leaves for name, leaves in self._compiled.example_leaves.items()}
         return [
             name for name, value in bound.items()
-            if isinstance(value, torch.Tensor) and example.get(name) == ((value.dim(), True),)
+            if isinstance(value, torch.Tensor) and [leaf[:2] if leaf else None for leaf in example.get(name, ())] == [(value.dim(), True)]
         ]  # fmt: skip
 
     def _variant(self: P, other: OtherCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P:

@@ -355,9 +355,14 @@ def compile_pipeline(
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
+        why = (
+            "the example has one sample, which has no halves" if not example_batch or example_batch < 2 else
+            "the example's halves hold the same values (zeros, or one sample repeated), on which a statistic of the "
+            "batch is the same as on each half"
+        )  # fmt: skip
         warnings.warn(
-            f"the example has one sample, which has no halves: the check that {chunks} micro-batches compute what the "
-            "whole batch does runs on the first call of two samples or more (a call of one runs as one micro-batch).",
+            f"{why}: the check that {chunks} micro-batches compute what the whole batch does runs on the first call of "
+            "two samples or more whose halves differ (a call of one sample runs as one micro-batch).",
             stacklevel=caller_stacklevel(),
         )
     if placement is not None:
@@ -417,15 +422,18 @@ def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[An
 def _check_micro_batches_later(
     traced: Traced, cuts: dict[bool, Cut], chunks: int, model: nn.Module, bound: dict[str, Any], dims: Dims,
     call: tuple[tuple[Any, ...], dict[str, Any]],
-) -> None:
+) -> bool:
     """The halves' check of compiling, on a call's inputs (`bound`, split along `dims`) where the
-    example had one sample; raises as compiling would have."""
+    example had one sample or halves alike; raises as compiling would have. False where this
+    call's halves are alike too: nothing checked, the check waits for another call."""
     inputs = tuple(bound.values())
     train, evaluation = cuts[True], cuts[False]
-    annotate_batch_dims(train.graph, inputs, chunks, dims, serves_eval=evaluation is train)
+    if not annotate_batch_dims(train.graph, inputs, chunks, dims, serves_eval=evaluation is train, defer_one_sample=True):
+        return False
     if evaluation is not train:
         annotate_batch_dims(evaluation.graph, inputs, chunks, dims, serves_eval=True)
     _check_example_micro_batches(traced, bound, chunks, dims, model, call)
+    return True
 
 
 def inputs_marked_for_grad(gm: fx.GraphModule) -> frozenset[str]:

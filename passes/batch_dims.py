@@ -91,7 +91,8 @@ def annotate_batch_dims(
     A graph that `serves_eval` too, whose runs wrote state (so that nothing was compared), is
     compared in eval mode, where its modules may write none. An example of one sample has no
     halves: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
-    False returned (the check is to run on inputs of two samples or more); True otherwise.
+    False returned (the check is to run on inputs of two samples or more); so too an example
+    whose halves are alike, which nothing could be seen on; True otherwise.
     `whole_run`: the run on the whole example, made already (`run_whole`)."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
@@ -109,6 +110,8 @@ def annotate_batch_dims(
     # Two halves tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
     pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
+    if defer_one_sample and _alike(*parts):  # (zeros, one sample repeated): a mean over them is each of them
+        return False
     real = small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     whole_run = whole_run or run_whole(gm, inputs, records=False)
@@ -438,6 +441,15 @@ def _leaves(value: Any) -> list[Any]:
 
 def _paths(value: Any) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
+
+
+def _alike(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
+    """Whether two halves of a batch hold the same values: then what mixes samples (a mean over
+    the batch) gives the whole batch what it gives each half, and comparing them shows nothing."""
+    pairs = [(a, b) for a, b in zip(_leaves(first), _leaves(second)) if isinstance(a, torch.Tensor) and a is not b]
+    return bool(pairs) and all(
+        a.shape == b.shape and a.layout == torch.strided and a.device.type != "meta" and torch.equal(a, b) for a, b in pairs
+    )
 
 
 def _is_split(value: Any, batch: int, dims: Dims) -> bool:

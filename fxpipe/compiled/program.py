@@ -439,9 +439,10 @@ class Compiled:
     # The inputs (placeholder names) the forward marks as requiring grad (`x.requires_grad_()`):
     # the caller's tensors, which the stages see only micro-batches of, are marked at each call.
     marked_for_grad: frozenset[str] = frozenset()
-    # Where the example had one sample: the halves' check, to run on the first call of two samples
-    # or more (inputs by name, their split dims, the call's args and kwargs); None once run.
-    unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], None]] = None
+    # Where the example had one sample, or halves alike: the halves' check, to run on the first call
+    # of two samples or more whose halves differ (inputs by name, their split dims, the call's args
+    # and kwargs; False where this call's are alike too); None once run.
+    unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], bool]] = None
     # How each call's micro-batches are cut into slices of their sequence; None: they are not.
     slicing: Optional[SliceSpec] = None
     # With slicing: the proof of causality run again on a micro-batch (inputs by name) of a length
@@ -459,9 +460,10 @@ class Compiled:
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:
             raise TypeError(
-                "this pipeline was compiled on an example of one sample and has not yet checked its micro-batches "
-                "(on its first call of two samples or more): a copy would not check them.\nHow to fix: call it once "
-                "with two samples or more before copying it, or compile it with an example of two samples or more."
+                "this pipeline was compiled on an example of one sample (or of halves alike) and has not yet checked its "
+                "micro-batches (on its first call of two samples or more whose halves differ): a copy would not check "
+                "them.\nHow to fix: call it once with such a batch before copying it, or compile it with an example of "
+                "two samples or more that differ."
             )
         if self.placement is not None:
             raise TypeError(

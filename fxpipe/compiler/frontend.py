@@ -30,6 +30,7 @@ from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, valu
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph, hooks_export_runs_once
 from fxpipe.tracing.functions import functions_applied
+from fxpipe.tracing.tensor_decisions import decisions_watched
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
 from fxpipe.tracing.trace import UNKNOWN_TYPE_FIX, LeafSpec, TraceError, trace, unknown_type
@@ -113,7 +114,8 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             def traced() -> fx.GraphModule:
                 read.begin(model.training)
-                return show_values_in_asserts(trace(model, leaves, none=none))
+                with decisions_watched(read):
+                    return show_values_in_asserts(trace(model, leaves, none=none))
 
             graphs = _traced_in_modes(model, read, traced, traced_in)
         refuse_lost_counters(model, read)

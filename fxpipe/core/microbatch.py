@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
@@ -42,9 +42,16 @@ def spec_dims(signature: Optional[inspect.Signature], spec: dict[str, Optional[i
     return dims
 
 
-# Per input, for each of its leaves as the example gave it: a tensor's number of dims and whether
-# it went whole to every micro-batch; None for what is not a tensor.
-ExampleLeaves = dict[str, tuple[Optional[tuple[int, bool]], ...]]
+class ExampleLeaf(NamedTuple):
+    """A tensor leaf of an input as the example gave it."""
+
+    ndim: int
+    whole: bool  # it went whole to every micro-batch
+    broadcast: bool = False  # whole, its dim 0 of size 1 where the batch's was larger: broadcast against it
+
+
+# Per input, for each of its leaves as the example gave it; None for what is not a tensor.
+ExampleLeaves = dict[str, tuple[Optional[ExampleLeaf], ...]]
 
 
 def example_leaves(values: dict[str, Any], dims: Dims) -> ExampleLeaves:
@@ -53,21 +60,25 @@ def example_leaves(values: dict[str, Any], dims: Dims) -> ExampleLeaves:
     found = {}
     for name, value in values.items():
         leaves = tree_flatten(value)[0]
-        found[name] = tuple(
-            (t.dim(), batch is None or split_dim(t, batch, dims) is None) if isinstance(t, torch.Tensor) else None
-            for t in leaves
-        )
+        found[name] = tuple(_example_leaf(t, batch, dims) if isinstance(t, torch.Tensor) else None for t in leaves)
     return found
+
+
+def _example_leaf(t: torch.Tensor, batch: Optional[int], dims: Dims) -> ExampleLeaf:
+    whole = batch is None or split_dim(t, batch, dims) is None
+    return ExampleLeaf(t.dim(), whole, whole and batch is not None and batch > 1 and t.dim() > 0 and t.shape[0] == 1 and id(t) not in dims)
 
 
 def kept_whole(values: dict[str, Any], example: ExampleLeaves, dims: Dims) -> Dims:
     """`dims`, with every tensor leaf that the example kept whole, and that has as many dims as
     the example's, kept whole again: its dim 0 may now equal the batch size by chance (a table
     of positions, or a (T, T) mask, at a batch as long as the sequence; its sizes follow the
-    sequence length, so they need not be the example's)."""
+    sequence length, so they need not be the example's). But a leaf the example gave with dim 0
+    of 1, broadcast against the batch (a mask of (1, T)), that now has more: per sample, as the
+    plain model broadcasts it, it is split (or refused) by the batch rule."""
     found = dict(dims)
-    for name, leaf, (ndim, whole) in _known_leaves(values, example):
-        if whole and ndim == leaf.dim() and id(leaf) not in found:
+    for name, leaf, seen in _known_leaves(values, example):
+        if seen.whole and seen.ndim == leaf.dim() and id(leaf) not in found and not (seen.broadcast and leaf.shape[0] != 1):
             found[id(leaf)] = None
     return found
 
@@ -77,7 +88,7 @@ def fewer_dims(values: dict[str, Any], example: ExampleLeaves) -> list[str]:
     dims than the example's: a sample without its batch dim, whose features would be split."""
     return [
         f"{name} {tuple(leaf.shape)} (the example's had {ndim} dims)"
-        for name, leaf, (ndim, whole) in _known_leaves(values, example) if not whole and leaf.dim() < ndim
+        for name, leaf, (ndim, whole, _) in _known_leaves(values, example) if not whole and leaf.dim() < ndim
     ]  # fmt: skip
 
 
@@ -87,12 +98,12 @@ def off_batch(values: dict[str, Any], example: ExampleLeaves, batch: int, dims: 
     where the plain model broadcasts the batch against it (or refuses the sizes)."""
     return [
         f"{name} {tuple(leaf.shape)}"
-        for name, leaf, (ndim, whole) in _known_leaves(values, example)
+        for name, leaf, (ndim, whole, _) in _known_leaves(values, example)
         if not whole and id(leaf) not in dims and leaf.dim() == ndim and leaf.dim() > 0 and leaf.shape[0] not in (batch, 1)
     ]
 
 
-def _known_leaves(values: dict[str, Any], example: ExampleLeaves) -> Iterator[tuple[str, torch.Tensor, tuple[int, bool]]]:
+def _known_leaves(values: dict[str, Any], example: ExampleLeaves) -> Iterator[tuple[str, torch.Tensor, ExampleLeaf]]:
     """(input name, tensor leaf, what the example's leaf was) where both are tensors, for inputs
     of the example's structure (another structure: the batch rule decides)."""
     for name, value in values.items():
@@ -149,11 +160,14 @@ def split_sizes(batch_size: int, chunks: int) -> list[int]:
     return [s for s in sizes if s > 0]
 
 
-def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None) -> list[Any]:
+def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None, views: bool = False) -> list[Any]:
     """One copy of `value` per micro-batch; batched tensors are split, the rest is shared.
 
     A tensor split by the batch rule is cut into `sizes`; one the caller named a dim for is cut
-    into as many even pieces along it (`torch.tensor_split`), whatever its size there.
+    into as many even pieces along it (`torch.tensor_split`), whatever its size there: where the
+    tensor is contiguous, each piece is made contiguous too (a slice along dim 1 is not), so that
+    the model meets the layout the plain model does (`x.view(...)` runs), but for `views`: pieces
+    that must be views of the caller's tensor (a forward that writes its input in place).
     """
     dims = dims or {}
     leaves, spec = flatten(value)
@@ -177,7 +191,8 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
                 "(chunk_spec={name: None})."
             )
         else:
-            pieces.append(torch.tensor_split(t, len(sizes), dim))
+            cut = torch.tensor_split(t, len(sizes), dim)
+            pieces.append(cut if views or not t.is_contiguous() else [piece.contiguous() for piece in cut])
     return [unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 

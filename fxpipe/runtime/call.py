@@ -56,7 +56,8 @@ def split_call(
     if batch is not None and len(sizes) > 1:
         refuse_off_batch(values, example_leaves, batch, dims)
         check_written_inputs(program, values, batch, dims)
-    pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
+    written = program.written_inputs
+    pieces = {name: scatter(value, sizes, batch or 0, dims, views=name in written) for name, value in values.items()}
     micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
     if check_micro_batch is not None and len(sizes) > 1:
         check_micro_batch(micro_batches)

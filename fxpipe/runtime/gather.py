@@ -139,8 +139,9 @@ class Gathered:
                 pieces: Sequence[Optional[torch.Tensor]] = [grad]
             elif along is None:  # returned as the first micro-batch's
                 pieces = [grad] + [None] * (self.micro_batches - 1)
-            else:
-                pieces = grad.split(sizes, along)
+            else:  # (a contiguous gradient's pieces contiguous too: its backward meets the plain model's layout)
+                cut = grad.split(sizes, along)
+                pieces = [p.contiguous() for p in cut] if along and grad.is_contiguous() else cut
             for i, piece in enumerate(pieces):
                 leaves = per_value[i].setdefault(name, [None] * len(self.values[name][0]))
                 leaves[k] = piece  # each (value, leaf) is one slot: refs were deduplicated

@@ -27,6 +27,13 @@ def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int =
     them (a batch-first target of a sequence-first model whose classes are as many as the samples)."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
+    unsplit = _per_sample_but_no_tensor(target, batch)
+    if unsplit:
+        raise ValueError(
+            f"the target holds values per sample that are not tensors: {'; '.join(unsplit)}. train_step splits the target's "
+            "tensors into micro-batches and gives each micro-batch the rest whole, so its loss would see every sample's.\n"
+            "How to fix: pass them as tensors (torch.as_tensor(...)), which are split like the inputs."
+        )
     leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
     order = (0, dim) if dim and 0 in outputs and dim not in outputs else (dim, 0)
     along = {id(t): next((d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch), None) for t in leaves}
@@ -38,6 +45,23 @@ def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int =
             f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
         )
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
+
+
+def _per_sample_but_no_tensor(target: Any, batch: Optional[int], where: str = "target") -> list[str]:
+    """The parts of `target` that hold one value per sample and are no tensor: an array (numpy's)
+    or a list or tuple of numbers as long as the batch (ctc_loss's lengths given as lists)."""
+    if not batch or batch < 2 or isinstance(target, torch.Tensor):
+        return []
+    shape = getattr(target, "shape", None)
+    if hasattr(target, "__array__") and isinstance(shape, tuple) and batch in shape:
+        return [f"{where}, an array of shape {shape}"]
+    if type(target) in (list, tuple) and len(target) == batch and all(type(v) in (int, float, bool) for v in target):
+        return [f"{where}, a {type(target).__name__} of {batch} numbers"]
+    if type(target) is dict:
+        return [found for key, value in target.items() for found in _per_sample_but_no_tensor(value, batch, f"{where}[{key!r}]")]
+    if isinstance(target, (list, tuple)):
+        return [found for i, value in enumerate(target) for found in _per_sample_but_no_tensor(value, batch, f"{where}[{i}]")]
+    return []
 
 
 def check_loss_arguments(target: Any, loss_fn: Any) -> None:

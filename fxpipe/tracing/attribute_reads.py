@@ -87,6 +87,19 @@ class Reads:
     iterated: set[str] = field(default_factory=set)  # the containers (ModuleList, ...) whose members were listed
     flags_read: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})  # `training` reads, by any code but the tracer's
     forwards: list[tuple[types.CodeType, dict[str, Any]]] = field(default_factory=list)  # of the model's classes
+    # The tensors modules hold as plain attributes (no parameter, no buffer) that the trace read,
+    # by identity, with their names; and of those, each whose value the trace turned into a Python
+    # value (`if self.temperature > 1:`), which the graph keeps: a copy of it as traced, by name.
+    tensors: dict[int, tuple[torch.Tensor, list[str]]] = field(default_factory=dict)
+    decided: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def decided_on(self, tensor: torch.Tensor) -> None:
+        """The trace turned a value made from `tensor` (one of `tensors`) into a Python value."""
+        held, names = self.tensors[id(tensor)]
+        for qualified in names:
+            self.values[self.mode].add(qualified)
+            self.first.setdefault(qualified, held)
+            self.decided.setdefault(qualified, held.detach().clone())
 
     def begin(self, mode: bool) -> None:
         self.mode = mode
@@ -148,6 +161,8 @@ class Reads:
             self.values[self.mode].update(names)  # a tensor a settings object holds: a constant of the graph
             for qualified in names:
                 self.first.setdefault(qualified, value)
+        elif isinstance(value, torch.Tensor) and vars(owner).get(name) is value:  # a module's plain tensor attribute
+            self.tensors.setdefault(id(value), (value, names))
         elif settings(value):
             self._reached(value, names)
             if type(value) is types.SimpleNamespace:
@@ -342,7 +357,7 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
     """What `model` holds now under each qualified name `reads` noted that is a plain value (of a
     dict, its entries read), but for values forward itself changed while traced."""
     modules = dict(model.named_modules())
-    found = {}
+    found: dict[str, Any] = {}
     for qualified in sorted(reads.values[True] | reads.values[False]):
         held = holder(modules, qualified)
         if held is None:
@@ -354,7 +369,9 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue
         if isinstance(value, torch.Tensor):
-            if value is reads.first.get(qualified):  # held by a settings object: watched as that very tensor
+            if qualified in reads.decided:  # its value decided a branch of the trace: watched by value
+                found[qualified] = Decided(reads.decided[qualified])
+            elif value is reads.first.get(qualified):  # held by a settings object: watched as that very tensor
                 found[qualified] = value
             continue
         if not (plain(value) or value is MISSING) or not _kept(value, reads.first.get(qualified, value)):  # a counter forward keeps
@@ -426,13 +443,27 @@ def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class Decided:
+    """A tensor attribute as traced, whose value the trace turned into a Python value: watched by value."""
+
+    values: torch.Tensor
+
+
 def _shown(value: Any, tensor: str) -> str:
+    if isinstance(value, Decided):
+        value = value.values
+    if isinstance(value, torch.Tensor) and value.numel() <= 4 and value.layout == torch.strided and value.device.type != "meta":
+        return repr(value.detach().cpu().tolist())
     return tensor if isinstance(value, torch.Tensor) else repr(value)
 
 
 def _kept(now: Any, then: Any) -> bool:
     """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN; a tensor, the
-    same tensor."""
+    same tensor (of a `Decided` one, the same values)."""
+    if isinstance(then, Decided):
+        values = then.values
+        return isinstance(now, torch.Tensor) and now.shape == values.shape and now.dtype == values.dtype and torch.equal(now.detach().to(values.device), values)
     if isinstance(then, torch.Tensor) or isinstance(now, torch.Tensor):
         return now is then
     return type(now) is type(then) and (now is then or now == then or (now != now and then != then))

@@ -383,6 +383,43 @@ def test_attributes_changed_after_compiling_are_followed_or_refused(exported: bo
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
 
 
+class Annealed(nn.Module):
+    """A branch on a tensor it holds as a plain attribute (an annealed temperature), which it
+    also divides by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.temperature = torch.tensor(2.0, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.temperature > 1:  # hot: soften
+            h = h / self.temperature
+        else:  # cold: a hard gate
+            h = (h > 0).to(h.dtype) * h
+        return self.b(h)
+
+
+@pytest.mark.parametrize("how", ["rebound", "in place"])
+def test_a_tensor_attribute_whose_value_took_a_branch_is_watched_by_value(how: str) -> None:
+    """torch.fx takes the branch on the traced value: before, after the temperature went from 2
+    to 0.5 the pipeline kept the hot branch, 1.3-1.8 off the plain model, without a word."""
+    model, reference = twin(Annealed())
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model.temperature = torch.tensor(2.0, dtype=torch.float64)  # another tensor of the same value: the same branch
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    if how == "rebound":
+        model.temperature = torch.tensor(0.5, dtype=torch.float64)
+    else:
+        model.temperature.fill_(0.5)
+    with pytest.raises(RuntimeError, match=r"(?s)have changed since compiling: temperature \(2.0 -> 0.5\).*How to fix: compile again"):
+        pipe(x)
+    model.temperature.fill_(2.0)  # and back: the pipeline runs again
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
 _REGISTRY: dict[str, type] = {}
 
 

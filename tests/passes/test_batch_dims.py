@@ -697,7 +697,7 @@ def test_an_example_of_one_sample_is_checked_on_the_first_call_of_two() -> None:
         pipe = compile_pipeline(mixes, torch.randn(1, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
     one = torch.randn(1, 4, dtype=torch.float64)
     torch.testing.assert_close(pipe(one), mixes(one), rtol=0, atol=0)  # one sample: one micro-batch
-    with pytest.raises(TypeError, match="call it once with two samples or more before copying it"):
+    with pytest.raises(TypeError, match="call it once with such a batch before copying it"):
         copy.deepcopy(pipe)
     for _ in range(2):  # refused on every call, not only the first
         with pytest.raises(ValueError, match="mix"):
@@ -715,6 +715,46 @@ def test_an_example_of_one_sample_is_checked_on_the_first_call_of_two() -> None:
     for (name, p), q in zip(pipe.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12, msg=name)
     copy.deepcopy(pipe)  # checked: copies are fine
+
+
+class _Centred(nn.Module):
+    """Token ids embedded and pooled, then centred over the batch: it mixes samples."""
+
+    def __init__(self, centred: bool) -> None:
+        super().__init__()
+        self.centred = centred
+        self.emb, self.a, self.b = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.a(self.emb(ids).mean(1))
+        return self.b(h - h.mean(0) if self.centred else torch.tanh(h))
+
+
+@pytest.mark.parametrize("example", ["zeros", "one sample repeated"])
+def test_an_example_whose_halves_are_alike_is_checked_on_the_first_call_whose_halves_differ(example: str) -> None:
+    """A mean over the batch is each half's mean where the halves are alike: before, a model
+    that centres over the batch compiled from token ids of zeros without a word, and then gave
+    outputs and gradients 0.005 off on every batch."""
+    torch.manual_seed(0)
+    ids = torch.zeros(8, 6, dtype=torch.long) if example == "zeros" else torch.randint(0, 20, (1, 6)).repeat(8, 1)
+    for centred in (True, False):
+        model = _Centred(centred).double()
+        with pytest.warns(UserWarning, match="the example's halves hold the same values.*first call of two samples or more whose halves differ"):
+            pipe = compile_pipeline(model, ids, ["cpu", "cpu"], chunks=2)
+        reference = copy.deepcopy(model)
+        torch.testing.assert_close(pipe(ids), reference(ids), rtol=0, atol=1e-12)  # alike again: exact, and not yet checked
+        batch = torch.randint(0, 20, (8, 6))
+        if centred:
+            for _ in range(2):  # refused on every call, not only the first
+                with pytest.raises(ValueError, match="mix"):
+                    pipe(batch)
+            continue
+        out = pipe(batch)
+        torch.testing.assert_close(out, reference(batch), rtol=0, atol=1e-12)
+        out.square().sum().backward()
+        reference(batch).square().sum().backward()
+        assert_grads_equal(pipe, reference, tol=1e-12)
+        copy.deepcopy(pipe)  # checked: copies are fine
 
 
 class _TiedMaxNorm(nn.Module):

@@ -541,6 +541,74 @@ def test_an_input_the_example_kept_whole_stays_whole_when_its_dim_0_equals_the_b
     assert_grads_equal(pipe, reference)
 
 
+class Masked(nn.Module):
+    """A mask of (B, T) or (1, T) over each sample's positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # (B, T, 4), (B or 1, T)
+        return self.b(torch.tanh(self.a(x)) * mask.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("batch", [2, 4, 5])
+def test_an_input_the_example_broadcast_against_the_batch_is_split_when_a_call_gives_one_per_sample(batch: int) -> None:
+    """Before, a per-sample mask after an example's (1, T) one was kept whole: each micro-batch
+    broadcast against all of it (4 rows out for a batch of 2, silently) or failed in a stage."""
+    model, reference = twin(Masked())
+    pipe = compile_pipeline(model, (torch.randn(4, 6, 4, dtype=torch.float64), torch.ones(1, 6, dtype=torch.float64)), ["cpu", "cpu"], chunks=2)
+    g = torch.Generator().manual_seed(batch)
+    x, mask = torch.randn(batch, 6, 4, dtype=torch.float64, generator=g), (torch.rand(batch, 6, generator=g) > 0.3).double()
+    for m in (mask, torch.ones(1, 6, dtype=torch.float64)):
+        out = pipe(x, m)
+        torch.testing.assert_close(out, reference(x, m), rtol=0, atol=1e-12)
+        out.pow(2).sum().backward()
+        reference(x, m).pow(2).sum().backward()
+        assert_grads_equal(pipe, reference)
+
+
+class FlattensItsTime(nn.Module):
+    """Sequence-first: flattens time and batch with `view`, which needs the layout the caller
+    gives (contiguous), and returns its batch along dim 1 through a Function whose backward views
+    its gradient, as a kernel that assumes a contiguous one does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, B, 4)
+        t, b, d = x.shape
+        h = torch.tanh(self.a(x.view(t * b, d)))
+        return ViewsItsGradient.apply(self.b(h).view(t, b, 3))
+
+
+class ViewsItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.view(-1, grad.shape[-1]).mul(2).view(grad.shape)
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_micro_batches_cut_along_dim_1_and_their_gradients_keep_the_caller_s_contiguous_layout(checkpoint: str) -> None:
+    """Before, each micro-batch of an input split along dim 1 was a slice of it, not contiguous:
+    the forward's `view` failed (compiling refused, advising the chunk_spec already given), and
+    each micro-batch's backward got a slice of the output's gradient, which the Function's `view`
+    refused, where the plain model's gets a contiguous one."""
+    model, reference = twin(FlattensItsTime())
+    x = torch.randn(5, 4, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1}, checkpoint=checkpoint)
+    out = pipe(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
+    out.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert_grads_equal(pipe, reference)
+
+
 class _Gated(nn.Module):
     """Reads a parameter and a buffer of its own (the top level's), besides its children's."""
 

@@ -1724,3 +1724,87 @@ def test_a_model_s_own_mean_over_targets_made_with_a_tensor_constant_is_weighted
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class WarmedUp(nn.Module):
+    """A cross-entropy with a penalty switched on after `warmup` calls: a counter the loss keeps
+    (as a plain attribute, or as a buffer)."""
+
+    calls: torch.Tensor
+
+    def __init__(self, warmup: int, buffer: bool) -> None:
+        super().__init__()
+        self.warmup, self.buffer = warmup, buffer
+        self.step = 0
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.buffer:
+            self.calls += 1
+        else:
+            self.step += 1
+        on = (int(self.calls) if self.buffer else self.step) > self.warmup
+        return F.cross_entropy(out, target) + (out.pow(2).mean() if on else 0)
+
+
+class Tempered(nn.Module):
+    """A cross-entropy at a learned temperature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.full((), 2.0))
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out / self.temperature, target)
+
+
+@pytest.mark.parametrize("buffer", [False, True], ids=["attribute", "buffer"])
+def test_a_loss_fn_that_keeps_state_is_refused_and_its_state_put_back(buffer: bool) -> None:
+    """train_step calls loss_fn once per micro-batch and once more on the whole batch: before,
+    a counter the loss kept moved 5 times a step (its penalty on from the second step, not the
+    sixth), with no word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    loss = WarmedUp(warmup=5, buffer=buffer)
+    with pytest.raises(ValueError, match=r"loss_fn changes its own state when called: (step \(0 -> 5\)|calls \(a tensor -> a tensor\)), over this step's 5 calls"):
+        pipe.train_step(x, target=y, loss_fn=loss)
+    assert loss.step == 0 and int(loss.calls) == 0
+    assert all(p.grad is None for p in model.parameters())
+    # A loss holding only settings and parameters (a learned temperature) is no state.
+    tempered, reference = Tempered().double(), copy.deepcopy(model)
+    got = pipe.train_step(x, target=y, loss_fn=tempered)
+    plain_tempered = Tempered().double()
+    expected = plain_tempered(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(got, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    torch.testing.assert_close(tempered.temperature.grad, plain_tempered.temperature.grad, rtol=1e-12, atol=1e-12)
+    label_smoothed = nn.CrossEntropyLoss(label_smoothing=0.1)
+    pipe.train_step(x, target=y, loss_fn=label_smoothed)
+
+
+def test_per_sample_values_of_the_target_that_are_no_tensors_are_refused_naming_them() -> None:
+    """Before, they went whole to every micro-batch: the loss failed inside the loss stage with a
+    batch-size mismatch (an array of labels), or with ctc_loss's `input_lengths must be of size
+    batch_size` (lengths as lists, which ctc_loss takes)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+
+    def loss_fn(out: torch.Tensor, t: Any) -> torch.Tensor:
+        return F.cross_entropy(out, torch.as_tensor(t[0] if isinstance(t, tuple) else t))
+
+    cases = {r"target, an array of shape \(8,\)": y.numpy(), r"target\[1\], a list of 8 numbers": (y, [3] * 8)}
+    for said, target in cases.items():
+        with pytest.raises(ValueError, match=rf"(?s)per sample that are not tensors: {said}\..*torch.as_tensor"):
+            pipe.train_step(x, target=target, loss_fn=loss_fn)
+    assert all(p.grad is None for p in model.parameters())
+    reference = copy.deepcopy(model)
+    loss = pipe.train_step(x, target=(y, 2.0), loss_fn=loss_fn)  # a number for the whole batch goes whole
+    expected = F.cross_entropy(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
