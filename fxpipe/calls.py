@@ -57,6 +57,7 @@ class PipelineCalls(nn.Module):
     _closed: bool
     _one_call: threading.RLock  # held by a call (its forward, its backward, a train step): one at a time on the model
     _own_loss_warned: bool  # train_step has said it cannot check a model's own loss
+    _target_dims: dict[str, int]  # the dim each target leaf (by path) was split along where it alone held the batch
     # Compiles a pipeline for another kind of call (model, args, kwargs); None across processes.
     _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any], list[str]], Any]]
     _variants: "collections.OrderedDict[Any, Any]"  # pipelines by kind of call, the most recent last
@@ -192,7 +193,7 @@ class PipelineCalls(nn.Module):
             template = with_own_loss_whole(call.program.template, call.program.own_loss_leaf) if own_whole else call.program.template
             refuse_outputs_of_the_whole_batch(template, len(call.sizes), asked=return_outputs)
         along = batch_dim_of(list(call.values.values()), call.dims)
-        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template))
+        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template), self._target_dims)
         if loss_fn is None:
             reduction = own_loss_reduction(call, reduction, sliced=(slicing or self._compiled.slicing) is not None)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]

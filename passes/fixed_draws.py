@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from fxpipe.core.eager_mode import EagerDispatchMode
+from fxpipe.core.eager_mode import EagerDispatchMode, is_higher_order, run_higher_order
 
 _BATCH_NORMS = ("native_batch_norm", "_native_batch_norm_legit")
 
@@ -23,6 +23,8 @@ class FixedDraws(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         name = func._overloadpacket.__name__
         if name in _BATCH_NORMS:
             return _batch_norm_by_statistics(func, args, kwargs)

@@ -12,7 +12,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from fxpipe.core.eager_mode import EagerDispatchMode
+from fxpipe.core.eager_mode import EagerDispatchMode, is_higher_order, run_higher_order
 from fxpipe.core.microbatch import takes_gradients
 from fxpipe.core.snapshot import preserved
 from fxpipe.tracing.assignments import assignments_recorded
@@ -27,6 +27,8 @@ class FlopCount(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:

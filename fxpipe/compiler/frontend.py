@@ -196,6 +196,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         checkpoint = "torch.utils.checkpoint's reentrant Function: use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs=" \
             "{'use_reentrant': False}), which torch.export goes through, or the pipeline's checkpoint= in its place; " \
             if any(f.__qualname__ == "CheckpointFunction" for f in functions) else ""  # fmt: skip
+        if any(f.__qualname__ == "CondAutogradOp" for f in functions):  # torch.cond's own
+            checkpoint = "for torch.cond: move it into a submodule kept whole (leaf_modules=[...]), where it runs as it is; "
         raise _Rejected(
             f"it inlines the forward of the autograd Function {names}, which would lose its backward; "
             f"{checkpoint}make the model traceable by torch.fx, which keeps the Function's call (and keeps a module "
@@ -337,7 +339,7 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
         return UNKNOWN_TYPE_FIX
     if "needs each input named" in fx_failure.detail:
         return (
-            "How to fix: write the branch as tensor operations (torch.where) or with torch.cond, or turn off "
+            "How to fix: write the branch as tensor operations (torch.where), or turn off "
             "what takes it (a random layer drop, say), or compile the model in eval mode to run it there; or name "
             "forward's arguments, so that torch.fx traces the model, and keep the module with the branch whole "
             "with leaf_modules=[...]."
@@ -345,7 +347,7 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     return (
         "How to fix: keep the module with data-dependent control flow (or with checks that "
         "a traced value fails, such as torch.jit.isinstance) whole with leaf_modules=[...], "
-        "or write the branch as tensor operations (torch.where) or with torch.cond."
+        "(torch.cond runs there), or write the branch as tensor operations (torch.where)."
         + (_ROOT_FIX if _IN_ROOT in fx_failure.detail else "")
     )
 

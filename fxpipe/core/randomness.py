@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.eager_mode import CondRunsEagerly, is_higher_order, run_higher_order
 from fxpipe.core.hooks import hooked
 from fxpipe.core.scoped import scoped
 
@@ -244,8 +245,9 @@ MARKERS = (begin_draws, end_draws)  # no draw themselves: a step that draws noth
 TORCH_NAMESPACES = frozenset({"aten", "prims", "quantized_decomposed", "_quantized", "quantized"})
 
 
-class TaskRandomness(TorchDispatchMode):
-    """Within this mode, random ops draw from the generators of a task's stream."""
+class TaskRandomness(CondRunsEagerly):
+    """Within this mode, random ops draw from the generators of a task's stream (a torch.cond's
+    branch's too)."""
 
     def __init__(self, stream: TaskStream) -> None:
         super().__init__()
@@ -253,6 +255,8 @@ class TaskRandomness(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         drawing = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in TORCH_NAMESPACES
         at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
         given = kwargs.get("generator") if at is None or at >= len(args) else args[at]  # (RReLU's comes by position)

@@ -20,11 +20,17 @@ from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.raw_grads import raw_grads
 
 
-def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset()) -> list[Any]:
+def split_target(
+    target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset(),
+    seen: Optional[dict[str, int]] = None,
+) -> list[Any]:
     """The target's piece for each micro-batch: split like the inputs, along their batch dim
-    `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size; where both
-    are, along the one the outputs hold their batch in (`outputs`: their batch dims), if one of
-    them (a batch-first target of a sequence-first model whose classes are as many as the samples)."""
+    `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size. Where both
+    are: along the one an earlier call split the same leaf along (`seen`, by its path in the
+    target, which this call adds to: ctc_loss's padded targets of (batch, longest label) are as
+    long as the batch in some batches alone), else along the one the outputs hold their batch in
+    (`outputs`: their batch dims), if one of them (a batch-first target of a sequence-first model
+    whose classes are as many as the samples)."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
     unsplit = _per_sample_but_no_tensor(target, batch)
@@ -34,11 +40,17 @@ def split_target(target: Any, sizes: list[int], batch: Optional[int], dim: int =
             "tensors into micro-batches and gives each micro-batch the rest whole, so its loss would see every sample's.\n"
             "How to fix: pass them as tensors (torch.as_tensor(...)), which are split like the inputs."
         )
-    leaves = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+    seen = {} if seen is None else seen
+    leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(target)[0] if isinstance(t, torch.Tensor)]
     order = (0, dim) if dim and 0 in outputs and dim not in outputs else (dim, 0)
-    along = {id(t): next((d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch), None) for t in leaves}
+    along = {}
+    for path, t in leaves:
+        fits = [d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch]
+        along[id(t)] = seen[path] if len(fits) > 1 and seen.get(path) in fits else fits[0] if fits else None
+        if len(fits) == 1 and dim:
+            seen[path] = fits[0]
     if any(d is None for d in along.values()):
-        shapes = [tuple(t.shape) for t in leaves]
+        shapes = [tuple(t.shape) for _, t in leaves]
         where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"
         raise ValueError(
             f"the target must be split into micro-batches like the inputs, {where} of size {batch}; "

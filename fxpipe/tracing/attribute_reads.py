@@ -439,7 +439,8 @@ def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
             found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
         elif isinstance(value, Entries) or not _kept(now, value):
-            found.append(f"{qualified} ({_shown(value, 'a tensor')} -> {'deleted' if now is MISSING else _shown(now, 'another tensor')})")
+            decided = isinstance(value, Decided)
+            found.append(f"{qualified} ({_shown(value, 'a tensor', decided)} -> {'deleted' if now is MISSING else _shown(now, 'another tensor', decided)})")
     return found
 
 
@@ -450,10 +451,12 @@ class Decided:
     values: torch.Tensor
 
 
-def _shown(value: Any, tensor: str) -> str:
+def _shown(value: Any, tensor: str, by_value: bool = False) -> str:
+    """`value` as a change names it: a tensor watched as itself by `tensor`, one watched by value
+    (`by_value`) by its values where they are few."""
     if isinstance(value, Decided):
         value = value.values
-    if isinstance(value, torch.Tensor) and value.numel() <= 4 and value.layout == torch.strided and value.device.type != "meta":
+    if by_value and isinstance(value, torch.Tensor) and value.numel() <= 4 and value.layout == torch.strided and value.device.type != "meta":
         return repr(value.detach().cpu().tolist())
     return tensor if isinstance(value, torch.Tensor) else repr(value)
 

@@ -25,7 +25,7 @@ import torch.utils.checkpoint as checkpoints
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.core.eager_mode import EagerDispatchMode
+from fxpipe.core.eager_mode import EagerDispatchMode, is_higher_order, run_higher_order
 from fxpipe.core.writes import storage_key
 from fxpipe.tracing.trace import TraceError
 
@@ -76,6 +76,8 @@ class _Outside(EagerDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if is_higher_order(func):
+            return run_higher_order(self, func, args, kwargs)
         schema = self.schemas.get(func) or self.schemas.setdefault(func, _Schema(func))
         if schema.writes:
             for t in schema.written(args, kwargs):

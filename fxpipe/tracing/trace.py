@@ -408,8 +408,9 @@ def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> Trace
         f"mark {where!r} as a leaf (leaf_modules=[{where!r}] or its class), so it is called whole "
         "instead of traced, or " if where else ""
     ) + "rewrite data-dependent Python (control flow, or float(), .item() or numpy on a traced value) with tensor " + (
-        "operations (torch.where, torch.cond)." if where else "operations (torch.where, torch.cond), or move it into a "
-        "submodule and keep that whole (leaf_modules=[...]): the model's own forward is never kept whole."
+        "operations (torch.where; or torch.cond inside a module kept whole)." if where else "operations (torch.where), or move "
+        "it into a submodule and keep that whole (leaf_modules=[...]; torch.cond runs there): the model's own forward is "
+        "never kept whole."
     )
     refused = "Proxy" in str(error) and not unknown_type(str(error)) and _raised_in_a_library(model, where, error)
     if refused:  # a library's type check

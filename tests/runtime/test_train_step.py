@@ -1808,3 +1808,29 @@ def test_per_sample_values_of_the_target_that_are_no_tensors_are_refused_naming_
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def _ctc(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    labels, input_lengths, label_lengths = target
+    return F.ctc_loss(out.log_softmax(-1), labels, input_lengths, label_lengths)
+
+
+def test_a_target_split_along_one_dim_stays_split_there_when_another_batch_fits_both() -> None:
+    """ctc_loss on a sequence-first model: its padded labels (batch, longest label) have the
+    batch's size on dim 1 too in a batch whose longest label is as long as the batch. Before,
+    such a batch's labels were split along dim 1 (the outputs' batch dim), and ctc_loss failed
+    in the loss stage, in the middle of training."""
+    torch.manual_seed(0)
+    model, reference = twin(SeqFirst(6, 5))
+    x = torch.randn(12, 8, 6, dtype=torch.float64)  # (time, batch, features)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1})
+    g = torch.Generator().manual_seed(1)
+    for longest in (5, 8):  # the second batch's labels are (8, 8)
+        label_lengths = torch.randint(1, longest + 1, (8,), generator=g)
+        label_lengths[0] = longest
+        target = (torch.randint(1, 5, (8, longest), generator=g), torch.full((8,), 12), label_lengths)
+        loss = pipe.train_step(x, target=target, loss_fn=_ctc)
+        expected = _ctc(reference(x), target)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+        assert_grads_equal(pipe, reference, tol=1e-12)

@@ -1707,3 +1707,49 @@ def test_a_hook_added_to_a_module_a_reentrant_checkpoint_calls_runs_as_in_the_pl
     out.pow(2).sum().backward()  # (a reentrant checkpoint refuses torch.autograd.grad)
     expected.pow(2).sum().backward()
     assert_grads_equal(pipe, reference)
+
+
+class Gated(nn.Module):
+    """A branch taken by `torch.cond` on a flag it holds (a buffer)."""
+
+    on: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("on", torch.tensor(True))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.cond(self.on, lambda t: t * 2, lambda t: t.sin() - 1, (h,))
+
+
+class GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.gate, self.b = nn.Linear(6, 6), Gated(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(self.a(x)))
+
+
+class GatedAtTheTop(GatedNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.cond(self.gate.on, lambda t: t * 2, lambda t: t.sin() - 1, (h,)))
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_torch_cond_in_a_module_kept_whole_runs_as_in_the_plain_model(checkpoint: str) -> None:
+    """Before, compiling refused it ('does not run on the example'), and the plain model failed
+    in every later call of the process: torch.cond's compile of itself, met under a dispatch mode
+    of the compile's checks, failed and kept failing."""
+    model, reference = twin(GatedNet())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, leaf_modules=[Gated], checkpoint=checkpoint)
+    for on in (True, False):
+        model.gate.on.fill_(on)
+        reference.gate.on.fill_(on)
+        assert_call_and_grads_equal(pipe, reference, x, tol=1e-12)
+    plain = GatedAtTheTop().double()
+    with pytest.raises(TraceError, match=r"(?s)for torch.cond: move it into a submodule kept whole \(leaf_modules=\[...\]\)"):
+        compile_pipeline(plain, x, ["cpu", "cpu"], chunks=2)
+    assert plain(x).shape == (8, 6)  # the plain model runs still
