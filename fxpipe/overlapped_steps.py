@@ -35,6 +35,7 @@ from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
 from fxpipe.runtime.batch_loss import loss_and_outputs
+from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.checkpoint import dropout_rate_of
 from fxpipe.runtime.devices import Aborted
@@ -112,6 +113,9 @@ class _Overlap:
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
         self.generator: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # What the loss object keeps, as the loop found it: each batch calls loss_fn once per
+        # micro-batch and once more, and state it keeps is refused (fxpipe/runtime/loss_state.py).
+        self.loss_state = LossStateKept(loss_fn, calls=pipe._chunks + 1)
 
     def _take_the_model(self) -> None:
         """The stages built again on what the model holds now, where it holds other tensors than
@@ -297,7 +301,7 @@ class _Overlap:
         if self.ranks is None:
             self._settled(index, flight, after_step)
             input_grads = flight.step._caller_input_grads()
-            with drawing_between_compiles(), default_generator_held():  # a loss function may draw
+            with drawing_between_compiles(), default_generator_held(), self.loss_state:  # a loss function may draw
                 total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:
@@ -642,6 +646,7 @@ def overlapped_steps(
         try:
             if not done:
                 run.stop(after_step)
+                run.loss_state.put_back()  # (what batches in flight moved since a refusal put it back)
         finally:
             if run.workers is not pipe._workers:
                 run.workers.close()

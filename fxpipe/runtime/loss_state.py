@@ -83,7 +83,8 @@ class LossStateKept:
     def __enter__(self) -> None:
         pass
 
-    def __exit__(self, kind: Any, failure: Optional[BaseException], trace: Any) -> None:
+    def put_back(self) -> list[str]:
+        """Each attribute changed since the state was noted, put back as it was, as `name (then -> now)`."""
         moved = []
         for holder, state in zip(self.holders, self.before):
             for name, value in state.items():
@@ -91,6 +92,10 @@ class LossStateKept:
                 if _changed(value, now):
                     moved.append(f"{name} ({_shown(value)} -> {_shown(now)})")
                     _put_back(holder, name, value)
+        return moved
+
+    def __exit__(self, kind: Any, failure: Optional[BaseException], trace: Any) -> None:
+        moved = self.put_back()
         if moved:
             raise ValueError(
                 f"loss_fn changes its own state when called: {', '.join(moved)}, over this step's {self.calls} calls of it. "

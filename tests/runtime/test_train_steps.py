@@ -254,3 +254,32 @@ def test_a_model_that_returns_its_own_loss_trains_without_a_loss_fn(schedule: st
     losses = [float(loss) for loss in pipe.train_steps(batches, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0))]
     assert losses == pytest.approx([float(plain(*inputs)) for inputs, _ in batches], rel=0, abs=1e-12)
     pipe.close()
+
+
+class _Counted(nn.Module):
+    """A cross-entropy that counts its calls: state a loss object keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.cross_entropy(out, target)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_loss_fn_that_keeps_state_is_refused_in_a_loop_and_put_back(schedule: str) -> None:
+    """Before, its counter moved chunks + 1 times a batch, where the plain loop moves it once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    pipe = compile_pipeline(model, torch.randn(8, 8, dtype=torch.float64), ["cpu", "cpu"], chunks=4, schedule=schedule)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    batches = [(torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))) for _ in range(3)]
+    before = [p.detach().clone() for p in model.parameters()]
+    counted = _Counted()
+    with pytest.raises(ValueError, match=r"loss_fn changes its own state when called: calls \(0 -> \d+\)"):
+        list(pipe.train_steps(batches, loss_fn=counted, optimizer=optimizer))
+    assert counted.calls == 0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert len(list(pipe.train_steps(batches, loss_fn=F.cross_entropy, optimizer=optimizer))) == 3  # and the loop runs again
