@@ -357,7 +357,9 @@ def _combined_loss_problem(reduction: str) -> str:
         "over samples. A loss that is neither (a mean over a varying count of tokens, say) cannot be split into "
         "micro-batches as it is: divide its sum by the whole batch's count, counted before the step, and pass "
         "reduction='sum' (count = (y != -100).sum(); loss_fn = lambda out, t: F.cross_entropy(out, t, "
-        "ignore_index=-100, reduction='sum') / count); or, in one process, use pipe(x) and loss.backward()."
+        "ignore_index=-100, reduction='sum') / count; with class weights, count = weight[y].sum()). A loss that "
+        "compares samples with each other (contrastive, InfoNCE, a CLIP loss over the batch's pairs) has no such "
+        "form: in one process, use pipe(x) and loss.backward(), which computes it on the whole batch's outputs."
     )
 
 

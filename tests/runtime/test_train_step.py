@@ -1834,3 +1834,22 @@ def test_a_target_split_along_one_dim_stays_split_there_when_another_batch_fits_
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
         assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def _info_nce(out: torch.Tensor, _: Any) -> torch.Tensor:
+    """Each sample against every other of the batch: no sum or mean over samples."""
+    z = F.normalize(out, dim=1)
+    return F.cross_entropy(z @ z.T / 0.1, torch.arange(len(z)))
+
+
+def test_a_loss_that_compares_samples_is_refused_pointing_to_pipe_x_and_backward() -> None:
+    """Before, the refusal's first fixes (another reduction, a sum over a count) cannot apply to it."""
+    torch.manual_seed(0)
+    model, reference = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 4)))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match=r"(?s)compares samples with each other .*use pipe\(x\) and loss.backward\(\)"):
+        pipe.train_step(x, target=None, loss_fn=_info_nce)
+    _info_nce(pipe(x), None).backward()  # the fix it gives
+    _info_nce(reference(x), None).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
