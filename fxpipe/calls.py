@@ -103,13 +103,13 @@ class PipelineCalls(nn.Module):
         return self._programs[mode]
 
     def _check_micro_batches(self, values: dict[str, Any], dims: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
-        """The first call of two samples or more (whose halves differ), where the example had one
-        (or halves alike): compiling's check that micro-batches compute what the whole batch does,
+        """The first call of two samples or more (not all alike), where the example had one
+        (or samples all alike): compiling's check that micro-batches compute what the whole batch does,
         on this call's inputs (raising as compiling would have); the stages are built again on
         what it found."""
         assert self._compiled.unchecked is not None
         detached = {name: map_tensors(torch.Tensor.detach, value) for name, value in values.items()}
-        if not self._compiled.unchecked(detached, dims, (args, kwargs)):  # its halves alike: for a later call
+        if not self._compiled.unchecked(detached, dims, (args, kwargs)):  # its samples alike: for a later call
             return self._held_program()
         self._compiled.unchecked = None
         self._build()
@@ -163,7 +163,9 @@ class PipelineCalls(nn.Module):
         if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
             program = self._check_micro_batches(values, dims, args, kwargs)
         compiled = self._compiled
-        call = split_call(program, values, batch, dims, self._chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
+        # Not checked yet (this call's samples all alike, as the example's): one micro-batch, as the plain model.
+        chunks = 1 if compiled.unchecked is not None else self._chunks
+        call = split_call(program, values, batch, dims, chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
         if compiled.check_length is not None:
             compiled.check_length(call.micro_batches[0], self.training, slicing or compiled.slicing, still)
         return call
@@ -211,14 +213,14 @@ class PipelineCalls(nn.Module):
             if found == "neither":
                 said = (
                     f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, and on "
-                    "the example it is neither the sum nor the mean of its halves' losses (a term of the whole batch, "
+                    "the example it is neither the sum nor the mean of its parts' losses (a term of the whole batch, "
                     "a penalty added once): the result differs from the plain model's. Pass loss_fn (checked on every "
                     "step) with the outputs it needs, or use chunks=1."
                 )
             else:
                 said = (
                     f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
-                    + (" (as it is on the example's halves)" if found == "mean" else "")
+                    + (" (as it is on two parts of the example)" if found == "mean" else "")
                     + ", and cannot check that it is one on every batch: a mean over a count that varies between "
                     "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
                     "chunks=1 for such a loss"
@@ -340,8 +342,10 @@ class PipelineCalls(nn.Module):
                         stacklevel=caller_stacklevel(),
                     )
             variants[other.key] = found
-        # One call at a time on the model, whichever of its pipelines runs it.
-        found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call)
+        # One call at a time on the model, whichever of its pipelines runs it; the targets' split
+        # dims as any of them found them.
+        found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call,
+                              _target_dims=self._target_dims)  # fmt: skip
         return found
 
     def _ran(self, variant: "PipelineCalls", result: Any) -> Any:

@@ -282,11 +282,11 @@ def compile_pipeline(
                 refuse_an_example_the_model_refuses(model, example_args, example_kwargs)
                 raise
         # One process may check micro-batches on its first call of two samples or more, where an
-        # example of one has no halves; across processes every rank must refuse alike, here.
+        # example of one has no two parts; across processes every rank must refuse alike, here.
         checked = annotate_batch_dims(
             gm, inputs, chunks, split, serves_eval=traced.eval_graph is None, defer_one_sample=placement is None, whole_run=whole,
         )  # fmt: skip
-        _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the halves' check
+        _check_example_micro_batches(traced, bound, chunks, split, model, (example_args, example_kwargs))  # after the parts' check
         annotate_costs(gm)
         # Split points and pipe_split() marks name places in the order the forward runs: cut that order.
         traced_order = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
@@ -356,13 +356,13 @@ def compile_pipeline(
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
         why = (
-            "the example has one sample, which has no halves" if not example_batch or example_batch < 2 else
-            "the example's halves hold the same values (zeros, or one sample repeated), on which a statistic of the "
-            "batch is the same as on each half"
+            "the example has one sample, which cannot be split in two" if not example_batch or example_batch < 2 else
+            "the example's samples all hold the same values (zeros, or one sample repeated), on which a statistic of "
+            "the batch is the same as on any part of it"
         )  # fmt: skip
         warnings.warn(
             f"{why}: the check that {chunks} micro-batches compute what the whole batch does runs on the first call of "
-            "two samples or more whose halves differ (a call of one sample runs as one micro-batch).",
+            "two samples or more whose samples differ (a call of one sample runs as one micro-batch).",
             stacklevel=caller_stacklevel(),
         )
     if placement is not None:
@@ -423,9 +423,9 @@ def _check_micro_batches_later(
     traced: Traced, cuts: dict[bool, Cut], chunks: int, model: nn.Module, bound: dict[str, Any], dims: Dims,
     call: tuple[tuple[Any, ...], dict[str, Any]],
 ) -> bool:
-    """The halves' check of compiling, on a call's inputs (`bound`, split along `dims`) where the
-    example had one sample or halves alike; raises as compiling would have. False where this
-    call's halves are alike too: nothing checked, the check waits for another call."""
+    """The parts' check of compiling, on a call's inputs (`bound`, split along `dims`) where the
+    example had one sample or samples all alike; raises as compiling would have. False where this
+    call's samples are all alike too: nothing checked, the check waits for another call."""
     inputs = tuple(bound.values())
     train, evaluation = cuts[True], cuts[False]
     if not annotate_batch_dims(train.graph, inputs, chunks, dims, serves_eval=evaluation is train, defer_one_sample=True):

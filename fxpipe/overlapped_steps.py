@@ -35,7 +35,7 @@ from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
 from fxpipe.runtime.batch_loss import loss_and_outputs
-from fxpipe.runtime.loss_state import LossStateKept
+from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.checkpoint import dropout_rate_of
 from fxpipe.runtime.devices import Aborted
@@ -84,6 +84,13 @@ class _Overlap:
         self.program = pipe._programs[True]
         self.layout = self.program.layout
         refuse_too_few_micro_batches(self.layout, pipe._chunks)
+        if pipe._compiled.unchecked is not None:  # (its check runs on a call of its own, which a loop's batches are not)
+            raise ValueError(
+                "train_steps with schedule='2bw' runs on micro-batches that this pipeline has not checked yet: it was "
+                "compiled on an example of one sample, or of samples all alike (zeros), which shows nothing of whether "
+                "micro-batches compute what the whole batch does.\nHow to fix: call it once on a batch of samples that "
+                "differ first (pipe(x), or pipe.train_step(...), which run the check), or compile it on such an example."
+            )
         # Every batch runs as many micro-batches: its rows' slices. With sequence_chunks='auto',
         # the count the first batch is cut into, kept for the loop (`_fix_slices`).
         self.spec: Optional[SliceSpec] = pipe._compiled.slicing
@@ -115,7 +122,7 @@ class _Overlap:
         self.generator: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # What the loss object keeps, as the loop found it: each batch calls loss_fn once per
         # micro-batch and once more, and state it keeps is refused (fxpipe/runtime/loss_state.py).
-        self.loss_state = LossStateKept(loss_fn, calls=pipe._chunks + 1)
+        self.loss_state = LossStateKept(loss_fn, calls=calls_of_loss_fn(pipe._chunks))
 
     def _take_the_model(self) -> None:
         """The stages built again on what the model holds now, where it holds other tensors than

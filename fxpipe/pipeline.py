@@ -36,7 +36,7 @@ from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call, differentiable, sliced_call
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
-from fxpipe.runtime.loss_state import LossStateKept
+from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
 from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
@@ -321,8 +321,9 @@ class Pipeline(PipelineCalls):
             variant = self._variant(other, args, kwargs)
             return self._ran(variant, variant.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
         with generator_put_back_on_error():
-            with kept.put_back_on_error(), LossStateKept(loss_fn, calls=len(call.sizes) + 1):
+            with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))):
                 input_grads = step.train()
+                call.write_back()
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
         if call.grad:
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))

@@ -1,13 +1,14 @@
-"""Which dim of each output holds the batch, from the graph run on the example and on its halves.
+"""Which dim of each output holds the batch, from the graph run on the example and on two parts of it.
 
 Micro-batches compute what the whole batch does only when every sample is computed on its own.
-The graph runs on the example, then on each half of it (any split tells what the micro-batches'
-would), and each output leaf gets:
+The graph runs on the example, then on each of two parts of it (any split tells what the
+micro-batches' would; `_parts` says which: 3 and 5 of 8 samples, for chunks=2), and each output
+leaf gets:
 
-    whole (8, 5)   halves (4, 5) (4, 5)   ->  dim 0: micro-batches' are concatenated along it
-    whole (5, 8)   halves (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1)
-    whole (3,)     halves (3,) (3,)       ->  SAME, when each half's equals the whole's, bit for bit
-    whole ()       halves () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
+    whole (8, 5)   parts (3, 5) (5, 5)   ->  dim 0: micro-batches' are concatenated along it
+    whole (5, 8)   parts (5, 4) (5, 4)   ->  dim 1 (an input split along dim 1, into halves)
+    whole (3,)     parts (3,) (3,)       ->  SAME, when each part's equals the whole's, bit for bit
+    whole ()       parts () ()           ->  VARIES: made from the batch (a loss, x.mean(0))
 
 When the concatenation differs from the whole example's output (`h / x.shape[0]`, `x - x.mean(0)`,
 `torch.cumsum(x, 0)`), compiling is refused, naming the nodes where the difference starts. Random
@@ -15,8 +16,8 @@ ops draw fixed values and BatchNorm uses fixed statistics in these runs: they ar
 by design (README, "Limits worth knowing"). A model too large to run on the CPU at compile time
 runs on the meta device, which gives the dims (not SAME from VARIES) and checks nothing; so does
 a model whose forward writes its buffers, whose micro-batches compute as the plain model would
-on them in turn (a value no split input reaches, which each half gives as the whole does, is
-still SAME: made from parameters alone).
+on them in turn (a value no split input reaches, which each part gives as the whole does, is
+still SAME: made from parameters alone), for the outputs that depend on what it writes.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ from fxpipe.passes.summed_loss import summed_over_the_batch
 from fxpipe.passes.validate import dense, source_line
 
 # node.meta key: for each leaf of a returned value made from the whole batch, how it comes from
-# the halves' (`_combines`): 'sum', 'mean', 'neither' or None; SUMMED_ON_EXAMPLE for a sum the
+# the parts' (`_combines`): 'sum', 'mean', 'neither' or None; SUMMED_ON_EXAMPLE for a sum the
 # graph does not make one on every batch (a sum divided by a count the model is given).
 COMBINES = "combines"
 # Relative difference (to the whole output's largest magnitude) taken as rounding, by dtype.
@@ -70,7 +71,7 @@ def _scales_by_frequency(gm: fx.GraphModule, node: fx.Node) -> bool:
 
 def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
     """An embedding with scale_grad_by_freq divides each row's gradient by how often its index
-    occurs in the batch: the forward is per sample (the halves agree), the backward is not."""
+    occurs in the batch: the forward is per sample (the parts agree), the backward is not."""
     found = [str(n.target) if n.op == "call_module" else n.name for n in gm.graph.nodes if _scales_by_frequency(gm, n)]
     if found:
         raise ValueError(
@@ -86,13 +87,13 @@ def annotate_batch_dims(
     defer_one_sample: bool = False, whole_run: Optional[WholeRun] = None,
 ) -> bool:
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
-    returns; raises ValueError when the example's halves compute otherwise than the whole
-    example. Nothing is written with one micro-batch, or when the graph cannot run on the halves.
+    returns; raises ValueError when two parts of the example compute otherwise than the whole
+    example. Nothing is written with one micro-batch, or when the graph cannot run on the parts.
     A graph that `serves_eval` too, whose runs wrote state (so that nothing was compared), is
     compared in eval mode, where its modules may write none. An example of one sample has no
-    halves: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
+    two parts: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
     False returned (the check is to run on inputs of two samples or more); so too an example
-    whose halves are alike, which nothing could be seen on; True otherwise.
+    whose samples are all alike, which nothing could be seen on; True otherwise.
     `whole_run`: the run on the whole example, made already (`run_whole`)."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
@@ -107,11 +108,19 @@ def annotate_batch_dims(
             "halves, that micro-batches compute what the whole batch does, and one sample has no halves.\n"
             "How to fix: pass an example batch of two or more different samples, or use chunks=1."
         )
-    # Two halves tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
-    pieces = [scatter(value, split_sizes(batch, 2), batch, dims) for value in inputs]
+    # Two parts tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
+    sizes = _parts(batch, chunks, dims)
+    pieces = [scatter(value, sizes, batch, dims) for value in inputs]
     parts = [tuple(p[i] for p in pieces) for i in range(2)]
-    if defer_one_sample and _alike(*parts):  # (zeros, one sample repeated): a mean over them is each of them
-        return False
+    if _samples_alike(inputs, batch, dims):  # (zeros, one sample repeated): a mean over them is each of them
+        if defer_one_sample:
+            return False
+        raise ValueError(
+            f"with chunks={chunks} the example needs samples that differ: compiling checks, on two parts of the "
+            "example, that micro-batches compute what the whole batch does, and on samples that are all alike (zeros, "
+            "one sample repeated) a statistic of the batch is the same as on any part of it.\n"
+            "How to fix: pass an example batch of samples that differ (real data, or torch.randn of its shape), or use chunks=1."
+        )
     real = small_on_cpu(gm, inputs)
     returned = next(n for n in gm.graph.nodes if n.op == "output").all_input_nodes
     whole_run = whole_run or run_whole(gm, inputs, records=False)
@@ -122,14 +131,15 @@ def annotate_batch_dims(
     try:
         each = run_on(gm, parts, real, keep={*returned, *whole_run.fixed}, fixed=whole_run.fixed)
     except Exception as e:  # noqa: BLE001 - named in the refusal
-        if batch < 4:  # a half of one sample: a squeeze() may drop its batch dim, which larger calls keep
+        if batch < 4:  # a part of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return True
-        raise ValueError(_failing_half_message(gm, inputs, batch, chunks, dims, e)) from e
+        raise ValueError(_failing_part_message(gm, inputs, batch, chunks, dims, e)) from e
     _mark_whole_batch_draws(whole_run.fixed, whole, each)
     compare = real and not _keeps_state(gm, written)
+    reading = _reading_written(gm, written) if real and not compare else None
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
-    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real, sizes=split_sizes(batch, 2))
+    problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real, sizes=sizes, reading=reading)
     if not problems and real and not compare and serves_eval:
         with _in_eval(gm):
             written.clear()
@@ -159,7 +169,7 @@ def _refuse_sparse_outputs(returned: list[fx.Node], whole: dict[Any, Any], chunk
 
 def _mark_whole_batch_draws(drawing: set[fx.Node], whole: dict[Any, Any], each: list[dict[Any, Any]]) -> None:
     """`WHOLE_BATCH_DRAW` on each drawing node whose value has one shape on the whole example and
-    on each half, or whose draws do (a function or module that draws one number for the batch
+    on each part, or whose draws do (a function or module that draws one number for the batch
     and returns a value per sample: stochastic depth's mode='batch'): it draws for the whole
     batch, not per sample."""
     for node in drawing:
@@ -182,27 +192,31 @@ def _shapes(value: Any) -> Optional[tuple[Any, ...]]:
 def _compared(
     gm: fx.GraphModule, returned: list[fx.Node], whole: dict[fx.Node, Any], each: list[dict[fx.Node, Any]], compare: bool,
     split: set[str], annotate: bool, mode: str = "", real: bool = True, sizes: Optional[list[int]] = None,
+    reading: Optional[set[fx.Node]] = None,
 ) -> tuple[list[str], set[fx.Node]]:
-    """What is wrong with each returned value of the halves' runs (`each`) against the whole's,
+    """What is wrong with each returned value of the parts' runs (`each`) against the whole's,
     and the nodes at fault; with `annotate`, where the batch lies in each (`meta["batch_dims"]`).
-    `real`: the runs computed values (not on the meta device), even where not `compare`d."""
+    `real`: the runs computed values (not on the meta device), even where not `compare`d; where
+    `reading` is given (the nodes that read state the runs wrote), an output made without any of
+    them is compared all the same (a call counter beside `h - h.mean(0)`)."""
     sources = output_sources(gm, gradients=False, every=True)
     apart = _apart_in_each_micro_batch(gm)
     problems, bad = [], set()
     for node in returned:
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
-            continue  # another structure per half: the pipeline will say so
+            continue  # another structure per part: the pipeline will say so
         # A value read from state the forward writes (a running mean), or drawn, differs between
-        # micro-batches run in turn, though the halves here, run on the same state and draws, agree.
+        # micro-batches run in turn, though the parts here, run on the same state and draws, agree.
         made = namedtuple_fields(node, len(leaves[0])) or [node] * len(leaves[0])
         from_batch = [bool(sources[m.name].inputs & split) or m in apart for m in made]
-        found = [_batch_dim(w, [p[k] for p in leaves], compare, from_batch[k], real) for k, w in enumerate(_leaves(whole[node]))]
+        compared = [compare or (reading is not None and m not in reading) for m in made]
+        found = [_batch_dim(w, [p[k] for p in leaves], compared[k], from_batch[k], real) for k, w in enumerate(_leaves(whole[node]))]
         if annotate:
             node.meta["batch_dims"] = [dim for dim, _ in found]
             wholes = _leaves(whole[node])
             combines = [
-                _combines(w, [p[k] for p in leaves], sizes) if dim == VARIES and compare and sizes else None
+                _combines(w, [p[k] for p in leaves], sizes) if dim == VARIES and compared[k] and sizes else None
                 for k, (w, (dim, _)) in enumerate(zip(wholes, found))
             ]  # fmt: skip
             # A sum on the example is one on every batch where the graph makes it so (passes/summed_loss.py).
@@ -268,6 +282,18 @@ def _keeps_state(gm: fx.GraphModule, written: set[str]) -> bool:
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
+def _reading_written(gm: fx.GraphModule, written: set[str]) -> set[fx.Node]:
+    """The nodes whose values depend on a buffer in `written`: read by name, or by a module
+    called whole that holds it, and all that is made from them."""
+    found: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        target = str(node.target)
+        holds = node.op in ("get_attr", "call_module") and any(name == target or name.startswith(f"{target}.") for name in written)
+        if holds or any(p in found for p in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
     """The paths of the modules whose running statistics a norm op of the graph normalises
     with: torch.export's graph holds `aten.batch_norm` on them, and a bare container where the
@@ -275,8 +301,8 @@ def _norms_called_as_ops(gm: fx.GraphModule) -> set[str]:
     return {str(stat.target).rpartition(".")[0] for node in gm.graph.nodes for stat in statistics_written(node)}
 
 
-def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, chunks: int, dims: Dims, error: Exception) -> str:
-    """The model runs on the whole example and fails on half of it: say so, and name the inputs
+def _failing_part_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, chunks: int, dims: Dims, error: Exception) -> str:
+    """The model runs on the whole example and fails on a part of it: say so, and name the inputs
     kept whole that have a dim of the batch's size (an LSTM's initial state holds the batch on
     dim 1, say), with the chunk_spec that would split them there."""
     names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
@@ -300,13 +326,13 @@ def _failing_half_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
     if isinstance(error, IndexError) or "out of bounds" in str(error) or "index out of range" in str(error):
         hint += (
-            "An index out of range on half the batch: an input may hold indices into the batch (a box's image "
+            "An index out of range on a part of the batch: an input may hold indices into the batch (a box's image "
             "index, as roi_align's boxes do in their first column), which a micro-batch's own rows cannot "
             "follow, split or whole: use chunks=1 for such a model.\n"
         )
     return (
         f"with chunks={chunks} the micro-batches cannot run: the model runs on the whole example ({batch} "
-        f"samples) and fails on half of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
+        f"samples) and fails on a part of it: {type(error).__name__}: {str(error).strip().splitlines()[0]}\n{hint}"
         "How to fix: split every input that holds the batch along its batch dim (chunk_spec={name: dim}), "
         "or use chunks=1."
     )
@@ -443,12 +469,25 @@ def _paths(value: Any) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
 
 
-def _alike(first: tuple[Any, ...], second: tuple[Any, ...]) -> bool:
-    """Whether two halves of a batch hold the same values: then what mixes samples (a mean over
-    the batch) gives the whole batch what it gives each half, and comparing them shows nothing."""
-    pairs = [(a, b) for a, b in zip(_leaves(first), _leaves(second)) if isinstance(a, torch.Tensor) and a is not b]
-    return bool(pairs) and all(
-        a.shape == b.shape and a.layout == torch.strided and a.device.type != "meta" and torch.equal(a, b) for a, b in pairs
+def _parts(batch: int, chunks: int, dims: Dims) -> list[int]:
+    """The sizes of the two parts of the batch the check runs the graph on: the first a sample
+    short of a micro-batch (or over it), not half the batch, so that the parts seldom line up
+    with groups of samples the example holds (two point clouds of 8 points, split into halves,
+    pool each cloud whole: split as 3 and 5 they do not); halves where a part would hold one
+    sample, or where an input is cut along a dim `chunk_spec` names (into even pieces)."""
+    micro_batch = split_sizes(batch, min(chunks, batch))[0]
+    fits = [n for n in (micro_batch - 1, micro_batch + 1) if 2 <= n <= batch - 2 and 2 * n != batch]
+    if not fits or any(dim is not None for dim in dims.values()):
+        return split_sizes(batch, 2)
+    return [fits[0], batch - fits[0]]
+
+
+def _samples_alike(inputs: tuple[Any, ...], batch: int, dims: Dims) -> bool:
+    """Whether every sample of the batch holds the same values: then what mixes samples (a mean
+    over the batch) gives the whole batch what it gives any part, and comparing them shows nothing."""
+    split = [(t, d) for t in _leaves(inputs) if isinstance(t, torch.Tensor) and (d := split_dim(t, batch, dims)) is not None]
+    return bool(split) and all(
+        t.layout == torch.strided and t.device.type != "meta" and torch.equal(t, t.narrow(d, 0, 1).expand_as(t)) for t, d in split
     )
 
 
@@ -457,7 +496,7 @@ def _is_split(value: Any, batch: int, dims: Dims) -> bool:
 
 
 def _combines(whole: Any, parts: list[Any], sizes: list[int]) -> Optional[str]:
-    """How a number made from the whole batch (a loss, of one element) comes from the halves':
+    """How a number made from the whole batch (a loss, of one element) comes from the parts':
     'sum' where it is their sum (a sum over samples, or one divided by a count given whole),
     'mean' where it is their mean weighted by their sizes, 'neither' where it is neither; None
     where both (0), or it is no such number."""
@@ -474,10 +513,10 @@ def _combines(whole: Any, parts: list[Any], sizes: list[int]) -> Optional[str]:
 def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = False, real: bool = True) -> tuple[BatchDim, str]:
     """Where the batch lies in one output leaf, and what is wrong with it ('' if nothing);
     without `compare`, from the shapes alone (a number, made from shapes, is compared always),
-    but for a leaf of `real` values that no split input reaches and the halves gave bit for bit
+    but for a leaf of `real` values that no split input reaches and the parts gave bit for bit
     as the whole (made from parameters alone: returned once, as the plain model's). A leaf whose
     values depend on a split input (`from_batch`) is never the same in every micro-batch, even
-    where the halves' values are (a loss from a zero-initialised head)."""
+    where the parts' values are (a loss from a zero-initialised head)."""
     if isinstance(whole, (int, float)):  # a bool too: x.shape[0] > 4
         return (VARIES, "") if any(p != whole for p in parts) else (None, "")  # x.shape[0], say
     if not isinstance(whole, torch.Tensor) or not all(isinstance(p, torch.Tensor) for p in parts):
@@ -489,9 +528,9 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
         if from_batch:
             return VARIES, ""
         # Bit for bit: a loss near its starting value (ln V for a fresh language model) is the
-        # same in each half within rounding, and is still made from the batch.
+        # same in each part within rounding, and is still made from the batch.
         same = real and all(_identical(p, whole) for p in parts)
-        if not compare:  # state the runs write may make the halves differ: unknown, unless alike
+        if not compare:  # state the runs write may make the parts differ: unknown, unless alike
             return (SAME, "") if same else (None, "")
         return (SAME, "") if same else (VARIES, "")
     if len(changed) > 1 and _trimmed_to_the_longest(whole, parts, changed):
@@ -504,17 +543,17 @@ def _batch_dim(whole: Any, parts: list[Any], compare: bool, from_batch: bool = F
     if not (whole.is_floating_point() or whole.is_complex()):
         return dim, _exact_difference(joined(parts, dim), whole, dim)
     off = _difference(joined(parts, dim), whole)
-    return dim, (f"the halves' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
+    return dim, (f"the parts' values, concatenated along dim {dim}, differ from the whole example's by {off:.3g} "
                  f"(relative to its largest value)" if off else "")  # fmt: skip
 
 
 def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> str:
-    """An integer or bool output (a mask, an index, an argmax) whose halves differ from the whole:
+    """An integer or bool output (a mask, an index, an argmax) whose parts differ from the whole:
     in more than one element in a hundred, the model mixes samples (`h > h.mean(0)`, an
     `arange` of the batch size, row indices of `nonzero`); fewer may be an argmax flipped by a
     rounding that differs between batch sizes."""
     if got.shape != expected.shape:
-        return f"the halves' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
+        return f"the parts' values, concatenated along dim {dim}, have shape {tuple(got.shape)}, the whole example's {tuple(expected.shape)}"
     differs = dense(got) != dense(expected)
     differing = int(differs.sum())
     # A rounding flips isolated elements; a value computed across the batch differs in several
@@ -522,12 +561,12 @@ def _exact_difference(got: torch.Tensor, expected: torch.Tensor, dim: int) -> st
     rows_at_one_place = int(differs.movedim(dim, 0).flatten(1).sum(0).max()) if differs.dim() > 1 and differing else 0
     if differing <= expected.numel() // 100 and rows_at_one_place < 2:
         return ""
-    return (f"the halves' values, concatenated along dim {dim}, differ from the whole example's in {differing} of "
+    return (f"the parts' values, concatenated along dim {dim}, differ from the whole example's in {differing} of "
             f"{expected.numel()} elements" + (f", {rows_at_one_place} samples at one place" if rows_at_one_place > 1 else ""))  # fmt: skip
 
 
 def _trimmed_to_the_longest(whole: torch.Tensor, parts: list[torch.Tensor], changed: list[int]) -> bool:
-    """Whether the halves hold the batch along dim 0 and, in their other dims that differ, are as
+    """Whether the parts hold the batch along dim 0 and, in their other dims that differ, are as
     long as their own longest sample, the whole as the whole's (`pad_packed_sequence` without
     `total_length`): micro-batches that happen to agree there make the whole batch's value."""
     if changed[0] != 0 or sum(p.shape[0] for p in parts) != whole.shape[0]:
@@ -563,9 +602,9 @@ def _mixing_message(
 ) -> str:
     starts = _where_it_starts(gm, whole, parts, bad)
     return (
-        f"with chunks={chunks} the micro-batches would compute otherwise than the whole batch: run on the two "
-        "halves of the inputs checked (the example's, or the first call of two samples or more where the example "
-        "had one), the model gives other outputs than on the whole of them. It mixes samples "
+        f"with chunks={chunks} the micro-batches would compute otherwise than the whole batch: run on two parts "
+        "of the inputs checked (the example's, or the first call of two samples or more where the example had one, "
+        "or its samples were all alike), the model gives other outputs than on the whole of them. It mixes samples "
         "along the batch dim, or computes with the batch size.\n"
         + "".join(f"  - output {p}\n" for p in problems)
         + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
@@ -578,7 +617,7 @@ def _mixing_message(
 
 def _where_it_starts(gm: fx.GraphModule, whole: tuple[Any, ...], parts: list[tuple[Any, ...]], bad: set[fx.Node]) -> list[str]:
     """The first nodes (up to 3) on a path of disagreeing values to a `bad` output whose
-    halves' values disagree with the whole example's while their inputs' agree. (A
+    parts' values disagree with the whole example's while their inputs' agree. (A
     disagreeing value that a later node makes agree again, the batch size given to `view`,
     starts nothing.)"""
     try:
@@ -605,7 +644,7 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
     numbers = isinstance(whole, tuple) and all(isinstance(v, (int, float)) for v in whole)
     if (isinstance(whole, (int, float)) or numbers) and not isinstance(whole, bool):  # a size, or a shape
         shown = tuple(whole) if isinstance(whole, tuple) else whole
-        text += f", {shown} for the whole example and {tuple(part) if isinstance(part, tuple) else part} for a half"
+        text += f", {shown} for the whole example and {tuple(part) if isinstance(part, tuple) else part} for a part"
     line = source_line(node)
     text = text if line == "an unknown line" else f"{text} at {line}"
     library = op_namespace(node.target) if isinstance(node.target, torch._ops.OpOverload) else None
@@ -616,7 +655,7 @@ def _describe(node: fx.Node, whole: Any, part: Any) -> str:
 
 
 def _agrees(whole: Any, parts: list[Any]) -> bool:
-    """Whether the halves' values of a node put together give the whole example's, leaf by leaf
+    """Whether the parts' values of a node put together give the whole example's, leaf by leaf
     (a module's tuple of outputs, say)."""
     if isinstance(whole, (tuple, list)) and all(isinstance(p, type(whole)) and len(p) == len(whole) for p in parts):
         return all(_agrees(w, [p[k] for p in parts]) for k, w in enumerate(whole))

@@ -297,7 +297,7 @@ class Program:
     # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
     loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
-    # How the model's own loss on the example came from its halves': 'sum' or 'mean' over
+    # How the model's own loss on the example came from two parts': 'sum' or 'mean' over
     # samples, or 'neither' (passes/batch_dims.py); None where compiling could not tell.
     own_loss_combines: Optional[str] = None
     # Where the own loss is the `loss` field of a namedtuple one output value holds: its
@@ -439,8 +439,8 @@ class Compiled:
     # The inputs (placeholder names) the forward marks as requiring grad (`x.requires_grad_()`):
     # the caller's tensors, which the stages see only micro-batches of, are marked at each call.
     marked_for_grad: frozenset[str] = frozenset()
-    # Where the example had one sample, or halves alike: the halves' check, to run on the first call
-    # of two samples or more whose halves differ (inputs by name, their split dims, the call's args
+    # Where the example had one sample, or samples all alike: the parts' check, to run on the first
+    # call of two samples or more not all alike (inputs by name, their split dims, the call's args
     # and kwargs; False where this call's are alike too); None once run.
     unchecked: Optional[Callable[[dict[str, Any], Any, tuple[tuple[Any, ...], dict[str, Any]]], bool]] = None
     # How each call's micro-batches are cut into slices of their sequence; None: they are not.
@@ -460,8 +460,8 @@ class Compiled:
     def copy(self, memo: dict[int, Any]) -> "Compiled":
         if self.unchecked is not None:
             raise TypeError(
-                "this pipeline was compiled on an example of one sample (or of halves alike) and has not yet checked its "
-                "micro-batches (on its first call of two samples or more whose halves differ): a copy would not check "
+                "this pipeline was compiled on an example of one sample (or of samples all alike) and has not yet checked "
+                "its micro-batches (on its first call of two samples or more that differ): a copy would not check "
                 "them.\nHow to fix: call it once with such a batch before copying it, or compile it with an example of "
                 "two samples or more that differ."
             )

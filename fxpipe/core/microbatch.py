@@ -47,7 +47,9 @@ class ExampleLeaf(NamedTuple):
 
     ndim: int
     whole: bool  # it went whole to every micro-batch
-    broadcast: bool = False  # whole, its dim 0 of size 1 where the batch's was larger: broadcast against it
+    # Whole, of size 1 in the batch's dim (0, or the one chunk_spec names) where the batch was
+    # larger: broadcast against it. That dim, or None.
+    broadcast: Optional[int] = None
 
 
 # Per input, for each of its leaves as the example gave it; None for what is not a tensor.
@@ -66,7 +68,10 @@ def example_leaves(values: dict[str, Any], dims: Dims) -> ExampleLeaves:
 
 def _example_leaf(t: torch.Tensor, batch: Optional[int], dims: Dims) -> ExampleLeaf:
     whole = batch is None or split_dim(t, batch, dims) is None
-    return ExampleLeaf(t.dim(), whole, whole and batch is not None and batch > 1 and t.dim() > 0 and t.shape[0] == 1 and id(t) not in dims)
+    named = {dim for dim in dims.values() if dim is not None}
+    along = named.pop() if len(named) == 1 else 0  # the batch's dim, where chunk_spec names one for all
+    broadcast = whole and batch is not None and batch > 1 and t.dim() > along and t.shape[along] == 1 and id(t) not in dims
+    return ExampleLeaf(t.dim(), whole, along if broadcast else None)
 
 
 def kept_whole(values: dict[str, Any], example: ExampleLeaves, dims: Dims) -> Dims:
@@ -75,11 +80,16 @@ def kept_whole(values: dict[str, Any], example: ExampleLeaves, dims: Dims) -> Di
     of positions, or a (T, T) mask, at a batch as long as the sequence; its sizes follow the
     sequence length, so they need not be the example's). But a leaf the example gave with dim 0
     of 1, broadcast against the batch (a mask of (1, T)), that now has more: per sample, as the
-    plain model broadcasts it, it is split (or refused) by the batch rule."""
+    plain model broadcasts it, it is split (or refused) by the batch rule, or along the dim
+    chunk_spec names for the inputs that hold the batch."""
     found = dict(dims)
     for name, leaf, seen in _known_leaves(values, example):
-        if seen.whole and seen.ndim == leaf.dim() and id(leaf) not in found and not (seen.broadcast and leaf.shape[0] != 1):
+        if not seen.whole or seen.ndim != leaf.dim() or id(leaf) in found:
+            continue
+        if seen.broadcast is None or leaf.shape[seen.broadcast] == 1:
             found[id(leaf)] = None
+        elif seen.broadcast:  # along the dim chunk_spec names for the others, as they are
+            found[id(leaf)] = seen.broadcast
     return found
 
 

@@ -21,7 +21,7 @@ from fxpipe.distributed.replicas import ReplicaFailed, Replicas
 from fxpipe.runtime.batch_loss import loss_and_outputs, own_loss_reduction, own_mean_size
 from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
-from fxpipe.runtime.loss_state import LossStateKept
+from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
 from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
 from fxpipe.runtime.step import Step
 from fxpipe.schedules.slices import SliceSpec
@@ -109,7 +109,7 @@ def _train_across(
         loss_rank = layout.ranks[layout.loss_stage]
         here = channel.me == loss_rank
         before = torch.get_rng_state()
-        kept_state = LossStateKept(loss_fn if here else None, calls=len(call.sizes) + 1)  # (the loss stage calls it here)
+        kept_state = LossStateKept(loss_fn if here else None, calls=calls_of_loss_fn(len(call.sizes)))  # (the loss stage calls it here)
         with failing_together(channel):
             step.train()
             if here:

@@ -3,13 +3,17 @@
 train_step calls `loss_fn` once per micro-batch and once more on the whole batch (the check
 that the micro-batches' losses combine into its loss): a step counter, a running mean or a queue
 that a loss object keeps would move as many times per step, where the plain loop moves it once.
-Of a loss object (an `nn.Module`, the module of a bound method, an instance of a callable class)
-the plain values and the tensors its attributes hold are noted before the step and compared
-after it; a change is put back and refused. State a plain function keeps (a closure, a global)
+Of a loss object (an `nn.Module`, the module of a bound method, an instance of a callable class,
+what a functools.partial holds, and the plain objects they hold) the plain values, tensors,
+lists, dicts and sets its attributes hold are noted before the step and compared after it; a
+change is put back and refused. State a plain function keeps (a closure, a global)
 cannot be seen: docs/limits.md says so.
 """
 from __future__ import annotations
 
+import collections
+import copy
+import functools
 import types
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -23,51 +27,122 @@ _MISSING = object()
 
 @dataclass
 class _Tensor:
-    """A tensor attribute as the step found it: the tensor, its version and its values."""
+    """A tensor attribute as the step found it: the tensor, its version and its values (None
+    for a large one, which is refused but not put back)."""
 
     tensor: torch.Tensor
     version: int
-    values: torch.Tensor
+    values: Optional[torch.Tensor]
+
+
+@dataclass
+class _Container:
+    """A list, dict or set attribute as the step found it: the container and a shallow copy."""
+
+    held: Any
+    copy: Any
+
+
+_PUT_BACK_ELEMENTS = 1 << 16  # a larger tensor is compared by version alone
+_DEPTH = 3  # how deep objects held by the loss are followed
 
 
 def _holders(loss_fn: Any) -> list[Any]:
-    """The objects whose attributes the loss keeps its state in."""
-    owner = loss_fn.__self__ if isinstance(loss_fn, types.MethodType) else loss_fn
-    if isinstance(owner, (types.FunctionType, types.BuiltinFunctionType, type)) or not hasattr(owner, "__dict__"):
-        return []
-    return list(owner.modules()) if isinstance(owner, nn.Module) else [owner]
+    """The objects whose attributes the loss keeps its state in: the loss object (a bound
+    method's, a functools.partial's function and arguments), its modules, and the plain objects
+    they hold, a few levels down."""
+    found: list[Any] = []
+    todo, seen = [(loss_fn, 0)], set()
+    while todo:
+        held, depth = todo.pop()
+        if id(held) in seen or depth > _DEPTH:
+            continue
+        seen.add(id(held))
+        if isinstance(held, types.MethodType):
+            todo.append((held.__self__, depth))
+        elif isinstance(held, functools.partial):
+            todo += [(v, depth) for v in (held.func, *held.args, *held.keywords.values())]
+        elif _object(held):
+            owners = list(held.modules()) if isinstance(held, nn.Module) else [held]
+            found += [owner for owner in owners if id(owner) not in seen or owner is held]
+            seen.update(id(owner) for owner in owners)
+            todo += [(value, depth + 1) for owner in owners for value in vars(owner).values() if _object(value) and not isinstance(value, nn.Module)]
+    return found
+
+
+def _object(value: Any) -> bool:
+    """An object whose attributes may hold state: not a function, class, module of code or tensor."""
+    plain_kinds = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, type, torch.Tensor)
+    return hasattr(value, "__dict__") and not isinstance(value, plain_kinds)
 
 
 def _state(holder: Any) -> dict[str, Any]:
-    """The attributes of `holder` that a call may change: plain values, and tensors."""
+    """The attributes of `holder` that a call may change: plain values, tensors, containers."""
     found: dict[str, Any] = {}
     for name, value in {**vars(holder), **getattr(holder, "_buffers", {})}.items():
         if name in _TORCH_OWN:
             continue
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-            found[name] = _Tensor(value, value._version, value.detach().clone())
+            values = value.detach().clone() if value.numel() <= _PUT_BACK_ELEMENTS else None
+            found[name] = _Tensor(value, value._version, values)
         elif value is None or type(value) in (bool, int, float, str):
             found[name] = value
+        elif type(value) in (list, dict, set, collections.deque):
+            found[name] = _Container(value, copy.copy(value))
     return found
 
 
 def _changed(before: Any, now: Any) -> bool:
     if isinstance(before, _Tensor):
         return now is not before.tensor or now._version != before.version
+    if isinstance(before, _Container):
+        return now is not before.held or _contents_changed(before.copy, now)
     return type(now) is not type(before) or not (now is before or now == before)
 
 
+def _contents_changed(then: Any, now: Any) -> bool:
+    if len(then) != len(now):
+        return True
+    if isinstance(now, dict):
+        return then.keys() != now.keys() or any(not _same(then[k], now[k]) for k in now)
+    if isinstance(now, set):
+        return then != now
+    return any(not _same(a, b) for a, b in zip(then, now))
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)
+
+
 def _shown(value: Any) -> str:
+    if isinstance(value, _Container):
+        value = value.copy
+    if isinstance(value, (list, dict, set, collections.deque)):
+        items = value.values() if isinstance(value, dict) else value
+        few = len(value) <= 4 and all(v is None or type(v) in (bool, int, float, str) for v in items)
+        return repr(value) if few else f"a {type(value).__name__} of {len(value)}"
     return "deleted" if value is _MISSING else "a tensor" if isinstance(value, (_Tensor, torch.Tensor)) else repr(value)
 
 
 def _put_back(holder: Any, name: str, before: Any) -> None:
     if isinstance(before, _Tensor):
-        with torch.no_grad():
-            before.tensor.copy_(before.values)
+        if before.values is not None:
+            with torch.no_grad():
+                before.tensor.copy_(before.values)
         setattr(holder, name, before.tensor)
+    elif isinstance(before, _Container):
+        held = before.held
+        held.clear()
+        held.update(before.copy) if isinstance(held, (dict, set)) else held.extend(before.copy)
+        setattr(holder, name, held)
     else:
         setattr(holder, name, before)
+
+
+def calls_of_loss_fn(micro_batches: int) -> int:
+    """How many times a step calls loss_fn: once per micro-batch, and once more on the whole
+    batch where there are several (the check of their combination)."""
+    return micro_batches + (micro_batches > 1)
 
 
 class LossStateKept:

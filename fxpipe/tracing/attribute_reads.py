@@ -159,6 +159,7 @@ class Reads:
                     self.first[qualified] = copy.deepcopy(value)
         elif isinstance(value, torch.Tensor) and not isinstance(owner, nn.Module):
             self.values[self.mode].update(names)  # a tensor a settings object holds: a constant of the graph
+            self.tensors.setdefault(id(value), (value, names))
             for qualified in names:
                 self.first.setdefault(qualified, value)
         elif isinstance(value, torch.Tensor) and vars(owner).get(name) is value:  # a module's plain tensor attribute
@@ -167,10 +168,12 @@ class Reads:
             self._reached(value, names)
             if type(value) is types.SimpleNamespace:
                 return NamespaceReads(value)
-        elif type(value) in (list, tuple, dict):  # settings objects in it (a config per head), by place or key
+        elif type(value) in (list, tuple, dict):  # settings objects or tensors in it (a config per head), by place or key
             for key, element in value.items() if type(value) is dict else enumerate(value):
                 if settings(element) and type(element) is not types.SimpleNamespace and simple_key(key):
                     self._reached(element, [f"{name}[{key!r}]" for name in names])
+                elif isinstance(element, torch.Tensor) and not isinstance(element, nn.Parameter) and simple_key(key):
+                    self.tensors.setdefault(id(element), (element, [f"{name}[{key!r}]" for name in names]))
         return value
 
     def _reached(self, settings: Any, names: list[str]) -> None:

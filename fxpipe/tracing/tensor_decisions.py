@@ -19,9 +19,11 @@ from torch.utils._pytree import tree_leaves
 
 from fxpipe.tracing.attribute_reads import Reads
 
+# What makes a Python value (or a numpy array) of a tensor's values.
 _TO_PYTHON = frozenset({
     torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
-    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__complex__,
+    torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__complex__, torch.Tensor.is_nonzero, torch.is_nonzero,
+    torch.Tensor.equal, torch.equal, torch.Tensor.allclose, torch.allclose, torch.Tensor.numpy, torch.Tensor.__array__,
 })  # fmt: skip
 
 

@@ -984,3 +984,34 @@ def test_a_setting_compiling_planned_by_changed_after_compiling_is_refused_and_o
     setattr(model.get_submodule(name), attr, getattr(reference.get_submodule(name), attr))
     model.drop.p = reference.drop.p = 0.0  # a rate the runtime reads at each call: no plan changes
     assert_call_and_grads_equal(pipe, reference, ids)
+
+
+class _Decides(nn.Module):
+    """Takes a branch on a tensor it holds, decided in one of the ways Python gets a value."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.how = nn.Linear(4, 4), how
+        self.gate = torch.tensor(1.0, dtype=torch.float64)
+        self.gates = [torch.tensor(1.0, dtype=torch.float64)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        on = {
+            "equal": lambda: torch.equal(self.gate, torch.ones((), dtype=torch.float64)),
+            "allclose": lambda: torch.allclose(self.gate, torch.ones((), dtype=torch.float64)),
+            "is_nonzero": lambda: self.gate.is_nonzero(),
+            "in a list": lambda: bool(self.gates[0] > 0.5),
+        }[self.how]()
+        return self.a(x) * 2 if on else self.a(x)
+
+
+@pytest.mark.parametrize("how", ["equal", "allclose", "is_nonzero", "in a list"])
+def test_a_branch_decided_on_a_tensor_attribute_in_other_ways_is_watched_too(how: str) -> None:
+    """Before, these decisions went unseen: the traced branch was kept after the value changed."""
+    model, reference = twin(_Decides(how))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    (model.gates[0] if how == "in a list" else model.gate).fill_(0.0)
+    with pytest.raises(RuntimeError, match="have changed since compiling"):
+        pipe(x)

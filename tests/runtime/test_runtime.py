@@ -769,3 +769,40 @@ def test_a_step_is_freed_without_the_garbage_collector_once_its_backward_ran(dev
         assert len(made) == 2 and all(ref() is None for ref in made)
     finally:
         gc.enable()
+
+
+class _ClampsInPlace(nn.Module):
+    """Kept whole: writes its input in place, where the graph does not show it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp_(-0.5, 0.5)
+
+
+class _ClampsFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clamp, self.a = _ClampsInPlace(), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.a(self.clamp(x)) * mask
+
+
+def test_an_input_cut_along_dim_1_gets_the_writes_a_module_kept_whole_makes_and_a_broadcast_mask_is_split() -> None:
+    """Before, a write into a contiguous copy of a micro-batch's piece never reached the
+    caller's tensor (max |x| 2.6 where the plain model leaves 0.5); and a mask of (T, 1, 1) on
+    the example, given per sample later, was kept whole (4 samples out for 2)."""
+    model, reference = twin(_ClampsFirst())
+    x, mask = torch.randn(5, 4, 6, dtype=torch.float64) * 3, torch.rand(5, 1, 1, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x.clone(), mask), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1}, leaf_modules=[_ClampsInPlace], checkpoint="never")
+    for m in (mask, torch.rand(5, 4, 1, dtype=torch.float64)):
+        ours, theirs = x.clone(), x.clone()
+        out, expected = pipe(ours, m), reference(theirs, m)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        out.sum().backward()
+        expected.sum().backward()
+        assert_grads_equal(pipe, reference)
+    ours, theirs = x.clone(), x.clone()
+    pipe.train_step(ours, mask, target=torch.zeros(5, 4, 6, dtype=torch.float64), loss_fn=nn.functional.mse_loss)
+    reference(theirs, mask)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import functools
 import itertools
+import types
 import warnings
 from typing import Any, Callable, Optional
 
@@ -1852,4 +1854,73 @@ def test_a_loss_that_compares_samples_is_refused_pointing_to_pipe_x_and_backward
         pipe.train_step(x, target=None, loss_fn=_info_nce)
     _info_nce(pipe(x), None).backward()  # the fix it gives
     _info_nce(reference(x), None).backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class _Appends:
+    """Keeps what it saw in a list."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.seen.append(len(out))
+        return F.cross_entropy(out, target)
+
+
+class _Tallies:
+    """Counts in a dict, through an object it holds."""
+
+    def __init__(self) -> None:
+        self.meter = types.SimpleNamespace(stats={"calls": 0})
+
+    def __call__(self, out: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.meter.stats["calls"] += 1
+        return F.cross_entropy(out, target) * scale
+
+
+def test_loss_state_in_containers_held_objects_and_partials_is_refused_and_one_call_is_not() -> None:
+    """Before, a list appended to, a dict in an object the loss holds, or a loss behind
+    functools.partial moved 5 times a step with no word; and a step of one micro-batch, which
+    calls loss_fn once, was refused as two calls."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    appends, tallies = _Appends(), _Tallies()
+    for loss_fn, said in ((appends, r"seen \(\[\] -> a list of 5\)"), (functools.partial(tallies, scale=2.0), r"stats \(\{'calls': 0\} -> \{'calls': 5\}\)")):
+        with pytest.raises(ValueError, match=rf"loss_fn changes its own state when called: {said}"):
+            pipe.train_step(x, target=y, loss_fn=loss_fn)
+    assert appends.seen == [] and tallies.meter.stats == {"calls": 0}
+    one = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * 2, chunks=1)
+    one.train_step(x, target=y, loss_fn=appends)  # one call, as the plain loop's
+    assert appends.seen == [8]
+
+
+class _Scaled(SeqFirst):
+    def forward(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(x)
+        return out if scale is None else out * scale
+
+
+def test_the_remembered_split_of_a_target_holds_for_calls_of_another_kind_too() -> None:
+    """Before, a call with an optional argument ran on stages of its own that had not seen the
+    earlier calls: its ambiguous target was split along the outputs' batch dim, and the loss
+    failed in the loss stage."""
+    torch.manual_seed(0)
+    model, reference = twin(_Scaled(6, 4))
+    pipe = compile_pipeline(model, torch.randn(3, 8, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1})
+
+    def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # a batch-first target of a sequence-first output
+        return F.mse_loss(out.mean(0), t)
+
+    pipe.train_step(torch.randn(3, 8, 6, dtype=torch.float64), target=torch.randn(8, 4, dtype=torch.float64), loss_fn=loss_fn)
+    model.zero_grad()
+    x, t, scale = torch.randn(3, 4, 6, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (another kind of call compiles its stages)
+        loss = pipe.train_step(x, target=t, loss_fn=loss_fn, scale=scale)
+    expected = loss_fn(reference(x, scale=scale), t)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)

@@ -283,3 +283,16 @@ def test_a_loss_fn_that_keeps_state_is_refused_in_a_loop_and_put_back(schedule: 
     assert counted.calls == 0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert len(list(pipe.train_steps(batches, loss_fn=F.cross_entropy, optimizer=optimizer))) == 3  # and the loop runs again
+
+
+def test_a_2bw_loop_on_a_pipeline_not_yet_checked_is_refused_before_it_starts() -> None:
+    """Compiled on samples all alike (zeros), the check waits for a call of its own: before, a
+    2bw loop never ran it, and a model centred over the batch trained on other numbers."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    with pytest.warns(UserWarning, match="samples all hold the same values"):
+        pipe = compile_pipeline(model, torch.zeros(8, 8, dtype=torch.float64), ["cpu", "cpu"], chunks=4, schedule="2bw")
+    before = [p.detach().clone() for p in model.parameters()]
+    batches = [(torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"(?s)has not checked yet.*How to fix: call it once on a batch of samples that differ"):
+        list(pipe.train_steps(batches, loss_fn=F.cross_entropy, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
