@@ -12,6 +12,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from fxpipe.calls import PipelineCalls
 from fxpipe.compiled.materialize import materialize
@@ -321,10 +322,11 @@ class Pipeline(PipelineCalls):
             variant = self._variant(other, args, kwargs)
             return self._ran(variant, variant.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
         with generator_put_back_on_error():
-            with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))):
+            with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))) as loss_state:
                 input_grads = step.train()
                 call.write_back()
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                loss_state.replay = lambda: loss_fn(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs), target)
         if call.grad:
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
             kept.backward_targets()

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.compiled.program import Program
 from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
@@ -116,6 +116,7 @@ def _train_across(
                 try:
                     with kept_state:
                         total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                        kept_state.replay = lambda: loss_fn(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs), target)
                 except ValueError as e:  # every rank raises it, after the step ends on all
                     problem = str(e)
             if call.grad:

@@ -16,7 +16,7 @@ import copy
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -148,29 +148,53 @@ def calls_of_loss_fn(micro_batches: int) -> int:
 class LossStateKept:
     """Noted on creation (before the step calls `loss_fn` `calls` times), compared when its block
     ends: a change to the state the loss object keeps is put back as it was, and refused
-    (ValueError)."""
+    (ValueError); but for state the last call leaves as the plain loop's one call would (a loss
+    kept for logging, `self.last = loss.detach()`): where `replay` (that one call: loss_fn on the
+    whole batch's outputs, set once they are known) leaves the state as the step left it, it stays."""
 
     def __init__(self, loss_fn: Optional[Any], calls: int) -> None:
         self.calls = calls
         self.holders = _holders(loss_fn) if loss_fn is not None and calls > 1 else []
         self.before = [_state(holder) for holder in self.holders]
+        self.replay: Optional[Callable[[], Any]] = None
 
-    def __enter__(self) -> None:
-        pass
+    def __enter__(self) -> "LossStateKept":
+        return self
+
+    def moved(self) -> list[str]:
+        """Each attribute changed since the state was noted, as `name (then -> now)`."""
+        return [
+            f"{name} ({_shown(value)} -> {_shown(now)})"
+            for holder, state in zip(self.holders, self.before) for name, value in state.items()
+            if _changed(value, now := getattr(holder, name, _MISSING))
+        ]  # fmt: skip
 
     def put_back(self) -> list[str]:
-        """Each attribute changed since the state was noted, put back as it was, as `name (then -> now)`."""
-        moved = []
+        """Each attribute changed since the state was noted, put back as it was; `moved()` before."""
+        moved = self.moved()
         for holder, state in zip(self.holders, self.before):
             for name, value in state.items():
-                now = getattr(holder, name, _MISSING)
-                if _changed(value, now):
-                    moved.append(f"{name} ({_shown(value)} -> {_shown(now)})")
+                if _changed(value, getattr(holder, name, _MISSING)):
                     _put_back(holder, name, value)
         return moved
 
+    def _as_one_call_leaves_it(self) -> bool:
+        """Whether the state now is what the plain loop's one call leaves (the state put back,
+        `replay` run, compared by value); the state is left as that call leaves it."""
+        if self.replay is None:
+            return False
+        after = [_state(holder) for holder in self.holders]
+        self.put_back()
+        with torch.no_grad():
+            self.replay()
+        once = [_state(holder) for holder in self.holders]
+        return all(a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a) for a, b in zip(after, once))
+
     def __exit__(self, kind: Any, failure: Optional[BaseException], trace: Any) -> None:
-        moved = self.put_back()
+        moved = self.moved()
+        if not moved or (failure is None and self._as_one_call_leaves_it()):
+            return
+        self.put_back()
         if moved:
             raise ValueError(
                 f"loss_fn changes its own state when called: {', '.join(moved)}, over this step's {self.calls} calls of it. "
@@ -180,3 +204,23 @@ class LossStateKept:
                 "loss_fn and move it once per step (after train_step, or in after_step= of train_steps), or compute the loss "
                 "yourself: loss_fn(pipe(x), target).backward()."
             ) from failure
+
+
+def _alike(a: Any, b: Any) -> bool:
+    """Whether two notes of an attribute hold the same values (tensors by value)."""
+    if isinstance(a, _Tensor) and isinstance(b, _Tensor):
+        return a.values is not None and b.values is not None and _same_values(a.values, b.values)
+    if isinstance(a, _Container) and isinstance(b, _Container):
+        x, y = a.copy, b.copy
+        if type(x) is not type(y) or len(x) != len(y):
+            return False
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(_same_values(x[k], y[k]) for k in x)
+        return x == y if isinstance(x, set) else all(_same_values(u, v) for u, v in zip(x, y))
+    return type(a) is type(b) and not isinstance(a, (_Tensor, _Container)) and (a is b or a == b)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)

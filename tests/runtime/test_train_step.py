@@ -1924,3 +1924,35 @@ def test_the_remembered_split_of_a_target_holds_for_calls_of_another_kind_too() 
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class _KeepsTheLast(nn.Module):
+    """Keeps its last loss and its parts for logging: what the plain loop's one call leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: Optional[torch.Tensor] = None
+        self.parts: dict[str, float] = {}
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out, target)
+        self.last, self.parts = loss.detach(), {"ce": loss.item()}
+        return loss
+
+
+def test_a_loss_that_keeps_its_last_value_for_logging_trains_and_keeps_the_plain_loop_s() -> None:
+    """Its last call, on the whole batch, leaves what the plain loop's one call leaves: no state
+    that moves with the calls. Refused by the check of state before."""
+    torch.manual_seed(0)
+    model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)))
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    ours, theirs = _KeepsTheLast(), _KeepsTheLast()
+    loss = pipe.train_step(x, target=y, loss_fn=ours)
+    expected = theirs(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert ours.last is not None and theirs.last is not None
+    torch.testing.assert_close(ours.last, theirs.last, rtol=1e-12, atol=1e-12)
+    assert ours.parts.keys() == theirs.parts.keys() and abs(ours.parts["ce"] - theirs.parts["ce"]) < 1e-12
+    assert_grads_equal(pipe, reference, tol=1e-12)
