@@ -55,16 +55,8 @@ _HINTS = [
 ]
 
 
-_HINTS.append((
-    ("AssertionError:",),
-    "Where the assertion is the model's (torch._assert, assert in forward), it ran on one micro-batch: a check "
-    "of the whole batch (torch._assert((ids != pad).any(), ...)) can fail on a part of it where it holds for the "
-    "batch the plain model is called on.\nHow to fix: check the batch before calling the pipeline, or use chunks=1.",
-))
-
-# The hints that speak of what one micro-batch's forward does to another's, or of a micro-batch
-# as a part of the batch: none with one alone.
-_BETWEEN_MICRO_BATCHES = ("modified by an inplace operation", "AssertionError:")
+# The hints that speak of what one micro-batch's forward does to another's: none with one alone.
+_BETWEEN_MICRO_BATCHES = ("modified by an inplace operation",)
 
 
 def hint_for(error: BaseException, micro_batches: int = 2) -> str:

@@ -1063,31 +1063,3 @@ def test_tensors_with_gradients_that_every_call_can_use_are_not_refused(case: st
         pipe(X.double()).square().mean().backward()
         reference(X.double()).square().mean().backward()
     assert_grads_equal(pipe, reference, tol=1e-12)
-
-
-class _Guarded(nn.Module):
-    """Asserts a property of the whole batch: some token is not padding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        torch._assert((ids != 0).any(), "the batch is all padding")
-        return self.b(torch.tanh(self.a(ids.to(torch.float64))))
-
-
-def test_an_assertion_on_the_whole_batch_that_a_micro_batch_fails_says_why() -> None:
-    """Before, the model's AssertionError came alone, from micro-batch 0, where the plain model passes."""
-    from fxpipe import StageError
-
-    torch.manual_seed(0)
-    pipe = compile_pipeline(_Guarded().double(), torch.randint(1, 5, (8, 6)), ["cpu"] * 2, chunks=2)
-    ids = torch.randint(1, 5, (8, 6))
-    ids[:4] = 0  # the first half all padding, the batch not
-    with pytest.raises(StageError, match=r"(?s)AssertionError: the batch is all padding.*it ran on one micro-batch.*How to fix: check the batch"):
-        pipe(ids)
-    one = compile_pipeline(_Guarded().double(), torch.randint(1, 5, (8, 6)), ["cpu"] * 2, chunks=1)
-    with pytest.raises(StageError) as raised:  # one micro-batch: the plain model's failure, with nothing more
-        one(torch.zeros(8, 6, dtype=torch.long))
-    assert "it ran on one micro-batch" not in str(raised.value)
