@@ -160,7 +160,14 @@ class PipelineCalls(nn.Module):
                 "a sample without its batch dim? Its features would be split as samples.\n"
                 "How to fix: pass a batch (x.unsqueeze(0) for one sample)."
             )
-        if self._compiled.unchecked is not None and batch is not None and batch > 1 and held is None:
+        if self._compiled.unchecked is not None and batch is not None and batch > 1:
+            if overlapping:  # (the check builds the stages again, which the loop holds: not between its steps)
+                raise ValueError(
+                    "train_steps with schedule='2bw' runs on micro-batches that this pipeline has not checked yet: it was "
+                    "compiled on an example of one sample, or of samples all alike (zeros), which shows nothing of whether "
+                    "micro-batches compute what the whole batch does.\nHow to fix: call it once on a batch of samples that "
+                    "differ first (pipe(x), or pipe.train_step(...), which run the check), or compile it on such an example."
+                )
             program = self._check_micro_batches(values, dims, args, kwargs)
         compiled = self._compiled
         # Not checked yet (this call's samples all alike, as the example's): one micro-batch, as the plain model.

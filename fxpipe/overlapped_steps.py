@@ -84,13 +84,6 @@ class _Overlap:
         self.program = pipe._programs[True]
         self.layout = self.program.layout
         refuse_too_few_micro_batches(self.layout, pipe._chunks)
-        if pipe._compiled.unchecked is not None:  # (its check runs on a call of its own, which a loop's batches are not)
-            raise ValueError(
-                "train_steps with schedule='2bw' runs on micro-batches that this pipeline has not checked yet: it was "
-                "compiled on an example of one sample, or of samples all alike (zeros), which shows nothing of whether "
-                "micro-batches compute what the whole batch does.\nHow to fix: call it once on a batch of samples that "
-                "differ first (pipe(x), or pipe.train_step(...), which run the check), or compile it on such an example."
-            )
         # Every batch runs as many micro-batches: its rows' slices. With sequence_chunks='auto',
         # the count the first batch is cut into, kept for the loop (`_fix_slices`).
         self.spec: Optional[SliceSpec] = pipe._compiled.slicing

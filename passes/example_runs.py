@@ -2,7 +2,7 @@
 
 The graph runs node by node (an fx Interpreter), with no gradients, from the state the model
 holds, which is put back after each run; nodes that draw random numbers or normalise by the
-batch's statistics run under `FixedDraws`, so that the example and its halves see alike draws.
+batch's statistics run under `FixedDraws`, so that the example and its parts see alike draws.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class ExampleRunner(Recorder):
         return super().run_node(n) if self.records else self.run_bare(n)
 
     def _run_uncounted(self, n: fx.Node) -> Any:
-        # Without the shape pass's retry with gradients on: the halves run without them, and
+        # Without the shape pass's retry with gradients on: the parts run without them, and
         # the whole example's run must fail where they would (`propagate_shapes` then retries).
         return self.run_bare(n)
 

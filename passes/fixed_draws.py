@@ -18,7 +18,7 @@ class FixedDraws(EagerDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         # The shape of each draw, in order: a node whose draws keep their shapes on the batch's
-        # halves draws for the whole batch (stochastic depth's one number), whatever it returns.
+        # parts draws for the whole batch (stochastic depth's one number), whatever it returns.
         self.shapes: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:

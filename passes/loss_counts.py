@@ -39,8 +39,8 @@ _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4
 
 
 def own_loss_combines(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[str]:
-    """How the model's own loss on the example came from its halves' losses (the batch-dim
-    check's runs): 'sum' or 'mean' over samples, or 'neither'; None where it ran no halves."""
+    """How the model's own loss on the example came from its parts' losses (the batch-dim
+    check's runs): 'sum' or 'mean' over samples, or 'neither'; None where it ran no parts."""
     found = _own_loss(gm, template, name_of)
     combines = found[0].meta.get(COMBINES) if found is not None else None
     if found is None or not combines:

@@ -66,7 +66,7 @@ _PROBABILITY_ARGS = ("p", "dropout_p", "dropout")
 _TRAINING_ARGS = ("train", "training")
 
 
-# On a node that drew a value of one shape for the whole example and for each of its halves: a
+# On a node that drew a value of one shape for the whole example and for each of its parts: a
 # draw for the whole batch (stochastic depth in torchvision's mode="batch", a noise shared by every
 # sample), which every micro-batch of a step then draws alike, as the plain model draws it once.
 WHOLE_BATCH_DRAW = "draws_for_the_whole_batch"

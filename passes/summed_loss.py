@@ -1,6 +1,6 @@
 """Whether a loss is a sum over the batch on every batch, not only on the example: a sum, scaled by what no split input reaches.
 
-The batch-dim check sees, on the example's halves, whether a loss made from the whole batch is
+The batch-dim check sees, on two parts of the example, whether a loss made from the whole batch is
 their sum (passes/batch_dims.py). That holds on every batch only where the graph makes it so:
 
     tok.sum()                            a sum over the batch                       yes

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-# How the own loss came from the example's halves' losses where it was their sum but the graph
+# How the own loss came from the losses of two parts of the example where it was their sum but the graph
 # does not make it one on every batch (a sum divided by a count the model is given): a mean of
 # the micro-batches' losses is then wrong for certain, their sum right on the example at least.
 SUMMED_ON_EXAMPLE = "sum on the example"

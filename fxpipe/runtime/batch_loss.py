@@ -83,14 +83,14 @@ class MicroBatchLoss:
 
 def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
     """How the model's own loss combines over micro-batches: as compiling found it on the
-    example's halves where it could tell ('sum' for a sum over samples, or for a sum divided by
+    example's two parts where it could tell ('sum' for a sum over samples, or for a sum divided by
     a count given for the whole batch, as `num_items_in_batch`), else as `reduction` says.
-    Sliced calls keep `reduction`: their slices' losses are not the halves'."""
+    Sliced calls keep `reduction`: their slices' losses are not the parts'."""
     found = None if sliced else call.program.own_loss_combines
     if found == "mean" and reduction == "sum":
         raise ValueError(
             "reduction='sum', but the model's own loss is a mean over samples: on the example it is the mean of its "
-            "halves' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
+            "parts' losses (weighted by their sizes), not their sum. Summed, the micro-batches' losses would give "
             f"{len(call.sizes)} times the plain model's loss and gradients.\nHow to fix: leave reduction at 'mean' (the default)."
         )
     if reduction == "sum" and not sliced and _own_counts(call) is not None:
@@ -102,7 +102,7 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
         )
     if found == SUMMED_ON_EXAMPLE and reduction == "mean":
         raise ValueError(
-            "reduction='mean', but on the example the model's own loss is the sum of its halves' losses, not their "
+            "reduction='mean', but on the example the model's own loss is the sum of its parts' losses, not their "
             f"mean: averaged, the micro-batches' losses would give 1/{len(call.sizes)} of the plain model's loss and "
             "gradients.\nHow to fix: pass reduction='sum' (for a loss summed over samples, or divided by a count given "
             "to the model for the whole batch, as num_items_in_batch), or pass loss_fn."

@@ -465,7 +465,7 @@ def test_a_string_other_than_the_examples_compiles_stages_for_that_call() -> Non
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     assert_grads_equal(pipe, reference, tol=1e-12)
-    with pytest.raises(ValueError, match=r"(?s)on the example the model's own loss is the sum of its halves' losses.*pass reduction='sum'"):
+    with pytest.raises(ValueError, match=r"(?s)on the example the model's own loss is the sum of its parts' losses.*pass reduction='sum'"):
         pipe.train_step(x, y, "sum")
     assert len(pipe._variants) == 1
     per_sample = compile_pipeline(copy.deepcopy(reference), (x, y, "none"), ["cpu", "cpu"], chunks=2)

@@ -171,7 +171,7 @@ class DrawsInALibraryOp(nn.Module):
 
 
 def test_a_library_op_that_draws_under_the_check_of_micro_batches_is_named_as_such() -> None:
-    """Its draws cannot be held fixed by the check of the example's halves: the refusal says so
+    """Its draws cannot be held fixed by the check of the example's parts: the refusal says so
     of the op where the difference starts, rather than blame the model for mixing samples alone."""
     class Twice(DrawsInALibraryOp):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

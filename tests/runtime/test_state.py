@@ -524,7 +524,7 @@ class CountsWithoutGrad(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_buffer_written_inside_a_no_grad_region_is_written_once_per_micro_batch(mode: str) -> None:
-    """A recompute must not write it again, and the check of the example's halves must not
+    """A recompute must not write it again, and the check of the example's parts must not
     mistake the count for samples mixed across the batch."""
     x = torch.randn(8, 5, dtype=torch.float64)
     with pytest.warns(UserWarning, match="torch.export"):

@@ -1440,7 +1440,7 @@ class SummedOwnLoss(nn.Module):
 @pytest.mark.parametrize("schedule, training", [("gpipe", True), ("1f1b", True), ("2bw", True), ("gpipe", False)])
 @pytest.mark.parametrize("how", ["sum", "count"])
 def test_a_models_own_loss_summed_over_samples_combines_as_a_sum(how: str, schedule: str, training: bool) -> None:
-    """Compiling sees, on the example's halves, that the model's own loss is their sum: train_step
+    """Compiling sees, on two parts of the example, that the model's own loss is their sum: train_step
     sums the micro-batches' losses, under the default reduction, with nothing to warn of. Before,
     it took their mean: the loss and every gradient 1/chunks of the plain model's, with a warning."""
     model, reference = twin(SummedOwnLoss(how))
@@ -1472,7 +1472,7 @@ def test_a_sum_asked_of_a_models_own_mean_loss_is_refused_before_the_step() -> N
     with pytest.raises(ValueError, match=r"(?s)reduction='sum', but the model's own loss is a mean over samples.*4 times.*leave reduction at 'mean'"):
         pipe.train_step(x, y, count, reduction="sum")
     assert all(p.grad is None for p in pipe.parameters())
-    with pytest.warns(UserWarning, match="as it is on the example's halves"):  # the step after the refusal
+    with pytest.warns(UserWarning, match="as it is on two parts of the example"):  # the step after the refusal
         loss = pipe.train_step(x, y, count)
     expected = reference(x, y, count)["loss"]
     expected.backward()
@@ -1506,12 +1506,12 @@ class TokenLoss(nn.Module):
 
 @pytest.mark.parametrize("norm, example_mask, combines", [
     ("given", "padded", "sum"), ("two sums", "padded", "sum"),
-    ("clamped", "second half empty", SUMMED_ON_EXAMPLE), ("longest", "full", SUMMED_ON_EXAMPLE),
+    ("clamped", "second part empty", SUMMED_ON_EXAMPLE), ("longest", "full", SUMMED_ON_EXAMPLE),
 ])  # fmt: skip
 def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: str, example_mask: str, combines: Optional[str]) -> None:
-    """A loss divided by something of this batch that the example's halves happen to share (its
-    longest row, on an example with none shorter; a clamped count, where one half counts none)
-    is a sum of the halves' on the example and not on later batches. Before, it was summed on
+    """A loss divided by something of this batch that the example's parts happen to share (its
+    longest row, on an example with none shorter; a clamped count, where one part counts none)
+    is a sum of the parts' on the example and not on later batches. Before, it was summed on
     every batch with nothing to warn of: on a padded batch the loss 14.95 where the plain
     model's is 11.37. Only a sum the graph makes (passes/summed_loss.py) is summed now; a mean,
     which the example shows wrong, is refused, and a sum asked for is warned of."""
@@ -1521,15 +1521,15 @@ def test_a_loss_that_is_a_sum_on_the_example_alone_is_not_taken_for_one(norm: st
     mask = torch.ones(8, 5, dtype=torch.float64)
     if example_mask == "padded":
         mask[1, 2:] = mask[6, 1:] = 0
-    elif example_mask == "second half empty":
-        mask[4:] = 0
+    elif example_mask == "second part empty":
+        mask[3:] = 0  # (compiling's check runs on samples 0-2 and 3-7)
     count = mask.sum()
     pipe = compile_pipeline(model, (x, y, mask, count), ["cpu"] * 2, chunks=2)
     assert pipe.program().own_loss_combines == combines
     mask = torch.ones(8, 5, dtype=torch.float64)
     mask[0, 1:] = mask[5, 3:] = 0  # a batch whose halves differ
     if combines == SUMMED_ON_EXAMPLE:
-        with pytest.raises(ValueError, match="on the example the model's own loss is the sum of its halves' losses"):
+        with pytest.raises(ValueError, match="on the example the model's own loss is the sum of its parts' losses"):
             pipe.train_step(x, y, mask, mask.sum())
         with pytest.warns(UserWarning, match="cannot check that it is one"):
             pipe.train_step(x, y, mask, mask.sum(), reduction="sum")
@@ -1680,7 +1680,7 @@ def test_an_own_loss_neither_the_sum_nor_the_mean_of_the_halves_says_so_without_
     x, y, count = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64), torch.tensor(1.0, dtype=torch.float64)
     pipe = compile_pipeline(model, (x, y, count), ["cpu"] * 2, chunks=2)
     assert pipe.program().own_loss_combines == "neither"
-    with pytest.warns(UserWarning, match=r"neither the sum nor the mean of its halves' losses.*differs from the plain model's") as said:
+    with pytest.warns(UserWarning, match=r"neither the sum nor the mean of its parts' losses.*differs from the plain model's") as said:
         pipe.train_step(x, y, count)
     assert "reduction='sum'" not in str(said[0].message)
 

@@ -300,3 +300,42 @@ def test_a_nested_tensor_fast_path_the_graph_does_not_take_is_named_with_the_fix
     pipe.eval(), reference.eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(x, src_key_padding_mask=pad), reference(x, src_key_padding_mask=pad), rtol=0, atol=1e-12)
+
+
+class _RunningNorm(nn.Module):
+    """Keeps a running mean and a Python count of the batches it saw, as speechbrain's
+    InputNormalization does: its forward assigns both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self.mean = 0, torch.zeros(8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        current = x.mean(0)
+        if self.training:
+            self.mean = current.detach() if self.count == 0 else (self.count * self.mean + current.detach()) / (self.count + 1)
+            self.count = self.count + 1
+        return x - self.mean
+
+
+class _Normalised(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.a = _RunningNorm(), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.norm(x))
+
+
+def test_compiling_leaves_a_count_a_forward_keeps_as_it_was() -> None:
+    """Before, compiling's runs of the forward left the count at 1 (its tensor put back): the
+    pipeline's first call blended the batch's mean with the initial zeros, 1.5 off."""
+    model, reference = twin(_Normalised())
+    x = torch.randn(6, 8, dtype=torch.float64) + 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    assert model.norm.count == 0
+    for _ in range(2):
+        torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    assert model.norm.count == reference.norm.count == 2
