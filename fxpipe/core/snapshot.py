@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
@@ -37,15 +37,13 @@ class _Grad:
 
 @dataclass
 class Snapshot:
-    """Parameters, buffers, `.grad`, `training` flags, the plain values modules hold (a count a
-    forward keeps, `self.count += 1`) and the CPU and CUDA random states."""
+    """Parameters, buffers, `.grad`, `training` flags and the CPU and CUDA random states."""
 
     slots: list[_Slot]
     grads: list[_Grad]
     training: list[tuple[nn.Module, bool]]
     cpu_rng: torch.Tensor
     cuda_rng: Optional[list[torch.Tensor]]
-    values: list[tuple[nn.Module, dict[str, Any]]] = field(default_factory=list)
 
     def restore(self) -> None:
         """Put everything back. A tensor moved to another device since (placement) keeps its
@@ -56,11 +54,6 @@ class Snapshot:
             _restore_grad(grad)
         for module, flag in self.training:
             module.training = flag
-        for module, values in self.values:
-            held = module.__dict__
-            for name, value in values.items():
-                if name in held and held[name] is not value and type(held[name]) in _PLAIN:
-                    held[name] = value
         torch.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -89,11 +82,7 @@ def take_snapshot(module: nn.Module) -> Snapshot:
     grads = [_Grad(p, p.grad, None if p.grad is None else _copy(p.grad, copies)) for p in params.values()]
     # CUDA's states exist once CUDA is initialised; a run that initialises it starts from the seed.
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    values = [(m, {name: v for name, v in vars(m).items() if type(v) in _PLAIN}) for m in modules]
-    return Snapshot(slots, grads, [(m, m.training) for m in modules], torch.get_rng_state(), cuda_rng, values)
-
-
-_PLAIN = (int, float, bool, str, type(None))
+    return Snapshot(slots, grads, [(m, m.training) for m in modules], torch.get_rng_state(), cuda_rng)
 
 
 def _put(target: torch.Tensor, values: torch.Tensor) -> None:

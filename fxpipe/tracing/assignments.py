@@ -9,6 +9,7 @@ Proxy). A module the graph calls whole runs its own forward, assignments include
 from __future__ import annotations
 
 import copy
+import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
@@ -275,21 +276,39 @@ class StableAssignments:
         self.filled: list[str] = []  # containers whose contents the runs changed (put back)
         # Tensors a run stored on a module (`self.hidden = h`) that require grad, by path and name.
         self.differentiable: frozenset[tuple[str, str]] = frozenset()
+        # What each run assigned on a module, by path and name: a value one run assigns and the
+        # next leaves as it found it (a count kept in training alone) is no setting of every call.
+        self.paths = {id(module): path for path, module, _ in modules}
+        self.set_now: set[tuple[str, str]] = set()
+        self.set_by_run: list[set[tuple[str, str]]] = []
+        self._watch = _assignments_watched(model, self.paths, self.set_now)
 
     def ran(self) -> None:
         self.ends.append(self.assigned.since())
+        self.set_by_run.append(set(self.set_now))
+        self.set_now.clear()
 
     def __enter__(self) -> "StableAssignments":
+        self._watch.__enter__()
         return self
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
+        self._watch.__exit__(kind, *rest)
         first = self.ends[0] if self.ends and kind is None else {}
-        self.kept = {key: v for key, v in first.items() if constant(v) and all(key in e and not _changed(e[key], v) for e in self.ends)}
+        self.kept = {
+            key: v for key, v in first.items()
+            if constant(v) and all(key in e and not _changed(e[key], v) for e in self.ends) and self._set_by_every_run(key)
+        }  # fmt: skip
         self.assigned.put_back(keep=self.kept)
         self.filled = self.contents.put_back()
         self.differentiable = frozenset(
             key for end in self.ends for key, v in end.items() if isinstance(v, torch.Tensor) and v.requires_grad
         )
+
+    def _set_by_every_run(self, key: tuple[str, str]) -> bool:
+        """Whether every run assigned `key` (a module's attribute; a settings object's field counts as
+        assigned by each run that left it so)."""
+        return "." in key[1] or all(key in assigned for assigned in self.set_by_run)
 
     def undo(self) -> None:
         self.assigned.put_back()
@@ -358,6 +377,34 @@ def _whole_advice(lost: list[str], exported: str) -> str:
                 "module, and keep the module whole (leaf_modules=[...]).")  # fmt: skip
     return (f"Keeping the module whole (leaf_modules=[...]) needs torch.fx, which could not trace the model ({exported}): "
             "make it traceable (name forward's arguments), then keep the module that stores it whole.")
+
+
+@contextmanager
+def _assignments_watched(model: nn.Module, paths: dict[int, str], seen: set[tuple[str, str]]) -> Iterator[None]:
+    """Within this block, each attribute this thread assigns on one of `model`'s modules (by the
+    path `paths` gives its id) is added to `seen`: `__setattr__` of their classes wrapped."""
+    here = threading.get_ident()
+    wrapped: list[tuple[type, Any]] = []
+    for cls in dict.fromkeys(type(m) for m in model.modules()):
+        own = cls.__dict__.get("__setattr__")
+        inherited = cls.__setattr__
+
+        def noting(self: Any, name: str, value: Any, _inherited: Any = inherited) -> None:
+            path = paths.get(id(self))
+            if path is not None and threading.get_ident() == here:
+                seen.add((path, name))
+            _inherited(self, name, value)
+
+        wrapped.append((cls, own))
+        cls.__setattr__ = noting  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        for cls, own in reversed(wrapped):
+            if own is None:
+                delattr(cls, "__setattr__")
+            else:
+                cls.__setattr__ = own  # type: ignore[method-assign]
 
 
 @contextmanager
