@@ -38,7 +38,7 @@ from fxpipe.runtime.call import Call, differentiable, sliced_call
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
-from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
+from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call, replay_once
 from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
@@ -324,9 +324,8 @@ class Pipeline(PipelineCalls):
         with generator_put_back_on_error():
             with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))) as loss_state:
                 input_grads = step.train()
-                call.write_back()
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
-                loss_state.replay = lambda: loss_fn(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs), target)
+                loss_state.replay = replay_once(loss_fn, outputs, target, total.device) if loss_fn is not None else None
         if call.grad:
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
             kept.backward_targets()

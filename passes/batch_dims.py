@@ -128,12 +128,17 @@ def annotate_batch_dims(
         return True
     whole, written = whole_run.values, set(whole_run.written)
     _refuse_sparse_outputs(returned, whole, chunks)
-    try:
-        each = run_on(gm, parts, real, keep={*returned, *whole_run.fixed}, fixed=whole_run.fixed)
-    except Exception as e:  # noqa: BLE001 - named in the refusal
+    keep = {*returned, *whole_run.fixed}
+    each, error = _run_parts(gm, parts, real, keep, whole_run.fixed)
+    if error is not None and sizes != split_sizes(batch, 2):  # a model of groups of samples (x.view(-1, 2, d): pairs)
+        sizes = split_sizes(batch, 2)
+        pieces = [scatter(value, sizes, batch, dims) for value in inputs]
+        parts = [tuple(p[i] for p in pieces) for i in range(2)]
+        each, error = _run_parts(gm, parts, real, keep, whole_run.fixed)
+    if error is not None:
         if batch < 4:  # a part of one sample: a squeeze() may drop its batch dim, which larger calls keep
             return True
-        raise ValueError(_failing_part_message(gm, inputs, batch, chunks, dims, e)) from e
+        raise ValueError(_failing_part_message(gm, inputs, batch, chunks, dims, error)) from error
     _mark_whole_batch_draws(whole_run.fixed, whole, each)
     compare = real and not _keeps_state(gm, written)
     reading = _reading_written(gm, written) if real and not compare else None
@@ -324,6 +329,11 @@ def _failing_part_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: in
     )
     hint = _first_may_be_shared(names, inputs, batch, dims) + hint + _between_samples(names, inputs, batch)
     hint += _split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
+    if "view size is not compatible with input tensor's size and stride" in str(error) and any(d not in (None, 0) for d in dims.values()):
+        hint += (
+            "A micro-batch of an input cut along a dim other than 0 is a slice of it, not contiguous, which "
+            "x.view(...) refuses: use x.reshape(...) there (or x.contiguous().view(...)).\n"
+        )
     if isinstance(error, IndexError) or "out of bounds" in str(error) or "index out of range" in str(error):
         hint += (
             "An index out of range on a part of the batch: an input may hold indices into the batch (a box's image "
@@ -467,6 +477,14 @@ def _leaves(value: Any) -> list[Any]:
 
 def _paths(value: Any) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
+
+
+def _run_parts(gm: fx.GraphModule, parts: list[tuple[Any, ...]], real: bool, keep: set[fx.Node], fixed: set[fx.Node]) -> tuple[list[dict[fx.Node, Any]], Optional[Exception]]:
+    """The graph's values on each part, or the error it raised on one."""
+    try:
+        return run_on(gm, parts, real, keep=keep, fixed=fixed), None
+    except Exception as e:  # noqa: BLE001 - named in the refusal
+        return [], e
 
 
 def _parts(batch: int, chunks: int, dims: Dims) -> list[int]:

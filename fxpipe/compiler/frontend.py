@@ -333,7 +333,8 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
         )
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
-    if any(reason in fx_failure.detail for reason in ("cannot keep such an attribute up to date", "switches gradients", "enters torch.inference_mode")):
+    if any(reason in fx_failure.detail for reason in ("cannot keep such an attribute up to date", "switches gradients", "enters torch.inference_mode",
+                                                     "writes parameters or buffers on their values")):  # fmt: skip
         return ""  # torch.fx's reason (an assignment forward makes, a grad mode it sets) says how to fix it
     if unknown_type(export_failure.detail):
         return UNKNOWN_TYPE_FIX

@@ -170,14 +170,13 @@ def split_sizes(batch_size: int, chunks: int) -> list[int]:
     return [s for s in sizes if s > 0]
 
 
-def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None, views: bool = False) -> list[Any]:
+def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Dims] = None) -> list[Any]:
     """One copy of `value` per micro-batch; batched tensors are split, the rest is shared.
 
     A tensor split by the batch rule is cut into `sizes`; one the caller named a dim for is cut
-    into as many even pieces along it (`torch.tensor_split`), whatever its size there: where the
-    tensor is contiguous, each piece is made contiguous too (a slice along dim 1 is not), so that
-    the model meets the layout the plain model does (`x.view(...)` runs), but for `views`: pieces
-    that must be views of the caller's tensor (a forward that writes its input in place).
+    into as many even pieces along it (`torch.tensor_split`), whatever its size there: views of
+    the caller's tensor, which a forward that writes its input writes through (a slice along
+    dim 1 is not contiguous: `x.view(...)` on it fails, `x.reshape(...)` runs).
     """
     dims = dims or {}
     leaves, spec = flatten(value)
@@ -201,8 +200,7 @@ def scatter(value: Any, sizes: Sequence[int], batch_size: int, dims: Optional[Di
                 "(chunk_spec={name: None})."
             )
         else:
-            cut = torch.tensor_split(t, len(sizes), dim)
-            pieces.append(cut if views or not t.is_contiguous() else [piece.contiguous() for piece in cut])
+            pieces.append(torch.tensor_split(t, len(sizes), dim))
     return [unflatten([p[i] for p in pieces], spec) for i in range(len(sizes))]
 
 

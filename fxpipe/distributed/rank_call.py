@@ -22,7 +22,7 @@ from fxpipe.runtime.batch_loss import loss_and_outputs, own_loss_reduction, own_
 from fxpipe.runtime.call import Call, sliced_call
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
-from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call
+from fxpipe.runtime.losses import LeafGrads, refuse_whole_batch_outputs_of_a_call, replay_once
 from fxpipe.runtime.step import Step
 from fxpipe.schedules.slices import SliceSpec
 
@@ -116,7 +116,7 @@ def _train_across(
                 try:
                     with kept_state:
                         total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
-                        kept_state.replay = lambda: loss_fn(tree_map_only(torch.Tensor, torch.Tensor.detach, outputs), target)
+                        kept_state.replay = replay_once(loss_fn, outputs, target, total.device) if loss_fn is not None else None
                 except ValueError as e:  # every rank raises it, after the step ends on all
                     problem = str(e)
             if call.grad:

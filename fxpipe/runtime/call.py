@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from fxpipe.compiled.program import Program
 from fxpipe.core.own_code import caller_stacklevel
-from fxpipe.core.microbatch import Dims, ExampleLeaves, flatten, off_batch, scatter, split_dim, split_sizes
+from fxpipe.core.microbatch import Dims, ExampleLeaves, off_batch, scatter, split_dim, split_sizes
 from fxpipe.runtime.autograd import InputSlot
 from fxpipe.runtime.context import CallerContext
 from fxpipe.runtime.gather import Gathered, ValueRef, as_returned
@@ -37,13 +37,6 @@ class Call:
     grad: bool
     gather: Callable[..., Gathered]  # (per-micro-batch outputs, template=the program's)
     slices: Optional[SliceGrid] = None  # the micro-batches are slices of a sequence, cut from these rows
-    # Pieces of the caller's inputs that the micro-batches hold as contiguous copies (cut along
-    # dim 1): the caller's region, the copy, the copy's version when made.
-    copies: list[tuple[torch.Tensor, torch.Tensor, int]] = field(default_factory=list)
-
-    def write_back(self) -> None:
-        """After the forwards: see `write_back`."""
-        write_back(self.copies)
 
     @property
     def caller_micro_batches(self) -> list[dict[str, Any]]:
@@ -63,10 +56,8 @@ def split_call(
     if batch is not None and len(sizes) > 1:
         refuse_off_batch(values, example_leaves, batch, dims)
         check_written_inputs(program, values, batch, dims)
-    written = program.written_inputs
-    pieces = {name: scatter(value, sizes, batch or 0, dims, views=name in written) for name, value in values.items()}
+    pieces = {name: scatter(value, sizes, batch or 0, dims) for name, value in values.items()}
     micro_batches = [{name: pieces[name][i] for name in values} for i in range(len(sizes))]
-    copies = copied_pieces(values, pieces, dims)
     if check_micro_batch is not None and len(sizes) > 1:
         check_micro_batch(micro_batches)
     context = CallerContext.capture()
@@ -91,37 +82,9 @@ def split_call(
     given = given_values(program, values)
 
     def gather(per_micro_batch: list[dict[str, Any]], template: Any = None) -> Gathered:
-        write_back(copies)  # (the forwards have run)
         return Gathered(program.template if template is None else template, per_micro_batch, given, sizes, not by_spec)
 
-    return Call(program, values, batch, dims, sizes, micro_batches, context, slots, params, grad, gather, copies=copies)
-
-
-def write_back(copies: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
-    """What the forwards wrote into copies of the caller's inputs where the graph does not show
-    it (a module kept whole, `x.data`), written into the caller's tensor, as the plain model's
-    forward writes it there."""
-    with torch.no_grad():
-        for region, piece, version in copies:
-            if piece._version != version:
-                region.copy_(piece)
-
-
-def copied_pieces(values: dict[str, Any], pieces: dict[str, list[Any]], dims: Dims) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """Of each input tensor cut along a dim `dims` names, the micro-batches' pieces that are
-    copies, not views, each with the region of the caller's tensor it was copied from."""
-    found = []
-    for name, value in values.items():
-        leaves = flatten(value)[0]
-        per_micro_batch = [flatten(piece)[0] for piece in pieces[name]]
-        for k, t in enumerate(leaves):
-            dim = dims.get(id(t)) if isinstance(t, torch.Tensor) else None
-            if dim is None:
-                continue
-            for region, held in zip(torch.tensor_split(t, len(per_micro_batch), dim), (p[k] for p in per_micro_batch)):
-                if isinstance(held, torch.Tensor) and held is not region and held.data_ptr() != region.data_ptr():
-                    found.append((region, held, held._version))
-    return found
+    return Call(program, values, batch, dims, sizes, micro_batches, context, slots, params, grad, gather)
 
 
 def refuse_shared_written_inputs(program: Program, values: dict[str, Any]) -> None:

