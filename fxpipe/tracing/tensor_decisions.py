@@ -43,6 +43,8 @@ class _Decisions(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if not self.reads.tensors:  # (no plain tensor attribute read yet: nothing to follow)
+            return func(*args, **kwargs)
         sources = [found for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and (found := self._source(t)) is not None]
         if sources and func in _TO_PYTHON:
             for source in sources:
