@@ -7,7 +7,7 @@ Of a loss object (an `nn.Module`, the module of a bound method, an instance of a
 what a functools.partial holds, and the plain objects they hold) the plain values, tensors,
 lists, dicts and sets its attributes hold are noted before the step and compared after it; a
 change is put back and refused. State a plain function keeps (a closure, a global)
-cannot be seen: docs/limits.md says so.
+cannot be seen: docs/schedules.md says so.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _holders(loss_fn: Any) -> list[Any]:
             todo += [(v, depth) for v in (held.func, *held.args, *held.keywords.values())]
         elif _object(held):
             owners = list(held.modules()) if isinstance(held, nn.Module) else [held]
-            found += [owner for owner in owners if id(owner) not in seen or owner is held]
+            found += [owner for owner in owners if owner is held or id(owner) not in seen]  # (each module once)
             seen.update(id(owner) for owner in owners)
             todo += [(value, depth + 1) for owner in owners for value in vars(owner).values() if _object(value) and not isinstance(value, nn.Module)]
     return found
@@ -195,15 +195,14 @@ class LossStateKept:
         if not moved or (failure is None and self._as_one_call_leaves_it()):
             return
         self.put_back()
-        if moved:
-            raise ValueError(
-                f"loss_fn changes its own state when called: {', '.join(moved)}, over this step's {self.calls} calls of it. "
-                "train_step calls it once per micro-batch and once more on the whole batch (to check that the micro-batches' "
-                "losses combine into its loss), so state it keeps moves that many times a step where the plain loop moves it "
-                "once. Its state is put back as it was, and no gradient was accumulated.\nHow to fix: keep the state outside "
-                "loss_fn and move it once per step (after train_step, or in after_step= of train_steps), or compute the loss "
-                "yourself: loss_fn(pipe(x), target).backward()."
-            ) from failure
+        raise ValueError(
+            f"loss_fn changes its own state when called: {', '.join(moved)}, over this step's {self.calls} calls of it. "
+            "train_step calls it once per micro-batch and once more on the whole batch (to check that the micro-batches' "
+            "losses combine into its loss), so state it keeps moves that many times a step where the plain loop moves it "
+            "once. Its state is put back as it was, and no gradient was accumulated.\nHow to fix: keep the state outside "
+            "loss_fn and move it once per step (after train_step, or in after_step= of train_steps), or compute the loss "
+            "yourself: loss_fn(pipe(x), target).backward()."
+        ) from failure
 
 
 def _alike(a: Any, b: Any) -> bool:
