@@ -25,7 +25,7 @@ from fxpipe.core.randomness import (
     TORCH_NAMESPACES, begin_draws, draw_key, draw_rate, dropout_function, dropout_module, end_draws, method_with_generator, runs_hooks,
     with_generator,
 )
-from fxpipe.core.writes import aten_overloads
+from fxpipe.core.writes import aten_overloads, subgraph_call
 from fxpipe.passes.codegen import CALLS_MODULE, called_module
 
 # Functions whose randomness depends on a probability and a training flag:
@@ -161,7 +161,7 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
     sources = RandomSources()
     for node in nodes:
         module = called_module(gm, node)  # a module shared with another stage: a function calls it
-        if module is None and node.op == "call_function" and _function_is_random(node):
+        if module is None and node.op == "call_function" and (_function_is_random(node) or _subgraph_draws(gm, node)):
             sources.always = True
         elif node.op == "call_method" and str(node.target) in RANDOM_METHODS:
             sources.always = True
@@ -171,6 +171,16 @@ def random_sources(gm: fx.GraphModule, nodes: Sequence[fx.Node]) -> RandomSource
             elif _holds_dropout(module):
                 sources.modules.append(str(node.target) if node.op == "call_module" else node.meta[CALLS_MODULE])
     return sources
+
+
+def _subgraph_draws(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether a higher-order op runs a subgraph that may draw (torch.export's
+    `wrap_with_set_grad_enabled` around a `no_grad` region holding a dropout)."""
+    subgraph, _ = subgraph_call(gm, node)
+    if subgraph is None:
+        return False
+    inner = random_sources(subgraph, list(subgraph.graph.nodes))
+    return inner.always or bool(inner.modules)
 
 
 def _torch_name(target: Any) -> Optional[str]:
@@ -220,7 +230,7 @@ def _draws_unseen(stage: fx.GraphModule, node: fx.Node) -> bool:
     module = called_module(stage, node)
     if module is not None:
         return not _built_in(module) or _holds_dropout(module) or _draws_in_every_mode(module)
-    return node.op == "call_function" and _function_is_random(node)
+    return node.op == "call_function" and (_function_is_random(node) or _subgraph_draws(stage, node))
 
 
 def _mark(graph: fx.Graph, node: fx.Node, key: int) -> None:

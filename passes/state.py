@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.core.writes import is_view, operand_returned, writes_a_view, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import is_view, operand_returned, subgraph_call, writes_a_view, writes_first_argument, written_arguments, written_value
 from fxpipe.passes.inplace import written
 
 
@@ -212,6 +212,23 @@ def statistics_written(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def _statistics_written_inside(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The operands of a higher-order op whose subgraph's norm calls write them as running
+    statistics (a BatchNorm in a `no_grad` region that torch.export captured)."""
+    subgraph, operands = subgraph_call(gm, node)
+    if subgraph is None:
+        return []
+    placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
+    found = []
+    for inner in subgraph.graph.nodes:
+        for written in [*statistics_written(inner), *_statistics_written_inside(subgraph, inner)]:
+            if written in placeholders and placeholders.index(written) < len(operands):
+                operand = operands[placeholders.index(written)]
+                if isinstance(operand, fx.Node) and operand not in found:
+                    found.append(operand)
+    return found
+
+
 def buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """The buffers `node` may write in forward, by qualified name: those of a module it calls
     whole that keeps running statistics or may write anything it holds, and the root of a
@@ -220,7 +237,7 @@ def buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor
         module = fetch_attr(gm, str(node.target))
         return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
     found = {}
-    for target in [*written_arguments(gm, node), *statistics_written(node)]:
+    for target in [*written_arguments(gm, node), *statistics_written(node), *_statistics_written_inside(gm, node)]:
         root = _state_root(gm, target)
         value = fetch_attr(gm, str(root.target)) if root is not None else None
         if root is not None and isinstance(value, torch.Tensor):

@@ -70,14 +70,19 @@ def cond_run_eagerly() -> Iterator[None]:
 
 def run_higher_order(mode: TorchDispatchMode, func: HigherOrderOperator, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A higher-order operator met under `mode` (which torch has taken off the stack meanwhile):
-    `torch.cond` runs its branch as eager PyTorch does, under the mode, which sees the branch's
-    operations as the model's; any other runs as it is, unseen by the mode. torch refuses a mode
+    `torch.cond` runs its branch as eager PyTorch does, and torch.export's grad-mode region its
+    subgraph, under the mode, which sees their operations as the model's; any other runs as it
+    is, unseen by the mode. torch refuses a mode
     without such a rule, and its failure, met in `torch.cond`'s own compile, would stay with the
     function for the rest of the process (the plain model's next call fails too)."""
     if func is torch.ops.higher_order.cond:
         pred, true_fn, false_fn, operands = args
         with mode:
             return (true_fn if bool(pred) else false_fn)(*operands)
+    if func is torch.ops.higher_order.wrap_with_set_grad_enabled:  # torch.export's no_grad region: under the mode too
+        enabled, subgraph, *operands = args
+        with mode, torch.set_grad_enabled(enabled):
+            return subgraph(*operands)
     return func(*args, **kwargs)
 
 

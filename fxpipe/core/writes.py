@@ -210,7 +210,7 @@ def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The values `node` writes in place: `written_value`, or, for a higher-order op that runs a
     subgraph on its operands (torch.export's `wrap_with_set_grad_enabled` around a `no_grad`
     region, say), the operands that its subgraph writes."""
-    subgraph, operands = _subgraph_call(gm, node)
+    subgraph, operands = subgraph_call(gm, node)
     if subgraph is None:
         target = written_value(gm, node)
         found = [target] if target is not None else []
@@ -233,7 +233,7 @@ def operand_returned(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
     `no_grad` region returns the buffer it wrote: the same tensor, not a copy."""
     if node.op != "call_function" or node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
         return None
-    subgraph, operands = _subgraph_call(gm, node.args[0])
+    subgraph, operands = subgraph_call(gm, node.args[0])
     index = node.args[1] if len(node.args) > 1 else None
     if subgraph is None or not isinstance(index, int):
         return None
@@ -252,7 +252,7 @@ def operand_returned(gm: fx.GraphModule, node: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-def _subgraph_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Optional[fx.GraphModule], Sequence[Any]]:
+def subgraph_call(gm: fx.GraphModule, node: fx.Node) -> tuple[Optional[fx.GraphModule], Sequence[Any]]:
     """For a higher-order op given a subgraph (a `get_attr` of a GraphModule), the subgraph and
     the operands after it, which its placeholders take in order; else (None, ())."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
