@@ -264,16 +264,18 @@ def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
     first returned)."""
     chains = []
     for node in gm.graph.nodes:
-        target = written_value(gm, node)
-        if target is None:
-            continue
-        chain = [node, *(user for user in node.users if user.target is written)]
-        view = target
-        while (is_view(view) or writes_a_view(gm, view)) and isinstance(view.args[0], fx.Node):
-            chain.append(view)
-            view = view.args[0]
-        if len(chain) > 1:
-            chains.append(chain)
+        # (a higher-order op's subgraph writes its operands: torch.export's no_grad region)
+        targets = written_arguments(gm, node) if subgraph_call(gm, node)[0] is not None else [written_value(gm, node)]
+        for target in targets:
+            if target is None:
+                continue
+            chain = [node, *(user for user in node.users if user.target is written)]
+            view = target
+            while (is_view(view) or writes_a_view(gm, view)) and isinstance(view.args[0], fx.Node):
+                chain.append(view)
+                view = view.args[0]
+            if len(chain) > 1:
+                chains.append(chain)
     return chains
 
 

@@ -960,3 +960,46 @@ def test_a_buffer_held_under_two_names_rebound_under_one_is_refused_and_a_cast_i
             pipe(x.float())
         else:
             torch.func.functional_call(pipe, {"d.scale": new}, (x.float(),), tie_weights=False)
+
+
+class _EmaCodebook(nn.Module):
+    """A VQ-VAE's codebook, kept as an exponential moving average in forward under no_grad
+    (torch.export captures the region as one op that writes three buffers)."""
+
+    embed: torch.Tensor
+    cluster_size: torch.Tensor
+    embed_avg: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
+        self.dec = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
+        self.register_buffer("embed", torch.randn(5, 6))
+        self.register_buffer("cluster_size", torch.zeros(5))
+        self.register_buffer("embed_avg", self.embed.clone())
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z = self.enc(x)
+        idx = torch.cdist(z, self.embed).argmin(1)
+        q = F.embedding(idx, self.embed)
+        with torch.no_grad():
+            onehot = F.one_hot(idx, 5).type(z.dtype)
+            self.cluster_size.mul_(0.9).add_(onehot.sum(0), alpha=0.1)
+            self.embed_avg.mul_(0.9).add_(onehot.t() @ z, alpha=0.1)
+            self.embed.copy_(self.embed_avg / (self.cluster_size + 1e-5).unsqueeze(1))
+        return self.dec(z + (q - z).detach()), (z - q.detach()).pow(2).mean(1)
+
+
+def test_the_automatic_cut_keeps_a_no_grad_region_s_writes_with_what_follows_them() -> None:
+    """Before, the cut search put a stage boundary right after the region, then refused its own
+    cut ('wrap_with_set_grad_enabled ... stage 1 could not see what it wrote')."""
+    torch.manual_seed(0)
+    model = _EmaCodebook().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch.export's fallback)
+        pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    for got, expected in zip(pipe(x), reference(x)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert_state_equal(pipe, reference)
