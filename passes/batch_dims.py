@@ -110,8 +110,7 @@ def annotate_batch_dims(
         )
     # Two parts tell what `chunks` micro-batches would, in fewer runs (each costs a forward).
     sizes = _parts(batch, chunks, dims)
-    pieces = [scatter(value, sizes, batch, dims) for value in inputs]
-    parts = [tuple(p[i] for p in pieces) for i in range(2)]
+    parts = _split(inputs, sizes, batch, dims)
     if _samples_alike(inputs, batch, dims):  # (zeros, one sample repeated): a mean over them is each of them
         if defer_one_sample:
             return False
@@ -132,8 +131,7 @@ def annotate_batch_dims(
     each, error = _run_parts(gm, parts, real, keep, whole_run.fixed)
     if error is not None and sizes != split_sizes(batch, 2):  # a model of groups of samples (x.view(-1, 2, d): pairs)
         sizes = split_sizes(batch, 2)
-        pieces = [scatter(value, sizes, batch, dims) for value in inputs]
-        parts = [tuple(p[i] for p in pieces) for i in range(2)]
+        parts = _split(inputs, sizes, batch, dims)
         each, error = _run_parts(gm, parts, real, keep, whole_run.fixed)
     if error is not None:
         if batch < 4:  # a part of one sample: a squeeze() may drop its batch dim, which larger calls keep
@@ -477,6 +475,12 @@ def _leaves(value: Any) -> list[Any]:
 
 def _paths(value: Any) -> list[str]:
     return [keystr(path) for path, _ in tree_flatten_with_path(value)[0]]
+
+
+def _split(inputs: tuple[Any, ...], sizes: list[int], batch: int, dims: Dims) -> list[tuple[Any, ...]]:
+    """The inputs cut into parts of `sizes` samples, each part a tuple of inputs."""
+    pieces = [scatter(value, sizes, batch, dims) for value in inputs]
+    return [tuple(p[i] for p in pieces) for i in range(len(sizes))]
 
 
 def _run_parts(gm: fx.GraphModule, parts: list[tuple[Any, ...]], real: bool, keep: set[fx.Node], fixed: set[fx.Node]) -> tuple[list[dict[fx.Node, Any]], Optional[Exception]]:

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fxpipe.core.attrs import fetch_attr, tensors_read
-from fxpipe.core.writes import is_view, operand_returned, subgraph_call, writes_a_view, writes_first_argument, written_arguments, written_value
+from fxpipe.core.writes import is_view, operand_returned, operands_written_inside, subgraph_call, writes_a_view, writes_first_argument, written_arguments, written_value
 from fxpipe.passes.inplace import written
 
 
@@ -215,18 +215,8 @@ def statistics_written(node: fx.Node) -> list[fx.Node]:
 def _statistics_written_inside(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The operands of a higher-order op whose subgraph's norm calls write them as running
     statistics (a BatchNorm in a `no_grad` region that torch.export captured)."""
-    subgraph, operands = subgraph_call(gm, node)
-    if subgraph is None:
-        return []
-    placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
-    found = []
-    for inner in subgraph.graph.nodes:
-        for written in [*statistics_written(inner), *_statistics_written_inside(subgraph, inner)]:
-            if written in placeholders and placeholders.index(written) < len(operands):
-                operand = operands[placeholders.index(written)]
-                if isinstance(operand, fx.Node) and operand not in found:
-                    found.append(operand)
-    return found
+    inside = operands_written_inside(gm, node, lambda subgraph, inner: [*statistics_written(inner), *_statistics_written_inside(subgraph, inner)])
+    return inside or []
 
 
 def buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:

@@ -76,9 +76,8 @@ def run_higher_order(mode: TorchDispatchMode, func: HigherOrderOperator, args: t
     without such a rule, and its failure, met in `torch.cond`'s own compile, would stay with the
     function for the rest of the process (the plain model's next call fails too)."""
     if func is torch.ops.higher_order.cond:
-        pred, true_fn, false_fn, operands = args
         with mode:
-            return (true_fn if bool(pred) else false_fn)(*operands)
+            return _cond_eagerly(*args)
     if func is torch.ops.higher_order.wrap_with_set_grad_enabled:  # torch.export's no_grad region: under the mode too
         enabled, subgraph, *operands = args
         with mode, torch.set_grad_enabled(enabled):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -210,15 +210,27 @@ def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The values `node` writes in place: `written_value`, or, for a higher-order op that runs a
     subgraph on its operands (torch.export's `wrap_with_set_grad_enabled` around a `no_grad`
     region, say), the operands that its subgraph writes."""
+    inside = operands_written_inside(gm, node, written_arguments)
+    if inside is not None:
+        return inside
+    target = written_value(gm, node)
+    found = [target] if target is not None else []
+    return found + [value for value in _also_written(node) if value not in found]
+
+
+def operands_written_inside(
+    gm: fx.GraphModule, node: fx.Node, written_by: Callable[[fx.GraphModule, fx.Node], list[fx.Node]],
+) -> Optional[list[fx.Node]]:
+    """For a higher-order op that runs a subgraph on its operands, the operands whose subgraph
+    placeholders (through views) `written_by` finds written by a node of the subgraph; None for
+    any other node."""
     subgraph, operands = subgraph_call(gm, node)
     if subgraph is None:
-        target = written_value(gm, node)
-        found = [target] if target is not None else []
-        return found + [value for value in _also_written(node) if value not in found]
+        return None
     placeholders = [n for n in subgraph.graph.nodes if n.op == "placeholder"]
-    found = []
+    found: list[fx.Node] = []
     for inner in subgraph.graph.nodes:
-        for target in written_arguments(subgraph, inner):
+        for target in written_by(subgraph, inner):
             root = view_root(target)
             if root in placeholders and placeholders.index(root) < len(operands):
                 operand = operands[placeholders.index(root)]

@@ -1940,22 +1940,29 @@ class _KeepsTheLast(nn.Module):
         return loss
 
 
-def test_a_loss_that_keeps_its_last_value_for_logging_trains_and_keeps_the_plain_loop_s() -> None:
-    """Its last call, on the whole batch, leaves what the plain loop's one call leaves: no state
-    that moves with the calls. Refused by the check of state before."""
+def _trained_as_the_plain_loop(make: Callable[[], _KeepsTheLast], tol: float) -> tuple[Any, _KeepsTheLast, _KeepsTheLast, torch.Tensor, torch.Tensor]:
+    """One train_step with a loss of `make`'s, against the plain model's step with another: the
+    loss and every gradient alike; the pipeline, its loss, the plain one's, and the batch."""
     torch.manual_seed(0)
     model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)))
     x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
-    ours, theirs = _KeepsTheLast(), _KeepsTheLast()
+    ours, theirs = make(), make()
     loss = pipe.train_step(x, target=y, loss_fn=ours)
     expected = theirs(reference(x), y)
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=tol)
+    return pipe, ours, theirs, x, y
+
+
+def test_a_loss_that_keeps_its_last_value_for_logging_trains_and_keeps_the_plain_loop_s() -> None:
+    """Its last call, on the whole batch, leaves what the plain loop's one call leaves: no state
+    that moves with the calls. Refused by the check of state before."""
+    _, ours, theirs, _, _ = _trained_as_the_plain_loop(_KeepsTheLast, tol=1e-12)
     assert ours.last is not None and theirs.last is not None
     torch.testing.assert_close(ours.last, theirs.last, rtol=1e-12, atol=1e-12)
     assert ours.parts.keys() == theirs.parts.keys() and abs(ours.parts["ce"] - theirs.parts["ce"]) < 1e-12
-    assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 class _KeepsTheLastAndDraws(_KeepsTheLast):
@@ -1978,16 +1985,7 @@ def test_a_loss_that_keeps_its_last_value_is_compared_on_a_call_like_the_check_s
     """The call that tells whether the kept value is what the plain loop's one call leaves runs
     as the check's does: with gradients (a penalty on them ran before under no_grad, and failed
     in the loss), and undoing its draws (one that draws is refused: the call cannot tell)."""
-    torch.manual_seed(0)
-    model, reference = twin(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4)))
-    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 4, (8,))
-    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
-    ours, theirs = _KeepsTheLastPenalty(), _KeepsTheLastPenalty()
-    loss = pipe.train_step(x, target=y, loss_fn=ours)
-    expected = theirs(reference(x), y)
-    expected.backward()
-    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=1e-12)
-    assert_grads_equal(pipe, reference, tol=1e-10)
+    pipe, _, _, x, y = _trained_as_the_plain_loop(_KeepsTheLastPenalty, tol=1e-10)
     state = torch.get_rng_state()
     with pytest.raises(ValueError, match="loss_fn changes its own state when called: last"):
         pipe.train_step(x, target=y, loss_fn=_KeepsTheLastAndDraws())
