@@ -255,3 +255,40 @@ def test_a_constant_made_like_an_activation_and_an_input_marked_for_grad(mode: s
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(copy.deepcopy(plain), x.clone(), ["cpu"] * 2, chunks=2, checkpoint=mode)
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
+
+
+class _MaskedPerSample(nn.Module):
+    """A mask over each sample's positions, (B, T) or, on the example, (1, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * mask.unsqueeze(-1))
+
+
+class _SequenceFirst(nn.Module):
+    """Sequence-first, its batch along dim 1 in and out (chunk_spec={"x": 1})."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, b, d = x.shape
+        return self.b(torch.tanh(self.a(x.reshape(t * b, d)))).view(t, b, 3) * 2
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mask_broadcast_on_the_example_and_per_sample_later_and_outputs_cut_along_dim_1(mode: str) -> None:
+    torch.manual_seed(0)
+    masked = _MaskedPerSample().double()
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(masked), (x, torch.ones(1, 5, dtype=torch.float64)), ["cpu"] * 2, chunks=2, checkpoint=mode)
+    mask = (torch.rand(6, 5, generator=torch.Generator().manual_seed(1)) > 0.3).double()
+    assert_alike_in_every_use(pipe, masked, lambda m: m(x, mask), _squares)
+    first = _SequenceFirst().double()
+    x = torch.randn(5, 4, 4, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(first), x, ["cpu"] * 2, chunks=2, checkpoint=mode, chunk_spec={"x": 1})
+    assert_alike_in_every_use(pipe, first, lambda m: m(x), _squares)
