@@ -47,16 +47,16 @@ def buffer_names(root: nn.Module) -> dict[int, list[str]]:
 
 
 def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
-    """The state a node reads: a called module's parameters and buffers, or the tensors of the
-    `get_attr` nodes it takes as arguments; keyed by qualified name."""
+    """The state a node reads: a called module's parameters and buffers, and the tensors of the
+    `get_attr` nodes it takes as arguments (a parameter given to a module as its input too);
+    keyed by qualified name."""
+    if node.op not in COMPUTE_OPS:  # a get_attr's tensor is read by the nodes that take it
+        return {}
+    found: dict[str, torch.Tensor] = {}
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
-        state = dict(module.named_parameters(prefix=str(node.target), remove_duplicate=False))
-        state.update(module.named_buffers(prefix=str(node.target), remove_duplicate=False))
-        return state
-    if node.op not in ("call_function", "call_method"):  # a module's own are its parameters
-        return {}
-    found = {}
+        found.update(module.named_parameters(prefix=str(node.target), remove_duplicate=False))
+        found.update(module.named_buffers(prefix=str(node.target), remove_duplicate=False))
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
             value = fetch_attr(gm, str(arg.target))
