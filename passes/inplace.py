@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
+from fxpipe.passes.opaque_writes import mark_opaque_writes
 from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, returns_written, view_root, writes_a_view, writes_first_argument, written_arguments, written_value
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
@@ -217,6 +218,7 @@ def redirect_reads_after_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> 
     from the stage that wrote it, as written by the same micro-batch (passes/state.py keeps its
     reads before the write and its writes in one stage).
     """
+    mark_opaque_writes(gm, inputs)
     mark_copies(gm, inputs)
     graph = gm.graph
     position = {node: float(i) for i, node in enumerate(graph.nodes)}

@@ -236,20 +236,26 @@ def _storage(t: torch.Tensor) -> int:
 class _Watching(Recorder):
     """Runs the graph as `Recorder` does, handing each node's value and arguments to `watch`."""
 
-    def __init__(self, gm: fx.GraphModule, on_meta: bool, watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
+    def __init__(self, gm: fx.GraphModule, on_meta: bool, watch: Watch, before: Optional[Before]) -> None:
         super().__init__(gm, on_meta)
-        self.watch = watch
+        self.watch, self.before = watch, before
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.before is not None:
+            self.before(n, {a: self.env[a] for a in n.all_input_nodes})
         value = self.run_bare(n)
         self.watch(n, value, fx.map_arg(n.args, lambda a: self.env[a]))
         return value
 
 
-def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Callable[[fx.Node, Any, tuple[Any, ...]], None]) -> None:
+Watch = Callable[[fx.Node, Any, tuple[Any, ...]], None]  # (node, its value, its arguments' values)
+Before = Callable[[fx.Node, dict[fx.Node, Any]], None]  # (node, the values of the nodes it takes)
+
+
+def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Watch, before: Optional[Before] = None) -> None:
     """Run the graph on `example` as `propagate_shapes` does, calling `watch(node, value, args)`
-    after each node instead of annotating it."""
-    _run(gm, example, lambda on_meta: _Watching(gm, on_meta, watch))
+    after each node instead of annotating it (and `before(node, inputs)` ahead of it)."""
+    _run(gm, example, lambda on_meta: _Watching(gm, on_meta, watch, before))
 
 
 def _run(gm: fx.GraphModule, example: tuple[Any, ...], interpreter: Callable[[bool], fx.Interpreter], on_meta: Optional[bool] = None) -> None:

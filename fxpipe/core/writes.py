@@ -209,13 +209,16 @@ def _written_everywhere(name: str) -> tuple[tuple[int, str], ...]:
 def written_arguments(gm: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
     """The values `node` writes in place: `written_value`, or, for a higher-order op that runs a
     subgraph on its operands (torch.export's `wrap_with_set_grad_enabled` around a `no_grad`
-    region, say), the operands that its subgraph writes."""
+    region, say), the operands that its subgraph writes; and those an opaque call wrote on the
+    example (passes/opaque_writes.py)."""
     inside = operands_written_inside(gm, node, written_arguments)
     if inside is not None:
         return inside
     target = written_value(gm, node)
     found = [target] if target is not None else []
-    return found + [value for value in _also_written(node) if value not in found]
+    found += [value for value in _also_written(node) if value not in found]
+    # What an opaque call (a module kept whole, a wrapped function) wrote on the example.
+    return found + [value for value in node.meta.get("writes_seen", ()) if value not in found]
 
 
 def operands_written_inside(
