@@ -114,8 +114,10 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
         with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
             def traced() -> fx.GraphModule:
                 read.begin(model.training)
-                with decisions_watched(read):
-                    return show_values_in_asserts(trace(model, leaves, none=none))
+                with decisions_watched(read) as decisions:
+                    gm = show_values_in_asserts(trace(model, leaves, none=none))
+                    decisions.constants_in(gm)
+                    return gm
 
             graphs = _traced_in_modes(model, read, traced, traced_in)
         refuse_lost_counters(model, read)

@@ -1015,3 +1015,34 @@ def test_a_branch_decided_on_a_tensor_attribute_in_other_ways_is_watched_too(how
     (model.gates[0] if how == "in a list" else model.gate).fill_(0.0)
     with pytest.raises(RuntimeError, match="have changed since compiling"):
         pipe(x)
+
+
+class _MadeFrom(nn.Module):
+    """Reads tensors made from the plain tensors it holds: a product (a constant of the graph)
+    or a branch on a sum of two."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.how = nn.Linear(4, 4), how
+        self.t1 = torch.tensor(2.0, dtype=torch.float64)
+        self.t2 = torch.tensor(6.0, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "a constant":
+            return self.a(x) * (self.t2 * 2)
+        return self.a(x) * 2 if (self.t1 + self.t2) > 7 else self.a(x)
+
+
+@pytest.mark.parametrize("how", ["a constant", "a branch on two"])
+def test_a_tensor_made_from_tensor_attributes_is_watched(how: str) -> None:
+    """Before, a product of an attribute became a constant of the graph, and a branch on two
+    watched the first alone: a change to t2 gave the traced value silently."""
+    model, reference = twin(_MadeFrom(how))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    model.t2.fill_(4.0)
+    with pytest.raises(RuntimeError, match=r"have changed since compiling: t2 \(6.0 -> 4.0\)"):
+        pipe(x)
+    model.t2 = torch.tensor(6.0, dtype=torch.float64)  # put back (rebound): the graph's value again
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
