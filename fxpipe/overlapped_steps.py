@@ -116,6 +116,9 @@ class _Overlap:
         # What the loss object keeps, as the loop found it: each batch calls loss_fn once per
         # micro-batch and once more, and state it keeps is refused (fxpipe/runtime/loss_state.py).
         self.loss_state = LossStateKept(loss_fn, calls=calls_of_loss_fn(pipe._chunks))
+        # The gradients the last batch's update will step on, as `after_backward` left them:
+        # each parameter's `.grad` and its version.
+        self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], int]] = []
 
     def _take_the_model(self) -> None:
         """The stages built again on what the model holds now, where it holds other tensors than
@@ -320,6 +323,7 @@ class _Overlap:
             if after_backward is not None:
                 self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
+            self.grads_held = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in dict.fromkeys(self.program.parameters)]
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
         if self.ranks is not None:
@@ -331,22 +335,42 @@ class _Overlap:
         self.finished = index + 1
         return total
 
+    def gradients_put_back(self, index: int) -> None:
+        """After the caller's code that follows batch `index`'s loss: `.grad` as `after_backward`
+        left it, which the batch's update (run after that code, unlike a synchronous loop's)
+        steps on; a gradient that code set to None or replaced is put back (in a synchronous
+        loop it changes nothing: the update ran before it), one written in place is refused."""
+        written = [self.names.get(id(p), "?") for p, grad, version in self.grads_held if grad is not None and grad._version != version]
+        if written:
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
+                f"({', '.join(written[:5])}{' and more' if len(written) > 5 else ''}: clip_grad_norm_, "
+                "zero_grad(set_to_none=False), say). Under 2bw the update of a batch runs after the code that follows "
+                "its loss, so it would step on the gradients as written there, where a synchronous loop has stepped "
+                "already; the loop stopped, and that update ran on them as written.\nHow to fix: change gradients in "
+                "after_backward (train_steps(..., after_backward=...)), which runs before every schedule's update."
+            )
+        for p, grad, _ in self.grads_held:
+            if p.grad is not grad:
+                p.grad = grad
+
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
         """The batch's actions waited for and its failure raised, if any (the update of the batch
-        before it first, whose failure stops the batch); its statistics committed, its timeline
-        kept; the update of the batch before it waited for."""
+        before it first, whose failure stops the batch); its timeline kept; the update of the
+        batch before it waited for (and `after_step` run on it); then its statistics committed:
+        `after_step` of the batch before sees that batch's, as a synchronous loop's does."""
         _wait(flight.group)
         if index >= 1 and self.updates[index - 1].errors:
             self._updated(index - 1, after_step)
         flight.step.settle(flight.group)
-        if flight.step.batch_stats is not None:
-            flight.step.batch_stats.commit()
         flight.step.backward_done = True
         # The loop's timeline: micro-batches by their index in the loop, updates by batch.
         self.records += [dataclasses.replace(r, micro_batch=index * self.m + r.micro_batch) for r in flight.step.timeline]
         self.pipe.__dict__["last_timeline"] = self.records
         if index >= 1:
             self._updated(index - 1, after_step)
+        if flight.step.batch_stats is not None:
+            flight.step.batch_stats.commit()
 
     def _agreed(self, index: int, flight: _InFlight, after_step: Hook) -> tuple[torch.Tensor, list[Optional[torch.Tensor]], TiedSums]:
         """Across processes: `_settled`, then every rank agrees that batch `index` is done (or
@@ -636,6 +660,7 @@ def overlapped_steps(
                 else:
                     run.start(following)
             yield run.finish(run.finished, after_backward, after_step)
+            run.gradients_put_back(run.finished - 1)
             run.versions.ready(run.finished - 1)  # its update runs after the caller's code that follows its loss
         run.last_update(after_step)
         if run.ranks is not None:

@@ -1082,3 +1082,40 @@ def test_a_target_that_requires_grad_is_refused_naming_the_target(made: bool) ->
     with pytest.raises(Exception, match=r"loss_fn reads tensors that require grad besides the model's outputs: the target \(which requires grad: pass target.detach\(\)\)"):
         list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
     _assert_parameters_equal(model, plain, tol=0)
+
+
+def test_gradients_set_to_none_between_two_losses_change_nothing_and_written_in_place_are_refused() -> None:
+    """Batch t's update runs after the code that follows its loss. Before, that code's
+    `zero_grad()` cancelled every update (the model never trained) and its clipping applied to
+    the update; a synchronous loop has stepped by then, so neither changes it."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    expected_model, expected = reference_2bw(plain, batches, OPTIMIZERS["sgd-momentum"])
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = OPTIMIZERS["sgd-momentum"](pipe.parameters())
+    losses = []
+    for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
+        losses.append(float(loss))
+        opt.zero_grad()
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
+    pipe = _pipe(copy.deepcopy(plain), batches[0][0], 3)
+    opt = OPTIMIZERS["sgd-momentum"](pipe.parameters())
+    with pytest.raises(RuntimeError, match=r"(?s)gradients of batch 0 were written in place after its loss.*How to fix: change gradients in after_backward"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
+            nn.utils.clip_grad_norm_(pipe.parameters(), 1e-3)
+
+
+def test_after_step_sees_the_running_statistics_of_its_own_batch_under_deferred_batch_norm() -> None:
+    """Before, `after_step` of batch t (and a state dict saved there) held batch t + 1's
+    statistics already: they were committed before the update of the batch before ran."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 6)).double()
+    batches = _batches(5)
+    pipe = _pipe(model, batches[0][0], 3, deferred_batch_norm=True)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    counts: list[tuple[int, int]] = []
+    norm = cast(nn.BatchNorm1d, model[1])
+    after_step = lambda: counts.append((int(norm.get_buffer("num_batches_tracked")), int(pipe.state_dict()["1.num_batches_tracked"])))  # noqa: E731
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=after_step))
+    assert counts == [(t, t) for t in range(1, len(batches) + 1)]
