@@ -103,13 +103,14 @@ def fewer_dims(values: dict[str, Any], example: ExampleLeaves) -> list[str]:
 
 
 def off_batch(values: dict[str, Any], example: ExampleLeaves, batch: int, dims: Dims) -> list[str]:
-    """The inputs with a tensor that the example split into micro-batches and whose dim 0 is now
-    neither the batch size nor 1: kept whole, each micro-batch would broadcast against all of it,
-    where the plain model broadcasts the batch against it (or refuses the sizes)."""
+    """The inputs with a tensor that the example split into micro-batches, or gave with dim 0 of
+    1 broadcast against the batch, and whose dim 0 is now neither the batch size nor 1: kept
+    whole, each micro-batch would broadcast against all of it, where the plain model broadcasts
+    the batch against it (or refuses the sizes)."""
     return [
-        f"{name} {tuple(leaf.shape)}"
-        for name, leaf, (ndim, whole, _) in _known_leaves(values, example)
-        if not whole and id(leaf) not in dims and leaf.dim() == ndim and leaf.dim() > 0 and leaf.shape[0] not in (batch, 1)
+        f"{name} {tuple(leaf.shape)}{' (1 there in the example)' if whole else ''}"
+        for name, leaf, (ndim, whole, broadcast) in _known_leaves(values, example)
+        if (not whole or broadcast == 0) and id(leaf) not in dims and leaf.dim() == ndim and leaf.dim() > 0 and leaf.shape[0] not in (batch, 1)
     ]
 
 

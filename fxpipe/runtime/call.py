@@ -122,11 +122,13 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def refuse_off_batch(values: dict[str, Any], example_leaves: ExampleLeaves, batch: int, dims: Dims) -> None:
-    """An input split with the batch in the example, given another size there than the batch's."""
+    """An input split with the batch in the example (or broadcast against it), given another size
+    there than the batch's."""
     wrong = off_batch(values, example_leaves, batch, dims)
     if wrong:
         raise ValueError(
-            f"the example split these inputs with the batch along dim 0, and this call gives them another "
+            f"the example split these inputs with the batch along dim 0 (or gave them 1 there, broadcast against "
+            f"the batch), and this call gives them another "
             f"size there than the batch's {batch} (nor 1): {', '.join(wrong)}. Kept whole, each "
             "micro-batch would broadcast against all of them, where the plain model takes them row by "
             "row with the batch.\nHow to fix: give every batched input the same batch size, or "

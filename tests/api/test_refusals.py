@@ -652,12 +652,13 @@ class Weighted(nn.Module):
         return self.b(torch.tanh(self.a(x)) * w)  # w: a row of weights per sample
 
 
-def test_a_batched_input_given_another_size_than_the_batch_is_refused_not_kept_whole() -> None:
+@pytest.mark.parametrize("example_rows", [8, 1], ids=["per sample", "broadcast"])
+def test_a_batched_input_given_another_size_than_the_batch_is_refused_not_kept_whole(example_rows: int) -> None:
     """Kept whole, a w of 4 rows would broadcast against each micro-batch of 4: numbers, where
-    the plain model refuses the sizes."""
+    the plain model refuses the sizes. Before, an example that gave w one row let it through."""
     model, reference = twin(Weighted())
     x, w = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
-    pipe = compile_pipeline(model, (x, w), ["cpu", "cpu"], chunks=2)
+    pipe = compile_pipeline(model, (x, w[:example_rows]), ["cpu", "cpu"], chunks=2)
     with pytest.raises(RuntimeError, match="must match"):
         reference(x, w[:4])
     with pytest.raises(ValueError, match=r"(?s)another size there than the batch's 8 \(nor 1\): w \(4, 6\).*How to fix"):
