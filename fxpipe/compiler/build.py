@@ -19,6 +19,7 @@ from fxpipe.compiled.program import UNSET, Cut, HeldState, Program, StageRuntime
 from fxpipe.compiled.stage_compile import CompiledForward
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.writes import operands_written_inside
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, global_backward_hooks
 from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_lookups, generate_stages, ready
 from fxpipe.passes.loss_counts import loss_counter, own_loss_combines, own_loss_leaf
@@ -300,8 +301,8 @@ def _parameters_read(stages: Sequence[StageRuntime], shared: Sequence[Sequence[A
 def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
     """With deferred_batch_norm, the running statistics that stay written per micro-batch: a
     BatchNorm whose forward is its own, another norm (InstanceNorm), one that a module called
-    whole holds, and a norm called as a function (`F.batch_norm`, `aten.batch_norm` in an
-    exported graph)."""
+    whole holds, a norm called as a function (`F.batch_norm`, `aten.batch_norm` in an exported
+    graph), and one in training inside a `no_grad` region torch.export captured."""
     problems = []
     for code in codes:
         for node in code.module.graph.nodes:
@@ -316,14 +317,23 @@ def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
                     problems.append(f"{node.target} ({type(module).__name__}), called whole, with a norm inside that keeps running statistics")
             for buffer in statistics_written(node) if not _in_eval(node) else []:
                 problems.append(f"{buffer.target}, which {getattr(node.target, '__name__', node.target)} writes (a norm called as a function)")
+            for buffer in operands_written_inside(code.module, node, _training_norm_writes) or []:
+                problems.append(f"{getattr(buffer, 'target', buffer)}, which a norm in training writes inside a no_grad region (torch.export's subgraph)")
     if problems:
         raise ValueError(
             "deferred_batch_norm cannot defer these running statistics, which would still be updated once per "
             "micro-batch:\n" + "\n".join(f"  - {p}" for p in problems) + "\nHow to fix: use torch's BatchNorm "
-            "modules as they are, outside modules kept whole (leaf_modules), or compile with "
+            "modules as they are, outside modules kept whole (leaf_modules) and outside no_grad regions (a "
+            "teacher's norm in eval mode is fine there), or compile with "
             "deferred_batch_norm=False (each micro-batch then updates the statistics, as the model run on the "
             "micro-batches in turn does)."
         )
+
+
+def _training_norm_writes(subgraph: fx.GraphModule, node: fx.Node) -> list[fx.Node]:
+    """The running statistics a norm in training writes, within a higher-order op's subgraph."""
+    inside = operands_written_inside(subgraph, node, _training_norm_writes)
+    return inside if inside is not None else [] if _in_eval(node) else statistics_written(node)
 
 
 def _in_eval(node: fx.Node) -> bool:

@@ -1003,3 +1003,36 @@ def test_the_automatic_cut_keeps_a_no_grad_region_s_writes_with_what_follows_the
     for got, expected in zip(pipe(x), reference(x)):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert_state_equal(pipe, reference)
+
+
+class _Distils(nn.Module):
+    """A student, and a teacher run under no_grad (torch.export captures the region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.teacher = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6)).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.student(x)
+        with torch.no_grad():
+            t = self.teacher(x)
+        return (F.log_softmax(s, -1) * F.softmax(t, -1)).sum(-1)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_deferred_batch_norm_refuses_a_norm_in_training_inside_a_no_grad_region() -> None:
+    """Before, the teacher's statistics stayed updated per micro-batch (4 counts for 1) without
+    a word. A teacher in eval mode writes none: it compiles, and computes the plain model's."""
+    model, x = _Distils().double(), torch.randn(16, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"teacher\.1\.running_mean, which a norm in training writes inside a no_grad region"):
+        compile_pipeline(copy.deepcopy(model), x, ["cpu"] * 2, chunks=4, deferred_batch_norm=True)
+    model.teacher.eval()
+    reference = copy.deepcopy(model)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, deferred_batch_norm=True)
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(pipe, reference)
+    assert_state_equal(pipe, reference)
