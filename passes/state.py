@@ -66,6 +66,9 @@ def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node
     return found
 
 
+_RENORMS = "with max_norm, which renormalises the rows it looks up"
+
+
 def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, tuple[torch.Tensor, str]]:
     """The parameters `run` writes in place in forward, by qualified name, each with what writes
     it: an Embedding with max_norm called whole or inside a module called whole (it renormalises
@@ -75,13 +78,13 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
         if node.op == "call_module":  # the module, or one inside a module kept whole
             for name, module in fetch_attr(gm, str(node.target)).named_modules(prefix=str(node.target)):
                 if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
-                    found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} with max_norm, which renormalises the rows it looks up")
+                    found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} {_RENORMS}")
             continue
         written, renorms = buffers_written(gm, node), _renorms(node)
         root = _state_root(gm, node.args[1]) if renorms and isinstance(node.args[1], fx.Node) else None
         if root is not None:
             written[str(root.target)] = fetch_attr(gm, str(root.target))
-        writer = f"`{node.name}`" + (" with max_norm, which renormalises the rows it looks up" if renorms else "")
+        writer = f"`{node.name}`" + (f" {_RENORMS}" if renorms else "")
         for name, tensor in written.items():
             if isinstance(tensor, nn.Parameter):
                 found[name] = (tensor, writer)
@@ -101,7 +104,8 @@ def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]
     reads them (a recompute of the writer writes them again while the reader may hold them for
     its backward) or, with several `micro_batches`, in any case (the next micro-batch's forward
     writes them before this one's recompute): autograd then finds them changed, as the plain
-    model never does."""
+    model never does. With one, a write but a renorm's (which finds its rows within max_norm
+    then) would run twice: an update kept in a parameter under no_grad, applied again."""
     problems = []
     for index, run in enumerate(runs):
         for name, (tensor, writer) in parameters_written(gm, run).items():
@@ -112,6 +116,9 @@ def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]
             elif micro_batches > 1:
                 problems.append(f"{name!r}: stage {index} writes it in place ({writer}) in each micro-batch's forward, "
                                 "the next one's before this one's recompute")  # fmt: skip
+            elif _RENORMS not in writer:  # a renorm leaves its rows within max_norm: the recompute's writes nothing
+                problems.append(f"{name!r}: stage {index} writes it in place ({writer}), and its recompute would write it "
+                                "a second time (an average kept in a parameter, say)")  # fmt: skip
     return problems
 
 

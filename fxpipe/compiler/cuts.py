@@ -149,16 +149,18 @@ def _chosen_cut(
 
 def refuse_recomputed_writes(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]], checkpoint: str, chunks: int) -> None:
     """A checkpointed stage whose forward writes a parameter in place (that another stage reads,
-    or with several micro-batches) would find it written again when it recomputes; refused, as
-    autograd would fail in backward."""
+    or with several micro-batches) would find it written again when it recomputes, as autograd
+    would fail in backward; with one micro-batch, its recompute would write it a second time.
+    Refused."""
     problems = rewritten_by_recompute(gm, runs, chunks) if checkpoint_stop(checkpoint, chunks) > 0 else []
     if problems:
         raise ValueError(
             f"with checkpoint={checkpoint!r} a recompute would find these parameters written in place since its "
-            "forward, while autograd holds them for backward:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
+            "forward, while autograd holds them for backward, or write them again:\n" + "\n".join(f"  - {p}" for p in problems) + "\n"
             "How to fix: write them outside forward (after optimizer.step(), under torch.no_grad(); an Embedding's "
             "max_norm=None, and its rows renormalised before the step); or chunks=1, cut so that one stage holds "
-            "every use (split_points=[...]). checkpoint='never' serves only where no op holds them for backward "
+            "every use (split_points=[...]), with checkpoint='except_last' or 'never' where the stage writes it again "
+            "(one micro-batch runs no recompute then). checkpoint='never' serves only where no op holds them for backward "
             "(an Embedding's renorm): the next micro-batch's forward writes them before this one's backward too."
         )
 
