@@ -6,6 +6,7 @@ copy new parameters): the runtime calls it through `Compiled.build` and never re
 from __future__ import annotations
 
 import dataclasses
+import operator
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -183,7 +184,7 @@ def _stage(
         called=_calls(code.module),
         writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
         read_buffers={name: b for name, b in code.module.named_buffers() if name not in written and not b.is_inference()},
-        state_outputs={name for name in code.outputs if aliases_state(cut.graph, nodes[name])},
+        state_outputs={name for name in code.outputs if _holds_state(cut.graph, nodes[name])},
         written=code.written,
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],
@@ -191,6 +192,14 @@ def _stage(
         reenters=bool(reentered) and not any(id(p) in shared_ids for m in reentered for p in m.parameters()),
         reads_in_backward=shared_read,
     )  # fmt: skip
+
+
+def _holds_state(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node`'s value is a parameter or buffer (or a view of one), or holds one: a no_grad
+    region's outputs, one of which is the buffer it wrote (read from them in a later stage)."""
+    if aliases_state(gm, node):
+        return True
+    return any(user.target is operator.getitem and aliases_state(gm, user) for user in node.users)
 
 
 def _refuse_slots_two_stages_hold(stages: list[StageRuntime], owner: nn.Module) -> None:
