@@ -4,18 +4,19 @@ is one a pipeline can run (not captured, not inside a parametrization cache, no 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.fx
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.compiled.program import Compiled, Program, first_floating_dtype
-from fxpipe.core.attrs import buffer_or_none
+from fxpipe.core.attrs import buffer_or_none, submodule_or_none
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
@@ -102,7 +103,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
             "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
             "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
-            f"which the pipeline reads as it runs{whole}."
+            f"which the pipeline reads as it runs{whole}.{_norm_momentum_hint(owner, attributes)}"
         )
     changed = program.hooks_changed()
     if "*" in changed and global_backward_hooks():
@@ -312,3 +313,16 @@ def stops_torch_compile(why: str) -> Callable[[F], F]:
 @stops_torch_compile(NOT_CAPTURED)
 def _refused_capture() -> None:
     raise RuntimeError(NOT_CAPTURED)
+
+
+def _norm_momentum_hint(owner: nn.Module, attributes: Sequence[str]) -> str:
+    """For a BatchNorm's momentum among the attributes changed (torch.optim.swa_utils.update_bn
+    sets it to None, to average over a loader, and puts it back after): where that can run."""
+    names = [a.partition(" ")[0] for a in attributes]
+    norms = [n for n in names if n.endswith(".momentum") and isinstance(submodule_or_none(owner, n.rpartition(".")[0]), _BatchNorm)]
+    if not norms:
+        return ""
+    return (
+        f" For {', '.join(norms)}: torch.optim.swa_utils.update_bn(loader, model) on the plain model sets the "
+        "statistics the pipeline reads (put the momentum back first, if a refused call left it changed)."
+    )

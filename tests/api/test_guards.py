@@ -1046,3 +1046,30 @@ def test_a_tensor_made_from_tensor_attributes_is_watched(how: str) -> None:
         pipe(x)
     model.t2 = torch.tensor(6.0, dtype=torch.float64)  # put back (rebound): the graph's value again
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class _NormedByExport(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.bn1, self.l2 = nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # *args: torch.fx fails, torch.export captures it
+        return self.l2(self.bn1(self.l1(args[0])).relu())
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_a_batch_norm_momentum_an_exported_graph_holds_is_refused_with_where_update_bn_runs() -> None:
+    """swa_utils.update_bn(loader, pipe) sets momentum to None; an exported graph holds it. The
+    fix before (compile again, or a buffer) was one update_bn cannot follow."""
+    model, x = _NormedByExport().double(), torch.randn(16, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    loader = [torch.randn(16, 6, dtype=torch.float64) for _ in range(2)]
+    with pytest.raises(RuntimeError, match=r"For bn1\.momentum: torch\.optim\.swa_utils\.update_bn\(loader, model\) on the plain model"):
+        torch.optim.swa_utils.update_bn(loader, pipe)
+    model.bn1.momentum = 0.1
+    reference = copy.deepcopy(model)
+    torch.optim.swa_utils.update_bn(loader, model)  # the plain model's, whose buffers the pipeline reads
+    torch.optim.swa_utils.update_bn(loader, reference)
+    model.eval()
+    reference.eval()
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
