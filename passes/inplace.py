@@ -26,8 +26,8 @@ import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import COMPUTE_OPS
-from fxpipe.passes.opaque_writes import mark_opaque_writes
 from fxpipe.core.writes import changes_metadata_only, is_view, may_copy, returns_written, view_root, writes_a_view, writes_first_argument, written_arguments, written_value
+from fxpipe.passes.opaque_writes import mark_opaque_writes
 
 def written(value: torch.Tensor, write: Any) -> torch.Tensor:
     """`value`, read after `write` (an in-place op on a view of it) has run: the node that calls

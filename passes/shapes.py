@@ -233,6 +233,10 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+Watch = Callable[[fx.Node, Any, tuple[Any, ...]], None]  # (node, its value, its arguments' values)
+Before = Callable[[fx.Node, dict[fx.Node, Any]], None]  # (node, the values of the nodes it takes)
+
+
 class _Watching(Recorder):
     """Runs the graph as `Recorder` does, handing each node's value and arguments to `watch`."""
 
@@ -246,10 +250,6 @@ class _Watching(Recorder):
         value = self.run_bare(n)
         self.watch(n, value, fx.map_arg(n.args, lambda a: self.env[a]))
         return value
-
-
-Watch = Callable[[fx.Node, Any, tuple[Any, ...]], None]  # (node, its value, its arguments' values)
-Before = Callable[[fx.Node, dict[fx.Node, Any]], None]  # (node, the values of the nodes it takes)
 
 
 def run_watching(gm: fx.GraphModule, example: tuple[Any, ...], watch: Watch, before: Optional[Before] = None) -> None:

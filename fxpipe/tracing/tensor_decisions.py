@@ -3,11 +3,11 @@
 torch.fx runs the operations on a tensor a module holds as a plain attribute (no parameter, no
 buffer) as they are, outside the graph: a branch on its value, an `int()` or `.item()` of it,
 is decided once, while tracing, and a graph that reads the attribute live elsewhere would take
-the traced branch after the attribute changed; a tensor made from one (`self.scale * 2`) is stored in the graph as a
-constant. For the length of a trace a function mode follows what is made from such tensors, and
-where one of them (or what was made from it) becomes a Python value or a constant of the graph,
-the attribute is watched by value: a change to it is refused at the call, as a changed float
-attribute is.
+the traced branch after the attribute changed; a tensor made from one (`self.scale * 2`) is
+stored in the graph as a constant. For the length of a trace a function mode follows what is
+made from such tensors, and where one of them (or what was made from it) becomes a Python value
+or a constant of the graph, the attribute is watched by value: a change to it is refused at the
+call, as a changed float attribute is.
 """
 from __future__ import annotations
 
