@@ -295,11 +295,11 @@ def check_writes_across_stages(gm: fx.GraphModule) -> None:
                     f"right after it: stage {_stage(node)} could not see what it wrote"
                 )
         target = written_value(gm, node) if node.op in COMPUTE_OPS else None
-        if target is None:
-            continue
-        if view_root(target).op == "get_attr":
-            state_writers.setdefault(str(view_root(target).target), set()).add(_stage(node))
-        problems += _write_problems(gm, node, target, position)
+        # (what an opaque call wrote on the example: passes/opaque_writes.py)
+        for target in [target] if target is not None else node.meta.get("writes_seen", []):
+            if view_root(target).op == "get_attr":
+                state_writers.setdefault(str(view_root(target).target), set()).add(_stage(node))
+            problems += _write_problems(gm, node, target, position)
     for name, stages in state_writers.items():
         if len(stages) > 1:
             problems.append(f"the parameter or buffer {name!r} is written in place by stages {sorted(stages)}")

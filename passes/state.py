@@ -261,8 +261,10 @@ def write_chains(gm: fx.GraphModule) -> list[list[fx.Node]]:
     first returned)."""
     chains = []
     for node in gm.graph.nodes:
-        # (a higher-order op's subgraph writes its operands: torch.export's no_grad region)
-        targets = written_arguments(gm, node) if subgraph_call(gm, node)[0] is not None else [written_value(gm, node)]
+        # (a higher-order op's subgraph writes its operands: torch.export's no_grad region; an
+        # opaque call, what it wrote on the example)
+        opaque = "writes_seen" in node.meta
+        targets = written_arguments(gm, node) if opaque or subgraph_call(gm, node)[0] is not None else [written_value(gm, node)]
         for target in targets:
             if target is None:
                 continue
