@@ -230,10 +230,10 @@ def buffers_written(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor
     """The buffers `node` may write in forward, by qualified name: those of a module it calls
     whole that keeps running statistics or may write anything it holds, and the root of a
     tensor it writes in place (through views, earlier writes and subgraphs)."""
+    found = {}
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
-        return dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
-    found = {}
+        found = dict(module.named_buffers(prefix=str(node.target))) if _writes_its_buffers(module) else {}
     for target in [*written_arguments(gm, node), *statistics_written(node), *_statistics_written_inside(gm, node)]:
         root = _state_root(gm, target)
         value = fetch_attr(gm, str(root.target)) if root is not None else None

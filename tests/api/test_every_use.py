@@ -396,3 +396,41 @@ def test_a_slice_written_by_a_call_the_graph_cannot_see(mode: str) -> None:
     assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION)
     with pytest.raises(ValueError, match=r"writes through the view `getitem` made in stage 0"):
         compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=2, checkpoint=mode, leaf_modules=[_Triples], split_points=["w"])
+
+
+class _Bumps(nn.Module):
+    """Kept whole: counts its calls in a buffer it is given."""
+
+    def forward(self, count: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        count.add_(1)
+        return h * 2
+
+
+class _CountedByAnother(nn.Module):
+    count: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.w = nn.Linear(6, 6), nn.Linear(6, 6), _Bumps()
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.w(self.count, self.a(x)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_buffer_a_call_the_graph_cannot_see_writes_is_cut_with_its_write(mode: str) -> None:
+    """Before, the automatic cut could fall between the call and the node that carries its
+    write on, and compiling then refused its own cut; and a checkpointed stage took the buffer
+    for one its forward only reads, and failed in backward."""
+    torch.manual_seed(0)
+    plain = _CountedByAnother().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(copy.deepcopy(plain), x, ["cpu"] * 2, chunks=2, checkpoint=mode, leaf_modules=[_Bumps])
+    stage = next(s for s in pipe.plan.stages if "w" in s.nodes)
+    assert "count_written" in stage.nodes
+
+    def in_turn(model: nn.Module) -> torch.Tensor:
+        return torch.cat([model(piece) for piece in x.tensor_split(2)])
+
+    assert_alike_in_every_use(pipe, plain, lambda m: m(x), _squares, NOT_LOW_PRECISION, plain_call=in_turn)
