@@ -23,7 +23,7 @@ from fxpipe.runtime.batch_loss import MicroBatchLoss, own_loss_reduction, own_me
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
-from fxpipe.runtime.gather import output_batch_dims
+from fxpipe.runtime.gather import output_batch_dims, output_batch_dims_by_path
 from fxpipe.runtime.losses import LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target, with_own_loss_whole
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
@@ -202,7 +202,10 @@ class PipelineCalls(nn.Module):
             template = with_own_loss_whole(call.program.template, call.program.own_loss_leaf) if own_whole else call.program.template
             refuse_outputs_of_the_whole_batch(template, len(call.sizes), asked=return_outputs)
         along = batch_dim_of(list(call.values.values()), call.dims)
-        targets = split_target(kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(call.program.template), self._target_dims)
+        made = call.program.template
+        targets = split_target(
+            kept.leaf_target(target), call.sizes, call.batch, along, output_batch_dims(made), self._target_dims, output_batch_dims_by_path(made),
+        )  # fmt: skip
         if loss_fn is None:
             reduction = own_loss_reduction(call, reduction, sliced=(slicing or self._compiled.slicing) is not None)
         weights = [size / sum(call.sizes) if reduction == "mean" else 1.0 for size in call.sizes]

@@ -36,8 +36,16 @@ def _path_of(template: Any, ref: ValueRef, value: Any, leaf: int) -> str:
 
 def output_batch_dims(template: Any) -> frozenset[int]:
     """The dims the outputs of a program hold their batch in, as compiling found them."""
-    refs = [leaf for leaf in tree_flatten(template)[0] if isinstance(leaf, ValueRef)]
-    return frozenset(d for ref in refs for d in ref.dims or () if isinstance(d, int) and not isinstance(d, bool))
+    return frozenset(d for dims in output_batch_dims_by_path(template).values() for d in dims)
+
+
+def output_batch_dims_by_path(template: Any) -> dict[str, frozenset[int]]:
+    """`output_batch_dims` of each output leaf, by its path in the outputs (`keystr`): a target
+    of the outputs' structure splits each leaf as its output holds the batch."""
+    return {
+        keystr(path): frozenset(d for d in leaf.dims or () if isinstance(d, int) and not isinstance(d, bool))
+        for path, leaf in tree_flatten_with_path(template)[0] if isinstance(leaf, ValueRef)
+    }  # fmt: skip
 
 
 class DataclassOutput(dict):  # type: ignore[type-arg]

@@ -22,7 +22,7 @@ from fxpipe.runtime.raw_grads import raw_grads
 
 def split_target(
     target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset(),
-    seen: Optional[dict[str, int]] = None,
+    seen: Optional[dict[str, int]] = None, outputs_by_path: Optional[dict[str, frozenset[int]]] = None,
 ) -> list[Any]:
     """The target's piece for each micro-batch: split like the inputs, along their batch dim
     `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size. Where both
@@ -30,7 +30,8 @@ def split_target(
     target, which this call adds to: ctc_loss's padded targets of (batch, longest label) are as
     long as the batch in some batches alone), else along the one the outputs hold their batch in
     (`outputs`: their batch dims), if one of them (a batch-first target of a sequence-first model
-    whose classes are as many as the samples)."""
+    whose classes are as many as the samples); of a leaf at the path of an output
+    (`outputs_by_path`: a target of the outputs' structure), the dims that output holds it in."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
     unsplit = _per_sample_but_no_tensor(target, batch)
@@ -42,9 +43,10 @@ def split_target(
         )
     seen = {} if seen is None else seen
     leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(target)[0] if isinstance(t, torch.Tensor)]
-    order = (0, dim) if dim and 0 in outputs and dim not in outputs else (dim, 0)
     along = {}
     for path, t in leaves:
+        held = (outputs_by_path or {}).get(path, outputs)
+        order = (0, dim) if dim and 0 in held and dim not in held else (dim, 0)
         fits = [d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch]
         along[id(t)] = seen[path] if len(fits) > 1 and seen.get(path) in fits else fits[0] if fits else None
         if len(fits) == 1 and dim:

@@ -1410,6 +1410,30 @@ def test_a_batch_first_target_of_a_sequence_first_model_is_split_along_the_outpu
     assert_grads_equal(pipe, plain, tol=1e-12)
 
 
+class SequenceAndPooled(SeqFirst):
+    """Returns (time, batch, classes) and the sequence pooled, (batch, classes)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        out = super().forward(x)
+        return out, out.mean(0)
+
+
+def test_each_leaf_of_a_target_shaped_like_the_outputs_is_split_as_its_output_holds_the_batch() -> None:
+    """Before, the outputs' batch dims counted as one set ({0, 1}): the pooled output's target,
+    its classes as many as the samples, was split along dim 1 and the loss failed on its sizes."""
+    model, plain = twin(SequenceAndPooled(6, 8))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, 6, dtype=torch.float64, generator=g)
+    y = (torch.randn(5, 8, 8, dtype=torch.float64, generator=g), torch.randn(8, 8, dtype=torch.float64, generator=g))
+    loss_fn = lambda out, t: F.mse_loss(out[0], t[0]) + F.mse_loss(out[1], t[1])  # noqa: E731
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1})
+    loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain, tol=1e-12)
+
+
 def test_a_batch_too_small_for_interleaved_says_how_to_fix_it() -> None:
     """Before, the refusal advised chunks=2 (refused again for a batch of one) or schedule='1f1b'
     (refused with stages_per_device=2)."""
