@@ -117,8 +117,8 @@ class _Overlap:
         # micro-batch and once more, and state it keeps is refused (fxpipe/runtime/loss_state.py).
         self.loss_state = LossStateKept(loss_fn, calls=calls_of_loss_fn(pipe._chunks))
         # The gradients the last batch's update will step on, as `after_backward` left them:
-        # each parameter's `.grad` and its version.
-        self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], int]] = []
+        # each parameter's `.grad`, its version and its memory (`.grad.data = ...` swaps it).
+        self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], tuple[int, int]]] = []
 
     def _take_the_model(self) -> None:
         """The stages built again on what the model holds now, where it holds other tensors than
@@ -323,7 +323,7 @@ class _Overlap:
             if after_backward is not None:
                 self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
-            self.grads_held = [(p, p.grad, -1 if p.grad is None else p.grad._version) for p in dict.fromkeys(self.program.parameters)]
+            self.grads_held = [(p, p.grad, _grad_state(p.grad)) for p in dict.fromkeys(self.program.parameters)]
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
         if self.ranks is not None:
@@ -340,12 +340,12 @@ class _Overlap:
         left it, which the batch's update (run after that code, unlike a synchronous loop's)
         steps on; a gradient that code set to None or replaced is put back (in a synchronous
         loop it changes nothing: the update ran before it), one written in place is refused."""
-        written = [self.names.get(id(p), "?") for p, grad, version in self.grads_held if grad is not None and grad._version != version]
+        written = [self.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
         if written:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
                 f"({', '.join(written[:5])}{' and more' if len(written) > 5 else ''}: clip_grad_norm_, "
-                "zero_grad(set_to_none=False), say). Under 2bw the update of a batch runs after the code that follows "
+                "zero_grad(set_to_none=False), `.grad.data = ...`, say). Under 2bw the update of a batch runs after the code that follows "
                 "its loss, so it would step on the gradients as written there, where a synchronous loop has stepped "
                 "already; the loop stopped, and that update ran on them as written.\nHow to fix: change gradients in "
                 "after_backward (train_steps(..., after_backward=...)), which runs before every schedule's update."
@@ -582,6 +582,12 @@ def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list
             "per setting), or use a synchronous schedule (1f1b), whose batches start after the hooks."
         )
     return [g if p.requires_grad else None for p, g in zip(params, grads)]
+
+
+def _grad_state(grad: Optional[torch.Tensor]) -> tuple[int, int]:
+    """A gradient's version and memory: either changes where it is written in place (a write
+    through `.data` in place changes neither, and goes unseen)."""
+    return (-1, 0) if grad is None else (grad._version, grad.data_ptr())
 
 
 def _wait(group: TaskGroup) -> None:

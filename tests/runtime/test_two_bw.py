@@ -1104,6 +1104,13 @@ def test_gradients_set_to_none_between_two_losses_change_nothing_and_written_in_
     with pytest.raises(RuntimeError, match=r"(?s)gradients of batch 0 were written in place after its loss.*How to fix: change gradients in after_backward"):
         for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
             nn.utils.clip_grad_norm_(pipe.parameters(), 1e-3)
+    pipe = _pipe(copy.deepcopy(plain), batches[0][0], 3)
+    opt = OPTIMIZERS["sgd-momentum"](pipe.parameters())
+    with pytest.raises(RuntimeError, match=r"gradients of batch 0 were written in place after its loss"):
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
+            for p in pipe.parameters():
+                if p.grad is not None:
+                    p.grad.data = torch.zeros_like(p)  # the same tensor on other memory
 
 
 def test_after_step_sees_the_running_statistics_of_its_own_batch_under_deferred_batch_norm() -> None:
