@@ -37,6 +37,7 @@ from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.randomness import TORCH_NAMESPACES
 from fxpipe.core.snapshot import preserved
 from fxpipe.core.writes import op_namespace
+from fxpipe.passes.state import RENORMS, parameters_written
 from fxpipe.passes.example_runs import DrawsOf, ExampleRunner, WholeRun, cloned, drawing_or_normalising, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
 from fxpipe.passes.shapes import small_on_cpu
@@ -450,9 +451,11 @@ def _bags_by_offsets(gm: fx.GraphModule) -> str:
 
 
 def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
-    """A line naming the parameters the graph's forward writes in place on `inputs` (an Embedding
-    with max_norm renormalises the rows it looks up): what reads them after depends on which
-    samples ran before. '' when it writes none."""
+    """Lines naming the parameters the graph's forward writes in place on `inputs`, with why
+    micro-batches change them: an Embedding with max_norm renormalises the rows it looks up (what
+    reads them after depends on which samples ran before); any other write (an average of other
+    parameters, as a momentum encoder keeps) runs once per micro-batch, not once per batch.
+    '' when it writes none."""
     before = {name: p.detach().clone() for name, p in gm.named_parameters()}
     try:
         with preserved(gm), torch.no_grad():
@@ -460,13 +463,19 @@ def _written_parameters(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> str:
             written = sorted(name for name, p in gm.named_parameters() if not torch.equal(p, before[name]))
     except Exception:  # noqa: BLE001 - it ran before; nothing more to say if not now
         return ""
-    if not written:
-        return ""
-    return (
-        f"Its forward writes these parameters in place: {', '.join(written)}; what reads them after depends on "
-        "the samples that ran before (an Embedding with max_norm renormalises the rows it looks up: "
-        "max_norm=None, or renormalise outside forward).\n"
-    )
+    writers = parameters_written(gm, list(gm.graph.nodes))
+    renormed = [name for name in written if name in writers and RENORMS in writers[name][1]]
+    updated = [name for name in written if name not in renormed]
+    lines = ""
+    if renormed:
+        lines += (f"Its forward renormalises these parameters in place: {', '.join(renormed)} (an Embedding with max_norm "
+                  "renormalises the rows it looks up); what reads them after depends on the samples that ran before: "
+                  "max_norm=None, or renormalise outside forward.\n")  # fmt: skip
+    if updated:
+        lines += (f"Its forward writes these parameters in place: {', '.join(updated)}; with chunks > 1 the write runs "
+                  "once per micro-batch, not once per batch as in the plain model (an average of other parameters, "
+                  "a momentum encoder's): make it outside forward, after optimizer.step(), or use chunks=1.\n")  # fmt: skip
+    return lines
 
 
 def _leaves(value: Any) -> list[Any]:

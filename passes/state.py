@@ -66,7 +66,7 @@ def writable_buffers(stage: nn.Module, gm: fx.GraphModule, run: Sequence[fx.Node
     return found
 
 
-_RENORMS = "with max_norm, which renormalises the rows it looks up"
+RENORMS = "with max_norm, which renormalises the rows it looks up"
 
 
 def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, tuple[torch.Tensor, str]]:
@@ -78,13 +78,14 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
         if node.op == "call_module":  # the module, or one inside a module kept whole
             for name, module in fetch_attr(gm, str(node.target)).named_modules(prefix=str(node.target)):
                 if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
-                    found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} {_RENORMS}")
+                    found[f"{name}.weight"] = (module.weight, f"`{name}`, an {type(module).__name__} {RENORMS}")
             continue
         written, renorms = buffers_written(gm, node), _renorms(node)
-        root = _state_root(gm, node.args[1]) if renorms and isinstance(node.args[1], fx.Node) else None
+        functional = renorms and node.target in (F.embedding, F.embedding_bag)  # (the op's own write is seen)
+        root = _state_root(gm, node.args[1]) if functional and isinstance(node.args[1], fx.Node) else None
         if root is not None:
             written[str(root.target)] = fetch_attr(gm, str(root.target))
-        writer = f"`{node.name}`" + (f" {_RENORMS}" if renorms else "")
+        writer = f"`{node.name}`" + (f" {RENORMS}" if renorms else "")
         for name, tensor in written.items():
             if isinstance(tensor, nn.Parameter):
                 found[name] = (tensor, writer)
@@ -92,7 +93,10 @@ def parameters_written(gm: fx.GraphModule, run: Sequence[fx.Node]) -> dict[str, 
 
 
 def _renorms(node: fx.Node) -> bool:
-    """A call of F.embedding or F.embedding_bag with max_norm: it writes its weight."""
+    """A call of F.embedding or F.embedding_bag with max_norm, or of the op they call then (in
+    an exported graph): it writes its weight."""
+    if node.target is torch.ops.aten.embedding_renorm_.default:
+        return True
     if node.op != "call_function" or node.target not in (F.embedding, F.embedding_bag) or len(node.args) < 2:
         return False
     max_norm = node.args[3] if len(node.args) > 3 else node.kwargs.get("max_norm")  # (input, weight, _, max_norm) in both
@@ -116,7 +120,7 @@ def rewritten_by_recompute(gm: fx.GraphModule, runs: Sequence[Sequence[fx.Node]]
             elif micro_batches > 1:
                 problems.append(f"{name!r}: stage {index} writes it in place ({writer}) in each micro-batch's forward, "
                                 "the next one's before this one's recompute")  # fmt: skip
-            elif _RENORMS not in writer:  # a renorm leaves its rows within max_norm: the recompute's writes nothing
+            elif RENORMS not in writer:  # a renorm leaves its rows within max_norm: the recompute's writes nothing
                 problems.append(f"{name!r}: stage {index} writes it in place ({writer}), and its recompute would write it "
                                 "a second time (an average kept in a parameter, say)")  # fmt: skip
     return problems
