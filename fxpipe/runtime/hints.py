@@ -55,8 +55,9 @@ _HINTS = [
 ]
 
 
-# The hints that speak of what one micro-batch's forward does to another's: none with one alone.
-_BETWEEN_MICRO_BATCHES = ("modified by an inplace operation",)
+# The hints that speak of several micro-batches (what one's forward does to another's, or each
+# holding fewer samples than the batch): none with one alone, where the plain model fails alike.
+_OF_SEVERAL = ("modified by an inplace operation", "Expected more than 1 value per channel when training")
 
 
 def hint_for(error: BaseException, micro_batches: int = 2) -> str:
@@ -67,5 +68,5 @@ def hint_for(error: BaseException, micro_batches: int = 2) -> str:
     alone = micro_batches == 1 or type(error).__name__ == "BackendCompilerFailed"
     return "".join(
         f"\n{hint}" for pieces, hint in _HINTS
-        if any(piece in text for piece in pieces) and not (alone and set(pieces) & set(_BETWEEN_MICRO_BATCHES))
+        if any(piece in text for piece in pieces) and not (alone and set(pieces) & set(_OF_SEVERAL))
     )

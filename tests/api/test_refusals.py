@@ -772,6 +772,21 @@ def test_a_micro_batch_too_small_for_batchnorm_says_to_use_fewer_chunks_and_leav
     _equals_plain_per_micro_batch(compile_pipeline(model, x, ["cpu"] * stages, chunks=2), model, plain, x, 2)
 
 
+def test_a_call_of_one_sample_through_batchnorm_fails_as_the_plain_model_with_no_hint_of_micro_batches() -> None:
+    """One sample is one micro-batch, whatever chunks says: the plain model refuses it too, and
+    a hint that blames the micro-batches (and says the whole batch holds more) would mislead."""
+    from fxpipe import StageError
+
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        model(x[:1])
+    with pytest.raises(StageError, match="Expected more than 1 value per channel when training") as failed:
+        pipe(x[:1])
+    assert "fewer chunks" not in str(failed.value) and "holds more" not in str(failed.value), str(failed.value)
+
+
 def _equals_plain_per_micro_batch(pipe: nn.Module, model: nn.Sequential, plain: nn.Sequential, x: torch.Tensor, chunks: int) -> None:
     """`pipe(x)` (on `model`) is the plain model run on each of the `chunks` micro-batches in turn:
     outputs, gradients, and the BatchNorm's (`[1]`) running statistics."""
