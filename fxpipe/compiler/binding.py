@@ -216,18 +216,25 @@ def _another_image_size(leaves: list[Any], held: list[tuple[int, int, int]], arg
 
 def _check_fixed(leaves: list[Any], fixed: list[tuple[int, int, int]], arguments: list[str]) -> None:
     wrong = [
-        f"{arguments[index]} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
-        f"the graph was made for {size}"
+        (f"{arguments[index]} (tensor of shape {tuple(leaves[index].shape)}): dim {dim} is {leaves[index].shape[dim]}, "
+         f"the graph was made for {size}", size)
         for index, dim, size in fixed
         if isinstance(leaves[index], torch.Tensor) and leaves[index].dim() > dim and leaves[index].shape[dim] != size
-    ]
-    if wrong:
+    ]  # fmt: skip
+    if not wrong:
+        return
+    listed = "\n".join(f"  - {w}" for w, _ in wrong)
+    if all(size in (0, 1) for _, size in wrong):  # torch.export's own rule, not the model's code
         raise ValueError(
-            "torch.export fixed these input sizes to the example's (the model's Python code depends on "
-            "them), and this call differs:\n" + "\n".join(f"  - {w}" for w in wrong) + "\nHow to fix: "
-            "compile a pipeline for these shapes, or write the size-dependent code with tensor "
-            "operations so that export keeps the size dynamic."
+            "torch.export fixed these input sizes to the example's, as it does with every dim of size 0 or 1 "
+            f"in the example, and this call differs:\n{listed}\nHow to fix: compile with an example that holds "
+            "two or more along these dims (two samples, say)."
         )
+    raise ValueError(
+        "torch.export fixed these input sizes to the example's (the model's Python code depends on "
+        f"them), and this call differs:\n{listed}\nHow to fix: compile a pipeline for these shapes, or write the "
+        "size-dependent code with tensor operations so that export keeps the size dynamic."
+    )
 
 
 _CALL_DIFFERS = (

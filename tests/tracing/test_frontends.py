@@ -443,6 +443,31 @@ def test_an_example_of_one_sample_through_torch_export_asks_for_two_samples_and_
         assert_call_and_grads_equal(pipe, reference, x)
 
 
+class FixesItsBatch(VarArgs):
+    """Code that fixes the batch's size (a reshape to the example's), which torch.export keeps."""
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        return super().forward(args[0].reshape(4, 8))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("make, batch, says", [
+    (VarArgs, 1, r"as it does with every dim of size 0 or 1 in the example.*How to fix: compile with an example that holds two or more"),
+    (FixesItsBatch, 4, r"the model's Python code depends on them.*How to fix: compile a pipeline for these shapes"),
+], ids=["one-sample", "code"])  # fmt: skip
+def test_a_call_of_another_size_than_an_exported_graph_fixed_says_why_it_was_fixed(make: type[VarArgs], batch: int, says: str) -> None:
+    """With one micro-batch, an example of one sample compiles (the graph is for one sample);
+    a call of three then differs. Before, it blamed the model's code as for a size the code fixes."""
+    model, reference = twin(make())
+    x = torch.randn(batch, 8, dtype=torch.float64)
+    with closing(compile_pipeline(model, x, ["cpu"] * 2)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, x)
+        with pytest.raises(ValueError, match=r"(?s)torch.export fixed these input sizes.*" + says) as refused:
+            pipe(torch.randn(3, 8, dtype=torch.float64))
+        assert f"dim 0 is 3, the graph was made for {batch}" in str(refused.value)
+        assert ("depends on" in str(refused.value)) == (make is FixesItsBatch)
+
+
 def test_a_graph_module_from_any_tracer_is_accepted() -> None:
     model, reference = twin(VarArgs())
     x = torch.randn(6, 8, dtype=torch.float64)
