@@ -52,6 +52,8 @@ class Run:
         self.differentiable: Callable[[str], bool] = lambda name: True  # by output value
         self.gathered: Optional[Gathered] = None
         self.output_grads: Optional[Sequence[Optional[torch.Tensor]]] = None
+        self.taking: list[int] = []  # the gathered outputs that take gradients
+        self.left: tuple[int, int] = (0, 0)  # of those, how many the backward did not reach, of how many
         # What must live as long as the outputs' graph: the pipeline, whose garbage collection
         # stops the workers the backward runs on (as the plain model's graph keeps its weights).
         self.owner: Any = None
@@ -65,10 +67,19 @@ class Run:
         if torch.is_grad_enabled():
             raise RuntimeError(
                 "a Pipeline cannot make its gradients differentiable (backward with create_graph=True, "
-                "or torch.autograd.grad(..., create_graph=True)).\nHow to fix: compute higher-order "
-                "gradients with the plain model."
+                "or torch.autograd.grad(..., create_graph=True), which torch.autograd.functional's jvp, hvp, vhp and "
+                "hessian use).\nHow to fix: compute higher-order gradients with the plain model."
             )
         grads = self.output_grads or [None] * len(self.gathered.slots)
+        if self.step.backward_done and self.left[0]:
+            raise RuntimeError(
+                f"backward through this pipeline call ran already, from some of its outputs alone ({self.left[1] - self.left[0]} "
+                f"of the {self.left[1]} that take gradients), and freed its saved state: a call runs one backward for all "
+                "its outputs, where the plain model may run one per output whose graphs share nothing.\nHow to fix: one "
+                "backward for all the losses ((loss1 + loss2).backward(), or torch.autograd.backward([loss1, loss2])), "
+                "or run the forward again for the second."
+            )
+        self.left = (sum(grads[i] is None for i in self.taking), len(self.taking))
         if any(g is not None and _batched(g) for g in grads):
             raise RuntimeError(
                 "a Pipeline cannot take batched gradients (torch.autograd.functional.jacobian(..., vectorize=True), "
@@ -121,11 +132,8 @@ class _Outputs(torch.autograd.Function):
         ctx.run = run  # type: ignore[attr-defined]
         ctx.set_materialize_grads(False)
         tensors = run.gathered.tensors
-        fixed = [
-            t for t, (name, _, _, _) in zip(tensors, run.gathered.slots)
-            if not takes_gradients(t) or not run.differentiable(name)
-        ]  # fmt: skip
-        ctx.mark_non_differentiable(*fixed)
+        run.taking = [i for i, (t, slot) in enumerate(zip(tensors, run.gathered.slots)) if takes_gradients(t) and run.differentiable(slot[0])]
+        ctx.mark_non_differentiable(*(t for i, t in enumerate(tensors) if i not in run.taking))
         return tuple(tensors)
 
     @staticmethod

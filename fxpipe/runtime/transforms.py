@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 
@@ -41,12 +42,22 @@ def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: b
             f"({', '.join(unreached)}; torch.func.functional_call given such tensors, say): a pipeline hands "
             "gradients to the model's parameters only"
         )
+    # Leaves only: a view of a parameter (self.w_t = self.lin.weight.t()) carries its gradient there.
+    learning = [name for name, tensor in state.items()
+                if tensor.requires_grad and tensor.is_leaf and not isinstance(tensor, nn.Parameter) and name not in unreached]  # fmt: skip
+    if grad_mode and learning:  # (refused when compiling too; set so after it, say)
+        problems.append(
+            f"buffers or tensor attributes the stages read require grad but are not nn.Parameters ({', '.join(learning)}; "
+            "made so after compiling, say): a pipeline hands gradients to the model's parameters only, and each "
+            "micro-batch's backward would write theirs, outside what autograd.grad or backward(inputs=...) asks for"
+        )
     if problems:
         raise RuntimeError(
             "this call of the pipeline cannot compute what the plain model would:\n"
             + "\n".join(f"  - {p}" for p in problems)
             + "\nHow to fix: apply such transforms to the plain model; train the pipeline's own parameters "
-            "(load new values with pipe.load_state_dict, or copy them in under torch.no_grad()); a "
+            "(load new values with pipe.load_state_dict, or copy them in under torch.no_grad()), and register a tensor "
+            "that learns as an nn.Parameter before compiling (or call .requires_grad_(False) on one that does not); a "
             "functional_call with tensors that do not require grad (or under torch.no_grad()) runs as it is."
         )
 

@@ -470,6 +470,11 @@ def test_create_graph_is_refused_clearly() -> None:
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
     with pytest.raises(RuntimeError, match="create_graph=True"):
         torch.autograd.grad(pipe(x).sum(), x, create_graph=True)
+    # torch.autograd.functional's jvp and hvp ask for it without the caller's writing it: named.
+    for ask in (lambda: torch.autograd.functional.jvp(pipe, x, torch.ones_like(x)),
+                lambda: torch.autograd.functional.hvp(lambda v: pipe(v).sum(), x, torch.ones_like(x))):  # fmt: skip
+        with pytest.raises(RuntimeError, match="create_graph=True.*which torch.autograd.functional's jvp, hvp"):
+            ask()
 
 
 def test_batched_gradients_are_refused_clearly_and_the_next_call_is_exact() -> None:

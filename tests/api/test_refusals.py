@@ -65,6 +65,38 @@ def test_second_backward_through_one_step() -> None:
         loss.backward()
 
 
+class TwoHeads(nn.Module):
+    """Two heads on branches that share nothing: the plain model's graphs for each are apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.c(torch.tanh(self.a(x))), self.d(torch.tanh(self.b(x)))
+
+
+def test_a_backward_from_each_output_in_turn_is_refused_naming_one_backward_for_all() -> None:
+    """The plain model runs one backward per head; a pipeline call runs one for all its outputs.
+    Before, the second was refused as a second backward "(retain_graph is not supported)", which
+    the caller never asked for."""
+    model, reference = twin(TwoHeads().double())
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    first, second = pipe(x)
+    first.pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"(?s)from some of its outputs alone \(1 of the 2 that take gradients\).*"
+                       r"How to fix: one backward for all the losses.*torch.autograd.backward\(\[loss1, loss2\]\)"):  # fmt: skip
+        second.pow(2).sum().backward()
+    # One backward for both: the plain model's two, added.
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+    torch.autograd.backward([o.pow(2).sum() for o in pipe(x)])
+    for o in reference(x):
+        o.pow(2).sum().backward()
+    assert_grads_equal(model, reference, tol=1e-12)
+
+
 class LooseScale(nn.Module):
     """A tensor attribute that requires grad but is not a parameter: the plain model's backward
     gives it a `.grad`."""
@@ -81,6 +113,34 @@ class LooseScale(nn.Module):
 def test_tensor_that_requires_grad_but_is_no_parameter_is_refused() -> None:
     with pytest.raises(ValueError, match=r"require grad but are not parameters: scale\. (.|\n)*How to fix: register each tensor that learns as an nn\.Parameter"):
         compile_pipeline(LooseScale(), X, ["cpu", "cpu"], chunks=2)
+
+
+class ReadsABuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.register_buffer("scale", torch.full((6,), 0.7))
+        self.gain = torch.full((6,), 2.0, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)) * self.scale * self.gain)
+
+
+@pytest.mark.parametrize("name", ["scale", "gain"])
+def test_a_buffer_or_tensor_attribute_made_to_require_grad_after_compiling_is_refused_at_the_call(name: str) -> None:
+    """Before, each micro-batch's backward wrote its `.grad` (autograd.grad(loss, x) and
+    backward(inputs=[x]) too, where the plain model leaves it None), a hook on it ran once per
+    micro-batch, and autograd.grad(loss, it) found it unused. Under no_grad the call runs."""
+    model, x = ReadsABuffer().double(), X.double().requires_grad_()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    getattr(model, name).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=rf"(?s)require grad but are not nn.Parameters \({name}; made so after compiling.*register a tensor that learns as an nn.Parameter"):
+        pipe(x)
+    assert getattr(model, name).grad is None
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+    getattr(model, name).requires_grad_(False)
+    pipe(x).sum().backward()
 
 
 class ScaleMadeOutsideForward(LooseScale):
