@@ -116,6 +116,8 @@ def test_tensor_that_requires_grad_but_is_no_parameter_is_refused() -> None:
 
 
 class ReadsABuffer(nn.Module):
+    scale: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.first, self.second = nn.Linear(6, 6), nn.Linear(6, 6)
