@@ -34,7 +34,7 @@ from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
-from fxpipe.passes.batch_dims import annotate_batch_dims
+from fxpipe.passes.batch_dims import CHECK_DEFERRED, annotate_batch_dims
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
 from fxpipe.passes.dtype_constants import floating_dtypes_held
@@ -355,14 +355,17 @@ def compile_pipeline(
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
     if not checked:
         compiled.unchecked = functools.partial(_check_micro_batches_later, traced, cuts, chunks, model)
+        deferred = gm.meta.get(CHECK_DEFERRED)
         why = (
             "the example has one sample, which cannot be split in two" if not example_batch or example_batch < 2 else
+            f"{deferred}, where a squeeze() may drop its batch dim" if deferred else
             "the example's samples all hold the same values (zeros, or one sample repeated), on which a statistic of "
             "the batch is the same as on any part of it"
         )  # fmt: skip
         warnings.warn(
             f"{why}: the check that {chunks} micro-batches compute what the whole batch does runs on the first call of "
-            "two samples or more whose samples differ (a call of one sample runs as one micro-batch).",
+            f"{'four' if deferred else 'two'} samples or more whose samples differ (until then, a call runs as one "
+            "micro-batch).",
             stacklevel=caller_stacklevel(),
         )
     if placement is not None:

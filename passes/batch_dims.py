@@ -83,6 +83,10 @@ def _refuse_counts_across_the_batch(gm: fx.GraphModule, chunks: int) -> None:
         )
 
 
+# Why the check waits for a later call, where it is not for one sample or samples alike.
+CHECK_DEFERRED = "batch_check_deferred"
+
+
 def annotate_batch_dims(
     gm: fx.GraphModule, inputs: tuple[Any, ...], chunks: int, dims: Optional[Dims] = None, serves_eval: bool = False,
     defer_one_sample: bool = False, whole_run: Optional[WholeRun] = None,
@@ -94,7 +98,8 @@ def annotate_batch_dims(
     compared in eval mode, where its modules may write none. An example of one sample has no
     two parts: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
     False returned (the check is to run on inputs of two samples or more); so too an example
-    whose samples are all alike, which nothing could be seen on; True otherwise.
+    whose samples are all alike, which nothing could be seen on, and one of two or three samples
+    whose parts of one sample the graph cannot run (`gm.meta[CHECK_DEFERRED]` says so); True otherwise.
     `whole_run`: the run on the whole example, made already (`run_whole`)."""
     dims = dims or {}
     batch = batch_size_of(list(inputs), dims)
@@ -135,9 +140,13 @@ def annotate_batch_dims(
         parts = _split(inputs, sizes, batch, dims)
         each, error = _run_parts(gm, parts, real, keep, whole_run.fixed)
     if error is not None:
-        if batch < 4:  # a part of one sample: a squeeze() may drop its batch dim, which larger calls keep
-            return True
-        raise ValueError(_failing_part_message(gm, inputs, batch, chunks, dims, error)) from error
+        if batch < 4 and defer_one_sample:  # a part of one sample: a squeeze() may drop its batch dim, which larger calls keep
+            gm.meta[CHECK_DEFERRED] = f"the model fails on a part of one sample of the example of {batch} ({type(error).__name__})"
+            return False
+        message = _failing_part_message(gm, inputs, batch, chunks, dims, error)
+        if batch < 4:
+            message += " Or compile on an example of four samples or more, whose parts hold two each."
+        raise ValueError(message) from error
     _mark_whole_batch_draws(whole_run.fixed, whole, each)
     compare = real and not _keeps_state(gm, written)
     reading = _reading_written(gm, written) if real and not compare else None
@@ -634,8 +643,9 @@ def _mixing_message(
     starts = _where_it_starts(gm, whole, parts, bad)
     return (
         f"with chunks={chunks} the micro-batches would compute otherwise than the whole batch: run on two parts "
-        "of the inputs checked (the example's, or the first call of two samples or more where the example had one, "
-        "or its samples were all alike), the model gives other outputs than on the whole of them. It mixes samples "
+        "of the inputs checked (the example's, or the first call that could be checked where the example could not: "
+        "one sample, samples all alike, parts of one sample the model fails on), the model gives other outputs than "
+        "on the whole of them. It mixes samples "
         "along the batch dim, or computes with the batch size.\n"
         + "".join(f"  - output {p}\n" for p in problems)
         + (f"The difference starts at: {'; '.join(starts)}.\n" if starts else "")
