@@ -31,7 +31,8 @@ def split_target(
     long as the batch in some batches alone), else along the one the outputs hold their batch in
     (`outputs`: their batch dims), if one of them (a batch-first target of a sequence-first model
     whose classes are as many as the samples); of a leaf at the path of an output
-    (`outputs_by_path`: a target of the outputs' structure), the dims that output holds it in."""
+    (`outputs_by_path`: a target of the outputs' structure), first the dims that output holds
+    it in, any of them."""
     if target is None or len(sizes) == 1:
         return [target] * len(sizes)
     unsplit = _per_sample_but_no_tensor(target, batch)
@@ -45,8 +46,11 @@ def split_target(
     leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(target)[0] if isinstance(t, torch.Tensor)]
     along = {}
     for path, t in leaves:
-        held = (outputs_by_path or {}).get(path, outputs)
-        order = (0, dim) if dim and 0 in held and dim not in held else (dim, 0)
+        at_path = sorted((outputs_by_path or {}).get(path, ()))
+        held = at_path or outputs
+        # The dims the output at its path holds the batch in first (an RNN's final state (layers,
+        # batch, hidden) of a batch-first model), then the inputs' and dim 0.
+        order = (*at_path, 0, dim) if dim and 0 in held and dim not in held else (*at_path, dim, 0)
         fits = [d for d in dict.fromkeys(order) if t.dim() > d and t.shape[d] == batch]
         along[id(t)] = seen[path] if len(fits) > 1 and seen.get(path) in fits else fits[0] if fits else None
         if len(fits) == 1 and dim:

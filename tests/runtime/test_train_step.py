@@ -1434,6 +1434,40 @@ def test_each_leaf_of_a_target_shaped_like_the_outputs_is_split_as_its_output_ho
     assert_grads_equal(pipe, plain, tol=1e-12)
 
 
+class WithFinalState(nn.Module):
+    """A batch-first GRU given its initial state (layers, batch, hidden), returning its outputs
+    and its final state, which holds the batch on dim 1."""
+
+    def __init__(self, layers: int) -> None:
+        super().__init__()
+        self.inp, self.rnn, self.out = nn.Linear(5, 8), nn.GRU(8, 6, num_layers=layers, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h = self.rnn(self.inp(x), h0)
+        return self.out(y), h
+
+
+@pytest.mark.parametrize("layers, batch", [(2, 8), (4, 4)], ids=["batch-on-dim-1", "layers-as-many-as-samples"])
+def test_a_target_shaped_like_the_outputs_is_split_along_a_batch_dim_its_output_holds_that_no_input_names(layers: int, batch: int) -> None:
+    """x is split along dim 0, h0 along dim 1: the final state's target holds the batch on dim 1.
+    Before, only the inputs' first split dim and dim 0 were tried: the target was refused, or,
+    with as many layers as samples, cut along its layers (a raw size error in the loss)."""
+    model, plain = twin(WithFinalState(layers).double())
+    g = torch.Generator().manual_seed(0)
+    x, h0 = torch.randn(batch, 7, 5, dtype=torch.float64, generator=g), torch.randn(layers, batch, 6, dtype=torch.float64, generator=g)
+    target = (torch.randn(batch, 7, 3, dtype=torch.float64, generator=g), torch.randn(layers, batch, 6, dtype=torch.float64, generator=g))
+    loss_fn = lambda out, t: F.mse_loss(out[0], t[0]) + F.mse_loss(out[1], t[1])  # noqa: E731
+    for schedule in ("gpipe", "1f1b"):
+        pipe = compile_pipeline(model, (x, h0), ["cpu", "cpu"], chunks=2, chunk_spec={"h0": 1}, schedule=schedule)
+        pipe.zero_grad()
+        plain.zero_grad()
+        loss = pipe.train_step(x, h0, target=target, loss_fn=loss_fn)
+        expected = loss_fn(plain(x, h0), target)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, plain, tol=1e-12)
+
+
 def test_a_batch_too_small_for_interleaved_says_how_to_fix_it() -> None:
     """Before, the refusal advised chunks=2 (refused again for a batch of one) or schedule='1f1b'
     (refused with stages_per_device=2)."""
