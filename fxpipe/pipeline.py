@@ -153,11 +153,13 @@ class Pipeline(PipelineCalls):
 
     def compile_stats(self) -> list[StageCompiles]:
         """Per stage, under `compile_stages`: graphs compiled, seconds in the compiler, and the
-        recompiles with the guard that failed, over both modes' stages ([] for eager stages)."""
-        programs = list({id(p): p for p in self._programs.values()}.values())
+        recompiles with the guard that failed, over both modes' stages and those compiled for
+        other kinds of call (an optional argument given) ([] for eager stages)."""
+        pipes = [self, *self._variants.values()]
+        programs = list({id(p): p for pipe in pipes for p in pipe._programs.values()}.values())
         totals: list[StageCompiles] = []
         for index in range(len(self._devices)):
-            found = [s.compiled.stats for p in programs if (s := p.stages[index]).compiled is not None]
+            found = [s.compiled.stats for p in programs if index < len(p.stages) and (s := p.stages[index]).compiled is not None]
             if found:
                 totals.append(StageCompiles(
                     index, sum(f.graphs for f in found), sum(f.seconds for f in found), [r for f in found for r in f.recompiles],

@@ -61,6 +61,15 @@ def _cuts_gradient(node: fx.Node) -> bool:
     return node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and bool(node.args) and node.args[0] is False
 
 
+def _holds_no_gradient(node: fx.Node) -> bool:
+    """Whether the shape pass found `node`'s value to hold tensors of no floating or complex
+    dtype alone (a bool mask, indices), or no tensor."""
+    dtypes = node.meta.get("dtype")
+    found = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    known = [d for d in found if isinstance(d, torch.dtype)]
+    return dtypes == () or (bool(known) and len(known) == len(found) and not any(d.is_floating_point or d.is_complex for d in known))
+
+
 def _own(gm: fx.GraphModule, node: fx.Node) -> Sources:
     if node.op == "placeholder":
         return Sources(inputs={node.name})
@@ -112,8 +121,9 @@ def reached_from(gm: fx.GraphModule, outputs: frozenset[int]) -> tuple[frozenset
     """The placeholders (by position) and the attributes (get_attr targets, and the modules that
     call_module nodes call) that the graph's returned values at positions `outputs` are computed
     from: those a gradient from them reaches,
-    as the plain model's autograd graph would (a cut, `detach()`, counts as a path: a gradient
-    of zeros where autograd gives none is what this tells apart)."""
+    as the plain model's autograd graph would: not through a cut (`detach()`, a no_grad region),
+    nor through a value of no floating dtype (a comparison, an argmax), whose inputs autograd
+    never reaches from it."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
     stack: list[fx.Node] = []
@@ -125,7 +135,8 @@ def reached_from(gm: fx.GraphModule, outputs: frozenset[int]) -> tuple[frozenset
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.all_input_nodes)
+            if not (_cuts_gradient(node) or _holds_no_gradient(node)):
+                stack.extend(node.all_input_nodes)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return (frozenset(i for i, n in enumerate(placeholders) if n in seen),
             frozenset(str(n.target) for n in seen if n.op in ("get_attr", "call_module")))  # fmt: skip
