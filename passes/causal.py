@@ -234,11 +234,12 @@ class _Prover(LayoutRules, fx.Interpreter):
             if hides and isinstance(fill, (int, float)) and fill == 0:
                 return ZERO
             return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= _HIDDEN else before if hides else ""
-        if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool:
-            other = _number(args[2]) if len(args) > 2 else None
-            hides = future_all(~args[0], value.shape, q, k)
-            if hides and isinstance(other, (int, float)):
-                return ZERO if other == 0 else MINUS_INF if other <= _HIDDEN else ""
+        if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool and len(args) > 2:
+            # where(keep, scores, fill), or where(hide, fill, scores): the fill is the number
+            kept, fill = (args[0], _number(args[2])) if isinstance(_number(args[2]), (int, float)) else (~args[0], _number(args[1]))
+            hides = future_all(~kept, value.shape, q, k)
+            if hides and isinstance(fill, (int, float)):
+                return ZERO if fill == 0 else MINUS_INF if fill <= _HIDDEN else ""
             return ""
         if key in KEEPS_MASK:
             return before
@@ -360,7 +361,7 @@ class _Prover(LayoutRules, fx.Interpreter):
                     "attention's mask reads the slice's own positions along its key dim (a key-padding mask made from "
                     "the inputs, say), where a slice's keys are those of every slice up to it"
                 )
-        hidden = ~mask if mask.dtype == torch.bool else mask == float("-inf")
+        hidden = ~mask if mask.dtype == torch.bool else mask <= _HIDDEN  # -inf, or a finite fill softmax gives 0 (finfo.min)
         if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
             raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
 

@@ -82,11 +82,15 @@ class RotaryBlock(nn.Module):
         cos, sin = self.cos[:t], self.sin.narrow(0, 0, t)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(WIDTH // HEADS))
-        if self.mask == "buffer":
+        if self.mask in ("buffer", "where"):
             keep = self.bias.narrow(2, 0, t).narrow(3, 0, t) == 0
         else:  # a comparison of two aranges: the keys' positions after the queries'
             keep = torch.arange(t, device=x.device)[None, :] > torch.arange(t, device=x.device)[:, None]
-        att = self.attn_drop(F.softmax(att.masked_fill(keep, float("-inf")), dim=-1))
+        if self.mask == "where":  # the scores where a key may be read, else -inf, written as where(hide, fill, scores)
+            att = torch.where(self.bias[:, :, :t, :t] == 0, float("-inf"), att)
+        else:
+            att = att.masked_fill(keep, float("-inf"))
+        att = self.attn_drop(F.softmax(att, dim=-1))
         y = (att @ v).permute(0, 2, 1, 3).reshape(b, t, c)
         x = x + self.proj(y)
         return x + self.mlp(self.ln2(x))
@@ -130,8 +134,8 @@ def tokens(batch: int = 2, length: int = 12, seed: int = 0) -> torch.Tensor:
 
 
 class MaskedSdpaGPT(nn.Module):
-    """SDPA given a mask cut from a buffer: boolean (True reads), additive (-inf hides), or one
-    that reads every key (not causal)."""
+    """SDPA given a mask cut from a buffer: boolean (True reads), additive (-inf hides; -1e9 where
+    finite), or one that reads every key (not causal)."""
 
     keep: torch.Tensor
     minus: torch.Tensor
@@ -148,6 +152,7 @@ class MaskedSdpaGPT(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(WIDTH, dim=-1)
         q, k, v = (h.view(b, t, HEADS, c // HEADS).transpose(1, 2) for h in (q, k, v))
-        mask = self.minus[:t, :t] if self.mask == "additive" else self.keep[:t, :t]
+        # additive: -inf hides; finite: -1e9 does (a mask made with torch.finfo(dtype).min, as Hugging Face's)
+        mask = self.minus[:t, :t] if self.mask == "additive" else self.minus[:t, :t].clamp(min=-1e9) if self.mask == "finite" else self.keep[:t, :t]
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.head(x + y.transpose(1, 2).reshape(b, t, c))

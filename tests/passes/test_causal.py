@@ -29,6 +29,8 @@ CAUSAL: dict[str, Callable[[], nn.Module]] = {
     "rotary gpt masked by a comparison of two aranges": lambda: RotaryGPT(mask="aranges"),
     "sdpa given a boolean tril mask": lambda: MaskedSdpaGPT("boolean"),
     "sdpa given an additive mask": lambda: MaskedSdpaGPT("additive"),
+    "sdpa given an additive mask of a finite fill": lambda: MaskedSdpaGPT("finite"),
+    "rotary gpt masked by where(hide, -inf, scores)": lambda: RotaryGPT(mask="where"),
 }
 LENGTHS = [[12], [6, 6], [5, 3, 4], [1] * 12, [2, 7, 3]]
 
