@@ -174,7 +174,7 @@ class PipelineCalls(nn.Module):
         chunks = 1 if compiled.unchecked is not None else self._chunks
         call = split_call(program, values, batch, dims, chunks, compiled.example_leaves, compiled.check_micro_batch, self._channel is not None)
         if compiled.check_length is not None:
-            compiled.check_length(call.micro_batches[0], self.training, slicing or compiled.slicing, still)
+            compiled.check_length(call.micro_batches, self.training, slicing or compiled.slicing, still)
         return call
 
     def _dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Dims:

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal_layout import LayoutRules
+from fxpipe.passes.sources import value_inputs
 from fxpipe.passes.position_tags import (
     CausalityError, Length, Positions, Proof, Refused, Sizes, conflict, future_all, key_of, tags_in,
     unmasked, op_and_line, BROKEN, FACTORIES, K, KEEPS_MASK, MATMULS, MINUS_INF, NORMS, POINTWISE_FUNCTIONS,
@@ -225,7 +226,32 @@ class _Prover(LayoutRules, fx.Interpreter):
         return replace(tag, masked=self._mask_after(key, value, args, tags, operands, scores[0][0], scores[1][0]))
 
     def _mask_after(self, key: Any, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...], operands: list[tuple[Any, Any]], q: int, k: int) -> str:
-        """What scores hold where the key follows the query after this op."""
+        """What scores hold where the key follows the query after this op; a mask found hiding
+        the future has its sources noted (`_note_mask`)."""
+        masked = self._masked_after(key, value, args, tags, operands, q, k)
+        if masked and key not in KEEPS_MASK and key not in SCALES:  # decided on a mask's values
+            assert self.node is not None
+            self._note_mask([a for a in _mask_side(key, self.node, args) if isinstance(a, fx.Node)])
+        return masked
+
+    def _note_mask(self, nodes: list[fx.Node]) -> None:
+        """Note the tensors the model holds and the inputs that `nodes` (a mask) are computed
+        from, by value: not through a size, a dtype or a device read from them, nor the shape
+        of a tensor made like another (`torch.ones_like(scores)`)."""
+        seen: set[fx.Node] = set()
+        stack = list(nodes)
+        while stack:
+            node = stack.pop()
+            if node in seen or _reads_no_values(node):
+                continue
+            seen.add(node)
+            if node.op == "placeholder":
+                self.proof.mask_inputs.add(node.name)
+            elif node.op == "get_attr" and not isinstance(fetch_attr(self.gm, str(node.target)), nn.Parameter):
+                self.proof.mask_state.add(str(node.target))
+            stack.extend(value_inputs(node))
+
+    def _masked_after(self, key: Any, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...], operands: list[tuple[Any, Any]], q: int, k: int) -> str:
         first = tags[0] if isinstance(tags[0], Positions) else None
         before = first.masked if first is not None else ""
         if key in ("masked_fill", torch.masked_fill):
@@ -364,6 +390,9 @@ class _Prover(LayoutRules, fx.Interpreter):
         hidden = ~mask if mask.dtype == torch.bool else mask <= _HIDDEN  # -inf, or a finite fill softmax gives 0 (finfo.min)
         if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
             raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
+        assert self.node is not None
+        given = self.node.kwargs.get("attn_mask", self.node.args[3] if len(self.node.args) > 3 else None)
+        self._note_mask([given] if isinstance(given, fx.Node) else [])
 
     def _carry(self, n: fx.Node, argument: Any, dim: int) -> None:
         """`n` reads its `argument` (a position or a keyword) as keys: the slices before
@@ -383,6 +412,28 @@ _KNOWN_FORMS = {
 }
 
 _HIDDEN = -1e4  # a score this far below any other has a softmax weight of exactly 0 (exp underflows)
+
+
+def _mask_side(key: Any, node: fx.Node, args: tuple[Any, ...]) -> list[Any]:
+    """The arguments of a masking op that are not the scores: masked_fill's mask and fill,
+    where's condition and fill (the number, the second or third), an added mask."""
+    if key in ("where", torch.where) and len(node.args) > 2:
+        return [node.args[0], node.args[2] if isinstance(_number(args[2]), (int, float)) else node.args[1]]
+    return [*node.args[1:], *node.kwargs.values()]
+
+
+_SHAPE_READS = {"size", "dim", "numel", "shape", "dtype", "device", "ndim"}
+
+
+def _reads_no_values(node: fx.Node) -> bool:
+    """A read of a tensor's size, rank, dtype or device (`x.size(1)`, `x.shape`)."""
+    if node.op == "call_method":
+        return node.target in _SHAPE_READS
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return len(node.args) > 1 and node.args[1] in _SHAPE_READS
+    return node.target in (torch.Tensor.size, torch.Tensor.dim, torch.numel, torch.ops.aten.sym_size.int)
 
 
 def _number(value: Any) -> Any:

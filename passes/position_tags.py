@@ -57,6 +57,11 @@ class Proof:
     attention: list[str] = field(default_factory=list)  # scaled_dot_product_attention nodes, made causal by a mask
     inputs: dict[str, int] = field(default_factory=dict)  # placeholder name -> its sequence dim
     outputs: list[Optional[int]] = field(default_factory=list)  # each output leaf's sequence dim
+    # What the masks the proof found hiding the future were computed from, by value: tensors the
+    # model holds (get_attr targets), and inputs (placeholder names). A call proves them again
+    # where one changed, or where the masks read an input's values (a prefix length).
+    mask_state: set[str] = field(default_factory=set)
+    mask_inputs: set[str] = field(default_factory=set)
     fresh: int = 0  # role variables made so far
 
     def role_of(self, variable: str) -> str:
@@ -196,7 +201,9 @@ def tags_in(structure: Any) -> list[Any]:
 def conflict() -> str:
     raise Refused(
         "one value stands for both the slice's own positions and the keys' (an arange compared with itself "
-        "transposed): make one for each, torch.arange(T)[:, None] >= torch.arange(T)[None, :]"
+        "transposed: make one for each, torch.arange(T)[:, None] >= torch.arange(T)[None, :]; or a mask made "
+        "from the inputs, such as a key-padding mask, applied along the keys, where a slice's keys are those of "
+        "every slice up to it)"
     )
 
 

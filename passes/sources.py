@@ -41,7 +41,7 @@ _LIKE_FUNCTIONS = {
 _LIKE = {*_LIKE_METHODS, *_LIKE_FUNCTIONS}  # (looked up per node before the call that sorts them)
 
 
-def _value_inputs(node: fx.Node) -> list[fx.Node]:
+def value_inputs(node: fx.Node) -> list[fx.Node]:
     """The nodes whose values `node`'s value depends on."""
     like = (node.op == "call_method" and node.target in _LIKE_METHODS) or (node.op == "call_function" and node.target in _LIKE_FUNCTIONS)
     if not like or not node.args or not isinstance(node.args[0], fx.Node):
@@ -90,7 +90,7 @@ def output_sources(gm: fx.GraphModule, gradients: bool = True, every: bool = Fal
         if node.op != "output" and (node.meta.get("dtype") == () or (gradients and _cuts_gradient(node))):
             sources[node] = Sources()  # no tensor in it (x.shape, x.dtype), or cut: no gradient flows through
             continue
-        inputs = _value_inputs(node) if node.target in _LIKE else node.all_input_nodes  # (a set lookup: no call per node)
+        inputs = value_inputs(node) if node.target in _LIKE else node.all_input_nodes  # (a set lookup: no call per node)
         own, parents = _own(gm, node), [sources[p] for p in inputs]
         if not own.inputs and not own.params and len(parents) == 1:
             sources[node] = parents[0]  # shared, never changed: a chain of ops costs no copies

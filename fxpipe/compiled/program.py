@@ -447,7 +447,7 @@ class Compiled:
     slicing: Optional[SliceSpec] = None
     # With slicing: the proof of causality run again on a micro-batch (inputs by name) of a length
     # it has not run at, in the mode given (True: training), refusing where it fails.
-    check_length: Optional[Callable[[dict[str, Any], bool, Any, Callable[[], ContextManager[Any]]], None]] = None
+    check_length: Optional[Callable[[list[dict[str, Any]], bool, Any, Callable[[], ContextManager[Any]]], None]] = None
     # Buffers that were one tensor under several names when traced (registered in two modules):
     # the graph reads that tensor under one name, so the names must keep one value.
     aliased_buffers: list[list[str]] = field(default_factory=list)

@@ -134,46 +134,92 @@ class Checked:
     proof: Proof
 
 
-# (a micro-batch's inputs by name, the training flag, the slicing the call runs, and what holds
-# the model still while the checks run on its tensors: a loop whose steps overlap updates them)
-LengthCheck = Callable[[dict[str, Any], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
+# (a call's micro-batches' inputs by name, the training flag, the slicing the call runs, and what
+# holds the model still while the checks run on its tensors: a loop whose steps overlap updates them)
+LengthCheck = Callable[[list[dict[str, Any]], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
 
 
 def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...]) -> LengthCheck:
-    """The proof again, and the slices against the whole, on a micro-batch (inputs by name) of a
-    length or a cut into slices not checked yet, once each per mode: a table of the length's size
-    read from a buffer (a mask narrowed to the length) may be causal at the example's length and
-    not at another, and a slice of one position may take another shape (`squeeze()`). A graph
-    that cannot run here (its tensors on another device or rank, too large) keeps the example's
-    proof where the masks it narrows hide the future past the example's length as they did up to
-    it (`_hides_alike`), and is refused at a longer length where one does not."""
-    checked = {(mode, example, example_cut) for mode in graphs}  # checked while compiling
+    """The proof again, and the slices against the whole, on a call's first micro-batch (inputs
+    by name) of a length or a cut into slices not checked yet, or after a tensor the masks are
+    made from changed (a mask buffer loaded from a checkpoint), once each per mode: a table of the
+    length's size read from a buffer (a mask narrowed to the length) may be causal at the
+    example's length and not at another, and a slice of one position may take another shape
+    (`squeeze()`). Masks made from an input's values (a prefix length) are proved again on every
+    micro-batch of every call. A graph that cannot run here (its tensors on another device or
+    rank, too large) keeps the example's proof where the masks it narrows hide the future past
+    the example's length as they did up to it (`_hides_alike`), and is refused at a longer length
+    where one does not, or where its masks' tensors changed or read inputs."""
+    proved = {mode: _mask_versions(graph) for mode, graph in graphs.items()}
+    checked = {(mode, example, example_cut, proved[mode]) for mode in graphs}  # checked while compiling
 
-    def check(values: dict[str, Any], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
+    def check(micro_batches: list[dict[str, Any]], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         mode = training if training in graphs else next(iter(graphs))
+        graph, values = graphs[mode], micro_batches[0]
         length = example_length(spec, values)
         try:
             lengths = tuple(spec.lengths(length))
         except ValueError:  # a length the slicing cannot cut: the call's cut says so, with its fix
             return
-        if (mode, length, lengths) in checked:
+        key = (mode, length, lengths, _mask_versions(graph))
+        if key in checked and not graph.proof.mask_inputs:
             return
-        graph, inputs = graphs[mode], tuple(values.values())
         try:
-            if small_on_cpu(graph.whole, inputs):
+            if not small_on_cpu(graph.whole, tuple(values.values())):
+                _refuse_unprovable(graph, key[3] == proved[mode], length, example)
+            else:
                 with still():  # the checks run the graph on the model's tensors, and put back what it wrote
-                    prove_causal_at(graph.whole, inputs, spec.dim, length, holding=set(spec.inputs))
-                    check_slices(graph.whole, graph.sliced, graph.proof, inputs, lengths)
-            elif length > example and (tables := [n.name for n in _narrowed_tables(graph) if not _hides_alike(graph, n, example, length)]):
-                raise CausalityError([_unprovable(tables, length, example)])
+                    for inputs in (micro_batches if graph.proof.mask_inputs else [values]):
+                        prove_causal_at(graph.whole, tuple(inputs.values()), spec.dim, length, holding=set(spec.inputs))
+                    if key not in checked:
+                        check_slices(graph.whole, graph.sliced, graph.proof, tuple(values.values()), lengths)
         except CausalityError as error:
-            raise CausalityError(
-                [f"at this call's length, {length} (the example's was {example}): {p}" for p in error.problems],
-                fix=f"call it with sequences of the example's length, {example}, or compile for this one; or sequence_chunks=1.",
-            ) from None
-        checked.add((mode, length, lengths))
+            raise _at_this_call(error, graph, length, example, changed=key[3] != proved[mode]) from None
+        checked.add(key)
 
     return check
+
+
+def _at_this_call(error: CausalityError, graph: Checked, length: int, example: int, changed: bool) -> CausalityError:
+    """The proof's failure on a call, saying what differs from the example's: its length, the
+    tensors the masks are made from, or the inputs' values they read."""
+    whats = [f"its length, {length} (the example's was {example})"] if length != example else []
+    inputs, state = ", ".join(sorted(graph.proof.mask_inputs)), ", ".join(sorted(graph.proof.mask_state))
+    whats += [f"the values of {inputs}, which its masks read, proved on each call"] if inputs else []
+    whats += [f"{state}, which its masks are made from, changed since compiling"] if changed else []
+    fixes = [f"call it with sequences of the example's length, {example}, or compile for this one"] if length != example else []
+    fixes += ["put back what the masks are made from, or compile again"] if changed else []
+    fixes += ["sequence_chunks=1 (a mask that lets a position read later ones, a prefix read both ways, is no causal model)"]
+    only_length = length != example and len(whats) == 1
+    where = f"at this call's length, {length} (the example's was {example})" if only_length else f"on this call ({'; '.join(whats)})"
+    return CausalityError([f"{where}: {p}" for p in error.problems], fix="; or ".join(fixes) + ".")
+
+
+def _mask_versions(graph: Checked) -> tuple[tuple[str, int, int], ...]:
+    """Each tensor the model holds that the masks were made from, with its identity and the
+    count of its in-place writes (`load_state_dict` copies into it)."""
+    found = []
+    for target in sorted(graph.proof.mask_state):
+        try:
+            tensor = fetch_attr(graph.whole, target)
+        except AttributeError:
+            continue
+        if isinstance(tensor, torch.Tensor):
+            found.append((target, id(tensor), tensor._version))
+    return tuple(found)
+
+
+def _refuse_unprovable(graph: Checked, same_state: bool, length: int, example: int) -> None:
+    """A graph that cannot run here keeps the example's proof where nothing it rests on changed."""
+    if graph.proof.mask_inputs:
+        raise CausalityError([f"its masks are made from the values of {', '.join(sorted(graph.proof.mask_inputs))}, and the "
+                              "proof on each call runs the model's graph on the CPU, which it cannot here (its tensors are on "
+                              "another device, or over 1 GiB)"])  # fmt: skip
+    if not same_state:
+        raise CausalityError([f"the tensors its masks are made from ({', '.join(sorted(graph.proof.mask_state))}) changed since "
+                              "they were proved causal, and the proof runs the model's graph on the CPU, which it cannot here"])  # fmt: skip
+    if length > example and (tables := [n.name for n in _narrowed_tables(graph) if not _hides_alike(graph, n, example, length)]):
+        raise CausalityError([_unprovable(tables, length, example)])
 
 
 def _narrowed_tables(graph: Checked) -> list[fx.Node]:

@@ -950,3 +950,72 @@ def test_a_buffer_written_in_forward_is_refused_in_slices_naming_it() -> None:
     nn.utils.parametrizations.spectral_norm(model.get_submodule("blocks.0.proj"))
     with pytest.raises(CausalityError, match=r"(?s)writes the buffer\(s\) blocks\.0\.proj\.parametrizations\.weight\.0\._u.*once per slice.*How to fix: sequence_chunks=1"):
         compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
+
+
+class PrefixOrPadded(nn.Module):
+    """Causal attention, and keys the mask also shows (`how='prefix'`: a prefix of each sample's
+    length read both ways) or hides (`how='padded'`: keys past each sample's length), from an
+    input of one number per sample."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.emb, self.qkv, self.out = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+
+    def forward(self, idx: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        x, t = self.emb(idx), idx.size(1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        i, j = torch.arange(t, device=idx.device)[:, None], torch.arange(t, device=idx.device)[None, :]
+        causal = (j <= i)[None]
+        visible = causal | (j[None] < lengths[:, None, None]) if self.how == "prefix" else causal & (j[None] < lengths[:, None, None])
+        att = ((q @ k.transpose(-2, -1)) / 4.0).masked_fill(~visible, float("-inf")).softmax(-1)  # (key 0 always shown)
+        return self.out(x + att @ v)
+
+
+def test_a_mask_made_from_an_inputs_values_is_proved_on_every_call() -> None:
+    """Before, the proof ran on the example's values alone: a prefix LM compiled with prefixes of
+    0 (causal there) ran every later call in slices, its prefixes read one way (0.34 off, with no
+    error). A mask that hides more for some samples (padding) stays causal on every call."""
+    model, reference = twin(PrefixOrPadded("prefix").double())
+    idx, none = tokens(), torch.zeros(tokens().shape[0], dtype=torch.long)
+    with closing(compile_pipeline(model, (idx, none), ["cpu", "cpu"], sequence_chunks=3)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, idx, none)
+        with pytest.raises(CausalityError, match=r"(?s)on this call \(the values of lengths, which its masks read.*bidirectional"):
+            pipe(idx, torch.full_like(none, 6))
+    model, reference = twin(PrefixOrPadded("padded").double())
+    full = torch.full_like(none, idx.shape[1])
+    with closing(compile_pipeline(model, (idx, full), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, idx, torch.randint(1, idx.shape[1], none.shape))
+
+
+class MaskBuffer(nn.Module):
+    mask: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.qkv, self.out = nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.register_buffer("mask", torch.ones(32, 32).tril())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x, t = self.emb(idx), idx.size(1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = ((q @ k.transpose(-2, -1)) / 4.0).masked_fill(self.mask[:t, :t] == 0, float("-inf"))
+        return self.out(x + att.softmax(-1) @ v)
+
+
+def test_a_mask_buffer_changed_after_compiling_is_proved_again() -> None:
+    """Before, the proof of the example held whatever the buffer became: a mask loaded from a
+    checkpoint that reads every key ran in slices that could not (0.34 off, no error). A mask
+    changed to another causal one (a sliding window) runs in slices, as the plain model does."""
+    model, reference = twin(MaskBuffer().double())
+    idx = tokens()
+    with closing(compile_pipeline(model, idx, ["cpu", "cpu"], sequence_chunks=3)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, idx)
+        for m in (model, reference):  # a window of four positions: causal still
+            m.mask.copy_(torch.ones(32, 32).tril() - torch.ones(32, 32).tril(-4))
+        assert_call_and_grads_equal(pipe, reference, idx)
+        state = {**model.state_dict(), "mask": torch.ones(32, 32)}
+        model.load_state_dict(state)
+        with pytest.raises(CausalityError, match=r"(?s)on this call \(mask, which its masks are made from, changed since compiling\).*"
+                                                 r"How to fix: put back what the masks are made from, or compile again"):  # fmt: skip
+            pipe(idx)

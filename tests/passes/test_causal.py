@@ -211,6 +211,20 @@ def test_one_arange_for_both_roles_is_refused_saying_to_make_two() -> None:
         prove_causal(trace(SelfCompared()), (tokens(),))
 
 
+def test_a_key_padding_mask_applied_with_masked_fill_is_refused_naming_it() -> None:
+    """Before, the refusal spoke of an arange compared with itself alone, which the model has not."""
+
+    class Padded(RotaryGPT):
+        def forward(self, idx: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            h = self.tok(idx)
+            att = (h @ h.transpose(1, 2)).masked_fill(pad[:, None, :] == 0, float("-inf"))
+            return self.head(F.softmax(att, -1) @ h)
+
+    idx = tokens()
+    with pytest.raises(CausalityError, match="a key-padding mask, applied along the keys"):
+        prove_causal(trace(Padded()), (idx, torch.ones_like(idx)))
+
+
 def test_slice_lengths_are_even_and_cover_the_sequence() -> None:
     assert slice_lengths(12, 5) == [3, 3, 2, 2, 2]
     assert slice_lengths(BLOCK, 1) == [BLOCK]
