@@ -331,6 +331,10 @@ class CompiledForward:
                 "recompile costs seconds, and torch.compile stops compiling a stage after "
                 f"{torch._dynamo.config.recompile_limit} of them (it then runs eagerly). pipe.compile_stats() counts "
                 "them.\nHow to fix: " + (
+                    "a parameter of the stage was frozen or unfrozen since (requires_grad_), which changes what its graph "
+                    "reads: each such change compiles it again, so change it seldom (compile the pipeline again after "
+                    "freezing, for a long run)"
+                    if "_parameters[" in reason or "requires_grad" in reason else
                     "micro-batches of one sample compile apart even with dynamic=True (torch.compile specialises sizes "
                     "0 and 1): keep two samples or more in each"
                     if self.options.get("dynamic") else

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import assert_grads_equal, grad_of
+from helpers import assert_grads_equal, grad_of, twin
 from fxpipe import Pipeline, compile_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
@@ -733,3 +733,20 @@ def test_compile_stats_count_the_stages_compiled_for_another_kind_of_call() -> N
     pipe(x, mask=mask).sum().backward()
     after = [s.graphs for s in pipe.compile_stats()]
     assert len(after) == len(before) == 2 and all(a > b for a, b in zip(after, before)), (before, after)
+
+
+def test_a_layer_frozen_between_calls_recompiles_with_advice_about_freezing() -> None:
+    """Before, the warning advised dynamic=True for batch sizes that never changed."""
+    model, plain = twin(nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).double())
+    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager"})
+    F.mse_loss(pipe(x), y).backward()
+    model[0].requires_grad_(False)
+    plain[0].requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"(?s)compiled again.*How to fix: a parameter of the stage was frozen or unfrozen"):
+        F.mse_loss(pipe(x), y).backward()
+    model.zero_grad()
+    F.mse_loss(pipe(x), y).backward()
+    F.mse_loss(plain(x), y).backward()
+    assert model[0].weight.grad is None
+    assert_grads_equal(model, plain, tol=1e-12)
