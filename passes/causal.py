@@ -455,9 +455,11 @@ def prove_causal(gm: fx.GraphModule, inputs: Sequence[Any], sequence_dim: int = 
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     for length in sorted(sizes, reverse=True):
         holders = [name for name, t in zip(placeholders, inputs) if isinstance(t, torch.Tensor) and t.dim() > sequence_dim and t.shape[sequence_dim] == length]
-        # Every input of the length holds the sequence; else one alone (an encoder's memory as long
-        # as the sequence is no sequence to a decoder's cross-attention): the first that proves.
-        for holding in [None, *([{name} for name in holders] if len(holders) > 1 else [])]:
+        # Every input of the length holds the sequence; else all but one (an encoder's memory as
+        # long as the sequence is no sequence to a decoder's cross-attention, beside the tokens and
+        # their position ids); else one alone: the first that proves.
+        but_one = [set(holders) - {name} for name in holders] if len(holders) > 2 else []
+        for holding in [None, *but_one, *([{name} for name in holders] if len(holders) > 1 else [])]:
             try:
                 return prove_causal_at(gm, inputs, sequence_dim, length, holding=holding)
             except CausalityError as error:

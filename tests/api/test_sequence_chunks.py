@@ -675,6 +675,33 @@ class _Decoder(nn.Module):
         return self.head(x + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, c))
 
 
+class _DecoderWithPositions(_Decoder):
+    """The same, with learned positions read from position ids given as an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(32, 16)
+
+    def forward(self, idx: torch.Tensor, memory: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x = self.tok(idx) + self.pos(positions)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        q2 = self.q2(x).view(b, t, 2, 8).transpose(1, 2)
+        k2, v2 = self.kv2(memory).view(b, memory.shape[1], 2, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.head(x + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, c))
+
+
+def test_a_memory_as_long_as_the_sequence_beside_tokens_and_position_ids_runs_in_slices() -> None:
+    """The sequence is held by two inputs of three as long as it. Before, all three were tried,
+    then each alone, and it was refused as bidirectional attention."""
+    torch.manual_seed(0)
+    model, reference = twin(_DecoderWithPositions())
+    idx, memory, positions = tokens(4, 12), torch.randn(4, 12, 16, dtype=torch.float64), torch.arange(12).expand(4, 12)
+    with closing(compile_pipeline(model, (idx, memory, positions), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, idx, memory, positions)
+
+
 @pytest.mark.parametrize("memory_length", [5, 12])
 def test_cross_attention_to_another_input_runs_in_slices_as_the_plain_model(memory_length: int) -> None:
     """Before, it was refused as bidirectional attention: its keys hold no position of the
