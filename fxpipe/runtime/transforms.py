@@ -12,15 +12,17 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch import nn
 from torch.utils._pytree import tree_flatten
 
 
-def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: bool, state: dict[str, torch.Tensor]) -> None:
+def refuse_transforms(
+    values: dict[str, Any], unreached: list[str], grad_mode: bool, state: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
+) -> None:
     """Raise if the call runs under a torch.func transform, passes tangents of forward-mode AD
     in its input `values` or in the `state` the stages read (parameters, buffers), or asks for
-    gradients while the model holds `unreached` tensors: swapped in for parameters, requiring
-    grad, and not Parameters."""
+    gradients while the model holds `unreached` tensors (swapped in for parameters, requiring
+    grad, and not Parameters) or the stages read `held` tensors (those of `state` that are no
+    Parameters) that require grad."""
     problems = []
     if _functorch_active():
         problems.append(
@@ -30,10 +32,10 @@ def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: b
     duals = [name for name, value in values.items() if _has_tangent(value)]
     if duals:
         problems.append(f"inputs carry tangents of forward-mode AD ({', '.join(duals)}), which the stages would drop")
-    held = [name for name, tensor in state.items() if _has_tangent(tensor)] if _dual_level_active() else []
-    if held:
+    tangents = [name for name, tensor in state.items() if _has_tangent(tensor)] if _dual_level_active() else []
+    if tangents:
         problems.append(
-            f"parameters or buffers the stages read carry tangents of forward-mode AD ({', '.join(held)}; "
+            f"parameters or buffers the stages read carry tangents of forward-mode AD ({', '.join(tangents)}; "
             "swapped in by torch.func.functional_call, say), which the stages would drop"
         )
     if grad_mode and unreached:
@@ -43,9 +45,8 @@ def refuse_transforms(values: dict[str, Any], unreached: list[str], grad_mode: b
             "gradients to the model's parameters only"
         )
     # Leaves only: a view of a parameter (self.w_t = self.lin.weight.t()) carries its gradient there.
-    learning = [name for name, tensor in state.items()
-                if tensor.requires_grad and tensor.is_leaf and not isinstance(tensor, nn.Parameter) and name not in unreached]  # fmt: skip
-    if grad_mode and learning:  # (refused when compiling too; set so after it, say)
+    learning = [name for name, tensor in held.items() if tensor.requires_grad and tensor.is_leaf and name not in unreached] if grad_mode else []
+    if learning:  # (refused when compiling too; set so after it, say)
         problems.append(
             f"buffers or tensor attributes the stages read require grad but are not nn.Parameters ({', '.join(learning)}; "
             "made so after compiling, say): a pipeline hands gradients to the model's parameters only, and each "
