@@ -52,11 +52,12 @@ def value_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _cuts_gradient(node: fx.Node) -> bool:
+    """A detach (`x.detach()`, `x.detach_()`, `x.data`), or a region run with gradients off."""
     if node.op == "call_method":
-        return node.target == "detach"
+        return node.target in ("detach", "detach_")
     if node.op != "call_function":
         return False
-    if node.target in _DETACH:
+    if node.target in _DETACH or (node.target is getattr and node.args[1:2] == ("data",)):
         return True
     return node.target is torch.ops.higher_order.wrap_with_set_grad_enabled and bool(node.args) and node.args[0] is False
 
