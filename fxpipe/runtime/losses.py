@@ -46,7 +46,7 @@ def split_target(
     leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(target)[0] if isinstance(t, torch.Tensor)]
     along = {}
     for path, t in leaves:
-        at_path = sorted((outputs_by_path or {}).get(path, ()))
+        at_path = sorted(_held_at(outputs_by_path or {}, path))
         held = at_path or outputs
         # The dims the output at its path holds the batch in first (an RNN's final state (layers,
         # batch, hidden) of a batch-first model), then the inputs' and dim 0.
@@ -63,6 +63,16 @@ def split_target(
             f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
         )
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
+
+
+def _held_at(outputs_by_path: dict[str, frozenset[int]], path: str) -> frozenset[int]:
+    """The batch dims of the output at `path`, or of the output value whose leaves hold it (an
+    LSTM's state `(h, c)` at `[1]`, for `[1][0]`)."""
+    found = outputs_by_path.get(path)
+    if found is not None:
+        return found
+    holders = [key for key in outputs_by_path if path.startswith(key) and len(path) > len(key) and path[len(key)] == "["]
+    return outputs_by_path[max(holders, key=len)] if holders else frozenset()
 
 
 def _per_sample_but_no_tensor(target: Any, batch: Optional[int], where: str = "target") -> list[str]:
