@@ -272,7 +272,7 @@ def compile_pipeline(
         slicing, check_length = None, None
         if sequence_chunks != 1:
             lined = functools.partial(trace, model, leaf_modules, record_lines=True, none=none_in(model, example_args, example_kwargs))
-            slicing, check_length = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined)
+            slicing, check_length = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined, model)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         whole = run_whole(gm, inputs)  # the shapes, and the batch dims' run on the whole example
         if whole is None:

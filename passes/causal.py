@@ -229,7 +229,9 @@ class _Prover(LayoutRules, fx.Interpreter):
         """What scores hold where the key follows the query after this op; a mask found hiding
         the future has its sources noted (`_note_mask`)."""
         masked = self._masked_after(key, value, args, tags, operands, q, k)
-        if masked and key not in KEEPS_MASK and key not in SCALES:  # decided on a mask's values
+        before = tags[0].masked if isinstance(tags[0], Positions) else ""
+        kept = key in KEEPS_MASK or key in SCALES or (key in SHIFTS and before == MINUS_INF)  # (what is added does not matter)
+        if masked and not kept:  # decided on a mask's values
             assert self.node is not None
             self._note_mask([a for a in _mask_side(key, self.node, args) if isinstance(a, fx.Node)])
         return masked
@@ -247,7 +249,7 @@ class _Prover(LayoutRules, fx.Interpreter):
             seen.add(node)
             if node.op == "placeholder":
                 self.proof.mask_inputs.add(node.name)
-            elif node.op == "get_attr" and not isinstance(fetch_attr(self.gm, str(node.target)), nn.Parameter):
+            elif node.op == "get_attr":  # a buffer, or a parameter (a mask kept as one, frozen)
                 self.proof.mask_state.add(str(node.target))
             stack.extend(value_inputs(node))
 

@@ -5,10 +5,11 @@ import itertools
 import operator
 from dataclasses import dataclass, replace
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, Collection, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.plan import StagePlan, human_bytes
@@ -66,7 +67,7 @@ def _lengths(chunks: Any) -> bool:
 
 
 def slice_graphs(
-    traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule],
+    traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule], owner: nn.Module,
 ) -> tuple[SliceSpec, LengthCheck]:
     """Rewrite `traced`'s graphs (each mode's) to run one slice of the sequence, once each is
     proved causal and its slices computed what the whole example does; raises CausalityError,
@@ -101,7 +102,7 @@ def slice_graphs(
         spec = spec or made
     assert spec is not None
     length = example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs)))
-    return spec, length_check(checked, length, tuple(spec.lengths(length)))
+    return spec, length_check(checked, length, tuple(spec.lengths(length)), owner)
 
 
 def _example_cut(spec: SliceSpec, inputs: dict[str, Any]) -> list[int]:
@@ -139,7 +140,7 @@ class Checked:
 LengthCheck = Callable[[list[dict[str, Any]], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
 
 
-def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...]) -> LengthCheck:
+def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...], owner: nn.Module) -> LengthCheck:
     """The proof again, and the slices against the whole, on a call's first micro-batch (inputs
     by name) of a length or a cut into slices not checked yet, or after a tensor the masks are
     made from changed (a mask buffer loaded from a checkpoint), once each per mode: a table of the
@@ -149,8 +150,10 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
     micro-batch of every call. A graph that cannot run here (its tensors on another device or
     rank, too large) keeps the example's proof where the masks it narrows hide the future past
     the example's length as they did up to it (`_hides_alike`), and is refused at a longer length
-    where one does not, or where its masks' tensors changed or read inputs."""
-    proved = {mode: _mask_versions(graph) for mode, graph in graphs.items()}
+    where one does not, or where its masks' tensors changed or read inputs. The tensors the masks
+    are made from are the model's (`owner`'s) as they are at the call: one replaced by another
+    (`model.mask = ...`) counts as changed, and the proof runs on it."""
+    proved = {mode: _mask_versions(graph, owner) for mode, graph in graphs.items()}
     checked = {(mode, example, example_cut, proved[mode]) for mode in graphs}  # checked while compiling
 
     def check(micro_batches: list[dict[str, Any]], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
@@ -161,13 +164,15 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
             lengths = tuple(spec.lengths(length))
         except ValueError:  # a length the slicing cannot cut: the call's cut says so, with its fix
             return
-        key = (mode, length, lengths, _mask_versions(graph))
+        key = (mode, length, lengths, _mask_versions(graph, owner))
         if key in checked and not graph.proof.mask_inputs:
             return
         try:
             if not small_on_cpu(graph.whole, tuple(values.values())):
                 _refuse_unprovable(graph, key[3] == proved[mode], length, example)
             else:
+                for gm in (graph.whole, graph.sliced):
+                    _follow_the_model(gm, owner, graph.proof.mask_state)
                 with still():  # the checks run the graph on the model's tensors, and put back what it wrote
                     for inputs in (micro_batches if graph.proof.mask_inputs else [values]):
                         prove_causal_at(graph.whole, tuple(inputs.values()), spec.dim, length, holding=set(spec.inputs))
@@ -195,18 +200,36 @@ def _at_this_call(error: CausalityError, graph: Checked, length: int, example: i
     return CausalityError([f"{where}: {p}" for p in error.problems], fix="; or ".join(fixes) + ".")
 
 
-def _mask_versions(graph: Checked) -> tuple[tuple[str, int, int], ...]:
+def _mask_versions(graph: Checked, owner: nn.Module) -> tuple[tuple[str, int, int], ...]:
     """Each tensor the model holds that the masks were made from, with its identity and the
     count of its in-place writes (`load_state_dict` copies into it)."""
     found = []
     for target in sorted(graph.proof.mask_state):
         try:
-            tensor = fetch_attr(graph.whole, target)
+            tensor = fetch_attr(owner, target)
         except AttributeError:
             continue
         if isinstance(tensor, torch.Tensor):
             found.append((target, id(tensor), tensor._version))
     return tuple(found)
+
+
+def _follow_the_model(gm: fx.GraphModule, owner: nn.Module, targets: Collection[str]) -> None:
+    """Put into the graph module the tensors the model now holds at `targets`, where the model
+    holds others than it traced (`model.mask = torch.ones(...)`): the proof runs on them."""
+    for target in targets:
+        try:
+            now, held = fetch_attr(owner, target), fetch_attr(gm, target)
+        except AttributeError:
+            continue
+        if now is not held and isinstance(now, torch.Tensor):
+            prefix, _, name = target.rpartition(".")
+            parent = gm.get_submodule(prefix) if prefix else gm
+            table = parent._parameters if name in parent._parameters else parent._buffers if name in parent._buffers else None
+            if table is not None:
+                table[name] = now  # type: ignore[assignment]
+            else:
+                parent.__dict__[name] = now
 
 
 def _refuse_unprovable(graph: Checked, same_state: bool, length: int, example: int) -> None:

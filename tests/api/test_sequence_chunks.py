@@ -1046,3 +1046,32 @@ def test_a_mask_buffer_changed_after_compiling_is_proved_again() -> None:
         with pytest.raises(CausalityError, match=r"(?s)on this call \(mask, which its masks are made from, changed since compiling\).*"
                                                  r"How to fix: put back what the masks are made from, or compile again"):  # fmt: skip
             pipe(idx)
+        for m in (model, reference):  # another tensor in its place: a window of two, and one that reads every key
+            m.mask = torch.ones(32, 32, dtype=torch.float64).tril() - torch.ones(32, 32, dtype=torch.float64).tril(-2)
+        assert_call_and_grads_equal(pipe, reference, idx)
+        model.mask = torch.ones(32, 32, dtype=torch.float64)
+        with pytest.raises(CausalityError, match=r"on this call \(mask, which its masks are made from, changed since compiling\)"):
+            pipe(idx)
+
+
+class MaskParameter(MaskBuffer):
+    """The mask kept as a frozen parameter, as older code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.mask
+        self.mask = nn.Parameter(torch.ones(32, 32).tril(), requires_grad=False)
+
+
+def test_a_mask_kept_as_a_frozen_parameter_loaded_to_read_every_key_is_refused() -> None:
+    model, reference = twin(MaskParameter().double())
+    idx = tokens()
+    with closing(compile_pipeline(model, idx, ["cpu", "cpu"], sequence_chunks=3)) as pipe:
+        out, expected = pipe(idx), reference(idx)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        assert_grads_equal(model, reference, tol=1e-12)
+        pipe.load_state_dict({**model.state_dict(), "mask": torch.ones(32, 32)})
+        with pytest.raises(CausalityError, match="changed since compiling"):
+            pipe(idx)
