@@ -218,7 +218,15 @@ def _compared(
     for node in returned:
         leaves = [_leaves(e[node]) for e in each]
         if any(len(p) != len(_leaves(whole[node])) for p in leaves):
-            continue  # another structure per part: the pipeline will say so
+            if not any(isinstance(leaf, torch.Tensor) for leaf in _leaves(whole[node])):
+                continue  # numbers per sample (.tolist()): the call says so, naming them
+            problems.append(f"{node.name}{mode}: the parts return {' and '.join(str(len(p)) for p in leaves)} values, the whole "
+                            f"example {len(_leaves(whole[node]))}: the structure of the outputs follows the batch's size "
+                            "(torch.split, chunk or unbind over the batch dim, a list of its samples), and micro-batches' "
+                            "outputs put together would hold other samples than the plain model's (return the batch whole, "
+                            "and cut it after the pipeline)")  # fmt: skip
+            bad.add(node)
+            continue
         # A value read from state the forward writes (a running mean), or drawn, differs between
         # micro-batches run in turn, though the parts here, run on the same state and draws, agree.
         made = namedtuple_fields(node, len(leaves[0])) or [node] * len(leaves[0])

@@ -1207,3 +1207,28 @@ def test_a_model_of_pairs_of_samples_split_into_even_micro_batches_compiles_and_
     x = torch.randn(batch, 8, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=chunks)
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+class _ReturnsPieces(nn.Module):
+    """Returns its batch cut into pieces of two samples (`split`), or into samples (`unbind`)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 8), nn.Linear(8, 3), how
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.b(self.a(x).relu())
+        return torch.split(h, 2) if self.how == "split" else h.unbind(0)
+
+
+@pytest.mark.parametrize("how, batch, chunks", [("split", 6, 3), ("split", 8, 4), ("unbind", 6, 2)])
+def test_outputs_whose_structure_follows_the_batch_size_are_refused(how: str, batch: int, chunks: int) -> None:
+    """Before, micro-batches' pieces were put together leaf by leaf: a tuple of another length,
+    holding other samples than the plain model's, with no error."""
+    model = _ReturnsPieces(how).double()
+    x = torch.randn(batch, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"(?s)the structure of the outputs follows the batch's size.*return the batch whole"):
+        compile_pipeline(model, x, ["cpu", "cpu"], chunks=chunks)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+    for got, expected in zip(pipe(x), model(x), strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
