@@ -273,6 +273,7 @@ class PipelineCalls(nn.Module):
             weights=versions,
             batch=batch,
             slices=call.slices,
+            sizes=call.sizes if call.slices is None else None,
         )
         self.__dict__["last_timeline"], self.__dict__["last_most_alive"] = step.timeline, step.most_alive
         self.__dict__["last_peak_bytes"] = step.meter.peak if step.meter is not None else []

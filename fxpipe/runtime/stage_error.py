@@ -15,14 +15,24 @@ class StageError(RuntimeError):
 
     def __init__(
         self, stage: int, micro_batch: int, phase: str, error: Union[BaseException, str], rank: Optional[int] = None, micro_batches: int = 2,
+        one_of: int = 0,
     ) -> None:
         """`error`: what the stage raised, or what it said (a StageError unpickled); the step ran
-        `micro_batches`, which some hints need more than one of."""
+        `micro_batches`, which some hints need more than one of; `one_of`: the micro-batch held
+        one sample of a call of this many (0: more than one, or not known)."""
         where = f"stage {stage}" if rank is None else f"stage {stage} (rank {rank})"
         if isinstance(error, str):
             detail = error
+        elif isinstance(error, RemoteFailure):
+            detail = error.failure.error
         else:
-            detail = error.failure.error if isinstance(error, RemoteFailure) else f"{type(error).__name__}: {error}{hint_for(error, micro_batches)}"
+            hint = hint_for(error, micro_batches)
+            if not hint and one_of and phase == "forward":
+                hint = (f"\nThis micro-batch holds one sample of the call's {one_of}: code that drops the batch dim of a "
+                        "single sample (squeeze(), h.chunk(2) over the batch, a view sized by another dim) fails on it, where "
+                        "the plain model, on the whole batch, does not.\nHow to fix: a batch that gives every micro-batch two "
+                        "samples or more (fewer chunks), or code that keeps the batch dim (squeeze(-1)).")  # fmt: skip
+            detail = f"{type(error).__name__}: {error}{hint}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 

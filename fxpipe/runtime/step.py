@@ -86,8 +86,10 @@ class Step(BackwardTasks):
         weights: Optional[Versions] = None,
         batch: int = 0,
         slices: Optional[SliceGrid] = None,
+        sizes: Optional[Sequence[int]] = None,
     ) -> None:
         self.stages, self.workers = stages, workers
+        self.sizes = sizes  # the micro-batches' samples, where known (for the errors)
         # Slices of a sequence (fxpipe/runtime/slices.py): the micro-batches are its slices.
         self.slices, self.carry_in, self.carry_made, self.carry_grads = slices, {}, {}, {}
         # Across processes: this process's worker, whose list alone runs here; `mailbox` sends
@@ -217,7 +219,11 @@ class Step(BackwardTasks):
             if isinstance(error, RemoteFailure):
                 raise raised_here(error.failure) from error
             phase, cause = phase_and_cause(action, error)
-            raise StageError(action.stage, action.micro_batch, phase, cause, rank=self.global_rank, micro_batches=len(self.micro_batches)) from cause
+            alone = self.sizes is not None and len(self.sizes) > 1 and self.sizes[action.micro_batch] == 1
+            raise StageError(
+                action.stage, action.micro_batch, phase, cause, rank=self.global_rank, micro_batches=len(self.micro_batches),
+                one_of=sum(self.sizes) if alone and self.sizes is not None else 0,
+            ) from cause
 
     def _run_inline(self, tasks: list[Callable[[], None]], group: TaskGroup, rank: int = 0) -> None:
         """One worker: nothing to overlap, so the caller's thread runs its list itself, and no

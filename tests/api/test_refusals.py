@@ -849,6 +849,33 @@ def test_a_call_of_one_sample_through_batchnorm_fails_as_the_plain_model_with_no
     assert "fewer chunks" not in str(failed.value) and "holds more" not in str(failed.value), str(failed.value)
 
 
+class Halves(nn.Module):
+    """Cuts its batch in two halves and joins them again: per sample, but a micro-batch of one
+    sample has no second half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        halves = self.a(x).relu().chunk(2, 0)
+        return torch.cat([self.b(halves[0]), self.b(halves[1])])
+
+
+def test_a_stage_failing_on_a_micro_batch_of_one_sample_says_so_with_the_fix() -> None:
+    """Before, a raw IndexError, where the plain model runs the batch of five."""
+    from fxpipe import StageError
+
+    model = Halves().double()
+    pipe = compile_pipeline(model, torch.randn(6, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=3)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    assert model(x).shape == (5, 3)
+    with pytest.raises(StageError, match=r"(?s)micro-batch 2 in forward: IndexError.*holds one sample of the call's 5.*How to fix: a batch"):
+        pipe(x)
+    x = torch.randn(6, 4, dtype=torch.float64)  # micro-batches of two
+    torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
+
+
 def _equals_plain_per_micro_batch(pipe: nn.Module, model: nn.Sequential, plain: nn.Sequential, x: torch.Tensor, chunks: int) -> None:
     """`pipe(x)` (on `model`) is the plain model run on each of the `chunks` micro-batches in turn:
     outputs, gradients, and the BatchNorm's (`[1]`) running statistics."""
