@@ -169,7 +169,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
             return
         try:
             if not small_on_cpu(graph.whole, tuple(values.values())):
-                _refuse_unprovable(graph, key[3] == proved[mode], length, example)
+                _refuse_unprovable(graph, not _changed(proved[mode], key[3]), length, example)
             else:
                 for gm in (graph.whole, graph.sliced):
                     _follow_the_model(gm, owner, graph.proof.mask_state)
@@ -179,7 +179,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
                     if key not in checked:
                         check_slices(graph.whole, graph.sliced, graph.proof, tuple(values.values()), lengths)
         except CausalityError as error:
-            raise _at_this_call(error, graph, length, example, changed=key[3] != proved[mode]) from None
+            raise _at_this_call(error, graph, length, example, changed=_changed(proved[mode], key[3])) from None
         checked.add(key)
 
     return check
@@ -202,16 +202,23 @@ def _at_this_call(error: CausalityError, graph: Checked, length: int, example: i
 
 def _mask_versions(graph: Checked, owner: nn.Module) -> tuple[tuple[str, int, int], ...]:
     """Each tensor the model holds that the masks were made from, with its identity and the
-    count of its in-place writes (`load_state_dict` copies into it)."""
+    count of its in-place writes (`load_state_dict` copies into it); not those on the meta
+    device (freed on this rank across processes: the rank that runs their stage checks them)."""
     found = []
     for target in sorted(graph.proof.mask_state):
         try:
             tensor = fetch_attr(owner, target)
         except AttributeError:
             continue
-        if isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
             found.append((target, id(tensor), tensor._version))
     return tuple(found)
+
+
+def _changed(proved: tuple[tuple[str, int, int], ...], now: tuple[tuple[str, int, int], ...]) -> bool:
+    """Whether a tensor held now is another, or was written, since the proof."""
+    before = {target: rest for target, *rest in proved}
+    return any(before.get(target) != [identity, version] for target, identity, version in now)
 
 
 def _follow_the_model(gm: fx.GraphModule, owner: nn.Module, targets: Collection[str]) -> None:
