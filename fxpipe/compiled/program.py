@@ -294,12 +294,6 @@ class Program:
     unreached: list[str] = field(default_factory=list)
     # The parameters, buffers and tensor attributes the stages read, by the model's names.
     state_read: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @functools.cached_property
-    def tensors_read(self) -> dict[str, torch.Tensor]:
-        """Those of `state_read` that are no Parameters (buffers, tensor attributes), which each
-        call looks at: fewer than the parameters."""
-        return {name: t for name, t in self.state_read.items() if not isinstance(t, torch.nn.Parameter)}
     # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
     loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
@@ -309,6 +303,12 @@ class Program:
     # Where the own loss is the `loss` field of a namedtuple one output value holds: its
     # position among that value's leaves (passes/loss_counts.py); None otherwise.
     own_loss_leaf: Optional[int] = None
+
+    @functools.cached_property
+    def tensors_read(self) -> dict[str, torch.Tensor]:
+        """Those of `state_read` that are no Parameters (buffers, tensor attributes), which each
+        call looks at: fewer than the parameters."""
+        return {name: t for name, t in self.state_read.items() if not isinstance(t, torch.nn.Parameter)}
 
     def hooks_changed(self) -> list[str]:
         """The traced-through modules whose hooks were added, removed or swapped since ("*": the
