@@ -36,14 +36,15 @@ def _path_of(template: Any, ref: ValueRef, value: Any, leaf: int) -> str:
 
 def output_batch_dims(template: Any) -> frozenset[int]:
     """The dims the outputs of a program hold their batch in, as compiling found them."""
-    return frozenset(d for dims in output_batch_dims_by_path(template).values() for d in dims)
+    return frozenset(d for dims in output_batch_dims_by_path(template).values() for leaf in dims for d in leaf)
 
 
-def output_batch_dims_by_path(template: Any) -> dict[str, frozenset[int]]:
-    """`output_batch_dims` of each output leaf, by its path in the outputs (`keystr`): a target
-    of the outputs' structure splits each leaf as its output holds the batch."""
+def output_batch_dims_by_path(template: Any) -> dict[str, tuple[frozenset[int], ...]]:
+    """Where each output value holds the batch, by its path in the outputs (`keystr`): a dim, or
+    none, for each of its leaves (an RNN's `(output, state)` as one value: two). A target of the
+    outputs' structure splits each leaf as its output holds the batch."""
     return {
-        keystr(path): frozenset(d for d in leaf.dims or () if isinstance(d, int) and not isinstance(d, bool))
+        keystr(path): tuple(frozenset([d]) if isinstance(d, int) and not isinstance(d, bool) else frozenset() for d in leaf.dims or ())
         for path, leaf in tree_flatten_with_path(template)[0] if isinstance(leaf, ValueRef)
     }  # fmt: skip
 

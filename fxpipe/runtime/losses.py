@@ -22,7 +22,7 @@ from fxpipe.runtime.raw_grads import raw_grads
 
 def split_target(
     target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset(),
-    seen: Optional[dict[str, int]] = None, outputs_by_path: Optional[dict[str, frozenset[int]]] = None,
+    seen: Optional[dict[str, int]] = None, outputs_by_path: Optional[dict[str, tuple[frozenset[int], ...]]] = None,
 ) -> list[Any]:
     """The target's piece for each micro-batch: split like the inputs, along their batch dim
     `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size. Where both
@@ -45,8 +45,9 @@ def split_target(
     seen = {} if seen is None else seen
     leaves = [(keystr(path), t) for path, t in tree_flatten_with_path(target)[0] if isinstance(t, torch.Tensor)]
     along = {}
+    held_at = _held_by_leaf(outputs_by_path or {}, [path for path, _ in leaves])
     for path, t in leaves:
-        at_path = sorted(_held_at(outputs_by_path or {}, path))
+        at_path = sorted(held_at.get(path, ()))
         held = at_path or outputs
         # The dims the output at its path holds the batch in first (an RNN's final state (layers,
         # batch, hidden) of a batch-first model), then the inputs' and dim 0.
@@ -65,14 +66,25 @@ def split_target(
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
 
 
-def _held_at(outputs_by_path: dict[str, frozenset[int]], path: str) -> frozenset[int]:
-    """The batch dims of the output at `path`, or of the output value whose leaves hold it (an
-    LSTM's state `(h, c)` at `[1]`, for `[1][0]`)."""
-    found = outputs_by_path.get(path)
-    if found is not None:
-        return found
-    holders = [key for key in outputs_by_path if path.startswith(key) and len(path) > len(key) and path[len(key)] == "["]
-    return outputs_by_path[max(holders, key=len)] if holders else frozenset()
+def _held_by_leaf(outputs_by_path: dict[str, tuple[frozenset[int], ...]], paths: list[str]) -> dict[str, frozenset[int]]:
+    """For each target leaf (by path, in order), the dims the output there holds the batch in: at
+    its own path, or, inside an output value of several leaves (an LSTM's state `(h, c)` at `[1]`,
+    for `[1][0]`; an RNN's `(output, state)` returned whole), the leaf of that value it matches
+    in order (all of the value's dims where the target has more leaves there than it)."""
+    found: dict[str, frozenset[int]] = {}
+    counted: dict[str, int] = {}
+    for path in paths:
+        if path in outputs_by_path:
+            found[path] = frozenset().union(*outputs_by_path[path])
+            continue
+        holders = [key for key in outputs_by_path if path.startswith(key) and len(path) > len(key) and path[len(key)] == "["]
+        if not holders:
+            continue
+        key = max(holders, key=len)
+        dims, k = outputs_by_path[key], counted.get(key, 0)
+        counted[key] = k + 1
+        found[path] = dims[k] if k < len(dims) else frozenset().union(*dims)
+    return found
 
 
 def _per_sample_but_no_tensor(target: Any, batch: Optional[int], where: str = "target") -> list[str]:

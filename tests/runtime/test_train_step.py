@@ -1438,13 +1438,15 @@ class WithFinalState(nn.Module):
     """A batch-first GRU given its initial state (layers, batch, hidden), returning its outputs
     and its final state, which holds the batch on dim 1; or an LSTM, whose state is a pair."""
 
-    def __init__(self, layers: int, lstm: bool = False) -> None:
+    def __init__(self, layers: int, lstm: bool = False, whole: bool = False) -> None:
         super().__init__()
-        self.inp, self.out = nn.Linear(5, 8), nn.Linear(6, 3)
+        self.inp, self.out = nn.Linear(5, 8), nn.Identity() if whole else nn.Linear(6, 3)
         self.rnn = (nn.LSTM if lstm else nn.GRU)(8, 6, num_layers=layers, batch_first=True)
-        self.lstm = lstm
+        self.lstm, self.whole = lstm, whole
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if self.whole:  # the RNN's (output, state), one value holding both
+            return self.rnn(self.inp(x), h0)  # type: ignore[no-any-return]
         y, state = self.rnn(self.inp(x), (h0, h0) if self.lstm else h0)
         return self.out(y), state
 
@@ -1454,18 +1456,20 @@ def _state_loss(out: Any, t: Any) -> torch.Tensor:
     return F.mse_loss(out[0], t[0]) + state
 
 
-@pytest.mark.parametrize("layers, batch, lstm", [(2, 8, False), (4, 4, False), (4, 4, True)],
-                         ids=["batch-on-dim-1", "layers-as-many-as-samples", "an-lstm's-pair"])  # fmt: skip
-def test_a_target_shaped_like_the_outputs_is_split_along_a_batch_dim_its_output_holds_that_no_input_names(layers: int, batch: int, lstm: bool) -> None:
+@pytest.mark.parametrize("layers, batch, lstm, whole", [(2, 8, False, False), (4, 4, False, False), (4, 4, True, False), (4, 4, False, True)],
+                         ids=["batch-on-dim-1", "layers-as-many-as-samples", "an-lstm's-pair", "the-rnn's-pair-whole"])  # fmt: skip
+def test_a_target_shaped_like_the_outputs_is_split_along_a_batch_dim_its_output_holds_that_no_input_names(
+    layers: int, batch: int, lstm: bool, whole: bool
+) -> None:
     """x is split along dim 0, h0 along dim 1: the final state's target holds the batch on dim 1
     (an LSTM's, in each of its pair, which one output value holds). Before, only the inputs' first
     split dim and dim 0 were tried: the target was refused, or, with as many layers as samples,
     cut along its layers (a raw size error in the loss)."""
-    model, plain = twin(WithFinalState(layers, lstm).double())
+    model, plain = twin(WithFinalState(layers, lstm, whole).double())
     g = torch.Generator().manual_seed(0)
     x, h0 = torch.randn(batch, 7, 5, dtype=torch.float64, generator=g), torch.randn(layers, batch, 6, dtype=torch.float64, generator=g)
     state = torch.randn(layers, batch, 6, dtype=torch.float64, generator=g)
-    target = (torch.randn(batch, 7, 3, dtype=torch.float64, generator=g), (state, state + 1) if lstm else state)
+    target = (torch.randn(batch, 7, 6 if whole else 3, dtype=torch.float64, generator=g), (state, state + 1) if lstm else state)
     loss_fn = _state_loss
     for schedule in ("gpipe", "1f1b"):
         pipe = compile_pipeline(model, (x, h0), ["cpu", "cpu"], chunks=2, chunk_spec={"h0": 1}, schedule=schedule)
