@@ -28,10 +28,10 @@ class StageError(RuntimeError):
         else:
             hint = hint_for(error, micro_batches)
             if not hint and one_of and phase == "forward":
-                hint = (f"\nThis micro-batch holds one sample of the call's {one_of}: code that drops the batch dim of a "
-                        "single sample (squeeze(), h.chunk(2) over the batch, a view sized by another dim) fails on it, where "
-                        "the plain model, on the whole batch, does not.\nHow to fix: a batch that gives every micro-batch two "
-                        "samples or more (fewer chunks), or code that keeps the batch dim (squeeze(-1)).")  # fmt: skip
+                hint = (f"\nThis micro-batch holds one sample of the call's {one_of}. If the plain model runs the whole "
+                        "batch, code that drops the batch dim of a single sample (squeeze(), h.chunk(2) over the batch, a view "
+                        "sized by another dim) may be what fails on it.\nHow to fix, then: a batch that gives every micro-batch "
+                        "two samples or more (fewer chunks), or code that keeps the batch dim (squeeze(-1)).")  # fmt: skip
             detail = f"{type(error).__name__}: {error}{hint}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail

@@ -870,7 +870,7 @@ def test_a_stage_failing_on_a_micro_batch_of_one_sample_says_so_with_the_fix() -
     pipe = compile_pipeline(model, torch.randn(6, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=3)
     x = torch.randn(5, 4, dtype=torch.float64)
     assert model(x).shape == (5, 3)
-    with pytest.raises(StageError, match=r"(?s)micro-batch 2 in forward: IndexError.*holds one sample of the call's 5.*How to fix: a batch"):
+    with pytest.raises(StageError, match=r"(?s)micro-batch 2 in forward: IndexError.*holds one sample of the call's 5.*How to fix, then: a batch"):
         pipe(x)
     x = torch.randn(6, 4, dtype=torch.float64)  # micro-batches of two
     torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)
