@@ -52,9 +52,10 @@ def value_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def _cuts_gradient(node: fx.Node) -> bool:
-    """A detach (`x.detach()`, `x.detach_()`, `x.data`), or a region run with gradients off."""
+    """A detach (`x.detach()`, `x.detach_()`, `x.data`, a copy by `h.new_tensor(x)`), or a region
+    run with gradients off."""
     if node.op == "call_method":
-        return node.target in ("detach", "detach_")
+        return node.target in ("detach", "detach_", "new_tensor")
     if node.op != "call_function":
         return False
     if node.target in _DETACH or (node.target is getattr and node.args[1:2] == ("data",)):

@@ -200,25 +200,34 @@ def _at_this_call(error: CausalityError, graph: Checked, length: int, example: i
     return CausalityError([f"{where}: {p}" for p in error.problems], fix="; or ".join(fixes) + ".")
 
 
-def _mask_versions(graph: Checked, owner: nn.Module) -> tuple[tuple[str, int, int], ...]:
-    """Each tensor the model holds that the masks were made from, with its identity and the
-    count of its in-place writes (`load_state_dict` copies into it); not those on the meta
-    device (freed on this rank across processes: the rank that runs their stage checks them)."""
+Versions = tuple[tuple[str, int, int, int], ...]
+
+
+def _mask_versions(graph: Checked, owner: nn.Module) -> Versions:
+    """Each tensor the masks were made from, as the model holds it (or the graph, for a constant
+    the trace made: a module-level tensor), with its identity, its memory (`.data = ...` swaps
+    it) and the count of its in-place writes (`load_state_dict` copies into it); not those on the
+    meta device (freed on this rank across processes: the rank that runs their stage checks them)."""
     found = []
     for target in sorted(graph.proof.mask_state):
-        try:
-            tensor = fetch_attr(owner, target)
-        except AttributeError:
-            continue
+        tensor = _held(owner, target)
+        tensor = tensor if tensor is not None else _held(graph.whole, target)
         if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
-            found.append((target, id(tensor), tensor._version))
+            found.append((target, id(tensor), tensor.data_ptr(), tensor._version))
     return tuple(found)
 
 
-def _changed(proved: tuple[tuple[str, int, int], ...], now: tuple[tuple[str, int, int], ...]) -> bool:
+def _held(root: nn.Module, target: str) -> Any:
+    try:
+        return fetch_attr(root, target)
+    except AttributeError:
+        return None
+
+
+def _changed(proved: Versions, now: Versions) -> bool:
     """Whether a tensor held now is another, or was written, since the proof."""
     before = {target: rest for target, *rest in proved}
-    return any(before.get(target) != [identity, version] for target, identity, version in now)
+    return any(before.get(target) != rest for target, *rest in now)
 
 
 def _follow_the_model(gm: fx.GraphModule, owner: nn.Module, targets: Collection[str]) -> None:

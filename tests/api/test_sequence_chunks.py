@@ -1052,6 +1052,38 @@ def test_a_mask_buffer_changed_after_compiling_is_proved_again() -> None:
         model.mask = torch.ones(32, 32, dtype=torch.float64)
         with pytest.raises(CausalityError, match=r"on this call \(mask, which its masks are made from, changed since compiling\)"):
             pipe(idx)
+        model.mask = reference.mask.clone()
+        assert_call_and_grads_equal(pipe, reference, idx)
+        model.mask.data = torch.ones(32, 32, dtype=torch.float64)  # other memory, the same version count
+        with pytest.raises(CausalityError, match="changed since compiling"):
+            pipe(idx)
+
+
+GLOBAL_MASK = torch.ones(32, 32, dtype=torch.float64).tril()
+
+
+class GlobalMask(MaskBuffer):
+    """The mask a module-level tensor, which the trace keeps as a constant of the graph."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x, t = self.emb(idx), idx.size(1)
+        q, k, v = self.qkv(x).chunk(3, -1)
+        mask = torch.narrow(torch.narrow(GLOBAL_MASK, 0, 0, t), 1, 0, t)  # (a real tensor sliced by a traced size)
+        att = ((q @ k.transpose(-2, -1)) / 4.0).masked_fill(mask == 0, float("-inf"))
+        return self.out(x + att.softmax(-1) @ v)
+
+
+def test_a_mask_made_from_a_module_level_tensor_written_after_compiling_is_refused() -> None:
+    model, reference = twin(GlobalMask().double())
+    idx = tokens()
+    with closing(compile_pipeline(model, idx, ["cpu", "cpu"], sequence_chunks=3)) as pipe:
+        assert_call_and_grads_equal(pipe, reference, idx)
+        try:
+            GLOBAL_MASK.fill_(1)
+            with pytest.raises(CausalityError, match="changed since compiling"):
+                pipe(idx)
+        finally:
+            GLOBAL_MASK.copy_(torch.ones(32, 32).tril())
 
 
 class MaskParameter(MaskBuffer):

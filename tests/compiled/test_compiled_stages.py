@@ -498,13 +498,13 @@ class ProbeAndFeatures(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = torch.tanh(self.l[2](torch.tanh(self.l[1](torch.tanh(self.l[0](x))))))
-        cuts = {"detach": lambda: c.detach(), "data": lambda: c.data, "detach_": lambda: c.clone().detach_(),
+        cuts = {"detach": lambda: c.detach(), "data": lambda: c.data, "detach_": lambda: c.clone().detach_(), "new_tensor": lambda: c.new_tensor(c),
                 "argmax": lambda: F.one_hot(c.argmax(-1), 6).to(c.dtype)}  # fmt: skip
         probe = cuts[self.cut]()
         return self.head(probe), c * 2
 
 
-@pytest.mark.parametrize("cut", ["detach", "data", "detach_", "argmax"])
+@pytest.mark.parametrize("cut", ["detach", "data", "detach_", "new_tensor", "argmax"])
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_a_parameter_reached_only_through_a_cut_gets_none_as_in_the_plain_model(cut: str, checkpoint: str) -> None:
     """Before, the walk that tells which parameters a used output reaches went through
