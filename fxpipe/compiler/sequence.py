@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.plan import StagePlan, human_bytes
 from fxpipe.compiler.traced import Traced
-from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.attrs import fetch_attr, submodule_or_none
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal import prove_causal, prove_causal_at
@@ -153,7 +153,8 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
     where one does not, or where its masks' tensors changed or read inputs. The tensors the masks
     are made from are the model's (`owner`'s) as they are at the call: one replaced by another
     (`model.mask = ...`) counts as changed, and the proof runs on it."""
-    proved = {mode: _mask_versions(graph, owner) for mode, graph in graphs.items()}
+    holders = {mode: _mask_holders(graph, owner) for mode, graph in graphs.items()}
+    proved = {mode: _mask_versions(holders[mode]) for mode in graphs}
     checked = {(mode, example, example_cut, proved[mode]) for mode in graphs}  # checked while compiling
 
     def check(micro_batches: list[dict[str, Any]], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
@@ -164,7 +165,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
             lengths = tuple(spec.lengths(length))
         except ValueError:  # a length the slicing cannot cut: the call's cut says so, with its fix
             return
-        key = (mode, length, lengths, _mask_versions(graph, owner))
+        key = (mode, length, lengths, _mask_versions(holders[mode]))
         if key in checked and not graph.proof.mask_inputs:
             return
         try:
@@ -201,27 +202,43 @@ def _at_this_call(error: CausalityError, graph: Checked, length: int, example: i
 
 
 Versions = tuple[tuple[str, int, int, int], ...]
+# Where each tensor the masks are made from is held: its target, the module holding it, its name there.
+Holders = list[tuple[str, nn.Module, str]]
 
 
-def _mask_versions(graph: Checked, owner: nn.Module) -> Versions:
-    """Each tensor the masks were made from, as the model holds it (or the graph, for a constant
-    the trace made: a module-level tensor), with its identity, its memory (`.data = ...` swaps
+def _mask_holders(graph: Checked, owner: nn.Module) -> Holders:
+    """The modules that hold the tensors the masks were made from, found once: the model's (the
+    graph's, for a constant the trace made: a module-level tensor). A call reads each tensor
+    there, as it is then; a module replaced meanwhile is refused before (compile again)."""
+    found = []
+    for target in sorted(graph.proof.mask_state):
+        prefix, _, name = target.rpartition(".")
+        for root in (owner, graph.whole):
+            parent = submodule_or_none(root, prefix) if prefix else root
+            if parent is not None and isinstance(_attribute(parent, name), torch.Tensor):
+                found.append((target, parent, name))
+                break
+    return found
+
+
+def _attribute(module: nn.Module, name: str) -> Any:
+    """What `module` holds as `name`: a parameter, a buffer or a plain attribute (None if nothing)."""
+    for table in (module._parameters, module._buffers, module.__dict__):
+        if name in table:
+            return table[name]
+    return None
+
+
+def _mask_versions(holders: Holders) -> Versions:
+    """Each tensor the masks were made from, with its identity, its memory (`.data = ...` swaps
     it) and the count of its in-place writes (`load_state_dict` copies into it); not those on the
     meta device (freed on this rank across processes: the rank that runs their stage checks them)."""
     found = []
-    for target in sorted(graph.proof.mask_state):
-        tensor = _held(owner, target)
-        tensor = tensor if tensor is not None else _held(graph.whole, target)
+    for target, parent, name in holders:
+        tensor = _attribute(parent, name)
         if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
             found.append((target, id(tensor), tensor.data_ptr(), tensor._version))
     return tuple(found)
-
-
-def _held(root: nn.Module, target: str) -> Any:
-    try:
-        return fetch_attr(root, target)
-    except AttributeError:
-        return None
 
 
 def _changed(proved: Versions, now: Versions) -> bool:
