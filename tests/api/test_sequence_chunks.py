@@ -666,7 +666,9 @@ class _Decoder(nn.Module):
         self.head = nn.Linear(16, VOCAB)
 
     def forward(self, idx: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
+        return self._decode(self.tok(idx), memory)
+
+    def _decode(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
         x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
@@ -683,13 +685,7 @@ class _DecoderWithPositions(_Decoder):
         self.pos = nn.Embedding(32, 16)
 
     def forward(self, idx: torch.Tensor, memory: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        x = self.tok(idx) + self.pos(positions)
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        x = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        q2 = self.q2(x).view(b, t, 2, 8).transpose(1, 2)
-        k2, v2 = self.kv2(memory).view(b, memory.shape[1], 2, 2, 8).permute(2, 0, 3, 1, 4)
-        return self.head(x + F.scaled_dot_product_attention(q2, k2, v2).transpose(1, 2).reshape(b, t, c))
+        return self._decode(self.tok(idx) + self.pos(positions), memory)
 
 
 def test_a_memory_as_long_as_the_sequence_beside_tokens_and_position_ids_runs_in_slices() -> None:

@@ -747,17 +747,22 @@ def test_an_example_whose_parts_of_one_sample_fail_is_checked_on_the_first_call_
             pipe = compile_pipeline(model, torch.randn(example, 4, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
         small = torch.randn(example, 4, dtype=torch.float64)
         torch.testing.assert_close(pipe(small), reference(small), rtol=0, atol=1e-12)  # one micro-batch, not yet checked
-        batch = torch.randn(8, 4, dtype=torch.float64)
-        if centred:
-            for _ in range(2):  # refused on every call, not only the first
-                with pytest.raises(ValueError, match="mix"):
-                    pipe(batch)
-            continue
-        out = pipe(batch)
-        torch.testing.assert_close(out, reference(batch), rtol=0, atol=1e-12)
-        out.square().sum().backward()
-        reference(batch).square().sum().backward()
-        assert_grads_equal(pipe, reference, tol=1e-12)
+        _checked_on(pipe, reference, torch.randn(8, 4, dtype=torch.float64), mixes=centred)
+
+
+def _checked_on(pipe: nn.Module, reference: nn.Module, batch: torch.Tensor, mixes: bool) -> None:
+    """The first call that can be checked: a model that mixes samples is refused, on that call and
+    every later one; another computes what the plain model does, forward and backward."""
+    if mixes:
+        for _ in range(2):  # refused on every call, not only the first
+            with pytest.raises(ValueError, match="mix"):
+                pipe(batch)
+        return
+    out = pipe(batch)
+    torch.testing.assert_close(out, reference(batch), rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    reference(batch).square().sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 class _Centred(nn.Module):
@@ -786,18 +791,9 @@ def test_an_example_whose_samples_are_alike_is_checked_on_the_first_call_whose_s
             pipe = compile_pipeline(model, ids, ["cpu", "cpu"], chunks=2)
         reference = copy.deepcopy(model)
         torch.testing.assert_close(pipe(ids), reference(ids), rtol=0, atol=1e-12)  # alike again: exact, and not yet checked
-        batch = torch.randint(0, 20, (8, 6))
-        if centred:
-            for _ in range(2):  # refused on every call, not only the first
-                with pytest.raises(ValueError, match="mix"):
-                    pipe(batch)
-            continue
-        out = pipe(batch)
-        torch.testing.assert_close(out, reference(batch), rtol=0, atol=1e-12)
-        out.square().sum().backward()
-        reference(batch).square().sum().backward()
-        assert_grads_equal(pipe, reference, tol=1e-12)
-        copy.deepcopy(pipe)  # checked: copies are fine
+        _checked_on(pipe, reference, torch.randint(0, 20, (8, 6)), mixes=centred)
+        if not centred:
+            copy.deepcopy(pipe)  # checked: copies are fine
 
 
 class _TiedMaxNorm(nn.Module):
