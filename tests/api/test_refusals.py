@@ -138,6 +138,8 @@ def test_a_buffer_or_tensor_attribute_made_to_require_grad_after_compiling_is_re
     getattr(model, name).requires_grad_(True)
     with pytest.raises(RuntimeError, match=rf"(?s)require grad but are not nn.Parameters \({name}; made so after compiling.*register a tensor that learns as an nn.Parameter"):
         pipe(x)
+    with pytest.raises(RuntimeError, match=rf"require grad but are not nn.Parameters \({name};"):
+        pipe.train_step(x, target=torch.zeros(x.shape[0], 6, dtype=torch.float64), loss_fn=F.mse_loss)
     assert getattr(model, name).grad is None
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), model(x), rtol=0, atol=1e-12)

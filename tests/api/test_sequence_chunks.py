@@ -1003,8 +1003,17 @@ def test_a_mask_made_from_an_inputs_values_is_proved_on_every_call() -> None:
     idx, none = tokens(), torch.zeros(tokens().shape[0], dtype=torch.long)
     with closing(compile_pipeline(model, (idx, none), ["cpu", "cpu"], sequence_chunks=3)) as pipe:
         assert_call_and_grads_equal(pipe, reference, idx, none)
+        prefixed = torch.full_like(none, 6)
         with pytest.raises(CausalityError, match=r"(?s)on this call \(the values of lengths, which its masks read.*bidirectional"):
-            pipe(idx, torch.full_like(none, 6))
+            pipe(idx, prefixed)
+        pipe.eval()
+        with torch.no_grad(), pytest.raises(CausalityError, match="the values of lengths"):
+            pipe(idx, prefixed)
+        pipe.train()
+        with pytest.raises(CausalityError, match="the values of lengths"):
+            pipe.train_step(idx, prefixed, target=idx, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+        assert all(p.grad is None for p in model.parameters())  # refused before any stage ran: nothing written
+        assert_call_and_grads_equal(pipe, reference, idx, none)  # the next call, without a prefix, as before
     model, reference = twin(PrefixOrPadded("padded").double())
     full = torch.full_like(none, idx.shape[1])
     with closing(compile_pipeline(model, (idx, full), ["cpu", "cpu"], chunks=2, sequence_chunks=3)) as pipe:

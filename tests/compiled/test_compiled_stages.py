@@ -524,6 +524,36 @@ def test_a_parameter_reached_only_through_a_cut_gets_none_as_in_the_plain_model(
     assert plain.l[0].weight.grad is None
 
 
+@pytest.mark.parametrize("how", ["autograd.grad", "train_step", "two forwards"])
+def test_a_parameter_reached_only_through_a_cut_gets_none_in_every_use(how: str) -> None:
+    """The probe on detached features of the test above, through autograd.grad (None where
+    allow_unused), train_step (1f1b) and two forwards before one backward."""
+    torch.manual_seed(0)
+    model = ProbeAndFeatures("detach").double()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, schedule="1f1b", compile_stages={"backend": "aot_eager"})
+    if how == "autograd.grad":
+        got = torch.autograd.grad(F.mse_loss(pipe(x)[0], y), list(model.parameters()), allow_unused=True)
+        want = torch.autograd.grad(F.mse_loss(plain(x)[0], y), list(plain.parameters()), allow_unused=True)
+        assert [g is None for g in got] == [w is None for w in want] == [True] * 6 + [False, False]
+        for g, w in zip(got[6:], want[6:]):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+        return
+    if how == "train_step":
+        loss = pipe.train_step(x, target=y, loss_fn=lambda out, target: F.mse_loss(out[0], target))
+        expected = F.mse_loss(plain(x)[0], y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    else:
+        (F.mse_loss(pipe(x)[0], y) + F.mse_loss(pipe(2 * x)[0], y)).backward()
+        (F.mse_loss(plain(x)[0], y) + F.mse_loss(plain(2 * x)[0], y)).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
 def test_under_autocast_compiled_stages_leave_none_where_the_eager_ones_do(checkpoint: str) -> None:
     """A parameter no output with a gradient reaches keeps None under bfloat16 autocast too, in
