@@ -5,7 +5,7 @@ import itertools
 import operator
 from dataclasses import dataclass, replace
 from contextlib import nullcontext
-from typing import Any, Callable, Collection, ContextManager, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -173,7 +173,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
                 _refuse_unprovable(graph, not _changed(proved[mode], key[3]), length, example)
             else:
                 for gm in (graph.whole, graph.sliced):
-                    _follow_the_model(gm, owner, graph.proof.mask_state)
+                    _follow_the_model(gm, holders[mode])
                 with still():  # the checks run the graph on the model's tensors, and put back what it wrote
                     for inputs in (micro_batches if graph.proof.mask_inputs else [values]):
                         prove_causal_at(graph.whole, tuple(inputs.values()), spec.dim, length, holding=set(spec.inputs))
@@ -247,22 +247,16 @@ def _changed(proved: Versions, now: Versions) -> bool:
     return any(before.get(target) != rest for target, *rest in now)
 
 
-def _follow_the_model(gm: fx.GraphModule, owner: nn.Module, targets: Collection[str]) -> None:
-    """Put into the graph module the tensors the model now holds at `targets`, where the model
-    holds others than it traced (`model.mask = torch.ones(...)`): the proof runs on them."""
-    for target in targets:
-        try:
-            now, held = fetch_attr(owner, target), fetch_attr(gm, target)
-        except AttributeError:
+def _follow_the_model(gm: fx.GraphModule, holders: Holders) -> None:
+    """Put into the graph module the tensors the model now holds where the masks' tensors are,
+    where it holds others than it traced (`model.mask = torch.ones(...)`): the proof runs on them."""
+    for target, parent, name in holders:
+        prefix = target.rpartition(".")[0]
+        into, now = submodule_or_none(gm, prefix) if prefix else gm, _attribute(parent, name)
+        if into is None or into is parent or _attribute(into, name) is now:
             continue
-        if now is not held and isinstance(now, torch.Tensor):
-            prefix, _, name = target.rpartition(".")
-            parent = gm.get_submodule(prefix) if prefix else gm
-            table = parent._parameters if name in parent._parameters else parent._buffers if name in parent._buffers else None
-            if table is not None:
-                table[name] = now  # type: ignore[assignment]
-            else:
-                parent.__dict__[name] = now
+        table = next((t for t in (into._parameters, into._buffers) if name in t), into.__dict__)
+        table[name] = now
 
 
 def _refuse_unprovable(graph: Checked, same_state: bool, length: int, example: int) -> None:
