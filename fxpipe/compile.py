@@ -30,6 +30,7 @@ from fxpipe.compiler.traced import Traced
 from fxpipe.core.attrs import buffer_names, tensors_read
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.hooks import hooks_put_back_on_failure
+from fxpipe.core.model_hooks import model_hooks_set_aside
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -75,12 +76,13 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         model = kwargs["model"] if "model" in kwargs else args[0] if args else None
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
-        example = (kwargs.get("example", args[1] if len(args) > 1 else None), kwargs.get("example_kwargs"))
+        given, options = _out_of_inference_mode(args, kwargs)
+        example = (options.get("example", given[1] if len(given) > 1 else None), options.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
             with collector_paused(), writes_watched(), preserved(model), inputs_preserved(example), put_back_on_failure(model), \
-                    hooks_put_back_on_failure(model):
-                pipe = compile(*args, **kwargs)
+                    hooks_put_back_on_failure(model), model_hooks_set_aside(model), torch.inference_mode(False):
+                pipe = compile(*given, **options)  # type: ignore[arg-type]
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):
                 e.add_note(freed_note(model))
@@ -89,6 +91,22 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         return pipe
 
     return compile_and_restore
+
+
+def _out_of_inference_mode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Compiling traces the model as it trains, with autograd on: an example made under
+    torch.inference_mode() (a call of another kind inside one) is traced as a copy made outside it,
+    which autograd may record. The call's own values are untouched."""
+
+    def usable(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_inference():
+            return t
+        with torch.inference_mode(False):
+            return t.clone()
+
+    return (*args[:1], *tree_map_only(torch.Tensor, usable, args[1:])), {
+        name: value if name == "model" else tree_map_only(torch.Tensor, usable, value) for name, value in kwargs.items()
+    }
 
 
 def _check_example_micro_batches(

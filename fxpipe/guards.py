@@ -129,10 +129,10 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "model once before compiling, so that they are there when it is traced."
         ) if libraries else ""
         raise RuntimeError(
-            f"hooks were added to, removed from or swapped on {', '.join(n or 'the model itself' for n in changed)} "
+            f"hooks were added to, removed from or swapped on {', '.join(changed)} "
             f"since compiling{origin}: the trace went through these modules, and their graph holds what their "
             f"hooks did then.\nHow to fix: compile again"
-            + _or_kept_whole(compiled, f", or keep such modules whole (compile_pipeline(..., leaf_modules={[n for n in changed if n]!r})), "
+            + _or_kept_whole(compiled, f", or keep such modules whole (compile_pipeline(..., leaf_modules={changed!r})), "
                              "whose hooks run on every call") + "." + first_call
         )
     return mode
@@ -265,16 +265,21 @@ def refuse_parametrization_cache() -> None:
 
 def refuse_own_hooks(pipe: nn.Module, caller: str = "train_step") -> None:
     """train_step (and train_steps) run the stages under their schedule without calling the
-    pipeline as a module: hooks registered on the pipeline itself would not run, where `pipe(x)`
-    runs them."""
-    held = [kind + "s" for kind, table in zip(KINDS, hook_tables(pipe)) if table]
+    pipeline as a module, nor the model: hooks registered on the pipeline itself, or on the model
+    itself, would not run, where `pipe(x)` runs them."""
+    held = []
+    owner: nn.Module = pipe._owner  # type: ignore[assignment]
+    for where, module in (("Pipeline itself", pipe), ("model itself", owner)):
+        kinds = [kind + "s" for kind, table in zip(KINDS, hook_tables(module)) if table]
+        if kinds:
+            held.append(f"{', '.join(kinds[:-1])}{' and ' if len(kinds) > 1 else ''}{kinds[-1]} registered on the {where}")
     if held:
         raise RuntimeError(
-            f"{caller} cannot run the {' and '.join(held)} registered on the Pipeline itself: it runs the stages "
-            "under its schedule without calling the pipeline as a module, so they would be skipped, where "
+            f"{caller} cannot run the {' and the '.join(held)}: it runs the stages under its schedule, a micro-batch at "
+            "a time, without calling the pipeline or the model as a module, so they would be skipped, where "
             "loss_fn(pipe(x), target).backward() runs them.\nHow to fix: call loss_fn(pipe(x), target).backward() "
-            "instead; or register the hooks on the model (or its modules) before compiling; or remove them "
-            "(handle.remove())."
+            "instead; or register the hooks on the model's modules (model.some_layer.register_forward_hook) before "
+            "compiling; or remove them (handle.remove())."
         )
 
 

@@ -21,6 +21,7 @@ from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
 from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
 from fxpipe.core.microbatch import forward_signature
+from fxpipe.core.model_hooks import call_with_hooks, refuse_partial_model_hooks
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.clipping import clip_across
@@ -105,7 +106,7 @@ class Pipeline(PipelineCalls):
             _chunks=plan.chunks, _checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
             last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_parameter_bytes=0, last_meter=None, _own_loss_warned=False, _target_dims={}, _signature=forward_signature(model),
             _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _overlapping=None,
-            _one_call=threading.RLock(),
+            _one_call=threading.RLock(), _runs_model_hooks=True,
         )  # fmt: skip
         self.__dict__.update(own)
         ranks = plan.layout().ranks
@@ -202,10 +203,13 @@ class Pipeline(PipelineCalls):
         refuse_outer_checkpoint()
         refuse_parametrization_cache()
         refuse_partial_backward_hooks(self)
+        refuse_partial_model_hooks(self._owner)
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         with self._one_call:  # another thread's call waits: its stages would swap the same slots
             self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
+            if self._runs_model_hooks and self._channel is None:  # (across processes, forward_across refuses them)
+                return call_with_hooks(self._owner, lambda *a, **k: self._call_now(a, k), args, kwargs)
             return self._call_now(args, kwargs)
 
     def _call_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

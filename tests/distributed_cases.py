@@ -318,6 +318,17 @@ def refusals(rank: int, world: int) -> list[str]:
     import numpy  # (a test dependency)
 
     errors.append(f"{compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=numpy.int64(2), timeout=numpy.int64(60)).chunks} chunks")  # type: ignore[arg-type]
+    handle = model.register_forward_hook(lambda module, args, out: out * 2)  # the model's own: output on one rank alone
+    try:
+        with torch.no_grad():
+            pipe(x)
+        errors.append("no error")
+    except RuntimeError as e:
+        errors.append(str(e))
+    handle.remove()
+    with torch.no_grad():
+        out = pipe(x)
+    errors.append("ran" if (out is None) == (rank == 0) else "ran wrong")
     return errors
 
 

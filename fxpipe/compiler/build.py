@@ -99,7 +99,8 @@ def build_program(
         parameters=_parameters_read(stages, shared),
         output_inputs={name: list(s.inputs) for name, s in sources.items()},
         output_params={name: [resolve(p) for p in s.params] for name, s in sources.items()},
-        traced_hooks=[("*", None, hooks_that_count(None)), *((name, m, hooks_that_count(m)) for name, m in traced)],
+        # (the model's own hooks run around each call, read then: fxpipe/core/model_hooks.py)
+        traced_hooks=[("*", None, hooks_that_count(None)), *((name, m, hooks_that_count(m)) for name, m in traced if name)],
         traced_code=[(name, m, code_of(m, listed is None or name in listed)) for name, m in traced],
         settings=_settings(cut.graph),
         held=HeldState.of(owner, [str(n.target) for n in cut.graph.graph.nodes if n.op == "get_attr"], attributes or {}),
@@ -388,11 +389,11 @@ def _refuse_backward_hooks_traced_through(traced: list[tuple[str, nn.Module]]) -
     ones, would never fire for it. Those of a module called whole (and of the modules inside it) do."""
     if traced and global_backward_hooks():
         raise ValueError(GLOBAL_BACKWARD_HOOKS)
-    hooked = [name or "the model itself" for name, m in traced if m._backward_hooks or m._backward_pre_hooks]
+    hooked = [name for name, m in traced if name and (m._backward_hooks or m._backward_pre_hooks)]  # the model's own run around the call
     if hooked:
         raise ValueError(
             f"backward hooks on modules that are traced through would never fire: {', '.join(hooked)}.\n"
-            f"How to fix: keep each such module whole (compile_pipeline(..., leaf_modules={[n for n in hooked if n != 'the model itself']!r})), "
+            f"How to fix: keep each such module whole (compile_pipeline(..., leaf_modules={hooked!r})), "
             "or hook a tensor or a parameter instead (tensor.register_hook)."
         )
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiler.traced import Traced, in_mode
+from fxpipe.core.model_hooks import weight_hooks, weight_hooks_refusal
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import seed_started_generators
 from fxpipe.core.snapshot import preserved
@@ -41,21 +42,8 @@ def refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes) 
 def _weight_hooks_refused(model: nn.Module, changed: Changes) -> str:
     """Where a hook of torch.nn.utils on the model itself (pruning, the hook forms of weight_norm
     and spectral_norm) assigns a weight before each forward: why that is refused, and what to do."""
-    hooked = {
-        name: type(hook).__name__ for hook in model._forward_pre_hooks.values()
-        if type(hook).__module__.startswith("torch.nn.utils")
-        for name in [getattr(hook, "_tensor_name", None) or getattr(hook, "name", None)]
-        if isinstance(name, str) and changed.get(name) == ""
-    }
-    if not hooked:
-        return ""
-    which = ", ".join(f"{name!r} ({kind})" for name, kind in hooked.items())
-    return (f"a hook of torch.nn.utils on the model itself assigns {which} before each forward: the generated "
-            "stages read the weight it assigned when traced, and cannot keep it up to date.\nHow to fix: make it "
-            "permanent before compiling (torch.nn.utils.prune.remove(model, name), remove_weight_norm, "
-            "remove_spectral_norm); or use torch.nn.utils.parametrizations.weight_norm or spectral_norm (for a mask, "
-            "a parametrization that applies it: torch.nn.utils.parametrize.register_parametrization), which the "
-            "stages compute on every call; or apply it to a submodule, which is then called whole with its hooks.")
+    hooked = {name: kind for name, kind in weight_hooks(model).items() if changed.get(name) == ""}
+    return weight_hooks_refusal(hooked) if hooked else ""
 
 
 def refuse_lost_counters(model: nn.Module, read: Reads) -> None:

@@ -19,7 +19,6 @@ from fxpipe.compiler.effects import (
     refuse_draws_torch_recomputes, refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
-from fxpipe.core.hooks import hooked
 from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import preserved
@@ -402,8 +401,7 @@ def _front_ends(
             raise _Rejected(
                 f"it would run the model's hooks once, while capturing it, and never at a call: {', '.join(once)}",
                 fix="How to fix: make the model traceable by torch.fx, which calls a module with hooks whole at every "
-                "call; or remove those hooks (handle.remove()) before compiling"
-                + ("; register those of the model itself on the pipeline, which pipe(x) runs around each call." if hooked(model) else ".")
+                "call; or remove those hooks (handle.remove()) before compiling."
                 + (" Those of torch.nn.utils are removed by its own functions, not handle.remove(), which would leave "
                    "the weight the hook last computed: prune.remove(module, 'weight') makes a pruned weight permanent; "
                    "torch.nn.utils.parametrizations.spectral_norm and weight_norm, which torch.export captures, replace "

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fxpipe.compiled.program import Program
+from fxpipe.core.model_hooks import refuse_model_hooks_across
 from fxpipe.core.randomness import draw_step_seed, generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.ranks import failing_together, holders, sum_tied
@@ -49,6 +50,7 @@ def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     channel = pipe.channel
     channel.begin()
     with failing_together(channel, "preparing the call"):
+        refuse_model_hooks_across(pipe.owner)
         call = pipe.prepare(args, kwargs)
         if call.grad:
             raise RuntimeError(

@@ -250,7 +250,8 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
     """And a rank left without parameters by the cut warns, before its optimizer would raise. A
     model that writes its input in place is refused: before, the loss rank read a target that
     was the input unwritten (loss 0.22 off). A weight tied across ranks that a reentrant
-    checkpoint reads is refused: before, its gradient there reached one rank's copy alone."""
+    checkpoint reads is refused: before, its gradient there reached one rank's copy alone. A hook
+    on the model itself is refused: its output is on one rank alone."""
     for rank, errors in enumerate(results_of(spawn_ranks(cases.refusals, 2, timeout=120))):
         assert "pipe(x) runs forward only" in errors[0] and "torch.no_grad()" in errors[0], errors[0]
         assert "inputs that require grad" in errors[1], errors[1]
@@ -262,6 +263,8 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         assert "reads emb.weight, tied to a stage on another rank" in errors[7] and "use_reentrant=False" in errors[7], errors[7]
         assert all(f in errors[8] for f in ("timeout must be a positive", "chunks must be", "checkpoint must be")), errors[8]  # before, the timeout alone
         assert errors[9] == "2 chunks", errors[9]  # before, a NumPy timeout was "not a positive number"
+        assert "pipe(x) cannot run the hooks registered on the model itself (forward hook" in errors[10], errors[10]
+        assert errors[11] == "ran", errors[11]  # and refusing sent nothing: the next call runs
 
 
 def test_devices_or_mesh_one_of_them() -> None:

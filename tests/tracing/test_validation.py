@@ -206,6 +206,47 @@ def test_inference_tensors_compile_and_an_input_written_under_inference_mode_is_
         torch.testing.assert_close(x, x_plain, rtol=0, atol=0)
 
 
+class _TakesKeywords(nn.Module):
+    """A forward with **kwargs, which torch.fx cannot trace: torch.export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x)))
+        return h * kwargs["scale"] if "scale" in kwargs else h
+
+
+@pytest.mark.parametrize("where", ["an inference tensor", "under inference_mode", "a call of another kind"])
+def test_a_model_torch_export_captures_compiles_from_inference_tensors_and_under_inference_mode(where: str) -> None:
+    """Compiling traces with autograd on, outside inference mode, from copies of the example's
+    inference tensors. Before, torch.export failed on each: 'Inference tensors cannot be saved for
+    backward', or a refusal saying the model's forward enters torch.inference_mode(), which it
+    does not (the caller's did; a call with a new keyword compiles its stages inside the call)."""
+    model, reference = twin(_TakesKeywords())
+    with torch.inference_mode():
+        x = torch.randn(8, 6, dtype=torch.float64)
+        scale = torch.rand(8, 6, dtype=torch.float64)
+    kwargs = {"scale": scale} if where == "a call of another kind" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.fx could not trace it; torch.export did
+        if where == "under inference_mode":
+            with torch.inference_mode():
+                pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+        else:
+            pipe = compile_pipeline(model, x if where == "an inference tensor" else x.clone(), ["cpu"] * 2, chunks=2)
+        with torch.inference_mode():
+            out, expected = pipe(x, **kwargs), reference(x, **kwargs)
+    assert out.is_inference()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert x.is_inference() and scale.is_inference(), "the caller's tensors are as they were"
+    out = pipe(x.clone(), **{name: t.clone() for name, t in kwargs.items()})  # and a call outside it trains
+    out.sum().backward()
+    reference(x.clone(), **{name: t.clone() for name, t in kwargs.items()}).sum().backward()
+    assert_grads_equal(pipe, reference, tol=1e-12)
+
+
 class _FailsOnTheSecondMicroBatch(nn.Module):
     """Called whole (it counts its calls): raises on every second call once armed."""
 
