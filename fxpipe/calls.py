@@ -354,8 +354,7 @@ class PipelineCalls(nn.Module):
                     )
             variants[other.key] = found
         # One call at a time on the model, whichever of its pipelines runs it; the targets' split
-        # dims as any of them found them.
-        # The model's own hooks ran around this call already.
+        # dims as any of them found them. The model's own hooks run around the call that asks for it.
         found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call,
                               _target_dims=self._target_dims, _runs_model_hooks=False)  # fmt: skip
         return found

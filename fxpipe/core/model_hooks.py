@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import BackwardHook
 
-from fxpipe.core.hooks import hook_tables
+from fxpipe.core.hooks import hook_tables, hooked
 
 
 @contextmanager
@@ -44,9 +44,9 @@ def weight_hooks(model: nn.Module) -> dict[str, str]:
     }  # fmt: skip
 
 
-def weight_hooks_refusal(hooked: dict[str, str]) -> str:
+def weight_hooks_refusal(assigned: dict[str, str]) -> str:
     """Why weight hooks on the model itself are refused, and what to do instead."""
-    which = ", ".join(f"{name!r} ({kind})" for name, kind in hooked.items())
+    which = ", ".join(f"{name!r} ({kind})" for name, kind in assigned.items())
     return (f"a hook of torch.nn.utils on the model itself assigns {which} before each forward: the generated "
             "stages read the weight it assigned when traced, and cannot keep it up to date.\nHow to fix: make it "
             "permanent before compiling (torch.nn.utils.prune.remove(model, name), remove_weight_norm, "
@@ -57,14 +57,9 @@ def weight_hooks_refusal(hooked: dict[str, str]) -> str:
 
 def refuse_weight_hooks(model: nn.Module) -> None:
     """Weight hooks registered on the model itself after compiling: refused as compiling refuses them."""
-    hooked = weight_hooks(model)
-    if hooked:
-        raise RuntimeError(weight_hooks_refusal(hooked))
-
-
-def has_own_hooks(model: nn.Module) -> bool:
-    """Whether hooks are registered on the model itself (its modules' aside)."""
-    return any(hook_tables(model))
+    assigned = weight_hooks(model)
+    if assigned:
+        raise RuntimeError(weight_hooks_refusal(assigned))
 
 
 def own_hooks_named(model: nn.Module) -> list[str]:
@@ -80,7 +75,7 @@ def call_with_hooks(model: nn.Module, call: Callable[..., Any], args: tuple[Any,
     hooks and backward pre-hooks (on the inputs' and the outputs' gradients), forward hooks (which
     may replace the output; those registered with always_call=True run on an error too). Global
     module hooks are not run here: the pipeline's own call runs them."""
-    if not has_own_hooks(model):
+    if not hooked(model):
         return call(*args, **kwargs)
     refuse_weight_hooks(model)
     called: set[int] = set()
@@ -144,6 +139,7 @@ def partial_backward_hooks(model: nn.Module) -> bool:
 
 
 def refuse_partial_model_hooks(model: nn.Module) -> None:
+    """Refuse `partial_backward_hooks` where a backward may follow."""
     if partial_backward_hooks(model) and torch.is_grad_enabled():
         raise RuntimeError(
             "a backward hook registered on the model with register_backward_hook (deprecated by torch) would see the "
@@ -155,7 +151,7 @@ def refuse_partial_model_hooks(model: nn.Module) -> None:
 def refuse_model_hooks_across(model: nn.Module) -> None:
     """Across processes the output is on the last stage's rank alone: the model's forward hooks
     would see None on the others."""
-    if has_own_hooks(model):
+    if hooked(model):
         raise RuntimeError(
             f"across processes, pipe(x) cannot run the hooks registered on the model itself ({', '.join(own_hooks_named(model))}): "
             "the output is on the last stage's rank alone.\nHow to fix: register them on the model's modules "
