@@ -61,6 +61,27 @@ _NOT_ONE_GRAPH = (
 )
 
 
+def _refuse_shared_entries_across_ranks(model: nn.Module, program: Program, state_dict: Any) -> None:
+    """With assign=True, entries that share memory (a tied weight's keys, as torch.load gives
+    them) become parameters that share it, as in the plain model, each updated in place of the
+    other: ranks hold no memory in common, so where the parameters are read on different ranks
+    each would go its own way. The same on every rank, which loads the same state dict."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+    for key, value in state_dict.items():
+        if key in params and isinstance(value, torch.Tensor) and value.device.type != "meta":
+            by_storage[(str(value.device), value.untyped_storage().data_ptr())].append(key)
+    apart = [keys for keys in by_storage.values() if len({r for key in keys for r in program.readers.get(id(params[key]), ())}) > 1 and len(keys) > 1]
+    if apart:
+        raise RuntimeError(
+            f"load_state_dict(assign=True) across processes was given entries that share memory, read on different ranks: "
+            f"{'; '.join(' and '.join(keys) for keys in apart)}. The plain model would make them parameters over one "
+            "memory, each updated in place of the other; ranks hold no memory in common.\nHow to fix: load without "
+            "assign=True (the values are copied into the model's tied weight, which stays tied), or clone the entries "
+            "first ({k: v.clone() for k, v in state_dict.items()}) to load them as untied weights."
+        )
+
+
 def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe: nn.Module, keys: Any) -> Any:
     """A load post-hook of the model's, called by torch's loading of the pipeline: on the model."""
     return hook(model, keys)
@@ -461,6 +482,8 @@ class Pipeline(PipelineCalls):
                 f"this rank's part of the state dict does not match: missing keys {missing}, unexpected keys "
                 f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
             )
+        if assign:
+            _refuse_shared_entries_across_ranks(self._owner, self._programs[True], state_dict)
         with self._models_post_hooks_too():
             super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
         if assign:  # tensors put in place that this rank's stages no longer read (a tie undone) go, as at compile

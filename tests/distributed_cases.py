@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
+import math
 import random
 import time
 import warnings
@@ -381,6 +383,41 @@ def clipped(rank: int, world: int) -> list[dict[str, Any]]:
         params = {n: _max_diff(p, ref[n]) for n, p in pipe.named_parameters()}
         tied = pipe.get_parameter("head.weight") if "head.weight" in dict(pipe.named_parameters()) else pipe.get_parameter("tok_emb.weight")
         report.append(dict(norm_type=norm_type, norms=norms, params=params, tied=tied.detach().tolist()))
+    return report
+
+
+def clipped_by_any_norm(rank: int, world: int) -> list[dict[str, Any]]:
+    """pipe.clip_grad_norm_ of every order torch takes (0 counts the gradients that are not all
+    zero, -inf is the smallest entry), and a NaN on the second rank alone, against the plain
+    model's: the norm, the error of error_if_nonfinite=True, and the gradients clipped."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+    reference = copy.deepcopy(model)  # (compiling frees on each rank the parameters the other holds)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=2, split_points=["2"], timeout=60)
+    report = []
+    for norm_type, nan, strict in [(0.0, False, False), (-math.inf, False, False), (-2.0, False, False), (0.5, False, False),
+                                   (math.inf, True, False), (math.inf, True, True), (2.0, True, True)]:  # fmt: skip
+        found: dict[str, Any] = dict(norm_type=norm_type, nan=nan, strict=strict)
+        for key, module in (("pipe", pipe), ("plain", reference)):
+            module.zero_grad()
+            F.mse_loss(reference(x), y).backward() if key == "plain" else pipe.train_step(x, target=y, loss_fn=F.mse_loss)
+            if nan and (key == "plain" or rank == 1):
+                module.get_parameter("4.weight").grad[0, 0] = math.nan  # type: ignore[index]
+            clip = pipe.clip_grad_norm_ if key == "pipe" else functools.partial(torch.nn.utils.clip_grad_norm_, reference.parameters())
+            try:
+                found[key] = float(clip(1e-3, norm_type, error_if_nonfinite=strict))
+            except RuntimeError as e:
+                found[key] = "non-finite" if "non-finite" in str(e) else str(e)
+            found[f"{key} grads"] = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        found["grads"] = max(_max_diff(g, found["plain grads"][n]) for n, g in found.pop("pipe grads").items())
+        del found["plain grads"]
+        report.append(found)
+    single = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3).requires_grad_(False))  # rank 1 holds no gradient
+    pipe = compile_pipeline(single, x.float(), mesh=mesh, chunks=2, split_points=["2"], timeout=60)
+    pipe.train_step(x.float(), target=y.float(), loss_fn=F.mse_loss)
+    report.append(dict(dtype=str(pipe.clip_grad_norm_(1.0).dtype)))  # before, float64 there, float32 on rank 0
     return report
 
 
@@ -2012,4 +2049,12 @@ def assigned_apart(rank: int, world: int) -> dict[str, Any]:
         optimizer.step()
     expected = plain.state_dict()
     held = {k: v for k, v in pipe.state_dict().items() if v.device.type != "meta"}
-    return {"keys": sorted(held), "apart": {k: _max_diff(v, expected[k]) for k, v in held.items()}}
+    shared = TiedEnds().double().state_dict()  # as torch.load gives a tied weight: its keys one memory
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    try:
+        pipe.load_state_dict(shared, assign=True)
+        refused = "no error"
+    except RuntimeError as e:
+        refused = str(e)
+    unchanged = all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items() if v.device.type != "meta")
+    return {"keys": sorted(held), "apart": {k: _max_diff(v, expected[k]) for k, v in held.items()}, "refused": refused, "unchanged": unchanged}

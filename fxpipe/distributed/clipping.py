@@ -6,9 +6,13 @@ clip by that rank's part of the norm: every rank clipping differently from the p
 the copies of a tied weight on two ranks drifting apart. Here the ranks add up their parts:
 
     rank 0: |g_a|^p + |g_tied|^p ─┐
-                                  ├─ all-reduce (sum; max for p = inf) ─▶ total norm, on every rank
+                                  ├─ all-reduce (sum) ─▶ total norm, on every rank
     rank 1: |g_b|^p  (g_tied: ─────┘    each rank scales its own gradients by the same factor
             its copy, counted on rank 0)
+
+For p = inf (-inf) the parts are the largest (smallest) entries, reduced by max (min); for p = 0
+the counts of gradients that are not all zero, summed, as torch's norm of order 0 counts them. A
+NaN travels beside the part as a flag: a max over ranks may drop it.
 """
 from __future__ import annotations
 
@@ -28,12 +32,7 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
     grads = [p.grad for p in params if p.grad is not None]
     mine = [p.grad for p, count in zip(params, counted) if count and p.grad is not None]
     norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in mine]
-    infinite = math.isinf(norm_type)
-    if infinite:
-        part = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64, device=device)
-    else:
-        part = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), dtype=torch.float64, device=device)
-    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    part, op = _part(torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=device), norm_type)
     try:
         dist.all_reduce(part, op=op, group=group, async_op=True).wait(timedelta(seconds=timeout))  # type: ignore[union-attr]
     except RuntimeError as e:
@@ -42,7 +41,7 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
             "pipeline must call pipe.clip_grad_norm_ at once (with the same max_norm and norm_type); a rank that "
             "died or is stuck says why in its own output."
         ) from e
-    total = part if infinite else part.pow(1.0 / norm_type)
+    total = _total(part, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), so it cannot "
@@ -52,4 +51,30 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
     with torch.no_grad():
         for g in grads:
             g.mul_(coefficient.to(g.device, g.dtype))
-    return total.to(grads[0].dtype) if grads else total
+    dtype = grads[0].dtype if grads else next((p.dtype for p in params if p.is_floating_point()), torch.get_default_dtype())
+    return total.to(dtype)  # a rank without gradients returns the others' dtype
+
+
+def _part(norms: torch.Tensor, p: float) -> tuple[torch.Tensor, dist.ReduceOp.RedOpType]:
+    """This rank's part of the norm of order `p`, a NaN flag and whether it has gradients, and how
+    the ranks' parts combine."""
+    nan = torch.isnan(norms)
+    flags = [nan.any(), torch.tensor(norms.numel() > 0, device=norms.device)]
+    if p == math.inf:
+        value, op = norms.masked_fill(nan, 0.0).max() if norms.numel() else norms.new_zeros(()), dist.ReduceOp.MAX
+    elif p == -math.inf:  # a min, as the max of the negated parts
+        value, op = -(norms.masked_fill(nan, math.inf).min() if norms.numel() else norms.new_full((), math.inf)), dist.ReduceOp.MAX
+    elif p == 0:
+        value, op = (norms != 0).sum(), dist.ReduceOp.SUM
+    else:
+        value, op = norms.pow(p).sum(), dist.ReduceOp.SUM
+    return torch.stack([value.to(torch.float64), *(flag.to(torch.float64) for flag in flags)]), op
+
+
+def _total(part: torch.Tensor, p: float) -> torch.Tensor:
+    """The norm from the ranks' parts combined by `_part`'s rule: NaN where any rank's was, 0 where
+    no rank has a gradient (as torch's clip_grad_norm_ of no gradients)."""
+    value, nan, some = part[0], part[1], part[2]
+    total = value if p in (math.inf, 0) else -value if p == -math.inf else value.pow(1.0 / p)
+    total = torch.where(some > 0, total, torch.zeros_like(total))
+    return torch.where(nan > 0, torch.full_like(total, math.nan), total)

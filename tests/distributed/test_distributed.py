@@ -2,6 +2,7 @@
 loss and gradients; failures on one rank raised on all of them, in bounded time."""
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -135,6 +136,23 @@ def test_clip_grad_norm_clips_by_the_norm_of_every_ranks_gradients() -> None:
                 assert abs(got - expected) <= 1e-10 * max(1.0, expected), (report["norm_type"], report["norms"])
             assert max(report["params"].values()) <= TOL, report["params"]
         assert per_rank[0]["tied"] == per_rank[1]["tied"], "the copies of the tied weight stay equal"
+
+
+def test_clip_grad_norm_across_ranks_takes_every_order_and_a_nan_on_any_rank() -> None:
+    """Before, norm_type=0 raised ZeroDivisionError, -inf gave the largest of the smallest entries
+    (0.165 for 0.00057), and a NaN on the second rank was dropped by the max of p=inf: a finite
+    norm, no error with error_if_nonfinite=True, the NaN left in its gradient alone."""
+    for report in results_of(spawn_ranks(cases.clipped_by_any_norm, 2, timeout=180)):
+        *clipped, dtype = report
+        for found in clipped:
+            if isinstance(found["plain"], str):
+                assert found["pipe"] == found["plain"] == "non-finite", found
+            elif math.isnan(found["plain"]):
+                assert math.isnan(found["pipe"]) and math.isnan(found["grads"]), found  # every gradient NaN, as the plain model's
+            else:
+                assert abs(found["pipe"] - found["plain"]) <= 1e-10 * max(1.0, abs(found["plain"])), found
+                assert found["grads"] <= TOL, found
+        assert dtype == {"dtype": "torch.float32"}, dtype
 
 
 def test_a_sharded_grad_scaler_skips_an_overflowing_step_on_every_rank() -> None:
@@ -624,12 +642,17 @@ def test_a_loop_failing_on_one_rank_in_the_callers_code_or_the_optimizer_stops_e
 
 def test_a_weight_tied_across_ranks_loaded_with_assign_is_held_by_the_rank_that_reads_each_copy() -> None:
     """Before, both ranks kept real tensors for both untied copies, each training the one its
-    stage reads: every rank's state dict (and a DCP checkpoint of them) held a stale copy."""
+    stage reads: every rank's state dict (and a DCP checkpoint of them) held a stale copy. Entries
+    that share memory (a tied weight's keys, as torch.load gives them) are refused: the plain
+    model makes them two parameters over one memory, which ranks cannot share (before, each rank
+    trained its own: 0.16 apart after three Adam steps)."""
     keys, held = set(), []
     for report in results_of(spawn_ranks(cases.assigned_apart, 2, timeout=120)):
         held.append(report["keys"])
         keys.update(report["keys"])
         assert max(report["apart"].values()) <= TOL, report
+        assert "entries that share memory, read on different ranks: a.weight and c.weight" in report["refused"], report["refused"]
+        assert "How to fix: load without assign=True" in report["refused"] and report["unchanged"], report
     assert {"a.weight", "c.weight"} <= keys and not set(held[0]) & set(held[1]), held  # each key on one rank
 
 
