@@ -18,7 +18,9 @@ from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
-from fxpipe.guards import refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, refuse_parametrization_cache, traced_mode
+from fxpipe.guards import (
+    refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, refuse_own_hooks, refuse_parametrization_cache, traced_mode,
+)
 from fxpipe.runtime.batch_loss import MicroBatchLoss, own_loss_reduction, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
 from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
@@ -194,6 +196,7 @@ class PipelineCalls(nn.Module):
             raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
         check_loss_arguments(target, loss_fn)
         refuse_parametrization_cache()  # each batch of a loop too: its caller may enter the block between two
+        refuse_own_hooks(self, "train_steps" if versions is not None else "train_step")  # (across processes, on every rank at once)
         still = versions.still if versions is not None else contextlib.nullcontext
         call = self._prepare(args, kwargs, held, overlapping=versions is not None, still=still, slicing=slicing)
         schedule = self._plan.schedule if call.grad else "gpipe"

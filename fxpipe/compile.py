@@ -27,10 +27,10 @@ from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
 )
 from fxpipe.compiler.traced import Traced
-from fxpipe.core.attrs import buffer_names, tensors_read
+from fxpipe.core.attrs import buffer_names, parameter_names, tensors_read
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.hooks import hooks_put_back_on_failure
-from fxpipe.core.model_hooks import model_hooks_set_aside
+from fxpipe.core.model_hooks import model_hooks_set_aside, pre_hooks_note
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -86,6 +86,8 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):
                 e.add_note(freed_note(model))
+            if pre_hooks_note(model):
+                e.add_note(pre_hooks_note(model))
             raise
         pipe._join_replicas()
         return pipe
@@ -369,6 +371,7 @@ def compile_pipeline(
     compiled.grad_mode_only = traced.grad_mode_only
     compiled.marked_for_grad = inputs_marked_for_grad(traced.graph)
     compiled.aliased_buffers = aliased_buffers(model)
+    compiled.tied_parameters = [names for names in parameter_names(model).values() if len(names) > 1]
     compiled.traced_dtype = first_floating_dtype(model)
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
     if not checked:

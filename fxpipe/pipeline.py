@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import copy
 import functools
 import threading
@@ -29,7 +30,7 @@ from fxpipe.distributed.rank_call import Host, forward_across, train_across
 from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
 from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import (
-    NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_own_hooks, refuse_parametrization_cache, refuse_partial_backward_hooks,
+    NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_parametrization_cache, refuse_partial_backward_hooks,
     stops_torch_compile, warn_compiled_whole,
 )
 from fxpipe.own_names import OwnUnlessAChild
@@ -88,6 +89,9 @@ def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe:
 
 
 # The model's own tables, which a pipeline shares (`Pipeline.__init__`).
+# Set while the pipeline is called as a module (`pipe(x)`), not by `pipe.forward(x)`.
+_CALLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxpipe_called_as_a_module", default=False)
+
 _SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
@@ -209,6 +213,15 @@ class Pipeline(PipelineCalls):
         return [p for p in program.parameters if where.me in program.readers.get(id(p), ())]
 
     # -- running ---------------------------------------------------------------------------
+    def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """`pipe(x)`, as a module's call: and the model's own hooks around the stages, which
+        `pipe.forward(x)`, as `model.forward(x)`, does not run."""
+        called = _CALLED.set(True)
+        try:
+            return super()._call_impl(*args, **kwargs)
+        finally:
+            _CALLED.reset(called)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         refuse_capture(args, kwargs)
         if torch.compiler.is_compiling():
@@ -227,11 +240,16 @@ class Pipeline(PipelineCalls):
         refuse_partial_model_hooks(self._owner)
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
-        with self._one_call:  # another thread's call waits: its stages would swap the same slots
-            self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
-            if self._runs_model_hooks and self._channel is None:  # (across processes, forward_across refuses them)
-                return call_with_hooks(self._owner, lambda *a, **k: self._call_now(a, k), args, kwargs)
-            return self._call_now(args, kwargs)
+        as_a_call = _CALLED.get() and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)
+        inside = _CALLED.set(False)  # (a call the model's code makes of the pipeline is its own)
+        try:
+            with self._one_call:  # another thread's call waits: its stages would swap the same slots
+                self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
+                if as_a_call:
+                    return call_with_hooks(self._owner, lambda *a, **k: self._call_now(a, k), args, kwargs)
+                return self._call_now(args, kwargs)
+        finally:
+            _CALLED.reset(inside)
 
     def _call_now(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._channel is not None:
@@ -329,7 +347,6 @@ class Pipeline(PipelineCalls):
         refuse_capture()
         refuse_outer_checkpoint()
         refuse_parametrization_cache()
-        refuse_own_hooks(self)
         self._refuse_while_steps_overlap("train_step")
         self._refuse_calls_from_its_stages()
         with self._one_call:

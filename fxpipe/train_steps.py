@@ -36,7 +36,8 @@ def train_steps(
     what the parameters are. The arguments are checked here, the batches read as the losses are."""
     _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
     if pipe._plan.schedule == "2bw":
-        refuse_own_hooks(pipe, "train_steps")
+        if pipe._channel is None:  # (across processes every rank refuses at once, in the first batch's call)
+            refuse_own_hooks(pipe, "train_steps")
         _refuse_where_steps_cannot_overlap(pipe, optimizer)
         return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
     return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)

@@ -331,6 +331,15 @@ def refusals(rank: int, world: int) -> list[str]:
     with torch.no_grad():
         out = pipe(x)
     errors.append("ran" if (out is None) == (rank == 0) else "ran wrong")
+    logger = model.register_forward_pre_hook(lambda module, args: None) if rank == 1 else None  # on one rank alone
+    try:
+        pipe.train_step(x, target=x, loss_fn=F.mse_loss)
+        errors.append("no error")
+    except RuntimeError as e:
+        errors.append(str(e))
+    if logger is not None:
+        logger.remove()
+    errors.append(f"loss {pipe.train_step(x, target=x, loss_fn=F.mse_loss).item():.6f}")
     return errors
 
 

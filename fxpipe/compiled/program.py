@@ -457,6 +457,8 @@ class Compiled:
     # Buffers that were one tensor under several names when traced (registered in two modules):
     # the graph reads that tensor under one name, so the names must keep one value.
     aliased_buffers: list[list[str]] = field(default_factory=list)
+    # The names of each parameter the model holds under several (a tied weight).
+    tied_parameters: list[list[str]] = field(default_factory=list)
     # The dtype of the model's first floating parameter when traced, and the floating dtypes the
     # graphs hold as constants: one of them read from the model (`self.dtype`) stays in the graph
     # through a later cast of the model, as the plain model's forward would not.
@@ -485,6 +487,6 @@ class Compiled:
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
             self.check_micro_batch, self.flags, self.attributes_read, self.front_end, self.modes_read, self.eval_only,
-            slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers,
+            slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers, tied_parameters=self.tied_parameters,
             grad_mode_only=self.grad_mode_only, marked_for_grad=self.marked_for_grad,
         )  # fmt: skip

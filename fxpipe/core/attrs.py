@@ -46,6 +46,22 @@ def buffer_names(root: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def parameter_or_none(root: nn.Module, path: str) -> Optional[torch.Tensor]:
+    """The parameter at `path` below `root`, or None where there is none."""
+    try:
+        return root.get_parameter(path)
+    except AttributeError:
+        return None
+
+
+def parameter_names(root: nn.Module) -> dict[int, list[str]]:
+    """Each parameter's qualified names, by its id: a tied weight has several."""
+    names: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
 def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:
     """The state a node reads: a called module's parameters and buffers, and the tensors of the
     `get_attr` nodes it takes as arguments (a parameter given to a module as its input too);

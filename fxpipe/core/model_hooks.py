@@ -30,6 +30,17 @@ def model_hooks_set_aside(model: nn.Module) -> Iterator[None]:
             table.update(added)
 
 
+def pre_hooks_note(model: nn.Module) -> str:
+    """What a failed compile of a model with forward pre-hooks of its own says: they were set
+    aside, and the example went to forward as it was given."""
+    held = [name for name in own_hooks_named(model) if name.startswith("forward pre-hook")]
+    return (
+        f"The model's own {', '.join(held)} did not run while compiling: the pipeline runs them around each call, and "
+        "traces forward on the example as given. If they change the inputs (a pad, a cast, a keyword added), give "
+        "compile_pipeline the example as they leave it."
+    ) if held and not all(weight_hook(hook) for hook in model._forward_pre_hooks.values()) else ""
+
+
 def weight_hook(hook: Any) -> bool:
     """A hook of torch.nn.utils that assigns a weight before each forward (pruning, the hook forms
     of weight_norm and spectral_norm): kept while compiling, which refuses it with its own fix."""
@@ -81,8 +92,8 @@ def call_with_hooks(model: nn.Module, call: Callable[..., Any], args: tuple[Any,
     called: set[int] = set()
     result = None
     try:
+        backward = _backward_hook(model)  # the hooks there before the pre-hooks ran, as torch takes them
         args, kwargs = _pre_hooked(model, args, kwargs)
-        backward = _backward_hook(model)
         if backward is not None:
             args = backward.setup_input_hook(args)
         result = call(*args, **kwargs)
@@ -90,7 +101,11 @@ def call_with_hooks(model: nn.Module, call: Callable[..., Any], args: tuple[Any,
             called.add(key)
             returned = hook(model, args, kwargs, result) if key in model._forward_hooks_with_kwargs else hook(model, args, result)
             result = result if returned is None else returned
-        return result if backward is None else backward.setup_output_hook(result)
+        if backward is None:
+            return result
+        if not isinstance(result, (torch.Tensor, tuple)):
+            warnings.warn(f"For backward hooks to be called, module output should be a Tensor or a tuple of Tensors but received {type(result)}", stacklevel=4)
+        return backward.setup_output_hook(result)
     except Exception:
         _always_called(model, args, kwargs, result, called)
         raise

@@ -283,6 +283,10 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         assert errors[9] == "2 chunks", errors[9]  # before, a NumPy timeout was "not a positive number"
         assert "pipe(x) cannot run the hooks registered on the model itself (forward hook" in errors[10], errors[10]
         assert errors[11] == "ran", errors[11]  # and refusing sent nothing: the next call runs
+        # A hook on one rank's model alone: train_step refuses on every rank (before, rank 1 alone,
+        # and rank 0 was paired with rank 1's next call), and the next step runs.
+        assert "train_step cannot run the forward pre-hooks registered on the model itself" in errors[12], errors[12]
+        assert errors[13] == errors[2], (errors[13], errors[2])
 
 
 def test_devices_or_mesh_one_of_them() -> None:

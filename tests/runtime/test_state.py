@@ -962,6 +962,43 @@ def test_a_buffer_held_under_two_names_rebound_under_one_is_refused_and_a_cast_i
             torch.func.functional_call(pipe, {"d.scale": new}, (x.float(),), tie_weights=False)
 
 
+class _TiedHead(nn.Module):
+    """A head tied to the embedding, read through F.linear (torch.fx's get_attr) or called whole."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.emb, self.mid, self.head = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.emb(ids)))
+        return F.linear(h, self.head.weight) if self.functional else self.head(h)
+
+
+@pytest.mark.parametrize("functional", [True, False])
+@pytest.mark.parametrize("how", ["assigned", "loaded with assign=True", "functional_call"])
+def test_a_tied_weight_untied_after_compiling_is_refused_and_kept_tied_runs(how: str, functional: bool) -> None:
+    """The stages read a tied weight under one name. Before, a new parameter under the other
+    (assigned, loaded apart with assign=True, or functional_call(..., tie_weights=False)) was
+    ignored: outputs 6-9 off, and the new weight got no gradient."""
+    ids = torch.randint(0, 16, (8, 5))
+    pipe, reference = compiled(_TiedHead(functional).double(), ids, 2, chunks=2)
+    new = torch.randn(16, 8, dtype=torch.float64)
+    with torch.no_grad():  # kept tied: every name handed the same tensor
+        torch.testing.assert_close(torch.func.functional_call(pipe, {"head.weight": new}, (ids,)),
+                                   torch.func.functional_call(reference, {"head.weight": new}, (ids,)), rtol=0, atol=1e-12)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"(?s)a tied weight\) now hold different tensors: emb.weight and head.weight.*How to fix: compile the model again"):
+        if how == "assigned":
+            pipe.get_submodule("head").weight = nn.Parameter(new)
+            pipe(ids)
+        elif how == "loaded with assign=True":
+            pipe.load_state_dict({k: v.clone() for k, v in pipe.state_dict().items()}, assign=True)
+            pipe(ids)
+        else:
+            torch.func.functional_call(pipe, {"head.weight": new}, (ids,), tie_weights=False)
+
+
 class _EmaCodebook(nn.Module):
     """A VQ-VAE's codebook, kept as an exponential moving average in forward under no_grad
     (torch.export captures the region as one op that writes three buffers)."""
