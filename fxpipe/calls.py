@@ -154,7 +154,11 @@ class PipelineCalls(nn.Module):
         dims = kept_whole(values, self._compiled.example_leaves, self._dims(args, kwargs))
         batch = batch_size_of(list(values.values()), dims)
         if batch == 0:
-            raise ValueError(f"the input batch is empty (size 0 along dim {batch_dim_of(list(values.values()), dims)}); give at least one sample")
+            raise ValueError(
+                f"the input batch is empty (size 0 along dim {batch_dim_of(list(values.values()), dims)}): a pipeline has no "
+                "micro-batch to run, where the plain model returns an empty output.\nHow to fix: skip empty batches "
+                "(`if x.shape[0]:`), or give at least one sample."
+            )
         unbatched = fewer_dims(values, self._compiled.example_leaves) if self._chunks > 1 else []
         if unbatched:
             raise ValueError(

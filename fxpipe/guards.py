@@ -82,10 +82,11 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     cast = _cast_since(owner, compiled)
     if cast:
         raise RuntimeError(
-            f"the model was cast {cast} since compiling, and the graph holds {compiled.traced_dtype} where the trace "
-            "read it (the model's own dtype, `self.dtype`, say, or a dtype its code names): its stages would still "
-            "compute in it, where the plain model follows its new dtype.\nHow to fix: compile the model again after "
-            "casting it (or cast it before compiling)."
+            f"the model was cast {cast} since compiling (or holds tensors of that dtype that torch.func.functional_call "
+            f"swapped in), and the graph holds {compiled.traced_dtype} where the trace read it (the model's own dtype, "
+            "`self.dtype`, say, or a dtype its code names): its stages would still compute in it, where the plain model "
+            "follows its new dtype.\nHow to fix: compile the model again after casting it (or cast it before compiling; "
+            "a pipeline for each dtype it runs in)."
         )
     mode = _mode(owner.training, programs[True].held.named, compiled.flags)
     if compiled.eval_only and (mode or owner.training):

@@ -318,6 +318,12 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     ) from error
 
 
+def _swapped_parameters(model: nn.Module) -> list[str]:
+    """The names in the model's parameter tables that hold a tensor that is no Parameter."""
+    return [f"{path}.{name}" if path else name for path, module in model.named_modules()
+            for name, t in module._parameters.items() if t is not None and not isinstance(t, nn.Parameter)]  # fmt: skip
+
+
 def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
     """How to fix a model neither front end captures: the fix of torch.export's reason where it
     has one (a key/value cache returned), else what stops both most often (control flow on
@@ -395,6 +401,14 @@ def _front_ends(
                 "it drops the hooks forward registers on tensors (register_hook), and the gradients "
                 "would miss what they do; torch.fx keeps them (and keeps a module whole with "
                 "leaf_modules=[...], whose forward then runs as it is)"
+            )
+        swapped = _swapped_parameters(model)
+        if swapped:
+            raise _Rejected(
+                f"it takes only nn.Parameters as parameters, and {', '.join(swapped[:3])}{' and others' if len(swapped) > 3 else ''} "
+                "hold other tensors (as torch.func.functional_call swaps them in)",
+                fix="How to fix: make the call of this kind once outside functional_call (its stages are kept, and serve "
+                "later calls inside it), or give it as the example when compiling (example_kwargs=...).",
             )
         once = hooks_export_runs_once(model)
         if once:
