@@ -1,9 +1,10 @@
 """compile_pipeline: from a model and an example input to a Pipeline, through the passes."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from typing import Any, Callable, Iterable, Optional, ParamSpec, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, ParamSpec, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -76,12 +77,13 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         model = kwargs["model"] if "model" in kwargs else args[0] if args else None
         if not isinstance(model, nn.Module):
             return compile(*args, **kwargs)
-        given, options = _out_of_inference_mode(args, kwargs)
+        inference = torch.is_inference_mode_enabled()
+        given, options = _out_of_inference_mode(args, kwargs) if inference else (args, kwargs)
         example = (options.get("example", given[1] if len(given) > 1 else None), options.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
             with collector_paused(), writes_watched(), preserved(model), inputs_preserved(example), put_back_on_failure(model), \
-                    hooks_put_back_on_failure(model), model_hooks_set_aside(model), torch.inference_mode(False):
+                    hooks_put_back_on_failure(model), model_hooks_set_aside(model), _out_of_inference(inference):
                 pipe = compile(*given, **options)  # type: ignore[arg-type]
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):
@@ -95,10 +97,21 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
     return compile_and_restore
 
 
+@contextlib.contextmanager
+def _out_of_inference(inference: bool) -> Iterator[None]:
+    """Outside torch.inference_mode(), where autograd may record the trace's runs, with gradients
+    off as they are inside it (a pipeline compiled so serves calls without them)."""
+    if not inference:
+        yield
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
 def _out_of_inference_mode(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Compiling traces the model as it trains, with autograd on: an example made under
-    torch.inference_mode() (a call of another kind inside one) is traced as a copy made outside it,
-    which autograd may record. The call's own values are untouched."""
+    """Compiling under torch.inference_mode() (a call of another kind made inside one, say) traces
+    outside it, on copies of the example's inference tensors made there, which a forward may write
+    as it does inside. The call's own values are untouched."""
 
     def usable(t: torch.Tensor) -> torch.Tensor:
         if not t.is_inference():

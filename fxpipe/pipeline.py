@@ -215,7 +215,10 @@ class Pipeline(PipelineCalls):
     # -- running ---------------------------------------------------------------------------
     def _call_impl(self, *args: Any, **kwargs: Any) -> Any:
         """`pipe(x)`, as a module's call: and the model's own hooks around the stages, which
-        `pipe.forward(x)`, as `model.forward(x)`, does not run."""
+        `pipe.forward(x)`, as `model.forward(x)`, does not run. (Under torch.compile, which cannot
+        trace a ContextVar, `forward` runs eagerly and counts as such a call.)"""
+        if torch.compiler.is_compiling():
+            return super()._call_impl(*args, **kwargs)
         called = _CALLED.set(True)
         try:
             return super()._call_impl(*args, **kwargs)
@@ -240,7 +243,7 @@ class Pipeline(PipelineCalls):
         refuse_partial_model_hooks(self._owner)
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
-        as_a_call = _CALLED.get() and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)
+        as_a_call = (_CALLED.get() or under_compile) and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)
         inside = _CALLED.set(False)  # (a call the model's code makes of the pipeline is its own)
         try:
             with self._one_call:  # another thread's call waits: its stages would swap the same slots

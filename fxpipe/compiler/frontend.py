@@ -340,6 +340,12 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
         )
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
+    if "Inference tensors cannot be saved for backward" in export_failure.detail:
+        return (
+            "How to fix: the example holds tensors made under torch.inference_mode(), on which torch.export records no "
+            "gradient outside it: compile under torch.inference_mode() too (a pipeline compiled so serves calls without "
+            "gradients), or give an example made outside it (x.clone() there)."
+        )
     if any(reason in fx_failure.detail for reason in ("cannot keep such an attribute up to date", "switches gradients", "enters torch.inference_mode",
                                                      "writes parameters or buffers on their values")):  # fmt: skip
         return ""  # torch.fx's reason (an assignment forward makes, a grad mode it sets) says how to fix it

@@ -219,23 +219,28 @@ class _TakesKeywords(nn.Module):
 
 
 @pytest.mark.parametrize("where", ["an inference tensor", "under inference_mode", "a call of another kind"])
-def test_a_model_torch_export_captures_compiles_from_inference_tensors_and_under_inference_mode(where: str) -> None:
-    """Compiling traces with autograd on, outside inference mode, from copies of the example's
-    inference tensors. Before, torch.export failed on each: 'Inference tensors cannot be saved for
-    backward', or a refusal saying the model's forward enters torch.inference_mode(), which it
-    does not (the caller's did; a call with a new keyword compiles its stages inside the call)."""
+def test_a_model_torch_export_captures_compiles_under_inference_mode_and_an_inference_tensor_outside_it_says_how(where: str) -> None:
+    """Compiling under inference mode traces outside it, from copies of the example's inference
+    tensors. Before, the refusal said the model's forward enters torch.inference_mode(), which it
+    does not (the caller's did; a call with a new keyword compiles its stages inside the call).
+    Outside inference mode an inference tensor fails torch.export as it fails the plain model's
+    forward with gradients; before, the fix offered was torch.where."""
     model, reference = twin(_TakesKeywords())
     with torch.inference_mode():
         x = torch.randn(8, 6, dtype=torch.float64)
         scale = torch.rand(8, 6, dtype=torch.float64)
     kwargs = {"scale": scale} if where == "a call of another kind" else {}
+    if where == "an inference tensor":  # outside inference mode: refused as the plain model's forward with gradients fails
+        with pytest.raises(TraceError, match=r"(?s)Inference tensors cannot be saved.*How to fix: the example holds tensors made under torch.inference_mode\(\)"):
+            compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+        return
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.fx could not trace it; torch.export did
         if where == "under inference_mode":
             with torch.inference_mode():
                 pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
         else:
-            pipe = compile_pipeline(model, x if where == "an inference tensor" else x.clone(), ["cpu"] * 2, chunks=2)
+            pipe = compile_pipeline(model, x.clone(), ["cpu"] * 2, chunks=2)
         with torch.inference_mode():
             out, expected = pipe(x, **kwargs), reference(x, **kwargs)
     assert out.is_inference()
