@@ -28,7 +28,7 @@ from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
 )
 from fxpipe.compiler.traced import Traced
-from fxpipe.core.attrs import buffer_names, parameter_names, tensors_read
+from fxpipe.core.attrs import buffer_names, tensors_read, tied_names
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.hooks import hooks_put_back_on_failure
 from fxpipe.core.model_hooks import model_hooks_set_aside, pre_hooks_note
@@ -384,7 +384,7 @@ def compile_pipeline(
     compiled.grad_mode_only = traced.grad_mode_only
     compiled.marked_for_grad = inputs_marked_for_grad(traced.graph)
     compiled.aliased_buffers = aliased_buffers(model)
-    compiled.tied_parameters = [names for names in parameter_names(model).values() if len(names) > 1]
+    compiled.tied_parameters = tied_names(model)
     compiled.traced_dtype = first_floating_dtype(model)
     compiled.graph_dtypes = frozenset().union(*(floating_dtypes_held(cut.graph) for cut in cuts.values()))
     if not checked:

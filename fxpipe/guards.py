@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.compiled.program import Compiled, Program, first_floating_dtype
-from fxpipe.core.attrs import buffer_or_none, parameter_or_none, submodule_or_none
+from fxpipe.core.attrs import buffer_or_none, submodule_or_none, tensor_held
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.tracing.mode_reads import modes_changed
@@ -56,8 +56,8 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     untied = _untied(owner, compiled.tied_parameters, across=compiled.placement is not None)
     if untied:
         raise RuntimeError(
-            f"parameters that were one tensor under several names when compiling (a tied weight) now hold different "
-            f"tensors: {', '.join(untied)}. The stages read that tensor under one of the names, and would not see the "
+            f"names that held one parameter when compiling (a tied weight, or a buffer registered on it) now hold "
+            f"different tensors: {', '.join(untied)}. The stages read that tensor under one of the names, and would not see the "
             "others' new tensors.\nHow to fix: compile the model again after untying them; or keep them tied "
             "(torch.func.functional_call(..., tie_weights=True), its default, hands every name of a tied weight the same "
             "tensor; load_state_dict without assign=True copies into the tied weight)."
@@ -181,13 +181,14 @@ def _aliases_apart(owner: nn.Module, groups: list[list[str]]) -> list[str]:
 
 
 def _untied(owner: nn.Module, groups: list[list[str]], across: bool) -> list[str]:
-    """Of the tied weights' names, those now holding different parameters (untied, or one name
-    swapped by functional_call). Across processes load_state_dict(assign=True) unties them as
+    """Of the tied weights' names, those now holding different tensors (untied, one name swapped
+    by functional_call, a buffer registered on the weight rebound). Under a parametrization
+    registered since, a name holds the original it computes from. Across processes load_state_dict(assign=True) unties them as
     the plain model does, each rank keeping the copies its stages read: refused only where one
     rank holds two of them."""
     found = []
     for names in groups:
-        held = [parameter_or_none(owner, name) for name in names]
+        held = [tensor_held(owner, name) for name in names]
         if across:
             held = [t for t in held if t is not None and t.device.type != "meta"]
         if len({id(t) for t in held}) > 1:

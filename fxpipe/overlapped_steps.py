@@ -31,6 +31,7 @@ from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.hooks import gradient_hooks, hook_tables, steps_after_accumulating
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
+from fxpipe.core.unseen_changes import Unseen, attributes_changed, whole_attributes
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
@@ -106,6 +107,7 @@ class _Overlap:
         # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
         self.modes: dict[str, bool] = {}
         self.rates: dict[str, Optional[float]] = {}
+        self.whole = {str(n.target) for n in self.program.cut.graph.graph.nodes if n.op == "call_module"}
         self.hooks: dict[str, Hooks] = {}  # each module's hooks, by their handles' ids
         self.gradient_hooks: dict[str, tuple[int, ...]] = {}  # each parameter's hooks on its gradient
         self.names: dict[int, str] = {}  # each parameter's name, by id
@@ -418,22 +420,27 @@ class _Overlap:
         with self.versions.gate.shut():
             # Read once the stages are out of the model's slots: a stage in flight holds its own
             # tensors there, whose counts would not see the hook write the model's.
-            tensors = [*self.pipe._owner.named_parameters(remove_duplicate=False), *self.pipe._owner.named_buffers(remove_duplicate=False)]
+            owner = self.pipe._owner
+            tensors = [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]
             before = [t._version for _, t in tensors]
+            # What no version counts: writes through .data, and the attributes of the modules
+            # called whole, which read them as they run (a forward's own changes run in no hook).
+            unseen, attributes = Unseen.of(owner), whole_attributes(owner, self.whole)
             self.pipe.__dict__["_in_hook"] = True  # the model is whole: its state dict may be read
             try:
                 hook()
             finally:
                 self.pipe.__dict__["_in_hook"] = False
             written = list(dict.fromkeys(name for (name, t), version in zip(tensors, before) if t._version != version))
-            self._refuse_changes(where, slots=True, written=written)
+            set_ = [f"{name} (an attribute of a module called whole)" for name in attributes_changed(attributes, whole_attributes(owner, self.whole))]
+            self._refuse_changes(where, slots=True, written=written or unseen.written(Unseen.of(owner)) + set_)
 
     def _refuse_changes(self, where: str, slots: bool, written: Sequence[str] = ()) -> None:
         """The model as the loop's first batch found it, or refused: the batches after `where`
         started before it, on the model as it was. `slots`: no stage holds the model's
         parameter slots (the gate is shut), so that a tensor replaced there shows. `written`:
         the model's tensors written in place there."""
-        found = self._changed(slots) or (f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''} written in place" if written else "")
+        found = self._changed(slots) or (f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''} written in place or set" if written else "")
         if found:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "

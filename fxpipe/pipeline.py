@@ -72,7 +72,10 @@ def _refuse_shared_entries_across_ranks(model: nn.Module, program: Program, stat
     for key, value in state_dict.items():
         if key in params and isinstance(value, torch.Tensor) and value.device.type != "meta":
             by_storage[(str(value.device), value.untyped_storage().data_ptr())].append(key)
-    apart = [keys for keys in by_storage.values() if len({r for key in keys for r in program.readers.get(id(params[key]), ())}) > 1 and len(keys) > 1]
+    def ranks_reading(keys: list[str]) -> set[int]:
+        return {rank for key in keys for rank in program.readers.get(id(params[key]), ())}
+
+    apart = [keys for keys in by_storage.values() if len(keys) > 1 and len(ranks_reading(keys)) > 1]
     if apart:
         raise RuntimeError(
             f"load_state_dict(assign=True) across processes was given entries that share memory, read on different ranks: "
@@ -88,10 +91,10 @@ def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe:
     return hook(model, keys)
 
 
-# The model's own tables, which a pipeline shares (`Pipeline.__init__`).
 # Set while the pipeline is called as a module (`pipe(x)`), not by `pipe.forward(x)`.
 _CALLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxpipe_called_as_a_module", default=False)
 
+# The model's own tables, which a pipeline shares (`Pipeline.__init__`).
 _SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 

@@ -457,7 +457,7 @@ class Compiled:
     # Buffers that were one tensor under several names when traced (registered in two modules):
     # the graph reads that tensor under one name, so the names must keep one value.
     aliased_buffers: list[list[str]] = field(default_factory=list)
-    # The names of each parameter the model holds under several (a tied weight).
+    # The names of each parameter the model holds under several (a tied weight; a buffer too).
     tied_parameters: list[list[str]] = field(default_factory=list)
     # The dtype of the model's first floating parameter when traced, and the floating dtypes the
     # graphs hold as constants: one of them read from the model (`self.dtype`) stays in the graph

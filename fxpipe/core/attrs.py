@@ -46,20 +46,27 @@ def buffer_names(root: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def parameter_or_none(root: nn.Module, path: str) -> Optional[torch.Tensor]:
-    """The parameter at `path` below `root`, or None where there is none."""
-    try:
-        return root.get_parameter(path)
-    except AttributeError:
+def tensor_held(root: nn.Module, path: str) -> Optional[torch.Tensor]:
+    """The parameter or buffer at `path` below `root` (under a parametrization registered on
+    it, the original it computes from), or None where there is none."""
+    module_path, _, name = path.rpartition(".")
+    module = submodule_or_none(root, module_path)
+    if module is None:
         return None
+    parametrized = getattr(module, "parametrizations", None)
+    if isinstance(parametrized, nn.ModuleDict) and name in parametrized:
+        return getattr(parametrized[name], "original", None)
+    return module._parameters.get(name) if name in module._parameters else module._buffers.get(name)
 
 
-def parameter_names(root: nn.Module) -> dict[int, list[str]]:
-    """Each parameter's qualified names, by its id: a tied weight has several."""
+def tied_names(root: nn.Module) -> list[list[str]]:
+    """The names of each parameter held under several (a tied weight; a buffer registered on it
+    counts as one of its names)."""
     names: dict[int, list[str]] = {}
-    for name, param in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names
+    for name, tensor in [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    params = {id(p) for p in root.parameters()}
+    return [group for key, group in names.items() if len(group) > 1 and key in params]
 
 
 def tensors_read(gm: fx.GraphModule, node: fx.Node) -> dict[str, torch.Tensor]:

@@ -988,7 +988,7 @@ def test_a_tied_weight_untied_after_compiling_is_refused_and_kept_tied_runs(how:
     with torch.no_grad():  # kept tied: every name handed the same tensor
         torch.testing.assert_close(torch.func.functional_call(pipe, {"head.weight": new}, (ids,)),
                                    torch.func.functional_call(reference, {"head.weight": new}, (ids,)), rtol=0, atol=1e-12)  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"(?s)a tied weight\) now hold different tensors: emb.weight and head.weight.*How to fix: compile the model again"):
+    with pytest.raises(RuntimeError, match=r"(?s)a buffer registered on it\) now hold different tensors: emb.weight and head.weight.*How to fix: compile the model again"):
         if how == "assigned":
             pipe.get_submodule("head").weight = nn.Parameter(new)
             pipe(ids)
@@ -997,6 +997,51 @@ def test_a_tied_weight_untied_after_compiling_is_refused_and_kept_tied_runs(how:
             pipe(ids)
         else:
             torch.func.functional_call(pipe, {"head.weight": new}, (ids,), tie_weights=False)
+
+
+class _Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def test_a_parametrization_registered_on_a_tied_weight_after_compiling_keeps_it_tied_and_runs() -> None:
+    """The parametrized name holds the original it computes from, which stays the tied weight.
+    Before, it was refused as untied (the name no longer held a Parameter)."""
+    ids = torch.randint(0, 16, (8, 5))
+    pipe, reference = compiled(_TiedHead(functional=False).double(), ids, 2, chunks=2)
+    for model in (pipe, reference):
+        torch.nn.utils.parametrize.register_parametrization(model.get_submodule("head"), "weight", _Doubled())
+    assert_call_and_grads_equal(pipe, reference, ids)
+
+
+class _BufferOnTheWeight(nn.Module):
+    """A buffer registered on the embedding's weight, read as a matrix."""
+
+    aux: nn.Module
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid, self.aux = nn.Embedding(16, 8), nn.Linear(8, 8), nn.Module()
+        self.aux.register_buffer("w", self.emb.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        w: torch.Tensor = self.aux.w  # type: ignore[assignment]
+        return torch.tanh(self.mid(self.emb(ids))) @ w.t()
+
+
+def test_a_buffer_registered_on_a_weight_rebound_after_compiling_is_refused() -> None:
+    """The graph reads it under the parameter's name. Before, rebinding the buffer was ignored
+    (outputs 1.17 off), and so was a new parameter under the weight's name (1.12)."""
+    ids = torch.randint(0, 16, (8, 5))
+    for rebind in ("the buffer", "the weight"):
+        pipe, reference = compiled(_BufferOnTheWeight().double(), ids, 2, chunks=2)
+        assert_call_and_grads_equal(pipe, reference, ids)
+        if rebind == "the buffer":
+            pipe.get_submodule("aux").w = torch.randn(16, 8, dtype=torch.float64)
+        else:
+            pipe.get_submodule("emb").weight = nn.Parameter(torch.randn(16, 8, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"(?s)now hold different tensors: emb.weight and aux.w.*How to fix: compile the model again"):
+            pipe(ids)
 
 
 class _EmaCodebook(nn.Module):
