@@ -32,6 +32,7 @@ from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.hooks import gradient_hooks, hook_tables, steps_after_accumulating
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
 from fxpipe.core.unseen_changes import Unseen, attributes_changed, whole_attributes
+from fxpipe.passes.state import ASSIGNS
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import traced_mode
@@ -107,7 +108,10 @@ class _Overlap:
         # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
         self.modes: dict[str, bool] = {}
         self.rates: dict[str, Optional[float]] = {}
+        # The modules called whole whose attributes a hook may not set: those whose forward
+        # assigns its own (a call counter) change them as they run, recomputes too.
         self.whole = {str(n.target) for n in self.program.cut.graph.graph.nodes if n.op == "call_module"}
+        self.whole -= {name for name in self.whole if any(name == a or name.startswith(a + ".") for a in _assigning(self.program))}
         self.hooks: dict[str, Hooks] = {}  # each module's hooks, by their handles' ids
         self.gradient_hooks: dict[str, tuple[int, ...]] = {}  # each parameter's hooks on its gradient
         self.names: dict[int, str] = {}  # each parameter's name, by id
@@ -620,6 +624,11 @@ def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
             "to train_steps (optimizer=...), whose step 2bw applies to the version each batch ran on, and remove the "
             "hooks; or keep them under a synchronous schedule (1f1b), where the hooks run as they do on the plain model."
         )
+
+
+def _assigning(program: Program) -> set[str]:
+    """The modules called whole whose forward assigns what it holds."""
+    return {str(n.target) for n in program.cut.graph.graph.nodes if n.op == "call_module" and n.meta.get(ASSIGNS)}
 
 
 def _hooks_of(model: torch.nn.Module) -> dict[str, Hooks]:

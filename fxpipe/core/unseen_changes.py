@@ -1,4 +1,4 @@
-"""What a caller's hook may change that no version counter sees: a write through `.data`, and the attributes of modules run whole."""
+"""What a caller's hook may change that no version counter sees: a parameter written through `.data`, and the attributes of modules run whole."""
 
 import copy
 from dataclasses import dataclass
@@ -10,31 +10,33 @@ from torch import nn
 
 @dataclass
 class Unseen:
-    """The model's tensors' places and values: two sums of each, which a write through `.data`,
-    counted by no version, changes."""
+    """The model's parameters' places and values: two sums of each, which a write through `.data`,
+    counted by no version, changes. (Buffers are left out: a stage that reads no parameter runs
+    its forward, which may write them, while a hook runs.)"""
 
     tensors: dict[str, tuple[int, float, float]]
 
     @classmethod
     def of(cls, model: nn.Module) -> "Unseen":
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        return cls({name: _fingerprint(t) for name, t in named})
+        named = model.named_parameters(remove_duplicate=False)
+        return cls({name: _fingerprint(t) for name, t in named if t.layout == torch.strided and t.device.type != "meta"})
 
     def written(self, now: "Unseen") -> list[str]:
-        """The tensors whose place or values differ in `now`."""
+        """The parameters whose place or values differ in `now`."""
         return [f"{name} (through .data)" for name, print_ in now.tensors.items() if self.tensors.get(name, print_) != print_]
 
 
 def attributes_changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """The names of `whole_attributes` whose values differ."""
-    return sorted(name for name in {*before, *now} if not _same(before.get(name, _ABSENT), now.get(name, _ABSENT)))
+    """The names of `whole_attributes` whose values differ, or that are gone (one added, a
+    cached property read for the first time, say, changes nothing the module read before)."""
+    return sorted(name for name in before if not _same(before[name], now.get(name, _ABSENT)))
 
 
 _ABSENT = object()
 
 
 def _fingerprint(t: torch.Tensor) -> tuple[int, float, float]:
-    if t.device.type == "meta" or t.numel() == 0:
+    if t.numel() == 0:
         return (t.data_ptr(), 0.0, 0.0)
     values = t.detach()
     values = torch.view_as_real(values) if values.is_complex() else values

@@ -209,12 +209,11 @@ class StageTasks:
         else:
             hidden = self.hidden_randomness[stage.index] is not Unseen.NOWHERE
             forward = stage.compiled.runner(self.randomness[stage.index], hidden, bool(views))
-        if self.context.plain and not self.randomness[stage.index] and buffers is None:
+        if self.context.plain and not self.randomness[stage.index] and buffers is None and self.versions is None:
             if not views:
                 return forward(*args)
-            if self.versions is None:
-                with swapped_slots(views):
-                    return forward(*args)
+            with swapped_slots(views):
+                return forward(*args)
         with ExitStack() as stack:
             self.context.enter(stack)
             if self.randomness[stage.index]:
@@ -225,9 +224,9 @@ class StageTasks:
                 stack.enter_context(task_stream(stream))
                 if unseen is Unseen.ANYWHERE:
                     stack.enter_context(TaskRandomness(stream))
+            if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model (its buffers too)
+                stack.enter_context(self.versions.gate.entered())
             if views:
-                if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model
-                    stack.enter_context(self.versions.gate.entered())
                 stack.enter_context(swapped_slots(views))
             if buffers is not None:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import re
 import threading
@@ -1137,3 +1138,63 @@ def test_after_step_sees_the_running_statistics_of_its_own_batch_under_deferred_
     after_step = lambda: counts.append((int(norm.get_buffer("num_batches_tracked")), int(pipe.state_dict()["1.num_batches_tracked"])))  # noqa: E731
     list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=after_step))
     assert counts == [(t, t) for t in range(1, len(batches) + 1)]
+
+
+class _Counts(nn.Module):
+    """No parameter; its forward writes a buffer (a call counter, as BatchNorm(affine=False) writes its statistics)."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return torch.tanh(x)
+
+
+def test_a_hook_that_changes_nothing_beside_a_stage_with_no_parameter_is_not_refused() -> None:
+    """A stage that reads no parameter ran its forward (writing its buffer) while a hook ran: a
+    hook that only took time, as a logger does, was refused at random as a change of the model."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _Counts(), nn.Tanh(), nn.Linear(6, 6)).double()
+    batches = _batches(6)
+    expected, losses = reference_2bw(model, batches, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 3, schedule="2bw", chunks=4, split_points=["2", "3"])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    got = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=lambda: time.sleep(0.02))]
+    assert got == pytest.approx(losses, rel=0, abs=1e-12)
+    _assert_parameters_equal(pipe, expected)
+
+
+class _CountsItsCalls(nn.Module):
+    """Kept whole: its forward assigns its own counter; a cached property a hook may read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.calls = nn.Linear(6, 6), 0
+
+    @functools.cached_property
+    def width(self) -> int:
+        return self.lin.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x))
+
+
+def test_attributes_a_forward_assigns_or_a_hook_reads_first_are_no_change() -> None:
+    """Before, the counter a recompute put back while the hook ran, and a cached property read for
+    the first time there, were refused as attributes the hook set."""
+    model = nn.Sequential(nn.Linear(6, 6), _CountsItsCalls(), nn.Linear(6, 6)).double()
+    batches = _batches(5)
+    expected, losses = reference_2bw(model, batches, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 3, schedule="2bw", chunks=4, checkpoint="always", leaf_modules=[_CountsItsCalls])
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    def reads() -> int:
+        time.sleep(0.02)
+        return int(getattr(model.get_submodule("1"), "width"))
+
+    got = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=reads)]
+    assert got == pytest.approx(losses, rel=0, abs=1e-12)
+    _assert_parameters_equal(pipe, expected)
