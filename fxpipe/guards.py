@@ -309,12 +309,13 @@ def refuse_own_hooks(pipe: nn.Module, caller: str = "train_step") -> None:
         )
 
 
-def refuse_partial_backward_hooks(pipe: nn.Module) -> None:
-    """A hook of the deprecated `register_backward_hook` on the pipeline sees the gradients of the
-    last operation the call ran, which on a pipeline is its own, not the model's."""
-    if pipe._backward_hooks and pipe._is_full_backward_hook is False and torch.is_grad_enabled():
+def refuse_partial_backward_hooks(module: nn.Module, where: str = "the Pipeline") -> None:
+    """A hook of the deprecated `register_backward_hook` on the pipeline (or on the model, whose
+    own hooks run around its call) sees the gradients of the last operation the call ran, which on
+    a pipeline is its own, not the model's."""
+    if module._backward_hooks and module._is_full_backward_hook is False and torch.is_grad_enabled():
         raise RuntimeError(
-            "a backward hook registered on the Pipeline with register_backward_hook (deprecated by torch) would see "
+            f"a backward hook registered on {where} with register_backward_hook (deprecated by torch) would see "
             "the gradients of the pipeline's own last operation, not those of the model's output, and what it "
             "returns would reach no parameter.\nHow to fix: register it with register_full_backward_hook, which "
             "the pipeline runs as the plain model does (its grad_input is the gradients of the inputs)."

@@ -22,7 +22,7 @@ from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
 from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
 from fxpipe.core.microbatch import forward_signature
-from fxpipe.core.model_hooks import call_with_hooks, refuse_partial_model_hooks
+from fxpipe.core.model_hooks import call_with_hooks
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.clipping import clip_across
@@ -243,7 +243,7 @@ class Pipeline(PipelineCalls):
         refuse_outer_checkpoint()
         refuse_parametrization_cache()
         refuse_partial_backward_hooks(self)
-        refuse_partial_model_hooks(self._owner)
+        refuse_partial_backward_hooks(self._owner, "the model")
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         as_a_call = (_CALLED.get() or under_compile) and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)

@@ -280,67 +280,47 @@ def refusals(rank: int, world: int) -> list[str]:
     model = FanOut().double()
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, mesh=mesh, chunks=2)
-    errors = []
-    for attempt in (lambda: pipe(x), lambda: pipe.train_step(x.requires_grad_(), target=x.detach(), loss_fn=F.mse_loss)):
-        try:
-            attempt()
-            errors.append("no error")
-        except (RuntimeError, ValueError) as e:
-            errors.append(str(e))
+    errors = [_said(lambda: pipe(x)), _said(lambda: pipe.train_step(x.requires_grad_(), target=x.detach(), loss_fn=F.mse_loss))]
     x = x.detach()
     loss = pipe.train_step(x, target=x, loss_fn=F.mse_loss)  # and the pipeline still runs
     errors.append(f"loss {loss.item():.6f}")
     totals = compile_pipeline(_WithTotal().double(), x, mesh=mesh, chunks=2, timeout=60)
-    try:
-        with torch.no_grad():
-            totals(x)
-        errors.append("no error")
-    except ValueError as e:
-        errors.append(str(e))
+    errors.append(_said(lambda: totals(x), ValueError, under=torch.no_grad()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         bare = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Tanh()).double(), x, mesh=mesh, chunks=2, split_points=["2"])
     errors.append(" | ".join(str(w.message) for w in caught if "none of the model's parameters" in str(w.message)))
     errors.append(f"{len(list(bare.parameters()))} parameters")
-    try:
-        compile_pipeline(_CentresItsInput().double(), x.clone(), mesh=mesh, chunks=2)
-        errors.append("no error")
-    except ValueError as e:
-        errors.append(str(e))
-    try:
-        compile_pipeline(TiedUnderReentrant().double(), torch.randint(0, 16, (4, 5)), mesh=mesh, chunks=2, split_points=["mid"])
-        errors.append("no error")
-    except ValueError as e:
-        errors.append(str(e))
-    try:  # a bad timeout listed with the others, on every rank, before anything is sent
-        compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=0, checkpoint="sometimes", timeout=0)
-        errors.append("no error")
-    except ValueError as e:
-        errors.append(str(e))
+    errors.append(_said(lambda: compile_pipeline(_CentresItsInput().double(), x.clone(), mesh=mesh, chunks=2), ValueError))
+    errors.append(_said(lambda: compile_pipeline(TiedUnderReentrant().double(), torch.randint(0, 16, (4, 5)), mesh=mesh, chunks=2, split_points=["mid"]), ValueError))
+    # a bad timeout listed with the others, on every rank, before anything is sent
+    errors.append(_said(lambda: compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=0, checkpoint="sometimes", timeout=0), ValueError))
     import numpy  # (a test dependency)
 
     errors.append(f"{compile_pipeline(FanOut().double(), x, mesh=mesh, chunks=numpy.int64(2), timeout=numpy.int64(60)).chunks} chunks")  # type: ignore[arg-type]
     handle = model.register_forward_hook(lambda module, args, out: out * 2)  # the model's own: output on one rank alone
-    try:
-        with torch.no_grad():
-            pipe(x)
-        errors.append("no error")
-    except RuntimeError as e:
-        errors.append(str(e))
+    errors.append(_said(lambda: pipe(x), RuntimeError, under=torch.no_grad()))
     handle.remove()
     with torch.no_grad():
         out = pipe(x)
     errors.append("ran" if (out is None) == (rank == 0) else "ran wrong")
     logger = model.register_forward_pre_hook(lambda module, args: None) if rank == 1 else None  # on one rank alone
-    try:
-        pipe.train_step(x, target=x, loss_fn=F.mse_loss)
-        errors.append("no error")
-    except RuntimeError as e:
-        errors.append(str(e))
+    errors.append(_said(lambda: pipe.train_step(x, target=x, loss_fn=F.mse_loss), RuntimeError))
     if logger is not None:
         logger.remove()
     errors.append(f"loss {pipe.train_step(x, target=x, loss_fn=F.mse_loss).item():.6f}")
     return errors
+
+
+def _said(attempt: Callable[[], Any], *refused: type[Exception], under: Any = None) -> str:
+    """The message of the error `attempt` raises (of the kinds `refused`: RuntimeError and
+    ValueError by default), or "no error"."""
+    try:
+        with under if under is not None else contextlib.nullcontext():
+            attempt()
+        return "no error"
+    except refused or (RuntimeError, ValueError) as e:
+        return str(e)
 
 
 class _CentresItsInput(nn.Module):

@@ -19,6 +19,11 @@ def hook_tables(module: Optional[nn.Module]) -> list[dict[int, Any]]:
     return [getattr(module, table) for table in KINDS.values()]
 
 
+def hook_name(hook: Any) -> str:
+    """A hook as messages name it: its function's qualified name, or its class's."""
+    return str(getattr(hook, "__qualname__", None) or type(hook).__qualname__)
+
+
 def gradient_hooks(tensor: torch.Tensor) -> tuple[int, ...]:
     """The ids of the hooks on a tensor's gradient: register_hook's, then
     register_post_accumulate_grad_hook's (which run once it is accumulated into `.grad`)."""

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import BackwardHook
 
-from fxpipe.core.hooks import hook_tables, hooked
+from fxpipe.core.hooks import KINDS, hook_name, hook_tables, hooked
 
 
 @contextmanager
@@ -33,12 +33,12 @@ def model_hooks_set_aside(model: nn.Module) -> Iterator[None]:
 def pre_hooks_note(model: nn.Module) -> str:
     """What a failed compile of a model with forward pre-hooks of its own says: they were set
     aside, and the example went to forward as it was given."""
-    held = [name for name in own_hooks_named(model) if name.startswith("forward pre-hook")]
+    held = [f"forward pre-hook {hook_name(hook)}" for hook in model._forward_pre_hooks.values() if not weight_hook(hook)]
     return (
         f"The model's own {', '.join(held)} did not run while compiling: the pipeline runs them around each call, and "
         "traces forward on the example as given. If they change the inputs (a pad, a cast, a keyword added), give "
         "compile_pipeline the example as they leave it."
-    ) if held and not all(weight_hook(hook) for hook in model._forward_pre_hooks.values()) else ""
+    ) if held else ""
 
 
 def weight_hook(hook: Any) -> bool:
@@ -75,9 +75,7 @@ def refuse_weight_hooks(model: nn.Module) -> None:
 
 def own_hooks_named(model: nn.Module) -> list[str]:
     """The model's own hooks, each with its kind, for messages."""
-    kinds = ("forward pre-hook", "forward hook", "backward hook", "backward pre-hook")
-    return [f"{kind} {getattr(hook, '__qualname__', type(hook).__qualname__)}"
-            for kind, table in zip(kinds, hook_tables(model)) for hook in table.values()]  # fmt: skip
+    return [f"{kind} {hook_name(hook)}" for kind, table in zip(KINDS, hook_tables(model)) for hook in table.values()]
 
 
 def call_with_hooks(model: nn.Module, call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -145,22 +143,6 @@ def _always_called(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                     hook(model, args, result)
             except Exception as error:  # noqa: BLE001 - the call's own error is the one raised
                 warnings.warn(f"a forward hook of the model with always_call=True raised {type(error).__name__}: {error}", stacklevel=3)
-
-
-def partial_backward_hooks(model: nn.Module) -> bool:
-    """Whether the model holds hooks of the deprecated register_backward_hook, which see the
-    gradients of the last operation of a call: on a pipeline, the pipeline's own."""
-    return bool(model._backward_hooks) and model._is_full_backward_hook is False
-
-
-def refuse_partial_model_hooks(model: nn.Module) -> None:
-    """Refuse `partial_backward_hooks` where a backward may follow."""
-    if partial_backward_hooks(model) and torch.is_grad_enabled():
-        raise RuntimeError(
-            "a backward hook registered on the model with register_backward_hook (deprecated by torch) would see the "
-            "gradients of the pipeline's own last operation, not those of the model's output.\nHow to fix: register it "
-            "with register_full_backward_hook, which the pipeline runs as the plain model does."
-        )
 
 
 def refuse_model_hooks_across(model: nn.Module) -> None:

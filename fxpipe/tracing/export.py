@@ -11,7 +11,7 @@ from torch.export import Dim
 from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from fxpipe.core.attrs import fetch_attr
-from fxpipe.core.hooks import KINDS, hook_tables, output_hook
+from fxpipe.core.hooks import KINDS, hook_name, hook_tables, output_hook
 from fxpipe.tracing.trace import (
     INFERENCE_MODE, SAVED_TENSOR_HOOKS, TraceError, containers_of, fields_of_dataclasses, grad_mode_message, inference_mode_watched, plain_dicts,
     saved_tensor_hooks_watched, unseen_grad_modes_watched,
@@ -43,14 +43,10 @@ def hooks_export_runs_once(model: nn.Module) -> list[str]:
     """The module hooks of the model (and the global ones), which torch.export would run once, while
     it captures the model, and never at a call: each named with its module. Hooks whose whole
     effect is in the model's own output, as the trace captures it, are not (`output_hook`)."""
-    found = [f"{kind} {_hook_name(hook)} of {path or 'the model'}" for path, module in model.named_modules()
+    found = [f"{kind} {hook_name(hook)} of {path or 'the model'}" for path, module in model.named_modules()
              for kind, table in zip(KINDS, hook_tables(module)) for hook in table.values() if not output_hook(hook)]  # fmt: skip
-    found += [f"global {kind} {_hook_name(hook)}" for kind, table in zip(KINDS, hook_tables(None)) for hook in table.values()]
+    found += [f"global {kind} {hook_name(hook)}" for kind, table in zip(KINDS, hook_tables(None)) for hook in table.values()]
     return found
-
-
-def _hook_name(hook: Any) -> str:
-    return str(getattr(hook, "__qualname__", None) or type(hook).__qualname__)
 
 
 def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:

@@ -63,6 +63,10 @@ def _run(call: Callable[..., torch.Tensor], mode: str, **kwargs: Any) -> tuple[t
         with torch.no_grad():
             return call(x, **kwargs), None
     out = call(x, **kwargs)
+    if mode == "two forwards, one backward":
+        again = call(x, **kwargs)
+        (out.pow(2).sum() + again.pow(2).sum()).backward()
+        return out.detach(), x.grad
     if mode == "autograd.grad":
         return out.detach(), torch.autograd.grad(out.pow(2).sum(), x)[0]
     for _ in range(2 if mode == "accumulated" else 1):
@@ -72,7 +76,7 @@ def _run(call: Callable[..., torch.Tensor], mode: str, **kwargs: Any) -> tuple[t
 
 
 @pytest.mark.parametrize("registered", ["before compiling", "after compiling"])
-@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "autograd.grad", "accumulated"])
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "autograd.grad", "accumulated", "two forwards, one backward"])
 def test_the_models_own_hooks_run_around_each_call_as_the_plain_models_do(registered: str, mode: str) -> None:
     """Before, hooks that change the output were refused at compile time as a graph that computes
     otherwise (torch.fx traces forward, never the model's call), and after compiling as hooks
@@ -144,6 +148,8 @@ def test_an_always_call_hook_runs_once_when_the_call_fails() -> None:
         with pytest.raises(RuntimeError):
             call(torch.randn(8, 5, dtype=torch.float64))  # a width the first layer refuses
     assert ran["pipe"] == ran["plain"] == ["always"]
+    torch.testing.assert_close(pipe(X), reference(X), rtol=0, atol=1e-12)  # and the next call runs both
+    assert ran["pipe"] == ran["plain"] == ["always", "always", "once it ran"]
 
 
 def test_what_cannot_run_around_the_call_is_refused_saying_how_to_fix_it() -> None:
