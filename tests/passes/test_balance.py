@@ -277,7 +277,9 @@ def hundred_thousand(bandwidth: Optional[float]) -> Callable[[], CutModel]:
 
 
 def test_receiving_costs_on_100k_positions_are_fast() -> None:
-    assert best_of_three(hundred_thousand(bandwidth=10.0), stages=4) < 0.5
+    # About 0.2 s alone on two cores, 0.6 s beside three busy processes; a search quadratic in the
+    # positions takes minutes.
+    assert best_of_three(hundred_thousand(bandwidth=10.0), stages=4) < 1.0
 
 
 def test_additive_times_on_100k_positions_are_fast() -> None:
