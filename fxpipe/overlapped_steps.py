@@ -26,20 +26,17 @@ from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 import torch
 from torch.utils._pytree import tree_flatten
 
-from fxpipe.compiled.program import Hooks, OtherCall, Program, hooks_that_count
+from fxpipe.compiled.program import OtherCall, Program
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
-from fxpipe.core.hooks import gradient_hooks, hook_tables, steps_after_accumulating
+from fxpipe.core.hooks import gradient_hooks, steps_after_accumulating
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
-from fxpipe.core.unseen_changes import Unseen, attributes_changed, whole_attributes
-from fxpipe.passes.state import ASSIGNS
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
-from fxpipe.guards import traced_mode
+from fxpipe.loop_changes import ModelAsFound
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
 from fxpipe.runtime.call import Call
-from fxpipe.runtime.checkpoint import dropout_rate_of
 from fxpipe.runtime.devices import Aborted
 from fxpipe.runtime.grads import accumulate, parameter_grads
 from fxpipe.runtime.losses import LeafGrads
@@ -105,16 +102,8 @@ class _Overlap:
         self.read = 0  # batches read so far
         self.finished = 0  # batches whose loss was given
         self.held: Optional[Program] = None
-        # The modules' modes and dropout rates as the loop's first batch found them (`_after_reading`).
-        self.modes: dict[str, bool] = {}
-        self.rates: dict[str, Optional[float]] = {}
-        # The modules called whole whose attributes a hook may not set: those whose forward
-        # assigns its own (a call counter) change them as they run, recomputes too.
-        self.whole = {str(n.target) for n in self.program.cut.graph.graph.nodes if n.op == "call_module"}
-        self.whole -= {name for name in self.whole if any(name == a or name.startswith(a + ".") for a in _assigning(self.program))}
-        self.hooks: dict[str, Hooks] = {}  # each module's hooks, by their handles' ids
-        self.gradient_hooks: dict[str, tuple[int, ...]] = {}  # each parameter's hooks on its gradient
-        self.names: dict[int, str] = {}  # each parameter's name, by id
+        # The model as the loop's first batch finds it (`_after_reading`): what hooks may not change.
+        self.found = ModelAsFound(pipe, self.program)
         self.records: list[Record] = []  # what ran, for pipe.timeline()
         # The caller's generator before and after reading each batch (its iterable and its step's
         # seed draw there): a batch a stopped loop drops is read as if never (`_unread_dropped`).
@@ -148,7 +137,7 @@ class _Overlap:
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
-                    self._refuse_changes(f"between two losses (after batch {index - 2}'s)", slots=False)
+                    self.found.refuse_changes(f"between two losses (after batch {index - 2}'s)", self.held, slots=False)
                 with drawing_between_compiles(), default_generator_held():  # the caller's iterable and the step's seed may draw
                     before = torch.get_rng_state()
                     batch = next(batches, None)
@@ -173,14 +162,9 @@ class _Overlap:
         if index == 0:
             self._take_the_model()
             _refuse_steps_in_backward(self.pipe._owner)
-            self.modes = {name: m.training for name, m in self.pipe._owner.named_modules()}
-            self.hooks = _hooks_of(self.pipe._owner)
-            # Read from the parameters themselves: a stage in flight holds its own tensors in the slots.
-            self.names = {id(p): name for name, p in self.pipe._owner.named_parameters()}
-            self.gradient_hooks = self._gradient_hooks()
-            self.rates = {name: dropout_rate_of(m) for name, m in self.pipe._owner.named_modules()}
+            self.found.take(self.program)
         elif batch is not None:
-            self._refuse_changes(f"in the batches' iterable, while batch {index} was read", slots=False)
+            self.found.refuse_changes(f"in the batches' iterable, while batch {index} was read", self.held, slots=False)
 
     def _made(self, batch: Batch) -> _Started:
         index, args, kwargs, target = batch
@@ -346,7 +330,7 @@ class _Overlap:
         left it, which the batch's update (run after that code, unlike a synchronous loop's)
         steps on; a gradient that code set to None or replaced is put back (in a synchronous
         loop it changes nothing: the update ran before it), one written in place is refused."""
-        written = [self.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
+        written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
         if written:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
@@ -419,86 +403,7 @@ class _Overlap:
             self._run_hook(after_step, f"in after_step of batch {index}")
 
     def _run_hook(self, hook: Callable[[], Any], where: str) -> None:
-        """The caller's hook, run while no stage holds the model's parameter slots; then the
-        model as the loop found it, its tensors' values too (a weight clamped in place), or refused."""
-        with self.versions.gate.shut():
-            # Read once the stages are out of the model's slots: a stage in flight holds its own
-            # tensors there, whose counts would not see the hook write the model's.
-            owner = self.pipe._owner
-            tensors = [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]
-            before = [t._version for _, t in tensors]
-            # What no version counts: writes through .data, and the attributes of the modules
-            # called whole, which read them as they run (a forward's own changes run in no hook).
-            unseen, attributes = Unseen.of(owner), whole_attributes(owner, self.whole)
-            self.pipe.__dict__["_in_hook"] = True  # the model is whole: its state dict may be read
-            try:
-                hook()
-            finally:
-                self.pipe.__dict__["_in_hook"] = False
-            written = list(dict.fromkeys(name for (name, t), version in zip(tensors, before) if t._version != version))
-            set_ = [f"{name} (an attribute of a module called whole)" for name in attributes_changed(attributes, whole_attributes(owner, self.whole))]
-            self._refuse_changes(where, slots=True, written=written or unseen.written(Unseen.of(owner)) + set_)
-
-    def _refuse_changes(self, where: str, slots: bool, written: Sequence[str] = ()) -> None:
-        """The model as the loop's first batch found it, or refused: the batches after `where`
-        started before it, on the model as it was. `slots`: no stage holds the model's
-        parameter slots (the gate is shut), so that a tensor replaced there shows. `written`:
-        the model's tensors written in place there."""
-        found = self._changed(slots) or (f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''} written in place or set" if written else "")
-        if found:
-            raise RuntimeError(
-                f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "
-                "before that, on the model as it was, so the loop can neither follow the change from the next batch, "
-                "as a synchronous loop does, nor undo it.\nHow to fix: change the model between loops (break out of "
-                "this one, which completes the update of the last loss it gave; change it; start another), or use a "
-                "synchronous schedule (1f1b), which follows such a change from the next batch or says why it cannot."
-            )
-
-    def _changed(self, slots: bool) -> str:
-        pipe = self.pipe
-        flipped = [f"{name or 'the model'} ({'train' if was else 'eval'} -> {'eval' if was else 'train'})"
-                   for name, m in pipe._owner.named_modules() if (was := self.modes.get(name, m.training)) != m.training]  # fmt: skip
-        if flipped:
-            return f"the mode (train() or eval()) of {', '.join(flipped)}"
-        # The stages read a dropout's rate as they run: the batch in flight would take a new one
-        # at some micro-batch, as the threads' timing decides.
-        rated = [f"{name} ({was} -> {now})" for name, m in pipe._owner.named_modules()
-                 if (was := self.rates.get(name)) != (now := dropout_rate_of(m)) and name in self.rates]  # fmt: skip
-        if rated:
-            return f"the dropout rate of {', '.join(rated)}"
-        try:
-            traced_mode(pipe._owner, pipe._programs, pipe._compiled)
-        except RuntimeError as error:
-            return str(error).partition("\nHow to fix")[0].rstrip(".")
-        if any(hook_tables(pipe)):  # hooks on the pipeline itself, which no step of the loop calls
-            return "hooks were registered on the Pipeline itself, which train_steps runs no call of"
-        # A module called whole runs its hooks as it runs: the batch in flight would take a new one
-        # at some micro-batch, as the threads' timing decides.
-        hooks = _hooks_of(pipe._owner)
-        hooked = [name or "the model" for name in sorted({*hooks, *self.hooks}) if hooks.get(name) != self.hooks.get(name)]
-        if hooked:
-            return f"the hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
-        gradient_hooks = self._gradient_hooks()
-        hooked = sorted(name for name in {*gradient_hooks, *self.gradient_hooks} if gradient_hooks.get(name) != self.gradient_hooks.get(name))
-        if hooked:
-            return f"the hooks on the gradients of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
-        # Added tensors show whatever the stages hold in the slots: they add no key to a table.
-        added = self.held.held.tensors_added() if self.held is not None else []
-        if added:
-            return f"parameters or buffers were added ({', '.join(added[:5])}{' and more' if len(added) > 5 else ''})"
-        if slots and self.held is not None and self.held.held.tensors_replaced():
-            return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
-        return ""
-
-    def _gradient_hooks(self) -> dict[str, tuple[int, ...]]:
-        """The hooks on each parameter's gradient (register_hook, register_post_accumulate_grad_hook),
-        by the parameter's name: the ids of their handles."""
-        found = {}
-        for p in self.program.parameters:
-            ids = gradient_hooks(p)
-            if ids:
-                found[self.names.get(id(p), "?")] = ids
-        return found
+        self.found.run_hook(hook, where, self.versions, self.held)
 
     def last_update(self, after_step: Hook) -> None:
         if self.finished:
@@ -626,16 +531,6 @@ def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
         )
 
 
-def _assigning(program: Program) -> set[str]:
-    """The modules called whole whose forward assigns what it holds."""
-    return {str(n.target) for n in program.cut.graph.graph.nodes if n.op == "call_module" and n.meta.get(ASSIGNS)}
-
-
-def _hooks_of(model: torch.nn.Module) -> dict[str, Hooks]:
-    """The hooks of each module that has any (`hooks_that_count`), by module name."""
-    return {name: found for name, m in model.named_modules() if any(found := hooks_that_count(m))}
-
-
 def _refuse_a_second_loop(pipe: PipelineLike) -> None:
     """One loop at a time: a second would take the weights the first has in flight (two loaders
     zipped, say), and its end would lift the first's guard."""
@@ -697,5 +592,4 @@ def overlapped_steps(
         finally:
             if run.workers is not pipe._workers:
                 run.workers.close()
-
 

@@ -5,17 +5,14 @@ import collections
 import contextlib
 import contextvars
 import copy
-import functools
 import threading
 import warnings
-from typing import Any, Callable, ContextManager, Iterable, Iterator, NoReturn, Optional
+from typing import Any, Callable, Iterable, Iterator, NoReturn, Optional
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
-from fxpipe.calls import PipelineCalls
 from fxpipe.compiled.materialize import materialize
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import ChunkSpec, Compiled, OtherCall, Program
@@ -34,6 +31,7 @@ from fxpipe.guards import (
     stops_torch_compile, warn_compiled_whole,
 )
 from fxpipe.own_names import OwnUnlessAChild
+from fxpipe.pipeline_state import PipelineState
 from fxpipe.runtime.autograd import Run, run_with_autograd
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.call import Call, differentiable, sliced_call
@@ -62,35 +60,6 @@ _NOT_ONE_GRAPH = (
 )
 
 
-def _refuse_shared_entries_across_ranks(model: nn.Module, program: Program, state_dict: Any) -> None:
-    """With assign=True, entries that share memory (a tied weight's keys, as torch.load gives
-    them) become parameters that share it, as in the plain model, each updated in place of the
-    other: ranks hold no memory in common, so where the parameters are read on different ranks
-    each would go its own way. The same on every rank, which loads the same state dict."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    by_storage: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
-    for key, value in state_dict.items():
-        if key in params and isinstance(value, torch.Tensor) and value.device.type != "meta":
-            by_storage[(str(value.device), value.untyped_storage().data_ptr())].append(key)
-    def ranks_reading(keys: list[str]) -> set[int]:
-        return {rank for key in keys for rank in program.readers.get(id(params[key]), ())}
-
-    apart = [keys for keys in by_storage.values() if len(keys) > 1 and len(ranks_reading(keys)) > 1]
-    if apart:
-        raise RuntimeError(
-            f"load_state_dict(assign=True) across processes was given entries that share memory, read on different ranks: "
-            f"{'; '.join(' and '.join(keys) for keys in apart)}. The plain model would make them parameters over one "
-            "memory, each updated in place of the other; ranks hold no memory in common.\nHow to fix: load without "
-            "assign=True (the values are copied into the model's tied weight, which stays tied), or clone the entries "
-            "first ({k: v.clone() for k, v in state_dict.items()}) to load them as untied weights."
-        )
-
-
-def _on_the_model(hook: Callable[[nn.Module, Any], Any], model: nn.Module, pipe: nn.Module, keys: Any) -> Any:
-    """A load post-hook of the model's, called by torch's loading of the pipeline: on the model."""
-    return hook(model, keys)
-
-
 # Set while the pipeline is called as a module (`pipe(x)`), not by `pipe.forward(x)`.
 _CALLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxpipe_called_as_a_module", default=False)
 
@@ -98,7 +67,7 @@ _CALLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fxpipe_called_as
 _SHARED_TABLES = ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set")
 
 
-class Pipeline(PipelineCalls):
+class Pipeline(PipelineState):
     """A model cut into stages, run as a pipeline over micro-batches.
 
     Made by `compile_pipeline`. `pipe(*args)` takes what the model takes and returns what it
@@ -108,7 +77,7 @@ class Pipeline(PipelineCalls):
     stage that uses them, under the model's own names.
     """
 
-    # Besides the state PipelineCalls declares (fxpipe/calls.py), held outside the module tree
+    # Besides the state PipelineCalls declares (fxpipe/calls.py, under fxpipe/pipeline_state.py), held outside the module tree
     # like it:
     _replicas: Optional[Replicas]  # with a "dp" mesh dimension: DDP over this rank's parameters
     last_parameter_bytes: int  # the most parameter memory a train_steps loop under 2bw held, its versions included
@@ -412,16 +381,6 @@ class Pipeline(PipelineCalls):
             after_step=after_step,
         )
 
-    def _refuse_while_steps_overlap(self, what: str) -> None:
-        if self.__dict__.get("_overlapping"):
-            raise RuntimeError(
-                f"{what} during a train_steps loop with schedule='2bw': its stages run and update their weights "
-                "between the losses it gives, so no version of the model is whole until the loop ends, but in its "
-                "hooks.\nHow to fix: call it after the loop (or state_dict() in after_step, where the model is whole); "
-                "to stop early, break out of the loop (it completes the update of the last batch whose loss it gave, "
-                "and drops the rest), or close it (steps.close())."
-            )
-
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The graph's input values, by name, for a call with these arguments."""
         return self._compiled.bind(args, kwargs)
@@ -439,103 +398,6 @@ class Pipeline(PipelineCalls):
         peaks = self.last_meter.device_peaks() if self.last_meter is not None else {}
         layout = self._programs[True].layout
         return Timeline(list(self.last_timeline), layout.workers, dict(enumerate(self.last_peak_bytes)), peaks, layout.levels)
-
-    # -- across processes: this rank's own parameters and buffers ---------------------------------
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters; across processes, those of this rank's stages only."""
-        with self._slots_held_still():
-            found = list(super().named_parameters(prefix, recurse, remove_duplicate))
-        yield from found if self.__dict__.get("_channel") is None else ((name, p) for name, p in found if not self._elsewhere(p))
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-        with self._slots_held_still():
-            found = list(super().named_buffers(prefix, recurse, remove_duplicate))
-        yield from ((name, b) for name, b in found if not self._elsewhere(b))
-
-    def _slots_held_still(self) -> ContextManager[None]:
-        """During a loop whose steps overlap, its stages hold the model's parameter slots as they
-        run: the modules are read with every stage kept out of them (fxpipe/runtime/versions.py)."""
-        gate = self.__dict__.get("_overlapping")
-        return gate.shut() if gate else contextlib.nullcontext()
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's state dict (its keys, its extra state, hooks and overrides); across
-        processes, this rank's part. In a 2bw loop's hooks it is the version they see."""
-        if not self.__dict__.get("_in_hook"):
-            self._refuse_while_steps_overlap("state_dict()")
-        prefix, keep_vars = kwargs.get("prefix", ""), kwargs.get("keep_vars", False)
-        for pre in self._state_dict_pre_hooks.values():  # the pipeline's own hooks, around the model's state dict
-            pre(self, prefix, keep_vars)
-        state = self._owner.state_dict(*args, **kwargs)
-        for key in [k for k, v in state.items() if isinstance(v, torch.Tensor) and self._elsewhere(v)]:
-            del state[key]
-        metadata = getattr(state, "_metadata", {}).get(prefix[:-1], {})
-        for post in self._state_dict_hooks.values():
-            replaced = post(self, state, prefix, metadata)
-            if replaced is not None:  # as on any module: the private form may return another dict
-                if getattr(post, "_from_public_api", False):
-                    raise RuntimeError("state_dict post-hook must return None")
-                state = replaced
-        return state
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *rest: Any) -> None:
-        """The model's own loading of its top level: its load pre-hooks and extra state run,
-        after the pipeline's own load pre-hooks."""
-        for pre in self._load_state_dict_pre_hooks.values():
-            pre(state_dict, prefix, *rest)
-        self._owner._load_from_state_dict(state_dict, prefix, *rest)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        """The model's state under its own keys; across processes, this rank takes its part of a
-        whole model's state dict (keys of other ranks' stages are not unexpected). With `assign`,
-        the stages are built again on the tensors put in place (across processes, on every rank:
-        the ranks agree on what each keeps)."""
-        self._refuse_while_steps_overlap("load_state_dict()")
-        if self.__dict__.get("_channel") is None:
-            with self._models_post_hooks_too():
-                result = super().load_state_dict(state_dict, strict, assign)
-            if assign:
-                self._build()
-            return result
-        own, every = set(self.state_dict()), set(super().state_dict())
-        missing = sorted(own - set(state_dict))
-        unexpected = sorted(set(state_dict) - every)
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"this rank's part of the state dict does not match: missing keys {missing}, unexpected keys "
-                f"{unexpected}.\nHow to fix: load a state dict of the same model (or pass strict=False)."
-            )
-        if assign:
-            _refuse_shared_entries_across_ranks(self._owner, self._programs[True], state_dict)
-        with self._models_post_hooks_too():
-            super().load_state_dict({k: v for k, v in state_dict.items() if k in own}, strict=False, assign=assign)
-        if assign:  # tensors put in place that this rank's stages no longer read (a tie undone) go, as at compile
-            self._build()
-            placement = self._compiled.placement
-            assert placement is not None
-            keep_local_state(self._owner, list(self._programs.values()), placement)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
-
-    @contextlib.contextmanager
-    def _models_post_hooks_too(self) -> Iterator[None]:
-        """The model's own load post-hooks, run by torch's loading as the pipeline's are, before
-        them (torch runs those of the module it loads from, which is the pipeline): they may
-        mend the keys a strict load checks."""
-        own = self._load_state_dict_post_hooks
-        model = self._owner
-        merged = collections.OrderedDict(
-            [*((("model", key), functools.partial(_on_the_model, hook, model)) for key, hook in model._load_state_dict_post_hooks.items()),
-             *own.items()]
-        )  # fmt: skip
-        self.__dict__["_load_state_dict_post_hooks"] = merged
-        try:
-            yield
-        finally:
-            self.__dict__["_load_state_dict_post_hooks"] = own
-
-    def _elsewhere(self, tensor: torch.Tensor) -> bool:
-        """Held by another rank (this one keeps its shape only, on the meta device)."""
-        return self.__dict__.get("_channel") is not None and tensor.device.type == "meta"
 
     # -- modes, copies, lifetime -------------------------------------------------------------
     def train(self, mode: bool = True) -> "Pipeline":

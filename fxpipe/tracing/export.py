@@ -12,10 +12,10 @@ from torch.utils._pytree import TreeSpec, keystr, tree_flatten, tree_flatten_wit
 
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.hooks import KINDS, hook_name, hook_tables, output_hook
-from fxpipe.tracing.trace import (
-    INFERENCE_MODE, SAVED_TENSOR_HOOKS, TraceError, containers_of, fields_of_dataclasses, grad_mode_message, inference_mode_watched, plain_dicts,
-    saved_tensor_hooks_watched, unseen_grad_modes_watched,
+from fxpipe.tracing.context_watch import (
+    INFERENCE_MODE, SAVED_TENSOR_HOOKS, grad_mode_message, inference_mode_watched, saved_tensor_hooks_watched, unseen_grad_modes_watched,
 )
+from fxpipe.tracing.trace import TraceError, containers_of, fields_of_dataclasses, plain_dicts
 
 _PREFIX = "model."
 
