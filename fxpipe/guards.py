@@ -1,6 +1,7 @@
 """Checks at each call: that the model is still what was traced (its modules, their code and
 hooks, the attributes and modes the trace read, the autocast it asked about), and that the call
-is one a pipeline can run (not captured, not inside a parametrization cache, no hooks on itself)."""
+is one a pipeline can run (not captured, not inside a parametrization cache, no hooks on itself,
+a loop's batch with gradients on)."""
 from __future__ import annotations
 
 import warnings
@@ -357,4 +358,18 @@ def _norm_momentum_hint(owner: nn.Module, attributes: Sequence[str]) -> str:
     return (
         f" For {', '.join(norms)}: torch.optim.swa_utils.update_bn(loader, model) on the plain model sets the "
         "statistics the pipeline reads (put the momentum back first, if a refused call left it changed)."
+    )
+
+
+def refuse_without_gradients(index: int) -> None:
+    """The loop's batches run as the caller iterates it, under the grad mode of that moment: a
+    loop begun with gradients may be iterated without them (a validation's `torch.no_grad()`
+    around the wrong lines), where its steps would compute a loss alone, and no update."""
+    if torch.is_grad_enabled():
+        return
+    where = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+    raise RuntimeError(
+        f"train_steps: batch {index} was asked for under {where}: the loop computes gradients and steps the optimizer "
+        "on them, and would update nothing there (the plain loop's backward raises).\nHow to fix: iterate the loop "
+        f"with gradients on, and keep {where} around the evaluation alone."
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
@@ -30,9 +31,11 @@ from fxpipe.compiled.program import OtherCall, Program
 from fxpipe.compiled.stage_compile import drawing_between_compiles
 from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.hooks import gradient_hooks, steps_after_accumulating
+from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
+from fxpipe.guards import refuse_without_gradients
 from fxpipe.loop_changes import ModelAsFound
 from fxpipe.runtime.batch_loss import loss_and_outputs
 from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
@@ -136,6 +139,7 @@ class _Overlap:
         index, started, failure = self.read, None, None
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
+                refuse_without_gradients(index)  # (the loop may be iterated under another grad mode than it began in)
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
                     self.found.refuse_changes(f"between two losses (after batch {index - 2}'s)", self.held, slots=False)
                 with drawing_between_compiles(), default_generator_held():  # the caller's iterable and the step's seed may draw
@@ -555,7 +559,7 @@ def overlapped_steps(
     _refuse_a_second_loop(pipe)
     run = _Overlap(pipe, optimizer, loss_fn, reduction)
     pipe.__dict__["last_parameter_bytes"] = storage_bytes(run.program.parameters)
-    done = False
+    done = stopped = False
     with pipe._one_call:  # after another thread's call in progress; calls after this are refused
         _refuse_a_second_loop(pipe)  # (one begun while this waited)
         pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
@@ -583,13 +587,34 @@ def overlapped_steps(
         if run.ranks is not None:
             run.ranks.host.channel.finish()  # every rank's loop ends together
         done = True
+    except GeneratorExit:  # the caller's break or close(): what was read ahead is dropped, said below
+        stopped = True
+        raise
     finally:
         pipe.__dict__["_overlapping"] = None
         try:
             if not done:
+                dropped = run.read - run.finished
                 run.stop(after_step)
                 run.loss_state.put_back()  # (what batches in flight moved since a refusal put it back)
+                if stopped and dropped:
+                    _say_dropped(run.finished, dropped)
         finally:
             if run.workers is not pipe._workers:
                 run.workers.close()
+
+
+def _say_dropped(given: int, dropped: int) -> None:
+    """A loop the caller stopped had read batches ahead of their losses, which it drops: an
+    iterator the caller goes on with starts after them."""
+    which = f"batch {given}" if dropped == 1 else f"batches {given} to {given + dropped - 1}"
+    warnings.warn(
+        f"train_steps (schedule='2bw') was stopped after {given} loss{'' if given == 1 else 'es'}: {which}, read from the "
+        "batches ahead of their losses to keep the stages busy, went untrained (dropped); the parameters hold the updates "
+        f"of the batches whose losses were given. A loop resumed on the same iterator starts after {'it' if dropped == 1 else 'them'}: "
+        "to train on every batch, give the loop only the batches to train on (itertools.islice(batches, n)) and let it "
+        "end, rather than stopping it.",
+        stacklevel=caller_stacklevel(),  # the caller's break or close()
+    )
+
 

@@ -48,7 +48,9 @@ class PipelineState(PipelineCalls):
     rank's part of them (fxpipe/pipeline.py builds on it)."""
 
     def _refuse_while_steps_overlap(self, what: str) -> None:
-        if self.__dict__.get("_overlapping"):
+        if not self.__dict__.get("_overlapping"):
+            return
+        if not self.__dict__.get("_in_hook"):
             raise RuntimeError(
                 f"{what} during a train_steps loop with schedule='2bw': its stages run and update their weights "
                 "between the losses it gives, so no version of the model is whole until the loop ends, but in its "
@@ -56,6 +58,23 @@ class PipelineState(PipelineCalls):
                 "to stop early, break out of the loop (it completes the update of the last batch whose loss it gave, "
                 "and drops the rest), or close it (steps.close())."
             )
+        if what == "load_state_dict()":
+            raise RuntimeError(
+                "load_state_dict() in a hook of a train_steps loop with schedule='2bw': the next batch started before "
+                "the hook, on the model as it was, and would go on with the state loaded.\nHow to fix: load between two "
+                "loops (break out of this one, which completes the update of the last batch whose loss it gave), or "
+                "use a synchronous schedule (1f1b), which follows such a change from the next batch."
+            )
+        # The hooks see the model whole, but the workers a call would run on hold the stages of
+        # the batches in flight, which wait for the hook to return.
+        raise RuntimeError(
+            f"{what} in a hook of a train_steps loop with schedule='2bw': the model is whole there, but the loop's "
+            "workers are running the next batch's stages, which wait for the hook to return, and a call of the "
+            "pipeline would run on them.\nHow to fix: save the version the hook sees (pipe.state_dict(), which "
+            "works there) and evaluate it after the loop, or evaluate between two loops (break out of this one, "
+            "which completes the update of the last batch whose loss it gave); or use a synchronous schedule "
+            "(1f1b), whose hooks may call the pipeline."
+        )
 
     # -- across processes: this rank's own parameters and buffers ---------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

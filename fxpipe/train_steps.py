@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+from collections.abc import Mapping
 from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
@@ -11,7 +12,7 @@ import torch.optim.optimizer as every_optimizer
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
 from fxpipe.distributed.ranks import gathered
-from fxpipe.guards import refuse_own_hooks
+from fxpipe.guards import refuse_own_hooks, refuse_without_gradients
 from fxpipe.overlapped_steps import overlapped_steps
 
 # The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
@@ -75,7 +76,7 @@ def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor
             held = "no update" if whole == 0 else f"the updates of batches 0 to {whole - 1}"
             if whole < given:
                 held = ("" if whole == 0 else f"{held} whole, and ") + f"batch {whole}'s update in part (above)"
-            error.add_note(f"train_steps (schedule='2bw'): {given} losses were given; the parameters hold {held}.")
+            error.add_note(f"train_steps (schedule='2bw'): {given} loss{'' if given == 1 else 'es'} {'was' if given == 1 else 'were'} given; the parameters hold {held}.")
         raise
     finally:
         losses.close()  # a loop stopped early stops what it has in flight (see fxpipe/overlapped_steps.py)
@@ -129,8 +130,14 @@ def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlace
     """The next batch, or None at the end; across processes, every rank reaches the end (or a
     failure of its batches) at the same batch, or every rank raises."""
     failure: Optional[BaseException] = None
+    batch: Any = _END
     try:
-        batch = next(source, _END)
+        refuse_without_gradients(index)  # (before the batch is read: the caller's loop may go on)
+    except RuntimeError as error:
+        failure = error
+        error.add_note(f"train_steps: {as_before(index)}.")
+    try:
+        batch = _END if failure is not None else next(source, _END)
     except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
         failure, batch = error, _END
         error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
@@ -147,7 +154,7 @@ _END = object()
 
 def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
     """A batch `(inputs, target)` as train_step's arguments: inputs a tensor, a tuple or list
-    of positional inputs, or a dict of keyword inputs."""
+    of positional inputs, or a dict (any mapping) of keyword inputs."""
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         kind = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
         raise TypeError(
@@ -156,7 +163,7 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
             "or a dict of its keyword inputs; target is None for a model that returns its own loss."
         )
     inputs, target = batch
-    if isinstance(inputs, dict):
+    if isinstance(inputs, Mapping):  # a dict, or a mapping of another type (Hugging Face's BatchEncoding)
         return (), dict(inputs), target
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}, target

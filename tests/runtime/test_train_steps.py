@@ -1,6 +1,7 @@
 """`pipe.train_steps`: a loop of steps, each `train_step` then the optimizer's step, against the plain loop."""
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 from typing import Any, Callable, Iterator, Optional
@@ -122,12 +123,17 @@ class _TwoInputs(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)) * scale)))
 
 
-@pytest.mark.parametrize("given", ["tuple", "dict"])
+@pytest.mark.parametrize("given", ["tuple", "dict", "mapping"])
 def test_inputs_given_as_a_tuple_or_a_dict(given: str) -> None:
+    """A mapping of another type than dict (Hugging Face's BatchEncoding is a UserDict) holds
+    keyword inputs too: before, it was passed as one positional input."""
     model, reference = twin(_TwoInputs())
     batches = _batches(3)
     scales = [torch.rand(8, 1, dtype=torch.float64) for _ in batches]
-    inputs = [(x, s) if given == "tuple" else dict(x=x, scale=s) for (x, _), s in zip(batches, scales)]
+    kinds: dict[str, Callable[[torch.Tensor, torch.Tensor], Any]] = {
+        "tuple": lambda x, s: (x, s), "dict": lambda x, s: dict(x=x, scale=s), "mapping": lambda x, s: collections.UserDict(x=x, scale=s),
+    }
+    inputs = [kinds[given](x, s) for (x, _), s in zip(batches, scales)]
     pipe = compile_pipeline(model, (batches[0][0], scales[0]), ["cpu"] * 2, chunks=2)
     opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = list(pipe.train_steps(zip(inputs, (y for _, y in batches)), loss_fn=F.mse_loss, optimizer=opt))
@@ -138,6 +144,28 @@ def test_inputs_given_as_a_tuple_or_a_dict(given: str) -> None:
         ref_opt.step()
         torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-10)
     _assert_parameters_equal(model, reference)
+
+
+@pytest.mark.parametrize("schedule", [*SCHEDULES, "2bw"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_loop_iterated_without_gradients_is_refused_before_it_reads_a_batch(schedule: str, mode: str) -> None:
+    """A loop runs its batches as the caller iterates it, in the grad mode of that moment. Before,
+    a synchronous loop there gave each batch's loss and stepped the optimizer on no gradient
+    (nothing trained, where the plain loop's backward raises); 2bw's, begun with gradients,
+    failed with a KeyError inside a stage."""
+    model, reference = twin(FanOut())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], schedule) if schedule != "2bw" else compile_pipeline(model, batches[0][0], ["cpu"] * 2, schedule="2bw", chunks=4)
+    source = iter(batches)
+    steps = pipe.train_steps(source, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+    where = "no_grad" if mode == "no_grad" else "inference_mode"
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        with pytest.raises(RuntimeError, match=rf"batch 0 was asked for under torch.{where}\(\).*\n.*How to fix: iterate the loop with gradients on"):
+            next(steps)
+    assert next(source) is batches[0], "the refused loop read a batch"
+    _assert_parameters_equal(model, reference, tol=0)
+    losses = list(pipe.train_steps(batches[1:], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    assert len(losses) == 2  # the next loop runs
 
 
 def test_the_loop_reads_batches_as_it_goes_and_ends_with_them() -> None:

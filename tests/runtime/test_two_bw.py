@@ -8,6 +8,7 @@ import itertools
 import re
 import threading
 import time
+import warnings
 from typing import Any, Callable, Iterator, Optional, cast
 
 import pytest
@@ -307,17 +308,34 @@ def test_a_loop_stopped_early_completes_the_update_of_the_last_loss_given() -> N
     batches = _batches(6)
     pipe = _pipe(model, batches[0][0], 2)
     opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
-    for k, _ in zip(itertools.count(), pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)):
-        with pytest.raises(RuntimeError, match=r"state_dict\(\) during a train_steps loop"):
-            pipe.state_dict()
-        with pytest.raises(RuntimeError, match=r"train_step during a train_steps loop"):
-            pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss)
-        if k == 2:
-            break
+    source = iter(batches)
+    with pytest.warns(UserWarning, match=r"stopped after 3 losses: batch 3, read from the batches ahead of their losses .* went untrained"):
+        for k, _ in zip(itertools.count(), pipe.train_steps(source, loss_fn=F.mse_loss, optimizer=opt)):
+            with pytest.raises(RuntimeError, match=r"state_dict\(\) during a train_steps loop"):
+                pipe.state_dict()
+            with pytest.raises(RuntimeError, match=r"train_step during a train_steps loop"):
+                pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss)
+            if k == 2:
+                break
+    assert next(source) is batches[4], "batch 3 was read ahead, and dropped (as the warning says)"
     expected_model, _ = reference_2bw(plain, batches[:3], OPTIMIZERS["adam"])
     _assert_parameters_equal(model, expected_model)
     pipe.state_dict()  # the loop is over: allowed again
     _assert_a_train_step_is_exact(pipe, model, batches[5])
+
+
+def test_a_loop_given_only_the_batches_to_train_on_ends_with_them_and_drops_none() -> None:
+    """The fix the warning of a stopped loop gives: the batches cut, not the losses."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    pipe = _pipe(model, batches[0][0], 2)
+    source = iter(batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        losses = list(pipe.train_steps(itertools.islice(source, 3), loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    assert len(losses) == 3 and next(source) is batches[3]
+    expected_model, _ = reference_2bw(plain, batches[:3], lambda params: torch.optim.SGD(params, lr=0.1))
+    _assert_parameters_equal(model, expected_model)
 
 
 def _assert_a_train_step_is_exact(pipe: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -443,6 +461,25 @@ def test_the_state_dict_can_be_saved_in_after_step() -> None:
     with pytest.raises(RuntimeError, match=r"state_dict\(\) in after_step, where the model is whole"):
         for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
             pipe.state_dict()  # between two losses: the stages run
+
+
+@pytest.mark.parametrize("call", ["pipe(x)", "train_step", "load_state_dict()"])
+def test_a_call_of_the_pipeline_in_a_hook_is_refused_saying_what_works_there(call: str) -> None:
+    """Before, the refusal said the model is whole in the hooks, from inside one, and advised
+    calling after the loop or closing it: the hooks run while the next batch's stages wait."""
+    model, plain = twin(FanOut())
+    batches = _batches(3)
+    pipe = _pipe(model, batches[0][0], 2)
+    calls: dict[str, Callable[[], Any]] = {
+        "pipe(x)": lambda: pipe(batches[0][0]),
+        "train_step": lambda: pipe.train_step(batches[0][0], target=batches[0][1], loss_fn=F.mse_loss),
+        "load_state_dict()": lambda: pipe.load_state_dict(pipe.state_dict()),
+    }
+    said = r"the next batch started before the hook" if call == "load_state_dict()" else r"the loop's workers are running the next batch's stages.*\n.*pipe.state_dict\(\), which works there"
+    with pytest.raises(RuntimeError, match=rf"{re.escape(call)} in a hook of a train_steps loop with schedule='2bw': (.|\n)*{said}"):
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1), after_step=calls[call]))
+    expected_model, _ = reference_2bw(plain, batches[:1], lambda params: torch.optim.SGD(params, lr=0.1))  # the update of the loss given
+    _assert_parameters_equal(model, expected_model)
 
 
 def test_what_2bw_cannot_run_is_refused() -> None:
