@@ -16,6 +16,7 @@ from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import Compiled, OtherCall, Program
 from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims, takes_gradients
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.own_forward import in_the_models_own_call, traced_forward_put_back
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import (
@@ -339,7 +340,8 @@ class PipelineCalls(nn.Module):
             raise other
         else:
             try:
-                found = self._recompile(self._owner, args, kwargs, self._kept_whole_in(args, kwargs))
+                with self._traced_forward():
+                    found = self._recompile(self._owner, args, kwargs, self._kept_whole_in(args, kwargs))
             except Exception as error:  # the model itself may refuse this call, or this call as an example
                 first, *rest = [line.strip(" -") for line in str(other).partition("\nHow to fix")[0].splitlines()]
                 differs = " ".join([first, "; ".join(rest)]).strip().rstrip(".")
@@ -365,6 +367,14 @@ class PipelineCalls(nn.Module):
         found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call,
                               _target_dims=self._target_dims, _runs_model_hooks=False)  # fmt: skip
         return found
+
+    def _traced_forward(self) -> ContextManager[None]:
+        """Stages for another kind of call, compiled inside the model's own call by its forward
+        replaced since compiling (which calls the pipeline): from the forward traced before."""
+        program, code = self._programs[True], self._programs[True].model_code()
+        if code is None or not program.model_code_replaced() or not in_the_models_own_call(self._owner):
+            return contextlib.nullcontext()
+        return traced_forward_put_back(self._owner, code[0], code[1])
 
     def _ran(self, variant: "PipelineCalls", result: Any) -> Any:
         """What `variant` ran, as this pipeline's last call (for `timeline()`)."""

@@ -34,6 +34,7 @@ from fxpipe.core.hooks import hooks_put_back_on_failure
 from fxpipe.core.model_hooks import model_hooks_set_aside, pre_hooks_note
 from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.own_forward import calls_of_its_pipelines_noted
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
 from fxpipe.passes.batch_dims import CHECK_DEFERRED, annotate_batch_dims
@@ -82,9 +83,15 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         example = (options.get("example", given[1] if len(given) > 1 else None), options.get("example_kwargs"))
         refuse_lazy(model)  # before anything reads its tensors
         try:
-            with collector_paused(), writes_watched(), preserved(model), inputs_preserved(example), put_back_on_failure(model), \
-                    hooks_put_back_on_failure(model), model_hooks_set_aside(model), _out_of_inference(inference):
-                pipe = compile(*given, **options)  # type: ignore[arg-type]
+            with calls_of_its_pipelines_noted(model) as called:
+                try:
+                    with collector_paused(), writes_watched(), preserved(model), inputs_preserved(example), put_back_on_failure(model), \
+                            hooks_put_back_on_failure(model), model_hooks_set_aside(model), _out_of_inference(inference):
+                        pipe = compile(*given, **options)  # type: ignore[arg-type]
+                except Exception as e:
+                    if called:
+                        raise _forward_calls_its_pipeline(model, called[0]) from e
+                    raise
         except Exception as e:  # a model freed in part by an earlier compile says so
             if freed_note(model) and not isinstance(e, FreedState):
                 e.add_note(freed_note(model))
@@ -95,6 +102,24 @@ def _leaves_the_model_as_it_was(compile: Callable[P, Pipeline]) -> Callable[P, P
         return pipe
 
     return compile_and_restore
+
+
+def _forward_calls_its_pipeline(model: nn.Module, pipe: Pipeline) -> RuntimeError:
+    """Why a model whose forward calls a pipeline of it cannot be compiled, with the forward that
+    pipeline traced, to put back."""
+    code = pipe._programs[True].model_code()
+    fixes = []
+    if code is not None and type(model) is not code[0]:
+        fixes.append(f"model.__class__ = {code[0].__name__}")
+    if code is not None and model.__dict__.get("forward") is not code[1]:
+        fixes.append("del model.forward" if code[1] is None else "model.forward = <the forward it had>")
+    return RuntimeError(
+        f"compile_pipeline: {type(model).__name__}'s forward calls a Pipeline of the model (its forward or class was "
+        "replaced since that pipeline was compiled, so that model(x), or model.generate(), runs on it). A compile "
+        "traces the model's forward, and cannot go through a pipeline.\nHow to fix: call that pipeline, or the model, "
+        "whose call runs it on the forward it traced; to compile the model again, put that forward back first"
+        + (f" ({'; '.join(fixes)})" if fixes else "") + ", and replace it again after."
+    )
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from fxpipe.compiled.program import Compiled, Program, first_floating_dtype
 from fxpipe.core.attrs import buffer_or_none, submodule_or_none, tensor_held
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.own_forward import in_the_models_own_call
 from fxpipe.tracing.mode_reads import modes_changed
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,10 +65,17 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "tensor; load_state_dict without assign=True copies into the tied weight)."
         )
     rewritten = programs[True].code_changed()
+    if rewritten and programs[True].model_code_replaced() and in_the_models_own_call(owner):
+        # The model's forward, replaced since, calls the pipeline (model.generate() on it, say),
+        # which runs the forward it traced: the one the replacement stands in for.
+        rewritten = programs[True].code_changed(but_the_model=True)
     if rewritten:
+        ours = " If the model's new forward calls this pipeline (so that model(x) or model.generate() runs on it), call " \
+               "the model: called from the model's own call, the pipeline runs the forward it traced (put that forward back " \
+               "around a train_step, which calls no model)." if programs[True].model_code_replaced() else ""
         raise RuntimeError(
             f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
-            "holds what their code computed when it was traced (one pass over a container's members).\nHow to fix: "
+            f"holds what their code computed when it was traced (one pass over a container's members).{ours}\nHow to fix: "
             "compile the model again after changing them"
             + _or_kept_whole(compiled, ", or keep such modules whole (compile_pipeline(..., leaf_modules=[...])): a "
                              "module kept whole runs its own code on every call") + "."

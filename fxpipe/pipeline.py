@@ -20,6 +20,7 @@ from fxpipe.compiled.stage_compile import StageCompiles
 from fxpipe.compiler.held_state import check_state_placement
 from fxpipe.core.microbatch import forward_signature
 from fxpipe.core.model_hooks import call_with_hooks
+from fxpipe.core.own_forward import in_the_models_own_call, pipeline_called
 from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.clipping import clip_across
@@ -198,6 +199,8 @@ class Pipeline(PipelineState):
             _CALLED.reset(called)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if pipeline_called(self._owner, self):  # by the model's replaced forward, while the model compiles
+            raise RuntimeError("the model's forward calls a Pipeline of the model, which a compile of the model cannot trace")
         refuse_capture(args, kwargs)
         if torch.compiler.is_compiling():
             # torch.compile(pipe) would trace the runtime's Python (threads, locks, the schedule)
@@ -216,6 +219,8 @@ class Pipeline(PipelineState):
         self._refuse_while_steps_overlap("pipe(x)")
         self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         as_a_call = (_CALLED.get() or under_compile) and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)
+        # A call the model's own forward (replaced since compiling) makes: its call runs its hooks.
+        as_a_call = as_a_call and not (self._programs[True].model_code_replaced() and in_the_models_own_call(self._owner))
         inside = _CALLED.set(False)  # (a call the model's code makes of the pipeline is its own)
         try:
             with self._one_call:  # another thread's call waits: its stages would swap the same slots

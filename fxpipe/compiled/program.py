@@ -343,10 +343,13 @@ class Program:
                 found += [f"{name}.{attr} ({then!r} -> {value!r})" for attr, then, value in zip(SETTINGS, values, now) if then != value]
         return found
 
-    def code_changed(self) -> list[str]:
-        """The traced-through modules whose code changed since, each with what changed."""
+    def code_changed(self, but_the_model: bool = False) -> list[str]:
+        """The traced-through modules whose code changed since, each with what changed (but the
+        model itself's, with `but_the_model`: a forward of its that calls the pipeline)."""
         found = []
         for name, module, code in self.traced_code:
+            if but_the_model and name == "":
+                continue
             cls, own, forward, members = code
             if type(module) is cls and module.__dict__.get("forward") is own and _class_forward(cls) is forward and members is None:
                 continue  # the same code (the check of every call, made short)
@@ -354,6 +357,18 @@ class Program:
             if changes:
                 found.append(f"{name or 'the model itself'}: {' and '.join(changes)}")
         return found
+
+    def model_code(self) -> Optional[Code]:
+        """The model itself's code when traced (`code_of`), or None where the trace did not go
+        through its forward."""
+        return next((code for name, _, code in self.traced_code if name == ""), None)
+
+    def model_code_replaced(self) -> bool:
+        """Whether the model's class or own forward is another than when traced (the check of
+        every call, made short)."""
+        code = self.model_code()
+        module = next((module for name, module, _ in self.traced_code if name == ""), None)
+        return code is not None and module is not None and (type(module) is not code[0] or module.__dict__.get("forward") is not code[1])
 
     @property
     def graph(self) -> fx.GraphModule:
