@@ -616,5 +616,3 @@ def _say_dropped(given: int, dropped: int) -> None:
         "end, rather than stopping it.",
         stacklevel=caller_stacklevel(),  # the caller's break or close()
     )
-
-
