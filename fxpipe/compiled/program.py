@@ -288,6 +288,10 @@ class Program:
     # then (`SETTINGS`): a change since would run the plan made for the old ones.
     settings: list[tuple[str, nn.Module, tuple[Any, ...]]] = field(default_factory=list)
 
+    # The loss functions (`batch_loss._loss_key`) whose gradient was checked against the whole
+    # batch's on these stages' outputs: once each.
+    gradients_checked: set[Any] = field(default_factory=set)
+
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))
     # Tensors swapped in for parameters that require grad but are not Parameters, by name.

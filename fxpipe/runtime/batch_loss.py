@@ -2,6 +2,7 @@
 checked against the loss of the whole batch's outputs."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -10,8 +11,11 @@ import torch
 from fxpipe.core.microbatch import leaves_of
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.runtime.call import Call, given_values, rebuild
+from fxpipe.runtime.loss_gradients import check_combined_gradient
+from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, describe, loss_of, own_loss, own_loss_ref, own_loss_whole_in, with_own_loss_whole,
+    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
 
@@ -46,7 +50,32 @@ def loss_and_outputs(
                 return [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
 
             check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None)
+            key = _loss_key(loss_fn)
+            if parts is not None and call.grad and key not in call.program.gradients_checked:
+                # Once per loss function: a loss whose gradient does not combine where its value
+                # does is so by its code (a detached statistic of the batch), not by a batch. A loss
+                # that draws is not checked; what a loss object keeps is put back as the value's
+                # check left it (a loss that keeps its last value for logging keeps the batch's).
+                state = LossStateKept(loss_fn, calls=2)
+                try:
+                    with generators_kept(total.device) as drew:
+                        check_combined_gradient(
+                            loss_fn, per_micro_batch, lambda values: call.gather(values, template), parts.output, parts.targets,
+                            parts.weights, target, reduction, drew,
+                        )
+                finally:
+                    state.put_back()
+                call.program.gradients_checked.add(key)
     return total, outputs
+
+
+def _loss_key(loss_fn: Any) -> Any:
+    """What identifies a loss function's code: a function's code object (a lambda made anew at
+    each step is the same), a partial's function, a loss module's type."""
+    while isinstance(loss_fn, functools.partial):
+        loss_fn = loss_fn.func
+    code = getattr(loss_fn, "__code__", None)
+    return code if code is not None else loss_fn if not isinstance(loss_fn, torch.nn.Module) else type(loss_fn)
 
 
 @dataclass
@@ -59,6 +88,7 @@ class MicroBatchLoss:
     targets: list[Any]
     weights: list[float]
     kept: LeafGrads
+    whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
 
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
@@ -68,11 +98,25 @@ class MicroBatchLoss:
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
         output = self.output(i, values)
         loss_fn = self.loss_fn
-        loss = loss_of(loss_fn, output, self.targets[i]) if loss_fn is not None else own_loss(output)
-        if loss_fn is None and isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
-            loss = loss.reshape(())  # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch under DataParallel)
+        try:
+            loss = loss_of(loss_fn, output, self.targets[i]) if loss_fn is not None else own_loss(output)
+        except Exception as error:
+            if self.whole_note:
+                error.add_note(self.whole_note)
+            raise
+        if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
+            # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
+            # under DataParallel); backward takes one element as it takes a 0-dim tensor.
+            loss = loss.reshape(())
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise ValueError(f"the loss of a micro-batch must be a 0-dim tensor, not {describe(loss)}")
+            whose = "loss_fn" if loss_fn is not None else "the model's own loss"
+            raise ValueError(
+                f"the loss of a micro-batch must be a tensor of one element, and {whose} gave {describe(loss)}.\nHow to fix: "
+                + ("return the loss alone (a loss returned with values to log, `(loss, logs)`: loss_fn=lambda out, y: "
+                   "my_loss(out, y)[0], and log them from the outputs, train_step(..., return_outputs=True)); a loss per "
+                   "sample: reduce it in loss_fn (.mean(), or .sum() with reduction='sum')." if loss_fn is not None else
+                   "pass loss_fn=..., which computes the loss from the outputs.")
+            )
         scaled = loss * self.weights[i]
         if not self.call.grad:
             return scaled.detach()

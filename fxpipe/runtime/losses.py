@@ -24,7 +24,8 @@ def split_target(
     target: Any, sizes: list[int], batch: Optional[int], dim: int = 0, outputs: frozenset[int] = frozenset(),
     seen: Optional[dict[str, int]] = None, outputs_by_path: Optional[dict[str, tuple[frozenset[int], ...]]] = None,
 ) -> list[Any]:
-    """The target's piece for each micro-batch: split like the inputs, along their batch dim
+    """The target's piece for each micro-batch (a tensor with no dim of the batch's size whole
+    to each): split like the inputs, along their batch dim
     `dim` (a chunk spec's), or along dim 0 where that one is not of the batch's size. Where both
     are: along the one an earlier call split the same leaf along (`seen`, by its path in the
     target, which this call adds to: ctc_loss's padded targets of (batch, longest label) are as
@@ -56,7 +57,10 @@ def split_target(
         along[id(t)] = seen[path] if len(fits) > 1 and seen.get(path) in fits else fits[0] if fits else None
         if len(fits) == 1 and dim:
             seen[path] = fits[0]
-    if any(d is None for d in along.values()):
+    # A leaf with no dim of the batch's size holds no sample (a count of the whole batch's tokens,
+    # a class weight, a statistic of the batch): it goes whole to every micro-batch, as such an
+    # input does.
+    if any(along[id(t)] is None and batch in t.shape for _, t in leaves):
         shapes = [tuple(t.shape) for _, t in leaves]
         where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"
         raise ValueError(
@@ -64,6 +68,19 @@ def split_target(
             f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
         )
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
+
+
+def whole_target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
+    """What a loss that fails on a micro-batch is told of the target's tensors that went whole to
+    each (no dim of the batch's size); '' where none did."""
+    if target is None or micro_batches == 1 or batch is None:
+        return ""
+    whole = [tuple(t.shape) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor) and batch not in t.shape]
+    return (
+        f"The target's tensors with no dim of the batch's size ({batch}) went whole to every micro-batch: "
+        f"{', '.join(str(shape) for shape in whole)}. One that holds a value per sample must have the batch's size where "
+        "the inputs have it."
+    ) if whole else ""
 
 
 def _held_by_leaf(outputs_by_path: dict[str, tuple[frozenset[int], ...]], paths: list[str]) -> dict[str, frozenset[int]]:
@@ -349,7 +366,7 @@ def value_grads(loss: torch.Tensor, values: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def _generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
+def generators_kept(device: torch.device) -> Iterator[Callable[[], bool]]:
     """Within this block, draws from the CPU generator (and `device`'s, on CUDA) are undone at
     its end; the block gets a function that says whether any was made."""
     cuda = device.type == "cuda"
@@ -377,7 +394,7 @@ def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, targe
     on leaves), its draws undone: for `LossStateKept`, which the call returns True to where it
     drew nothing (a loss that draws leaves no state to compare)."""
     def replay() -> bool:
-        with torch.enable_grad(), _generators_kept(device) as drew:
+        with torch.enable_grad(), generators_kept(device) as drew:
             loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
         return not drew()
 
@@ -434,7 +451,7 @@ def check_combined_loss(
     generators; a loss that draws (label noise) cannot be checked. `pieces` (each micro-batch's
     outputs, target and weight, made when asked): where the outputs are in half precision, whose
     rounding would hide a loss that does not combine, the check runs again on them in float64."""
-    with torch.enable_grad(), _generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
+    with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
         whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
     if drew():
         warnings.warn(

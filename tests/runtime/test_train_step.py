@@ -204,6 +204,72 @@ def test_a_loss_combined_wrongly_is_refused_and_accumulates_nothing() -> None:
     assert all(p.grad is not None for p in pipe.parameters())
 
 
+def _advantage_normalised(out: torch.Tensor, target: Any) -> torch.Tensor:
+    """PPO's policy loss in its first epoch: the ratio is 1 in value, the advantages normalised
+    over the batch; its value is about 0 on any part of the batch, its gradient is not."""
+    advantage, old = target
+    logp = F.log_softmax(out, -1)[:, 0]
+    advantage = (advantage - advantage.mean()) / advantage.std()
+    return -(torch.exp(logp - old) * advantage).mean()
+
+
+def _scaled_by_its_detached_mean(out: torch.Tensor, target: Any) -> torch.Tensor:
+    losses = (out - target[0]).pow(2).mean(-1)
+    return (losses / losses.detach().mean()).mean()  # 1 in value on every part of the batch
+
+
+def _hook_on_the_outputs(out: torch.Tensor, target: Any) -> torch.Tensor:
+    out.register_hook(lambda g: g / g.norm())  # the gradient normalised over what the hook sees
+    return F.mse_loss(out, target[0])
+
+
+@pytest.mark.parametrize("loss", [_advantage_normalised, _scaled_by_its_detached_mean, _hook_on_the_outputs])
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_loss_whose_value_combines_but_whose_gradient_does_not_is_refused(loss: Callable[[Any, Any], torch.Tensor], schedule: str) -> None:
+    """Before, the check compared values alone: these gave the plain model's loss and gradients
+    0.03-0.98 off it (of their size), with no word. The statistic computed on the whole batch and
+    given in the target, whole to every micro-batch, trains as the plain model."""
+    model, reference = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)))
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    advantage = torch.randn(8, dtype=torch.float64)
+    old = F.log_softmax(reference(x), -1)[:, 0].detach()
+    target = (advantage, old) if loss is _advantage_normalised else (y,)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule=schedule)
+    with pytest.raises(ValueError, match=r"(?s)give the loss of the whole batch, but not its gradient.*How to fix: compute that statistic outside"):
+        pipe.train_step(x, target=target, loss_fn=loss)
+    assert all(p.grad is None for p in pipe.parameters())
+    if loss is _advantage_normalised:  # the fix: the statistic from the whole batch, in the target
+        normalised = (advantage - advantage.mean()) / advantage.std()
+        stats = (advantage.mean(), advantage.std())  # 0-dim: whole to every micro-batch
+        fixed = lambda out, t: -(torch.exp(F.log_softmax(out, -1)[:, 0] - t[1]) * (t[0] - t[2]) / t[3]).mean()  # noqa: E731
+        got = pipe.train_step(x, target=(advantage, old, *stats), loss_fn=fixed)
+        expected = -(torch.exp(F.log_softmax(reference(x), -1)[:, 0] - old) * normalised).mean()
+        expected.backward()
+        torch.testing.assert_close(got, expected.detach(), rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, reference, tol=1e-12)
+
+
+def test_a_loss_of_one_element_or_a_count_of_the_whole_batch_in_the_target_is_taken_as_the_plain_model_takes_it() -> None:
+    """Before, a target tensor with no dim of the batch's size (a count of the whole batch's
+    tokens as a tensor, 0-dim or (1,), as Hugging Face's num_items_in_batch is) was refused as
+    not split, and a loss of shape (1,) as not 0-dim; a loss returned with values to log said
+    no fix."""
+    model, reference = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 5)))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    y = torch.tensor([0, -100, 1, 2, -100, -100, 3, 4])
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    count = (y != -100).sum().reshape(1)  # (1,)
+    summed = lambda out, t: (F.cross_entropy(out, t[0], ignore_index=-100, reduction="sum") / t[1]).reshape(1)  # noqa: E731
+    loss = pipe.train_step(x, target=(y, count), loss_fn=summed, reduction="sum")
+    expected = F.cross_entropy(reference(x), y, ignore_index=-100)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
+    with pytest.raises(StageError, match=r"must be a tensor of one element, and loss_fn gave a tuple.*\n.*How to fix: return the loss alone"):
+        with_logs: Any = lambda out, t: (F.cross_entropy(out, t, ignore_index=-100), {"logs": 1})  # noqa: E731
+        pipe.train_step(x, target=y, loss_fn=with_logs)
+
+
 class _ReturnsWeight(nn.Module):
     """Returns its last layer's weight beside the output: the loss reads it as it is."""
 
@@ -659,11 +725,17 @@ def test_a_loss_whose_backward_fails_names_it_and_leaves_no_gradient(mode: str) 
 
 
 def test_a_target_that_cannot_be_split_is_refused() -> None:
+    """A target with the batch's size on a dim the inputs do not hold it in is refused; one with
+    no dim of the batch's size goes whole to each micro-batch (a count, a class weight), and the
+    loss that fails on it (as the plain model's does) is told so."""
     model = FanOut().double()
     x = torch.randn(8, 6, dtype=torch.float64)
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule="1f1b")
     with pytest.raises(ValueError, match="target must be split"):
+        pipe.train_step(x, target=torch.randn(6, 6, 8, dtype=torch.float64), loss_fn=F.mse_loss)
+    with pytest.raises(StageError, match="in loss") as failed:
         pipe.train_step(x, target=torch.randn(6, 6, dtype=torch.float64), loss_fn=F.mse_loss)
+    assert any("no dim of the batch's size (8) went whole to every micro-batch: (6, 6)" in note for note in getattr(failed.value.__cause__, "__notes__", []))
 
 
 @pytest.mark.parametrize(
