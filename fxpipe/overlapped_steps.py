@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import torch
+import torch.optim.optimizer as every_optimizer
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.compiled.program import OtherCall, Program
@@ -140,6 +141,8 @@ class _Overlap:
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
                 refuse_without_gradients(index)  # (the loop may be iterated under another grad mode than it began in)
+                if index == 0 and self.ranks is not None:  # every rank refuses at once (in one process, when the loop is made)
+                    refuse_where_steps_cannot_overlap(self.pipe, self.optimizer)
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
                     self.found.refuse_changes(f"between two losses (after batch {index - 2}'s)", self.held, slots=False)
                 with drawing_between_compiles(), default_generator_held():  # the caller's iterable and the step's seed may draw
@@ -533,6 +536,44 @@ def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
             "to train_steps (optimizer=...), whose step 2bw applies to the version each batch ran on, and remove the "
             "hooks; or keep them under a synchronous schedule (1f1b), where the hooks run as they do on the plain model."
         )
+
+
+def refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.optim.Optimizer) -> None:
+    problems = []
+    hooks = _step_hooks(optimizer)
+    if hooks:
+        problems.append(
+            f"with hooks on the optimizer's step ({', '.join(hooks)}): each stage's share of the "
+            "update runs on its own, as soon as its gradients are in, and a hook would run once per stage, on that "
+            "stage's parameters alone. Do before the update what a pre-hook does (clipping) in after_backward=, "
+            "where every stage's gradients for the batch are in; after every stage's update what a post-hook does "
+            "(an average of the weights) in after_step="
+        )
+    placement = pipe._compiled.placement
+    if placement is not None and placement.dp_group is not None:
+        problems.append("with data-parallel replicas (a mesh with a 'dp' dimension): their gradients would be averaged "
+                        "while the steps overlap, which this version does not do; use schedule='1f1b' there")
+    tied = list(pipe._programs[True].tied_reads_in_backward(pipe._owner))
+    if tied:
+        problems.append(
+            f"with a module that a stage's backward runs again (torch.utils.checkpoint(..., use_reentrant=True), or one "
+            f"handed to an autograd Function) reading {', '.join(tied)}, tied to another stage: it reads the weight as "
+            "the model holds it, whose version moves on while the batch runs; use use_reentrant=False, which the "
+            "trace goes through"
+        )
+    if not pipe.training:
+        problems.append("in eval mode: call pipe.train() first")
+    if not torch.is_grad_enabled():
+        problems.append("under torch.no_grad(): the loop computes gradients")
+    if problems:
+        raise RuntimeError("train_steps with schedule='2bw' cannot run " + "; and ".join(problems) + ".")
+
+
+def _step_hooks(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The kinds of hooks that `optimizer.step()` runs: its own, and those of every optimizer."""
+    found = [(optimizer._optimizer_step_pre_hooks, "register_step_pre_hook"), (optimizer._optimizer_step_post_hooks, "register_step_post_hook")]
+    found += [(every_optimizer._global_optimizer_pre_hooks, "a global pre-hook"), (every_optimizer._global_optimizer_post_hooks, "a global post-hook")]
+    return [name for hooks, name in found if hooks]
 
 
 def _refuse_a_second_loop(pipe: PipelineLike) -> None:

@@ -7,13 +7,12 @@ from collections.abc import Mapping
 from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
-import torch.optim.optimizer as every_optimizer
 
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
-from fxpipe.distributed.ranks import gathered
+from fxpipe.distributed.ranks import LOOP_LATE, gathered
 from fxpipe.guards import refuse_own_hooks, refuse_without_gradients
-from fxpipe.overlapped_steps import overlapped_steps
+from fxpipe.overlapped_steps import overlapped_steps, refuse_where_steps_cannot_overlap
 
 # The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
 PipelineLike = Any
@@ -37,9 +36,9 @@ def train_steps(
     what the parameters are. The arguments are checked here, the batches read as the losses are."""
     _refuse_bad_arguments(batches, optimizer, reduction, after_backward, after_step)
     if pipe._plan.schedule == "2bw":
-        if pipe._channel is None:  # (across processes every rank refuses at once, in the first batch's call)
+        if pipe._channel is None:  # (across processes every rank refuses at once, as it reads the first batch)
             refuse_own_hooks(pipe, "train_steps")
-        _refuse_where_steps_cannot_overlap(pipe, optimizer)
+            refuse_where_steps_cannot_overlap(pipe, optimizer)
         return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
     return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)
 
@@ -143,7 +142,7 @@ def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlace
         error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
     if placement is not None:
         said = "failed" if failure is not None else "end" if batch is _END else "batch"
-        agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}"), index, failure)
+        agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}", LOOP_LATE), index, failure)
     if failure is not None:
         raise failure
     return None if batch is _END else batch
@@ -168,44 +167,6 @@ def _unpacked(batch: Any, index: int) -> tuple[tuple[Any, ...], dict[str, Any], 
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}, target
     return (inputs,), {}, target
-
-
-def _refuse_where_steps_cannot_overlap(pipe: PipelineLike, optimizer: torch.optim.Optimizer) -> None:
-    problems = []
-    hooks = _step_hooks(optimizer)
-    if hooks:
-        problems.append(
-            f"with hooks on the optimizer's step ({', '.join(hooks)}): each stage's share of the "
-            "update runs on its own, as soon as its gradients are in, and a hook would run once per stage, on that "
-            "stage's parameters alone. Do before the update what a pre-hook does (clipping) in after_backward=, "
-            "where every stage's gradients for the batch are in; after every stage's update what a post-hook does "
-            "(an average of the weights) in after_step="
-        )
-    placement = pipe._compiled.placement
-    if placement is not None and placement.dp_group is not None:
-        problems.append("with data-parallel replicas (a mesh with a 'dp' dimension): their gradients would be averaged "
-                        "while the steps overlap, which this version does not do; use schedule='1f1b' there")
-    tied = list(pipe._programs[True].tied_reads_in_backward(pipe._owner))
-    if tied:
-        problems.append(
-            f"with a module that a stage's backward runs again (torch.utils.checkpoint(..., use_reentrant=True), or one "
-            f"handed to an autograd Function) reading {', '.join(tied)}, tied to another stage: it reads the weight as "
-            "the model holds it, whose version moves on while the batch runs; use use_reentrant=False, which the "
-            "trace goes through"
-        )
-    if not pipe.training:
-        problems.append("in eval mode: call pipe.train() first")
-    if not torch.is_grad_enabled():
-        problems.append("under torch.no_grad(): the loop computes gradients")
-    if problems:
-        raise RuntimeError("train_steps with schedule='2bw' cannot run " + "; and ".join(problems) + ".")
-
-
-def _step_hooks(optimizer: torch.optim.Optimizer) -> list[str]:
-    """The kinds of hooks that `optimizer.step()` runs: its own, and those of every optimizer."""
-    found = [(optimizer._optimizer_step_pre_hooks, "register_step_pre_hook"), (optimizer._optimizer_step_post_hooks, "register_step_post_hook")]
-    found += [(every_optimizer._global_optimizer_pre_hooks, "a global pre-hook"), (every_optimizer._global_optimizer_post_hooks, "a global post-hook")]
-    return [name for hooks, name in found if hooks]
 
 
 def _needs_a_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -605,7 +605,8 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     scaled = compile_pipeline(Scaled().double(), (x, 2.0), mesh=mesh, chunks=2, timeout=20)
     last = rank == world - 1
     odd: dict[str, Callable[[], Any]] = {
-        "a target refused on one rank": lambda: pipe.train_step(x, target=y[:7] if last else y, loss_fn=F.mse_loss),
+        # (the batch's size on dim 1 alone: refused as not split along dim 0; one with no dim of its size goes whole)
+        "a target refused on one rank": lambda: pipe.train_step(x, target=torch.zeros(7, 8) if last else y, loss_fn=F.mse_loss),
         "another batch size": lambda: pipe.train_step(x[:6] if last else x, target=y[:6] if last else y, loss_fn=F.mse_loss),
         "no_grad on one rank": lambda: _under(torch.no_grad() if last else contextlib.nullcontext(), lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
         "eval on one rank": lambda: _in_mode(pipe, not last, lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)),
@@ -1722,7 +1723,7 @@ def looped_2bw(rank: int, world: int) -> dict[str, Any]:
     replicas = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))
     pipe = compile_pipeline(FanOut().double(), batches[0][0], mesh=replicas, chunks=4, schedule="2bw", timeout=60)
     try:
-        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))  # refused as it reads a batch
         report["replicas"] = ""
     except RuntimeError as e:
         report["replicas"] = str(e)
@@ -1785,17 +1786,22 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
     """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
     raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
     raises on batch 2, or the last rank's batch 3 holds half the samples, or the last rank froze
-    its copy of the tied weight; or every rank breaks out of the loop after three losses."""
+    its copy of the tied weight, or is in eval mode, or rank 0 alone holds a forward hook; or every
+    rank breaks out of the loop after three losses."""
     found: dict[str, Any] = {}
-    for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen"):
+    for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked"):
         torch.manual_seed(0)
         model = (_FussyTied() if how == "stage" else TiedEnds()).double()
         reference = copy.deepcopy(model)
+        if how == "hooked" and rank == 0:
+            model.a.register_forward_hook(lambda module, args, out: out)
         extra: dict[str, Any] = dict(split_points=["b"], leaf_modules=[_Fussy]) if how == "stage" else {}
         pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=60, **extra)
         make = OPTIMIZERS["sgd-momentum"]
         if how == "frozen" and rank == world - 1:
             dict(pipe.named_parameters())["a.weight"].requires_grad_(False)  # the tied weight, on one rank only
+        if how == "eval" and rank == world - 1:
+            pipe.eval()
 
         def given() -> Any:
             yield from batches[:3]
@@ -1818,8 +1824,11 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
             error = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
         if how == "frozen":
             dict(pipe.named_parameters())["a.weight"].requires_grad_(True)
+        pipe.train()
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
         found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference))
+        if how == "hooked":
+            continue  # (its hook stays on one rank: every step is refused alike)
         # and the pipeline goes on: a synchronous step after the failed loop, as the plain model's
         x, y = batches[0]
         after = float(pipe.train_step(x, target=y, loss_fn=F.mse_loss))
@@ -1842,6 +1851,8 @@ class _FussyChain(nn.Module):
 
 
 def _fussy_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if bool(target.abs().max() > 500):
+        raise KeyboardInterrupt("interrupted in the loss")
     if bool(target.abs().max() > 50):
         raise ValueError("the loss refused its target")
     return F.mse_loss(out, target)
@@ -1851,12 +1862,13 @@ def failures_of_2bw_on_three_ranks(rank: int, world: int) -> dict[str, Any]:
     """A 2bw loop over a chain of three ranks whose batch 1 makes the first stage raise (rank 2
     reads nothing from rank 0), or the middle stage, or the loss function: how long the loop
     took to stop, the error, the losses given, this rank's parameters against the delayed plain
-    loop of those losses, and a synchronous step after it against the plain model."""
+    loop of those losses, and a synchronous step after it against the plain model; or the loss
+    function is interrupted (KeyboardInterrupt, as it is on the rank where it struck)."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     g = torch.Generator().manual_seed(7)
     batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(4)]
     found: dict[str, Any] = {}
-    for how, where in (("first", 0), ("middle", 1), ("loss", None)):
+    for how, where in (("first", 0), ("middle", 1), ("loss", None), ("interrupt", None)):
         torch.manual_seed(0)
         model = _FussyChain(where).double()
         reference = copy.deepcopy(model)
@@ -1864,7 +1876,7 @@ def failures_of_2bw_on_three_ranks(rank: int, world: int) -> dict[str, Any]:
             model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=30, split_points=["b", "c"], leaf_modules=[_Fussy],
         )  # fmt: skip
         x, y = batches[1]
-        poisoned = [batches[0], (x, y + 100) if how == "loss" else (x + 100, y), *batches[2:]]
+        poisoned = [batches[0], (x, y + 100) if how == "loss" else (x, y + 1000) if how == "interrupt" else (x + 100, y), *batches[2:]]
         make = OPTIMIZERS["sgd-momentum"]
         losses: list[float] = []
         optimizer = make(pipe.parameters())  # (a process's first imports torch._dynamo: seconds)
@@ -1873,7 +1885,7 @@ def failures_of_2bw_on_three_ranks(rank: int, world: int) -> dict[str, Any]:
             for loss in pipe.train_steps(poisoned, loss_fn=_fussy_loss, optimizer=optimizer):
                 losses.append(float(loss))
             error = ""
-        except (RuntimeError, StageError, ValueError) as e:
+        except (RuntimeError, StageError, ValueError, KeyboardInterrupt) as e:
             error = f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - start
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given

@@ -27,7 +27,7 @@ from torch import nn
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.core.failures import Failure
 from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ
-from fxpipe.distributed.ranks import gathered, holders
+from fxpipe.distributed.ranks import LOOP_LATE, gathered, holders
 from fxpipe.runtime.stage_error import StageError, raised_here
 
 TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
@@ -39,21 +39,28 @@ def as_before(index: int) -> str:
     return "the parameters are as the loop was given them" if index == 0 else f"the parameters are those after batch {index - 1}'s update"
 
 
-def agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException]) -> None:
+# Where a 2bw loop stops while it reads a batch: it completes the update of the last loss given.
+OVERLAPPED = "the parameters hold the updates of the batches whose losses were given (the loop's note says which)"
+
+
+def agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException], held: str = "") -> None:
     """What every rank said of its batch `index` ("batch", "end" or "failed", in rank order):
-    all a batch, or all the end, or every rank raises."""
+    all a batch, or all the end, or every rank raises, saying what the parameters hold (`held`;
+    by default, a synchronous loop's: the updates of the batches before)."""
     if failure is not None or len(set(said)) == 1:
         return
+    held = held or as_before(index)
     failed = [rank for rank, word in enumerate(said) if word == "failed"]
     if failed:
         raise RuntimeError(
-            f"train_steps: the batches of rank(s) {failed} raised before batch {index} (their own error says why); "
-            f"{as_before(index)} on every rank."
+            f"train_steps: rank(s) {failed} failed as they read batch {index} (their batches raised, or the loop was refused "
+            f"there: their own error says why); "
+            f"{held} on every rank."
         )
     ended = [rank for rank, word in enumerate(said) if word == "end"]
     raise ValueError(
         f"train_steps: the batches of rank(s) {ended} ended after {index} batches, where the other ranks' went on; "
-        f"{as_before(index)} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "
+        f"{held} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "
         "run on the same batch), and as many."
     )
 
@@ -66,7 +73,7 @@ def ran_on_every_rank(
     error naming the ranks that failed and how. In one process (`placement` None) `failure` is
     raised as it is."""
     told = f"{where + ': ' if where else ''}{first_line(failure)}" if failure is not None else ""
-    said = [] if placement is None else gathered(told, placement, f"{what} of train_steps' batch {index}")
+    said = [] if placement is None else gathered(told, placement, f"{what} of train_steps' batch {index}", LOOP_LATE)
     if failure is not None:
         raise failure
     failed = {rank: text for rank, text in enumerate(said) if text}
@@ -87,14 +94,14 @@ class LoopRanks:
 
     def _gathered(self, payload: Any, what: str) -> dict[int, Any]:
         """Every rank's `payload`, by pipeline coordinate."""
-        every = gathered(payload, self.placement, what)
+        every = gathered(payload, self.placement, what, LOOP_LATE)
         return {coord: every[rank] for coord, rank in enumerate(self.ranks)}
 
     def start(self, index: int, said: str, call: Optional[dict[str, Any]], failure: Optional[BaseException]) -> None:
         """Batch `index`: read on every rank ("batch", with `call` its signature), or the end on
         every rank, or every rank raises (`failure`, this rank's own error, first)."""
         got = self._gathered((said, call), f"train_steps' batch {index}")
-        agree_on_the_next_batch([got[coord][0] for coord in sorted(got)], index, failure)
+        agree_on_the_next_batch([got[coord][0] for coord in sorted(got)], index, failure, OVERLAPPED)
         if failure is not None:
             raise failure
         if said == "batch":  # tied copies are compared on the first batch: later, their updates may be apart in time
@@ -126,8 +133,10 @@ class LoopRanks:
             raise raised_here(stages[0])
         failed = {self.ranks[coord]: text for coord, (text, _) in sorted(said.items()) if text}
         if failed:
+            # At a batch's end the update of the batch before it runs, and its after_step.
+            what = f"batch {index}" + ("" if where or not index else f" (or the update of batch {index - 1}, or its after_step, run as it ended)")
             raise RuntimeError(
-                f"train_steps (schedule='2bw'): batch {index} failed{where} on rank(s) {sorted(failed)}: "
+                f"train_steps (schedule='2bw'): {what} failed{where} on rank(s) {sorted(failed)}: "
                 + "; ".join(f"rank {rank}: {text}" for rank, text in failed.items()) + " (their own output says more)."
             )
 

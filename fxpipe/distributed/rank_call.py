@@ -187,7 +187,9 @@ def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied:
     ranks = pipe.channel.ranks
     lines = [f"{key}: " + ", ".join(f"rank {ranks[r]} {calls[r].get(key)}" for r in sorted(calls)) for key in differing]
     if not lines:  # (a call in another mode draws no seed: its seed differs anyway)
-        _refuse_generators_apart({ranks[r]: c["seed"] for r, c in calls.items()})
+        seeds = {ranks[r]: c["seed"] for r, c in calls.items()}
+        _refuse_draws_apart(seeds)
+        _refuse_generators_apart(seeds)
     apart = [name for name, digest in mine["data"].items() if any(c.get("data", {}).get(name) != digest for c in calls.values())]
     if apart and not differing:  # (data of other shapes differs anyway)
         lines += [_odd_ranks(name, {ranks[r]: c.get("data", {}).get(name) for r, c in calls.items()}) for name in apart]
@@ -227,6 +229,22 @@ def _refuse_tied_copies_that_differ(pipe: Host, tied: dict[int, dict[str, tuple[
             "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + "\nHow to fix: build the "
             "model alike on every rank (one torch.manual_seed(...) before building it), or load one checkpoint on "
             "every rank; step every rank's optimizer alike."
+        )
+
+
+def _refuse_draws_apart(seeds: dict[int, int]) -> None:
+    """Ranks whose stages may draw take the step's seed, the others none (seed 0): where they
+    differ, a module's hooks on some ranks alone (a hook runs as its module does, and may draw)
+    would move those ranks' generators apart from the others'."""
+    drawing = sorted(rank for rank, seed in seeds.items() if seed)
+    if drawing and len(drawing) < len(seeds):
+        raise RuntimeError(
+            f"the stages of rank(s) {drawing} may draw random numbers and those of rank(s) "
+            f"{sorted(set(seeds) - set(drawing))} may not: hooks on modules of the model (forward hooks, pre-hooks, "
+            "backward hooks) on some ranks alone, or a dropout's rate set on some ranks alone. A hook runs as its module "
+            "does and may draw, which would move those ranks' random generators apart from the others'.\nHow to fix: "
+            "register the same hooks on every rank (each rank holds the whole model, the modules of other ranks' stages "
+            "on the meta device, where a hook never runs), and set the model alike on every rank."
         )
 
 

@@ -104,38 +104,45 @@ def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, ...], An
         groups.update({tuple(line): dist.new_group(line, timeout=timeout) for line in placement.replica_lines})
         return groups
     except (RuntimeError, dist.DistError) as e:
-        raise PeerLost(_late("making the pipeline's process groups", placement.timeout, e)) from e
+        raise PeerLost(f"not every rank took part in making the pipeline's process groups within {placement.timeout:g} s: "
+                       f"{type(e).__name__}: {e}\n{COMPILING_LATE}") from e
 
 
-def gathered(value: Any, placement: RankPlacement, what: str) -> list[Any]:
+# Why a rank may be missing from an exchange, and what to do: while compiling, and in a loop.
+COMPILING_LATE = (
+    "A rank failed or stopped before compile_pipeline, or is still building its model: see its own "
+    "output. Every rank must call compile_pipeline; a slow start needs a longer timeout: "
+    "compile_pipeline(..., timeout=seconds)."
+)
+LOOP_LATE = (
+    "A rank stopped its train_steps loop (a break, close(), or an error in its own code between two losses), "
+    "or fell behind: see its own output. Every rank must take the same batches and stop after the same one "
+    "(an error in one rank's code between two losses stops that rank's loop alone: raise it on every rank); a "
+    "rank that may be slow needs a longer timeout: compile_pipeline(..., timeout=seconds)."
+)
+
+
+def gathered(value: Any, placement: RankPlacement, what: str, late: str = COMPILING_LATE) -> list[Any]:
     """`value` from every rank of the world, in rank order; raises PeerLost when a rank has not
-    sent its own within the timeout (`what`: the exchange, for the message)."""
+    sent its own within the timeout (`what`: the exchange, and `late`: why a rank may be missing
+    from it, for the message)."""
     data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    sizes = _all_gathered(torch.tensor([data.numel()]), placement, what)
+    sizes = _all_gathered(torch.tensor([data.numel()]), placement, what, late)
     padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
-    parts = _all_gathered(padded, placement, what)
+    parts = _all_gathered(padded, placement, what, late)
     return [pickle.loads(part[: int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
 
 
-def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str) -> list[torch.Tensor]:
+def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str, late: str) -> list[torch.Tensor]:
     tensor = tensor.to(placement.device)
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     work: Any = dist.all_gather(parts, tensor, async_op=True)
     try:
         work.wait(timedelta(seconds=placement.timeout))
     except RuntimeError as e:
-        raise PeerLost(_late(what, placement.timeout, e)) from e
+        raise PeerLost(f"not every rank took part in {what} within {placement.timeout:g} s: {type(e).__name__}: {e}\n{late}") from e
     return parts
-
-
-def _late(what: str, timeout: float, error: BaseException) -> str:
-    return (
-        f"not every rank took part in {what} within {timeout:g} s: {type(error).__name__}: {error}\n"
-        "A rank failed or stopped before compile_pipeline, or is still building its model: see its own "
-        "output. Every rank must call compile_pipeline; a slow start needs a longer timeout: "
-        "compile_pipeline(..., timeout=seconds)."
-    )
 
 
 def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:

@@ -74,7 +74,7 @@ def phase_and_cause(action: Action, error: BaseException) -> tuple[str, BaseExce
     function's own error, in the phase 'loss'."""
     if isinstance(error, LossError):
         return "loss", error.__cause__ if error.__cause__ is not None else error
-    return PHASES[action.kind], error
+    return getattr(error, "fxpipe_phase", PHASES[action.kind]), error  # (an interrupt in the loss says so)
 
 
 def marked(action: Action, error: BaseException) -> BaseException:

@@ -555,11 +555,12 @@ def test_steps_inside_no_sync_accumulate_and_the_next_step_syncs_them() -> None:
 
 
 def test_train_steps_across_processes_is_the_plain_loop_and_the_ranks_end_together() -> None:
-    for report in results_of(spawn_ranks(cases.looped, 2, timeout=240)):
+    for rank, report in enumerate(results_of(spawn_ranks(cases.looped, 2, timeout=240))):
         assert report["losses"] == pytest.approx(report["expected"], rel=0, abs=TOL), report
         assert max(report["params"].values()) <= TOL, report["params"]
         assert "ended after 2 batches" in report["ended"] and "rank(s) [1]" in report["ended"], report["ended"]
-        assert "before batch 3" in report["raised"] and "after batch 2's update" in report["raised"], report["raised"]
+        said = "the batches raised before batch 3" if rank == 0 else "failed as they read batch 3"  # its own error, or the others'
+        assert said in report["raised"] and "after batch 2's update" in report["raised"], report["raised"]
         assert report["moved"], "the three batches before the failure were trained"
 
 
@@ -572,12 +573,16 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         for dropout in (report["dropout"], report["autocast"]):
             assert dropout["losses"] == pytest.approx(dropout["expected"], rel=0, abs=1e-12), (rank, dropout)
             assert dropout["params"] and max(dropout["params"].values()) <= 1e-12 and dropout["generator"], (rank, dropout)
-        raised, differed, stage, hook, smaller, broke, frozen = (
-            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen")
+        raised, differed, stage, hook, smaller, broke, frozen, evaluating, hooked = (
+            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked")
         )
+        # a loop refused on one rank (eval mode) or whose ranks draw apart (a hook on one rank): every rank at once
+        assert evaluating["given"] == 0 and ("cannot run in eval mode" if rank == 1 else "rank(s) [1] failed as they read batch 0") in evaluating["error"], (rank, evaluating)
+        assert hooked["given"] == 0 and "stages of rank(s) [0] may draw random numbers and those of rank(s) [1] may not" in hooked["error"], (rank, hooked)
         assert raised["given"] == differed["given"] == 2, (rank, report["failed"])  # losses of batches 0 and 1
         assert "2 losses were given" in raised["error"], (rank, raised)
-        assert ("OSError: the file went away" if rank == 0 else "rank(s) [0] raised before batch 3") in raised["error"], (rank, raised)
+        assert ("OSError: the file went away" if rank == 0 else "rank(s) [0] failed as they read batch 3") in raised["error"], (rank, raised)
+        assert "the parameters hold the updates of the batches whose losses were given" in raised["error"] or rank == 0, (rank, raised)
         assert "called differently" in differed["error"] and "data of x" in differed["error"], (rank, differed)
         # batch 2 ran on every rank before the last stage failed on batch 3: its update is kept
         assert stage["given"] == 3 and "a value out of range" in stage["error"] and "3 losses were given" in stage["error"], (rank, stage)
@@ -586,9 +591,9 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         assert smaller["given"] == 2 and "called differently" in smaller["error"] and "micro-batch sizes" in smaller["error"], (rank, smaller)
         assert broke["given"] == 3 and not broke["error"], (rank, broke)
         assert frozen["given"] == 0 and "'a.weight' is read on several ranks" in frozen["error"], (rank, frozen)
-        for failed in (raised, differed, stage, hook, smaller, broke, frozen):
+        for failed in (raised, differed, stage, hook, smaller, broke, frozen, evaluating, hooked):
             assert failed["params"] and max(failed["params"].values()) <= TOL, (rank, failed)  # W after the losses given
-            assert failed["after"] <= TOL, (rank, failed)  # a step after the failed loop: the plain model's loss
+            assert failed is hooked or failed["after"] <= TOL, (rank, failed)  # a step after the failed loop: the plain model's loss
         assert "data-parallel replicas" in report["replicas"], (rank, report["replicas"])
 
 
@@ -602,9 +607,12 @@ def test_a_2bw_failure_on_three_ranks_stops_every_rank_at_once_with_one_error() 
         "first": "stage 0 (rank 0) failed on micro-batch 0 in forward: ValueError: a value out of range",
         "middle": "stage 1 (rank 1) failed on micro-batch 0 in forward: ValueError: a value out of range",
         "loss": "stage 2 (rank 2) failed on micro-batch 0 in loss: ValueError: the loss refused its target",
+        # an interrupt reaches its own rank as it is, the others as a stage's failure, in the loss (it said
+        # "in forward" before)
+        "interrupt": "stage 2 (rank 2) failed on micro-batch 0 in loss: KeyboardInterrupt: interrupted in the loss",
     }
     for how, words in expected.items():
-        errors = {report[how]["error"] for report in reports}
+        errors = {report[how]["error"] for report in reports[: 2 if how == "interrupt" else 3]}
         assert len(errors) == 1 and words in next(iter(errors)), (how, errors)
         for rank, report in enumerate(reports):
             found = report[how]
