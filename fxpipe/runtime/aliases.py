@@ -102,5 +102,7 @@ def realiased(tensors: Sequence[torch.Tensor], aliases: Sequence[Alias]) -> list
     made = list(tensors)
     for alias in aliases:
         base = made[alias.base]
+        if base.requires_grad and not tensors[alias.view].requires_grad:
+            base = base.detach()  # a view the model detached (`h.detach()`): its memory, not its gradient
         made[alias.view] = base.as_strided(alias.size, alias.stride, base.storage_offset() + alias.offset)
     return made

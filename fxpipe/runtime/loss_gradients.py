@@ -38,6 +38,7 @@ def check_combined_gradient(
         return
     with torch.enable_grad():
         gathered = gather(leaves)
+        gathered.aliases = []  # an output that is a view of another stays one leaf's (each micro-batch's are apart too)
         split = _split_leaves(gathered, leaves)
         whole = loss_fn(gathered.rebuild(gathered.tensors), target)
         if not isinstance(whole, torch.Tensor) or not whole.requires_grad or not split:
@@ -59,9 +60,10 @@ def check_combined_gradient(
             "a statistic of the whole batch that the micro-batches take each of their own (a normalisation by the batch's "
             "mean or std taken detached, an advantage normalised over the batch, a hook on the outputs' gradient), whose "
             "value cancels out of the loss but not out of its gradient.\nHow to fix: compute that statistic outside "
-            "loss_fn on the whole batch and pass it in the target (it goes whole to every micro-batch when it has no "
-            "dim of the batch's size), or compute the loss outside the pipeline: out = pipe(x); loss_fn(out, "
-            "y).backward(), which runs the whole batch's loss. No gradient was accumulated into the model's parameters."
+            "loss_fn on the whole batch and give it to loss_fn whole (loss_fn=functools.partial(my_loss, stat=s), or in "
+            "the target, which gives each micro-batch a tensor with no dim of the batch's size whole), or compute the loss "
+            "outside the pipeline: out = pipe(x); loss_fn(out, y).backward(), which runs the whole batch's loss. No "
+            "gradient was accumulated into the model's parameters."
         )
 
 

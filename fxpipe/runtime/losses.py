@@ -65,7 +65,9 @@ def split_target(
         where = f"along dim {dim} (the inputs') or dim 0" if dim else "along dim 0"
         raise ValueError(
             f"the target must be split into micro-batches like the inputs, {where} of size {batch}; "
-            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it."
+            f"it has shapes {shapes}.\nHow to fix: give per-sample targets, with the batch where the inputs have it; a tensor "
+            "that holds no sample (a statistic of the whole batch, class weights) with a dim of the batch's size by chance "
+            "goes to loss_fn itself, whole: loss_fn=functools.partial(my_loss, weight=w)."
         )
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
 
