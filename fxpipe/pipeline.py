@@ -483,7 +483,15 @@ class Pipeline(PipelineState):
         raise PlacementError(_PLACEMENT_MESSAGE)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "Pipeline":  # type: ignore[override]
-        super()._apply(fn, recurse)
+        def cast_in_place(t: torch.Tensor) -> torch.Tensor:
+            # A module holding the pipeline moved (`wrapper.to("cuda")` reaches it here, not through
+            # `to`): a cast keeps each tensor's device, a move would gather the stages on one.
+            made = fn(t)
+            if isinstance(made, torch.Tensor) and made.device != t.device:
+                raise PlacementError(_PLACEMENT_MESSAGE + _MOVED_BY_A_HOLDER)
+            return made
+
+        super()._apply(cast_in_place, recurse)
         if "_programs" in self.__dict__:
             self._owner._buffers.update(self._buffers)  # the model's own, cast: its new objects
             self._build()
@@ -507,6 +515,11 @@ class Pipeline(PipelineState):
         devices = ", ".join(str(d) for d in self._devices)
         return f"stages={len(self._devices)}, devices=[{devices}], chunks={self._chunks}, checkpoint={self._checkpoint!r}"
 
+
+_MOVED_BY_A_HOLDER = (
+    " A module that holds the pipeline moves it with itself (wrapper.to(...), wrapper.cuda()): move that "
+    "module's own parts alone, or place them on the stages' devices when building it."
+)
 
 _PLACEMENT_MESSAGE = (
     "a Pipeline's placement is managed: each stage's parameters live on that stage's device.\n"

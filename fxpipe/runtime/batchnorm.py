@@ -95,8 +95,10 @@ def _update(module: _BatchNorm, buffers: Buffers, count: int, mean: Optional[tor
         return
     with torch.no_grad():
         unbiased = squares / max(count - 1, 1)
-        running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+        # Through `.data`, as torch's kernel writes them: no version counted, so that a call of
+        # the same BatchNorm earlier in the graph (which saved them) still backpropagates.
+        running_mean.data.mul_(1 - factor).add_(mean, alpha=factor)
+        running_var.data.mul_(1 - factor).add_(unbiased, alpha=factor)
 
 
 def collecting_now() -> bool:

@@ -51,6 +51,20 @@ def test_moving_a_pipeline_is_refused(move: str) -> None:
     assert pipe.to(torch.float64) is pipe
 
 
+def test_moving_a_module_that_holds_a_pipeline_is_refused_and_casting_it_is_not() -> None:
+    """Before, a holder's move reached the pipeline's tensors through `_apply`, around `to`:
+    `wrapper.to("meta")` (on a GPU, `wrapper.cuda()`) moved every stage's parameters, and the next
+    call failed with torch's raw error."""
+    pipe = compile_pipeline(FanOut(), X, ["cpu", "cpu"])
+    wrapper = nn.Sequential(pipe, nn.Linear(6, 6))  # (a part before the pipeline would be moved before it is refused)
+    with pytest.raises(PlacementError, match="(?s)placement is managed.*A module that holds the pipeline moves it with itself"):
+        wrapper.to("meta")
+    assert all(p.device.type == "cpu" for p in pipe.parameters())
+    wrapper.double()  # a cast keeps each tensor's device
+    x = X.double()
+    torch.testing.assert_close(wrapper(x), wrapper[1](pipe._owner(x)), rtol=0, atol=1e-12)
+
+
 def test_calling_with_wrong_arguments() -> None:
     pipe = compile_pipeline(FanOut(), X, ["cpu"])
     with pytest.raises(TypeError, match="the pipeline takes the traced model's arguments"):

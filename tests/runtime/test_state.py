@@ -311,6 +311,36 @@ class NormedTokens(nn.Module):
         return self.b(self.bn(self.a(x)[mask]))
 
 
+class _NormedBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x)))
+
+
+@pytest.mark.parametrize("earlier", ["the plain module", "a pipeline that does not defer"])
+def test_deferred_batch_norm_commits_without_breaking_an_earlier_call_of_the_same_norm(earlier: str) -> None:
+    """Before, the commit wrote the running statistics as versions autograd counts, where torch's
+    kernel does not: a call of the same BatchNorm earlier in the graph (which saved them) failed
+    backward with "modified by an inplace operation"."""
+    torch.manual_seed(0)
+    model, reference = twin(_NormedBody())
+    x, x2 = torch.randn(8, 8, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    deferring = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1, deferred_batch_norm=True)
+    if earlier == "the plain module":
+        out, expected = deferring(model.norm(x)), reference(reference.norm(x))
+    else:
+        plain_pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=1)
+        out, expected = plain_pipe(x2) * deferring(x), reference(x2) * reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    assert_grads_equal(model, reference, tol=1e-12)
+    torch.testing.assert_close(model.norm.running_mean, reference.norm.running_mean, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("empty", ["one micro-batch", "every micro-batch"])
 def test_deferred_batch_norm_counts_a_micro_batch_that_gives_it_no_rows_as_nothing(momentum: float | None, empty: str) -> None:
