@@ -9,7 +9,8 @@ from fxpipe.core.microbatch import flatten, takes_gradients, unflatten
 from fxpipe.runtime.gather import Gathered
 
 # The relative difference of the outputs' gradient (in norm) taken as rounding, by dtype; lower
-# precisions are not checked (their rounding would hide as much as it shows).
+# precisions, and losses under autocast, are not checked (their rounding would hide as much as it
+# shows).
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
@@ -31,11 +32,10 @@ def check_combined_gradient(
     caller undoes what loss_fn draws, and `drew` says whether it did)."""
     leaves = [_as_leaves(values) for values in per_micro_batch]
     tensors = [_tensors(values) for values in leaves]
-    if not any(t.requires_grad for found in tensors for t in found):
-        return
-    rounding = max((_ROUNDING.get(t.dtype, 0.0) if t.requires_grad else 1e-9 for found in tensors for t in found), default=1e-9)
-    if rounding == 0.0:
-        return
+    dtypes = {t.dtype for found in tensors for t in found if t.requires_grad}
+    if not dtypes or any(d not in _ROUNDING for d in dtypes) or _under_autocast():
+        return  # (nothing to differentiate; or a half precision's rounding, in the outputs or the loss's ops)
+    rounding = max(_ROUNDING[d] for d in dtypes)
     with torch.enable_grad():
         gathered = gather(leaves)
         gathered.aliases = []  # an output that is a view of another stays one leaf's (each micro-batch's are apart too)
@@ -65,6 +65,10 @@ def check_combined_gradient(
             "outside the pipeline: out = pipe(x); loss_fn(out, y).backward(), which runs the whole batch's loss. No "
             "gradient was accumulated into the model's parameters."
         )
+
+
+def _under_autocast() -> bool:
+    return torch.is_autocast_enabled("cpu") or (torch.cuda.is_available() and torch.is_autocast_enabled("cuda"))
 
 
 def _as_leaves(values: dict[str, Any]) -> dict[str, Any]:
