@@ -104,8 +104,7 @@ def _make_direction_groups(placement: RankPlacement) -> dict[tuple[int, ...], An
         groups.update({tuple(line): dist.new_group(line, timeout=timeout) for line in placement.replica_lines})
         return groups
     except (RuntimeError, dist.DistError) as e:
-        raise PeerLost(f"not every rank took part in making the pipeline's process groups within {placement.timeout:g} s: "
-                       f"{type(e).__name__}: {e}\n{COMPILING_LATE}") from e
+        raise PeerLost(_late("making the pipeline's process groups", placement.timeout, e, COMPILING_LATE)) from e
 
 
 # Why a rank may be missing from an exchange, and what to do: while compiling, and in a loop.
@@ -141,8 +140,12 @@ def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str, lat
     try:
         work.wait(timedelta(seconds=placement.timeout))
     except RuntimeError as e:
-        raise PeerLost(f"not every rank took part in {what} within {placement.timeout:g} s: {type(e).__name__}: {e}\n{late}") from e
+        raise PeerLost(_late(what, placement.timeout, e, late)) from e
     return parts
+
+
+def _late(what: str, timeout: float, error: BaseException, why: str) -> str:
+    return f"not every rank took part in {what} within {timeout:g} s: {type(error).__name__}: {error}\n{why}"
 
 
 def agree_on_times(gm: fx.GraphModule, placement: RankPlacement) -> None:
