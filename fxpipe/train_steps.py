@@ -132,14 +132,15 @@ def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlace
     batch: Any = _END
     try:
         refuse_without_gradients(index)  # (before the batch is read: the caller's loop may go on)
-    except RuntimeError as error:
+    except RuntimeError as error:  # told to the other ranks, then raised here
         failure = error
         error.add_note(f"train_steps: {as_before(index)}.")
-    try:
-        batch = _END if failure is not None else next(source, _END)
-    except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
-        failure, batch = error, _END
-        error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
+    if failure is None:
+        try:
+            batch = next(source, _END)
+        except BaseException as error:  # noqa: BLE001 - told to the other ranks, then raised here
+            failure = error
+            error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
     if placement is not None:
         said = "failed" if failure is not None else "end" if batch is _END else "batch"
         agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}", LOOP_LATE), index, failure)
