@@ -510,7 +510,10 @@ def _trained_now(program: Program, params: list[torch.nn.Parameter], grads: list
 def _grad_state(grad: Optional[torch.Tensor]) -> tuple[int, int]:
     """A gradient's version and memory: either changes where it is written in place (a write
     through `.data` in place changes neither, and goes unseen)."""
-    return (-1, 0) if grad is None else (grad._version, grad.data_ptr())
+    if grad is None:
+        return (-1, 0)
+    values = grad._values() if grad.layout == torch.sparse_coo else grad  # (a sparse gradient's memory is its values')
+    return (grad._version, values.data_ptr())
 
 
 def _wait(group: TaskGroup) -> None:

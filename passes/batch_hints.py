@@ -1,7 +1,7 @@
 """Why a model that runs on the whole example fails or differs on its micro-batches: lines naming the likely cause in the inputs, buffers or parameters, each with its fix."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 import torch
 import torch.fx as fx
@@ -38,7 +38,7 @@ def failing_part_message(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int
         f"their batch, split them there: chunk_spec={hints!r}.\n" if hints else ""
     )
     hint = _first_may_be_shared(names, inputs, batch, dims) + hint + _between_samples(names, inputs, batch)
-    hint += split_for_their_size(gm, inputs, batch, dims) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
+    hint += split_for_their_size(gm, inputs, batch, dims, named=hints) + _batch_read_from(names, inputs, batch, dims) + _state_of_the_batch_size(gm, batch)
     if "view size is not compatible with input tensor's size and stride" in str(error) and any(d not in (None, 0) for d in dims.values()):
         hint += (
             "A micro-batch of an input cut along a dim other than 0 is a slice of it, not contiguous, which "
@@ -117,16 +117,17 @@ def _batch_read_from(names: list[str], inputs: tuple[Any, ...], batch: int, dims
             f"name, while it splits {given}.{fix}\n")
 
 
-def split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, dims: Dims) -> str:
+def split_for_their_size(gm: fx.GraphModule, inputs: tuple[Any, ...], batch: int, dims: Dims, named: Collection[str] = ()) -> str:
     """A line naming the inputs after the first that are split along dim 0 only because it has
     the batch's size (a table every sample shares may, by chance), with the chunk_spec that
-    passes them whole; '' when there are none."""
+    passes them whole; '' when there are none. Inputs kept whole with a dim a multiple of the
+    batch's size are named too, but for those `named` (already told of a dim of the batch's size)."""
     names = [n.meta.get("argument", n.name) for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = [(name, value) for name, value in zip(names, inputs) if isinstance(value, torch.Tensor)]
     split = {name: None for name, value in tensors[1:] if id(value) not in dims and split_dim(value, batch, dims) == 0}
     # Kept whole, with a dim a multiple of the batch's size: per-sample parts in one dim (an
     # attention mask of (batch x heads, T, T)), which chunk_spec splits evenly.
-    multiple = {name: d for name, value in tensors if split_dim(value, batch, dims) is None and batch > 1
+    multiple = {name: d for name, value in tensors if split_dim(value, batch, dims) is None and batch > 1 and name not in named
                 for d in [next((d for d, size in enumerate(value.shape) if size > batch and size % batch == 0), None)] if d is not None}  # fmt: skip
     shapes = {name: tuple(value.shape) for name, value in tensors}
     lines = _bags_by_offsets(gm)

@@ -13,10 +13,11 @@ built on the meta device (its values are gone; `reset_parameters()` would train 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -92,10 +93,11 @@ def materialize(
         raise unfillable_refusal({"this rank": names})
     release_for_swap([t for t, _ in [*wanted, *also] if t.is_meta])
     made: set[int] = set()
-    for tensor, device in [*wanted, *also]:
-        if tensor.is_meta and id(tensor) not in made:
-            torch.utils.swap_tensors(tensor, _made_like(tensor, device))
-            made.add(id(tensor))
+    with rnn_weight_refs_let_go(owner):
+        for tensor, device in [*wanted, *also]:
+            if tensor.is_meta and id(tensor) not in made:
+                torch.utils.swap_tensors(tensor, _made_like(tensor, device))
+                made.add(id(tensor))
     if not made:
         return
     initialised: set[int] = set()
@@ -140,6 +142,21 @@ def unfillable_refusal(names: dict[str, list[str]]) -> ValueError:
         "checkpoint holds them, and no reset_parameters() makes them.\nHow to fix: build the model on the CPU "
         "(or on each rank's device) instead of the meta device, or register those buffers persistent."
     )
+
+
+@contextlib.contextmanager
+def rnn_weight_refs_let_go(owner: nn.Module) -> Iterator[None]:
+    """Swap the tensors of the model's RNNs (nn.LSTM, nn.GRU, nn.RNN): each keeps weak references
+    to its weights (`_flat_weight_refs`), which torch.utils.swap_tensors refuses; they are made
+    again, to the swapped tensors, after."""
+    rnns = [m for m in owner.modules() if isinstance(m, nn.RNNBase) and getattr(m, "_flat_weight_refs", None)]
+    for rnn in rnns:
+        rnn._flat_weight_refs = []
+    try:
+        yield
+    finally:
+        for rnn in rnns:
+            rnn._init_flat_weights()
 
 
 def release_for_swap(tensors: Sequence[torch.Tensor]) -> None:

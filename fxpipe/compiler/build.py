@@ -322,7 +322,8 @@ def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
                 if inner and inner[0] is module and isinstance(module, nn.modules.batchnorm._BatchNorm):
                     problems.append(f"{node.target} ({type(module).__name__}), a BatchNorm with a forward of its own")
                 elif inner and inner[0] is module:
-                    problems.append(f"{node.target} ({type(module).__name__}), a norm other than BatchNorm")
+                    problems.append(f"{node.target} ({type(module).__name__}), a norm other than BatchNorm1d/2d/3d (SyncBatchNorm "
+                                    "and InstanceNorm with running statistics update them per micro-batch)")
                 elif inner:
                     problems.append(f"{node.target} ({type(module).__name__}), called whole, with a norm inside that keeps running statistics")
             for buffer in statistics_written(node) if not _in_eval(node) else []:
@@ -332,8 +333,9 @@ def _refuse_undeferred_statistics(codes: Sequence[StageCode]) -> None:
     if problems:
         raise ValueError(
             "deferred_batch_norm cannot defer these running statistics, which would still be updated once per "
-            "micro-batch:\n" + "\n".join(f"  - {p}" for p in problems) + "\nHow to fix: use torch's BatchNorm "
-            "modules as they are, outside modules kept whole (leaf_modules) and outside no_grad regions (a "
+            "micro-batch:\n" + "\n".join(f"  - {p}" for p in problems) + "\nHow to fix: use torch's BatchNorm1d, "
+            "BatchNorm2d or BatchNorm3d as they are (for a SyncBatchNorm, the BatchNorm of its dims), outside "
+            "modules kept whole (leaf_modules) and outside no_grad regions (a "
             "teacher's norm in eval mode is fine there), or compile with "
             "deferred_batch_norm=False (each micro-batch then updates the statistics, as the model run on the "
             "micro-batches in turn does)."

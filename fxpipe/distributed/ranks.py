@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from fxpipe.compiled.materialize import freed_refusal, mark_freed, release_for_swap, unfillable_refusal
+from fxpipe.compiled.materialize import freed_refusal, mark_freed, release_for_swap, rnn_weight_refs_let_go, unfillable_refusal
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import Plan
 from fxpipe.core.attrs import fetch_attr
@@ -299,20 +299,21 @@ def keep_local_state(owner: nn.Module, programs: Sequence[Any], placement: RankP
     gc.collect()  # cycles not yet collected (the frames of a failed trace) may hold one
     release_for_swap(freed)
     moved, held = [], []
-    for tensor in freed:
-        empty = _on_meta(tensor)
-        try:
-            torch.utils.swap_tensors(tensor, empty)
-        except RuntimeError:
-            held.append(tensor)
-            continue
-        moved.append((tensor, empty))
-    names = {id(t): name for name, t in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]}
-    every = gathered(sorted(names.get(id(t), "?") for t in held), placement, "freeing the other ranks' tensors")
-    if any(every):
-        for tensor, empty in reversed(moved):
-            torch.utils.swap_tensors(tensor, empty)  # back as it was
-        raise RuntimeError(_held_refusal(every))
+    with rnn_weight_refs_let_go(owner):
+        for tensor in freed:
+            empty = _on_meta(tensor)
+            try:
+                torch.utils.swap_tensors(tensor, empty)
+            except RuntimeError:
+                held.append(tensor)
+                continue
+            moved.append((tensor, empty))
+        names = {id(t): name for name, t in [*owner.named_parameters(remove_duplicate=False), *owner.named_buffers(remove_duplicate=False)]}
+        every = gathered(sorted(names.get(id(t), "?") for t in held), placement, "freeing the other ranks' tensors")
+        if any(every):
+            for tensor, empty in reversed(moved):
+                torch.utils.swap_tensors(tensor, empty)  # back as it was
+            raise RuntimeError(_held_refusal(every))
     mark_freed(owner, [tensor for tensor, _ in moved])
 
 

@@ -543,6 +543,7 @@ def test_what_no_stage_reads_stays_on_the_first_rank() -> None:
     assert sorted(first["keys"] + second["keys"]) == first["plain_keys"], "every key of the model is on one rank"
     assert first["equal"] and second["equal"]
     assert first["meta_keys"] == first["keys"] and second["meta_keys"] == second["keys"], "a model built on meta alike"
+    assert first["rnn"] <= TOL and second["rnn"] <= TOL, (first["rnn"], second["rnn"])  # an LSTM's weights freed on a rank
 
 
 def test_steps_inside_no_sync_accumulate_and_the_next_step_syncs_them() -> None:

@@ -490,6 +490,7 @@ class _NormBlock(nn.Module):
         ("subclass kept whole", "1 (_BatchNormAct), a BatchNorm with a forward of its own"),
         ("block kept whole", "1 (_NormBlock), called whole, with a norm inside"),
         ("instance norm", "1 (InstanceNorm1d), a norm other than BatchNorm"),
+        ("sync batch norm", "1 (SyncBatchNorm), a BatchNorm with a forward of its own"),  # (its fix named torch's BatchNorms alike)
     ],
 )
 def test_deferred_batch_norm_refuses_statistics_it_cannot_defer(case: str, found: str) -> None:
@@ -497,7 +498,8 @@ def test_deferred_batch_norm_refuses_statistics_it_cannot_defer(case: str, found
     kept whole lost what its forward adds (the ReLU) to the plain normalisation."""
     x = torch.randn(8, 5, 6, dtype=torch.float64)  # InstanceNorm1d's (batch, channels, length)
     leaves: list[Any] = [_BatchNormAct] if case == "subclass kept whole" else [_NormBlock] if case == "block kept whole" else []
-    norm = {"block kept whole": _NormBlock(), "instance norm": nn.InstanceNorm1d(5, track_running_stats=True)}.get(case, _BatchNormAct(5))
+    norms = {"block kept whole": _NormBlock(), "instance norm": nn.InstanceNorm1d(5, track_running_stats=True), "sync batch norm": nn.SyncBatchNorm(5)}
+    norm = norms.get(case, _BatchNormAct(5))
     model: nn.Module = nn.Sequential(nn.Linear(6, 6), norm, nn.Linear(6, 6))
     if case == "aten.batch_norm":
         model, x = NormActs(True), x[:, 0]  # forward(**kwargs): torch.export
@@ -505,6 +507,8 @@ def test_deferred_batch_norm_refuses_statistics_it_cannot_defer(case: str, found
     with pytest.raises(ValueError, match="deferred_batch_norm cannot defer") as refused:
         compile_pipeline(model, x, ["cpu"] * 2, chunks=2, deferred_batch_norm=True, leaf_modules=leaves)
     assert found in str(refused.value)
+    if case == "sync batch norm":
+        assert "for a SyncBatchNorm, the BatchNorm of its dims" in str(refused.value)
 
 
 class _Traced(NormActs):

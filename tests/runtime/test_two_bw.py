@@ -324,6 +324,29 @@ def test_a_loop_stopped_early_completes_the_update_of_the_last_loss_given() -> N
     _assert_a_train_step_is_exact(pipe, model, batches[5])
 
 
+class _SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.e, self.a = nn.Embedding(20, 6, sparse=True), nn.Linear(6, 6)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.a(torch.tanh(self.e(ids).sum(1)))
+
+
+def test_a_sparse_embedding_trains_as_in_the_reference_loop() -> None:
+    """Before, the loop failed at the first loss ("Cannot access data pointer of Tensor that
+    doesn't have storage"): it took a sparse gradient's memory as a dense one's."""
+    torch.manual_seed(0)
+    model, plain = twin(_SparseBag())
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 20, (8, 3), generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(4)]
+    pipe = _pipe(model, batches[0][0], 2)
+    losses = list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    expected_model, expected = reference_2bw(plain, batches, lambda params: torch.optim.SGD(params, lr=0.1))
+    assert [float(loss) for loss in losses] == pytest.approx(expected, rel=0, abs=1e-12)
+    _assert_parameters_equal(model, expected_model)
+
+
 def test_a_loop_given_only_the_batches_to_train_on_ends_with_them_and_drops_none() -> None:
     """The fix the warning of a stopped loop gives: the batches cut, not the losses."""
     model, plain = twin(FanOut())
