@@ -72,7 +72,9 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     if rewritten:
         ours = " If the model's new forward calls this pipeline (so that model(x) or model.generate() runs on it), call " \
                "the model: called from the model's own call, the pipeline runs the forward it traced (put that forward back " \
-               "around a train_step, which calls no model)." if programs[True].model_code_replaced() else ""
+               "around a train_step, which calls no model). A copy of the model (copy.deepcopy, an EMA or a teacher) whose " \
+               "forward calls this pipeline would run the original's weights: compile a pipeline of the copy." \
+               if programs[True].model_code_replaced() else ""
         raise RuntimeError(
             f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
             f"holds what their code computed when it was traced (one pass over a container's members).{ours}\nHow to fix: "

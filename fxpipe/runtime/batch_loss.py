@@ -70,12 +70,34 @@ def loss_and_outputs(
 
 
 def _loss_key(loss_fn: Any) -> Any:
-    """What identifies a loss function's code: a function's code object (a lambda made anew at
-    each step is the same), a partial's function, a loss module's type."""
-    while isinstance(loss_fn, functools.partial):
-        loss_fn = loss_fn.func
+    """What identifies a loss function's computation: a function's code and the settings its
+    closure holds (a lambda made anew at each step is the same one), a partial's function and
+    arguments, a loss module's type and settings; a tensor among them counts by its shape and
+    dtype (a statistic given anew at each step), another object by its type."""
+    if isinstance(loss_fn, functools.partial):
+        return (_loss_key(loss_fn.func), tuple(map(_setting, loss_fn.args)), tuple(sorted((k, _setting(v)) for k, v in loss_fn.keywords.items())))
+    if isinstance(loss_fn, torch.nn.Module):
+        return (type(loss_fn), tuple(sorted((k, _setting(v)) for k, v in vars(loss_fn).items() if not k.startswith("_"))))
     code = getattr(loss_fn, "__code__", None)
-    return code if code is not None else loss_fn if not isinstance(loss_fn, torch.nn.Module) else type(loss_fn)
+    if code is None:
+        return loss_fn
+    cells = getattr(loss_fn, "__closure__", None) or ()
+    return (code, tuple(_setting(_content(cell)) for cell in cells), _setting(getattr(loss_fn, "__self__", None)))
+
+
+def _setting(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return type(value)
+
+
+def _content(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet filled
+        return None
 
 
 @dataclass

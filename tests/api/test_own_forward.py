@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any, Optional
 
@@ -28,8 +29,8 @@ class _Net(nn.Module):
 
 def _replaced(model: nn.Module, pipe: Any, how: str) -> None:
     """The model's forward replaced by one that calls the pipeline, as a caller would do it."""
-    if how == "instance forward":
-        model.forward = lambda *args, **kwargs: pipe(*args, **kwargs)  # type: ignore[method-assign]
+    if how == "instance forward":  # (wraps: the forward's signature, which Hugging Face reads to give it position_ids)
+        model.forward = functools.wraps(model.forward)(lambda *args, **kwargs: pipe(*args, **kwargs))  # type: ignore[method-assign]
     else:
 
         class Piped(type(model)):  # type: ignore[misc]
@@ -64,6 +65,8 @@ def test_the_model_called_runs_the_pipeline_on_the_forward_it_traced(how: str, m
         torch.testing.assert_close(model(X, scale=scale), reference(X, scale=scale), rtol=0, atol=1e-12)  # compiled from the traced forward
     with pytest.raises(RuntimeError, match=r"the model itself: .*If the model's new forward calls this pipeline .* call the model"):
         pipe(X)  # called directly, the replaced forward is no longer what the graph holds: refused, saying what works
+    with pytest.raises(RuntimeError, match=r"A copy of the model .* would run the original's weights: compile a pipeline of the copy"):
+        copy.deepcopy(model)(X)  # (the copy's forward calls the original's pipeline)
 
 
 def test_the_models_own_hooks_run_once_around_its_call() -> None:
@@ -100,13 +103,18 @@ def test_generate_runs_on_the_pipeline_and_gives_the_plain_models_tokens() -> No
     model = transformers.GPT2LMHeadModel(config).double().eval()
     reference = copy.deepcopy(model)
     ids = torch.randint(1, 64, (4, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = mask[2, :1] = 0  # left padding: generate gives the forward position_ids, where its signature names them
+    ids[mask == 0] = 0
     pipe = compile_pipeline(model, ids, ["cpu", "cpu"], chunks=2)
     _replaced(model, pipe, "instance forward")
     calls = []
     pipe.register_forward_pre_hook(lambda module, args: calls.append(1))
-    mask = torch.ones_like(ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=4, use_cache=False, do_sample=False)
-    assert torch.equal(tokens, reference.generate(ids, attention_mask=mask, max_new_tokens=4, use_cache=False, do_sample=False))
-    assert len(calls) == 4  # each token from the pipeline
+    asked = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, use_cache=False, output_scores=True, return_dict_in_generate=True)
+    for search in (dict(do_sample=False), dict(num_beams=2)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, expected = model.generate(**asked, **search), reference.generate(**asked, **search)
+        assert torch.equal(got.sequences, expected.sequences), search
+        assert max(float((a - b).abs().max()) for a, b in zip(got.scores, expected.scores)) <= 1e-10, search
+    assert len(calls) == 6  # each token from the pipeline

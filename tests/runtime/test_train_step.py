@@ -249,6 +249,24 @@ def test_a_loss_whose_value_combines_but_whose_gradient_does_not_is_refused(loss
         assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+def _maybe_normalised(out: torch.Tensor, target: torch.Tensor, normalise: bool = False) -> torch.Tensor:
+    losses = (out - target).pow(2).mean(-1)
+    return (losses / losses.detach().mean() if normalise else losses).mean()  # (1 in value on any part, normalised)
+
+
+def test_the_gradient_is_checked_for_each_loss_however_it_shares_code_with_one_checked() -> None:
+    """Before, the check was keyed by a partial's function and a loss module's type: a partial
+    of the same function with another setting went unchecked (0.076 off the plain gradient)."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    pipe.train_step(x, target=y, loss_fn=functools.partial(_maybe_normalised, normalise=False))
+    with pytest.raises(ValueError, match="but not its gradient"):
+        pipe.train_step(x, target=y, loss_fn=functools.partial(_maybe_normalised, normalise=True))
+    pipe.train_step(x, target=y, loss_fn=nn.CrossEntropyLoss())
+    pipe.train_step(x, target=y.softmax(-1), loss_fn=nn.CrossEntropyLoss(label_smoothing=0.1))  # another setting: checked, and fine
+
+
 def test_a_loss_of_one_element_or_a_count_of_the_whole_batch_in_the_target_is_taken_as_the_plain_model_takes_it() -> None:
     """Before, a target tensor with no dim of the batch's size (a count of the whole batch's
     tokens as a tensor, 0-dim or (1,), as Hugging Face's num_items_in_batch is) was refused as
