@@ -491,11 +491,14 @@ def _in_float64(
 
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _autocast_off_on_cuda():
-            total = sum((loss_fn(wide(out), t).double().cpu() * weight for out, t, weight in pieces), torch.zeros((), dtype=torch.float64))
-            whole = loss_fn(wide(outputs), target).double().cpu()
+            losses = [(loss_fn(wide(out), t), weight) for out, t, weight in pieces]
+            whole = loss_fn(wide(outputs), target)
     except Exception:  # noqa: BLE001 - the check in the outputs' own precision stands
         return None
-    return total, whole
+    if any(loss.dtype in (torch.float16, torch.bfloat16) for loss, _ in [*losses, (whole, 1.0)]):
+        return None  # loss_fn casts down itself (`out.bfloat16()`): its own rounding stays, and the check in it stands
+    total = sum((loss.double().cpu() * weight for loss, weight in losses), torch.zeros((), dtype=torch.float64))
+    return total, whole.double().cpu()
 
 
 def _autocast_off_on_cuda() -> Any:
