@@ -65,7 +65,8 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             "tensor; load_state_dict without assign=True copies into the tied weight)."
         )
     rewritten = programs[True].code_changed()
-    if rewritten and programs[True].model_code_replaced() and in_the_models_own_call(owner):
+    forward_replaced = bool(rewritten) and programs[True].model_code_replaced()
+    if forward_replaced and in_the_models_own_call(owner):
         # The model's forward, replaced since, calls the pipeline (model.generate() on it, say),
         # which runs the forward it traced: the one the replacement stands in for.
         rewritten = programs[True].code_changed(but_the_model=True)
@@ -73,8 +74,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
         ours = " If the model's new forward calls this pipeline (so that model(x) or model.generate() runs on it), call " \
                "the model: called from the model's own call, the pipeline runs the forward it traced (put that forward back " \
                "around a train_step, which calls no model). A copy of the model (copy.deepcopy, an EMA or a teacher) whose " \
-               "forward calls this pipeline would run the original's weights: compile a pipeline of the copy." \
-               if programs[True].model_code_replaced() else ""
+               "forward calls this pipeline would run the original's weights: compile a pipeline of the copy." if forward_replaced else ""
         raise RuntimeError(
             f"the code of modules the trace went through changed since compiling: {'; '.join(rewritten)}. The graph "
             f"holds what their code computed when it was traced (one pass over a container's members).{ours}\nHow to fix: "

@@ -365,14 +365,20 @@ class Program:
     def model_code(self) -> Optional[Code]:
         """The model itself's code when traced (`code_of`), or None where the trace did not go
         through its forward."""
-        return next((code for name, _, code in self.traced_code if name == ""), None)
+        entry = self._model_entry()
+        return None if entry is None else entry[1]
 
     def model_code_replaced(self) -> bool:
         """Whether the model's class or own forward is another than when traced (the check of
         every call, made short)."""
-        code = self.model_code()
-        module = next((module for name, module, _ in self.traced_code if name == ""), None)
-        return code is not None and module is not None and (type(module) is not code[0] or module.__dict__.get("forward") is not code[1])
+        entry = self._model_entry()
+        if entry is None:
+            return False
+        model, (cls, own, _, _) = entry
+        return type(model) is not cls or model.__dict__.get("forward") is not own
+
+    def _model_entry(self) -> Optional[tuple[nn.Module, Code]]:
+        return next(((module, code) for name, module, code in self.traced_code if name == ""), None)
 
     @property
     def graph(self) -> fx.GraphModule:

@@ -5,8 +5,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from fxpipe.core.microbatch import flatten, takes_gradients, unflatten
+from fxpipe.core.microbatch import flatten, unflatten
 from fxpipe.runtime.gather import Gathered
+from fxpipe.runtime.losses import output_leaf
 
 # The relative difference of the outputs' gradient (in norm) taken as rounding, by dtype; lower
 # precisions, and losses under autocast, are not checked (their rounding would hide as much as it
@@ -77,7 +78,7 @@ def _as_leaves(values: dict[str, Any]) -> dict[str, Any]:
     found = {}
     for name, value in values.items():
         flat, spec = flatten(value)
-        found[name] = unflatten([t.detach().requires_grad_(takes_gradients(t)) if isinstance(t, torch.Tensor) else t for t in flat], spec)
+        found[name] = unflatten([output_leaf(t) if isinstance(t, torch.Tensor) else t for t in flat], spec)
     return found
 
 
@@ -101,12 +102,10 @@ def _difference(pairs: Sequence[tuple[Optional[torch.Tensor], Optional[torch.Ten
     are none)."""
     diff, size = 0.0, 0.0
     for got, want in pairs:
-        if got is None and want is None:
-            continue
-        g = torch.zeros_like(want) if got is None else got.double()  # type: ignore[arg-type]
-        w = torch.zeros_like(got) if want is None else want.double()  # type: ignore[arg-type]
-        diff += float((g.double() - w.double()).pow(2).sum())
-        size += float(w.double().pow(2).sum())
+        g = 0.0 if got is None else got.double()
+        w = 0.0 if want is None else want.double()
+        diff += float(torch.as_tensor(g - w).pow(2).sum())
+        size += float(torch.as_tensor(w).pow(2).sum())
     if size == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return (diff / size) ** 0.5

@@ -397,13 +397,13 @@ def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, targe
     drew nothing (a loss that draws leaves no state to compare)."""
     def replay() -> bool:
         with torch.enable_grad(), generators_kept(device) as drew:
-            loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
+            loss_fn(tree_map_only(torch.Tensor, output_leaf, outputs), target)
         return not drew()
 
     return replay
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
+def output_leaf(t: torch.Tensor) -> torch.Tensor:
     """A copy of an output that a loss_fn may differentiate (autograd.grad(loss, out), a hook on
     out), as it may the micro-batches' outputs, with no graph behind it."""
     return t.detach().requires_grad_(takes_gradients(t))
@@ -454,7 +454,7 @@ def check_combined_loss(
     outputs, target and weight, made when asked): where the outputs are in half precision, whose
     rounding would hide a loss that does not combine, the check runs again on them in float64."""
     with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
-        whole = loss_fn(tree_map_only(torch.Tensor, _leaf, outputs), target)
+        whole = loss_fn(tree_map_only(torch.Tensor, output_leaf, outputs), target)
     if drew():
         warnings.warn(
             "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
