@@ -41,7 +41,7 @@ def _replaced(model: nn.Module, pipe: Any, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["instance forward", "class swapped"])
-@pytest.mark.parametrize("mode", ["train", "eval", "no_grad"])
+@pytest.mark.parametrize("mode", ["train", "eval", "no_grad", "autograd.grad", "two forwards, one backward", "after an error"])
 def test_the_model_called_runs_the_pipeline_on_the_forward_it_traced(how: str, mode: str) -> None:
     """Before, every call was refused as code changed since compiling, with a fix ('compile the
     model again') that failed the same way."""
@@ -50,11 +50,22 @@ def test_the_model_called_runs_the_pipeline_on_the_forward_it_traced(how: str, m
     _replaced(model, pipe, how)
     if mode == "eval":
         model.eval(), reference.eval()
+    if mode == "after an error":
+        with pytest.raises(TypeError):
+            model(X, X, X)  # (a call the forward cannot bind)
     x, x_ref = X.clone().requires_grad_(), X.clone().requires_grad_()
     with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
         out, want = model(x), reference(x_ref)
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
-    if mode != "no_grad":
+    if mode == "two forwards, one backward":
+        out, want = out + model(2 * x), want + reference(2 * x_ref)
+    if mode == "autograd.grad":
+        got = torch.autograd.grad(out.pow(2).sum(), [x, *model.parameters()])
+        expected = torch.autograd.grad(want.pow(2).sum(), [x_ref, *reference.parameters()])
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        assert all(p.grad is None for p in model.parameters())
+    elif mode != "no_grad":
         out.pow(2).sum().backward()
         want.pow(2).sum().backward()
         torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-12)
