@@ -257,8 +257,7 @@ class TaskRandomness(CondRunsEagerly):
         kwargs = kwargs or {}
         if is_higher_order(func):
             return run_higher_order(self, func, args, kwargs)
-        drawing = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in TORCH_NAMESPACES
-        at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
+        drawing, at = _op_facts(func)
         given = kwargs.get("generator") if at is None or at >= len(args) else args[at]  # (RReLU's comes by position)
         if not drawing or given is not None:
             return func(*args, **kwargs)
@@ -280,6 +279,20 @@ class TaskRandomness(CondRunsEagerly):
             finally:
                 default.set_state(saved)
         return result
+
+
+# Per op: whether it may draw, and where its generator argument is. Read from its schema once:
+# each read builds Python objects of every argument, at the cost of a small op's own work.
+_OP_FACTS: dict[Any, tuple[bool, Optional[int]]] = {}
+
+
+def _op_facts(func: Any) -> tuple[bool, Optional[int]]:
+    found = _OP_FACTS.get(func)
+    if found is None:
+        drawing = torch.Tag.nondeterministic_seeded in func.tags or func.namespace not in TORCH_NAMESPACES
+        at = next((k for k, a in enumerate(func._schema.arguments) if a.name == "generator"), None)
+        found = _OP_FACTS[func] = (drawing, at)
+    return found
 
 
 @contextmanager
