@@ -291,6 +291,9 @@ class Program:
     # The loss functions (`batch_loss._loss_key`) whose gradient was checked against the whole
     # batch's on these stages' outputs: once each.
     gradients_checked: set[Any] = field(default_factory=set)
+    # The same loss functions, by whether they write the outputs they are given in place (see
+    # `batch_loss.MicroBatchLoss`): one not yet met is handed copies, to learn it.
+    losses_writing: dict[Any, bool] = field(default_factory=dict)
 
     # Where the model held each submodule, parameter and buffer when the stages were built.
     held: "HeldState" = field(default_factory=lambda: HeldState([], []))

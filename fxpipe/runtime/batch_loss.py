@@ -14,7 +14,7 @@ from fxpipe.runtime.call import Call, given_values, rebuild
 from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    LeafGrads, handed, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
     with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
@@ -49,8 +49,11 @@ def loss_and_outputs(
                 assert parts is not None
                 return [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
 
-            check_combined_loss(loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None)
             key = _loss_key(loss_fn)
+            writes = call.program.losses_writing.get(key, True)
+            check_combined_loss(
+                loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None, writes=writes,
+            )  # fmt: skip
             if parts is not None and call.grad and key not in call.program.gradients_checked:
                 # Once per loss function: a loss whose gradient does not combine where its value
                 # does is so by its code (a detached statistic of the batch), not by a batch. A loss
@@ -61,7 +64,7 @@ def loss_and_outputs(
                     with generators_kept(total.device) as drew:
                         check_combined_gradient(
                             loss_fn, per_micro_batch, lambda values: call.gather(values, template), parts.output, parts.targets,
-                            parts.weights, target, reduction, drew,
+                            parts.weights, target, reduction, drew, writes,
                         )
                 finally:
                     state.put_back()
@@ -112,13 +115,29 @@ class MicroBatchLoss:
     kept: LeafGrads
     whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
 
+    def __post_init__(self) -> None:
+        # A loss that writes the outputs in place (`logits.div_(t)`, `pred.clamp_(eps)`) gets
+        # copies of them: the outputs a stage sent are leaves, which autograd lets no one write,
+        # and the step keeps them as the model returned them for the check of the batch's loss,
+        # which runs the loss on them again. Copies cost memory: only the first step of each
+        # loss function gets them unasked, and learns whether it writes.
+        self.key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
+        self.copied = self.key is not None and self.call.program.losses_writing.get(self.key) is not False
+
+    def _note_writes(self, given: dict[str, Any]) -> None:
+        tensors = [t for t in leaves_of(given) if isinstance(t, torch.Tensor)]
+        if self.copied and not any(t.is_inference() for t in tensors):  # (made under inference_mode: no versions to read)
+            table = self.call.program.losses_writing
+            table[self.key] = table.get(self.key, False) or any(t._version > 0 for t in tensors)
+
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
         program = self.call.program
         return rebuild(program.template, values, given_values(program, self.call.micro_batches[i]))
 
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
-        output = self.output(i, values)
+        given = handed(values, self.copied)
+        output = self.output(i, given)
         loss_fn = self.loss_fn
         try:
             loss = loss_of(loss_fn, output, self.targets[i]) if loss_fn is not None else own_loss(output)
@@ -126,6 +145,7 @@ class MicroBatchLoss:
             if self.whole_note:
                 error.add_note(self.whole_note)
             raise
+        self._note_writes(given)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
             # under DataParallel); backward takes one element as it takes a 0-dim tensor.

@@ -397,10 +397,17 @@ def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, targe
     drew nothing (a loss that draws leaves no state to compare)."""
     def replay() -> bool:
         with torch.enable_grad(), generators_kept(device) as drew:
-            loss_fn(tree_map_only(torch.Tensor, output_leaf, outputs), target)
+            loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), True), target)
         return not drew()
 
     return replay
+
+
+def handed(tree: Any, writes: bool) -> Any:
+    """What loss_fn is given: `tree` itself, or, where loss_fn writes what it is given in place
+    (`logits.div_(t)`), copies: autograd lets no one write a leaf that requires grad, and the
+    outputs are the step's, which the checks hand the loss again."""
+    return tree_map_only(torch.Tensor, torch.Tensor.clone, tree) if writes else tree
 
 
 def output_leaf(t: torch.Tensor) -> torch.Tensor:
@@ -446,15 +453,16 @@ def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
 
 def check_combined_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
-    pieces: Optional[Callable[[], list[tuple[Any, Any, float]]]] = None,
+    pieces: Optional[Callable[[], list[tuple[Any, Any, float]]]] = None, writes: bool = True,
 ) -> None:
     """The micro-batches' losses, combined, must be the loss of the whole batch (`sliced`: the
     micro-batches are slices of the sequences). The check draws nothing from the caller's
     generators; a loss that draws (label noise) cannot be checked. `pieces` (each micro-batch's
     outputs, target and weight, made when asked): where the outputs are in half precision, whose
-    rounding would hide a loss that does not combine, the check runs again on them in float64."""
+    rounding would hide a loss that does not combine, the check runs again on them in float64.
+    `writes`: loss_fn may write the outputs it is given in place (see `handed`)."""
     with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
-        whole = loss_fn(tree_map_only(torch.Tensor, output_leaf, outputs), target)
+        whole = loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), writes), target)
     if drew():
         warnings.warn(
             "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
@@ -472,7 +480,7 @@ def check_combined_loss(
     # the caller (or a GradScaler) to see.
     rtol = _rounding_allowed([total.dtype, whole_dtype, *_float_dtypes(outputs)])
     atol = rtol * 1e-2 * max(1.0, float(whole.abs())) if whole.isfinite() else 0.0
-    exact = _in_float64(loss_fn, outputs, target, pieces()) if rtol > 1e-4 and pieces is not None else None
+    exact = _in_float64(loss_fn, outputs, target, pieces(), writes) if rtol > 1e-4 and pieces is not None else None
     if exact is not None:  # the same check without the half precision's rounding
         total, whole, rtol, atol = exact[0], exact[1], 1e-6, 1e-8 * max(1.0, float(exact[1].abs()))
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
@@ -482,12 +490,12 @@ def check_combined_loss(
 
 
 def _in_float64(
-    loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, pieces: list[tuple[Any, Any, float]],
+    loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, pieces: list[tuple[Any, Any, float]], writes: bool,
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """The micro-batches' losses combined, and the whole batch's, from the outputs in float64 with
     autocast off; None where loss_fn cannot run on them (a class weight it holds in float32, say)."""
     def wide(tree: Any) -> Any:
-        return tree_map_only(torch.Tensor, lambda t: t.detach().double() if t.is_floating_point() else t.detach(), tree)
+        return handed(tree_map_only(torch.Tensor, lambda t: t.detach().double() if t.is_floating_point() else t.detach(), tree), writes)
 
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _autocast_off_on_cuda():

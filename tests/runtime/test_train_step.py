@@ -2175,3 +2175,64 @@ def test_a_loss_that_keeps_its_last_value_is_compared_on_a_call_like_the_check_s
     with pytest.raises(ValueError, match="loss_fn changes its own state when called: last"):
         pipe.train_step(x, target=y, loss_fn=_KeepsTheLastAndDraws())
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class _TwoHeads(nn.Module):
+    """Outputs from the first stage and the last: the loss reads leaves a stage sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x)
+        return self.c(torch.tanh(self.b(h))), h + 1  # (h itself is saved by b's backward: no loss may write it)
+
+
+def _writing_loss(out: Any, t: torch.Tensor) -> torch.Tensor:
+    """A loss that writes the outputs it is given in place, as `logits.div_(temperature)` does."""
+    o, h = out if isinstance(out, tuple) else (out, None)
+    o.div_(2.0).clamp_(min=-0.5)
+    extra = h.mul_(3.0).pow(2).mean() if h is not None else 0.0
+    return F.mse_loss(o, t) + extra
+
+
+@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "except_last"), ("1f1b", "always"), ("zb-h1", "never"), ("1f1b", "except_last")])
+@pytest.mark.parametrize("heads", [False, True], ids=["one-output", "two-stages-outputs"])
+def test_a_loss_that_writes_its_outputs_in_place_trains_as_the_plain_model(schedule: str, checkpoint: str, heads: bool) -> None:
+    torch.manual_seed(0)
+    made = _TwoHeads() if heads else nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model, plain = twin(made)
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3 if heads else ["cpu"] * 2, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    for step in range(3):  # the first step learns that the loss writes; the others hand it copies as known
+        out = plain(x)
+        expected_outputs = tuple(o.detach().clone() for o in out) if heads else out.detach().clone()
+        expected = _writing_loss(out, t)
+        expected.backward()
+        loss, outputs = pipe.train_step(x, target=t, loss_fn=_writing_loss, return_outputs=True)
+        assert torch.allclose(loss, expected, rtol=0, atol=1e-12), step
+        assert_grads_equal(pipe, plain)
+        for got, want in zip(outputs if heads else (outputs,), expected_outputs if heads else (expected_outputs,)):
+            assert torch.allclose(got, want, rtol=0, atol=1e-12)  # the model's outputs, as it returned them
+
+
+def test_a_loss_that_writes_nothing_is_handed_the_outputs_themselves_after_its_first_step() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(_TwoHeads())
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 3, chunks=2)
+    given: list[bool] = []
+
+    def loss_fn(out: Any, y: torch.Tensor) -> torch.Tensor:
+        given.append(any(type(o.grad_fn).__name__ == "CloneBackward0" for o in out))  # a copy
+        return F.mse_loss(out[0], y) + out[1].pow(2).mean()
+
+    steps = []
+    for _ in range(2):
+        given.clear()
+        pipe.train_step(x, target=t, loss_fn=loss_fn)
+        steps.append(given[:2])  # the two micro-batches' losses (the checks of the whole batch follow)
+        (F.mse_loss(plain(x)[0], t) + plain(x)[1].pow(2).mean()).backward()
+    assert_grads_equal(pipe, plain)
+    assert steps == [[True, True], [False, False]]

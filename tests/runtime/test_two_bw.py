@@ -1258,3 +1258,16 @@ def test_attributes_a_forward_assigns_or_a_hook_reads_first_are_no_change() -> N
     got = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=reads)]
     assert got == pytest.approx(losses, rel=0, abs=1e-12)
     _assert_parameters_equal(pipe, expected)
+
+
+def test_a_loss_that_writes_its_outputs_in_place_trains_as_the_reference_loop() -> None:
+    def writing(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.mul_(0.5).clamp_(min=-1.0), y)  # as `logits.div_(temperature)` writes
+
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    expected_model, expected = reference_2bw(plain, batches, OPTIMIZERS["adam"], loss_fn=writing)
+    pipe = _pipe(model, batches[0][0], 3)
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=writing, optimizer=OPTIMIZERS["adam"](pipe.parameters()))]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-10)
+    _assert_parameters_equal(model, expected_model)
