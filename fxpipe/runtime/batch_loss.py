@@ -69,6 +69,8 @@ def loss_and_outputs(
                 finally:
                     state.put_back()
                 call.program.gradients_checked.add(key)
+    if isinstance(step.loss, MicroBatchLoss):
+        step.loss.write_targets_back()
     return total, outputs
 
 
@@ -116,19 +118,34 @@ class MicroBatchLoss:
     whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
 
     def __post_init__(self) -> None:
-        # A loss that writes the outputs in place (`logits.div_(t)`, `pred.clamp_(eps)`) gets
-        # copies of them: the outputs a stage sent are leaves, which autograd lets no one write,
-        # and the step keeps them as the model returned them for the check of the batch's loss,
-        # which runs the loss on them again. Copies cost memory: only the first step of each
-        # loss function gets them unasked, and learns whether it writes.
+        # A loss that writes the outputs or the target in place (`logits.div_(t)`, `pred.clamp_(eps)`,
+        # `y.mul_(1 - eps)`) gets copies of them: the outputs a stage sent are leaves, which
+        # autograd lets no one write, and the step keeps the outputs as the model returned them,
+        # and the target as given, for the check of the batch's loss, which runs the loss on them
+        # again. Copies cost memory: only the first step of each loss function gets them unasked,
+        # and learns whether it writes.
         self.key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
         self.copied = self.key is not None and self.call.program.losses_writing.get(self.key) is not False
+        self.written_targets: dict[int, Any] = {}  # micro-batch: its target's copies, where the loss wrote them
 
-    def _note_writes(self, given: dict[str, Any]) -> None:
-        tensors = [t for t in leaves_of(given) if isinstance(t, torch.Tensor)]
+    def _note_writes(self, i: int, given: Any, target: Any) -> None:
+        tensors = [t for t in leaves_of((given, target)) if isinstance(t, torch.Tensor)]
         if self.copied and not any(t.is_inference() for t in tensors):  # (made under inference_mode: no versions to read)
             table = self.call.program.losses_writing
             table[self.key] = table.get(self.key, False) or any(t._version > 0 for t in tensors)
+            if any(t._version > 0 for t in leaves_of(target) if isinstance(t, torch.Tensor)):
+                self.written_targets[i] = target
+
+    def write_targets_back(self) -> None:
+        """Once the checks ran on the target as given: what the loss wrote into its copies of the
+        micro-batches' targets, into the caller's target (their pieces are views of it), as the
+        plain model's loss writes it. A tensor every micro-batch gets whole takes the last one's."""
+        with torch.no_grad():
+            for i, written in sorted(self.written_targets.items()):
+                for piece, copy in zip(leaves_of(self.targets[i]), leaves_of(written)):
+                    if isinstance(copy, torch.Tensor) and copy._version > 0:
+                        piece.copy_(copy)
+        self.written_targets.clear()
 
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
@@ -136,16 +153,16 @@ class MicroBatchLoss:
         return rebuild(program.template, values, given_values(program, self.call.micro_batches[i]))
 
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
-        given = handed(values, self.copied)
+        given, target = handed(values, self.copied), handed(self.targets[i], self.copied)
         output = self.output(i, given)
         loss_fn = self.loss_fn
         try:
-            loss = loss_of(loss_fn, output, self.targets[i]) if loss_fn is not None else own_loss(output)
+            loss = loss_of(loss_fn, output, target) if loss_fn is not None else own_loss(output)
         except Exception as error:
             if self.whole_note:
                 error.add_note(self.whole_note)
             raise
-        self._note_writes(given)
+        self._note_writes(i, given, target)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
             # under DataParallel); backward takes one element as it takes a 0-dim tensor.

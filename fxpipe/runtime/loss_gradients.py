@@ -32,7 +32,7 @@ def check_combined_gradient(
     through): they must agree where the micro-batches' outputs are parts of the batch's. Raises
     ValueError naming the difference; nothing else is touched (the outputs are fresh leaves; the
     caller undoes what loss_fn draws, and `drew` says whether it did). `writes`: loss_fn may
-    write the outputs it is given in place (`losses.handed`)."""
+    write the outputs or the target it is given in place (`losses.handed`)."""
     leaves = [_as_leaves(values) for values in per_micro_batch]
     tensors = [_tensors(values) for values in leaves]
     dtypes = {t.dtype for found in tensors for t in found if t.requires_grad}
@@ -43,14 +43,14 @@ def check_combined_gradient(
         gathered = gather(leaves)
         gathered.aliases = []  # an output that is a view of another stays one leaf's (each micro-batch's are apart too)
         split = _split_leaves(gathered, leaves)
-        whole = loss_fn(gathered.rebuild(handed(gathered.tensors, writes)), target)
+        whole = loss_fn(gathered.rebuild(handed(gathered.tensors, writes)), handed(target, writes))
         if not isinstance(whole, torch.Tensor) or not whole.requires_grad or not split:
             return
         flat = [t for found in tensors for t in found if t.requires_grad]
         want = torch.autograd.grad(whole, flat, allow_unused=True)
         got: list[Optional[torch.Tensor]] = []
         for i, values in enumerate(leaves):
-            loss = loss_fn(output(i, handed(values, writes)), targets[i]) * weights[i]
+            loss = loss_fn(output(i, handed(values, writes)), handed(targets[i], writes)) * weights[i]
             mine = [t for t in tensors[i] if t.requires_grad]
             got += torch.autograd.grad(loss, mine, allow_unused=True) if loss.requires_grad else [None] * len(mine)
     if drew():  # a loss that draws draws other values on the micro-batches: nothing to compare

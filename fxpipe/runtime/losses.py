@@ -397,16 +397,16 @@ def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, targe
     drew nothing (a loss that draws leaves no state to compare)."""
     def replay() -> bool:
         with torch.enable_grad(), generators_kept(device) as drew:
-            loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), True), target)
+            loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), True), handed(target, True))
         return not drew()
 
     return replay
 
 
 def handed(tree: Any, writes: bool) -> Any:
-    """What loss_fn is given: `tree` itself, or, where loss_fn writes what it is given in place
-    (`logits.div_(t)`), copies: autograd lets no one write a leaf that requires grad, and the
-    outputs are the step's, which the checks hand the loss again."""
+    """What loss_fn is given (outputs, or a target): `tree` itself, or, where loss_fn writes what
+    it is given in place (`logits.div_(t)`, `y.mul_(1 - eps)`), copies: autograd lets no one write
+    a leaf that requires grad, and the checks hand the loss the step's outputs and the targets again."""
     return tree_map_only(torch.Tensor, torch.Tensor.clone, tree) if writes else tree
 
 
@@ -462,7 +462,7 @@ def check_combined_loss(
     rounding would hide a loss that does not combine, the check runs again on them in float64.
     `writes`: loss_fn may write the outputs it is given in place (see `handed`)."""
     with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
-        whole = loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), writes), target)
+        whole = loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), writes), handed(target, writes))
     if drew():
         warnings.warn(
             "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
@@ -499,8 +499,8 @@ def _in_float64(
 
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _autocast_off_on_cuda():
-            losses = [(loss_fn(wide(out), t), weight) for out, t, weight in pieces]
-            whole = loss_fn(wide(outputs), target)
+            losses = [(loss_fn(wide(out), handed(t, writes)), weight) for out, t, weight in pieces]
+            whole = loss_fn(wide(outputs), handed(target, writes))
     except Exception:  # noqa: BLE001 - the check in the outputs' own precision stands
         return None
     if any(loss.dtype in (torch.float16, torch.bfloat16) for loss, _ in [*losses, (whole, 1.0)]):

@@ -2236,3 +2236,24 @@ def test_a_loss_that_writes_nothing_is_handed_the_outputs_themselves_after_its_f
         (F.mse_loss(plain(x)[0], t) + plain(x)[1].pow(2).mean()).backward()
     assert_grads_equal(pipe, plain)
     assert steps == [[True, True], [False, False]]
+
+
+@pytest.mark.parametrize("schedule, checkpoint", [("gpipe", "except_last"), ("1f1b", "always"), ("zb-h1", "never")])
+def test_a_loss_that_writes_its_target_in_place_trains_and_writes_it_as_the_plain_model(schedule: str, checkpoint: str) -> None:
+    def smoothed(out: torch.Tensor, y: dict[str, torch.Tensor]) -> torch.Tensor:
+        y["soft"].mul_(0.9).add_(0.05)  # label smoothing written into the target, as some losses do
+        return F.mse_loss(out, y["soft"]) + y["scale"].mul_(2.0).sum() * 0.0  # ("scale" goes whole to each micro-batch)
+
+    torch.manual_seed(0)
+    model, plain = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4, schedule=schedule, checkpoint=checkpoint)
+    for step in range(2):
+        soft = torch.randn(8, 4, dtype=torch.float64)
+        mine, theirs = {"soft": soft.clone(), "scale": torch.ones(3)}, {"soft": soft.clone(), "scale": torch.ones(3)}
+        expected = smoothed(plain(x), theirs)
+        expected.backward()
+        loss = pipe.train_step(x, target=mine, loss_fn=smoothed)
+        assert torch.allclose(loss, expected, rtol=0, atol=1e-12), step
+        assert_grads_equal(pipe, plain)
+        assert torch.equal(mine["soft"], theirs["soft"]) and torch.equal(mine["scale"], theirs["scale"]), step
