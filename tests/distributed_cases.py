@@ -202,6 +202,44 @@ def failing_step(rank: int, world: int, schedule: str) -> dict[str, Any]:
     return dict(error=error, took=took, next_loss=ok_loss, expected=expected, put_back=put_back, held=held is not None, interrupted=interrupted, in_loss=in_loss)
 
 
+class _CountsThenFails(nn.Module):
+    """A counter and BatchNorm's statistics written on the first stage; the check on the last."""
+
+    calls: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.bn = nn.Linear(4, 4), nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return _check(self.b(self.bn(torch.tanh(self.a(x)))), x)
+
+
+def failing_forward(rank: int, world: int) -> dict[str, Any]:
+    """pipe(x) under no_grad whose last stage raises once the first stage's rank is done: what
+    the first stage wrote (a counter, BatchNorm's running statistics) is put back there too."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = _CountsThenFails().double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, split_points=["b"], timeout=20)
+    mean = model.bn.running_mean
+    assert mean is not None
+    held = None if model.calls.is_meta else (model.calls.clone(), mean.clone())
+    bad = x.clone()
+    bad[6, 0] = 99  # the last micro-batch: the first stage ran every one
+    try:
+        with torch.no_grad():
+            pipe(bad)
+        error = "no error"
+    except StageError as e:
+        error = str(e)
+    put_back = held is None or (torch.equal(held[0], model.calls) and torch.equal(held[1], mean))
+    return dict(error=error, put_back=put_back, holds=held is not None)
+
+
 def dying_rank(rank: int, world: int) -> dict[str, Any]:
     """The last rank exits in the middle of a step: the others raise, naming it."""
     import os

@@ -7,7 +7,7 @@ import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -62,13 +62,22 @@ def forward_across(pipe: Host, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         call = sliced_call(call, pipe.slicing)
         step = pipe.make_step(call, "gpipe", loss=None)
         _agree(pipe, call, "pipe(x)", seed=step.seed)
-    with failing_together(channel):
+    # A failure on any rank, this one's stages done or not, puts back what they wrote (buffers,
+    # inputs): the call leaves every rank as it found it, as in one process.
+    with failing_together(channel), _put_back_on_error(step):
         outputs = step.forward()
+        gathered = call.gather(outputs) if outputs else None  # (a failure here is every rank's too)
         settle_generators(step, channel.finish(step.drew))
-    if not outputs:
-        return None
-    gathered = call.gather(outputs)
-    return gathered.rebuild(gathered.tensors)
+    return gathered.rebuild(gathered.tensors) if gathered is not None else None
+
+
+@contextlib.contextmanager
+def _put_back_on_error(step: Step) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        step.put_back_buffers()
+        raise
 
 
 def train_across(

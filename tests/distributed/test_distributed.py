@@ -103,6 +103,13 @@ def _check_each_rank_holds_its_own(reports: list[tuple[dict[str, Any], ...]]) ->
         assert shared <= {"tok_emb.weight", "head.weight"}, (per_rank[0]["case"], shared)
 
 
+def test_a_forward_that_fails_on_a_later_rank_leaves_the_earlier_rank_s_buffers_as_they_were() -> None:
+    got = results_of(spawn_ranks(cases.failing_forward, 2, timeout=120))
+    assert all("marked row reached the check" in r["error"] for r in got), [r["error"] for r in got]
+    assert [r["holds"] for r in got] == [True, False], "the first stage's rank holds the counter"
+    assert all(r["put_back"] for r in got), "the counter and the running statistics are as before the call"
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None:
     got = results_of(spawn_ranks(cases.failing_step, 2, schedule, timeout=120))
