@@ -165,6 +165,13 @@ def run_in_slices(sliced: fx.GraphModule, proof: Proof, inputs: Sequence[Any], l
 _ROUNDING = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value with no plain equality: taken as alike, as before
+        return True
+
+
 def check_slices(gm: fx.GraphModule, sliced: fx.GraphModule, proof: Proof, inputs: Sequence[Any], lengths: Sequence[int]) -> None:
     """Raise CausalityError when `sliced`, run on `lengths` slices of `inputs`, computes
     otherwise than `gm` on the whole (beyond rounding). Random ops draw fixed values here, as
@@ -182,6 +189,8 @@ def check_slices(gm: fx.GraphModule, sliced: fx.GraphModule, proof: Proof, input
     problems = []
     for k, (w, p) in enumerate(zip(whole, parts)):
         if not isinstance(w, torch.Tensor):
+            if not _same(w, p):  # the slices' value is the first slice's (a length: x.size(1))
+                problems.append(f"output {k} is no tensor, and slices of {list(lengths)} give {p!r} where the whole sequence gives {w!r}")
             continue
         if p.shape != w.shape:
             problems.append(f"output {k}: slices of {list(lengths)} give shape {tuple(p.shape)}, the whole {tuple(w.shape)}")

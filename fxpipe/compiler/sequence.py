@@ -101,8 +101,9 @@ def slice_graphs(
         checked[attr == "graph"] = Checked(gm, sliced, proof)
         spec = spec or made
     assert spec is not None
-    length = example_length(spec, dict(zip(_placeholders(next(iter(checked.values())).whole), inputs)))
-    return spec, length_check(checked, length, tuple(spec.lengths(length)), owner)
+    named = dict(zip(_placeholders(next(iter(checked.values())).whole), inputs))
+    length = example_length(spec, named)
+    return spec, length_check(checked, length, tuple(spec.lengths(length)), owner, _settings(named))
 
 
 def _example_cut(spec: SliceSpec, inputs: dict[str, Any]) -> list[int]:
@@ -140,7 +141,15 @@ class Checked:
 LengthCheck = Callable[[list[dict[str, Any]], bool, SliceSpec, Callable[[], ContextManager[Any]]], None]
 
 
-def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...], owner: nn.Module) -> LengthCheck:
+def _settings(values: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """A call's inputs that are no tensors (`is_causal=causal`, a `start_pos`), by value: the
+    proof read the example's, which decide what is causal as a mask's values do."""
+    return tuple((name, repr(value)) for name, value in values.items() if not isinstance(value, torch.Tensor))
+
+
+def length_check(
+    graphs: dict[bool, Checked], example: int, example_cut: tuple[int, ...], owner: nn.Module, example_settings: tuple[tuple[str, str], ...] = (),
+) -> LengthCheck:
     """The proof again, and the slices against the whole, on a call's first micro-batch (inputs
     by name) of a length or a cut into slices not checked yet, or after a tensor the masks are
     made from changed (a mask buffer loaded from a checkpoint), once each per mode: a table of the
@@ -155,7 +164,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
     (`model.mask = ...`) counts as changed, and the proof runs on it."""
     holders = {mode: _mask_holders(graph, owner) for mode, graph in graphs.items()}
     proved = {mode: _mask_versions(holders[mode]) for mode in graphs}
-    checked = {(mode, example, example_cut, proved[mode]) for mode in graphs}  # checked while compiling
+    checked = {(mode, example, example_cut, proved[mode], example_settings) for mode in graphs}  # checked while compiling
 
     def check(micro_batches: list[dict[str, Any]], training: bool, spec: SliceSpec, still: Callable[[], ContextManager[Any]] = nullcontext) -> None:
         mode = training if training in graphs else next(iter(graphs))
@@ -165,7 +174,7 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
             lengths = tuple(spec.lengths(length))
         except ValueError:  # a length the slicing cannot cut: the call's cut says so, with its fix
             return
-        key = (mode, length, lengths, _mask_versions(holders[mode]))
+        key = (mode, length, lengths, _mask_versions(holders[mode]), _settings(values))
         if key in checked and not graph.proof.mask_inputs:
             return
         try:
@@ -180,21 +189,30 @@ def length_check(graphs: dict[bool, Checked], example: int, example_cut: tuple[i
                     if key not in checked:
                         check_slices(graph.whole, graph.sliced, graph.proof, tuple(values.values()), lengths)
         except CausalityError as error:
-            raise _at_this_call(error, graph, length, example, changed=_changed(proved[mode], key[3])) from None
+            raise _at_this_call(error, graph, length, example, changed=_changed(proved[mode], key[3]), settings=_other_settings(example_settings, key[4])) from None
         checked.add(key)
 
     return check
 
 
-def _at_this_call(error: CausalityError, graph: Checked, length: int, example: int, changed: bool) -> CausalityError:
+def _other_settings(example: tuple[tuple[str, str], ...], now: tuple[tuple[str, str], ...]) -> str:
+    """The inputs that are no tensors whose values differ from the example's, said as `name=value`."""
+    before = dict(example)
+    return ", ".join(f"{name}={value} (the example's: {before.get(name, 'none')})" for name, value in now if before.get(name) != value)
+
+
+def _at_this_call(error: CausalityError, graph: Checked, length: int, example: int, changed: bool, settings: str = "") -> CausalityError:
     """The proof's failure on a call, saying what differs from the example's: its length, the
-    tensors the masks are made from, or the inputs' values they read."""
+    tensors the masks are made from, the inputs' values they read, or the values of inputs that
+    are no tensors."""
     whats = [f"its length, {length} (the example's was {example})"] if length != example else []
+    whats += [f"inputs that are no tensors: {settings}"] if settings else []
     inputs, state = ", ".join(sorted(graph.proof.mask_inputs)), ", ".join(sorted(graph.proof.mask_state))
     whats += [f"the values of {inputs}, which its masks read, proved on each call"] if inputs else []
     whats += [f"{state}, which its masks are made from, changed since compiling"] if changed else []
     fixes = [f"call it with sequences of the example's length, {example}, or compile for this one"] if length != example else []
     fixes += ["put back what the masks are made from, or compile again"] if changed else []
+    fixes += ["call it with the example's values of those inputs that are no tensors"] if settings else []
     fixes += ["sequence_chunks=1 (a mask that lets a position read later ones, a prefix read both ways, is no causal model)"]
     only_length = length != example and len(whats) == 1
     where = f"at this call's length, {length} (the example's was {example})" if only_length else f"on this call ({'; '.join(whats)})"

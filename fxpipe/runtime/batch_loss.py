@@ -43,7 +43,7 @@ def loss_and_outputs(
         outputs = gathered.rebuild(gathered.tensors)
         if check:
             assert loss_fn is not None
-            parts = step.loss if isinstance(step.loss, MicroBatchLoss) and call.slices is None else None
+            parts = step.loss if isinstance(step.loss, MicroBatchLoss) else None
 
             def pieces() -> list[tuple[Any, Any, float]]:  # for a check in float64, made only where it runs
                 assert parts is not None
@@ -54,7 +54,7 @@ def loss_and_outputs(
             check_combined_loss(
                 loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None, writes=writes,
             )  # fmt: skip
-            if parts is not None and call.grad and key not in call.program.gradients_checked:
+            if parts is not None and call.slices is None and call.grad and key not in call.program.gradients_checked:
                 # Once per loss function: a loss whose gradient does not combine where its value
                 # does is so by its code (a detached statistic of the batch), not by a batch. A loss
                 # that draws is not checked; what a loss object keeps is put back as the value's

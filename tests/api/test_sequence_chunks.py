@@ -1112,3 +1112,61 @@ def test_a_mask_kept_as_a_frozen_parameter_loaded_to_read_every_key_is_refused()
         pipe.load_state_dict({**model.state_dict(), "mask": torch.ones(32, 32)})
         with pytest.raises(CausalityError, match="changed since compiling"):
             pipe(idx)
+
+
+class _Settings(nn.Module):
+    """Causality and positions decided by forward's arguments that are no tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.qkv, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, 24), nn.Linear(8, VOCAB)
+        self.table: torch.Tensor
+        self.register_buffer("table", torch.randn(32, 8))
+
+    def forward(self, idx: torch.Tensor, causal: bool = True, start: int = 0) -> torch.Tensor:
+        x = self.tok(idx) + self.table.narrow(0, start, idx.size(1))
+        q, k, v = self.qkv(x).unsqueeze(1).split(8, dim=3)
+        return self.head(x + F.scaled_dot_product_attention(q, k, v, is_causal=causal).squeeze(1))
+
+
+@pytest.mark.parametrize("settings, names", [((False, 0), "causal=False"), ((True, 3), "start=3")])
+def test_an_argument_that_is_no_tensor_is_proved_again_at_a_value_the_example_did_not_have(settings: tuple[bool, int], names: str) -> None:
+    model, plain = twin(_Settings())
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, sequence_chunks=3)
+    with closing(pipe):
+        torch.testing.assert_close(pipe(X, True, 0), plain(X, True, 0), rtol=0, atol=1e-12)
+        with pytest.raises(CausalityError, match=rf"inputs that are no tensors: {names} \(the example's: (True|0)\)(.|\n)*How to fix: call it with the example's values"):
+            pipe(X, *settings)
+        torch.testing.assert_close(pipe(X, True, 0), plain(X, True, 0), rtol=0, atol=1e-12)  # (and the example's values still run)
+
+
+class _ReturnsLength(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = SdpaGPT(layers=1)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return self.gpt(idx), idx.size(1)
+
+
+def test_an_output_that_is_no_tensor_and_differs_per_slice_is_refused_saying_what_each_gives() -> None:
+    with pytest.raises(CausalityError, match=r"output 1 is no tensor, and slices of \[4, 4, 4\] give 4 where the whole sequence gives 12"):
+        compile_pipeline(_ReturnsLength().double(), X, ["cpu"] * 2, sequence_chunks=3)
+    model, plain = twin(_ReturnsLength())
+    with closing(compile_pipeline(model, X, ["cpu"] * 2, chunks=2)) as pipe:  # samples alone: the plain model's
+        assert pipe(X)[1] == plain(X)[1] == 12
+
+
+def test_under_autocast_a_loss_that_is_no_mean_over_positions_is_refused_as_the_float64_check_finds() -> None:
+    def mean_of_counted(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+
+    torch.manual_seed(0)
+    y = tokens(4, 12, seed=4)
+    y[0, 0] = y[2, 5] = y[2, 9] = y[3, 10] = -100  # ignored unevenly between the slices
+    pipe = compile_pipeline(RotaryGPT().float(), X, ["cpu"] * 2, sequence_chunks=3)
+    with closing(pipe), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match=r"recomputed in float64 from the outputs"):
+            pipe.train_step(X, target=y, loss_fn=mean_of_counted)
+        y[y == -100] = 1  # a mean over every position: it combines
+        pipe.train_step(X, target=y, loss_fn=mean_of_counted)
