@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxpipe.passes.position_tags import CUMULATIVE, P_FIRST, STD_LIKE, Q, Length, Positions, Proof, Refused, Sizes, positions_of
+from fxpipe.passes.position_tags import CUMULATIVE, P_FIRST, STD_LIKE, K, Q, Length, Positions, Proof, Refused, Sizes, positions_of
 
 
 class LayoutRules:
@@ -97,6 +97,9 @@ class LayoutRules:
             return None
         if isinstance(stop_tag, Length) and stop_tag.role == Q and item.start in (None, 0) and item.step in (None, 1) and role is None:
             return self.proof.new_variable()
+        if isinstance(stop_tag, Length) and stop_tag.role == K:  # in a slice, the keys are every position up to its end
+            raise Refused("it cuts a table by the keys' length (`mask[:, :, :T, :att.size(-1)]`): cut both dims by the sequence's "
+                          "length, `mask[:, :, :T, :T]` with T = x.size(1)")  # fmt: skip
         if role is not None or isinstance(item_tag, slice) and any(isinstance(t, Length) for t in (item_tag.start, item_tag.step)):
             raise Refused("it cuts the sequence (a slice other than [:T] of a table)")
         return None

@@ -1170,3 +1170,25 @@ def test_under_autocast_a_loss_that_is_no_mean_over_positions_is_refused_as_the_
             pipe.train_step(X, target=y, loss_fn=mean_of_counted)
         y[y == -100] = 1  # a mean over every position: it combines
         pipe.train_step(X, target=y, loss_fn=mean_of_counted)
+
+
+class _ScoresSized(nn.Module):
+    """A tril buffer cut by the scores' own sizes, the keys' too (`bias[:, :, :tq, :tk]`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.qkv, self.head = nn.Embedding(VOCAB, 8), nn.Linear(8, 24), nn.Linear(8, VOCAB)
+        self.bias: torch.Tensor
+        self.register_buffer("bias", torch.ones(32, 32).tril().view(1, 1, 32, 32))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        q, k, v = self.qkv(x).unsqueeze(1).split(8, dim=3)
+        att = q @ k.transpose(-2, -1)
+        att = att.masked_fill(self.bias[:, :, : att.size(-2), : att.size(-1)] == 0, float("-inf"))
+        return self.head(x + (att.softmax(-1) @ v).squeeze(1))
+
+
+def test_a_mask_cut_by_the_keys_length_is_refused_naming_the_cut_that_runs() -> None:
+    with pytest.raises(CausalityError, match=r"getitem(.|\n)*cuts a table by the keys' length(.|\n)*mask\[:, :, :T, :T\]"):
+        compile_pipeline(_ScoresSized().double(), X, ["cpu"] * 2, sequence_chunks=3)
