@@ -2124,3 +2124,44 @@ def assigned_apart(rank: int, world: int) -> dict[str, Any]:
         refused = str(e)
     unchanged = all(torch.equal(v, before[k]) for k, v in pipe.state_dict().items() if v.device.type != "meta")
     return {"keys": sorted(held), "apart": {k: _max_diff(v, expected[k]) for k, v in held.items()}, "refused": refused, "unchanged": unchanged}
+
+
+class _SparseTied(nn.Module):
+    """A sparse embedding (its gradient a sparse tensor), tied to the head or not."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(11, 6, sparse=True), nn.Linear(6, 6), nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
+
+
+def sparse_embeddings(rank: int, world: int, layout: str) -> dict[str, Any]:
+    """'pp': the sparse embedding tied to the head on the other rank, its gradients summed across
+    the ranks; 'dp': two replicas of one stage, a step under no_sync and a synced one, the sparse
+    gradient averaged as DDP averages it. Against the plain model on the whole batch."""
+    mesh = init_device_mesh("cpu", (world, 1) if layout == "pp" else (1, world), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    model = _SparseTied(tied=layout == "pp").double()
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)
+
+    def loss_fn(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    share = slice(None) if layout == "pp" else slice(4 * rank, 4 * rank + 4)
+    pipe = compile_pipeline(model, x[share], mesh=mesh, chunks=2, split_points=["head"] if layout == "pp" else None, timeout=30)
+    with pipe.no_sync() if layout == "dp" else contextlib.nullcontext():
+        pipe.train_step(x[share], target=y[share], loss_fn=loss_fn)
+    pipe.train_step(x[share], target=y[share], loss_fn=loss_fn)
+    (2 * loss_fn(reference(x), y)).backward()
+    ref = dict(reference.named_parameters())
+    held = [(n, p) for n, p in model.named_parameters() if p.grad is not None and not p.grad.is_meta]
+    return dict(
+        grads=max(_max_diff(grad_of(p).to_dense(), grad_of(ref[n]).to_dense()) for n, p in held),
+        sparse=[n for n, p in held if p.grad is not None and p.grad.layout == torch.sparse_coo],
+    )

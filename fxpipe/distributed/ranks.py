@@ -366,6 +366,19 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
         raise
 
 
+def _in_rank_order(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sum of the ranks' gradients, alike on every rank; a sparse one (a sparse embedding's)
+    added as autograd adds it in one process."""
+    if len(grads) <= 1:
+        return grads[0] if grads else None
+    if all(g.layout == torch.strided for g in grads):
+        return torch.stack(grads).sum(0)
+    total = grads[0]
+    for g in grads[1:]:
+        total = total + g if total.layout == torch.strided or g.layout != torch.strided else g + total
+    return total
+
+
 def sum_tied(
     channel: Channel, program: Any, params: Sequence[nn.Parameter], grads: list[Optional[torch.Tensor]], owner: nn.Module
 ) -> list[Optional[torch.Tensor]]:
@@ -394,7 +407,7 @@ def sum_tied(
             frozen = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if not trains]
             problems.append(f"{name!r} requires grad on rank(s) {trained} and not on {frozen}")
         present = [g.to(p.device) for _, g in parts if g is not None]
-        summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+        summed[id(p)] = _in_rank_order(present)
     if problems:
         raise ValueError(
             "a parameter read on several ranks is trained on some and frozen on others:\n"

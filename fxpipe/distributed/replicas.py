@@ -108,11 +108,26 @@ class Replicas:
         syncing, add this replica's own, scaled alike: the next synced step's all-reduce averages
         everything accumulated since, as DDP's `no_sync` does."""
         given = {id(p): g * scale for p, g in zip(params, grads) if g is not None}
-        self.watch(held, [id(p) in given for p in held])
-        if self._ddp is None:
-            return
-        with self._bounded("the replicas' gradient all-reduce"), torch.enable_grad(), contextlib.nullcontext() if self.syncing else self._ddp.no_sync():
-            self._ddp(given).backward()
+        sparse = {k: g for k, g in given.items() if g.layout != torch.strided}  # (a sparse embedding's)
+        self.watch(held, [id(p) in given and id(p) not in sparse for p in held])
+        if self._ddp is not None:
+            dense = {k: g for k, g in given.items() if k not in sparse}
+            with self._bounded("the replicas' gradient all-reduce"), torch.enable_grad(), contextlib.nullcontext() if self.syncing else self._ddp.no_sync():
+                self._ddp(dense).backward()
+        for p in held:
+            if id(p) in sparse:
+                self._accumulate_sparse(p, sparse[id(p)])
+
+    def _accumulate_sparse(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """A sparse gradient, which DDP's buckets cannot hold, added and averaged as DDP would: the
+        replicas' mean of what `.grad` holds with it, where syncing; else added here alone."""
+        total = grad if p.grad is None else p.grad + grad
+        if self.syncing:
+            total = total.coalesce()
+            with self._bounded("the replicas' sparse gradient all-reduce"):
+                dist.all_reduce(total, group=self.where.dp_group, async_op=True).wait(timedelta(seconds=self.where.timeout))
+            total = total / self.size
+        p.grad = total
 
     @contextlib.contextmanager
     def _bounded(self, what: str) -> Iterator[None]:

@@ -19,10 +19,10 @@ import ctypes
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, NamedTuple, Optional
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 FRAME = 4 * 1024  # small enough to cost no more than an empty send, on loopback gloo
 _HEADER_ROOM = 512  # of the frame, kept for the sizes and the header when tensors are placed in the body
@@ -65,10 +65,41 @@ class Message:
         return sizes + [t.numel() for t in self.extras]
 
 
+class SparseParts(NamedTuple):
+    """A sparse COO tensor on the wire (a sparse embedding's gradient): its dense parts."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    size: tuple[int, ...]
+
+
+def _as_parts(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.layout == torch.sparse_coo:
+        leaf = leaf.coalesce()
+        return SparseParts(leaf.indices(), leaf.values(), tuple(leaf.shape))
+    return leaf
+
+
+def _from_parts(value: Any) -> Any:
+    def rebuilt(leaf: Any) -> Any:
+        if isinstance(leaf, SparseParts):
+            return torch.sparse_coo_tensor(leaf.indices, leaf.values, leaf.size, is_coalesced=True, check_invariants=False)
+        return leaf
+
+    return tree_map(rebuilt, value, is_leaf=lambda leaf: isinstance(leaf, SparseParts))
+
+
+def _holds_sparse(spec: TreeSpec) -> bool:
+    return spec.context is SparseParts or any(_holds_sparse(child) for child in spec.children())
+
+
 def encode(step: int, kind: str, key: Hashable, value: Any, body: bool = True) -> Message:
     """The message of one value; without `body`, every tensor is an extra (for a value with so
-    many tensors that their sizes leave no room in the frame)."""
+    many tensors that their sizes leave no room in the frame). A sparse tensor goes as its
+    indices and values (`SparseParts`)."""
     leaves, spec = tree_flatten(value)
+    if any(isinstance(leaf, torch.Tensor) and leaf.layout == torch.sparse_coo for leaf in leaves):
+        leaves, spec = tree_flatten(tree_map(_as_parts, value))
     tensors = [leaf.detach() for leaf in leaves if isinstance(leaf, torch.Tensor)]
     signature = _signature(kind, key, spec, leaves, body)
     known = _sent_headers.get(signature) if signature is not None else None
@@ -153,7 +184,7 @@ def open_frame(frame: torch.Tensor) -> tuple[int, list[int], list[int], Optional
 
 def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Tensor], device: torch.device) -> tuple[str, Hashable, Any]:
     """(kind, key, value) from the header, the frame's body and the tensor extras."""
-    kind, key, leaves, spec = _opened(header)
+    kind, key, leaves, spec, sparse = _opened(header)
     parts = iter(extras)
 
     def tensor(meta: _TensorMeta) -> torch.Tensor:
@@ -168,21 +199,24 @@ def decode(header: bytes, frame: torch.Tensor, body: int, extras: list[torch.Ten
                 values = torch.empty_strided(meta.shape, meta.strides, dtype=meta.dtype, device=values.device).copy_(values)
         return values.requires_grad_(meta.requires_grad)
 
-    return kind, key, tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
+    value = tree_unflatten([tensor(m) if isinstance(m, _TensorMeta) else m for m in leaves], spec)
+    return kind, key, _from_parts(value) if sparse else value
 
 
 _sent_headers: dict[Hashable, tuple[bytes, tuple[int, ...]]] = {}  # signature -> header, places
-_opened_headers: dict[bytes, tuple[str, Hashable, list[Any], TreeSpec]] = {}
+_opened_headers: dict[bytes, tuple[str, Hashable, list[Any], TreeSpec, bool]] = {}
 _IMMUTABLE = (_TensorMeta, int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _opened(header: bytes) -> tuple[str, Hashable, list[Any], TreeSpec]:
-    """The kind, the key, and the skeleton's leaves and structure; kept where no leaf could be
-    changed by whoever takes the value (its structure is rebuilt on every call)."""
+def _opened(header: bytes) -> tuple[str, Hashable, list[Any], TreeSpec, bool]:
+    """The kind, the key, the skeleton's leaves and structure, and whether it holds a sparse
+    tensor's parts; kept where no leaf could be changed by whoever takes the value (its structure
+    is rebuilt on every call)."""
     opened = _opened_headers.get(header)
     if opened is None:
         kind, key, skeleton = pickle.loads(header)
-        opened = (kind, key, *tree_flatten(skeleton))
+        leaves, spec = tree_flatten(skeleton)
+        opened = (kind, key, leaves, spec, _holds_sparse(spec))
         if all(isinstance(leaf, _IMMUTABLE) for leaf in opened[2]):
             if len(_opened_headers) >= _KEPT:
                 _opened_headers.clear()

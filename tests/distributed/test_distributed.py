@@ -110,6 +110,14 @@ def test_a_forward_that_fails_on_a_later_rank_leaves_the_earlier_rank_s_buffers_
     assert all(r["put_back"] for r in got), "the counter and the running statistics are as before the call"
 
 
+@pytest.mark.parametrize("layout", ["pp", "dp"])
+def test_a_sparse_embedding_s_gradient_crosses_ranks_as_the_plain_model_s(layout: str) -> None:
+    got = results_of(spawn_ranks(cases.sparse_embeddings, 2, layout, timeout=120))
+    assert all(r["grads"] <= TOL for r in got), [r["grads"] for r in got]
+    if layout == "dp":  # each replica's own sparse gradient, averaged, stays sparse as DDP keeps it
+        assert all(r["sparse"] == ["emb.weight"] for r in got), got
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_an_exception_on_one_rank_is_raised_on_every_rank(schedule: str) -> None:
     got = results_of(spawn_ranks(cases.failing_step, 2, schedule, timeout=120))
