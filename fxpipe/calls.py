@@ -225,7 +225,9 @@ class PipelineCalls(nn.Module):
             targets, weights = call.slices.targets(targets), call.slices.weights(weights, reduction)
         elif counted is not None:  # the model's own mean over the targets it counts: weighted by their counts
             weights = counted
-        micro_batch_loss = MicroBatchLoss(call, loss_fn, targets, weights, kept, whole_target_note(target, call.batch, len(call.sizes)))
+        micro_batch_loss = MicroBatchLoss(
+            call, loss_fn, targets, weights, kept, whole_target_note(target, call.batch, len(call.sizes)), across=self._channel is not None,
+        )  # fmt: skip
 
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True

@@ -38,7 +38,7 @@ from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import refuse_without_gradients
 from fxpipe.loop_changes import ModelAsFound
-from fxpipe.runtime.batch_loss import loss_and_outputs
+from fxpipe.runtime.batch_loss import loss_and_outputs, write_targets_back
 from fxpipe.runtime.loss_state import LossStateKept, calls_of_loss_fn
 from fxpipe.runtime.call import Call
 from fxpipe.runtime.devices import Aborted
@@ -303,6 +303,7 @@ class _Overlap:
             input_grads = flight.step._caller_input_grads()
             with drawing_between_compiles(), default_generator_held(), self.loss_state:  # a loss function may draw
                 total, _ = loss_and_outputs(flight.call, flight.step, self.loss_fn, flight.target, self.reduction, False)
+            write_targets_back(flight.step)
             grads = parameter_grads(flight.call.program, flight.step, flight.call.params)
         else:
             input_grads, (total, grads, parts) = [], self._agreed(index, flight, after_step)

@@ -347,6 +347,13 @@ def refusals(rank: int, world: int) -> list[str]:
     if logger is not None:
         logger.remove()
     errors.append(f"loss {pipe.train_step(x, target=x, loss_fn=F.mse_loss).item():.6f}")
+    y = x.clone()
+
+    def smoothing(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, t.mul_(0.9))  # the target written in place: the loss's rank alone would see it
+
+    errors.append(_said(lambda: pipe.train_step(x, target=y, loss_fn=smoothing)))
+    errors.append("target as given" if torch.equal(y, x) else "target written")
     return errors
 
 

@@ -13,8 +13,9 @@ from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.runtime.call import Call, given_values, rebuild
 from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
+from fxpipe.runtime.loss_writes import LossWrites
 from fxpipe.runtime.losses import (
-    LeafGrads, handed, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
     with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
@@ -69,16 +70,22 @@ def loss_and_outputs(
                 finally:
                     state.put_back()
                 call.program.gradients_checked.add(key)
-    if isinstance(step.loss, MicroBatchLoss):
-        step.loss.write_targets_back()
     return total, outputs
+
+
+def write_targets_back(step: Step) -> None:
+    """Once a train step is done, and refused by nothing: what its loss wrote into its copies of
+    the target, into the caller's (`loss_writes.LossWrites`)."""
+    if isinstance(step.loss, MicroBatchLoss):
+        step.loss.writes.write_back()
 
 
 def _loss_key(loss_fn: Any) -> Any:
     """What identifies a loss function's computation: a function's code and the settings its
     closure holds (a lambda made anew at each step is the same one), a partial's function and
     arguments, a loss module's type and settings; a tensor among them counts by its shape and
-    dtype (a statistic given anew at each step), another object by its type."""
+    dtype (a statistic given anew at each step), a number or another object by its type (a
+    temperature annealed at every step, a loss kept for logging), a flag or a name by its value."""
     if isinstance(loss_fn, functools.partial):
         return (_loss_key(loss_fn.func), tuple(map(_setting, loss_fn.args)), tuple(sorted((k, _setting(v)) for k, v in loss_fn.keywords.items())))
     if isinstance(loss_fn, torch.nn.Module):
@@ -93,9 +100,9 @@ def _loss_key(loss_fn: Any) -> Any:
 def _setting(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, str)):
         return value
-    return type(value)
+    return type(value)  # (a number by its type: a temperature annealed at every step is one loss function)
 
 
 def _content(cell: Any) -> Any:
@@ -117,35 +124,11 @@ class MicroBatchLoss:
     kept: LeafGrads
     whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
 
+    across: bool = False  # the step runs across processes (only the loss stage's rank runs the loss)
+
     def __post_init__(self) -> None:
-        # A loss that writes the outputs or the target in place (`logits.div_(t)`, `pred.clamp_(eps)`,
-        # `y.mul_(1 - eps)`) gets copies of them: the outputs a stage sent are leaves, which
-        # autograd lets no one write, and the step keeps the outputs as the model returned them,
-        # and the target as given, for the check of the batch's loss, which runs the loss on them
-        # again. Copies cost memory: only the first step of each loss function gets them unasked,
-        # and learns whether it writes.
-        self.key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
-        self.copied = self.key is not None and self.call.program.losses_writing.get(self.key) is not False
-        self.written_targets: dict[int, Any] = {}  # micro-batch: its target's copies, where the loss wrote them
-
-    def _note_writes(self, i: int, given: Any, target: Any) -> None:
-        tensors = [t for t in leaves_of((given, target)) if isinstance(t, torch.Tensor)]
-        if self.copied and not any(t.is_inference() for t in tensors):  # (made under inference_mode: no versions to read)
-            table = self.call.program.losses_writing
-            table[self.key] = table.get(self.key, False) or any(t._version > 0 for t in tensors)
-            if any(t._version > 0 for t in leaves_of(target) if isinstance(t, torch.Tensor)):
-                self.written_targets[i] = target
-
-    def write_targets_back(self) -> None:
-        """Once the checks ran on the target as given: what the loss wrote into its copies of the
-        micro-batches' targets, into the caller's target (their pieces are views of it), as the
-        plain model's loss writes it. A tensor every micro-batch gets whole takes the last one's."""
-        with torch.no_grad():
-            for i, written in sorted(self.written_targets.items()):
-                for piece, copy in zip(leaves_of(self.targets[i]), leaves_of(written)):
-                    if isinstance(copy, torch.Tensor) and copy._version > 0:
-                        piece.copy_(copy)
-        self.written_targets.clear()
+        key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
+        self.writes = LossWrites(self.call.program.losses_writing, key, self.across)
 
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
@@ -153,16 +136,19 @@ class MicroBatchLoss:
         return rebuild(program.template, values, given_values(program, self.call.micro_batches[i]))
 
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
-        given, target = handed(values, self.copied), handed(self.targets[i], self.copied)
+        given, target, watched = self.writes.handed(values, self.targets[i])
         output = self.output(i, given)
         loss_fn = self.loss_fn
         try:
             loss = loss_of(loss_fn, output, target) if loss_fn is not None else own_loss(output)
         except Exception as error:
+            refusal = self.writes.refusal(error)
+            if refusal is not None:
+                raise refusal from error
             if self.whole_note:
                 error.add_note(self.whole_note)
             raise
-        self._note_writes(i, given, target)
+        self.writes.note(i, values, self.targets[i], given, target, watched)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
             # under DataParallel); backward takes one element as it takes a 0-dim tensor.

@@ -94,7 +94,10 @@ def _state(holder: Any) -> dict[str, Any]:
 
 def _changed(before: Any, now: Any) -> bool:
     if isinstance(before, _Tensor):
-        return now is not before.tensor or now._version != before.version
+        # By value too, where kept: BatchNorm's CPU kernel writes its running statistics without
+        # moving their version.
+        moved = now is not before.tensor or now._version != before.version
+        return moved or (before.values is not None and not _equal(before.values, now))
     if isinstance(before, _Container):
         return now is not before.held or _contents_changed(before.copy, now)
     return type(now) is not type(before) or not (now is before or now == before)
@@ -217,6 +220,16 @@ def _alike(a: Any, b: Any) -> bool:
             return x.keys() == y.keys() and all(_same_values(x[k], y[k]) for k in x)
         return x == y if isinstance(x, set) else all(_same_values(u, v) for u, v in zip(x, y))
     return type(a) is type(b) and not isinstance(a, (_Tensor, _Container)) and (a is b or a == b)
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and values, NaN where NaN was."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    same = a == b
+    if a.is_floating_point() or a.is_complex():
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
 
 
 def _same_values(a: Any, b: Any) -> bool:

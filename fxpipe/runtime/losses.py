@@ -397,17 +397,29 @@ def replay_once(loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, targe
     drew nothing (a loss that draws leaves no state to compare)."""
     def replay() -> bool:
         with torch.enable_grad(), generators_kept(device) as drew:
-            loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), True), handed(target, True))
+            loss_fn(handed(once_each(output_leaf, outputs), True), handed(target, True))
         return not drew()
 
     return replay
 
 
 def handed(tree: Any, writes: bool) -> Any:
-    """What loss_fn is given (outputs, or a target): `tree` itself, or, where loss_fn writes what
-    it is given in place (`logits.div_(t)`, `y.mul_(1 - eps)`), copies: autograd lets no one write
-    a leaf that requires grad, and the checks hand the loss the step's outputs and the targets again."""
-    return tree_map_only(torch.Tensor, torch.Tensor.clone, tree) if writes else tree
+    """What loss_fn is given (outputs, or a target): `tree` itself, or, where loss_fn may write
+    what it is given in place (`logits.div_(t)`, `y.mul_(1 - eps)`), copies (see
+    fxpipe/runtime/loss_writes.py)."""
+    return once_each(torch.Tensor.clone, tree) if writes else tree
+
+
+def once_each(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """`fn` of each tensor in `tree`, once per tensor: one held twice (`return h, h`) stays one."""
+    made: dict[int, torch.Tensor] = {}
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = fn(t)
+        return made[id(t)]
+
+    return tree_map_only(torch.Tensor, one, tree)
 
 
 def output_leaf(t: torch.Tensor) -> torch.Tensor:
@@ -462,7 +474,7 @@ def check_combined_loss(
     rounding would hide a loss that does not combine, the check runs again on them in float64.
     `writes`: loss_fn may write the outputs it is given in place (see `handed`)."""
     with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
-        whole = loss_fn(handed(tree_map_only(torch.Tensor, output_leaf, outputs), writes), handed(target, writes))
+        whole = loss_fn(handed(once_each(output_leaf, outputs), writes), handed(target, True))
     if drew():
         warnings.warn(
             "loss_fn draws random numbers: on the whole batch it draws others than on the micro-batches, so "
@@ -499,8 +511,8 @@ def _in_float64(
 
     try:
         with torch.no_grad(), torch.autocast("cpu", enabled=False), _autocast_off_on_cuda():
-            losses = [(loss_fn(wide(out), handed(t, writes)), weight) for out, t, weight in pieces]
-            whole = loss_fn(wide(outputs), handed(target, writes))
+            losses = [(loss_fn(wide(out), handed(t, True)), weight) for out, t, weight in pieces]
+            whole = loss_fn(wide(outputs), handed(target, True))
     except Exception:  # noqa: BLE001 - the check in the outputs' own precision stands
         return None
     if any(loss.dtype in (torch.float16, torch.bfloat16) for loss, _ in [*losses, (whole, 1.0)]):

@@ -302,6 +302,8 @@ def test_what_is_not_supported_across_processes_is_refused_on_every_rank() -> No
         # and rank 0 was paired with rank 1's next call), and the next step runs.
         assert "train_step cannot run the forward pre-hooks registered on the model itself" in errors[12], errors[12]
         assert errors[13] == errors[2], (errors[13], errors[2])
+        assert "loss_fn writes its target in place: across processes only the rank of the loss stage" in errors[14], errors[14]
+        assert errors[15] == "target as given", errors[15]
 
 
 def test_devices_or_mesh_one_of_them() -> None:

@@ -2257,3 +2257,145 @@ def test_a_loss_that_writes_its_target_in_place_trains_and_writes_it_as_the_plai
         assert torch.allclose(loss, expected, rtol=0, atol=1e-12), step
         assert_grads_equal(pipe, plain)
         assert torch.equal(mine["soft"], theirs["soft"]) and torch.equal(mine["scale"], theirs["scale"]), step
+
+
+def test_a_loss_that_writes_its_outputs_at_a_later_step_only_is_refused_once_then_handed_copies() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    writes = [False]
+
+    def sometimes(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.div_(2.0) if writes[0] else out / 2.0, y)
+
+    for schedule, checkpoint in [("1f1b", "always"), ("zb-h1", "never")]:  # a sent leaf; the loss stage's own outputs
+        writes[0] = False
+        pipe = compile_pipeline(copy.deepcopy(model), x, ["cpu"] * 2, chunks=4, schedule=schedule, checkpoint=checkpoint)
+        pipe.train_step(x, target=t, loss_fn=sometimes)  # learns that it writes nothing
+        before = [grad_of(p).clone() for p in pipe.parameters()]
+        writes[0] = True
+        with pytest.raises(StageError, match=r"wrote the outputs it is given in place at this step(.|\n)*How to fix: call train_step again"):
+            pipe.train_step(x, target=t, loss_fn=sometimes)
+        assert all(torch.equal(grad_of(p), b) for p, b in zip(pipe.parameters(), before))  # nothing accumulated
+        pipe.zero_grad()
+        plain.zero_grad()
+        loss = pipe.train_step(x, target=t, loss_fn=sometimes)
+        expected = sometimes(plain(x), t)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+        for p, q in zip(pipe.parameters(), plain.parameters()):
+            assert torch.allclose(grad_of(p), grad_of(q), rtol=0, atol=1e-12)
+
+
+class _Aliased(nn.Module):
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.view = nn.Linear(4, 4), nn.Linear(4, 4), view
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.b(torch.tanh(self.a(x)))
+        return h, h[:, :2] if self.view else h
+
+
+def _writes_the_first_reads_the_second(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    h, other = out
+    h.mul_(2.0)
+    return F.mse_loss(other, y[:, : other.shape[1]])
+
+
+def test_outputs_that_alias_are_handed_as_one_or_refused_where_copies_would_part_them() -> None:
+    torch.manual_seed(0)
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    model, plain = twin(_Aliased(view=False))  # one tensor twice: one copy, handed twice
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    loss = pipe.train_step(x, target=t, loss_fn=_writes_the_first_reads_the_second)
+    expected = _writes_the_first_reads_the_second(plain(x), t)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain)
+    model = _Aliased(view=True).double()  # a view of another: refused, nothing accumulated
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(StageError, match=r"hold one tensor twice, or a view of another(.|\n)*How to fix: write a copy in loss_fn"):
+        pipe.train_step(x, target=t, loss_fn=_writes_the_first_reads_the_second)
+    assert all(p.grad is None for p in model.parameters())
+
+    def reads_what_it_wrote(out: torch.Tensor, y: dict[str, torch.Tensor]) -> torch.Tensor:
+        y["soft"].mul_(0.5)
+        return F.mse_loss(out, y["ref"])
+
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4)).double(), x, ["cpu"], chunks=2)
+    y = t.clone()
+    with pytest.raises(StageError, match="hold one tensor twice, or a view of another"):
+        pipe.train_step(x, target={"soft": y, "ref": y}, loss_fn=reads_what_it_wrote)
+    assert torch.equal(y, t)  # the caller's target as given
+
+
+def test_a_loss_that_writes_its_target_under_inference_mode_writes_the_caller_s_target() -> None:
+    model, plain = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with torch.inference_mode():
+        y, expected_y = torch.randn(8, 4, dtype=torch.float64), None
+        expected_y = y.clone()
+        pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+        loss = pipe.train_step(x, target=y, loss_fn=lambda out, t: F.mse_loss(out, t.mul_(0.9)))
+        expected = F.mse_loss(plain(x), expected_y.mul_(0.9))
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+    assert torch.equal(y, expected_y)
+
+
+def test_a_step_refused_after_its_losses_ran_leaves_the_caller_s_target_as_given() -> None:
+    class Counting(nn.Module):  # state the plain loop moves once a step: refused, and put back
+        def __init__(self) -> None:
+            super().__init__()
+            self.steps = 0
+
+        def forward(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            self.steps += 1
+            return F.mse_loss(out, t.mul_(0.9))
+
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double(), x, ["cpu"] * 2, chunks=4)
+    y = t.clone()
+    with pytest.raises(ValueError, match="loss_fn changes its own state"):
+        pipe.train_step(x, target=y, loss_fn=Counting())
+    assert torch.equal(y, t)
+
+
+def test_a_loss_whose_closure_holds_a_number_that_moves_every_step_is_one_loss_function() -> None:
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double(), x, ["cpu"] * 2, chunks=4)
+    calls, copies = [], []
+    for step in range(3):
+        temperature = 1.0 + 0.1 * step  # annealed
+
+        def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            calls.append(step)
+            copies.append(type(out.grad_fn).__name__ == "CloneBackward0")
+            return F.mse_loss(out / temperature, y)
+
+        pipe.train_step(x, target=t, loss_fn=loss_fn)
+    # the first step: 4 micro-batches, the whole batch's check, the gradient's check (5 more);
+    # then 4 and the check, with the outputs themselves
+    assert [calls.count(s) for s in range(3)] == [10, 5, 5]
+    assert copies[:4] == [True] * 4 and copies[10:14] == copies[15:19] == [False] * 4
+
+
+class _NormedCritic(nn.Module):
+    """A loss object holding a network with BatchNorm, in training mode: each call moves its statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double()
+
+    def forward(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.critic(out), t)
+
+
+def test_a_loss_object_whose_batch_norm_moves_is_refused_and_its_statistics_put_back() -> None:
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double(), x, ["cpu"] * 2, chunks=4)
+    loss_fn = _NormedCritic()
+    before = {k: v.clone() for k, v in loss_fn.state_dict().items()}
+    with pytest.raises(ValueError, match=r"loss_fn changes its own state when called: .*running_mean"):
+        pipe.train_step(x, target=t, loss_fn=loss_fn)
+    assert all(torch.equal(v, before[k]) for k, v in loss_fn.state_dict().items())

@@ -1,0 +1,126 @@
+"""What a loss function writes in place of what it is given: copies handed to it, its writes learned, the caller's target written back.
+
+A loss that writes the outputs or the target in place (`logits.div_(t)`, `pred.clamp_(eps)`,
+`y.mul_(1 - eps)`) is handed copies of them: the outputs a stage sent are leaves, which autograd
+lets no one write; and the step keeps the outputs as the model returned them, and the target as
+given, for the checks of the batch's loss, which call the loss on them again. What the loss
+wrote into its copies of the target goes into the caller's once the step is done, as the plain
+model's loss writes it.
+
+    targets   copied on every call (they are small beside the outputs, as a rule)
+    outputs   copied on the first step of each loss function, which learns whether it writes;
+              one that does not is handed the outputs themselves from then on, and one that
+              writes later after all refuses that step, and gets copies from then on
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from fxpipe.core.microbatch import leaves_of
+from fxpipe.runtime.losses import handed
+
+_LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
+
+
+class LossWrites:
+    """One step's calls of a loss function (key `key` in `table`: whether it writes the outputs)."""
+
+    def __init__(self, table: dict[Any, bool], key: Any, across: bool) -> None:
+        self.table, self.key, self.across = table, key, across
+        self.outputs_copied = key is not None and table.get(key) is not False
+        self.written: dict[int, tuple[Any, Any]] = {}  # micro-batch: (its target, the copy the loss wrote)
+
+    def handed(self, values: dict[str, Any], target: Any) -> tuple[dict[str, Any], Any, list[tuple[torch.Tensor, int]]]:
+        """What the loss reads (outputs, target), and the outputs it is handed as they are, with
+        their versions: a write into one shows there."""
+        if self.key is None:
+            return values, target, []
+        given = handed(values, self.outputs_copied)
+        watched = [] if self.outputs_copied else [(t, t._version) for t in _tensors(values) if not t.is_inference()]
+        return given, handed(target, True), watched
+
+    def refusal(self, error: BaseException) -> Optional[ValueError]:
+        """For an error of the loss: the refusal to raise where it wrote an output it was handed
+        as it is (a leaf, which autograd refuses to write); None otherwise."""
+        if self.key is None or self.outputs_copied or _LEAF_WRITTEN not in str(error):
+            return None
+        self.table[self.key] = True
+        return ValueError(_LATE)
+
+    def note(self, i: int, values: dict[str, Any], target: Any, given: Any, given_target: Any, watched: list[tuple[torch.Tensor, int]]) -> None:
+        """After micro-batch i's loss: what it wrote, learned; refused where a write cannot be
+        kept as the plain model keeps it."""
+        if self.key is None:
+            return
+        outputs = _wrote(given, values) if self.outputs_copied else any(t._version != v for t, v in watched)
+        wrote_target = _wrote(given_target, target)
+        if (outputs or wrote_target) and _aliased([*_tensors(values), *_tensors(target)]):
+            raise ValueError(_ALIASED)
+        if wrote_target and self.across:
+            raise ValueError(_ACROSS)
+        if outputs and not self.outputs_copied:
+            self.table[self.key] = True
+            raise ValueError(_LATE)
+        if self.outputs_copied and not any(t.is_inference() for t in _tensors(given)):  # (no versions to read there)
+            self.table[self.key] = self.table.get(self.key, False) or outputs
+        if wrote_target:
+            self.written[i] = (target, given_target)
+
+    def write_back(self) -> None:
+        """What the loss wrote into its copies of the micro-batches' targets, into the caller's
+        target (their pieces are views of it): once the step is done, and refused by nothing. A
+        tensor every micro-batch gets whole takes the last one's writes."""
+        with torch.no_grad():
+            for _, (target, copy) in sorted(self.written.items()):
+                for piece, values in zip(_tensors(target), _tensors(copy)):
+                    if _differs(values, piece):
+                        with torch.inference_mode() if piece.is_inference() else torch.no_grad():
+                            piece.copy_(values)
+        self.written.clear()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in leaves_of(tree) if isinstance(t, torch.Tensor)]
+
+
+def _wrote(copies: Any, originals: Any) -> bool:
+    """Whether the loss wrote any of the copies it was handed of `originals`."""
+    return any(_differs(c, o) for c, o in zip(_tensors(copies), _tensors(originals)))
+
+
+def _differs(copy: torch.Tensor, original: torch.Tensor) -> bool:
+    """A copy written since it was made: by its version, or by value where it has none (made
+    under inference_mode)."""
+    if not copy.is_inference():
+        return copy._version > 0
+    same = copy == original
+    if copy.is_floating_point() or copy.is_complex():
+        same |= copy.isnan() & original.isnan()
+    return not bool(same.all())
+
+
+def _aliased(tensors: list[torch.Tensor]) -> bool:
+    """Whether two of the tensors share memory (one tensor twice, or a view of another)."""
+    places = [t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided and t.numel() and not t.is_meta]
+    return len(set(places)) < len(places)
+
+
+_LATE = (
+    "loss_fn wrote the outputs it is given in place at this step, and not at the first step of this loss function, "
+    "which handed it copies to learn whether it writes. The step is refused, and no gradient was accumulated; from now "
+    "on it is handed copies.\nHow to fix: call train_step again."
+)
+_ALIASED = (
+    "loss_fn writes in place what it is given, and the outputs or the target hold one tensor twice, or a view of "
+    "another: the loss is handed a copy of each (the outputs a stage sent are leaves, which autograd lets no one write), "
+    "so a write into one would not reach the other as it does in the plain model. The step is refused, and no gradient "
+    "was accumulated.\nHow to fix: write a copy in loss_fn (`out = out.clone()` before writing it), or return (and give) "
+    "each tensor once."
+)
+_ACROSS = (
+    "loss_fn writes its target in place: across processes only the rank of the loss stage runs the loss, and the "
+    "target every other rank holds would stay as given, where the plain model's is written. The step is refused, and "
+    "no gradient was accumulated.\nHow to fix: write a copy in loss_fn (`y = y.clone()` before writing it)."
+)
