@@ -20,7 +20,8 @@ from fxpipe.core.own_forward import in_the_models_own_call, traced_forward_put_b
 from fxpipe.distributed.channel import Channel, RankMailbox
 from fxpipe.distributed.ranks import routes
 from fxpipe.guards import (
-    refuse_capture, refuse_modes_the_stages_would_miss, refuse_other_autocast, refuse_own_hooks, refuse_parametrization_cache, traced_mode,
+    refuse_capture, refuse_modes_the_stages_would_miss, refuse_moved_stages, refuse_other_autocast, refuse_own_hooks, refuse_parametrization_cache,
+    traced_mode,
 )
 from fxpipe.runtime.batch_loss import MicroBatchLoss, own_loss_reduction, own_mean_weights
 from fxpipe.runtime.batchnorm import BatchStatistics
@@ -105,6 +106,7 @@ class PipelineCalls(nn.Module):
                     "on every rank."
                 )
             self._build()
+        refuse_moved_stages(self._programs[mode], across=self._compiled.placement is not None)
         return self._programs[mode]
 
     def _check_micro_batches(self, values: dict[str, Any], dims: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:

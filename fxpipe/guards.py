@@ -178,6 +178,23 @@ def _or_kept_whole(compiled: Compiled, advice: str) -> str:
     return advice if compiled.front_end == "torch.fx" else ""
 
 
+def refuse_moved_stages(program: Program, across: bool) -> None:
+    """Stages whose parameters live elsewhere than the plan placed them (the model itself moved
+    since compiling: `model.to(device)`, `model.cuda()`; `pipe.to(device)` is refused): refused,
+    naming each, before a stage fails on a tensor of the wrong device. Across processes, the
+    stages of other ranks hold no memory here (the meta device)."""
+    moved = [
+        f"stage {stage.index}'s on {stage.params[0].device} (placed on {stage.device})" for stage in program.stages
+        if stage.params and stage.params[0].device != stage.device and not (across and stage.params[0].is_meta)
+    ]  # fmt: skip
+    if moved:
+        raise RuntimeError(
+            f"the model's parameters were moved since compiling: {', '.join(moved)}. Each stage runs on the device the "
+            "plan placed it on.\nHow to fix: move them back (model.to(...) as before), or compile the model again with "
+            "devices=[...] that place its stages where you want them."
+        )
+
+
 def _aliases_apart(owner: nn.Module, groups: list[list[str]]) -> list[str]:
     """Of the buffers that were one tensor under several names, those whose names now hold
     different values (different tensors of one value, as after `model.double()`, are alike)."""

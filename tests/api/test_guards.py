@@ -109,6 +109,17 @@ def test_a_cast_of_the_model_itself_after_compiling_is_seen(checkpoint: str) -> 
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=name)
 
 
+def test_the_model_itself_moved_to_another_device_after_compiling_is_refused_naming_each_stage() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randn(8, 6)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    model.to("meta")  # (a device this machine has besides the CPU: model.cuda() moves it as this does)
+    with pytest.raises(RuntimeError, match=r"moved since compiling: stage 0's on meta \(placed on cpu\), stage 1's on meta(.|\n)*How to fix: move them back"):
+        pipe(x)
+    model.to_empty(device="cpu")  # back where the plan placed the stages: they run
+    assert pipe(x).shape == (8, 3)
+
+
 def test_a_parameter_assigned_after_compiling_gets_its_gradient() -> None:
     model, reference = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
     x = torch.randn(8, 4, dtype=torch.float64)
