@@ -374,8 +374,8 @@ def _in_rank_order(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
     if all(g.layout == torch.strided for g in grads):
         return torch.stack(grads).sum(0)
     total = grads[0]
-    for g in grads[1:]:
-        total = total + g if total.layout == torch.strided or g.layout != torch.strided else g + total
+    for g in grads[1:]:  # (torch adds a sparse tensor to a dense one, not a dense one to a sparse one)
+        total = g + total if g.layout == torch.strided and total.layout != torch.strided else total + g
     return total
 
 

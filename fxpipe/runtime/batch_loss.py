@@ -50,7 +50,7 @@ def loss_and_outputs(
                 assert parts is not None
                 return [(parts.output(i, values), parts.targets[i], parts.weights[i]) for i, values in enumerate(per_micro_batch)]
 
-            key = _loss_key(loss_fn)
+            key = parts.writes.key if parts is not None else _loss_key(loss_fn)
             writes = call.program.losses_writing.get(key, True)
             check_combined_loss(
                 loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None, writes=writes,
@@ -123,7 +123,6 @@ class MicroBatchLoss:
     weights: list[float]
     kept: LeafGrads
     whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
-
     across: bool = False  # the step runs across processes (only the loss stage's rank runs the loss)
 
     def __post_init__(self) -> None:

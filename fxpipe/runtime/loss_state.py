@@ -97,7 +97,7 @@ def _changed(before: Any, now: Any) -> bool:
         # By value too, where kept: BatchNorm's CPU kernel writes its running statistics without
         # moving their version.
         moved = now is not before.tensor or now._version != before.version
-        return moved or (before.values is not None and not _equal(before.values, now))
+        return moved or (before.values is not None and not equal_values(before.values, now))
     if isinstance(before, _Container):
         return now is not before.held or _contents_changed(before.copy, now)
     return type(now) is not type(before) or not (now is before or now == before)
@@ -222,14 +222,13 @@ def _alike(a: Any, b: Any) -> bool:
     return type(a) is type(b) and not isinstance(a, (_Tensor, _Container)) and (a is b or a == b)
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and values, NaN where NaN was."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    same = a == b
     if a.is_floating_point() or a.is_complex():
-        same |= a.isnan() & b.isnan()
-    return bool(same.all())
+        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
 
 
 def _same_values(a: Any, b: Any) -> bool:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from fxpipe.core.microbatch import leaves_of
+from fxpipe.runtime.loss_state import equal_values
 from fxpipe.runtime.losses import handed
 
 _LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
@@ -93,12 +94,7 @@ def _wrote(copies: Any, originals: Any) -> bool:
 def _differs(copy: torch.Tensor, original: torch.Tensor) -> bool:
     """A copy written since it was made: by its version, or by value where it has none (made
     under inference_mode)."""
-    if not copy.is_inference():
-        return copy._version > 0
-    same = copy == original
-    if copy.is_floating_point() or copy.is_complex():
-        same |= copy.isnan() & original.isnan()
-    return not bool(same.all())
+    return copy._version > 0 if not copy.is_inference() else not equal_values(copy, original)
 
 
 def _aliased(tensors: list[torch.Tensor]) -> bool:
