@@ -29,7 +29,7 @@ from fxpipe.runtime.call import Call, devices_of, sliced_call, split_call
 from fxpipe.runtime.devices import Mailbox
 from fxpipe.runtime.gather import output_batch_dims, output_batch_dims_by_path
 from fxpipe.runtime.losses import (
-    LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target, whole_target_note, with_own_loss_whole,
+    LeafGrads, check_loss_arguments, refuse_outputs_of_the_whole_batch, split_target, target_note, with_own_loss_whole,
 )
 from fxpipe.runtime.memory import ActivationMeter
 from fxpipe.runtime.step import Step
@@ -228,7 +228,7 @@ class PipelineCalls(nn.Module):
         elif counted is not None:  # the model's own mean over the targets it counts: weighted by their counts
             weights = counted
         micro_batch_loss = MicroBatchLoss(
-            call, loss_fn, targets, weights, kept, whole_target_note(target, call.batch, len(call.sizes)), across=self._channel is not None,
+            call, loss_fn, targets, weights, kept, target_note(target, call.batch, len(call.sizes)), across=self._channel is not None,
         )  # fmt: skip
 
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:

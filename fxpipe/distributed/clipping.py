@@ -31,8 +31,9 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
     returns the total norm, the same on every rank of `group`."""
     grads = [p.grad for p in params if p.grad is not None]
     mine = [p.grad for p, count in zip(params, counted) if count and p.grad is not None]
-    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in mine]
-    part, op = _part(torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=device), norm_type)
+    sparse = any(g.layout != torch.strided for g in grads)  # refused on every rank, after the all-reduce
+    norms = [torch.linalg.vector_norm(g.detach(), norm_type).to(device, torch.float64) for g in mine if g.layout == torch.strided]
+    part, op = _part(torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64, device=device), norm_type, sparse)
     try:
         dist.all_reduce(part, op=op, group=group, async_op=True).wait(timedelta(seconds=timeout))  # type: ignore[union-attr]
     except RuntimeError as e:
@@ -41,6 +42,12 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
             "pipeline must call pipe.clip_grad_norm_ at once (with the same max_norm and norm_type); a rank that "
             "died or is stuck says why in its own output."
         ) from e
+    if part[3] > 0:
+        raise RuntimeError(
+            "clip_grad_norm_ got sparse gradients (of an nn.Embedding(sparse=True)) on some rank, and takes none, as "
+            "torch.nn.utils.clip_grad_norm_ takes none.\nHow to fix: make the embedding dense (sparse=False) to clip its "
+            "gradient, or train it unclipped."
+        )
     total = _total(part, norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -55,11 +62,11 @@ def clip_across(params: Sequence[nn.Parameter], counted: Sequence[bool], max_nor
     return total.to(dtype)  # a rank without gradients returns the others' dtype
 
 
-def _part(norms: torch.Tensor, p: float) -> tuple[torch.Tensor, dist.ReduceOp.RedOpType]:
-    """This rank's part of the norm of order `p`, a NaN flag and whether it has gradients, and how
-    the ranks' parts combine."""
+def _part(norms: torch.Tensor, p: float, sparse: bool = False) -> tuple[torch.Tensor, dist.ReduceOp.RedOpType]:
+    """This rank's part of the norm of order `p`, a NaN flag, whether it has gradients and whether
+    any is sparse, and how the ranks' parts combine (a flag set on one rank is set after either)."""
     nan = torch.isnan(norms)
-    flags = [nan.any(), torch.tensor(norms.numel() > 0, device=norms.device)]
+    flags = [nan.any(), torch.tensor(norms.numel() > 0, device=norms.device), torch.tensor(sparse, device=norms.device)]
     if p == math.inf:
         value, op = norms.masked_fill(nan, 0.0).max() if norms.numel() else norms.new_zeros(()), dist.ReduceOp.MAX
     elif p == -math.inf:  # a min, as the max of the negated parts

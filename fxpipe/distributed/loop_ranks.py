@@ -27,7 +27,7 @@ from torch import nn
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.core.failures import Failure
 from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ
-from fxpipe.distributed.ranks import LOOP_LATE, gathered, holders
+from fxpipe.distributed.ranks import LOOP_LATE, gathered, holders, summed_in_rank_order
 from fxpipe.runtime.stage_error import StageError, raised_here
 
 TiedParts = dict[int, tuple[bool, Optional[torch.Tensor]]]  # by place among the program's parameters
@@ -174,5 +174,5 @@ def summed_tied(
                 "requires_grad alike on every rank that holds it (through the model, or pipe.named_parameters())."
             )
         present = [g.to(p.device) for _, g in held if g is not None]
-        summed[id(p)] = torch.stack(present).sum(0) if len(present) > 1 else (present[0] if present else None)
+        summed[id(p)] = summed_in_rank_order(present)
     return [summed[id(p)] for p in params]

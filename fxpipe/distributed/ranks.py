@@ -366,7 +366,7 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
         raise
 
 
-def _in_rank_order(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
+def summed_in_rank_order(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The sum of the ranks' gradients, alike on every rank; a sparse one (a sparse embedding's)
     added as autograd adds it in one process."""
     if len(grads) <= 1:
@@ -407,7 +407,7 @@ def sum_tied(
             frozen = [channel.ranks[rank] for rank, (trains, _) in zip(ranks, parts) if not trains]
             problems.append(f"{name!r} requires grad on rank(s) {trained} and not on {frozen}")
         present = [g.to(p.device) for _, g in parts if g is not None]
-        summed[id(p)] = _in_rank_order(present)
+        summed[id(p)] = summed_in_rank_order(present)
     if problems:
         raise ValueError(
             "a parameter read on several ranks is trained on some and frozen on others:\n"

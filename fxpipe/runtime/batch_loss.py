@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from fxpipe.core.microbatch import leaves_of
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.runtime.call import Call, given_values, rebuild
+from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.loss_writes import LossWrites
@@ -27,7 +29,10 @@ def loss_and_outputs(
     """The batch's loss from the micro-batches' (on the loss stage), and the outputs when asked
     or when the combination is checked: raises ValueError if it does not match."""
     losses = [step.losses[i] for i in range(len(call.sizes))]
-    total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
+    # Outside the caller's autocast: its rule for stack refuses a half dtype not its own (a loss in
+    # float16 under bfloat16's autocast), which the plain model's one loss never meets.
+    with torch.autocast(losses[-1].device.type, enabled=False):
+        total = torch.stack([loss.to(losses[-1].device) for loss in losses]).sum()
     outputs = None
     # Every step: whether a loss combines over micro-batches can depend on the batch (a mean
     # over the targets not ignored, whose count differs between micro-batches in some steps).
@@ -122,12 +127,15 @@ class MicroBatchLoss:
     targets: list[Any]
     weights: list[float]
     kept: LeafGrads
-    whole_note: str = ""  # told to a loss that fails: the target's tensors given whole to each micro-batch
+    target_note: str = ""  # told to a loss that fails: how the target's tensors were given to each micro-batch
     across: bool = False  # the step runs across processes (only the loss stage's rank runs the loss)
 
     def __post_init__(self) -> None:
         key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
         self.writes = LossWrites(self.call.program.losses_writing, key, self.across)
+        # The inputs and buffers the model returns as they are (`return out, self.memory`): the
+        # loss may write them too.
+        self.returned = {ref.name for ref in tree_leaves(self.call.program.template) if isinstance(ref, ValueRef) and ref.given}
 
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
@@ -135,19 +143,21 @@ class MicroBatchLoss:
         return rebuild(program.template, values, given_values(program, self.call.micro_batches[i]))
 
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
-        given, target, watched = self.writes.handed(values, self.targets[i])
-        output = self.output(i, given)
+        whole = given_values(self.call.program, self.call.micro_batches[i])
+        returned = {name: whole[name] for name in self.returned}
+        given = self.writes.handed(values, returned, self.targets[i])
+        output = rebuild(self.call.program.template, given.values, {**whole, **given.returned})
         loss_fn = self.loss_fn
         try:
-            loss = loss_of(loss_fn, output, target) if loss_fn is not None else own_loss(output)
+            loss = loss_of(loss_fn, output, given.target) if loss_fn is not None else own_loss(output)
         except Exception as error:
             refusal = self.writes.refusal(error)
             if refusal is not None:
                 raise refusal from error
-            if self.whole_note:
-                error.add_note(self.whole_note)
+            if self.target_note:
+                error.add_note(self.target_note)
             raise
-        self.writes.note(i, values, self.targets[i], given, target, watched)
+        self.writes.note(i, values, returned, self.targets[i], given)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
             # under DataParallel); backward takes one element as it takes a 0-dim tensor.

@@ -43,14 +43,14 @@ def check_combined_gradient(
         gathered = gather(leaves)
         gathered.aliases = []  # an output that is a view of another stays one leaf's (each micro-batch's are apart too)
         split = _split_leaves(gathered, leaves)
-        whole = loss_fn(gathered.rebuild(handed(gathered.tensors, writes)), handed(target, True))
+        whole = loss_fn(handed(gathered.rebuild(gathered.tensors), writes), handed(target, True))
         if not isinstance(whole, torch.Tensor) or not whole.requires_grad or not split:
             return
         flat = [t for found in tensors for t in found if t.requires_grad]
         want = torch.autograd.grad(whole, flat, allow_unused=True)
         got: list[Optional[torch.Tensor]] = []
         for i, values in enumerate(leaves):
-            loss = loss_fn(output(i, handed(values, writes)), handed(targets[i], True)) * weights[i]
+            loss = loss_fn(handed(output(i, values), writes), handed(targets[i], True)) * weights[i]
             mine = [t for t in tensors[i] if t.requires_grad]
             got += torch.autograd.grad(loss, mine, allow_unused=True) if loss.requires_grad else [None] * len(mine)
     if drew():  # a loss that draws draws other values on the micro-batches: nothing to compare

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import math
 import functools
 import types
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ def _changed(before: Any, now: Any) -> bool:
         return moved or (before.values is not None and not equal_values(before.values, now))
     if isinstance(before, _Container):
         return now is not before.held or _contents_changed(before.copy, now)
-    return type(now) is not type(before) or not (now is before or now == before)
+    return type(now) is not type(before) or not (now is before or now == before or _same(now, before))
 
 
 def _contents_changed(then: Any, now: Any) -> bool:
@@ -114,7 +115,12 @@ def _contents_changed(then: Any, now: Any) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return a is b or (type(a) is type(b) and type(a) in (bool, int, float, str) and a == b)
+    """The same object, or plain values equal (NaN where NaN was: a loss kept for logging may be one)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or type(a) not in (bool, int, float, str):
+        return False
+    return a == b or (type(a) is float and math.isnan(a) and math.isnan(b))
 
 
 def _shown(value: Any) -> str:
@@ -219,7 +225,7 @@ def _alike(a: Any, b: Any) -> bool:
         if isinstance(x, dict):
             return x.keys() == y.keys() and all(_same_values(x[k], y[k]) for k in x)
         return x == y if isinstance(x, set) else all(_same_values(u, v) for u, v in zip(x, y))
-    return type(a) is type(b) and not isinstance(a, (_Tensor, _Container)) and (a is b or a == b)
+    return type(a) is type(b) and not isinstance(a, (_Tensor, _Container)) and (a is b or a == b or _same(a, b))
 
 
 def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -234,5 +240,5 @@ def equal_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _same_values(a: Any, b: Any) -> bool:
     """`_same`, with tensors compared by value."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+        return equal_values(a, b)
     return _same(a, b)

@@ -14,6 +14,7 @@ model's loss writes it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -25,22 +26,37 @@ from fxpipe.runtime.losses import handed
 _LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place operation"
 
 
+@dataclass
+class Handed:
+    """What one call of the loss reads: the stages' output values and the inputs or buffers the
+    output returns as they are (copies, where `copied`), the target (copies), and, of outputs
+    handed as they are, each tensor with its version then."""
+
+    values: Any
+    returned: Any
+    target: Any
+    copied: bool
+    watched: list[tuple[torch.Tensor, int]]
+
+
 class LossWrites:
     """One step's calls of a loss function (key `key` in `table`: whether it writes the outputs)."""
 
     def __init__(self, table: dict[Any, bool], key: Any, across: bool) -> None:
         self.table, self.key, self.across = table, key, across
         self.outputs_copied = key is not None and table.get(key) is not False
-        self.written: dict[int, tuple[Any, Any]] = {}  # micro-batch: (its target, the copy the loss wrote)
+        self.written: dict[int, list[tuple[Any, Any]]] = {}  # micro-batch: (what the caller holds, the copy the loss wrote)
 
-    def handed(self, values: dict[str, Any], target: Any) -> tuple[dict[str, Any], Any, list[tuple[torch.Tensor, int]]]:
-        """What the loss reads (outputs, target), and the outputs it is handed as they are, with
-        their versions: a write into one shows there."""
+    def handed(self, values: dict[str, Any], returned: dict[str, Any], target: Any) -> Handed:
+        """What the loss reads of the output (`values`, the stages'; `returned`, inputs or buffers
+        returned as they are) and of `target`. Outputs made under inference_mode have no versions
+        to show a write: they are copied too."""
         if self.key is None:
-            return values, target, []
-        given = handed(values, self.outputs_copied)
-        watched = [] if self.outputs_copied else [(t, t._version) for t in _tensors(values) if not t.is_inference()]
-        return given, handed(target, True), watched
+            return Handed(values, returned, target, False, [])
+        tensors = _tensors((values, returned))
+        copied = self.outputs_copied or any(t.is_inference() for t in tensors)
+        watched = [] if copied else [(t, t._version) for t in tensors]
+        return Handed(handed(values, copied), handed(returned, copied), handed(target, True), copied, watched)
 
     def refusal(self, error: BaseException) -> Optional[ValueError]:
         """For an error of the loss: the refusal to raise where it wrote an output it was handed
@@ -50,32 +66,33 @@ class LossWrites:
         self.table[self.key] = True
         return ValueError(_LATE)
 
-    def note(self, i: int, values: dict[str, Any], target: Any, given: Any, given_target: Any, watched: list[tuple[torch.Tensor, int]]) -> None:
+    def note(self, i: int, values: dict[str, Any], returned: dict[str, Any], target: Any, given: Handed) -> None:
         """After micro-batch i's loss: what it wrote, learned; refused where a write cannot be
         kept as the plain model keeps it."""
         if self.key is None:
             return
-        outputs = _wrote(given, values) if self.outputs_copied else any(t._version != v for t, v in watched)
-        wrote_target = _wrote(given_target, target)
-        if (outputs or wrote_target) and _aliased([*_tensors(values), *_tensors(target)]):
+        wrote_returned = given.copied and _wrote(given.returned, returned)
+        wrote = (_wrote(given.values, values) or wrote_returned) if given.copied else any(t._version != v for t, v in given.watched)
+        wrote_target = _wrote(given.target, target)
+        if (wrote or wrote_target) and _aliased([*_tensors((values, returned)), *_tensors(target)]):
             raise ValueError(_ALIASED)
-        if wrote_target and self.across:
+        if (wrote_target or wrote_returned) and self.across:
             raise ValueError(_ACROSS)
-        if outputs and not self.outputs_copied:
+        if wrote and not given.copied:
             self.table[self.key] = True
             raise ValueError(_LATE)
-        if self.outputs_copied and not any(t.is_inference() for t in _tensors(given)):  # (no versions to read there)
-            self.table[self.key] = self.table.get(self.key, False) or outputs
-        if wrote_target:
-            self.written[i] = (target, given_target)
+        if self.outputs_copied and not any(t.is_inference() for t in _tensors(given.values)):  # (no versions to read there)
+            self.table[self.key] = self.table.get(self.key, False) or wrote
+        self.written[i] = [pair for pair, wrote_it in [((target, given.target), wrote_target), ((returned, given.returned), wrote_returned)] if wrote_it]
 
     def write_back(self) -> None:
-        """What the loss wrote into its copies of the micro-batches' targets, into the caller's
-        target (their pieces are views of it): once the step is done, and refused by nothing. A
-        tensor every micro-batch gets whole takes the last one's writes."""
-        with torch.no_grad():
-            for _, (target, copy) in sorted(self.written.items()):
-                for piece, values in zip(_tensors(target), _tensors(copy)):
+        """What the loss wrote into its copies of the micro-batches' targets, and of the inputs or
+        buffers the output returns as they are, into the caller's (a micro-batch's piece is a view
+        of the caller's tensor): once the step is done, and refused by nothing. A tensor every
+        micro-batch gets whole takes the last one's writes."""
+        for _, pairs in sorted(self.written.items()):
+            for held, copy in pairs:
+                for piece, values in zip(_tensors(held), _tensors(copy)):
                     if _differs(values, piece):
                         with torch.inference_mode() if piece.is_inference() else torch.no_grad():
                             piece.copy_(values)
@@ -116,7 +133,8 @@ _ALIASED = (
     "each tensor once."
 )
 _ACROSS = (
-    "loss_fn writes its target in place: across processes only the rank of the loss stage runs the loss, and the "
-    "target every other rank holds would stay as given, where the plain model's is written. The step is refused, and "
-    "no gradient was accumulated.\nHow to fix: write a copy in loss_fn (`y = y.clone()` before writing it)."
+    "loss_fn writes its target, or an input or buffer the model returns as it is, in place: across processes only the "
+    "rank of the loss stage runs the loss, and what every other rank holds would stay as given, where the plain model's "
+    "is written. The step is refused, and no gradient was accumulated.\nHow to fix: write a copy in loss_fn (`y = "
+    "y.clone()` before writing it)."
 )

@@ -72,17 +72,26 @@ def split_target(
     return scatter(target, sizes, batch or 0, {key: d for key, d in along.items() if d})
 
 
-def whole_target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
-    """What a loss that fails on a micro-batch is told of the target's tensors that went whole to
-    each (no dim of the batch's size); '' where none did."""
+def target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
+    """What a loss that fails on a micro-batch is told of the target's tensors: those that went
+    whole to each (no dim of the batch's size), and those split along the batch (class weights as
+    many as the samples are, by chance); '' for a target of one micro-batch."""
     if target is None or micro_batches == 1 or batch is None:
         return ""
-    whole = [tuple(t.shape) for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor) and batch not in t.shape]
-    return (
+    tensors = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor)]
+    whole = [tuple(t.shape) for t in tensors if batch not in t.shape]
+    split = [tuple(t.shape) for t in tensors if batch in t.shape]
+    notes = [
         f"The target's tensors with no dim of the batch's size ({batch}) went whole to every micro-batch: "
         f"{', '.join(str(shape) for shape in whole)}. One that holds a value per sample must have the batch's size where "
         "the inputs have it."
-    ) if whole else ""
+    ] if whole else []  # fmt: skip
+    notes += [
+        f"The target's tensors with a dim of the batch's size ({batch}) were split into the micro-batches along it: "
+        f"{', '.join(str(shape) for shape in split)}. One that holds no sample (class weights as many as the samples) goes "
+        "to loss_fn itself, whole: loss_fn=functools.partial(my_loss, weight=w)."
+    ] if split else []  # fmt: skip
+    return "\n".join(notes)
 
 
 def _held_by_leaf(outputs_by_path: dict[str, tuple[frozenset[int], ...]], paths: list[str]) -> dict[str, frozenset[int]]:

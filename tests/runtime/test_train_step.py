@@ -5,6 +5,7 @@ import collections
 import copy
 import functools
 import itertools
+import math
 import types
 import warnings
 from typing import Any, Callable, Optional
@@ -774,6 +775,24 @@ def test_a_target_that_cannot_be_split_is_refused() -> None:
     assert any("no dim of the batch's size (8) went whole to every micro-batch: (6, 6)" in note for note in getattr(failed.value.__cause__, "__notes__", []))
 
 
+def test_class_weights_as_many_as_the_samples_are_split_and_the_loss_that_fails_on_them_is_told_how_to_give_them_whole() -> None:
+    model = nn.Sequential(nn.Linear(6, 8)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 8, (8,))
+    pipe = compile_pipeline(model, x, ["cpu"], chunks=4)
+
+    def weighted(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        labels, weight = target
+        return F.cross_entropy(out, labels, weight=weight)
+
+    with pytest.raises(StageError, match="in loss") as failed:
+        pipe.train_step(x, target=(y, torch.rand(8, dtype=torch.float64)), loss_fn=weighted)
+    notes = getattr(failed.value.__cause__, "__notes__", [])
+    assert any("were split into the micro-batches along it: (8,), (8,)" in n and "functools.partial(my_loss, weight=w)" in n for n in notes), notes
+    w = torch.rand(8, dtype=torch.float64)  # the fix: whole, with the sum over the weights counted before the step
+    loss = pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out, t, weight=w, reduction="sum") / w[y].sum(), reduction="sum")
+    assert torch.allclose(loss, F.cross_entropy(model(x), y, weight=w), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "given,error",
     [(dict(target="y"), "it got a target and no loss_fn: .*the target would go unused.*How to fix: pass loss_fn="),
@@ -933,6 +952,29 @@ def test_under_autocast_a_float32_loss_with_a_low_precision_term_is_checked_at_t
         assert loss.dtype == expected.dtype == torch.float32
         torch.testing.assert_close(loss, expected.detach(), rtol=4 * torch.finfo(dtype).eps, atol=0)
         pipe.zero_grad()
+
+
+@pytest.mark.parametrize("autocast, loss_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)])
+def test_a_loss_in_the_other_half_precision_under_autocast_trains_as_the_plain_model(autocast: torch.dtype, loss_dtype: torch.dtype) -> None:
+    """Before, the micro-batches' losses were added up under the caller's autocast, whose rule for
+    stack refuses a half dtype not its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    plain = copy.deepcopy(model)
+    x, t = torch.randn(16, 8), torch.randn(16, 8)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out.to(loss_dtype) - y.to(loss_dtype)).abs().mean()
+
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4)
+    with torch.autocast("cpu", dtype=autocast):
+        loss = pipe.train_step(x, target=t, loss_fn=loss_fn)
+        expected = loss_fn(plain(x), t)
+    expected.backward()
+    assert loss.dtype == expected.dtype == loss_dtype
+    torch.testing.assert_close(loss.float(), expected.float(), rtol=0.02, atol=0)
+    for p, q in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(grad_of(p), grad_of(q), rtol=0.05, atol=0.02)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -2399,3 +2441,72 @@ def test_a_loss_object_whose_batch_norm_moves_is_refused_and_its_statistics_put_
     with pytest.raises(ValueError, match=r"loss_fn changes its own state when called: .*running_mean"):
         pipe.train_step(x, target=t, loss_fn=loss_fn)
     assert all(torch.equal(v, before[k]) for k, v in loss_fn.state_dict().items())
+
+
+class _ReturnsItsOwn(nn.Module):
+    """Returns a buffer, or its input, as it is beside its prediction."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.a, self.b, self.returns = nn.Linear(4, 4), nn.Linear(4, 4), returns
+        self.count: torch.Tensor
+        self.register_buffer("count", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(torch.tanh(x)))), self.count if self.returns == "buffer" else x
+
+
+@pytest.mark.parametrize("returns, checkpoint", [("buffer", "except_last"), ("input", "never"), ("input", "always")])
+def test_a_loss_that_writes_a_buffer_or_input_the_model_returns_as_it_is_writes_it_once_as_the_plain_model(returns: str, checkpoint: str) -> None:
+    def counting(out: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        pred, extra = out
+        extra.add_(1.0)
+        return F.mse_loss(pred, t)
+
+    torch.manual_seed(0)
+    model, plain = twin(_ReturnsItsOwn(returns))
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    mine, theirs = x.clone(), x.clone()
+    pipe = compile_pipeline(model, mine, ["cpu"] * 2, chunks=4, checkpoint=checkpoint)
+    for _ in range(2):
+        loss = pipe.train_step(mine, target=t, loss_fn=counting)
+        expected = counting(plain(theirs), t)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+        assert torch.equal(mine, theirs) and torch.equal(model.count, plain.count)
+    assert_grads_equal(pipe, plain)
+
+
+def test_a_loss_that_writes_its_outputs_under_inference_mode_alone_computes_the_plain_model_s_loss() -> None:
+    def doubles_in_inference(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = out.mul_(2.0) if torch.is_inference_mode_enabled() else out * 2.0
+        return F.mse_loss(out, t)
+
+    model, plain = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    pipe.train_step(x, target=t, loss_fn=doubles_in_inference)  # learns that it writes nothing (with gradients)
+    with torch.inference_mode():
+        loss = pipe.train_step(x, target=t, loss_fn=doubles_in_inference)
+        expected = doubles_in_inference(plain(x), t)
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kept", ["tensor", "float"])
+def test_a_nan_loss_kept_for_logging_is_returned_as_the_plain_model_s(kept: str) -> None:
+    class KeepsLast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.last: Any = None
+
+        def forward(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            loss = F.mse_loss(out, t)
+            self.last = loss.detach() if kept == "tensor" else loss.item()
+            return loss
+
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    t[3, 1] = float("nan")  # a bad sample: the plain model's loss is NaN
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double(), x, ["cpu"] * 2, chunks=4)
+    loss_fn = KeepsLast()
+    assert pipe.train_step(x, target=t, loss_fn=loss_fn).isnan()
+    assert math.isnan(float(loss_fn.last))
