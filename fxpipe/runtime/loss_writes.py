@@ -115,9 +115,29 @@ def _differs(copy: torch.Tensor, original: torch.Tensor) -> bool:
 
 
 def _aliased(tensors: list[torch.Tensor]) -> bool:
-    """Whether two of the tensors share memory (one tensor twice, or a view of another)."""
-    places = [t.untyped_storage().data_ptr() for t in tensors if t.layout == torch.strided and t.numel() and not t.is_meta]
-    return len(set(places)) < len(places)
+    """Whether two of the tensors share an element (one tensor twice, or views that overlap: not
+    `mean, logvar = h.chunk(2, -1)`, whose halves are apart)."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.layout == torch.strided and t.numel() and not t.is_meta:
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    return any(_overlap(group) for group in by_storage.values() if len(group) > 1)
+
+
+_MARKED_AT_MOST = 1 << 24  # elements: larger views of one memory are taken to overlap
+
+
+def _overlap(views: list[torch.Tensor]) -> bool:
+    """Whether views of one memory share an element: each marks the elements it covers."""
+    if len({t.dtype for t in views}) > 1 or sum(t.numel() for t in views) > _MARKED_AT_MOST:
+        return True
+    if any(stride == 0 and n > 1 for t in views for n, stride in zip(t.shape, t.stride())):
+        return True  # (a broadcast view: its elements share memory among themselves)
+    size = views[0].untyped_storage().nbytes() // views[0].element_size()
+    covered = torch.zeros(size, dtype=torch.int32)
+    for t in views:
+        covered.as_strided(t.shape, t.stride(), t.storage_offset()).add_(1)
+    return bool((covered > 1).any())
 
 
 _LATE = (
@@ -126,8 +146,8 @@ _LATE = (
     "on it is handed copies.\nHow to fix: call train_step again."
 )
 _ALIASED = (
-    "loss_fn writes in place what it is given, and the outputs or the target hold one tensor twice, or a view of "
-    "another: the loss is handed a copy of each (the outputs a stage sent are leaves, which autograd lets no one write), "
+    "loss_fn writes in place what it is given, and the outputs or the target hold one tensor twice, or views that share "
+    "elements: the loss is handed a copy of each (the outputs a stage sent are leaves, which autograd lets no one write), "
     "so a write into one would not reach the other as it does in the plain model. The step is refused, and no gradient "
     "was accumulated.\nHow to fix: write a copy in loss_fn (`out = out.clone()` before writing it), or return (and give) "
     "each tensor once."

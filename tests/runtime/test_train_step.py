@@ -2357,7 +2357,7 @@ def test_outputs_that_alias_are_handed_as_one_or_refused_where_copies_would_part
     assert_grads_equal(pipe, plain)
     model = _Aliased(view=True).double()  # a view of another: refused, nothing accumulated
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
-    with pytest.raises(StageError, match=r"hold one tensor twice, or a view of another(.|\n)*How to fix: write a copy in loss_fn"):
+    with pytest.raises(StageError, match=r"hold one tensor twice, or views that share elements(.|\n)*How to fix: write a copy in loss_fn"):
         pipe.train_step(x, target=t, loss_fn=_writes_the_first_reads_the_second)
     assert all(p.grad is None for p in model.parameters())
 
@@ -2367,7 +2367,7 @@ def test_outputs_that_alias_are_handed_as_one_or_refused_where_copies_would_part
 
     pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4)).double(), x, ["cpu"], chunks=2)
     y = t.clone()
-    with pytest.raises(StageError, match="hold one tensor twice, or a view of another"):
+    with pytest.raises(StageError, match="hold one tensor twice, or views that share elements"):
         pipe.train_step(x, target={"soft": y, "ref": y}, loss_fn=reads_what_it_wrote)
     assert torch.equal(y, t)  # the caller's target as given
 
@@ -2510,3 +2510,32 @@ def test_a_nan_loss_kept_for_logging_is_returned_as_the_plain_model_s(kept: str)
     loss_fn = KeepsLast()
     assert pipe.train_step(x, target=t, loss_fn=loss_fn).isnan()
     assert math.isnan(float(loss_fn.last))
+
+
+class _Halves(nn.Module):
+    """Returns the two halves of one tensor, as a VAE returns its mean and log-variance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.b(torch.tanh(self.a(x)))
+        return h[:, :4], h[:, 4:]  # (slices: autograd lets no one write the views chunk() makes)
+
+
+def test_a_loss_that_writes_one_of_two_halves_of_one_tensor_trains_as_the_plain_model() -> None:
+    def clamped(out: tuple[torch.Tensor, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        mean, logvar = out
+        logvar.clamp_(-0.5, 0.5)  # apart from mean's elements: the plain model's mean is untouched
+        return F.mse_loss(mean, t) + logvar.exp().mean()
+
+    torch.manual_seed(0)
+    model, plain = twin(_Halves())
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    loss = pipe.train_step(x, target=t, loss_fn=clamped)
+    expected = clamped(plain(x), t)
+    expected.backward()
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain)
