@@ -143,7 +143,7 @@ def _overlap(views: list[torch.Tensor]) -> bool:
 _LATE = (
     "loss_fn wrote the outputs it is given in place at this step, and not at the first step of this loss function, "
     "which handed it copies to learn whether it writes. The step is refused, and no gradient was accumulated; from now "
-    "on it is handed copies.\nHow to fix: call train_step again."
+    "on it is handed copies.\nHow to fix: call train_step again (a train_steps loop: start it again from this batch)."
 )
 _ALIASED = (
     "loss_fn writes in place what it is given, and the outputs or the target hold one tensor twice, or views that share "
