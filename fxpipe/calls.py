@@ -229,6 +229,7 @@ class PipelineCalls(nn.Module):
             weights = counted
         micro_batch_loss = MicroBatchLoss(
             call, loss_fn, targets, weights, kept, target_note(target, call.batch, len(call.sizes)), across=self._channel is not None,
+            overlapped=versions is not None,
         )  # fmt: skip
 
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:

@@ -34,7 +34,7 @@ from fxpipe.guards import (
 from fxpipe.own_names import OwnUnlessAChild
 from fxpipe.pipeline_state import PipelineState
 from fxpipe.runtime.autograd import Run, run_with_autograd
-from fxpipe.runtime.batch_loss import loss_and_outputs, write_targets_back
+from fxpipe.runtime.batch_loss import add_returned_grads, loss_and_outputs, write_targets_back
 from fxpipe.runtime.call import Call, differentiable, sliced_call
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.grads import accumulate, parameter_grads
@@ -349,6 +349,7 @@ class Pipeline(PipelineState):
             with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))) as loss_state:
                 input_grads = step.train()
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
+                add_returned_grads(step, input_grads)
                 loss_state.replay = replay_once(loss_fn, outputs, target, total.device) if loss_fn is not None else None
         write_targets_back(step)
         if call.grad:

@@ -10,6 +10,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.core.microbatch import leaves_of
+from fxpipe.runtime.backward_tasks import add_grads
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.runtime.call import Call, given_values, rebuild
 from fxpipe.runtime.gather import ValueRef
@@ -78,6 +79,16 @@ def loss_and_outputs(
     return total, outputs
 
 
+def add_returned_grads(step: Step, input_grads: list[dict[str, Any]]) -> None:
+    """Into the step's gradients of the caller's inputs, those its losses gave the inputs the
+    model returns as they are (`MicroBatchLoss._returned_leaf`)."""
+    if isinstance(step.loss, MicroBatchLoss):
+        for i, leaves in step.loss.returned_leaves.items():
+            for name, leaf in leaves.items():
+                if leaf.grad is not None and i < len(input_grads):
+                    input_grads[i][name] = add_grads(input_grads[i].get(name), leaf.grad)
+
+
 def write_targets_back(step: Step) -> None:
     """Once a train step is done, and refused by nothing: what its loss wrote into its copies of
     the target, into the caller's (`loss_writes.LossWrites`)."""
@@ -129,13 +140,27 @@ class MicroBatchLoss:
     kept: LeafGrads
     target_note: str = ""  # told to a loss that fails: how the target's tensors were given to each micro-batch
     across: bool = False  # the step runs across processes (only the loss stage's rank runs the loss)
+    overlapped: bool = False  # a batch of a loop whose steps overlap (2bw)
 
     def __post_init__(self) -> None:
         key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
-        self.writes = LossWrites(self.call.program.losses_writing, key, self.across)
+        program = self.call.program
+        state_copies = frozenset(name for stage in program.stages for name in stage.state_outputs)
+        self.writes = LossWrites(program.losses_writing, key, self.across, self.overlapped, state_copies)
         # The inputs and buffers the model returns as they are (`return out, self.memory`): the
         # loss may write them too.
         self.returned = {ref.name for ref in tree_leaves(self.call.program.template) if isinstance(ref, ValueRef) and ref.given}
+        self.returned_leaves: dict[int, dict[str, torch.Tensor]] = {}  # see `_returned_leaf`
+
+    def _returned_leaf(self, i: int, name: str, value: Any) -> Any:
+        """An input the model returns as it is, computed with gradients (a non-leaf): a leaf of its
+        own for the loss, whose gradient goes into the input's with the stages' (`add_returned_grads`),
+        once through the input's graph, as the plain model's one backward goes."""
+        if not (isinstance(value, torch.Tensor) and value.requires_grad and value.grad_fn is not None and self.call.grad):
+            return value
+        leaf = value.detach().requires_grad_()
+        self.returned_leaves.setdefault(i, {})[name] = leaf
+        return leaf
 
     def output(self, i: int, values: dict[str, Any]) -> Any:
         """Micro-batch i's output, as the model returns it, from its values."""
@@ -144,7 +169,7 @@ class MicroBatchLoss:
 
     def __call__(self, i: int, values: dict[str, Any]) -> torch.Tensor:
         whole = given_values(self.call.program, self.call.micro_batches[i])
-        returned = {name: whole[name] for name in self.returned}
+        returned = {name: self._returned_leaf(i, name, whole[name]) for name in self.returned}
         given = self.writes.handed(values, returned, self.targets[i])
         output = rebuild(self.call.program.template, given.values, {**whole, **given.returned})
         loss_fn = self.loss_fn

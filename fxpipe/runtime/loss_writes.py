@@ -4,13 +4,14 @@ A loss that writes the outputs or the target in place (`logits.div_(t)`, `pred.c
 `y.mul_(1 - eps)`) is handed copies of them: the outputs a stage sent are leaves, which autograd
 lets no one write; and the step keeps the outputs as the model returned them, and the target as
 given, for the checks of the batch's loss, which call the loss on them again. What the loss
-wrote into its copies of the target goes into the caller's once the step is done, as the plain
-model's loss writes it.
+wrote into its copies of the target, and of inputs or buffers the model returns as they are,
+goes into the caller's once the step is done, as the plain model's loss writes it.
 
-    targets   copied on every call (they are small beside the outputs, as a rule)
-    outputs   copied on the first step of each loss function, which learns whether it writes;
-              one that does not is handed the outputs themselves from then on, and one that
-              writes later after all refuses that step, and gets copies from then on
+    targets, returned inputs and buffers   copied on every call (small beside the outputs, as a rule)
+    the stages' outputs                    copied on the first step of each loss function, which
+                                           learns whether it writes; one that does not is handed
+                                           them as they are from then on, and one that writes
+                                           later after all refuses that step, and gets copies
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class Handed:
 class LossWrites:
     """One step's calls of a loss function (key `key` in `table`: whether it writes the outputs)."""
 
-    def __init__(self, table: dict[Any, bool], key: Any, across: bool) -> None:
-        self.table, self.key, self.across = table, key, across
+    def __init__(self, table: dict[Any, bool], key: Any, across: bool, overlapped: bool = False, state_copies: frozenset[str] = frozenset()) -> None:
+        self.table, self.key, self.across, self.overlapped = table, key, across, overlapped
+        self.state_copies = state_copies  # the stages' outputs that are copies of a buffer forward wrote
         self.outputs_copied = key is not None and table.get(key) is not False
         self.written: dict[int, list[tuple[Any, Any]]] = {}  # micro-batch: (what the caller holds, the copy the loss wrote)
 
@@ -56,7 +58,7 @@ class LossWrites:
         tensors = _tensors((values, returned))
         copied = self.outputs_copied or any(t.is_inference() for t in tensors)
         watched = [] if copied else [(t, t._version) for t in tensors]
-        return Handed(handed(values, copied), handed(returned, copied), handed(target, True), copied, watched)
+        return Handed(handed(values, copied), handed(returned, True), handed(target, True), copied, watched)
 
     def refusal(self, error: BaseException) -> Optional[ValueError]:
         """For an error of the loss: the refusal to raise where it wrote an output it was handed
@@ -71,32 +73,43 @@ class LossWrites:
         kept as the plain model keeps it."""
         if self.key is None:
             return
-        wrote_returned = given.copied and _wrote(given.returned, returned)
-        wrote = (_wrote(given.values, values) or wrote_returned) if given.copied else any(t._version != v for t, v in given.watched)
-        wrote_target = _wrote(given.target, target)
+        wrote_returned = _wrote(given.returned, returned)  # (copies: the checks must hand it copies too)
+        wrote_values = _wrote(given.values, values) if given.copied else any(t._version != v for t, v in given.watched)
+        wrote, wrote_target = wrote_values or wrote_returned, _wrote(given.target, target)
         if (wrote or wrote_target) and _aliased([*_tensors((values, returned)), *_tensors(target)]):
             raise ValueError(_ALIASED)
         if (wrote_target or wrote_returned) and self.across:
             raise ValueError(_ACROSS)
-        if wrote and not given.copied:
+        if wrote_returned and self.overlapped:
+            raise ValueError(_OVERLAPPED)
+        if given.copied and any(_wrote(given.values[name], values[name]) for name in self.state_copies & values.keys()):
+            raise ValueError(_STATE_COPY)
+        if wrote_values and not given.copied:
             self.table[self.key] = True
             raise ValueError(_LATE)
-        if self.outputs_copied and not any(t.is_inference() for t in _tensors(given.values)):  # (no versions to read there)
+        if wrote_returned or (self.outputs_copied and not any(t.is_inference() for t in _tensors(given.values))):  # (no versions to read there)
             self.table[self.key] = self.table.get(self.key, False) or wrote
         self.written[i] = [pair for pair, wrote_it in [((target, given.target), wrote_target), ((returned, given.returned), wrote_returned)] if wrote_it]
 
     def write_back(self) -> None:
         """What the loss wrote into its copies of the micro-batches' targets, and of the inputs or
         buffers the output returns as they are, into the caller's (a micro-batch's piece is a view
-        of the caller's tensor): once the step is done, and refused by nothing. A tensor every
-        micro-batch gets whole takes the last one's writes."""
+        of the caller's tensor): once the step is done, and before its gradients are accumulated.
+        A tensor every micro-batch gets whole (a buffer, a target's class weights) must have been
+        written alike by each: refused otherwise (each wrote its own copy, where the plain model's
+        one loss writes it once)."""
+        writes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for _, pairs in sorted(self.written.items()):
             for held, copy in pairs:
-                for piece, values in zip(_tensors(held), _tensors(copy)):
-                    if _differs(values, piece):
-                        with torch.inference_mode() if piece.is_inference() else torch.no_grad():
-                            piece.copy_(values)
+                for piece, written in zip(_tensors(held), _tensors(copy)):
+                    if _differs(written, piece):
+                        writes.setdefault(id(piece), (piece, []))[1].append(written)
         self.written.clear()
+        if any(any(not equal_values(each[0], other) for other in each[1:]) for _, each in writes.values()):
+            raise ValueError(_APART)
+        for piece, each in writes.values():
+            with torch.inference_mode() if piece.is_inference() else torch.no_grad():
+                piece.copy_(each[-1])
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -157,4 +170,22 @@ _ACROSS = (
     "rank of the loss stage runs the loss, and what every other rank holds would stay as given, where the plain model's "
     "is written. The step is refused, and no gradient was accumulated.\nHow to fix: write a copy in loss_fn (`y = "
     "y.clone()` before writing it)."
+)
+_OVERLAPPED = (
+    "loss_fn writes in place an input or a buffer the model returns as it is: in a loop whose steps overlap (2bw) the "
+    "next batch's forward runs before this batch's loss, and would read it as it was, where the plain loop's reads it "
+    "written. The loop is refused at this batch.\nHow to fix: write it outside loss_fn (after_step= of train_steps), "
+    "or train with schedule='1f1b'."
+)
+_STATE_COPY = (
+    "loss_fn writes in place an output that is a buffer of the model that forward wrote, or a view of a buffer: the "
+    "pipeline returns a copy of it, so the loss's write would not reach the buffer as in the plain model. The step is "
+    "refused, and no gradient was accumulated.\nHow to fix: write the buffer itself outside loss_fn (model.<name>), or "
+    "write a copy in loss_fn."
+)
+_APART = (
+    "loss_fn writes in place a tensor that every micro-batch gets whole (a buffer or an input the model returns as it "
+    "is, a tensor of the target with no dim of the batch's size), and the micro-batches wrote different values into it: "
+    "the plain model's one loss writes it once, from the whole batch. The step is refused, and no gradient was "
+    "accumulated.\nHow to fix: update it outside loss_fn, once per step (after train_step), or use chunks=1."
 )

@@ -2539,3 +2539,92 @@ def test_a_loss_that_writes_one_of_two_halves_of_one_tensor_trains_as_the_plain_
     expected.backward()
     assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, plain)
+
+
+class _Memory(nn.Module):
+    """Returns a buffer as it is (`out, self.memory`), or one forward wrote (`written`), or a view of it."""
+
+    def __init__(self, returns: str = "buffer") -> None:
+        super().__init__()
+        self.a, self.b, self.returns = nn.Linear(4, 4), nn.Linear(4, 4), returns
+        self.memory: torch.Tensor
+        self.register_buffer("memory", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.b(torch.tanh(self.a(x))) + self.memory
+        if self.returns == "written":
+            self.memory.add_(0.0)
+        return out, self.memory[:2] if self.returns == "view" else self.memory
+
+
+def test_writes_of_a_returned_buffer_that_a_pipeline_cannot_keep_as_the_plain_model_are_refused() -> None:
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+
+    def counts(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        out[1].add_(1.0)
+        return F.mse_loss(out[0], y)
+
+    def centres(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        out[1].mul_(0.9).add_(0.1 * out[0].detach().mean(0))  # a different value from each micro-batch
+        return F.mse_loss(out[0], y)
+
+    # a copy of what forward wrote, or of a view: the write would not reach the buffer
+    for returns in ("written", "view"):  # (one micro-batch: with more, a buffer forward writes goes back per micro-batch, refused)
+        pipe = compile_pipeline(_Memory(returns).double(), x, ["cpu"] * 2, chunks=1)
+        with pytest.raises(StageError, match="an output that is a buffer of the model that forward wrote, or a view of a buffer"):
+            pipe.train_step(x, target=t, loss_fn=counts)
+    # each micro-batch writes its own value into the buffer every micro-batch gets whole
+    model = _Memory().double()
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match="the micro-batches wrote different values into it"):
+        pipe.train_step(x, target=t, loss_fn=centres)
+    assert torch.equal(model.memory, torch.zeros(4, dtype=torch.float64)) and all(p.grad is None for p in model.parameters())
+    # the next batch's forward reads it before this batch's loss writes it
+    pipe = compile_pipeline(_Memory().double(), x, ["cpu"] * 2, chunks=4, schedule="2bw")
+    batches = [(x, t)] * 3
+    with pytest.raises(StageError, match=r"in a loop whose steps overlap \(2bw\)(.|\n)*schedule='1f1b'"):
+        list(pipe.train_steps(batches, loss_fn=counts, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
+
+
+def test_a_loss_that_writes_a_returned_buffer_at_a_later_step_only_writes_it_once_as_the_plain_model() -> None:
+    torch.manual_seed(0)
+    model, plain = twin(_Memory())
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    step = [0]
+
+    def later(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        if step[0] > 0:
+            out[1].add_(1.0)
+        return F.mse_loss(out[0], y)
+
+    for step[0] in range(3):
+        loss = pipe.train_step(x, target=t, loss_fn=later)
+        expected = later(plain(x), t)
+        expected.backward()
+        assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+        assert torch.equal(model.memory, plain.memory)
+    assert_grads_equal(pipe, plain)
+
+
+def test_an_input_computed_with_gradients_returned_as_it_is_and_read_by_the_loss_gets_the_plain_model_s_gradient() -> None:
+    model, plain = twin(_ReturnsItsOwn("input"))
+    x0 = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.randn(8, 4, dtype=torch.float64)
+
+    def reads_it(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[0] * out[1], y)
+
+    pipe = compile_pipeline(model, x0.detach(), ["cpu"] * 2, chunks=4)
+    loss = pipe.train_step(x0 * 2, target=t, loss_fn=reads_it)  # (x0 * 2 saves nothing for backward... )
+    expected = reads_it(plain(x0 * 2), t)
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
+    mine = grad_of(x0).clone()
+    x0.grad = None
+    expected.backward()
+    assert torch.allclose(mine, grad_of(x0), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, plain)
+    x0.grad = None
+    pipe.zero_grad()
+    pipe.train_step(torch.tanh(x0), target=t, loss_fn=reads_it)  # (... tanh saves its output: one backward through it)
+    assert x0.grad is not None
