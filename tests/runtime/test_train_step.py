@@ -2345,16 +2345,22 @@ def _writes_the_first_reads_the_second(out: tuple[torch.Tensor, torch.Tensor], y
     return F.mse_loss(other, y[:, : other.shape[1]])
 
 
-def test_outputs_that_alias_are_handed_as_one_or_refused_where_copies_would_part_them() -> None:
+def _one_step_as_the_plain_model(made: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
+    """One train_step of `made` (in float64, 2 stages, 4 micro-batches) against the plain model's."""
     torch.manual_seed(0)
+    model, plain = twin(made)
     x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    model, plain = twin(_Aliased(view=False))  # one tensor twice: one copy, handed twice
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
-    loss = pipe.train_step(x, target=t, loss_fn=_writes_the_first_reads_the_second)
-    expected = _writes_the_first_reads_the_second(plain(x), t)
+    loss = pipe.train_step(x, target=t, loss_fn=loss_fn)
+    expected = loss_fn(plain(x), t)
     expected.backward()
     assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
     assert_grads_equal(pipe, plain)
+
+
+def test_outputs_that_alias_are_handed_as_one_or_refused_where_copies_would_part_them() -> None:
+    _one_step_as_the_plain_model(_Aliased(view=False), _writes_the_first_reads_the_second)  # one tensor twice: one copy, handed twice
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     model = _Aliased(view=True).double()  # a view of another: refused, nothing accumulated
     pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
     with pytest.raises(StageError, match=r"hold one tensor twice, or views that share elements(.|\n)*How to fix: write a copy in loss_fn"):
@@ -2530,15 +2536,7 @@ def test_a_loss_that_writes_one_of_two_halves_of_one_tensor_trains_as_the_plain_
         logvar.clamp_(-0.5, 0.5)  # apart from mean's elements: the plain model's mean is untouched
         return F.mse_loss(mean, t) + logvar.exp().mean()
 
-    torch.manual_seed(0)
-    model, plain = twin(_Halves())
-    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
-    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
-    loss = pipe.train_step(x, target=t, loss_fn=clamped)
-    expected = clamped(plain(x), t)
-    expected.backward()
-    assert torch.allclose(loss, expected, rtol=0, atol=1e-12)
-    assert_grads_equal(pipe, plain)
+    _one_step_as_the_plain_model(_Halves(), clamped)
 
 
 class _Memory(nn.Module):
