@@ -1,6 +1,7 @@
 """Which buffers and parameters a run of nodes may write in forward: what a recompute must not write again."""
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
@@ -132,14 +133,25 @@ def aliases_state(gm: fx.GraphModule, node: fx.Node) -> bool:
     return _state_root(gm, node) is not None
 
 
-def _state_root(gm: fx.GraphModule, node: fx.Node) -> fx.Node | None:
+def aliases_input(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether `node`'s value is the caller's memory in the plain model: a view of an input (`x[:, :2]`,
+    `x.detach()`), a tensor held in an input (`pack["m"]`, `pack[1]`), through views and in-place writes;
+    not an input itself (`x`, which a pipeline returns as it is)."""
+    root = _state_root(gm, node, through_items=True)
+    return root is not None and root.op == "placeholder" and root is not node
+
+
+def _state_root(gm: fx.GraphModule, node: fx.Node, through_items: bool = False) -> fx.Node | None:
     """The `get_attr` node whose tensor `node` is, through views, in-place writes and subgraphs
     that return an operand, if any."""
     seen = set()
     while node not in seen:
         seen.add(node)
-        if node.op == "get_attr":
+        if node.op == "get_attr" or (through_items and node.op == "placeholder"):
             return node
+        if through_items and node.target is operator.getitem and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], (int, str)):
+            node = node.args[0]  # an item of a container (an input's dict or tuple), or a row of a tensor
+            continue
         returned = operand_returned(gm, node)
         if returned is not None:
             node = returned

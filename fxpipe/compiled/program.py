@@ -64,6 +64,9 @@ class StageRuntime:
     # Outputs that are the model's state (a buffer it writes, say): sent as a copy, so that a
     # later stage sees the value of this micro-batch, not of one written since.
     state_outputs: set[str] = field(default_factory=set)
+    # Outputs that are the caller's memory in the plain model (a view of an input, a tensor an input
+    # holds), which the stage sends as values of its own: a loss may not write them as the caller's.
+    caller_views: set[str] = field(default_factory=set)
     # By pattern of inputs and parameters requiring grad: which outputs' tensors do, learnt from
     # a forward under grad (a checkpointed forward under no_grad cannot tell).
     output_grads: dict[Any, list[bool]] = field(default_factory=dict)

@@ -26,7 +26,7 @@ from fxpipe.passes.codegen import ORIGINAL, StageCode, called_module, direct_loo
 from fxpipe.passes.loss_counts import loss_counter, own_loss_combines, own_loss_leaf
 from fxpipe.passes.random_ops import draw_from_task_streams, random_sources
 from fxpipe.passes.sources import output_sources
-from fxpipe.passes.state import aliases_state, has_forward_hooks, statistics_written, writable_buffer_names, writable_buffers
+from fxpipe.passes.state import aliases_input, aliases_state, has_forward_hooks, statistics_written, writable_buffer_names, writable_buffers
 from fxpipe.runtime.batchnorm import defer_batch_norm, drop_batch_counts
 from fxpipe.runtime.checkpoint import slot_of
 from fxpipe.runtime.gather import DataclassOutput, ValueRef
@@ -186,6 +186,7 @@ def _stage(
         writable_buffers=writable_buffers(code.module, cut.graph, cut.runs[index]),
         read_buffers={name: b for name, b in code.module.named_buffers() if name not in written and not b.is_inference()},
         state_outputs={name for name in code.outputs if _holds_state(cut.graph, nodes[name])},
+        caller_views={name for name in code.outputs if aliases_input(cut.graph, nodes[name])},
         written=code.written,
         whole_modules=whole,
         stored=[(m, name, path) for m in whole for name, path in stored_by.get(id(m), [])],

@@ -145,7 +145,7 @@ class MicroBatchLoss:
     def __post_init__(self) -> None:
         key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
         program = self.call.program
-        state_copies = frozenset(name for stage in program.stages for name in stage.state_outputs)
+        state_copies = frozenset(name for stage in program.stages for name in stage.state_outputs | stage.caller_views)
         self.writes = LossWrites(program.losses_writing, key, self.across, self.overlapped, state_copies)
         # The inputs and buffers the model returns as they are (`return out, self.memory`): the
         # loss may write them too.

@@ -80,8 +80,10 @@ class LossWrites:
             raise ValueError(_ALIASED)
         if (wrote_target or wrote_returned) and self.across:
             raise ValueError(_ACROSS)
-        if wrote_returned and self.overlapped:
-            raise ValueError(_OVERLAPPED)
+        if any(o.is_leaf and o.requires_grad for c, o in zip(_tensors((given.returned, given.target)), _tensors((returned, target))) if _differs(c, o)):
+            raise ValueError(_LEAF)  # (a parameter the model returns, an input that requires grad: as autograd refuses)
+        if wrote_returned and self.overlapped and any(_differs(c, o) and o._base is None for c, o in zip(_tensors(given.returned), _tensors(returned))):
+            raise ValueError(_OVERLAPPED)  # (a buffer, an input kept whole: not a piece of this batch's input)
         if given.copied and any(_wrote(given.values[name], values[name]) for name in self.state_copies & values.keys()):
             raise ValueError(_STATE_COPY)
         if wrote_values and not given.copied:
@@ -89,7 +91,7 @@ class LossWrites:
             raise ValueError(_LATE)
         if wrote_returned or (self.outputs_copied and not any(t.is_inference() for t in _tensors(given.values))):  # (no versions to read there)
             self.table[self.key] = self.table.get(self.key, False) or wrote
-        self.written[i] = [pair for pair, wrote_it in [((target, given.target), wrote_target), ((returned, given.returned), wrote_returned)] if wrote_it]
+        self.written[i] = [(target, given.target), (returned, given.returned)]  # (a piece left as it was counts in `write_back`)
 
     def write_back(self) -> None:
         """What the loss wrote into its copies of the micro-batches' targets, and of the inputs or
@@ -98,16 +100,16 @@ class LossWrites:
         A tensor every micro-batch gets whole (a buffer, a target's class weights) must have been
         written alike by each: refused otherwise (each wrote its own copy, where the plain model's
         one loss writes it once)."""
-        writes: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        given: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each piece, with what each micro-batch left in its copy
         for _, pairs in sorted(self.written.items()):
             for held, copy in pairs:
-                for piece, written in zip(_tensors(held), _tensors(copy)):
-                    if _differs(written, piece):
-                        writes.setdefault(id(piece), (piece, []))[1].append(written)
+                for piece, left in zip(_tensors(held), _tensors(copy)):
+                    given.setdefault(id(piece), (piece, []))[1].append(left)
         self.written.clear()
-        if any(any(not equal_values(each[0], other) for other in each[1:]) for _, each in writes.values()):
-            raise ValueError(_APART)
-        for piece, each in writes.values():
+        writes = [(piece, each) for piece, each in given.values() if any(_differs(left, piece) for left in each)]
+        if any(any(not equal_values(each[0], other) for other in each[1:]) for _, each in writes):
+            raise ValueError(_APART)  # (a micro-batch that wrote nothing left it as it was: apart too)
+        for piece, each in writes:
             with torch.inference_mode() if piece.is_inference() else torch.no_grad():
                 piece.copy_(each[-1])
 
@@ -178,10 +180,16 @@ _OVERLAPPED = (
     "or train with schedule='1f1b'."
 )
 _STATE_COPY = (
-    "loss_fn writes in place an output that is a buffer of the model that forward wrote, or a view of a buffer: the "
-    "pipeline returns a copy of it, so the loss's write would not reach the buffer as in the plain model. The step is "
-    "refused, and no gradient was accumulated.\nHow to fix: write the buffer itself outside loss_fn (model.<name>), or "
-    "write a copy in loss_fn."
+    "loss_fn writes in place an output that is, in the plain model, the caller's memory: a buffer forward wrote, a view "
+    "of a buffer or of an input (`x[:, :2]`, `x.detach()`), a tensor an input holds (`pack['m']`). The pipeline returns a "
+    "copy of it, so the loss's write would not reach the buffer or the input as in the plain model. The step is "
+    "refused, and no gradient was accumulated.\nHow to fix: write a copy in loss_fn, or write the buffer or the input "
+    "itself outside loss_fn."
+)
+_LEAF = (
+    "loss_fn writes in place a parameter the model returns as it is, or an input (or target) that requires grad: a "
+    "leaf that requires grad, which autograd lets no one write (the plain model's loss raises so). The step is "
+    "refused, and no gradient was accumulated.\nHow to fix: write a copy in loss_fn (`w = w.clone()` before writing it)."
 )
 _APART = (
     "loss_fn writes in place a tensor that every micro-batch gets whole (a buffer or an input the model returns as it "

@@ -2569,7 +2569,7 @@ def test_writes_of_a_returned_buffer_that_a_pipeline_cannot_keep_as_the_plain_mo
     # a copy of what forward wrote, or of a view: the write would not reach the buffer
     for returns in ("written", "view"):  # (one micro-batch: with more, a buffer forward writes goes back per micro-batch, refused)
         pipe = compile_pipeline(_Memory(returns).double(), x, ["cpu"] * 2, chunks=1)
-        with pytest.raises(StageError, match="an output that is a buffer of the model that forward wrote, or a view of a buffer"):
+        with pytest.raises(StageError, match="an output that is, in the plain model, the caller.s memory: a buffer forward wrote, a view of a buffer"):
             pipe.train_step(x, target=t, loss_fn=counts)
     # each micro-batch writes its own value into the buffer every micro-batch gets whole
     model = _Memory().double()
@@ -2626,3 +2626,66 @@ def test_an_input_computed_with_gradients_returned_as_it_is_and_read_by_the_loss
     pipe.zero_grad()
     pipe.train_step(torch.tanh(x0), target=t, loss_fn=reads_it)  # (... tanh saves its output: one backward through it)
     assert x0.grad is not None
+
+
+class _ReturnsCallersMemory(nn.Module):
+    """Returns, beside its prediction, what is the caller's memory in the plain model."""
+
+    def __init__(self, returns: str) -> None:
+        super().__init__()
+        self.a, self.returns = nn.Linear(4, 4), returns
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor, pack: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.a(x) * self.scale
+        chosen = {"item": pack["m"], "view": x[:, :2], "detached": x.detach(), "parameter": self.scale}[self.returns]
+        return h, chosen
+
+
+@pytest.mark.parametrize("returns, refusal", [
+    ("item", "the caller's memory"), ("view", "the caller's memory"), ("detached", "the caller's memory"), ("parameter", "a leaf that requires grad"),
+])  # fmt: skip
+def test_a_loss_that_writes_what_is_the_caller_s_memory_in_the_plain_model_is_refused_and_leaves_it(returns: str, refusal: str) -> None:
+    model = _ReturnsCallersMemory(returns).double()
+    x, m, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, {"m": m}), ["cpu"], chunks=4)
+    before = (x.clone(), m.clone(), model.scale.detach().clone())
+
+    def writes(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        out[1].clamp_(max=0.5)
+        return F.mse_loss(out[0], y)
+
+    with pytest.raises(StageError, match=refusal):
+        pipe.train_step(x, {"m": m}, target=t, loss_fn=writes)
+    assert torch.equal(x, before[0]) and torch.equal(m, before[1]) and torch.equal(model.scale, before[2])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_returned_buffer_written_by_some_micro_batches_only_is_refused() -> None:
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.zeros(8, 4, dtype=torch.float64)
+    t[:4, 0] = -5.0  # the first two micro-batches hold a sample below -1: they write nothing
+
+    def flags(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        if (y[:, 0] > -1).all():  # the plain model's whole batch holds one: it writes nothing
+            out[1].fill_(1.0)
+        return F.mse_loss(out[0], y)
+
+    model = _Memory().double()
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(ValueError, match="the micro-batches wrote different values into it"):
+        pipe.train_step(x, target=t, loss_fn=flags)
+    assert torch.equal(model.memory, torch.zeros(4, dtype=torch.float64))
+
+
+def test_a_2bw_loop_whose_loss_writes_each_batch_s_own_returned_input_trains() -> None:
+    def clamps(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out[0] * out[1].clamp_(-1.0, 1.0), y)
+
+    model = _ReturnsItsOwn("input").double()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, dtype=torch.float64, generator=g), torch.randn(8, 4, dtype=torch.float64, generator=g)) for _ in range(3)]
+    given = [x.clone() for x, _ in batches]
+    pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 2, chunks=4, schedule="2bw")
+    losses = list(pipe.train_steps(batches, loss_fn=clamps, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
+    assert len(losses) == 3
+    assert all(torch.equal(x, g_.clamp(-1.0, 1.0)) for (x, _), g_ in zip(batches, given))  # each written once, as the plain loop's
