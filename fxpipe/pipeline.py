@@ -345,13 +345,13 @@ class Pipeline(PipelineState):
         except OtherCall as other:  # raised by the binding, before anything ran
             variant = self._variant(other, args, kwargs)
             return self._ran(variant, variant.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
-        with generator_put_back_on_error():
-            with kept.put_back_on_error(), LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))) as loss_state:
+        with generator_put_back_on_error(), kept.put_back_on_error():
+            with LossStateKept(loss_fn, calls=calls_of_loss_fn(len(call.sizes))) as loss_state:
                 input_grads = step.train()
                 total, outputs = loss_and_outputs(call, step, loss_fn, target, reduction, return_outputs)
                 add_returned_grads(step, input_grads)
                 loss_state.replay = replay_once(loss_fn, outputs, target, total.device) if loss_fn is not None else None
-        write_targets_back(step)
+            write_targets_back(step)  # (once the loss's own state is found unchanged; a refusal here puts back the rest)
         if call.grad:
             accumulate(call, input_grads, parameter_grads(call.program, step, call.params))
             kept.backward_targets()

@@ -176,7 +176,7 @@ class MicroBatchLoss:
         try:
             loss = loss_of(loss_fn, output, given.target) if loss_fn is not None else own_loss(output)
         except Exception as error:
-            refusal = self.writes.refusal(error)
+            refusal = self.writes.refusal(error, given, loss_fn)
             if refusal is not None:
                 raise refusal from error
             if self.target_note:

@@ -60,10 +60,15 @@ class LossWrites:
         watched = [] if copied else [(t, t._version) for t in tensors]
         return Handed(handed(values, copied), handed(returned, True), handed(target, True), copied, watched)
 
-    def refusal(self, error: BaseException) -> Optional[ValueError]:
+    def refusal(self, error: BaseException, given: Handed, loss_fn: Any) -> Optional[ValueError]:
         """For an error of the loss: the refusal to raise where it wrote an output it was handed
-        as it is (a leaf, which autograd refuses to write); None otherwise."""
-        if self.key is None or self.outputs_copied or _LEAF_WRITTEN not in str(error):
+        as it is (a leaf, which autograd refuses to write); None otherwise, and where the leaf may
+        be another one the loss holds (a loss module's own parameter: autograd's error stands)."""
+        if self.key is None or given.copied or _LEAF_WRITTEN not in str(error):
+            return None
+        if not any(t.is_leaf and t.requires_grad for t in _tensors(given.values)):
+            return None
+        if isinstance(loss_fn, torch.nn.Module) and any(p.requires_grad for p in loss_fn.parameters()):
             return None
         self.table[self.key] = True
         return ValueError(_LATE)
@@ -73,9 +78,9 @@ class LossWrites:
         kept as the plain model keeps it."""
         if self.key is None:
             return
-        wrote_returned = _wrote(given.returned, returned)  # (copies: the checks must hand it copies too)
+        wrote_returned = _wrote(given.returned, returned, by_value=True)  # (copies: the checks must hand it copies too)
         wrote_values = _wrote(given.values, values) if given.copied else any(t._version != v for t, v in given.watched)
-        wrote, wrote_target = wrote_values or wrote_returned, _wrote(given.target, target)
+        wrote, wrote_target = wrote_values or wrote_returned, _wrote(given.target, target, by_value=True)
         if (wrote or wrote_target) and _aliased([*_tensors((values, returned)), *_tensors(target)]):
             raise ValueError(_ALIASED)
         if (wrote_target or wrote_returned) and self.across:
@@ -106,9 +111,11 @@ class LossWrites:
                 for piece, left in zip(_tensors(held), _tensors(copy)):
                     given.setdefault(id(piece), (piece, []))[1].append(left)
         self.written.clear()
-        writes = [(piece, each) for piece, each in given.values() if any(_differs(left, piece) for left in each)]
+        writes = [(piece, each) for piece, each in given.values() if any(_written(left, piece) for left in each)]
         if any(any(not equal_values(each[0], other) for other in each[1:]) for _, each in writes):
             raise ValueError(_APART)  # (a micro-batch that wrote nothing left it as it was: apart too)
+        if any(stride == 0 and n > 1 for piece, _ in writes for n, stride in zip(piece.shape, piece.stride())):
+            raise ValueError(_BROADCAST)
         for piece, each in writes:
             with torch.inference_mode() if piece.is_inference() else torch.no_grad():
                 piece.copy_(each[-1])
@@ -118,9 +125,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in leaves_of(tree) if isinstance(t, torch.Tensor)]
 
 
-def _wrote(copies: Any, originals: Any) -> bool:
-    """Whether the loss wrote any of the copies it was handed of `originals`."""
-    return any(_differs(c, o) for c, o in zip(_tensors(copies), _tensors(originals)))
+def _wrote(copies: Any, originals: Any, by_value: bool = False) -> bool:
+    """Whether the loss wrote any of the copies it was handed of `originals` (`by_value`: a write
+    through `.data` too, which moves no version: for the targets and what the model returns as it
+    is, small as a rule)."""
+    differs = _written if by_value else _differs
+    return any(differs(c, o) for c, o in zip(_tensors(copies), _tensors(originals)))
+
+
+def _written(copy: torch.Tensor, original: torch.Tensor) -> bool:
+    return _differs(copy, original) or not equal_values(copy, original)
 
 
 def _differs(copy: torch.Tensor, original: torch.Tensor) -> bool:
@@ -185,6 +199,11 @@ _STATE_COPY = (
     "copy of it, so the loss's write would not reach the buffer or the input as in the plain model. The step is "
     "refused, and no gradient was accumulated.\nHow to fix: write a copy in loss_fn, or write the buffer or the input "
     "itself outside loss_fn."
+)
+_BROADCAST = (
+    "loss_fn writes in place a tensor of the target that is a broadcast view (`t.expand(...)`), whose elements share "
+    "memory: no one can write it in place (the plain model's loss raises so). The step is refused, and no gradient "
+    "was accumulated.\nHow to fix: give the target made whole (`t.expand(...).clone()`), or write a copy in loss_fn."
 )
 _LEAF = (
     "loss_fn writes in place a parameter the model returns as it is, or an input (or target) that requires grad: a "

@@ -2689,3 +2689,73 @@ def test_a_2bw_loop_whose_loss_writes_each_batch_s_own_returned_input_trains() -
     losses = list(pipe.train_steps(batches, loss_fn=clamps, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.0)))
     assert len(losses) == 3
     assert all(torch.equal(x, g_.clamp(-1.0, 1.0)) for (x, _), g_ in zip(batches, given))  # each written once, as the plain loop's
+
+
+class _NormedMemory(_Memory):
+    """`_Memory`, with BatchNorm and dropout before its output: a refused step must leave both as found."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn, self.drop = nn.BatchNorm1d(4), nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, memory = super().forward(x)
+        return self.drop(self.bn(out)), memory
+
+
+def test_a_step_refused_at_its_writes_back_leaves_buffers_and_the_generator_as_found() -> None:
+    def centres(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+        out[1].copy_(out[0].detach().mean(0))  # a different value from each micro-batch
+        return F.mse_loss(out[0], y)
+
+    model = _NormedMemory().double()
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    state, generator = copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    with pytest.raises(ValueError, match="the micro-batches wrote different values into it"):
+        pipe.train_step(x, target=t, loss_fn=centres)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), generator)
+
+
+def test_target_writes_through_data_reach_the_caller_and_broadcast_targets_are_refused_as_the_plain_model() -> None:
+    model, plain = twin(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+
+    def smooths(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.data.mul_(0.9).add_(0.05)  # (moves no version)
+        return F.mse_loss(out, y)
+
+    mine, theirs = torch.randn(8, 4, dtype=torch.float64), None
+    theirs = mine.clone()
+    loss = pipe.train_step(x, target=mine, loss_fn=smooths)
+    assert torch.allclose(loss, smooths(plain(x), theirs), rtol=0, atol=1e-12) and torch.equal(mine, theirs)
+    broadcast = torch.ones(1, 4, dtype=torch.float64).expand(8, 4)
+    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+        F.mse_loss(plain(x), broadcast.mul_(0.5))
+    with pytest.raises(ValueError, match=r"a broadcast view \(`t.expand\(...\)`\)"):
+        pipe.train_step(x, target=broadcast, loss_fn=lambda out, y: F.mse_loss(out, y.mul_(0.5)))
+    assert torch.equal(broadcast, torch.ones(8, 4, dtype=torch.float64))
+
+
+def test_a_loss_module_that_writes_its_own_parameter_gets_autograd_s_error_as_the_plain_model() -> None:
+    calls = [0]  # (kept outside the loss object: state it keeps would be refused first)
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.temp = nn.Parameter(torch.tensor(3.0, dtype=torch.float64))
+
+        def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] > 10:  # from its second step on, when it is handed the outputs themselves
+                self.temp.clamp_(max=2.0)
+            return F.mse_loss(out / self.temp, y)
+
+    x, t = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double(), x, ["cpu"] * 2, chunks=4)
+    loss_fn = Tempered()
+    pipe.train_step(x, target=t, loss_fn=loss_fn)  # (10 calls: the micro-batches', the checks')
+    with pytest.raises(StageError, match="a leaf Variable that requires grad is being used in an in-place operation"):
+        pipe.train_step(x, target=t, loss_fn=loss_fn)
