@@ -171,7 +171,7 @@ class MicroBatchLoss:
         whole = given_values(self.call.program, self.call.micro_batches[i])
         returned = {name: self._returned_leaf(i, name, whole[name]) for name in self.returned}
         given = self.writes.handed(values, returned, self.targets[i])
-        output = rebuild(self.call.program.template, given.values, {**whole, **given.returned})
+        output = rebuild(self.call.program.template, given.values, {**whole, **given.returned} if returned else whole)
         loss_fn = self.loss_fn
         try:
             loss = loss_of(loss_fn, output, given.target) if loss_fn is not None else own_loss(output)
@@ -182,7 +182,7 @@ class MicroBatchLoss:
             if self.target_note:
                 error.add_note(self.target_note)
             raise
-        self.writes.note(i, values, returned, self.targets[i], given)
+        self.writes.note(i, values, given)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:
             # (1,): a count given as a tensor of one element (Hugging Face's num_items_in_batch
             # under DataParallel); backward takes one element as it takes a 0-dim tensor.

@@ -31,13 +31,15 @@ _LEAF_WRITTEN = "leaf Variable that requires grad is being used in an in-place o
 class Handed:
     """What one call of the loss reads: the stages' output values and the inputs or buffers the
     output returns as they are (copies, where `copied`), the target (copies), and, of outputs
-    handed as they are, each tensor with its version then."""
+    handed as they are, each tensor with its version then; with the tensors of each, found once
+    (a walk of a tree costs as much as a small loss)."""
 
     values: Any
     returned: Any
     target: Any
     copied: bool
     watched: list[tuple[torch.Tensor, int]]
+    tensors: dict[str, list[torch.Tensor]]  # "values", "returned", "target": the originals'; "given ...": the copies'
 
 
 class LossWrites:
@@ -47,18 +49,22 @@ class LossWrites:
         self.table, self.key, self.across, self.overlapped = table, key, across, overlapped
         self.state_copies = state_copies  # the stages' outputs that are copies of a buffer forward wrote
         self.outputs_copied = key is not None and table.get(key) is not False
-        self.written: dict[int, list[tuple[Any, Any]]] = {}  # micro-batch: (what the caller holds, the copy the loss wrote)
+        # micro-batch: (what the caller holds, the copy the loss was handed), for `write_back`
+        self.written: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.any_written = False
 
     def handed(self, values: dict[str, Any], returned: dict[str, Any], target: Any) -> Handed:
         """What the loss reads of the output (`values`, the stages'; `returned`, inputs or buffers
         returned as they are) and of `target`. Outputs made under inference_mode have no versions
         to show a write: they are copied too."""
         if self.key is None:
-            return Handed(values, returned, target, False, [])
-        tensors = _tensors((values, returned))
-        copied = self.outputs_copied or any(t.is_inference() for t in tensors)
-        watched = [] if copied else [(t, t._version) for t in tensors]
-        return Handed(handed(values, copied), handed(returned, True), handed(target, True), copied, watched)
+            return Handed(values, returned, target, False, [], {})
+        found = {"values": _tensors(values), "returned": _tensors(returned), "target": _tensors(target)}
+        copied = self.outputs_copied or any(t.is_inference() for t in found["values"] + found["returned"])
+        watched = [] if copied else [(t, t._version) for t in found["values"]]
+        given = Handed(handed(values, copied), handed(returned, True) if returned else returned, handed(target, True), copied, watched, found)
+        found.update({"given values": _tensors(given.values) if copied else [], "given returned": _tensors(given.returned), "given target": _tensors(given.target)})
+        return given
 
     def refusal(self, error: BaseException, given: Handed, loss_fn: Any) -> Optional[ValueError]:
         """For an error of the loss: the refusal to raise where it wrote an output it was handed
@@ -66,37 +72,41 @@ class LossWrites:
         be another one the loss holds (a loss module's own parameter: autograd's error stands)."""
         if self.key is None or given.copied or _LEAF_WRITTEN not in str(error):
             return None
-        if not any(t.is_leaf and t.requires_grad for t in _tensors(given.values)):
+        if not any(t.is_leaf and t.requires_grad for t in given.tensors["values"]):
             return None
         if isinstance(loss_fn, torch.nn.Module) and any(p.requires_grad for p in loss_fn.parameters()):
             return None
         self.table[self.key] = True
         return ValueError(_LATE)
 
-    def note(self, i: int, values: dict[str, Any], returned: dict[str, Any], target: Any, given: Handed) -> None:
+    def note(self, i: int, values: dict[str, Any], given: Handed) -> None:
         """After micro-batch i's loss: what it wrote, learned; refused where a write cannot be
         kept as the plain model keeps it."""
         if self.key is None:
             return
-        wrote_returned = _wrote(given.returned, returned, by_value=True)  # (copies: the checks must hand it copies too)
-        wrote_values = _wrote(given.values, values) if given.copied else any(t._version != v for t, v in given.watched)
-        wrote, wrote_target = wrote_values or wrote_returned, _wrote(given.target, target, by_value=True)
-        if (wrote or wrote_target) and _aliased([*_tensors((values, returned)), *_tensors(target)]):
+        t = given.tensors
+        kept = list(zip(t["returned"] + t["target"], t["given returned"] + t["given target"]))  # (caller's, copy)
+        written = [(held, copy) for held, copy in kept if _written(copy, held)]  # (by value too: `.data` moves no version)
+        wrote_returned = any(held is r for held, _ in written for r in t["returned"])
+        wrote_values = any(_differs(c, o) for c, o in zip(t["given values"], t["values"])) if given.copied else any(x._version != v for x, v in given.watched)
+        wrote = wrote_values or wrote_returned
+        if (wrote or written) and _aliased(t["values"] + t["returned"] + t["target"]):
             raise ValueError(_ALIASED)
-        if (wrote_target or wrote_returned) and self.across:
+        if written and self.across:
             raise ValueError(_ACROSS)
-        if any(o.is_leaf and o.requires_grad for c, o in zip(_tensors((given.returned, given.target)), _tensors((returned, target))) if _differs(c, o)):
+        if any(held.is_leaf and held.requires_grad for held, _ in written):
             raise ValueError(_LEAF)  # (a parameter the model returns, an input that requires grad: as autograd refuses)
-        if wrote_returned and self.overlapped and any(_differs(c, o) and o._base is None for c, o in zip(_tensors(given.returned), _tensors(returned))):
+        if wrote_returned and self.overlapped and any(held._base is None for held, _ in written if any(held is r for r in t["returned"])):
             raise ValueError(_OVERLAPPED)  # (a buffer, an input kept whole: not a piece of this batch's input)
         if given.copied and any(_wrote(given.values[name], values[name]) for name in self.state_copies & values.keys()):
             raise ValueError(_STATE_COPY)
         if wrote_values and not given.copied:
             self.table[self.key] = True
             raise ValueError(_LATE)
-        if wrote_returned or (self.outputs_copied and not any(t.is_inference() for t in _tensors(given.values))):  # (no versions to read there)
+        if wrote_returned or (self.outputs_copied and not any(x.is_inference() for x in t["given values"])):  # (no versions to read there)
             self.table[self.key] = self.table.get(self.key, False) or wrote
-        self.written[i] = [(target, given.target), (returned, given.returned)]  # (a piece left as it was counts in `write_back`)
+        self.written[i] = kept  # (a piece left as it was counts in `write_back`)
+        self.any_written = self.any_written or bool(written)
 
     def write_back(self) -> None:
         """What the loss wrote into its copies of the micro-batches' targets, and of the inputs or
@@ -105,11 +115,13 @@ class LossWrites:
         A tensor every micro-batch gets whole (a buffer, a target's class weights) must have been
         written alike by each: refused otherwise (each wrote its own copy, where the plain model's
         one loss writes it once)."""
+        if not self.any_written:
+            self.written.clear()
+            return
         given: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # each piece, with what each micro-batch left in its copy
         for _, pairs in sorted(self.written.items()):
-            for held, copy in pairs:
-                for piece, left in zip(_tensors(held), _tensors(copy)):
-                    given.setdefault(id(piece), (piece, []))[1].append(left)
+            for piece, left in pairs:
+                given.setdefault(id(piece), (piece, []))[1].append(left)
         self.written.clear()
         writes = [(piece, each) for piece, each in given.values() if any(_written(left, piece) for left in each)]
         if any(any(not equal_values(each[0], other) for other in each[1:]) for _, each in writes):
@@ -122,6 +134,10 @@ class LossWrites:
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):  # (the common cases, without a walk of the tree)
+        return [tree]
+    if isinstance(tree, dict) and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        return list(tree.values())
     return [t for t in leaves_of(tree) if isinstance(t, torch.Tensor)]
 
 

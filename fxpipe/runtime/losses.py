@@ -421,6 +421,8 @@ def handed(tree: Any, writes: bool) -> Any:
 
 def once_each(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
     """`fn` of each tensor in `tree`, once per tensor: one held twice (`return h, h`) stays one."""
+    if isinstance(tree, torch.Tensor):  # (the common case, without a walk of the tree)
+        return fn(tree)
     made: dict[int, torch.Tensor] = {}
 
     def one(t: torch.Tensor) -> torch.Tensor:
