@@ -47,7 +47,7 @@ class LossWrites:
 
     def __init__(self, table: dict[Any, bool], key: Any, across: bool, overlapped: bool = False, state_copies: frozenset[str] = frozenset()) -> None:
         self.table, self.key, self.across, self.overlapped = table, key, across, overlapped
-        self.state_copies = state_copies  # the stages' outputs that are copies of a buffer forward wrote
+        self.state_copies = state_copies  # the stages' outputs that are, in the plain model, the caller's memory (a buffer, a view of an input)
         self.outputs_copied = key is not None and table.get(key) is not False
         # micro-batch: (what the caller holds, the copy the loss was handed), for `write_back`
         self.written: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
