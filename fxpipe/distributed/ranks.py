@@ -9,6 +9,7 @@ one rank is raised on all, and tied weights' gradients are summed among the rank
 """
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import itertools
@@ -29,6 +30,7 @@ from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.edges import CALLER
 from fxpipe.core.failures import Failure, PeerLost, RemoteFailure
 from fxpipe.distributed.channel import Channel
+from fxpipe.runtime.grads import summed as sum_of_two
 from fxpipe.runtime.stage_error import raised_here
 from fxpipe.runtime.step import StageError
 
@@ -373,10 +375,7 @@ def summed_in_rank_order(grads: list[torch.Tensor]) -> Optional[torch.Tensor]:
         return grads[0] if grads else None
     if all(g.layout == torch.strided for g in grads):
         return torch.stack(grads).sum(0)
-    total = grads[0]
-    for g in grads[1:]:  # (torch adds a sparse tensor to a dense one, not a dense one to a sparse one)
-        total = g + total if g.layout == torch.strided and total.layout != torch.strided else total + g
-    return total
+    return functools.reduce(sum_of_two, grads)
 
 
 def sum_tied(

@@ -10,8 +10,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from fxpipe.core.microbatch import leaves_of
-from fxpipe.runtime.backward_tasks import add_grads
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
+from fxpipe.runtime.backward_tasks import add_grads
 from fxpipe.runtime.call import Call, given_values, rebuild
 from fxpipe.runtime.gather import ValueRef
 from fxpipe.runtime.loss_gradients import check_combined_gradient
@@ -145,11 +145,11 @@ class MicroBatchLoss:
     def __post_init__(self) -> None:
         key = _loss_key(self.loss_fn) if self.loss_fn is not None else None
         program = self.call.program
-        state_copies = frozenset(name for stage in program.stages for name in stage.state_outputs | stage.caller_views)
-        self.writes = LossWrites(program.losses_writing, key, self.across, self.overlapped, state_copies)
+        caller_copies = frozenset(name for stage in program.stages for name in stage.state_outputs | stage.caller_views)
+        self.writes = LossWrites(program.losses_writing, key, self.across, self.overlapped, caller_copies)
         # The inputs and buffers the model returns as they are (`return out, self.memory`): the
         # loss may write them too.
-        self.returned = {ref.name for ref in tree_leaves(self.call.program.template) if isinstance(ref, ValueRef) and ref.given}
+        self.returned = {ref.name for ref in tree_leaves(program.template) if isinstance(ref, ValueRef) and ref.given}
         self.returned_leaves: dict[int, dict[str, torch.Tensor]] = {}  # see `_returned_leaf`
 
     def _returned_leaf(self, i: int, name: str, value: Any) -> Any:

@@ -45,9 +45,9 @@ class Handed:
 class LossWrites:
     """One step's calls of a loss function (key `key` in `table`: whether it writes the outputs)."""
 
-    def __init__(self, table: dict[Any, bool], key: Any, across: bool, overlapped: bool = False, state_copies: frozenset[str] = frozenset()) -> None:
+    def __init__(self, table: dict[Any, bool], key: Any, across: bool, overlapped: bool = False, caller_copies: frozenset[str] = frozenset()) -> None:
         self.table, self.key, self.across, self.overlapped = table, key, across, overlapped
-        self.state_copies = state_copies  # the stages' outputs that are, in the plain model, the caller's memory (a buffer, a view of an input)
+        self.caller_copies = caller_copies  # the stages' outputs that are, in the plain model, the caller's memory (a buffer, a view of an input)
         self.outputs_copied = key is not None and table.get(key) is not False
         # micro-batch: (what the caller holds, the copy the loss was handed), for `write_back`
         self.written: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -98,7 +98,7 @@ class LossWrites:
             raise ValueError(_LEAF)  # (a parameter the model returns, an input that requires grad: as autograd refuses)
         if wrote_returned and self.overlapped and any(held._base is None for held, _ in written if any(held is r for r in t["returned"])):
             raise ValueError(_OVERLAPPED)  # (a buffer, an input kept whole: not a piece of this batch's input)
-        if given.copied and any(_wrote(given.values[name], values[name]) for name in self.state_copies & values.keys()):
+        if given.copied and any(_wrote(given.values[name], values[name]) for name in self.caller_copies & values.keys()):
             raise ValueError(_STATE_COPY)
         if wrote_values and not given.copied:
             self.table[self.key] = True
@@ -141,15 +141,14 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in leaves_of(tree) if isinstance(t, torch.Tensor)]
 
 
-def _wrote(copies: Any, originals: Any, by_value: bool = False) -> bool:
-    """Whether the loss wrote any of the copies it was handed of `originals` (`by_value`: a write
-    through `.data` too, which moves no version: for the targets and what the model returns as it
-    is, small as a rule)."""
-    differs = _written if by_value else _differs
-    return any(differs(c, o) for c, o in zip(_tensors(copies), _tensors(originals)))
+def _wrote(copies: Any, originals: Any) -> bool:
+    """Whether the loss wrote any of the copies it was handed of `originals` (by their versions)."""
+    return any(_differs(c, o) for c, o in zip(_tensors(copies), _tensors(originals)))
 
 
 def _written(copy: torch.Tensor, original: torch.Tensor) -> bool:
+    """`_differs`, or a write through `.data`, which moves no version (for the targets and what the
+    model returns as it is, small as a rule: compared by value)."""
     return _differs(copy, original) or not equal_values(copy, original)
 
 
