@@ -1138,6 +1138,12 @@ def test_an_argument_that_is_no_tensor_is_proved_again_at_a_value_the_example_di
         with pytest.raises(CausalityError, match=rf"inputs that are no tensors: {names} \(the example's: (True|0)\)(.|\n)*How to fix: call it with the example's values"):
             pipe(X, *settings)
         torch.testing.assert_close(pipe(X, True, 0), plain(X, True, 0), rtol=0, atol=1e-12)  # (and the example's values still run)
+        pipe.eval()
+        plain.eval()
+        with torch.no_grad():  # the eval graph is proved apart, at the example's values and at this one
+            torch.testing.assert_close(pipe(X, True, 0), plain(X, True, 0), rtol=0, atol=1e-12)
+            with pytest.raises(CausalityError, match=rf"inputs that are no tensors: {names}"):
+                pipe(X, *settings)
 
 
 class _ReturnsLength(nn.Module):

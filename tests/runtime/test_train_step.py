@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import functools
 import itertools
@@ -2759,3 +2760,37 @@ def test_a_loss_module_that_writes_its_own_parameter_gets_autograd_s_error_as_th
     pipe.train_step(x, target=t, loss_fn=loss_fn)  # (10 calls: the micro-batches', the checks')
     with pytest.raises(StageError, match="a leaf Variable that requires grad is being used in an in-place operation"):
         pipe.train_step(x, target=t, loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "autocast", "accumulated"])
+def test_a_loss_that_writes_its_outputs_and_target_trains_as_the_plain_model_in_every_mode(mode: str) -> None:
+    def writes(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.mul_(0.9).add_(0.05)
+        return F.mse_loss(out.div_(2.0), y)
+
+    torch.manual_seed(0)
+    made = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 4))
+    model, plain = (made, copy.deepcopy(made)) if mode == "autocast" else twin(made)
+    dtype = next(model.parameters()).dtype
+    x, t = torch.randn(8, 4, dtype=dtype), torch.randn(8, 4, dtype=dtype)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=1 if mode != "eval" else 4)  # (BatchNorm in training: one micro-batch)
+    if mode == "eval":
+        pipe.eval()
+        plain.eval()
+    context = torch.no_grad() if mode == "no_grad" else torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext()
+    mine, theirs = t.clone(), t.clone()
+    for _ in range(2 if mode == "accumulated" else 1):
+        with context:
+            loss = pipe.train_step(x, target=mine, loss_fn=writes)
+            expected = writes(plain(x), theirs)
+        if expected.requires_grad:
+            expected.backward()
+        tol = 1e-2 if mode == "autocast" else 1e-12
+        assert torch.allclose(loss.float(), expected.detach().float(), rtol=tol, atol=tol)
+        assert torch.equal(mine, theirs)  # written once per step, as the plain model's loss writes it
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            assert torch.allclose(p.grad.float(), grad_of(q).float(), rtol=0.05 if mode == "autocast" else 0, atol=0.02 if mode == "autocast" else 1e-12)
+    for got, want in zip(model.buffers(), plain.buffers()):
+        assert torch.allclose(got.float(), want.float(), rtol=0, atol=1e-6 if mode == "autocast" else 1e-12)
