@@ -1198,3 +1198,23 @@ class _ScoresSized(nn.Module):
 def test_a_mask_cut_by_the_keys_length_is_refused_naming_the_cut_that_runs() -> None:
     with pytest.raises(CausalityError, match=r"getitem(.|\n)*cuts a table by the keys' length(.|\n)*mask\[:, :, :T, :T\]"):
         compile_pipeline(_ScoresSized().double(), X, ["cpu"] * 2, sequence_chunks=3)
+
+
+def test_a_loss_that_writes_its_outputs_and_target_in_place_runs_in_slices_as_the_plain_model() -> None:
+    def writes(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.clamp_(max=VOCAB - 2)  # an integer target written
+        return F.cross_entropy(out.div_(2.0).flatten(0, 1), y.flatten())
+
+    torch.manual_seed(0)
+    model, plain = twin(RotaryGPT())
+    y = tokens(4, 12, seed=5)
+    mine, theirs = y.clone(), y.clone()
+    pipe = compile_pipeline(model, X, ["cpu"] * 2, chunks=2, sequence_chunks=3)
+    with closing(pipe):
+        for _ in range(2):  # the first step hands copies and learns that it writes; the second hands copies as known
+            loss = pipe.train_step(X, target=mine, loss_fn=writes)
+            expected = writes(plain(X), theirs)
+            expected.backward()
+            torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+            assert torch.equal(mine, theirs)
+        assert_grads_equal(pipe, plain, tol=1e-10)
