@@ -32,9 +32,12 @@ _HINTS = [
         "Where the model's forward writes a parameter or a buffer in place (self.scale.clamp_(...) under "
         "torch.no_grad(), a counter self.n.add_(1) that an op then multiplies by), each micro-batch's forward "
         "writes it before the backward of the micro-batches before it, which holds it: the plain model, with one "
-        "forward per backward, never does.\nHow to fix: keep a parameter in range outside forward (after "
+        "forward per backward, never does. Where it writes a value it computed and autograd saved "
+        "(torch.tanh(h).mul_(2)), the plain model's backward fails alike, and so does chunks=1, which tells the "
+        "two apart.\nHow to fix: keep a parameter in range outside forward (after "
         "optimizer.step(), under torch.no_grad()); have ops read a copy of a buffer (self.n.clone()), or "
-        "checkpoint='always', whose recompute reads the value each micro-batch's forward read; or chunks=1.",
+        "checkpoint='always', whose recompute reads the value each micro-batch's forward read; or chunks=1. A "
+        "computed value the model writes is the model's own error: write it out of place (h = h * 2).",
     ),
     (
         ("BackendCompilerFailed",),

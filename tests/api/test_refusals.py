@@ -230,6 +230,26 @@ def test_a_counter_an_op_saves_is_refused_without_checkpoints_with_fixes_that_wo
         assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+class _WritesWhatTanhSaved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)).mul_(2))
+
+
+def test_a_computed_value_the_model_writes_fails_as_the_plain_model_with_a_hint_that_names_it() -> None:
+    """Before, the hint blamed a parameter or a buffer written across micro-batches, which the model
+    has none of, and named checkpoint='always' and chunks=1, which fail alike."""
+    x = X.double()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _WritesWhatTanhSaved().double()(x).sum().backward()  # the model's own error
+    pipe = compile_pipeline(_WritesWhatTanhSaved().double(), x, ["cpu"], chunks=2, checkpoint="never")
+    with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*the plain model's backward fails alike, and so does chunks=1.*write it out of place"):
+        pipe(x).sum().backward()
+
+
 class _TakesPacked(nn.Module):
     def __init__(self) -> None:
         super().__init__()
