@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.compiled.plan import Plan
 from fxpipe.compiled.program import Compiled, OtherCall, Program
-from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, kept_whole, map_tensors, spec_dims, takes_gradients
+from fxpipe.core.microbatch import Dims, batch_dim_of, batch_size_of, fewer_dims, is_one_sample, kept_whole, map_tensors, spec_dims, takes_gradients
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_forward import in_the_models_own_call, traced_forward_put_back
 from fxpipe.distributed.channel import Channel, RankMailbox
@@ -341,6 +341,9 @@ class PipelineCalls(nn.Module):
         every rank would have to compile it at the same call."""
         variants: collections.OrderedDict[Any, P] = self._variants
         found = variants.get(other.key)
+        if found is not None and found.__dict__.get("_for_one_sample") and not is_one_sample(args, kwargs):
+            variants.pop(other.key).close()  # compiled from a call of one sample, as one micro-batch: compiled again
+            found = None
         if found is not None:
             variants.move_to_end(other.key)
         elif self._recompile is None:

@@ -23,6 +23,7 @@ from fxpipe.compiler.arguments import (
 from fxpipe.compiler.build import build_program
 from fxpipe.compiler.cuts import cut_runs, eval_cut, memory_caps, refuse_recomputed_writes, stage_plans, times_basis
 from fxpipe.compiler.frontend import none_in, refuse_an_example_the_model_refuses, to_graph
+from fxpipe.compiler.in_flight import in_flight_of
 from fxpipe.compiler.placement import place_state
 from fxpipe.compiler.sequence import (
     SequenceChunks, count_carries, example_length, sequence_problems, slice_graphs, slices_note, with_costs,
@@ -32,7 +33,7 @@ from fxpipe.core.attrs import buffer_names, tensors_read, tied_names
 from fxpipe.core.collector import collector_paused
 from fxpipe.core.hooks import hooks_put_back_on_failure
 from fxpipe.core.model_hooks import model_hooks_set_aside, pre_hooks_note
-from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, scatter, spec_dims, split_sizes
+from fxpipe.core.microbatch import Dims, batch_size_of, example_leaves, forward_signature, is_one_sample, scatter, spec_dims, split_sizes
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_forward import calls_of_its_pipelines_noted
 from fxpipe.core.snapshot import inputs_preserved, preserved
@@ -57,7 +58,7 @@ from fxpipe.tracing.functions import writes_watched
 from fxpipe.tracing.global_reads import put_back_on_failure
 from fxpipe.tracing.markers import is_split
 from fxpipe.tracing.mode_reads import ModeReads
-from fxpipe.tracing.trace import LeafSpec, trace
+from fxpipe.tracing.trace import LeafSpec, TraceError, trace
 
 
 P = ParamSpec("P")
@@ -378,7 +379,8 @@ def compile_pipeline(
         else:
             cuts[False] = cuts[True]
         place_state(model, gm, runs, parsed)  # after every pass that runs the model on the example
-    report, memory = report_model(order, costs), cut_model(order, "memory", **costs)
+    report = report_model(order, costs)
+    memory = cut_model(order, "memory", **costs, in_flight=in_flight_of(runs, ranks, schedule, costs))
     plan = Plan(
         stages=stage_plans(runs, parsed, edges, report, memory, stage_times),
         edges=edges,
@@ -467,6 +469,22 @@ def _compiled_for_call(options: dict[str, Any], model: nn.Module, args: tuple[An
     arguments `whole` kept whole, as the example kept them (unless chunk_spec says otherwise)."""
     chunk_spec = {**{name: None for name in whole}, **(options["chunk_spec"] or {})}
     options = {**options, "chunk_spec": chunk_spec or None}
+    try:
+        return _compiled_counting_nodes(options, model, args, kwargs)
+    except TraceError:
+        # torch.export makes a graph for one sample alone from a call of one sample: that call
+        # runs as one micro-batch anyway. Stages of one micro-batch serve it, and the first call of
+        # this kind with more samples compiles stages of its own (`PipelineCalls._variant`).
+        if options["chunks"] < 2 or not is_one_sample(args, kwargs):
+            raise
+        # (interleaving needs micro-batches as many as the devices: one stage per device serves one)
+        one = {"schedule": "1f1b", "stages_per_device": 1} if options["schedule"] == "interleaved-1f1b" else {}
+        pipe = _compiled_counting_nodes({**options, "chunks": 1, **one}, model, args, kwargs)
+        pipe.__dict__["_for_one_sample"] = True
+        return pipe
+
+
+def _compiled_counting_nodes(options: dict[str, Any], model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Pipeline:
     try:
         return compile_pipeline(model, args, example_kwargs=kwargs or None, **options)
     except NodeCountError:  # counted on the example's graph: this kind of call has its own

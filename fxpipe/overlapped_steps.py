@@ -333,11 +333,13 @@ class _Overlap:
         self.finished = index + 1
         return total
 
-    def gradients_put_back(self, index: int) -> None:
+    def after_the_callers_code(self, index: int) -> None:
         """After the caller's code that follows batch `index`'s loss: `.grad` as `after_backward`
         left it, which the batch's update (run after that code, unlike a synchronous loop's)
         steps on; a gradient that code set to None or replaced is put back (in a synchronous
-        loop it changes nothing: the update ran before it), one written in place is refused."""
+        loop it changes nothing: the update ran before it), one written in place is refused, and
+        so is a change to the optimizer's state, which the update reads. (Its settings and groups
+        are held, `Versions.hold_settings`.)"""
         written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
         if written:
             raise RuntimeError(
@@ -351,6 +353,17 @@ class _Overlap:
         for p, grad, _ in self.grads_held:
             if p.grad is not grad:
                 p.grad = grad
+        changed = [self.found.names.get(id(p), "?") for p in self.versions.state_changed()]
+        if changed:
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): the optimizer's state was changed after the loss of batch {index} (of "
+                f"{', '.join(changed[:5])}{' and more' if len(changed) > 5 else ''}: optimizer.load_state_dict, "
+                "optimizer.state.clear(), a momentum buffer written, say). Under 2bw the update of a batch runs after the "
+                "code that follows its loss, so it would step from the state as changed there, where a synchronous loop "
+                "has stepped already; the loop stopped, and that update ran on it as changed.\nHow to fix: change the "
+                "optimizer's state in after_step (train_steps(..., after_step=...)), which runs once every stage's update "
+                "of the batch is done, as a synchronous loop's step is."
+            )
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
         """The batch's actions waited for and its failure raised, if any (the update of the batch
@@ -626,7 +639,7 @@ def overlapped_steps(
                 else:
                     run.start(following)
             yield run.finish(run.finished, after_backward, after_step)
-            run.gradients_put_back(run.finished - 1)
+            run.after_the_callers_code(run.finished - 1)
             run.versions.ready(run.finished - 1)  # its update runs after the caller's code that follows its loss
         run.last_update(after_step)
         if run.ranks is not None:

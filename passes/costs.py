@@ -288,11 +288,13 @@ def cut_model(
     param_scale: float = 4.0,
     bandwidth: Optional[float] = None,
     flop_rate: float = 1e12,
+    in_flight: Optional[list[tuple[float, float]]] = None,
 ) -> CutModel:
     """The cost model of cutting `order` for a balance mode.
 
     Receiving costs (bytes over `bandwidth`) are part of a stage's time in the modes measured in
-    seconds, 'time' and 'flops'; 'params' and 'memory' balance bytes alone.
+    seconds, 'time' and 'flops'; 'params' and 'memory' balance bytes alone. `in_flight`: the
+    micro-batches each stage index holds at its peak under the schedule (else GPipe's count).
     """
     kept = kept_micro_batches(chunks, checkpointed) / chunks
     return CutModel(
@@ -305,6 +307,8 @@ def cut_model(
         checkpointed=checkpointed,
         param_scale=param_scale,
         names=[f"{n.name} ({n.target})" if n.op == "call_module" else n.name for n in order],
+        in_flight=in_flight,
+        weighs_memory=mode == "memory",
     )
 
 

@@ -3,7 +3,8 @@
 A stage is a run [s, e) of the linear order. Its time is its nodes' time plus the time to receive
 what crosses into it: every value made before s and used in [s, e), activation or stash/pop alike,
 once (bytes / bandwidth). Its memory is its parameters (times `param_scale`, for gradients and
-optimizer state) plus the activations it holds in flight for the chosen chunks and checkpointing.
+optimizer state) plus the activations it holds in flight for the chosen chunks and checkpointing:
+as many micro-batches as the schedule holds at once on that stage (`in_flight`), or GPipe's count.
 The pipeline's time is `sum(t_i) + (chunks - 1) * max(t_i)` (fill and drain, then the slowest
 stage sets the pace); of a stage DAG, the longest path's sum in place of the whole sum.
 """
@@ -39,6 +40,11 @@ class CutModel:
     checkpointed: int = 0  # how many micro-batches drop their activations
     param_scale: float = 1.0
     names: Optional[list[str]] = None  # each position's node, for messages
+    # Per stage index, the micro-batches it holds at its peak under the schedule: (whole, held at
+    # all; see fxpipe/compiler/in_flight.py). None: GPipe's count on every stage.
+    in_flight: Optional[list[tuple[float, float]]] = None
+    # Whether `times` are bytes of balance='memory', whose activations weigh as the stage holds them.
+    weighs_memory: bool = False
     prefix_times: list[float] = field(init=False, repr=False)
     prefix_params: list[float] = field(init=False, repr=False)
     prefix_activations: list[float] = field(init=False, repr=False)
@@ -76,13 +82,38 @@ class CutModel:
             return self.compute(s, e)
         return self.compute(s, e) + self.received(s, e) / self.bandwidth
 
-    def memory(self, s: int, e: int) -> float:
-        """Parameters (scaled) plus inputs of every micro-batch, plus the full activations of the
-        micro-batches that are not checkpointed and of one being recomputed."""
+    def kept(self, stage: Optional[int] = None) -> tuple[float, float]:
+        """The micro-batches stage `stage` holds at its peak: whole, and at all (their inputs).
+        GPipe's count without the schedule's: every micro-batch's inputs, and the full activations
+        of those not checkpointed and of one being recomputed. No stage given: the fewest any
+        stage holds (what a node needs wherever it goes)."""
+        if self.in_flight is None:
+            return float(kept_micro_batches(self.chunks, self.checkpointed)), float(self.chunks)
+        if stage is None:
+            return min(whole for whole, _ in self.in_flight), min(held for _, held in self.in_flight)
+        return self.in_flight[stage]
+
+    def memory(self, s: int, e: int, stage: Optional[int] = None) -> float:
+        """Parameters (scaled), plus the inputs and the full activations of the micro-batches the
+        stage holds at its peak (`kept`)."""
         params = self.param_scale * (self.prefix_params[e] - self.prefix_params[s])
+        whole, held = self.kept(stage)
         per_micro_batch = (self.prefix_activations[e] - self.prefix_activations[s]) / self.chunks
-        kept = kept_micro_batches(self.chunks, self.checkpointed)
-        return params + self.received(s, e) + kept * per_micro_batch
+        return params + self.received(s, e) * held / self.chunks + whole * per_micro_batch
+
+    def stage_time(self, s: int, e: int, stage: Optional[int] = None) -> float:
+        """`time`, for the stage at index `stage`: under balance='memory' with the schedule's
+        counts, its parameters and the activations that stage holds (no stage given: the least
+        any stage would weigh, a bound for the search)."""
+        if not self.by_stage():
+            return self.time(s, e)
+        whole, _ = self.kept(stage)
+        params = self.param_scale * (self.prefix_params[e] - self.prefix_params[s])
+        return params + whole / self.chunks * (self.prefix_activations[e] - self.prefix_activations[s])
+
+    def by_stage(self) -> bool:
+        """Whether a stage's time depends on its index (the memory it holds under the schedule)."""
+        return self.weighs_memory and self.in_flight is not None
 
     def pipeline_time(self, cuts: Sequence[int]) -> float:
         times = self.stage_times(cuts)
@@ -90,11 +121,12 @@ class CutModel:
 
     def stage_times(self, cuts: Sequence[int]) -> list[float]:
         bounds = [0, *cuts, len(self)]
-        return [self.time(a, b) for a, b in zip(bounds, bounds[1:])]
+        return [self.stage_time(a, b, k) for k, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
     def additive(self) -> bool:
-        """Whether a stage's time is the plain sum of its nodes' times (nothing to receive)."""
-        return self.bandwidth is None
+        """Whether a stage's time is the plain sum of its nodes' times, whichever its index
+        (nothing to receive, no count by stage)."""
+        return self.bandwidth is None and not self.by_stage()
 
 
 def dag_time(times: Sequence[float], links: Iterable[tuple[int, int]], chunks: int) -> float:

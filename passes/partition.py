@@ -215,7 +215,7 @@ def _pareto_cuts(model: CutModel, stages: int, caps: list[float]) -> Optional[li
     guess = min_max_cuts(model.times, stages)
     bound = model.pipeline_time(guess) if not capped else math.inf
     limit = bound * (1 + 1e-9)
-    prefix, bandwidth = model.prefix_times, model.bandwidth
+    prefix, bandwidth, by_stage = model.prefix_times, model.bandwidth, model.by_stage()
     fronts: list[dict[int, Front]] = [{0: [(0.0, 0.0, -1, -1)]}] + [{} for _ in range(stages)]
     for k in range(1, stages + 1):
         candidates: dict[int, Front] = {}
@@ -225,10 +225,13 @@ def _pareto_cuts(model: CutModel, stages: int, caps: list[float]) -> Optional[li
             # least bottleneck and its last the least sum.
             least_top, least_sum = front[0][0], front[-1][1]
             for end in range(max(start + 1, k), n - (stages - k) + 1):
-                t = prefix[end] - prefix[start] + (received[end] / bandwidth if bandwidth else 0.0)
-                rest = prefix[n] - prefix[end]
+                if by_stage:  # (the stages after weigh at least what the fewest micro-batches held make them)
+                    t, rest = model.stage_time(start, end, k - 1), model.stage_time(end, n)
+                else:
+                    t = prefix[end] - prefix[start] + (received[end] / bandwidth if bandwidth else 0.0)
+                    rest = prefix[n] - prefix[end]
                 # Both tests only get worse as the stage grows: stop at the first that fails.
-                if capped and model.memory(start, end) > caps[k - 1]:
+                if capped and model.memory(start, end, k - 1) > caps[k - 1]:
                     break
                 if least_sum + t + rest + (chunks - 1) * max(least_top, t) > limit:
                     break
@@ -283,7 +286,8 @@ def coarsen_at(model: CutModel, bounds: Sequence[int]) -> CutModel:
             values.append(CrossingValue(producer, consumers, value.nbytes))
     return CutModel(
         summed(model.prefix_times), summed(model.prefix_params), summed(model.prefix_activations), values,
-        model.bandwidth, model.chunks, model.checkpointed, model.param_scale,
+        model.bandwidth, model.chunks, model.checkpointed, model.param_scale, in_flight=model.in_flight,
+        weighs_memory=model.weighs_memory,
     )  # fmt: skip
 
 
@@ -347,7 +351,7 @@ def over_caps(model: CutModel, lengths: Sequence[int], caps: Optional[Sequence[f
     its cap, as a problem."""
     problems, start = [], 0
     for index, (length, cap) in enumerate(zip(lengths, caps or [])):
-        needs = model.memory(start, start + length)
+        needs = model.memory(start, start + length, index)
         if needs > cap:
             problems.append(f"stage {index} needs {needs:.0f} bytes, more than device_memory allows it ({cap:.0f})")
         start += length

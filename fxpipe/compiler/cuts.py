@@ -9,6 +9,7 @@ import torch.fx as fx
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.compiled.plan import StagePlan
 from fxpipe.compiled.program import Cut
+from fxpipe.compiler.in_flight import chain_layout, in_flight, in_flight_of
 from fxpipe.compiler.stage_graph import choose_stage_graph, kept_together
 from fxpipe.core.microbatch import Dims, batch_size_of, scatter, split_sizes
 from fxpipe.distributed.ranks import agree_on_times, gathered
@@ -75,11 +76,12 @@ def cut_runs(
     stage's measured times (`workers`: each stage's worker, where the stages are timed at once)."""
     together = state_write_spans(gm, order)
     chosen = _chosen_cut(order, len(devices), split_points, balance, together)
+    ranks = ranks or list(range(len(devices)))
     if chosen is not None:
         if stage_graph == "dag":  # split points and node counts are refused with the other arguments
             refuse(["the model marks its stage boundaries with pipe_split(), and stage_graph='dag' searches the cut"],
                    "How to fix: give one of them (a cut by hand runs as the graph it gives).")
-        _refuse_over_caps(chosen, cut_model(order, "memory", **costs), caps)
+        _refuse_over_caps(chosen, cut_model(order, "memory", **costs, in_flight=in_flight_of(chosen, ranks, schedule, costs)), caps)
         return chosen, None
     mode = balance if isinstance(balance, str) else "memory"
     timed_on = None
@@ -91,12 +93,12 @@ def cut_runs(
     # stages, that no cut can carry; a cut the caller chose is checked by the edges pass, whose
     # error names the line.
     together = kept_together(gm, order, together)
-    model = cut_model(order, mode, **costs)
+    # Each stage holds as many micro-batches at once as the schedule has it hold (1F1B: fewer on
+    # later stages), in its memory under device_memory and under balance='memory'.
+    held = in_flight(schedule, chain_layout(ranks), costs["chunks"], costs["checkpointed"])
+    model = cut_model(order, mode, **costs, in_flight=held)
     runs = partition(order, len(devices), model=model, caps=caps, together=together)
-    runs = choose_stage_graph(
-        gm, order, runs, model.times, stage_graph=stage_graph, costs=costs, caps=caps, schedule=schedule,
-        ranks=ranks or list(range(len(devices))),
-    )  # fmt: skip
+    runs = choose_stage_graph(gm, order, runs, model.times, stage_graph=stage_graph, costs=costs, caps=caps, schedule=schedule, ranks=ranks)
     if timed_on is None:
         return runs, None
     try:
@@ -197,7 +199,7 @@ def stage_plans(
                 modules=[_module_path(node) for node in run],
                 flops=sum(int(node.meta.get("flops", 0)) for node in run),
                 time=time,
-                memory=int(memory.memory(start, end)),
+                memory=int(memory.memory(start, end, index)),
                 forward_share=forward_share,
                 input_share=input_share,
             )

@@ -7,13 +7,13 @@ from typing import Any, Optional, Sequence
 
 import torch.fx as fx
 
+from fxpipe.compiler.in_flight import in_flight_of, layout_of
 from fxpipe.passes.costs import cut_model, report_model
-from fxpipe.passes.dag_partition import dag_partition, stage_links
+from fxpipe.passes.dag_partition import dag_partition
 from fxpipe.passes.inplace import input_write_spans
 from fxpipe.passes.linearize import keeps_traced_order
 from fxpipe.passes.partition import mark_stages, over_caps, split_apart
 from fxpipe.passes.state import state_write_spans, view_write_spans
-from fxpipe.schedules.actions import Layout
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import StageCosts, simulate
 from fxpipe.schedules.two_bw import refuse_too_few_micro_batches
@@ -33,7 +33,7 @@ def choose_stage_graph(
     # 'dag' takes every region of branches the search finds (force), or, where predicted faster,
     # only those that count, as 'auto' does: a cheap running sum of branches nests regions.
     found = [dag_partition(order, weights, len(chain), costs["chunks"], force=force) for force in ([False, True] if stage_graph == "dag" else [False])]
-    dags = [d for d in found if d is not None and _fits(gm, d, costs, caps)]
+    dags = [d for d in found if d is not None and _fits(gm, d, costs, caps, schedule, ranks)]
     if not dags or keeps_traced_order(gm, order):
         return chain
     dag = min(dags, key=lambda d: predicted_seconds(d, costs, schedule, ranks)) if len(dags) > 1 else dags[0]
@@ -58,7 +58,7 @@ def predicted_seconds(runs: Sequence[Sequence[fx.Node]], costs: dict[str, Any], 
     bounds = [0, *itertools.accumulate(len(run) for run in runs)]
     times = [report.time(a, b) / chunks for a, b in zip(bounds, bounds[1:])]
     actions = [(t / 3, t / 3, t / 3) for t in times]  # F, I and W, as the plan splits a stage's time without measures
-    layout = Layout(tuple(ranks), frozenset(stage_links(runs)), _output_stages(runs), tuple(actions))  # zb-h1 orders by them
+    layout = layout_of(runs, ranks, actions)  # zb-h1 orders by the actions' times
     try:
         if schedule == "2bw":
             refuse_too_few_micro_batches(layout, chunks)
@@ -69,16 +69,14 @@ def predicted_seconds(runs: Sequence[Sequence[fx.Node]], costs: dict[str, Any], 
     return simulate(made, layout, stage_costs, costs["checkpointed"]).timeline.makespan
 
 
-def _output_stages(runs: Sequence[Sequence[fx.Node]]) -> tuple[int, ...]:
-    """The stages that make a value the output reads."""
-    return tuple(k for k, run in enumerate(runs) if any(user.op == "output" for node in run for user in node.users))
-
-
-def _fits(gm: fx.GraphModule, runs: list[list[fx.Node]], costs: dict[str, Any], caps: Optional[list[float]]) -> bool:
-    """Whether a DAG cut keeps together what must stay in one stage, and fits `caps`."""
+def _fits(
+    gm: fx.GraphModule, runs: list[list[fx.Node]], costs: dict[str, Any], caps: Optional[list[float]], schedule: str, ranks: Sequence[int],
+) -> bool:
+    """Whether a DAG cut keeps together what must stay in one stage, and fits `caps` (each
+    stage holding what the schedule holds on it at once)."""
     order = [node for run in runs for node in run]
     lengths = [len(run) for run in runs]
     cuts = list(itertools.accumulate(lengths))[:-1]
     if split_apart(order, cuts, kept_together(gm, order)):
         return False
-    return caps is None or not over_caps(cut_model(order, "memory", **costs), lengths, caps)
+    return caps is None or not over_caps(cut_model(order, "memory", **costs, in_flight=in_flight_of(runs, ranks, schedule, costs)), lengths, caps)

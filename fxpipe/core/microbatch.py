@@ -164,6 +164,11 @@ def batch_size_of(values: Sequence[Any], dims: Optional[Dims] = None) -> Optiona
     return None
 
 
+def is_one_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call holds one sample, as the front ends count it (its first batched tensor's dim 0)."""
+    return batch_size_of([*args, *kwargs.values()]) == 1
+
+
 def split_sizes(batch_size: int, chunks: int) -> list[int]:
     """Micro-batch sizes as `torch.tensor_split` makes them: uneven allowed, none empty."""
     base, extra = divmod(batch_size, chunks)

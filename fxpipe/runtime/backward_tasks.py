@@ -38,7 +38,10 @@ class BackwardTasks(StageTasks):
         refuse_buffers_written_since(stage.read_buffers, saved.buffer_versions)
         refuse_inputs_written_since(i, saved.input_versions)
         flags = self.flags[j]
-        with torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j), \
+        # Under overlapping steps, inside the gate: the flags and attributes it sets, and puts
+        # back after, are the model's, which the caller's hooks may be changing meanwhile.
+        gate = self.versions.gate.entered() if self.versions is not None else nullcontext()
+        with gate, torch.enable_grad(), recomputing(), attributes_kept(stage.whole_modules, saved.attributes), self._metered(i, j), \
                 flags_kept(stage.flagged, flags) if flags is not None else nullcontext():  # fmt: skip
             saved.outputs = self._call(stage, i, saved.inputs, saved.buffers)[: len(stage.outputs)]
         saved.buffers = saved.attributes = None

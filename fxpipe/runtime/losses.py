@@ -86,6 +86,15 @@ def target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
         f"{', '.join(str(shape) for shape in whole)}. One that holds a value per sample must have the batch's size where "
         "the inputs have it."
     ] if whole else []  # fmt: skip
+    flattened = [(tuple(t.shape), d) for t in tensors if batch not in t.shape for d, n in enumerate(t.shape) if n > batch and n % batch == 0]
+    notes += [
+        f"Of those, {shape} holds {shape[d] // batch} x the batch's {batch} along dim {d}: a target flattened over the batch "
+        "and another dim (a token's label, batch x sequence)? Each micro-batch's loss got all of it, with the outputs of its "
+        "own samples alone.\nHow to fix: give it with a dim "
+        f"of its own for the batch (target.unflatten({d}, ({batch}, -1))), and flatten it in loss_fn "
+        "(loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))."
+        for shape, d in flattened[:1]
+    ]  # fmt: skip
     notes += [
         f"The target's tensors with a dim of the batch's size ({batch}) were split into the micro-batches along it: "
         f"{', '.join(str(shape) for shape in split)}. One that holds no sample (class weights as many as the samples) goes "

@@ -32,7 +32,8 @@ class StageError(RuntimeError):
                         "batch, code that drops the batch dim of a single sample (squeeze(), h.chunk(2) over the batch, a view "
                         "sized by another dim) may be what fails on it.\nHow to fix, then: a batch that gives every micro-batch "
                         "two samples or more (fewer chunks), or code that keeps the batch dim (squeeze(-1)).")  # fmt: skip
-            detail = f"{type(error).__name__}: {error}{hint}"
+            notes = "".join(f"\n{note}" for note in getattr(error, "__notes__", ()) if isinstance(note, str))  # (said across ranks too)
+            detail = f"{type(error).__name__}: {error}{hint}{notes}"
         super().__init__(f"{where} failed on micro-batch {micro_batch} in {phase}: {detail}")
         self.stage, self.micro_batch, self.phase, self.rank, self.detail = stage, micro_batch, phase, rank, detail
 

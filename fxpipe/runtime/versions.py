@@ -39,23 +39,38 @@ def own_alias(p: torch.Tensor) -> torch.Tensor:
 
 
 class Gate:
-    """Stages enter while they hold the model's parameter slots; the caller's thread shuts it to
-    read the model (its hooks), waiting for those inside to leave."""
+    """Stages enter while they hold the model's parameter slots or set its modules' flags (a
+    recompute's); the caller's thread shuts it to read the model (its hooks), waiting for those
+    inside to leave."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition()
         self.inside = 0
         self.shut_by = 0  # nested shuts (a hook that calls pipe.parameters()): open when all end
+        self.mine = threading.local()  # `depth`: how deep this thread is inside
+
+    def entered_here(self) -> bool:
+        return getattr(self.mine, "depth", 0) > 0
 
     @contextmanager
     def entered(self) -> Iterator[None]:
+        depth = getattr(self.mine, "depth", 0)
+        if depth:  # (a recompute's stage call, inside its recompute: waiting here would wait on itself)
+            self.mine.depth = depth + 1
+            try:
+                yield
+            finally:
+                self.mine.depth = depth
+            return
         with self.changed:
             while self.shut_by:
                 self.changed.wait()
             self.inside += 1
+        self.mine.depth = 1
         try:
             yield
         finally:
+            self.mine.depth = 0
             with self.changed:
                 self.inside -= 1
                 self.changed.notify_all()
@@ -91,6 +106,7 @@ class Versions:
             for t in program.shared[s]:
                 if isinstance(t, nn.Parameter):
                     self.owner.setdefault(id(t), s)
+        self.read = {id(p) for p in program.parameters}  # (by any stage, on any rank)
         self.updates: list[list[nn.Parameter]] = [[] for _ in program.stages]
         seen: set[int] = set()
         for p in program.parameters:
@@ -107,6 +123,10 @@ class Versions:
         # in, which its update runs with: a synchronous loop steps there, before the caller's
         # code after the loss (a scheduler stepped on it) changes them for the next update.
         self.settings: dict[int, list[dict[str, Any]]] = {}
+        self.members: dict[int, list[list[torch.Tensor]]] = {}  # each group's parameters then, likewise
+        # The optimizer's state as the last batch's update will find it, which nothing may change
+        # before: a synchronous loop has stepped there already.
+        self.state_held: StateMarks = (0, {})
         self._ready: dict[int, threading.Event] = {}
         self._done: dict[tuple[int, int], threading.Event] = {}
         self._events = threading.Lock()
@@ -119,10 +139,31 @@ class Versions:
             return table.setdefault(key, threading.Event())
 
     def hold_settings(self, batch: int) -> None:
-        """The optimizer's settings now, which batch `batch`'s update will run with."""
+        """The optimizer's settings and groups now, which batch `batch`'s update will run with;
+        its parameters no stage holds stepped, as a synchronous loop steps them here; a mark of
+        its state, which the update will read."""
         self.settings[batch] = group_settings(self.optimizer)
+        self.members[batch] = [list(group["params"]) for group in self.optimizer.param_groups]
         for old in [b for b in self.settings if b < batch - 2]:
-            del self.settings[old]
+            del self.settings[old], self.members[old]
+        self._step_outside(batch)
+        self.state_held = state_marks(self.optimizer, [p for stage in self.updates for p in stage])
+
+    def _step_outside(self, batch: int) -> None:
+        """The step of the optimizer's parameters that no stage reads (one whose gradient
+        `after_backward` gives, an unused module's): no batch runs on them, so their version is
+        the newest, stepped where a synchronous loop steps it."""
+        outside = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self.read and p.grad is not None]
+        with self.lock:
+            step_over(self.optimizer, outside, self.settings[batch], self.members[batch])
+
+    def state_changed(self) -> list[torch.Tensor]:
+        """The parameters whose optimizer state changed since the last batch's settings were
+        held (the caller's code after its loss cleared, loaded or wrote it)."""
+        now = state_marks(self.optimizer, [p for stage in self.updates for p in stage])
+        if now[0] != self.state_held[0]:
+            return [p for stage in self.updates for p in stage if id(p) in now[1] or id(p) in self.state_held[1]]
+        return [p for stage in self.updates for p in stage if not _same_marks(now[1].get(id(p)), self.state_held[1].get(id(p)))]
 
     def ready(self, batch: int) -> None:
         """Batch `batch`'s gradients are in `.grad` and the caller's code after its loss ran: its
@@ -168,7 +209,7 @@ class Versions:
             with torch.no_grad():
                 for p in params:
                     p.data = p.detach().clone()  # the in-flight step keeps the old memory
-            step_over(self.optimizer, params, self.settings.get(batch))
+            step_over(self.optimizer, params, self.settings.get(batch), self.members.get(batch))
         for p in self.updates[stage]:  # (one without a gradient too: unchanged, it is that version)
             versions = self.kept.get(id(p))
             if versions is not None:  # batch + 2 runs on what this update made; batch's readers all ran
@@ -201,10 +242,14 @@ def group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
 
 
-def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], settings: Optional[list[dict[str, Any]]] = None) -> None:
+def step_over(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], settings: Optional[list[dict[str, Any]]] = None,
+    members: Optional[list[list[torch.Tensor]]] = None,
+) -> None:
     """`optimizer.step()` on `params` alone: its groups hold only those for the call (each
-    parameter's state is its own, so the others are untouched), and `settings` where given,
-    each put back after the step unless the step itself set it."""
+    parameter's state is its own, so the others are untouched), of `members` where given (each
+    group's parameters when the settings were held), and `settings` where given, each put back
+    after the step unless the step itself set it."""
     if not params:
         return
     if settings is not None and len(settings) != len(optimizer.param_groups):
@@ -218,9 +263,9 @@ def step_over(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], 
     chosen = {id(p) for p in params}
     groups = [dict(group) for group in optimizer.param_groups]
     try:
-        for group, held, given in zip(optimizer.param_groups, groups, settings or [{}] * len(groups)):
+        for group, held, given, then in zip(optimizer.param_groups, groups, settings or [{}] * len(groups), members or [held["params"] for held in groups]):
             group.update(given)
-            group["params"] = [p for p in held["params"] if id(p) in chosen]
+            group["params"] = [p for p in then if id(p) in chosen]
         before = group_settings(optimizer) if settings is not None else []
         optimizer.step()
         if settings is not None:
@@ -260,6 +305,28 @@ def _same_setting(now: Any, before: Any) -> bool:
         return bool(now == before)
     except Exception:  # noqa: BLE001 - a value that does not compare: taken as unchanged
         return True
+
+
+# The optimizer's state (the object holding it, by id) and each parameter's: the object holding
+# it, and each value (a tensor by its id and version, written in place or replaced).
+StateMarks = tuple[int, dict[int, tuple[int, list[tuple[str, Any]]]]]
+
+
+def state_marks(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> StateMarks:
+    """A mark of `params`' optimizer state, that differs once it is written, replaced or cleared."""
+    state = optimizer.state
+    return id(state), {
+        id(p): (id(state[p]), [(k, (id(v), v._version) if isinstance(v, torch.Tensor) else v) for k, v in state[p].items()])
+        for p in params if p in state
+    }  # fmt: skip
+
+
+def _same_marks(now: Optional[tuple[int, list[tuple[str, Any]]]], before: Optional[tuple[int, list[tuple[str, Any]]]]) -> bool:
+    if now is None or before is None:
+        return now is before
+    return now[0] == before[0] and len(now[1]) == len(before[1]) and all(
+        a[0] == b[0] and _same_setting(a[1], b[1]) for a, b in zip(now[1], before[1])
+    )
 
 
 def storage_bytes(tensors: Sequence[torch.Tensor]) -> int:

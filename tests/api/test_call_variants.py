@@ -329,11 +329,44 @@ def test_stages_for_another_kind_of_call_that_cannot_compile_from_it_say_why_and
     """Before, the binding's own refusal came out (an internal OtherCall, telling to call as the
     example did, against the docs), the reason in a note."""
     pipe = compile_pipeline(OneSample(), torch.randn(8, 6), ["cpu", "cpu"], chunks=2)
-    with pytest.raises(RuntimeError, match="two samples or more") as raised:
-        pipe(torch.randn(1, 6), extra=torch.randn(1, 6))  # torch.export makes a graph of one sample from one
+    with pytest.raises(ValueError, match="does not run on the example.*size of tensor a") as raised:
+        pipe(torch.randn(4, 6), extra=torch.randn(4, 5))  # the model's own failure, on this call
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert "This call is of another kind than the example" in notes and "with that call as their example" in notes, notes
     assert "this call differs:)" not in notes and "extra" in notes, "the note says what differs"
+
+
+class DeeperOneSample(OneSample):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.d = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, extra: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.d(torch.tanh(self.c(torch.tanh(super().forward(x, extra)))))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("first", ["one sample", "four samples"])
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved-1f1b"])
+def test_a_first_call_of_one_sample_of_another_kind_runs_as_the_plain_model_whichever_call_comes_first(first: str, schedule: str) -> None:
+    """torch.export makes a graph for one sample alone from a call of one sample. Before, such a
+    call of another kind (a new image size) was refused, telling to give two samples or more, where
+    a call of four first compiled stages that then ran it: one sample runs as one micro-batch, and
+    the first call of more samples compiles stages that split them."""
+    model, reference = twin(DeeperOneSample())
+    per_device = 2 if schedule == "interleaved-1f1b" else 1
+    pipe = compile_pipeline(model, torch.randn(8, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2, schedule=schedule, stages_per_device=per_device)
+    g = torch.Generator().manual_seed(0)
+    calls = [tuple(torch.randn(n, 6, dtype=torch.float64, generator=g) for _ in range(2)) for n in (1, 4, 1)]
+    for x, extra in calls if first == "one sample" else calls[1:]:
+        pipe.zero_grad()
+        reference.zero_grad()
+        assert_call_and_grads_equal(pipe, reference, x, extra)
+    (variant,) = pipe._variants.values()
+    assert variant._chunks == 2, "stages that split a call of four samples serve the calls of this kind"
+    pipe.eval(), reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(*calls[0]), reference(*calls[0]), rtol=0, atol=0)
 
 
 def test_balance_as_node_counts_cuts_another_kind_of_call_as_balance_none_saying_so() -> None:

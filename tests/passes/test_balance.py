@@ -168,6 +168,50 @@ def test_best_cuts_equals_brute_force(seed: int) -> None:
             assert math.isclose(got_top, best_top, rel_tol=1e-9), where
 
 
+def by_stage(model: CutModel, k: int, s: int, e: int) -> tuple[float, float]:
+    """(time, memory) of stage k on [s, e) with the schedule's counts, from the definitions:
+    the parameters, and the activations (and inputs) of the micro-batches stage k holds."""
+    assert model.in_flight is not None
+    whole, held = model.in_flight[k]
+    params, activations = model.param_scale * sum(model.params[s:e]), sum(model.activations[s:e]) / model.chunks
+    return params + whole * activations, params + received(model, s, e) * held / model.chunks + whole * activations
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_best_cuts_with_each_stage_holding_its_own_count_equals_brute_force(seed: int) -> None:
+    """balance='memory' under a schedule that holds fewer micro-batches on later stages (1F1B):
+    each stage weighs, and is capped at, what it holds itself."""
+    rng = random.Random(seed)
+    for trial in range(200):
+        chain = random_chain(rng, integer=True)
+        stages = rng.randint(2, min(5, len(chain)))
+        counts = [(float(w), float(rng.randint(w, chain.chunks))) for w in (rng.randint(1, chain.chunks) for _ in range(stages))]
+        kept = (chain.chunks - chain.checkpointed + (1 if chain.checkpointed else 0)) / chain.chunks
+        model = CutModel(
+            [chain.param_scale * p + kept * a for p, a in zip(chain.params, chain.activations)], chain.params, chain.activations, chain.values,
+            chunks=chain.chunks, checkpointed=chain.checkpointed, param_scale=chain.param_scale, in_flight=counts, weighs_memory=True,
+        )  # fmt: skip
+        cap = rng.choice([None, rng.uniform(0.3, 1.0) * by_stage(model, 0, 0, len(model))[1]])
+        feasible = []
+        for cuts in itertools.combinations(range(1, len(model)), stages - 1):
+            costs = [by_stage(model, k, s, e) for k, (s, e) in enumerate(runs(cuts, len(model)))]
+            if cap is None or all(memory <= cap for _, memory in costs):
+                times = [t for t, _ in costs]
+                feasible.append((sum(times) + (model.chunks - 1) * max(times), max(times), cuts))
+        caps = None if cap is None else [cap] * stages
+        where = f"seed {seed} trial {trial}: {model}, stages={stages}, caps={caps}"
+        if not feasible:
+            with pytest.raises(PartitionError):
+                best_cuts(model, stages, caps)
+            continue
+        found = best_cuts(model, stages, caps)
+        assert_valid_cuts(found, len(model), stages)
+        got = [by_stage(model, k, s, e) for k, (s, e) in enumerate(runs(found, len(model)))]
+        assert cap is None or all(memory <= cap * (1 + 1e-12) for _, memory in got), where
+        times = [t for t, _ in got]
+        assert math.isclose(sum(times) + (model.chunks - 1) * max(times), min(feasible)[0], rel_tol=1e-9), where
+
+
 def test_ties_go_to_the_smaller_bottleneck() -> None:
     # One micro-batch: every cut has the same sum, so the bottleneck alone decides.
     model = CutModel([2, 1, 4], [0, 0, 0], [0, 0, 0], [], chunks=1)
@@ -471,6 +515,39 @@ def test_device_memory_is_respected(name: str, stages: int) -> None:
     cap = max(s.memory for s in witness.stages) + 1
     plan = compile_example(name, stages, balance="flops", device_memory=cap).plan
     assert all(s.memory <= cap for s in plan.stages), [s.memory for s in plan.stages]
+
+
+def _even_mlp() -> nn.Sequential:
+    """Sixteen alike blocks: GPipe's memory balances them four to a stage."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(16) for m in (nn.Linear(32, 32), nn.Tanh())]).double()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_each_stage_holds_in_the_cut_the_micro_batches_the_schedule_has_it_hold(schedule: str) -> None:
+    """Before, every schedule's cut counted GPipe's micro-batches in flight on every stage (all of
+    them): under 1F1B, whose first stage holds the most and its last one, balance='memory' gave
+    the stages equal nodes, and device_memory refused cuts that fit."""
+    x = torch.randn(64, 32, dtype=torch.float64)
+    options: dict[str, Any] = dict(chunks=8, checkpoint="never", balance="memory")
+    gpipe = compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule="gpipe", **options).plan
+    plan = compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule=schedule, **options).plan
+    assert len(set(len(s.nodes) for s in gpipe.stages)) == 1
+    nodes = [len(s.nodes) for s in plan.stages]
+    assert nodes[0] < nodes[-1], nodes  # the first stage holds up to four micro-batches (five under 2bw), the last one
+    cap = max(s.memory for s in plan.stages) + 1
+    assert cap < max(s.memory for s in gpipe.stages)  # GPipe's count would not fit it
+    with pytest.raises(PartitionError, match="fits"):
+        compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule="gpipe", device_memory=cap, **options)
+    capped = compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule=schedule, device_memory=cap, **options)
+    assert all(s.memory <= cap for s in capped.plan.stages)
+    assert_call_and_grads_equal(capped, _even_mlp(), x)
+    # A cut by hand is held to what the schedule holds too: four alike stages fit 1F1B's share.
+    by_hand = {**options, "balance": [8] * 4}
+    even = max(s.memory for s in compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule=schedule, **by_hand).plan.stages)
+    compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule=schedule, device_memory=even + 1, **by_hand)
+    with pytest.raises(PartitionError, match="more than device_memory allows it"):
+        compile_pipeline(_even_mlp(), x, ["cpu"] * 4, schedule="gpipe", device_memory=even + 1, **by_hand)
 
 
 @pytest.mark.parametrize("chosen", [{"balance": [20, 49]}, {"split_points": ["blocks.1"]}], ids=["node counts", "split points"])

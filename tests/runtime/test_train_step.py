@@ -776,6 +776,37 @@ def test_a_target_that_cannot_be_split_is_refused() -> None:
     assert any("no dim of the batch's size (8) went whole to every micro-batch: (6, 6)" in note for note in getattr(failed.value.__cause__, "__notes__", []))
 
 
+class _Tagger(nn.Module):
+    """A label per token: (batch, tokens, classes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.a, self.b = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.embed(x))))
+
+
+def test_a_target_flattened_over_the_batch_and_the_tokens_fails_as_one_the_error_says_how_to_give_and_given_so_trains_as_the_plain_model() -> None:
+    """A label per token given flat, (batch x tokens,): no dim of the batch's size, it went whole
+    to every micro-batch, and torch's error ("Expected input batch_size (14) to match target
+    batch_size (56)") came with no fix; the error now says how to give it, which then runs as the
+    plain model."""
+    model, reference = twin(_Tagger())
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 10, (8, 7), generator=g), torch.randint(0, 10, (56,), generator=g)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=4)
+    with pytest.raises(StageError, match=r"(?s)in loss: ValueError: Expected input batch_size \(14\).*\(56,\) holds 7 x the batch's 8 along dim 0.*How to fix.*target.unflatten\(0, \(8, -1\)\)"):
+        pipe.train_step(x, target=y, loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t))
+    assert all(p.grad is None for p in pipe.parameters())
+    loss = pipe.train_step(x, target=y.unflatten(0, (8, -1)), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
+    expected = F.cross_entropy(reference(x).flatten(0, 1), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
 def test_class_weights_as_many_as_the_samples_are_split_and_the_loss_that_fails_on_them_is_told_how_to_give_them_whole() -> None:
     model = nn.Sequential(nn.Linear(6, 8)).double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 8, (8,))

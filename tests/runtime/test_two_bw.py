@@ -18,6 +18,7 @@ from torch import nn
 
 from dag_models import OPTIMIZERS, Optimizer, delayed_loop
 from helpers import FanOut, LowRank, TiedEnds, TiedUnderReentrant, example_module, twin
+import fxpipe.runtime.backward_tasks as backward_tasks
 from fxpipe import compile_pipeline
 from fxpipe.schedules.actions import BACKWARD, FORWARD, RECOMPUTE, Layout
 from fxpipe.schedules.two_bw import UPDATE, segment, two_bw
@@ -650,6 +651,107 @@ def test_a_learning_rate_set_between_two_losses_reaches_the_next_batch_s_update_
     assert opt.param_groups[0]["lr"] == 0.4 / 32
 
 
+def test_the_optimizers_parameters_that_no_stage_reads_step_as_in_the_reference_loop() -> None:
+    """A parameter outside the model (its gradient given in after_backward) and one of the model
+    that forward never reads, in the optimizer. Before, only the stages' parameters were stepped:
+    those stayed as they were (1.0 where the reference loop's was 0.26)."""
+    model, plain = twin(FanOut())
+    model.unread, plain.unread = (nn.Parameter(torch.full((3,), 2.0, dtype=torch.float64)) for _ in range(2))
+    batches = _batches(5)
+    aux, aux_ref = (nn.Parameter(torch.ones(4, dtype=torch.float64)) for _ in range(2))
+
+    def given(params: list[nn.Parameter]) -> Callable[[], None]:
+        def after_backward() -> None:
+            for p in params:
+                p.grad = p.detach() * 0.5
+        return after_backward
+
+    expected_model, expected = reference_2bw(
+        plain, batches, lambda params: torch.optim.SGD([*params, aux_ref], lr=0.3, momentum=0.5, weight_decay=0.1),
+        after_backward=lambda live: given([aux_ref, cast(nn.Parameter, live.unread)])(),
+    )
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = torch.optim.SGD([*pipe.parameters(), aux], lr=0.3, momentum=0.5, weight_decay=0.1)
+    losses = [float(loss) for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_backward=given([aux, model.unread]))]
+    assert losses == pytest.approx(expected, rel=0, abs=1e-12)
+    _assert_parameters_equal(model, expected_model, tol=1e-12)
+    torch.testing.assert_close(aux, aux_ref, rtol=0, atol=1e-15)
+    assert float(aux[0].detach()) < 0.5
+
+
+def test_a_group_s_parameters_changed_between_two_losses_reach_the_next_batch_s_update_as_in_the_reference_loop() -> None:
+    """A parameter taken out of the optimizer's group after a loss (to stop training it): the
+    update of that loss's batch, which a synchronous loop ran before, steps it still. Before,
+    that update skipped it (losses 3.7e-2 off)."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    made: dict[str, Any] = {}
+
+    def drop_last(opt: torch.optim.Optimizer) -> None:
+        opt.param_groups[0]["params"].pop()
+
+    def ref_optimizer(params: Any) -> torch.optim.Optimizer:
+        made["opt"] = torch.optim.SGD(params, lr=0.3, momentum=0.5)
+        return made["opt"]
+
+    done = iter(range(len(batches)))
+    expected_model, expected = reference_2bw(plain, batches, ref_optimizer, after_step=lambda: drop_last(made["opt"]) if next(done) == 1 else None)
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.3, momentum=0.5)
+    losses = []
+    for k, loss in enumerate(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)):
+        losses.append(float(loss))
+        if k == 1:
+            drop_last(opt)
+    assert losses == pytest.approx(expected, rel=0, abs=1e-12)
+    _assert_parameters_equal(model, expected_model, tol=1e-12)
+
+
+@pytest.mark.parametrize("change", ["state.clear()", "load_state_dict", "a buffer zeroed"])
+def test_the_optimizers_state_changed_between_two_losses_is_refused_and_in_after_step_is_as_in_the_reference_loop(change: str) -> None:
+    """The update of a batch runs after the caller's code that follows its loss, and reads the
+    optimizer's state: a change there would reach the update a synchronous loop ran before it.
+    Before, it did, silently (3.5e-2 off); in after_step, where it comes after the update, it
+    runs as in the reference loop."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    made: dict[str, Any] = {}
+
+    def changed(opt: torch.optim.Optimizer, start: dict[str, Any]) -> None:
+        if change == "state.clear()":
+            opt.state.clear()
+        elif change == "load_state_dict":
+            opt.load_state_dict(start)
+        else:
+            for state in opt.state.values():
+                state["momentum_buffer"].zero_()
+
+    def ref_optimizer(params: Any) -> torch.optim.Optimizer:
+        made["opt"] = torch.optim.SGD(params, lr=0.3, momentum=0.5)
+        made["start"] = copy.deepcopy(made["opt"].state_dict())
+        return made["opt"]
+
+    done = iter(range(len(batches)))
+    expected_model, expected = reference_2bw(
+        plain, batches, ref_optimizer, after_step=lambda: changed(made["opt"], made["start"]) if next(done) == 1 else None,
+    )
+    for where in ["after its loss", "after_step"]:
+        pipe = _pipe(copy.deepcopy(model), batches[0][0], 3)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.3, momentum=0.5)
+        start = copy.deepcopy(opt.state_dict())
+        steps = iter(range(len(batches)))
+        after_step = (lambda: changed(opt, start) if next(steps) == 1 else None) if where == "after_step" else None
+        losses = []
+        with pytest.raises(RuntimeError, match=r"(?s)optimizer's state was changed after the loss of batch 1 \(of layers.0.weight.*How to fix.*after_step") if where != "after_step" else contextlib.nullcontext():
+            for k, loss in enumerate(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt, after_step=after_step)):
+                losses.append(float(loss))
+                if k == 1 and where != "after_step":
+                    changed(opt, start)
+        if where == "after_step":
+            assert losses == pytest.approx(expected, rel=0, abs=1e-12)
+            _assert_parameters_equal(pipe, expected_model, tol=1e-12)
+
+
 class _Uncertain(nn.Module):
     """A loss with a learned parameter of its own."""
 
@@ -764,6 +866,27 @@ def test_a_change_to_the_model_during_the_loop_is_refused_saying_where(change: s
             "in the iterable": "in the batches' iterable, while batch 2 was read"}[where]  # fmt: skip
     assert f"train_steps (schedule='2bw'): the model changed {said}" in str(raised.value), str(raised.value)
     assert "How to fix: change the model between loops" in str(raised.value)
+
+
+def test_a_recompute_sets_its_modules_flags_inside_the_gate_the_callers_hooks_shut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recompute runs under its forward's flags (a module's mode, a rate) and puts back the
+    flags it found. Before, it set them outside the gate that keeps the stages out of the model
+    while the caller's hooks run: one that began while after_step set bn.eval() set bn back to
+    train for the check after the hook, which missed the change, then put eval back, and the
+    loop refused it one batch late (now and then, under load)."""
+    model = _Scaled().double()
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3, chunks=4, checkpoint="always")
+    real, inside = backward_tasks.flags_kept, []
+
+    def watched(modules: Any, flags: Any) -> Any:
+        gate = pipe.__dict__["_overlapping"]
+        inside.append(getattr(gate, "entered_here", lambda: False)())  # (the code before had no way to say)
+        return real(modules, flags)
+
+    monkeypatch.setattr(backward_tasks, "flags_kept", watched)
+    list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1)))
+    assert inside and all(inside), inside
 
 
 def test_a_change_the_iterable_makes_before_the_first_batch_is_the_model_the_loop_trains() -> None:
@@ -1022,8 +1145,9 @@ def test_the_plan_predicts_the_loop_and_counts_the_second_version() -> None:
     held_one, held_two = one.prediction().peak_bytes, two.prediction().peak_bytes
     last = len(two.stages) - 1
     assert held_two[last] == held_one[last] and all(held_two[s] > held_one[s] for s in range(last))
-    for a, b in zip(one.stages, two.stages):
-        assert b.memory == a.memory + b.param_bytes  # one more copy of the stage's weights
+    for s, (a, b) in enumerate(zip(one.stages, two.stages)):
+        # one more copy of the stage's weights, and the activations of what it holds more
+        assert b.memory == a.memory + b.param_bytes + held_two[s] - held_one[s]
 
 
 def test_the_loop_holds_two_versions_of_the_parameters_at_most() -> None:
