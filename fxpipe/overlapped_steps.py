@@ -118,6 +118,7 @@ class _Overlap:
         # The gradients the last batch's update will step on, as `after_backward` left them:
         # each parameter's `.grad`, its version and its memory (`.grad.data = ...` swaps it).
         self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], tuple[int, int]]] = []
+        self.checked = -1  # the last batch whose update `after_the_callers_code` held what it steps on for
 
     def _take_the_model(self) -> None:
         """The stages built again on what the model holds now, where it holds other tensors than
@@ -340,30 +341,35 @@ class _Overlap:
         loop it changes nothing: the update ran before it), one written in place is refused, and
         so is a change to the optimizer's state, which the update reads. (Its settings and groups
         are held, `Versions.hold_settings`.)"""
-        written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
+        self.checked = index
+        written, changed = self._held_for_the_update()
         if written:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
-                f"({', '.join(written[:5])}{' and more' if len(written) > 5 else ''}: clip_grad_norm_, "
-                "zero_grad(set_to_none=False), `.grad.data = ...`, say). Under 2bw the update of a batch runs after the code that follows "
-                "its loss, so it would step on the gradients as written there, where a synchronous loop has stepped "
-                "already; the loop stopped, and that update ran on them as written.\nHow to fix: change gradients in "
-                "after_backward (train_steps(..., after_backward=...)), which runs before every schedule's update."
+                f"({_names(written)}: clip_grad_norm_, zero_grad(set_to_none=False), `.grad.data = ...`, say). "
+                f"{_UPDATE_AFTER_THE_CALLERS_CODE} on the gradients as written there, where a synchronous loop has "
+                "stepped already; the loop stopped, and that update ran on them as written.\nHow to fix: change gradients "
+                "in after_backward (train_steps(..., after_backward=...)), which runs before every schedule's update."
             )
-        for p, grad, _ in self.grads_held:
-            if p.grad is not grad:
-                p.grad = grad
-        changed = [self.found.names.get(id(p), "?") for p in self.versions.state_changed()]
         if changed:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the optimizer's state was changed after the loss of batch {index} (of "
-                f"{', '.join(changed[:5])}{' and more' if len(changed) > 5 else ''}: optimizer.load_state_dict, "
-                "optimizer.state.clear(), a momentum buffer written, say). Under 2bw the update of a batch runs after the "
-                "code that follows its loss, so it would step from the state as changed there, where a synchronous loop "
-                "has stepped already; the loop stopped, and that update ran on it as changed.\nHow to fix: change the "
-                "optimizer's state in after_step (train_steps(..., after_step=...)), which runs once every stage's update "
-                "of the batch is done, as a synchronous loop's step is."
+                f"{_names(changed)}: optimizer.load_state_dict, optimizer.state.clear(), a momentum buffer written, say). "
+                f"{_UPDATE_AFTER_THE_CALLERS_CODE} from the state as changed there, where a synchronous loop has stepped "
+                "already; the loop stopped, and that update ran on it as changed.\nHow to fix: change the optimizer's "
+                "state in after_step (train_steps(..., after_step=...)), which runs once every stage's update of the "
+                "batch is done, as a synchronous loop's step is."
             )
+
+    def _held_for_the_update(self) -> tuple[list[str], list[str]]:
+        """The last batch's gradients put back where the caller's code set them to None or
+        replaced them; the parameters whose gradient it wrote in place, and whose optimizer state
+        it changed, which the update cannot be kept from."""
+        written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
+        for p, grad, _ in self.grads_held:
+            if p.grad is not grad:
+                p.grad = grad
+        return written, [self.found.names.get(id(p), "?") for p in self.versions.state_changed()]
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
         """The batch's actions waited for and its failure raised, if any (the update of the batch
@@ -459,6 +465,18 @@ class _Overlap:
         pending = self.finished - 1
         if pending < 0 or pending not in self.updates:
             return
+        if self.checked != pending:  # stopped in the caller's code after its loss (a break): its update runs now
+            written, changed = self._held_for_the_update()
+            if written or changed:
+                what = [f"the gradients of {_names(written)} written in place"] if written else []
+                what += [f"the optimizer's state of {_names(changed)} changed"] if changed else []
+                warnings.warn(
+                    f"train_steps (schedule='2bw') was stopped after the loss of batch {pending}, and the code after that loss "
+                    f"had {' and '.join(what)}. Under 2bw the update of a batch runs after the code that follows its loss: that "
+                    "update ran on them as changed, where a synchronous loop had stepped before the change. Make such changes "
+                    "in after_backward (gradients) or after_step (the optimizer's state), or after the loop.",
+                    stacklevel=caller_stacklevel(),
+                )
         for stage in self.local:
             if not self.versions.is_done(pending, stage):
                 self.versions.apply(pending, stage)
@@ -493,6 +511,13 @@ class _OutputsAlone(LeafGrads):
                 "update.\nHow to fix: compute that part of the loss in the model's forward (return it with the "
                 "outputs), make a learned loss parameter part of the model, or use a synchronous schedule (1f1b)."
             )
+
+
+_UPDATE_AFTER_THE_CALLERS_CODE = "Under 2bw the update of a batch runs after the code that follows its loss, so it would step"
+
+
+def _names(names: list[str]) -> str:
+    return f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''}"
 
 
 def _by_shape(tensor: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str:

@@ -159,9 +159,10 @@ def annotate_batch_dims(
             if not _keeps_state(gm, written):
                 problems, bad = _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
             if problems:  # (where it starts, in eval mode too)
-                raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, split_for_their_size(gm, inputs, batch, dims)))
+                hint = split_for_their_size(gm, inputs, batch, dims) + nested_fast_paths(gm)
+                raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
     if problems:
-        hint = split_for_their_size(gm, inputs, batch, dims) + (written_parameters(gm, inputs) if real else "")
+        hint = split_for_their_size(gm, inputs, batch, dims) + (written_parameters(gm, inputs) if real else "") + nested_fast_paths(gm)
         raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
     return True
 
@@ -468,6 +469,22 @@ def _difference(got: torch.Tensor, expected: torch.Tensor) -> float:
     off = torch.where(same, 0.0, (got - expected).abs()).nan_to_num(float("inf")).max().item()
     relative = off / scale if scale > 0 else off
     return relative if relative > _ROUNDING.get(expected.dtype, _LOW_PRECISION) else 0.0
+
+
+def nested_fast_paths(gm: fx.GraphModule) -> str:
+    """A hint where the graph calls an `nn.TransformerEncoder` that may take its nested-tensor
+    path: in eval under no_grad, only where every row's padding mask is left-aligned, and then
+    with zeros at the padded positions; a micro-batch of such rows alone takes it where the whole
+    batch does not."""
+    names = [name for name, m in gm.named_modules() if isinstance(m, nn.TransformerEncoder) and getattr(m, "use_nested_tensor", False)]
+    if not names:
+        return ""
+    return (
+        f"nn.TransformerEncoder {', '.join(names[:3])} takes its fast path in eval under torch.no_grad() "
+        "(enable_nested_tensor=True) only where every row's padding mask is left-aligned, and gives the padded "
+        "positions zeros there, computed values elsewhere: a micro-batch and the whole batch may differ at them. "
+        "How to fix, then: nn.TransformerEncoder(..., enable_nested_tensor=False).\n"
+    )
 
 
 def _mixing_message(

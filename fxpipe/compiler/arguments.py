@@ -45,6 +45,9 @@ def _parse_device(device: Any) -> tuple[Optional[torch.device], Optional[str]]:
     if parsed.type == "cuda" and parsed.index is None:
         # "cuda" is the current device: one name per device in the plan, its summary and pictures.
         parsed = torch.device("cuda", torch.cuda.current_device())
+    if parsed.type == "cpu":
+        # The one CPU ('cpu:1' names it too): torch puts its tensors on 'cpu', whatever the index.
+        parsed = torch.device("cpu")
     return parsed, None
 
 

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.microbatch import gather_grads, takes_gradients
 from fxpipe.runtime.gather import Gathered
+from fxpipe.runtime.stage_error import StageError
 from fxpipe.runtime.step import Step
 
 
@@ -51,6 +52,7 @@ class Run:
         self.parameter_grads = parameter_grads
         self.differentiable: Callable[[str], bool] = lambda name: True  # by output value
         self.gathered: Optional[Gathered] = None
+        self.found: list[tuple[torch.Tensor, int]] = []  # what it read of the caller's, with its version then
         self.output_grads: Optional[Sequence[Optional[torch.Tensor]]] = None
         self.taking: list[int] = []  # the gathered outputs that take gradients
         self.left: tuple[int, int] = (0, 0)  # of those, how many the backward did not reach, of how many
@@ -61,6 +63,9 @@ class Run:
 
     def forward(self) -> None:
         self.gathered = self.gather(self.step.forward())
+        # What the backward reads of the caller's, as the forward left it: written in between
+        # (optimizer.step() before backward()), autograd's error is told so.
+        self.found = [(t, t._version) for t in [*self.parameters, *tree_flatten(self.pieces)[0]] if isinstance(t, torch.Tensor)]
 
     def backward(self) -> list[Optional[torch.Tensor]]:
         assert self.gathered is not None
@@ -87,8 +92,23 @@ class Run:
                 "own, one gradient at a time.\nHow to fix: compute Jacobians with the plain model."
             )
         with self.alone:
-            input_grads = self.step.backward(self.gathered.route(grads))
+            try:
+                input_grads = self.step.backward(self.gathered.route(grads))
+            except StageError as error:
+                self._note_written_since_forward(error)
+                raise
         return [*whole_input_grads(self.inputs, self.pieces, input_grads), *self.parameter_grads()]
+
+    def _note_written_since_forward(self, error: StageError) -> None:
+        written = list({id(t): t for t, version in self.found if t._version != version}.values())
+        if written and "modified by an inplace operation" in str(error):
+            shapes = ", ".join(str(tuple(t.shape)) for t in written[:4]) + (" and more" if len(written) > 4 else "")
+            error.add_note(
+                f"Here, tensors this call read were written in place after its forward (shapes {shapes}): by the caller, "
+                "between pipe(x) and backward (optimizer.step() before loss.backward(), an input buffer filled again); "
+                "the plain model's backward fails alike there.\nHow to fix: run the backward first (loss.backward(); "
+                "optimizer.step()), or pass a copy of an input that is written again (pipe(x.clone()))."
+            )
 
 
 def _batched(grad: torch.Tensor) -> bool:

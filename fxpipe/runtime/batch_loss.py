@@ -18,7 +18,7 @@ from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.loss_writes import LossWrites
 from fxpipe.runtime.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in, sizes_note,
     with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
@@ -179,8 +179,10 @@ class MicroBatchLoss:
             refusal = self.writes.refusal(error, given, loss_fn)
             if refusal is not None:
                 raise refusal from error
-            if self.target_note:
-                error.add_note(self.target_note)
+            if not getattr(error, "fxpipe_refusal", False):
+                for note in (sizes_note(output, given.target), self.target_note):
+                    if note:
+                        error.add_note(note)
             raise
         self.writes.note(i, values, given)
         if isinstance(loss, torch.Tensor) and loss.dim() > 0 and loss.numel() == 1:

@@ -17,6 +17,7 @@ from fxpipe.core.microbatch import SAME, VARIES, BatchDim, leaves_of, scatter, t
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_loss import own_loss_in
 from fxpipe.runtime.gather import ValueRef
+from fxpipe.runtime.loss_reach import GradsBehindOutputs
 from fxpipe.runtime.raw_grads import raw_grads
 
 
@@ -103,6 +104,26 @@ def target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
     return "\n".join(notes)
 
 
+def sizes_note(output: Any, target: Any) -> str:
+    """What a loss that fails on a micro-batch is told where an output and the target's piece
+    hold as many samples and dims but other sizes: a model that sizes its outputs by the
+    micro-batch's own samples (its longest sequence) gives each micro-batch its own size, where
+    the plain model's whole batch has one."""
+    outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.dim() > 1]
+    targets = [t for t in tree_flatten(target)[0] if isinstance(t, torch.Tensor) and t.dim() > 1]
+    for out in outputs:
+        for piece in targets:
+            if out.dim() == piece.dim() and out.shape[0] == piece.shape[0] and out.shape != piece.shape:
+                return (
+                    f"This micro-batch's output of shape {tuple(out.shape)} meets a target of shape {tuple(piece.shape)}: a "
+                    "model whose outputs take a size from the micro-batch's own samples (pad_packed_sequence without "
+                    "total_length, a batch padded to its longest sequence) gives each micro-batch its own, where the "
+                    "plain model's whole batch has one.\nHow to fix, then: pad to a fixed length in the model "
+                    "(pad_packed_sequence(..., total_length=x.shape[1]))."
+                )
+    return ""
+
+
 def _held_by_leaf(outputs_by_path: dict[str, tuple[frozenset[int], ...]], paths: list[str]) -> dict[str, frozenset[int]]:
     """For each target leaf (by path, in order), the dims the output there holds the batch in: at
     its own path, or, inside an output value of several leaves (an LSTM's state `(h, c)` at `[1]`,
@@ -174,9 +195,11 @@ def _name(function: Callable[..., Any]) -> str:
 
 
 def loss_of(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: Any) -> Any:
-    """loss_fn on a micro-batch; a failure on a target of None says that none was given."""
+    """loss_fn on a micro-batch; a failure on a target of None says that none was given; a
+    gradient it takes of what lies behind the outputs is refused (fxpipe/runtime/loss_reach.py)."""
     try:
-        return loss_fn(output, target)
+        with GradsBehindOutputs():
+            return loss_fn(output, target)
     except Exception as e:
         if target is not None:
             raise

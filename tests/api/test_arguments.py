@@ -200,6 +200,24 @@ def test_cuda_without_an_index_is_the_current_device(monkeypatch: pytest.MonkeyP
     assert named == [torch.device("cuda", 1)] * 3
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cpu:0"], ["cpu:0", "cpu:1"], [torch.device("cpu", 0), "cpu"]])
+def test_a_cpu_device_with_an_index_is_the_cpu(devices: list[Any]) -> None:
+    """torch puts CPU tensors on 'cpu', whatever index the device was named with. Before, every
+    call was refused as a model moved since compiling ("stage 1's on cpu (placed on cpu:0)")."""
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x = X.double()
+    pipe = compile_pipeline(model, x, devices, chunks=2)
+    assert [str(d) for d in pipe.devices] == ["cpu", "cpu"]
+    torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+    loss = pipe.train_step(x, target=x, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x), x)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
 class Blocks(nn.Module):
     def __init__(self) -> None:
         super().__init__()

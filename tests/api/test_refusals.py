@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.utils import prune
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from fxpipe import PlacementError, TraceError, compile_pipeline
+from fxpipe import PlacementError, StageError, TraceError, compile_pipeline
 from helpers import X, FanOut, assert_call_and_grads_equal, assert_grads_equal, twin
 
 
@@ -248,6 +248,60 @@ def test_a_computed_value_the_model_writes_fails_as_the_plain_model_with_a_hint_
     pipe = compile_pipeline(_WritesWhatTanhSaved().double(), x, ["cpu"], chunks=2, checkpoint="never")
     with pytest.raises(Exception, match=r"(?s)modified by an inplace operation.*the plain model's backward fails alike, and so does chunks=1.*write it out of place"):
         pipe(x).sum().backward()
+
+
+@pytest.mark.parametrize("written", ["optimizer.step()", "the input"])
+def test_a_tensor_the_caller_writes_between_pipe_x_and_backward_fails_as_the_plain_model_with_a_note_that_says_so(written: str) -> None:
+    """The plain model's backward fails alike. Before, the hint blamed the model's forward
+    writing a parameter or a buffer, and named checkpoint='always' and chunks=1, which do not
+    help; the note now says the caller wrote them after the forward, and how to order it."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    x = X.double()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint="never")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    x = x.clone().requires_grad_(False)
+    out = pipe(x)
+    with torch.no_grad():
+        opt.step() if written == "optimizer.step()" else x.mul_(2)
+    with pytest.raises(StageError, match="modified by an inplace operation") as raised:
+        out.sum().backward()
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "written in place after its forward" in notes and "How to fix: run the backward first" in notes, notes
+
+
+class _Encoder(nn.Module):
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(ids), src_key_padding_mask=~mask))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_a_transformer_encoders_nested_fast_path_that_differs_by_micro_batch_is_refused_naming_the_switch() -> None:
+    """In eval under no_grad, nn.TransformerEncoder gives padded positions zeros only where every
+    row's mask is left-aligned: with one left-padded row, the whole batch computes them and a
+    micro-batch without that row does not. Before, the refusal told to keep the mask whole,
+    which does not help; with enable_nested_tensor=False the pipeline equals the plain model."""
+    ids = torch.randint(0, 20, (8, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    mask[1, :2] = False  # left-padded
+    mask[5, 3:] = False
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"(?s)nn.TransformerEncoder enc takes its fast path.*enable_nested_tensor=False"):
+            compile_pipeline(_Encoder(nested=True).double().eval(), (ids, mask), ["cpu", "cpu"], chunks=2)
+    model = _Encoder(nested=False).double()
+    reference = copy.deepcopy(model).eval()
+    pipe = compile_pipeline(model, (ids, mask), ["cpu", "cpu"], chunks=2).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(ids, mask), reference(ids, mask), rtol=0, atol=1e-12)
 
 
 class _TakesPacked(nn.Module):

@@ -144,6 +144,32 @@ def test_a_loss_fn_that_differentiates_its_outputs(loss_fn: Callable[[torch.Tens
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+@pytest.mark.parametrize("behind", ["the weights", "the input"])
+@pytest.mark.parametrize("unused", ["allow_unused=True", "materialize_grads=True"])
+def test_a_loss_fn_that_differentiates_what_lies_behind_the_outputs_is_refused(behind: str, unused: str) -> None:
+    """A gradient penalty on the weights or on the input, taken inside loss_fn: it sees the
+    outputs with no graph behind them. Before, the penalty's gradients came back None (or zero)
+    and the step trained without it, silently (loss 0.395 where the plain model's was 1.287)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64, requires_grad=True), torch.randn(8, 1, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    wrt = list(model.parameters()) if behind == "the weights" else [x]
+
+    def penalised(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(out, target)
+        if unused == "allow_unused=True":
+            grads = torch.autograd.grad(loss, wrt, create_graph=True, allow_unused=True)
+        else:
+            grads = torch.autograd.grad(loss, wrt, create_graph=True, materialize_grads=True)
+        return loss + sum(g.pow(2).sum() for g in grads if g is not None)
+
+    with pytest.raises(StageError, match=r"(?s)in loss: RuntimeError: loss_fn differentiates with respect to tensors its loss does not reach.*How to fix") as raised:
+        pipe.train_step(x, target=y, loss_fn=penalised)
+    assert "The target's tensors" not in str(raised.value), "no note on how the target was split"
+    assert all(p.grad is None for p in model.parameters()) and x.grad is None
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_target_computed_with_gradients_gives_its_graph_the_plain_models_gradient(schedule: str) -> None:
     """A jointly trained teacher's output as the target. Before, the second micro-batch's backward
@@ -805,6 +831,49 @@ def test_a_target_flattened_over_the_batch_and_the_tokens_fails_as_one_the_error
     torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-12)
+
+
+class _PackedGRU(nn.Module):
+    """Pads its outputs to the longest sequence it is given, or to `total` where set."""
+
+    def __init__(self, total: bool) -> None:
+        super().__init__()
+        self.total, self.rnn = total, nn.GRU(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1] if self.total else None)
+        return out
+
+
+class _Tagged(nn.Module):
+    def __init__(self, total: bool) -> None:
+        super().__init__()
+        self.a, self.rnn, self.b = nn.Linear(4, 4), _PackedGRU(total), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.b(self.rnn(torch.tanh(self.a(x)), lengths))
+
+
+@pytest.mark.parametrize("total", [False, True])
+def test_outputs_sized_by_each_micro_batch_s_longest_sequence_fail_in_the_loss_with_a_note_that_says_so(total: bool) -> None:
+    """pad_packed_sequence without total_length: one micro-batch's longest sequence is shorter
+    than the batch's. Before, the loss's error came with a note on how the target was split alone;
+    padded to a fixed length, train_step equals the plain model."""
+    model, reference = twin(_Tagged(total))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, 4, dtype=torch.float64, generator=g), torch.randn(8, 6, 3, dtype=torch.float64, generator=g)
+    lengths = torch.tensor([6, 3, 5, 2, 4, 4, 1, 5])
+    pipe = compile_pipeline(model, (x, lengths), ["cpu", "cpu"], chunks=2, leaf_modules=[_PackedGRU])
+    if not total:
+        with pytest.raises(StageError, match=r"(?s)in loss: RuntimeError: The size of tensor a \(5\).*output of shape \(4, 5, 3\) meets a target of shape \(4, 6, 3\).*total_length"):
+            pipe.train_step(x, lengths, target=y, loss_fn=F.mse_loss)
+        return
+    loss = pipe.train_step(x, lengths, target=y, loss_fn=F.mse_loss)
+    expected = F.mse_loss(reference(x, lengths), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+    assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 def test_class_weights_as_many_as_the_samples_are_split_and_the_loss_that_fails_on_them_is_told_how_to_give_them_whole() -> None:

@@ -325,6 +325,29 @@ def test_a_loop_stopped_early_completes_the_update_of_the_last_loss_given() -> N
     _assert_a_train_step_is_exact(pipe, model, batches[5])
 
 
+@pytest.mark.parametrize("then", ["zero_grad()", "state.clear()"])
+def test_a_loop_stopped_after_the_code_that_follows_a_loss_completes_its_update_on_the_gradients_of_its_batch(then: str) -> None:
+    """`optimizer.zero_grad()` in the loop's body, then a break: the update of that loss, run
+    once the loop stops, stepped on no gradient (the parameters stayed where the reference loop
+    had stepped them, 2.9e-2 off). It steps on the batch's gradients now; a change it cannot be
+    kept from (the optimizer's state cleared) is said in a warning."""
+    model, plain = twin(FanOut())
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.5)
+    expected_model, _ = reference_2bw(plain, batches[:2], lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.5))
+    with pytest.warns(UserWarning) as said:
+        for k, _ in enumerate(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)):
+            opt.zero_grad() if then == "zero_grad()" else opt.state.clear()
+            if k == 1:
+                break
+    told = [str(w.message) for w in said]
+    changed = [m for m in told if "the optimizer's state of layers.0.weight" in m and "after_step" in m]
+    assert bool(changed) == (then == "state.clear()"), told
+    if then == "zero_grad()":
+        _assert_parameters_equal(model, expected_model, tol=1e-12)
+
+
 class _SparseBag(nn.Module):
     def __init__(self) -> None:
         super().__init__()
