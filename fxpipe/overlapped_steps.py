@@ -61,6 +61,10 @@ Batch = tuple[int, tuple[Any, ...], dict[str, Any], Any]  # index, args, kwargs,
 Hook = Optional[Callable[[], Any]]
 
 
+# A batch's tensors as it was read: each with its name and its version then.
+Read = list[tuple[str, torch.Tensor, int]]
+
+
 @dataclass
 class _Started:
     """A batch read, its call made and its step built: nothing of it runs yet."""
@@ -69,6 +73,7 @@ class _Started:
     call: Call
     step: Step
     target: Any
+    read: Read
 
 
 @dataclass
@@ -77,6 +82,7 @@ class _InFlight:
     step: Step
     group: TaskGroup
     target: Any
+    read: Read
 
 
 class _Overlap:
@@ -173,6 +179,7 @@ class _Overlap:
             self.found.take(self.program)
         elif batch is not None:
             self.found.refuse_changes(f"in the batches' iterable, while batch {index} was read", self.held, slots=False)
+            self._refuse_batches_written(f"by the batches' iterable while it made batch {index}")
 
     def _made(self, batch: Batch) -> _Started:
         index, args, kwargs, target = batch
@@ -200,16 +207,16 @@ class _Overlap:
                 f"train_steps with schedule='2bw': batch {index} splits into {len(call.sizes) // per_row} micro-batches, not "
                 f"chunks={self.m // per_row}: every batch of the loop must split into chunks micro-batches, so have at least "
                 "chunks samples" + (f" (each cut into {per_row} slices of its sequence)" if per_row > 1 else "") + ".\nHow to fix: "
-                "drop the last, smaller batch (DataLoader(drop_last=True))"
+                "give every batch chunks samples or more (DataLoader(drop_last=True) drops a smaller last one)"
                 + ("; a loop of batches smaller than chunks runs under a synchronous schedule (compile with schedule='1f1b')." if index == 0 else ".")
             )
-        return _Started(index, call, step, target)
+        return _Started(index, call, step, target, _tensors_read(call, target))
 
     def start(self, started: _Started) -> None:
         """Batch `started`'s step, and each worker's actions up to the first that needs the next batch."""
         index, step = started.index, started.step
         step._post_inputs()
-        self.steps[index] = _InFlight(started.call, step, TaskGroup(len(self.local) * (2 * self.m + self.checkpointed)), started.target)
+        self.steps[index] = _InFlight(started.call, step, TaskGroup(len(self.local) * (2 * self.m + self.checkpointed)), started.target, started.read)
         self.updates[index] = TaskGroup(len(self.local))
         self.read = index + 1
         streams = two_bw(self.layout, self.m, self.read + 1, self.checkpointed, self.slices)
@@ -361,6 +368,22 @@ class _Overlap:
                 "batch is done, as a synchronous loop's step is."
             )
 
+    def _refuse_batches_written(self, where: str, only: Optional[int] = None) -> None:
+        """The batches in flight (or batch `only`) as they were read, or refused: the loop reads
+        a batch while the one before runs, so a loader that fills one buffer again for each
+        batch writes the one still running."""
+        for index, flight in list(self.steps.items()):
+            written = [name for name, t, version in flight.read if t._version != version]
+            if written and only in (None, index):
+                raise RuntimeError(
+                    f"train_steps (schedule='2bw'): tensors of batch {index} ({', '.join(dict.fromkeys(written))}) were written "
+                    f"in place {where}, before its micro-batches were all through: a loader that fills one buffer "
+                    "again for each batch (buf.copy_(x); yield buf, y), say. Under 2bw the loop reads the next batch while "
+                    "the one before runs, so that one would run partly on the next one's values.\nHow to fix: give each "
+                    "batch tensors of its own (yield buf.clone(), or two buffers in turn), or use a synchronous schedule "
+                    "('1f1b'), which reads a batch once the one before is done."
+                )
+
     def _held_for_the_update(self) -> tuple[list[str], list[str]]:
         """The last batch's gradients put back where the caller's code set them to None or
         replaced them; the parameters whose gradient it wrote in place, and whose optimizer state
@@ -376,6 +399,7 @@ class _Overlap:
         before it first, whose failure stops the batch); its timeline kept; the update of the
         batch before it waited for (and `after_step` run on it); then its statistics committed:
         `after_step` of the batch before sees that batch's, as a synchronous loop's does."""
+        self._refuse_batches_written("while it ran (by the code after the loss before it, say)", only=index)
         _wait(flight.group)
         if index >= 1 and self.updates[index - 1].errors:
             self._updated(index - 1, after_step)
@@ -518,6 +542,13 @@ _UPDATE_AFTER_THE_CALLERS_CODE = "Under 2bw the update of a batch runs after the
 
 def _names(names: list[str]) -> str:
     return f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''}"
+
+
+def _tensors_read(call: Call, target: Any) -> Read:
+    """A batch's input tensors (those the model writes itself aside) and its target's, with their versions now."""
+    written = call.program.written_inputs
+    named = [(name, value) for name, value in call.values.items() if name not in written] + [("the target", target)]
+    return [(name, t, t._version) for name, value in named for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
 
 
 def _by_shape(tensor: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str:

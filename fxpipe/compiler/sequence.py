@@ -20,7 +20,7 @@ from fxpipe.core.snapshot import preserved
 from fxpipe.passes.causal import prove_causal, prove_causal_at
 from fxpipe.passes.position_tags import K, CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
-from fxpipe.passes.state import buffers_written
+from fxpipe.passes.state import buffers_written, has_forward_hooks
 from fxpipe.passes.shapes import FlopCount, small_on_cpu
 from fxpipe.schedules.slices import SliceSpec
 
@@ -52,14 +52,22 @@ def _refuse_writes_per_slice(gm: fx.GraphModule) -> None:
     """A node that writes buffers in training forward (spectral_norm's power iteration, a
     running statistic) would write them once per slice, where the plain model writes them once
     per call."""
-    written = {str(node): sorted(found) for node in gm.graph.nodes if (found := buffers_written(gm, node))}
+    written = {node: sorted(found) for node in gm.graph.nodes if (found := buffers_written(gm, node))}
     if written:
-        problems = [f"{node} writes the buffer(s) {', '.join(names)} in training forward: in slices it would write them once per "
-                    "slice, where the plain model writes them once per call" for node, names in written.items()]  # fmt: skip
+        problems = [_writes_per_slice(gm, node, names) for node, names in written.items()]
         raise CausalityError(problems, fix=(
             "sequence_chunks=1 (the default): micro-batches of samples alone, each of which writes them once, as the "
-            "plain model run on them in turn does."
+            "plain model run on them in turn does; for hooks, remove them from the module while training in slices."
         ))
+
+
+def _writes_per_slice(gm: fx.GraphModule, node: fx.Node, names: list[str]) -> str:
+    module = submodule_or_none(gm, str(node.target)) if node.op == "call_module" else None
+    if module is not None and has_forward_hooks(module):  # (what a hook does is not known: it may write them)
+        return (f"{node} runs forward hooks, which would run once per slice on that slice, where the plain model runs them "
+                f"once per call, and may write the buffer(s) {', '.join(names)}")
+    return (f"{node} writes the buffer(s) {', '.join(names)} in training forward: in slices it would write them once per "
+            "slice, where the plain model writes them once per call")
 
 
 def _lengths(chunks: Any) -> bool:
@@ -92,6 +100,8 @@ def slice_graphs(
                 raise
             except Exception:  # noqa: BLE001 - the error without lines says it all the same
                 pass
+            if attr == "eval_graph":  # (the training graph passed: say which mode fails)
+                raise CausalityError([f"{p} (in eval mode: the graph pipe.eval() runs)" for p in error.problems], fix=error.fix) from None
             raise error from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         sliced = slice_graph(gm, proof)

@@ -487,8 +487,10 @@ def _combined_loss_problem(reduction: str) -> str:
 def _sliced_loss_problem(reduction: str) -> str:
     return (
         f"with sequence_chunks, each micro-batch is a slice of the sequences, and its loss the loss of that slice's "
-        f"positions: the loss must be a {reduction} over positions as well as samples. A loss_fn that shifts the "
-        "positions itself (out[:, :-1] against t[:, 1:]) drops each slice's last position.\nHow to fix: give "
+        f"positions: the loss must be a {reduction} over positions as well as samples. A mean over the targets that "
+        "count (ignore_index=-100 on padding) divides each slice's sum by that slice's own count, which differs from "
+        "slice to slice; a loss_fn that shifts the positions itself (out[:, :-1] against t[:, 1:]) drops each slice's "
+        "last position.\nHow to fix: give "
         "train_step the target shifted already, aligned with the outputs position by position (t = F.pad(idx[:, 1:], "
         "(0, 1), value=-100)), and a loss_fn that does not shift, summed (reduction='sum') or divided by the whole "
         "batch's count of targets; or sequence_chunks=1."

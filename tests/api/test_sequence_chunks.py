@@ -123,6 +123,20 @@ def test_a_model_that_reads_later_positions_is_refused_at_compile_naming_the_op_
     compile_pipeline(SdpaGPT(causal=False), tokens(), ["cpu"] * 2).close()  # one slice: nothing to prove
 
 
+def test_a_refusal_says_a_hook_runs_per_slice_and_which_mode_reads_later_positions() -> None:
+    """A forward hook that records shapes was refused as a module that writes its buffer (it may;
+    what it surely does is run once per slice), and an op that only eval mode runs was named as if
+    the training graph ran it."""
+    model = make_model(n_layer=2, n_embd=16, n_head=2)
+    shapes: list[torch.Size] = []
+    model.blocks[0].register_forward_hook(lambda module, args, out: shapes.append(out.shape))
+    with pytest.raises(CausalityError, match=r"blocks_0 runs forward hooks, which would run once per slice.*and may write the buffer\(s\) blocks.0.attn.mask"):
+        compile_pipeline(model, tokens(), ["cpu"] * 2, sequence_chunks=2, leaf_modules=["blocks.0"])  # kept whole: its hooks run each call
+    pooled_in_eval = Wrapped(lambda m, h, idx: h if m.training else h - h.mean(1, keepdim=True))
+    with pytest.raises(CausalityError, match=r"mean .*reduces over the sequence.* \(in eval mode: the graph pipe.eval\(\) runs\)"):
+        compile_pipeline(pooled_in_eval, tokens(), ["cpu"] * 2, sequence_chunks=2)
+
+
 class _Conditioned(nn.Module):
     """A causal model that also takes a per-sample vector (B, width): `width` along the sequence's
     dim, which may be longer than the sequence; `position`, optional, is left None."""

@@ -348,6 +348,41 @@ def test_a_loop_stopped_after_the_code_that_follows_a_loss_completes_its_update_
         _assert_parameters_equal(model, expected_model, tol=1e-12)
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+@pytest.mark.parametrize("reused", ["the input", "the target", "neither: two buffers in turn"])
+def test_a_loader_that_fills_one_buffer_for_every_batch_is_refused_and_two_in_turn_run_as_the_reference(reused: str, checkpoint: str) -> None:
+    """The loop reads batch t + 1 while batch t runs: a loader that copies each batch into one
+    buffer writes the batch still running. Before, under checkpoint='never' batch t ran partly on
+    batch t + 1's values, silently (losses 1.18 off the reference); otherwise the errors blamed
+    the model or the loss's reduction."""
+    model, plain = twin(FanOut())
+    batches = _batches(4)
+    buffers = [(torch.empty(8, 6, dtype=torch.float64), torch.empty(8, 6, dtype=torch.float64)) for _ in range(2)]
+
+    def loader() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k, (x, y) in enumerate(batches):
+            xb, yb = buffers[k % 2 if reused.startswith("neither") else 0]
+            if reused != "the input":
+                xb = torch.empty_like(x) if reused == "the target" else xb
+            if reused != "the target":
+                yb = torch.empty_like(y) if reused == "the input" else yb
+            xb.copy_(x), yb.copy_(y)
+            yield xb, yb
+
+    pipe = _pipe(model, batches[0][0], 3, checkpoint=checkpoint)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    if reused.startswith("neither"):
+        expected_model, expected = reference_2bw(plain, batches, lambda params: torch.optim.SGD(params, lr=0.1))
+        losses = [float(loss) for loss in pipe.train_steps(loader(), loss_fn=F.mse_loss, optimizer=opt)]
+        assert losses == pytest.approx(expected, rel=0, abs=1e-12)
+        _assert_parameters_equal(model, expected_model, tol=1e-12)
+        return
+    named = "x" if reused == "the input" else "the target"
+    with pytest.raises(RuntimeError, match=rf"(?s)tensors of batch 0 \({named}\) were written in place by the batches' iterable while it made batch 1.*How to fix: give each batch tensors of its own"):
+        list(pipe.train_steps(loader(), loss_fn=F.mse_loss, optimizer=opt))
+    _assert_parameters_equal(model, plain, tol=0)  # batch 0's loss was not given: no update
+
+
 class _SparseBag(nn.Module):
     def __init__(self) -> None:
         super().__init__()
