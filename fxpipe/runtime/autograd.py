@@ -65,7 +65,8 @@ class Run:
         self.gathered = self.gather(self.step.forward())
         # What the backward reads of the caller's, as the forward left it: written in between
         # (optimizer.step() before backward()), autograd's error is told so.
-        self.found = [(t, t._version) for t in [*self.parameters, *tree_flatten(self.pieces)[0]] if isinstance(t, torch.Tensor)]
+        buffers = [b for stage in self.step.stages for b in getattr(stage, "read_buffers", {}).values()]
+        self.found = [(t, t._version) for t in [*self.parameters, *buffers, *tree_flatten(self.pieces)[0]] if isinstance(t, torch.Tensor)]
 
     def backward(self) -> list[Optional[torch.Tensor]]:
         assert self.gathered is not None

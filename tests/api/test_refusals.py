@@ -250,12 +250,21 @@ def test_a_computed_value_the_model_writes_fails_as_the_plain_model_with_a_hint_
         pipe(x).sum().backward()
 
 
-@pytest.mark.parametrize("written", ["optimizer.step()", "the input"])
+class _Scaled(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.register_buffer("scale", torch.full((6,), 2.0, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale  # (autograd saves the buffer)
+
+
+@pytest.mark.parametrize("written", ["optimizer.step()", "the input", "a buffer"])
 def test_a_tensor_the_caller_writes_between_pipe_x_and_backward_fails_as_the_plain_model_with_a_note_that_says_so(written: str) -> None:
     """The plain model's backward fails alike. Before, the hint blamed the model's forward
     writing a parameter or a buffer, and named checkpoint='always' and chunks=1, which do not
     help; the note now says the caller wrote them after the forward, and how to order it."""
-    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    model = _Scaled().double()
     x = X.double()
     pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint="never")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
@@ -264,7 +273,10 @@ def test_a_tensor_the_caller_writes_between_pipe_x_and_backward_fails_as_the_pla
     x = x.clone().requires_grad_(False)
     out = pipe(x)
     with torch.no_grad():
-        opt.step() if written == "optimizer.step()" else x.mul_(2)
+        if written == "optimizer.step()":
+            opt.step()
+        else:
+            (x if written == "the input" else model.get_buffer("scale")).mul_(2)
     with pytest.raises(StageError, match="modified by an inplace operation") as raised:
         out.sum().backward()
     notes = "\n".join(getattr(raised.value, "__notes__", []))
