@@ -372,9 +372,9 @@ class _Overlap:
         """The batches in flight (or batch `only`) as they were read, or refused: the loop reads
         a batch while the one before runs, so a loader that fills one buffer again for each
         batch writes the one still running."""
-        for index, flight in list(self.steps.items()):
+        for index, flight in list(self.steps.items()) if only is None else [(only, self.steps[only])]:
             written = [name for name, t, version in flight.read if t._version != version]
-            if written and only in (None, index):
+            if written:
                 raise RuntimeError(
                     f"train_steps (schedule='2bw'): tensors of batch {index} ({', '.join(dict.fromkeys(written))}) were written "
                     f"in place {where}, before its micro-batches were all through: a loader that fills one buffer "

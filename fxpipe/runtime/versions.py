@@ -113,6 +113,7 @@ class Versions:
             if id(p) in self.owner and id(p) not in seen:
                 seen.add(id(p))
                 self.updates[self.owner[id(p)]].append(p)
+        self.updated = [p for stage in self.updates for p in stage]  # every stage's, in turn
         # Of each tied weight, the version each batch in reach runs on (W(batch - 1)), by batch:
         # the initial one for batches 0 and 1, then what the owner's update of batch t - 2 made.
         self.kept: dict[int, dict[int, torch.Tensor]] = {
@@ -147,7 +148,7 @@ class Versions:
         for old in [b for b in self.settings if b < batch - 2]:
             del self.settings[old], self.members[old]
         self._step_outside(batch)
-        self.state_held = state_marks(self.optimizer, [p for stage in self.updates for p in stage])
+        self.state_held = state_marks(self.optimizer, self.updated)
 
     def _step_outside(self, batch: int) -> None:
         """The step of the optimizer's parameters that no stage reads (one whose gradient
@@ -160,10 +161,10 @@ class Versions:
     def state_changed(self) -> list[torch.Tensor]:
         """The parameters whose optimizer state changed since the last batch's settings were
         held (the caller's code after its loss cleared, loaded or wrote it)."""
-        now = state_marks(self.optimizer, [p for stage in self.updates for p in stage])
+        now = state_marks(self.optimizer, self.updated)
         if now[0] != self.state_held[0]:
-            return [p for stage in self.updates for p in stage if id(p) in now[1] or id(p) in self.state_held[1]]
-        return [p for stage in self.updates for p in stage if not _same_marks(now[1].get(id(p)), self.state_held[1].get(id(p)))]
+            return [p for p in self.updated if id(p) in now[1] or id(p) in self.state_held[1]]
+        return [p for p in self.updated if not _same_marks(now[1].get(id(p)), self.state_held[1].get(id(p)))]
 
     def ready(self, batch: int) -> None:
         """Batch `batch`'s gradients are in `.grad` and the caller's code after its loss ran: its
