@@ -164,10 +164,20 @@ def test_a_loss_fn_that_differentiates_what_lies_behind_the_outputs_is_refused(b
             grads = torch.autograd.grad(loss, wrt, create_graph=True, materialize_grads=True)
         return loss + sum(g.pow(2).sum() for g in grads if g is not None)
 
+    reference = copy.deepcopy(model)
     with pytest.raises(StageError, match=r"(?s)in loss: RuntimeError: loss_fn differentiates with respect to tensors its loss does not reach.*How to fix") as raised:
         pipe.train_step(x, target=y, loss_fn=penalised)
     assert "The target's tensors" not in str(raised.value), "no note on how the target was split"
     assert all(p.grad is None for p in model.parameters()) and x.grad is None
+    # the next step, under autocast and not, as the plain model's
+    for autocast in (False, True):
+        model.zero_grad(), reference.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = pipe.train_step(x.detach(), target=y, loss_fn=F.mse_loss)
+            expected = F.mse_loss(reference(x.detach()), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=0, atol=1e-12)
+        assert_grads_equal(pipe, reference, tol=1e-12)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
