@@ -171,7 +171,8 @@ def test_a_loss_fn_that_differentiates_what_lies_behind_the_outputs_is_refused(b
     assert all(p.grad is None for p in model.parameters()) and x.grad is None
     # the next step, under autocast and not, as the plain model's
     for autocast in (False, True):
-        model.zero_grad(), reference.zero_grad()
+        model.zero_grad()
+        reference.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             loss = pipe.train_step(x.detach(), target=y, loss_fn=F.mse_loss)
             expected = F.mse_loss(reference(x.detach()), y)
