@@ -8,6 +8,7 @@ import torch
 from fxpipe.compiled.program import Hooks, Program, hooks_that_count
 from fxpipe.core.hooks import gradient_hooks, hook_tables
 from fxpipe.core.unseen_changes import Unseen, attributes_changed, whole_attributes
+from fxpipe.core.wording import listed
 from fxpipe.guards import traced_mode
 from fxpipe.passes.state import ASSIGNS
 from fxpipe.runtime.checkpoint import dropout_rate_of
@@ -72,7 +73,7 @@ class ModelAsFound:
         started before it, on the model as it was. `held`: the program the loop's batches run.
         `slots`: no stage holds the model's parameter slots (the gate is shut), so that a tensor
         replaced there shows. `written`: the model's tensors written in place there."""
-        found = self._changed(held, slots) or (f"{', '.join(written[:5])}{' and more' if len(written) > 5 else ''} written in place or set" if written else "")
+        found = self._changed(held, slots) or (f"{listed(written)} written in place or set" if written else "")
         if found:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "
@@ -105,15 +106,15 @@ class ModelAsFound:
         hooks = _hooks_of(pipe._owner)
         hooked = [name or "the model" for name in sorted({*hooks, *self.hooks}) if hooks.get(name) != self.hooks.get(name)]
         if hooked:
-            return f"the hooks of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
+            return f"the hooks of {listed(hooked)} (added or removed)"
         gradient_hooks = self._gradient_hooks()
         hooked = sorted(name for name in {*gradient_hooks, *self.gradient_hooks} if gradient_hooks.get(name) != self.gradient_hooks.get(name))
         if hooked:
-            return f"the hooks on the gradients of {', '.join(hooked[:5])}{' and more' if len(hooked) > 5 else ''} (added or removed)"
+            return f"the hooks on the gradients of {listed(hooked)} (added or removed)"
         # Added tensors show whatever the stages hold in the slots: they add no key to a table.
         added = held.held.tensors_added() if held is not None else []
         if added:
-            return f"parameters or buffers were added ({', '.join(added[:5])}{' and more' if len(added) > 5 else ''})"
+            return f"parameters or buffers were added ({listed(added)})"
         if slots and held is not None and held.held.tensors_replaced():
             return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
         return ""

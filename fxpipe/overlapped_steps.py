@@ -34,6 +34,7 @@ from fxpipe.core.failures import Failure, RemoteFailure
 from fxpipe.core.hooks import gradient_hooks, steps_after_accumulating
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
+from fxpipe.core.wording import listed
 from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import refuse_without_gradients
@@ -353,7 +354,7 @@ class _Overlap:
         if written:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
-                f"({_names(written)}: clip_grad_norm_, zero_grad(set_to_none=False), `.grad.data = ...`, say). "
+                f"({listed(written)}: clip_grad_norm_, zero_grad(set_to_none=False), `.grad.data = ...`, say). "
                 f"{_UPDATE_AFTER_THE_CALLERS_CODE} on the gradients as written there, where a synchronous loop has "
                 "stepped already; the loop stopped, and that update ran on them as written.\nHow to fix: change gradients "
                 "in after_backward (train_steps(..., after_backward=...)), which runs before every schedule's update."
@@ -361,7 +362,7 @@ class _Overlap:
         if changed:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the optimizer's state was changed after the loss of batch {index} (of "
-                f"{_names(changed)}: optimizer.load_state_dict, optimizer.state.clear(), a momentum buffer written, say). "
+                f"{listed(changed)}: optimizer.load_state_dict, optimizer.state.clear(), a momentum buffer written, say). "
                 f"{_UPDATE_AFTER_THE_CALLERS_CODE} from the state as changed there, where a synchronous loop has stepped "
                 "already; the loop stopped, and that update ran on it as changed.\nHow to fix: change the optimizer's "
                 "state in after_step (train_steps(..., after_step=...)), which runs once every stage's update of the "
@@ -492,8 +493,8 @@ class _Overlap:
         if self.checked != pending:  # stopped in the caller's code after its loss (a break): its update runs now
             written, changed = self._held_for_the_update()
             if written or changed:
-                what = [f"the gradients of {_names(written)} written in place"] if written else []
-                what += [f"the optimizer's state of {_names(changed)} changed"] if changed else []
+                what = [f"the gradients of {listed(written)} written in place"] if written else []
+                what += [f"the optimizer's state of {listed(changed)} changed"] if changed else []
                 warnings.warn(
                     f"train_steps (schedule='2bw') was stopped after the loss of batch {pending}, and the code after that loss "
                     f"had {' and '.join(what)}. Under 2bw the update of a batch runs after the code that follows its loss: that "
@@ -538,10 +539,6 @@ class _OutputsAlone(LeafGrads):
 
 
 _UPDATE_AFTER_THE_CALLERS_CODE = "Under 2bw the update of a batch runs after the code that follows its loss, so it would step"
-
-
-def _names(names: list[str]) -> str:
-    return f"{', '.join(names[:5])}{' and more' if len(names) > 5 else ''}"
 
 
 def _tensors_read(call: Call, target: Any) -> Read:
@@ -603,7 +600,7 @@ def _refuse_steps_in_backward(model: torch.nn.Module) -> None:
     if stepped:
         raise RuntimeError(
             f"train_steps (schedule='2bw'): parameters have hooks that run once their gradient is accumulated "
-            f"(register_post_accumulate_grad_hook): {', '.join(stepped[:5])}{' and more' if len(stepped) > 5 else ''}. "
+            f"(register_post_accumulate_grad_hook): {listed(stepped)}. "
             "Such a hook steps an optimizer in backward; under 2bw a batch's gradients arrive while the next batch "
             "runs on the same weights, and a step there would write them under it.\nHow to fix: give that optimizer "
             "to train_steps (optimizer=...), whose step 2bw applies to the version each batch ran on, and remove the "

@@ -34,6 +34,7 @@ from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.microbatch import SAME, VARIES, BatchDim, Dims, batch_size_of, joined, scatter, split_dim, split_sizes
 from fxpipe.core.own_loss import SUMMED_ON_EXAMPLE
 from fxpipe.core.randomness import TORCH_NAMESPACES
+from fxpipe.core.wording import listed
 from fxpipe.core.writes import op_namespace
 from fxpipe.passes.example_runs import DrawsOf, WholeRun, run_on, run_whole
 from fxpipe.passes.random_ops import WHOLE_BATCH_DRAW, RandomSources, random_sources
@@ -480,7 +481,7 @@ def nested_fast_paths(gm: fx.GraphModule) -> str:
     if not names:
         return ""
     return (
-        f"nn.TransformerEncoder {', '.join(names[:3])} takes its fast path in eval under torch.no_grad() "
+        f"nn.TransformerEncoder {listed(names, most=3)} takes its fast path in eval under torch.no_grad() "
         "(enable_nested_tensor=True) only where every row's padding mask is left-aligned, and gives the padded "
         "positions zeros there, computed values elsewhere: a micro-batch and the whole batch may differ at them. "
         "How to fix, then: nn.TransformerEncoder(..., enable_nested_tensor=False).\n"

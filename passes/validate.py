@@ -17,6 +17,7 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 
 from fxpipe.core.own_code import is_ours
 from fxpipe.core.snapshot import Snapshot, preserved
+from fxpipe.core.wording import listed
 from fxpipe.passes.shapes import propagate_shapes, small_on_cpu
 from fxpipe.tracing.assignments import started_alike
 
@@ -175,7 +176,7 @@ def _locate(
     nested = _nested_outputs(eager)
     if nested:
         return (
-            f"the model runs a fast path on nested tensors ({', '.join(nested[:3])} returned one), which its graph "
+            f"the model runs a fast path on nested tensors ({listed(nested, most=3)} returned one), which its graph "
             "does not take: build nn.TransformerEncoder with enable_nested_tensor=False, or keep it whole "
             "(leaf_modules=[...]); "
         )

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fxpipe.core.own_code import caller_stacklevel
+from fxpipe.core.wording import listed
 
 
 _FREED = "_fxpipe_freed"  # in a model's __dict__: the names of the tensors freed on this rank
@@ -72,7 +73,7 @@ def _freed_text(names: dict[str, list[str]], consequence: str) -> str:
 
 def _by_place(names: dict[str, list[str]]) -> str:
     """'on rank 1: a, b, ... and 3 more; on rank 2: c': at most six names per place."""
-    return "; ".join(f"on {where}: " + ", ".join(n[:6]) + (f" and {len(n) - 6} more" if len(n) > 6 else "") for where, n in names.items())
+    return "; ".join(f"on {where}: {listed(n, most=6)}" for where, n in names.items())
 
 
 def _named_state(owner: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 from fxpipe.compiled.program import ChunkSpec
 from fxpipe.compiler.stage_graph import STAGE_GRAPHS
 from fxpipe.core.microbatch import batch_size_of, spec_dims
+from fxpipe.core.wording import listed
 from fxpipe.passes.costs import BALANCE_MODES
 from fxpipe.passes.partition import conflicting_options
 from fxpipe.schedules.actions import CHECKPOINT_MODES, SCHEDULES
@@ -132,9 +133,8 @@ def refuse_lazy(model: nn.Module) -> None:
     """Lazy modules' parameters have no shape until a first call: nothing can be cut or placed."""
     lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if is_lazy(t)]
     if lazy:
-        more = f" and {len(lazy) - 5} more" if len(lazy) > 5 else ""
         raise ValueError(
-            f"the model has parameters without a shape yet (lazy modules, LazyLinear say): {', '.join(lazy[:5])}{more}.\n"
+            f"the model has parameters without a shape yet (lazy modules, LazyLinear say): {listed(lazy)}.\n"
             "How to fix: run the model once on an example batch before compiling (model(example)), which gives them "
             "their shapes."
         )
@@ -168,25 +168,25 @@ def model_problems(model: Any, leaf_modules: list[Any]) -> list[str]:
             scripted.append(name or "the model")
     pipelines = [name or "the model itself" for name, m in model.named_modules() if _is_pipeline(m)]
     if pipelines:
-        problems.append(f"the model is or holds a Pipeline ({', '.join(pipelines[:5])}): a pipeline runs its stages on "
+        problems.append(f"the model is or holds a Pipeline ({listed(pipelines)}): a pipeline runs its stages on "
                         "threads of its own and is compiled once; compile the plain model it was compiled from (it "
                         "holds the same parameters), or call the pipeline from a module of your own that is not compiled")  # fmt: skip
     if scripted:
-        problems.append(f"the model holds TorchScript modules ({', '.join(scripted[:5])}), which fxpipe cannot trace nor "
+        problems.append(f"the model holds TorchScript modules ({listed(scripted)}), which fxpipe cannot trace nor "
                         "keep whole: compile the Python module itself (the one given to torch.jit.script)")  # fmt: skip
     unwritable: list[str] = []
     for name in [*names, *(n for n, _ in model.named_parameters()), *(n for n, _ in model.named_buffers())]:
         if _UNWRITABLE.search(name) and not any(name.startswith(f"{outer}.") for outer in unwritable):
             unwritable.append(name)
     if unwritable:
-        shown = ", ".join(f"'{name}'" for name in unwritable[:5])
+        shown = listed(f"'{name}'" for name in unwritable)
         problems.append(f"the model holds modules or tensors whose names torch.fx and torch.export cannot write into the "
                         f"code they generate ({shown}): a double quote or a backslash ends the "
                         "string it is written in; rename them (a ModuleDict's keys, say) without those characters")  # fmt: skip
     overriding = [f"{name} ({type(t).__name__})" for name, t in [*model.named_parameters(), *model.named_buffers()] if _overrides_torch(type(t))]
     if overriding:
         problems.append(f"the model holds tensors of classes that override __torch_function__ or __torch_dispatch__ "
-                        f"({', '.join(overriding[:5])}): its stages run on plain tensors that stand for the model's "
+                        f"({listed(overriding)}): its stages run on plain tensors that stand for the model's "
                         "parameters and buffers, and the override would not run there; apply what it does in a module's "
                         "forward (or with torch.nn.utils.parametrize), on a plain nn.Parameter")  # fmt: skip
     for leaf in leaf_modules:

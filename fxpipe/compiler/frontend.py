@@ -22,6 +22,7 @@ from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
 from fxpipe.core.microbatch import batch_size_of
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import preserved
+from fxpipe.core.wording import listed
 from fxpipe.passes.asserts import show_values_in_asserts
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
@@ -411,7 +412,7 @@ def _front_ends(
         swapped = _swapped_parameters(model)
         if swapped:
             raise _Rejected(
-                f"it takes only nn.Parameters as parameters, and {', '.join(swapped[:3])}{' and others' if len(swapped) > 3 else ''} "
+                f"it takes only nn.Parameters as parameters, and {listed(swapped, most=3)} "
                 "hold other tensors (as torch.func.functional_call swaps them in)",
                 fix="How to fix: make the call of this kind once outside functional_call (its stages are kept, and serve "
                 "later calls inside it), or give it as the example when compiling (example_kwargs=...).",

@@ -20,6 +20,7 @@ from torch.autograd.function import FunctionCtx
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.microbatch import gather_grads, takes_gradients
+from fxpipe.core.wording import listed
 from fxpipe.runtime.gather import Gathered
 from fxpipe.runtime.stage_error import StageError
 from fxpipe.runtime.step import Step
@@ -103,7 +104,7 @@ class Run:
     def _note_written_since_forward(self, error: StageError) -> None:
         written = list({id(t): t for t, version in self.found if t._version != version}.values())
         if written and "modified by an inplace operation" in str(error):
-            shapes = ", ".join(str(tuple(t.shape)) for t in written[:4]) + (" and more" if len(written) > 4 else "")
+            shapes = listed((str(tuple(t.shape)) for t in written), most=4)
             error.add_note(
                 f"Here, tensors this call read were written in place after its forward (shapes {shapes}): by the caller, "
                 "between pipe(x) and backward (optimizer.step() before loss.backward(), an input buffer filled again); "

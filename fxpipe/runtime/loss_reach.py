@@ -8,6 +8,8 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.wording import listed
+
 
 class GradsBehindOutputs(TorchFunctionMode):
     """Around loss_fn on one micro-batch (its thread alone: modes are per thread): a call of
@@ -32,10 +34,10 @@ def _refuse_unreached(outputs: Any, inputs: Any) -> None:
     reached = set(_nodes(t.grad_fn for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)))
     unreached = [t for t in wanted if _node_of(t) not in reached]
     if unreached:
-        shapes = ", ".join(f"{tuple(t.shape)}{' (a leaf)' if t.grad_fn is None else ''}" for t in unreached[:5])
+        shapes = listed(f"{tuple(t.shape)}{' (a leaf)' if t.grad_fn is None else ''}" for t in unreached)
         error = RuntimeError(
             f"loss_fn differentiates with respect to tensors its loss does not reach here, of shapes {shapes}"
-            f"{' and more' if len(unreached) > 5 else ''}: a weight of the "
+            ": a weight of the "
             "model or an input of the call, in a gradient penalty, say. train_step hands loss_fn each micro-batch's "
             "outputs with no graph behind them (the stages hold it), so such a gradient would be None or zero where the "
             "plain model's is not.\nHow to fix: compute a penalty on the inputs or the weights with the plain model (a "

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from fxpipe.core.wording import listed
 from fxpipe.runtime.checkpoint import Attributes
 from fxpipe.runtime.weight_grad import PendingWeights
 
@@ -34,7 +35,7 @@ def refuse_parameters_written_since(params: list[torch.Tensor], versions: Option
     reads what it saved of the forward that ran."""
     written = [p for p, version in zip(params, versions or ()) if p._version != version]
     if written:
-        shapes = ", ".join(str(tuple(p.shape)) for p in written[:4]) + (f" and {len(written) - 4} more" if len(written) > 4 else "")
+        shapes = listed((str(tuple(p.shape)) for p in written), most=4)
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"{len(written)} parameter(s) of this stage (shapes {shapes}) were written in place between its forward "

@@ -880,6 +880,13 @@ def test_lazy_parameters_are_refused_with_the_fix() -> None:
     compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
 
 
+def test_a_long_list_of_names_in_a_message_says_how_many_more() -> None:
+    """Messages name the first few and count the rest (before, some said only "and more")."""
+    model = nn.Sequential(*(nn.LazyLinear(6) for _ in range(7)))
+    with pytest.raises(ValueError, match=r"0\.weight, 0\.bias, 1\.weight, 1\.bias, 2\.weight and 9 more\.\n"):
+        compile_pipeline(model, torch.randn(4, 6), ["cpu", "cpu"], chunks=2)
+
+
 class _ReentrantDropout(nn.Module):
     """torch.utils.checkpoint (reentrant) around a block with dropout: it mixes no samples."""
 
