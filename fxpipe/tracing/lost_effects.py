@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fxpipe.core.eager_mode import EagerDispatchMode, is_higher_order, run_higher_order
+from fxpipe.core.wording import listed
 from fxpipe.core.writes import storage_key
 from fxpipe.tracing.trace import TraceError
 
@@ -274,7 +275,7 @@ def own_checkpoints_refused(model: nn.Module) -> Iterator[list[DrawingRegion]]:
     if written:
         raise TraceError(
             f"{type(model).__name__} cannot be compiled: its own activation checkpointing (torch.utils.checkpoint) "
-            f"runs modules that write their buffers: {_some(list(written))}. Its recompute in backward writes them a second "
+            f"runs modules that write their buffers: {listed(written)}. Its recompute in backward writes them a second "
             "time, which the pipeline's graph does not (BatchNorm's running statistics would count each micro-batch "
             "once where the plain model counts it twice).\nHow to fix: turn the model's own checkpointing off "
             "(torchvision's memory_efficient=False, timm's set_grad_checkpointing(False), Hugging Face's "
@@ -310,7 +311,7 @@ def checkpointed_draws(model: nn.Module, drew: list[DrawingRegion], called_whole
         return ""
     return (
         f"its own activation checkpointing (torch.utils.checkpoint) recomputes random ops (dropout) in backward, in "
-        f"{_some(where)}: the pipeline draws them from streams of its own per micro-batch, which torch's recompute "
+        f"{listed(where)}: the pipeline draws them from streams of its own per micro-batch, which torch's recompute "
         "does not replay, so the backward would use other masks than the forward"
     )
 
@@ -322,6 +323,3 @@ CHECKPOINTED_DRAWS_FIX = (
     "goes through (not kept whole)."
 )
 
-
-def _some(names: list[str], shown: int = 5) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
