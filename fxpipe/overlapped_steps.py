@@ -350,6 +350,19 @@ class _Overlap:
         so is a change to the optimizer's state, which the update reads. (Its settings and groups
         are held, `Versions.hold_settings`.)"""
         self.checked = index
+        failure = None
+        try:
+            self._refuse_changes_the_update_reads(index)
+        except BaseException as error:  # noqa: BLE001 - raised here, across processes once the others know
+            failure = error
+        if self.ranks is not None:
+            self.ranks.code_ran(index, failure)
+        elif failure is not None:
+            raise failure
+
+    def _refuse_changes_the_update_reads(self, index: int) -> None:
+        """Gradients of batch `index` written in place, or the optimizer's state changed, by the
+        caller's code after its loss: refused."""
         written, changed = self._held_for_the_update()
         if written:
             raise RuntimeError(

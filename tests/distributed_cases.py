@@ -2177,3 +2177,52 @@ def sparse_embeddings(rank: int, world: int, layout: str) -> dict[str, Any]:
     found["clipped"] = _said(lambda: pipe.clip_grad_norm_(1.0), RuntimeError, NotImplementedError)  # (torch's takes no sparse gradient)
     found["took"] = time.monotonic() - start
     return found
+
+
+def one_rank_stepping_apart_under_2bw(rank: int, world: int) -> dict[str, Any]:
+    """A 2bw loop over TiedEnds (its weight tied across the two ranks) where rank 1 alone, after
+    the loss of batch 1, clears the optimizer's state ("state") or writes the gradients in place
+    ("written"), or in its own after_backward clips by torch's clip_grad_norm_ over its own
+    parameters ("clipped"), or in its after_step of batch 0 halves its lr ("lr"); or no rank
+    does ("none"): how long each rank took to stop, its error, the losses given, and the
+    parameters against the delayed plain loop of those losses."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(6)]
+    make = OPTIMIZERS["sgd-momentum"]
+    found: dict[str, Any] = {}
+    for how in ("state", "written", "clipped", "lr", "none"):
+        torch.manual_seed(0)
+        model = TiedEnds().double()
+        reference = copy.deepcopy(model)
+        pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=4, schedule="2bw", timeout=30)
+        optimizer = make(pipe.parameters())
+        apart = rank == 1
+        held = [p for p in pipe.parameters() if p.device.type != "meta"]
+        clip = (lambda: nn.utils.clip_grad_norm_(held, 1e-3)) if how == "clipped" and apart else None
+
+        steps: list[int] = []
+
+        def halve() -> None:
+            steps.append(1)
+            if how == "lr" and apart and len(steps) == 1:
+                for group in optimizer.param_groups:
+                    group["lr"] *= 0.5
+
+        losses: list[float] = []
+        start = time.perf_counter()
+        try:
+            for loss in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer, after_backward=clip, after_step=halve):
+                losses.append(float(loss))
+                if len(losses) == 2 and apart and how == "state":
+                    optimizer.state.clear()
+                if len(losses) == 2 and apart and how == "written":
+                    for p in held:
+                        p.grad.mul_(0.5)  # type: ignore[union-attr]
+            error = ""
+        except (RuntimeError, StageError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        seconds = time.perf_counter() - start
+        _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)
+        found[how] = dict(error=error, given=len(losses), seconds=seconds, params=max(_held_here(pipe, reference).values()))
+    return found

@@ -1,7 +1,7 @@
 """The ranks of a loop whose steps overlap (2BW) agreeing batch by batch: before each batch runs, and at its end before any rank updates on it.
 
 Each rank's stage thread runs its list of actions without a flush; the caller's thread of every
-rank meets the others three times per batch, on the world's group (the stage threads' values
+rank meets the others four times per batch, on the world's group (the stage threads' values
 travel on the pipeline's own groups meanwhile):
 
     start(t)      every rank read batch t and made the same call of it, or every rank's batches
@@ -12,6 +12,10 @@ travel on the pipeline's own groups meanwhile):
                   the same bits on each
     hooks_ran(t)  every rank's after_backward ran: no rank updates on batch t unless every
                   rank does
+    code_ran(t)   every rank's code after the loss of batch t left what the update of batch t
+                  reads as a synchronous loop's step would have read it, or every rank raises;
+                  and the copies of each tied weight, all holding batch t - 1's update now,
+                  are alike (a rank that stepped its copy apart is heard of a batch late)
 
 A rank meets the others at finish(t) once its own actions of batch t are done, while its stage
 thread goes on with batch t + 1, and its update of batch t comes only before its first forward of
@@ -26,7 +30,7 @@ from torch import nn
 
 from fxpipe.compiled.placement import RankPlacement
 from fxpipe.core.failures import Failure
-from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ
+from fxpipe.distributed.rank_call import Host, first_line, refuse_calls_that_differ, refuse_tied_copies_that_differ, tied_fingerprints
 from fxpipe.distributed.ranks import LOOP_LATE, gathered, holders, summed_in_rank_order
 from fxpipe.runtime.stage_error import StageError, raised_here
 
@@ -104,7 +108,7 @@ class LoopRanks:
         agree_on_the_next_batch([got[coord][0] for coord in sorted(got)], index, failure, OVERLAPPED)
         if failure is not None:
             raise failure
-        if said == "batch":  # tied copies are compared on the first batch: later, their updates may be apart in time
+        if said == "batch":  # tied copies are compared here on the first batch, later in code_ran: here their updates may be apart in time
             refuse_calls_that_differ(self.host, {coord: c for coord, (_, c) in got.items()}, tied=index == 0)
 
     def finish(
@@ -124,6 +128,16 @@ class LoopRanks:
         updates on the batch unless every rank's hook ran."""
         got = self._gathered(_told(failure), f"after_backward of train_steps' batch {index}")
         self._raise_if_any_failed(index, got, failure, " in after_backward")
+
+    def code_ran(self, index: int, failure: Optional[BaseException]) -> None:
+        """The caller's code after the loss of batch `index` ran on every rank without a refusal,
+        or every rank raises: no rank updates on the batch unless every rank does; then the
+        copies of each tied weight, which all hold batch `index - 1`'s update, compared."""
+        tied = tied_fingerprints(self.host, self.host.program()) if index >= 1 else {}
+        got = self._gathered((_told(failure), tied), f"the code after the loss of train_steps' batch {index}")
+        self._raise_if_any_failed(index, {coord: told for coord, (told, _) in got.items()}, failure, " in the code after its loss")
+        if index >= 1:
+            refuse_tied_copies_that_differ({self.ranks[coord]: fingerprints for coord, (_, fingerprints) in got.items()}, after=index - 1)
 
     def _raise_if_any_failed(self, index: int, said: dict[int, Told], failure: Optional[BaseException], where: str) -> None:
         if failure is not None:

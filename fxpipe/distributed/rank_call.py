@@ -210,7 +210,7 @@ def refuse_calls_that_differ(pipe: Host, calls: dict[int, dict[str, Any]], tied:
             "autocast, and pipe.train() or pipe.eval() on every rank."
         )
     if tied:
-        _refuse_tied_copies_that_differ(pipe, {ranks[r]: c["tied"] for r, c in calls.items()})
+        refuse_tied_copies_that_differ({ranks[r]: c["tied"] for r, c in calls.items()})
 
 
 def _odd_ranks(name: str, digests: dict[int, Any]) -> str:
@@ -222,23 +222,34 @@ def _odd_ranks(name: str, digests: dict[int, Any]) -> str:
     return f"data of {name}: rank(s) {sorted(set(digests) - set(most))} differ from rank(s) {most}"
 
 
-def _refuse_tied_copies_that_differ(pipe: Host, tied: dict[int, dict[str, tuple[float, float]]]) -> None:
+def refuse_tied_copies_that_differ(tied: dict[int, dict[str, tuple[float, float]]], after: Optional[int] = None) -> None:
     """Every rank holding a copy of a tied parameter must hold the same values: else the ranks
     compute with different models (one initialised apart on each rank), which no plain model
-    computes, while their summed gradients keep the copies apart for ever."""
+    computes, while their summed gradients keep the copies apart for ever. `after`: the batch
+    whose update the copies hold, in a loop (None: before its first)."""
     differ = []
     for name in sorted({name for held in tied.values() for name in held}):
         values = {rank: held[name] for rank, held in tied.items() if name in held}
         first = next(iter(values.values()))
         if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for v in values.values() for a, b in zip(first, v)):
             differ.append(f"{name!r}, held on ranks {sorted(values)}")
-    if differ:
-        raise RuntimeError(
-            "the copies of a tied parameter differ between the ranks that hold them, so the ranks would compute "
-            "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + "\nHow to fix: build the "
-            "model alike on every rank (one torch.manual_seed(...) before building it), or load one checkpoint on "
-            "every rank; step every rank's optimizer alike."
+    if not differ:
+        return
+    if after is None:
+        when, fix = "", (
+            "build the model alike on every rank (one torch.manual_seed(...) before building it), or load one "
+            "checkpoint on every rank; step every rank's optimizer alike."
         )
+    else:  # the copies were alike as the loop began: the ranks stepped them apart since
+        when, fix = f" after batch {after}'s update", (
+            "step every rank's copy alike: clip with pipe.clip_grad_norm_(...) (the norm of every rank's gradients), "
+            "not torch.nn.utils.clip_grad_norm_ over one rank's parameters, and change the optimizer's settings "
+            "(lr, weight decay) in after_step on every rank, not on some."
+        )
+    raise RuntimeError(
+        f"the copies of a tied parameter differ between the ranks that hold them{when}, so the ranks would compute "
+        "with different models:\n" + "\n".join(f"  - {line}" for line in differ) + f"\nHow to fix: {fix}"
+    )
 
 
 def _refuse_draws_apart(seeds: dict[int, int]) -> None:
@@ -280,7 +291,7 @@ def _call_signature(pipe: Host, call: Call, kind: str, target: Any = None) -> di
         "grad": call.grad,
         "autocast": ", ".join(f"{cast.device_type} {cast.dtype}" for cast in call.context.autocast) or "off",
         "mode": ("train" if pipe.training() else "eval", f"{sum(modes)} of {len(modes)} modules training"),
-        "tied": _tied_fingerprints(pipe, call),
+        "tied": tied_fingerprints(pipe, call.program),
         "data": _data_fingerprints(call.values, target),
     }
 
@@ -302,10 +313,9 @@ def _data_fingerprints(values: dict[str, Any], target: Any) -> dict[str, str]:
     return found
 
 
-def _tied_fingerprints(pipe: Host, call: Call) -> dict[str, tuple[float, float]]:
+def tied_fingerprints(pipe: Host, program: Program) -> dict[str, tuple[float, float]]:
     """A fingerprint of each tied parameter this rank holds a copy of, by name: sums over an
     even sample of at most 65536 of its values (copies initialised apart differ there too)."""
-    program = call.program
     names: dict[int, str] = {}
     for name, p in pipe.owner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)

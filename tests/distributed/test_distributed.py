@@ -696,3 +696,31 @@ def test_data_apart_on_one_rank_of_three_names_that_rank() -> None:
 
     assert _odd_ranks("x", {0: "a", 1: "a", 2: "b"}) == "data of x: rank(s) [2] differ from rank(s) [0, 1]"
     assert _odd_ranks("x", {0: "b", 1: "a", 2: "a"}) == "data of x: rank(s) [0] differ from rank(s) [1, 2]"
+
+
+def test_a_2bw_loop_one_rank_steps_apart_stops_every_rank_at_once() -> None:
+    """Before, a refusal of the caller's code after a loss (the optimizer's state cleared, the
+    gradients written in place) raised on its own rank alone: the other waited out the timeout
+    and blamed a broken peer, with the ranks a version apart. And the copies of a tied weight
+    were compared at the first batch only: a rank that clipped its own gradients, or changed its
+    lr alone, trained its copy apart with no error (1.1e-3 and 1.12 apart by the end)."""
+    reports = results_of(spawn_ranks(cases.one_rank_stepping_apart_under_2bw, 2, timeout=300))
+    said = {
+        "state": "the optimizer's state was changed after the loss of batch 1",
+        "written": "the gradients of batch 1 were written in place after its loss",
+        "clipped": "the copies of a tied parameter differ between the ranks that hold them after batch",
+        "lr": "the copies of a tied parameter differ between the ranks that hold them after batch 1's update",
+    }
+    for rank, report in enumerate(reports):
+        for how, words in said.items():
+            found = report[how]
+            assert found["seconds"] < 10, (rank, how, found)  # the timeout is 30 s
+            assert words in found["error"], (rank, how, found)
+            if how in ("state", "written"):  # the refusing rank's own error; the other's names it
+                assert rank == 1 or "in the code after its loss on rank(s) [1]" in found["error"], (rank, how, found)
+                assert found["given"] == 2, (rank, how, found)
+            else:  # heard a batch after the update that took the copies apart
+                assert "clip with pipe.clip_grad_norm_" in found["error"] and found["given"] in (2, 3), (rank, how, found)
+        assert report["none"]["error"] == "" and report["none"]["given"] == 6 and report["none"]["params"] <= TOL, report["none"]
+        assert report["state"]["params"] <= TOL or rank == 1, report["state"]  # rank 0's update is the plain loop's
+    assert reports[0]["clipped"]["given"] == reports[1]["clipped"]["given"], reports
