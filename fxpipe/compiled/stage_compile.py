@@ -8,8 +8,9 @@ are those of eager stages. Random draws stay eager, from the task's stream (fxpi
 a recompute replays the masks its forward drew, bit for bit, whatever the backend.
 
 A stage compiles once per calling context (grad mode, autocast, the training flag, which inputs
-require grad, whether it draws): a checkpointed forward runs under no_grad and its recompute
-under grad, so one stage holds two graphs. Any other compile is a recompile, a guard that failed
+require grad, whether it draws): a checkpointed forward runs under grad, as its recompute does,
+so the two run one graph, the kernels of one compile (a graph compiled under no_grad may fuse
+and round apart). Any other compile is a recompile, a guard that failed
 (a new shape, a flag changed): it is counted, and the first one is reported, naming the stage and
 the guard.
 """

@@ -204,9 +204,10 @@ class StageTasks:
         # Under the caller's saved-tensor hooks a compiled stage runs as the model does: its
         # compiled backward saves tensors the model never saves (a ReLU's bool mask), which a
         # hook that casts what it packs would hand back in another dtype, unchecked.
-        if stage.compiled is None or self.context.saved_hooks is not None:
+        if not self._runs_compiled(stage):
             forward = stage.module.forward  # type: ignore[attr-defined]
         else:
+            assert stage.compiled is not None
             hidden = self.hidden_randomness[stage.index] is not Unseen.NOWHERE
             forward = stage.compiled.runner(self.randomness[stage.index], hidden, bool(views))
         if self.context.plain and not self.randomness[stage.index] and buffers is None and self.versions is None:
@@ -231,6 +232,10 @@ class StageTasks:
             if buffers is not None:
                 stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
             return forward(*args)
+
+    def _runs_compiled(self, stage: StageRuntime) -> bool:
+        """Whether the stage runs its compiled forward: not under the caller's saved-tensor hooks."""
+        return stage.compiled is not None and self.context.saved_hooks is None
 
     def _versions_read(self, stage: StageRuntime, kept: list[Any]) -> list[tuple[str, torch.Tensor, int]]:
         """The caller's tensors a checkpointed forward read (not copies), with their versions."""
@@ -281,7 +286,12 @@ class StageTasks:
             # pattern of inputs and parameters requiring grad, run under grad (see `_differentiable_outputs`).
             pattern = (tuple(t.requires_grad for v in inputs for t in leaves_of(v) if isinstance(t, torch.Tensor)), self._params_requiring_grad(j))
             known = stage.output_grads.get(pattern)
-            with torch.no_grad() if known is not None else torch.enable_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
+            # A compiled stage runs its training graph, the one its recompute runs: inductor
+            # rounds its no_grad graph apart from it under autocast (what a kernel keeps in
+            # float32), a bfloat16 step that would set the checkpoint modes apart. What that
+            # graph saves is dropped with the outputs' graph as the task ends.
+            under_grad = known is None or self._runs_compiled(stage)
+            with torch.enable_grad() if under_grad else torch.no_grad(), checkpointing(), collecting(self.batch_stats):  # (2)
                 results = self._call(stage, i, inputs)
             # The caller's tensors are about to be written: the recompute needs them as they were.
             kept = [clone_tree(v) if n in stage.written else v for n, v in zip(stage.inputs, inputs)]

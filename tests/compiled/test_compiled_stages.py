@@ -169,7 +169,9 @@ def test_compiled_stages_give_the_plain_models_outputs_and_gradients(cases: dict
             torch.testing.assert_close(total, expected, rtol=0, atol=1e-9, msg=lambda m: f"{schedule}, {checkpoint}: {m}")
             assert_grads_equal(case.pipe, case.plain, tol=1e-9)
     stats = case.pipe.compile_stats()
-    assert [s.stage for s in stats] == [0, 1] and all(s.graphs >= 2 for s in stats), stats  # under grad and no_grad
+    # One graph per stage serves every checkpoint mode: a checkpointed forward runs the training
+    # graph its recompute runs (before, a graph under no_grad too, whose kernels inductor may fuse apart)
+    assert [s.stage for s in stats] == [0, 1] and all(s.graphs == 1 for s in stats), stats
     assert not any(s.recompiles for s in stats), stats
 
 
