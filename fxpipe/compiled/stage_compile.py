@@ -213,7 +213,7 @@ class CompiledForward:
         self._module = module
         self._reached: dict[frozenset[int], tuple[frozenset[int], frozenset[str]]] = {}
         self._warned_eager = False
-        self._unreported: Optional[str] = None  # the first recompile's guards, until reported
+        self._unsaid: list[str] = []  # warnings for the caller's thread (`report`)
         self._backend = _backend(options)
         # CUDA graphs (mode="reduce-overhead"): outputs live in the graph's static memory, and a
         # graph is recorded on the calls after the one that compiles it (inductor warms up first):
@@ -221,6 +221,7 @@ class CompiledForward:
         self.static_outputs = bool(getattr(self._backend, "config", {}).get("triton.cudagraphs"))
         self._alone = 3 if self.static_outputs else 1
         self._calls: dict[Hashable, int] = {}  # calls completed, by context
+        self._made_for: dict[str, Hashable] = {}  # the context each graph was compiled for, by compile id ("0/1")
         self._backwards_alone = 0  # backwards still to run alone (compiling, recording)
         # Two graphs: the steps that draw break it at each draw; the others run whole.
         self._quiet = self._compile(stage_forward(module, draws=False))
@@ -277,12 +278,11 @@ class CompiledForward:
             return partial(self._run, self._drawing if draws else self._quiet, swapped)
         if not self._warned_eager:
             self._warned_eager = True
-            warnings.warn(
+            self._unsaid.append(
                 f"stage {self.stats.stage} runs eagerly in steps where it may draw random numbers that its graph does "
                 "not show (in a module called whole, a forward hook, an autograd Function of the model's, or an op "
                 "torch.export left in the graph): only an eager stage can hand them the task's stream, which its "
-                "recompute replays. Steps where none of those may draw run compiled (pipe.compile_stats() counts them).",
-                stacklevel=caller_stacklevel(),
+                "recompute replays. Steps where none of those may draw run compiled (pipe.compile_stats() counts them)."
             )
         return self._eager
 
@@ -310,7 +310,6 @@ class CompiledForward:
         self._calls[context] = calls + 1
         if calls == 0:
             self._backwards_alone = self._alone
-        self._report()
         return own_values(result) if self.static_outputs else result
 
     @contextmanager
@@ -322,32 +321,37 @@ class CompiledForward:
         with _LOCK.compiling() if alone else _LOCK.running():
             yield
 
-    def _report(self) -> None:
-        """The first recompile, reported once the call is done (outside the compiler, which
-        would turn a warning raised as an error into a failure to compile)."""
-        if self._unreported is not None:
-            reason, self._unreported = self._unreported, None
-            warnings.warn(
-                f"stage {self.stats.stage} was compiled again: a guard of its compiled graph failed ({reason}). Each "
-                "recompile costs seconds, and torch.compile stops compiling a stage after "
-                f"{torch._dynamo.config.recompile_limit} of them (it then runs eagerly). pipe.compile_stats() counts "
-                "them.\nHow to fix: " + (
-                    "a parameter of the stage was frozen or unfrozen since (requires_grad_), which changes what its graph "
-                    "reads: each such change compiles it again, so change it seldom (compile the pipeline again after "
-                    "freezing, for a long run)"
-                    if "_parameters[" in reason or "requires_grad" in reason else
-                    "micro-batches of one sample compile apart even with dynamic=True (torch.compile specialises sizes "
-                    "0 and 1): keep two samples or more in each"
-                    if self.options.get("dynamic") else
-                    "for a batch size that changes (an uneven last micro-batch, a last batch of an epoch), compile "
-                    "with compile_stages={'dynamic': True} (micro-batches of one sample still compile apart), or keep "
-                    "micro-batches the same size"
-                ) + "; otherwise keep the guarded value fixed between calls.",
-                stacklevel=caller_stacklevel(),
-            )
+    def report(self) -> None:
+        """What the stage's calls had to say (its first recompile, running eagerly), said on the
+        caller's thread once the step's tasks ran: a worker's warning would name threading.py
+        as its line (and a warning raised as an error inside the compiler would fail the compile)."""
+        while self._unsaid:
+            warnings.warn(self._unsaid.pop(0), stacklevel=caller_stacklevel())
+
+    def _recompiled(self, reason: str) -> str:
+        return (
+            f"stage {self.stats.stage} was compiled again: a guard of its compiled graph failed ({reason}). Each "
+            "recompile costs seconds, and torch.compile stops compiling a stage after "
+            f"{torch._dynamo.config.recompile_limit} of them (it then runs eagerly). pipe.compile_stats() counts "
+            "them.\nHow to fix: " + (
+                "a parameter of the stage was frozen or unfrozen since (requires_grad_), which changes what its graph "
+                "reads: each such change compiles it again, so change it seldom (compile the pipeline again after "
+                "freezing, for a long run)"
+                if "_parameters[" in reason or "requires_grad" in reason else
+                "micro-batches of one sample compile apart even with dynamic=True (torch.compile specialises sizes "
+                "0 and 1): keep two samples or more in each"
+                if self.options.get("dynamic") else
+                "for a batch size that changes (an uneven last micro-batch, a last batch of an epoch), compile "
+                "with compile_stages={'dynamic': True} (micro-batches of one sample still compile apart), or keep "
+                "micro-batches the same size"
+            ) + "; otherwise keep the guarded value fixed between calls."
+        )
 
     def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         self._note_recompile()
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        if compile_id is not None:
+            self._made_for[str(compile_id)] = self._local.__dict__.get("context")
         start = time.perf_counter()
         try:
             return self._backend(gm, example_inputs)
@@ -362,15 +366,18 @@ class CompiledForward:
 
     def _note_recompile(self) -> None:
         """Under a context a call completed under already, a compile is a recompile: counted, with
-        the guards that failed (those of the graphs made for other contexts left out), and
-        reported the first time."""
+        the guards that failed (those of the graphs made for other contexts left out: theirs fail
+        on what sets the contexts apart, an input's requires_grad, the grad mode), and reported
+        the first time."""
         failed, self._local.failed = self._local.__dict__.get("failed", []), []
-        if not failed or self._local.__dict__.get("context") not in self._calls:
+        context = self._local.__dict__.get("context")
+        if not failed or context not in self._calls:
             return
-        reason = "; ".join([r for r in failed if "GLOBAL_STATE changed" not in r] or failed)
+        mine = [r for r in failed if self._made_for.get(r.split(":", 1)[0].strip()) == context]
+        reason = "; ".join(mine or [r for r in failed if "GLOBAL_STATE changed" not in r] or failed)
         self.stats.recompiles.append(reason)
         if len(self.stats.recompiles) == 1:
-            self._unreported = reason
+            self._unsaid.append(self._recompiled(reason))
 
 
 def own_values(value: Any) -> Any:

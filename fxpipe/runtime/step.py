@@ -207,8 +207,11 @@ class Step(BackwardTasks):
 
     def settle(self, group: TaskGroup) -> None:
         """Once `group`'s tasks ran: the caller's generator moved past the step's seed if a
-        stream drew, and the first failure (in the schedule's order) raised as a StageError."""
+        stream drew, a compiled stage's first recompile reported, and the first failure (in the schedule's order) raised as a StageError."""
         self._take_the_seed_if_drawn()
+        for stage in self.stages:
+            if stage.compiled is not None:
+                stage.compiled.report()
         if group.errors:
             interrupted = [(a, e) for a, e in group.errors.items() if not isinstance(e, Exception)]
             action, error = min(interrupted or group.errors.items(), key=lambda item: self._turn(item[0]))

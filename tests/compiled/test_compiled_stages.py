@@ -288,6 +288,29 @@ def test_a_recompile_is_reported_once_naming_the_stage_and_the_guard(cases: dict
     assert len(stats[0].recompiles) >= 2 and "size" in stats[0].recompiles[0], stats
 
 
+def test_a_recompile_is_blamed_on_the_guard_of_its_own_calls_graph_and_warns_at_the_callers_line(cases: dict[str, Case]) -> None:
+    """Before, a batch size changed after an autograd.grad call on the input was blamed on a
+    frozen parameter: the graph made for that call (whose input requires grad) failed its own
+    guard too, and its reason was read as well. And a warning raised on a stage's worker named
+    threading.py as the line that caused it."""
+    case = _case(cases, "mlp")
+    pipe = compile_pipeline(copy.deepcopy(case.plain), case.x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager", "dynamic": False})
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe(x).sum().backward()
+    given = x.clone().requires_grad_()
+    torch.autograd.grad(pipe(given).sum(), [given])  # another calling context: a graph of its own
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe(x[:6]).sum().backward()  # only the batch size changed
+    reports = [w for w in caught if "compiled again" in str(w.message)]
+    assert len(reports) == 2, [str(w.message)[:120] for w in caught]  # one per stage
+    for report in reports:
+        message = str(report.message)
+        assert "size mismatch" in message and "requires_grad" not in message, message
+        assert "How to fix: for a batch size that changes" in message and "frozen" not in message, message
+        assert report.filename == __file__, (report.filename, message[:80])
+
+
 def test_a_recompile_for_one_sample_under_dynamic_shapes_does_not_advise_dynamic_shapes(cases: dict[str, Case]) -> None:
     """Before, it told a pipeline compiled with dynamic=True to compile with dynamic=True."""
     case = _case(cases, "mlp")
@@ -642,6 +665,24 @@ def test_a_stage_with_a_forward_hook_under_fullgraph_is_refused_naming_what_may_
     pipe = compile_pipeline(plain, x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager", "fullgraph": True})
     torch.testing.assert_close(pipe(x), copy.deepcopy(plain)(x), rtol=0, atol=1e-12)
     assert all(s.graphs >= 1 for s in pipe.compile_stats())
+
+
+def test_a_stage_with_a_forward_hook_runs_eagerly_saying_so_once_at_the_callers_line() -> None:
+    """The hook's code, which the graph does not show, may draw: the stage runs eagerly where it
+    may, and says so once. Before, the warning named threading.py (a worker raised it)."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    model[0].register_forward_hook(lambda module, args, out: out * 2)
+    plain[0].register_forward_hook(lambda module, args, out: out * 2)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = pipe(x)
+        pipe(x)
+    said = [w for w in caught if "runs eagerly in steps where it may draw" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__ and "stage 0" in str(said[0].message), [(w.filename, str(w.message)[:80]) for w in caught]
+    torch.testing.assert_close(out, plain(x), rtol=0, atol=1e-12)
 
 
 class CountsInFloat64(nn.Module):
