@@ -40,6 +40,13 @@ _HINTS = [
         "computed value the model writes is the model's own error: write it out of place (h = h * 2).",
     ),
     (
+        ("Cannot access storage of SparseTensorImpl",),
+        "compile_stages: inductor cannot compile a sparse gradient (of an nn.Embedding(sparse=True), say) in "
+        "this stage's backward; torch.compile of the plain model fails alike.\nHow to fix: "
+        "compile_stages={'backend': 'aot_eager'}, which runs the compiled graphs without inductor's kernels, or "
+        "a dense embedding (sparse=False).",
+    ),
+    (
         ("BackendCompilerFailed",),
         "compile_stages: torch.compile could not compile this stage; the failure may be the model's own (an "
         "in-place write to a value autograd saved fails the plain model's backward too), which torch.compile "
@@ -66,9 +73,11 @@ _OF_SEVERAL = ("modified by an inplace operation", "Expected more than 1 value p
 def hint_for(error: BaseException, micro_batches: int = 2) -> str:
     """The hint for `error` ('' for none), to append to the stage's error message; a step of
     one micro-batch fails as the plain model does, where no hint about several applies."""
-    text = f"{type(error).__name__}: {error}"
+    # Its kinds by name (an InductorError is a BackendCompilerFailed), torch's classes unimported.
+    kinds = [kind.__name__ for kind in type(error).__mro__]
+    text = f"{' '.join(kinds)}: {error}"
     # torch.compile's failure met while it traced one micro-batch's backward: not between two.
-    alone = micro_batches == 1 or type(error).__name__ == "BackendCompilerFailed"
+    alone = micro_batches == 1 or "BackendCompilerFailed" in kinds
     return "".join(
         f"\n{hint}" for pieces, hint in _HINTS
         if any(piece in text for piece in pieces) and not (alone and set(pieces) & set(_OF_SEVERAL))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import assert_grads_equal, grad_of, twin
-from fxpipe import Pipeline, compile_pipeline
+from fxpipe import Pipeline, StageError, compile_pipeline
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 MODES = ("never", "except_last", "always")
@@ -825,3 +825,38 @@ def test_a_layer_frozen_between_calls_recompiles_with_advice_about_freezing() ->
     F.mse_loss(plain(x), y).backward()
     assert model[0].weight.grad is None
     assert_grads_equal(model, plain, tol=1e-12)
+
+
+class SparseTowers(nn.Module):
+    """A sparse embedding's gradient through a frozen layer into two towers: inductor cannot
+    compile its backward (torch.compile of this model fails alike)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.t = nn.ModuleList(nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(2))
+        self.emb = nn.Embedding(10, d, sparse=True)
+        self.frozen = nn.Linear(d, d).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        x = x + self.emb(idx)
+        return torch.cat([t(self.frozen(x)) for t in self.t], -1)
+
+
+def test_a_sparse_gradient_inductor_cannot_compile_is_refused_saying_what_compiles_it() -> None:
+    """Before, the stage's error was inductor's alone ('Cannot access storage of
+    SparseTensorImpl'), with no word of what to do; the backend it advises gives the plain
+    model's gradients, sparse as the plain model's."""
+    torch.manual_seed(0)
+    model, plain = twin(SparseTowers().double())
+    x, idx = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))
+    pipe = compile_pipeline(copy.deepcopy(model), (x, idx), ["cpu"], chunks=1, compile_stages=True)
+    with pytest.raises(StageError, match=r"(?s)SparseTensorImpl.*inductor cannot compile a sparse gradient.*How to fix: compile_stages=\{'backend': 'aot_eager'\}"):
+        pipe(x, idx).sum().backward()
+    pipe = compile_pipeline(model, (x, idx), ["cpu", "cpu"], chunks=2, compile_stages={"backend": "aot_eager"})
+    pipe(x, idx).sum().backward()
+    plain(x, idx).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert (p.grad is None) == (q.grad is None) and (p.grad is None or p.grad.is_sparse == q.grad.is_sparse), name
+        if p.grad is not None:  # (a sparse one holds each micro-batch's rows apart: compared dense)
+            torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense(), rtol=0, atol=1e-12, msg=name)
+    assert model.emb.weight.grad is not None and model.emb.weight.grad.is_sparse
