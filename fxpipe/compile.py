@@ -285,7 +285,8 @@ def compile_pipeline(
             it: stages keep busy with few sequences, one even. Compiling proves the model causal
             (naming each op that reads later positions otherwise) and checks the slices against
             the whole example. `pipe(x)`, `train_step` and `train_steps` run them, under every schedule.
-        sequence_dim: the dim of the inputs that holds the sequence.
+        sequence_dim: the dim of the inputs that holds the sequence (0 for sequence-first inputs,
+            whose batch's dim chunk_spec names).
 
     The automatic modes find the cut of the linear order with the least predicted pipeline time
     `sum(t_i) + (chunks - 1) * max(t_i)` that fits `device_memory`; a stage DAG, the one with the
@@ -331,7 +332,7 @@ def compile_pipeline(
         slicing, check_length = None, None
         if sequence_chunks != 1:
             lined = functools.partial(trace, model, leaf_modules, record_lines=True, none=none_in(model, example_args, example_kwargs))
-            slicing, check_length = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined, model)
+            slicing, check_length = slice_graphs(traced, inputs, sequence_chunks, sequence_dim, lined, model, split if chunks > 1 else None)
         gm = reads_after_hidden_writes(redirect_reads_after_writes(traced.graph, inputs))
         whole = run_whole(gm, inputs)  # the shapes, and the batch dims' run on the whole example
         if whole is None:

@@ -17,6 +17,7 @@ from fxpipe.compiler.traced import Traced
 from fxpipe.core.attrs import fetch_attr, submodule_or_none
 from fxpipe.core.carry import with_carry
 from fxpipe.core.snapshot import preserved
+from fxpipe.core.wording import listed
 from fxpipe.passes.causal import prove_causal, prove_causal_at
 from fxpipe.passes.position_tags import K, CausalityError, Positions, Proof, Q
 from fxpipe.passes.sequence_slices import check_slices, slice_graph
@@ -41,8 +42,8 @@ def sequence_problems(chunks: SequenceChunks, dim: int, compiled: bool) -> list[
             f"'auto', not {chunks!r}"
         ]
     problems = []
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        problems.append(f"sequence_dim must be the dim of the inputs that holds the sequence, 1 or more (0 holds the batch), not {dim!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        problems.append(f"sequence_dim must be the dim of the inputs that holds the sequence, 0 or more, not {dim!r}")
     if chunks != 1 and compiled:
         problems.append("sequence_chunks is not supported with compile_stages yet: compile with one or the other")
     return problems
@@ -74,13 +75,49 @@ def _lengths(chunks: Any) -> bool:
     return isinstance(chunks, (list, tuple)) and bool(chunks) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in chunks)
 
 
+def _refuse_a_dim_no_input_has(inputs: tuple[Any, ...], dim: int) -> None:
+    shapes = [tuple(t.shape) for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)]
+    if not any(len(shape) > dim for shape in shapes):
+        raise ValueError(
+            f"sequence_dim={dim}, and no input has a dim {dim} (the inputs' shapes: {listed(map(str, shapes))}).\nHow to fix: "
+            "sequence_dim=the dim of the inputs that holds the sequence: 1 for (batch, sequence, ...), 0 for "
+            "(sequence, batch, ...) with the batch's dim named in chunk_spec ({'x': 1})."
+        )
+
+
+def _refuse_the_batch_dim(held: dict[str, int], named: dict[str, Any], batch_dims: Optional[dict[int, Optional[int]]], dim: int, every: bool = False) -> None:
+    """Slices and micro-batches cut different dims: an input that holds the sequence (`held`, by
+    name: at which dim) at the dim micro-batches split it at (0 unless chunk_spec names another)
+    is refused; with `every`, only where each of them is (before the proof, `held` every input
+    that has the dim: the proof could only fail then, naming ops). `batch_dims` None: no
+    micro-batches (chunks=1), which split nothing."""
+    if batch_dims is None:
+        return
+    clashing = [name for name, d in held.items() if d == dim and batch_dims.get(id(named[name]), 0) == dim]
+    if clashing and (not every or len(clashing) == len(held)):
+        raise ValueError(
+            f"sequence_dim={dim} is also the dim that micro-batches split {listed(clashing)} at (dim 0 unless chunk_spec "
+            "names another): slices of the sequence and micro-batches of samples would cut the same dim.\nHow to fix: "
+            "sequence_dim=the dim that holds the sequence (1 for inputs of (batch, sequence, ...)); for sequence-first "
+            "inputs (sequence, batch, ...), sequence_dim=0 with the dim that holds each one's batch named in chunk_spec "
+            "(chunk_spec={'x': 1})."
+        )
+
+
 def slice_graphs(
     traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule], owner: nn.Module,
+    batch_dims: Optional[dict[int, Optional[int]]],
 ) -> tuple[SliceSpec, LengthCheck]:
     """Rewrite `traced`'s graphs (each mode's) to run one slice of the sequence, once each is
     proved causal and its slices computed what the whole example does; raises CausalityError,
     naming each op and its line (from `lined`, the model traced again with lines), otherwise.
-    With the spec, the check that proves each mode's graph again at a call's other length."""
+    With the spec, the check that proves each mode's graph again at a call's other length.
+    `batch_dims`: where micro-batches split each input chunk_spec names (by the tensor's id;
+    None: chunks=1)."""
+    _refuse_a_dim_no_input_has(inputs, dim)
+    named = dict(zip(_placeholders(traced.graph), inputs))
+    having = {name: dim for name, t in named.items() if isinstance(t, torch.Tensor) and t.dim() > dim}
+    _refuse_the_batch_dim(having, named, batch_dims, dim, every=True)
     _refuse_writes_per_slice(traced.graph)
     outputs: dict[str, tuple[Optional[int], ...]] = {}
     spec: Optional[SliceSpec] = None
@@ -104,6 +141,7 @@ def slice_graphs(
                 raise CausalityError([f"{p} (in eval mode: the graph pipe.eval() runs)" for p in error.problems], fix=error.fix) from None
             raise error from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
+        _refuse_the_batch_dim(made.inputs, dict(zip(_placeholders(gm), inputs)), batch_dims, dim)
         sliced = slice_graph(gm, proof)
         check_slices(gm, sliced, proof, inputs, _example_cut(made, dict(zip(_placeholders(gm), inputs))))
         outputs.update(_output_dims(gm, sliced, proof))

@@ -186,7 +186,10 @@ def test_a_model_not_causal_with_an_argument_left_none_is_refused_naming_the_op_
         (dict(sequence_chunks=[3, 0]), "sequence_chunks must be"),
         (dict(sequence_chunks="many"), "sequence_chunks must be"),
         (dict(sequence_chunks=[]), "sequence_chunks must be"),
-        (dict(sequence_chunks=2, sequence_dim=0), "sequence_dim must be"),
+        (dict(sequence_chunks=2, sequence_dim=-1), "sequence_dim must be"),
+        # before, "no input has a dim 2", with the fix for a model that is not causal
+        (dict(sequence_chunks=2, sequence_dim=2), r"(?s)sequence_dim=2, and no input has a dim 2 \(the inputs' shapes: \(4, 12\)\).*How to fix"),
+        (dict(sequence_chunks=2, sequence_dim=0, chunks=2), r"(?s)sequence_dim=0 is also the dim that micro-batches split idx at.*chunk_spec=\{'x': 1\}"),
         (dict(sequence_chunks=2, compile_stages=True), "not supported with compile_stages"),
         (dict(sequence_chunks=13), r"(?s)cannot cut a sequence of 12 positions.*the example's sequence is dim 1 of \w+ \(4, 12\).*sequence-first"),
         (dict(sequence_chunks=[5, 5]), "cut 10 positions"),
@@ -195,6 +198,38 @@ def test_a_model_not_causal_with_an_argument_left_none_is_refused_naming_the_op_
 def test_bad_options_are_refused(options: dict[str, Any], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         compile_pipeline(SdpaGPT(), X, ["cpu"] * 2, **options)
+
+
+class SequenceFirst(nn.Module):
+    """A causal GPT over tokens of (sequence, batch), its logits (sequence, batch, vocabulary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = SdpaGPT(layers=2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx.t().contiguous()).transpose(0, 1)
+
+
+def test_sequence_first_inputs_run_in_slices_of_dim_0_as_the_plain_model() -> None:
+    """Before, sequence_dim=0 was refused as the batch's dim, whatever chunk_spec said."""
+    torch.manual_seed(0)
+    model, plain = twin(SequenceFirst())
+    x, y = X.t().contiguous(), tokens(4, 12, seed=5).t().contiguous()
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, chunk_spec={"idx": 1}, sequence_chunks=[5, 7], sequence_dim=0)
+    with closing(pipe):
+        assert pipe._compiled.slicing is not None and pipe._compiled.slicing.inputs == {"idx": 0}
+        assert_call_and_grads_equal(pipe, plain, x)
+        with torch.no_grad():
+            torch.testing.assert_close(pipe.eval()(x), plain.eval()(x), rtol=0, atol=1e-12)
+        pipe.train(), plain.train()
+        loss_fn = lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+        loss = pipe.train_step(x, target=y, loss_fn=loss_fn)
+        # the pipeline's mean: its micro-batches' losses (samples along dim 1), averaged
+        expected = (loss_fn(plain(x[:, :2]), y[:, :2]) + loss_fn(plain(x[:, 2:]), y[:, 2:])) / 2
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+        assert_grads_equal(model, plain, tol=1e-12)
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
