@@ -362,7 +362,8 @@ class _Overlap:
 
     def _refuse_changes_the_update_reads(self, index: int) -> None:
         """Gradients of batch `index` written in place, or the optimizer's state changed, by the
-        caller's code after its loss: refused."""
+        caller's code after its loss: refused; and so is a batch read ahead written there."""
+        self._refuse_batches_written(f"by the code after the loss of batch {index}", by_the_loop=True)
         written, changed = self._held_for_the_update()
         if written:
             raise RuntimeError(
@@ -382,21 +383,30 @@ class _Overlap:
                 "batch is done, as a synchronous loop's step is."
             )
 
-    def _refuse_batches_written(self, where: str, only: Optional[int] = None) -> None:
+    def _refuse_batches_written(self, where: str, only: Optional[int] = None, by_the_loop: bool = False) -> None:
         """The batches in flight (or batch `only`) as they were read, or refused: the loop reads
         a batch while the one before runs, so a loader that fills one buffer again for each
-        batch writes the one still running."""
+        batch writes the one still running (or, `by_the_loop`, the caller's code after a loss
+        writes a batch read ahead of it)."""
         for index, flight in list(self.steps.items()) if only is None else [(only, self.steps[only])]:
             written = [name for name, t, version in flight.read if t._version != version]
-            if written:
-                raise RuntimeError(
-                    f"train_steps (schedule='2bw'): tensors of batch {index} ({', '.join(dict.fromkeys(written))}) were written "
-                    f"in place {where}, before its micro-batches were all through: a loader that fills one buffer "
-                    "again for each batch (buf.copy_(x); yield buf, y), say. Under 2bw the loop reads the next batch while "
-                    "the one before runs, so that one would run partly on the next one's values.\nHow to fix: give each "
-                    "batch tensors of its own (yield buf.clone(), or two buffers in turn), or use a synchronous schedule "
-                    "('1f1b'), which reads a batch once the one before is done."
-                )
+            if not written:
+                continue
+            cause, fix = (
+                ("code that changes a batch in place once its loss is given (x.mul_(2) on the next batch the loop "
+                 "body holds, say). Under 2bw the loop reads a batch before the loss of the one before is given, and runs it "
+                 "meanwhile, so it would run partly on the values as changed", "change batches before the loop reads them "
+                 "(in the iterable, or out of place: x = x * 2)")
+                if by_the_loop else
+                ("a loader that fills one buffer again for each batch (buf.copy_(x); yield buf, y), say. Under 2bw the "
+                 "loop reads the next batch while the one before runs, so that one would run partly on the next one's values",
+                 "give each batch tensors of its own (yield buf.clone(), or two buffers in turn)")
+            )
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): tensors of batch {index} ({', '.join(dict.fromkeys(written))}) were written "
+                f"in place {where}, before its micro-batches were all through: {cause}.\nHow to fix: {fix}, or use a "
+                "synchronous schedule ('1f1b'), which reads a batch once the one before is done."
+            )
 
     def _held_for_the_update(self) -> tuple[list[str], list[str]]:
         """The last batch's gradients put back where the caller's code set them to None or
@@ -683,7 +693,7 @@ def overlapped_steps(
     _refuse_a_second_loop(pipe)
     run = _Overlap(pipe, optimizer, loss_fn, reduction)
     pipe.__dict__["last_parameter_bytes"] = storage_bytes(run.program.parameters)
-    done = stopped = False
+    done = stopped = finishing = False
     with pipe._one_call:  # after another thread's call in progress; calls after this are refused
         _refuse_a_second_loop(pipe)  # (one begun while this waited)
         pipe.__dict__["_overlapping"] = run.versions.gate  # refuses calls, holds the stages still for reads
@@ -704,7 +714,10 @@ def overlapped_steps(
                     run.end()
                 else:
                     run.start(following)
-            yield run.finish(run.finished, after_backward, after_step)
+            finishing = True  # a failure from here to its loss is batch run.finished's own
+            loss = run.finish(run.finished, after_backward, after_step)
+            finishing = False
+            yield loss
             run.after_the_callers_code(run.finished - 1)
             run.versions.ready(run.finished - 1)  # its update runs after the caller's code that follows its loss
         run.last_update(after_step)
@@ -713,6 +726,10 @@ def overlapped_steps(
         done = True
     except GeneratorExit:  # the caller's break or close(): what was read ahead is dropped, said below
         stopped = True
+        raise
+    except BaseException as error:  # what was read ahead is dropped: the loop's note says so (train_steps._noted)
+        ahead = run.finished + finishing  # the first read ahead (not the batch that failed)
+        error.fxpipe_dropped = (ahead, run.read - ahead)  # type: ignore[attr-defined]
         raise
     finally:
         pipe.__dict__["_overlapping"] = None

@@ -75,7 +75,10 @@ def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor
             held = "no update" if whole == 0 else f"the updates of batches 0 to {whole - 1}"
             if whole < given:
                 held = ("" if whole == 0 else f"{held} whole, and ") + f"batch {whole}'s update in part (above)"
-            error.add_note(f"train_steps (schedule='2bw'): {given} loss{'' if given == 1 else 'es'} {'was' if given == 1 else 'were'} given; the parameters hold {held}.")
+            first, dropped = getattr(error, "fxpipe_dropped", (given, 0))
+            which = f"batch {first}" if dropped == 1 else f"batches {first} to {first + dropped - 1}"
+            ahead = f" {which.capitalize()}, read ahead, went untrained (dropped with the loop)." if dropped else ""
+            error.add_note(f"train_steps (schedule='2bw'): {given} loss{'' if given == 1 else 'es'} {'was' if given == 1 else 'were'} given; the parameters hold {held}.{ahead}")
         raise
     finally:
         losses.close()  # a loop stopped early stops what it has in flight (see fxpipe/overlapped_steps.py)

@@ -383,6 +383,23 @@ def test_a_loader_that_fills_one_buffer_for_every_batch_is_refused_and_two_in_tu
     _assert_parameters_equal(model, plain, tol=0)  # batch 0's loss was not given: no update
 
 
+def test_a_batch_read_ahead_written_by_the_loop_body_is_refused_naming_the_loop_body() -> None:
+    """Before, the write was blamed on the batches' iterable (a loader refilling one buffer),
+    found only as the next batch was read."""
+    model, plain = twin(FanOut())
+    batches = _batches(4)
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    given = 0
+    with pytest.raises(RuntimeError, match=r"(?s)tensors of batch 1 \(x\) were written in place by the code after the loss of batch 0.*How to fix: change batches before the loop reads them") as raised:
+        for _ in pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt):
+            given += 1
+            batches[1][0].mul_(2)  # the next batch, read ahead and running
+    assert "by the batches' iterable" not in str(raised.value) and given == 1
+    expected_model, _ = reference_2bw(plain, [(batches[0][0], batches[0][1])], lambda params: torch.optim.SGD(params, lr=0.1))
+    _assert_parameters_equal(model, expected_model, tol=1e-12)  # batch 0's update, as its loss was given
+
+
 class _SparseBag(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -453,6 +470,9 @@ def test_a_failure_leaves_the_updates_of_the_losses_given_and_says_so(where: str
     notes = "\n".join(getattr(raised.value, "__notes__", []))
     assert f"{len(given)} losses were given; the parameters hold the updates of batches 0 to {len(given) - 1}" in notes, notes
     assert 2 <= len(given) <= 4
+    # the batches read ahead of the failure, whose losses were not given: said (before, not a word)
+    dropped = f"Batch {len(given)}" if len(given) == 3 else f"Batches {len(given)} to 3"
+    assert (len(given) == 4 or f"{dropped}, read ahead, went untrained" in notes) and ("read ahead" in notes) == (len(given) < 4), notes
     expected_model, _ = reference_2bw(plain, batches[: len(given)], OPTIMIZERS["sgd-momentum"])
     _assert_parameters_equal(model, expected_model)
     _assert_a_train_step_is_exact(pipe, model, batches[5])
