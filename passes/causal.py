@@ -45,6 +45,10 @@ from fxpipe.passes.position_tags import (
 )  # fmt: skip
 
 
+# The modules kept whole whose reads this check knows (the rest it refuses, naming them).
+_KNOWN_MODULES = (*POINTWISE_MODULES, nn.Linear, nn.LayerNorm, nn.RMSNorm, nn.Embedding, nn.Softmax)
+
+
 class _Prover(LayoutRules, fx.Interpreter):
     """Runs the graph on the example, tagging each value (module docstring)."""
 
@@ -109,6 +113,11 @@ class _Prover(LayoutRules, fx.Interpreter):
     # -- modules ----------------------------------------------------------------------------
     def _module(self, module: nn.Module, value: Any, args: tuple[Any, ...], tags: tuple[Any, ...]) -> Any:
         x, tag = args[0], tags[0]
+        if not isinstance(module, _KNOWN_MODULES):  # (whatever it is called on: what it reads is not known)
+            raise Refused(
+                f"{type(module).__name__} is called whole, and this check does not know what it reads (attention "
+                "written in the model's own code, F.scaled_dot_product_attention(..., is_causal=True), it knows)"
+            )
         if not isinstance(tag, Positions) or tags_in(tags[1:]):
             raise Refused("a module called on positions other than through its first input")
         if isinstance(module, POINTWISE_MODULES):
@@ -119,9 +128,8 @@ class _Prover(LayoutRules, fx.Interpreter):
             return self._last_dims_free(tag, x, len(module.normalized_shape), "a norm over the sequence dim")
         if isinstance(module, nn.Embedding):
             return tag
-        if isinstance(module, nn.Softmax):
-            return self._softmax(tag, x, module.dim if module.dim is not None else -1)
-        raise Refused(f"{type(module).__name__} is called whole, and this check does not know what it reads")
+        assert isinstance(module, nn.Softmax)
+        return self._softmax(tag, x, module.dim if module.dim is not None else -1)
 
     def _last_dims_free(self, tag: Positions, x: torch.Tensor, count: int, what: str) -> Positions:
         if any(d >= x.dim() - count for d, _ in tag.dims):

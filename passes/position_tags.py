@@ -102,12 +102,14 @@ class CausalityError(ValueError):
         "narrowed to the length), position-wise layers elsewhere; or sequence_chunks=1."
     )
 
-    def __init__(self, problems: Sequence[str], fix: str = FIX) -> None:
-        self.problems, self.fix = list(problems), fix
+    def __init__(self, problems: Sequence[str], fix: str = FIX, taken: str = "") -> None:
+        """`taken`: where the check took the sequence to be, said after the problems."""
+        self.problems, self.fix, self.taken = list(problems), fix, taken
         super().__init__(
             "the model cannot run in slices of its sequence: a slice must compute from its own positions and "
             "the earlier ones, and these ops read otherwise (or are not known to this check):\n"
             + "\n".join(f"  - {p}" for p in self.problems)
+            + (f"\n{taken}" if taken else "")
             + f"\nHow to fix: {fix}"
         )
 

@@ -104,6 +104,29 @@ def _refuse_the_batch_dim(held: dict[str, int], named: dict[str, Any], batch_dim
         )
 
 
+def _with_lines(error: CausalityError, lined: Callable[[], fx.GraphModule], inputs: tuple[Any, ...], dim: int) -> CausalityError:
+    """The proof's refusal again on the model traced with its lines, which it names; as it was
+    where that trace fails."""
+    try:
+        prove_causal(lined(), inputs, dim)
+    except CausalityError as again:
+        return again
+    except Exception:  # noqa: BLE001 - the error without lines says it all the same
+        pass
+    return error
+
+
+def _taken(named: dict[str, Any], dim: int) -> str:
+    """Where the check took the sequence to be: its longest length along `dim`, and the inputs
+    that hold it (a refusal at an op may only mean `sequence_dim` names another dim)."""
+    sizes = {name: t.shape[dim] for name, t in named.items() if isinstance(t, torch.Tensor) and t.dim() > dim}
+    if not sizes:
+        return ""
+    length = max(sizes.values())
+    holders = [f"{name} {tuple(named[name].shape)}" for name, size in sizes.items() if size == length]
+    return f"The sequence was taken as dim {dim} (sequence_dim) of {listed(holders)}: {length} positions."
+
+
 def slice_graphs(
     traced: Traced, inputs: tuple[Any, ...], chunks: SequenceChunks, dim: int, lined: Callable[[], fx.GraphModule], owner: nn.Module,
     batch_dims: Optional[dict[int, Optional[int]]],
@@ -131,15 +154,9 @@ def slice_graphs(
         except CausalityError as error:
             if traced.fx_failure:  # the ops it names are aten's, which the proof has no rules for
                 raise CausalityError([_exported(traced.fx_failure)], fix=_EXPORTED_FIX) from None
-            try:
-                prove_causal(lined(), inputs, dim)  # raises again, with the model's lines
-            except CausalityError:
-                raise
-            except Exception:  # noqa: BLE001 - the error without lines says it all the same
-                pass
-            if attr == "eval_graph":  # (the training graph passed: say which mode fails)
-                raise CausalityError([f"{p} (in eval mode: the graph pipe.eval() runs)" for p in error.problems], fix=error.fix) from None
-            raise error from None
+            told = _with_lines(error, lined, inputs, dim)
+            problems = [f"{p} (in eval mode: the graph pipe.eval() runs)" for p in told.problems] if attr == "eval_graph" else told.problems
+            raise CausalityError(problems, fix=told.fix, taken=_taken(named, dim)) from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
         _refuse_the_batch_dim(made.inputs, dict(zip(_placeholders(gm), inputs)), batch_dims, dim)
         sliced = slice_graph(gm, proof)

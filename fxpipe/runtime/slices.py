@@ -130,7 +130,8 @@ class SliceGrid:
             raise ValueError(
                 f"with sequence_chunks, each slice's loss takes its positions of the target, and the target {shape} "
                 f"does not hold the sequence ({self.length} positions) along dim {d}.\nHow to fix: give a target per "
-                "position (next-token labels, batch first), or train with loss = loss_fn(pipe(x), y); loss.backward()."
+                f"position (next-token labels), its positions along dim {d} as the inputs' (sequence_dim), or train with "
+                "loss = loss_fn(pipe(x), y); loss.backward()."
             )
         return t.narrow(d, start, size)
 

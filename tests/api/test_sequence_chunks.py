@@ -190,6 +190,8 @@ def test_a_model_not_causal_with_an_argument_left_none_is_refused_naming_the_op_
         # before, "no input has a dim 2", with the fix for a model that is not causal
         (dict(sequence_chunks=2, sequence_dim=2), r"(?s)sequence_dim=2, and no input has a dim 2 \(the inputs' shapes: \(4, 12\)\).*How to fix"),
         (dict(sequence_chunks=2, sequence_dim=0, chunks=2), r"(?s)sequence_dim=0 is also the dim that micro-batches split idx at.*chunk_spec=\{'x': 1\}"),
+        # a batch-first model told its sequence is dim 0: refused at an op, saying where the sequence was taken to be
+        (dict(sequence_chunks=2, sequence_dim=0, chunks=2, chunk_spec={"idx": 1}), r"(?s)The sequence was taken as dim 0 \(sequence_dim\) of idx \(4, 12\): 4 positions"),
         (dict(sequence_chunks=2, compile_stages=True), "not supported with compile_stages"),
         (dict(sequence_chunks=13), r"(?s)cannot cut a sequence of 12 positions.*the example's sequence is dim 1 of \w+ \(4, 12\).*sequence-first"),
         (dict(sequence_chunks=[5, 5]), "cut 10 positions"),
@@ -230,6 +232,35 @@ def test_sequence_first_inputs_run_in_slices_of_dim_0_as_the_plain_model() -> No
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
         assert_grads_equal(model, plain, tol=1e-12)
+
+
+class _TorchEncoder(nn.Module):
+    """torch's own encoder layer, sequence-first, under a causal mask cut from a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.enc = nn.Embedding(VOCAB, 16), nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(12))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[0]
+        return self.enc(self.emb(idx), self.mask[:t, :t], is_causal=True)
+
+
+def test_a_torch_module_called_whole_is_refused_naming_it_and_what_the_check_knows() -> None:
+    """Before, the mask it was given made it 'a module called on positions other than through its
+    first input', which did not say that the check cannot see inside it."""
+    with pytest.raises(CausalityError, match=r"(?s)TransformerEncoderLayer is called whole, and this check does not know what it reads \(attention written in the model's own code"):
+        compile_pipeline(_TorchEncoder(), X.t().contiguous(), ["cpu"] * 2, chunks=2, chunk_spec={"idx": 1}, sequence_chunks=2, sequence_dim=0)
+
+
+def test_a_target_that_does_not_hold_the_sequence_at_sequence_dim_is_refused_naming_that_dim() -> None:
+    """Before, the fix asked for a batch-first target where sequence_dim=0 wants a sequence-first one."""
+    torch.manual_seed(0)
+    x = X.t().contiguous()
+    pipe = compile_pipeline(SequenceFirst(), x, ["cpu"] * 2, chunks=2, chunk_spec={"idx": 1}, sequence_chunks=2, sequence_dim=0)
+    with closing(pipe), pytest.raises(ValueError, match=r"(?s)along dim 0.*How to fix: give a target per position \(next-token labels\), its positions along dim 0"):
+        pipe.train_step(x, target=tokens(4, 12, seed=5), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
 
 
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
