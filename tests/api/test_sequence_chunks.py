@@ -237,6 +237,8 @@ def test_sequence_first_inputs_run_in_slices_of_dim_0_as_the_plain_model() -> No
 class _TorchEncoder(nn.Module):
     """torch's own encoder layer, sequence-first, under a causal mask cut from a buffer."""
 
+    mask: torch.Tensor
+
     def __init__(self) -> None:
         super().__init__()
         self.emb, self.enc = nn.Embedding(VOCAB, 16), nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
