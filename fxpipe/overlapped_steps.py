@@ -360,6 +360,19 @@ class _Overlap:
         elif failure is not None:
             raise failure
 
+    def say_stopped(self) -> None:
+        """Across processes, the caller stopped the loop at the loss of the last batch it was
+        given (a break, close(), an error in the loop's body): the other ranks, which meet
+        after that loss, hear of it there at once, rather than wait out the timeout. Where
+        they stopped there too, no rank raises."""
+        assert self.ranks is not None
+        index = self.finished - 1
+        stopped = RuntimeError(f"the loop was stopped on this rank after the loss of batch {index} (a break, close(), or an error in the loop's body)")
+        try:
+            self.ranks.code_ran(index, stopped)
+        except BaseException:  # noqa: BLE001 - its own, or another rank's news, as it stops anyway
+            pass
+
     def _refuse_changes_the_update_reads(self, index: int) -> None:
         """Gradients of batch `index` written in place, or the optimizer's state changed, by the
         caller's code after its loss: refused; and so is a batch read ahead written there."""
@@ -726,6 +739,8 @@ def overlapped_steps(
         done = True
     except GeneratorExit:  # the caller's break or close(): what was read ahead is dropped, said below
         stopped = True
+        if run.ranks is not None:
+            run.say_stopped()
         raise
     except BaseException as error:  # what was read ahead is dropped: the loop's note says so (train_steps._noted)
         ahead = run.finished + finishing  # the first read ahead (not the batch that failed)

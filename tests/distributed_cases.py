@@ -2183,15 +2183,17 @@ def one_rank_stepping_apart_under_2bw(rank: int, world: int) -> dict[str, Any]:
     """A 2bw loop over TiedEnds (its weight tied across the two ranks) where rank 1 alone, after
     the loss of batch 1, clears the optimizer's state ("state") or writes the gradients in place
     ("written"), or in its own after_backward clips by torch's clip_grad_norm_ over its own
-    parameters ("clipped"), or in its after_step of batch 0 halves its lr ("lr"); or no rank
-    does ("none"): how long each rank took to stop, its error, the losses given, and the
-    parameters against the delayed plain loop of those losses."""
+    parameters ("clipped"), or in its after_step of batch 0 halves its lr ("lr"), or breaks out
+    of the loop after the loss of batch 1 ("break"), or its loop body raises there ("body"); or
+    no rank does ("none"): how long each rank took to stop, its error, the losses given, the
+    parameters against the delayed plain loop of those losses, and a train_step after the loop
+    against the plain model's."""
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(6)]
     make = OPTIMIZERS["sgd-momentum"]
     found: dict[str, Any] = {}
-    for how in ("state", "written", "clipped", "lr", "none"):
+    for how in ("state", "written", "clipped", "lr", "break", "body", "none"):
         torch.manual_seed(0)
         model = TiedEnds().double()
         reference = copy.deepcopy(model)
@@ -2219,10 +2221,17 @@ def one_rank_stepping_apart_under_2bw(rank: int, world: int) -> dict[str, Any]:
                 if len(losses) == 2 and apart and how == "written":
                     for p in held:
                         p.grad.mul_(0.5)  # type: ignore[union-attr]
+                if len(losses) == 2 and apart and how == "break":
+                    break
+                if len(losses) == 2 and apart and how == "body":
+                    raise KeyError("the loop body failed")
             error = ""
-        except (RuntimeError, StageError, ValueError) as e:
+        except (KeyError, RuntimeError, StageError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
         seconds = time.perf_counter() - start
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)
         found[how] = dict(error=error, given=len(losses), seconds=seconds, params=max(_held_here(pipe, reference).values()))
+        if how in ("break", "body"):  # the ranks stopped at one batch: a step after the loop runs on both
+            x, y = batches[0]
+            found[how]["after"] = abs(float(pipe.train_step(x, target=y, loss_fn=F.mse_loss)) - float(F.mse_loss(reference(x), y)))
     return found

@@ -128,11 +128,23 @@ def gathered(value: Any, placement: RankPlacement, what: str, late: str = COMPIL
     sent its own within the timeout (`what`: the exchange, and `late`: why a rank may be missing
     from it, for the message)."""
     data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    sizes = _all_gathered(torch.tensor([data.numel()]), placement, what, late)
-    padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
+    # One exchange of a fixed size carries every rank's size, and its value where every value
+    # fits (the loop's meetings, several per batch); a larger one takes a second, of the largest.
+    first = torch.zeros(8 + _ONE_EXCHANGE, dtype=torch.uint8)
+    first[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+    if data.numel() <= _ONE_EXCHANGE:
+        first[8 : 8 + data.numel()] = data
+    heads = [part.cpu() for part in _all_gathered(first, placement, what, late)]
+    sizes = [int(head[:8].view(torch.int64)) for head in heads]
+    if max(sizes) <= _ONE_EXCHANGE:
+        return [pickle.loads(head[8 : 8 + n].numpy().tobytes()) for head, n in zip(heads, sizes)]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     parts = _all_gathered(padded, placement, what, late)
-    return [pickle.loads(part[: int(n)].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
+    return [pickle.loads(part[:n].cpu().numpy().tobytes()) for part, n in zip(parts, sizes)]
+
+
+_ONE_EXCHANGE = 4096  # bytes of a value that travels with its size
 
 
 def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str, late: str) -> list[torch.Tensor]:

@@ -721,6 +721,11 @@ def test_a_2bw_loop_one_rank_steps_apart_stops_every_rank_at_once() -> None:
                 assert found["given"] == 2, (rank, how, found)
             else:  # heard a batch after the update that took the copies apart
                 assert "clip with pipe.clip_grad_norm_" in found["error"] and found["given"] in (2, 3), (rank, how, found)
+        for how in ("break", "body"):  # before, the other rank waited out the timeout, and the next step failed on both
+            found = report[how]
+            assert found["seconds"] < 10 and found["given"] == 2 and found["params"] <= TOL and found["after"] <= TOL, (rank, how, found)
+            stopped = "the loop was stopped on this rank after the loss of batch 1" in found["error"] and "rank(s) [1]" in found["error"]
+            assert stopped if rank == 0 else found["error"] == ("KeyError: 'the loop body failed'" if how == "body" else ""), (rank, how, found)
         assert report["none"]["error"] == "" and report["none"]["given"] == 6 and report["none"]["params"] <= TOL, report["none"]
         assert report["state"]["params"] <= TOL or rank == 1, report["state"]  # rank 0's update is the plain loop's
     assert reports[0]["clipped"]["given"] == reports[1]["clipped"]["given"], reports
