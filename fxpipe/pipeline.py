@@ -25,7 +25,7 @@ from fxpipe.core.randomness import generator_put_back_on_error
 from fxpipe.distributed.channel import Channel
 from fxpipe.distributed.clipping import clip_across
 from fxpipe.distributed.rank_call import Host, forward_across, train_across
-from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, unread
+from fxpipe.distributed.ranks import holders, keep_local_state, refuse_written_inputs, refused_on_every_rank, unread
 from fxpipe.distributed.replicas import Replicas
 from fxpipe.guards import (
     NOT_CAPTURED, refuse_capture, refuse_outer_checkpoint, refuse_parametrization_cache, refuse_partial_backward_hooks,
@@ -212,19 +212,21 @@ class Pipeline(PipelineState):
     def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], under_compile: bool) -> Any:
         if under_compile and not self.compile_stats():
             warn_compiled_whole()
-        refuse_outer_checkpoint()
-        refuse_parametrization_cache()
-        refuse_partial_backward_hooks(self)
-        refuse_partial_backward_hooks(self._owner, "the model")
-        self._refuse_while_steps_overlap("pipe(x)")
-        self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
+        with refused_on_every_rank(self._channel):
+            refuse_outer_checkpoint()
+            refuse_parametrization_cache()
+            refuse_partial_backward_hooks(self)
+            refuse_partial_backward_hooks(self._owner, "the model")
+            self._refuse_while_steps_overlap("pipe(x)")
+            self._refuse_calls_from_its_stages()  # before waiting for the call in progress, which waits on this one
         as_a_call = (_CALLED.get() or under_compile) and self._runs_model_hooks and self._channel is None  # (across processes, forward_across refuses them)
         # A call the model's own forward (replaced since compiling) makes: its call runs its hooks.
         as_a_call = as_a_call and not (self._programs[True].model_code_replaced() and in_the_models_own_call(self._owner))
         inside = _CALLED.set(False)  # (a call the model's code makes of the pipeline is its own)
         try:
             with self._one_call:  # another thread's call waits: its stages would swap the same slots
-                self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
+                with refused_on_every_rank(self._channel):
+                    self._refuse_while_steps_overlap("pipe(x)")  # (a loop begun while this call waited)
                 if as_a_call:
                     return call_with_hooks(self._owner, lambda *a, **k: self._call_now(a, k), args, kwargs)
                 return self._call_now(args, kwargs)
@@ -324,13 +326,15 @@ class Pipeline(PipelineState):
         """
         if torch.compiler.is_compiling():  # as pipe(x): run as it is, the caller's graph broken around it
             return _around_compiled(lambda: self.train_step(*args, target=target, loss_fn=loss_fn, reduction=reduction, return_outputs=return_outputs, **kwargs))
-        refuse_capture()
-        refuse_outer_checkpoint()
-        refuse_parametrization_cache()
-        self._refuse_while_steps_overlap("train_step")
-        self._refuse_calls_from_its_stages()
-        with self._one_call:
+        with refused_on_every_rank(self._channel):
+            refuse_capture()
+            refuse_outer_checkpoint()
+            refuse_parametrization_cache()
             self._refuse_while_steps_overlap("train_step")
+            self._refuse_calls_from_its_stages()
+        with self._one_call:
+            with refused_on_every_rank(self._channel):
+                self._refuse_while_steps_overlap("train_step")
             return self._train_step_now(args, kwargs, target, loss_fn, reduction, return_outputs)
 
     def _train_step_now(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any, loss_fn: Any, reduction: str, return_outputs: bool) -> Any:

@@ -2235,3 +2235,29 @@ def one_rank_stepping_apart_under_2bw(rank: int, world: int) -> dict[str, Any]:
             x, y = batches[0]
             found[how]["after"] = abs(float(pipe.train_step(x, target=y, loss_fn=F.mse_loss)) - float(F.mse_loss(reference(x), y)))
     return found
+
+
+def refused_on_one_rank(rank: int, world: int) -> dict[str, Any]:
+    """train_step and pipe(x) refused by a check of rank 1's own before the ranks meet (a call
+    inside torch.nn.utils.parametrize.cached() there alone): how long each rank took to raise
+    and what, then a train_step on every rank against the plain model's."""
+    from torch.nn.utils import parametrize
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = FanOut().double()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, mesh=mesh, chunks=4, timeout=30)
+    found: dict[str, Any] = {}
+    for what, call in (("train_step", lambda: pipe.train_step(x, target=y, loss_fn=F.mse_loss)), ("pipe(x)", lambda: pipe(x))):
+        start = time.perf_counter()
+        try:
+            with parametrize.cached() if rank == 1 else contextlib.nullcontext(), torch.no_grad() if what == "pipe(x)" else contextlib.nullcontext():
+                call()
+            error = ""
+        except RuntimeError as e:
+            error = f"{type(e).__name__}: {e}"
+        found[what] = dict(error=error, seconds=time.perf_counter() - start)
+    found["after"] = abs(float(pipe.train_step(x, target=y, loss_fn=F.mse_loss)) - float(F.mse_loss(reference(x), y)))
+    return found

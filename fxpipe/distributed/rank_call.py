@@ -238,7 +238,8 @@ def refuse_tied_copies_that_differ(tied: dict[int, dict[str, tuple[float, float]
     if after is None:
         when, fix = "", (
             "build the model alike on every rank (one torch.manual_seed(...) before building it), or load one "
-            "checkpoint on every rank; step every rank's optimizer alike."
+            "checkpoint on every rank; step every rank's optimizer alike (clip with pipe.clip_grad_norm_(...), the "
+            "norm of every rank's gradients, not torch.nn.utils.clip_grad_norm_ over one rank's parameters)."
         )
     else:  # the copies were alike as the loop began: the ranks stepped them apart since
         when, fix = f" after batch {after}'s update", (

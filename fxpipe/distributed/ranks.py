@@ -14,7 +14,7 @@ import gc
 import hashlib
 import itertools
 import pickle
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Iterator, Optional, Sequence
 
@@ -377,6 +377,22 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
     except BaseException as e:
         stage, micro_batch, where = getattr(e, "fxpipe_where", (-1, -1, phase))  # a Ctrl-C in a stage says where
         channel.fail(Failure(channel.ranks[channel.me], stage, micro_batch, where, f"{type(e).__name__}: {e}"))
+        raise
+
+
+@contextmanager
+def refused_on_every_rank(channel: Optional[Channel]) -> Iterator[None]:
+    """Across processes, a call refused on this rank before its ranks meet (a check of its own,
+    run before the call's agreement) is refused on every rank: the others hear of it as they
+    prepare theirs, as of a refusal in preparing the call, where they would wait out the
+    timeout and then blame this rank as lost."""
+    try:
+        yield
+    except Exception as error:
+        if channel is not None:
+            with suppress(Exception):  # (a peer that is gone: its own error says so)
+                channel.begin()
+                channel.fail(Failure(channel.ranks[channel.me], -1, -1, "preparing the call", f"{type(error).__name__}: {error}"))
         raise
 
 

@@ -729,3 +729,13 @@ def test_a_2bw_loop_one_rank_steps_apart_stops_every_rank_at_once() -> None:
         assert report["none"]["error"] == "" and report["none"]["given"] == 6 and report["none"]["params"] <= TOL, report["none"]
         assert report["state"]["params"] <= TOL or rank == 1, report["state"]  # rank 0's update is the plain loop's
     assert reports[0]["clipped"]["given"] == reports[1]["clipped"]["given"], reports
+
+
+def test_a_call_refused_by_one_ranks_own_check_is_refused_on_every_rank_at_once() -> None:
+    """Before, the other rank waited out the timeout and raised PeerLost, blaming a lost peer."""
+    for rank, report in enumerate(results_of(spawn_ranks(cases.refused_on_one_rank, 2, timeout=120))):
+        for what in ("train_step", "pipe(x)"):
+            found = report[what]
+            assert found["seconds"] < 10 and "inside torch.nn.utils.parametrize.cached()" in found["error"], (rank, what, found)
+            assert rank == 1 or "rank 1 failed in preparing the call" in found["error"], (rank, what, found)
+        assert report["after"] <= TOL, report  # the ranks go on together
