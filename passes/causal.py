@@ -219,7 +219,11 @@ class _Prover(LayoutRules, fx.Interpreter):
             if isinstance(operand, torch.Tensor) and not isinstance(tag, Positions):
                 shift = rank - operand.dim()
                 if any(d - shift >= 0 and operand.shape[d - shift] != 1 for d in roles):
-                    raise Refused("a tensor that does not follow the sequence meets one that does, along the sequence dim")
+                    raise Refused(
+                        f"a tensor of shape {tuple(operand.shape)} that does not follow the sequence meets one that does along "
+                        f"the sequence dim (dim {sorted(roles)[0]} of the result): a table sized by the example's length, or an "
+                        "input that holds its positions on another dim than sequence_dim"
+                    )
         return roles
 
     def _pointwise(self, key: Any, n: fx.Node, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any], tags: tuple[Any, ...], kwtags: dict[str, Any]) -> Positions:

@@ -265,6 +265,24 @@ def test_a_target_that_does_not_hold_the_sequence_at_sequence_dim_is_refused_nam
         pipe.train_step(x, target=tokens(4, 12, seed=5), loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()))
 
 
+class _MaskedBatchFirst(nn.Module):
+    """Sequence-first tokens, and a padding mask of (batch, sequence) turned to meet them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = SequenceFirst()
+
+    def forward(self, idx: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx) * pad.t()[..., None].to(torch.get_default_dtype())
+
+
+def test_an_input_holding_its_positions_on_another_dim_is_refused_with_its_shape() -> None:
+    """Before, the refusal named neither the tensor nor that its positions lie on another dim."""
+    idx, pad = X.t().contiguous(), torch.ones(4, 12, dtype=torch.bool)
+    with pytest.raises(CausalityError, match=r"a tensor of shape \(12, 4, 1\) that does not follow the sequence .*another dim than sequence_dim"):
+        compile_pipeline(_MaskedBatchFirst(), (idx, pad), ["cpu"] * 2, chunks=2, chunk_spec={"idx": 1}, sequence_chunks=2, sequence_dim=0)
+
+
 def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
