@@ -207,7 +207,8 @@ class Step(BackwardTasks):
 
     def settle(self, group: TaskGroup) -> None:
         """Once `group`'s tasks ran: the caller's generator moved past the step's seed if a
-        stream drew, a compiled stage's first recompile reported, and the first failure (in the schedule's order) raised as a StageError."""
+        stream drew, the compiled stages' warnings said (on the caller's thread), and the first
+        failure (in the schedule's order) raised as a StageError."""
         self._take_the_seed_if_drawn()
         for stage in self.stages:
             if stage.compiled is not None:
