@@ -158,9 +158,10 @@ def slice_graphs(
             problems = [f"{p} (in eval mode: the graph pipe.eval() runs)" for p in told.problems] if attr == "eval_graph" else told.problems
             raise CausalityError(problems, fix=told.fix, taken=_taken(named, dim)) from None
         made = SliceSpec(chunks if isinstance(chunks, (int, str)) else tuple(chunks), dict(proof.inputs), outputs, len(proof.carries), dim)
-        _refuse_the_batch_dim(made.inputs, dict(zip(_placeholders(gm), inputs)), batch_dims, dim)
+        placed = dict(zip(_placeholders(gm), inputs))
+        _refuse_the_batch_dim(made.inputs, placed, batch_dims, dim)
         sliced = slice_graph(gm, proof)
-        check_slices(gm, sliced, proof, inputs, _example_cut(made, dict(zip(_placeholders(gm), inputs))))
+        check_slices(gm, sliced, proof, inputs, _example_cut(made, placed))
         outputs.update(_output_dims(gm, sliced, proof))
         setattr(traced, attr, sliced)
         checked[attr == "graph"] = Checked(gm, sliced, proof)

@@ -317,17 +317,19 @@ def _data_fingerprints(values: dict[str, Any], target: Any) -> dict[str, str]:
 def tied_fingerprints(pipe: Host, program: Program) -> dict[str, tuple[float, float]]:
     """A fingerprint of each tied parameter this rank holds a copy of, by name: sums over an
     even sample of at most 65536 of its values (copies initialised apart differ there too)."""
+    me = pipe.channel.me
+    tied = [p for p, ranks in zip(program.parameters, holders(program, program.parameters)) if me in ranks and len(ranks) > 1]
+    if not tied:  # (most models: no walk over the model's parameters, which a loop does per batch)
+        return {}
     names: dict[int, str] = {}
     for name, p in pipe.owner.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    me = pipe.channel.me
     found = {}
     with torch.no_grad():
-        for p, ranks in zip(program.parameters, holders(program, program.parameters)):
-            if me in ranks and len(ranks) > 1:
-                flat = p.detach().reshape(-1)
-                sample = flat[:: max(1, flat.numel() // 65536)].double()
-                found[names.get(id(p), "a tied parameter")] = (float(sample.sum()), float(sample.square().sum()))
+        for p in tied:
+            flat = p.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // 65536)].double()
+            found[names.get(id(p), "a tied parameter")] = (float(sample.sum()), float(sample.square().sum()))
     return found
 
 

@@ -375,9 +375,14 @@ def failing_together(channel: Channel, phase: str = "the end of the step") -> It
         channel.fail(e.failure)
         raise raised_here(e.failure) from e
     except BaseException as e:
-        stage, micro_batch, where = getattr(e, "fxpipe_where", (-1, -1, phase))  # a Ctrl-C in a stage says where
-        channel.fail(Failure(channel.ranks[channel.me], stage, micro_batch, where, f"{type(e).__name__}: {e}"))
+        channel.fail(_failed_here(channel, e, phase))
         raise
+
+
+def _failed_here(channel: Channel, error: BaseException, phase: str) -> Failure:
+    """What the other ranks are told of an error raised here that is not a stage's own."""
+    stage, micro_batch, where = getattr(error, "fxpipe_where", (-1, -1, phase))  # a Ctrl-C in a stage says where
+    return Failure(channel.ranks[channel.me], stage, micro_batch, where, f"{type(error).__name__}: {error}")
 
 
 @contextmanager
@@ -392,7 +397,7 @@ def refused_on_every_rank(channel: Optional[Channel]) -> Iterator[None]:
         if channel is not None:
             with suppress(Exception):  # (a peer that is gone: its own error says so)
                 channel.begin()
-                channel.fail(Failure(channel.ranks[channel.me], -1, -1, "preparing the call", f"{type(error).__name__}: {error}"))
+                channel.fail(_failed_here(channel, error, "preparing the call"))
         raise
 
 
