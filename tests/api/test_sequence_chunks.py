@@ -232,6 +232,17 @@ def test_sequence_first_inputs_run_in_slices_of_dim_0_as_the_plain_model() -> No
         expected.backward()
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
         assert_grads_equal(model, plain, tol=1e-12)
+        # two forwards (of other batch sizes) before one backward
+        model.zero_grad(), plain.zero_grad()
+        first, second = x[:, :3], x[:, 1:]
+        (pipe(first).square().mean() + pipe(second).sum()).backward()
+        (plain(first).square().mean() + plain(second).sum()).backward()
+        assert_grads_equal(model, plain, tol=1e-12)
+    # under the caller's bfloat16 autocast (of a float32 model: it casts no float64), the plain model's outputs
+    narrow = SequenceFirst().float()
+    cast = compile_pipeline(copy.deepcopy(narrow), x, ["cpu"] * 2, chunks=2, chunk_spec={"idx": 1}, sequence_chunks=[5, 7], sequence_dim=0)
+    with closing(cast), torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(cast(x), narrow(x), rtol=0, atol=0)
 
 
 class _TorchEncoder(nn.Module):
