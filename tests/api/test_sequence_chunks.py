@@ -233,7 +233,8 @@ def test_sequence_first_inputs_run_in_slices_of_dim_0_as_the_plain_model() -> No
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
         assert_grads_equal(model, plain, tol=1e-12)
         # two forwards (of other batch sizes) before one backward
-        model.zero_grad(), plain.zero_grad()
+        model.zero_grad()
+        plain.zero_grad()
         first, second = x[:, :3], x[:, 1:]
         (pipe(first).square().mean() + pipe(second).sum()).backward()
         (plain(first).square().mean() + plain(second).sum()).backward()
