@@ -12,7 +12,7 @@ from fxpipe.core.wording import listed
 from fxpipe.guards import traced_mode
 from fxpipe.passes.state import ASSIGNS
 from fxpipe.runtime.checkpoint import dropout_rate_of
-from fxpipe.runtime.versions import Versions
+from fxpipe.runtime.versions import SlotWatch, Versions
 
 # The Pipeline the loop runs (fxpipe/pipeline.py, which imports this module: not imported here).
 PipelineLike = Any
@@ -68,12 +68,15 @@ class ModelAsFound:
             set_ = [f"{name} (an attribute of a module called whole)" for name in attributes_changed(attributes, whole_attributes(owner, self.whole))]
             self.refuse_changes(where, held, slots=True, written=written or unseen.written(Unseen.of(owner)) + set_)
 
-    def refuse_changes(self, where: str, held: Optional[Program], slots: bool, written: Sequence[str] = ()) -> None:
+    def refuse_changes(
+        self, where: str, held: Optional[Program], slots: bool, written: Sequence[str] = (), watch: Optional[SlotWatch] = None,
+    ) -> None:  # fmt: skip
         """The model as the loop's first batch found it, or refused: the batches after `where`
         started before it, on the model as it was. `held`: the program the loop's batches run.
         `slots`: no stage holds the model's parameter slots (the gate is shut), so that a tensor
-        replaced there shows. `written`: the model's tensors written in place there."""
-        found = self._changed(held, slots) or (f"{listed(written)} written in place or set" if written else "")
+        replaced there shows; else `watch` tells a slot assigned from one a stage holds.
+        `written`: the model's tensors written in place there."""
+        found = self._changed(held, slots, watch) or (f"{listed(written)} written in place or set" if written else "")
         if found:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the model changed {where}: {found}. Under 2bw the next batch started "
@@ -83,7 +86,7 @@ class ModelAsFound:
                 "synchronous schedule (1f1b), which follows such a change from the next batch or says why it cannot."
             )
 
-    def _changed(self, held: Optional[Program], slots: bool) -> str:
+    def _changed(self, held: Optional[Program], slots: bool, watch: Optional[SlotWatch] = None) -> str:
         pipe = self.pipe
         flipped = [f"{name or 'the model'} ({'train' if was else 'eval'} -> {'eval' if was else 'train'})"
                    for name, m in pipe._owner.named_modules() if (was := self.modes.get(name, m.training)) != m.training]  # fmt: skip
@@ -117,6 +120,9 @@ class ModelAsFound:
             return f"parameters or buffers were added ({listed(added)})"
         if slots and held is not None and held.held.tensors_replaced():
             return "tensors the stages read were replaced (a parameter or buffer assigned, or the model moved or cast)"
+        assigned = watch.assigned() if watch is not None and not slots else []
+        if assigned:  # (the stages run on their own tensors: they would go on training the ones replaced)
+            return f"{listed(assigned)} assigned (a parameter or buffer set on its module, or the model moved or cast)"
         return ""
 
     def _gradient_hooks(self) -> dict[str, tuple[int, ...]]:

@@ -152,7 +152,7 @@ class _Overlap:
                 if index == 0 and self.ranks is not None:  # every rank refuses at once (in one process, when the loop is made)
                     refuse_where_steps_cannot_overlap(self.pipe, self.optimizer)
                 if index >= 2:  # the caller's code after the loss of batch index - 2 ran since the last batch was read
-                    self.found.refuse_changes(f"between two losses (after batch {index - 2}'s)", self.held, slots=False)
+                    self.found.refuse_changes(f"between two losses (after batch {index - 2}'s)", self.held, slots=False, watch=self.versions.slots)
                 with drawing_between_compiles(), default_generator_held():  # the caller's iterable and the step's seed may draw
                     before = torch.get_rng_state()
                     batch = next(batches, None)
@@ -179,7 +179,7 @@ class _Overlap:
             _refuse_steps_in_backward(self.pipe._owner)
             self.found.take(self.program)
         elif batch is not None:
-            self.found.refuse_changes(f"in the batches' iterable, while batch {index} was read", self.held, slots=False)
+            self.found.refuse_changes(f"in the batches' iterable, while batch {index} was read", self.held, slots=False, watch=self.versions.slots)
             self._refuse_batches_written(f"by the batches' iterable while it made batch {index}")
 
     def _made(self, batch: Batch) -> _Started:

@@ -13,6 +13,7 @@ from fxpipe.compiled.program import Slot
 from fxpipe.core.microbatch import takes_gradients
 from fxpipe.core.scoped import scoped
 from fxpipe.core.settings import holds_fields
+from fxpipe.runtime.versions import SlotWatch
 
 
 _state = threading.local()
@@ -37,7 +38,7 @@ def recomputing() -> ContextManager[None]:
 
 
 @contextmanager
-def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor], watch: Optional[SlotWatch] = None) -> Iterator[None]:
     """Run `module` with some parameters or buffers (by qualified name) replaced, and put the
     originals back.
 
@@ -46,7 +47,7 @@ def swapped_state(module: nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
     forward. A stage runs on per-step views of its parameters, so that its gradients stop there
     instead of reaching the parameters' `.grad` and hooks.
     """
-    with swapped_slots([(*slot_of(module, name), tensor) for name, tensor in tensors.items()]):
+    with swapped_slots([(*slot_of(module, name), tensor) for name, tensor in tensors.items()], watch):
         yield
 
 
@@ -63,19 +64,32 @@ def slot_of(module: nn.Module, name: str) -> Slot:
 
 class swapped_slots:
     """`swapped_state` on slots found already (a stage finds its parameters' once). A class, not
-    a generator: every forward task enters one."""
+    a generator: every forward task enters one. Under overlapping steps, `watch` sees the
+    caller's code assign a slot meanwhile (`SlotWatch`)."""
 
-    def __init__(self, swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]]) -> None:
-        self.swaps = swaps
+    def __init__(self, swaps: Sequence[tuple[dict[str, Any], str, torch.Tensor]], watch: Optional[SlotWatch] = None) -> None:
+        self.swaps, self.watch = swaps, watch
 
     def __enter__(self) -> None:
         self.originals = [table[attr] for table, attr, _ in self.swaps]
-        for table, attr, tensor in self.swaps:
+        if self.watch is None:
+            for table, attr, tensor in self.swaps:
+                table[attr] = tensor
+            return
+        self.before = []
+        for (table, attr, tensor), original in zip(self.swaps, self.originals):
+            self.before.append(self.watch.entering(table, attr, original, tensor))
             table[attr] = tensor
 
     def __exit__(self, *exc: object) -> None:
-        for (table, attr, _), original in zip(reversed(self.swaps), reversed(self.originals)):
-            table[attr] = original
+        if self.watch is None:
+            for (table, attr, _), original in zip(reversed(self.swaps), reversed(self.originals)):
+                table[attr] = original
+            return
+        for (table, attr, tensor), original, before in zip(reversed(self.swaps), reversed(self.originals), reversed(self.before)):
+            if self.watch.leaving(table, attr, tensor):
+                table[attr] = original
+            self.watch.left(table, attr, before)
 
 
 # Above this many entries a dict a module called whole holds is not kept for a recompute: copying

@@ -140,7 +140,7 @@ class StageTasks:
         stack = ExitStack()
         if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model
             stack.enter_context(self.versions.gate.entered())
-        stack.enter_context(swapped_slots(swaps))
+        stack.enter_context(swapped_slots(swaps, self.versions.slots if self.versions is not None else None))
         return stack
 
     def _shared_views(self, stage: StageRuntime) -> list[torch.Tensor]:
@@ -225,12 +225,14 @@ class StageTasks:
                 stack.enter_context(task_stream(stream))
                 if unseen is Unseen.ANYWHERE:
                     stack.enter_context(TaskRandomness(stream))
+            watch = None
             if self.versions is not None:  # overlapping steps: the caller's hooks may be reading the model (its buffers too)
                 stack.enter_context(self.versions.gate.entered())
+                watch = self.versions.slots  # and the caller's code between two losses assigning it
             if views:
-                stack.enter_context(swapped_slots(views))
+                stack.enter_context(swapped_slots(views, watch))
             if buffers is not None:
-                stack.enter_context(swapped_state(stage.module, buffers))  # type: ignore[arg-type]
+                stack.enter_context(swapped_state(stage.module, buffers, watch))  # type: ignore[arg-type]
             return forward(*args)
 
     def _runs_compiled(self, stage: StageRuntime) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from fxpipe.compiled.program import Program
+from fxpipe.compiled.program import HeldState, Program
 from fxpipe.runtime.devices import Aborted
 
 
@@ -89,6 +89,73 @@ class Gate:
                 self.changed.notify_all()
 
 
+class SlotWatch:
+    """Which of the model's parameter and buffer slots the stages hold now, and which one a
+    stage found holding, or left holding, a tensor other than the model's: the caller's code
+    assigned it while the stages ran (`module.weight = nn.Parameter(...)` between two losses).
+
+    Between two losses the caller's thread reads each slot, while the stages put their own
+    tensors in and take them out. A slot holding neither the model's tensor nor the one a stage
+    put there was assigned; one assigned before a stage went in is what that stage finds there:
+
+        caller assigns N    stage enters    caller reads    stage leaves
+        slot: W -> N        finds N (noted)  slot: V (put)   puts N back
+        slot: V -> N        (held since before the assignment: the caller reads N, not V)
+    """
+
+    def __init__(self, held: HeldState) -> None:
+        self.tensors = held.tensors
+        self.model = {(id(table), key): tensor for table, key, tensor in held.tensors}
+        self.names = {
+            (id(table), key): f"{path}.{key}" if path else key
+            for path, module in held.named.items() for table in (module._parameters, module._buffers, vars(module))
+            for key in table if (id(table), key) in self.model
+        }  # fmt: skip
+        self.put: dict[tuple[int, str], torch.Tensor] = {}  # what a stage holds in each slot now
+        self.noticed: list[str] = []  # slots a stage found or left assigned
+
+    def entering(self, table: dict[str, Any], key: str, found: Any, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """A stage puts `tensor` in the slot, which holds `found`; what the slot's entry was."""
+        slot = (id(table), key)
+        if slot in self.model and found is not self.model[slot] and found is not self.put.get(slot):
+            self._notice(slot)
+        before = self.put.get(slot)
+        self.put[slot] = tensor  # before the slot itself: the caller reads the slot first
+        return before
+
+    def leaving(self, table: dict[str, Any], key: str, tensor: torch.Tensor) -> bool:
+        """The stage is done with the slot: whether to put back what it found (not when the
+        caller assigned it meanwhile: that assignment stands, and is noticed)."""
+        kept = table.get(key) is tensor
+        if not kept:
+            self._notice((id(table), key))
+        return kept
+
+    def left(self, table: dict[str, Any], key: str, before: Optional[torch.Tensor]) -> None:
+        """After the slot is put back: its entry as the stage found it (an outer hold's)."""
+        slot = (id(table), key)
+        if before is None:
+            self.put.pop(slot, None)
+        else:
+            self.put[slot] = before
+
+    def _notice(self, slot: tuple[int, str]) -> None:
+        name = self.names.get(slot, slot[1])
+        if name not in self.noticed:
+            self.noticed.append(name)
+
+    def assigned(self) -> list[str]:
+        """The slots that hold, or held while the loop ran, a tensor other than the model's."""
+        for table, key, tensor in self.tensors:
+            for _ in range(2):  # read again once: a stage may have gone in or out in between
+                now = table.get(key)
+                if now is tensor or now is self.put.get((id(table), key)):
+                    break
+            else:
+                self._notice((id(table), key))
+        return list(self.noticed)
+
+
 class Versions:
     """The updates of a loop of overlapping steps, by batch and stage, and the events they wait on."""
 
@@ -133,6 +200,7 @@ class Versions:
         self._events = threading.Lock()
         self.aborted = False
         self.gate = Gate()
+        self.slots = SlotWatch(program.held)
 
     # -- events ---------------------------------------------------------------------------
     def _event(self, table: dict, key: object) -> threading.Event:  # type: ignore[type-arg]
