@@ -125,6 +125,7 @@ class _Overlap:
         # The gradients the last batch's update will step on, as `after_backward` left them:
         # each parameter's `.grad`, its version and its memory (`.grad.data = ...` swaps it).
         self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], tuple[int, int]]] = []
+        self.params_held: list[tuple[torch.nn.Parameter, int]] = []  # and each parameter's version then
         self.checked = -1  # the last batch whose update `after_the_callers_code` held what it steps on for
 
     def _take_the_model(self) -> None:
@@ -331,6 +332,7 @@ class _Overlap:
                 self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
             self.grads_held = [(p, p.grad, _grad_state(p.grad)) for p in dict.fromkeys(self.program.parameters)]
+            self.params_held = [(p, p._version) for p in dict.fromkeys(self.program.parameters)]  # (no update runs till `ready`)
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
         if self.ranks is not None:
@@ -377,7 +379,16 @@ class _Overlap:
         """Gradients of batch `index` written in place, or the optimizer's state changed, by the
         caller's code after its loss: refused; and so is a batch read ahead written there."""
         self._refuse_batches_written(f"by the code after the loss of batch {index}", by_the_loop=True)
-        written, changed = self._held_for_the_update()
+        written, changed, params = self._held_for_the_update()
+        if params:
+            raise RuntimeError(
+                f"train_steps (schedule='2bw'): parameters were written in place after the loss of batch {index} "
+                f"({listed(params)}: a weight clamped, or torch.nn.init run on a module, say). {_UPDATE_AFTER_THE_CALLERS_CODE} "
+                "from the values as written, where a synchronous loop has stepped already (and the next batch, read "
+                "ahead, runs on them meanwhile); the loop stopped, and that update ran on them as written.\nHow to fix: "
+                "write the parameters between loops (break out of this one, which completes the update of the last loss "
+                "it gave; write them; start another), or use a synchronous schedule ('1f1b')."
+            )
         if written:
             raise RuntimeError(
                 f"train_steps (schedule='2bw'): the gradients of batch {index} were written in place after its loss "
@@ -421,15 +432,16 @@ class _Overlap:
                 "synchronous schedule ('1f1b'), which reads a batch once the one before is done."
             )
 
-    def _held_for_the_update(self) -> tuple[list[str], list[str]]:
+    def _held_for_the_update(self) -> tuple[list[str], list[str], list[str]]:
         """The last batch's gradients put back where the caller's code set them to None or
-        replaced them; the parameters whose gradient it wrote in place, and whose optimizer state
-        it changed, which the update cannot be kept from."""
+        replaced them; the parameters whose gradient it wrote in place, whose optimizer state
+        it changed, and that it wrote in place itself, which the update cannot be kept from."""
         written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
         for p, grad, _ in self.grads_held:
             if p.grad is not grad:
                 p.grad = grad
-        return written, [self.found.names.get(id(p), "?") for p in self.versions.state_changed()]
+        params = [self.found.names.get(id(p), "?") for p, version in self.params_held if p._version != version]
+        return written, [self.found.names.get(id(p), "?") for p in self.versions.state_changed()], params
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:
         """The batch's actions waited for and its failure raised, if any (the update of the batch
@@ -527,10 +539,11 @@ class _Overlap:
         if pending < 0 or pending not in self.updates:
             return
         if self.checked != pending:  # stopped in the caller's code after its loss (a break): its update runs now
-            written, changed = self._held_for_the_update()
-            if written or changed:
+            written, changed, params = self._held_for_the_update()
+            if written or changed or params:
                 what = [f"the gradients of {listed(written)} written in place"] if written else []
                 what += [f"the optimizer's state of {listed(changed)} changed"] if changed else []
+                what += [f"the parameters {listed(params)} written in place"] if params else []
                 warnings.warn(
                     f"train_steps (schedule='2bw') was stopped after the loss of batch {pending}, and the code after that loss "
                     f"had {' and '.join(what)}. Under 2bw the update of a batch runs after the code that follows its loss: that "

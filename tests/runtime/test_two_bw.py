@@ -888,8 +888,9 @@ def _changes() -> dict[str, Callable[[nn.Module], Any]]:
 
 
 # Changes a hook alone is checked for: between two losses and in the iterable the stages run,
-# and read the memory (and a module's own forward may set its attributes).
-_IN_HOOKS_ALONE = ("a weight clamped in place",
+# and read the memory, and hold the slots, where the caller's code reads their tensors (and a
+# module's own forward may set its attributes).
+_IN_HOOKS_ALONE = ("a weight clamped in place", "a hook on a parameter's gradient",
                    "a weight clamped through .data", "a weight swapped through .data", "an attribute of a module called whole")  # fmt: skip
 
 
@@ -1412,6 +1413,33 @@ def test_gradients_set_to_none_between_two_losses_change_nothing_and_written_in_
             for p in pipe.parameters():
                 if p.grad is not None:
                     p.grad.data = torch.zeros_like(p)  # the same tensor on other memory
+
+
+@pytest.mark.parametrize("after", [1, 4])
+def test_parameters_written_in_place_between_two_losses_are_refused_and_the_update_runs_on_them_as_written(after: int) -> None:
+    """Batch t's update runs after the code that follows its loss, and batch t + 1 runs
+    meanwhile on the weights that code writes. Before, a weight clamped there was taken by the
+    batch in flight at the micro-batches the threads' timing chose, and stepped by the update,
+    with no error (after the last loss too, where a synchronous loop has stepped already)."""
+    model, plain = twin(FanOut())
+    batches = _batches(5)
+    pipe = _pipe(model, batches[0][0], 3)
+    opt = OPTIMIZERS["sgd-momentum"](pipe.parameters())
+    weight = cast(nn.Linear, model.layers[0]).weight  # (read between two losses, the slot may hold a stage's tensor)
+    with pytest.raises(RuntimeError, match=rf"(?s)parameters were written in place after the loss of batch {after} \(layers.0.weight: .*How to fix: write the parameters between loops"):
+        for index, _ in enumerate(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt)):
+            if index == after:
+                with torch.no_grad():
+                    weight.clamp_(-0.05, 0.05)
+
+    def clamped(live: nn.Module) -> None:  # the last update steps the values as written
+        if len(seen := clamped.__dict__.setdefault("seen", [])) == after:
+            with torch.no_grad():
+                cast(FanOut, live).layers[0].weight.clamp_(-0.05, 0.05)  # type: ignore[operator]
+        seen.append(1)
+
+    expected, _ = reference_2bw(plain, batches[: after + 1], OPTIMIZERS["sgd-momentum"], after_backward=clamped)
+    _assert_parameters_equal(model, expected)
 
 
 def test_after_step_sees_the_running_statistics_of_its_own_batch_under_deferred_batch_norm() -> None:

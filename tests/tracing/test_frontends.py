@@ -431,6 +431,21 @@ def test_an_exported_pipeline_called_unlike_the_example_compiles_stages_for_that
 
 
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_exported_pipeline_called_with_another_value_of_a_number_compiles_stages_for_that_value() -> None:
+    """The exported graph holds the value of an argument that is not a tensor (Hugging Face's
+    `logits_to_keep`). Before, a call with another value than the first was refused ("Guard
+    failed: scale == 3.0"), and told to call it "as the example was called", which never gave it."""
+    model, reference = twin(VarArgs())
+    x = torch.randn(4, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    for scale in (3.0, 5.0, 3.0, 2.0):
+        assert_call_and_grads_equal(pipe, reference, x, scale=scale)
+    compiled = [*pipe._variants.values()]
+    compiled += [inner for variant in compiled for inner in variant._variants.values()]
+    assert len(compiled) == 3  # once per value given, the first for the keyword given at all
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 def test_an_example_of_one_sample_through_torch_export_asks_for_two_samples_and_two_compile() -> None:
     """torch.export fixes every dim of size 1: from one sample it makes a graph for one sample.
     Before, the refusal blamed the model's code ('depends on the batch size')."""
