@@ -72,7 +72,7 @@ def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor
     except BaseException as error:
         if not isinstance(error, GeneratorExit) and not getattr(error, "fxpipe_loop_not_started", False):
             whole = getattr(error, "fxpipe_failed_update", given)  # an update that failed is held in part
-            held = "no update" if whole == 0 else f"the updates of batches 0 to {whole - 1}"
+            held = "no update" if whole == 0 else "the update of batch 0" if whole == 1 else f"the updates of batches 0 to {whole - 1}"
             if whole < given:
                 held = ("" if whole == 0 else f"{held} whole, and ") + f"batch {whole}'s update in part (above)"
             first, dropped = getattr(error, "fxpipe_dropped", (given, 0))

@@ -18,8 +18,8 @@ from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.loss_writes import LossWrites
 from fxpipe.runtime.losses import (
-    LeafGrads, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in, sizes_note,
-    with_own_loss_whole,
+    LeafGrads, about_sizes, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    sizes_note, with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
 
@@ -180,7 +180,7 @@ class MicroBatchLoss:
             if refusal is not None:
                 raise refusal from error
             if not getattr(error, "fxpipe_refusal", False):
-                for note in (sizes_note(output, given.target), self.target_note):
+                for note in (sizes_note(output, given.target), self.target_note if about_sizes(error) else ""):
                     if note:
                         error.add_note(note)
             raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import re
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -102,6 +103,15 @@ def target_note(target: Any, batch: Optional[int], micro_batches: int) -> str:
         "to loss_fn itself, whole: loss_fn=functools.partial(my_loss, weight=w)."
     ] if split else []  # fmt: skip
     return "\n".join(notes)
+
+
+_SIZES = re.compile(r"size|shape|dim|match|broadcast|bound|index|expected|element|length", re.IGNORECASE)
+
+
+def about_sizes(error: BaseException) -> bool:
+    """Whether a loss's error may be about its inputs' sizes (the target's split bears on it),
+    not its own logic (`raise ValueError("my loss is broken")`)."""
+    return isinstance(error, (IndexError, KeyError)) or bool(_SIZES.search(str(error)))
 
 
 def sizes_note(output: Any, target: Any) -> str:

@@ -70,11 +70,19 @@ class LossError(Exception):
 PHASES = {FORWARD: "forward", RECOMPUTE: "backward", BACKWARD: "backward", INPUT_GRAD: "backward", WEIGHT_GRAD: "backward"}
 
 
+_RECOMPUTING = (
+    "(Raised as the stage ran this micro-batch's forward again for its backward: checkpointing recomputes the "
+    "forward, so the model's forward code runs twice for a checkpointed micro-batch.)"
+)
+
+
 def phase_and_cause(action: Action, error: BaseException) -> tuple[str, BaseException]:
     """Where `error`, raised by `action`'s task, struck, and the error to report: a loss
-    function's own error, in the phase 'loss'."""
+    function's own error, in the phase 'loss'; one the forward's recompute raised, noted so."""
     if isinstance(error, LossError):
         return "loss", error.__cause__ if error.__cause__ is not None else error
+    if action.kind == RECOMPUTE and _RECOMPUTING not in getattr(error, "__notes__", ()):
+        error.add_note(_RECOMPUTING)
     return getattr(error, "fxpipe_phase", PHASES[action.kind]), error  # (an interrupt in the loss says so)
 
 

@@ -63,6 +63,7 @@ def test_exception_in_stage_2_micro_batch_3_reaches_the_caller(phase: str) -> No
         pipe(x).sum().backward()
     assert (info.value.stage, info.value.micro_batch, info.value.phase) == (2, 3, phase)
     assert isinstance(info.value.__cause__, ValueError)
+    assert ("ran this micro-batch's forward again for its backward" in str(info.value)) == (phase == "backward")  # (the recompute's)
     model.bomb.armed = False
     reference = copy.deepcopy(model)
     for p in pipe.parameters():

@@ -887,6 +887,21 @@ def test_outputs_sized_by_each_micro_batch_s_longest_sequence_fail_in_the_loss_w
     assert_grads_equal(pipe, reference, tol=1e-12)
 
 
+def test_a_loss_that_fails_on_its_own_logic_is_not_told_how_the_target_was_split() -> None:
+    """Before, every error of a loss function came with the note on the target's split (class
+    weights given whole), whatever it said."""
+    model = nn.Sequential(nn.Linear(6, 8)).double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"], chunks=4)
+
+    def broken(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise ValueError("my loss is broken")
+
+    with pytest.raises(StageError, match="in loss: ValueError: my loss is broken") as failed:
+        pipe.train_step(x, target=y, loss_fn=broken)
+    assert "were split into the micro-batches" not in str(failed.value)
+
+
 def test_class_weights_as_many_as_the_samples_are_split_and_the_loss_that_fails_on_them_is_told_how_to_give_them_whole() -> None:
     model = nn.Sequential(nn.Linear(6, 8)).double()
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 8, (8,))
