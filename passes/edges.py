@@ -8,12 +8,15 @@ value travels straight from the stage that makes it to every stage that uses it:
               └───────────────────────▶ 3        the same value, again straight to its user
 
 so stage 1 neither receives nor forwards what it does not use, and in backward the gradients
-that come back from stages 2 and 3 are summed at stage 0.
+that come back from stages 2 and 3 are summed at stage 0. A skip jumps over a stage that lies
+between its ends in the stage graph; where none does (branches side by side: stage 1 reads only
+the inputs, stage 2 reads stage 0), the edge is stage 2's activation, whatever the indices.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import networkx as nx
 import torch.fx as fx
 
 from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
@@ -22,12 +25,19 @@ from fxpipe.passes.linearize import COMPUTE_OPS
 
 __all__ = ["find_edges", "stage_inputs", "stage_outputs"]
 
-def _kind(src: int, dst: int, sink: int) -> str:
+def _kind(src: int, dst: int, sink: int, direct: set[tuple[int, int]]) -> str:
     if src == CALLER:
         return INPUT
     if dst == sink:
         return OUTPUT
-    return ACTIVATION if dst == src + 1 else SKIP
+    return ACTIVATION if (src, dst) in direct else SKIP
+
+
+def _direct(links: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The links between stages with no stage between their ends (the transitive reduction of
+    the stage graph: stages come in topological order, so it is a DAG)."""
+    graph = nx.DiGraph(links)
+    return set(nx.transitive_reduction(graph).edges) if graph.number_of_nodes() else set()
 
 
 def _stage_of(node: fx.Node, sink: int) -> int:
@@ -45,25 +55,25 @@ def find_edges(gm: fx.GraphModule, stages: int) -> list[Edge]:
     In-place writes that no edge can carry are refused here, at compile time.
     """
     check_writes_across_stages(gm)
-    edges = []
+    crossing = []
     for node in gm.graph.nodes:
         if node.op != "placeholder" and node.op not in COMPUTE_OPS:
             continue
         src = _stage_of(node, stages)
-        consumers = sorted({_stage_of(user, stages) for user in node.users} - {src})
-        for dst in consumers:
-            edges.append(
-                Edge(
-                    value=node.name,
-                    src=src,
-                    dst=dst,
-                    kind=_kind(src, dst, stages),
-                    shape=node.meta.get("shape"),
-                    dtype=node.meta.get("dtype"),
-                    nbytes=int(node.meta.get("bytes", 0)),
-                )
-            )
-    return edges
+        crossing += [(node, src, dst) for dst in sorted({_stage_of(user, stages) for user in node.users} - {src})]
+    direct = _direct({(src, dst) for _, src, dst in crossing if src != CALLER and dst != stages})
+    return [
+        Edge(
+            value=node.name,
+            src=src,
+            dst=dst,
+            kind=_kind(src, dst, stages, direct),
+            shape=node.meta.get("shape"),
+            dtype=node.meta.get("dtype"),
+            nbytes=int(node.meta.get("bytes", 0)),
+        )
+        for node, src, dst in crossing
+    ]
 
 
 def stage_inputs(edges: Sequence[Edge], stage: int) -> list[str]:

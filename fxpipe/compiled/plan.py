@@ -8,7 +8,7 @@ from typing import Any, Optional
 import networkx as nx
 
 from fxpipe.core.edges import ACTIVATION, CALLER, INPUT, OUTPUT, SKIP, Edge
-from fxpipe.schedules.actions import Layout, Schedule, checkpoint_stop
+from fxpipe.schedules.actions import INPUT_GRAD, Layout, Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.simulate import Prediction, StageCosts, simulate
 from fxpipe.schedules.timeline import UPDATE
@@ -189,6 +189,8 @@ class Plan:
             f"chunks={self.chunks}  checkpoint={self.checkpoint!r}  balance={self.balance!r}  schedule={self.schedule!r}  "
             f"predicted ({self.times}): {predicted.timeline.makespan * 1e3:.3g} ms per batch, bubble {predicted.timeline.bubble():.0%}\n"
             + (f"in a train_steps loop, no flush between batches: {self.loop_time() * 1e3:.3g} ms per batch\n" if self.schedule == "2bw" and self.micro_batches >= self.layout().depth else "")
+            + ("zb-h1 keeps 1F1B's order here: on these stage times its split backward (I, then W) finishes no sooner\n"
+               if self.schedule == "zb-h1" and not any(r.kind == INPUT_GRAD for r in predicted.timeline.records) else "")
             + f"predicted peak activations per stage: {peaks}\n"
             f"stash/pop edges: {skips}\n"
             f"{self._graph_line()}"

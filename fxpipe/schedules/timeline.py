@@ -132,6 +132,15 @@ def _rows_by_level(timeline: Timeline) -> list[tuple[Optional[int], list[int]]]:
     return sorted(groups.items())
 
 
+def _stages_label(timeline: Timeline, rank: int, level: Optional[int]) -> str:
+    """What a worker's row says besides its number: the stages it ran where it ran several
+    (interleaved: worker 0 runs stages 0 and 2), else its stage's level in the stage graph."""
+    stages = sorted({r.stage for r in timeline.records if r.rank == rank})
+    if len(stages) > 1:
+        return " · stages " + ", ".join(map(str, stages))
+    return f" · level {level}" if level is not None else ""
+
+
 def _bar(r: Record, x: float, w: float, y: float, row: float) -> str:
     bar = (f'<rect x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{row - 4:.1f}" fill="{COLOURS[r.kind]}">'
            f"<title>{r.kind}{r.micro_batch} stage {r.stage}</title></rect>")  # fmt: skip
@@ -156,7 +165,7 @@ def _gantt(charts: Sequence[tuple[str, Timeline]]) -> str:
             if level is not None and len(ranks) > 1:  # concurrent stages: one band
                 parts.append(f'<rect x="2" y="{y - 1:.1f}" width="{width - 4:.0f}" height="{row * len(ranks):.1f}" fill="#f2f2f2"/>')
             for rank in ranks:
-                label = f"worker {rank}" + (f" · level {level}" if level is not None else "")
+                label = f"worker {rank}" + _stages_label(timeline, rank, level)
                 parts.append(f'<text x="4" y="{y + 15:.1f}" font-size="11">{label}</text>')
                 for r in (r for r in timeline.records if r.rank == rank):
                     parts.append(_bar(r, left + (r.start - origin) * scale, max((r.end - r.start) * scale, 0.5), y, row))

@@ -78,6 +78,10 @@ def test_towers_marked_apart_read_only_the_input_and_the_graph_is_two_deep() -> 
     assert not graph.has_edge(0, 1) and not graph.has_edge(1, 0)  # the towers: side by side
     assert set(graph.predecessors(2)) == {0, 1}
     assert nx.is_directed_acyclic_graph(graph)
+    # Tower 0's output jumps over no stage: stage 1 neither reads it nor leads to its reader from
+    # it. Before, it was a stash/pop edge by its indices (and drawn dashed).
+    assert not pipe.plan.skip_edges and "stash/pop edges: none" in pipe.plan.summary()
+    assert {e.kind for e in pipe.plan.edges if e.dst == 2} == {"activation"}
     assert pipe.plan.depth == 2  # each tower, then the sum and the head
     assert "depth 2 of 3 stages" in pipe.plan.summary()
     pipe.close()

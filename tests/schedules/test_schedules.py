@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -209,6 +210,10 @@ def test_an_interleaved_trace_has_a_track_per_stage_under_its_worker() -> None:
     assert {(e["pid"], e["tid"]) for e in events} == {(0, 0), (1, 1), (0, 2), (1, 3)}
     workers = sorted({e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"})
     assert workers == ["worker 0", "worker 1"]
+    # The Gantt chart's rows name the stages each worker ran (before: 'worker 0 · level 0', the
+    # level of its first stage alone).
+    svg = pipe.timeline().to_svg()
+    assert "worker 0 · stages 0, 2" in svg and "worker 1 · stages 1, 3" in svg and "level" not in svg
 
 
 def test_timelines_write_chrome_traces_and_gantt_charts(tmp_path: Any) -> None:
@@ -228,6 +233,38 @@ def test_timelines_write_chrome_traces_and_gantt_charts(tmp_path: Any) -> None:
     rects = root.findall("{http://www.w3.org/2000/svg}rect")
     assert len(rects) == 2 * len(events)  # measured and predicted, one box per action
     assert "predicted" in svg and "bubble" in svg
+
+
+class _Cats(nn.Module):
+    """A small U-Net of Linear layers: its decoder's backward is mostly on its inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e1, self.e2, self.e3, self.mid = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.d3, self.d2, self.d1, self.out = nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.e1(x).tanh()
+        b = self.e2(a).tanh()
+        c = self.e3(b).tanh()
+        m = self.mid(c).tanh()
+        u = self.d3(torch.cat([m, c], -1)).tanh()
+        u = self.d2(torch.cat([u, b], -1)).tanh()
+        return self.out(self.d1(torch.cat([u, a], -1)).tanh())
+
+
+def test_the_summary_says_where_zb_h1_keeps_1f1b_s_order() -> None:
+    """zb-h1 keeps 1F1B's order where its split backward finishes no sooner on the plan's times.
+    Before, the summary said schedule='zb-h1' with no word of it, and the timeline had no I or W."""
+    x = torch.randn(10, 8, dtype=torch.float64)
+    kept = compile_pipeline(_Cats().double(), x, ["cpu"] * 2, chunks=8, schedule="zb-h1")
+    split = compile_pipeline(FanOut().double(), torch.randn(8, 6, dtype=torch.float64), ["cpu"] * 3, chunks=4, schedule="zb-h1")
+    for pipe, keeps in ((kept, True), (split, False)):
+        kinds = {r.kind for r in pipe.plan.prediction().timeline.records}
+        assert ("I" not in kinds) == keeps, kinds
+        assert ("zb-h1 keeps 1F1B's order here" in pipe.plan.summary()) == keeps
+    kept.train_step(x, target=torch.randn(10, 4, dtype=torch.float64), loss_fn=F.mse_loss)
+    assert "I" not in {r.kind for r in kept.timeline().records}  # what the summary said ran
 
 
 def test_the_plan_summary_reports_the_schedule_prediction() -> None:
