@@ -271,15 +271,15 @@ class _Prover(LayoutRules, fx.Interpreter):
         if key in ("masked_fill", torch.masked_fill):
             fill = _number(args[2])
             hides = future_all(args[1], value.shape, q, k)
-            if hides and isinstance(fill, (int, float)) and fill == 0:
-                return ZERO
-            return MINUS_INF if hides and isinstance(fill, (int, float)) and fill <= _HIDDEN else before if hides else ""
+            if hides and isinstance(fill, (int, float)):
+                return ZERO if fill == 0 else _filled(fill, value.dtype) or before
+            return before if hides else ""
         if key in ("where", torch.where) and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.bool and len(args) > 2:
             # where(keep, scores, fill), or where(hide, fill, scores): the fill is the number
             kept, fill = (args[0], _number(args[2])) if isinstance(_number(args[2]), (int, float)) else (~args[0], _number(args[1]))
             hides = future_all(~kept, value.shape, q, k)
             if hides and isinstance(fill, (int, float)):
-                return ZERO if fill == 0 else MINUS_INF if fill <= _HIDDEN else ""
+                return ZERO if fill == 0 else _filled(fill, value.dtype)
             return ""
         if key in KEEPS_MASK:
             return before
@@ -299,8 +299,12 @@ class _Prover(LayoutRules, fx.Interpreter):
             # -inf, or a finite fill that no score outweighs (torch.finfo(dtype).min, -1e9): softmax gives it 0;
             # subtracted, a fill that large the other way (GPT-2's w * b - 1e4 * (1 - b))
             shifts = [-o if subtracted and isinstance(o, torch.Tensor) else o for o, t in operands if t is not first]
-            if any(isinstance(o, torch.Tensor) and o.is_floating_point() and future_all(o <= _HIDDEN, value.shape, q, k) for o in shifts):
+            biases = [o for o in shifts if isinstance(o, torch.Tensor) and o.is_floating_point()]
+            if any(future_all(o <= hidden_below(o.dtype), value.shape, q, k) for o in biases):
                 return MINUS_INF
+            weak = [o for o in biases if future_all(o <= _MEANT_TO_HIDE, value.shape, q, k)]
+            if weak:
+                _refuse_finite_mask(float(weak[0].min()), value.dtype)
         return ""
 
     def _softmax(self, tag: Any, x: torch.Tensor, dim: int) -> Positions:
@@ -401,7 +405,7 @@ class _Prover(LayoutRules, fx.Interpreter):
                     "attention's mask reads the slice's own positions along its key dim (a key-padding mask made from "
                     "the inputs, say), where a slice's keys are those of every slice up to it"
                 )
-        hidden = ~mask if mask.dtype == torch.bool else mask <= _HIDDEN  # -inf, or a finite fill softmax gives 0 (finfo.min)
+        hidden = ~mask if mask.dtype == torch.bool else mask <= hidden_below(mask.dtype)  # -inf, or a fill no score outweighs (finfo.min)
         if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
             raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
         assert self.node is not None
@@ -425,7 +429,36 @@ _KNOWN_FORMS = {
     "einsum": " (write it with matmul, or as a broadcast product: positions[:, None] * frequencies[None, :])",
 }
 
-_HIDDEN = -1e4  # a score this far below any other has a softmax weight of exactly 0 (exp underflows)
+# A key hidden by a finite number has a softmax weight of exactly 0 (exp underflows) only while no
+# score is that far above another. -1e9 and torch.finfo(dtype).min are far beyond any score a
+# model makes; GPT-2's and BERT's -1e4 is not (attention logits grow to tens of thousands in long
+# training): a key it hides would then get weight in the plain model, and no slice can see it.
+_HIDDEN = -1e9
+_MEANT_TO_HIDE = -1e3  # a fill this low is a mask, where it is too weak to be one, said so
+
+
+def hidden_below(dtype: torch.dtype) -> float:
+    """The highest finite fill that hides a key: -1e9, or the dtype's lowest (float16's -65504)."""
+    return max(_HIDDEN, torch.finfo(dtype).min) if dtype.is_floating_point else _HIDDEN
+
+
+def _filled(fill: float, dtype: torch.dtype) -> str:
+    """What a fill of the future keys makes of the scores: hidden where no score outweighs it;
+    refused where it is a mask too weak to be one; else nothing."""
+    if fill <= hidden_below(dtype):
+        return MINUS_INF
+    if fill <= _MEANT_TO_HIDE:
+        _refuse_finite_mask(fill, dtype)
+    return ""
+
+
+def _refuse_finite_mask(fill: float, dtype: torch.dtype) -> None:
+    raise Refused(
+        f"attention's mask hides later keys with {fill:g}, a finite number that a score {-fill:g} above another "
+        "outweighs: the plain model then gives those keys weight (it reads the future), where a slice cannot see "
+        f"them. Mask with float('-inf') or torch.finfo(scores.dtype).min ({torch.finfo(dtype).min:g}) instead "
+        "(GPT-2's w * b - 1e4 * (1 - b): w.masked_fill(b == 0, torch.finfo(w.dtype).min))"
+    )
 
 
 def _mask_side(key: Any, node: fx.Node, args: tuple[Any, ...]) -> list[Any]:

@@ -738,12 +738,13 @@ def test_a_value_holding_the_sequence_along_two_dims_is_refused_saying_so(kind: 
 
 
 class _Gpt2Mask(nn.Module):
-    """Scores masked as OpenAI's GPT-2 code does, w * b - 1e4 * (1 - b) (the future's scores are
-    -1e4), or with the sign turned, which raises the future's scores instead."""
+    """Scores masked as OpenAI's GPT-2 code does, w * b - hide * (1 - b) with hide 1e4 (the
+    future's scores are -1e4), or with the sign turned, which raises the future's scores
+    instead; or with a hide no score outweighs (torch.finfo(w.dtype).max)."""
 
-    def __init__(self, sign: float) -> None:
+    def __init__(self, sign: float, hide: float = 1e4) -> None:
         super().__init__()
-        self.sign, self.tok, self.qkv, self.head = sign, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
+        self.sign, self.hide, self.tok, self.qkv, self.head = sign, hide, nn.Embedding(VOCAB, 16), nn.Linear(16, 48), nn.Linear(16, VOCAB)
         self.bias: torch.Tensor
         self.register_buffer("bias", torch.ones(32, 32).tril().view(1, 1, 32, 32))
 
@@ -753,17 +754,22 @@ class _Gpt2Mask(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, 2, 8).permute(2, 0, 3, 1, 4)
         w = q @ k.transpose(-2, -1) / 8**0.5
         kept = self.bias[:, :, :t, :t]
-        w = w * kept - self.sign * 1e4 * (1 - kept)
+        w = w * kept - self.sign * self.hide * (1 - kept)
         return self.head(x + (w.softmax(-1) @ v).transpose(1, 2).reshape(b, t, 16))
 
 
-def test_gpt_2_s_own_mask_is_proved_causal_and_one_that_raises_the_future_is_refused() -> None:
-    """Before, GPT-2's form was refused as bidirectional attention (a subtracted 1e4 was not read
-    as hiding the future), and the sign turned was taken for a mask."""
+def test_gpt_2_s_mask_with_a_hide_no_score_outweighs_is_proved_causal_and_with_1e4_is_refused() -> None:
+    """GPT-2's own -1e4 hides a later key only while no score is 1e4 above another: a call whose
+    scores spread that far had the plain model read the future, and the slices gave 1.6 apart,
+    with no error. It is refused, naming the fix; the form with a hide no score outweighs proves
+    causal. (Before that, GPT-2's form was refused as bidirectional attention, and the sign
+    turned was taken for a mask.)"""
     torch.manual_seed(0)
-    model, reference = twin(_Gpt2Mask(sign=1.0))
+    model, reference = twin(_Gpt2Mask(sign=1.0, hide=torch.finfo(torch.float64).max))
     pipe = compile_pipeline(model, tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
     assert_call_and_grads_equal(pipe, reference, tokens(2, 12))
+    with pytest.raises(CausalityError, match=r"hides later keys with -10000, a finite number that a score 10000 above another outweighs.*torch.finfo"):
+        compile_pipeline(_Gpt2Mask(sign=1.0).double(), tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
     with pytest.raises(CausalityError, match="not masked causally"):
         compile_pipeline(_Gpt2Mask(sign=-1.0).double(), tokens(2, 12), ["cpu", "cpu"], sequence_chunks=3)
 
