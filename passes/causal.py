@@ -286,8 +286,13 @@ class _Prover(LayoutRules, fx.Interpreter):
         if key in SCALES:
             others = [o for o, t in operands if t is not first]
             # 0 times anything is 0; 0 divided by something, but nothing divided by 0.
-            zeros = operands if key in (operator.mul, torch.mul, "mul") else operands[:1]
+            multiplied = key in (operator.mul, torch.mul, "mul")
+            zeros = operands if multiplied else operands[:1]
             if any(isinstance(t, Positions) and t.masked == ZERO for _, t in zeros):
+                return ZERO
+            # Scores times a mask that is 0 wherever the key follows the query (a tril buffer
+            # narrowed to the length): linear attention, summed over keys with no softmax.
+            if multiplied and any(isinstance(o, torch.Tensor) and future_all(o == 0, value.shape, q, k) for o in others):
                 return ZERO
             return before if before == MINUS_INF and all(isinstance(o, (int, float)) and o > 0 for o in others) else ""
         if key in SHIFTS:

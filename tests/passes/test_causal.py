@@ -194,6 +194,33 @@ def test_a_loss_computed_in_forward_is_refused_saying_to_give_it_as_loss_fn() ->
         prove_causal(trace(Wrapped(lambda m, h, idx: h + h.flatten(0, 1).sum())), (tokens(),))
 
 
+class _LinearAttention(nn.Module):
+    """Attention with no softmax: scores times a tril buffer narrowed to the length, summed over
+    keys (or, `turned`, times its transpose, which keeps the later keys)."""
+
+    def __init__(self, turned: bool = False) -> None:
+        super().__init__()
+        self.gpt, self.turned = SdpaGPT(layers=1), turned
+        self.tril: torch.Tensor
+        self.register_buffer("tril", torch.ones(BLOCK, BLOCK).tril())
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.gpt(idx)
+        t = idx.size(1)
+        mask = self.tril[:t, :t]
+        return (h @ h.transpose(1, 2) * (mask.T if self.turned else mask)) @ h + h
+
+
+def test_scores_times_a_mask_of_zeros_after_the_query_are_causal_and_times_its_transpose_are_refused() -> None:
+    """Before, linear attention masked by a multiplication was refused as 'not masked causally'."""
+    torch.manual_seed(0)
+    model, x = _LinearAttention().double(), tokens()
+    sliced, proof = _sliced(model, x)
+    torch.testing.assert_close(run_in_slices(sliced, proof, (x,), [5, 3, 4]), model(x), rtol=0, atol=1e-10)
+    with pytest.raises(CausalityError, match="not masked causally"):
+        prove_causal(trace(_LinearAttention(turned=True)), (x,))
+
+
 def test_attention_given_a_mask_that_reads_later_keys_is_refused() -> None:
     with pytest.raises(CausalityError, match="lets a query read keys after it"):
         prove_causal(trace(MaskedSdpaGPT("everything")), (tokens(),))
