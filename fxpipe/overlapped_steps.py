@@ -35,7 +35,7 @@ from fxpipe.core.hooks import gradient_hooks, steps_after_accumulating
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import default_generator_held, generator_put_back_on_error
 from fxpipe.core.wording import listed
-from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, summed_tied, tied_parts
+from fxpipe.distributed.loop_ranks import LoopRanks, TiedSums, read_or_failed, summed_tied, tied_parts
 from fxpipe.distributed.rank_call import call_signature, first_line
 from fxpipe.guards import refuse_without_gradients
 from fxpipe.loop_changes import ModelAsFound
@@ -105,7 +105,13 @@ class _Overlap:
         here = self.here
         self.local = list(range(self.layout.stages)) if here is None else here
         self.versions = Versions(self.program, optimizer, steps.WAIT_TIMEOUT, here)  # read now: tests bound it
-        self._take_the_model()
+        self.refused: Optional[BaseException] = None  # across processes, said at the first meeting (`next_batch`)
+        try:
+            self._take_the_model()
+        except Exception as error:  # (a parameter replaced on this rank alone): every rank raises it at once
+            if self.ranks is None:
+                raise
+            self.refused = error
         self.workers = pipe._workers if here is None else Workers([self.program.stages[here[0]].device], name="fxpipe-2bw")
         self.steps: dict[int, _InFlight] = {}
         self.updates: dict[int, TaskGroup] = {}
@@ -149,6 +155,8 @@ class _Overlap:
         index, started, failure = self.read, None, None
         with generator_put_back_on_error():  # a batch refused leaves it as it was (its step drew a seed)
             try:
+                if self.refused is not None:
+                    raise self.refused
                 refuse_without_gradients(index)  # (the loop may be iterated under another grad mode than it began in)
                 if index == 0 and self.ranks is not None:  # every rank refuses at once (in one process, when the loop is made)
                     refuse_where_steps_cannot_overlap(self.pipe, self.optimizer)
@@ -166,7 +174,7 @@ class _Overlap:
                     raise
                 failure = error
             if self.ranks is not None:
-                said = "failed" if failure is not None else "end" if started is None else "batch"
+                said = read_or_failed("end" if started is None else "batch", failure)
                 kind = f"train_steps, schedule='2bw', reduction={self.reduction!r}"
                 signature = None if started is None else call_signature(self.ranks.host, started.call, kind, started.target, started.step.seed)
                 self.ranks.start(index, said, signature, failure)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 import torch
 
 from fxpipe.compiled.placement import RankPlacement
-from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank
+from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank, read_or_failed
 from fxpipe.distributed.ranks import LOOP_LATE, gathered
 from fxpipe.guards import refuse_own_hooks, refuse_without_gradients
 from fxpipe.overlapped_steps import overlapped_steps, refuse_where_steps_cannot_overlap
@@ -145,7 +145,7 @@ def _next_batch(source: Iterator[Any], index: int, placement: Optional[RankPlace
             failure = error
             error.add_note(f"train_steps: the batches raised before batch {index}; {as_before(index)}.")
     if placement is not None:
-        said = "failed" if failure is not None else "end" if batch is _END else "batch"
+        said = read_or_failed("end" if batch is _END else "batch", failure)
         agree_on_the_next_batch(gathered(said, placement, f"train_steps' batch {index}", LOOP_LATE), index, failure)
     if failure is not None:
         raise failure

@@ -671,6 +671,14 @@ def calls_that_differ(rank: int, world: int) -> dict[str, Any]:
     odd["another reduction"] = lambda: pipe.train_step(x, target=y, loss_fn=_summed if last else F.mse_loss, reduction="sum" if last else "mean")
     odd["tied copies apart, forward"] = lambda: _under(torch.no_grad(), lambda: apart(x))
     odd["tied copies apart, step"] = lambda: apart.train_step(x, target=y, loss_fn=F.mse_loss)
+    for how, change in (("two values swapped", lambda w: w[[0, 2], [1, 3]].flip(0)), ("1e-9 apart", lambda w: w[[0, 2], [1, 3]] + 1e-9)):
+        torch.manual_seed(0)
+        held = TiedEnds().double()
+        if last:  # the same sums and squares, or all but equal: the copies still differ
+            with torch.no_grad():
+                held.a.weight[[0, 2], [1, 3]] = change(held.a.weight)
+        near = compile_pipeline(held, x, mesh=mesh, chunks=2, split_points=["b"], timeout=20)
+        odd[f"tied copies {how}, step"] = functools.partial(near.train_step, x, target=y, loss_fn=F.mse_loss)
     torch.manual_seed(0)
     drops = compile_pipeline(nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 6)).double(), x, mesh=mesh, chunks=2, split_points=["2"], timeout=20)
     odd["eval on one rank, a model that draws"] = lambda: _in_mode(drops, not last, lambda: drops.train_step(x, target=y, loss_fn=F.mse_loss))
@@ -1694,6 +1702,26 @@ def a_loss_that_draws(rank: int, world: int, whole: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def out_of_step(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 breaks out of a 1f1b loop after two losses and starts another, where rank 1 goes on
+    with the first: rank 0's next batch meets rank 1's batch 2."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, dtype=torch.float64, generator=g), torch.randn(8, 6, dtype=torch.float64, generator=g)) for _ in range(4)]
+    pipe = compile_pipeline(model, batches[0][0], mesh=mesh, chunks=2, schedule="1f1b", timeout=30)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    try:
+        for given, _ in enumerate(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt), 1):
+            if given == 2 and rank == 0:
+                break
+        list(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=opt))
+    except RuntimeError as e:
+        return dict(error=f"{type(e).__name__}: {e}")
+    return dict(error="")
+
+
 def looped(rank: int, world: int) -> dict[str, Any]:
     """pipe.train_steps across processes under 1f1b: the plain loop's losses and parameters on
     every rank (tied weights included); batches that end early on one rank, or raise there,
@@ -1858,10 +1886,11 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
     """Rank 0's batches raise before batch 3, or rank 1's batch 3 differs, or the last stage
     raises on batch 3 (one of its inputs out of range), or the last rank's `after_backward`
     raises on batch 2, or the last rank's batch 3 holds half the samples, or the last rank froze
-    its copy of the tied weight, or is in eval mode, or rank 0 alone holds a forward hook; or every
-    rank breaks out of the loop after three losses."""
+    its copy of the tied weight, or is in eval mode, or rank 0 alone holds a forward hook, or the
+    last rank replaced a parameter since compiling; or every rank breaks out of the loop after
+    three losses."""
     found: dict[str, Any] = {}
-    for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked"):
+    for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked", "replaced"):
         torch.manual_seed(0)
         model = (_FussyTied() if how == "stage" else TiedEnds()).double()
         reference = copy.deepcopy(model)
@@ -1874,6 +1903,9 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
             dict(pipe.named_parameters())["a.weight"].requires_grad_(False)  # the tied weight, on one rank only
         if how == "eval" and rank == world - 1:
             pipe.eval()
+        kept_bias = model.a.bias
+        if how == "replaced" and rank == world - 1:
+            model.a.bias = nn.Parameter(kept_bias.detach().clone())
 
         def given() -> Any:
             yield from batches[:3]
@@ -1886,6 +1918,7 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
 
         losses: list[float] = []
         hook = (lambda: _raise_on(len(losses) == 2 and rank == world - 1)) if how == "hook" else None
+        started = time.perf_counter()
         try:
             for loss in pipe.train_steps(given(), loss_fn=F.mse_loss, optimizer=make(pipe.parameters()), after_backward=hook):
                 losses.append(float(loss))
@@ -1894,11 +1927,13 @@ def _2bw_failures(rank: int, world: int, mesh: Any, batches: list[tuple[Any, Any
             error = ""
         except (OSError, RuntimeError, StageError, ValueError) as e:
             error = f"{type(e).__name__}: {e} | {' '.join(getattr(e, '__notes__', []))}"
+        seconds = time.perf_counter() - started
         if how == "frozen":
             dict(pipe.named_parameters())["a.weight"].requires_grad_(True)
+        model.a.bias = kept_bias
         pipe.train()
         _plain_2bw(reference, batches[: len(losses)], make, F.mse_loss)  # the updates of the losses given
-        found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference))
+        found[how] = dict(error=error, given=len(losses), params=_held_here(pipe, reference), seconds=seconds)
         if how == "hooked":
             continue  # (its hook stays on one rank: every step is refused alike)
         # and the pipeline goes on: a synchronous step after the failed loop, as the plain model's

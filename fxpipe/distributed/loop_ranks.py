@@ -47,21 +47,27 @@ def as_before(index: int) -> str:
 OVERLAPPED = "the parameters hold the updates of the batches whose losses were given (the loop's note says which)"
 
 
+def read_or_failed(said: str, failure: Optional[BaseException]) -> str:
+    """What a rank says of the batch it read: "batch", "end", or "failed: " and its error's first line."""
+    return said if failure is None else f"failed: {first_line(failure)}"
+
+
 def agree_on_the_next_batch(said: list[str], index: int, failure: Optional[BaseException], held: str = "") -> None:
-    """What every rank said of its batch `index` ("batch", "end" or "failed", in rank order):
-    all a batch, or all the end, or every rank raises, saying what the parameters hold (`held`;
-    by default, a synchronous loop's: the updates of the batches before)."""
-    if failure is not None or len(set(said)) == 1:
+    """What every rank said of its batch `index` ("batch", "end" or "failed: why", in rank
+    order): all a batch, or all the end, or every rank raises, saying what the parameters hold
+    (`held`; by default, a synchronous loop's: the updates of the batches before)."""
+    words = [word.partition(": ")[0] for word in said]
+    if failure is not None or len(set(words)) == 1:
         return
     held = held or as_before(index)
-    failed = [rank for rank, word in enumerate(said) if word == "failed"]
+    failed = [rank for rank, word in enumerate(words) if word == "failed"]
     if failed:
+        why = "; ".join(f"rank {rank}: {said[rank].partition(': ')[2]}" for rank in failed)
         raise RuntimeError(
-            f"train_steps: rank(s) {failed} failed as they read batch {index} (their batches raised, or the loop was refused "
-            f"there: their own error says why); "
-            f"{held} on every rank."
+            f"train_steps: rank(s) {failed} failed as they read batch {index} ({why}: their batches raised, or the loop "
+            f"was refused there); {held} on every rank."
         )
-    ended = [rank for rank, word in enumerate(said) if word == "end"]
+    ended = [rank for rank, word in enumerate(words) if word == "end"]
     raise ValueError(
         f"train_steps: the batches of rank(s) {ended} ended after {index} batches, where the other ranks' went on; "
         f"{held} on every rank.\nHow to fix: give every rank the same batches (each rank's stages "

@@ -128,16 +128,20 @@ def gathered(value: Any, placement: RankPlacement, what: str, late: str = COMPIL
     sent its own within the timeout (`what`: the exchange, and `late`: why a rank may be missing
     from it, for the message)."""
     data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
-    # One exchange of a fixed size carries every rank's size, and its value where every value
-    # fits (the loop's meetings, several per batch); a larger one takes a second, of the largest.
-    first = torch.zeros(8 + _ONE_EXCHANGE, dtype=torch.uint8)
+    # One exchange of a fixed size carries every rank's size and what it meets for, and its value
+    # where every value fits (the loop's meetings, several per batch); a larger one takes a
+    # second, of the largest.
+    first = torch.zeros(_HEAD + _ONE_EXCHANGE, dtype=torch.uint8)
     first[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+    named = what.encode()[: _HEAD - 8]
+    first[8 : 8 + len(named)] = torch.frombuffer(bytearray(named), dtype=torch.uint8)
     if data.numel() <= _ONE_EXCHANGE:
-        first[8 : 8 + data.numel()] = data
+        first[_HEAD : _HEAD + data.numel()] = data
     heads = [part.cpu() for part in _all_gathered(first, placement, what, late)]
+    _refuse_ranks_out_of_step([bytes(head[8:_HEAD].numpy()).rstrip(b"\0").decode(errors="replace") for head in heads])
     sizes = [int(head[:8].view(torch.int64)) for head in heads]
     if max(sizes) <= _ONE_EXCHANGE:
-        return [pickle.loads(head[8 : 8 + n].numpy().tobytes()) for head, n in zip(heads, sizes)]
+        return [pickle.loads(head[_HEAD : _HEAD + n].numpy().tobytes()) for head, n in zip(heads, sizes)]
     padded = torch.zeros(max(sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     parts = _all_gathered(padded, placement, what, late)
@@ -145,6 +149,22 @@ def gathered(value: Any, placement: RankPlacement, what: str, late: str = COMPIL
 
 
 _ONE_EXCHANGE = 4096  # bytes of a value that travels with its size
+_HEAD = 8 + 192  # its size, and what the exchange is for (its first bytes)
+
+
+def _refuse_ranks_out_of_step(meetings: list[str]) -> None:
+    """Every rank in the same exchange, or every rank raises, naming where each is: an exchange
+    paired with another (a rank that broke out of a loop the others went on with, or that
+    called again after a timeout) would hand each rank values of another kind."""
+    if len(set(meetings)) == 1:
+        return
+    where = "; ".join(f"rank {rank}: {meeting}" for rank, meeting in enumerate(meetings))
+    raise RuntimeError(
+        f"the ranks are out of step, each at another exchange ({where}): a rank stopped a loop or a call that the "
+        "others went on with (a break or an error on one rank, a timeout), and they no longer meet at the same points."
+        "\nHow to fix: restart every process (a process group out of step cannot be put back in step); end a "
+        "train_steps loop on every rank alike (break on every rank, or close() it on every rank)."
+    )
 
 
 def _all_gathered(tensor: torch.Tensor, placement: RankPlacement, what: str, late: str) -> list[torch.Tensor]:

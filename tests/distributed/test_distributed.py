@@ -208,7 +208,8 @@ def test_a_call_that_differs_or_is_refused_on_one_rank_is_refused_on_every_rank(
         message, _ = report["another pipeline on one rank"]  # each rank waited for the whole timeout
         assert "the ranks called different pipelines" in message and "the one compiled" in message, message
         assert "compiled 1st" in message and "compiled 2nd" in message and "same order on every rank" in message, message
-        for what in ("tied copies apart, forward", "tied copies apart, step"):
+        # (before, two values swapped or one 1e-9 apart went through, 1.2e-2 and 1.2e-10 from the plain model)
+        for what in ("tied copies apart, forward", "tied copies apart, step", "tied copies two values swapped, step", "tied copies 1e-9 apart, step"):
             message, _ = report[what]
             assert "the copies of a tied parameter differ" in message and "'a.weight', held on ranks [0, 1]" in message, (what, message)
         calls = ["a target refused on one rank", "another batch size", "no_grad on one rank", "eval on one rank", "eval on one rank, a model that draws",
@@ -586,6 +587,15 @@ def test_train_steps_across_processes_is_the_plain_loop_and_the_ranks_end_togeth
         assert report["moved"], "the three batches before the failure were trained"
 
 
+def test_ranks_at_different_exchanges_say_they_are_out_of_step() -> None:
+    """Before, rank 0's next loop paired with rank 1's batch 2 and each read the other's values
+    as its own kind ('too many values to unpack' in compile_pipeline, 'unhashable type' in the
+    loop, or a batch 0 compared with a batch 2 as 'called differently')."""
+    for report in results_of(spawn_ranks(cases.out_of_step, 2, timeout=120)):
+        assert "the ranks are out of step, each at another exchange (rank 0: train_steps' batch 0; rank 1: train_steps' batch 2)" in report["error"], report
+        assert "How to fix: restart every process" in report["error"], report
+
+
 def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_every_rank_at_one_version() -> None:
     for rank, report in enumerate(results_of(spawn_ranks(cases.looped_2bw, 2, timeout=300))):
         for case in report["exact"]:
@@ -595,11 +605,15 @@ def test_2bw_across_processes_is_the_delayed_plain_loop_and_a_failure_stops_ever
         for dropout in (report["dropout"], report["autocast"]):
             assert dropout["losses"] == pytest.approx(dropout["expected"], rel=0, abs=1e-12), (rank, dropout)
             assert dropout["params"] and max(dropout["params"].values()) <= 1e-12 and dropout["generator"], (rank, dropout)
-        raised, differed, stage, hook, smaller, broke, frozen, evaluating, hooked = (
-            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked")
+        raised, differed, stage, hook, smaller, broke, frozen, evaluating, hooked, replaced = (
+            report["failed"][how] for how in ("raises", "differs", "stage", "hook", "smaller", "break", "frozen", "eval", "hooked", "replaced")
         )
         # a loop refused on one rank (eval mode) or whose ranks draw apart (a hook on one rank): every rank at once
         assert evaluating["given"] == 0 and ("cannot run in eval mode" if rank == 1 else "rank(s) [1] failed as they read batch 0") in evaluating["error"], (rank, evaluating)
+        # so is one refused as the loop is made (a parameter replaced on one rank): before, the
+        # other rank waited out the timeout and raised PeerLost
+        assert replaced["given"] == 0 and "replaced: a.bias" in replaced["error"] and replaced["seconds"] < 20, (rank, replaced)
+        assert rank == 1 or "rank(s) [1] failed as they read batch 0 (rank 1: RuntimeError: parameters or buffers" in replaced["error"], replaced
         assert hooked["given"] == 0 and "stages of rank(s) [0] may draw random numbers and those of rank(s) [1] may not" in hooked["error"], (rank, hooked)
         assert raised["given"] == differed["given"] == 2, (rank, report["failed"])  # losses of batches 0 and 1
         assert "2 losses were given" in raised["error"], (rank, raised)
