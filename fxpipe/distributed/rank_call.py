@@ -222,7 +222,7 @@ def _odd_ranks(name: str, digests: dict[int, Any]) -> str:
     return f"data of {name}: rank(s) {sorted(set(digests) - set(most))} differ from rank(s) {most}"
 
 
-Fingerprint = tuple[str, float, float, float]  # the copy's device type, and its sums (`tied_fingerprints`)
+Fingerprint = tuple[str, int, float, float, float]  # the copy's device type, its sample's size and sums (`tied_fingerprints`)
 
 
 def refuse_tied_copies_that_differ(tied: dict[int, dict[str, Fingerprint]], after: Optional[int] = None) -> None:
@@ -238,7 +238,8 @@ def refuse_tied_copies_that_differ(tied: dict[int, dict[str, Fingerprint]], afte
         # sample alone may differ in their last bits, with the threads that added them); on
         # several, each kind's arithmetic rounds the updates its own way.
         close = 1e-12 if len({device for device, *_ in values.values()}) == 1 else 1e-6
-        if not all(math.isclose(a, b, rel_tol=close, abs_tol=1e-300) for v in values.values() for a, b in zip(first[1:], v[1:])):
+        scale = math.sqrt(first[1] * first[3])  # at least the sum of the sample's magnitudes (a sum may cancel to near 0)
+        if not all(math.isclose(a, b, rel_tol=close, abs_tol=close * scale) for v in values.values() for a, b in zip(first[1:], v[1:])):
             differ.append(f"{name!r}, held on ranks {sorted(values)}")
     if not differ:
         return
@@ -339,7 +340,7 @@ def tied_fingerprints(pipe: Host, program: Program) -> dict[str, Fingerprint]:
             sample = flat[:: max(1, flat.numel() // 65536)].double()
             weights = torch.arange(sample.numel(), dtype=torch.float64, device=sample.device).mul_(0.6180339887).frac_().add_(0.5)
             found[names.get(id(p), "a tied parameter")] = (
-                p.device.type, float(sample.sum()), float(sample.square().sum()), float(sample.mul(weights).sum()),
+                p.device.type, sample.numel(), float(sample.sum()), float(sample.square().sum()), float(sample.mul(weights).sum()),
             )
     return found
 
