@@ -95,12 +95,11 @@ class SlotWatch:
     assigned it while the stages ran (`module.weight = nn.Parameter(...)` between two losses).
 
     Between two losses the caller's thread reads each slot, while the stages put their own
-    tensors in and take them out. A slot holding neither the model's tensor nor the one a stage
-    put there was assigned; one assigned before a stage went in is what that stage finds there:
+    tensors (V) in and take them out; W is the model's tensor, N the one the caller assigned:
 
-        caller assigns N    stage enters    caller reads    stage leaves
-        slot: W -> N        finds N (noted)  slot: V (put)   puts N back
-        slot: V -> N        (held since before the assignment: the caller reads N, not V)
+        the caller assigns N    a stage                        the caller's check reads
+        while no stage holds    enters, finds N: noted         V, the stage's (N noted)
+        while a stage holds V   leaves, finds N: keeps it      N: neither W nor V, noted
     """
 
     def __init__(self, held: HeldState) -> None:
