@@ -40,7 +40,9 @@ def train(
     p.add_argument("--devices", nargs="+", default=default_devices())
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--svg", default=svg)
-    p.add_argument("--schedule", default="1f1b", help="what --distributed trains with (pipe.train_step)")
+    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"),
+                   help="what --distributed trains with (pipe.train_step); in one process the examples train with "
+                        "pipe(x) and loss.backward(), which run GPipe")  # fmt: skip
     p.add_argument("--distributed", action="store_true",
                    help="one stage per process, under torchrun: gloo on CPUs, NCCL on GPUs")  # fmt: skip
     args = p.parse_args(argv)

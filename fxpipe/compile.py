@@ -399,6 +399,7 @@ def compile_pipeline(
         length = example_length(slicing, bound)
         count_carries(plan.stages, runs, slicing, length)
         plan.notes.append(slices_note(slicing, sequence_dim, length, plan.stages))
+    _say_batch_norm_per_micro_batch(model, chunks, deferred_batch_norm, plan)
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
@@ -448,6 +449,26 @@ def compile_pipeline(
         )  # fmt: skip
         pipe.__dict__["_recompile"] = functools.partial(_compiled_for_call, options)
     return pipe
+
+
+def _say_batch_norm_per_micro_batch(model: nn.Module, chunks: int, deferred: bool, plan: Plan) -> None:
+    """BatchNorm in training mode normalises each micro-batch by its own statistics, as in every
+    GPipe: said once at compile (a warning, and a note of the plan), since the outputs and the
+    gradients then differ from the plain model's on the whole batch."""
+    norms = [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    if chunks < 2 or not norms:
+        return
+    said = (
+        f"BatchNorm in training mode ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) normalises each of the "
+        f"chunks={chunks} micro-batches by its own statistics, as in every GPipe: the outputs and gradients differ from "
+        "the plain model's on the whole batch"
+        + (" (deferred_batch_norm=True keeps the whole batch's running statistics, not its normalisation)" if deferred else "")
+        + ". For the plain model's numbers: GroupNorm or LayerNorm, or chunks=1"
+        + ("" if deferred else "; deferred_batch_norm=True keeps the running statistics of the whole batch")
+        + "."
+    )
+    plan.notes.append(said)
+    warnings.warn(said, stacklevel=caller_stacklevel())
 
 
 def _micro_batches_planned(chunks: int, batch: Optional[int], schedule: str, devices: int) -> int:

@@ -29,11 +29,30 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
+            raise _unbound(signature, error, kwargs) from None
         bound.apply_defaults()
         return {names[key]: value for key, value in bound.arguments.items()}
 
     return bind
+
+
+# compile_pipeline's options, which a call given one of them (train_step(..., schedule="1f1b")) is told of.
+_OPTIONS = frozenset({
+    "devices", "chunks", "checkpoint", "schedule", "split_points", "balance", "leaf_modules", "chunk_spec",
+    "deferred_batch_norm", "stages_per_device", "compile_stages", "stage_graph", "sequence_chunks", "sequence_dim",
+})  # fmt: skip
+
+
+def _unbound(signature: inspect.Signature, error: TypeError, kwargs: dict[str, Any]) -> TypeError:
+    """A call the model's forward does not take, saying where an option of compiling went."""
+    options = sorted(set(kwargs) & _OPTIONS - set(signature.parameters))
+    one = len(options) == 1
+    fix = (
+        f"\nHow to fix: {', '.join(f'{o}=' for o in options)} {'is an option' if one else 'are options'} of compile_pipeline, "
+        f"set once for the pipeline: compile it with {'that' if one else 'those'} (a pipeline per setting)."
+        if options else ""
+    )
+    return TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}{fix}")
 
 
 def none_as_traced(bind: Binder, traced: dict[str, Any], gm: fx.GraphModule) -> Binder:
@@ -122,7 +141,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(f"the pipeline takes the traced model's arguments {signature}: {error}") from None
+            raise _unbound(signature, error, kwargs) from None
         args, kwargs = _laid_out(bound, positional) or (args, kwargs)
         if set(kwargs) == set(order):  # keywords in another order are the same call
             kwargs = {key: kwargs[key] for key in order}

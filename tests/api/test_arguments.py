@@ -449,3 +449,13 @@ def test_a_tensor_class_that_overrides_torch_function_is_refused_naming_it() -> 
     plain = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
     plain.kept = nn.Buffer(torch.zeros(2))  # torch's own tensor classes are not refused
     assert compile_pipeline(plain, X, ["cpu"]).plan is not None
+
+
+def test_an_option_of_compiling_given_to_a_call_is_said_to_belong_to_compile_pipeline() -> None:
+    """Before, train_step(..., schedule='1f1b') said only 'got an unexpected keyword argument'."""
+    x = torch.randn(8, 4)
+    pipe = compile_pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), x, ["cpu", "cpu"], chunks=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'schedule'\nHow to fix: schedule= is an option of compile_pipeline"):
+        pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss, schedule="1f1b")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'chunks'\nHow to fix: chunks= is an option of compile_pipeline"):
+        pipe(x, chunks=4)
