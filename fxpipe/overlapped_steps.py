@@ -129,9 +129,9 @@ class _Overlap:
         # micro-batch and once more, and state it keeps is refused (fxpipe/runtime/loss_state.py).
         self.loss_state = LossStateKept(loss_fn, calls=calls_of_loss_fn(pipe._chunks))
         # The gradients the last batch's update will step on, as `after_backward` left them:
-        # each parameter's `.grad`, its version and its memory (`.grad.data = ...` swaps it).
-        self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], tuple[int, int]]] = []
-        self.params_held: list[tuple[torch.nn.Parameter, int]] = []  # and each parameter's version then
+        # each parameter's `.grad`, the gradient's version and memory (`.grad.data = ...` swaps
+        # it), and the parameter's own version (no update runs before the caller's code ends).
+        self.grads_held: list[tuple[torch.nn.Parameter, Optional[torch.Tensor], tuple[int, int], int]] = []
         self.checked = -1  # the last batch whose update `after_the_callers_code` held what it steps on for
 
     def _take_the_model(self) -> None:
@@ -339,8 +339,7 @@ class _Overlap:
             if after_backward is not None:
                 self._run_hook(after_backward, f"in after_backward of batch {index}")
             self.versions.hold_settings(index)  # the optimizer as a synchronous loop would step it now
-            self.grads_held = [(p, p.grad, _grad_state(p.grad)) for p in dict.fromkeys(self.program.parameters)]
-            self.params_held = [(p, p._version) for p in dict.fromkeys(self.program.parameters)]  # (no update runs till `ready`)
+            self.grads_held = [(p, p.grad, _grad_state(p.grad), p._version) for p in dict.fromkeys(self.program.parameters)]
         except BaseException as error:  # noqa: BLE001 - raised below (across processes, once the others know)
             failure = error
         if self.ranks is not None:
@@ -444,11 +443,11 @@ class _Overlap:
         """The last batch's gradients put back where the caller's code set them to None or
         replaced them; the parameters whose gradient it wrote in place, whose optimizer state
         it changed, and that it wrote in place itself, which the update cannot be kept from."""
-        written = [self.found.names.get(id(p), "?") for p, grad, state in self.grads_held if _grad_state(grad) != state]
-        for p, grad, _ in self.grads_held:
+        written = [self.found.names.get(id(p), "?") for p, grad, state, _ in self.grads_held if _grad_state(grad) != state]
+        for p, grad, *_ in self.grads_held:
             if p.grad is not grad:
                 p.grad = grad
-        params = [self.found.names.get(id(p), "?") for p, version in self.params_held if p._version != version]
+        params = [self.found.names.get(id(p), "?") for p, *_, version in self.grads_held if p._version != version]
         return written, [self.found.names.get(id(p), "?") for p in self.versions.state_changed()], params
 
     def _settled(self, index: int, flight: _InFlight, after_step: Hook) -> None:

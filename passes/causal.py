@@ -305,7 +305,7 @@ class _Prover(LayoutRules, fx.Interpreter):
             # subtracted, a fill that large the other way (GPT-2's w * b - 1e4 * (1 - b))
             shifts = [-o if subtracted and isinstance(o, torch.Tensor) else o for o, t in operands if t is not first]
             biases = [o for o in shifts if isinstance(o, torch.Tensor) and o.is_floating_point()]
-            if any(future_all(o <= hidden_below(o.dtype), value.shape, q, k) for o in biases):
+            if any(future_all(o <= _hidden_below(o.dtype), value.shape, q, k) for o in biases):
                 return MINUS_INF
             weak = [o for o in biases if future_all(o <= _MEANT_TO_HIDE, value.shape, q, k)]
             if weak:
@@ -410,7 +410,7 @@ class _Prover(LayoutRules, fx.Interpreter):
                     "attention's mask reads the slice's own positions along its key dim (a key-padding mask made from "
                     "the inputs, say), where a slice's keys are those of every slice up to it"
                 )
-        hidden = ~mask if mask.dtype == torch.bool else mask <= hidden_below(mask.dtype)  # -inf, or a fill no score outweighs (finfo.min)
+        hidden = ~mask if mask.dtype == torch.bool else mask <= _hidden_below(mask.dtype)  # -inf, or a fill no score outweighs (finfo.min)
         if mask.dim() < 2 or not future_all(hidden, hidden.shape, hidden.dim() - 2, hidden.dim() - 1):
             raise Refused("attention's mask lets a query read keys after it (a mask that is not causal): bidirectional attention")
         assert self.node is not None
@@ -442,7 +442,7 @@ _HIDDEN = -1e9
 _MEANT_TO_HIDE = -1e3  # a fill this low is a mask, where it is too weak to be one, said so
 
 
-def hidden_below(dtype: torch.dtype) -> float:
+def _hidden_below(dtype: torch.dtype) -> float:
     """The highest finite fill that hides a key: -1e9, or the dtype's lowest (float16's -65504)."""
     return max(_HIDDEN, torch.finfo(dtype).min) if dtype.is_floating_point else _HIDDEN
 
@@ -450,7 +450,7 @@ def hidden_below(dtype: torch.dtype) -> float:
 def _filled(fill: float, dtype: torch.dtype) -> str:
     """What a fill of the future keys makes of the scores: hidden where no score outweighs it;
     refused where it is a mask too weak to be one; else nothing."""
-    if fill <= hidden_below(dtype):
+    if fill <= _hidden_below(dtype):
         return MINUS_INF
     if fill <= _MEANT_TO_HIDE:
         _refuse_finite_mask(fill, dtype)

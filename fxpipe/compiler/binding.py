@@ -36,16 +36,18 @@ def signature_binder(gm: fx.GraphModule, model: Optional[nn.Module] = None) -> B
     return bind
 
 
-# compile_pipeline's options, which a call given one of them (train_step(..., schedule="1f1b")) is told of.
-_OPTIONS = frozenset({
-    "devices", "chunks", "checkpoint", "schedule", "split_points", "balance", "leaf_modules", "chunk_spec",
-    "deferred_batch_norm", "stages_per_device", "compile_stages", "stage_graph", "sequence_chunks", "sequence_dim",
+# compile_pipeline's options (all its parameters but the model and the example: a test keeps
+# them alike), which a call given one of them (train_step(..., schedule="1f1b")) is told of.
+OPTIONS = frozenset({
+    "devices", "mesh", "timeout", "chunks", "checkpoint", "split_points", "balance", "leaf_modules", "device_memory",
+    "param_scale", "bandwidth", "flop_rate", "chunk_spec", "deferred_batch_norm", "example_kwargs", "schedule",
+    "stages_per_device", "compile_stages", "stage_graph", "sequence_chunks", "sequence_dim",
 })  # fmt: skip
 
 
 def _unbound(signature: inspect.Signature, error: TypeError, kwargs: dict[str, Any]) -> TypeError:
     """A call the model's forward does not take, saying where an option of compiling went."""
-    options = sorted(set(kwargs) & _OPTIONS - set(signature.parameters))
+    options = sorted(set(kwargs) & OPTIONS - set(signature.parameters))
     one = len(options) == 1
     fix = (
         f"\nHow to fix: {', '.join(f'{o}=' for o in options)} {'is an option' if one else 'are options'} of compile_pipeline, "

@@ -71,25 +71,20 @@ class swapped_slots:
         self.swaps, self.watch = swaps, watch
 
     def __enter__(self) -> None:
-        self.originals = [table[attr] for table, attr, _ in self.swaps]
-        if self.watch is None:
-            for table, attr, tensor in self.swaps:
-                table[attr] = tensor
+        if self.watch is not None:
+            self.held = [self.watch.enter(table, attr, tensor) for table, attr, tensor in self.swaps]
             return
-        self.before = []
-        for (table, attr, tensor), original in zip(self.swaps, self.originals):
-            self.before.append(self.watch.entering(table, attr, original, tensor))
+        self.originals = [table[attr] for table, attr, _ in self.swaps]
+        for table, attr, tensor in self.swaps:
             table[attr] = tensor
 
     def __exit__(self, *exc: object) -> None:
-        if self.watch is None:
-            for (table, attr, _), original in zip(reversed(self.swaps), reversed(self.originals)):
-                table[attr] = original
+        if self.watch is not None:
+            for (table, attr, tensor), (found, before) in zip(reversed(self.swaps), reversed(self.held)):
+                self.watch.leave(table, attr, tensor, found, before)
             return
-        for (table, attr, tensor), original, before in zip(reversed(self.swaps), reversed(self.originals), reversed(self.before)):
-            if self.watch.leaving(table, attr, tensor):
-                table[attr] = original
-            self.watch.left(table, attr, before)
+        for (table, attr, _), original in zip(reversed(self.swaps), reversed(self.originals)):
+            table[attr] = original
 
 
 # Above this many entries a dict a module called whole holds is not kept for a recompute: copying

@@ -113,26 +113,24 @@ class SlotWatch:
         self.put: dict[tuple[int, str], torch.Tensor] = {}  # what a stage holds in each slot now
         self.noticed: list[str] = []  # slots a stage found or left assigned
 
-    def entering(self, table: dict[str, Any], key: str, found: Any, tensor: torch.Tensor) -> Optional[torch.Tensor]:
-        """A stage puts `tensor` in the slot, which holds `found`; what the slot's entry was."""
-        slot = (id(table), key)
+    def enter(self, table: dict[str, Any], key: str, tensor: torch.Tensor) -> tuple[Any, Optional[torch.Tensor]]:
+        """A stage puts `tensor` in the slot: what the slot held, and its entry here (an outer hold's)."""
+        slot, found = (id(table), key), table[key]
         if slot in self.model and found is not self.model[slot] and found is not self.put.get(slot):
             self._notice(slot)
         before = self.put.get(slot)
         self.put[slot] = tensor  # before the slot itself: the caller reads the slot first
-        return before
+        table[key] = tensor
+        return found, before
 
-    def leaving(self, table: dict[str, Any], key: str, tensor: torch.Tensor) -> bool:
-        """The stage is done with the slot: whether to put back what it found (not when the
-        caller assigned it meanwhile: that assignment stands, and is noticed)."""
-        kept = table.get(key) is tensor
-        if not kept:
-            self._notice((id(table), key))
-        return kept
-
-    def left(self, table: dict[str, Any], key: str, before: Optional[torch.Tensor]) -> None:
-        """After the slot is put back: its entry as the stage found it (an outer hold's)."""
+    def leave(self, table: dict[str, Any], key: str, tensor: torch.Tensor, found: Any, before: Optional[torch.Tensor]) -> None:
+        """The stage is done with the slot: what it found put back, unless the caller assigned it
+        meanwhile (that assignment stands, and is noticed); then its entry here as it was."""
         slot = (id(table), key)
+        if table.get(key) is tensor:
+            table[key] = found  # before the entry: the caller reads the slot first
+        else:
+            self._notice(slot)
         if before is None:
             self.put.pop(slot, None)
         else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe import PartitionError, compile_pipeline
+from fxpipe.compiler.binding import OPTIONS
 from helpers import FanOut, assert_grads_equal
 
 X = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))  # fixed whatever was imported first
@@ -459,3 +461,4 @@ def test_an_option_of_compiling_given_to_a_call_is_said_to_belong_to_compile_pip
         pipe.train_step(x, target=x, loss_fn=nn.functional.mse_loss, schedule="1f1b")
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'chunks'\nHow to fix: chunks= is an option of compile_pipeline"):
         pipe(x, chunks=4)
+    assert OPTIONS == set(inspect.signature(compile_pipeline).parameters) - {"model", "example"}  # the list the hint reads
