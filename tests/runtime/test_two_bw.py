@@ -972,6 +972,7 @@ def test_a_parameter_assigned_between_two_losses_is_refused_and_stays_assigned(a
     for (name, p), q in zip(model.named_parameters(), expected.parameters()):
         if name != "2.weight":
             torch.testing.assert_close(p, q, rtol=0, atol=1e-10, msg=name)
+    _assert_a_train_step_is_exact(pipe, model, batches[0])  # on the parameter assigned
 
 
 def test_a_recompute_sets_its_modules_flags_inside_the_gate_the_callers_hooks_shut(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1440,6 +1441,7 @@ def test_parameters_written_in_place_between_two_losses_are_refused_and_the_upda
 
     expected, _ = reference_2bw(plain, batches[: after + 1], OPTIMIZERS["sgd-momentum"], after_backward=clamped)
     _assert_parameters_equal(model, expected)
+    _assert_a_train_step_is_exact(pipe, model, batches[0])
 
 
 def test_after_step_sees_the_running_statistics_of_its_own_batch_under_deferred_batch_norm() -> None:
