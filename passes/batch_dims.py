@@ -93,8 +93,9 @@ def annotate_batch_dims(
     """Write `node.meta["batch_dims"]` (a BatchDim per tensor leaf) on each node the graph
     returns; raises ValueError when two parts of the example compute otherwise than the whole
     example. Nothing is written with one micro-batch, or when the graph cannot run on the parts.
-    A graph that `serves_eval` too, whose runs wrote state (so that nothing was compared), is
-    compared in eval mode, where its modules may write none. An example of one sample has no
+    A graph that `serves_eval` too is compared in eval mode as well where its runs wrote state
+    (so that nothing was compared), or where it calls whole a module whose own code may take
+    another path there. An example of one sample has no
     two parts: with `chunks` > 1 it is refused, or, with `defer_one_sample`, nothing is checked and
     False returned (the check is to run on inputs of two samples or more); so too an example
     whose samples are all alike, which nothing could be seen on, and one of two or three samples
@@ -152,13 +153,11 @@ def annotate_batch_dims(
     placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     split = {name for name, value in zip(placeholders, inputs) if _is_split(value, batch, dims)}
     problems, bad = _compared(gm, returned, whole, each, compare, split, annotate=True, real=real, sizes=sizes, reading=reading)
-    if not problems and real and not compare and serves_eval:
+    # Eval mode is compared too where the training runs compared nothing (they wrote state), or
+    # where a module called whole may take another path there (a fast path of its own).
+    if not problems and real and serves_eval and (not compare or _called_whole_may_switch(gm)):
         with _in_eval(gm):
-            written.clear()
-            (whole,) = run_on(gm, [inputs], real, keep=set(returned), written=written, fixed=whole_run.fixed)
-            each = run_on(gm, parts, real, keep=set(returned), fixed=whole_run.fixed)
-            if not _keeps_state(gm, written):
-                problems, bad = _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
+            problems, bad = _compared_in_eval(gm, inputs, parts, returned, whole_run.fixed, split)
             if problems:  # (where it starts, in eval mode too)
                 hint = split_for_their_size(gm, inputs, batch, dims) + nested_fast_paths(gm)
                 raise ValueError(_mixing_message(gm, inputs, parts, chunks, problems, bad, hint))
@@ -259,6 +258,35 @@ def namedtuple_fields(node: fx.Node, leaves: int) -> Optional[list[fx.Node]]:
     given = [*node.args, *(node.kwargs[name] for name in target._fields[len(node.args) :] if name in node.kwargs)]
     fields = [f for f in given if isinstance(f, fx.Node)]
     return fields if len(fields) == len(given) == leaves else None
+
+
+def _compared_in_eval(
+    gm: fx.GraphModule, inputs: tuple[Any, ...], parts: list[tuple[Any, ...]], returned: list[fx.Node], fixed: set[fx.Node], split: set[str],
+) -> tuple[list[str], set[fx.Node]]:
+    """`_compared` on runs in the mode the graph is in (eval); nothing where they write state, or
+    where the model fails in that mode, which its calls there will say."""
+    written: set[str] = set()
+    try:
+        (whole,) = run_on(gm, [inputs], True, keep=set(returned), written=written, fixed=fixed)
+        each = run_on(gm, parts, True, keep=set(returned), fixed=fixed)
+    except Exception:  # noqa: BLE001 - the same call on the model fails alike
+        return [], set()
+    if _keeps_state(gm, written):
+        return [], set()
+    return _compared(gm, returned, whole, each, True, split, annotate=False, mode=" in eval mode")
+
+
+def _called_whole_may_switch(gm: fx.GraphModule) -> bool:
+    """Whether the graph calls whole a module that holds others, or one defined outside torch: its
+    own code may read the mode and take another path in eval (nn.TransformerEncoder's nested
+    tensors under torch.no_grad), which the graph cannot see. A single torch layer computes per
+    sample in eval as in training, or mixes less (BatchNorm's running statistics)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            module = fetch_attr(gm, str(node.target))
+            if next(module.children(), None) is not None or not type(module).__module__.startswith("torch."):
+                return True
+    return False
 
 
 @contextmanager

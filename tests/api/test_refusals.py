@@ -309,11 +309,39 @@ def test_a_transformer_encoders_nested_fast_path_that_differs_by_micro_batch_is_
     with torch.no_grad():
         with pytest.raises(ValueError, match=r"(?s)nn.TransformerEncoder enc takes its fast path.*enable_nested_tensor=False"):
             compile_pipeline(_Encoder(nested=True).double().eval(), (ids, mask), ["cpu", "cpu"], chunks=2)
+    # Compiled in training mode, where the fast path is never taken, the pipeline would serve
+    # pipe.eval() under no_grad as well: before, it compiled and gave the padded positions other
+    # values there than the plain model (0.9 apart).
+    with pytest.raises(ValueError, match=r"(?s)output head in eval mode.*nn.TransformerEncoder enc takes its fast path"):
+        compile_pipeline(_Encoder(nested=True).double(), (ids, mask), ["cpu", "cpu"], chunks=2)
     model = _Encoder(nested=False).double()
     reference = copy.deepcopy(model).eval()
     pipe = compile_pipeline(model, (ids, mask), ["cpu", "cpu"], chunks=2).eval()
     with torch.no_grad():
         torch.testing.assert_close(pipe(ids, mask), reference(ids, mask), rtol=0, atol=1e-12)
+
+
+class _PoolsInEval(nn.Module):
+    """A block of the user's, called whole, that pools over the batch in eval mode alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        return h if self.training else h - h.mean(0)
+
+
+def test_a_module_called_whole_that_mixes_samples_in_eval_alone_is_refused_when_compiled_in_training_mode() -> None:
+    """The parts' check compares eval mode too where the graph calls whole a module whose own code
+    may read the mode; before, compiling passed and pipe.eval() gave other outputs."""
+    model = nn.Sequential(nn.Linear(4, 4), _PoolsInEval(), nn.Linear(4, 2)).double()
+    x = torch.randn(8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"(?s)output .* in eval mode: the parts' values"):
+        compile_pipeline(copy.deepcopy(model), (x,), ["cpu", "cpu"], chunks=2, leaf_modules=[_PoolsInEval])
+    pipe = compile_pipeline(copy.deepcopy(model), (x,), ["cpu", "cpu"], chunks=1, leaf_modules=[_PoolsInEval]).eval()
+    torch.testing.assert_close(pipe(x), model.eval()(x), rtol=0, atol=1e-12)
 
 
 class _TakesPacked(nn.Module):
