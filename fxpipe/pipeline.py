@@ -424,6 +424,17 @@ class Pipeline(PipelineState):
         self._owner.apply(fn)
         return self
 
+    def __getitem__(self, index: Any) -> Any:
+        """`model[index]`, for a model that is indexed (an nn.Sequential: `pipe[0]` is its first layer,
+        and iterating the pipeline gives its layers, as the model's own iteration does)."""
+        if not hasattr(type(self._owner), "__getitem__"):
+            raise TypeError(
+                f"'{type(self._owner).__name__}' object is not subscriptable, and a Pipeline is indexed as its model is.\n"
+                "How to fix: reach a submodule by name (pipe.get_submodule('encoder.layers.0'), the model's own names); "
+                "the stages are pipe.stages, their plan pipe.plan.stages."
+            )
+        return self._owner[index]
+
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers; made between calls
         (after another thread's call in progress), and in a 2bw loop with its stages out of the
