@@ -44,7 +44,7 @@ from fxpipe.runtime.worker import Workers
 from fxpipe.schedules.actions import Schedule, checkpoint_stop
 from fxpipe.schedules.check import make_schedule
 from fxpipe.schedules.timeline import Timeline
-from fxpipe.train_steps import train_steps
+from fxpipe.train_steps import Losses, train_steps
 
 __all__ = ["ChunkSpec", "PlacementError", "Pipeline"]
 
@@ -370,7 +370,7 @@ class Pipeline(PipelineState):
         reduction: str = "mean",
         after_backward: Optional[Callable[[], Any]] = None,
         after_step: Optional[Callable[[], Any]] = None,
-    ) -> Iterator[torch.Tensor]:
+    ) -> Losses:
         """Train on each `(inputs, target)` of `batches` (inputs a tensor, a tuple of positional
         inputs or a dict of keyword inputs), yielding each batch's loss, detached, once its update
         is made (under '2bw', once its gradients are: its update follows the caller's code after
@@ -433,7 +433,8 @@ class Pipeline(PipelineState):
                 "How to fix: reach a submodule by name (pipe.get_submodule('encoder.layers.0'), the model's own names); "
                 "the stages are pipe.stages, their plan pipe.plan.stages."
             )
-        return self._owner[index]
+        owner: Any = self._owner
+        return owner[index]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Pipeline":
         """A pipeline on a deep copy of the model, with its own stage workers; made between calls

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Generator, Iterable, Iterator, Optional
 
 import torch
 
 from fxpipe.compiled.placement import RankPlacement
+from fxpipe.core.own_code import is_ours
 from fxpipe.distributed.loop_ranks import agree_on_the_next_batch, as_before, ran_on_every_rank, read_or_failed
 from fxpipe.distributed.ranks import LOOP_LATE, gathered
 from fxpipe.guards import refuse_own_hooks, refuse_without_gradients
@@ -29,7 +32,7 @@ def train_steps(
     reduction: str = "mean",
     after_backward: Hook = None,
     after_step: Hook = None,
-) -> Iterator[torch.Tensor]:
+) -> Losses:
     """Per batch: `optimizer.zero_grad()`, `pipe.train_step`, `after_backward()`,
     `optimizer.step()`, `after_step()`, then the batch's loss is yielded. Between two losses the
     parameters are those after the last update, whole; a failure says which batch it struck and
@@ -39,14 +42,51 @@ def train_steps(
         if pipe._channel is None:  # (across processes every rank refuses at once, as it reads the first batch)
             refuse_own_hooks(pipe, "train_steps")
             refuse_where_steps_cannot_overlap(pipe, optimizer)
-        return _noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step))
-    return _loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step)
+        return Losses(_noted(overlapped_steps(pipe, _unpacked_batches(iter(batches)), loss_fn, optimizer, reduction, after_backward, after_step)))
+    return Losses(_loop(pipe, iter(batches), loss_fn, optimizer, reduction, after_backward, after_step))
+
+
+class Losses(Iterator[torch.Tensor]):
+    """What `pipe.train_steps` returns: the loop's losses, one per batch as it is trained; `close()`
+    stops the loop early. A loop is lazy, as a generator is: one dropped before its first loss was
+    asked for trained nothing, which is said (as Python says of a coroutine never awaited)."""
+
+    def __init__(self, losses: Generator[torch.Tensor, None, None]) -> None:
+        self._losses, self._started, self._made_at = losses, False, _call_site()
+
+    def __next__(self) -> torch.Tensor:
+        self._started = True
+        return next(self._losses)
+
+    def close(self) -> None:
+        """Stop the loop (what it has in flight too); a loop closed on purpose is not warned of."""
+        self._started = True
+        self._losses.close()
+
+    def __del__(self) -> None:
+        if not self._started:
+            warnings.warn(
+                f"pipe.train_steps(...) made at {self._made_at} was never iterated, so it trained nothing: the loop "
+                "reads its batches and steps the optimizer as its losses are asked for.\nHow to fix: iterate it "
+                "(for loss in pipe.train_steps(...): ...), or, to discard the losses, "
+                "collections.deque(pipe.train_steps(...), maxlen=0).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+def _call_site() -> str:
+    """'file:line' of the first frame outside fxpipe: where the caller made the loop."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and is_ours(frame.f_code.co_filename):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def _loop(
     pipe: PipelineLike, source: Iterator[Any], loss_fn: Any, optimizer: torch.optim.Optimizer, reduction: str,
     after_backward: Hook, after_step: Hook,
-) -> Iterator[torch.Tensor]:
+) -> Generator[torch.Tensor, None, None]:
     placement = pipe._compiled.placement
     for index in itertools.count():
         batch = _next_batch(source, index, placement)
@@ -61,7 +101,7 @@ def _unpacked_batches(source: Iterator[Any]) -> Iterator[tuple[int, tuple[Any, .
         yield (index, *_unpacked(batch, index))
 
 
-def _noted(losses: Generator[torch.Tensor, None, None]) -> Iterator[torch.Tensor]:
+def _noted(losses: Generator[torch.Tensor, None, None]) -> Generator[torch.Tensor, None, None]:
     """The overlapping loop's losses; a failure says which updates the parameters hold: those of
     every batch whose loss was given, and no other (the loop completes the last, drops the rest)."""
     given = 0

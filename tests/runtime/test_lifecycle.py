@@ -188,13 +188,13 @@ def test_a_pipeline_is_indexed_as_its_model_is() -> None:
     without indexing refuses naming what reaches a submodule. Before, both were a bare TypeError."""
     model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
     pipe = compile_pipeline(model, torch.randn(4, 6), ["cpu"] * 2)
-    assert pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)
+    assert pipe[0] is model[0] and pipe[-1] is model[2] and list(pipe) == list(model)  # type: ignore[call-overload]
     assert isinstance(pipe[1:], nn.Sequential) and list(pipe[1:]) == [model[1], model[2]]
     other = compile_pipeline(FanOut(), torch.randn(4, 6), ["cpu"] * 2)
     with pytest.raises(TypeError, match=r"'FanOut' object is not subscriptable.*\nHow to fix: .*pipe.get_submodule"):
         other[0]
     with pytest.raises(TypeError, match="not subscriptable"):
-        list(other)
+        list(other)  # type: ignore[call-overload]
 
 
 class Clashing(nn.Module):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import itertools
+import warnings
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
@@ -185,6 +187,27 @@ def test_the_loop_reads_batches_as_it_goes_and_ends_with_them() -> None:
     assert read == [0]
     assert len(list(steps)) == 3 and read == [0, 1, 2, 3]
     assert list(pipe.train_steps([], loss_fn=F.mse_loss, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1))) == []
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_a_loop_dropped_before_its_first_loss_warns_that_it_trained_nothing(schedule: str) -> None:
+    """A loop is lazy, as a generator is: one made and dropped (the losses never asked for) trained
+    nothing, which is said where it was made; one iterated, or closed on purpose, is not warned of."""
+    model, _ = twin(FanOut())
+    batches = _batches(2)
+    pipe = compile_pipeline(model, batches[0][0], ["cpu"] * 2, schedule=schedule, chunks=4)
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with pytest.warns(RuntimeWarning, match=r"train_steps\(\.\.\.\) made at .*test_train_steps.py:\d+ was never iterated, so it trained nothing.*\nHow to fix: iterate it"):
+        pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loop = pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer)
+        loop.close()
+        del loop
+        collections.deque(pipe.train_steps(batches, loss_fn=F.mse_loss, optimizer=optimizer), maxlen=0)
+        gc.collect()
 
 
 @pytest.mark.parametrize("where", ["batches", "stage"])
