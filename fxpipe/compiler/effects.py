@@ -20,6 +20,7 @@ from fxpipe.tracing.assignments import (
 )
 from fxpipe.tracing.attribute_reads import Reads, assigned_while_traced, counted_while_traced
 from fxpipe.tracing.flag_reads import flag_reads_counted
+from fxpipe.tracing.generators import generators_drawn
 from fxpipe.tracing.lost_effects import (
     CHECKPOINTED_DRAWS_FIX, DrawingRegion, checkpointed_draws, outside_writes_refused, own_checkpoints_refused, rebound_buffers_refused, tensor_hooks_counted,
 )
@@ -140,7 +141,7 @@ def refuse_effects_a_trace_loses(
     generators = _held_generators(model)
     before = [g.get_state() for _, g in generators]
     with outside_writes_refused(model, (example, kwargs)), rebound_buffers_refused(model), own_checkpoints_refused(model) as drew, \
-            tensor_hooks_counted() as hooks:  # fmt: skip
+            tensor_hooks_counted() as hooks, generators_drawn() as drawn:  # fmt: skip
         try:
             with torch.enable_grad():
                 def run() -> None:
@@ -150,15 +151,21 @@ def refuse_effects_a_trace_loses(
                 _in_both_modes_where_they_differ(model, run, stable)
         except Exception:  # noqa: BLE001 - the front ends say why the model does not run
             stable.ends.clear()
-    moved = [name for (name, g), state in zip(generators, before) if not torch.equal(g.get_state(), state)]
+    seen = {id(d.generator()): d.where for d in drawn}  # (their states put back already)
+    moved = [name for (name, g), state in zip(generators, before) if id(g) in seen or not torch.equal(g.get_state(), state)]
     for (_, g), state in zip(generators, before):
         g.set_state(state)
-    if moved:
+    held = {id(g) for _, g in generators}
+    elsewhere = list(dict.fromkeys(where for key, where in seen.items() if key not in held))
+    if moved or elsewhere:
+        which = [
+            *([f"torch.Generator objects it holds ({', '.join(moved)})"] if moved else []),
+            *([f"a torch.Generator of its code's own, not torch's default (generator= at {'; '.join(elsewhere)})"] if elsewhere else []),
+        ]  # fmt: skip
         raise TraceError(
-            f"{type(model).__name__} cannot be compiled: its forward draws from torch.Generator objects it holds "
-            f"({', '.join(moved)}): a pipeline draws each micro-batch's numbers from a stream of its own, which a "
-            "checkpointed micro-batch's recompute replays, and a generator of the model's moves on with each draw "
-            "instead.\nHow to fix: draw without generator= (every checkpoint mode then draws alike, from the step's "
+            f"{type(model).__name__} cannot be compiled: its forward draws from {' and from '.join(which)}: a pipeline "
+            "draws each micro-batch's numbers from a stream of its own, which a checkpointed micro-batch's recompute "
+            "replays, and such a generator moves on with each draw instead.\nHow to fix: draw without generator= (every checkpoint mode then draws alike, from the step's "
             "seed: torch.manual_seed before a call makes it reproducible); or keep fixed noise in a buffer, drawn "
             "once in __init__."
         )

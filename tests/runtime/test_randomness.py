@@ -939,6 +939,44 @@ def test_a_generator_the_model_holds_and_draws_from_is_refused_naming_it(kept_wh
     assert torch.equal(inner.noise.get_state(), state), "the model's generator is left as it was"
 
 
+_NOISE = torch.Generator().manual_seed(11)
+
+
+class _DrawsFromAModuleLevelGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + torch.randn(h.shape, generator=_NOISE, dtype=h.dtype))
+
+
+class _DrawsFromAGeneratorInAClosure(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        generator = torch.Generator().manual_seed(13)
+        self.noise = lambda t: torch.empty_like(t).normal_(generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + self.noise(h))
+
+
+@pytest.mark.parametrize("cls", [_DrawsFromAModuleLevelGenerator, _DrawsFromAGeneratorInAClosure])
+def test_a_generator_the_model_does_not_hold_is_refused_naming_the_draw(cls: type[nn.Module]) -> None:
+    """A module-level generator, or one a closure holds: before, the graph's check failed ('computes
+    otherwise than the model') with advice about data-dependent control flow; now the draw is named,
+    and compiling leaves the generator's state as it was."""
+    model = cls()
+    generator = _NOISE if cls is _DrawsFromAModuleLevelGenerator else model.noise.__closure__[0].cell_contents  # type: ignore[union-attr, index]
+    state = generator.get_state()
+    with pytest.raises(fxpipe.TraceError, match=r"(?s)draws from a torch.Generator of its code's own, not torch's default \(generator= at .*test_randomness.py:\d+\).*How to fix: draw without generator="):
+        compile_pipeline(model, torch.randn(4, 8), ["cpu", "cpu"], chunks=2)
+    assert torch.equal(generator.get_state(), state)
+
+
 def test_the_dispatch_mode_keeps_a_generator_the_op_was_given_and_fills_one_given_as_none() -> None:
     stream = TaskStream(0, 0, 0)
     mine, slopes = torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)
