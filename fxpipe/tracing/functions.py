@@ -105,15 +105,18 @@ def functions_as_calls() -> Iterator[None]:
 
 @contextmanager
 def functions_applied(seen: list[type]) -> Iterator[None]:
-    """While this is open, every Function applied to a tensor that requires grad is listed in
-    `seen` (torch.export runs the model with its own tensors and inlines the forward); but not
-    the one torch.library makes for a custom op's registered backward, whose op torch.export
-    keeps as one node of the graph (its backward runs)."""
+    """While this is open, every Function applied to a tensor that could require grad (of a
+    floating or complex dtype) is listed in `seen` (torch.export runs the model with its own
+    tensors and inlines the forward); whether the example's did is no measure, as a call's input
+    may require grad, or a layer frozen while compiling be trained later. But not the one
+    torch.library makes for a custom op's registered backward, whose op torch.export keeps as one
+    node of the graph (its backward runs)."""
 
     tracing = threading.get_ident()
 
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
-        differentiable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten((args, kwargs))[0])
+        leaves = tree_flatten((args, kwargs))[0]
+        differentiable = any(isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) for t in leaves)
         if differentiable and threading.get_ident() == tracing and cls.__module__ != _CUSTOM_OPS:  # not another pipeline's workers
             seen.append(cls)
         return _original_apply(cls, *args, **kwargs)

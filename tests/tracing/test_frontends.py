@@ -1,6 +1,7 @@
 """Models torch.fx cannot trace go through torch.export, and train with the plain model's gradients."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
@@ -548,6 +549,30 @@ class FunctionsThroughExport(WithFunctions):
 def test_export_refuses_a_custom_function_by_name() -> None:
     with pytest.raises(TraceError, match="(?s)autograd Function .*StraightThrough.*Tripled|Tripled.*StraightThrough"):
         compile_pipeline(FunctionsThroughExport(), torch.randn(4, 4), ["cpu"] * 2)
+
+
+class _TripledOnTheInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:  # torch.fx cannot name *args
+        return self.b(torch.tanh(self.a(Tripled.apply(args[0]))))
+
+
+@pytest.mark.parametrize("where", ["on the input", "after a frozen layer", "compiled under no_grad"])
+def test_export_refuses_a_custom_function_whatever_the_example_requires(where: str) -> None:
+    """The example's tensors need not require grad where the Function is applied: a call's input
+    may, a layer frozen while compiling may be trained later, and a pipeline compiled under
+    no_grad trains. Before, each compiled, and the inlined forward's gradient came back (the
+    input's 3x off, the frozen layer's weight 3.9 off)."""
+    model: nn.Module = _TripledOnTheInput() if where == "on the input" else FunctionsThroughExport()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    if where == "after a frozen layer":
+        model.a.requires_grad_(False)
+    with torch.no_grad() if where == "compiled under no_grad" else contextlib.nullcontext():
+        with pytest.raises(TraceError, match="autograd Function .*Tripled.*which would lose its backward"):
+            compile_pipeline(model.double(), x, ["cpu"] * 2, chunks=2)
 
 
 class Remembers(nn.Module):
