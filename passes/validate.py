@@ -190,8 +190,9 @@ def _locate(
 
 
 def _detached(value: Any) -> Any:
-    """A copy, so that a later in-place op does not change what was recorded."""
-    return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+    """A copy, so that a later in-place op does not change what was recorded; one that requires
+    grad where the tensor did (a branch on `x.requires_grad` takes the example's way)."""
+    return tree_map(lambda t: t.detach().clone().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t, value)
 
 
 def _module_outputs(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, list[Any]]:

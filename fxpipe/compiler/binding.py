@@ -204,10 +204,11 @@ def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[
 
 def _kind(leaf: Any) -> str:
     """What export made of a leaf of the arguments: no input (None), a tensor of a dtype (which
-    the graph holds for what it makes from it: `torch.ones(n, dtype=x.dtype)`), or a value it
-    holds: a number or a string by that value (`logits_to_keep=1`: a call with 3 is another kind)."""
+    the graph holds for what it makes from it: `torch.ones(n, dtype=x.dtype)`) that requires grad
+    or not (a branch on `x.requires_grad` is held too), or a value it holds: a number or a string
+    by that value (`logits_to_keep=1`: a call with 3 is another kind)."""
     if isinstance(leaf, torch.Tensor):
-        return f"a {str(leaf.dtype).removeprefix('torch.')} tensor"
+        return f"a {str(leaf.dtype).removeprefix('torch.')} tensor{' that requires grad' if leaf.requires_grad else ''}"
     if isinstance(leaf, (bool, int, float, str)):
         return f"the value {leaf!r}"
     return "None" if leaf is None else "a value"

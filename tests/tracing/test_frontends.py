@@ -446,6 +446,34 @@ def test_an_exported_pipeline_called_with_another_value_of_a_number_compiles_sta
     assert len(compiled) == 3  # once per value given, the first for the keyword given at all
 
 
+class _ScalesWhereItsInputRequiresGrad(nn.Module):
+    """A branch on `x.requires_grad`: torch.fx cannot trace it, torch.export holds the example's way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))) * (2.0 if x.requires_grad else 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("example_requires_grad", [False, True])
+def test_an_exported_pipeline_called_with_an_input_that_requires_grad_otherwise_than_the_example_compiles_for_it(example_requires_grad: bool) -> None:
+    """Whether a tensor requires grad is part of a call's kind for an exported graph. Before, the
+    graph kept the example's branch: a call whose input required grad gave 1.03 off in its output."""
+    model, reference = twin(_ScalesWhereItsInputRequiresGrad())
+    x = torch.randn(6, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x.clone().requires_grad_(example_requires_grad), ["cpu"] * 2, chunks=2)
+    for requires_grad in (True, False, True):
+        given, expected_input = x.clone().requires_grad_(requires_grad), x.clone().requires_grad_(requires_grad)
+        assert_call_and_grads_equal(pipe, reference, given)
+        if requires_grad:
+            (got,) = torch.autograd.grad(pipe(given).sum(), given)
+            (want,) = torch.autograd.grad(reference(expected_input).sum(), expected_input)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore:torch.fx could not trace")
 def test_an_example_of_one_sample_through_torch_export_asks_for_two_samples_and_two_compile() -> None:
     """torch.export fixes every dim of size 1: from one sample it makes a graph for one sample.
