@@ -38,7 +38,7 @@ from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_forward import calls_of_its_pipelines_noted
 from fxpipe.core.snapshot import inputs_preserved, preserved
 from fxpipe.distributed.ranks import check_same_plan, connect, placement_of, what_it_computes
-from fxpipe.passes.batch_dims import CHECK_DEFERRED, annotate_batch_dims
+from fxpipe.passes.batch_dims import CHECK_DEFERRED, annotate_batch_dims, state_written
 from fxpipe.passes.batch_layout import sequence_first_calls
 from fxpipe.passes.costs import annotate_costs, cut_model, report_model
 from fxpipe.passes.dtype_constants import floating_dtypes_held
@@ -400,6 +400,7 @@ def compile_pipeline(
         count_carries(plan.stages, runs, slicing, length)
         plan.notes.append(slices_note(slicing, sequence_dim, length, plan.stages))
     _say_batch_norm_per_micro_batch(model, chunks, deferred_batch_norm, plan)
+    _say_state_per_micro_batch(state_written(gm, whole.written) if whole is not None else [], chunks, plan)
     build = functools.partial(
         build_program, devices=parsed, ranks=ranks, deferred_batch_norm=deferred_batch_norm, stored=traced.stored_with_grad,
         attributes=traced.attributes, listed=None if traced.reads is None else frozenset(traced.reads.iterated),
@@ -466,6 +467,23 @@ def _say_batch_norm_per_micro_batch(model: nn.Module, chunks: int, deferred: boo
         + ". For the plain model's numbers: GroupNorm or LayerNorm, or chunks=1"
         + ("" if deferred else "; deferred_batch_norm=True keeps the running statistics of the whole batch")
         + "."
+    )
+    plan.notes.append(said)
+    warnings.warn(said, stacklevel=caller_stacklevel())
+
+
+def _say_state_per_micro_batch(written: list[str], chunks: int, plan: Plan) -> None:
+    """Buffers the forward writes by a rule of its own (a step counter, an EMA) are written once per
+    micro-batch, as by the plain model run on the micro-batches in turn (README): said once at
+    compile, as BatchNorm's statistics are, since a counter then counts `chunks` a call."""
+    if chunks < 2 or not written:
+        return
+    said = (
+        f"the forward writes buffers ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}) as it runs: with "
+        f"chunks={chunks} it writes them once per micro-batch, as the plain model run on the micro-batches in turn "
+        f"does (a step counter counts {chunks} a call, an EMA takes {chunks} steps), where the plain model on the "
+        "whole batch writes them once. For once per batch: update them outside forward (after the optimizer's "
+        "step), or use chunks=1."
     )
     plan.notes.append(said)
     warnings.warn(said, stacklevel=caller_stacklevel())

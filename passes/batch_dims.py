@@ -319,13 +319,20 @@ def _keeps_state(gm: fx.GraphModule, written: set[str]) -> bool:
     statistics aside, which these runs do not use): the micro-batches then compute as the plain
     model run on them in turn, by design (README), and what the whole batch computes is no
     measure of them. A buffer a module only holds (a pruning mask) or reads keeps nothing."""
+    return bool(state_written(gm, written))
+
+
+def state_written(gm: fx.GraphModule, written: set[str]) -> list[str]:
+    """The buffers of `written` (that a run wrote) but normalisation's running statistics: state
+    the forward keeps by a rule of its own (a step counter, an EMA), sorted."""
     norms = _norms_called_as_ops(gm)
+    kept = []
     for name in written:
         path, _, buffer = name.rpartition(".")
         owner = fetch_attr(gm, path) if path else gm
         if not isinstance(owner, nn.modules.batchnorm._NormBase) and not (path in norms and buffer in _STATISTICS):
-            return True
-    return False
+            kept.append(name)
+    return sorted(kept)
 
 
 _STATISTICS = ("running_mean", "running_var", "num_batches_tracked")

@@ -27,6 +27,7 @@ from fxpipe.passes.asserts import show_values_in_asserts
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
 from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
+from fxpipe.tracing.context_watch import grad_mode_reads
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph, hooks_export_runs_once
 from fxpipe.tracing.functions import functions_applied
@@ -319,18 +320,29 @@ def _refuse_a_forward_that_needs_gradients(model: nn.Module, example: tuple[Any,
     ) from error
 
 
+def _grad_mode_read(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """Where the model's code reads torch.is_grad_enabled() in a run without gradients, as the
+    graph's check runs it; the model's state and the random states are left as they were."""
+    with preserved(model), torch.no_grad(), grad_mode_reads() as read:
+        try:
+            model(*example, **kwargs)
+        except Exception:  # noqa: BLE001 - the front ends' reasons say why it fails
+            pass
+    return read
+
+
 def _swapped_parameters(model: nn.Module) -> list[str]:
     """The names in the model's parameter tables that hold a tensor that is no Parameter."""
     return [f"{path}.{name}" if path else name for path, module in model.named_modules()
             for name, t in module._parameters.items() if t is not None and not isinstance(t, nn.Parameter)]  # fmt: skip
 
 
-def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
+def _fix_for(export_failure: _Rejected, fx_failure: _Rejected, grad_mode_read: Callable[[], list[str]]) -> str:
     """How to fix a model neither front end captures: the fix of torch.export's reason where it
     has one (a key/value cache returned), else what stops both most often (control flow on
     values), unless the reason asks for torch.fx (an autograd Function), where torch.fx's reason
     says what stops it. leaf_modules needs torch.fx: a forward it cannot trace (one that takes
-    **kwargs) is told so."""
+    **kwargs) is told so. `grad_mode_read`: where the model's code reads the grad mode."""
     global_hooks = nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks
     if global_hooks and "computes otherwise" in fx_failure.detail:
         return (
@@ -338,6 +350,13 @@ def _fix_for(export_failure: _Rejected, fx_failure: _Rejected) -> str:
             "register_module_forward_pre_hook): one that changes what a module computes runs inside the trace and "
             "again where the stages call modules, and never around the model itself. Remove it (handle.remove()) and "
             "register it on the modules it is meant for (module.register_forward_hook) before compiling."
+        )
+    read = grad_mode_read() if "computes otherwise" in fx_failure.detail + export_failure.detail else []
+    if read:
+        return (
+            f"How to fix: its forward reads torch.is_grad_enabled() ({listed(list(dict.fromkeys(read)), most=3)}), and a "
+            "pipeline checks its graph, and runs checkpointed forwards, without gradients: let forward compute the same "
+            "values either way (a branch on it that only registers a hook, `if h.requires_grad:`, changes no value)."
         )
     if export_failure.fix or "make the model traceable by torch.fx" in export_failure.detail:
         return export_failure.fix
@@ -439,7 +458,7 @@ def _front_ends(
             f"neither torch.fx nor torch.export can capture {type(model).__name__}.\n"
             f"torch.fx: {fx_failure.detail}\n"
             f"torch.export: {export_failure.detail}\n"
-            f"{_fix_for(export_failure, fx_failure)}".rstrip()
+            f"{_fix_for(export_failure, fx_failure, lambda: _grad_mode_read(model, example, kwargs))}".rstrip()
         ) from export_failure.__cause__
     traced.note = f"torch.fx could not trace {type(model).__name__} ({fx_failure.summary}); used torch.export" + (
         ", which keeps no module whole: leaf_modules has no effect" if leaves else ""

@@ -132,3 +132,23 @@ def saved_tensor_hooks_watched() -> contextlib.AbstractContextManager[list[tuple
 def _from_torch(function: Any) -> bool:
     code = getattr(function, "__code__", None)
     return code is not None and code.co_filename.startswith(_TORCH_DIR)
+
+
+@contextlib.contextmanager
+def grad_mode_reads() -> Iterator[list[str]]:
+    """'file:line' of each place code outside torch (the model's) read `torch.is_grad_enabled()`
+    on this thread while the block ran: a branch on it may compute otherwise without gradients."""
+    lines: list[str] = []
+    original, reading = torch.is_grad_enabled, threading.get_ident()
+
+    def read() -> bool:
+        caller = sys._getframe(1)
+        if threading.get_ident() == reading and not caller.f_code.co_filename.startswith(_TORCH_DIR):
+            lines.append(f"{caller.f_code.co_filename}:{caller.f_lineno}")
+        return original()
+
+    torch.is_grad_enabled = read
+    try:
+        yield lines
+    finally:
+        torch.is_grad_enabled = original

@@ -81,6 +81,21 @@ def test_buffer_writes_reach_the_model_once_per_micro_batch_in_order(mode: str, 
     assert_state_equal(pipe, reference)
 
 
+def test_buffers_the_forward_writes_are_said_at_compile_to_be_written_per_micro_batch() -> None:
+    """A step counter read by forward counts `chunks` a call, as the plain model run on the
+    micro-batches in turn does; before, nothing said so where BatchNorm's statistics were (a
+    warm-up factor of step / 10 put the outputs 0.17 apart from the plain model on the whole batch)."""
+    x = torch.randn(8, 5, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"the forward writes buffers \(count, mean\) as it runs: with chunks=4 it writes them once per micro-batch") as said:
+        pipe = compile_pipeline(Counter().double(), x, ["cpu"] * 2, chunks=4)
+    assert "a step counter counts 4 a call" in str(said[0].message) and "or use chunks=1" in str(said[0].message)
+    assert any("writes them once per micro-batch" in note for note in pipe.plan.notes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one micro-batch, or a forward that writes nothing: nothing to say
+        compile_pipeline(Counter().double(), x, ["cpu"] * 2, chunks=1)
+        compile_pipeline(nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2)).double(), x, ["cpu"] * 2, chunks=4)
+
+
 class SliceWritten(nn.Module):
     """Keeps a running mean of half its features in a slice of a buffer, which two later stages
     read by name (each read a node of its own)."""

@@ -446,6 +446,25 @@ def test_an_exported_pipeline_called_with_another_value_of_a_number_compiles_sta
     assert len(compiled) == 3  # once per value given, the first for the keyword given at all
 
 
+class _ScalesWithGradients(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if torch.is_grad_enabled():
+            h = h * 2
+        return self.b(h)
+
+
+def test_a_branch_on_the_grad_mode_that_computes_otherwise_is_refused_naming_the_read() -> None:
+    """Before, the refusal's fix was about data-dependent control flow (leaf_modules, torch.where)."""
+    with pytest.raises(TraceError, match=r"(?s)computes otherwise.*How to fix: its forward reads torch.is_grad_enabled\(\) \(.*test_frontends.py:\d+\).*without gradients") as refused:
+        compile_pipeline(_ScalesWithGradients().double(), torch.randn(4, 8, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    assert "leaf_modules" not in str(refused.value).partition("How to fix")[2]
+
+
 class _ScalesWhereItsInputRequiresGrad(nn.Module):
     """A branch on `x.requires_grad`: torch.fx cannot trace it, torch.export holds the example's way."""
 

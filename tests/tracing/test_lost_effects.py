@@ -308,7 +308,7 @@ def test_a_buffer_counted_with_plus_equals_at_the_root_is_written_where_torch_fx
     model, reference = twin(CountsAtTheRoot())
     x = torch.randn(8, 6, dtype=torch.float64)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback to torch.export
+        warnings.filterwarnings("error", message="torch.fx could not trace")  # no fallback to torch.export
         pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2, checkpoint=mode)
     assert any(".copy_(" in stage.code for stage in pipe.stages)
     _two_steps_as_the_plain_model_on_the_halves(pipe, reference, x)
