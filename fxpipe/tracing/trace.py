@@ -162,7 +162,10 @@ def fields_of_dataclasses(value: Any, keyed: bool = False) -> Any:
     `keyed`: for torch.export, which needs keys too, also a dataclass a library registered
     without them (`flatten_with_keys_fn`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type) and not _known(type(value), keyed):
-        return DataclassFields(type(value), {f.name: fields_of_dataclasses(getattr(value, f.name), keyed) for f in dataclasses.fields(value)})
+        # A dataclass that is a dict too (Hugging Face's ModelOutput, diffusers' BaseOutput) holds
+        # as keys the fields it was given that are not None: those, as its own flattening has them.
+        names = list(value) if isinstance(value, dict) else [f.name for f in dataclasses.fields(value)]
+        return DataclassFields(type(value), {name: fields_of_dataclasses(getattr(value, name), keyed) for name in names})
     if type(value) in (list, tuple):
         return type(value)(fields_of_dataclasses(v, keyed) for v in value)
     if type(value) is dict:

@@ -174,6 +174,20 @@ class RegisteredWithoutKeys:
     sample: torch.Tensor
 
 
+@dataclasses.dataclass
+class DropsNone(collections.OrderedDict):  # type: ignore[type-arg]
+    """An output record that is a dict of the fields given that are not None (as Hugging Face's
+    and diffusers' are), registered with pytree as that dict, without keys."""
+
+    sample: torch.Tensor
+    extra: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) is not None:
+                self[field.name] = getattr(self, field.name)
+
+
 class NeedsExport(nn.Module):
     """Branches on a size, which torch.fx cannot trace: torch.export takes over."""
 
@@ -187,6 +201,8 @@ class NeedsExport(nn.Module):
         if x.shape[1] == 4:
             h = h * 2
         y = self.b(h)
+        if self.kind == "drops None":
+            return DropsNone(y)
         return Output(y, h) if self.kind == "own" else RegisteredWithoutKeys(y)
 
 
@@ -195,13 +211,20 @@ def registered_without_keys() -> Any:
     pytree.register_pytree_node(
         RegisteredWithoutKeys, lambda o: ([o.sample], None), lambda values, _: RegisteredWithoutKeys(list(values)[0])
     )
+    pytree.register_pytree_node(
+        DropsNone, lambda o: (list(o.values()), list(o)), lambda values, keys: DropsNone(**dict(zip(keys, values))),
+        serialized_type_name=f"{__name__}.DropsNone",
+    )
     yield
     pytree._deregister_pytree_node(RegisteredWithoutKeys)
+    pytree._deregister_pytree_node(DropsNone)
 
 
-@pytest.mark.parametrize("kind", ["own", "registered without keys"])
+@pytest.mark.parametrize("kind", ["own", "registered without keys", "drops None"])
 def test_dataclass_outputs_through_torch_export(kind: str, registered_without_keys: Any) -> None:
-    """Before, torch.export refused both ("not a known type"; "Did not find a flatten_with_keys_fn")."""
+    """Before, torch.export refused the first two ("not a known type"; "Did not find a
+    flatten_with_keys_fn"), and the third as a graph that "computes otherwise" (its None field
+    returned as a key the model's record does not hold: diffusers' DecoderOutput)."""
     torch.manual_seed(0)
     model = NeedsExport(kind).double()
     reference = copy.deepcopy(model)
