@@ -5,6 +5,7 @@ import collections
 import contextlib
 import inspect
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable, ContextManager, Optional, TypeVar
@@ -68,6 +69,7 @@ class PipelineCalls(nn.Module):
     _recompile: Optional[Callable[[nn.Module, tuple[Any, ...], dict[str, Any], list[str]], Any]]
     _variants: "collections.OrderedDict[Any, Any]"  # pipelines by kind of call, the most recent last
     _variants_warned: bool  # it has said that more kinds of call came than it keeps
+    _numbers_warned: bool  # it has said that another value of a number compiled its stages again
     last_timeline: list[Record]  # what the last call ran (see `timeline()`)
     last_most_alive: list[int]  # per stage, the most micro-batches it held at once in the last call
     last_peak_bytes: list[int]  # per stage, the most activation bytes it held (with measure_memory)
@@ -350,8 +352,10 @@ class PipelineCalls(nn.Module):
             raise other
         else:
             try:
+                started = time.perf_counter()
                 with self._traced_forward():
                     found = self._recompile(self._owner, args, kwargs, self._kept_whole_in(args, kwargs))
+                self._say_numbers_held(other, time.perf_counter() - started)
             except Exception as error:  # the model itself may refuse this call, or this call as an example
                 first, *rest = [line.strip(" -") for line in str(other).partition("\nHow to fix")[0].splitlines()]
                 differs = " ".join([first, "; ".join(rest)]).strip().rstrip(".")
@@ -377,6 +381,19 @@ class PipelineCalls(nn.Module):
         found.__dict__.update(_checkpoint=self._checkpoint, measure_memory=self.measure_memory, _one_call=self._one_call,
                               _target_dims=self._target_dims, _runs_model_hooks=False)  # fmt: skip
         return found
+
+    def _say_numbers_held(self, other: OtherCall, seconds: float) -> None:
+        """Once: stages compiled again for another value of a number (a diffusion sampler's int
+        timestep), which each new value would cost again, and how to compile once for all."""
+        if not other.numbers or self._numbers_warned:
+            return
+        self.__dict__["_numbers_warned"] = True
+        warnings.warn(
+            f"stages were compiled again ({seconds:.1f} s) for another value of {', '.join(other.numbers)}, a number the "
+            "exported graph holds: each new value compiles again. Pass it as a tensor (torch.tensor(value), or one "
+            "per sample) to compile once for every value.",
+            stacklevel=caller_stacklevel(),
+        )
 
     def _traced_forward(self) -> ContextManager[None]:
         """Stages for another kind of call, compiled inside the model's own call by its forward

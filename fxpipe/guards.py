@@ -21,6 +21,7 @@ from fxpipe.core.attrs import buffer_or_none, submodule_or_none, tensor_held
 from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hooks, hook_tables
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_forward import in_the_models_own_call
+from fxpipe.core.wording import listed
 from fxpipe.tracing.mode_reads import modes_changed
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -121,7 +122,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
     if attributes:
         whole = _or_kept_whole(compiled, ", or in a module kept whole (leaf_modules=[...]), which reads its own attributes as it runs")
         raise RuntimeError(
-            f"attributes the graph read when it was traced have changed since compiling: {', '.join(attributes)}. "
+            f"attributes the graph read when it was traced have changed since compiling: {listed(attributes, most=5)}. "
             "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
             "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
             f"which the pipeline reads as it runs{whole}.{_norm_momentum_hint(owner, attributes)}"

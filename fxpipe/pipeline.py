@@ -103,7 +103,7 @@ class Pipeline(PipelineState):
             _owner=model, _compiled=compiled, _plan=plan, _devices=list(compiled.devices),
             _chunks=plan.chunks, _checkpoint=plan.checkpoint, measure_memory=False, _closed=False,
             last_timeline=[], last_most_alive=[], last_peak_bytes=[], last_parameter_bytes=0, last_meter=None, _own_loss_warned=False, _target_dims={}, _signature=forward_signature(model),
-            _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _overlapping=None,
+            _recompile=None, _variants=collections.OrderedDict(), _variants_warned=False, _numbers_warned=False, _overlapping=None,
             _one_call=threading.RLock(), _runs_model_hooks=True,
         )  # fmt: skip
         self.__dict__.update(own)

@@ -28,7 +28,7 @@ from fxpipe.core.microbatch import ExampleLeaves
 from fxpipe.core.randomness import Unseen, draws_now, runs_hooks
 from fxpipe.schedules.actions import Layout
 from fxpipe.schedules.slices import SliceSpec
-from fxpipe.tracing.attribute_reads import CONTAINERS, changed, holder
+from fxpipe.tracing.attribute_reads import CONTAINERS, Held, changed, holder
 from fxpipe.tracing.mode_reads import ModeReads
 
 Binder = Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]]
@@ -430,11 +430,13 @@ Builder = Callable[[nn.Module, Cut], Program]
 class OtherCall(TypeError):
     """Raised by a binder: a call whose arguments differ in kind from the example's (one left
     None where the example gave it, a keyword left out), which the graph was not traced for.
-    `key` names the kind of call, for a pipeline compiled for it."""
+    `key` names the kind of call, for a pipeline compiled for it; `numbers`, the arguments that
+    are numbers of other values than the example's (an exported graph holds each value)."""
 
     def __init__(self, message: str, key: Hashable) -> None:
         super().__init__(message)
         self.key = key
+        self.numbers: tuple[str, ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return type(self), (str(self), self.key), {k: v for k, v in self.__dict__.items() if k != "key"}
@@ -511,9 +513,9 @@ class Compiled:
             )
         cuts = {id(c): c.copy(memo) for c in self.cuts.values()}
         build = self.build
-        if isinstance(build, functools.partial) and "attributes" in build.keywords:  # a tensor a settings object holds: the copy's
+        if isinstance(build, functools.partial) and "attributes" in build.keywords:  # a tensor or an object held: the copy's
             attributes = build.keywords["attributes"]
-            build = functools.partial(build, attributes={k: memo.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in attributes.items()})
+            build = functools.partial(build, attributes={k: _copied(v, memo) for k, v in attributes.items()})
         return Compiled(
             copy.deepcopy(self.plan), {mode: cuts[id(c)] for mode, c in self.cuts.items()}, self.bind,
             build, self.devices, self.chunk_spec, self.deferred_batch_norm, None, self.example_leaves,
@@ -521,3 +523,13 @@ class Compiled:
             slicing=self.slicing, check_length=self.check_length, aliased_buffers=self.aliased_buffers, tied_parameters=self.tied_parameters,
             grad_mode_only=self.grad_mode_only, marked_for_grad=self.marked_for_grad,
         )  # fmt: skip
+
+
+def _copied(value: Any, memo: dict[int, Any]) -> Any:
+    """An attribute's value as compiled, for a copy of the model: a tensor or an object it holds
+    (watched as itself) is the copy's."""
+    if isinstance(value, torch.Tensor):
+        return memo.get(id(value), value)
+    if isinstance(value, Held):
+        return Held(memo.get(id(value.value), value.value), value.by_class)
+    return value

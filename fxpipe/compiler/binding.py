@@ -165,12 +165,14 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
             )
         if now != kinds:
             differ = [f"{arguments[i]} ({now[i]}, the example's {kinds[i]})" for i in range(len(now)) if now[i] != kinds[i]]
-            raise OtherCall(
+            other = OtherCall(
                 f"this call gives {', '.join(differ)}: the graph was exported from the example, which keeps no input "
-                "for a None, holds the value of an argument that is not a tensor and the dtypes of the tensors.\nHow to fix: compile a pipeline "
+                "for a None, holds the value of an argument that is not a tensor, and the dims and dtypes of the tensors.\nHow to fix: compile a pipeline "
                 "for calls of each kind, or pass the arguments as the example did.",
                 (str(called), tuple(now)),
             )
+            other.numbers = tuple(arguments[i] for i in range(len(now)) if now[i] != kinds[i] and _number(leaves[i]) and _number(example[i]))
+            raise other
         mode = model.training if model.training in graphs else True
         _another_image_size(leaves, images[mode], arguments)
         _check_fixed(leaves, fixed[mode], arguments)
@@ -203,15 +205,20 @@ def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[
 
 
 def _kind(leaf: Any) -> str:
-    """What export made of a leaf of the arguments: no input (None), a tensor of a dtype (which
-    the graph holds for what it makes from it: `torch.ones(n, dtype=x.dtype)`) that requires grad
-    or not (a branch on `x.requires_grad` is held too), or a value it holds: a number or a string
-    by that value (`logits_to_keep=1`: a call with 3 is another kind)."""
+    """What export made of a leaf of the arguments: no input (None), a tensor of a number of dims
+    (`t[None]` for a 0-dim timestep) and a dtype (which the graph holds for what it makes from
+    it: `torch.ones(n, dtype=x.dtype)`) that requires grad or not (a branch on `x.requires_grad`
+    is held too), or a value it holds: a number or a string by that value (`logits_to_keep=1`: a
+    call with 3 is another kind)."""
     if isinstance(leaf, torch.Tensor):
-        return f"a {str(leaf.dtype).removeprefix('torch.')} tensor{' that requires grad' if leaf.requires_grad else ''}"
+        return f"a {leaf.dim()}-dim {str(leaf.dtype).removeprefix('torch.')} tensor{' that requires grad' if leaf.requires_grad else ''}"
     if isinstance(leaf, (bool, int, float, str)):
         return f"the value {leaf!r}"
     return "None" if leaf is None else "a value"
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _children(spec: TreeSpec) -> list[TreeSpec]:

@@ -164,7 +164,11 @@ class Reads:
                 self.first.setdefault(qualified, value)
         elif isinstance(value, torch.Tensor) and vars(owner).get(name) is value:  # a module's plain tensor attribute
             self.tensors.setdefault(id(value), (value, names))
+        elif isinstance(owner, nn.Module) and _an_object(value) and not settings(value) and vars(owner).get(name) is value:
+            self._object(names, Held(value))  # one the trace may have called through
         elif settings(value):
+            if isinstance(owner, nn.Module) and vars(owner).get(name) is value:
+                self._object(names, Held(value, by_class=True))  # (its attributes read are watched by value)
             self._reached(value, names)
             if type(value) is types.SimpleNamespace:
                 return NamespaceReads(value)
@@ -175,6 +179,12 @@ class Reads:
                 elif isinstance(element, torch.Tensor) and not isinstance(element, nn.Parameter) and simple_key(key):
                     self.tensors.setdefault(id(element), (element, [f"{name}[{key!r}]" for name in names]))
         return value
+
+    def _object(self, names: list[str], held: Held) -> None:
+        """A module's object attribute read under `names`: watched as `held` says."""
+        self.values[self.mode].update(names)
+        for qualified in names:
+            self.first.setdefault(qualified, held)
 
     def _reached(self, settings: Any, names: list[str]) -> None:
         """`settings` read under `names`: watched under each, what was read of it under another
@@ -371,6 +381,10 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
             value = MISSING
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue
+        if isinstance(reads.first.get(qualified), Held):  # an object: watched as itself, unless forward replaced it
+            if _kept(value, reads.first[qualified]):
+                found[qualified] = reads.first[qualified]
+            continue
         if isinstance(value, torch.Tensor):
             if qualified in reads.decided:  # its value decided a branch of the trace: watched by value
                 found[qualified] = Decided(reads.decided[qualified])
@@ -441,10 +455,39 @@ def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
         if isinstance(value, Entries) and type(now) is dict:
             found += [f"{qualified}[{key!r}] ({then!r} -> {now_!r})" for key, then in value.items()
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
+        elif isinstance(value, Held) and not _kept(now, value):
+            then = value.value
+            found.append(f"{qualified} ({_an(then)} -> {'deleted' if now is MISSING else f'another {type(then).__qualname__} object' if type(now) is type(then) else _an(now)})")
         elif isinstance(value, Entries) or not _kept(now, value):
             decided = isinstance(value, Decided)
             found.append(f"{qualified} ({_shown(value, 'a tensor', decided)} -> {'deleted' if now is MISSING else _shown(now, 'another tensor', decided)})")
     return found
+
+
+@dataclass(frozen=True)
+class Held:
+    """An object a module holds as a plain attribute, neither a value, a tensor nor a module (a
+    callable the forward calls through: diffusers' attention processor), as traced: the graph
+    holds what its code did, so it is watched as that very object; or, `by_class`, as an object
+    of its class (a settings object of the model's classes, whose attributes read are watched by
+    value: another of the same class computes alike where they are equal)."""
+
+    value: Any
+    by_class: bool = False
+
+
+def _an(value: Any) -> str:
+    """'a Doubled object' ('an AttnProcessor object'), or what a value is shown as."""
+    if not _an_object(value):
+        return _shown(value, "a tensor")
+    kind = type(value).__qualname__
+    return f"{'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind} object"
+
+
+def _an_object(value: Any) -> bool:
+    """An object whose code a trace may run: not a value, tensor, module or container (each
+    watched its own way), nor a class or a Python module."""
+    return not (plain(value) or value is MISSING or isinstance(value, (torch.Tensor, nn.Module, type, types.ModuleType, list, tuple, dict, set)))
 
 
 @dataclass(frozen=True)
@@ -467,6 +510,8 @@ def _shown(value: Any, tensor: str, by_value: bool = False) -> str:
 def _kept(now: Any, then: Any) -> bool:
     """Whether `now` is `then` still: equal, of one type, or a NaN that stays NaN; a tensor, the
     same tensor (of a `Decided` one, the same values)."""
+    if isinstance(then, Held):
+        return now is then.value or (then.by_class and type(now) is type(then.value))
     if isinstance(then, Decided):
         values = then.values
         return isinstance(now, torch.Tensor) and now.shape == values.shape and now.dtype == values.dtype and torch.equal(now.detach().to(values.device), values)
