@@ -165,9 +165,9 @@ def refuse_effects_a_trace_loses(
         raise TraceError(
             f"{type(model).__name__} cannot be compiled: its forward draws from {' and from '.join(which)}: a pipeline "
             "draws each micro-batch's numbers from a stream of its own, which a checkpointed micro-batch's recompute "
-            "replays, and such a generator moves on with each draw instead.\nHow to fix: draw without generator= (every checkpoint mode then draws alike, from the step's "
-            "seed: torch.manual_seed before a call makes it reproducible); or keep fixed noise in a buffer, drawn "
-            "once in __init__."
+            "replays, and such a generator moves on with each draw instead.\nHow to fix: draw without generator= "
+            "(every checkpoint mode then draws alike, from the step's seed: torch.manual_seed before a call makes it "
+            "reproducible); or keep fixed noise in a buffer, drawn once in __init__."
         )
     return hooks.count, drew
 

@@ -457,7 +457,8 @@ def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
                       if not _kept(now_ := now.get(key, MISSING), then)]  # fmt: skip
         elif isinstance(value, Held) and not _kept(now, value):
             then = value.value
-            found.append(f"{qualified} ({_an(then)} -> {'deleted' if now is MISSING else f'another {type(then).__qualname__} object' if type(now) is type(then) else _an(now)})")
+            replaced = f"another {type(then).__qualname__} object" if type(now) is type(then) else _an(now)
+            found.append(f"{qualified} ({_an(then)} -> {'deleted' if now is MISSING else replaced})")
         elif isinstance(value, Entries) or not _kept(now, value):
             decided = isinstance(value, Decided)
             found.append(f"{qualified} ({_shown(value, 'a tensor', decided)} -> {'deleted' if now is MISSING else _shown(now, 'another tensor', decided)})")
