@@ -119,10 +119,11 @@ def _strings(leaves: list[tuple[str, Any]]) -> dict[str, str]:
     return {path: leaf for path, leaf in leaves if isinstance(leaf, str)}
 
 
-def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any]) -> Binder:
+def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Module, example: list[Any], layout_read: bool = False) -> Binder:
     """Arguments flattened into leaves, as the exported graphs take them. A call that differs
     from the `example`'s leaves in structure or in kind (None, a tensor, another value: export
-    keeps no input for a None, and guards a tensor's sizes) is another call, compiled apart; one
+    keeps no input for a None, and guards a tensor's sizes; with `layout_read`, where the model's
+    code asked how a tensor lies in memory, that too) is another call, compiled apart; one
     whose shapes differ where the graph of the model's mode (training or eval: each has its own
     branches) fixed or guards them is refused before any stage runs."""
     placeholders = [node for node in graphs[True].graph.nodes if node.op == "placeholder"]
@@ -132,7 +133,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
     held = held_static(graphs[True])
     images = {mode: [f for f in dims if f[:2] in held] for mode, dims in fixed.items()}  # the sizes held of each
     guards = {mode: gm.meta.get("input_guards") for mode, gm in graphs.items()}
-    kinds = [_kind(leaf) for leaf in example]
+    kinds = [_kind(leaf, layout_read) for leaf in example]
     signature = inspect.signature(model.forward)
     exported_in = first_floating_dtype(model)  # export holds the model's dtype too (`self.dtype`, a branch on it)
 
@@ -155,7 +156,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
                 "How to fix: call it with the same positional and keyword arguments as the example.",
                 str(called),
             )
-        now = [_kind(leaf) for leaf in leaves]
+        now = [_kind(leaf, layout_read) for leaf in leaves]
         dtype = first_floating_dtype(model)
         if dtype != exported_in:
             raise OtherCall(
@@ -204,17 +205,34 @@ def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[
     return tuple(named.pop(name) for name in first), named
 
 
-def _kind(leaf: Any) -> str:
+def _kind(leaf: Any, layout: bool = False) -> str:
     """What export made of a leaf of the arguments: no input (None), a tensor of a number of dims
-    (`t[None]` for a 0-dim timestep) and a dtype (which the graph holds for what it makes from
-    it: `torch.ones(n, dtype=x.dtype)`) that requires grad or not (a branch on `x.requires_grad`
-    is held too), or a value it holds: a number or a string by that value (`logits_to_keep=1`: a
-    call with 3 is another kind)."""
+    (`t[None]` for a 0-dim timestep), a dtype (which the graph holds for what it makes from it:
+    `torch.ones(n, dtype=x.dtype)`), a class (an nn.Parameter given), with `layout` its layout in
+    memory, and that requires grad or not (a branch on any of these is held too:
+    `x.requires_grad`, `x.is_contiguous()`), or a value it holds: a number or a string by that
+    value (`logits_to_keep=1`: a call with 3 is another kind)."""
     if isinstance(leaf, torch.Tensor):
-        return f"a {leaf.dim()}-dim {str(leaf.dtype).removeprefix('torch.')} tensor{' that requires grad' if leaf.requires_grad else ''}"
+        what = f"{leaf.dim()}-dim {str(leaf.dtype).removeprefix('torch.')} {_layout(leaf) if layout else ''}"
+        kind = "tensor" if type(leaf) is torch.Tensor else type(leaf).__qualname__
+        return f"a {what}{kind}{' that requires grad' if leaf.requires_grad else ''}"
     if isinstance(leaf, (bool, int, float, str)):
         return f"the value {leaf!r}"
     return "None" if leaf is None else "a value"
+
+
+def _layout(t: torch.Tensor) -> str:
+    """How a tensor lies in memory, as a branch of the model's may ask (`x.is_contiguous()`,
+    `memory_format=torch.channels_last`, a stride of 0): '' for a contiguous one."""
+    if t.layout != torch.strided:
+        return f"{str(t.layout).removeprefix('torch.')} "
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    said = [
+        *(["channels-last"] if channels_last is not None and t.is_contiguous(memory_format=channels_last) else []),
+        *(["non-contiguous"] if not t.is_contiguous() else []),
+        *(["expanded"] if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)) else []),
+    ]  # fmt: skip
+    return "".join(f"{word} " for word in said)
 
 
 def _number(value: Any) -> bool:

@@ -31,6 +31,7 @@ from fxpipe.tracing.context_watch import grad_mode_reads
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph, hooks_export_runs_once
 from fxpipe.tracing.functions import functions_applied
+from fxpipe.tracing.layout_reads import layout_reads
 from fxpipe.tracing.tensor_decisions import decisions_watched
 from fxpipe.tracing.mode_reads import ModeReads, mode_reads_recorded
 from fxpipe.tracing.seeding import generators_held, refuse_seeding, seeding_recorded
@@ -181,7 +182,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
     example, kwargs = _unaliased(example, kwargs)
     functions: list[type] = []
     try:
-        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
+        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes, \
+                layout_reads() as layout:  # fmt: skip
             def exported_now() -> tuple[fx.GraphModule, Any]:
                 read.begin(model.training)
                 return _exported(model, example, kwargs)
@@ -231,7 +233,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
             "computed from x.shape[0], asserts on it); or make the model traceable by torch.fx, which "
             "reads sizes as it runs.",
         )
-    bind = leaf_binder(graphs, exported[True][1], model, tree_flatten((example, kwargs))[0])
+    bind = leaf_binder(graphs, exported[True][1], model, tree_flatten((example, kwargs))[0], layout_read=bool(layout))
     problem = _check(model, graphs, example, kwargs, bind, traced_in)
     if problem is not None:
         raise _Rejected(problem)

@@ -481,6 +481,34 @@ def test_an_exported_pipeline_called_with_a_tensor_of_other_dims_than_the_exampl
         assert_call_and_grads_equal(pipe, reference, x, t)
 
 
+class _ScalesWhereContiguous(nn.Module):
+    """A branch on how the input lies in memory, which torch.export holds (*args: torch.fx cannot name them)."""
+
+    def __init__(self, asks: bool = True) -> None:
+        super().__init__()
+        self.a, self.b, self.asks = nn.Linear(8, 8), nn.Linear(8, 8), asks
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        (x,) = args
+        h = self.a(x)
+        if self.asks and x.is_contiguous():
+            h = h * 2
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("asks", [True, False])
+def test_an_exported_pipeline_whose_model_asks_how_its_input_lies_compiles_for_each_layout(asks: bool) -> None:
+    """Before, a transposed input took the contiguous example's branch (1.5 off). A model that
+    never asks runs every layout on the example's stages."""
+    model, reference = twin(_ScalesWhereContiguous(asks))
+    x = torch.randn(8, 8, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    for given in (x.t(), x, x[:, ::2].repeat_interleave(2, dim=1), x.t()):
+        assert_call_and_grads_equal(pipe, reference, given)
+    assert len(pipe._variants) == (1 if asks else 0)  # the transposed and the strided call are one kind
+
+
 class _ScalesWithGradients(nn.Module):
     def __init__(self) -> None:
         super().__init__()
