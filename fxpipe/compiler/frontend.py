@@ -140,13 +140,22 @@ def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], l
     raise _Rejected(_check(model, lined, example, kwargs, bind, traced_in) or "its graph computes otherwise than the model")
 
 
-def _cache_fix(model: nn.Module, error: Exception) -> str:
-    """A language model returning its key/value cache: how to turn the cache off."""
-    if "Cache" not in str(error) or not getattr(getattr(model, "config", None), "use_cache", False):
+def _cache_fix(model: nn.Module, error: Exception, kwargs: dict[str, Any]) -> str:
+    """A language model returning its key/value cache: how to turn the cache off; or, where it is
+    off and the model returns one all the same (peft's prefix tuning), how to leave it out."""
+    if "Cache" not in str(error):
+        return ""
+    if getattr(getattr(model, "config", None), "use_cache", False) and kwargs.get("use_cache") is not False:
+        return (
+            "How to fix: the model returns its key/value cache, which a pipeline cannot carry; compile the "
+            "model with model.config.use_cache = False, or with use_cache=False in example_kwargs."
+        )
+    if not unknown_type(str(error)):
         return ""
     return (
-        "How to fix: the model returns its key/value cache, which a pipeline cannot carry; compile the "
-        "model with model.config.use_cache = False, or with use_cache=False in example_kwargs."
+        "How to fix: the model returns a key/value cache with use_cache off (as peft's prefix tuning does), which a "
+        "pipeline cannot carry; compile a module that calls the model and returns what is needed of its output "
+        "(`return self.model(*args, **kwargs).logits`)."
     )
 
 
@@ -195,7 +204,7 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
         raise _Rejected(detail, first_line(error), f"How to fix: {fix}") from error
     except Exception as error:
         at = raising_line(error)
-        raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error)) from error
+        raise _Rejected(first_line(error) + (f"\n  - at {at}" if at else ""), first_line(error), _cache_fix(model, error, kwargs)) from error
     if functions:
         names = ", ".join(sorted({f.__qualname__ for f in functions}))
         checkpoint = "torch.utils.checkpoint's reentrant Function: use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs=" \
@@ -403,14 +412,20 @@ def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, 
             raise
         try:
             traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, traced_in=(False,))
-        except TraceError:
-            raise error from None
+        except TraceError as in_eval:  # what stops eval mode, where the model is: the training failure aside
+            in_eval.add_note(f"(Traced in training mode too, for pipe.train(): {str(error).partition(chr(10))[0]} {_first_reasons(error)})")
+            raise in_eval from None
         traced.eval_only = str(error).partition("\nHow to fix")[0]
         why = traced.eval_only.splitlines()[0]
     note = f"{type(model).__name__} is compiled for eval mode alone: in training mode, {why} A call in training mode is refused."
     traced.note = f"{traced.note}; {note}" if traced.note else note
     warnings.warn(note, stacklevel=caller_stacklevel())
     return traced
+
+
+def _first_reasons(error: TraceError) -> str:
+    """The first line of each front end's reason in `error`, as 'torch.fx: ...; torch.export: ...'."""
+    return "; ".join(line for line in str(error).splitlines() if line.startswith(("torch.fx: ", "torch.export: ")))
 
 
 def _front_ends(

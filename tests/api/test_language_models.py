@@ -66,6 +66,29 @@ def test_language_model_at_every_sequence_length(make: Callable[[], nn.Module]) 
         assert_grads_equal(pipe, reference, tol=1e-9)
 
 
+class _CacheAnyway(nn.Module):
+    """Returns a cache with use_cache off (as peft's prefix tuning makes Llama do)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers import DynamicCache  # (transformers comes from importorskip)
+
+        return self.model(*args, **kwargs).logits, DynamicCache()
+
+
+def test_a_model_that_returns_a_cache_with_it_turned_off_says_to_return_what_is_needed() -> None:
+    """Before, the fix was to register the cache's class with pytree, a class of the library's."""
+    model = gpt2().eval()
+    config: Any = model.config
+    config.use_cache = False
+    with pytest.raises(Exception, match=r"(?s)How to fix: the model returns a key/value cache with use_cache off.*\.logits`\)") as refused:
+        compile_pipeline(_CacheAnyway(model), torch.randint(0, 64, (4, 12)), ["cpu"] * 2)
+    assert str(refused.value).splitlines()[-1].startswith("How to fix: the model returns a key/value cache with use_cache off")
+
+
 def test_a_model_that_returns_its_cache_says_to_turn_it_off() -> None:
     model = gpt2().eval()
     config: Any = model.config  # a transformers config (transformers comes from importorskip: untyped here)

@@ -594,6 +594,26 @@ def test_a_call_of_another_size_than_an_exported_graph_fixed_says_why_it_was_fix
         assert ("depends on" in str(refused.value)) == (make is FixesItsBatch)
 
 
+class _DropsALayerAndFixesItsBatch(FixesItsBatch):
+    """In training mode a layer drop decided in Python (neither front end keeps it); in every mode
+    a reshape to the example's batch, which torch.export holds."""
+
+    def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.rand([]) < 0.5:
+            return args[0]
+        return super().forward(*args, **kwargs)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_a_model_compiled_in_eval_mode_is_refused_for_what_stops_eval_mode() -> None:
+    """Before, the refusal gave training mode's reason (the layer drop) and its fix ('compile the
+    model in eval mode'), which the user had done; the reason eval mode failed went unsaid."""
+    with pytest.raises(TraceError, match=r"(?s)torch.export: it fixed the batch size.*How to fix: use chunks=1") as refused:
+        compile_pipeline(_DropsALayerAndFixesItsBatch().double().eval(), torch.randn(4, 8, dtype=torch.float64), ["cpu"] * 2, chunks=2)
+    notes = "\n".join(getattr(refused.value, "__notes__", []))
+    assert "Traced in training mode too, for pipe.train()" in notes and "data-dependent" in notes, notes
+
+
 def test_a_graph_module_from_any_tracer_is_accepted() -> None:
     model, reference = twin(VarArgs())
     x = torch.randn(6, 8, dtype=torch.float64)
