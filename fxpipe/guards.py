@@ -22,7 +22,7 @@ from fxpipe.core.hooks import GLOBAL_BACKWARD_HOOKS, KINDS, global_backward_hook
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.own_forward import in_the_models_own_call
 from fxpipe.core.wording import listed
-from fxpipe.tracing.mode_reads import modes_changed
+from fxpipe.tracing.mode_reads import autocast_alone, modes_changed
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -165,10 +165,11 @@ def refuse_other_autocast(compiled: Compiled) -> None:
     traced: a call under another autocast would run the other answer's graph."""
     changed = modes_changed(compiled.modes_read)
     if changed:
+        about, state = ("autocast", "the autocast") if autocast_alone(changed) else ("its state", "the state")
         raise RuntimeError(
-            f"the model's forward asks torch about autocast, and the answers differ from when it was traced: "
+            f"the model's forward asks torch about {about}, and the answers differ from when it was traced: "
             f"{'; '.join(changed)}. The graph holds the answers it got then.\nHow to fix: compile the model "
-            "under the autocast it runs under (a pipeline for each)"
+            f"under {state} it runs under (a pipeline for each)"
             + _or_kept_whole(compiled, ", or keep the module that asks whole (leaf_modules=[...]), which asks as it runs") + "."
         )
 

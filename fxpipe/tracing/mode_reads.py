@@ -1,5 +1,5 @@
-"""Autocast state a trace read (`torch.is_autocast_enabled()`, `torch.get_autocast_dtype(...)`):
-the graph holds what it said then, so a call under another autocast must be refused.
+"""Autocast and torch's other process-wide state a trace read (`torch.is_autocast_enabled()`,
+`torch.get_default_dtype()`): the graph holds what it said then, so a call under another must be refused.
 
 The stages run under the caller's autocast, which casts each op as the plain model's would; but
 a forward that asks whether autocast is on (to upcast an attention, say) asked once, when traced.
@@ -19,15 +19,18 @@ from torch import nn
 
 from fxpipe.tracing.attribute_reads import from_the_model
 
-_QUERIES = ("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled", "get_autocast_gpu_dtype", "get_autocast_cpu_dtype")
+_AUTOCAST = ("is_autocast_enabled", "get_autocast_dtype", "is_autocast_cpu_enabled", "get_autocast_gpu_dtype", "get_autocast_cpu_dtype")
+# torch's other process-wide state a forward may branch on, asked alike.
+_QUERIES = (*_AUTOCAST, "get_default_dtype", "are_deterministic_algorithms_enabled", "is_deterministic_algorithms_warn_only_enabled",
+            "is_inference_mode_enabled", "get_num_threads")  # fmt: skip
 
 ModeReads = dict[tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]], Any]  # query, args, kwargs: answer
 
 
 @contextmanager
 def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
-    """Within this block, what `model`'s code on this thread asks torch of autocast, and the
-    answers, by query and arguments (the first answer of each)."""
+    """Within this block, what `model`'s code on this thread asks torch of autocast and its other
+    state (`_QUERIES`), and the answers, by query and arguments (the first answer of each)."""
     read: ModeReads = {}
     thread = threading.get_ident()
     originals = _originals()
@@ -53,7 +56,7 @@ def mode_reads_recorded(model: nn.Module) -> Iterator[ModeReads]:
 
 
 def _originals() -> dict[int, str]:
-    """torch's autocast queries, by id: the name in torch of each."""
+    """torch's queries of its state, by id: the name in torch of each."""
     return {id(getattr(torch, name)): name for name in _QUERIES if hasattr(torch, name)}
 
 
@@ -66,6 +69,11 @@ def _aliasing(model: nn.Module, originals: dict[int, str]) -> list[dict[str, Any
         if table is not None and any(id(value) in originals for value in list(table.values())):
             found[id(table)] = table
     return list(found.values())
+
+
+def autocast_alone(changed: list[str]) -> bool:
+    """Whether `modes_changed`'s answers are all of autocast."""
+    return all(line.removeprefix("torch.").startswith(_AUTOCAST) for line in changed)
 
 
 def modes_changed(read: ModeReads) -> list[str]:

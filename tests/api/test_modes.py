@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -683,6 +683,51 @@ def test_an_autocast_question_asked_through_a_name_imported_from_torch_is_watche
         with pytest.raises(RuntimeError, match=r"torch.is_autocast_enabled\(device_type='cpu'\): False when traced, True now"):
             pipe(x)
     torch.testing.assert_close(pipe(x), _by_halves(model, x), rtol=0, atol=0)
+
+
+@contextlib.contextmanager
+def _setting(get: Callable[[], Any], set_: Callable[[Any], Any], value: Any) -> Iterator[None]:
+    before = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(before)
+
+
+_STATE: dict[str, tuple[Callable[[], bool], Callable[[], Any]]] = {  # a question of torch's state; how to change its answer
+    "default dtype": (lambda: torch.get_default_dtype() == torch.float32, lambda: _setting(torch.get_default_dtype, torch.set_default_dtype, torch.float64)),
+    "deterministic": (lambda: torch.are_deterministic_algorithms_enabled(), lambda: _setting(torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms, True)),
+    "inference mode": (lambda: torch.is_inference_mode_enabled(), torch.inference_mode),
+    "threads": (lambda: torch.get_num_threads() > 1, lambda: _setting(torch.get_num_threads, torch.set_num_threads, 1 if torch.get_num_threads() > 1 else 2)),
+}  # fmt: skip
+
+
+class _AsksTorch(nn.Module):
+    def __init__(self, asks: Callable[[], bool]) -> None:
+        super().__init__()
+        self.a, self.b, self.asks = nn.Linear(6, 6), nn.Linear(6, 6), asks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.asks():
+            h = h * 2
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("state", list(_STATE))
+def test_a_forward_that_asks_torch_of_its_state_is_refused_where_the_answer_changed(state: str) -> None:
+    """Before, the pipeline ran the answer traced after the state changed (0.3 off in the output,
+    4.9 in a gradient, without a word): torch.get_default_dtype(), deterministic algorithms,
+    inference mode, the number of threads."""
+    asks, changed = _STATE[state]
+    model, reference = twin(_AsksTorch(asks))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu"] * 2, chunks=2)
+    with changed():
+        with pytest.raises(RuntimeError, match=r"(?s)asks torch about its state, and the answers differ from when it was traced: torch\.\w+\(\): .* when traced, .* now.*How to fix: compile the model under the state it runs under"):
+            pipe(x)
+    assert_call_and_grads_equal(pipe, reference, x)  # the state back: the pipeline runs again
 
 
 class _CallsDropout(nn.Module):
