@@ -598,10 +598,11 @@ _UPDATE_AFTER_THE_CALLERS_CODE = "Under 2bw the update of a batch runs after the
 
 
 def _tensors_read(call: Call, target: Any) -> Read:
-    """A batch's input tensors (those the model writes itself aside) and its target's, with their versions now."""
+    """A batch's input tensors (those the model writes itself aside) and its target's, with their
+    versions now (but inference tensors, which have none, and which nothing writes outside inference mode)."""
     written = call.program.written_inputs
     named = [(name, value) for name, value in call.values.items() if name not in written] + [("the target", target)]
-    return [(name, t, t._version) for name, value in named for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return [(name, t, t._version) for name, value in named for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) and not t.is_inference()]
 
 
 def _by_shape(tensor: torch.Tensor, named: list[tuple[str, torch.nn.Parameter]]) -> str:

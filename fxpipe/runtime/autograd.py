@@ -67,7 +67,9 @@ class Run:
         # What the backward reads of the caller's, as the forward left it: written in between
         # (optimizer.step() before backward()), autograd's error is told so.
         buffers = [b for stage in self.step.stages for b in getattr(stage, "read_buffers", {}).values()]
-        self.found = [(t, t._version) for t in [*self.parameters, *buffers, *tree_flatten(self.pieces)[0]] if isinstance(t, torch.Tensor)]
+        # (An inference tensor has no version to read: none can be written outside inference mode.)
+        read = [*self.parameters, *buffers, *tree_flatten(self.pieces)[0]]
+        self.found = [(t, t._version) for t in read if isinstance(t, torch.Tensor) and not t.is_inference()]
 
     def backward(self) -> list[Optional[torch.Tensor]]:
         assert self.gathered is not None

@@ -240,10 +240,11 @@ class StageTasks:
         return stage.compiled is not None and self.context.saved_hooks is None
 
     def _versions_read(self, stage: StageRuntime, kept: list[Any]) -> list[tuple[str, torch.Tensor, int]]:
-        """The caller's tensors a checkpointed forward read (not copies), with their versions."""
+        """The caller's tensors a checkpointed forward read (not copies), with their versions (but
+        inference tensors, which have none, and which nothing writes outside inference mode)."""
         return [
             (name, t, t._version) for name, value in zip(stage.inputs, kept)
-            if stage.sources[name] == CALLER and name not in stage.written for t in leaves_of(value) if isinstance(t, torch.Tensor)
+            if stage.sources[name] == CALLER and name not in stage.written for t in leaves_of(value) if isinstance(t, torch.Tensor) and not t.is_inference()
         ]  # fmt: skip
 
     def _params_requiring_grad(self, stage: int) -> tuple[bool, ...]:

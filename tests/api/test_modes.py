@@ -182,6 +182,36 @@ def test_no_grad_and_inference_mode(stages: int) -> None:
         torch.testing.assert_close(out, reference(x), rtol=0, atol=1e-12)
 
 
+class _CastsFirst(FanOut):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x.to(torch.float64))
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_an_input_made_under_inference_mode_trains_outside_it(stages: int) -> None:
+    """The plain model trains on it where forward makes a normal tensor of it (a cast, a copy).
+    Before, the call failed with torch's bare 'Inference tensors do not track version counter'."""
+    model, reference = twin(_CastsFirst())
+    with torch.inference_mode():
+        x = torch.randn(8, 6)
+    pipe = compile_pipeline(model, x.clone(), ["cpu"] * stages, chunks=4)
+    assert_call_and_grads_equal(pipe, reference, x)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    for schedule in ("1f1b", "2bw"):
+        model, reference = twin(_CastsFirst())
+        pipe = compile_pipeline(model, x.clone(), ["cpu"] * max(stages, 2), chunks=4, schedule=schedule)
+        optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        losses = [float(loss) for loss in pipe.train_steps([(x, target)], loss_fn=F.mse_loss, optimizer=optimizer)]
+        expected = F.mse_loss(reference(x), target)
+        expected.backward()
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        assert losses == pytest.approx([float(expected)], rel=1e-12)
+        assert_grads_equal(pipe, reference)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
+
+
+
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
 def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str, stages: int) -> None:
