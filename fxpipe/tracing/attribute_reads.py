@@ -377,7 +377,7 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
             continue
         try:
             value = read(*held)
-        except AttributeError:  # not there: watched as missing, if the trace found none either
+        except (AttributeError, KeyError):  # not there: watched as missing, if the trace found none either
             value = MISSING
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue

@@ -73,8 +73,13 @@ def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> Module
         while at < len(instructions) and isinstance(value, types.ModuleType) and instructions[at].opname in _LOOKUPS:
             path, value = f"{path}.{instructions[at].argval}", getattr(value, str(instructions[at].argval), MISSING)
             at += 1
-        if type(value) is dict and simple_key(key := _key_read(instructions[at : at + 2])) and key in value:
-            path, value = f"{path}[{key!r}]", value[key]  # an entry: FLAGS["on"], FLAGS.get("on")
+        if (type(value) is dict or value is os.environ) and simple_key(key := _key_read(instructions[at : at + 2])):
+            if key in value:
+                path, value = f"{path}[{key!r}]", value[key]  # an entry: FLAGS["on"], FLAGS.get("on"), os.environ.get("FLAG")
+            elif value is os.environ:
+                path, value = f"{path}[{key!r}]", MISSING  # a variable not set: watched as missing, as one set later differs
+                found.constants[f"{module}:{path}"] = value
+                continue
         if constant(value):
             found.constants[f"{module}:{path}"] = value
         elif isinstance(value, types.FunctionType):

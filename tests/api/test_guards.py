@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 import re
 import sys
 import types
@@ -850,6 +851,38 @@ def test_an_entry_of_a_module_level_dict_the_trace_read_is_watched(key: str, mon
     with monkeypatch.context() as patched:
         patched.delitem(_FLAGS, key)
         _refused_in_both_modes(pipe, x, f"{__name__}:_FLAGS[{key!r}] (")
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
+class _ReadsTheEnvironment(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * 2 if os.environ.get("FXPIPE_TEST_DOUBLE") == "1" else h
+
+
+@pytest.mark.parametrize("set_when_compiled", [False, True])
+def test_an_environment_variable_the_forward_reads_is_watched(set_when_compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `os.environ.get(...)` read in forward was a constant of the graph: set, unset or
+    changed after compiling, it was ignored (0.4-1.1 off)."""
+    model, reference = twin(nn.Sequential(_ReadsTheEnvironment(), nn.Tanh(), _ReadsTheEnvironment()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    if set_when_compiled:
+        monkeypatch.setenv("FXPIPE_TEST_DOUBLE", "1")
+    else:
+        monkeypatch.delenv("FXPIPE_TEST_DOUBLE", raising=False)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    with monkeypatch.context() as patched:
+        if set_when_compiled:
+            patched.delenv("FXPIPE_TEST_DOUBLE")
+        else:
+            patched.setenv("FXPIPE_TEST_DOUBLE", "1")
+        shown = "('1' -> deleted)" if set_when_compiled else "(missing -> '1')"
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:os.environ['FXPIPE_TEST_DOUBLE'] {shown}")
     assert_call_and_grads_equal(pipe, reference, x)
 
 
