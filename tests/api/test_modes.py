@@ -211,7 +211,6 @@ def test_an_input_made_under_inference_mode_trains_outside_it(stages: int) -> No
             torch.testing.assert_close(p, q, rtol=0, atol=1e-12)
 
 
-
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("mode", MODES)
 def test_cpu_autocast_reaches_every_stage_and_the_recompute(mode: str, stages: int) -> None:
