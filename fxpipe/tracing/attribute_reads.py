@@ -38,7 +38,7 @@ from fxpipe.core.own_code import is_ours
 from fxpipe.core.scoped import scoped
 from fxpipe.core.settings import settings
 from fxpipe.tracing.dict_reads import MISSING, WHOLE, DictReads, Entries, KeysRead, entries
-from fxpipe.tracing.global_reads import constant, module_reads, nested, settings_code, simple_key
+from fxpipe.tracing.global_reads import class_reads, constant, module_reads, nested, settings_code, simple_key
 
 _local = threading.local()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -146,6 +146,7 @@ class Reads:
             return value
         if frame.f_code not in self.codes[self.mode]:
             self.ran(frame.f_code, frame.f_globals)
+            self._class_reads(owner, paths, frame.f_code)
         if name == "training":
             self.training[self.mode].setdefault(paths[0], bool(value))
             return value
@@ -179,6 +180,17 @@ class Reads:
                 elif isinstance(element, torch.Tensor) and not isinstance(element, nn.Parameter) and simple_key(key):
                     self.tensors.setdefault(id(element), (element, [f"{name}[{key!r}]" for name in names]))
         return value
+
+    def _class_reads(self, owner: Any, paths: list[str], code: types.CodeType) -> None:
+        """The plain values `code` reads of `owner`'s class (`type(self).SCALE`), watched as read
+        through the instance, which no lookup of the instance's noted."""
+        for name in class_reads(code):
+            value = getattr(type(owner), name, MISSING)
+            if plain(value) and not isinstance(getattr(type(owner), name, None), (property, types.FunctionType)):
+                names = [f"{path}.{name}" if path else name for path in paths]
+                self.values[self.mode].update(names)
+                for qualified in names:
+                    self.first.setdefault(qualified, copy.deepcopy(value))
 
     def _object(self, names: list[str], held: Held) -> None:
         """A module's object attribute read under `names`: watched as `held` says."""

@@ -110,6 +110,24 @@ def _key_read(following: Sequence[dis.Instruction]) -> Any:
     return MISSING
 
 
+def class_reads(code: types.CodeType) -> list[str]:
+    """The attributes `code` reads of its first argument's class (`type(self).SCALE`,
+    `self.__class__.SCALE`), which no instance lookup sees."""
+    if not code.co_argcount:
+        return []
+    first, found = code.co_varnames[0], []
+    instructions = [i for i in _instructions(code) if i.opname not in ("PRECALL", "CACHE")]
+    for at, instruction in enumerate(instructions[:-2]):
+        if instruction.opname != "LOAD_FAST" or instruction.argval != first:
+            continue
+        before, after, then = instructions[at - 1] if at else None, instructions[at + 1], instructions[at + 2]
+        by_type = before is not None and before.opname == "LOAD_GLOBAL" and before.argval == "type" and after.opname == "CALL" and after.arg == 1
+        by_class = after.opname == "LOAD_ATTR" and after.argval == "__class__"
+        if (by_type or by_class) and then.opname in _LOOKUPS and isinstance(then.argval, str) and not then.argval.startswith("__"):
+            found.append(then.argval)
+    return found
+
+
 def nested(code: types.CodeType) -> list[types.CodeType]:
     """The code objects defined inside `code` (comprehensions, lambdas, inner functions)."""
     return [const for const in code.co_consts if isinstance(const, types.CodeType)]

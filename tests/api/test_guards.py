@@ -854,6 +854,38 @@ def test_an_entry_of_a_module_level_dict_the_trace_read_is_watched(key: str, mon
     assert_call_and_grads_equal(pipe, reference, x)
 
 
+class _ReadsItsClass(nn.Module):
+    """Settings kept on its class and read through it, as no instance lookup sees them."""
+
+    DOUBLE = True
+    GAIN = 1.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if type(self).DOUBLE:
+            h = h * 2
+        return h * self.__class__.GAIN
+
+
+@pytest.mark.parametrize("attribute, value", [("DOUBLE", False), ("GAIN", 3.0)])
+def test_a_class_attribute_read_through_the_class_is_watched(attribute: str, value: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `type(self).DOUBLE` and `self.__class__.GAIN` were constants of the graph: changed
+    on the class after compiling, they were ignored (0.4-1.1 off)."""
+    model, reference = twin(nn.Sequential(_ReadsItsClass(), nn.Tanh(), _ReadsItsClass()))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    before = getattr(_ReadsItsClass, attribute)
+    with monkeypatch.context() as patched:
+        patched.setattr(_ReadsItsClass, attribute, value)
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: 0.{attribute} ({before!r} -> {value!r})")
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 class _ReadsTheEnvironment(nn.Module):
     def __init__(self) -> None:
         super().__init__()
