@@ -8,7 +8,9 @@ object reads from its module is told by its bytecode (`LOAD_GLOBAL NAME`, then `
 through modules). Only immutable plain values count (None, numbers, strings and tuples of them):
 a dict or list a module keeps is most often a cache or a registry that the plain model fills as
 it runs. Of a dict, an entry the code reads at a constant key (`FLAGS["on"]`, `FLAGS.get("on")`)
-is watched, as `module:FLAGS['on']`, when its value is such a constant.
+is watched, as `module:FLAGS['on']`, when its value is such a constant; so is a variable of
+`os.environ`, set or not. The bytecode tells too what a forward reads of its own class
+(`type(self).SCALE`), which no lookup of the instance sees (`class_reads`).
 """
 from __future__ import annotations
 
