@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_map_only
 from fxpipe.core.attrs import fetch_attr
 from fxpipe.core.randomness import draws_now
 from fxpipe.core.snapshot import preserved
+from fxpipe.core.writes import version_of
 from fxpipe.passes.fixed_draws import FixedDraws
 from fxpipe.passes.random_ops import random_sources
 from fxpipe.passes.shapes import Recorder, small_on_cpu
@@ -118,7 +119,7 @@ def run_on(
     fixed = drawing_or_normalising(gm) if fixed is None else fixed
     with preserved(gm), torch.no_grad():
         names = writable_buffer_names(gm, list(gm.graph.nodes)) if written is not None else []
-        before = {name: (b, _version(b), b.clone()) for name in names if (b := _buffer(gm, name)) is not None}
+        before = {name: (b, version_of(b), b.clone()) for name in names if (b := _buffer(gm, name)) is not None}
         for inputs in examples:
             with assignments_recorded(gm):  # each run from the attributes the model holds (a counter it reads)
                 runs.append(_run_once(gm, cloned(inputs), real, keep, fixed, records))
@@ -130,7 +131,7 @@ def run_on(
 def _written(now: Optional[torch.Tensor], buffer: torch.Tensor, version: Optional[int], values: torch.Tensor) -> bool:
     """Whether a run wrote `buffer`: replaced it, bumped its version, or changed its values (a
     fused kernel, quantisation's observer, writes without bumping the version)."""
-    if now is not buffer or version is None or _version(buffer) != version:
+    if now is not buffer or version is None or version_of(buffer) != version:
         return True
     if buffer.is_meta or buffer.shape != values.shape:
         return buffer.shape != values.shape
@@ -169,11 +170,6 @@ def _returned(arg: Any, value: Any, values: dict[fx.Node, Any]) -> bool:
     if isinstance(arg, dict):
         return isinstance(value, dict) and arg.keys() == value.keys() and all(_returned(a, value[k], values) for k, a in arg.items())
     return True
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    """Its version counter; None for an inference tensor, which keeps none (counted as written)."""
-    return None if t.is_inference() else t._version
 
 
 def _buffer(gm: fx.GraphModule, name: str) -> Optional[torch.Tensor]:

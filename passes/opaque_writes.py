@@ -1,12 +1,13 @@
 """Tensors a module kept whole or a wrapped function writes in place, which its graph node does not show: found by running the example."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
 from fxpipe.core.attrs import fetch_attr
+from fxpipe.core.writes import version_of
 
 __all__ = ["mark_opaque_writes"]
 
@@ -25,10 +26,6 @@ def _opaque(gm: fx.GraphModule, node: fx.Node) -> bool:
     return not any(owner == known or owner.startswith(f"{known}.") for known in _KNOWN_MODULES)
 
 
-def _version(t: torch.Tensor) -> int:
-    return -1 if t.is_inference() else t._version
-
-
 def mark_opaque_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> None:
     """`meta["writes_seen"]`: the nodes an opaque call (a module called whole, a function torch.fx
     wraps) wrote in place on the example, as the version counters of its inputs show.
@@ -42,14 +39,14 @@ def mark_opaque_writes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> None:
         return
     from fxpipe.passes.shapes import run_watching  # the shape pass's runner: real or on meta
 
-    given: dict[fx.Node, list[tuple[fx.Node, torch.Tensor, int]]] = {}
+    given: dict[fx.Node, list[tuple[fx.Node, torch.Tensor, Optional[int]]]] = {}
 
     def before(node: fx.Node, values: dict[fx.Node, Any]) -> None:
         if node in opaque:
-            given[node] = [(arg, t, _version(t)) for arg, t in values.items() if isinstance(t, torch.Tensor)]
+            given[node] = [(arg, t, version_of(t)) for arg, t in values.items() if isinstance(t, torch.Tensor)]
 
     def after(node: fx.Node, value: Any, args: tuple[Any, ...]) -> None:
-        written = [arg for arg, t, version in given.pop(node, ()) if _version(t) != version]
+        written = [arg for arg, t, version in given.pop(node, ()) if version_of(t) != version]
         if written:
             node.meta["writes_seen"] = written
 

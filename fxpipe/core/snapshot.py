@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.writes import version_of
+
 # Parameters are copied only up to this many bytes in all: compile-time passes run a model whole
 # only below it (passes/shapes.py), and above it they run nodes one at a time or on the meta
 # device, which write no parameter of an ordinary model. Buffers and gradients are always copied.
@@ -134,7 +136,7 @@ def inputs_preserved(inputs: Any) -> Iterator[None]:
     (a forward that writes its input, run at compile time on the user's example)."""
     tensors = {id(t): t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and not t.is_meta}
     # An inference tensor keeps no version counter: its values tell (and it is written in inference mode).
-    saved = [(t, None if t.is_inference() else t._version, t.detach().clone()) for t in tensors.values()]
+    saved = [(t, version_of(t), t.detach().clone()) for t in tensors.values()]
     try:
         yield
     finally:

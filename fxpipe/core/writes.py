@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from fxpipe.core.attrs import fetch_attr
 
 
+def version_of(t: torch.Tensor) -> Optional[int]:
+    """Its version counter; None for an inference tensor, which keeps none (reading it raises)."""
+    return None if t.is_inference() else t._version
+
+
 def storage_key(t: torch.Tensor) -> int:
     """The storage `t` views (tensors of one storage share memory); a tensor without one
     (sparse, nested) stands for itself."""

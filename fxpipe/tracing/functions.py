@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
+from fxpipe.core.writes import version_of
+
 _Function = torch.autograd.function.Function
 _original_apply = _Function.__dict__["apply"].__func__
 _appliers: dict[type, Callable[..., Any]] = {}
@@ -33,7 +35,7 @@ def applier(function: type) -> Callable[..., Any]:
             versions = _versions(args)
             out = function.apply(*args, **kwargs)  # type: ignore[attr-defined]
             if versions:
-                apply.writes |= {k for k, version in versions.items() if _version(args[k]) != version}  # type: ignore[attr-defined]
+                apply.writes |= {k for k, version in versions.items() if version_of(args[k]) != version}  # type: ignore[attr-defined]
             return out
 
         apply.__name__ = apply.__qualname__ = f"apply_{function.__name__}"
@@ -67,12 +69,8 @@ def writes_watched() -> Iterator[None]:
 
 def _versions(args: tuple[Any, ...]) -> dict[int, int]:
     """The version counters of the positional tensor arguments, by position."""
-    found = {k: _version(a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
+    found = {k: version_of(a) for k, a in enumerate(args) if isinstance(a, torch.Tensor)}
     return {k: v for k, v in found.items() if v is not None}
-
-
-def _version(t: torch.Tensor) -> Optional[int]:
-    return None if t.is_inference() else t._version
 
 
 def _proxy_in(args: Any) -> Optional[fx.Proxy]:

@@ -456,9 +456,27 @@ def test_an_object_the_forward_calls_through_replaced_after_compiling_is_refused
     copied = copy.deepcopy(pipe)  # watches its own model's objects
     torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=1e-12)
     setattr(model[1], attribute, value)
-    with pytest.raises(RuntimeError, match=rf"(?s)have changed since compiling: {says}.*How to fix: compile again"):
-        pipe(x)
+    _refused_in_both_modes(pipe, x, rf"(?s)have changed since compiling: {says}.*How to fix: compile again", pattern=True)
     torch.testing.assert_close(copied(x), reference(x), rtol=0, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_an_object_replaced_between_forward_and_backward_leaves_that_forwards_gradients_exact(checkpoint: str) -> None:
+    """Two forwards before one backward, the object replaced between them: the second call is
+    refused, and the first one's backward (its recompute included) is the plain model's, whose
+    graph was recorded before the change."""
+    model, reference = twin(nn.Sequential(_Processed(), _Processed(), _Processed()))
+    x = torch.randn(6, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2, checkpoint=checkpoint)
+    out, expected = pipe(x), reference(x)
+    model[1].processor = _Doubled()
+    with pytest.raises(RuntimeError, match=r"have changed since compiling: 1.processor"):
+        pipe(x)
+    out.pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert_grads_equal(model, reference, tol=1e-12)
 
 
 @pytest.mark.parametrize("how", ["rebound", "in place"])
@@ -734,13 +752,16 @@ class _AttrConfig:
             raise AttributeError(name) from None
 
 
-def _refused_in_both_modes(pipe: nn.Module, x: torch.Tensor, message: str) -> None:
-    """A call is refused with `message` in training mode, and in eval mode under no_grad."""
-    refused = pytest.raises(RuntimeError, match=re.escape(message))
+def _refused_in_both_modes(pipe: nn.Module, x: torch.Tensor, message: str, *, pattern: bool = False) -> None:
+    """A call is refused with `message` (a regular expression where `pattern`) in training mode,
+    and in eval mode under no_grad and under inference mode."""
+    refused = pytest.raises(RuntimeError, match=message if pattern else re.escape(message))
     with refused:
         pipe(x)
     with refused, torch.no_grad():
         pipe.eval()(x)
+    with refused, torch.inference_mode():
+        pipe(x)
     pipe.train()
 
 
