@@ -9,7 +9,7 @@ through modules). Only immutable plain values count (None, numbers, strings and 
 a dict or list a module keeps is most often a cache or a registry that the plain model fills as
 it runs. Of a dict, an entry the code reads at a constant key (`FLAGS["on"]`, `FLAGS.get("on")`)
 is watched, as `module:FLAGS['on']`, when its value is such a constant; so is a variable of
-`os.environ`, set or not. The bytecode tells too what a forward reads of its own class
+`os.environ`, set or not, read there or through `os.getenv`. The bytecode tells too what a forward reads of its own class
 (`type(self).SCALE`), which no lookup of the instance sees (`class_reads`).
 """
 from __future__ import annotations
@@ -75,6 +75,9 @@ def module_reads(code: types.CodeType, module_globals: dict[str, Any]) -> Module
         while at < len(instructions) and isinstance(value, types.ModuleType) and instructions[at].opname in _LOOKUPS:
             path, value = f"{path}.{instructions[at].argval}", getattr(value, str(instructions[at].argval), MISSING)
             at += 1
+        if value is os.getenv and at < len(instructions) and instructions[at].opname == "LOAD_CONST" and simple_key(key := instructions[at].argval):
+            found.constants[f"os:environ[{key!r}]"] = os.environ.get(key, MISSING)  # os.getenv("FLAG"), getenv("FLAG")
+            continue
         if (type(value) is dict or value is os.environ) and simple_key(key := _key_read(instructions[at : at + 2])):
             if key in value:
                 path, value = f"{path}[{key!r}]", value[key]  # an entry: FLAGS["on"], FLAGS.get("on"), os.environ.get("FLAG")

@@ -917,11 +917,19 @@ class _ReadsTheEnvironment(nn.Module):
         return h * 2 if os.environ.get("FXPIPE_TEST_DOUBLE") == "1" else h
 
 
+class _ReadsTheEnvironmentThroughGetenv(_ReadsTheEnvironment):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * 2 if os.getenv("FXPIPE_TEST_DOUBLE") == "1" else h
+
+
+@pytest.mark.parametrize("through_getenv", [False, True])
 @pytest.mark.parametrize("set_when_compiled", [False, True])
-def test_an_environment_variable_the_forward_reads_is_watched(set_when_compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Before, `os.environ.get(...)` read in forward was a constant of the graph: set, unset or
-    changed after compiling, it was ignored (0.4-1.1 off)."""
-    model, reference = twin(nn.Sequential(_ReadsTheEnvironment(), nn.Tanh(), _ReadsTheEnvironment()))
+def test_an_environment_variable_the_forward_reads_is_watched(set_when_compiled: bool, through_getenv: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `os.environ.get(...)` (then `os.getenv(...)`) read in forward was a constant of
+    the graph: set, unset or changed after compiling, it was ignored (0.4-1.1 off)."""
+    reads = _ReadsTheEnvironmentThroughGetenv if through_getenv else _ReadsTheEnvironment
+    model, reference = twin(nn.Sequential(reads(), nn.Tanh(), reads()))
     x = torch.randn(8, 4, dtype=torch.float64)
     if set_when_compiled:
         monkeypatch.setenv("FXPIPE_TEST_DOUBLE", "1")
@@ -935,7 +943,8 @@ def test_an_environment_variable_the_forward_reads_is_watched(set_when_compiled:
         else:
             patched.setenv("FXPIPE_TEST_DOUBLE", "1")
         shown = "('1' -> deleted)" if set_when_compiled else "(missing -> '1')"
-        _refused_in_both_modes(pipe, x, f"have changed since compiling: {__name__}:os.environ['FXPIPE_TEST_DOUBLE'] {shown}")
+        name = "os:environ" if through_getenv else f"{__name__}:os.environ"
+        _refused_in_both_modes(pipe, x, f"have changed since compiling: {name}['FXPIPE_TEST_DOUBLE'] {shown}")
     assert_call_and_grads_equal(pipe, reference, x)
 
 
