@@ -15,6 +15,7 @@ from fxpipe.core.hooks import KINDS, hook_name, hook_tables, output_hook
 from fxpipe.tracing.context_watch import (
     INFERENCE_MODE, SAVED_TENSOR_HOOKS, grad_mode_message, inference_mode_watched, saved_tensor_hooks_watched, unseen_grad_modes_watched,
 )
+from fxpipe.tracing.export_output import export_failure_unprinted
 from fxpipe.tracing.trace import TraceError, containers_of, fields_of_dataclasses, plain_dicts
 
 _PREFIX = "model."
@@ -128,7 +129,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     leaves, spec = tree_flatten((args, kwargs))
     found: dict[str, Any] = {}
     under_no_grad = not torch.is_grad_enabled()
-    with saved_tensor_hooks_watched() as hooked, inference_mode_watched() as inferred, unseen_grad_modes_watched() as unseen:
+    with saved_tensor_hooks_watched() as hooked, inference_mode_watched() as inferred, unseen_grad_modes_watched() as unseen, export_failure_unprinted():
         program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
     if hooked:
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: {SAVED_TENSOR_HOOKS}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any
 
 import pytest
@@ -143,6 +144,31 @@ def test_a_branch_torch_export_cannot_take_is_named_by_its_line_with_a_fix_that_
     text = str(refused.value)
     assert "test_trace_errors.py:" in text and "(if (h > 0).sum().item() > 3:)" in text, text
     assert "name forward's arguments, so that torch.fx traces the model" in text, text
+
+
+class SaysWhenTraced(nn.Module):
+    """Writes a line to stderr each time its forward runs, as the plain model would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        print("forward ran", file=sys.stderr)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_torch_exports_own_printing_of_a_failure_is_held_back_and_other_output_is_not(capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Before, a failed export printed its partial graph twice and a log line for the data-dependent
+    value above fxpipe's error, which names the line already."""
+    with pytest.raises(TraceError, match=r"\(if \(h > 0\).sum\(\).item\(\) > 3:\)"):
+        compile_pipeline(BranchesOnValues(), X, ["cpu"] * 2)
+    printed = capfd.readouterr()
+    assert "def forward" not in printed.err + printed.out, printed.err
+    assert not [r for r in caplog.records if "Unable to find user code" in r.getMessage()]
+    compile_pipeline(SaysWhenTraced(), X, ["cpu"] * 2)  # exported (it takes **kwargs): what forward writes is written
+    assert "forward ran" in capfd.readouterr().err
+    assert sys.stderr is not None and not type(sys.stderr).__name__.startswith("_Held")
 
 
 class _Pair:
