@@ -322,7 +322,7 @@ def compile_pipeline(
         if balance == "time":
             raise ValueError("balance='time' times the model's nodes, and a model on the meta device cannot run: pass balance='flops'")
         example_args, example_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (example_args, example_kwargs))
-    traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs)
+    traced = to_graph(model, example_args, leaf_modules, chunks, example_kwargs, spec_dims(signature, spec, example_args, example_kwargs))
     # The passes run the graph: what a module called whole assigns (a call counter) is put back.
     with assignments_recorded(model):
         bound = traced.bind(example_args, example_kwargs)

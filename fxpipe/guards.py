@@ -125,7 +125,7 @@ def traced_mode(owner: nn.Module, programs: dict[bool, Program], compiled: Compi
             f"attributes the graph read when it was traced have changed since compiling: {listed(attributes, most=5)}. "
             "The graph holds the values they had then.\nHow to fix: compile again after changing them; a value "
             "meant to change between calls belongs in a buffer (self.register_buffer(name, torch.tensor(value))), "
-            f"which the pipeline reads as it runs{whole}.{_norm_momentum_hint(owner, attributes)}"
+            f"which the pipeline reads as it runs{whole}.{_norm_momentum_hint(owner, attributes)}{_autograd_state_hint(attributes)}"
         )
     changed = program.hooks_changed()
     if "*" in changed and global_backward_hooks():
@@ -235,11 +235,15 @@ def _mode(training: bool, named: dict[str, nn.Module], traced: dict[bool, dict[s
             return mode
     apart = [f"{path or 'the model'} in {'eval' if flag else 'training'} mode"
              for path, flag in traced.get(training, {}).items() if path in named and named[path].training != flag]  # fmt: skip
+    # A whole pipeline in one mode runs where a graph was traced with every module read in it.
+    uniform = [call for flag, call in ((True, "pipe.train()"), (False, "pipe.eval()"))
+               if any(traced.get(mode) and all(f == flag for f in traced[mode].values()) for mode in (True, False))]  # fmt: skip
+    whole = f", or the whole pipeline in one mode ({' or '.join(uniform)})" if uniform else ""
     raise RuntimeError(
         f"the model's forward reads `self.training`, and no graph was traced with its modules in the modes they "
         f"are in: {', '.join(apart)} now, where the {'training' if training else 'eval'} graph has them in the "
-        "other.\nHow to fix: put those modules back in the modes they had when compiling, or the whole pipeline in "
-        "one mode (pipe.train() or pipe.eval()), or compile the model in the modes it runs in."
+        f"other.\nHow to fix: put those modules back in the modes they had when compiling{whole}, or compile the "
+        "model in the modes it runs in."
     )
 
 
@@ -387,6 +391,18 @@ def _norm_momentum_hint(owner: nn.Module, attributes: Sequence[str]) -> str:
     return (
         f" For {', '.join(norms)}: torch.optim.swa_utils.update_bn(loader, model) on the plain model sets the "
         "statistics the pipeline reads (put the momentum back first, if a refused call left it changed)."
+    )
+
+
+def _autograd_state_hint(attributes: Sequence[str]) -> str:
+    """For a tensor's `requires_grad` or `grad` among the attributes changed: what reads them."""
+    names = [a.partition(" ")[0] for a in attributes]
+    if not any(n.endswith((".requires_grad", ".grad")) for n in names):
+        return ""
+    return (
+        " The model's code branches on a tensor's requires_grad or on whether it holds a gradient (.grad is None), "
+        "and the graph holds the branch taken: compile after freezing or unfreezing, with the gradients as they "
+        "will be at each call (set to None or kept by zero_grad), or branch on what the call is given instead."
     )
 
 

@@ -148,7 +148,7 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         args, kwargs = _laid_out(bound, positional) or (args, kwargs)
         if set(kwargs) == set(order):  # keywords in another order are the same call
             kwargs = {key: kwargs[key] for key in order}
-        leaves, called = tree_flatten((args, kwargs))
+        leaves, called = tree_flatten(_sizes_as_tuples((args, kwargs)))
         if called != spec:
             raise OtherCall(
                 "the pipeline was exported for arguments shaped like the example, and this call differs:\n"
@@ -182,6 +182,18 @@ def leaf_binder(graphs: dict[bool, fx.GraphModule], spec: TreeSpec, model: nn.Mo
         return dict(zip(names, leaves))
 
     return bind
+
+
+def _sizes_as_tuples(value: Any) -> Any:
+    """`value` with each torch.Size in it a tuple, as the example's came to the export (a size is
+    a tuple of ints to the graph, given either way)."""
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    if type(value) in (tuple, list):
+        return type(value)(_sizes_as_tuples(v) for v in value)
+    if type(value) is dict:
+        return {key: _sizes_as_tuples(v) for key, v in value.items()}
+    return value
 
 
 def _laid_out(bound: inspect.BoundArguments, positional: int) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:

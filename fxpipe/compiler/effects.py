@@ -9,7 +9,6 @@ from torch import nn
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiler.traced import Traced, in_mode
-from fxpipe.core.model_hooks import weight_hooks, weight_hooks_refusal
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.randomness import seed_started_generators
 from fxpipe.core.snapshot import preserved
@@ -33,18 +32,11 @@ def refuse_lost_assignments(model: nn.Module, traced: Traced, changed: Changes) 
     try:
         refuse_assignments(changed, _called_whole(traced), exported=traced.fx_failure)
     except AssignmentError as error:
-        raise TraceError(f"{type(model).__name__} cannot be compiled: {_weight_hooks_refused(model, changed) or error}") from None
+        raise TraceError(f"{type(model).__name__} cannot be compiled: {error}") from None
     for gm in [traced.graph, *([traced.eval_graph] if traced.eval_graph is not None else [])]:
         for node in gm.graph.nodes:
             if node.op == "call_module" and len(outside(changed, [str(node.target)])) < len(changed):
                 node.meta[ASSIGNS] = True
-
-
-def _weight_hooks_refused(model: nn.Module, changed: Changes) -> str:
-    """Where a hook of torch.nn.utils on the model itself (pruning, the hook forms of weight_norm
-    and spectral_norm) assigns a weight before each forward: why that is refused, and what to do."""
-    hooked = {name: kind for name, kind in weight_hooks(model).items() if changed.get(name) == ""}
-    return weight_hooks_refusal(hooked) if hooked else ""
 
 
 def refuse_lost_counters(model: nn.Module, read: Reads) -> None:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.fx as fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only
 
 from fxpipe.compiled.materialize import is_on_meta
 from fxpipe.compiled.program import Binder
@@ -19,7 +19,8 @@ from fxpipe.compiler.effects import (
     refuse_draws_torch_recomputes, refuse_reads_of_stored_tensors, warn_of_containers_left,
 )
 from fxpipe.compiler.traced import BOTH, Traced, in_both_modes, in_mode
-from fxpipe.core.microbatch import batch_size_of
+from fxpipe.core.microbatch import Dims, batch_size_of
+from fxpipe.core.model_hooks import weight_hooks, weight_hooks_refusal
 from fxpipe.core.own_code import caller_stacklevel
 from fxpipe.core.snapshot import preserved
 from fxpipe.core.wording import listed
@@ -27,6 +28,7 @@ from fxpipe.passes.asserts import show_values_in_asserts
 from fxpipe.passes.validate import check_graph, first_line, raising_line
 from fxpipe.tracing.assignments import AssignmentError, StableAssignments, assignments_recorded
 from fxpipe.tracing.attribute_reads import Reads, attribute_reads_recorded, values_of
+from fxpipe.tracing.autograd_state_reads import autograd_state_reads
 from fxpipe.tracing.context_watch import grad_mode_reads
 from fxpipe.tracing.draws import drawn_message, traced_checking_draws
 from fxpipe.tracing.export import batch_is_specialized, export_graph, hooks_export_runs_once
@@ -113,7 +115,7 @@ def none_in(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) 
 def _by_fx(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], traced_in: tuple[bool, ...] = BOTH) -> Traced:
     none = none_in(model, example, kwargs)
     try:
-        with attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes:
+        with attribute_reads_recorded(model) as read, autograd_state_reads(model, read), mode_reads_recorded(model) as modes:
             def traced() -> fx.GraphModule:
                 read.begin(model.training)
                 with decisions_watched(read) as decisions:
@@ -173,9 +175,9 @@ def _unaliased(example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     return tree_map_only(torch.Tensor, once, (example, kwargs))  # type: ignore[no-any-return]
 
 
-def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, Any]:
+def _exported(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], dims: Dims) -> tuple[fx.GraphModule, Any]:
     """torch.export's graph, refused where draws made in Python decide it (fxpipe/tracing/draws.py)."""
-    made, decided = traced_checking_draws(lambda: export_graph(model, example, kwargs), lambda made: made[0])
+    made, decided = traced_checking_draws(lambda: export_graph(model, example, kwargs, dims), lambda made: made[0])
     if decided:
         raise TraceError(drawn_message(type(model).__name__, "torch.export"))
     return made
@@ -187,15 +189,19 @@ def _functorch_levels(gm: fx.GraphModule) -> list[str]:
     return [name.removeprefix("_").removesuffix("_increment_nesting") for name in names if name.endswith("_increment_nesting")]
 
 
-def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, traced_in: tuple[bool, ...] = BOTH) -> Traced:
+def _by_export(
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], chunks: int, dims: Dims, traced_in: tuple[bool, ...] = BOTH,
+) -> Traced:
+    given = tree_leaves((example, kwargs))
     example, kwargs = _unaliased(example, kwargs)
+    dims = {id(now): dims[id(was)] for was, now in zip(given, tree_leaves((example, kwargs))) if id(was) in dims}  # (copies too)
     functions: list[type] = []
     try:
-        with functions_applied(functions), attribute_reads_recorded(model) as read, mode_reads_recorded(model) as modes, \
-                layout_reads() as layout:  # fmt: skip
+        with functions_applied(functions), attribute_reads_recorded(model) as read, autograd_state_reads(model, read), \
+                mode_reads_recorded(model) as modes, layout_reads() as layout:  # fmt: skip
             def exported_now() -> tuple[fx.GraphModule, Any]:
                 read.begin(model.training)
-                return _exported(model, example, kwargs)
+                return _exported(model, example, kwargs, dims)
 
             exported = in_both_modes(model, exported_now, traced_in)
         refuse_lost_counters(model, read)
@@ -253,7 +259,8 @@ def _by_export(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any
 
 
 def to_graph(
-    model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None
+    model: nn.Module, example: tuple[Any, ...], leaf_modules: Iterable[LeafSpec], chunks: int, kwargs: Optional[dict[str, Any]] = None,
+    dims: Optional[Dims] = None,
 ) -> Traced:
     """Trace with torch.fx; when that fails, export; when both fail, one error with both reasons.
 
@@ -266,13 +273,16 @@ def to_graph(
         gm = trace(model, leaves)  # traced already: the graph is the model
         return Traced(gm, signature_binder(gm))
     kwargs = kwargs or {}
+    hooked = weight_hooks(model)
+    if hooked:  # (before tracing: its assignment fails either front end, each in words of its own)
+        raise TraceError(f"{type(model).__name__} cannot be compiled: {weight_hooks_refusal(hooked)}")
     with preserved(model):
         with StableAssignments(model) as stable:
             hooks, drew = refuse_effects_a_trace_loses(model, example, kwargs, stable)
         try:
             with assignments_recorded(model) as changed, seeding_recorded() as seeded:
                 try:
-                    traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks)
+                    traced = _in_its_modes(model, example, kwargs, leaves, chunks, hooks, dims or {})
                 except TraceError:  # a graph that computes otherwise, for a forward that seeds what it draws from
                     refuse_seeding(seeded, [])
                     raise
@@ -401,17 +411,19 @@ _IN_ROOT = "in module: the root module"
 _ROOT_FIX = " The model's own forward is never kept whole: move that code into a submodule, and keep the submodule whole."
 
 
-def _in_its_modes(model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int) -> Traced:
+def _in_its_modes(
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int, dims: Dims,
+) -> Traced:
     """Traced in both modes; or, for a model compiled in eval mode whose training forward
     neither front end can capture (a layer drop, a mask drawn with numpy), in eval mode alone:
     the pipeline then refuses calls in training mode, saying why."""
     try:
-        return _front_ends(model, example, kwargs, leaves, chunks, hooks)
+        return _front_ends(model, example, kwargs, leaves, chunks, hooks, dims)
     except TraceError as error:
         if any(m.training for m in model.modules()):
             raise
         try:
-            traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, traced_in=(False,))
+            traced = _front_ends(model, example, kwargs, leaves, chunks, hooks, dims, traced_in=(False,))
         except TraceError as in_eval:  # what stops eval mode, where the model is: the training failure aside
             in_eval.add_note(f"(Traced in training mode too, for pipe.train(): {str(error).partition(chr(10))[0]} {_first_reasons(error)})")
             raise in_eval from None
@@ -429,7 +441,7 @@ def _first_reasons(error: TraceError) -> str:
 
 
 def _front_ends(
-    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int,
+    model: nn.Module, example: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[LeafSpec], chunks: int, hooks: int, dims: Dims,
     traced_in: tuple[bool, ...] = BOTH,
 ) -> Traced:
     """torch.fx, then torch.export (refused where forward registers hooks on tensors, which it
@@ -468,7 +480,7 @@ def _front_ends(
                    "model's own checkpointing with use_reentrant=False may stay, or the pipeline's checkpoint= "
                    "recomputes stages in its place." if any("make_inputs_require_grads" in hook for hook in once) else ""),
             )
-        traced = _by_export(model, example, kwargs, chunks, traced_in)
+        traced = _by_export(model, example, kwargs, chunks, dims, traced_in)
     except _Rejected as export_failure:
         refuse_an_example_the_model_refuses(model, example, kwargs)
         raise TraceError(

@@ -63,7 +63,7 @@ def split_call(
     context = CallerContext.capture()
     slots = input_slots(values, batch, dims)
     grad_mode = torch.is_grad_enabled() and not context.inference
-    refuse_transforms(values, program.unreached, grad_mode, program.state_read, program.tensors_read)
+    refuse_transforms(values, program.unreached, grad_mode, program.state_read, program.tensors_read, program.held.named)
     params = [p for p in program.parameters if p.requires_grad] if grad_mode else []
     grad = grad_mode and bool(slots or params)
     if across and grad and slots:

@@ -12,17 +12,19 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch import nn
 from torch.utils._pytree import tree_flatten
 
 
 def refuse_transforms(
     values: dict[str, Any], unreached: list[str], grad_mode: bool, state: dict[str, torch.Tensor], held: dict[str, torch.Tensor],
+    modules: dict[str, nn.Module],
 ) -> None:
     """Raise if the call runs under a torch.func transform, passes tangents of forward-mode AD
-    in its input `values` or in the `state` the stages read (parameters, buffers), or asks for
-    gradients while the model holds `unreached` tensors (swapped in for parameters, requiring
-    grad, and not Parameters) or the stages read `held` tensors (those of `state` that are no
-    Parameters) that require grad."""
+    in its input `values`, in the `state` the stages read (parameters, buffers) or in the tensors
+    the model's `modules` hold, or asks for gradients while the model holds `unreached` tensors
+    (swapped in for parameters, requiring grad, and not Parameters) or the stages read `held`
+    tensors (those of `state` that are no Parameters) that require grad."""
     problems = []
     if _functorch_active():
         problems.append(
@@ -32,7 +34,7 @@ def refuse_transforms(
     duals = [name for name, value in values.items() if _has_tangent(value)]
     if duals:
         problems.append(f"inputs carry tangents of forward-mode AD ({', '.join(duals)}), which the stages would drop")
-    tangents = [name for name, tensor in state.items() if _has_tangent(tensor)] if _dual_level_active() else []
+    tangents = _tangents_held(state, modules) if _dual_level_active() else []
     if tangents:
         problems.append(
             f"parameters or buffers the stages read carry tangents of forward-mode AD ({', '.join(tangents)}; "
@@ -61,6 +63,17 @@ def refuse_transforms(
             "that learns as an nn.Parameter before compiling (or call .requires_grad_(False) on one that does not); a "
             "functional_call with tensors that do not require grad (or under torch.no_grad()) runs as it is."
         )
+
+
+def _tangents_held(state: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> list[str]:
+    """The names of the tensors the stages read that carry tangents: of `state`, and of every
+    tensor the modules hold (a dual set as a plain attribute where a parameter was deleted, as
+    forward-mode AD's tutorial does, is read by the module's own forward)."""
+    found = {name: None for name, tensor in state.items() if _has_tangent(tensor)}
+    for path, module in modules.items():
+        for table in (module._parameters, module._buffers, vars(module)):
+            found.update((f"{path}.{key}" if path else key, None) for key, value in table.items() if isinstance(value, torch.Tensor) and _has_tangent(value))
+    return list(found)
 
 
 def _functorch_active() -> bool:

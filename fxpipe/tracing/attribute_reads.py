@@ -393,6 +393,9 @@ def values_of(model: nn.Module, reads: Reads) -> dict[str, Any]:
             value = MISSING
         except Exception:  # noqa: BLE001 - a property that fails now: nothing to watch
             continue
+        if isinstance(reads.first.get(qualified), GradHeld):  # `w.grad`: watched by whether it is None
+            found[qualified] = GradHeld(value is not None)
+            continue
         if isinstance(reads.first.get(qualified), Held):  # an object: watched as itself, unless forward replaced it
             if _kept(value, reads.first[qualified]):
                 found[qualified] = reads.first[qualified]
@@ -471,6 +474,8 @@ def changed(held: list[tuple[str, Any, str, Any]]) -> list[str]:
             then = value.value
             replaced = f"another {type(then).__qualname__} object" if type(now) is type(then) else _an(now)
             found.append(f"{qualified} ({_an(then)} -> {'deleted' if now is MISSING else replaced})")
+        elif isinstance(value, GradHeld) and not _kept(now, value):
+            found.append(f"{qualified} ({_shown(value, '')} -> {_shown(GradHeld(not value.held), '')})")
         elif isinstance(value, Entries) or not _kept(now, value):
             decided = isinstance(value, Decided)
             found.append(f"{qualified} ({_shown(value, 'a tensor', decided)} -> {'deleted' if now is MISSING else _shown(now, 'another tensor', decided)})")
@@ -504,6 +509,13 @@ def _an_object(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class GradHeld:
+    """Whether a parameter or buffer held a gradient (`w.grad is None` read: fxpipe/tracing/autograd_state_reads.py)."""
+
+    held: bool
+
+
+@dataclass(frozen=True)
 class Decided:
     """A tensor attribute as traced, whose value the trace turned into a Python value: watched by value."""
 
@@ -515,6 +527,8 @@ def _shown(value: Any, tensor: str, by_value: bool = False) -> str:
     (`by_value`) by its values where they are few."""
     if isinstance(value, Decided):
         value = value.values
+    if isinstance(value, GradHeld):
+        return "a gradient" if value.held else "None"
     if by_value and isinstance(value, torch.Tensor) and value.numel() <= 4 and value.layout == torch.strided and value.device.type != "meta":
         return repr(value.detach().cpu().tolist())
     return tensor if isinstance(value, torch.Tensor) else repr(value)
@@ -525,6 +539,8 @@ def _kept(now: Any, then: Any) -> bool:
     same tensor (of a `Decided` one, the same values)."""
     if isinstance(then, Held):
         return now is then.value or (then.by_class and type(now) is type(then.value))
+    if isinstance(then, GradHeld):
+        return (now is not None and now is not MISSING) == then.held
     if isinstance(then, Decided):
         values = then.values
         return isinstance(now, torch.Tensor) and now.shape == values.shape and now.dtype == values.dtype and torch.equal(now.detach().to(values.device), values)

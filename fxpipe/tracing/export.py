@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -50,26 +50,35 @@ def hooks_export_runs_once(model: nn.Module) -> list[str]:
     return found
 
 
-def _dynamic_dims(leaves: list[Any]) -> tuple[Any, ...]:
+def _dynamic_dims(leaves: list[Any], batch_dims: Mapping[int, Optional[int]]) -> tuple[Any, ...]:
     """Every dim of every tensor may vary (micro-batches are smaller than the example, sequence
     lengths change from step to step); torch.export fixes those the model ties to a size. An
-    image batch varies in its batch dim alone (`held_static`): symbolic heights and widths can
-    cost export minutes (a Swin's window arithmetic), and another size compiles stages for it."""
+    image batch varies in its batch dim alone (`_batch_dim_of_images`): symbolic heights and
+    widths can cost export minutes (a Swin's window arithmetic), and another size compiles
+    stages for it."""
     return tuple(
-        ({0: Dim.AUTO} if _image_batch(t) else {d: Dim.AUTO for d in range(t.dim())}) if isinstance(t, torch.Tensor) and t.dim() > 0 else None
+        ({d: Dim.AUTO} if (d := _batch_dim_of_images(t, batch_dims)) is not None else {d: Dim.AUTO for d in range(t.dim())})
+        if isinstance(t, torch.Tensor) and t.dim() > 0 else None
         for t in leaves
     )
 
 
-def _image_batch(value: Any) -> bool:
-    """Floats of four dims or more: images (batch, channels, height, width), or volumes."""
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 4
+def _batch_dim_of_images(value: Any, batch_dims: Mapping[int, Optional[int]]) -> Optional[int]:
+    """Of floats of four dims or more (images: batch, channels, height, width; volumes; a video
+    with its batch along dim 1, as chunk_spec says), the batch dim; None for any other value."""
+    if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() >= 4):
+        return None
+    dim = batch_dims.get(id(value), 0)
+    return dim if dim is not None and 0 <= dim < value.dim() else 0
 
 
 def held_static(gm: fx.GraphModule) -> set[tuple[int, int]]:
     """(input leaf, dim) of each dim export was asked to keep at the example's size."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {(i, d) for i, node in enumerate(placeholders) if _image_batch(value := node.meta.get("val")) for d in range(1, value.dim())}
+    return set(gm.meta.get(_HELD_STATIC, ()))
+
+
+_HELD_STATIC = "held_static"  # gm.meta key: `held_static`'s answer, as `export_graph` asked
+_BATCH_DIMS = "batch_dims_given"  # gm.meta key: by input leaf, the dim chunk_spec named (None: kept whole)
 
 
 def _strip(target: str) -> str:
@@ -119,18 +128,22 @@ def _check_batch_norm_inputs(graph: fx.Graph) -> None:
                 graph.call_function(values_per_channel_checked, (node.args[0],))
 
 
-def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[fx.GraphModule, TreeSpec]:
+def export_graph(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dims: Optional[Mapping[int, Optional[int]]] = None,
+) -> tuple[fx.GraphModule, TreeSpec]:
     """Export `model` and return its graph over the flat input leaves, with attribute targets
     named as in `model` (so that they resolve to the model's own parameters), and the input spec.
+    `batch_dims`: the dim chunk_spec splits an input tensor along, by its id (else dim 0).
 
     The graph's placeholders are the leaves of `(args, kwargs)` in `tree_flatten` order; its
     output has the model's output structure.
     """
     leaves, spec = tree_flatten((args, kwargs))
+    batch_dims = batch_dims or {}
     found: dict[str, Any] = {}
     under_no_grad = not torch.is_grad_enabled()
     with saved_tensor_hooks_watched() as hooked, inference_mode_watched() as inferred, unseen_grad_modes_watched() as unseen, export_failure_unprinted():
-        program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves)}, strict=False)
+        program = torch.export.export(_Flat(model, spec, found), tuple(leaves), dynamic_shapes={"leaves": _dynamic_dims(leaves, batch_dims)}, strict=False)
     if hooked:
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: {SAVED_TENSOR_HOOKS}")
     if inferred:
@@ -169,6 +182,11 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     graph._codegen = fx.graph.CodeGen()
     gm = fx.GraphModule(attrs, graph, type(model).__name__)
     gm.meta["input_guards"] = guards  # export's checks of a call's inputs: the sizes and values it assumed
+    gm.meta[_BATCH_DIMS] = {i: batch_dims[id(leaf)] for i, leaf in enumerate(leaves) if id(leaf) in batch_dims}
+    gm.meta[_HELD_STATIC] = {
+        (i, d) for i, leaf in enumerate(leaves) if (batch := _batch_dim_of_images(leaf, batch_dims)) is not None
+        for d in range(leaf.dim()) if d != batch
+    }  # fmt: skip
     # A grad mode the forward set to the one it was captured in, which the graph does not hold: it
     # serves calls in that mode alone (the mode, and why).
     gm.meta["grad_mode_only"] = grad_mode_only
@@ -176,11 +194,13 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def batch_is_specialized(gm: fx.GraphModule) -> bool:
-    """Whether export fixed the batch size (a model that reshapes to the example's batch, say)."""
-    for node in gm.graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() > 0:
-            return _is_concrete_int(value.shape[0])
+    """Whether export fixed the batch size (a model that reshapes to the example's batch, say):
+    of the first input split into micro-batches, its batch dim (chunk_spec's, else dim 0)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        value, dim = node.meta.get("val"), gm.meta.get(_BATCH_DIMS, {}).get(index, 0)
+        if isinstance(value, torch.Tensor) and dim is not None and value.dim() > dim:
+            return _is_concrete_int(value.shape[dim])
     return False
 
 

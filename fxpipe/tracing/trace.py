@@ -9,6 +9,7 @@ import copy
 import inspect
 import operator
 import os
+import sys
 import traceback
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -21,6 +22,7 @@ from fxpipe.core.attrs import submodule_or_none
 from fxpipe.core.own_code import is_ours
 from fxpipe.core.writes import written_value
 from fxpipe.tracing.assignments import AssignmentError, assignments_refused
+from fxpipe.tracing.autograd_state_reads import traced_grad_read
 from fxpipe.tracing.context_watch import (
     INFERENCE_MODE, SAVED_TENSOR_HOOKS, autocast_watched, grad_mode_message, grad_mode_watched, inference_mode_watched, saved_tensor_hooks_watched,
 )
@@ -102,6 +104,9 @@ class _Tracer(fx.Tracer):
                 return name
         return None
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _HeldTensor(node, self) if node.op == "get_attr" else super().proxy(node)
+
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
         node.meta["scope"] = self.scope.module_path
@@ -135,6 +140,19 @@ class _Tracer(fx.Tracer):
             if self.failed_in is None:  # the innermost module: the first to see the error
                 self.failed_in = self.path_of_module(m)
             raise
+
+
+class _HeldTensor(fx.Proxy):
+    """A parameter's or buffer's Proxy, which tells the reads of its `.grad` (a Proxy is never
+    None: the graph holds the branch of a gradient held) to fxpipe/tracing/autograd_state_reads.py."""
+
+    def __getattr__(self, k: str) -> Any:
+        if k == "grad":
+            caller = sys._getframe(1)
+            while caller.f_back is not None and is_ours(caller.f_code.co_filename):  # the attribute watch's lookup
+                caller = caller.f_back
+            traced_grad_read(str(self.node.target), caller.f_code.co_filename)
+        return super().__getattr__(k)
 
 
 def _holds(root: nn.Module, name: str, tensor: torch.Tensor) -> bool:

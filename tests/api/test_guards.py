@@ -840,6 +840,70 @@ def test_a_module_level_value_the_trace_read_is_watched(name: str, monkeypatch: 
     assert_call_and_grads_equal(pipe, reference, x)
 
 
+class _BranchesOnAutogradState(nn.Module):
+    """Doubles where its layer trains (or where it holds no gradient yet), as frozen-layer code does."""
+
+    def __init__(self, on_grad: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.on_grad = on_grad
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.on_grad:
+            return h * 2 if self.lin.weight.grad is None else h
+        return h * 2 if self.lin.weight.requires_grad else h
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_a_branch_on_a_parameters_requires_grad_is_watched() -> None:
+    """Before, a layer frozen after compiling ran the branch of a trained one: 0.09 off the plain
+    model in the output, 1.6 in a gradient. Freezing a layer the forward does not ask about is fine."""
+    model, reference = twin(nn.Sequential(_BranchesOnAutogradState(on_grad=False), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    for copy_of in (model, reference):
+        copy_of[2].requires_grad_(False)
+    _call_and_backward_equal(pipe, model, reference, x)
+    model[0].lin.requires_grad_(False)
+    _refused_in_both_modes(pipe, x, "have changed since compiling: 0.lin.weight.requires_grad (True -> False)")
+    model[0].lin.requires_grad_(True)
+    _call_and_backward_equal(pipe, model, reference, x)
+
+
+def _call_and_backward_equal(pipe: nn.Module, model: nn.Module, reference: nn.Module, x: torch.Tensor) -> None:
+    """The output and the `.grad` of a backward through it are the reference's (frozen layers: none)."""
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(model, reference, tol=1e-12)
+    model.zero_grad()
+    reference.zero_grad()
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+@pytest.mark.parametrize("held_when_compiled", [False, True])
+def test_a_branch_on_whether_a_parameter_holds_a_gradient_is_watched(held_when_compiled: bool) -> None:
+    """Before, the graph kept the branch of the gradient as compiled: after a backward (or a
+    zero_grad that set it to None) the output was 0.3 off the plain model's, a gradient 3.7."""
+    model, reference = twin(nn.Sequential(_BranchesOnAutogradState(on_grad=True), nn.Tanh(), nn.Linear(4, 4)))
+    x = torch.randn(8, 4, dtype=torch.float64)
+    if held_when_compiled:
+        for copy_of in (model, reference):
+            copy_of(x).sum().backward()
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    assert_call_and_grads_equal(pipe, reference, x)
+    model.zero_grad() if held_when_compiled else pipe(x).sum().backward()
+    shown = "(a gradient -> None)" if held_when_compiled else "(None -> a gradient)"
+    _refused_in_both_modes(pipe, x, f"have changed since compiling: 0.lin.weight.grad {shown}")
+    if held_when_compiled:
+        model(x).sum().backward()  # a gradient again (the pipeline refuses to run without)
+    else:
+        model.zero_grad()
+    assert_call_and_grads_equal(pipe, reference, x)
+
+
 _FLAGS = {"gain": 2.0, "shift": 0.5, "cache": [1]}
 
 

@@ -85,9 +85,11 @@ def test_a_module_set_apart_when_compiling_runs_the_graph_traced_so(cls: type[Br
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
     pipe.train()
     refused = r"(?s)reads `self.training`, and no graph was traced with its modules in the modes they are in: norm in training mode now, where the training graph"
-    with pytest.raises(RuntimeError, match=refused) if cls is _FrozenNorm else contextlib.nullcontext():
+    with pytest.raises(RuntimeError, match=refused) if cls is _FrozenNorm else contextlib.nullcontext() as said:
         model.a.eval()  # the norm trains now, which torch.export's graph has in eval mode
         pipe(x)
+    if said is not None:  # the whole pipeline in eval mode runs; in training mode it was just refused
+        assert "whole pipeline in one mode (pipe.eval())" in str(said.value) and "pipe.train()" not in str(said.value)
     for module in apart:  # as compiled again
         module.eval()
     torch.manual_seed(0)

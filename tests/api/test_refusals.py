@@ -776,10 +776,40 @@ def test_tangents_of_forward_mode_ad_on_what_the_stages_read_are_refused_naming_
     with forward_ad.dual_level():
         dual = {name: forward_ad.make_dual(held[name].detach(), torch.ones_like(held[name]))}
         assert forward_ad.unpack_dual(functional_call(reference, dual, (x,))).tangent is not None
-        with pytest.raises(RuntimeError, match=rf"(?s)cannot compute what the plain model would.*parameters or buffers the stages read carry tangents of forward-mode AD \({name}; .*How to fix: apply such transforms to the plain model"):
+        with pytest.raises(RuntimeError, match=rf"(?s)cannot compute what the plain model would.*parameters or buffers the stages read carry tangents of forward-mode AD \({name}[^;]*; .*How to fix: apply such transforms to the plain model"):
             functional_call(pipe, dual, (x,))
         torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)  # its own, without tangents, run
     torch.testing.assert_close(pipe(x), reference(x), rtol=0, atol=1e-12)
+
+
+def test_a_dual_tensor_set_where_a_parameter_was_deleted_is_refused_naming_it() -> None:
+    """Forward-mode AD's tutorial way with modules: `del lin.weight; lin.weight = make_dual(...)`.
+    Before, the stages read the new tensor's values and dropped its tangent (the plain model's
+    output tangent 0.9 at most, the pipeline's None), with no error."""
+    from torch.autograd import forward_ad
+
+    model, reference = twin(nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)))
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=2)
+    layer = model[2]
+    weight = layer.get_parameter("weight")
+    with forward_ad.dual_level():
+        del layer.weight
+        layer.weight = forward_ad.make_dual(weight.detach(), torch.ones_like(weight))
+        try:
+            with pytest.raises(RuntimeError, match=r"(?s)carry tangents of forward-mode AD \(2.weight; .*How to fix: apply such transforms to the plain model"):
+                pipe(x)
+        finally:
+            del layer.weight
+            layer.weight = weight
+    kept = reference[2].weight  # registered again, last, as the pipeline's is
+    del reference[2].weight
+    reference[2].weight = kept
+    out, expected = pipe(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_grads_equal(model, reference, tol=1e-12)
 
 
 def test_functional_call_with_tensors_that_do_not_require_grad_runs_on_them() -> None:
@@ -1213,11 +1243,19 @@ class _OwnWeight(nn.Module):
         return self.second(torch.tanh(self.first(x)) @ self.w)
 
 
+class _OwnWeightTransposed(_OwnWeight):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)) @ self.w.t())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("hook", ["prune", "weight_norm"])
-def test_a_weight_hook_of_torch_on_the_model_itself_is_refused_naming_it_and_what_works(hook: str) -> None:
+def test_a_weight_hook_of_torch_on_the_model_itself_is_refused_naming_it_and_what_works(hook: str, transposed: bool) -> None:
     """Before, it was blamed on the model's forward, with advice to keep the module that stores
-    the weight whole: the model itself, which leaf_modules refuses."""
-    model = _OwnWeight()
+    the weight whole: the model itself, which leaf_modules refuses; and where forward called a
+    method of the weight (`self.w.t()`), the refusal of both front ends blamed parameters read
+    on their values, with advice to read them by name."""
+    model = _OwnWeightTransposed() if transposed else _OwnWeight()
     if hook == "prune":
         prune.l1_unstructured(model, "w", amount=0.5)
     else:
@@ -1226,7 +1264,7 @@ def test_a_weight_hook_of_torch_on_the_model_itself_is_refused_naming_it_and_wha
             nn.utils.weight_norm(model, "w")
     with pytest.raises(TraceError, match=r"(?s)a hook of torch.nn.utils on the model itself assigns 'w' \((L1Unstructured|WeightNorm)\).*How to fix: make it permanent") as refused:
         compile_pipeline(model, X, ["cpu", "cpu"], chunks=2)
-    assert "leaf_modules" not in str(refused.value)
+    assert "leaf_modules" not in str(refused.value) and "neither torch.fx nor torch.export" not in str(refused.value)
     if hook == "prune":
         prune.remove(model, "w")
     else:

@@ -1971,3 +1971,51 @@ def test_a_forward_that_writes_parameters_on_their_values_is_refused_by_torch_fx
     never moved (0.05 off the plain model's after one step), with no word."""
     with pytest.raises(TraceError, match=r"(?s)writes parameters or buffers on their values rather than through the trace \(target.weight, target.bias"):
         compile_pipeline(_Momentum().double(), torch.randn(8, 6, dtype=torch.float64), ["cpu", "cpu"], chunks=2)
+
+
+class VideoFramesFlattened(nn.Module):
+    """Frames (time, batch, channels, height, width) run as one batch of images: torch.fx cannot
+    unpack the traced shape (`*x.shape[2:]`), so torch.export captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        frames, batch = x.shape[0], x.shape[1]
+        h = self.c1(x.reshape(frames * batch, *x.shape[2:])).relu()
+        return self.c2(h).reshape(frames, batch, 2, *h.shape[2:])
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_an_image_like_input_batched_along_another_dim_is_exported_with_that_dim_free() -> None:
+    """chunk_spec={'x': 1} on a 5-D float input: before, torch.export was told dim 0 alone could
+    vary (an image batch's), fixed dim 1 at the example's 8, and every micro-batch failed."""
+    model, reference = twin(VideoFramesFlattened())
+    x = torch.randn(5, 8, 3, 6, 7, dtype=torch.float64)
+    pipe = compile_pipeline(model, x, ["cpu", "cpu"], chunks=4, chunk_spec={"x": 1})
+    assert_call_and_grads_equal(pipe, reference, x)
+    assert_call_and_grads_equal(pipe, reference, torch.randn(5, 6, 3, 6, 7, dtype=torch.float64))  # another batch size
+
+
+class ResizedTo(nn.Module):
+    """Resizes to a size it is given; a flag argument decides a branch (torch.export captures it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 2, 1)
+
+    def forward(self, x: torch.Tensor, size: tuple[int, int], flip: bool = False) -> torch.Tensor:
+        h = self.c2(torch.nn.functional.interpolate(self.c1(x), size=size))
+        return h.flip(-1) if flip else h
+
+
+@pytest.mark.filterwarnings("ignore:torch.fx could not trace")
+def test_a_torch_size_argument_is_a_tuple_of_its_ints_to_an_exported_graph() -> None:
+    """Before, an example given torch.Size([9, 11]) was refused as a call 'shaped' otherwise
+    than itself (a Size against a tuple), and so was such a call after a tuple example."""
+    model, reference = twin(ResizedTo())
+    x = torch.randn(4, 3, 5, 6, dtype=torch.float64)
+    pipe = compile_pipeline(model, (x, torch.Size([9, 11])), ["cpu", "cpu"], chunks=2)
+    for size in (torch.Size([9, 11]), (9, 11), torch.Size([7, 8])):  # the last another kind of call, compiled apart
+        assert_call_and_grads_equal(pipe, reference, x, size)
