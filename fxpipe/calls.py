@@ -234,26 +234,26 @@ class PipelineCalls(nn.Module):
             overlapped=versions is not None,
         )  # fmt: skip
 
+        if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines == "neither":
+            raise ValueError(
+                f"train_step would combine the model's own loss over micro-batches as a {reduction} over samples, and on "
+                "the example it is neither the sum nor the mean of its parts' losses (a term of the whole batch, a "
+                "penalty added once): the result would differ from the plain model's.\nHow to fix: return the "
+                "outputs the loss needs and pass loss_fn (checked on every step), adding a term of the whole batch "
+                "outside the pipeline; or use chunks=1."
+            )
         if loss_fn is None and len(call.sizes) > 1 and counted is None and call.program.own_loss_combines != "sum" and not self._own_loss_warned:
             self.__dict__["_own_loss_warned"] = True
             found = call.program.own_loss_combines
-            if found == "neither":
-                said = (
-                    f"train_step combines the model's own loss over micro-batches as a {reduction} over samples, and on "
-                    "the example it is neither the sum nor the mean of its parts' losses (a term of the whole batch, "
-                    "a penalty added once): the result differs from the plain model's. Pass loss_fn (checked on every "
-                    "step) with the outputs it needs, or use chunks=1."
-                )
-            else:
-                said = (
-                    f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
-                    + (" (as it is on two parts of the example)" if found == "mean" else "")
-                    + ", and cannot check that it is one on every batch: a mean over a count that varies between "
-                    "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
-                    "chunks=1 for such a loss"
-                    + ("." if found == "mean" else "; pass reduction='sum' for a loss summed over samples, or divided by "
-                       "a count given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives).")
-                )
+            said = (
+                f"train_step combines the model's own loss over micro-batches as a {reduction} over samples"
+                + (" (as it is on two parts of the example)" if found == "mean" else "")
+                + ", and cannot check that it is one on every batch: a mean over a count that varies between "
+                "micro-batches (tokens not ignored, say) is not. Pass loss_fn (checked on every step) or use "
+                "chunks=1 for such a loss"
+                + ("." if found == "mean" else "; pass reduction='sum' for a loss summed over samples, or divided by "
+                   "a count given to the model for the whole batch (num_items_in_batch, as Hugging Face's Trainer gives).")
+            )
             warnings.warn(said, stacklevel=caller_stacklevel())
         step = self._step(call, schedule, loss=micro_batch_loss, versions=versions, batch=batch)
         # A loss refused after the step: its writes too. Held weakly: the step's loss holds `kept`,

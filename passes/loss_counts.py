@@ -8,14 +8,15 @@ micro-batches that mean is not a mean of the micro-batches' means by samples:
     micro-batches of one sample each, weighted by samples:   (l0 / 2 + l1 / 8) / 2   (another loss)
     weighted by the targets each counts:                      2/10 * l0/2 + 8/10 * l1/8 = (l0 + l1) / 10
 
-Where the graph's loss output is such a cross-entropy (`F.cross_entropy`, `F.nll_loss`, or a
-`CrossEntropyLoss` / `NLLLoss` called whole, reduction 'mean', no class weights), this pass makes
-the part of the graph that computes its target from the inputs (a shift of the labels, a view),
-so that each micro-batch's count is read from its own inputs.
+With class weights the mean is over the weights of the targets that count, `weight[target]`,
+and so is the count. Where the graph's loss output is such a cross-entropy (`F.cross_entropy`,
+`F.nll_loss`, or a `CrossEntropyLoss` / `NLLLoss` called whole, reduction 'mean'), this pass makes
+the part of the graph that computes its target (and its weights) from the inputs (a shift of the
+labels, a view), so that each micro-batch's count is read from its own inputs.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional, cast
 
 import torch
 import torch.fx as fx
@@ -28,11 +29,14 @@ from fxpipe.core.own_loss import own_loss_in
 from fxpipe.passes.batch_dims import COMBINES
 from fxpipe.passes.random_ops import argument, random_sources
 
-Counter = Callable[[dict[str, Any]], Optional[int]]
+Counter = Callable[[dict[str, Any]], Optional[float]]
 
 _FUNCTIONS = (F.cross_entropy, F.nll_loss)
 _MODULES = (nn.CrossEntropyLoss, nn.NLLLoss)
-_ATEN = (torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default)
+_ATEN = (  # (self, target, weight, reduction, ignore_index, ...) alike
+    torch.ops.aten.cross_entropy_loss.default, torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default,
+    torch.ops.aten.nll_loss2d.default,
+)
 _MEAN = 1  # aten's reduction: 0 none, 1 mean, 2 sum
 # Positions of the arguments read, in F.cross_entropy's and F.nll_loss's signatures alike.
 _TARGET, _WEIGHT, _SIZE_AVERAGE, _IGNORE_INDEX, _REDUCE, _REDUCTION = 1, 2, 3, 4, 5, 6
@@ -61,30 +65,77 @@ def own_loss_leaf(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Op
 
 def loss_counter(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[Counter]:
     """A function of one micro-batch's inputs (by placeholder name) giving how many targets its
-    loss counts (None for a target of class probabilities); None where the model's own loss
-    (the `loss` field of `template`, or the output itself, whose leaves `name_of` names) is no
-    mean cross-entropy whose target comes from the inputs alone."""
+    loss counts, or with class weights their weights' sum (None for a target of class
+    probabilities); None where the model's own loss (the `loss` field of `template`, or the
+    output itself, whose leaves `name_of` names) is no mean cross-entropy whose target (and
+    weights) come from the inputs alone."""
     own = _own_loss(gm, template, name_of)
     found = _mean_loss(gm, own[2]) if own is not None else None
     if found is None:
         return None
-    target, ignore_index = found
+    target, ignore_index, weight = found
     if not isinstance(target, fx.Node) or not isinstance(ignore_index, int):
         return None
     counting = _inputs_to(gm, target)
-    if counting is None:
+    weighing = _weights(gm, weight)
+    if counting is None or weighing is None:
         return None
     graph, names = counting
 
-    def count(values: dict[str, Any]) -> Optional[int]:
+    def count(values: dict[str, Any]) -> Optional[float]:
         """None where the target is no tensor of class indices (class probabilities: a mean over samples)."""
         with torch.no_grad():
             made = graph(*(values[name] for name in names))
-        if not isinstance(made, torch.Tensor) or made.is_floating_point():
-            return None
-        return int((made != ignore_index).sum())
+            if not isinstance(made, torch.Tensor) or made.is_floating_point():
+                return None
+            counted = made[made != ignore_index]
+            weights = weighing(values)
+            return int(counted.numel()) if weights is None else float(weights.to(counted.device)[counted].sum())
 
     return count
+
+
+def _weights(gm: fx.GraphModule, weight: Any) -> Optional[Callable[[dict[str, Any]], Optional[torch.Tensor]]]:
+    """A function of one micro-batch's inputs giving the loss's class weights (None: none); None
+    where they do not come from the inputs and the graph's tensors alone."""
+    if weight is None:
+        return lambda values: None
+    if isinstance(weight, torch.Tensor):
+        return _held(lambda: weight)
+    if isinstance(weight, _ModuleWeight):  # a loss module's, read at each count: the tensor it holds then
+        return _held(lambda: cast(Optional[torch.Tensor], weight.module.weight))
+    if not isinstance(weight, fx.Node):
+        return None
+    made = _inputs_to(gm, weight)
+    if made is None:
+        return None
+    graph, names = made
+    if not names:  # made from the graph's tensors alone (a buffer of class weights)
+        return _held(lambda: cast(torch.Tensor, graph()))
+    return lambda values: graph(*(values[name] for name in names))
+
+
+def _held(now: Callable[[], Optional[torch.Tensor]]) -> Callable[[dict[str, Any]], Optional[torch.Tensor]]:
+    """Class weights the model holds, read at each count (None: a loss module's set to none
+    since); across processes a rank that holds another rank's stage holds them on the meta
+    device: there, their values when compiled."""
+    first = now()
+    kept = None if first is None or first.is_meta else first.detach().clone()
+
+    def weights(values: dict[str, Any]) -> Optional[torch.Tensor]:
+        held = now()
+        if held is None or not held.is_meta:
+            return held
+        if kept is None:
+            raise ValueError(
+                "the model's own loss is a mean over class weights that another process's stage holds, and this one "
+                "never held their values: it cannot weigh its micro-batches' losses by them.\nHow to fix: build the "
+                "model with its weights on every rank before compiling, or return the logits and pass loss_fn with the "
+                "weights (functools.partial(F.cross_entropy, weight=w)) and reduction='sum' over a count given whole."
+            )
+        return kept
+
+    return weights
 
 
 def _loss_node(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Optional[str]]) -> Optional[fx.Node]:
@@ -133,25 +184,30 @@ def _loss_field(gm: fx.GraphModule, template: Any, name_of: Callable[[Any], Opti
     return made, before, loss
 
 
-def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any]]:
-    """(its target, its ignore_index) for a mean cross-entropy or NLL loss without class weights:
-    a function's, torch.export's aten op's, or a loss module's called whole."""
+class _ModuleWeight(NamedTuple):
+    """The class weights a loss module called whole holds (read at each count)."""
+
+    module: nn.Module
+
+
+def _mean_loss(gm: fx.GraphModule, node: fx.Node) -> Optional[tuple[Any, Any, Any]]:
+    """(its target, its ignore_index, its class weights or None) for a mean cross-entropy or NLL
+    loss: a function's, torch.export's aten op's, or a loss module's called whole."""
     if node.op == "call_function" and node.target in _FUNCTIONS:
         legacy = (argument(node, "size_average", _SIZE_AVERAGE, None), argument(node, "reduce", _REDUCE, None))
-        if argument(node, "weight", _WEIGHT, None) is not None or any(s is not None for s in legacy):
+        if any(s is not None for s in legacy) or argument(node, "reduction", _REDUCTION, "mean") != "mean":
             return None
-        if argument(node, "reduction", _REDUCTION, "mean") != "mean":
-            return None
-        return argument(node, "target", _TARGET, None), argument(node, "ignore_index", _IGNORE_INDEX, -100)
+        return argument(node, "target", _TARGET, None), argument(node, "ignore_index", _IGNORE_INDEX, -100), argument(node, "weight", _WEIGHT, None)
     if node.op == "call_function" and node.target in _ATEN:  # (self, target, weight, reduction, ignore_index)
-        if argument(node, "weight", 2, None) is not None or argument(node, "reduction", 3, _MEAN) != _MEAN:
+        if argument(node, "reduction", 3, _MEAN) != _MEAN:
             return None
-        return argument(node, "target", 1, None), argument(node, "ignore_index", 4, -100)
+        return argument(node, "target", 1, None), argument(node, "ignore_index", 4, -100), argument(node, "weight", 2, None)
     if node.op == "call_module":
         module = fetch_attr(gm, str(node.target))
-        if type(module) not in _MODULES or module.weight is not None or module.reduction != "mean" or node.kwargs:
+        if type(module) not in _MODULES or module.reduction != "mean" or node.kwargs:
             return None
-        return (node.args[1] if len(node.args) > 1 else None), module.ignore_index
+        weight = _ModuleWeight(module) if module.weight is not None else None
+        return (node.args[1] if len(node.args) > 1 else None), module.ignore_index, weight
     return None
 
 

@@ -777,7 +777,8 @@ class OwnSummedLoss(nn.Module):
 def replicated_own_losses(rank: int, world: int) -> list[dict[str, Any]]:
     """pp x dp = 2 x 2, the model's own loss: a sum over samples divided by the whole batch's
     count, which compiling finds the sum of its halves' and the replicas sum too; and a mean
-    cross-entropy over the labels not padded, which each replica weighs by the labels it counts."""
+    cross-entropy over the labels not padded, which each replica weighs by the labels it counts
+    (with class weights, by their weights' sum)."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
     share = slice(0, 4) if mesh.get_local_rank("dp") == 0 else slice(4, None)  # 4 samples and 5 (4 and 4 labelled)
     g = torch.Generator().manual_seed(3)
@@ -786,6 +787,7 @@ def replicated_own_losses(rank: int, world: int) -> list[dict[str, Any]]:
     cases: dict[str, tuple[nn.Module, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {
         "summed": (OwnSummedLoss(), (x, y, torch.tensor(54.0, dtype=torch.float64)), (x[share], y[share])),
         "counted": (PaddedLM(), (ids, labels), (ids[share], labels[share])),
+        "weighted": (PaddedLM("weighted"), (ids, labels), (ids[share], labels[share])),
     }
     report = []
     for name, (made, whole, mine) in cases.items():

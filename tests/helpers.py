@@ -262,12 +262,16 @@ class PaddedLM(nn.Module):
         self.embed, self.mix, self.head = nn.Embedding(vocab, width), nn.Linear(width, width), nn.Linear(width, vocab)
         self.how, self.vocab = how, vocab
         self.loss = nn.CrossEntropyLoss(label_smoothing=0.1)
+        if how == "weighted":  # class weights: the mean is over the weights of the positions that count
+            self.register_buffer("class_weights", torch.linspace(0.5, 2.0, vocab))
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(torch.tanh(self.mix(self.embed(ids))))
         shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
         if self.how == "module":
             loss = self.loss(logits.view(-1, self.vocab), shifted.view(-1))
+        elif self.how == "weighted":
+            loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), weight=self.get_buffer("class_weights"))
         else:
             loss = F.cross_entropy(logits.view(-1, self.vocab), shifted.view(-1), ignore_index=-100)
         return {"loss": loss, "logits": logits}

@@ -306,7 +306,7 @@ class Program:
     state_read: dict[str, torch.Tensor] = field(default_factory=dict)
     # How many targets the model's own mean cross-entropy counts in a micro-batch, from its
     # inputs (passes/loss_counts.py); None where its own loss is no such mean.
-    loss_counter: Optional[Callable[[dict[str, Any]], Optional[int]]] = None
+    loss_counter: Optional[Callable[[dict[str, Any]], Optional[float]]] = None
     # How the model's own loss on the example came from two parts': 'sum' or 'mean' over
     # samples, or 'neither' (passes/batch_dims.py); None where compiling could not tell.
     own_loss_combines: Optional[str] = None

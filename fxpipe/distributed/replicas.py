@@ -63,7 +63,7 @@ class Replicas:
         self._held = key
 
     def agree(
-        self, present: list[bool], loss: Optional[torch.Tensor], size: int, mean: bool, failed: str = "", alike: Optional[dict[str, bool]] = None
+        self, present: list[bool], loss: Optional[torch.Tensor], size: float, mean: bool, failed: str = "", alike: Optional[dict[str, bool]] = None
     ) -> tuple[float, Optional[torch.Tensor]]:
         """What every replica needs before gradients move: whether one failed (`failed` says how;
         then each raises, naming the failures, and none waits for gradients that will not come),

@@ -18,7 +18,7 @@ from fxpipe.runtime.loss_gradients import check_combined_gradient
 from fxpipe.runtime.loss_state import LossStateKept
 from fxpipe.runtime.loss_writes import LossWrites
 from fxpipe.runtime.losses import (
-    LeafGrads, about_sizes, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
+    LeafGrads, about_sizes, ambiguous_split_note, check_combined_loss, check_gatherable, describe, generators_kept, loss_of, own_loss, own_loss_ref, own_loss_whole_in,
     sizes_note, with_own_loss_whole,
 )
 from fxpipe.runtime.step import Step
@@ -58,8 +58,10 @@ def loss_and_outputs(
 
             key = parts.writes.key if parts is not None else _loss_key(loss_fn)
             writes = call.program.losses_writing.get(key, True)
+            note = ambiguous_split_note(target, parts.targets[0], call.batch) if parts is not None and call.slices is None else ""
             check_combined_loss(
                 loss_fn, outputs, target, total, reduction, sliced=call.slices is not None, pieces=pieces if parts is not None else None, writes=writes,
+                note=note,
             )  # fmt: skip
             if parts is not None and call.slices is None and call.grad and key not in call.program.gradients_checked:
                 # Once per loss function: a loss whose gradient does not combine where its value
@@ -235,9 +237,10 @@ def own_loss_reduction(call: Call, reduction: str, sliced: bool) -> str:
     return found if found in ("sum", "mean") else reduction
 
 
-def _own_counts(call: Call) -> Optional[list[int]]:
-    """How many targets the model's own mean cross-entropy counts in each micro-batch; None where
-    its loss is no such mean, or its target holds class probabilities."""
+def _own_counts(call: Call) -> Optional[list[float]]:
+    """How many targets the model's own mean cross-entropy counts in each micro-batch (with class
+    weights, their weights' sum); None where its loss is no such mean, or its target holds class
+    probabilities."""
     counter = call.program.loss_counter
     if counter is None:
         return None
@@ -246,7 +249,7 @@ def _own_counts(call: Call) -> Optional[list[int]]:
     return counts if len(counts) == len(found) else None
 
 
-def own_mean_size(call: Call, reduction: str) -> int:
+def own_mean_size(call: Call, reduction: str) -> float:
     """What this call's mean loss is a mean over, for the replicas' shares of the whole batch's:
     the targets the model's own mean cross-entropy counts (passes/loss_counts.py), else the samples."""
     counts = _own_counts(call) if reduction == "mean" and call.slices is None else None

@@ -518,16 +518,38 @@ def _rounding_allowed(dtypes: list[torch.dtype]) -> float:
     return max(1e-4, max(4 * torch.finfo(dtype).eps for dtype in dtypes))
 
 
+def ambiguous_split_note(target: Any, first_piece: Any, batch: Optional[int]) -> str:
+    """For each tensor of the target with several dims of the batch's size (a (batch, tokens)
+    target of a sequence-first model, as many tokens as samples): the dim it was split along,
+    and how to say which holds the samples; '' where there is none."""
+    if batch is None or target is None:
+        return ""
+    notes = []
+    for whole, piece in zip(tree_flatten(target)[0], tree_flatten(first_piece)[0]):
+        if not isinstance(whole, torch.Tensor) or not isinstance(piece, torch.Tensor) or list(whole.shape).count(batch) < 2:
+            continue
+        split = [d for d, (n, m) in enumerate(zip(whole.shape, piece.shape)) if n != m]
+        notes.append(
+            f" The target's tensor of shape {tuple(whole.shape)} has several dims of the batch's size ({batch}), and was split "
+            f"along dim {split[0] if split else '?'} (where the outputs hold their batch, or where an earlier call split it): "
+            "if its samples lie along another, that is why. Give it with its batch where the outputs hold theirs "
+            "(transposed), or make a first call whose batch size differs from the sizes of its other dims: later calls "
+            "split it along the dim that call did."
+        )
+    return "".join(notes)
+
+
 def check_combined_loss(
     loss_fn: Callable[[Any, Any], torch.Tensor], outputs: Any, target: Any, total: torch.Tensor, reduction: str, sliced: bool = False,
-    pieces: Optional[Callable[[], list[tuple[Any, Any, float]]]] = None, writes: bool = True,
+    pieces: Optional[Callable[[], list[tuple[Any, Any, float]]]] = None, writes: bool = True, note: str = "",
 ) -> None:
     """The micro-batches' losses, combined, must be the loss of the whole batch (`sliced`: the
     micro-batches are slices of the sequences). The check draws nothing from the caller's
     generators; a loss that draws (label noise) cannot be checked. `pieces` (each micro-batch's
     outputs, target and weight, made when asked): where the outputs are in half precision, whose
     rounding would hide a loss that does not combine, the check runs again on them in float64.
-    `writes`: loss_fn may write the outputs it is given in place (see `handed`)."""
+    `writes`: loss_fn may write the outputs it is given in place (see `handed`). `note`: told
+    with a refusal (how an ambiguous target was split)."""
     with torch.enable_grad(), generators_kept(total.device) as drew:  # a loss_fn may differentiate its outputs
         whole = loss_fn(handed(once_each(output_leaf, outputs), writes), handed(target, True))
     if drew():
@@ -553,7 +575,8 @@ def check_combined_loss(
     if not torch.allclose(total, whole, rtol=rtol, atol=atol, equal_nan=True):
         again = " (recomputed in float64 from the outputs)" if exact is not None else ""
         said = f"the micro-batches' losses combined with reduction={reduction!r} give {float(total):.6g}, but the loss of the whole batch is {float(whole):.6g}{again}"
-        raise ValueError(f"{said}: {_sliced_loss_problem(reduction) if sliced else _combined_loss_problem(reduction)} No gradient was accumulated into the model's parameters.")
+        problem = _sliced_loss_problem(reduction) if sliced else _combined_loss_problem(reduction)
+        raise ValueError(f"{said}: {problem}{note} No gradient was accumulated into the model's parameters.")
 
 
 def _in_float64(
