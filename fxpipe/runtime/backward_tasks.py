@@ -6,8 +6,8 @@ are in fxpipe/runtime/tasks.py.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from typing import Any, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -26,6 +26,21 @@ from fxpipe.runtime.weight_grad import PendingWeights, Weights, backward_inputs
 
 
 _NOTHING = nullcontext()  # reusable: it keeps no state
+
+
+@contextmanager
+def _inputs_named_if_written(micro_batch: int, saved: Saved) -> Iterator[None]:
+    """Where autograd finds a tensor it saved written in place: if the caller wrote an input
+    since the forward (a reused input buffer), the error names it."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "modified by an inplace operation" in str(error):
+            try:
+                refuse_inputs_written_since(micro_batch, saved.input_versions, recomputed=False)
+            except RuntimeError as named:
+                raise named from error
+        raise
 
 
 class BackwardTasks(StageTasks):
@@ -96,7 +111,8 @@ class BackwardTasks(StageTasks):
         start, tensors, grad_tensors = self._received(i, j, saved)
         self._release(i, j)
         carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
-        input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried, given=saved.given)  # (6)
+        with _inputs_named_if_written(i, saved):
+            input_grads, _, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, carried=carried, given=saved.given)  # (6)
         self._hand_back_carries(i, j, carried_grads)
         del tensors, grad_tensors
         end = time.perf_counter()
@@ -112,7 +128,10 @@ class BackwardTasks(StageTasks):
         # what it saved): I runs all of it, and W has nothing left to do.
         split = stage.compiled is None
         carried = self.carry_in.pop((j, i), {}) if self.slices is not None else {}
-        input_grads, pending, carried_grads = self._stage_gradients(stage, saved.inputs, tensors, grad_tensors, split=split, carried=carried, given=saved.given)
+        with _inputs_named_if_written(i, saved):
+            input_grads, pending, carried_grads = self._stage_gradients(
+                stage, saved.inputs, tensors, grad_tensors, split=split, carried=carried, given=saved.given,
+            )  # fmt: skip
         self._hand_back_carries(i, j, carried_grads)
         saved.pending = pending if pending is not None else PendingWeights()
         del tensors, grad_tensors

@@ -78,6 +78,8 @@ def hint_for(error: BaseException, micro_batches: int = 2) -> str:
     text = f"{' '.join(kinds)}: {error}"
     # torch.compile's failure met while it traced one micro-batch's backward: not between two.
     alone = micro_batches == 1 or "BackendCompilerFailed" in kinds
+    if "\nHow to fix: " in str(error):  # fxpipe's own refusal, which says what it was and its fix
+        return ""
     return "".join(
         f"\n{hint}" for pieces, hint in _HINTS
         if any(piece in text for piece in pieces) and not (alone and set(pieces) & set(_OF_SEVERAL))

@@ -22,7 +22,8 @@ class Saved:
     attributes: Optional[Attributes] = None  # for the recompute: of modules called whole, as the forward saw them
     versions: Optional[list[int]] = None  # for the recompute: of the stage's parameters, as the forward saw them
     buffer_versions: Optional[list[int]] = None  # the same, of the buffers it reads that no stage writes
-    # For the recompute: the caller's tensors it reads, by input name, with their versions then.
+    # The caller's tensors it reads, by input name, with their versions then: for the recompute,
+    # and to name one written since where autograd finds a saved tensor written.
     input_versions: list[tuple[str, torch.Tensor, int]] = field(default_factory=list)
     # For a compiled stage's backward: the positions of the outputs a gradient reaches.
     given: Optional[frozenset[int]] = None
@@ -64,19 +65,22 @@ def refuse_buffers_written_since(buffers: dict[str, torch.Tensor], versions: Opt
         )
 
 
-def refuse_inputs_written_since(micro_batch: int, versions: list[tuple[str, torch.Tensor, int]]) -> None:
+def refuse_inputs_written_since(micro_batch: int, versions: list[tuple[str, torch.Tensor, int]], recomputed: bool = True) -> None:
     """A recompute reads the caller's inputs as they are now: one written in place since its
     forward (a reused input buffer, a second forward into it) would give the backward of another
-    forward. The plain model's backward raises for an input autograd saved."""
+    forward. The plain model's backward raises for an input autograd saved, as a stage's does
+    that is not `recomputed` (called when it did, to say which input it was)."""
     written = sorted({name for name, t, version in versions if t._version != version})
-    if written:
-        raise RuntimeError(
-            "one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"the pipeline's input {', '.join(map(repr, written))} was written in place between the forward and the "
-            f"backward (micro-batch {micro_batch}'s rows), and a checkpointed stage would recompute from the new values.\n"
-            "How to fix: write the input after the backward (or pass a copy, x.clone(), to the pipeline), or use "
-            "checkpoint='never', whose backward reads what its forward kept, as the plain model's does."
-        )
+    if not written:
+        return
+    why = "a checkpointed stage would recompute from the new values" if recomputed else "autograd saved it: the plain model's backward fails alike"
+    instead = ", or use checkpoint='never', whose backward reads what its forward kept, as the plain model's does" if recomputed else ""
+    raise RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"the pipeline's input {', '.join(map(repr, written))} was written in place between the forward and the "
+        f"backward (micro-batch {micro_batch}'s rows), and {why}.\n"
+        f"How to fix: write the input after the backward (or pass a copy, x.clone(), to the pipeline){instead}."
+    )
 
 
 def refuse_written_leaves(name: str, written: list[torch.Tensor]) -> None:

@@ -240,8 +240,8 @@ class StageTasks:
         return stage.compiled is not None and self.context.saved_hooks is None
 
     def _versions_read(self, stage: StageRuntime, kept: list[Any]) -> list[tuple[str, torch.Tensor, int]]:
-        """The caller's tensors a checkpointed forward read (not copies), with their versions (but
-        inference tensors, which have none, and which nothing writes outside inference mode)."""
+        """The caller's tensors a forward read (not copies), with their versions (but inference
+        tensors, which have none, and which nothing writes outside inference mode)."""
         return [
             (name, t, t._version) for name, value in zip(stage.inputs, kept)
             if stage.sources[name] == CALLER and name not in stage.written for t in leaves_of(value) if isinstance(t, torch.Tensor) and not t.is_inference()
@@ -311,7 +311,7 @@ class StageTasks:
             results = self._run_forward(stage, i, j, inputs)
             outputs = self._write_back(stage, i, results)
             if self.grad:
-                self._keep(i, j, Saved(inputs, outputs))
+                self._keep(i, j, Saved(inputs, outputs, input_versions=self._versions_read(stage, inputs)))
             wants = requires_grad
         if self.grad and stage.stored:
             refuse_gradients_through(stage.stored, self._upstream(j))
